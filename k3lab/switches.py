@@ -1,0 +1,188 @@
+"""One typed, serializable object for every switch of K3_SPEC section 4.
+
+Notebook parameters map onto `Switches` one to one (`Switches.from_params`). An invalid value is
+refused with a message naming the switch and its allowed values. `require_backend` refuses a
+backend that cannot run on this machine (no GPU, no CuTe DSL, no ROCm) instead of falling back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPONENTS = ("kda", "mla", "attnres", "moe", "router", "dense", "proj")
+BACKENDS = ("reference", "torch_compile", "triton", "cute", "aiter")
+"""`auto` (per-component only) picks the measured winner for the shape; the record says which ran."""
+
+ALLOWED: dict[str, tuple[Any, ...]] = {
+    "dcp": (1, 2, 4, 8, 16),
+    "pad_heads": (0, 16, 32, 64, 128),
+    "kda_tile_v": (4, 8, 16, 32, 64, 128),
+    "kda_state_dtype": ("fp32", "bf16"),
+    "kda_prefill_inverse": ("fp32", "bf16"),
+    "kda_prefill_grouped": (False, True),
+    "mla_partitions": (1, 2, 4, 8, 16, 32, 64),
+    "moe_tile_n": (16, 32, 64, 128, 256),
+    "prefetch": (False, True),
+    "draft_depth": (0, 1, 2, 3, 4, 5, 6, 7),
+    "shared_expert_stream": (False, True),
+    "split_router": (False, True),
+    "owned_output": (False, True),
+    "fused_allreduce": (False, True),
+    "kv_dtype": ("bf16", "fp8"),
+    "expert_dtype": ("bf16", "fp8", "mxfp4"),
+}
+
+
+class SwitchError(ValueError):
+    """An unknown switch, a value outside a switch's allowed set, or a backend that cannot run here."""
+
+
+class BackendUnavailable(SwitchError):
+    pass
+
+
+@dataclass
+class Switches:
+    """Every toggle of a k3lab run. Defaults are the plain, unoptimized path."""
+
+    backend: dict[str, str] = field(default_factory=lambda: {c: "reference" for c in COMPONENTS})
+    dcp: int = 1
+    pad_heads: int = 0  # 0 = no padding; else pad MLA query heads up to this count
+    kda_tile_v: int = 128  # value columns per program in the KDA kernels
+    kda_state_dtype: str = "fp32"
+    kda_prefill_inverse: str = "fp32"
+    kda_prefill_grouped: bool = False
+    mla_partitions: int = 1
+    moe_tile_n: int = 64
+    prefetch: bool = False
+    draft_depth: int = 0
+    shared_expert_stream: bool = False
+    split_router: bool = False
+    owned_output: bool = False
+    fused_allreduce: bool = False
+    kv_dtype: str = "bf16"
+    expert_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not isinstance(self.backend, dict):
+            raise SwitchError(f"switch 'backend' must be a dict component->backend, got {self.backend!r}")
+        full = {c: "reference" for c in COMPONENTS}
+        for comp, be in self.backend.items():
+            if comp not in COMPONENTS:
+                raise SwitchError(f"switch 'backend' has unknown component {comp!r}; components: {COMPONENTS}")
+            if be not in BACKENDS + ("auto",):
+                raise SwitchError(
+                    f"switch 'backend[{comp}]' = {be!r} is not allowed; allowed: {BACKENDS + ('auto',)}")
+            full[comp] = be
+        self.backend = full
+        for name, allowed in ALLOWED.items():
+            v = getattr(self, name)
+            if isinstance(allowed[0], bool):
+                ok = isinstance(v, bool)
+            else:
+                ok = not isinstance(v, bool) and v in allowed
+            if not ok:
+                raise SwitchError(f"switch {name!r} = {v!r} is not allowed; allowed values: {allowed}")
+
+    # ---- (de)serialization ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Switches:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SwitchError(f"unknown switch(es) {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Switches:
+        """Notebook parameters onto switches: `backend_<component>` sets one backend, `backend` sets
+        all; every other switch has a parameter of the same name. Non-switch params are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        backend: dict[str, str] = {}
+        for k, v in params.items():
+            if k == "backend" and isinstance(v, str):
+                backend.update({c: v for c in COMPONENTS})
+            elif k.startswith("backend_"):
+                backend[k[len("backend_"):]] = v
+            elif k in names:
+                kw[k] = v
+        if backend:
+            kw["backend"] = backend
+        return cls(**kw)
+
+    def replace(self, **kw: Any) -> Switches:
+        d = self.to_dict()
+        for k, v in kw.items():
+            if k.startswith("backend_"):
+                d["backend"] = {**d["backend"], k[len("backend_"):]: v}
+            else:
+                d[k] = v
+        return Switches.from_dict(d)
+
+
+# ---- backend availability ---------------------------------------------------------------------
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+def _has_rocm() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.version.hip is not None
+
+
+def backend_status(backend: str) -> tuple[bool, str]:
+    """(available, reason) for a backend on this machine."""
+    import os
+
+    if backend == "reference":
+        return True, "torch reference, any device"
+    if backend == "torch_compile":
+        return True, "torch.compile of the reference"
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return False, "triton is not installed"
+        if _has_cuda() or _has_rocm():
+            return True, "triton on GPU"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True, "triton interpreter on CPU (TRITON_INTERPRET=1): logic only, not speed"
+        return False, "no GPU; set TRITON_INTERPRET=1 to run Triton kernels in the interpreter on CPU"
+    if backend == "cute":
+        if importlib.util.find_spec("cutlass") is None:
+            return False, "CuTe DSL (nvidia-cutlass-dsl, extra 'cute') is not installed"
+        if not _has_cuda():
+            return False, "CuTe DSL kernels need an NVIDIA GPU; none is visible"
+        return True, "CuTe DSL on NVIDIA GPU"
+    if backend == "aiter":
+        if not _has_rocm():
+            return False, "AITER needs a ROCm GPU; none is visible"
+        if importlib.util.find_spec("aiter") is None:
+            return False, "AITER (amd-aiter, extra 'rocm') is not installed"
+        return True, "AITER on ROCm"
+    raise SwitchError(f"unknown backend {backend!r}; allowed: {BACKENDS}")
+
+
+def require_backend(backend: str) -> None:
+    ok, why = backend_status(backend)
+    if not ok:
+        raise BackendUnavailable(f"backend {backend!r} cannot run here: {why}")
+
+
+def available_backends() -> list[str]:
+    return [b for b in BACKENDS if backend_status(b)[0]]

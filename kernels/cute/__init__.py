@@ -1,0 +1,1 @@
+"""CuTe DSL kernels (nvidia-cutlass-dsl; NVIDIA Hopper and newer). Imported only where used."""
