@@ -1,0 +1,382 @@
+"""KDA component API (docs/CONTRACTS.md): decode / verify / commit / prefill, dispatching on backend.
+
+Backends:
+  reference      k3lab.ref.kda computed in fp32 (inputs upcast), results copied into the caller's
+                 in-place buffers (state, conv_state, out, hists).
+  torch_compile  torch.compile of the fp32 reference decode step (compiled functions cached per
+                 dynamic-shape key); verify/commit/prefill run the reference (recorded as such).
+  triton         k3lab_kernels.triton.kda_{decode,verify,prefill} (one launch for decode/verify).
+  cute           k3lab_kernels.cute.kda_decode / kda_verify (same signatures as the Triton wrappers);
+                 BackendUnavailable if the module cannot be imported or CuTe cannot run here.
+  aiter          refused (no AITER KDA kernels in this workbench).
+  auto           triton when a CUDA/ROCm GPU is visible and Triton is installed, else reference.
+                 (The Triton interpreter on CPU is never picked by auto: it is for logic tests.)
+
+Every argument is validated at this boundary (shape, dtype, device, contiguity, tile_v, lengths and
+num_accepted ranges, backend availability); errors are `KDAArgumentError` (a ValueError) naming the
+argument. Value-range checks (lengths, num_accepted) read the tensor on the host, which is a device
+sync: pass `check_values=False` on timed / CUDA-graph-captured paths (the kernels clamp instead).
+
+Each call returns `out` (commit returns None) and records what ran in the module attribute
+`last_run` (a `KDARun`: op, backend asked, backend run, kernel, tile_v, state dtype, notes).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from k3lab.ref import kda as ref
+from k3lab.ref.kda import KDAParams
+from k3lab.switches import BACKENDS, BackendUnavailable, SwitchError, backend_status, require_backend
+
+TILE_V_ALLOWED = (4, 8, 16, 32, 64, 128)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+INVERSES = ("fp32", "bf16")
+
+
+class KDAArgumentError(ValueError):
+    """An argument of the KDA component API has the wrong shape, dtype, device, layout or value."""
+
+
+@dataclass
+class KDARun:
+    op: str
+    backend_requested: str
+    backend: str
+    kernel: str
+    tile_v: int | None = None
+    state_dtype: str = ""
+    shape: dict = field(default_factory=dict)
+    notes: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+last_run: KDARun | None = None
+
+
+def _record(**kw) -> KDARun:
+    global last_run
+    last_run = KDARun(**kw)
+    return last_run
+
+
+# ---- backend resolution ------------------------------------------------------------------------
+
+def resolve_backend(backend: str = "auto") -> str:
+    """Backend that will run for `backend` (resolves "auto"; refuses unknown / unavailable ones)."""
+    if backend == "auto":
+        ok, _ = backend_status("triton")
+        gpu = torch.cuda.is_available()
+        return "triton" if (ok and gpu) else "reference"
+    if backend not in BACKENDS:
+        raise SwitchError(f"backend {backend!r} is not allowed for kda; allowed: {BACKENDS + ('auto',)}")
+    if backend == "aiter":
+        raise BackendUnavailable("backend 'aiter' has no KDA kernels in k3lab (AITER KDA is not ported); "
+                                 "use 'triton', 'cute', 'torch_compile' or 'reference'")
+    require_backend(backend)
+    return backend
+
+
+def _cute_module(name: str):
+    try:
+        return importlib.import_module(f"k3lab_kernels.cute.{name}")
+    except Exception as ex:  # ImportError, or the CuTe DSL failing at import
+        raise BackendUnavailable(f"backend 'cute': cannot import k3lab_kernels.cute.{name}: {ex!r}") from ex
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+def _fail(name: str, msg: str):
+    raise KDAArgumentError(f"KDA argument {name!r}: {msg}")
+
+
+def _check(name, t, shape, dtypes, device):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        _fail(name, f"expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device != device:
+        _fail(name, f"expected device {device} (same as qkv), got {t.device}")
+    if not t.is_contiguous():
+        _fail(name, "expected a contiguous tensor")
+
+
+def _check_params(p, device):
+    if not isinstance(p, KDAParams):
+        _fail("params", f"expected k3lab.ref.kda.KDAParams, got {type(p).__name__}")
+    H, D = p.heads, p.head_dim
+    if p.conv_w.dim() != 2:
+        _fail("params.conv_w", f"expected shape [3*H*D, W], got {tuple(p.conv_w.shape)}")
+    if p.A_log.dim() != 1:
+        _fail("params.A_log", f"expected shape [H], got {tuple(p.A_log.shape)}")
+    if p.o_norm_w.dim() != 1:
+        _fail("params.o_norm_w", f"expected shape [D], got {tuple(p.o_norm_w.shape)}")
+    fl = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    _check("params.conv_w", p.conv_w, (3 * H * D, p.conv_w.shape[1]), fl, device)
+    _check("params.A_log", p.A_log, (H,), fl, device)
+    _check("params.dt_bias", p.dt_bias, (H * D,), fl, device)
+    _check("params.o_norm_w", p.o_norm_w, (D,), fl, device)
+    if p.conv_kernel < 2:
+        _fail("params.conv_w", f"conv kernel width must be >= 2, got {p.conv_kernel}")
+    if D & (D - 1) or D < 16:
+        _fail("params.o_norm_w", f"head dim D must be a power of two >= 16, got {D}")
+    return H, D, p.conv_kernel
+
+
+def _validate(qkv, f, b, gate, params, state, conv_state, T=None):
+    """Shapes for one position (T=None) or T positions. Returns (B, T, H, D, W)."""
+    if not isinstance(qkv, torch.Tensor):
+        _fail("qkv", f"expected a torch.Tensor, got {type(qkv).__name__}")
+    dev = qkv.device
+    H, D, W = _check_params(params, dev)
+    C = 3 * H * D
+    lead_n = 1 if T is None else 2
+    if qkv.dim() != lead_n + 1:
+        _fail("qkv", f"expected {lead_n + 1} dims ({'[B,3HD]' if T is None else '[B,T,3HD]'}), got shape "
+                     f"{tuple(qkv.shape)}")
+    lead = tuple(qkv.shape[:lead_n])
+    B = lead[0]
+    if B < 1:
+        _fail("qkv", "batch must be >= 1")
+    act = (torch.bfloat16,)
+    _check("qkv", qkv, lead + (C,), act, dev)
+    _check("f", f, lead + (H * D,), act, dev)
+    _check("b", b, lead + (H,), act, dev)
+    _check("gate", gate, lead + (H * D,), act, dev)
+    _check("state", state, (B, H, D, D), STATE_DTYPES, dev)
+    _check("conv_state", conv_state, (B, C, W - 1), act, dev)
+    return B, (lead[1] if T is not None else 1), H, D, W
+
+
+def _check_tile(tile_v, D, default):
+    if tile_v is None:
+        return min(default, D)
+    if isinstance(tile_v, bool) or tile_v not in TILE_V_ALLOWED:
+        _fail("tile_v", f"expected one of {TILE_V_ALLOWED}, got {tile_v!r}")
+    if D % tile_v:
+        _fail("tile_v", f"head dim D={D} must be divisible by tile_v={tile_v}")
+    return tile_v
+
+
+def _out(out, shape, dev, name="out"):
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=dev)
+    _check(name, out, shape, (torch.bfloat16,), dev)
+    return out
+
+
+def _f32(*ts):
+    return [t.float() for t in ts]
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+_COMPILED: dict = {}
+
+
+def _ref_decode_fp32(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, eps, lb):
+    p = KDAParams(conv_w, A_log, dt_bias, o_norm_w, eps, lb)
+    return ref.kda_decode(qkv.float(), f.float(), b.float(), gate.float(), p.to(torch.float32),
+                          state.float(), conv_state, dtype=torch.float32, out_dtype=torch.bfloat16)
+
+
+def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="reference", tile_v=None,
+           num_warps=None):
+    """One position: updates `state` (fp32/bf16) and `conv_state` (bf16) in place, writes out [B,H*D]
+    bf16 and returns it. tile_v: value columns per program (triton/cute only; validated always);
+    None = the whole head (D, i.e. 128 for K3)."""
+    B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
+    tile_v = _check_tile(tile_v, D, 128)
+    out = _out(out, (B, H * D), qkv.device)
+    be = resolve_backend(backend)
+    shape = dict(B=B, H=H, D=D)
+    sd = str(state.dtype).replace("torch.", "")
+    if be == "triton":
+        from k3lab_kernels.triton.kda_decode import default_num_warps, kda_decode
+        kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, num_warps=num_warps)
+        _record(op="decode", backend_requested=backend, backend=be, kernel="triton:_kda_decode_kernel",
+                tile_v=tile_v, state_dtype=sd, shape=shape,
+                notes=f"num_warps={num_warps or default_num_warps(D, tile_v)}")
+        return out
+    if be == "cute":
+        mod = _cute_module("kda_decode")
+        mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v)
+        _record(op="decode", backend_requested=backend, backend=be, kernel="cute:kda_decode", tile_v=tile_v,
+                state_dtype=sd, shape=shape)
+        return out
+    args = (qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w, state, conv_state,
+            float(params.eps), float(params.lower_bound))
+    if be == "torch_compile":
+        key = (str(qkv.device), state.dtype)
+        fn = _COMPILED.get(key)
+        if fn is None:
+            fn = torch.compile(_ref_decode_fp32, dynamic=True)
+            _COMPILED[key] = fn
+        o, S, cs = fn(*args)
+        kernel = "torch.compile(ref.kda_decode fp32)"
+    else:
+        o, S, cs = _ref_decode_fp32(*args)
+        kernel = "ref.kda_decode fp32"
+    out.copy_(o)
+    state.copy_(S)
+    conv_state.copy_(cs)
+    _record(op="decode", backend_requested=backend, backend=be, kernel=kernel, tile_v=None, state_dtype=sd,
+            shape=shape, notes="tile_v not used by this backend")
+    return out
+
+
+# ---- verify / commit -----------------------------------------------------------------------------
+
+def _check_lengths(lengths, B, T, dev, check_values):
+    if lengths is None:
+        return
+    _check("lengths", lengths, (B,), (torch.int32,), dev)
+    if check_values:
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo < 1 or hi > T:
+            _fail("lengths", f"values must lie in 1..T={T}, got min {lo} max {hi}")
+
+
+def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, conv_hist, lengths=None,
+           backend="reference", tile_v=None, num_warps=None, check_values=True):
+    """T positions from the start state (state/conv_state only read). Writes out [B,T,HD] bf16,
+    state_hist [B,T,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16. lengths [B] int32 in 1..T:
+    positions >= lengths[b] are not computed and their out/hist entries are left untouched.
+    tile_v None = min(32, D)."""
+    B, T, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
+    if not 1 <= T <= 8:
+        _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
+    tile_v = _check_tile(tile_v, D, 32)
+    dev = qkv.device
+    out = _out(out, (B, T, H * D), dev)
+    _check("state_hist", state_hist, (B, T, H, D, D), (state.dtype,), dev)
+    _check("conv_hist", conv_hist, (B, T, 3 * H * D, W - 1), (torch.bfloat16,), dev)
+    _check_lengths(lengths, B, T, dev, check_values)
+    be = resolve_backend(backend)
+    sd = str(state.dtype).replace("torch.", "")
+    shape = dict(B=B, T=T, H=H, D=D, ragged=lengths is not None)
+    if be == "triton":
+        from k3lab_kernels.triton.kda_decode import default_num_warps
+        from k3lab_kernels.triton.kda_verify import kda_verify
+        kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
+                   tile_v=tile_v, num_warps=num_warps)
+        _record(op="verify", backend_requested=backend, backend=be,
+                kernel="triton:_kda_verify_kernel" + (" ragged" if lengths is not None else " uniform"),
+                tile_v=tile_v, state_dtype=sd, shape=shape,
+                notes=f"num_warps={num_warps or default_num_warps(D, tile_v)}")
+        return out
+    if be == "cute":
+        mod = _cute_module("kda_verify")
+        mod.kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
+                       tile_v=tile_v)
+        _record(op="verify", backend_requested=backend, backend=be, kernel="cute:kda_verify", tile_v=tile_v,
+                state_dtype=sd, shape=shape)
+        return out
+    o, S, cs = ref.kda_verify(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(), conv_state,
+                              dtype=torch.float32, out_dtype=torch.bfloat16)
+    if lengths is None:
+        out.copy_(o)
+        state_hist.copy_(S)
+        conv_hist.copy_(cs)
+    else:
+        n = lengths.to(torch.long).cpu()
+        for bb in range(B):
+            k = int(n[bb])
+            out[bb, :k].copy_(o[bb, :k])
+            state_hist[bb, :k].copy_(S[bb, :k])
+            conv_hist[bb, :k].copy_(cs[bb, :k])
+    _record(op="verify", backend_requested=backend, backend=be, kernel="ref.kda_verify fp32", tile_v=None,
+            state_dtype=sd, shape=shape,
+            notes="torch_compile runs the reference for verify" if be == "torch_compile" else "")
+    return out
+
+
+def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, backend="reference", check_values=True):
+    """state[b] = state_hist[b, n_b-1]; conv_state[b] = conv_hist[b, n_b-1]; num_accepted [B] int in 1..T."""
+    if not isinstance(state_hist, torch.Tensor) or state_hist.dim() != 5:
+        _fail("state_hist", "expected a tensor [B,T,H,D,D]")
+    B, T, H, D, _ = state_hist.shape
+    dev = state_hist.device
+    _check("state_hist", state_hist, tuple(state_hist.shape), STATE_DTYPES, dev)
+    if not isinstance(conv_hist, torch.Tensor) or conv_hist.dim() != 4:
+        _fail("conv_hist", "expected a tensor [B,T,3HD,W-1]")
+    _check("conv_hist", conv_hist, (B, T, 3 * H * D, conv_hist.shape[-1]), (torch.bfloat16,), dev)
+    _check("state", state, (B, H, D, D), (state_hist.dtype,), dev)
+    _check("conv_state", conv_state, (B, 3 * H * D, conv_hist.shape[-1]), (torch.bfloat16,), dev)
+    _check("num_accepted", num_accepted, (B,), (torch.int32, torch.int64), dev)
+    if check_values:
+        lo, hi = int(num_accepted.min()), int(num_accepted.max())
+        if lo < 1 or hi > T:
+            _fail("num_accepted", f"values must lie in 1..T={T}, got min {lo} max {hi}")
+    be = resolve_backend(backend)
+    if be == "triton":
+        from k3lab_kernels.triton.kda_verify import commit as tcommit
+        tcommit(state_hist, conv_hist, num_accepted, state, conv_state)
+        kernel = "triton:_gather_rows_kernel x2"
+    else:  # reference, torch_compile and cute: the torch gather (cute has no commit kernel)
+        S, cs = ref.kda_rollback(state_hist, conv_hist, num_accepted)
+        state.copy_(S)
+        conv_state.copy_(cs)
+        kernel = "ref.kda_rollback + copy_"
+    _record(op="commit", backend_requested=backend, backend=be, kernel=kernel,
+            state_dtype=str(state.dtype).replace("torch.", ""), shape=dict(B=B, T=T, H=H, D=D))
+
+
+# ---- prefill ---------------------------------------------------------------------------------------
+
+def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, inverse="fp32", grouped=False,
+            backend="reference", tile_v=None):
+    """L positions per sequence, chunked. Writes out [B,L,HD] bf16, updates state/conv_state in place.
+    inverse: "fp32" | "bf16" (A rounded to bf16 before the 64x64 inverse); grouped: chunk summaries
+    + ordered scan + parallel chunk outputs. tile_v: value tile of the triton state passes (>= 16)."""
+    B, L, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
+    if chunk not in (16, 32, 64):
+        _fail("chunk", f"expected one of (16, 32, 64), got {chunk!r}")
+    if inverse not in INVERSES:
+        _fail("inverse", f"expected one of {INVERSES}, got {inverse!r}")
+    if not isinstance(grouped, bool):
+        _fail("grouped", f"expected a bool, got {grouped!r}")
+    tile_v = _check_tile(tile_v, D, 32)
+    dev = qkv.device
+    out = _out(out, (B, L, H * D), dev)
+    be = resolve_backend(backend)
+    sd = str(state.dtype).replace("torch.", "")
+    shape = dict(B=B, L=L, H=H, D=D, chunk=chunk, inverse=inverse, grouped=grouped)
+    if be == "triton":
+        if tile_v < 16:
+            _fail("tile_v", f"the triton prefill needs tile_v >= 16 (tl.dot), got {tile_v}")
+        from k3lab_kernels.triton.kda_prefill import kda_prefill
+        kda_prefill(qkv, f, b, gate, params, state, conv_state, out, chunk=chunk, inverse=inverse,
+                    grouped=grouped, tile_v=tile_v)
+        _record(op="prefill", backend_requested=backend, backend=be,
+                kernel="triton:prefill " + ("grouped (prep,intra,summary,scan,out,norm,conv)" if grouped
+                                            else "sequential (prep,intra,seq,norm,conv)"),
+                tile_v=tile_v, state_dtype=sd, shape=shape)
+        return out
+    if be == "cute":
+        raise BackendUnavailable("backend 'cute' has no KDA prefill; use 'triton' or 'reference'")
+    inv_dtype = torch.bfloat16 if inverse == "bf16" else torch.float32
+    o, S, cs = ref.kda_prefill_chunked(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(),
+                                       conv_state, chunk=chunk, dtype=torch.float32, inverse_dtype=inv_dtype,
+                                       grouped=grouped)
+    out.copy_(o)
+    state.copy_(S)
+    conv_state.copy_(cs)
+    _record(op="prefill", backend_requested=backend, backend=be, kernel="ref.kda_prefill_chunked fp32",
+            tile_v=None, state_dtype=sd, shape=shape)
+    return out
+
+
+# ---- drift study ---------------------------------------------------------------------------------
+
+def drift_study(*args, **kwargs):
+    """See k3lab.studies.kda_drift.drift_study."""
+    from k3lab.studies.kda_drift import drift_study as _ds
+
+    return _ds(*args, **kwargs)

@@ -1,0 +1,145 @@
+"""Per-component timing of one decode layer, per backend: what notebooks/01_decode_layer runs.
+
+For each requested backend that can run here (`k3lab.switches.backend_status`) and each layer kind,
+`k3lab.model.build_layer(view, kind, seed, ...)` builds the layer; every component of
+`.components()` (name -> (callable, bytes_moved, flops)) is
+  1. checked once against an fp64 CPU build of the same layer (same seed, components called in
+     order on fresh layers, every output compared),
+  2. timed: CUDA-graph replay with rotated layer copies on a GPU, `cpu-smoke` wall clock otherwise,
+  3. placed against its floor (bytes / measured copy bandwidth, or the launch floor).
+What ran and why anything did not is recorded in the bundle.
+"""
+from __future__ import annotations
+
+import inspect
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from k3lab.harness import numerics, roofline, timing
+from k3lab.harness.bundle import Bundle, Row
+from k3lab.switches import Switches, backend_status
+
+DEFAULT_TOL = {"reference": 2e-2, "torch_compile": 2e-2, "triton": 2e-2, "cute": 2e-2, "aiter": 2e-2}
+
+
+def model_builder() -> tuple[Callable[..., Any], str]:
+    """(build_layer, where it came from)."""
+    from k3lab.model import build_layer
+
+    return build_layer, "k3lab.model"
+
+
+def _build(build_layer, view, kind, seed, **opts):
+    """Call build_layer passing only the options its signature takes."""
+    try:
+        params = inspect.signature(build_layer).parameters
+        varkw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+        opts = {k: v for k, v in opts.items() if varkw or k in params}
+    except (TypeError, ValueError):
+        pass
+    return build_layer(view, kind, seed, **opts)
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0][:300] if s else ''}"
+
+
+def _tensors(d: Any) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in (d or {}).items() if isinstance(v, torch.Tensor)}
+
+
+def _check(layer, ref_layer, fn, ref_fn, tol):
+    """One call of a component vs its fp64 twin. A component that returns nothing is checked on the
+    layer buffers (`layer.buf`) its call changed; with neither, the check fails loudly."""
+    before = {k: v.clone() for k, v in _tensors(getattr(layer, "buf", None)).items()}
+    out, ref = fn(), ref_fn()
+    if out is None:
+        after = _tensors(getattr(layer, "buf", None))
+        rbuf = _tensors(getattr(ref_layer, "buf", None))
+        keys = [k for k, v in after.items() if k in rbuf and rbuf[k].shape == v.shape
+                and (k not in before or before[k].shape != v.shape or not torch.equal(before[k], v))]
+        if not keys:
+            raise ValueError("component returned None and changed no layer buffer: nothing to check")
+        out, ref = {k: after[k] for k in keys}, {k: rbuf[k] for k in keys}
+    return numerics.error_stats(out, ref, tol)
+
+
+def parse_backends(backends: str | Sequence[str]) -> list[str]:
+    if isinstance(backends, str):
+        backends = [b.strip() for b in backends.split(",")]
+    return [b for b in backends if b]
+
+
+def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str | Sequence[str] = "reference",
+                 switches: Switches | None = None, seed: int = 0, reps: int = 20, warmup: int = 3,
+                 name: str | None = None, device: str | None = None, kernels: bool = True,
+                 tol: dict[str, float] | None = None, log: Callable[[str], None] = print) -> Bundle:
+    switches = switches or Switches()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.startswith("cuda")
+    build_layer, source = model_builder()
+    tol = {**DEFAULT_TOL, **(tol or {})}
+    name = name or f"decode_layer-b{view.batch}-c{view.context}-tp{view.tp}"
+    b = Bundle.new(name, view=view, switches=switches)
+    b.notes.append(f"layers from {source}")
+    b.copy_tbps = timing.measure_copy_bandwidth(device=device)
+    b.launch_floor_us = timing.launch_floor_us(device=device)
+    kind_label = "gpu-graph" if on_gpu else "cpu-smoke"
+    log(f"{'GPU' if on_gpu else 'CPU (smoke timing only)'}: copy {b.copy_tbps:.3f} TB/s, "
+        f"launch floor {b.launch_floor_us:.2f} us")
+    if not on_gpu:
+        b.notes.append("CPU run: times are cpu-smoke wall clock, floors use a host memcpy; not GPU figures")
+
+    for be in parse_backends(backends):
+        ok, why = backend_status(be)
+        if not ok:
+            b.backends_skipped[be] = why
+            log(f"skip {be}: {why}")
+            continue
+        ran_any = False
+        for kind in kinds:
+            try:
+                ref_layer = _build(build_layer, view, kind, seed, backend="reference", device="cpu",
+                                   dtype=torch.float64, switches=switches)
+                test_layer = _build(build_layer, view, kind, seed, backend=be, device=device, switches=switches)
+                comps = test_layer.components()
+                ref_comps = ref_layer.components()
+                errs = {cname: _check(test_layer, ref_layer, fn, ref_comps[cname][0], tol.get(be))
+                        for cname, (fn, _, _) in comps.items()}
+            except Exception as e:  # noqa: BLE001 - recorded, the other backends go on
+                b.backends_skipped[f"{be}:{kind}"] = _first_line(e)
+                log(f"skip {be} {kind}: {_first_line(e)}")
+                b.notes.append(f"{be} {kind} failed: {traceback.format_exc(limit=3)[-600:]}")
+                continue
+            ran_any = True
+            for cname, why_not in (getattr(test_layer, "skipped", None) or {}).items():
+                b.notes.append(f"{be} {kind}: {cname} not timed: {why_not}")
+            # rotation: extra copies of the layer so weights are not served from L2
+            sets = [test_layer]
+            if on_gpu:
+                layer_bytes = sum(v[1] for v in comps.values())
+                n = timing.rotation_count(layer_bytes, timing.l2_bytes(), max_sets=8)
+                sets += [_build(build_layer, view, kind, seed + 1000 * i, backend=be, device=device,
+                                switches=switches) for i in range(1, n)]
+            set_comps = [s.components() if s is not test_layer else comps for s in sets]
+            for cname, (fn, nbytes, flops) in comps.items():
+                fns = [(sc[cname][0],) for sc in set_comps]
+                if on_gpu:
+                    t = timing.bench_gpu(lambda f: f(), input_sets=fns, warmup=warmup, reps=reps,
+                                         bytes_per_call=nbytes)
+                else:
+                    t = timing.bench_cpu(fn, warmup=min(warmup, 2), reps=reps, bytes_per_call=nbytes)
+                kl = timing.kernel_list(fn, calls=2) if (kernels and on_gpu) else []
+                fl = roofline.floor(nbytes, flops, copy_tbps=b.copy_tbps, launch_us=b.launch_floor_us)
+                ran = getattr(test_layer, "ran", {}).get(cname, be)
+                row = Row.from_timing(cname if cname.startswith(kind + ".") else f"{kind}.{cname}", be, t, floor=fl, kernels=kl, error=errs[cname], layer=kind, ran=ran)
+                b.add(row)
+                log(f"{kind:4s} {be:14s} {cname:16s} {t.median_us:10.2f} us  floor {fl.floor_us:8.2f} us  "
+                    f"rel err {errs[cname].rel_norm:.2e}{'' if errs[cname].ok else '  FAILED'}")
+        if ran_any:
+            b.backends_ran[be] = why if kind_label == "gpu-graph" else f"{why} (cpu-smoke)"
+    return b

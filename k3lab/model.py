@@ -1,0 +1,493 @@
+"""Per-layer builder for timing: one KDA or MLA decoder layer of a `GpuView`, split into components.
+
+    layer = build_layer(view, "kda" | "mla", seed=0, n_experts=None, device="cuda", dtype=torch.bfloat16)
+    for name, (fn, bytes_moved, flops) in layer.components().items():
+        fn()                                  # zero-argument: reads/writes the layer's prepared buffers
+    y = layer.step(x)                         # the whole layer = every component in order
+
+A layer holds its weights (k3lab.weights), its state at `view.context` (KDA: random fp32 state and conv
+state; MLA: a latent cache of view.context_per_gpu random positions plus room for the new ones, in
+view.kv_dtype), the AttnRes history (n_blocks random block vectors), and `buf`, a dict of prepared
+activations. `prepare()` (run at build) fills `buf` by running the layer once, so every component
+callable can be timed alone, repeatedly: each reads its inputs from `buf` and stores its outputs there.
+Calls are idempotent in shape: the MLA cache write always lands at the same positions and KDA state
+is updated in place (its values drift, its size does not).
+
+Tokens: N = batch * T with T = view.tokens_per_seq (draft_depth + 1). T > 1 runs the KDA core as
+`verify` into preallocated state/conv histories and MLA with causal masking among the new positions.
+
+Components, in order (kda | mla attention; the MLP is MoE except for layer 0's dense MLP):
+    attnres_attn   mix over B + [x] fused with rms(.; input_norm)
+    kda: qkv_proj, decay_proj (Wfa, Wfb, Wb), gate_proj (Wg), kda_core (k3lab.components.kda.decode,
+         imported lazily), out_proj (Wo, plus the residual p = x + a)
+    mla: q_proj (Wdq, q_norm, Wuq, absorb Wuk), kv_proj (Wdkv, kv_norm, cache write), attn (scores,
+         softmax, o_lat over the cache), gate_proj (Wgate), out_proj (Wuv, gate, Wo, residual)
+    attnres_mlp    mix over B' + [p] fused with rms(.; post_attn_norm)
+    moe: router, latent_down, experts (only the experts the prepared routing selected), latent_up
+         (rms(y; routed_norm), Wup), shared (the shared experts, plus p + routed + shared)
+    dense (layer 0): dense_mlp (plus the residual)
+
+bytes_moved = weight bytes read (storage format: bf16 2, fp8 1 + scales, MXFP4 0.5 + 1/32 per value)
++ activations read and written (activation dtype, float32 for the AttnRes mix inputs' history and y)
++ state / cache bytes read and written (KDA state read+write, conv state read+write; MLA cache: the
+local history read once per sequence, new entries written). flops = 2 * multiply-adds of the matmuls
+plus the attention / recurrence maths (elementwise work is not counted). Under TP the attention output
+projection, the shared experts and the routed w2 output are partial sums: the all-reduce is not part
+of any component here.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from k3lab.components import moe as moe_comp
+from k3lab.components.attnres import mix_norm
+from k3lab.config import ConfigError, GpuView
+from k3lab.ref import mla as mla_ref
+from k3lab.ref import moe as moe_ref
+from k3lab.ref.layers import KDALayerState, MLALayerState, n_blocks_after
+from k3lab.ref.situ import linear, situ_glu_mlp
+from k3lab.switches import BackendUnavailable, Switches
+from k3lab.weights import LayerWeights, make_layer
+
+Component = tuple[Callable[[], Any], int, int]
+
+# backends with a path per component group; None = whatever the group's component module accepts (kda)
+# "proj" = plain torch matmuls (cuBLAS on a GPU), labelled "reference" whatever the request
+_IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
+    "attnres": ("reference", "torch_compile"),
+    "mla": ("reference", "torch_compile"),
+    "moe": ("reference", "torch_compile"),
+    "router": ("reference", "torch_compile"),
+    "kda": None,
+    "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
+}
+
+
+def _nb(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _default_index(view: GpuView, kind: str) -> int:
+    cfg = view.cfg
+    for i in range(1, cfg.num_hidden_layers):
+        if cfg.layer_kind(i) == kind:
+            return i
+    if cfg.layer_kind(0) == kind:
+        return 0
+    raise ConfigError(f"the config has no {kind!r} layer")
+
+
+class Layer:
+    """One layer on one GPU, ready for per-component timing (see the module docstring)."""
+
+    def __init__(self, view: GpuView, weights: LayerWeights, *, device, dtype: torch.dtype, seed: int = 0,
+                 n_blocks: int | None = None, switches: Switches | None = None, fp8_scale: str = "tensor"):
+        self.view = view
+        self.w = weights
+        self.kind = weights.attn_kind
+        self.index = weights.index
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.seed = seed
+        self.switches = switches or Switches()
+        self.fp8_scale = fp8_scale
+        self.T = view.tokens_per_seq
+        self.B = view.batch
+        self.N = self.B * self.T
+        self.n_blocks = n_blocks_after(self.index, view.cfg.attnres_block_size) if n_blocks is None else n_blocks
+        self.block_start = self.index % view.cfg.attnres_block_size == 0
+        self.buf: dict[str, Any] = {}
+        self._group_of: dict[str, str] = {}
+        self._groups: dict[str, str] = {}
+        self.ran: dict[str, str] = {}  # component -> backend it runs under
+        self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
+        # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
+        self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
+        self.state = self.alloc_state()
+        self.prepare()
+
+    # ---- state and inputs ------------------------------------------------------------------------
+    def _randn(self, *shape, std=1.0, dtype=None) -> torch.Tensor:
+        t = torch.randn(*shape, generator=self._gen, dtype=torch.float32)
+        return (t * std).to(device=self.device, dtype=dtype or self.dtype)
+
+    def alloc_state(self, context: int | None = None):
+        """KDA: random state (std 0.1, fp32 or the kda_state_dtype switch) and conv state. MLA: a cache of
+        `context` (default view.context_per_gpu) random positions (+ T free slots), lengths = context."""
+        if self.kind == "kda":
+            p = self.w.attn.params
+            sdt = torch.bfloat16 if self.switches.kda_state_dtype == "bf16" else torch.float32
+            if self.dtype == torch.float64:
+                sdt = torch.float64
+            C = 3 * p.heads * p.head_dim
+            st = KDALayerState(self._randn(self.B, p.heads, p.head_dim, p.head_dim, std=0.1, dtype=sdt),
+                               self._randn(self.B, C, p.conv_kernel - 1))
+            return st
+        ctx = self.view.context_per_gpu if context is None else context
+        w = self.w.attn
+        kv_dtype = self.view.kv_dtype if self.dtype != torch.float64 else None
+        cache = mla_ref.MLACache.empty(self.B, ctx + self.T, w.entry_width, dtype=self.dtype, device=self.device,
+                                       kv_dtype=kv_dtype, fp8_scale=self.fp8_scale)
+        chunk = 4096
+        for a in range(0, ctx, chunk):
+            n = min(chunk, ctx - a)
+            ent = self._randn(self.B, n, w.entry_width, dtype=torch.float32)
+            cache.write(torch.full((self.B,), a, dtype=torch.long, device=self.device), ent)
+        return MLALayerState(cache, torch.full((self.B,), ctx, dtype=torch.long, device=self.device))
+
+    def prepare(self) -> None:
+        """Random stream x and block history, then one full pass so every buffer holds real values."""
+        D = self.view.cfg.hidden_size
+        lead = (self.B, self.T) if self.T > 1 else (self.B,)
+        self.buf["x"] = self._randn(*lead, D)
+        self.buf["blocks"] = [self._randn(*lead, D) for _ in range(self.n_blocks)]
+        if self.kind == "kda":
+            p = self.w.attn.params
+            H, Dh = p.heads, p.head_dim
+            self.buf["o"] = torch.empty(*lead, H * Dh, dtype=self.dtype, device=self.device)
+            if self.T > 1:
+                st = self.state
+                self.buf["state_hist"] = torch.empty(self.B, self.T, *st.state.shape[1:], dtype=st.state.dtype,
+                                                     device=self.device)
+                self.buf["conv_hist"] = torch.empty(self.B, self.T, *st.conv_state.shape[1:],
+                                                    dtype=st.conv_state.dtype, device=self.device)
+        for fn, _, _ in self.components(all_components=True).values():
+            fn()
+
+    # ---- components ------------------------------------------------------------------------------
+    def _backend(self, group: str) -> str | None:
+        """The backend a component group runs under, or None when that backend has no path for it."""
+        be = self.switches.backend.get(group, "reference")
+        impl = _IMPLEMENTED.get(group)
+        if impl is not None and be not in impl:
+            return None
+        return be
+
+    def components(self, *, all_components: bool = False) -> OrderedDict[str, Component]:
+        """name -> (zero-argument callable returning its output, bytes_moved, flops), in layer order.
+        Components whose requested backend has no implementation are left out (see `self.skipped`)
+        unless all_components=True, which runs them on the reference path (used by prepare)."""
+        comps: OrderedDict[str, Component] = OrderedDict()
+        comps["attnres_attn"] = self._attnres("attn")
+        comps.update(self._kda() if self.kind == "kda" else self._mla())
+        comps["attnres_mlp"] = self._attnres("mlp")
+        comps.update(self._moe() if self.w.mlp_kind == "moe" else self._dense())
+        self.ran = {n: g for n, g in self._groups.items()}
+        self.skipped = {}
+        out: OrderedDict[str, Component] = OrderedDict()
+        for name, comp in comps.items():
+            group = self._group_of[name]
+            be = self._backend(group)
+            if be is None:
+                want = self.switches.backend.get(group)
+                self.skipped[name] = (f"backend {want!r} has no {group!r} path here "
+                                      f"(implemented: {_IMPLEMENTED[group]})")
+                if not all_components:
+                    continue
+            out[name] = comp
+        return out
+
+    def step(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole layer on stream x ([B, D], or [B, T, D] when T > 1); returns the new stream.
+        Refuses when some component's requested backend has no path (no silent fallback)."""
+        if x is not None:
+            if x.shape != self.buf["x"].shape:
+                raise ValueError(f"Layer.step: x must have shape {tuple(self.buf['x'].shape)}, got {tuple(x.shape)}")
+            self.buf["x"] = x.to(device=self.device, dtype=self.dtype)
+        comps = self.components()
+        if self.skipped:
+            raise BackendUnavailable(f"Layer.step: components without a path for the requested backend: "
+                                     f"{self.skipped}")
+        for fn, _, _ in comps.values():
+            fn()
+        return self.buf["x_out"]
+
+    # helpers
+    @property
+    def e(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def _mm(self, w: torch.Tensor, n_in: int | None = None) -> tuple[int, int]:
+        """(bytes, flops) of N tokens through w [out, in]."""
+        out, inn = w.shape[0], w.shape[-1] if n_in is None else n_in
+        return _nb(w) + self.N * (inn + out) * self.e, 2 * self.N * inn * out
+
+    def _reg(self, name: str, group: str) -> str:
+        self._group_of[name] = group
+        be = self._backend(group)
+        self._groups[name] = "reference" if (be is None or group == "proj") else be
+        return self._groups[name]
+
+    def _attnres(self, which: str) -> Component:
+        lw, b = self.w, self.buf
+        D = self.view.cfg.hidden_size
+        eps = self.view.cfg.rms_norm_eps
+        name = f"attnres_{which}"
+        be = self._reg(name, "attnres")
+        if which == "attn":
+            vecs = (lw.attn_res_norm, lw.attn_res_proj, lw.input_norm)
+
+            def fn():
+                # with no blocks the spec skips the mix; a softmax over the single source x is 1, so the
+                # fused call computes the same rms(x; input_norm)
+                b["h"] = mix_norm(b["blocks"], b["x"], *vecs, eps=eps, backend=be)
+                b["blocks_mlp"] = b["blocks"] + [b["x"]] if self.block_start else b["blocks"]
+                return b["h"]
+            n_src = self.n_blocks + 1
+        else:
+            vecs = (lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm)
+
+            def fn():
+                b["h2"] = mix_norm(b["blocks_mlp"], b["p"], *vecs, eps=eps, backend=be)
+                return b["h2"]
+            n_src = self.n_blocks + (1 if self.block_start else 0) + 1
+        return fn, _nb(*vecs) + self.N * D * self.e * (n_src + 1), 6 * self.N * D * n_src
+
+    def _kda(self) -> OrderedDict[str, Component]:
+        w, b, st = self.w.attn, self.buf, self.state
+        p = w.params
+        H, Dh, W = p.heads, p.head_dim, p.conv_kernel
+        D = self.view.cfg.hidden_size
+        c = OrderedDict()
+        self._reg("qkv_proj", "proj")
+
+        def qkv():
+            b["qkv"] = linear(b["h"], w.w_qkv)
+            return b["qkv"]
+        c["qkv_proj"] = (qkv, *self._mm(w.w_qkv))
+        self._reg("decay_proj", "proj")
+
+        def decay():
+            b["f"] = linear(linear(b["h"], w.w_fa), w.w_fb)
+            b["b"] = linear(b["h"], w.w_b)
+            return b["f"], b["b"]
+        R = w.w_fa.shape[0]
+        c["decay_proj"] = (decay, _nb(w.w_fa, w.w_fb, w.w_b) + self.N * (D + 2 * R + H * Dh + H) * self.e,
+                           2 * self.N * (D * R + R * H * Dh + D * H))
+        self._reg("gate_proj", "proj")
+
+        def gate():
+            b["gate"] = linear(b["h"], w.w_g)
+            return b["gate"]
+        c["gate_proj"] = (gate, *self._mm(w.w_g))
+        be = self._reg("kda_core", "kda")
+        tile_v = min(self.switches.kda_tile_v, Dh)  # a tile cannot be wider than the head (tiny: D = 16)
+
+        oracle = self.dtype != torch.bfloat16  # the KDA component takes bf16 activations only
+        if oracle:
+            self._groups["kda_core"] = "reference (k3lab.ref.kda directly: non-bf16 oracle build)"
+
+        def core():
+            if oracle:
+                from k3lab.ref import kda as kref
+                if self.T == 1:
+                    o, S, cs = kref.kda_decode(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state)
+                else:
+                    o, Sh, ch = kref.kda_verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state)
+                    b["state_hist"].copy_(Sh)
+                    b["conv_hist"].copy_(ch)
+                    S, cs = Sh[:, -1], ch[:, -1]
+                st.state.copy_(S)
+                st.conv_state.copy_(cs)
+                b["o"].copy_(o)
+                return b["o"]
+            from k3lab.components import kda  # written by another engineer; imported when first run
+            if self.T == 1:
+                kda.decode(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"], backend=be,
+                           tile_v=tile_v)
+            else:
+                kda.verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"],
+                           state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v)
+            return b["o"]
+        se = st.state.element_size()
+        state_bytes = self.B * H * Dh * Dh * se * (1 + self.T)  # read once, written once per position
+        conv_bytes = self.B * 3 * H * Dh * (W - 1) * st.conv_state.element_size() * (1 + self.T)
+        io = self.N * (3 * H * Dh + H * Dh + H + H * Dh + H * Dh) * self.e
+        c["kda_core"] = (core, state_bytes + conv_bytes + io + _nb(p.conv_w, p.A_log, p.dt_bias, p.o_norm_w),
+                         self.N * H * (8 * Dh * Dh + 6 * Dh * W))
+        self._reg("out_proj", "proj")
+
+        def out():
+            a = linear(b["o"], w.w_o)
+            b["p"] = a if self.block_start else b["x"] + a
+            return b["p"]
+        ob, of = self._mm(w.w_o)
+        c["out_proj"] = (out, ob + self.N * D * self.e * 2, of)
+        return c
+
+    def _mla(self) -> OrderedDict[str, Component]:
+        w, b, st = self.w.attn, self.buf, self.state
+        H, C, Dn, Dr, Dv = w.heads, w.kv_lora, w.nope_dim, w.rope_dim, w.v_dim
+        D = self.view.cfg.hidden_size
+        sw = self.switches
+        lead3 = (lambda t: t if self.T > 1 else t.unsqueeze(1))
+        c = OrderedDict()
+        self._reg("q_proj", "proj")
+
+        def q():
+            qn, qr = mla_ref.mla_q(lead3(b["h"]), w)
+            b["q_lat"], b["q_rope"] = mla_ref.absorb_q(qn, w), qr
+            return b["q_lat"], b["q_rope"]
+        Q = w.w_dq.shape[0]
+        c["q_proj"] = (q, _nb(w.w_dq, w.q_norm, w.w_uq, w.w_uk) + self.N * (D + Q + H * (C + Dr)) * self.e,
+                       2 * self.N * (D * Q + Q * H * (Dn + Dr) + H * Dn * C))
+        self._reg("kv_proj", "proj")
+
+        def kv():
+            ent = mla_ref.mla_kv_entry(lead3(b["h"]), w)
+            st.cache.write(st.lengths, ent)
+            return ent
+        kv_e = st.cache.data.element_size()
+        c["kv_proj"] = (kv, _nb(w.w_dkv, w.kv_norm) + self.N * D * self.e + self.N * (C + Dr) * kv_e,
+                        2 * self.N * D * (C + Dr))
+        be = self._reg("attn", "mla")
+
+        def attn():
+            from k3lab.components import mla as mla_comp
+            b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
+                                            backend=be, partitions=sw.mla_partitions, pad_heads=sw.pad_heads)
+            return b["o_lat"]
+        S = int(st.lengths.max()) + self.T
+        Hp = max(H, sw.pad_heads)
+        cache_read = self.B * S * (C + Dr) * kv_e + (_nb(st.cache.scale) if st.cache.scale is not None else 0)
+        c["attn"] = (attn, cache_read + self.N * Hp * (C + Dr) * self.e + self.N * H * C * 4,
+                     2 * self.N * Hp * S * (C + Dr + C))
+        self._reg("gate_proj", "proj")
+
+        def gate():
+            b["mla_gate"] = torch.sigmoid(linear(b["h"], w.w_gate))
+            return b["mla_gate"]
+        c["gate_proj"] = (gate, *self._mm(w.w_gate))
+        self._reg("out_proj", "proj")
+
+        def out():
+            o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
+            o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)
+            a = linear(o.flatten(-2) * b["mla_gate"], w.w_o)
+            b["p"] = a if self.block_start else b["x"] + a
+            return b["p"]
+        ob, of = self._mm(w.w_o)
+        c["out_proj"] = (out, ob + _nb(w.w_uv) + self.N * (H * C * 4 + H * Dv + 2 * D) * self.e,
+                         of + 2 * self.N * H * C * Dv)
+        return c
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, t.shape[-1])
+
+    def _moe(self) -> OrderedDict[str, Component]:
+        m, b = self.w.mlp, self.buf
+        D, Lat = self.view.cfg.hidden_size, m.w_down.shape[0]
+        E, k = m.router.n_experts, m.router.top_k
+        c = OrderedDict()
+        be_r = self._reg("router", "router")
+
+        def router():
+            b["idx"], b["wk"] = moe_comp.route(self._flat(b["h2"]), m.router, backend=be_r)
+            # returned as the dense [N, E] gate matrix, so a swap of two near-tied experts between a
+            # bf16 and an fp64 run shows as a small error rather than a reordering
+            return torch.zeros(b["idx"].shape[0], E, dtype=b["wk"].dtype, device=b["wk"].device).scatter(
+                1, b["idx"], b["wk"])
+        c["router"] = (router, m.router.nbytes() + self.N * (D * self.e + k * 12), 2 * self.N * D * E)
+        self._reg("latent_down", "proj")
+
+        def down():
+            b["z"] = linear(self._flat(b["h2"]), m.w_down)
+            return b["z"]
+        c["latent_down"] = (down, *self._mm(m.w_down))
+        be_e = self._reg("experts", "moe")
+
+        def experts():
+            b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e)
+            return b["y"]
+        n_used = int(torch.unique(b["idx"]).numel()) if "idx" in b else min(E, self.N * k)
+        I_loc = m.w1.shape[1]
+        ew = m.w1.nbytes(n_used) + m.w3.nbytes(n_used) + m.w2.nbytes(n_used)
+        c["experts"] = (experts, ew + self.N * Lat * (self.e + 4) + self.N * k * 12,
+                        self.N * k * 6 * Lat * I_loc)
+        self._reg("latent_up", "proj")
+
+        def up():
+            b["routed"] = moe_ref.latent_up(b["y"], m, self.dtype)
+            return b["routed"]
+        ub, uf = self._mm(m.w_up)
+        c["latent_up"] = (up, ub + _nb(m.routed_norm) + self.N * Lat * (4 - self.e), uf)
+        self._reg("shared", "proj")
+
+        def shared():
+            h2 = self._flat(b["h2"])
+            s = torch.zeros_like(h2)
+            for sh in m.shared:
+                s = s + situ_glu_mlp(h2, sh)
+            b["x_out"] = b["p"] + (b["routed"] + s).reshape(b["p"].shape)
+            return b["x_out"]
+        sb = sum(_nb(sh.w1, sh.w3, sh.w2) for sh in m.shared)
+        sI = sum(sh.w1.shape[0] for sh in m.shared)
+        c["shared"] = (shared, sb + self.N * D * self.e * 4, 6 * self.N * D * sI)
+        return c
+
+    def _dense(self) -> OrderedDict[str, Component]:
+        m, b = self.w.mlp, self.buf
+        D = self.view.cfg.hidden_size
+        self._reg("dense_mlp", "proj")
+
+        def dense():
+            b["x_out"] = b["p"] + situ_glu_mlp(b["h2"], m)
+            return b["x_out"]
+        return OrderedDict(dense_mlp=(dense, _nb(m.w1, m.w3, m.w2) + self.N * D * self.e * 3,
+                                      6 * self.N * D * m.w1.shape[0]))
+
+    def summary(self) -> list[dict[str, Any]]:
+        """[{name, backend, bytes, flops}] of the components that run, for a table."""
+        comps = self.components()
+        return [{"name": n, "backend": self.ran[n], "bytes": bb, "flops": ff} for n, (_, bb, ff) in comps.items()]
+
+
+AUTO_EXPERT_POOL_BYTES = 2 << 30
+AUTO_EXPERTS = 64
+
+
+def auto_n_experts(view: GpuView) -> int:
+    """n_experts="auto": the whole pool when its bf16 slice is <= 2 GiB, else the first 64 experts (the
+    per-GPU K3 pool is ~7.4 GB at TP8; a float64 CPU twin of it would be 30 GB)."""
+    cfg = view.cfg
+    per_expert = 3 * cfg.moe_latent_size * view.expert_inter * 2
+    if cfg.n_routed_experts * per_expert <= AUTO_EXPERT_POOL_BYTES:
+        return cfg.n_routed_experts
+    return max(cfg.num_experts_per_tok, min(cfg.n_routed_experts, AUTO_EXPERTS))
+
+
+def build_layer(view: GpuView, kind: str, seed: int = 0, n_experts: int | str | None = "auto", *, device="cpu",
+                dtype: torch.dtype = torch.bfloat16, backend: str | None = None, switches: Switches | None = None,
+                layer_index: int | None = None, n_blocks: int | None = None, rank: int = 0, gen_device="cpu",
+                fp8_scale: str = "tensor") -> Layer:
+    """Build one `kind` ("kda" | "mla") layer of `view` on `device`.
+
+    layer_index: default the first layer of that kind after layer 0 (1 for KDA, 3 for MLA in K3).
+    n_experts: None = the whole pool; an int E = the first E experts (the router chooses among those);
+        "auto" (default) = see `auto_n_experts`. The count built is `layer.n_experts`.
+    backend: sets every component's backend (overrides `switches.backend`); components whose backend has
+        no path here are left out of `.components()` and named in `layer.skipped`.
+    n_blocks: the AttnRes history length (default: the real one at that index, ceil(index / block_size)).
+    gen_device: where weights are drawn ("cpu" default: the same values on every device; "cuda" draws
+        big pools fast, reproducibly on that device only)."""
+    if kind not in ("kda", "mla"):
+        raise ConfigError(f"build_layer: kind must be 'kda' or 'mla', got {kind!r}")
+    if backend is not None:
+        switches = (switches or Switches()).replace(backend={c: backend for c in Switches().backend})
+    if n_experts == "auto":
+        n_experts = auto_n_experts(view)
+    idx = _default_index(view, kind) if layer_index is None else layer_index
+    dev = torch.device(device)
+    w = make_layer(view, idx, seed, rank=rank, attn_kind=kind, n_experts=n_experts, device=dev, dtype=dtype,
+                   gen_device=gen_device)
+    layer = Layer(view, w, device=dev, dtype=dtype, seed=seed, n_blocks=n_blocks, switches=switches,
+                  fp8_scale=fp8_scale)
+    layer.n_experts = w.mlp.router.n_experts if w.mlp_kind == "moe" else 0
+    return layer
+
+
+__all__ = ["Component", "Layer", "build_layer"]

@@ -1,0 +1,312 @@
+"""HTML reports that open offline and share ONE copy of plotly.js.
+
+The repo keeps a single plotly.js under `profiles/assets/` (the cartesian partial bundle when present:
+bar and scatter traces, 1.5 MB; otherwise a copy of the installed plotly package's `plotly.min.js`).
+Every report loads it with `<script src="RELATIVE/PATH" data-k3lab-plotly>` computed from where the
+HTML lives, so reports stay a few tens of KB; `relink_plotly` fixes the path when a report moves.
+
+How figures get into a report: in the notebook, `k3lab.report.show(fig)` publishes the figure as
+`application/vnd.plotly.v1+json` (JupyterLab renders it live) plus a `text/html` div that draws with
+a global `Plotly` and carries no plotly.js. nbconvert's HTML exporter picks the `text/html`. Outputs
+of a plain `fig.show()` are handled too: any output with the plotly JSON mimetype gets the same div,
+and the bulky outputs of the 'notebook' renderers (plotly.js inlined, or fetched from a CDN through
+require.js) are removed. Only cartesian trace types (bar, scatter, ...) draw with the partial bundle:
+tables are HTML, not plotly tables.
+
+Imports of plotly / nbconvert / nbformat happen inside the functions.
+"""
+from __future__ import annotations
+
+import html as _html
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROFILES_DIR = REPO_ROOT / "profiles"
+ASSETS = "assets"
+JS_NAMES = ("plotly-cartesian.min.js", "plotly.min.js")  # the first that exists is THE shared copy
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+MAX_OUTPUT_BYTES = 200_000
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1200px;margin:1.5em auto;
+padding:0 1em;color:#222;line-height:1.45}
+pre{background:#f6f8fa;padding:.6em .8em;overflow-x:auto;font-size:.85em;border-radius:4px}
+.input_area pre,.highlight pre{border-left:3px solid #9ab}
+.prompt{display:none}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+th,td{border:1px solid #ccc;padding:.25em .55em;text-align:right}
+th{background:#eef2f5}td:first-child,th:first-child{text-align:left}
+.output_stderr pre{background:#fff3f3}
+.k3-bad{color:#b00;font-weight:bold}.k3-ok{color:#070}
+.k3-meta{font-size:.85em;color:#555}
+"""
+
+
+def shared_plotly_js(profiles: str | Path | None = None, *, create: bool = True) -> Path:
+    """The one plotly.js of the repo (`profiles/assets/...`); copies the installed package's
+    plotly.min.js there when none exists and `create` is set."""
+    assets = Path(profiles or PROFILES_DIR) / ASSETS
+    for name in JS_NAMES:
+        if (assets / name).exists():
+            return assets / name
+    if not create:
+        raise FileNotFoundError(f"no plotly.js in {assets}")
+    import plotly
+
+    src = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    assets.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, assets / "plotly.min.js")
+    return assets / "plotly.min.js"
+
+
+def plotly_src(html_path: str | Path, js: str | Path | None = None) -> str:
+    """Relative URL from the HTML file's folder to the shared plotly.js."""
+    js = Path(js) if js is not None else shared_plotly_js()
+    return Path(os.path.relpath(js.resolve(), Path(html_path).resolve().parent)).as_posix()
+
+
+def _script_tag(src: str) -> str:
+    return f'<script src="{_html.escape(src)}" charset="utf-8" data-k3lab-plotly></script>'
+
+
+_TAG_RE = re.compile(r'<script src="[^"]*" charset="utf-8" data-k3lab-plotly></script>')
+
+
+def relink_plotly(html_path: str | Path, js: str | Path | None = None) -> str:
+    """Point a moved report at the shared plotly.js again; returns the new relative path."""
+    p = Path(html_path)
+    src = plotly_src(p, js)
+    text = p.read_text()
+    if not _TAG_RE.search(text):
+        raise ValueError(f"{p} has no k3lab plotly script tag")
+    p.write_text(_TAG_RE.sub(lambda _: _script_tag(src), text, count=1))
+    return src
+
+
+def page(title: str, body: str, html_path: str | Path, js: str | Path | None = None, extra_css: str = "") -> str:
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">\n<title>{_html.escape(title)}</title>\n"
+            f"{_script_tag(plotly_src(html_path, js))}\n<style>{CSS}{extra_css}</style>\n</head>\n"
+            f"<body>\n{body}\n</body></html>\n")
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+def figure_div(fig: Any, height: int | None = None) -> str:
+    """A figure (plotly Figure or its dict) as a div that draws with the page's global Plotly."""
+    import plotly.io as pio
+
+    if isinstance(fig, dict):
+        h = (fig.get("layout") or {}).get("height")
+    else:
+        h = fig.layout.height
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, validate=False,
+                       default_height=f"{height or h or 420}px", config={"displaylogo": False})
+
+
+def show(fig: Any) -> None:
+    """Display a figure in a notebook so it renders live in JupyterLab and in exported reports,
+    without embedding plotly.js in the notebook."""
+    import plotly.io as pio
+    from IPython.display import display
+
+    spec = json.loads(pio.to_json(fig, validate=False))
+    display({PLOTLY_MIME: spec, "text/html": figure_div(fig), "text/plain": "<plotly figure>"}, raw=True)
+
+
+def _is_plotly_bloat(html: str) -> bool:
+    """Outputs of plotly's 'notebook' / 'notebook_connected' renderers that carry or fetch plotly.js."""
+    return ("plotly.js v" in html[:5000] or "cdn.plot.ly" in html or
+            ("require.config" in html and "plotly" in html) or "window.PlotlyConfig" in html)
+
+
+def strip_bulky_outputs(nb: Any, max_bytes: int = MAX_OUTPUT_BYTES) -> int:
+    """In place: give every plotly JSON output a light div, drop plotly.js payloads, and replace any
+    other output over `max_bytes` with a note. Returns how many outputs were changed."""
+    changed = 0
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        outs = []
+        for out in cell.get("outputs", []):
+            data = out.get("data") if isinstance(out, dict) else None
+            if data is not None:
+                if PLOTLY_MIME in data:
+                    data["text/html"] = figure_div(data[PLOTLY_MIME])
+                    changed += 1
+                elif isinstance(data.get("text/html"), (str, list)):
+                    h = data["text/html"]
+                    h = "".join(h) if isinstance(h, list) else h
+                    if _is_plotly_bloat(h) and "Plotly.newPlot" not in h:
+                        changed += 1
+                        continue  # the init payload of plotly's notebook renderer
+            size = len(json.dumps(out))
+            if size > max_bytes:
+                changed += 1
+                out = {"output_type": "stream", "name": "stdout",
+                       "text": f"[k3lab: an output of {size} bytes was removed from this report]\n"}
+            outs.append(out)
+        cell["outputs"] = outs
+    return changed
+
+
+def export_html(notebook: str | Path | Any, html_path: str | Path, *, title: str | None = None,
+                js: str | Path | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES) -> Path:
+    """Executed notebook (path or NotebookNode) -> a small offline HTML report at `html_path`."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(notebook), as_version=4) if isinstance(notebook, (str, Path)) else notebook
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))  # work on a copy
+    strip_bulky_outputs(nb, max_output_bytes)
+    try:
+        exporter = HTMLExporter(template_name="basic")
+        exporter.exclude_input_prompt = True
+        exporter.exclude_output_prompt = True
+        body, _ = exporter.from_notebook_node(nb)
+    except Exception:  # noqa: BLE001 - nbconvert's templates are data files a wheel-only site may lack
+        body = render_cells(nb)
+    html_path = Path(html_path)
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    if title is None:
+        title = Path(str(notebook)).stem if isinstance(notebook, (str, Path)) else "k3lab report"
+    html_path.write_text(page(title, body, html_path, js, _pygments_css()))
+    return html_path
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _md(text: str) -> str:
+    for mod in ("mistune", "markdown"):
+        try:
+            m = __import__(mod)
+            return m.html(text) if mod == "mistune" else m.markdown(text)
+        except Exception:  # noqa: BLE001
+            continue
+    return f"<pre>{_html.escape(text)}</pre>"
+
+
+def render_cells(nb: Any) -> str:
+    """Minimal notebook -> HTML body without nbconvert templates (the fallback of export_html)."""
+    parts = []
+    for cell in nb.cells:
+        src = cell.get("source", "")
+        if cell.get("cell_type") == "markdown":
+            parts.append(f"<div class='md'>{_md(src)}</div>")
+            continue
+        if cell.get("cell_type") != "code":
+            continue
+        parts.append(f"<div class='input_area'><pre>{_html.escape(src)}</pre></div>")
+        for out in cell.get("outputs", []):
+            kind = out.get("output_type")
+            if kind == "stream":
+                cls = "output_stderr" if out.get("name") == "stderr" else "output_stdout"
+                parts.append(f"<div class='{cls}'><pre>{_html.escape(_ANSI.sub('', out.get('text', '')))}</pre></div>")
+            elif kind == "error":
+                tb = _ANSI.sub("", "\n".join(out.get("traceback", [])))
+                parts.append(f"<div class='output_stderr'><pre>{_html.escape(tb)}</pre></div>")
+            else:
+                data = out.get("data", {})
+                if "text/html" in data:
+                    h = data["text/html"]
+                    parts.append("".join(h) if isinstance(h, list) else h)
+                elif "image/png" in data:
+                    parts.append(f"<img src='data:image/png;base64,{data['image/png']}'>")
+                elif "text/plain" in data:
+                    parts.append(f"<pre>{_html.escape(str(data['text/plain']))}</pre>")
+    return "\n".join(parts)
+
+
+def _pygments_css() -> str:
+    try:
+        from pygments.formatters import HtmlFormatter
+
+        return HtmlFormatter(style="default").get_style_defs(".highlight")
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+# ---- a report straight from a bundle ---------------------------------------------------------
+
+def bundle_figures(bundle: Any) -> list[Any]:
+    """One bar figure per timing kind: median (error bars p10..p90) and floor per component and
+    backend, log time axis."""
+    import plotly.graph_objects as go
+
+    figs = []
+    kinds = []
+    for r in bundle.rows:
+        if r.kind not in kinds:
+            kinds.append(r.kind)
+    for kind in kinds:
+        rows = [r for r in bundle.rows if r.kind == kind]
+        fig = go.Figure()
+        for be in dict.fromkeys(r.backend for r in rows):
+            rs = [r for r in rows if r.backend == be]
+            fig.add_bar(name=f"{be}", x=[r.name for r in rs], y=[r.median_us for r in rs],
+                        error_y=dict(type="data", symmetric=False,
+                                     array=[r.p90_us - r.median_us for r in rs],
+                                     arrayminus=[r.median_us - r.p10_us for r in rs]),
+                        hovertext=[f"{r.achieved_tbps or 0:.3f} TB/s, x{(r.distance or 0):.1f} floor" for r in rs])
+        floors = {r.name: r.floor_us for r in rows if r.floor_us}
+        if floors:
+            fig.add_scatter(name="floor", x=list(floors), y=list(floors.values()), mode="markers",
+                            marker=dict(symbol="line-ew-open", size=28, color="black", line=dict(width=3)))
+        label = {"cpu-smoke": "CPU smoke timing (not a GPU figure)"}.get(kind, kind)
+        fig.update_layout(title=f"median per component vs floor [{label}]", barmode="group",
+                          yaxis=dict(title="us per call", type="log"), height=440, template="plotly_white",
+                          margin=dict(l=60, r=20, t=50, b=80))
+        figs.append(fig)
+    return figs
+
+
+def error_table_html(bundle: Any) -> str:
+    head = ("<tr><th>component</th><th>backend</th><th>kind</th><th>median us</th><th>p10</th><th>p90</th>"
+            "<th>floor us</th><th>x floor</th><th>TB/s</th><th>% copy</th><th>launches</th>"
+            "<th>rel err vs fp64</th><th>max abs</th><th>ok</th></tr>")
+    body = []
+
+    def f(v: Any, fmt: str = "{:.3g}") -> str:
+        return "" if v is None else (fmt.format(v) if isinstance(v, (int, float)) else _html.escape(str(v)))
+
+    for r in bundle.rows:
+        e = r.error or {}
+        ok = e.get("ok")
+        cls = "k3-ok" if ok else ("k3-bad" if ok is False else "")
+        body.append(
+            f"<tr><td>{_html.escape(r.name)}</td><td>{_html.escape(r.backend)}</td><td>{r.kind}</td>"
+            f"<td>{f(r.median_us, '{:.2f}')}</td><td>{f(r.p10_us, '{:.2f}')}</td><td>{f(r.p90_us, '{:.2f}')}</td>"
+            f"<td>{f(r.floor_us, '{:.2f}')}</td><td>{f(r.distance, '{:.1f}')}</td><td>{f(r.achieved_tbps)}</td>"
+            f"<td>{f(r.pct_of_copy, '{:.1f}')}</td><td>{f(r.launches)}</td>"
+            f"<td>{f(e.get('rel_norm'), '{:.2e}')}</td><td>{f(e.get('max_abs'), '{:.2e}')}</td>"
+            f"<td class='{cls}'>{'' if ok is None else ('yes' if ok else 'NO')}</td></tr>")
+    return f"<table>{head}{''.join(body)}</table>"
+
+
+def bundle_report(bundle: Any, html_path: str | Path, *, js: str | Path | None = None) -> Path:
+    """A standalone HTML page for a results bundle: env, bars of median vs floor, the error table."""
+    html_path = Path(html_path)
+    env = bundle.env
+    meta = (f"<p class='k3-meta'>{_html.escape(str(env.get('gpu') or 'CPU only'))} · torch {env.get('torch')} · "
+            f"CUDA {env.get('cuda')} · triton {env.get('triton')} · cutlass-dsl {env.get('cutlass_dsl')} · "
+            f"commit {str(env.get('commit'))[:10]}{' (dirty)' if env.get('dirty') else ''} · "
+            f"{_html.escape(str(env.get('time')))}<br>copy {f'{bundle.copy_tbps:.3f}' if bundle.copy_tbps else '?'} TB/s"
+            f" · launch floor {f'{bundle.launch_floor_us:.2f}' if bundle.launch_floor_us else '?'} us</p>")
+    ran = "".join(f"<li><b>{_html.escape(k)}</b>: {_html.escape(v)}</li>" for k, v in bundle.backends_ran.items())
+    skipped = "".join(f"<li><b>{_html.escape(k)}</b> skipped: {_html.escape(v)}</li>"
+                      for k, v in bundle.backends_skipped.items())
+    view = bundle.config.get("view", {})
+    parts = [f"<h1>{_html.escape(bundle.name)}</h1>", meta, f"<ul>{ran}{skipped}</ul>",
+             f"<p class='k3-meta'>view: {_html.escape(json.dumps(view))}</p>"]
+    parts += [figure_div(fig) for fig in bundle_figures(bundle)]
+    parts += ["<h2>Times, floors and errors</h2>", error_table_html(bundle)]
+    if bundle.notes:
+        parts.append("<ul>" + "".join(f"<li>{_html.escape(n)}</li>" for n in bundle.notes) + "</ul>")
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    html_path.write_text(page(bundle.name, "\n".join(parts), html_path, js))
+    return html_path

@@ -1,0 +1,1 @@
+"""Numerics studies (multi-step drift and the like); each returns a pandas DataFrame."""

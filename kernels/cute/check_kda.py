@@ -1,0 +1,337 @@
+"""GPU check + timing for the CuTe DSL KDA kernels (kda_decode.py, kda_verify.py).
+
+    python kernels/cute/check_kda.py [--quick] [--no-time]
+
+Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
+`make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
+reference (`k3lab.ref.kda`, inputs/params/state upcast to float64):
+    out relative-norm error < 1e-2, state relative-norm error < 1e-4, conv_state exactly equal;
+verify additionally: state_hist/conv_hist per position, state/conv_state untouched, and on the
+ragged path every entry at positions >= lengths[b] still poisoned.
+Timing: CUDA graph of 20 calls captured back to back, replayed; median per call. `rot` uses a
+different buffer set per captured call (up to ~1 GB of distinct state so L2 cannot hold it), `hot`
+reuses one set. Achieved bandwidth = the kernel's floor bytes / rot time.
+Prints a table; writes JSON to $OUT/kda_cute.json when OUT is set.
+"""
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from k3lab.ref import kda as ref
+from k3lab_kernels.cute.kda_decode import (kda_decode, kda_decode_bytes, kda_verify,
+                                           kda_verify_bytes)
+
+OUT_TOL = 1e-2
+STATE_TOL = 1e-4
+COPY_BW = 4.275e12
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.double()
+    b = b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _inputs(B, H, T=None, seed=0):
+    inp, p, st, cs = ref.make_kda_inputs(B, H, 128, T=T, seed=seed, device="cuda")
+    return inp, p, st, cs
+
+
+def _ref64(fn, inp, p, st, cs):
+    d = torch.float64
+    return fn(inp["qkv"].to(d), inp["f"].to(d), inp["b"].to(d), inp["gate"].to(d), p.to(dtype=d),
+              st.to(d), cs.to(d), dtype=d, out_dtype=d)
+
+
+def check_decode(B: int, H: int, seed: int = 0, steps: int = 1) -> dict:
+    """Run `steps` decode steps with fresh inputs each step; compare each step with the fp64 oracle
+    carried from the same start. Returns the worst errors."""
+    _, p, st, cs = _inputs(B, H, seed=seed)
+    st_k, cs_k = st.clone(), cs.clone()
+    st_r, cs_r = st.double(), cs.double()
+    worst = dict(out_err=0.0, state_err=0.0, conv_exact=True, out_finite=True)
+    for s in range(steps):
+        inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
+        out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out)
+        torch.cuda.synchronize()
+        o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
+        worst["out_finite"] &= bool(torch.isfinite(out).all())
+        worst["out_err"] = max(worst["out_err"], _rel(out, o_r))
+        worst["state_err"] = max(worst["state_err"], _rel(st_k, st_r))
+        worst["conv_exact"] &= bool(torch.equal(cs_k.double(), cs_r))
+        cs_r = cs_k.double()  # exact anyway; keeps the oracle on the same inputs
+    worst["ok"] = (worst["out_finite"] and worst["out_err"] < OUT_TOL and worst["state_err"] < STATE_TOL
+                   and worst["conv_exact"])
+    return worst
+
+
+def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0) -> dict:
+    inp, p, st, cs = _inputs(B, H, T=T, seed=seed)
+    st0, cs0 = st.clone(), cs.clone()
+    C = 3 * H * 128
+    out = torch.full((B, T, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    sh = torch.full((B, T, H, 128, 128), float("nan"), dtype=torch.float32, device="cuda")
+    ch = torch.full((B, T, C, 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lengths = None
+    if ragged:
+        g = torch.Generator().manual_seed(seed + 7)
+        lengths = torch.randint(1, T + 1, (B,), generator=g, dtype=torch.int32)
+        lengths[0] = T
+        if B > 1:
+            lengths[1] = 1
+        lengths = lengths.cuda()
+    kda_verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths=lengths)
+    torch.cuda.synchronize()
+    o_r, s_r, c_r = _ref64(ref.kda_verify, inp, p, st, cs)
+    res = dict(out_err=0.0, state_err=0.0, conv_exact=True, untouched=True,
+               inputs_unchanged=bool(torch.equal(st, st0) and torch.equal(cs, cs0)), out_finite=True)
+    Ls = lengths.tolist() if ragged else [T] * B
+    for bi, L in enumerate(Ls):
+        res["out_finite"] &= bool(torch.isfinite(out[bi, :L]).all())
+        res["out_err"] = max(res["out_err"], _rel(out[bi, :L], o_r[bi, :L]))
+        res["state_err"] = max(res["state_err"], _rel(sh[bi, :L], s_r[bi, :L]))
+        res["conv_exact"] &= bool(torch.equal(ch[bi, :L].double(), c_r[bi, :L]))
+        if L < T:
+            res["untouched"] &= bool(torch.isnan(out[bi, L:]).all() and torch.isnan(sh[bi, L:]).all()
+                                     and torch.isnan(ch[bi, L:]).all())
+    res["ok"] = (res["out_finite"] and res["out_err"] < OUT_TOL and res["state_err"] < STATE_TOL
+                 and res["conv_exact"] and res["untouched"] and res["inputs_unchanged"])
+    return res
+
+
+def check_errors() -> dict:
+    """The wrapper refuses what it does not support, with a clear error."""
+    inp, p, st, cs = _inputs(1, 6)
+    out = torch.empty((1, 6 * 128), dtype=torch.bfloat16, device="cuda")
+    cases = {
+        "tile_v=64": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out,
+                                        tile_v=64),
+        "noncontig state": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p,
+                                              st.transpose(2, 3), cs, out),
+        "fp32 qkv": lambda: kda_decode(inp["qkv"].float(), inp["f"], inp["b"], inp["gate"], p, st, cs,
+                                       out),
+        "cpu": lambda: kda_decode(inp["qkv"].cpu(), inp["f"], inp["b"], inp["gate"], p, st, cs, out),
+    }
+    res = {}
+    for k, fn in cases.items():
+        try:
+            fn()
+            res[k] = "NOT RAISED"
+        except (ValueError, TypeError, NotImplementedError) as e:
+            res[k] = type(e).__name__
+    res["ok"] = all(v != "NOT RAISED" for v in res.values())
+    return res
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+def _graph_us(calls, iters=15):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / len(calls))
+    ts.sort()
+    del g
+    return ts[len(ts) // 2]
+
+
+def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
+    n = max(1, min(n_calls, math.ceil(budget / max(set_bytes, 1))))
+    base = make()
+    return [base] + [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in base.items()}
+                     for _ in range(n - 1)]
+
+
+def time_decode(B, H, n_calls=20):
+    inp, p, st, cs = _inputs(B, H, seed=1)
+
+    def make():
+        return dict(qkv=inp["qkv"], f=inp["f"], b=inp["b"], gate=inp["gate"], st=st.clone(),
+                    cs=cs.clone(), out=torch.empty(B, H * 128, dtype=torch.bfloat16, device="cuda"))
+
+    nbytes = kda_decode_bytes(B, H)
+    sets = _sets(make, nbytes)
+
+    def call(d):
+        return lambda: kda_decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"])
+
+    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
+    hot = _graph_us([call(sets[0])] * n_calls)
+    del sets
+    return dict(rot_us=rot, hot_us=hot, bytes=nbytes, tbps=nbytes / rot * 1e-6,
+                floor_us=nbytes / COPY_BW * 1e6)
+
+
+def time_verify(B, H, T, n_calls=20):
+    inp, p, st, cs = _inputs(B, H, T=T, seed=2)
+    C = 3 * H * 128
+
+    def make():
+        return dict(qkv=inp["qkv"].clone(), f=inp["f"], b=inp["b"], gate=inp["gate"], st=st.clone(),
+                    cs=cs.clone(), out=torch.empty(B, T, H * 128, dtype=torch.bfloat16, device="cuda"),
+                    sh=torch.empty(B, T, H, 128, 128, device="cuda"),
+                    ch=torch.empty(B, T, C, 3, dtype=torch.bfloat16, device="cuda"))
+
+    nbytes = kda_verify_bytes(B, H, T)
+    sets = _sets(make, nbytes)
+
+    def call(d):
+        return lambda: kda_verify(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
+                                  d["sh"], d["ch"])
+
+    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
+    hot = _graph_us([call(sets[0])] * n_calls)
+    del sets
+    return dict(rot_us=rot, hot_us=hot, bytes=nbytes, tbps=nbytes / rot * 1e-6,
+                floor_us=nbytes / COPY_BW * 1e6)
+
+
+def copy_bw(nbytes=1 << 30):
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    ts.sort()
+    return 2 * nbytes / ts[len(ts) // 2]
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+def _safe(fn, *a, **k):
+    try:
+        return fn(*a, **k)
+    except Exception as e:  # report and keep going
+        traceback.print_exc()
+        return dict(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    quick = "--quick" in argv
+    do_time = "--no-time" not in argv
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to check")
+        return 0
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}, torch {torch.__version__}")
+    report = dict(device=dev, torch=torch.__version__, decode=[], verify=[], timing_decode=[],
+                  timing_verify=[])
+    t0 = time.time()
+    Bs = [1, 2, 8, 64]
+    Hs = [6, 12, 96]
+    print("\n== decode correctness (fp64 oracle; out tol 1e-2, state tol 1e-4, conv exact) ==")
+    print(f"{'B':>4} {'H':>3} {'steps':>5} {'out_err':>10} {'state_err':>10} {'conv':>6} {'ok':>4}")
+    shapes = [(B, H) for H in Hs for B in Bs]
+    if quick:
+        shapes = [(1, 12), (64, 12)]
+    for B, H in shapes:
+        r = _safe(check_decode, B, H, seed=B * 100 + H, steps=2 if B <= 8 else 1)
+        r.update(B=B, H=H)
+        report["decode"].append(r)
+        print(f"{B:>4} {H:>3} {2 if B <= 8 else 1:>5} {r.get('out_err', float('nan')):>10.2e} "
+              f"{r.get('state_err', float('nan')):>10.2e} {str(r.get('conv_exact')):>6} "
+              f"{str(r['ok']):>4} {r.get('error', '')}")
+    print(f"  [{time.time() - t0:.0f}s]")
+
+    print("\n== verify correctness ==")
+    print(f"{'B':>4} {'H':>3} {'T':>2} {'ragged':>6} {'out_err':>10} {'state_err':>10} {'conv':>6} "
+          f"{'untouched':>9} {'in_same':>7} {'ok':>4}")
+    vshapes = [(1, 12, 4, False), (2, 6, 8, False), (8, 12, 2, False), (64, 12, 4, False),
+               (1, 96, 3, False), (8, 12, 4, True), (5, 6, 8, True)]
+    if quick:
+        vshapes = vshapes[:1] + vshapes[-2:-1]
+    for B, H, T, rg in vshapes:
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T)
+        r.update(B=B, H=H, T=T, ragged=rg)
+        report["verify"].append(r)
+        print(f"{B:>4} {H:>3} {T:>2} {str(rg):>6} {r.get('out_err', float('nan')):>10.2e} "
+              f"{r.get('state_err', float('nan')):>10.2e} {str(r.get('conv_exact')):>6} "
+              f"{str(r.get('untouched')):>9} {str(r.get('inputs_unchanged')):>7} {str(r['ok']):>4} "
+              f"{r.get('error', '')}")
+    print(f"  [{time.time() - t0:.0f}s]")
+
+    r = _safe(check_errors)
+    report["errors"] = r
+    print("\n== refusals ==", r)
+
+    if do_time:
+        bw = _safe(copy_bw)
+        report["copy_bw"] = bw
+        if isinstance(bw, float):
+            print(f"\nD2D copy bandwidth here: {bw / 1e12:.3f} TB/s (spec: 4.275)")
+        print("\n== decode timing (CUDA graph of 20 calls; rot = distinct buffers per call) ==")
+        print(f"{'B':>4} {'H':>3} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} {'MB':>8} {'TB/s':>6}")
+        tshapes = [(1, 12), (2, 12), (8, 12), (64, 12), (256, 12), (1, 6), (64, 6), (1, 96),
+                   (8, 96), (64, 96)]
+        if quick:
+            tshapes = [(1, 12), (64, 12)]
+        for B, H in tshapes:
+            r = _safe(time_decode, B, H)
+            r.update(B=B, H=H)
+            report["timing_decode"].append(r)
+            if "rot_us" in r:
+                print(f"{B:>4} {H:>3} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} {r['floor_us']:>8.2f} "
+                      f"{r['bytes'] / 1e6:>8.2f} {r['tbps']:>6.3f}")
+        print(f"  [{time.time() - t0:.0f}s]")
+        print("\n== verify timing ==")
+        print(f"{'B':>4} {'H':>3} {'T':>2} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} {'TB/s':>6}")
+        vt = [(1, 12, 4), (1, 12, 8), (8, 12, 4), (64, 12, 4), (1, 6, 4)]
+        if quick:
+            vt = [(1, 12, 4)]
+        for B, H, T in vt:
+            r = _safe(time_verify, B, H, T)
+            r.update(B=B, H=H, T=T)
+            report["timing_verify"].append(r)
+            if "rot_us" in r:
+                print(f"{B:>4} {H:>3} {T:>2} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} "
+                      f"{r['floor_us']:>8.2f} {r['tbps']:>6.3f}")
+        print(f"  [{time.time() - t0:.0f}s]")
+
+    ok = (all(r.get("ok") for r in report["decode"]) and all(r.get("ok") for r in report["verify"])
+          and report["errors"].get("ok"))
+    report["all_ok"] = bool(ok)
+    print("\nALL CHECKS PASS" if ok else "\nSOME CHECKS FAILED")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "kda_cute.json"), "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

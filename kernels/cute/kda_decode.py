@@ -1,0 +1,510 @@
+"""KDA fused decode step (T = 1) and multi-token verification (T = 2..8) as one CuTe DSL kernel.
+
+What one launch fuses, per (sequence b, head h), exactly what `k3lab.ref.kda.kda_decode` computes:
+
+    depthwise causal conv update (kernel 4) over the head's 384 q|k|v channels + silu,
+    conv_state [B, 3HD, 3] bf16 shifted in place,
+    l2norm of q and k over the 128 dims,
+    g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)),  beta = sigmoid(b),
+    S = exp(g)[:, None] * S;  S += beta * outer(k, v - S^T k)   (fp32 state [B, H, 128, 128], in place)
+    o = S^T q / sqrt(128);  out = rms(o; o_norm_w) * sigmoid(gate)   -> out [B, H*D] bf16
+
+Layout. One CTA of 256 threads per (b, h) holds the whole 128 x 128 fp32 state in registers: warp w
+owns key rows w, w+8, ..., w+120 and lane l owns value columns 4l..4l+3, so every warp instruction
+moves one full 512-byte state row with 16-byte vector loads/stores (16 loads + 16 stores a thread).
+Both reductions over the key rows (k^T diag(d) S and q^T diag(d) S) are done in ONE pass over the
+old state, using  o = q^T diag(d) S + (q.k) * beta * (v - k^T diag(d) S);  the per-warp partial sums
+meet in shared memory (2 barriers per position), warp 0 finishes the per-head RMSNorm with shuffles.
+Conv/gate prologue: threads 0..127 run the q and k conv channels of key row c = tid (and reduce
+|q|^2, |k|^2, q.k), threads 128..255 the v channel and the decay gate of row c = tid - 128.
+
+Floor (decode, bytes that must move, per (b, h)): state 65,536 B read + 65,536 B written, conv_state
+2,304 B read + 2,304 B written, qkv 768 B, f 256 B, gate 256 B, out 256 B, b 2 B = 137,218 B, plus
+params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
+    H = 12, B = 1:  1.69 MB -> 0.39 us   (launch-latency bound; the target is <= 4 us graph replay)
+    H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29 us)
+Verify (T positions, state kept on chip): state read once, state_hist T x 64 KiB written per (b, h),
+conv_hist T x 2,304 B, activations T times.
+
+Host API (torch tensors on one CUDA device, launched on torch's current stream, CUDA-graph safe
+after the first call of a shape has compiled it):
+
+    kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=128) -> out
+    kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
+               lengths=None, tile_v=128) -> out          (also in kernels/cute/kda_verify.py)
+
+Supported: D = 128, conv kernel 4, tile_v = 128, qkv/f/b/gate/conv_state/out bf16, state fp32,
+contiguous tensors with 16-byte aligned base pointers; params any of fp32/bf16/fp16.
+"""
+import math
+from typing import Any
+
+import torch
+
+_D = 128
+_W = 4
+_THREADS = 256
+_L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
+
+__all__ = ["kda_decode", "kda_verify", "kda_decode_bytes", "kda_verify_bytes", "cute_available"]
+
+
+def cute_available() -> bool:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+        return True
+    except Exception:  # pragma: no cover - depends on the machine
+        return False
+
+
+def kda_decode_bytes(B: int, H: int, D: int = _D, W: int = _W) -> int:
+    """Bytes the decode step must move (state r+w, conv r+w, activations, params once)."""
+    C = 3 * H * D
+    per_b = 2 * H * D * D * 4 + 2 * C * (W - 1) * 2 + C * 2 + 3 * H * D * 2 + H * 2
+    params = C * W * 2 + H * 4 + H * D * 4 + D * 2
+    return B * per_b + params
+
+
+def kda_verify_bytes(B: int, H: int, T: int, D: int = _D, W: int = _W) -> int:
+    """Bytes verify must move: state read once, T states + T conv windows written, T activations."""
+    C = 3 * H * D
+    per_b = (H * D * D * 4 * (1 + T) + C * (W - 1) * 2 * (1 + T)
+             + T * (C * 2 + 3 * H * D * 2 + H * 2))
+    params = C * W * 2 + H * 4 + H * D * 4 + D * 2
+    return B * per_b + params
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel (built lazily so importing this module never needs cutlass)
+# ---------------------------------------------------------------------------------------------
+
+_KERNEL_CLS = None
+
+
+def _kernel_class():
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+    import cuda.bindings.driver as cuda
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + cute.math.exp(-x))
+
+    def vec(ptr, off, n):
+        """A 1-D view of n contiguous elements at element offset `off` of pointer `ptr`."""
+        return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    def warp_sum(x):
+        for sh in (16, 8, 4, 2, 1):
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=sh)
+        return x
+
+    class KDAStepKernel:
+        """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
+
+        def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
+                     lower_bound: float):
+            self.B, self.H, self.T = B, H, T
+            self.verify, self.ragged = verify, ragged
+            self.eps, self.lb = float(eps), float(lower_bound)
+            self.nbuf = 1 if T == 1 else 2
+
+        @cute.jit
+        def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
+                     p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
+                     p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
+                     p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
+                     p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                        p_out, p_shist, p_chist, p_len).launch(
+                grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
+                   p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
+                   p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
+                   p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
+                   p_chist: cute.Pointer, p_len: cute.Pointer):
+            D = _D
+            H = self.H
+            T = self.T
+            HD = H * D
+            C = 3 * HD
+            NB = self.nbuf
+            scale = 1.0 / math.sqrt(D)
+
+            tid, _, _ = cute.arch.thread_idx()
+            h, bb, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            lower = tid < 128
+            half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
+            c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
+
+            smem = cutlass.utils.SmemAllocator()
+            # per key row r: (q_raw, k_raw, decay d, v_raw[r])
+            s_info = smem.allocate_tensor(Float32, cute.make_layout(NB * 128 * 4), byte_alignment=16)
+            # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(NB * 16), byte_alignment=16)
+            # per warp partial column sums: [buf][warp][k^T d S (128) | q^T d S (128)]
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(NB * 8 * 256), byte_alignment=16)
+
+            # sequence length (ragged verify): positions >= L write nothing
+            L = Int32(T)
+            if cutlass.const_expr(self.ragged):
+                L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
+
+            # ---- issue the state loads first: 16 x 16 B per thread ---------------------------
+            s_off = cute.assume(((bb * H + h) * D + warp) * D + lane * 4, divby=4)
+            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, 16), stride=(1, 8 * D)))
+            r_s = cute.make_rmem_tensor((4, 16), Float32)
+            cute.autovec_copy(g_state, r_s)
+
+            # ---- per-thread prologue constants --------------------------------------------------
+            # channel 1: q (lower) or v (upper); channel 2: k (lower only)
+            ch1 = half * (2 * HD) + h * D + c
+            ch2 = HD + h * D + c
+            win1 = cute.make_rmem_tensor((4,), p_qkv.dtype)
+            win2 = cute.make_rmem_tensor((4,), p_qkv.dtype)
+            w1 = cute.make_rmem_tensor((4,), Float32)
+            w2 = cute.make_rmem_tensor((4,), Float32)
+            conv_g = cute.make_tensor(p_conv, cute.make_layout(self.B * C * 3))
+            convw_g = cute.make_tensor(p_convw, cute.make_layout(C * 4))
+            for i in cutlass.range_constexpr(3):
+                win1[i] = conv_g[(bb * C + ch1) * 3 + i]
+            for i in cutlass.range_constexpr(4):
+                w1[i] = convw_g[ch1 * 4 + i].to(Float32)
+            # the gate constants (upper) / k channel (lower) share registers by role
+            a_exp = cute.math.exp(cute.make_tensor(p_alog, cute.make_layout(H))[h].to(Float32))
+            dtb = cute.make_tensor(p_dtb, cute.make_layout(HD))[h * D + c].to(Float32)
+            if lower:
+                for i in cutlass.range_constexpr(3):
+                    win2[i] = conv_g[(bb * C + ch2) * 3 + i]
+                for i in cutlass.range_constexpr(4):
+                    w2[i] = convw_g[ch2 * 4 + i].to(Float32)
+
+            # output-norm weights for warp 0's 4 value columns
+            r_onw_raw = cute.make_rmem_tensor((4,), p_onw.dtype)
+            cute.autovec_copy(vec(p_onw, cute.assume(lane * 4, divby=4), 4), r_onw_raw)
+
+            # prefetch every position's activations now (no global load waits behind a barrier)
+            qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
+            f_g = cute.make_tensor(p_f, cute.make_layout(self.B * T * HD))
+            b_g = cute.make_tensor(p_b, cute.make_layout(self.B * T * H))
+            x1 = cute.make_rmem_tensor((T,), p_qkv.dtype)
+            x2 = cute.make_rmem_tensor((T,), p_qkv.dtype)
+            f_r = cute.make_rmem_tensor((T,), p_f.dtype)
+            b_r = cute.make_rmem_tensor((T,), p_b.dtype)
+            gate_r = cute.make_rmem_tensor((4, T), p_gate.dtype)
+            for t in cutlass.range_constexpr(T):
+                bt = bb * T + t
+                x1[t] = qkv_g[bt * C + ch1]
+                f_r[t] = f_g[bt * HD + h * D + c]
+                b_r[t] = b_g[bt * H + h]
+                cute.autovec_copy(vec(p_gate, cute.assume(bt * HD + h * D + lane * 4, divby=4), 4),
+                                  gate_r[None, t])
+            if lower:
+                for t in cutlass.range_constexpr(T):
+                    x2[t] = qkv_g[(bb * T + t) * C + ch2]
+
+            for t in cutlass.range_constexpr(T):
+                buf = t % NB
+                bt = bb * T + t
+                active = Int32(1)
+                if cutlass.const_expr(self.ragged):
+                    active = Int32(0)
+                    if t < L:
+                        active = Int32(1)
+
+                # ---------------- prologue: conv + silu, gate, norms ---------------------------
+                win1[3] = x1[t]
+                y1 = Float32(0.0)
+                for i in cutlass.range_constexpr(4):
+                    y1 = y1 + win1[i].to(Float32) * w1[i]
+                y1 = y1 * sigmoid(y1)
+                info_base = buf * 512 + c * 4
+                if lower:
+                    win2[3] = x2[t]
+                    y2 = Float32(0.0)
+                    for i in cutlass.range_constexpr(4):
+                        y2 = y2 + win2[i].to(Float32) * w2[i]
+                    y2 = y2 * sigmoid(y2)
+                    s_info[info_base + 0] = y1
+                    s_info[info_base + 1] = y2
+                    sq = warp_sum(y1 * y1)
+                    sk = warp_sum(y2 * y2)
+                    dqk = warp_sum(y1 * y2)
+                    if lane == 0:
+                        s_red[buf * 16 + warp * 4 + 0] = sq
+                        s_red[buf * 16 + warp * 4 + 1] = sk
+                        s_red[buf * 16 + warp * 4 + 2] = dqk
+                else:
+                    fv = f_r[t].to(Float32)
+                    g = self.lb * sigmoid(a_exp * (fv + dtb))
+                    s_info[info_base + 2] = cute.math.exp(g)
+                    s_info[info_base + 3] = y1
+
+                # new conv window (pre-conv inputs, exact bf16 copies)
+                for i in cutlass.range_constexpr(3):
+                    win1[i] = win1[i + 1]
+                if lower:
+                    for i in cutlass.range_constexpr(3):
+                        win2[i] = win2[i + 1]
+                if active > 0:
+                    if cutlass.const_expr(self.verify):
+                        ch_g = cute.make_tensor(p_chist, cute.make_layout(self.B * T * C * 3))
+                        for i in cutlass.range_constexpr(3):
+                            ch_g[(bt * C + ch1) * 3 + i] = win1[i]
+                        if lower:
+                            for i in cutlass.range_constexpr(3):
+                                ch_g[(bt * C + ch2) * 3 + i] = win2[i]
+                    else:
+                        for i in cutlass.range_constexpr(3):
+                            conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                        if lower:
+                            for i in cutlass.range_constexpr(3):
+                                conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+
+                cute.arch.sync_threads()
+
+                # ---------------- pass 1: k^T diag(d) S and q^T diag(d) S over the old state ----
+                ssq = Float32(0.0)
+                ssk = Float32(0.0)
+                dot = Float32(0.0)
+                for w in cutlass.range_constexpr(4):
+                    ssq = ssq + s_red[buf * 16 + w * 4 + 0]
+                    ssk = ssk + s_red[buf * 16 + w * 4 + 1]
+                    dot = dot + s_red[buf * 16 + w * 4 + 2]
+                rq = cute.math.rsqrt(ssq + _L2_EPS)
+                rk = cute.math.rsqrt(ssk + _L2_EPS)
+                qk = dot * rq * rk
+                beta = sigmoid(b_r[t].to(Float32))
+
+                acc_k = cute.make_rmem_tensor((4,), Float32)
+                acc_q = cute.make_rmem_tensor((4,), Float32)
+                acc_k.fill(0.0)
+                acc_q.fill(0.0)
+                r_info = cute.make_rmem_tensor((4,), Float32)
+                for i in cutlass.range_constexpr(16):
+                    r = warp + 8 * i
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
+                                      r_info)
+                    qd = r_info[0] * r_info[2]
+                    kd = r_info[1] * r_info[2]
+                    for j in cutlass.range_constexpr(4):
+                        acc_k[j] = acc_k[j] + kd * r_s[j, i]
+                        acc_q[j] = acc_q[j] + qd * r_s[j, i]
+                p_off = cute.assume(buf * 2048 + warp * 256 + lane * 4, divby=4)
+                cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
+                cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
+
+                cute.arch.sync_threads()
+
+                # ---------------- combine partials, delta-rule update ---------------------------
+                tot_k = cute.make_rmem_tensor((4,), Float32)
+                tot_q = cute.make_rmem_tensor((4,), Float32)
+                tot_k.fill(0.0)
+                tot_q.fill(0.0)
+                r_p = cute.make_rmem_tensor((4,), Float32)
+                for w in cutlass.range_constexpr(8):
+                    o_w = cute.assume(buf * 2048 + w * 256 + lane * 4, divby=4)
+                    cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                    for j in cutlass.range_constexpr(4):
+                        tot_k[j] = tot_k[j] + r_p[j]
+                    cute.autovec_copy(vec(s_part.iterator, o_w + 128, 4), r_p)
+                    for j in cutlass.range_constexpr(4):
+                        tot_q[j] = tot_q[j] + r_p[j]
+                u = cute.make_rmem_tensor((4,), Float32)
+                for j in cutlass.range_constexpr(4):
+                    vj = s_info[buf * 512 + (lane * 4 + j) * 4 + 3]
+                    u[j] = beta * (vj - rk * tot_k[j])
+                for i in cutlass.range_constexpr(16):
+                    r = warp + 8 * i
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
+                                      r_info)
+                    dr = r_info[2]
+                    kr = r_info[1] * rk
+                    for j in cutlass.range_constexpr(4):
+                        r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                if active > 0:
+                    if cutlass.const_expr(self.verify):
+                        h_off = cute.assume((((bt * H) + h) * D + warp) * D + lane * 4, divby=4)
+                        g_dst = cute.make_tensor(p_shist + h_off,
+                                                 cute.make_layout((4, 16), stride=(1, 8 * D)))
+                        cute.autovec_copy(r_s, g_dst)
+                    else:
+                        cute.autovec_copy(r_s, g_state)
+
+                # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm (warp 0) ----------
+                if warp == 0:
+                    o_off = cute.assume(bt * HD + h * D + lane * 4, divby=4)
+                    o = cute.make_rmem_tensor((4,), Float32)
+                    ss = Float32(0.0)
+                    for j in cutlass.range_constexpr(4):
+                        o[j] = (rq * tot_q[j] + qk * u[j]) * scale
+                        ss = ss + o[j] * o[j]
+                    ss = warp_sum(ss)
+                    inv = cute.math.rsqrt(ss * (1.0 / D) + self.eps)
+                    r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                    for j in cutlass.range_constexpr(4):
+                        val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
+                        r_out[j] = val.to(p_out.dtype)
+                    if active > 0:
+                        cute.autovec_copy(r_out, vec(p_out, o_off, 4))
+
+    _KERNEL_CLS = KDAStepKernel
+    return KDAStepKernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrappers
+# ---------------------------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _cutlass_dtype(dt: torch.dtype):
+    import cutlass
+    m = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,
+         torch.float16: cutlass.Float16, torch.int32: cutlass.Int32}
+    if dt not in m:
+        raise TypeError(f"kda cute: unsupported dtype {dt}")
+    return m[dt]
+
+
+def _ptr(t: torch.Tensor, align: int = 16):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+    p = t.data_ptr()
+    if p % align:
+        raise ValueError(f"kda cute: tensor base pointer must be {align}-byte aligned (got 0x{p:x})")
+    return make_ptr(_cutlass_dtype(t.dtype), p, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"kda cute: {name} must be a torch.Tensor")
+    if t.device.type != "cuda":
+        raise ValueError(f"kda cute: {name} must be on a CUDA device (got {t.device})")
+    if t.device != device:
+        raise ValueError(f"kda cute: {name} is on {t.device}, expected {device}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"kda cute: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"kda cute: {name} has dtype {t.dtype}, expected one of {dtypes}")
+    if not t.is_contiguous():
+        raise ValueError(f"kda cute: {name} must be contiguous")
+
+
+_BF16 = (torch.bfloat16,)
+_F32 = (torch.float32,)
+_PARAM = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
+    if tile_v != 128:
+        raise NotImplementedError(f"kda cute: only tile_v=128 is implemented (got {tile_v})")
+    if not isinstance(qkv, torch.Tensor) or qkv.device.type != "cuda":
+        raise ValueError("kda cute: qkv must be a CUDA tensor")
+    H, D, W = params.heads, params.head_dim, params.conv_kernel
+    if D != _D:
+        raise NotImplementedError(f"kda cute: head_dim must be 128 (got {D})")
+    if W != _W:
+        raise NotImplementedError(f"kda cute: conv kernel must be 4 (got {W})")
+    B = qkv.shape[0]
+    if B < 1:
+        raise ValueError("kda cute: empty batch")
+    dev = qkv.device
+    lead = (B,) if T is None else (B, T)
+    C = 3 * H * D
+    _check("qkv", qkv, lead + (C,), _BF16, dev)
+    _check("f", f, lead + (H * D,), _BF16, dev)
+    _check("b", b, lead + (H,), _BF16, dev)
+    _check("gate", gate, lead + (H * D,), _BF16, dev)
+    _check("state", state, (B, H, D, D), _F32, dev)
+    _check("conv_state", conv_state, (B, C, W - 1), _BF16, dev)
+    _check("out", out, lead + (H * D,), _BF16, dev)
+    _check("params.conv_w", params.conv_w, (C, W), _PARAM, dev)
+    _check("params.A_log", params.A_log, (H,), _PARAM, dev)
+    _check("params.dt_bias", params.dt_bias, (H * D,), _PARAM, dev)
+    _check("params.o_norm_w", params.o_norm_w, (D,), _PARAM, dev)
+    return B, H
+
+
+def _get_compiled(key, B, H, T, verify, ragged, params, args):
+    fn = _COMPILED.get(key)
+    if fn is None:
+        import cutlass.cute as cute
+        kern = _kernel_class()(B, H, T, verify, ragged, params.eps, params.lower_bound)
+        fn = cute.compile(kern, *args)
+        _COMPILED[key] = fn
+    return fn
+
+
+def _stream(dev):
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+
+
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128):
+    """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
+    place and writes `out` [B,H*128] bf16. Returns `out`."""
+    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
+    dev = qkv.device
+    dummy_len = state  # never read: ragged=False
+    args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
+            _ptr(params.A_log, params.A_log.element_size()), _ptr(params.dt_bias, params.dt_bias.element_size()),
+            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
+            _ptr(state), _ptr(conv_state, 2), _ptr(dummy_len)]
+    key = ("decode", B, H, 1, dev.index, float(params.eps), float(params.lower_bound),
+           params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype, params.o_norm_w.dtype)
+    with torch.cuda.device(dev):
+        stream = _stream(dev)
+        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream])
+        fn(*args, stream)
+    return out
+
+
+def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
+               lengths=None, tile_v: int = 128):
+    """T positions per sequence (speculative verification), state kept on chip across positions.
+    qkv [B,T,3HD], f [B,T,HD], b [B,T,H], gate [B,T,HD] bf16; writes out [B,T,HD] bf16,
+    state_hist [B,T,H,128,128] fp32 (state after each position), conv_hist [B,T,3HD,3] bf16.
+    `state`/`conv_state` are not modified. lengths [B] int32 in 1..T: positions >= lengths[b] are
+    not computed and their out/hist entries are left untouched. Returns `out`."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        raise ValueError("kda cute verify: qkv must be [B, T, 3HD]")
+    T = qkv.shape[1]
+    if not 1 <= T <= 16:
+        raise NotImplementedError(f"kda cute verify: T must be in 1..16 (got {T})")
+    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T)
+    dev = qkv.device
+    C = 3 * H * _D
+    _check("state_hist", state_hist, (B, T, H, _D, _D), _F32, dev)
+    _check("conv_hist", conv_hist, (B, T, C, _W - 1), _BF16, dev)
+    if state_hist.numel() >= 2**31:
+        raise NotImplementedError("kda cute verify: state_hist too large for 32-bit indexing")
+    ragged = lengths is not None
+    if ragged:
+        _check("lengths", lengths, (B,), (torch.int32,), dev)
+    args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
+            _ptr(params.A_log, params.A_log.element_size()), _ptr(params.dt_bias, params.dt_bias.element_size()),
+            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
+            _ptr(state_hist), _ptr(conv_hist, 2), _ptr(lengths if ragged else state, 4)]
+    if not ragged:
+        from cutlass.cute.runtime import make_ptr
+        import cutlass
+        import cutlass.cute as cute
+        args[-1] = make_ptr(cutlass.Int32, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
+    key = ("verify", B, H, T, ragged, dev.index, float(params.eps), float(params.lower_bound),
+           params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype, params.o_norm_w.dtype)
+    with torch.cuda.device(dev):
+        stream = _stream(dev)
+        fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream])
+        fn(*args, stream)
+    return out

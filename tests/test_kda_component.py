@@ -1,0 +1,191 @@
+"""KDA component API: argument validation at the boundary, backend dispatch and the record of what
+ran, backends agreeing with each other, and the drift study at a small step count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab.components import kda
+from k3lab.ref.kda import make_kda_inputs
+from k3lab.switches import BackendUnavailable, SwitchError
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+B, H, D, T = 2, 2, 32, 3
+
+
+def dec_inputs(seed=0):
+    inp, p, st, cs = make_kda_inputs(B, H, D, seed=seed, device=DEV)
+    return inp, p, st, cs
+
+
+def ver_inputs(seed=0):
+    inp, p, st, cs = make_kda_inputs(B, H, D, T=T, seed=seed, device=DEV)
+    sh = torch.full((B, T, H, D, D), float("nan"), device=DEV)
+    chh = torch.full((B, T, 3 * H * D, 3), float("nan"), dtype=torch.bfloat16, device=DEV)
+    return inp, p, st, cs, sh, chh
+
+
+def call_decode(inp, p, st, cs, **kw):
+    return kda.decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, **kw)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutate,name", [
+    (lambda i, p, s, c: i.__setitem__("qkv", i["qkv"][:, :-1]), "qkv"),
+    (lambda i, p, s, c: i.__setitem__("f", i["f"].float()), "f"),
+    (lambda i, p, s, c: i.__setitem__("b", i["b"][:1]), "b"),
+    (lambda i, p, s, c: i.__setitem__("gate", i["gate"].reshape(B, H, D)), "gate"),
+    (lambda i, p, s, c: i.__setitem__("qkv", i["qkv"].repeat(1, 2)[:, ::2]), "qkv"),
+])
+def test_decode_rejects_bad_inputs(mutate, name):
+    inp, p, st, cs = dec_inputs()
+    mutate(inp, p, st, cs)
+    with pytest.raises(kda.KDAArgumentError, match=repr(name)):
+        call_decode(inp, p, st, cs)
+
+
+def test_decode_rejects_bad_state_and_tiles():
+    inp, p, st, cs = dec_inputs()
+    with pytest.raises(kda.KDAArgumentError, match="'state'.*dtype"):
+        call_decode(inp, p, st.half(), cs)
+    with pytest.raises(kda.KDAArgumentError, match="'state'.*shape"):
+        call_decode(inp, p, st[:, :1].contiguous(), cs)
+    with pytest.raises(kda.KDAArgumentError, match="'state'.*contiguous"):
+        call_decode(inp, p, st.transpose(-1, -2), cs)
+    with pytest.raises(kda.KDAArgumentError, match="'conv_state'"):
+        call_decode(inp, p, st, cs.float())
+    with pytest.raises(kda.KDAArgumentError, match="'tile_v'.*one of"):
+        call_decode(inp, p, st, cs, tile_v=3)
+    with pytest.raises(kda.KDAArgumentError, match="'tile_v'.*divisible"):
+        call_decode(inp, p, st, cs, tile_v=64)
+    with pytest.raises(kda.KDAArgumentError, match="'out'"):
+        call_decode(inp, p, st, cs, out=torch.empty(B, H * D, device=DEV))
+    with pytest.raises(kda.KDAArgumentError, match="'state'.*device"):
+        call_decode(inp, p, st.to("meta"), cs)
+
+
+def test_backend_refusals():
+    inp, p, st, cs = dec_inputs()
+    with pytest.raises(SwitchError, match="not allowed"):
+        call_decode(inp, p, st, cs, backend="magic")
+    with pytest.raises(BackendUnavailable, match="aiter"):
+        call_decode(inp, p, st, cs, backend="aiter")
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match="cute"):
+            call_decode(inp, p, st, cs, backend="cute")
+        assert kda.resolve_backend("auto") == "reference"
+    else:
+        assert kda.resolve_backend("auto") == "triton"
+
+
+def test_verify_and_commit_validation():
+    inp, p, st, cs, sh, chh = ver_inputs()
+    a = (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs)
+    with pytest.raises(kda.KDAArgumentError, match="'lengths'.*1..T"):
+        kda.verify(*a, state_hist=sh, conv_hist=chh, lengths=torch.tensor([0, 2], dtype=torch.int32, device=DEV))
+    with pytest.raises(kda.KDAArgumentError, match="'lengths'.*1..T"):
+        kda.verify(*a, state_hist=sh, conv_hist=chh, lengths=torch.tensor([4, 2], dtype=torch.int32, device=DEV))
+    with pytest.raises(kda.KDAArgumentError, match="'lengths'.*dtype"):
+        kda.verify(*a, state_hist=sh, conv_hist=chh, lengths=torch.tensor([1, 2], device=DEV))
+    with pytest.raises(kda.KDAArgumentError, match="'state_hist'"):
+        kda.verify(*a, state_hist=sh.bfloat16(), conv_hist=chh)
+    with pytest.raises(kda.KDAArgumentError, match="'conv_hist'"):
+        kda.verify(*a, state_hist=sh, conv_hist=chh[:, :2].contiguous())
+    with pytest.raises(kda.KDAArgumentError, match="'num_accepted'.*1..T"):
+        kda.commit(sh, chh, torch.tensor([1, 4], device=DEV), st, cs)
+    with pytest.raises(kda.KDAArgumentError, match="'num_accepted'.*dtype"):
+        kda.commit(sh, chh, torch.tensor([1.0, 2.0], device=DEV), st, cs)
+    with pytest.raises(kda.KDAArgumentError, match="'inverse'"):
+        kda.prefill(*a, inverse="fp16")
+    with pytest.raises(kda.KDAArgumentError, match="'chunk'"):
+        kda.prefill(*a, chunk=48)
+    with pytest.raises(kda.KDAArgumentError, match="'grouped'"):
+        kda.prefill(*a, grouped=1)
+
+
+# ---- dispatch and agreement --------------------------------------------------------------------
+
+@pytest.mark.parametrize("tile_v", [8, 32])
+def test_decode_triton_matches_reference_and_records(tile_v):
+    inp, p, st, cs = dec_inputs(seed=1)
+    st_r, cs_r, st_t, cs_t = st.clone(), cs.clone(), st.clone(), cs.clone()
+    o_r = call_decode(inp, p, st_r, cs_r, backend="reference")
+    assert kda.last_run.backend == "reference" and kda.last_run.tile_v is None
+    o_t = call_decode(inp, p, st_t, cs_t, backend="triton", tile_v=tile_v)
+    run = kda.last_run
+    assert (run.op, run.backend, run.tile_v, run.state_dtype) == ("decode", "triton", tile_v, "float32")
+    assert "triton" in run.kernel
+    assert rel(o_t, o_r) < 1e-2 and rel(st_t, st_r) < 1e-5 and torch.equal(cs_t, cs_r)
+
+
+def test_decode_bf16_state_reference_and_triton():
+    inp, p, st, cs = dec_inputs(seed=2)
+    s1, s2 = st.bfloat16(), st.bfloat16()
+    c1, c2 = cs.clone(), cs.clone()
+    o1 = call_decode(inp, p, s1, c1, backend="reference")
+    o2 = call_decode(inp, p, s2, c2, backend="triton", tile_v=16)
+    assert s1.dtype == s2.dtype == torch.bfloat16
+    assert rel(o2, o1) < 1e-2 and rel(s2, s1) < 1e-2 and torch.equal(c1, c2)
+
+
+def test_verify_commit_prefill_triton_vs_reference():
+    inp, p, st, cs, sh, chh = ver_inputs(seed=3)
+    a = (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs)
+    lens = torch.tensor([3, 2], dtype=torch.int32, device=DEV)
+    poison = lambda: torch.full((B, T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)  # noqa: E731
+    o_r = kda.verify(*a, poison(), state_hist=sh, conv_hist=chh, lengths=lens, backend="reference")
+    sh_r, chh_r = sh.clone(), chh.clone()
+    sh2, chh2 = torch.full_like(sh, float("nan")), torch.full_like(chh, float("nan"))
+    o_t = kda.verify(*a, poison(), state_hist=sh2, conv_hist=chh2, lengths=lens, backend="triton", tile_v=8)
+    assert kda.last_run.kernel.endswith("ragged") and kda.last_run.tile_v == 8
+    assert rel(o_t[0], o_r[0]) < 1e-2 and rel(o_t[1, :2], o_r[1, :2]) < 1e-2
+    assert torch.isnan(o_t[1, 2].float()).all() and torch.isnan(o_r[1, 2].float()).all()
+    assert rel(sh2[0], sh_r[0]) < 1e-5 and torch.equal(chh2[0], chh_r[0])
+    n = torch.tensor([2, 1], dtype=torch.int32, device=DEV)
+    S1, c1, S2, c2 = st.clone(), cs.clone(), st.clone(), cs.clone()
+    kda.commit(sh_r, chh_r, n, S1, c1, backend="reference")
+    kda.commit(sh2, chh2, n, S2, c2, backend="triton")
+    assert kda.last_run.backend == "triton"
+    assert rel(S2, S1) < 1e-5 and torch.equal(c1, c2)
+
+    L = 70
+    inp, p, st, cs = make_kda_inputs(1, H, D, T=L, seed=4, device=DEV)
+    a = (inp["qkv"], inp["f"], inp["b"], inp["gate"], p)
+    res = {}
+    for be in ("reference", "triton"):
+        S, c = st.clone(), cs.clone()
+        o = kda.prefill(*a, S, c, backend=be, grouped=True)
+        res[be] = (o, S, c)
+        assert kda.last_run.op == "prefill" and kda.last_run.backend == be
+    assert rel(res["triton"][0], res["reference"][0]) < 1e-2
+    assert rel(res["triton"][1], res["reference"][1]) < 1e-4
+    assert torch.equal(res["triton"][2], res["reference"][2])
+
+
+def test_torch_compile_backend():
+    inp, p, st, cs = dec_inputs(seed=5)
+    s1, c1, s2, c2 = st.clone(), cs.clone(), st.clone(), cs.clone()
+    o1 = call_decode(inp, p, s1, c1, backend="reference")
+    try:
+        o2 = call_decode(inp, p, s2, c2, backend="torch_compile")
+    except Exception as ex:  # no C++ toolchain for inductor on this machine
+        pytest.skip(f"torch.compile unavailable here: {ex!r}"[:200])
+    assert kda.last_run.backend == "torch_compile"
+    assert rel(o2, o1) < 1e-2 and rel(s2, s1) < 1e-5 and torch.equal(c1, c2)
+
+
+def test_drift_study_small():
+    from k3lab.studies.kda_drift import drift_study
+
+    df = drift_study(steps=6, B=1, H=2, D=16, backend="triton", tile_v=8, every=2)
+    assert set(df.state_dtype) == {"fp32", "bf16"}
+    assert list(df.columns[:3]) == ["step", "state_dtype", "backend"]
+    last = df[df.step == df.step.max()].set_index("state_dtype")
+    assert last.loc["fp32", "state_err"] < 1e-4
+    assert last.loc["fp32", "state_err"] < last.loc["bf16", "state_err"] < 5e-2
+    assert (df.out_err < 2e-2).all()

@@ -1,0 +1,230 @@
+"""Triton KDA kernels (decode, verify + commit, chunked prefill) against the fp64 reference.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; tests
+marked `gpu` run the real shapes (D=128, 6/12/96 heads, B up to 64, every tile_v, T 1..8).
+
+Tolerances (relative Frobenius norm against fp64 on fp64-upcast inputs/params/state):
+  out (bf16)        1e-2: the output is rounded to bf16 (2^-9 relative per element with the GPU's
+                    round-to-nearest, 2^-8 with the interpreter's truncating cast), ~2-5e-3 measured.
+  fp32 state        1e-4: fp32 arithmetic over a D-long dot product and a few steps, ~1e-7 measured.
+  bf16 state        2e-2: every step stores the state rounded to bf16 (2^-9 .. 2^-8 per element) and
+                    the rounding compounds over T <= 8 steps.
+  conv state / hist EXACT: they only shift bf16 inputs.
+  prefill fp32 inverse 1e-4 on the state; bf16 inverse 1e-2 (A rounded to bf16 before the inverse).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab.ref.kda import kda_decode as ref_decode
+from k3lab.ref.kda import kda_prefill_sequential, kda_verify as ref_verify, make_kda_inputs
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL_OUT, TOL_S32, TOL_S16 = 1e-2, 1e-4, 2e-2
+NAN = float("nan")
+
+
+def rel(a, b):
+    a, b = a.double().to(b.device), b.double()
+    assert not torch.isnan(a).any(), "unwritten (NaN-poisoned) elements remain"
+    return float((a - b).norm() / b.norm())
+
+
+def tol_state(dt):
+    return TOL_S32 if dt == torch.float32 else TOL_S16
+
+
+def inputs(B, H, D, T=None, seed=0, dev=DEV):
+    inp, p, st, cs = make_kda_inputs(B, H, D, T=T, seed=seed, device=dev)
+    return inp, p, st, cs
+
+
+def args64(inp):
+    return [inp[k].double() for k in ("qkv", "f", "b", "gate")]
+
+
+def args(inp):
+    return [inp[k] for k in ("qkv", "f", "b", "gate")]
+
+
+# ---- decode ------------------------------------------------------------------------------------
+
+def _decode_check(B, H, D, tile_v, sdt, steps=2, seed=0):
+    from k3lab_kernels.triton.kda_decode import kda_decode
+
+    _, p, st, cs = inputs(B, H, D, seed=seed)
+    S, c = st.to(sdt).clone(), cs.clone()
+    S64, c64 = S.double(), c.double()
+    p64 = p.to(torch.float64)
+    for step in range(steps):  # consecutive launches: the arrival counters must reset
+        inp, *_ = inputs(B, H, D, seed=seed * 100 + step + 1)
+        out = torch.full((B, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+        kda_decode(*args(inp), p, S, c, out, tile_v=tile_v)
+        o64, S64, c64 = ref_decode(*args64(inp), p64, S64, c64)
+        assert rel(out, o64) < TOL_OUT
+        assert rel(S, S64) < tol_state(sdt)
+        assert torch.equal(c.double(), c64), "conv_state must match exactly"
+        S64 = S.double()  # re-anchor on the kernel's (possibly bf16) state: per-step error
+
+
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tile_v", [4, 8, 16, 32])
+def test_decode_tiles_small(tile_v, sdt):
+    _decode_check(B=2, H=3, D=32, tile_v=tile_v, sdt=sdt, seed=tile_v)
+
+
+@pytest.mark.parametrize("tile_v", [64, 128])
+def test_decode_wide_tiles_d128(tile_v):
+    _decode_check(B=1, H=2, D=128, tile_v=tile_v, sdt=torch.float32, steps=1, seed=7)
+
+
+# ---- verify + commit ---------------------------------------------------------------------------
+
+def _verify_check(B, H, D, T, tile_v, sdt, ragged, seed=0):
+    from k3lab_kernels.triton.kda_verify import kda_verify
+
+    inp, p, st, cs = inputs(B, H, D, T=T, seed=seed)
+    S = st.to(sdt)
+    S_before, c_before = S.clone(), cs.clone()
+    out = torch.full((B, T, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    sh = torch.full((B, T, H, D, D), NAN, dtype=sdt, device=DEV)
+    chh = torch.full((B, T, 3 * H * D, 3), NAN, dtype=torch.bfloat16, device=DEV)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, T + 1, (B,), generator=g, dtype=torch.int32) if ragged else None
+    if ragged:
+        lens[0] = T  # one full-length row, the rest random
+        lens = lens.to(DEV)
+    kda_verify(*args(inp), p, S, cs, out, sh, chh, lengths=lens, tile_v=tile_v)
+    o64, S64, c64 = ref_verify(*args64(inp), p.to(torch.float64), S.double(), cs.double())
+    assert torch.equal(S, S_before) and torch.equal(cs, c_before), "verify must not modify state/conv_state"
+    n = lens.tolist() if ragged else [T] * B
+    for bb in range(B):
+        k = n[bb]
+        assert rel(out[bb, :k], o64[bb, :k]) < TOL_OUT
+        assert rel(sh[bb, :k], S64[bb, :k]) < tol_state(sdt) * (1 if sdt == torch.float32 else 1)
+        assert torch.equal(chh[bb, :k].double(), c64[bb, :k]), "conv_hist must match exactly"
+        # positions past the length are not computed: the poison is still there
+        assert torch.isnan(out[bb, k:].float()).all()
+        assert torch.isnan(sh[bb, k:].float()).all()
+        assert torch.isnan(chh[bb, k:].float()).all()
+    return inp, p, S, cs, sh, chh
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+@pytest.mark.parametrize("tile_v", [4, 8, 16, 32])
+def test_verify_tiles_small(tile_v, ragged):
+    _verify_check(B=3, H=2, D=32, T=4, tile_v=tile_v, sdt=torch.float32, ragged=ragged, seed=tile_v)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_verify_T(T):
+    _verify_check(B=2, H=2, D=16, T=T, tile_v=8, sdt=torch.float32, ragged=T > 1, seed=T)
+
+
+@pytest.mark.parametrize("tile_v", [8, 32])
+def test_verify_bf16_state(tile_v):
+    _verify_check(B=2, H=2, D=32, T=3, tile_v=tile_v, sdt=torch.bfloat16, ragged=tile_v == 8, seed=5)
+
+
+def test_commit_equals_decode_of_accepted():
+    """Verify 4 positions, accept a prefix per sequence, commit; then it must equal running only the
+    accepted tokens one by one with the decode kernel (same arithmetic: bit-identical is expected,
+    1e-6 allowed)."""
+    from k3lab_kernels.triton.kda_decode import kda_decode
+    from k3lab_kernels.triton.kda_verify import commit, kda_verify
+
+    B, H, D, T = 3, 2, 32, 4
+    inp, p, st, cs = inputs(B, H, D, T=T, seed=11)
+    out = torch.full((B, T, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    sh = torch.full((B, T, H, D, D), NAN, device=DEV)
+    chh = torch.full((B, T, 3 * H * D, 3), NAN, dtype=torch.bfloat16, device=DEV)
+    kda_verify(*args(inp), p, st, cs, out, sh, chh, tile_v=8)
+    n_acc = torch.tensor([2, 4, 1], dtype=torch.int32, device=DEV)
+    S_c, c_c = st.clone(), cs.clone()
+    commit(sh, chh, n_acc, S_c, c_c)
+    for bb in range(B):
+        S_d, c_d = st[bb:bb + 1].clone(), cs[bb:bb + 1].clone()
+        for t in range(int(n_acc[bb])):
+            o = torch.full((1, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+            kda_decode(*(x[bb:bb + 1, t].contiguous() for x in args(inp)), p, S_d, c_d, o, tile_v=16)
+            assert rel(o, out[bb:bb + 1, t]) < 1e-2
+        assert float((S_c[bb] - S_d[0]).abs().max()) < 1e-6
+        assert torch.equal(c_c[bb], c_d[0])
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [1, 70, 130])
+@pytest.mark.parametrize("grouped", [False, True], ids=["seq", "grouped"])
+@pytest.mark.parametrize("inverse", ["fp32", "bf16"])
+def test_prefill(L, grouped, inverse):
+    from k3lab_kernels.triton.kda_prefill import kda_prefill
+
+    B, H, D = 2, 2, 32
+    inp, p, st, cs = inputs(B, H, D, T=L, seed=L)
+    S, c = st.clone(), cs.clone()
+    out = torch.full((B, L, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    kda_prefill(*args(inp), p, S, c, out, inverse=inverse, grouped=grouped)
+    o64, S64, c64 = kda_prefill_sequential(*args64(inp), p.to(torch.float64), st.double(), cs.double())
+    assert rel(out, o64) < TOL_OUT
+    assert rel(S, S64) < (1e-4 if inverse == "fp32" else 1e-2)
+    assert torch.equal(c.double(), c64)
+
+
+def test_prefill_bf16_inverse_loses_information():
+    """The bf16 inverse switch must actually round: its state error is visibly above the fp32 one."""
+    from k3lab_kernels.triton.kda_prefill import kda_prefill
+
+    B, H, D, L = 1, 2, 32, 128
+    inp, p, st, cs = inputs(B, H, D, T=L, seed=3)
+    _, S64, _ = kda_prefill_sequential(*args64(inp), p.to(torch.float64), st.double(), cs.double())
+    errs = {}
+    for inv in ("fp32", "bf16"):
+        S, c = st.clone(), cs.clone()
+        out = torch.empty((B, L, H * D), dtype=torch.bfloat16, device=DEV)
+        kda_prefill(*args(inp), p, S, c, out, inverse=inv)
+        errs[inv] = rel(S, S64)
+    assert errs["bf16"] > 10 * errs["fp32"], errs
+
+
+# ---- GPU: the real shapes ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sdt", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tile_v", [4, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("B,H", [(1, 12), (2, 6), (8, 12), (64, 12), (2, 96)])
+def test_gpu_decode(B, H, tile_v, sdt):
+    _decode_check(B, H, 128, tile_v, sdt, steps=2, seed=B + H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_v", [4, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_gpu_verify(T, tile_v):
+    _verify_check(1, 12, 128, T, tile_v, torch.float32, ragged=False, seed=T)
+    _verify_check(8, 12, 128, T, tile_v, torch.float32, ragged=True, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_v", [4, 32, 128])
+def test_gpu_verify_bf16_and_heads(tile_v):
+    _verify_check(2, 6, 128, 4, tile_v, torch.bfloat16, ragged=True, seed=1)
+    _verify_check(2, 96, 128, 4, tile_v, torch.float32, ragged=True, seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("inverse", ["fp32", "bf16"])
+def test_gpu_prefill(grouped, inverse):
+    from k3lab_kernels.triton.kda_prefill import kda_prefill
+
+    B, H, D, L = 2, 12, 128, 300
+    inp, p, st, cs = inputs(B, H, D, T=L, seed=9)
+    S, c = st.clone(), cs.clone()
+    out = torch.full((B, L, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    kda_prefill(*args(inp), p, S, c, out, inverse=inverse, grouped=grouped)
+    o64, S64, c64 = kda_prefill_sequential(*args64(inp), p.to(torch.float64), st.double(), cs.double())
+    assert rel(out, o64) < TOL_OUT
+    assert rel(S, S64) < (1e-4 if inverse == "fp32" else 1e-2)
+    assert torch.equal(c.double(), c64)

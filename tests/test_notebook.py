@@ -1,0 +1,55 @@
+"""notebooks/01_decode_layer through `k3lab run` on the CPU tiny preset."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from k3lab.harness.bundle import find_bundles, load
+from k3lab.report import shared_plotly_js
+
+ROOT = Path(__file__).resolve().parent.parent
+NB = ROOT / "notebooks" / "01_decode_layer.ipynb"
+
+
+def test_decode_layer_notebook_tiny(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3lab.cli", "run", str(NB), "-p", "preset", "tiny", "-p", "reps", "5",
+           "-p", "kda_tile_v", "32", "--out", str(out), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    html = out / "01_decode_layer.html"
+    text = html.read_text()
+    # plotly.js is loaded from the one shared copy, by a relative path that resolves
+    src = text.split("data-k3lab-plotly")[0].rsplit('src="', 1)[1].split('"')[0]
+    assert not src.startswith("http") and (html.parent / src).resolve() == shared_plotly_js().resolve()
+    assert "Plotly.newPlot" in text and "cdn.plot.ly" not in text
+    assert len(text) < 300_000
+    bundles = find_bundles(out)
+    assert len(bundles) == 1
+    b = load(bundles[0])
+    assert b.switches["kda_tile_v"] == 32 and b.config["view"]["batch"] == 1
+    assert "reference" in b.backends_ran
+    names = {r.name for r in b.rows}
+    assert any(n.startswith("kda") for n in names) and any(n.startswith("mla") for n in names)
+    for row in b.rows:
+        assert row.error is not None and row.error["ok"], (row.name, row.backend, row.error)
+        assert row.floor_us and row.median_us > 0
+        if not torch.cuda.is_available():
+            assert row.kind == "cpu-smoke"
+    # every requested backend either ran or says why not
+    for be in ("reference", "torch_compile", "triton", "cute"):
+        assert be in b.backends_ran or any(k.split(":")[0] == be for k in b.backends_skipped), be
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "ok"
+    # outputs stay small
+    assert (out / "01_decode_layer.ipynb").stat().st_size < 300_000
+
+
+def test_notebook_source_has_no_outputs():
+    nb = json.loads(NB.read_text())
+    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+    assert any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb["cells"])
