@@ -137,7 +137,7 @@ def test_verify_commit_prefill_triton_vs_reference():
     inp, p, st, cs, sh, chh = ver_inputs(seed=3)
     a = (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs)
     lens = torch.tensor([3, 2], dtype=torch.int32, device=DEV)
-    poison = lambda: torch.full((B, T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)  # noqa: E731
+    poison = lambda: torch.full((B, T, H * D), float("nan"), dtype=torch.bfloat16, device=DEV)
     o_r = kda.verify(*a, poison(), state_hist=sh, conv_hist=chh, lengths=lens, backend="reference")
     sh_r, chh_r = sh.clone(), chh.clone()
     sh2, chh2 = torch.full_like(sh, float("nan")), torch.full_like(chh, float("nan"))

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from k3lab.ref.kda import kda_decode as ref_decode
-from k3lab.ref.kda import kda_prefill_sequential, kda_verify as ref_verify, make_kda_inputs
+from k3lab.ref.kda import kda_prefill_sequential, make_kda_inputs
+from k3lab.ref.kda import kda_verify as ref_verify
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL_OUT, TOL_S32, TOL_S16 = 1e-2, 1e-4, 2e-2
@@ -102,7 +103,7 @@ def _verify_check(B, H, D, T, tile_v, sdt, ragged, seed=0):
     for bb in range(B):
         k = n[bb]
         assert rel(out[bb, :k], o64[bb, :k]) < TOL_OUT
-        assert rel(sh[bb, :k], S64[bb, :k]) < tol_state(sdt) * (1 if sdt == torch.float32 else 1)
+        assert rel(sh[bb, :k], S64[bb, :k]) < tol_state(sdt)
         assert torch.equal(chh[bb, :k].double(), c64[bb, :k]), "conv_hist must match exactly"
         # positions past the length are not computed: the poison is still there
         assert torch.isnan(out[bb, k:].float()).all()

@@ -188,7 +188,7 @@ def torch_impls(c: KDACase) -> list[Impl]:
 
 def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=(4, 8, 16, 32, 64, 128), D=128,
         backends=("triton", "cute"), peers=True, reps: int = 50, device: str = "cuda", with_kernels=True,
-        log: Callable[[str], None] = print) -> list[dict]:
+        deadline_s: float | None = None, log: Callable[[str], None] = print) -> list[dict]:
     """The KDA sweep. Returns (rows, meta): one row per implementation per case. On a CPU
     (Triton under TRITON_INTERPRET=1) the timings are cpu-smoke: logic only."""
     from k3lab.harness import timing
@@ -200,6 +200,8 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
     log(f"copy bandwidth {copy_bw:.3f} TB/s, launch floor {launch_us:.2f} us")
     avail = {b: backend_status(b) for b in backends}
     rows: list[dict] = []
+    t_end = time.time() + deadline_s if deadline_s else None
+    skipped_cases: list[str] = []
     for H in heads:
         for B in batches:
             for T in Ts:
@@ -214,6 +216,9 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
                     if peers:
                         impls += torch_impls(c) + fla_impls(c)
                     if not impls:
+                        continue
+                    if t_end is not None and time.time() > t_end:
+                        skipped_cases.append(c.key())
                         continue
                     nbytes = kda_bytes(c)
                     n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
@@ -244,8 +249,10 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
                         log(_fmt(row))
                     del sets
                     torch.cuda.empty_cache()
+    if skipped_cases:
+        log(f"deadline reached: {len(skipped_cases)} cases not run")
     return rows, dict(copy_tbps=copy_bw, launch_floor_us=launch_us, unavailable={
-        b: why for b, (ok, why) in avail.items() if not ok}, time=time.time())
+        b: why for b, (ok, why) in avail.items() if not ok}, time=time.time(), not_run=skipped_cases)
 
 
 def _fmt(r: dict) -> str:
@@ -266,6 +273,8 @@ def to_bundle(rows: list[dict], meta: dict, name: str = "kda_sweep", grid: dict 
                    launch_floor_us=meta["launch_floor_us"])
     b.config = {"bench": "kda", "grid": grid or {}, "D": 128, "conv_kernel": 4}
     b.backends_skipped = dict(meta.get("unavailable", {}))
+    if meta.get("not_run"):
+        b.notes.append(f"deadline reached; cases not run: {meta['not_run']}")
     for r in rows:
         if "median_us" not in r:
             b.notes.append(f"{r['component']} {r['case']} {r['impl']}: {r.get('error')}")

@@ -1,6 +1,6 @@
 """GPU check + timing for the CuTe DSL KDA kernels (kda_decode.py, kda_verify.py).
 
-    python kernels/cute/check_kda.py [--quick] [--no-time]
+    python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--tiles=128,64,32]
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
 `make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
@@ -11,7 +11,7 @@ ragged path every entry at positions >= lengths[b] still poisoned.
 Timing: CUDA graph of 20 calls captured back to back, replayed; median per call. `rot` uses a
 different buffer set per captured call (up to ~1 GB of distinct state so L2 cannot hold it), `hot`
 reuses one set. Achieved bandwidth = the kernel's floor bytes / rot time.
-Prints a table; writes JSON to $OUT/kda_cute.json when OUT is set.
+Prints a table; writes JSON to $OUT/kda_cute_tiles<tiles>.json when OUT is set.
 """
 import json
 import math
@@ -22,9 +22,19 @@ import traceback
 
 import torch
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    import k3lab  # noqa: F401
+except ImportError:  # not installed: run from the checkout
+    sys.path.insert(0, _ROOT)
 from k3lab.ref import kda as ref
-from k3lab_kernels.cute.kda_decode import (kda_decode, kda_decode_bytes, kda_verify,
-                                           kda_verify_bytes)
+
+try:
+    from k3lab_kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify, kda_verify_bytes
+except ImportError:  # the checkout's `kernels/` folder is the k3lab_kernels package
+    if _ROOT not in sys.path:
+        sys.path.insert(0, _ROOT)
+    from kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify, kda_verify_bytes
 
 OUT_TOL = 1e-2
 STATE_TOL = 1e-4
@@ -50,17 +60,17 @@ def _ref64(fn, inp, p, st, cs):
               st.to(d), cs.to(d), dtype=d, out_dtype=d)
 
 
-def check_decode(B: int, H: int, seed: int = 0, steps: int = 1) -> dict:
+def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128) -> dict:
     """Run `steps` decode steps with fresh inputs each step; compare each step with the fp64 oracle
     carried from the same start. Returns the worst errors."""
     _, p, st, cs = _inputs(B, H, seed=seed)
     st_k, cs_k = st.clone(), cs.clone()
     st_r, cs_r = st.double(), cs.double()
-    worst = dict(out_err=0.0, state_err=0.0, conv_exact=True, out_finite=True)
+    worst = {"out_err": 0.0, "state_err": 0.0, "conv_exact": True, "out_finite": True}
     for s in range(steps):
         inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
         out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-        kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out)
+        kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v)
         torch.cuda.synchronize()
         o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
         worst["out_finite"] &= bool(torch.isfinite(out).all())
@@ -73,7 +83,8 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1) -> dict:
     return worst
 
 
-def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0) -> dict:
+def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
+                 tile_v: int = 128) -> dict:
     inp, p, st, cs = _inputs(B, H, T=T, seed=seed)
     st0, cs0 = st.clone(), cs.clone()
     C = 3 * H * 128
@@ -88,11 +99,12 @@ def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0) ->
         if B > 1:
             lengths[1] = 1
         lengths = lengths.cuda()
-    kda_verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths=lengths)
+    kda_verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths=lengths,
+               tile_v=tile_v)
     torch.cuda.synchronize()
     o_r, s_r, c_r = _ref64(ref.kda_verify, inp, p, st, cs)
-    res = dict(out_err=0.0, state_err=0.0, conv_exact=True, untouched=True,
-               inputs_unchanged=bool(torch.equal(st, st0) and torch.equal(cs, cs0)), out_finite=True)
+    res = {"out_err": 0.0, "state_err": 0.0, "conv_exact": True, "untouched": True,
+               "inputs_unchanged": bool(torch.equal(st, st0) and torch.equal(cs, cs0)), "out_finite": True}
     Ls = lengths.tolist() if ragged else [T] * B
     for bi, L in enumerate(Ls):
         res["out_finite"] &= bool(torch.isfinite(out[bi, :L]).all())
@@ -112,8 +124,8 @@ def check_errors() -> dict:
     inp, p, st, cs = _inputs(1, 6)
     out = torch.empty((1, 6 * 128), dtype=torch.bfloat16, device="cuda")
     cases = {
-        "tile_v=64": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out,
-                                        tile_v=64),
+        "tile_v=16": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out,
+                                        tile_v=16),
         "noncontig state": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p,
                                               st.transpose(2, 3), cs, out),
         "fp32 qkv": lambda: kda_decode(inp["qkv"].float(), inp["f"], inp["b"], inp["gate"], p, st, cs,
@@ -168,48 +180,49 @@ def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
                      for _ in range(n - 1)]
 
 
-def time_decode(B, H, n_calls=20):
+def time_decode(B, H, n_calls=20, tile_v=128):
     inp, p, st, cs = _inputs(B, H, seed=1)
 
     def make():
-        return dict(qkv=inp["qkv"], f=inp["f"], b=inp["b"], gate=inp["gate"], st=st.clone(),
-                    cs=cs.clone(), out=torch.empty(B, H * 128, dtype=torch.bfloat16, device="cuda"))
+        return {"qkv": inp["qkv"], "f": inp["f"], "b": inp["b"], "gate": inp["gate"], "st": st.clone(),
+                    "cs": cs.clone(), "out": torch.empty(B, H * 128, dtype=torch.bfloat16, device="cuda")}
 
     nbytes = kda_decode_bytes(B, H)
     sets = _sets(make, nbytes)
 
     def call(d):
-        return lambda: kda_decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"])
+        return lambda: kda_decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
+                                  tile_v=tile_v)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     hot = _graph_us([call(sets[0])] * n_calls)
     del sets
-    return dict(rot_us=rot, hot_us=hot, bytes=nbytes, tbps=nbytes / rot * 1e-6,
-                floor_us=nbytes / COPY_BW * 1e6)
+    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
+                "floor_us": nbytes / COPY_BW * 1e6}
 
 
-def time_verify(B, H, T, n_calls=20):
+def time_verify(B, H, T, n_calls=20, tile_v=128):
     inp, p, st, cs = _inputs(B, H, T=T, seed=2)
     C = 3 * H * 128
 
     def make():
-        return dict(qkv=inp["qkv"].clone(), f=inp["f"], b=inp["b"], gate=inp["gate"], st=st.clone(),
-                    cs=cs.clone(), out=torch.empty(B, T, H * 128, dtype=torch.bfloat16, device="cuda"),
-                    sh=torch.empty(B, T, H, 128, 128, device="cuda"),
-                    ch=torch.empty(B, T, C, 3, dtype=torch.bfloat16, device="cuda"))
+        return {"qkv": inp["qkv"].clone(), "f": inp["f"], "b": inp["b"], "gate": inp["gate"], "st": st.clone(),
+                    "cs": cs.clone(), "out": torch.empty(B, T, H * 128, dtype=torch.bfloat16, device="cuda"),
+                    "sh": torch.empty(B, T, H, 128, 128, device="cuda"),
+                    "ch": torch.empty(B, T, C, 3, dtype=torch.bfloat16, device="cuda")}
 
     nbytes = kda_verify_bytes(B, H, T)
     sets = _sets(make, nbytes)
 
     def call(d):
         return lambda: kda_verify(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
-                                  d["sh"], d["ch"])
+                                  d["sh"], d["ch"], tile_v=tile_v)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     hot = _graph_us([call(sets[0])] * n_calls)
     del sets
-    return dict(rot_us=rot, hot_us=hot, bytes=nbytes, tbps=nbytes / rot * 1e-6,
-                floor_us=nbytes / COPY_BW * 1e6)
+    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
+                "floor_us": nbytes / COPY_BW * 1e6}
 
 
 def copy_bw(nbytes=1 << 30):
@@ -235,53 +248,75 @@ def copy_bw(nbytes=1 << 30):
 def _safe(fn, *a, **k):
     try:
         return fn(*a, **k)
-    except Exception as e:  # report and keep going
+    except Exception as e:  # noqa: BLE001  (report and keep going)
         traceback.print_exc()
-        return dict(ok=False, error=f"{type(e).__name__}: {e}"[:500])
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     quick = "--quick" in argv
+    lean = "--lean" in argv  # fewer shapes: for a tight device budget
+    tiny = "--tiny" in argv  # fewest shapes that still cover every tile width
+    tiles = (128, 64, 32)
+    for a in argv:
+        if a.startswith("--tiles="):
+            tiles = tuple(int(x) for x in a.split("=", 1)[1].split(","))
     do_time = "--no-time" not in argv
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check")
         return 0
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}, torch {torch.__version__}")
-    report = dict(device=dev, torch=torch.__version__, decode=[], verify=[], timing_decode=[],
-                  timing_verify=[])
+    report = {"device": dev, "torch": torch.__version__, "decode": [], "verify": [], "timing_decode": [],
+                  "timing_verify": []}
     t0 = time.time()
     Bs = [1, 2, 8, 64]
     Hs = [6, 12, 96]
     print("\n== decode correctness (fp64 oracle; out tol 1e-2, state tol 1e-4, conv exact) ==")
-    print(f"{'B':>4} {'H':>3} {'steps':>5} {'out_err':>10} {'state_err':>10} {'conv':>6} {'ok':>4}")
-    shapes = [(B, H) for H in Hs for B in Bs]
+    print(f"{'B':>4} {'H':>3} {'tile':>4} {'steps':>5} {'out_err':>10} {'state_err':>10} {'conv':>6} "
+          f"{'ok':>4}")
+    shapes = [(B, H, 128) for H in Hs for B in Bs]
+    shapes += [(B, H, tv) for tv in (64, 32) for B, H in [(1, 12), (8, 6), (64, 12), (2, 96)]]
     if quick:
-        shapes = [(1, 12), (64, 12)]
-    for B, H in shapes:
-        r = _safe(check_decode, B, H, seed=B * 100 + H, steps=2 if B <= 8 else 1)
-        r.update(B=B, H=H)
+        shapes = [(1, 12, 128), (64, 12, 128), (1, 12, 32)]
+    shapes = [x for x in shapes if x[2] in tiles]
+    if lean:
+        shapes = [x for x in shapes if x[0] in (1, 64) or x[2] != 128]
+    if tiny:
+        shapes = [(1, 12, 128), (64, 96, 128), (1, 12, 64), (8, 6, 64), (64, 12, 32), (2, 96, 32)]
+    for B, H, tv in shapes:
+        r = _safe(check_decode, B, H, seed=B * 100 + H + tv, steps=2 if B <= 8 else 1, tile_v=tv)
+        r.update(B=B, H=H, tile_v=tv)
         report["decode"].append(r)
-        print(f"{B:>4} {H:>3} {2 if B <= 8 else 1:>5} {r.get('out_err', float('nan')):>10.2e} "
-              f"{r.get('state_err', float('nan')):>10.2e} {str(r.get('conv_exact')):>6} "
-              f"{str(r['ok']):>4} {r.get('error', '')}")
+        print(f"{B:>4} {H:>3} {tv:>4} {2 if B <= 8 else 1:>5} {r.get('out_err', float('nan')):>10.2e} "
+              f"{r.get('state_err', float('nan')):>10.2e} {r.get('conv_exact')!s:>6} "
+              f"{r['ok']!s:>4} {r.get('error', '')}")
     print(f"  [{time.time() - t0:.0f}s]")
 
     print("\n== verify correctness ==")
-    print(f"{'B':>4} {'H':>3} {'T':>2} {'ragged':>6} {'out_err':>10} {'state_err':>10} {'conv':>6} "
-          f"{'untouched':>9} {'in_same':>7} {'ok':>4}")
-    vshapes = [(1, 12, 4, False), (2, 6, 8, False), (8, 12, 2, False), (64, 12, 4, False),
-               (1, 96, 3, False), (8, 12, 4, True), (5, 6, 8, True)]
+    print(f"{'B':>4} {'H':>3} {'T':>2} {'tile':>4} {'ragged':>6} {'out_err':>10} {'state_err':>10} "
+          f"{'conv':>6} {'untouched':>9} {'in_same':>7} {'ok':>4}")
+    vshapes = [(1, 12, 4, False, 128), (2, 6, 8, False, 128), (8, 12, 2, False, 128),
+               (64, 12, 4, False, 128), (1, 96, 3, False, 128), (8, 12, 4, True, 128),
+               (5, 6, 8, True, 128)]
+    vshapes += [(B, H, T, rg, tv) for tv in (64, 32)
+                for B, H, T, rg in [(1, 12, 4, False), (2, 6, 8, False), (8, 12, 4, True)]]
     if quick:
-        vshapes = vshapes[:1] + vshapes[-2:-1]
-    for B, H, T, rg in vshapes:
-        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T)
-        r.update(B=B, H=H, T=T, ragged=rg)
+        vshapes = vshapes[:1] + vshapes[-1:]
+    vshapes = [x for x in vshapes if x[4] in tiles]
+    if lean:
+        vshapes = [x for x in vshapes if x[:3] in ((1, 12, 4), (5, 6, 8), (8, 12, 4), (2, 6, 8))]
+    if tiny:
+        vshapes = [(5, 6, 8, True, 128), (1, 12, 4, False, 64), (8, 12, 4, True, 64),
+                   (2, 6, 8, False, 32), (8, 12, 4, True, 32)]
+    for B, H, T, rg, tv in vshapes:
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv)
+        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv)
         report["verify"].append(r)
-        print(f"{B:>4} {H:>3} {T:>2} {str(rg):>6} {r.get('out_err', float('nan')):>10.2e} "
-              f"{r.get('state_err', float('nan')):>10.2e} {str(r.get('conv_exact')):>6} "
-              f"{str(r.get('untouched')):>9} {str(r.get('inputs_unchanged')):>7} {str(r['ok']):>4} "
+        print(f"{B:>4} {H:>3} {T:>2} {tv:>4} {rg!s:>6} {r.get('out_err', float('nan')):>10.2e} "
+              f"{r.get('state_err', float('nan')):>10.2e} {r.get('conv_exact')!s:>6} "
+              f"{r.get('untouched')!s:>9} {r.get('inputs_unchanged')!s:>7} {r['ok']!s:>4} "
               f"{r.get('error', '')}")
     print(f"  [{time.time() - t0:.0f}s]")
 
@@ -295,31 +330,42 @@ def main(argv=None):
         if isinstance(bw, float):
             print(f"\nD2D copy bandwidth here: {bw / 1e12:.3f} TB/s (spec: 4.275)")
         print("\n== decode timing (CUDA graph of 20 calls; rot = distinct buffers per call) ==")
-        print(f"{'B':>4} {'H':>3} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} {'MB':>8} {'TB/s':>6}")
-        tshapes = [(1, 12), (2, 12), (8, 12), (64, 12), (256, 12), (1, 6), (64, 6), (1, 96),
-                   (8, 96), (64, 96)]
+        print(f"{'B':>4} {'H':>3} {'tile':>4} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} {'MB':>8} "
+              f"{'TB/s':>6}")
+        tshapes = [(1, 12), (8, 12), (64, 12), (256, 12), (1, 6), (64, 6), (1, 96), (64, 96)]
         if quick:
             tshapes = [(1, 12), (64, 12)]
+        if lean:
+            tshapes = [(1, 12), (8, 12), (64, 12), (1, 96), (64, 96)]
+        if tiny:
+            tshapes = [(1, 12), (64, 12)]
         for B, H in tshapes:
-            r = _safe(time_decode, B, H)
-            r.update(B=B, H=H)
-            report["timing_decode"].append(r)
-            if "rot_us" in r:
-                print(f"{B:>4} {H:>3} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} {r['floor_us']:>8.2f} "
-                      f"{r['bytes'] / 1e6:>8.2f} {r['tbps']:>6.3f}")
+            for tv in tiles:
+                r = _safe(time_decode, B, H, tile_v=tv)
+                r.update(B=B, H=H, tile_v=tv)
+                report["timing_decode"].append(r)
+                if "rot_us" in r:
+                    print(f"{B:>4} {H:>3} {tv:>4} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} "
+                          f"{r['floor_us']:>8.2f} {r['bytes'] / 1e6:>8.2f} {r['tbps']:>6.3f}")
         print(f"  [{time.time() - t0:.0f}s]")
         print("\n== verify timing ==")
-        print(f"{'B':>4} {'H':>3} {'T':>2} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} {'TB/s':>6}")
+        print(f"{'B':>4} {'H':>3} {'T':>2} {'tile':>4} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} "
+              f"{'TB/s':>6}")
         vt = [(1, 12, 4), (1, 12, 8), (8, 12, 4), (64, 12, 4), (1, 6, 4)]
         if quick:
             vt = [(1, 12, 4)]
+        if lean:
+            vt = [(1, 12, 4), (1, 12, 8), (64, 12, 4)]
+        if tiny:
+            vt = [(1, 12, 4), (1, 12, 8)]
         for B, H, T in vt:
-            r = _safe(time_verify, B, H, T)
-            r.update(B=B, H=H, T=T)
-            report["timing_verify"].append(r)
-            if "rot_us" in r:
-                print(f"{B:>4} {H:>3} {T:>2} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} "
-                      f"{r['floor_us']:>8.2f} {r['tbps']:>6.3f}")
+            for tv in tiles:
+                r = _safe(time_verify, B, H, T, tile_v=tv)
+                r.update(B=B, H=H, T=T, tile_v=tv)
+                report["timing_verify"].append(r)
+                if "rot_us" in r:
+                    print(f"{B:>4} {H:>3} {T:>2} {tv:>4} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} "
+                          f"{r['floor_us']:>8.2f} {r['tbps']:>6.3f}")
         print(f"  [{time.time() - t0:.0f}s]")
 
     ok = (all(r.get("ok") for r in report["decode"]) and all(r.get("ok") for r in report["verify"])
@@ -328,7 +374,8 @@ def main(argv=None):
     print("\nALL CHECKS PASS" if ok else "\nSOME CHECKS FAILED")
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, "kda_cute.json"), "w") as fh:
+        tag = "_".join(str(t) for t in tiles)
+        with open(os.path.join(out_dir, f"kda_cute_tiles{tag}.json"), "w") as fh:
             json.dump(report, fh, indent=1, default=str)
     return 0 if ok else 1
 

@@ -18,6 +18,14 @@ meet in shared memory (2 barriers per position), warp 0 finishes the per-head RM
 Conv/gate prologue: threads 0..127 run the q and k conv channels of key row c = tid (and reduce
 |q|^2, |k|^2, q.k), threads 128..255 the v channel and the decay gate of row c = tid - 128.
 
+Column tiles (the spec's "KDA tile width" switch): tile_v = 64 or 32 splits each head's 128 value
+columns over a cluster of 128/tile_v CTAs (still 256 threads each, G = tile_v/4 lanes per row, so
+one warp instruction covers 32/G rows at 16 B a lane). The delta rule is independent per value
+column; each CTA recomputes the head's (tiny) conv/norm/gate prologue, rank 0 alone writes the conv
+state, and the output RMSNorm's sum of o^2 is joined across the cluster through distributed shared
+memory (st.shared::cluster + one cluster barrier per position). More CTAs per head = more SMs
+pulling state at small batch, and fewer registers per thread (80 at 64, 64 at 32) at large batch.
+
 Floor (decode, bytes that must move, per (b, h)): state 65,536 B read + 65,536 B written, conv_state
 2,304 B read + 2,304 B written, qkv 768 B, f 256 B, gate 256 B, out 256 B, b 2 B = 137,218 B, plus
 params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
@@ -26,6 +34,18 @@ params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
 Verify (T positions, state kept on chip): state read once, state_hist T x 64 KiB written per (b, h),
 conv_hist T x 2,304 B, activations T times.
 
+Measured on the H200 (CUDA graph of 20 calls, median per call, distinct buffers per call; D2D copy
+measured 4.06-4.20 TB/s there), all shapes within tolerance of the fp64 oracle (out rel err ~1.7e-3,
+state rel err <= 1.1e-7, conv exact), kernels/cute/check_kda.py:
+    decode H=12: B=1 4.42 us (tile 128), 4.08 (64), 3.50 (32);  B=8 7.4 us;  B=64 30.7-31.0 us =
+    3.40-3.44 TB/s (tile 128; 64: 32.8, 32: 43.2);  B=256 108.9 us = 3.87 TB/s
+    decode H=96: B=64 213.5 us = 3.95 TB/s;  H=6: B=64 17.2 us
+    verify H=12 B=1: T=4 13.3 / 12.0 / 11.0 us, T=8 23.3 / 22.1 / 18.8 us (tile 128 / 64 / 32);
+    B=64 T=4 85.6 us = 3.10 TB/s (tile 128)
+So: small batch wants tile_v=32 (more SMs per head), B >= 8 wants tile_v=128. Still open: the
+B=64 H=12 decode target of 3.6 TB/s (3.44 reached), and verify's ~2.3 us per position at B=1,
+which is a latency chain inside the CTA, not bytes.
+
 Host API (torch tensors on one CUDA device, launched on torch's current stream, CUDA-graph safe
 after the first call of a shape has compiled it):
 
@@ -33,8 +53,9 @@ after the first call of a shape has compiled it):
     kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
                lengths=None, tile_v=128) -> out          (also in kernels/cute/kda_verify.py)
 
-Supported: D = 128, conv kernel 4, tile_v = 128, qkv/f/b/gate/conv_state/out bf16, state fp32,
-contiguous tensors with 16-byte aligned base pointers; params any of fp32/bf16/fp16.
+Supported: D = 128, conv kernel 4, tile_v in {128, 64, 32}, qkv/f/b/gate/conv_state/out bf16,
+state fp32, contiguous tensors (state 16-byte, gate/out/conv_w/o_norm_w 8-byte aligned bases);
+params any of fp32/bf16/fp16.
 """
 import math
 from typing import Any
@@ -46,15 +67,15 @@ _W = 4
 _THREADS = 256
 _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
 
-__all__ = ["kda_decode", "kda_verify", "kda_decode_bytes", "kda_verify_bytes", "cute_available"]
+__all__ = ["cute_available", "kda_decode", "kda_decode_bytes", "kda_verify", "kda_verify_bytes"]
 
 
 def cute_available() -> bool:
     try:
-        import cutlass  # noqa: F401
+        import cutlass
         import cutlass.cute  # noqa: F401
         return True
-    except Exception:  # pragma: no cover - depends on the machine
+    except Exception:  # noqa: BLE001  # pragma: no cover - depends on the machine
         return False
 
 
@@ -87,10 +108,9 @@ def _kernel_class():
     if _KERNEL_CLS is not None:
         return _KERNEL_CLS
 
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
     import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import Float32, Int32, cute
 
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
@@ -98,6 +118,18 @@ def _kernel_class():
     def vec(ptr, off, n):
         """A 1-D view of n contiguous elements at element offset `off` of pointer `ptr`."""
         return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    from cutlass._mlir.dialects import llvm as _llvm
+    from cutlass._mlir.dialects import nvvm as _nvvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    @dsl_user_op
+    def st_cluster_f32(smem_ptr, cta_rank, val, *, loc=None, ip=None):
+        """st.shared::cluster of one fp32 into CTA `cta_rank`'s copy of the local smem address."""
+        local = smem_ptr.to_llvm_ptr(loc=loc, ip=ip)
+        remote = _nvvm.mapa(_llvm.PointerType.get(7), local, Int32(cta_rank).ir_value(loc=loc, ip=ip),
+                            loc=loc, ip=ip)
+        _llvm.store(Float32(val).ir_value(loc=loc, ip=ip), remote, loc=loc, ip=ip)
 
     def warp_sum(x):
         for sh in (16, 8, 4, 2, 1):
@@ -108,11 +140,22 @@ def _kernel_class():
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float):
+                     lower_bound: float, tile_v: int = 128):
             self.B, self.H, self.T = B, H, T
             self.verify, self.ragged = verify, ragged
             self.eps, self.lb = float(eps), float(lower_bound)
             self.nbuf = 1 if T == 1 else 2
+            assert tile_v in (128, 64, 32)
+            self.TV = tile_v            # value columns per CTA
+            self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
+            self.G = tile_v // 4        # lanes across one row of the tile (4 columns each)
+            self.R = 32 // self.G       # rows one warp instruction covers
+            self.S = 128 // (8 * self.R)  # row steps per thread
+            offs, o_ = [], self.G
+            while o_ < 32:
+                offs.append(o_)
+                o_ *= 2
+            self.red_offs = tuple(offs)   # shuffle offsets joining lanes that share columns
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -120,9 +163,15 @@ def _kernel_class():
                      p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                      p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
                      p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
-                        p_out, p_shist, p_chist, p_len).launch(
-                grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream)
+            if cutlass.const_expr(self.NC == 1):
+                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                            p_out, p_shist, p_chist, p_len).launch(
+                    grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream)
+            else:
+                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                            p_out, p_shist, p_chist, p_len).launch(
+                    grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
+                    cluster=[self.NC, 1, 1], stream=stream)
 
         @cute.kernel
         def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -137,11 +186,21 @@ def _kernel_class():
             C = 3 * HD
             NB = self.nbuf
             scale = 1.0 / math.sqrt(D)
+            late_conv = (not self.verify) and self.NC > 1
 
+            TV, NC, G, R, S = self.TV, self.NC, self.G, self.R, self.S
             tid, _, _ = cute.arch.thread_idx()
-            h, bb, _ = cute.arch.block_idx()
+            hx, bb, _ = cute.arch.block_idx()
+            h = hx
+            rank = Int32(0)
+            if cutlass.const_expr(NC > 1):
+                h = hx // NC
+                rank = hx % NC
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
+            rsub = lane // G   # which of the R rows of a warp instruction
+            cg = lane % G      # which 4-column group of the tile
+            col0 = rank * TV + cg * 4  # first of this thread's 4 value columns (head-local)
             lower = tid < 128
             half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
             c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
@@ -153,6 +212,8 @@ def _kernel_class():
             s_red = smem.allocate_tensor(Float32, cute.make_layout(NB * 16), byte_alignment=16)
             # per warp partial column sums: [buf][warp][k^T d S (128) | q^T d S (128)]
             s_part = smem.allocate_tensor(Float32, cute.make_layout(NB * 8 * 256), byte_alignment=16)
+            # cluster: every CTA's partial sum of o^2 per position, written by the peers
+            s_ss = smem.allocate_tensor(Float32, cute.make_layout(T * NC), byte_alignment=16)
 
             # sequence length (ragged verify): positions >= L write nothing
             L = Int32(T)
@@ -160,10 +221,13 @@ def _kernel_class():
                 L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
 
             # ---- issue the state loads first: 16 x 16 B per thread ---------------------------
-            s_off = cute.assume(((bb * H + h) * D + warp) * D + lane * 4, divby=4)
-            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, 16), stride=(1, 8 * D)))
-            r_s = cute.make_rmem_tensor((4, 16), Float32)
+            # thread's rows: (i * 8 + warp) * R + rsub, i < S; columns col0 .. col0 + 3
+            s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
+            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
+            r_s = cute.make_rmem_tensor((4, S), Float32)
             cute.autovec_copy(g_state, r_s)
+            if cutlass.const_expr(NC > 1):
+                cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before remote stores
 
             # ---- per-thread prologue constants --------------------------------------------------
             # channel 1: q (lower) or v (upper); channel 2: k (lower only)
@@ -190,7 +254,7 @@ def _kernel_class():
 
             # output-norm weights for warp 0's 4 value columns
             r_onw_raw = cute.make_rmem_tensor((4,), p_onw.dtype)
-            cute.autovec_copy(vec(p_onw, cute.assume(lane * 4, divby=4), 4), r_onw_raw)
+            cute.autovec_copy(vec(p_onw, cute.assume(col0, divby=4), 4), r_onw_raw)
 
             # prefetch every position's activations now (no global load waits behind a barrier)
             qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
@@ -206,7 +270,7 @@ def _kernel_class():
                 x1[t] = qkv_g[bt * C + ch1]
                 f_r[t] = f_g[bt * HD + h * D + c]
                 b_r[t] = b_g[bt * H + h]
-                cute.autovec_copy(vec(p_gate, cute.assume(bt * HD + h * D + lane * 4, divby=4), 4),
+                cute.autovec_copy(vec(p_gate, cute.assume(bt * HD + h * D + col0, divby=4), 4),
                                   gate_r[None, t])
             if lower:
                 for t in cutlass.range_constexpr(T):
@@ -255,20 +319,27 @@ def _kernel_class():
                 if lower:
                     for i in cutlass.range_constexpr(3):
                         win2[i] = win2[i + 1]
-                if active > 0:
-                    if cutlass.const_expr(self.verify):
-                        ch_g = cute.make_tensor(p_chist, cute.make_layout(self.B * T * C * 3))
-                        for i in cutlass.range_constexpr(3):
-                            ch_g[(bt * C + ch1) * 3 + i] = win1[i]
-                        if lower:
+                # decode with a cluster: the peers read conv_state too, so rank 0 writes it only after
+                # the cluster barrier below (late_conv)
+                if cutlass.const_expr(not late_conv):
+                    wconv = active
+                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if rank != 0:
+                            wconv = Int32(0)
+                    if wconv > 0:
+                        if cutlass.const_expr(self.verify):
+                            ch_g = cute.make_tensor(p_chist, cute.make_layout(self.B * T * C * 3))
                             for i in cutlass.range_constexpr(3):
-                                ch_g[(bt * C + ch2) * 3 + i] = win2[i]
-                    else:
-                        for i in cutlass.range_constexpr(3):
-                            conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                        if lower:
+                                ch_g[(bt * C + ch1) * 3 + i] = win1[i]
+                            if lower:
+                                for i in cutlass.range_constexpr(3):
+                                    ch_g[(bt * C + ch2) * 3 + i] = win2[i]
+                        else:
                             for i in cutlass.range_constexpr(3):
-                                conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+                                conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                            if lower:
+                                for i in cutlass.range_constexpr(3):
+                                    conv_g[(bb * C + ch2) * 3 + i] = win2[i]
 
                 cute.arch.sync_threads()
 
@@ -290,8 +361,8 @@ def _kernel_class():
                 acc_k.fill(0.0)
                 acc_q.fill(0.0)
                 r_info = cute.make_rmem_tensor((4,), Float32)
-                for i in cutlass.range_constexpr(16):
-                    r = warp + 8 * i
+                for i in cutlass.range_constexpr(S):
+                    r = (i * 8 + warp) * R + rsub
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
                                       r_info)
                     qd = r_info[0] * r_info[2]
@@ -299,9 +370,21 @@ def _kernel_class():
                     for j in cutlass.range_constexpr(4):
                         acc_k[j] = acc_k[j] + kd * r_s[j, i]
                         acc_q[j] = acc_q[j] + qd * r_s[j, i]
-                p_off = cute.assume(buf * 2048 + warp * 256 + lane * 4, divby=4)
-                cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
-                cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
+                # lanes holding the same columns (different rows) combine by shuffles
+                for si in cutlass.range_constexpr(len(self.red_offs)):
+                    for j in cutlass.range_constexpr(4):
+                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
+                                                                          offset=self.red_offs[si])
+                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
+                                                                          offset=self.red_offs[si])
+                p_off = cute.assume(buf * 2048 + warp * 256 + cg * 4, divby=4)
+                if cutlass.const_expr(R == 1):
+                    cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
+                    cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
+                else:
+                    if rsub == 0:
+                        cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
+                        cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
 
                 cute.arch.sync_threads()
 
@@ -312,7 +395,7 @@ def _kernel_class():
                 tot_q.fill(0.0)
                 r_p = cute.make_rmem_tensor((4,), Float32)
                 for w in cutlass.range_constexpr(8):
-                    o_w = cute.assume(buf * 2048 + w * 256 + lane * 4, divby=4)
+                    o_w = cute.assume(buf * 2048 + w * 256 + cg * 4, divby=4)
                     cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                     for j in cutlass.range_constexpr(4):
                         tot_k[j] = tot_k[j] + r_p[j]
@@ -321,10 +404,10 @@ def _kernel_class():
                         tot_q[j] = tot_q[j] + r_p[j]
                 u = cute.make_rmem_tensor((4,), Float32)
                 for j in cutlass.range_constexpr(4):
-                    vj = s_info[buf * 512 + (lane * 4 + j) * 4 + 3]
+                    vj = s_info[buf * 512 + (col0 + j) * 4 + 3]
                     u[j] = beta * (vj - rk * tot_k[j])
-                for i in cutlass.range_constexpr(16):
-                    r = warp + 8 * i
+                for i in cutlass.range_constexpr(S):
+                    r = (i * 8 + warp) * R + rsub
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
                                       r_info)
                     dr = r_info[2]
@@ -333,28 +416,60 @@ def _kernel_class():
                         r_s[j, i] = dr * r_s[j, i] + kr * u[j]
                 if active > 0:
                     if cutlass.const_expr(self.verify):
-                        h_off = cute.assume((((bt * H) + h) * D + warp) * D + lane * 4, divby=4)
+                        h_off = cute.assume((((bt * H) + h) * D + warp * R + rsub) * D + col0, divby=4)
                         g_dst = cute.make_tensor(p_shist + h_off,
-                                                 cute.make_layout((4, 16), stride=(1, 8 * D)))
+                                                 cute.make_layout((4, S), stride=(1, 8 * R * D)))
                         cute.autovec_copy(r_s, g_dst)
                     else:
                         cute.autovec_copy(r_s, g_state)
 
-                # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm (warp 0) ----------
-                if warp == 0:
-                    o_off = cute.assume(bt * HD + h * D + lane * 4, divby=4)
-                    o = cute.make_rmem_tensor((4,), Float32)
+                # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
+                # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
+                # columns is completed across the cluster through distributed shared memory.
+                o = cute.make_rmem_tensor((4,), Float32)
+                ss = Float32(0.0)
+                for j in cutlass.range_constexpr(4):
+                    o[j] = (rq * tot_q[j] + qk * u[j]) * scale
+                    ss = ss + o[j] * o[j]
+                if cutlass.const_expr(NC == 1):
+                    if warp == 0:
+                        ss = warp_sum(ss)
+                else:
+                    if warp == 0:
+                        if rsub != 0:
+                            ss = Float32(0.0)
+                        ss = warp_sum(ss)
+                        if cutlass.const_expr(t == 0):
+                            cute.arch.cluster_wait()  # matches the arrive after the state loads
+                        if lane < NC:
+                            st_cluster_f32(s_ss.iterator + (t * NC + rank), lane, ss)
+                    else:
+                        if cutlass.const_expr(t == 0):
+                            cute.arch.cluster_wait()
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+                    if cutlass.const_expr(late_conv):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if rank == 0:
+                            for i in cutlass.range_constexpr(3):
+                                conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                            if lower:
+                                for i in cutlass.range_constexpr(3):
+                                    conv_g[(bb * C + ch2) * 3 + i] = win2[i]
                     ss = Float32(0.0)
-                    for j in cutlass.range_constexpr(4):
-                        o[j] = (rq * tot_q[j] + qk * u[j]) * scale
-                        ss = ss + o[j] * o[j]
-                    ss = warp_sum(ss)
+                    for rr in cutlass.range_constexpr(NC):
+                        ss = ss + s_ss[t * NC + rr]
+                if warp == 0:
+                    o_off = cute.assume(bt * HD + h * D + col0, divby=4)
                     inv = cute.math.rsqrt(ss * (1.0 / D) + self.eps)
                     r_out = cute.make_rmem_tensor((4,), p_out.dtype)
                     for j in cutlass.range_constexpr(4):
                         val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
                         r_out[j] = val.to(p_out.dtype)
-                    if active > 0:
+                    wout = active
+                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if lane >= G:
+                            wout = Int32(0)
+                    if wout > 0:
                         cute.autovec_copy(r_out, vec(p_out, o_off, 4))
 
     _KERNEL_CLS = KDAStepKernel
@@ -378,7 +493,7 @@ def _cutlass_dtype(dt: torch.dtype):
 
 
 def _ptr(t: torch.Tensor, align: int = 16):
-    import cutlass.cute as cute
+    from cutlass import cute
     from cutlass.cute.runtime import make_ptr
     p = t.data_ptr()
     if p % align:
@@ -407,8 +522,8 @@ _PARAM = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
-    if tile_v != 128:
-        raise NotImplementedError(f"kda cute: only tile_v=128 is implemented (got {tile_v})")
+    if tile_v not in (128, 64, 32):
+        raise NotImplementedError(f"kda cute: tile_v must be 128, 64 or 32 (got {tile_v})")
     if not isinstance(qkv, torch.Tensor) or qkv.device.type != "cuda":
         raise ValueError("kda cute: qkv must be a CUDA tensor")
     H, D, W = params.heads, params.head_dim, params.conv_kernel
@@ -436,11 +551,11 @@ def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
     return B, H
 
 
-def _get_compiled(key, B, H, T, verify, ragged, params, args):
+def _get_compiled(key, B, H, T, verify, ragged, params, args, tile_v):
     fn = _COMPILED.get(key)
     if fn is None:
-        import cutlass.cute as cute
-        kern = _kernel_class()(B, H, T, verify, ragged, params.eps, params.lower_bound)
+        from cutlass import cute
+        kern = _kernel_class()(B, H, T, verify, ragged, params.eps, params.lower_bound, tile_v)
         fn = cute.compile(kern, *args)
         _COMPILED[key] = fn
     return fn
@@ -458,14 +573,15 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     dev = qkv.device
     dummy_len = state  # never read: ragged=False
     args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
-            _ptr(params.A_log, params.A_log.element_size()), _ptr(params.dt_bias, params.dt_bias.element_size()),
+            _ptr(params.A_log, params.A_log.element_size()),
+            _ptr(params.dt_bias, params.dt_bias.element_size()),
             _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
             _ptr(state), _ptr(conv_state, 2), _ptr(dummy_len)]
-    key = ("decode", B, H, 1, dev.index, float(params.eps), float(params.lower_bound),
+    key = ("decode", B, H, 1, tile_v, dev.index, float(params.eps), float(params.lower_bound),
            params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype, params.o_norm_w.dtype)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream])
+        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v)
         fn(*args, stream)
     return out
 
@@ -493,18 +609,19 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     if ragged:
         _check("lengths", lengths, (B,), (torch.int32,), dev)
     args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
-            _ptr(params.A_log, params.A_log.element_size()), _ptr(params.dt_bias, params.dt_bias.element_size()),
+            _ptr(params.A_log, params.A_log.element_size()),
+            _ptr(params.dt_bias, params.dt_bias.element_size()),
             _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
             _ptr(state_hist), _ptr(conv_hist, 2), _ptr(lengths if ragged else state, 4)]
     if not ragged:
-        from cutlass.cute.runtime import make_ptr
         import cutlass
-        import cutlass.cute as cute
+        from cutlass import cute
+        from cutlass.cute.runtime import make_ptr
         args[-1] = make_ptr(cutlass.Int32, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
-    key = ("verify", B, H, T, ragged, dev.index, float(params.eps), float(params.lower_bound),
+    key = ("verify", B, H, T, ragged, tile_v, dev.index, float(params.eps), float(params.lower_bound),
            params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype, params.o_norm_w.dtype)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream])
+        fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v)
         fn(*args, stream)
     return out

@@ -22,6 +22,6 @@ are a sequential chain inside each CTA). The kernel is the same generator as the
     kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
                lengths=None, tile_v=128) -> out
 """
-from .kda_decode import kda_verify, kda_verify_bytes  # noqa: F401
+from .kda_decode import kda_verify, kda_verify_bytes
 
 __all__ = ["kda_verify", "kda_verify_bytes"]

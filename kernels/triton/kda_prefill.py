@@ -107,7 +107,7 @@ def _intra_kernel(q_i, k_i, v_i, G_i, beta_i, W_o, U0_o, Aqk_o, Lp, NC,
     beta = tl.load(beta_i + bh.to(tl.int64) * Lp + c * CH + t)
     A = tl.zeros([CH, CH], tl.float32)
     Aqk = tl.zeros([CH, CH], tl.float32)
-    for s in range(0, CH):
+    for s in range(CH):
         ks = tl.load(k_i + base + s * D + d)
         Gs = tl.load(G_i + base + s * D + d)
         E = tl.exp(tl.minimum(G - Gs[None, :], 0.0))  # exp(G_t - G_s) for t >= s, never > 1
@@ -121,7 +121,7 @@ def _intra_kernel(q_i, k_i, v_i, G_i, beta_i, W_o, U0_o, Aqk_o, Lp, NC,
         A = A.to(tl.bfloat16).to(tl.float32)
     # forward substitution: rows of X = (I + A)^-1, X_i = e_i - sum_{s<i} A_is X_s
     X = tl.zeros([CH, CH], tl.float32)
-    for i in range(0, CH):
+    for i in range(CH):
         a_i = tl.sum(tl.where(t[:, None] == i, A, 0.0), axis=0)  # row i of A, over columns
         x_i = tl.where(t == i, 1.0, 0.0) - tl.sum(a_i[:, None] * X, axis=0)
         X = tl.where(t[:, None] == i, x_i[None, :], X)
@@ -170,7 +170,7 @@ def _seq_kernel(state, q_i, k_i, G_i, W_i, U0_i, Aqk_i, o_buf, H, L, Lp, NC, sca
     dv = vt * TV + tl.arange(0, TV)
     sp = state + bh.to(tl.int64) * D * D + d[:, None] * D + dv[None, :]
     S = tl.load(sp).to(tl.float32)
-    for c in range(0, NC):
+    for c in range(NC):
         S = _chunk_out(S, c, bh, q_i, k_i, G_i, W_i, U0_i, Aqk_i, o_buf, vt, H, L, Lp, NC, scale, CH, D, TV)
     tl.store(sp, S.to(state.dtype.element_ty))
 
@@ -209,7 +209,7 @@ def _scan_kernel(state, M_i, N_i, starts, NC, D: tl.constexpr, TV: tl.constexpr,
     dv = vt * TV + tl.arange(0, TV)
     sp = state + bh.to(tl.int64) * D * D + d[:, None] * D + dv[None, :]
     S = tl.load(sp).to(tl.float32)
-    for c in range(0, NC):
+    for c in range(NC):
         off = (bh.to(tl.int64) * NC + c) * D * D
         tl.store(starts + off + d[:, None] * D + dv[None, :], S)
         M = tl.load(M_i + off + d[:, None] * D + d[None, :])

@@ -1,10 +1,11 @@
 """Fused KDA multi-token verify (speculative verification, T = 2..8 positions per sequence) and commit.
 
 `kda_verify` is ONE launch: per (sequence b, head h, value tile of width tile_v) the program loads its
-D x tile_v state tile once, then for each position t in order does the whole decode step of
-kda_decode.py (conv window over [conv_state, x_0..x_t] + silu, l2norm of q/k, decay gate, beta,
-delta rule, o = S^T q / sqrt(D)) with the state kept in registers, writing the state after every
-position into state_hist[b, t] (in the state dtype) and the conv window into conv_hist[b, t].
+D x tile_v state tile once and, in a prologue for all T positions at once ([T, D] register tiles, so
+every input load is issued before any store), the conv windows over [conv_state, x_0..x_t] + silu,
+l2norm of q/k, decay exp(g) and beta (conv_hist[b, t] written there, exact bf16 copies). Then the
+delta-rule recurrence runs position by position with the state in registers, writing the state
+after every position into state_hist[b, t] (state dtype) and collecting o = S^T q / sqrt(D).
 `state` and `conv_state` are only read. The gated output RMSNorm needs all of a head's value tiles:
 with tile_v < D every program writes its unnormalized o slices (all positions) to an fp32 scratch and
 the last program of the head to arrive (barrier + acq_rel atomic counter, reset after use) normalizes
@@ -25,10 +26,8 @@ from __future__ import annotations
 
 import math
 
-import torch
 import triton
 import triton.language as tl
-
 from k3lab_kernels.triton.kda_decode import TILE_V_ALLOWED, _scratch, default_num_warps
 
 
@@ -111,7 +110,7 @@ def _kda_verify_kernel(
     o_all = tl.zeros([TP, TV], tl.float32)
     sh_base = state_hist + (bi.to(tl.int64) * T * H + h) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :]
     if RAGGED:
-        for t in range(0, n):
+        for t in range(n):
             S, o_all = _step(t, S, o_all, q, k, v, decay, beta, qk, tt, sh_base, H, scale, D)
     else:
         for t in tl.static_range(T):
@@ -161,7 +160,7 @@ def _step(t, S, o_all, q, k, v, decay, beta, qk, tt, sh_base, H, scale, D: tl.co
 
 
 def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=None,
-               tile_v: int = 32, num_warps=None):
+               tile_v: int = 8, num_warps=None):
     """T positions per sequence from the start state (read only). qkv [B,T,3HD], f/gate [B,T,HD],
     b [B,T,H]; writes out [B,T,HD], state_hist [B,T,H,D,D], conv_hist [B,T,3HD,W-1]; returns out.
     lengths [B] int32 in 1..T (device tensor, not read on the host) or None (uniform T)."""
@@ -170,7 +169,7 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     assert D % tile_v == 0 and tile_v in TILE_V_ALLOWED, (D, tile_v)
     NT = D // tile_v
     scr_o, counter = _scratch(qkv.device, B * H, D, NT, T) if NT > 1 else (out, out)
-    nw = num_warps or default_num_warps(D, tile_v)
+    nw = num_warps or default_num_warps(D, tile_v, verify=True)
     _kda_verify_kernel[(B * H * NT,)](
         qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w,
         state, conv_state, out, state_hist, conv_hist, scr_o, counter,
