@@ -122,7 +122,8 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     meta["seconds"] = round(time.time() - t0, 2)
     if out_nb.exists():
         try:
-            export_html(out_nb, html, title=f"{notebook.stem} {json.dumps({k: v for k, v in params.items() if k != 'out_dir'})}")
+            shown = {k: v for k, v in params.items() if k != "out_dir"}
+            export_html(out_nb, html, title=f"{notebook.stem} {json.dumps(shown)}")
             meta["html"] = html.name
         except Exception as e:  # noqa: BLE001
             meta["html_error"] = f"{type(e).__name__}: {e}"
@@ -175,7 +176,7 @@ def run(ctx: typer.Context, notebook: Path = typer.Argument(..., help="notebook 
         run_dir = execute(notebook, _params_from_args(ctx.args), out, quiet=quiet)
     except RunFailed as e:
         _echo_err(f"FAILED: {e}\n  run directory: {e.run_dir}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     meta = json.loads((run_dir / "run.json").read_text())
     typer.echo(f"ok in {meta['seconds']} s: {run_dir}")
     if meta.get("html"):
@@ -266,7 +267,7 @@ def compare(a: Path = typer.Argument(..., help="baseline bundle (JSON or run dir
         ba, bb = load(a), load(b)
     except BundleError as e:
         _echo_err(f"error: {e}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     c = cmp(ba, bb, threshold)
     t = Table(title=f"{bb.name} vs {ba.name} (threshold {threshold:.0%})")
     for col in ("component", "backend", "kind", "A us", "B us", "B/A", ""):
@@ -316,7 +317,7 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
             bd = load(p)
         except BundleError as e:
             _echo_err(f"error: {e}")
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
         dest = Path(profiles) / (gpu or bd.gpu_slug)
         dest.mkdir(parents=True, exist_ok=True)
         stem = safe_name(bd.name)

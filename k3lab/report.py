@@ -295,7 +295,8 @@ def bundle_report(bundle: Any, html_path: str | Path, *, js: str | Path | None =
     meta = (f"<p class='k3-meta'>{_html.escape(str(env.get('gpu') or 'CPU only'))} · torch {env.get('torch')} · "
             f"CUDA {env.get('cuda')} · triton {env.get('triton')} · cutlass-dsl {env.get('cutlass_dsl')} · "
             f"commit {str(env.get('commit'))[:10]}{' (dirty)' if env.get('dirty') else ''} · "
-            f"{_html.escape(str(env.get('time')))}<br>copy {f'{bundle.copy_tbps:.3f}' if bundle.copy_tbps else '?'} TB/s"
+            f"{_html.escape(str(env.get('time')))}<br>"
+            f"copy {f'{bundle.copy_tbps:.3f}' if bundle.copy_tbps else '?'} TB/s"
             f" · launch floor {f'{bundle.launch_floor_us:.2f}' if bundle.launch_floor_us else '?'} us</p>")
     ran = "".join(f"<li><b>{_html.escape(k)}</b>: {_html.escape(v)}</li>" for k, v in bundle.backends_ran.items())
     skipped = "".join(f"<li><b>{_html.escape(k)}</b> skipped: {_html.escape(v)}</li>"

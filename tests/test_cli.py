@@ -6,6 +6,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import typer
 from nbformat.v4 import new_code_cell, new_notebook
 from typer.testing import CliRunner
 
@@ -29,7 +30,7 @@ def test_parse_values():
     assert cli.parse_value('"5"') == "5" and cli.parse_value("1.5") == 1.5
     assert cli._split_values("1,2, [3,4],x") == ["1", "2", "[3,4]", "x"]
     assert cli._params_from_args(["-p", "a", "1", "--param", "b", "[1]"]) == {"a": 1, "b": [1]}
-    with pytest.raises(Exception):
+    with pytest.raises(typer.BadParameter, match="needs NAME VALUE"):
         cli._params_from_args(["-p", "a"])
     h = cli.param_hash({"a": 1, "b": 2})
     assert h == cli.param_hash({"b": 2, "a": 1}) and len(h) == 8

@@ -9,8 +9,10 @@ Backends:
   cute           k3lab_kernels.cute.kda_decode / kda_verify (same signatures as the Triton wrappers);
                  BackendUnavailable if the module cannot be imported or CuTe cannot run here.
   aiter          refused (no AITER KDA kernels in this workbench).
-  auto           triton when a CUDA/ROCm GPU is visible and Triton is installed, else reference.
-                 (The Triton interpreter on CPU is never picked by auto: it is for logic tests.)
+  auto           the measured winner per op and batch from data/kda_defaults.json (backend and
+                 tile_v; CuTe DSL on NVIDIA GPUs where it imports), else triton on a GPU, else
+                 reference. `last_run` records what auto chose. (The Triton interpreter on CPU is
+                 never picked by auto: it is for logic tests.)
 
 Every argument is validated at this boundary (shape, dtype, device, contiguity, tile_v, lengths and
 num_accepted ranges, backend availability); errors are `KDAArgumentError` (a ValueError) naming the
@@ -23,7 +25,9 @@ Each call returns `out` (commit returns None) and records what ran in the module
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -79,6 +83,35 @@ def resolve_backend(backend: str = "auto") -> str:
                                  "use 'triton', 'cute', 'torch_compile' or 'reference'")
     require_backend(backend)
     return backend
+
+
+_DEFAULTS_PATH = Path(__file__).resolve().parent.parent.parent / "data" / "kda_defaults.json"
+_defaults_cache: dict | None = None
+
+
+def auto_choice(op: str, B: int) -> tuple[str, int | None]:
+    """(backend, tile_v) that backend='auto' runs for `op` ("decode" | "verify") at batch B."""
+    global _defaults_cache
+    gpu_be = resolve_backend("auto")
+    if gpu_be == "reference":
+        return "reference", None
+    if _defaults_cache is None:
+        _defaults_cache = json.loads(_DEFAULTS_PATH.read_text()) if _DEFAULTS_PATH.exists() else {}
+    d = _defaults_cache
+    for rule in d.get(op, []):
+        if rule.get("max_batch") is None or B <= rule["max_batch"]:
+            be = rule["backend"]
+            if be == "cute":
+                ok, _ = backend_status("cute")
+                if not ok:
+                    break
+                try:
+                    _cute_module(f"kda_{op}")
+                except BackendUnavailable:
+                    break
+            return be, rule.get("tile_v")
+    fb = d.get("fallback", {}).get(op, {})
+    return fb.get("backend", gpu_be), fb.get("tile_v")
 
 
 def _cute_module(name: str):
@@ -192,9 +225,13 @@ def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="ref
     bf16 and returns it. tile_v: value columns per program (triton/cute only; validated always);
     None = the whole head (D, i.e. 128 for K3)."""
     B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
+    if backend == "auto":
+        be, auto_tile = auto_choice("decode", B)
+        tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
+    else:
+        be = resolve_backend(backend)
     tile_v = _check_tile(tile_v, D, 128)
     out = _out(out, (B, H * D), qkv.device)
-    be = resolve_backend(backend)
     shape = dict(B=B, H=H, D=D)
     sd = str(state.dtype).replace("torch.", "")
     if be == "triton":
@@ -248,17 +285,22 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     """T positions from the start state (state/conv_state only read). Writes out [B,T,HD] bf16,
     state_hist [B,T,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16. lengths [B] int32 in 1..T:
     positions >= lengths[b] are not computed and their out/hist entries are left untouched.
-    tile_v None = 8 (measured best at B=1, T=4 on the H200)."""
+    tile_v None = 8 for triton (its measured best at B=1, T=4 on the H200), 128 for cute; with
+    backend="auto" the tile comes from data/kda_defaults.json."""
     B, T, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
     if not 1 <= T <= 8:
         _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
-    tile_v = _check_tile(tile_v, D, 8)
+    if backend == "auto":
+        be, auto_tile = auto_choice("verify", B)
+        tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
+    else:
+        be = resolve_backend(backend)
+    tile_v = _check_tile(tile_v, D, 128 if be == "cute" else 8)
     dev = qkv.device
     out = _out(out, (B, T, H * D), dev)
     _check("state_hist", state_hist, (B, T, H, D, D), (state.dtype,), dev)
     _check("conv_hist", conv_hist, (B, T, 3 * H * D, W - 1), (torch.bfloat16,), dev)
     _check_lengths(lengths, B, T, dev, check_values)
-    be = resolve_backend(backend)
     sd = str(state.dtype).replace("torch.", "")
     shape = dict(B=B, T=T, H=H, D=D, ragged=lengths is not None)
     if be == "triton":

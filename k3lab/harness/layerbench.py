@@ -136,7 +136,8 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                 kl = timing.kernel_list(fn, calls=2) if (kernels and on_gpu) else []
                 fl = roofline.floor(nbytes, flops, copy_tbps=b.copy_tbps, launch_us=b.launch_floor_us)
                 ran = getattr(test_layer, "ran", {}).get(cname, be)
-                row = Row.from_timing(cname if cname.startswith(kind + ".") else f"{kind}.{cname}", be, t, floor=fl, kernels=kl, error=errs[cname], layer=kind, ran=ran)
+                rname = cname if cname.startswith(kind + ".") else f"{kind}.{cname}"
+                row = Row.from_timing(rname, be, t, floor=fl, kernels=kl, error=errs[cname], layer=kind, ran=ran)
                 b.add(row)
                 log(f"{kind:4s} {be:14s} {cname:16s} {t.median_us:10.2f} us  floor {fl.floor_us:8.2f} us  "
                     f"rel err {errs[cname].rel_norm:.2e}{'' if errs[cname].ok else '  FAILED'}")

@@ -205,8 +205,8 @@ def kda_prefill_chunked(qkv, f, b, gate, p: KDAParams, state, conv_state, *, chu
     evaluates every chunk's outputs independently (the form that lets chunks replay in parallel).
     """
     dtype = dtype or state.dtype
-    B, L = qkv.shape[:2]
-    H, D = p.heads, p.head_dim
+    L = qkv.shape[1]
+    D = p.head_dim
     q, k, v, g, beta, new_conv = _chunk_prep(qkv, f, b, p, conv_state, dtype)
     # heads in front: [B, H, L, D]
     q, k, v, g = (x.transpose(1, 2) for x in (q, k, v, g))

@@ -27,7 +27,7 @@ try:
     import k3lab  # noqa: F401
 except ImportError:  # not installed: run from the checkout
     sys.path.insert(0, _ROOT)
-from k3lab.ref import kda as ref
+from k3lab.ref import kda as ref  # noqa: E402 - after the checkout fallback above
 
 try:
     from k3lab_kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify, kda_verify_bytes
