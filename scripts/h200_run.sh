@@ -5,6 +5,7 @@
 #   STEP=main  carry [".gpu/base"]  the KDA sweep bundle + report (every backend, torch, torch.compile,
 #                                   fla) and the layer notebook at tp8, batch 1 and 64, context 8K
 #   STEP=tests carry [".gpu/base"]  the GPU-marked tests (several minutes)
+#   STEP=tune  carry [".gpu/base"]  the Triton KDA tile x warps x stages tuner (kernels/triton/tune_kda.py)
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short
 # still returns them (the tool brings back at most 8 files). Knobs: HEADS, BATCHES, TS, DEADLINE,
 # LAYER_BATCHES (empty: skip the layer notebook).
@@ -39,6 +40,9 @@ main)
 tests)
   eval "$(bash .gpu/base/unpack.sh)"; install
   python3 -m pytest -q -m gpu -x 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 30 ;;
-*) echo "STEP must be cute, main or tests" >&2; exit 2 ;;
+tune)
+  eval "$(bash .gpu/base/unpack.sh)"; install
+  python3 kernels/triton/tune_kda.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -n 40 ;;
+*) echo "STEP must be cute, main, tests or tune" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

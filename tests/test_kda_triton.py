@@ -154,6 +154,52 @@ def test_commit_equals_decode_of_accepted():
         assert torch.equal(c_c[bb], c_d[0])
 
 
+@pytest.mark.parametrize("W", [2, 3, 5])
+def test_conv_kernel_widths(W):
+    """The conv window is a tuple of W 1-D column vectors: any kernel width W >= 2 (the model uses 4)."""
+    from k3lab_kernels.triton.kda_decode import kda_decode
+    from k3lab_kernels.triton.kda_verify import kda_verify
+
+    B, H, D, T = 2, 2, 16, 3
+    for tile_v in (8, 16):  # two tiles per head (scratch + last arriver) and one (direct)
+        inp, p, st, cs = make_kda_inputs(B, H, D, W=W, seed=W, device=DEV)
+        p64 = p.to(torch.float64)
+        S, c = st.clone(), cs.clone()
+        out = torch.full((B, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+        kda_decode(*args(inp), p, S, c, out, tile_v=tile_v)
+        o64, S64, c64 = ref_decode(*args64(inp), p64, st.double(), cs.double())
+        assert rel(out, o64) < TOL_OUT and rel(S, S64) < TOL_S32
+        assert torch.equal(c.double(), c64)
+        inp, p, st, cs = make_kda_inputs(B, H, D, T=T, W=W, seed=W + 1, device=DEV)
+        out = torch.full((B, T, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+        sh = torch.full((B, T, H, D, D), NAN, device=DEV)
+        chh = torch.full((B, T, 3 * H * D, W - 1), NAN, dtype=torch.bfloat16, device=DEV)
+        kda_verify(*args(inp), p, st, cs, out, sh, chh, tile_v=tile_v)
+        o64, S64, c64 = ref_verify(*args64(inp), p.to(torch.float64), st.double(), cs.double())
+        assert rel(out, o64) < TOL_OUT and rel(sh, S64) < TOL_S32
+        assert torch.equal(chh.double(), c64)
+
+
+def test_one_tile_per_head_uses_no_scratch():
+    """tile_v == D: the program holds the whole head, so no o scratch or arrival counter is allocated
+    (the kernels' NT == 1 branch has no atomics and no scratch reload)."""
+    from k3lab_kernels.triton import kda_decode as dec
+    from k3lab_kernels.triton.kda_verify import kda_verify
+
+    B, H, D, T = 1, 2, 16, 2
+    dec._SCRATCH.clear()
+    inp, p, st, cs = inputs(B, H, D, seed=21)
+    out = torch.full((B, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    dec.kda_decode(*args(inp), p, st, cs, out, tile_v=D)
+    inp, p, st, cs = inputs(B, H, D, T=T, seed=22)
+    out = torch.full((B, T, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    sh = torch.full((B, T, H, D, D), NAN, device=DEV)
+    chh = torch.full((B, T, 3 * H * D, 3), NAN, dtype=torch.bfloat16, device=DEV)
+    kda_verify(*args(inp), p, st, cs, out, sh, chh, tile_v=D)
+    assert not dec._SCRATCH, list(dec._SCRATCH)
+    assert not torch.isnan(out.float()).any()
+
+
 # ---- prefill -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("L", [1, 70, 130])

@@ -7,15 +7,22 @@ Fuses, per (sequence b, head h, value tile):
   as bf16, computed in fp32, stored as bf16), o = S^T q / sqrt(D), and the gated output RMSNorm
   rms(o; o_norm_w) * sigmoid(gate) written straight into `out` [B, H*D] bf16.
 
-Grid: one program per (b, h, value tile of width tile_v). Each program reads its D x tile_v state tile
-once (one coalesced block load), keeps everything in registers and writes it once. With tile_v < D the
-per-head RMSNorm needs every tile's o: each program writes its unnormalized o slice to a small fp32
-scratch and bumps a per-(b,h) arrival counter (barrier + acq_rel atomic); the last program of a head
-normalizes and writes the whole head, writes the head's q/k conv-state shift (every program of the head
-must have read the old q/k conv state first, so that write waits for the last arrival), and resets
-the counter so the kernel is re-launchable and CUDA-graph capturable. Scratch and counters are
-allocated once per (device, B, H, D, tile count) and cached; call once before graph capture.
-Concurrent launches of the same shape on different streams would share that scratch: not supported.
+Grid: one program per (b, h, value tile of width tile_v). Each program first issues every small input
+load (the W-1 conv-state columns and the new input of its q|k channels as [D, 2] tiles -- column 0 = q,
+1 = k -- and of its v channels as 1-D vectors; f, dt_bias, A_log, b; gate and norm weight when the head
+is one tile), then its D x tile_v state tile (one coalesced block load) so the prologue runs while the
+state is in flight. Only ONE D x tile_v fp32 tile is live: S' = exp(g) S; S'^T k and S'^T q are two
+reductions over S'; u = beta (v - S'^T k); o = (S'^T q + (q.k) u) / sqrt(D) (= S''^T q); S'' = S' + k u^T
+is stored straight back. The conv-state columns a program owns are shifted from registers right after
+they are loaded. With tile_v == D the program normalizes and writes out itself: no scratch, no atomics.
+With tile_v < D the per-head RMSNorm needs every tile's o: each program writes its unnormalized o slice
+to a small fp32 scratch and bumps a per-(b,h) arrival counter (barrier + acq_rel atomic); the last
+program of a head re-reads the scratch, normalizes and writes the whole head, shifts the head's q/k
+conv state (every program of the head must have read the old one first; it re-loads those inputs from
+L2 in the same round trip as the scratch instead of keeping them in registers), and resets the counter
+so the kernel is re-launchable and CUDA-graph capturable. Scratch and counters are allocated once per
+(device, B, H, D, tile count) and cached; call once before graph capture. Concurrent launches of the
+same shape on different streams would share that scratch: not supported.
 
 Floor (bytes that must move, per call), H heads of dim D, batch B, fp32 state:
   state read + write   B*H*D*D*4*2            (B=1, H=12, D=128: 1.573 MB; B=64: 100.7 MB)
@@ -37,31 +44,31 @@ TILE_V_ALLOWED = (4, 8, 16, 32, 64, 128)
 # ---- shared device helpers (also used by kda_verify) -------------------------------------------
 
 @triton.jit
-def _conv_window(x_row, cs_row, ch, j, W: tl.constexpr):
-    """Window [N, WP] of pre-conv inputs for channels `ch`: columns 0..W-2 from the conv state (oldest
-    first), column W-1 the new input. Columns >= W are zero. Kept in the input dtype (exact)."""
-    cs = tl.load(cs_row + ch[:, None] * (W - 1) + j[None, :], mask=j[None, :] < W - 1, other=0.0)
-    x = tl.load(x_row + ch)
-    return tl.where(j[None, :] == W - 1, x[:, None], cs)
+def _load_cols(cs_row, ch, W: tl.constexpr):
+    """The W-1 conv-state columns of channels `ch` (oldest first) as a tuple of vectors (ch 1-D, or the
+    [D, 2] q|k channel tile), input dtype.
+    Separate 1-D loads instead of one [N, W] tile: no padded column, no select, and each vector stays in
+    a 1-D layout (about N / threads registers) until it is consumed."""
+    cols = ()
+    for j in tl.static_range(W - 1):
+        cols = cols + (tl.load(cs_row + ch * (W - 1) + j),)
+    return cols
 
 
 @triton.jit
-def _conv_silu(win, w_ptr, ch, j, W: tl.constexpr):
-    w = tl.load(w_ptr + ch[:, None] * W + j[None, :], mask=j[None, :] < W, other=0.0)
-    y = tl.sum(win.to(tl.float32) * w.to(tl.float32), axis=1)
+def _conv_silu(win, w_ptr, ch, W: tl.constexpr):
+    """silu(sum_j win[j] * conv_w[ch, j]) in fp32; `win` is a tuple of W 1-D vectors (oldest first)."""
+    y = win[0].to(tl.float32) * tl.load(w_ptr + ch * W).to(tl.float32)
+    for j in tl.static_range(1, W):
+        y += win[j].to(tl.float32) * tl.load(w_ptr + ch * W + j).to(tl.float32)
     return y / (1.0 + tl.exp(-y))
 
 
 @triton.jit
-def _store_conv_shift(cs_row, win, ch, j, W: tl.constexpr):
-    """New conv state = window columns 1..W-1 (drop the oldest)."""
-    tl.store(cs_row + ch[:, None] * (W - 1) + (j[None, :] - 1), win,
-             mask=(j[None, :] >= 1) & (j[None, :] < W))
-
-
-@triton.jit
-def _l2norm(x):
-    return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+def _store_cols(cs_row, win, ch, W: tl.constexpr):
+    """Conv state after the step = window entries 1..W-1 (the oldest dropped); `win` holds W vectors."""
+    for j in tl.static_range(W - 1):
+        tl.store(cs_row + ch * (W - 1) + j, win[j + 1])
 
 
 @triton.jit
@@ -69,7 +76,7 @@ def _kda_decode_kernel(
     qkv, f_ptr, b_ptr, gate_ptr, conv_w, A_log, dt_bias, o_norm_w,
     state, conv_state, out, scr_o, counter,
     H, eps, lb, scale,
-    D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     vt = pid % NT
@@ -81,67 +88,78 @@ def _kda_decode_kernel(
     offs_k = tl.arange(0, D)
     offs_v = tl.arange(0, TV)
     v0 = vt * TV
-    j = tl.arange(0, WP)
-
-    # the big load first: the whole D x TV state tile, rows contiguous along the value axis
-    s_ptrs = state + bh.to(tl.int64) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :]
-    S = tl.load(s_ptrs).to(tl.float32)
-
     x_row = qkv + bi.to(tl.int64) * C
     cs_row = conv_state + bi.to(tl.int64) * (C * (W - 1))
+    out_row = out + bi.to(tl.int64) * HD + h * D
+    gate_row = gate_ptr + bi.to(tl.int64) * HD + h * D
     ch_q = h * D + offs_k
     ch_k = HD + h * D + offs_k
     ch_v = 2 * HD + h * D + v0 + offs_v
-    win_q = _conv_window(x_row, cs_row, ch_q, j, W)
-    win_k = _conv_window(x_row, cs_row, ch_k, j, W)
-    win_v = _conv_window(x_row, cs_row, ch_v, j, W)
+
+    # 1. every small input load first (all independent): conv windows as 1-D vectors, gate inputs
+    # q and k channels side by side as one [D, 2] tile (column 0 = q, 1 = k)
+    ch_qk = ch_q[:, None] + HD * tl.arange(0, 2)[None, :]
+    win_qk = _load_cols(cs_row, ch_qk, W) + (tl.load(x_row + ch_qk),)
+    win_v = _load_cols(cs_row, ch_v, W) + (tl.load(x_row + ch_v),)
     fk = tl.load(f_ptr + bi.to(tl.int64) * HD + h * D + offs_k).to(tl.float32)
     dtb = tl.load(dt_bias + h * D + offs_k).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     blog = tl.load(b_ptr + bi.to(tl.int64) * H + h).to(tl.float32)
-
-    q = _l2norm(_conv_silu(win_q, conv_w, ch_q, j, W))
-    k = _l2norm(_conv_silu(win_k, conv_w, ch_k, j, W))
-    v = _conv_silu(win_v, conv_w, ch_v, j, W)
-    g = lb / (1.0 + tl.exp(-(a * (fk + dtb))))
-    beta = 1.0 / (1.0 + tl.exp(-blog))
-
-    # delta rule on the decayed state; both reductions read the same decayed tile
-    Sd = S * tl.exp(g)[:, None]
-    kS = tl.sum(k[:, None] * Sd, axis=0)
-    qS = tl.sum(q[:, None] * Sd, axis=0)
-    qk = tl.sum(q * k, axis=0)
-    u = beta * (v - kS)
-    S_new = Sd + k[:, None] * u[None, :]
-    tl.store(s_ptrs, S_new.to(state.dtype.element_ty))
-    o = (qS + qk * u) * scale
-    # this program owns its v channels' conv state
-    _store_conv_shift(cs_row, win_v, ch_v, j, W)
-
-    out_row = out + bi.to(tl.int64) * HD + h * D
-    gate_row = gate_ptr + bi.to(tl.int64) * HD + h * D
     if NT == 1:
         wn = tl.load(o_norm_w + offs_v).to(tl.float32)
         gt = tl.load(gate_row + offs_v).to(tl.float32)
+
+    # 2. the one D x TV state tile (rows contiguous along the value axis): in flight during the prologue
+    s_ptrs = state + bh.to(tl.int64) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :]
+    S = tl.load(s_ptrs).to(tl.float32)
+
+    # 3. conv-state shifts this program owns, straight from registers: its v channels, and with one
+    #    tile per head also q/k (with NT > 1 every tile reads q/k, so the last arriver shifts them)
+    _store_cols(cs_row, win_v, ch_v, W)
+    if NT == 1:
+        _store_cols(cs_row, win_qk, ch_qk, W)
+
+    # 4. prologue in fp32 1-D vectors
+    qk2 = _conv_silu(win_qk, conv_w, ch_qk, W)
+    qk2 = qk2 * tl.rsqrt(tl.sum(qk2 * qk2, axis=0) + 1e-6)[None, :]
+    q, k = tl.split(qk2)
+    v = _conv_silu(win_v, conv_w, ch_v, W)
+    decay = tl.exp(lb / (1.0 + tl.exp(-(a * (fk + dtb)))))
+    beta = 1.0 / (1.0 + tl.exp(-blog))
+    qk = tl.sum(q * k, axis=0)
+
+    # 5. one tile live: S' = decay * S; S'^T k and S'^T q in one pass over S'; u = beta (v - S'^T k);
+    #    o = (S'^T q + (q.k) u) / sqrt(D)  [= S''^T q]; S'' = S' + k u^T stored straight back
+    S = S * decay[:, None]
+    kS = tl.sum(S * k[:, None], axis=0)
+    qS = tl.sum(S * q[:, None], axis=0)
+    u = beta * (v - kS)
+    o = (qS + qk * u) * scale
+    S = S + k[:, None] * u[None, :]
+    tl.store(s_ptrs, S.to(state.dtype.element_ty))
+
+    if NT == 1:
+        # the whole head is here: no scratch, no atomics
         r = tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
         y = o * r * wn / (1.0 + tl.exp(-gt))
         tl.store(out_row + offs_v, y.to(out.dtype.element_ty))
-        _store_conv_shift(cs_row, win_q, ch_q, j, W)
-        _store_conv_shift(cs_row, win_k, ch_k, j, W)
     else:
         tl.store(scr_o + bh.to(tl.int64) * D + v0 + offs_v, o)
         tl.debug_barrier()  # every thread's scratch store happens-before the release below
         arrived = tl.atomic_add(counter + bh, 1, sem="acq_rel")
         if arrived == NT - 1:
+            # scratch, gate, norm weight and the head's q/k conv inputs: independent loads, one round trip
             oa = tl.load(scr_o + bh.to(tl.int64) * D + offs_k, cache_modifier=".cg")
             wn = tl.load(o_norm_w + offs_k).to(tl.float32)
             gt = tl.load(gate_row + offs_k).to(tl.float32)
+            # every program of this head has read the old q/k conv state by now
+            sh_q = _load_cols(cs_row, ch_q, W) + (tl.load(x_row + ch_q),)
+            sh_k = _load_cols(cs_row, ch_k, W) + (tl.load(x_row + ch_k),)
             r = tl.rsqrt(tl.sum(oa * oa, axis=0) / D + eps)
             y = oa * r * wn / (1.0 + tl.exp(-gt))
             tl.store(out_row + offs_k, y.to(out.dtype.element_ty))
-            # all programs of this head have read the old q/k conv state by now
-            _store_conv_shift(cs_row, win_q, ch_q, j, W)
-            _store_conv_shift(cs_row, win_k, ch_k, j, W)
+            _store_cols(cs_row, sh_q, ch_q, W)
+            _store_cols(cs_row, sh_k, ch_k, W)
             tl.store(counter + bh, 0)
 
 
@@ -161,7 +179,11 @@ def _scratch(device: torch.device, rows: int, D: int, NT: int, T: int = 1):
     return s
 
 
-# Measured on the H200 (12 heads, D=128, CUDA-graph replay, 2026-11-30): decode best at
+# GUESS pending measurement: these values were measured on the previous version of the kernels (which
+# kept 1-D prologue vectors replicated per thread and the q/k windows live to the end) and are kept
+# unchanged; ptxas (sm_90a, no GPU) now reports decode tile 16/2 warps 86 regs, 32/4 80, 64/4 130,
+# 128/8 159 with no spills (was 124 / 157 / 254 / 255+spill). Re-derive with kernels/triton/tune_kda.py.
+# Old measurement (H200, 12 heads, D=128, CUDA-graph replay, 2026-11-30): decode best at
 # tile 16 / 2 warps (B=1: 4.98 us back-to-back, 6.0 us as a single-node graph; B=64: 1.93 TB/s fp32)
 # and tile 32 / 4 warps (B=64 fp32: 1.96 TB/s); tile 128 / 8 warps spills (255 regs).
 _DECODE_WARPS = {4: 2, 8: 2, 16: 2, 32: 4, 64: 4, 128: 8}
@@ -178,16 +200,23 @@ def default_num_warps(D: int, tile_v: int, verify: bool = False) -> int:
 def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, num_warps=None):
     """One fused decode step. Shapes as k3lab.ref.kda (contiguous; validated by the component API).
     Updates `state` and `conv_state` in place, writes `out` [B, H*D]; returns `out`."""
+    _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps)
+    return out
+
+
+def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps, num_stages=None):
+    """The launch behind kda_decode; returns Triton's compiled-kernel handle (n_regs / n_spills on a GPU).
+    num_stages is exposed for kernels/triton/tune_kda.py only (the kernel has no loop to pipeline)."""
     B = qkv.shape[0]
     H, D, W = params.heads, params.head_dim, params.conv_kernel
     assert D % tile_v == 0 and tile_v in TILE_V_ALLOWED, (D, tile_v)
     NT = D // tile_v
     scr_o, counter = _scratch(qkv.device, B * H, D, NT) if NT > 1 else (out, out)
     nw = num_warps or default_num_warps(D, tile_v)
-    _kda_decode_kernel[(B * H * NT,)](
+    opts = {} if num_stages is None else {"num_stages": num_stages}
+    return _kda_decode_kernel[(B * H * NT,)](
         qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w,
         state, conv_state, out, scr_o, counter,
         H, float(params.eps), float(params.lower_bound), 1.0 / math.sqrt(D),
-        D=D, TV=tile_v, NT=NT, W=W, WP=triton.next_power_of_2(W), num_warps=nw,
+        D=D, TV=tile_v, NT=NT, W=W, num_warps=nw, **opts,
     )
-    return out

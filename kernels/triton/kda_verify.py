@@ -1,18 +1,21 @@
 """Fused KDA multi-token verify (speculative verification, T = 2..8 positions per sequence) and commit.
 
-`kda_verify` is ONE launch: per (sequence b, head h, value tile of width tile_v) the program loads its
-D x tile_v state tile once and, in a prologue for all T positions at once ([T, D] register tiles, so
-every input load is issued before any store), the conv windows over [conv_state, x_0..x_t] + silu,
-l2norm of q/k, decay exp(g) and beta (conv_hist[b, t] written there, exact bf16 copies). Then the
-delta-rule recurrence runs position by position with the state in registers, writing the state
-after every position into state_hist[b, t] (state dtype) and collecting o = S^T q / sqrt(D).
-`state` and `conv_state` are only read. The gated output RMSNorm needs all of a head's value tiles:
-with tile_v < D every program writes its unnormalized o slices (all positions) to an fp32 scratch and
-the last program of the head to arrive (barrier + acq_rel atomic counter, reset after use) normalizes
-and writes out[b, :, h]. Narrow tiles give more programs at small batch (12 heads, B=1: tile 32 ->
-48 programs, tile 4 -> 384). lengths=None compiles the uniform-length specialization (no length
-loads or masks; the position loop is unrolled); with `lengths` [B] int32 positions >= lengths[b]
-are not computed and their out/hist entries stay untouched.
+`kda_verify` is ONE launch: per (sequence b, head h, value tile of width tile_v) the program first
+issues every input load for all T positions (conv-state columns and x_t of its q|k channels as [D, 2]
+tiles, of its v channels as 1-D vectors, f_t, b_t, and gate_t when the head is one tile; kept in their
+input dtype as tuples, nothing stored before them), then its D x tile_v state tile, then writes
+conv_hist[b, t] straight from those registers (exact copies; q/k by the head's first tile only). The
+delta-rule recurrence then runs position by position (fully unrolled) with ONE fp32 state tile live:
+per position the conv + silu, l2norm of q/k, decay exp(g) and beta are computed in fp32 vectors,
+S' = exp(g) S, S'^T k and S'^T q in one pass, u = beta (v - S'^T k), o = (S'^T q + (q.k) u) / sqrt(D),
+and S = S' + k u^T is stored to state_hist[b, t] and carried to the next position. `state` and
+`conv_state` are only read. With tile_v == D each position's gated RMSNorm output is written as soon as
+it is known (no scratch, no atomics). With tile_v < D every program writes its unnormalized o slices
+to an fp32 scratch and the last program of the head to arrive (barrier + acq_rel atomic counter, reset
+after use) normalizes and writes out[b, :, h]. Narrow tiles give more programs at small batch
+(12 heads, B=1: tile 32 -> 48 programs, tile 4 -> 384). lengths=None compiles the uniform-length
+specialization (no length loads or guards); with `lengths` [B] int32 positions >= lengths[b] are not
+computed (a runtime guard per unrolled position) and their out/hist entries stay untouched.
 
 `commit` is a small Triton gather-copy kernel (two launches, state then conv state): state[b] =
 state_hist[b, n_b-1], conv_state[b] = conv_hist[b, n_b-1], with n_b read on the device (no sync).
@@ -28,34 +31,24 @@ import math
 
 import triton
 import triton.language as tl
-from k3lab_kernels.triton.kda_decode import TILE_V_ALLOWED, _scratch, default_num_warps
+from k3lab_kernels.triton.kda_decode import TILE_V_ALLOWED, _load_cols, _scratch, default_num_warps
 
 
 @triton.jit
-def _conv_all(x_base, cs_row, ch_row_t, conv_w, ch, tt, valid_t, C, WRITE_HIST, W: tl.constexpr):
-    """Conv + silu for every position at once: returns [TP, N] fp32. Position t's window is
-    seq[t .. t+W-1] over seq = [conv_state (W-1 values), x_0, x_1, ...]; its last W-1 entries are the
-    conv state after t, written to conv_hist[b, t] when WRITE_HIST (exact bf16 copies)."""
-    acc = tl.zeros([tt.shape[0], ch.shape[0]], tl.float32)
-    for jj in tl.static_range(W):
-        i = tt + jj
-        from_cs = (i < W - 1)[:, None]
-        m = valid_t[:, None]
-        cs = tl.load(cs_row + ch[None, :] * (W - 1) + i[:, None], mask=from_cs & m, other=0.0)
-        xv = tl.load(x_base + (i[:, None] - (W - 1)) * C + ch[None, :], mask=(~from_cs) & m, other=0.0)
-        val = tl.where(from_cs, cs, xv)
-        if jj >= 1:
-            if WRITE_HIST:
-                tl.store(ch_row_t + tt[:, None] * (C * (W - 1)) + ch[None, :] * (W - 1) + (jj - 1), val, mask=m)
-        wj = tl.load(conv_w + ch * W + jj).to(tl.float32)
-        acc += val.to(tl.float32) * wj[None, :]
-    return acc / (1.0 + tl.exp(-acc))
+def _conv_silu_at(seq, t: tl.constexpr, w_ptr, ch, W: tl.constexpr):
+    """Conv + silu of position t: its window is seq[t .. t+W-1] over the tuple of 1-D (or [D, 2]) vectors
+    seq = (conv-state columns oldest first, x_0, x_1, ...). fp32."""
+    y = seq[t].to(tl.float32) * tl.load(w_ptr + ch * W).to(tl.float32)
+    for j in tl.static_range(1, W):
+        y += seq[t + j].to(tl.float32) * tl.load(w_ptr + ch * W + j).to(tl.float32)
+    return y / (1.0 + tl.exp(-y))
 
 
 @triton.jit
-def _row(x, tt, t):
-    """Row t of a [TP, N] register tile (a masked reduction; TP <= 8)."""
-    return tl.sum(tl.where(tt[:, None] == t, x, 0.0), axis=0)
+def _store_hist(row, seq, t: tl.constexpr, ch, W: tl.constexpr):
+    """conv_hist[b, t] = the conv state after position t = seq[t+1 .. t+W-1] (exact input-dtype copies)."""
+    for j in tl.static_range(W - 1):
+        tl.store(row + ch * (W - 1) + j, seq[t + 1 + j])
 
 
 @triton.jit
@@ -76,87 +69,91 @@ def _kda_verify_kernel(
     offs_k = tl.arange(0, D)
     offs_v = tl.arange(0, TV)
     v0 = vt * TV
-    tt = tl.arange(0, TP)
-    # the big load first
-    S = tl.load(state + bh.to(tl.int64) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :])
-    S = S.to(tl.float32)
-    if RAGGED:
-        n = tl.load(lengths + bi)
-        valid_t = tt < n
-    else:
-        n = T
-        valid_t = tt < T
-    # prologue for ALL positions before the recurrence: every input load is issued up front
-    x_base = qkv + bi.to(tl.int64) * T * C
+    bT = bi.to(tl.int64) * T
+    x_base = qkv + bT * C
     cs_row = conv_state + bi.to(tl.int64) * (C * (W - 1))
-    ch_row_t = conv_hist + bi.to(tl.int64) * T * (C * (W - 1))
+    hist_base = conv_hist + bT * (C * (W - 1))
     ch_q = h * D + offs_k
-    ch_k = HD + h * D + offs_k
+    ch_qk = ch_q[:, None] + HD * tl.arange(0, 2)[None, :]  # [D, 2]: column 0 = q, 1 = k channels
     ch_v = 2 * HD + h * D + v0 + offs_v
-    bt = bi.to(tl.int64) * T + tt  # [TP]
-    fk = tl.load(f_ptr + bt[:, None] * HD + h * D + offs_k[None, :], mask=valid_t[:, None], other=0.0)
-    blog = tl.load(b_ptr + bt * H + h, mask=valid_t, other=0.0).to(tl.float32)
+
+    # 1. every input load up front (nothing is stored before them): the conv-state columns, then per
+    #    position the raw inputs, kept in their input dtype as tuples of 1-D vectors until used
+    seq_qk = _load_cols(cs_row, ch_qk, W)
+    seq_v = _load_cols(cs_row, ch_v, W)
+    fks = ()
+    blogs = ()
+    gts = ()
+    for t in tl.static_range(T):
+        seq_qk = seq_qk + (tl.load(x_base + t * C + ch_qk),)
+        seq_v = seq_v + (tl.load(x_base + t * C + ch_v),)
+        fks = fks + (tl.load(f_ptr + (bT + t) * HD + h * D + offs_k),)
+        blogs = blogs + (tl.load(b_ptr + (bT + t) * H + h),)
+        if NT == 1:
+            gts = gts + (tl.load(gate_ptr + (bT + t) * HD + h * D + offs_v),)
     dtb = tl.load(dt_bias + h * D + offs_k).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    q = _conv_all(x_base, cs_row, ch_row_t, conv_w, ch_q, tt, valid_t, C, vt == 0, W)
-    k = _conv_all(x_base, cs_row, ch_row_t, conv_w, ch_k, tt, valid_t, C, vt == 0, W)
-    v = _conv_all(x_base, cs_row, ch_row_t, conv_w, ch_v, tt, valid_t, C, True, W)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    decay = tl.exp(lb / (1.0 + tl.exp(-(a * (fk.to(tl.float32) + dtb[None, :])))))
-    beta = 1.0 / (1.0 + tl.exp(-blog))
-    qk = tl.sum(q * k, axis=1)  # [TP]
-
-    o_all = tl.zeros([TP, TV], tl.float32)
-    sh_base = state_hist + (bi.to(tl.int64) * T * H + h) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :]
-    if RAGGED:
-        for t in range(n):
-            S, o_all = _step(t, S, o_all, q, k, v, decay, beta, qk, tt, sh_base, H, scale, D)
-    else:
-        for t in tl.static_range(T):
-            S, o_all = _step(t, S, o_all, q, k, v, decay, beta, qk, tt, sh_base, H, scale, D)
-
-    out_rows = out + bt[:, None] * HD + h * D
     if NT == 1:
         wn = tl.load(o_norm_w + offs_v).to(tl.float32)
-        gt = tl.load(gate_ptr + bt[:, None] * HD + h * D + offs_v[None, :], mask=valid_t[:, None],
-                     other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(o_all * o_all, axis=1) / D + eps)
-        y = o_all * r[:, None] * wn[None, :] / (1.0 + tl.exp(-gt))
-        tl.store(out_rows + offs_v[None, :], y.to(out.dtype.element_ty), mask=valid_t[:, None])
+    if RAGGED:
+        n = tl.load(lengths + bi)
     else:
-        scr_rows = scr_o + (bh.to(tl.int64) * T + tt[:, None]) * D
-        tl.store(scr_rows + v0 + offs_v[None, :], o_all, mask=valid_t[:, None])
+        n = T
+
+    # 2. the one D x TV state tile: in flight while conv_hist is written and position 0's prologue runs
+    s_off = offs_k[:, None] * D + (v0 + offs_v)[None, :]
+    S = tl.load(state + bh.to(tl.int64) * (D * D) + s_off).to(tl.float32)
+
+    # 3. conv_hist straight from registers (q/k by the head's first tile only; v by every tile)
+    for t in tl.static_range(T):
+        if t < n:
+            _store_hist(hist_base + t * (C * (W - 1)), seq_v, t, ch_v, W)
+            if vt == 0:
+                _store_hist(hist_base + t * (C * (W - 1)), seq_qk, t, ch_qk, W)
+
+    # 4. the recurrence, one position at a time, ONE state tile live: S' = decay * S, S'^T k and S'^T q
+    #    in one pass, u = beta (v - S'^T k), o = (S'^T q + (q.k) u) / sqrt(D), S = S' + k u^T (stored to
+    #    state_hist[b, t], and the next position's start state)
+    for t in tl.static_range(T):
+        if t < n:
+            qk2 = _conv_silu_at(seq_qk, t, conv_w, ch_qk, W)
+            qk2 = qk2 * tl.rsqrt(tl.sum(qk2 * qk2, axis=0) + 1e-6)[None, :]
+            q, k = tl.split(qk2)
+            v = _conv_silu_at(seq_v, t, conv_w, ch_v, W)
+            decay = tl.exp(lb / (1.0 + tl.exp(-(a * (fks[t].to(tl.float32) + dtb)))))
+            beta = 1.0 / (1.0 + tl.exp(-blogs[t].to(tl.float32)))
+            qk = tl.sum(q * k, axis=0)
+            S = S * decay[:, None]
+            kS = tl.sum(S * k[:, None], axis=0)
+            qS = tl.sum(S * q[:, None], axis=0)
+            u = beta * (v - kS)
+            o = (qS + qk * u) * scale
+            S = S + k[:, None] * u[None, :]
+            tl.store(state_hist + ((bT + t) * H + h) * (D * D) + s_off, S.to(state_hist.dtype.element_ty))
+            if NT == 1:
+                # the whole head is here: normalize and write position t now (no scratch, no atomics)
+                r = tl.rsqrt(tl.sum(o * o, axis=0) / D + eps)
+                y = o * r * wn / (1.0 + tl.exp(-gts[t].to(tl.float32)))
+                tl.store(out + (bT + t) * HD + h * D + offs_v, y.to(out.dtype.element_ty))
+            else:
+                tl.store(scr_o + (bh.to(tl.int64) * T + t) * D + v0 + offs_v, o)
+
+    if NT > 1:
+        tt = tl.arange(0, TP)
+        valid_t = tt < n
         tl.debug_barrier()  # every thread's scratch stores happen-before the release below
         arrived = tl.atomic_add(counter + bh, 1, sem="acq_rel")
         if arrived == NT - 1:
+            scr_rows = scr_o + (bh.to(tl.int64) * T + tt[:, None]) * D
             oa = tl.load(scr_rows + offs_k[None, :], mask=valid_t[:, None], other=0.0, cache_modifier=".cg")
             wn = tl.load(o_norm_w + offs_k).to(tl.float32)
-            gt = tl.load(gate_ptr + bt[:, None] * HD + h * D + offs_k[None, :], mask=valid_t[:, None],
+            gt = tl.load(gate_ptr + (bT + tt)[:, None] * HD + h * D + offs_k[None, :], mask=valid_t[:, None],
                          other=0.0).to(tl.float32)
             r = tl.rsqrt(tl.sum(oa * oa, axis=1) / D + eps)
             y = oa * r[:, None] * wn[None, :] / (1.0 + tl.exp(-gt))
-            tl.store(out_rows + offs_k[None, :], y.to(out.dtype.element_ty), mask=valid_t[:, None])
+            tl.store(out + (bT + tt)[:, None] * HD + h * D + offs_k[None, :], y.to(out.dtype.element_ty),
+                     mask=valid_t[:, None])
             tl.store(counter + bh, 0)
-
-
-@triton.jit
-def _step(t, S, o_all, q, k, v, decay, beta, qk, tt, sh_base, H, scale, D: tl.constexpr):
-    q_t = _row(q, tt, t)
-    k_t = _row(k, tt, t)
-    v_t = _row(v, tt, t)
-    d_t = _row(decay, tt, t)
-    beta_t = tl.sum(tl.where(tt == t, beta, 0.0), axis=0)
-    qk_t = tl.sum(tl.where(tt == t, qk, 0.0), axis=0)
-    Sd = S * d_t[:, None]
-    kS = tl.sum(k_t[:, None] * Sd, axis=0)
-    qS = tl.sum(q_t[:, None] * Sd, axis=0)
-    u = beta_t * (v_t - kS)
-    S = Sd + k_t[:, None] * u[None, :]
-    o = (qS + qk_t * u) * scale
-    tl.store(sh_base + t * (H * D * D), S.to(sh_base.dtype.element_ty))
-    o_all = tl.where(tt[:, None] == t, o[None, :], o_all)
-    return S, o_all
 
 
 def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=None,
@@ -164,21 +161,30 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     """T positions per sequence from the start state (read only). qkv [B,T,3HD], f/gate [B,T,HD],
     b [B,T,H]; writes out [B,T,HD], state_hist [B,T,H,D,D], conv_hist [B,T,3HD,W-1]; returns out.
     lengths [B] int32 in 1..T (device tensor, not read on the host) or None (uniform T)."""
+    _launch_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths, tile_v,
+                   num_warps)
+    return out
+
+
+def _launch_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths, tile_v,
+                   num_warps, num_stages=None):
+    """The launch behind kda_verify; returns Triton's compiled-kernel handle (n_regs / n_spills on a GPU).
+    num_stages is exposed for kernels/triton/tune_kda.py only (the position loop is fully unrolled)."""
     B, T = qkv.shape[:2]
     H, D, W = params.heads, params.head_dim, params.conv_kernel
     assert D % tile_v == 0 and tile_v in TILE_V_ALLOWED, (D, tile_v)
     NT = D // tile_v
     scr_o, counter = _scratch(qkv.device, B * H, D, NT, T) if NT > 1 else (out, out)
     nw = num_warps or default_num_warps(D, tile_v, verify=True)
-    _kda_verify_kernel[(B * H * NT,)](
+    opts = {} if num_stages is None else {"num_stages": num_stages}
+    return _kda_verify_kernel[(B * H * NT,)](
         qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w,
         state, conv_state, out, state_hist, conv_hist, scr_o, counter,
         lengths if lengths is not None else out,
         H, float(params.eps), float(params.lower_bound), 1.0 / math.sqrt(D),
         T=T, TP=triton.next_power_of_2(T), D=D, TV=tile_v, NT=NT, W=W, RAGGED=lengths is not None,
-        num_warps=nw,
+        num_warps=nw, **opts,
     )
-    return out
 
 
 # ---- commit ----------------------------------------------------------------------------------------
