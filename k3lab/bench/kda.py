@@ -105,6 +105,7 @@ def clone_set(s: dict) -> dict:
 
 OUT_TOL = 1e-2  # bf16 output: one rounding of ~2^-9 relative per element, plus fp32 maths
 STATE_TOL = {"fp32": 1e-4, "bf16": 1e-2}  # fp32 state: fp32 rounding over D-term sums; bf16: one rounding
+CUTE_TILES = (32, 64, 128)  # the CuTe kernels split a head over a cluster of 1, 2 or 4 CTAs
 
 
 def check_component(c: KDACase, s: dict, backend: str) -> dict:
@@ -211,7 +212,7 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
                         continue
                     impls: list[Impl] = []
                     for b in backends:
-                        if avail[b][0] and not (b == "cute" and tv != 128):
+                        if avail[b][0] and not (b == "cute" and tv not in CUTE_TILES):
                             impls.append(component_impl(c, b))
                     if peers:
                         impls += torch_impls(c) + fla_impls(c)
