@@ -77,7 +77,11 @@ def parse_backends(backends: str | Sequence[str]) -> list[str]:
 def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str | Sequence[str] = "reference",
                  switches: Switches | None = None, seed: int = 0, reps: int = 20, warmup: int = 3,
                  name: str | None = None, device: str | None = None, kernels: bool = True,
-                 tol: dict[str, float] | None = None, log: Callable[[str], None] = print) -> Bundle:
+                 tol: dict[str, float] | None = None, n_experts: int | str | None = "auto",
+                 log: Callable[[str], None] = print) -> Bundle:
+    """n_experts: routed experts built per MoE layer (see k3lab.model.build_layer; "auto" keeps a
+    layer's expert pool under 2 GiB, so 64 of 896 at TP8). The count built is recorded in the notes:
+    with fewer than the model's experts the router moves fewer bytes than the real one."""
     switches = switches or Switches()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
@@ -104,8 +108,13 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
         for kind in kinds:
             try:
                 ref_layer = _build(build_layer, view, kind, seed, backend="reference", device="cpu",
-                                   dtype=torch.float64, switches=switches)
-                test_layer = _build(build_layer, view, kind, seed, backend=be, device=device, switches=switches)
+                                   dtype=torch.float64, switches=switches, n_experts=n_experts)
+                test_layer = _build(build_layer, view, kind, seed, backend=be, device=device, switches=switches,
+                                    n_experts=n_experts)
+                note = (f"{kind}: {getattr(test_layer, 'n_experts', '?')} of {view.cfg.n_routed_experts} routed "
+                        f"experts built")
+                if note not in b.notes:
+                    b.notes.append(note)
                 comps = test_layer.components()
                 ref_comps = ref_layer.components()
                 errs = {cname: _check(test_layer, ref_layer, fn, ref_comps[cname][0], tol.get(be))
