@@ -39,7 +39,7 @@ def test_attnres_component_and_errors():
 
 
 def test_backend_refusal_names_backend_and_component(monkeypatch):
-    import k3lab.components.attnres as mod
+    import k3lab.components.dispatch as mod
     monkeypatch.setattr(mod, "require_backend", lambda b: None)  # as if triton could run here
     blocks, p, wn, wp = _mix_inputs()
     with pytest.raises(BackendUnavailable, match="'triton' is not implemented for component 'attnres'"):

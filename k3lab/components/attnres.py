@@ -10,36 +10,14 @@ compiled graph per number of sources). Any other backend is refused with Backend
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from k3lab.ref import attnres as ref
-from k3lab.switches import BACKENDS, BackendUnavailable, SwitchError, require_backend
+from k3lab.components.dispatch import resolve_backend
 
 COMPONENT = "attnres"
-IMPLEMENTED = ("reference", "torch_compile")
-_compiled: dict[str, Callable] = {}
-
-
-def resolve_backend(component: str, backend: str, fn: Callable, key: str,
-                    implemented: tuple[str, ...] = IMPLEMENTED, *, dynamic: bool = False) -> Callable:
-    """The callable that runs `fn` for `component` under `backend`, or a clear refusal: an unknown
-    name raises SwitchError, a backend that cannot run here or is not implemented for the component
-    raises BackendUnavailable naming both. Shared by the attnres, mla and moe components."""
-    if backend not in BACKENDS:
-        raise SwitchError(f"{component}: backend {backend!r} is unknown; allowed: {BACKENDS} "
-                          f"(implemented for {component}: {implemented}; resolve 'auto' before calling)")
-    if backend not in implemented:
-        require_backend(backend)  # refuses first when the backend cannot run on this machine at all
-        raise BackendUnavailable(f"backend {backend!r} is not implemented for component {component!r}; "
-                                 f"implemented: {implemented}")
-    if backend == "reference":
-        return fn
-    key = f"{component}.{key}"
-    if key not in _compiled:
-        _compiled[key] = torch.compile(fn, dynamic=dynamic)
-    return _compiled[key]
 
 
 def _check(blocks, partial, w_norm, w_proj, norm_w=None) -> None:

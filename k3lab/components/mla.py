@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.components.attnres import resolve_backend
+from k3lab.components.dispatch import resolve_backend, write_out
 from k3lab.ref import mla as ref
 from k3lab.ref.mla import MLACache, MLAWeights
 from k3lab.ref.rmsnorm import compute_dtype
@@ -75,12 +75,7 @@ def verify(h: torch.Tensor, weights: MLAWeights, cache: MLACache, lengths, out: 
     o_lat, _ = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=backend, partitions=partitions,
                       pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout)
     y = resolve_backend(COMPONENT, backend, ref.mla_out, "out")(o_lat, h, weights)
-    if out is None:
-        return y
-    if out.shape != y.shape:
-        raise ValueError(f"{COMPONENT}: 'out' must have shape {tuple(y.shape)}, got {tuple(out.shape)}")
-    out.copy_(y)
-    return out
+    return write_out(COMPONENT, y, out)
 
 
 def decode(h: torch.Tensor, weights: MLAWeights, cache: MLACache, lengths, out: torch.Tensor | None = None, *,
@@ -89,12 +84,7 @@ def decode(h: torch.Tensor, weights: MLAWeights, cache: MLACache, lengths, out: 
     _check(h, weights, cache, False)
     y = verify(h.unsqueeze(1), weights, cache, lengths, None, backend=backend, partitions=partitions,
                pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout).squeeze(1)
-    if out is None:
-        return y
-    if out.shape != y.shape:
-        raise ValueError(f"{COMPONENT}: 'out' must have shape {tuple(y.shape)}, got {tuple(out.shape)}")
-    out.copy_(y)
-    return out
+    return write_out(COMPONENT, y, out)
 
 
 def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: MLACache, lengths, *, scale: float,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from k3lab.components.attnres import resolve_backend
+from k3lab.components.dispatch import resolve_backend, write_out
 from k3lab.ref import moe as ref
 from k3lab.ref import router as ref_router
 from k3lab.ref.moe import MoEWeights
@@ -36,12 +36,7 @@ def forward(h: torch.Tensor, weights: MoEWeights, out: torch.Tensor | None = Non
     ffn = resolve_backend(COMPONENT, backend, ref.glu_ffn, "glu_ffn", dynamic=True)
     router = resolve_backend("router", backend, ref_router.route, "route")
     y = ref.moe_forward(h, weights, ffn=ffn, router=router)
-    if out is None:
-        return y
-    if out.shape != y.shape:
-        raise ValueError(f"{COMPONENT}: 'out' must have shape {tuple(y.shape)}, got {tuple(out.shape)}")
-    out.copy_(y)
-    return out
+    return write_out(COMPONENT, y, out)
 
 
 def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference"):
