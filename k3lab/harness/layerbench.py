@@ -11,7 +11,6 @@ What ran and why anything did not is recorded in the bundle.
 """
 from __future__ import annotations
 
-import inspect
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,24 +22,6 @@ from k3lab.harness.bundle import Bundle, Row
 from k3lab.switches import Switches, backend_status
 
 DEFAULT_TOL = {"reference": 2e-2, "torch_compile": 2e-2, "triton": 2e-2, "cute": 2e-2, "aiter": 2e-2}
-
-
-def model_builder() -> tuple[Callable[..., Any], str]:
-    """(build_layer, where it came from)."""
-    from k3lab.model import build_layer
-
-    return build_layer, "k3lab.model"
-
-
-def _build(build_layer, view, kind, seed, **opts):
-    """Call build_layer passing only the options its signature takes."""
-    try:
-        params = inspect.signature(build_layer).parameters
-        varkw = any(p.kind == p.VAR_KEYWORD for p in params.values())
-        opts = {k: v for k, v in opts.items() if varkw or k in params}
-    except (TypeError, ValueError):
-        pass
-    return build_layer(view, kind, seed, **opts)
 
 
 def _first_line(e: BaseException) -> str:
@@ -85,11 +66,11 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
     switches = switches or Switches()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
-    build_layer, source = model_builder()
+    from k3lab.model import build_layer
     tol = {**DEFAULT_TOL, **(tol or {})}
     name = name or f"decode_layer-b{view.batch}-c{view.context}-tp{view.tp}"
     b = Bundle.new(name, view=view, switches=switches)
-    b.notes.append(f"layers from {source}")
+    b.notes.append("layers from k3lab.model")
     b.copy_tbps = timing.measure_copy_bandwidth(device=device)
     b.launch_floor_us = timing.launch_floor_us(device=device)
     kind_label = "gpu-graph" if on_gpu else "cpu-smoke"
@@ -107,9 +88,9 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
         ran_any = False
         for kind in kinds:
             try:
-                ref_layer = _build(build_layer, view, kind, seed, backend="reference", device="cpu",
+                ref_layer = build_layer(view, kind, seed, backend="reference", device="cpu",
                                    dtype=torch.float64, switches=switches, n_experts=n_experts)
-                test_layer = _build(build_layer, view, kind, seed, backend=be, device=device, switches=switches,
+                test_layer = build_layer(view, kind, seed, backend=be, device=device, switches=switches,
                                     n_experts=n_experts)
                 note = (f"{kind}: {getattr(test_layer, 'n_experts', '?')} of {view.cfg.n_routed_experts} routed "
                         f"experts built")
@@ -132,7 +113,7 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
             if on_gpu:
                 layer_bytes = sum(v[1] for v in comps.values())
                 n = timing.rotation_count(layer_bytes, timing.l2_bytes(), max_sets=8)
-                sets += [_build(build_layer, view, kind, seed + 1000 * i, backend=be, device=device,
+                sets += [build_layer(view, kind, seed + 1000 * i, backend=be, device=device,
                                 switches=switches) for i in range(1, n)]
             set_comps = [s.components() if s is not test_layer else comps for s in sets]
             for cname, (fn, nbytes, flops) in comps.items():
