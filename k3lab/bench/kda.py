@@ -261,6 +261,8 @@ def _fmt(r: dict) -> str:
         return f"{r['case']:<24} {r['impl']:<16} ERROR {r['error'][:120]}"
     err = r.get("out_err")
     es = f" out_err={err:.2e} st_err={r.get('state_err', float('nan')):.2e}" if err is not None else ""
+    if err is not None and not r.get("ok"):
+        es += "  FAIL (kept out of the winners)"
     return (f"{r['case']:<24} {r['impl']:<16} {r['median_us']:8.2f} us  floor {r['floor_us']:6.2f}"
             f"  x{r['x_floor']:5.2f}  {r['achieved_tbps']:5.2f} TB/s{es}")
 

@@ -13,15 +13,16 @@ load (the W-1 conv-state columns and the new input of its q|k channels as [D, 2]
 is one tile), then its D x tile_v state tile (one coalesced block load) so the prologue runs while the
 state is in flight. Only ONE D x tile_v fp32 tile is live: S' = exp(g) S; S'^T k and S'^T q are two
 reductions over S'; u = beta (v - S'^T k); o = (S'^T q + (q.k) u) / sqrt(D) (= S''^T q); S'' = S' + k u^T
-is stored straight back. The conv-state columns a program owns are shifted from registers right after
-they are loaded. With tile_v == D the program normalizes and writes out itself: no scratch, no atomics.
-With tile_v < D the per-head RMSNorm needs every tile's o: each program writes its unnormalized o slice
-to a small fp32 scratch and bumps a per-(b,h) arrival counter (barrier + acq_rel atomic); the last
-program of a head re-reads the scratch, normalizes and writes the whole head, shifts the head's q/k
-conv state (every program of the head must have read the old one first; it re-loads those inputs from
-L2 in the same round trip as the scratch instead of keeping them in registers), and resets the counter
-so the kernel is re-launchable and CUDA-graph capturable. Scratch and counters are allocated once per
-(device, B, H, D, tile count) and cached; call once before graph capture. Concurrent launches of the
+is stored straight back. The conv-state columns a program owns are shifted in place only after the
+last use of its windows (never earlier: see step 5 in the kernel). With tile_v == D the program
+normalizes and writes out itself: no scratch, no atomics. With tile_v < D the per-head RMSNorm needs
+every tile's o: each program writes its unnormalized o slice to a small fp32 scratch and bumps a
+per-(b,h) arrival counter (barrier + acq_rel atomic); the last program of a head re-reads the scratch,
+normalizes and writes the whole head, shifts the head's q/k conv state (every program of the head must
+have read the old one first; it re-loads those inputs from L2 in the same round trip as the scratch
+instead of keeping them in registers), and resets the counter so the kernel is re-launchable and
+CUDA-graph capturable. Scratch and counters are allocated once per (device, B, H, D, tile count) and
+cached; call once before graph capture. Concurrent launches of the
 same shape on different streams would share that scratch: not supported.
 
 Floor (bytes that must move, per call), H heads of dim D, batch B, fp32 state:
@@ -113,13 +114,7 @@ def _kda_decode_kernel(
     s_ptrs = state + bh.to(tl.int64) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :]
     S = tl.load(s_ptrs).to(tl.float32)
 
-    # 3. conv-state shifts this program owns, straight from registers: its v channels, and with one
-    #    tile per head also q/k (with NT > 1 every tile reads q/k, so the last arriver shifts them)
-    _store_cols(cs_row, win_v, ch_v, W)
-    if NT == 1:
-        _store_cols(cs_row, win_qk, ch_qk, W)
-
-    # 4. prologue in fp32 1-D vectors
+    # 3. prologue in fp32 1-D vectors
     qk2 = _conv_silu(win_qk, conv_w, ch_qk, W)
     qk2 = qk2 * tl.rsqrt(tl.sum(qk2 * qk2, axis=0) + 1e-6)[None, :]
     q, k = tl.split(qk2)
@@ -128,7 +123,7 @@ def _kda_decode_kernel(
     beta = 1.0 / (1.0 + tl.exp(-blog))
     qk = tl.sum(q * k, axis=0)
 
-    # 5. one tile live: S' = decay * S; S'^T k and S'^T q in one pass over S'; u = beta (v - S'^T k);
+    # 4. one tile live: S' = decay * S; S'^T k and S'^T q in one pass over S'; u = beta (v - S'^T k);
     #    o = (S'^T q + (q.k) u) / sqrt(D)  [= S''^T q]; S'' = S' + k u^T stored straight back
     S = S * decay[:, None]
     kS = tl.sum(S * k[:, None], axis=0)
@@ -137,6 +132,15 @@ def _kda_decode_kernel(
     o = (qS + qk * u) * scale
     S = S + k[:, None] * u[None, :]
     tl.store(s_ptrs, S.to(state.dtype.element_ty))
+
+    # 5. conv-state shifts this program owns: its v channels, and with one tile per head also q/k (with
+    #    NT > 1 every tile reads q/k, so the last arriver shifts them). They come AFTER every use of the
+    #    windows on purpose: Triton may re-issue a window's loads in another register layout at its use
+    #    (seen in Triton 3.6's PTX), and a re-load placed after an in-place shift reads the shifted
+    #    conv state (H200: state error up to 0.17 at 2-4 warps when the shift came first).
+    _store_cols(cs_row, win_v, ch_v, W)
+    if NT == 1:
+        _store_cols(cs_row, win_qk, ch_qk, W)
 
     if NT == 1:
         # the whole head is here: no scratch, no atomics
