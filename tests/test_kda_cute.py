@@ -69,3 +69,19 @@ def test_kda_verify_column_tiles(B, H, T, ragged, tile_v):
 def test_kda_cute_refuses_unsupported_inputs():
     r = check_errors()
     assert r["ok"], r
+
+
+@pytest.mark.parametrize("row_warps", [1, 2, 4, 8])
+@pytest.mark.parametrize("tile_v", [128, 64, 32])
+@pytest.mark.parametrize("B,H,T,ragged", [(1, 12, 4, False), (5, 6, 8, True)])
+def test_kda_verify_every_row_split(B, H, T, ragged, tile_v, row_warps):
+    """Every row_warps value of the column layout (1: no CTA barrier per position; > 1: partial sums
+    through shared memory, double-buffered by position)."""
+    r = check_verify(B, H, T, ragged=ragged, seed=B + T + tile_v + row_warps, tile_v=tile_v, row_warps=row_warps)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("tile_v", [128, 32])
+def test_kda_verify_rows_baseline(tile_v):
+    r = check_verify(8, 12, 4, ragged=True, seed=tile_v, tile_v=tile_v, layout="rows")
+    assert r["ok"], r

@@ -1,6 +1,6 @@
 """GPU check + timing for the CuTe DSL KDA kernels (kda_decode.py, kda_verify.py).
 
-    python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--tiles=128,64,32]
+    python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--verify-only] [--tiles=128,64,32]
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
 `make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
@@ -30,11 +30,14 @@ except ImportError:  # not installed: run from the checkout
 from k3lab.ref import kda as ref  # noqa: E402 - after the checkout fallback above
 
 try:
-    from k3lab_kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify, kda_verify_bytes
+    from k3lab_kernels.cute import kda_verify as _kv
+    from k3lab_kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify_bytes
 except ImportError:  # the checkout's `kernels/` folder is the k3lab_kernels package
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
-    from kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify, kda_verify_bytes
+    from kernels.cute import kda_verify as _kv
+    from kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify_bytes
+kda_verify = _kv.kda_verify
 
 OUT_TOL = 1e-2
 STATE_TOL = 1e-4
@@ -84,7 +87,7 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
 
 
 def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
-                 tile_v: int = 128) -> dict:
+                 tile_v: int = 128, layout: str = "columns", row_warps=None) -> dict:
     inp, p, st, cs = _inputs(B, H, T=T, seed=seed)
     st0, cs0 = st.clone(), cs.clone()
     C = 3 * H * 128
@@ -100,7 +103,7 @@ def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
             lengths[1] = 1
         lengths = lengths.cuda()
     kda_verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths=lengths,
-               tile_v=tile_v)
+               tile_v=tile_v, layout=layout, row_warps=row_warps)
     torch.cuda.synchronize()
     o_r, s_r, c_r = _ref64(ref.kda_verify, inp, p, st, cs)
     res = {"out_err": 0.0, "state_err": 0.0, "conv_exact": True, "untouched": True,
@@ -201,7 +204,29 @@ def time_decode(B, H, n_calls=20, tile_v=128):
                 "floor_us": nbytes / COPY_BW * 1e6}
 
 
-def time_verify(B, H, T, n_calls=20, tile_v=128):
+def _verify_nohist(qkv, f, b, gate, p, st, cs, out, sh, ch, tile_v, row_warps):
+    """The column-layout kernel compiled without its state_hist stores (measurement only: what the
+    stores cost at small batch). Same arguments as kda_verify; sh is not written."""
+    B, T = qkv.shape[:2]
+    H = p.heads
+    key = ("verify-nohist", B, H, T, tile_v, row_warps, qkv.device.index)
+    args = [_kv._ptr(qkv, 2), _kv._ptr(f, 2), _kv._ptr(b, 2), _kv._ptr(gate, 8), _kv._ptr(p.conv_w, 8),
+            _kv._ptr(p.A_log, p.A_log.element_size()), _kv._ptr(p.dt_bias, p.dt_bias.element_size()),
+            _kv._ptr(p.o_norm_w, 8), _kv._ptr(st), _kv._ptr(cs, 2), _kv._ptr(out, 8), _kv._ptr(sh),
+            _kv._ptr(ch, 2), _kv._ptr(st, 4)]
+    stream = _kv._stream(qkv.device)
+    fn = _kv._COMPILED_NOHIST.get(key) if hasattr(_kv, "_COMPILED_NOHIST") else None
+    if fn is None:
+        from cutlass import cute
+        kern = _kv._columns_class()(B, H, T, True, False, p.eps, p.lower_bound, tile_v, row_warps=row_warps,
+                                    hist=False)
+        fn = cute.compile(kern, *args, stream)
+        _kv.__dict__.setdefault("_COMPILED_NOHIST", {})[key] = fn
+    fn(*args, stream)
+    return out
+
+
+def time_verify(B, H, T, n_calls=20, tile_v=128, layout="columns", row_warps=None):
     inp, p, st, cs = _inputs(B, H, T=T, seed=2)
     C = 3 * H * 128
 
@@ -215,8 +240,11 @@ def time_verify(B, H, T, n_calls=20, tile_v=128):
     sets = _sets(make, nbytes)
 
     def call(d):
+        if layout == "columns-nohist":
+            return lambda: _verify_nohist(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
+                                          d["sh"], d["ch"], tile_v, row_warps or _kv.ROW_WARPS[tile_v])
         return lambda: kda_verify(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
-                                  d["sh"], d["ch"], tile_v=tile_v)
+                                  d["sh"], d["ch"], tile_v=tile_v, layout=layout, row_warps=row_warps)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     hot = _graph_us([call(sets[0])] * n_calls)
@@ -263,6 +291,7 @@ def main(argv=None):
         if a.startswith("--tiles="):
             tiles = tuple(int(x) for x in a.split("=", 1)[1].split(","))
     do_time = "--no-time" not in argv
+    verify_only = "--verify-only" in argv  # skip the decode checks and timing
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check")
         return 0
@@ -285,6 +314,8 @@ def main(argv=None):
         shapes = [x for x in shapes if x[0] in (1, 64) or x[2] != 128]
     if tiny:
         shapes = [(1, 12, 128), (64, 96, 128), (1, 12, 64), (8, 6, 64), (64, 12, 32), (2, 96, 32)]
+    if verify_only:
+        shapes = []
     for B, H, tv in shapes:
         r = _safe(check_decode, B, H, seed=B * 100 + H + tv, steps=2 if B <= 8 else 1, tile_v=tv)
         r.update(B=B, H=H, tile_v=tv)
@@ -295,7 +326,7 @@ def main(argv=None):
     print(f"  [{time.time() - t0:.0f}s]")
 
     print("\n== verify correctness ==")
-    print(f"{'B':>4} {'H':>3} {'T':>2} {'tile':>4} {'ragged':>6} {'out_err':>10} {'state_err':>10} "
+    print(f"{'B':>4} {'H':>3} {'T':>2} {'tile':>4} {'ragged':>6} {'lay':>6} {'out_err':>10} {'state_err':>10} "
           f"{'conv':>6} {'untouched':>9} {'in_same':>7} {'ok':>4}")
     vshapes = [(1, 12, 4, False, 128), (2, 6, 8, False, 128), (8, 12, 2, False, 128),
                (64, 12, 4, False, 128), (1, 96, 3, False, 128), (8, 12, 4, True, 128),
@@ -310,11 +341,16 @@ def main(argv=None):
     if tiny:
         vshapes = [(5, 6, 8, True, 128), (1, 12, 4, False, 64), (8, 12, 4, True, 64),
                    (2, 6, 8, False, 32), (8, 12, 4, True, 32)]
-    for B, H, T, rg, tv in vshapes:
-        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv)
-        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv)
+    few = ((1, 12, 4), (8, 12, 4), (5, 6, 8))
+    vcases = [(x, "columns", None) for x in vshapes]
+    vcases += [(x, "columns", wr) for x in vshapes if x[:3] in few for wr in (1, 2, 4, 8)]
+    vcases += [(x, "rows", None) for x in vshapes if x[:3] in few]
+    for (B, H, T, rg, tv), lay, wr in vcases:
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, layout=lay, row_warps=wr)
+        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, layout=lay, row_warps=wr)
         report["verify"].append(r)
-        print(f"{B:>4} {H:>3} {T:>2} {tv:>4} {rg!s:>6} {r.get('out_err', float('nan')):>10.2e} "
+        lt = lay[:4] + ("" if wr is None else f"/{wr}")
+        print(f"{B:>4} {H:>3} {T:>2} {tv:>4} {rg!s:>6} {lt:>6} {r.get('out_err', float('nan')):>10.2e} "
               f"{r.get('state_err', float('nan')):>10.2e} {r.get('conv_exact')!s:>6} "
               f"{r.get('untouched')!s:>9} {r.get('inputs_unchanged')!s:>7} {r['ok']!s:>4} "
               f"{r.get('error', '')}")
@@ -339,6 +375,8 @@ def main(argv=None):
             tshapes = [(1, 12), (8, 12), (64, 12), (1, 96), (64, 96)]
         if tiny:
             tshapes = [(1, 12), (64, 12)]
+        if verify_only:
+            tshapes = []
         for B, H in tshapes:
             for tv in tiles:
                 r = _safe(time_decode, B, H, tile_v=tv)
@@ -349,7 +387,7 @@ def main(argv=None):
                           f"{r['floor_us']:>8.2f} {r['bytes'] / 1e6:>8.2f} {r['tbps']:>6.3f}")
         print(f"  [{time.time() - t0:.0f}s]")
         print("\n== verify timing ==")
-        print(f"{'B':>4} {'H':>3} {'T':>2} {'tile':>4} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} "
+        print(f"{'B':>4} {'H':>3} {'T':>2} {'tile':>4} {'layout':>16} {'rot_us':>8} {'hot_us':>8} {'floor_us':>8} "
               f"{'TB/s':>6}")
         vt = [(1, 12, 4), (1, 12, 8), (8, 12, 4), (64, 12, 4), (1, 6, 4)]
         if quick:
@@ -360,12 +398,17 @@ def main(argv=None):
             vt = [(1, 12, 4), (1, 12, 8)]
         for B, H, T in vt:
             for tv in tiles:
-                r = _safe(time_verify, B, H, T, tile_v=tv)
-                r.update(B=B, H=H, T=T, tile_v=tv)
-                report["timing_verify"].append(r)
-                if "rot_us" in r:
-                    print(f"{B:>4} {H:>3} {T:>2} {tv:>4} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} "
-                          f"{r['floor_us']:>8.2f} {r['tbps']:>6.3f}")
+                variants = [("columns", wr) for wr in (1, 2, 4, 8)] + [("rows", None)]
+                if B == 1:
+                    variants += [("columns-nohist", 1), ("columns-nohist", 8)]
+                for lay, wr in variants:
+                    r = _safe(time_verify, B, H, T, tile_v=tv, layout=lay, row_warps=wr)
+                    r.update(B=B, H=H, T=T, tile_v=tv, layout=lay, row_warps=wr)
+                    report["timing_verify"].append(r)
+                    if "rot_us" in r:
+                        lt = lay + ("" if wr is None else f"/{wr}")
+                        print(f"{B:>4} {H:>3} {T:>2} {tv:>4} {lt:>16} {r['rot_us']:>8.2f} {r['hot_us']:>8.2f} "
+                              f"{r['floor_us']:>8.2f} {r['tbps']:>6.3f}")
         print(f"  [{time.time() - t0:.0f}s]")
 
     ok = (all(r.get("ok") for r in report["decode"]) and all(r.get("ok") for r in report["verify"])

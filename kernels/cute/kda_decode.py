@@ -1,4 +1,4 @@
-"""KDA fused decode step (T = 1) and multi-token verification (T = 2..8) as one CuTe DSL kernel.
+"""KDA fused decode step (T = 1) as one CuTe DSL kernel ("row layout").
 
 What one launch fuses, per (sequence b, head h), exactly what `k3lab.ref.kda.kda_decode` computes:
 
@@ -14,7 +14,7 @@ owns key rows w, w+8, ..., w+120 and lane l owns value columns 4l..4l+3, so ever
 moves one full 512-byte state row with 16-byte vector loads/stores (16 loads + 16 stores a thread).
 Both reductions over the key rows (k^T diag(d) S and q^T diag(d) S) are done in ONE pass over the
 old state, using  o = q^T diag(d) S + (q.k) * beta * (v - k^T diag(d) S);  the per-warp partial sums
-meet in shared memory (2 barriers per position), warp 0 finishes the per-head RMSNorm with shuffles.
+meet in shared memory (2 barriers), warp 0 finishes the per-head RMSNorm with shuffles.
 Conv/gate prologue: threads 0..127 run the q and k conv channels of key row c = tid (and reduce
 |q|^2, |k|^2, q.k), threads 128..255 the v channel and the decay gate of row c = tid - 128.
 
@@ -22,36 +22,37 @@ Column tiles (the spec's "KDA tile width" switch): tile_v = 64 or 32 splits each
 columns over a cluster of 128/tile_v CTAs (still 256 threads each, G = tile_v/4 lanes per row, so
 one warp instruction covers 32/G rows at 16 B a lane). The delta rule is independent per value
 column; each CTA recomputes the head's (tiny) conv/norm/gate prologue, rank 0 alone writes the conv
-state, and the output RMSNorm's sum of o^2 is joined across the cluster through distributed shared
-memory (st.shared::cluster + one cluster barrier per position). More CTAs per head = more SMs
-pulling state at small batch, and fewer registers per thread (80 at 64, 64 at 32) at large batch.
+state (after the cluster barrier: the peers read it too), and the output RMSNorm's sum of o^2 is joined
+across the cluster through distributed shared memory (st.shared::cluster + one cluster barrier).
+More CTAs per head = more SMs pulling state at small batch.
+
+The same generator also runs T > 1 positions (verify=True): that is kda_verify's layout="rows"
+baseline. Its per-position cost (2 CTA barriers + a cluster barrier + the prologue on the chain) is
+why verification has its own generator, kda_verify.py ("column layout").
 
 Floor (decode, bytes that must move, per (b, h)): state 65,536 B read + 65,536 B written, conv_state
 2,304 B read + 2,304 B written, qkv 768 B, f 256 B, gate 256 B, out 256 B, b 2 B = 137,218 B, plus
 params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
     H = 12, B = 1:  1.69 MB -> 0.39 us   (launch-latency bound; the target is <= 4 us graph replay)
     H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29 us)
-Verify (T positions, state kept on chip): state read once, state_hist T x 64 KiB written per (b, h),
-conv_hist T x 2,304 B, activations T times.
 
-Measured on the H200 (CUDA graph of 20 calls, median per call, distinct buffers per call; D2D copy
-measured 4.06-4.20 TB/s there), all shapes within tolerance of the fp64 oracle (out rel err ~1.7e-3,
-state rel err <= 1.1e-7, conv exact), kernels/cute/check_kda.py:
-    decode H=12: B=1 4.42 us (tile 128), 4.08 (64), 3.50 (32);  B=8 7.4 us;  B=64 30.7-31.0 us =
-    3.40-3.44 TB/s (tile 128; 64: 32.8, 32: 43.2);  B=256 108.9 us = 3.87 TB/s
-    decode H=96: B=64 213.5 us = 3.95 TB/s;  H=6: B=64 17.2 us
-    verify H=12 B=1: T=4 13.3 / 12.0 / 11.0 us, T=8 23.3 / 22.1 / 18.8 us (tile 128 / 64 / 32);
-    B=64 T=4 85.6 us = 3.10 TB/s (tile 128)
-So: small batch wants tile_v=32 (more SMs per head), B >= 8 wants tile_v=128. Still open: the
-B=64 H=12 decode target of 3.6 TB/s (3.44 reached), and verify's ~2.3 us per position at B=1,
-which is a latency chain inside the CTA, not bytes.
+Measured on the H200 (all within tolerance of the fp64 oracle: out rel err ~1.7e-3, state <= 1.1e-7,
+conv exact):
+    profiles/h200/kda_sweep.json (`k3lab bench kda`: graph replay, inputs rotated past L2 as in a
+    69-layer model): 12 heads B=1 4.10 us (tile 32), B=8 7.49 us, B=64 30.80 us = 3.42 TB/s
+    (82 % of the 4.17 TB/s copy measured in that run).
+    profiles/h200/kda_cute_check.json (check_kda.py: 20 buffer sets, which fit in L2 at B=1):
+    B=1 3.48 / 3.92 / 4.26 us at tile 32 / 64 / 128; B=256 109.6 us = 3.85 TB/s; 96 heads B=64
+    213.3 us = 3.95 TB/s.
+So small batch wants tile_v = 32, B >= 8 wants tile_v = 128. Open: B=1 misses 4.0 us by 0.1 us once
+its state comes from DRAM, and B=64 reaches 3.42 of the 3.6 TB/s target (the long rows of the bigger
+shapes reach 3.85-3.95 TB/s, so the loss at 768 CTAs is the wave tail and the load-compute-store
+serialisation inside a CTA).
 
 Host API (torch tensors on one CUDA device, launched on torch's current stream, CUDA-graph safe
 after the first call of a shape has compiled it):
 
     kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=128) -> out
-    kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v=128) -> out          (also in kernels/cute/kda_verify.py)
 
 Supported: D = 128, conv kernel 4, tile_v in {128, 64, 32}, qkv/f/b/gate/conv_state/out bf16,
 state fp32, contiguous tensors (state 16-byte, gate/out/conv_w/o_norm_w 8-byte aligned bases);
@@ -67,7 +68,7 @@ _W = 4
 _THREADS = 256
 _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
 
-__all__ = ["cute_available", "kda_decode", "kda_decode_bytes", "kda_verify", "kda_verify_bytes"]
+__all__ = ["cute_available", "kda_decode", "kda_decode_bytes", "kda_verify_bytes"]
 
 
 def cute_available() -> bool:
@@ -101,16 +102,22 @@ def kda_verify_bytes(B: int, H: int, T: int, D: int = _D, W: int = _W) -> int:
 # ---------------------------------------------------------------------------------------------
 
 _KERNEL_CLS = None
+_DSL = None
 
 
-def _kernel_class():
-    global _KERNEL_CLS
-    if _KERNEL_CLS is not None:
-        return _KERNEL_CLS
+def _dsl():
+    """The CuTe DSL modules and the small device helpers both KDA generators use (built once)."""
+    global _DSL
+    if _DSL is not None:
+        return _DSL
+    from types import SimpleNamespace
 
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, Int32, cute
+    from cutlass._mlir.dialects import llvm as _llvm
+    from cutlass._mlir.dialects import nvvm as _nvvm
+    from cutlass.cutlass_dsl import dsl_user_op
 
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
@@ -118,10 +125,6 @@ def _kernel_class():
     def vec(ptr, off, n):
         """A 1-D view of n contiguous elements at element offset `off` of pointer `ptr`."""
         return cute.make_tensor(ptr + off, cute.make_layout(n))
-
-    from cutlass._mlir.dialects import llvm as _llvm
-    from cutlass._mlir.dialects import nvvm as _nvvm
-    from cutlass.cutlass_dsl import dsl_user_op
 
     @dsl_user_op
     def st_cluster_f32(smem_ptr, cta_rank, val, *, loc=None, ip=None):
@@ -135,6 +138,20 @@ def _kernel_class():
         for sh in (16, 8, 4, 2, 1):
             x = x + cute.arch.shuffle_sync_bfly(x, offset=sh)
         return x
+
+    _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
+                           sigmoid=sigmoid, vec=vec, st_cluster_f32=st_cluster_f32, warp_sum=warp_sum)
+    return _DSL
+
+
+def _kernel_class():
+    """The row-layout generator: decode (T = 1), and verify with layout="rows" (the baseline)."""
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+    d = _dsl()
+    cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
+    sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
 
     class KDAStepKernel:
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
@@ -551,11 +568,12 @@ def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
     return B, H
 
 
-def _get_compiled(key, B, H, T, verify, ragged, params, args, tile_v):
+def _get_compiled(key, B, H, T, verify, ragged, params, args, tile_v, kernel_class=None):
     fn = _COMPILED.get(key)
     if fn is None:
         from cutlass import cute
-        kern = _kernel_class()(B, H, T, verify, ragged, params.eps, params.lower_bound, tile_v)
+        cls = (kernel_class or _kernel_class)()
+        kern = cls(B, H, T, verify, ragged, params.eps, params.lower_bound, tile_v)
         fn = cute.compile(kern, *args)
         _COMPILED[key] = fn
     return fn
@@ -582,46 +600,5 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     with torch.cuda.device(dev):
         stream = _stream(dev)
         fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v)
-        fn(*args, stream)
-    return out
-
-
-def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v: int = 128):
-    """T positions per sequence (speculative verification), state kept on chip across positions.
-    qkv [B,T,3HD], f [B,T,HD], b [B,T,H], gate [B,T,HD] bf16; writes out [B,T,HD] bf16,
-    state_hist [B,T,H,128,128] fp32 (state after each position), conv_hist [B,T,3HD,3] bf16.
-    `state`/`conv_state` are not modified. lengths [B] int32 in 1..T: positions >= lengths[b] are
-    not computed and their out/hist entries are left untouched. Returns `out`."""
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
-        raise ValueError("kda cute verify: qkv must be [B, T, 3HD]")
-    T = qkv.shape[1]
-    if not 1 <= T <= 16:
-        raise NotImplementedError(f"kda cute verify: T must be in 1..16 (got {T})")
-    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T)
-    dev = qkv.device
-    C = 3 * H * _D
-    _check("state_hist", state_hist, (B, T, H, _D, _D), _F32, dev)
-    _check("conv_hist", conv_hist, (B, T, C, _W - 1), _BF16, dev)
-    if state_hist.numel() >= 2**31:
-        raise NotImplementedError("kda cute verify: state_hist too large for 32-bit indexing")
-    ragged = lengths is not None
-    if ragged:
-        _check("lengths", lengths, (B,), (torch.int32,), dev)
-    args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
-            _ptr(params.A_log, params.A_log.element_size()),
-            _ptr(params.dt_bias, params.dt_bias.element_size()),
-            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
-            _ptr(state_hist), _ptr(conv_hist, 2), _ptr(lengths if ragged else state, 4)]
-    if not ragged:
-        import cutlass
-        from cutlass import cute
-        from cutlass.cute.runtime import make_ptr
-        args[-1] = make_ptr(cutlass.Int32, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
-    key = ("verify", B, H, T, ragged, tile_v, dev.index, float(params.eps), float(params.lower_bound),
-           params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype, params.o_norm_w.dtype)
-    with torch.cuda.device(dev):
-        stream = _stream(dev)
-        fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v)
         fn(*args, stream)
     return out

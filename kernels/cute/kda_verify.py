@@ -1,27 +1,485 @@
 """KDA multi-token verification (speculative decoding, T = 2..8 positions per sequence) in one CuTe
-DSL launch, state kept on chip across positions.
+DSL launch, state kept on chip across positions ("column layout").
 
-Per (sequence b, head h) one CTA of 256 threads loads the 128 x 128 fp32 start state into registers
-once and runs the T positions in order (conv update + silu, q/k l2norm, decay gate, beta, delta rule,
-gated output RMSNorm), writing after every position:
+What one launch fuses, per (sequence b, head h), for every position t in order, exactly what
+`k3lab.ref.kda.kda_verify` computes: the conv update + silu of the head's q|k|v channels, l2norm of
+q and k, the decay gate and beta, the delta rule on the fp32 state, and the gated output RMSNorm;
+it writes
     out        [B, T, H*D] bf16
     state_hist [B, T, H, D, D] fp32   (the state after each position, for rollback/commit)
     conv_hist  [B, T, 3*H*D, 3] bf16  (the conv window after each position)
-`state` and `conv_state` are read, never written. All activations of the T positions are
-prefetched before the first position; positions share the per-position shared-memory scratch in
-two alternating buffers, so each position costs two CTA barriers.
-`lengths` [B] int32 in 1..T selects the ragged path: positions >= lengths[b] write nothing (their
-out/hist entries are left untouched); None compiles the uniform-length specialization.
+`state` and `conv_state` are only read. `lengths` [B] int32 in 1..T selects the ragged path:
+positions >= lengths[b] write nothing (their out/hist entries are left untouched); None compiles the
+uniform-length specialization.
+
+Layout. 256 threads a CTA, tile_v value columns a CTA (128: one CTA per head; 64 / 32: a cluster of
+2 / 4 CTAs). The 8 warps form a grid: `row_warps` (WR) of them split the 128 key rows, 8 / WR split
+the tile's columns; a lane holds 4 columns of 128 / (WR R) rows (R = rows one warp instruction
+covers). The two key reductions of a position (k^T diag(d) S and q^T diag(d) S) finish with butterfly
+shuffles inside the warp, and with WR > 1 the WR row blocks' partial sums meet in shared memory (one
+CTA barrier per position, partials double-buffered). What does not depend on the state is taken out
+of the position chain:
+  1. prologue of ALL T positions first (conv, silu, squared norms, decay, beta), one barrier;
+  2. the recurrence, position by position (state_hist stored from registers);
+  3. epilogue: the gated RMSNorm of every position at once (warp t % 8 takes position t); its sum
+     of o^2 meets across a cluster through distributed shared memory, one cluster barrier in all.
+Why not WR = 1 (no barrier at all): a warp then owns tile_v / 8 columns, so each state_hist store
+instruction writes 16-32 byte pieces of R different rows, and at B = 1 those stores dominate (the
+store-free variant of the same kernel runs T=4 in 5.8 us, with stores 9-10 us). WR = 4 gives each
+store instruction whole 128-byte lines at tile 32 and is the measured best (ROW_WARPS).
+The baseline is kda_decode.py's row layout (layout="rows": a warp instruction moves whole state rows,
+cross-warp reductions through shared memory, two CTA barriers and a cluster barrier per position, and
+the prologue on the chain).
+
+Measured on the H200, 12 heads, all outputs/histories within tolerance of the fp64 oracle
+(profiles/h200/kda_sweep.json, `k3lab bench kda`, inputs rotated past L2; fla = fused_recurrent_kda,
+which has no conv, no output norm and writes only the final state):
+    B=1  T=4:  7.04 us (tile 32)    rows baseline 10.4 us, Triton 10.39, fla 10.27
+    B=1  T=8: 11.97 us              rows 18.8 (check_kda), Triton 17.14
+    B=64 T=4: 72.68 us = 3.65 TB/s  rows 88.2 (check_kda), Triton 93.14, fla 78.48
+row_warps sweep (profiles/h200/kda_cute_verify_split.json, check_kda.py): at tile 32, 1/2/4/8 row
+warps give B=1 T=4 10.0 / 7.4 / 7.1 / 7.5 us; at tile 128, B=64 T=4 77.2 / 75.5 / 72.7 / 74.1 us.
+The issue's target (T=4, B=1 <= 6.0 us) is not met: even without any state_hist store the kernel
+needs 5.8 us, so a checkpoint scheme (no history; commit replays the accepted tokens) would only just
+reach it, at the price of a replay in commit.
 
 Floor per (b, h): state 64 KiB read once + T x 64 KiB state_hist written, conv 2,304 B read +
 T x 2,304 B conv_hist written, T x (768 + 256 + 256 + 256 + 2) B activations. For H = 12, B = 1:
-T = 4 -> 4.1 MB -> 0.97 us at 4.275 TB/s; T = 8 -> 7.5 MB -> 1.75 us (latency bound: the positions
-are a sequential chain inside each CTA). The kernel is the same generator as the decode step
-(`kda_decode.py`, `verify=True`), so the two cannot drift apart.
+T = 4 -> 4.1 MB -> 0.97 us at 4.275 TB/s; T = 8 -> 7.5 MB -> 1.75 us. At B = 1 the bound is latency:
+launch, then the T-step chain; the state_hist stores of a position leave from the few SMs that own
+the batch's heads (12 heads: 12 / 24 / 48 CTAs at tile 128 / 64 / 32).
 
     kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v=128) -> out
+               lengths=None, tile_v=128, layout="columns") -> out
 """
-from .kda_decode import kda_verify, kda_verify_bytes
+import functools
+import math
 
-__all__ = ["kda_verify", "kda_verify_bytes"]
+import torch
+
+from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_class,
+                         _ptr, _stream, _validate, kda_verify_bytes)
+
+__all__ = ["LAYOUTS", "kda_verify", "kda_verify_bytes"]
+
+LAYOUTS = ("columns", "rows")
+# row_warps per tile_v when not given (profiles/h200/kda_cute_verify_split.json: 12 heads, B=1 T=4/8,
+# B=64 T=4, row_warps 1/2/4/8): 4 is the best at tile 32 (the B=1 default) in every case and at
+# tile 128 for B=64 (the large-batch default); at tile 64 within 2 % of the best. At tile 128 and B=1,
+# 1-2 row warps are 5-13 % faster, but auto never picks tile 128 at B=1.
+ROW_WARPS = {128: 4, 64: 4, 32: 4}
+_COLUMNS_CLS = None
+
+
+def _columns_class():
+    global _COLUMNS_CLS
+    if _COLUMNS_CLS is not None:
+        return _COLUMNS_CLS
+    d = _dsl()
+    cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
+    sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
+
+    class KDAVerifyColumns:
+        """One CTA (or a cluster of NC CTAs) per (b, h); T positions in order; state only read."""
+
+        def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
+                     lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True):
+            assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
+            # hist=False skips the state_hist stores: a measurement of what they cost at small batch
+            # (kernels/cute/check_kda.py), not an API mode
+            self.hist = hist
+            self.B, self.H, self.T = B, H, T
+            self.ragged = ragged
+            self.eps, self.lb = float(eps), float(lower_bound)
+            assert tile_v in (128, 64, 32)
+            self.TV = tile_v            # value columns per CTA
+            self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
+            assert row_warps in (1, 2, 4, 8)
+            self.WR = row_warps         # warps splitting the key rows (partial sums meet in smem)
+            self.WC = 8 // row_warps    # warps splitting the value columns
+            self.CW = tile_v // self.WC  # value columns per warp
+            self.G = self.CW // 4       # lanes across one row of a warp's columns (4 columns each)
+            self.R = 32 // self.G       # key rows one warp instruction covers
+            self.RW = 128 // row_warps  # key rows per warp
+            self.S = self.RW // self.R  # key rows per thread
+            assert self.G >= 1 and self.S >= 1, (tile_v, row_warps)
+            self.E = tile_v // 32       # epilogue: output columns per lane
+            offs, o_ = [], self.G
+            while o_ < 32:
+                offs.append(o_)
+                o_ *= 2
+            self.red_offs = tuple(offs)   # shuffle offsets joining the lanes that share columns
+            # at most 128 registers a thread -> 2 CTAs (16 warps) per SM at larger batch
+            self.min_ctas = 2
+
+        @cute.jit
+        def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
+                     p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
+                     p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
+                     p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
+                     p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
+            if cutlass.const_expr(self.NC == 1):
+                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                            p_out, p_shist, p_chist, p_len).launch(
+                    grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream,
+                    max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=self.min_ctas)
+            else:
+                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                            p_out, p_shist, p_chist, p_len).launch(
+                    grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
+                    cluster=[self.NC, 1, 1], stream=stream,
+                    max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=self.min_ctas)
+
+        @cute.kernel
+        def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
+                   p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
+                   p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
+                   p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
+                   p_chist: cute.Pointer, p_len: cute.Pointer):
+            D = _D
+            H = self.H
+            T = self.T
+            HD = H * D
+            C = 3 * HD
+            scale = 1.0 / math.sqrt(D)
+
+            TV, NC, CW, G, R, S, E = self.TV, self.NC, self.CW, self.G, self.R, self.S, self.E
+            WR, WC, RW = self.WR, self.WC, self.RW
+            tid, _, _ = cute.arch.thread_idx()
+            hx, bb, _ = cute.arch.block_idx()
+            h = hx
+            rank = Int32(0)
+            if cutlass.const_expr(NC > 1):
+                h = hx // NC
+                rank = hx % NC
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            rsub = lane // G   # which of the R key rows of a warp instruction
+            cg = lane % G      # which 4-column group of the warp's columns
+            wc = warp % WC             # this warp's column block
+            wr = warp // WC            # this warp's row block
+            colw = wc * CW + cg * 4    # first of this thread's 4 value columns (tile-local)
+            col0 = rank * TV + colw    # (head-local)
+            row0 = wr * RW + rsub      # first of this thread's key rows: row0 + i * R, i < S
+            lower = tid < 128
+            half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
+            c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
+
+            smem = cutlass.utils.SmemAllocator()
+            # per position, per key row r: (q_raw, k_raw, decay d, v_raw[r])
+            s_info = smem.allocate_tensor(Float32, cute.make_layout(T * 128 * 4), byte_alignment=16)
+            # per position, lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(T * 16), byte_alignment=16)
+            # per position, the tile's unnormalized outputs
+            s_o = smem.allocate_tensor(Float32, cute.make_layout(T * TV), byte_alignment=16)
+            # row blocks' partial column sums (k^T d S | q^T d S), two position buffers
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(2 * WR * 2 * TV), byte_alignment=16)
+            # cluster: every CTA's partial sum of o^2 per position, written by the peers
+            s_ss = smem.allocate_tensor(Float32, cute.make_layout(T * NC), byte_alignment=16)
+
+            # sequence length (ragged verify): positions >= L write nothing
+            L = Int32(T)
+            if cutlass.const_expr(self.ragged):
+                L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
+
+            # ---- issue the state loads first: S x 16 B per thread ----------------------------------
+            # thread's key rows: row0 + i * R, i < S; value columns col0 .. col0 + 3
+            s_off = cute.assume(((bb * H + h) * D + row0) * D + col0, divby=4)
+            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, R * D)))
+            r_s = cute.make_rmem_tensor((4, S), Float32)
+            cute.autovec_copy(g_state, r_s)
+            if cutlass.const_expr(NC > 1):
+                cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before remote stores
+
+            # ---- per-thread prologue constants --------------------------------------------------
+            # channel 1: q (lower) or v (upper); channel 2: k (lower only)
+            ch1 = half * (2 * HD) + h * D + c
+            ch2 = HD + h * D + c
+            win1 = cute.make_rmem_tensor((4,), p_qkv.dtype)
+            win2 = cute.make_rmem_tensor((4,), p_qkv.dtype)
+            w1 = cute.make_rmem_tensor((4,), Float32)
+            w2 = cute.make_rmem_tensor((4,), Float32)
+            conv_g = cute.make_tensor(p_conv, cute.make_layout(self.B * C * 3))
+            ch_g = cute.make_tensor(p_chist, cute.make_layout(self.B * T * C * 3))
+            convw_g = cute.make_tensor(p_convw, cute.make_layout(C * 4))
+            for i in cutlass.range_constexpr(3):
+                win1[i] = conv_g[(bb * C + ch1) * 3 + i]
+            for i in cutlass.range_constexpr(4):
+                w1[i] = convw_g[ch1 * 4 + i].to(Float32)
+            a_exp = cute.math.exp(cute.make_tensor(p_alog, cute.make_layout(H))[h].to(Float32))
+            dtb = cute.make_tensor(p_dtb, cute.make_layout(HD))[h * D + c].to(Float32)
+            if lower:
+                for i in cutlass.range_constexpr(3):
+                    win2[i] = conv_g[(bb * C + ch2) * 3 + i]
+                for i in cutlass.range_constexpr(4):
+                    w2[i] = convw_g[ch2 * 4 + i].to(Float32)
+
+            # every position's activations now (no global load waits behind a barrier)
+            qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
+            f_g = cute.make_tensor(p_f, cute.make_layout(self.B * T * HD))
+            b_g = cute.make_tensor(p_b, cute.make_layout(self.B * T * H))
+            x1 = cute.make_rmem_tensor((T,), p_qkv.dtype)
+            x2 = cute.make_rmem_tensor((T,), p_qkv.dtype)
+            f_r = cute.make_rmem_tensor((T,), p_f.dtype)
+            b_r = cute.make_rmem_tensor((T,), p_b.dtype)
+            for t in cutlass.range_constexpr(T):
+                bt = bb * T + t
+                x1[t] = qkv_g[bt * C + ch1]
+                f_r[t] = f_g[bt * HD + h * D + c]
+                b_r[t] = b_g[bt * H + h]
+            if lower:
+                for t in cutlass.range_constexpr(T):
+                    x2[t] = qkv_g[(bb * T + t) * C + ch2]
+            # epilogue inputs: warp (t % 8) finishes position t; lane owns E output columns
+            e0 = rank * TV + lane * E  # head-local first output column of this lane
+            r_onw_raw = cute.make_rmem_tensor((E,), p_onw.dtype)
+            cute.autovec_copy(vec(p_onw, cute.assume(e0, divby=E), E), r_onw_raw)
+            gate_r = cute.make_rmem_tensor((E, T), p_gate.dtype)
+            for t in cutlass.range_constexpr(T):
+                if warp == t % 8:
+                    cute.autovec_copy(vec(p_gate, cute.assume((bb * T + t) * HD + h * D + e0, divby=E), E),
+                                      gate_r[None, t])
+
+            # ---- prologue of ALL positions (independent of the state): conv + silu, gate, norms ---
+            for t in cutlass.range_constexpr(T):
+                bt = bb * T + t
+                active = Int32(1)
+                if cutlass.const_expr(self.ragged):
+                    active = Int32(0)
+                    if t < L:
+                        active = Int32(1)
+                win1[3] = x1[t]
+                y1 = Float32(0.0)
+                for i in cutlass.range_constexpr(4):
+                    y1 = y1 + win1[i].to(Float32) * w1[i]
+                y1 = y1 * sigmoid(y1)
+                info_base = t * 512 + c * 4
+                if lower:
+                    win2[3] = x2[t]
+                    y2 = Float32(0.0)
+                    for i in cutlass.range_constexpr(4):
+                        y2 = y2 + win2[i].to(Float32) * w2[i]
+                    y2 = y2 * sigmoid(y2)
+                    s_info[info_base + 0] = y1
+                    s_info[info_base + 1] = y2
+                    sq = warp_sum(y1 * y1)
+                    sk = warp_sum(y2 * y2)
+                    dqk = warp_sum(y1 * y2)
+                    if lane == 0:
+                        s_red[t * 16 + warp * 4 + 0] = sq
+                        s_red[t * 16 + warp * 4 + 1] = sk
+                        s_red[t * 16 + warp * 4 + 2] = dqk
+                else:
+                    fv = f_r[t].to(Float32)
+                    g = self.lb * sigmoid(a_exp * (fv + dtb))
+                    s_info[info_base + 2] = cute.math.exp(g)
+                    s_info[info_base + 3] = y1
+
+                # the conv window after position t (pre-conv inputs, exact bf16 copies)
+                for i in cutlass.range_constexpr(3):
+                    win1[i] = win1[i + 1]
+                if lower:
+                    for i in cutlass.range_constexpr(3):
+                        win2[i] = win2[i + 1]
+                # conv_hist[b, t] (rank 0 of a cluster writes it)
+                wconv = active
+                if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                    if rank != 0:
+                        wconv = Int32(0)
+                if wconv > 0:
+                    for i in cutlass.range_constexpr(3):
+                        ch_g[(bt * C + ch1) * 3 + i] = win1[i]
+                    if lower:
+                        for i in cutlass.range_constexpr(3):
+                            ch_g[(bt * C + ch2) * 3 + i] = win2[i]
+
+            cute.arch.sync_threads()  # the only CTA barrier before the epilogue
+
+            # ---- the recurrence: per position only warp-local work (no barrier) -----------------
+            r_info = cute.make_rmem_tensor((4,), Float32)
+            acc_k = cute.make_rmem_tensor((4,), Float32)
+            acc_q = cute.make_rmem_tensor((4,), Float32)
+            u = cute.make_rmem_tensor((4,), Float32)
+            o = cute.make_rmem_tensor((4,), Float32)
+            r_p = cute.make_rmem_tensor((4,), Float32)
+            for t in cutlass.range_constexpr(T):
+                bt = bb * T + t
+                active = Int32(1)
+                if cutlass.const_expr(self.ragged):
+                    active = Int32(0)
+                    if t < L:
+                        active = Int32(1)
+                ssq = Float32(0.0)
+                ssk = Float32(0.0)
+                dot = Float32(0.0)
+                for w in cutlass.range_constexpr(4):
+                    ssq = ssq + s_red[t * 16 + w * 4 + 0]
+                    ssk = ssk + s_red[t * 16 + w * 4 + 1]
+                    dot = dot + s_red[t * 16 + w * 4 + 2]
+                rq = cute.math.rsqrt(ssq + _L2_EPS)
+                rk = cute.math.rsqrt(ssk + _L2_EPS)
+                qk = dot * rq * rk
+                beta = sigmoid(b_r[t].to(Float32))
+
+                # k^T diag(d) S and q^T diag(d) S over the old state: this thread's S rows, then the
+                # lanes holding the same columns (other rows) by butterfly shuffles
+                acc_k.fill(0.0)
+                acc_q.fill(0.0)
+                for i in cutlass.range_constexpr(S):
+                    r = row0 + i * R
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
+                                      r_info)
+                    qd = r_info[0] * r_info[2]
+                    kd = r_info[1] * r_info[2]
+                    for j in cutlass.range_constexpr(4):
+                        acc_k[j] = acc_k[j] + kd * r_s[j, i]
+                        acc_q[j] = acc_q[j] + qd * r_s[j, i]
+                for si in cutlass.range_constexpr(len(self.red_offs)):
+                    for j in cutlass.range_constexpr(4):
+                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
+                                                                          offset=self.red_offs[si])
+                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
+                                                                          offset=self.red_offs[si])
+                if cutlass.const_expr(WR > 1):
+                    # the row blocks' partial sums meet in shared memory (double-buffered by position:
+                    # buffer t % 2 is rewritten only after every thread passed the next barrier)
+                    pb = (t % 2) * (WR * 2 * TV) + wr * (2 * TV) + colw
+                    cute.autovec_copy(acc_k, vec(s_part.iterator, cute.assume(pb, divby=4), 4))
+                    cute.autovec_copy(acc_q, vec(s_part.iterator, cute.assume(pb + TV, divby=4), 4))
+                    cute.arch.sync_threads()
+                    acc_k.fill(0.0)
+                    acc_q.fill(0.0)
+                    for w in cutlass.range_constexpr(WR):
+                        pw = (t % 2) * (WR * 2 * TV) + w * (2 * TV) + colw
+                        cute.autovec_copy(vec(s_part.iterator, cute.assume(pw, divby=4), 4), r_p)
+                        for j in cutlass.range_constexpr(4):
+                            acc_k[j] = acc_k[j] + r_p[j]
+                        cute.autovec_copy(vec(s_part.iterator, cute.assume(pw + TV, divby=4), 4), r_p)
+                        for j in cutlass.range_constexpr(4):
+                            acc_q[j] = acc_q[j] + r_p[j]
+                # u = beta (v - S'^T k);  o = S''^T q / sqrt(D) = (S'^T q + (q.k) u) / sqrt(D)
+                for j in cutlass.range_constexpr(4):
+                    vj = s_info[t * 512 + (col0 + j) * 4 + 3]
+                    u[j] = beta * (vj - rk * acc_k[j])
+                    o[j] = (rq * acc_q[j] + qk * u[j]) * scale
+                # every lane of a column group holds the same o: all store it (same value, same
+                # address: no branch in the position chain)
+                cute.autovec_copy(o, vec(s_o.iterator, cute.assume(t * TV + colw, divby=4), 4))
+                # S'' = diag(d) S + k u^T
+                for i in cutlass.range_constexpr(S):
+                    r = row0 + i * R
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
+                                      r_info)
+                    dr = r_info[2]
+                    kr = r_info[1] * rk
+                    for j in cutlass.range_constexpr(4):
+                        r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                if cutlass.const_expr(not self.hist):
+                    active = Int32(0)
+                if active > 0:
+                    h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
+                    g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
+                    cute.autovec_copy(r_s, g_dst)
+
+            # ---- epilogue: gated RMSNorm of every position (warp t % 8 takes position t) ----------
+            cute.arch.sync_threads()  # s_o complete
+            r_o = cute.make_rmem_tensor((E, T), Float32)
+            ss_r = cute.make_rmem_tensor((T,), Float32)
+            for t in cutlass.range_constexpr(T):
+                if warp == t % 8:
+                    cute.autovec_copy(vec(s_o.iterator, cute.assume(t * TV + lane * E, divby=E), E),
+                                      r_o[None, t])
+                    ss = Float32(0.0)
+                    for j in cutlass.range_constexpr(E):
+                        ss = ss + r_o[j, t] * r_o[j, t]
+                    ss_r[t] = warp_sum(ss)
+            if cutlass.const_expr(NC > 1):
+                # the head's sum of o^2 meets across the cluster through distributed shared memory
+                cute.arch.cluster_wait()  # matches the relaxed arrive after the state loads
+                for t in cutlass.range_constexpr(T):
+                    if warp == t % 8:  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if lane < NC:
+                            st_cluster_f32(s_ss.iterator + (t * NC + rank), lane, ss_r[t])
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                for t in cutlass.range_constexpr(T):
+                    if warp == t % 8:
+                        tot = Float32(0.0)
+                        for rr in cutlass.range_constexpr(NC):
+                            tot = tot + s_ss[t * NC + rr]
+                        ss_r[t] = tot
+            for t in cutlass.range_constexpr(T):
+                if warp == t % 8:
+                    active = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        active = Int32(0)
+                        if t < L:
+                            active = Int32(1)
+                    inv = cute.math.rsqrt(ss_r[t] * (1.0 / D) + self.eps)
+                    r_out = cute.make_rmem_tensor((E,), p_out.dtype)
+                    for j in cutlass.range_constexpr(E):
+                        val = r_o[j, t] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
+                        r_out[j] = val.to(p_out.dtype)
+                    if active > 0:
+                        o_off = cute.assume((bb * T + t) * HD + h * D + e0, divby=E)
+                        cute.autovec_copy(r_out, vec(p_out, o_off, E))
+
+    _COLUMNS_CLS = KDAVerifyColumns
+    return KDAVerifyColumns
+
+
+def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
+               lengths=None, tile_v: int = 128, layout: str = "columns", row_warps: int | None = None):
+    """T positions per sequence (speculative verification), state kept on chip across positions.
+    qkv [B,T,3HD], f [B,T,HD], b [B,T,H], gate [B,T,HD] bf16; writes out [B,T,HD] bf16,
+    state_hist [B,T,H,128,128] fp32 (state after each position), conv_hist [B,T,3HD,3] bf16.
+    `state`/`conv_state` are not modified. lengths [B] int32 in 1..T: positions >= lengths[b] are
+    not computed and their out/hist entries are left untouched. layout: "columns" (this file's
+    generator, the default) or "rows" (kda_decode.py's generator, the baseline). row_warps (columns
+    layout only): how many of the 8 warps split the key rows, 1, 2, 4 or 8; None takes ROW_WARPS[tile_v].
+    Returns `out`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"kda cute verify: layout must be one of {LAYOUTS} (got {layout!r})")
+    if layout == "rows" and row_warps is not None:
+        raise ValueError("kda cute verify: row_warps applies to layout='columns' only")
+    if layout == "columns":
+        row_warps = ROW_WARPS.get(tile_v, 8) if row_warps is None else row_warps
+        if row_warps not in (1, 2, 4, 8):
+            raise ValueError(f"kda cute verify: row_warps must be 1, 2, 4 or 8 (got {row_warps!r})")
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
+        raise ValueError("kda cute verify: qkv must be [B, T, 3HD]")
+    T = qkv.shape[1]
+    if not 1 <= T <= 16:
+        raise NotImplementedError(f"kda cute verify: T must be in 1..16 (got {T})")
+    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T)
+    dev = qkv.device
+    C = 3 * H * _D
+    _check("state_hist", state_hist, (B, T, H, _D, _D), _F32, dev)
+    _check("conv_hist", conv_hist, (B, T, C, _W - 1), _BF16, dev)
+    if state_hist.numel() >= 2**31:
+        raise NotImplementedError("kda cute verify: state_hist too large for 32-bit indexing")
+    ragged = lengths is not None
+    if ragged:
+        _check("lengths", lengths, (B,), (torch.int32,), dev)
+    args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
+            _ptr(params.A_log, params.A_log.element_size()),
+            _ptr(params.dt_bias, params.dt_bias.element_size()),
+            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
+            _ptr(state_hist), _ptr(conv_hist, 2), _ptr(lengths if ragged else state, 4)]
+    if not ragged:
+        import cutlass
+        from cutlass import cute
+        from cutlass.cute.runtime import make_ptr
+        args[-1] = make_ptr(cutlass.Int32, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
+    key = ("verify", layout, row_warps, B, H, T, ragged, tile_v, dev.index, float(params.eps),
+           float(params.lower_bound), params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype,
+           params.o_norm_w.dtype)
+    with torch.cuda.device(dev):
+        stream = _stream(dev)
+        if layout == "columns":
+            fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v,
+                               lambda: functools.partial(_columns_class(), row_warps=row_warps))
+        else:
+            fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v, _kernel_class)
+        fn(*args, stream)
+    return out

@@ -1,0 +1,41 @@
+"""The CuTe KDA verify wrapper refuses bad switch values by name before touching the GPU (runs on CPU,
+without nvidia-cutlass-dsl)."""
+import pytest
+import torch
+
+from k3lab.ref import kda as ref
+
+kv = pytest.importorskip("k3lab_kernels.cute.kda_verify")
+
+
+def _args(B=1, H=2, D=16, T=3):
+    inp, p, st, cs = ref.make_kda_inputs(B, H, D, T=T, seed=0)
+    out = torch.empty(B, T, H * D, dtype=torch.bfloat16)
+    sh = torch.empty(B, T, H, D, D)
+    ch = torch.empty(B, T, 3 * H * D, 3, dtype=torch.bfloat16)
+    return (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch)
+
+
+def test_unknown_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match="layout"):
+        kv.kda_verify(*_args(), layout="diagonal")
+
+
+def test_row_warps_only_with_the_column_layout():
+    with pytest.raises(ValueError, match="row_warps"):
+        kv.kda_verify(*_args(), layout="rows", row_warps=4)
+
+
+@pytest.mark.parametrize("rw", [0, 3, 16, "4"])
+def test_row_warps_values(rw):
+    with pytest.raises(ValueError, match="row_warps"):
+        kv.kda_verify(*_args(), row_warps=rw)
+
+
+def test_cpu_tensors_are_refused_by_name():
+    with pytest.raises(ValueError, match="CUDA"):
+        kv.kda_verify(*_args())
+
+
+def test_defaults_cover_every_tile():
+    assert set(kv.ROW_WARPS) == {128, 64, 32} and set(kv.ROW_WARPS.values()) <= {1, 2, 4, 8}
