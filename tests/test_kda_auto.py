@@ -16,7 +16,11 @@ def test_defaults_table_is_well_formed():
         for r in rules:
             assert r["backend"] in ("triton", "cute")
             assert r["tile_v"] in comp.TILE_V_ALLOWED
-        assert d["fallback"][op]["backend"] in ("triton", "reference")
+        fb = d["fallback"][op]
+        assert fb and fb[-1]["max_batch"] is None, "the last fallback rule must match any batch"
+        for r in fb:
+            assert r["backend"] in ("triton", "reference")
+            assert r["tile_v"] is None or r["tile_v"] in comp.TILE_V_ALLOWED
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
@@ -30,7 +34,9 @@ def test_auto_on_cpu_runs_the_reference_and_says_so():
 def test_auto_follows_the_table_and_falls_back_without_cute(monkeypatch):
     monkeypatch.setattr(comp, "resolve_backend", lambda b="auto": "triton")
     monkeypatch.setattr(comp, "backend_status", lambda b: (False, "no cute here"))
-    assert comp.auto_choice("decode", 1) == ("triton", None)
+    assert comp.auto_choice("decode", 1) == ("triton", 16)
+    assert comp.auto_choice("decode", 64) == ("triton", 64)
+    assert comp.auto_choice("verify", 1) == ("triton", 32)
     monkeypatch.setattr(comp, "backend_status", lambda b: (True, "pretend"))
     monkeypatch.setattr(comp, "_cute_module", lambda name: object())
     assert comp.auto_choice("decode", 1) == ("cute", 32)

@@ -110,8 +110,10 @@ def auto_choice(op: str, B: int) -> tuple[str, int | None]:
                 except BackendUnavailable:
                     break
             return be, rule.get("tile_v")
-    fb = d.get("fallback", {}).get(op, {})
-    return fb.get("backend", gpu_be), fb.get("tile_v")
+    for rule in d.get("fallback", {}).get(op, []):
+        if rule.get("max_batch") is None or B <= rule["max_batch"]:
+            return rule["backend"], rule.get("tile_v")
+    return gpu_be, None
 
 
 def _cute_module(name: str):
