@@ -139,8 +139,50 @@ def _dsl():
             x = x + cute.arch.shuffle_sync_bfly(x, offset=sh)
         return x
 
+    @cute.jit
+    def prologue_position(x1t, x2t, f_t, win1: cute.Tensor, win2: cute.Tensor, w1: cute.Tensor, w2: cute.Tensor,
+                          a_exp, dtb, lb: cutlass.Constexpr, lower, lane, warp, c, s_info: cute.Tensor, info_base,
+                          s_red: cute.Tensor, red_base):
+        """One position's state-independent work, shared by both generators. Threads 0..127 (`lower`):
+        conv + silu of the q and k channels of key row c into s_info[info_base + 0, 1] and the warp
+        sums |q|^2, |k|^2, q.k into s_red[red_base + warp * 4 + 0..2]; threads 128..255: conv + silu
+        of the v channel c into s_info[info_base + 3] and the decay exp(g) of row c into
+        s_info[info_base + 2]. Then the conv windows shift by one (win[3] took x_t first)."""
+        win1[3] = x1t
+        y1 = Float32(0.0)
+        for i in cutlass.range_constexpr(4):
+            y1 = y1 + win1[i].to(Float32) * w1[i]
+        y1 = y1 * sigmoid(y1)
+        if lower:
+            win2[3] = x2t
+            y2 = Float32(0.0)
+            for i in cutlass.range_constexpr(4):
+                y2 = y2 + win2[i].to(Float32) * w2[i]
+            y2 = y2 * sigmoid(y2)
+            s_info[info_base + 0] = y1
+            s_info[info_base + 1] = y2
+            sq = warp_sum(y1 * y1)
+            sk = warp_sum(y2 * y2)
+            dqk = warp_sum(y1 * y2)
+            if lane == 0:
+                s_red[red_base + warp * 4 + 0] = sq
+                s_red[red_base + warp * 4 + 1] = sk
+                s_red[red_base + warp * 4 + 2] = dqk
+        else:
+            fv = f_t.to(Float32)
+            g = lb * sigmoid(a_exp * (fv + dtb))
+            s_info[info_base + 2] = cute.math.exp(g)
+            s_info[info_base + 3] = y1
+        # the conv window after this position (pre-conv inputs, exact bf16 copies)
+        for i in cutlass.range_constexpr(3):
+            win1[i] = win1[i + 1]
+        if lower:
+            for i in cutlass.range_constexpr(3):
+                win2[i] = win2[i + 1]
+
     _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
-                           sigmoid=sigmoid, vec=vec, st_cluster_f32=st_cluster_f32, warp_sum=warp_sum)
+                           sigmoid=sigmoid, vec=vec, st_cluster_f32=st_cluster_f32, warp_sum=warp_sum,
+                           prologue_position=prologue_position)
     return _DSL
 
 
@@ -152,6 +194,7 @@ def _kernel_class():
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
+    prologue_position = d.prologue_position
 
     class KDAStepKernel:
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
@@ -302,40 +345,9 @@ def _kernel_class():
                     if t < L:
                         active = Int32(1)
 
-                # ---------------- prologue: conv + silu, gate, norms ---------------------------
-                win1[3] = x1[t]
-                y1 = Float32(0.0)
-                for i in cutlass.range_constexpr(4):
-                    y1 = y1 + win1[i].to(Float32) * w1[i]
-                y1 = y1 * sigmoid(y1)
-                info_base = buf * 512 + c * 4
-                if lower:
-                    win2[3] = x2[t]
-                    y2 = Float32(0.0)
-                    for i in cutlass.range_constexpr(4):
-                        y2 = y2 + win2[i].to(Float32) * w2[i]
-                    y2 = y2 * sigmoid(y2)
-                    s_info[info_base + 0] = y1
-                    s_info[info_base + 1] = y2
-                    sq = warp_sum(y1 * y1)
-                    sk = warp_sum(y2 * y2)
-                    dqk = warp_sum(y1 * y2)
-                    if lane == 0:
-                        s_red[buf * 16 + warp * 4 + 0] = sq
-                        s_red[buf * 16 + warp * 4 + 1] = sk
-                        s_red[buf * 16 + warp * 4 + 2] = dqk
-                else:
-                    fv = f_r[t].to(Float32)
-                    g = self.lb * sigmoid(a_exp * (fv + dtb))
-                    s_info[info_base + 2] = cute.math.exp(g)
-                    s_info[info_base + 3] = y1
-
-                # new conv window (pre-conv inputs, exact bf16 copies)
-                for i in cutlass.range_constexpr(3):
-                    win1[i] = win1[i + 1]
-                if lower:
-                    for i in cutlass.range_constexpr(3):
-                        win2[i] = win2[i + 1]
+                # ---------------- prologue: conv + silu, gate, norms; windows shift -------------
+                prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
+                                  warp, c, s_info, buf * 512 + c * 4, s_red, buf * 16)
                 # decode with a cluster: the peers read conv_state too, so rank 0 writes it only after
                 # the cluster barrier below (late_conv)
                 if cutlass.const_expr(not late_conv):

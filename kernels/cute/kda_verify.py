@@ -78,6 +78,7 @@ def _columns_class():
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
+    prologue_position = d.prologue_position
 
     class KDAVerifyColumns:
         """One CTA (or a cluster of NC CTAs) per (b, h); T positions in order; state only read."""
@@ -248,39 +249,8 @@ def _columns_class():
                     active = Int32(0)
                     if t < L:
                         active = Int32(1)
-                win1[3] = x1[t]
-                y1 = Float32(0.0)
-                for i in cutlass.range_constexpr(4):
-                    y1 = y1 + win1[i].to(Float32) * w1[i]
-                y1 = y1 * sigmoid(y1)
-                info_base = t * 512 + c * 4
-                if lower:
-                    win2[3] = x2[t]
-                    y2 = Float32(0.0)
-                    for i in cutlass.range_constexpr(4):
-                        y2 = y2 + win2[i].to(Float32) * w2[i]
-                    y2 = y2 * sigmoid(y2)
-                    s_info[info_base + 0] = y1
-                    s_info[info_base + 1] = y2
-                    sq = warp_sum(y1 * y1)
-                    sk = warp_sum(y2 * y2)
-                    dqk = warp_sum(y1 * y2)
-                    if lane == 0:
-                        s_red[t * 16 + warp * 4 + 0] = sq
-                        s_red[t * 16 + warp * 4 + 1] = sk
-                        s_red[t * 16 + warp * 4 + 2] = dqk
-                else:
-                    fv = f_r[t].to(Float32)
-                    g = self.lb * sigmoid(a_exp * (fv + dtb))
-                    s_info[info_base + 2] = cute.math.exp(g)
-                    s_info[info_base + 3] = y1
-
-                # the conv window after position t (pre-conv inputs, exact bf16 copies)
-                for i in cutlass.range_constexpr(3):
-                    win1[i] = win1[i + 1]
-                if lower:
-                    for i in cutlass.range_constexpr(3):
-                        win2[i] = win2[i + 1]
+                prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
+                                  warp, c, s_info, t * 512 + c * 4, s_red, t * 16)
                 # conv_hist[b, t] (rank 0 of a cluster writes it)
                 wconv = active
                 if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
