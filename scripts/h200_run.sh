@@ -8,7 +8,8 @@
 #   STEP=tune  carry [".gpu/base"]  the Triton KDA tile x warps x stages tuner (kernels/triton/tune_kda.py)
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short
 # still returns them (the tool brings back at most 8 files). Knobs: HEADS, BATCHES, TS, DEADLINE,
-# LAYER_BATCHES (empty: skip the layer notebook).
+# NAME (the sweep bundle's name, default kda_sweep), LAYER_BATCHES (empty: skip the layer notebook),
+# CUTE_TILES and CUTE_ARGS (check_kda.py flags, e.g. "--verify-only --lean").
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT"
@@ -29,7 +30,7 @@ main)
   eval "$(bash .gpu/base/unpack.sh)"; install
   $K env > "$OUT/env.json"
   $K bench kda --heads ${HEADS:-12,6} --batches ${BATCHES:-1,64,8,2,4,16,32} --T ${TS:-1,4,2,8} \
-     --tiles 4,8,16,32,64,128 --reps 30 --deadline ${DEADLINE:-240} --out "$OUT/bench" 2>&1 \
+     --tiles 4,8,16,32,64,128 --reps 30 --deadline ${DEADLINE:-240} --name ${NAME:-kda_sweep} --out "$OUT/bench" 2>&1 \
      | tee "$OUT/bench.log" | tail -n 30
   pack bench
   for B in ${LAYER_BATCHES-1 64}; do
