@@ -317,11 +317,12 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
         return out
     if be == "cute":
         mod = _cute_module("kda_verify")
+        row_warps = mod.ROW_WARPS[tile_v]
         mod.kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
-                       tile_v=tile_v)
+                       tile_v=tile_v, row_warps=row_warps)
         _record(op="verify", backend_requested=backend, backend=be, kernel="cute:kda_verify", tile_v=tile_v,
                 state_dtype=sd, shape=shape,
-                notes=f"layout=columns row_warps={mod.ROW_WARPS[tile_v]}" + (" ragged" if lengths is not None else ""))
+                notes=f"layout=columns row_warps={row_warps}" + (" ragged" if lengths is not None else ""))
         return out
     o, S, cs = ref.kda_verify(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(), conv_state,
                               dtype=torch.float32, out_dtype=torch.bfloat16)

@@ -207,22 +207,7 @@ def time_decode(B, H, n_calls=20, tile_v=128):
 def _verify_nohist(qkv, f, b, gate, p, st, cs, out, sh, ch, tile_v, row_warps):
     """The column-layout kernel compiled without its state_hist stores (measurement only: what the
     stores cost at small batch). Same arguments as kda_verify; sh is not written."""
-    B, T = qkv.shape[:2]
-    H = p.heads
-    key = ("verify-nohist", B, H, T, tile_v, row_warps, qkv.device.index)
-    args = [_kv._ptr(qkv, 2), _kv._ptr(f, 2), _kv._ptr(b, 2), _kv._ptr(gate, 8), _kv._ptr(p.conv_w, 8),
-            _kv._ptr(p.A_log, p.A_log.element_size()), _kv._ptr(p.dt_bias, p.dt_bias.element_size()),
-            _kv._ptr(p.o_norm_w, 8), _kv._ptr(st), _kv._ptr(cs, 2), _kv._ptr(out, 8), _kv._ptr(sh),
-            _kv._ptr(ch, 2), _kv._ptr(st, 4)]
-    stream = _kv._stream(qkv.device)
-    fn = _kv._COMPILED_NOHIST.get(key) if hasattr(_kv, "_COMPILED_NOHIST") else None
-    if fn is None:
-        from cutlass import cute
-        kern = _kv._columns_class()(B, H, T, True, False, p.eps, p.lower_bound, tile_v, row_warps=row_warps,
-                                    hist=False)
-        fn = cute.compile(kern, *args, stream)
-        _kv.__dict__.setdefault("_COMPILED_NOHIST", {})[key] = fn
-    fn(*args, stream)
+    _kv._launch(qkv, f, b, gate, p, st, cs, out, sh, ch, None, tile_v, "columns", row_warps, hist=False)
     return out
 
 

@@ -596,19 +596,37 @@ def _stream(dev):
     return cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
 
 
+def _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths):
+    """The 14 pointers both generators take, in their order. lengths=None (uniform T): an Int32 pointer
+    the kernel never reads."""
+    if lengths is None:
+        import cutlass
+        from cutlass import cute
+        from cutlass.cute.runtime import make_ptr
+        p_len = make_ptr(cutlass.Int32, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
+    else:
+        p_len = _ptr(lengths, 4)
+    return [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
+            _ptr(params.A_log, params.A_log.element_size()),
+            _ptr(params.dt_bias, params.dt_bias.element_size()),
+            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
+            _ptr(state_hist), _ptr(conv_hist, 2), p_len]
+
+
+def _params_key(params) -> tuple:
+    """What of the parameters a compiled kernel depends on (constants and dtypes)."""
+    return (float(params.eps), float(params.lower_bound), params.conv_w.dtype, params.A_log.dtype,
+            params.dt_bias.dtype, params.o_norm_w.dtype)
+
+
 def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
     place and writes `out` [B,H*128] bf16. Returns `out`."""
     B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
-    dummy_len = state  # never read: ragged=False
-    args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
-            _ptr(params.A_log, params.A_log.element_size()),
-            _ptr(params.dt_bias, params.dt_bias.element_size()),
-            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
-            _ptr(state), _ptr(conv_state, 2), _ptr(dummy_len)]
-    key = ("decode", B, H, 1, tile_v, dev.index, float(params.eps), float(params.lower_bound),
-           params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype, params.o_norm_w.dtype)
+    # no history at T = 1: state/conv_state stand in for the (never written) history pointers
+    args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
+    key = ("decode", B, H, 1, tile_v, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
         fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v)

@@ -57,8 +57,8 @@ import math
 
 import torch
 
-from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_class,
-                         _ptr, _stream, _validate, kda_verify_bytes)
+from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
+                         _kernel_class, _params_key, _stream, _validate, kda_verify_bytes)
 
 __all__ = ["LAYOUTS", "kda_verify", "kda_verify_bytes"]
 
@@ -412,10 +412,8 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
         raise ValueError(f"kda cute verify: layout must be one of {LAYOUTS} (got {layout!r})")
     if layout == "rows" and row_warps is not None:
         raise ValueError("kda cute verify: row_warps applies to layout='columns' only")
-    if layout == "columns":
-        row_warps = ROW_WARPS.get(tile_v, 8) if row_warps is None else row_warps
-        if row_warps not in (1, 2, 4, 8):
-            raise ValueError(f"kda cute verify: row_warps must be 1, 2, 4 or 8 (got {row_warps!r})")
+    if row_warps is not None and row_warps not in (1, 2, 4, 8):
+        raise ValueError(f"kda cute verify: row_warps must be 1, 2, 4 or 8 (got {row_warps!r})")
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
         raise ValueError("kda cute verify: qkv must be [B, T, 3HD]")
     T = qkv.shape[1]
@@ -428,28 +426,32 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     _check("conv_hist", conv_hist, (B, T, C, _W - 1), _BF16, dev)
     if state_hist.numel() >= 2**31:
         raise NotImplementedError("kda cute verify: state_hist too large for 32-bit indexing")
-    ragged = lengths is not None
-    if ragged:
+    if lengths is not None:
         _check("lengths", lengths, (B,), (torch.int32,), dev)
-    args = [_ptr(qkv, 2), _ptr(f, 2), _ptr(b, 2), _ptr(gate, 8), _ptr(params.conv_w, 8),
-            _ptr(params.A_log, params.A_log.element_size()),
-            _ptr(params.dt_bias, params.dt_bias.element_size()),
-            _ptr(params.o_norm_w, 8), _ptr(state), _ptr(conv_state, 2), _ptr(out, 8),
-            _ptr(state_hist), _ptr(conv_hist, 2), _ptr(lengths if ragged else state, 4)]
-    if not ragged:
-        import cutlass
-        from cutlass import cute
-        from cutlass.cute.runtime import make_ptr
-        args[-1] = make_ptr(cutlass.Int32, state.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
-    key = ("verify", layout, row_warps, B, H, T, ragged, tile_v, dev.index, float(params.eps),
-           float(params.lower_bound), params.conv_w.dtype, params.A_log.dtype, params.dt_bias.dtype,
-           params.o_norm_w.dtype)
+    if layout == "columns" and row_warps is None:
+        row_warps = ROW_WARPS[tile_v]
+    _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths, tile_v, layout,
+            row_warps)
+    return out
+
+
+def _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths, tile_v, layout,
+            row_warps, hist: bool = True):
+    """Compile (once per shape) and launch on the current stream; arguments already validated.
+    hist=False (column layout only) skips the state_hist stores: kernels/cute/check_kda.py uses it to
+    measure what the stores cost, nothing else should."""
+    B, T = qkv.shape[:2]
+    H = params.heads
+    dev = qkv.device
+    ragged = lengths is not None
+    args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths)
+    key = ("verify", layout, row_warps, hist, B, H, T, ragged, tile_v, dev.index) + _params_key(params)
+    if layout == "columns":
+        def cls():
+            return functools.partial(_columns_class(), row_warps=row_warps, hist=hist)
+    else:
+        cls = _kernel_class
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        if layout == "columns":
-            fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v,
-                               lambda: functools.partial(_columns_class(), row_warps=row_warps))
-        else:
-            fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v, _kernel_class)
+        fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v, cls)
         fn(*args, stream)
-    return out

@@ -22,8 +22,8 @@ normalizes and writes the whole head, shifts the head's q/k conv state (every pr
 have read the old one first; it re-loads those inputs from L2 in the same round trip as the scratch
 instead of keeping them in registers), and resets the counter so the kernel is re-launchable and
 CUDA-graph capturable. Scratch and counters are allocated once per (device, B, H, D, tile count) and
-cached; call once before graph capture. Concurrent launches of the
-same shape on different streams would share that scratch: not supported.
+cached; call once before graph capture. Concurrent launches of the same shape on different streams
+would share that scratch: not supported.
 
 Floor (bytes that must move, per call), H heads of dim D, batch B, fp32 state:
   state read + write   B*H*D*D*4*2            (B=1, H=12, D=128: 1.573 MB; B=64: 100.7 MB)
