@@ -38,4 +38,10 @@ def test_cpu_tensors_are_refused_by_name():
 
 
 def test_defaults_cover_every_tile():
-    assert set(kv.ROW_WARPS) == {128, 64, 32} and set(kv.ROW_WARPS.values()) <= {1, 2, 4, 8}
+    assert set(kv.ROW_WARPS) == {128, 64, 32, 16} and set(kv.ROW_WARPS.values()) <= {1, 2, 4, 8}
+    assert all(kv.ROW_WARPS[t] in kv.ROW_WARPS_ALLOWED[t] for t in kv.ROW_WARPS)
+
+
+def test_tile16_refuses_one_row_warp():
+    with pytest.raises(ValueError, match="row_warps"):
+        kv.kda_verify(*_args(), tile_v=16, row_warps=1)

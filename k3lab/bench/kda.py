@@ -105,7 +105,7 @@ def clone_set(s: dict) -> dict:
 
 OUT_TOL = 1e-2  # bf16 output: one rounding of ~2^-9 relative per element, plus fp32 maths
 STATE_TOL = {"fp32": 1e-4, "bf16": 1e-2}  # fp32 state: fp32 rounding over D-term sums; bf16: one rounding
-CUTE_TILES = (32, 64, 128)  # the CuTe kernels split a head over a cluster of 1, 2 or 4 CTAs
+CUTE_TILES = (16, 32, 64, 128)  # the CuTe kernels split a head over a cluster of 1, 2, 4 or 8 CTAs
 
 
 def check_component(c: KDACase, s: dict, backend: str) -> dict:

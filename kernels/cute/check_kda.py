@@ -32,16 +32,22 @@ from k3lab.ref import kda as ref  # noqa: E402 - after the checkout fallback abo
 try:
     from k3lab_kernels.cute import kda_verify as _kv
     from k3lab_kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify_bytes
+    from k3lab_kernels.cute.kda_decode_persistent import kda_decode_persistent
 except ImportError:  # the checkout's `kernels/` folder is the k3lab_kernels package
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
     from kernels.cute import kda_verify as _kv
     from kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify_bytes
+    from kernels.cute.kda_decode_persistent import kda_decode_persistent
 kda_verify = _kv.kda_verify
 
 OUT_TOL = 1e-2
 STATE_TOL = 1e-4
 COPY_BW = 4.275e12
+# calls per timed graph; each call takes the next of up to N_CALLS buffer sets. 20 sets of a B=1 step
+# (34 MB) stay in the 60 MB L2; --cold sets 80 (136 MB at B=1), so the state comes from DRAM as in a
+# 69-layer model and as `k3lab bench kda` measures.
+N_CALLS = 20
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,9 +69,16 @@ def _ref64(fn, inp, p, st, cs):
               st.to(d), cs.to(d), dtype=d, out_dtype=d)
 
 
-def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128) -> dict:
+def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None):
+    """The grid decode (stages None) or the persistent one (stages = (CTAs per SM, stages); tile 128)."""
+    if stages is None:
+        return kda_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v)
+    return kda_decode_persistent(qkv, f, b, gate, p, st, cs, out, ctas=stages[0], stages=stages[1])
+
+
+def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128, stages=None) -> dict:
     """Run `steps` decode steps with fresh inputs each step; compare each step with the fp64 oracle
-    carried from the same start. Returns the worst errors."""
+    carried from the same start. Returns the worst errors. stages=(ctas, stages): the persistent kernel."""
     _, p, st, cs = _inputs(B, H, seed=seed)
     st_k, cs_k = st.clone(), cs.clone()
     st_r, cs_r = st.double(), cs.double()
@@ -73,7 +86,7 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
     for s in range(steps):
         inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
         out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-        kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v)
+        _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v, stages=stages)
         torch.cuda.synchronize()
         o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
         worst["out_finite"] &= bool(torch.isfinite(out).all())
@@ -86,8 +99,19 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
     return worst
 
 
+def _verify(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths, tile_v, layout, row_warps, knobs):
+    if not knobs:
+        return kda_verify(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths=lengths, tile_v=tile_v,
+                          layout=layout, row_warps=row_warps)
+    _kv._launch(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths, tile_v, layout,
+                row_warps or _kv.ROW_WARPS[tile_v], **knobs)
+    return out
+
+
 def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
-                 tile_v: int = 128, layout: str = "columns", row_warps=None) -> dict:
+                 tile_v: int = 128, layout: str = "columns", row_warps=None, knobs=None) -> dict:
+    """One verify call against the fp64 oracle. knobs (dict: preload, scatter) force the column kernel's
+    choices (measurement knobs: launched through kda_verify's _launch, unvalidated)."""
     inp, p, st, cs = _inputs(B, H, T=T, seed=seed)
     st0, cs0 = st.clone(), cs.clone()
     C = 3 * H * 128
@@ -102,8 +126,8 @@ def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
         if B > 1:
             lengths[1] = 1
         lengths = lengths.cuda()
-    kda_verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths=lengths,
-               tile_v=tile_v, layout=layout, row_warps=row_warps)
+    _verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths, tile_v, layout,
+            row_warps, knobs)
     torch.cuda.synchronize()
     o_r, s_r, c_r = _ref64(ref.kda_verify, inp, p, st, cs)
     res = {"out_err": 0.0, "state_err": 0.0, "conv_exact": True, "untouched": True,
@@ -127,8 +151,12 @@ def check_errors() -> dict:
     inp, p, st, cs = _inputs(1, 6)
     out = torch.empty((1, 6 * 128), dtype=torch.bfloat16, device="cuda")
     cases = {
-        "tile_v=16": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out,
-                                        tile_v=16),
+        "tile_v=8": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out,
+                                       tile_v=8),
+        "stages=4": lambda: kda_decode_persistent(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out,
+                                                  stages=4),
+        "ctas=2 stages=2": lambda: kda_decode_persistent(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs,
+                                                         out, ctas=2, stages=2),
         "noncontig state": lambda: kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p,
                                               st.transpose(2, 3), cs, out),
         "fp32 qkv": lambda: kda_decode(inp["qkv"].float(), inp["f"], inp["b"], inp["gate"], p, st, cs,
@@ -183,19 +211,20 @@ def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
                      for _ in range(n - 1)]
 
 
-def time_decode(B, H, n_calls=20, tile_v=128):
+def time_decode(B, H, n_calls=None, tile_v=128, stages=None):
     inp, p, st, cs = _inputs(B, H, seed=1)
 
     def make():
         return {"qkv": inp["qkv"], "f": inp["f"], "b": inp["b"], "gate": inp["gate"], "st": st.clone(),
                     "cs": cs.clone(), "out": torch.empty(B, H * 128, dtype=torch.bfloat16, device="cuda")}
 
+    n_calls = n_calls or N_CALLS
     nbytes = kda_decode_bytes(B, H)
-    sets = _sets(make, nbytes)
+    sets = _sets(make, nbytes, n_calls=n_calls)
 
     def call(d):
-        return lambda: kda_decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
-                                  tile_v=tile_v)
+        return lambda: _decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
+                               tile_v=tile_v, stages=stages)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     hot = _graph_us([call(sets[0])] * n_calls)
@@ -211,7 +240,7 @@ def _verify_nohist(qkv, f, b, gate, p, st, cs, out, sh, ch, tile_v, row_warps):
     return out
 
 
-def time_verify(B, H, T, n_calls=20, tile_v=128, layout="columns", row_warps=None):
+def time_verify(B, H, T, n_calls=None, tile_v=128, layout="columns", row_warps=None, knobs=None):
     inp, p, st, cs = _inputs(B, H, T=T, seed=2)
     C = 3 * H * 128
 
@@ -221,13 +250,17 @@ def time_verify(B, H, T, n_calls=20, tile_v=128, layout="columns", row_warps=Non
                     "sh": torch.empty(B, T, H, 128, 128, device="cuda"),
                     "ch": torch.empty(B, T, C, 3, dtype=torch.bfloat16, device="cuda")}
 
+    n_calls = n_calls or N_CALLS
     nbytes = kda_verify_bytes(B, H, T)
-    sets = _sets(make, nbytes)
+    sets = _sets(make, nbytes, n_calls=n_calls)
 
     def call(d):
         if layout == "columns-nohist":
             return lambda: _verify_nohist(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
                                           d["sh"], d["ch"], tile_v, row_warps or _kv.ROW_WARPS[tile_v])
+        if knobs:
+            return lambda: _kv._launch(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"], d["sh"],
+                                       d["ch"], None, tile_v, layout, row_warps or _kv.ROW_WARPS[tile_v], **knobs)
         return lambda: kda_verify(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
                                   d["sh"], d["ch"], tile_v=tile_v, layout=layout, row_warps=row_warps)
 
@@ -254,6 +287,74 @@ def copy_bw(nbytes=1 << 30):
         ts.append(e0.elapsed_time(e1) * 1e-3)
     ts.sort()
     return 2 * nbytes / ts[len(ts) // 2]
+
+
+# ---- the tile-16 and persistent-decode experiment (--exp) -------------------------------------
+
+def experiment(report: dict) -> None:
+    """Correctness, then DRAM-cold timing (N_CALLS = 80), of this round's candidates: the verify
+    reduce-scatter (scatter) and register preload, the decode L2 prefetch of a later CTA's state
+    (l2_ahead), beside the current kernels."""
+    global N_CALLS
+    t0 = time.time()
+    ex = report.setdefault("exp", {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []})
+    print("\n== exp: decode correctness ==")
+    for B, H, la in [(64, 12, 264), (5, 6, 264), (256, 12, 132), (64, 96, 528)]:
+        r = _safe(check_decode, B, H, seed=B * 7 + H, steps=2 if B <= 8 else 1, l2_ahead=la)
+        r.update(B=B, H=H, tile_v=128, l2_ahead=la)
+        ex["decode"].append(r)
+        print(f"{B:>4} {H:>3} l2_ahead {la:>4} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
+              f"{r.get('error', '')}")
+    print("\n== exp: verify correctness (knobs {} = the rules) ==")
+    vcases = [((1, 12, 4, False), 16, 4, {}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
+              ((1, 12, 8, True), 16, 4, {"preload": True}), ((5, 6, 8, True), 16, 4, {}), ((8, 12, 4, True), 16, 8, {}),
+              ((1, 12, 2, False), 32, 4, {}), ((1, 12, 4, False), 32, 2, {}), ((64, 12, 4, False), 128, 4, {}),
+              ((8, 12, 4, True), 64, 4, {}), ((2, 96, 3, False), 16, 2, {}), ((3, 6, 5, True), 128, 2, {}),
+              ((1, 12, 4, False), 128, 8, {})]
+    for (B, H, T, rg), tv, wr, kn in vcases:
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["verify"].append(r)
+        print(f"{B:>4} {H:>3} {T:>2} {rg!s:>5} tile {tv:>3} wr {wr} {kn!s:>18} out "
+              f"{r.get('out_err', float('nan')):.2e} state {r.get('state_err', float('nan')):.2e} conv "
+              f"{r.get('conv_exact')} untouched {r.get('untouched')} ok {r['ok']} {r.get('error', '')}")
+    print(f"  [{time.time() - t0:.0f}s]")
+    N_CALLS = 80
+    print("\n== exp: verify timing, DRAM-cold (80 calls a graph) ==")
+    vt = [(1, 12, 4, 16, 4, {}), (1, 12, 4, 16, 4, {"scatter": False}), (1, 12, 4, 16, 8, {}),
+          (1, 12, 4, 16, 2, {}), (1, 12, 4, 32, 4, {}), (1, 12, 4, 32, 4, {"scatter": False}),
+          (1, 12, 4, 16, 4, {"hist": False}),
+          (1, 12, 8, 16, 4, {}), (1, 12, 8, 16, 4, {"preload": True}), (1, 12, 8, 32, 4, {}),
+          (1, 12, 2, 16, 4, {}), (1, 6, 4, 16, 4, {}), (2, 12, 4, 16, 4, {}), (2, 12, 4, 32, 4, {}),
+          (8, 12, 4, 32, 4, {}), (8, 12, 4, 64, 4, {}), (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"scatter": False})]
+    for B, H, T, tv, wr, kn in vt:
+        if kn.get("hist") is False:
+            r = _safe(time_verify, B, H, T, tile_v=tv, layout="columns-nohist", row_warps=wr)
+        else:
+            r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["timing_verify"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} wr {wr} {kn!s:>18} rot {r['rot_us']:8.2f} "
+                  f"hot {r['hot_us']:8.2f} {r['tbps']:.3f} TB/s")
+    print(f"  [{time.time() - t0:.0f}s]")
+    print("\n== exp: decode timing, DRAM-cold ==")
+    tcases = [(1, 12, 16, 0), (1, 12, 32, 0)]
+    for B in (16, 32, 64):
+        tcases += [(B, 12, 128, la) for la in (0, 132, 264, 528)]
+    tcases += [(256, 12, 128, 0), (256, 12, 128, 264), (64, 96, 128, 0), (64, 96, 128, 264), (64, 6, 128, 0),
+               (64, 6, 128, 264)]
+    for B, H, tv, la in tcases:
+        r = _safe(time_decode, B, H, tile_v=tv, l2_ahead=la)
+        r.update(B=B, H=H, tile_v=tv, l2_ahead=la)
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {tv:>4} l2_ahead {la:>4} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
+                  f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+    print(f"  [{time.time() - t0:.0f}s]")
+    N_CALLS = 20
+    ex["all_ok"] = all(r.get("ok") for r in ex["decode"] + ex["verify"])
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -345,6 +446,9 @@ def main(argv=None):
     report["errors"] = r
     print("\n== refusals ==", r)
 
+    if "--exp" in argv:
+        experiment(report)
+
     if do_time:
         bw = _safe(copy_bw)
         report["copy_bw"] = bw
@@ -397,7 +501,7 @@ def main(argv=None):
         print(f"  [{time.time() - t0:.0f}s]")
 
     ok = (all(r.get("ok") for r in report["decode"]) and all(r.get("ok") for r in report["verify"])
-          and report["errors"].get("ok"))
+          and report["errors"].get("ok") and report.get("exp", {}).get("all_ok", True))
     report["all_ok"] = bool(ok)
     print("\nALL CHECKS PASS" if ok else "\nSOME CHECKS FAILED")
     out_dir = os.environ.get("OUT")

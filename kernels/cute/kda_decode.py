@@ -67,8 +67,10 @@ _D = 128
 _W = 4
 _THREADS = 256
 _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
+# value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
+TILES = (128, 64, 32, 16)
 
-__all__ = ["cute_available", "kda_decode", "kda_decode_bytes", "kda_verify_bytes"]
+__all__ = ["TILES", "cute_available", "kda_decode", "kda_decode_bytes", "kda_verify_bytes"]
 
 
 def cute_available() -> bool:
@@ -182,6 +184,7 @@ def _dsl():
 
     _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
                            sigmoid=sigmoid, vec=vec, st_cluster_f32=st_cluster_f32, warp_sum=warp_sum,
+
                            prologue_position=prologue_position)
     return _DSL
 
@@ -205,7 +208,7 @@ def _kernel_class():
             self.verify, self.ragged = verify, ragged
             self.eps, self.lb = float(eps), float(lower_bound)
             self.nbuf = 1 if T == 1 else 2
-            assert tile_v in (128, 64, 32)
+            assert tile_v in (128, 64, 32, 16)
             self.TV = tile_v            # value columns per CTA
             self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
             self.G = tile_v // 4        # lanes across one row of the tile (4 columns each)
@@ -551,8 +554,8 @@ _PARAM = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
-    if tile_v not in (128, 64, 32):
-        raise NotImplementedError(f"kda cute: tile_v must be 128, 64 or 32 (got {tile_v})")
+    if tile_v not in TILES:
+        raise NotImplementedError(f"kda cute: tile_v must be one of {TILES} (got {tile_v})")
     if not isinstance(qkv, torch.Tensor) or qkv.device.type != "cuda":
         raise ValueError("kda cute: qkv must be a CUDA tensor")
     H, D, W = params.heads, params.head_dim, params.conv_kernel

@@ -67,7 +67,9 @@ LAYOUTS = ("columns", "rows")
 # B=64 T=4, row_warps 1/2/4/8): 4 is the best at tile 32 (the B=1 default) in every case and at
 # tile 128 for B=64 (the large-batch default); at tile 64 within 2 % of the best. At tile 128 and B=1,
 # 1-2 row warps are 5-13 % faster, but auto never picks tile 128 at B=1.
-ROW_WARPS = {128: 4, 64: 4, 32: 4}
+ROW_WARPS = {128: 4, 64: 4, 32: 4, 16: 4}
+# row_warps each tile allows (a lane holds 4 columns: at tile 16 one warp has at most 16 / (8 / WR))
+ROW_WARPS_ALLOWED = {128: (1, 2, 4, 8), 64: (1, 2, 4, 8), 32: (1, 2, 4, 8), 16: (2, 4, 8)}
 _COLUMNS_CLS = None
 
 
@@ -84,7 +86,8 @@ def _columns_class():
         """One CTA (or a cluster of NC CTAs) per (b, h); T positions in order; state only read."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True):
+                     lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
+                     preload=None, scatter=None):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -92,7 +95,7 @@ def _columns_class():
             self.B, self.H, self.T = B, H, T
             self.ragged = ragged
             self.eps, self.lb = float(eps), float(lower_bound)
-            assert tile_v in (128, 64, 32)
+            assert tile_v in (128, 64, 32, 16)
             self.TV = tile_v            # value columns per CTA
             self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
             assert row_warps in (1, 2, 4, 8)
@@ -104,14 +107,28 @@ def _columns_class():
             self.RW = 128 // row_warps  # key rows per warp
             self.S = self.RW // self.R  # key rows per thread
             assert self.G >= 1 and self.S >= 1, (tile_v, row_warps)
-            self.E = tile_v // 32       # epilogue: output columns per lane
+            self.E = max(1, tile_v // 32)  # epilogue: output columns per lane
+            self.EL = tile_v // self.E     # epilogue: lanes holding columns (16 at tile 16, else 32)
             offs, o_ = [], self.G
             while o_ < 32:
                 offs.append(o_)
                 o_ *= 2
             self.red_offs = tuple(offs)   # shuffle offsets joining the lanes that share columns
-            # at most 128 registers a thread -> 2 CTAs (16 warps) per SM at larger batch
-            self.min_ctas = 2
+            # preload: every position's per-row factors (q d, k d, d, k rk) and per-column / scalar terms
+            # (beta v, beta rk, rq / sqrt(D), (q.k) / sqrt(D)) go to registers right after the prologue,
+            # so a position's chain holds no shared-memory load but the partial sums. 4 S T + 4 T + 3 T
+            # registers: on when S T <= 8 (tile 16 up to T = 4, tile 32 up to T = 2), or <= 16 when the
+            # grid fits one CTA per SM (no register cap; at B = 1, T = 8, tile 16 it measured 9.86 us
+            # against 10.28 without).
+            # at most 128 registers a thread -> 2 CTAs (16 warps) per SM when the grid has more CTAs than
+            # an H200 has SMs; a grid that fits in one CTA per SM may use more registers
+            self.min_ctas = 2 if B * H * self.NC > 132 else 1
+            self.pre = (self.S * T <= (16 if self.min_ctas == 1 else 8)) if preload is None else bool(preload)
+            # scatter (row_warps > 1): the shuffle reduction of a position's 8 partial sums (4 columns x
+            # k and q) over the R row lanes is a butterfly reduce-scatter: each round a lane keeps half of
+            # its values and sends the other half, so the rounds move 4 + 2 + 1 (+ 1 ...) values instead
+            # of 8 each; a lane then writes the 8 / 2^rounds sums it owns to shared memory.
+            self.scatter = (row_warps > 1) if scatter is None else bool(scatter) and row_warps > 1
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -232,7 +249,12 @@ def _columns_class():
                 for t in cutlass.range_constexpr(T):
                     x2[t] = qkv_g[(bb * T + t) * C + ch2]
             # epilogue inputs: warp (t % 8) finishes position t; lane owns E output columns
-            e0 = rank * TV + lane * E  # head-local first output column of this lane
+            # (tile 16: lanes 16..31 hold no column; they load nothing and add 0 to the sums)
+            EL = self.EL
+            e_lane = lane
+            if cutlass.const_expr(EL < 32):
+                e_lane = lane % EL
+            e0 = rank * TV + e_lane * E  # head-local first output column of this lane
             r_onw_raw = cute.make_rmem_tensor((E,), p_onw.dtype)
             cute.autovec_copy(vec(p_onw, cute.assume(e0, divby=E), E), r_onw_raw)
             gate_r = cute.make_rmem_tensor((E, T), p_gate.dtype)
@@ -272,13 +294,12 @@ def _columns_class():
             u = cute.make_rmem_tensor((4,), Float32)
             o = cute.make_rmem_tensor((4,), Float32)
             r_p = cute.make_rmem_tensor((4,), Float32)
+            # per position: beta rk, rq / sqrt(D), (q.k) / sqrt(D), rk; per (column, position): beta v
+            c_sc = cute.make_rmem_tensor((4, T), Float32)
+            c_bv = cute.make_rmem_tensor((4, T), Float32)
+            # per (row, position): q d, k d, d, k rk  (preload only)
+            c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
             for t in cutlass.range_constexpr(T):
-                bt = bb * T + t
-                active = Int32(1)
-                if cutlass.const_expr(self.ragged):
-                    active = Int32(0)
-                    if t < L:
-                        active = Int32(1)
                 ssq = Float32(0.0)
                 ssk = Float32(0.0)
                 dot = Float32(0.0)
@@ -288,34 +309,80 @@ def _columns_class():
                     dot = dot + s_red[t * 16 + w * 4 + 2]
                 rq = cute.math.rsqrt(ssq + _L2_EPS)
                 rk = cute.math.rsqrt(ssk + _L2_EPS)
-                qk = dot * rq * rk
                 beta = sigmoid(b_r[t].to(Float32))
+                c_sc[0, t] = beta * rk
+                c_sc[1, t] = rq * scale
+                c_sc[2, t] = dot * rq * rk * scale
+                c_sc[3, t] = rk
+                for j in cutlass.range_constexpr(4):
+                    c_bv[j, t] = beta * s_info[t * 512 + (col0 + j) * 4 + 3]
+                if cutlass.const_expr(self.pre):
+                    for i in cutlass.range_constexpr(S):
+                        cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + (row0 + i * R) * 4, divby=4), 4),
+                                          r_info)
+                        c_row[0, i, t] = r_info[0] * r_info[2]
+                        c_row[1, i, t] = r_info[1] * r_info[2]
+                        c_row[2, i, t] = r_info[2]
+                        c_row[3, i, t] = r_info[1] * rk
+            for t in cutlass.range_constexpr(T):
+                bt = bb * T + t
+                active = Int32(1)
+                if cutlass.const_expr(self.ragged):
+                    active = Int32(0)
+                    if t < L:
+                        active = Int32(1)
 
                 # k^T diag(d) S and q^T diag(d) S over the old state: this thread's S rows, then the
                 # lanes holding the same columns (other rows) by butterfly shuffles
                 acc_k.fill(0.0)
                 acc_q.fill(0.0)
                 for i in cutlass.range_constexpr(S):
-                    r = row0 + i * R
-                    cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
-                                      r_info)
-                    qd = r_info[0] * r_info[2]
-                    kd = r_info[1] * r_info[2]
+                    if cutlass.const_expr(self.pre):
+                        qd = c_row[0, i, t]
+                        kd = c_row[1, i, t]
+                    else:
+                        r = row0 + i * R
+                        cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
+                                          r_info)
+                        qd = r_info[0] * r_info[2]
+                        kd = r_info[1] * r_info[2]
                     for j in cutlass.range_constexpr(4):
                         acc_k[j] = acc_k[j] + kd * r_s[j, i]
                         acc_q[j] = acc_q[j] + qd * r_s[j, i]
-                for si in cutlass.range_constexpr(len(self.red_offs)):
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
-                                                                          offset=self.red_offs[si])
-                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
-                                                                          offset=self.red_offs[si])
+                # the row blocks' partial sums meet in shared memory (double-buffered by position:
+                # buffer t % 2 is rewritten only after every thread passed the next barrier)
+                pb = (t % 2) * (WR * 2 * TV) + wr * (2 * TV) + colw
+                if cutlass.const_expr(self.scatter):
+                    vals = [acc_k[0], acc_k[1], acc_k[2], acc_k[3], acc_q[0], acc_q[1], acc_q[2], acc_q[3]]
+                    start = Int32(0)   # vals holds the sums of value indices start .. start + len - 1
+                    for si in cutlass.range_constexpr(len(self.red_offs)):
+                        off = self.red_offs[si]
+                        if cutlass.const_expr(len(vals) > 1):
+                            hn = len(vals) // 2
+                            up = (lane & off) != 0
+                            kept = []
+                            for i in cutlass.range_constexpr(hn):
+                                send = Float32(cutlass.select_(up, vals[i], vals[i + hn]))
+                                keep = Float32(cutlass.select_(up, vals[i + hn], vals[i]))
+                                kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                            vals = kept
+                            start = start + Int32(cutlass.select_(up, Int32(hn), Int32(0)))
+                        else:
+                            vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=off)
+                    for i in cutlass.range_constexpr(len(vals)):
+                        g = start + i
+                        s_part[pb + (g // 4) * TV + (g % 4)] = vals[i]
+                else:
+                    for si in cutlass.range_constexpr(len(self.red_offs)):
+                        for j in cutlass.range_constexpr(4):
+                            acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
+                                                                              offset=self.red_offs[si])
+                            acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
+                                                                              offset=self.red_offs[si])
+                    if cutlass.const_expr(WR > 1):
+                        cute.autovec_copy(acc_k, vec(s_part.iterator, cute.assume(pb, divby=4), 4))
+                        cute.autovec_copy(acc_q, vec(s_part.iterator, cute.assume(pb + TV, divby=4), 4))
                 if cutlass.const_expr(WR > 1):
-                    # the row blocks' partial sums meet in shared memory (double-buffered by position:
-                    # buffer t % 2 is rewritten only after every thread passed the next barrier)
-                    pb = (t % 2) * (WR * 2 * TV) + wr * (2 * TV) + colw
-                    cute.autovec_copy(acc_k, vec(s_part.iterator, cute.assume(pb, divby=4), 4))
-                    cute.autovec_copy(acc_q, vec(s_part.iterator, cute.assume(pb + TV, divby=4), 4))
                     cute.arch.sync_threads()
                     acc_k.fill(0.0)
                     acc_q.fill(0.0)
@@ -329,19 +396,22 @@ def _columns_class():
                             acc_q[j] = acc_q[j] + r_p[j]
                 # u = beta (v - S'^T k);  o = S''^T q / sqrt(D) = (S'^T q + (q.k) u) / sqrt(D)
                 for j in cutlass.range_constexpr(4):
-                    vj = s_info[t * 512 + (col0 + j) * 4 + 3]
-                    u[j] = beta * (vj - rk * acc_k[j])
-                    o[j] = (rq * acc_q[j] + qk * u[j]) * scale
+                    u[j] = c_bv[j, t] - c_sc[0, t] * acc_k[j]
+                    o[j] = c_sc[1, t] * acc_q[j] + c_sc[2, t] * u[j]
                 # every lane of a column group holds the same o: all store it (same value, same
                 # address: no branch in the position chain)
                 cute.autovec_copy(o, vec(s_o.iterator, cute.assume(t * TV + colw, divby=4), 4))
                 # S'' = diag(d) S + k u^T
                 for i in cutlass.range_constexpr(S):
-                    r = row0 + i * R
-                    cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
-                                      r_info)
-                    dr = r_info[2]
-                    kr = r_info[1] * rk
+                    if cutlass.const_expr(self.pre):
+                        dr = c_row[2, i, t]
+                        kr = c_row[3, i, t]
+                    else:
+                        r = row0 + i * R
+                        cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
+                                          r_info)
+                        dr = r_info[2]
+                        kr = r_info[1] * c_sc[3, t]
                     for j in cutlass.range_constexpr(4):
                         r_s[j, i] = dr * r_s[j, i] + kr * u[j]
                 if cutlass.const_expr(not self.hist):
@@ -357,11 +427,14 @@ def _columns_class():
             ss_r = cute.make_rmem_tensor((T,), Float32)
             for t in cutlass.range_constexpr(T):
                 if warp == t % 8:
-                    cute.autovec_copy(vec(s_o.iterator, cute.assume(t * TV + lane * E, divby=E), E),
+                    cute.autovec_copy(vec(s_o.iterator, cute.assume(t * TV + e_lane * E, divby=E), E),
                                       r_o[None, t])
                     ss = Float32(0.0)
                     for j in cutlass.range_constexpr(E):
                         ss = ss + r_o[j, t] * r_o[j, t]
+                    if cutlass.const_expr(EL < 32):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if lane >= EL:
+                            ss = Float32(0.0)
                     ss_r[t] = warp_sum(ss)
             if cutlass.const_expr(NC > 1):
                 # the head's sum of o^2 meets across the cluster through distributed shared memory
@@ -390,6 +463,9 @@ def _columns_class():
                     for j in cutlass.range_constexpr(E):
                         val = r_o[j, t] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
                         r_out[j] = val.to(p_out.dtype)
+                    if cutlass.const_expr(EL < 32):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if lane >= EL:
+                            active = Int32(0)
                     if active > 0:
                         o_off = cute.assume((bb * T + t) * HD + h * D + e0, divby=E)
                         cute.autovec_copy(r_out, vec(p_out, o_off, E))
@@ -414,6 +490,9 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
         raise ValueError("kda cute verify: row_warps applies to layout='columns' only")
     if row_warps is not None and row_warps not in (1, 2, 4, 8):
         raise ValueError(f"kda cute verify: row_warps must be 1, 2, 4 or 8 (got {row_warps!r})")
+    if layout == "columns" and row_warps is not None and row_warps not in ROW_WARPS_ALLOWED.get(tile_v, (row_warps,)):
+        raise ValueError(f"kda cute verify: row_warps must be one of {ROW_WARPS_ALLOWED[tile_v]} at "
+                         f"tile_v={tile_v} (got {row_warps})")
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 3:
         raise ValueError("kda cute verify: qkv must be [B, T, 3HD]")
     T = qkv.shape[1]
@@ -436,19 +515,21 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
 
 
 def _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths, tile_v, layout,
-            row_warps, hist: bool = True):
+            row_warps, hist: bool = True, **knobs):
     """Compile (once per shape) and launch on the current stream; arguments already validated.
     hist=False (column layout only) skips the state_hist stores: kernels/cute/check_kda.py uses it to
-    measure what the stores cost, nothing else should."""
+    measure what the stores cost, nothing else should. knobs (column layout; measurement only): preload,
+    scatter = True/False force the generator's choices (see KDAVerifyColumns)."""
     B, T = qkv.shape[:2]
     H = params.heads
     dev = qkv.device
     ragged = lengths is not None
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths)
-    key = ("verify", layout, row_warps, hist, B, H, T, ragged, tile_v, dev.index) + _params_key(params)
+    key = (("verify", layout, row_warps, hist, tuple(sorted(knobs.items())), B, H, T, ragged, tile_v, dev.index)
+           + _params_key(params))
     if layout == "columns":
         def cls():
-            return functools.partial(_columns_class(), row_warps=row_warps, hist=hist)
+            return functools.partial(_columns_class(), row_warps=row_warps, hist=hist, **knobs)
     else:
         cls = _kernel_class
     with torch.cuda.device(dev):
