@@ -1,6 +1,7 @@
 """GPU check + timing for the CuTe DSL KDA kernels (kda_decode.py, kda_verify.py).
 
-    python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--verify-only] [--tiles=128,64,32]
+    python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--verify-only] [--cold] [--exp]
+                                     [--tiles=128,64,32,16]
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
 `make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
@@ -377,6 +378,9 @@ def main(argv=None):
         if a.startswith("--tiles="):
             tiles = tuple(int(x) for x in a.split("=", 1)[1].split(","))
     do_time = "--no-time" not in argv
+    if "--cold" in argv:  # rotate 80 buffer sets: DRAM-cold at B = 1, as `k3lab bench kda` measures
+        global N_CALLS
+        N_CALLS = 80
     verify_only = "--verify-only" in argv  # skip the decode checks and timing
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check")
