@@ -2,6 +2,7 @@
 
     python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--verify-only] [--cold] [--exp]
                                      [--tiles=128,64,32,16]
+    python kernels/cute/check_kda.py --prefill [--quick] [--no-time]   (kda_prefill.py only: main_prefill)
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
 `make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
@@ -293,26 +294,25 @@ def copy_bw(nbytes=1 << 30):
 # ---- the tile-16 and persistent-decode experiment (--exp) -------------------------------------
 
 def experiment(report: dict) -> None:
-    """Correctness, then DRAM-cold timing (N_CALLS = 80), of this round's candidates: the verify
-    reduce-scatter (scatter) and register preload, the decode L2 prefetch of a later CTA's state
-    (l2_ahead), beside the current kernels."""
+    """The measured alternatives to the defaults, checked then timed DRAM-cold (N_CALLS = 80), each beside
+    the default it lost or won against: tile 16 vs 32 (decode and verify at B = 1); the verify knobs
+    (register preload, butterfly reduce-scatter, delayed state_hist stores, no stores at all); the
+    persistent decode ((CTAs per SM, stages) = (2, 1), (1, 2), (1, 3)) vs the grid kernel."""
     global N_CALLS
     t0 = time.time()
     ex = report.setdefault("exp", {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []})
-    print("\n== exp: decode correctness ==")
-    for B, H, la in [(64, 12, 264), (5, 6, 264), (256, 12, 132), (64, 96, 528)]:
-        r = _safe(check_decode, B, H, seed=B * 7 + H, steps=2 if B <= 8 else 1, l2_ahead=la)
-        r.update(B=B, H=H, tile_v=128, l2_ahead=la)
+    print("\n== exp: decode correctness (persistent) ==")
+    for B, H, stg in [(64, 12, (2, 1)), (5, 6, (2, 1)), (64, 12, (1, 2)), (256, 12, (1, 3)), (3, 96, (1, 3))]:
+        r = _safe(check_decode, B, H, seed=B * 7 + H, steps=2 if B <= 8 else 1, stages=stg)
+        r.update(B=B, H=H, tile_v=128, stages=stg)
         ex["decode"].append(r)
-        print(f"{B:>4} {H:>3} l2_ahead {la:>4} out {r.get('out_err', float('nan')):.2e} "
+        print(f"{B:>4} {H:>3} pers={stg!s:>6} out {r.get('out_err', float('nan')):.2e} "
               f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
               f"{r.get('error', '')}")
-    print("\n== exp: verify correctness (knobs {} = the rules) ==")
-    vcases = [((1, 12, 4, False), 16, 4, {}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
-              ((1, 12, 8, True), 16, 4, {"preload": True}), ((5, 6, 8, True), 16, 4, {}), ((8, 12, 4, True), 16, 8, {}),
-              ((1, 12, 2, False), 32, 4, {}), ((1, 12, 4, False), 32, 2, {}), ((64, 12, 4, False), 128, 4, {}),
-              ((8, 12, 4, True), 64, 4, {}), ((2, 96, 3, False), 16, 2, {}), ((3, 6, 5, True), 128, 2, {}),
-              ((1, 12, 4, False), 128, 8, {})]
+    print("\n== exp: verify correctness (knobs {} = the defaults) ==")
+    vcases = [((1, 12, 4, False), 16, 4, {"delay": True}), ((5, 6, 8, True), 16, 4, {"delay": True}),
+              ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
+              ((8, 12, 4, True), 32, 4, {"preload": False, "scatter": False}), ((3, 6, 5, True), 64, 2, {"delay": True})]
     for (B, H, T, rg), tv, wr, kn in vcases:
         r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, row_warps=wr, knobs=kn)
         r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
@@ -323,12 +323,13 @@ def experiment(report: dict) -> None:
     print(f"  [{time.time() - t0:.0f}s]")
     N_CALLS = 80
     print("\n== exp: verify timing, DRAM-cold (80 calls a graph) ==")
-    vt = [(1, 12, 4, 16, 4, {}), (1, 12, 4, 16, 4, {"scatter": False}), (1, 12, 4, 16, 8, {}),
-          (1, 12, 4, 16, 2, {}), (1, 12, 4, 32, 4, {}), (1, 12, 4, 32, 4, {"scatter": False}),
-          (1, 12, 4, 16, 4, {"hist": False}),
-          (1, 12, 8, 16, 4, {}), (1, 12, 8, 16, 4, {"preload": True}), (1, 12, 8, 32, 4, {}),
-          (1, 12, 2, 16, 4, {}), (1, 6, 4, 16, 4, {}), (2, 12, 4, 16, 4, {}), (2, 12, 4, 32, 4, {}),
-          (8, 12, 4, 32, 4, {}), (8, 12, 4, 64, 4, {}), (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"scatter": False})]
+    off = {"preload": False, "scatter": False}
+    vt = [(1, 12, 4, 16, 4, {}), (1, 12, 4, 16, 4, {"delay": True}), (1, 12, 4, 16, 4, {"scatter": False}),
+          (1, 12, 4, 16, 4, {"preload": False}), (1, 12, 4, 16, 4, off), (1, 12, 4, 16, 4, {"hist": False}),
+          (1, 12, 4, 16, 8, {}), (1, 12, 4, 32, 4, {}), (1, 12, 4, 32, 4, off),
+          (1, 12, 8, 16, 4, {}), (1, 12, 8, 16, 4, {"delay": True}), (1, 12, 8, 16, 4, {"preload": False}),
+          (1, 12, 2, 16, 4, {}), (1, 12, 2, 16, 4, {"delay": True}),
+          (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"delay": True}), (64, 12, 4, 128, 4, {"scatter": False})]
     for B, H, T, tv, wr, kn in vt:
         if kn.get("hist") is False:
             r = _safe(time_verify, B, H, T, tile_v=tv, layout="columns-nohist", row_warps=wr)
@@ -337,21 +338,20 @@ def experiment(report: dict) -> None:
         r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
         ex["timing_verify"].append(r)
         if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} wr {wr} {kn!s:>18} rot {r['rot_us']:8.2f} "
+            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} wr {wr} {kn!s:>36} rot {r['rot_us']:8.2f} "
                   f"hot {r['hot_us']:8.2f} {r['tbps']:.3f} TB/s")
     print(f"  [{time.time() - t0:.0f}s]")
     print("\n== exp: decode timing, DRAM-cold ==")
-    tcases = [(1, 12, 16, 0), (1, 12, 32, 0)]
-    for B in (16, 32, 64):
-        tcases += [(B, 12, 128, la) for la in (0, 132, 264, 528)]
-    tcases += [(256, 12, 128, 0), (256, 12, 128, 264), (64, 96, 128, 0), (64, 96, 128, 264), (64, 6, 128, 0),
-               (64, 6, 128, 264)]
-    for B, H, tv, la in tcases:
-        r = _safe(time_decode, B, H, tile_v=tv, l2_ahead=la)
-        r.update(B=B, H=H, tile_v=tv, l2_ahead=la)
+    tcases = [(1, 12, 16, None), (1, 12, 32, None)]
+    for B in (16, 64, 256):
+        tcases += [(B, 12, 128, stg) for stg in (None, (2, 1), (1, 2), (1, 3))]
+    tcases += [(64, 96, 128, None), (64, 96, 128, (2, 1))]
+    for B, H, tv, stg in tcases:
+        r = _safe(time_decode, B, H, tile_v=tv, stages=stg)
+        r.update(B=B, H=H, tile_v=tv, stages=stg)
         ex["timing_decode"].append(r)
         if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {tv:>4} l2_ahead {la:>4} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
+            print(f"{B:>4} {H:>3} {tv:>4} pers={stg!s:>6} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
                   f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
     print(f"  [{time.time() - t0:.0f}s]")
     N_CALLS = 20
@@ -370,6 +370,8 @@ def _safe(fn, *a, **k):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    if "--prefill" in argv:  # the chunked prefill only (main_prefill, below)
+        return main_prefill(argv)
     quick = "--quick" in argv
     lean = "--lean" in argv  # fewer shapes: for a tight device budget
     tiny = "--tiny" in argv  # fewest shapes that still cover every tile width
@@ -512,6 +514,211 @@ def main(argv=None):
     if out_dir:
         tag = "_".join(str(t) for t in tiles)
         with open(os.path.join(out_dir, f"kda_cute_tiles{tag}.json"), "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+    return 0 if ok else 1
+
+
+# ---- chunked prefill (--prefill; kernels/cute/kda_prefill.py) ---------------------------------------
+# Oracles in float64 on the same inputs (make_kda_inputs with T = L, never zeros; out poisoned with NaN):
+#   out relative error < OUT_TOL (1e-2: bf16 output), conv_state exactly equal;
+#   inverse="fp32": state < STATE_TOL (1e-4) against the exact recurrence (the decode step L times);
+#   inverse="bf16": state < STATE_TOL against kda_prefill_chunked in float64 with the same bf16 rounding of
+#     A, i.e. the kernel does exactly what the switch means (fp32 maths against fp64 under the same
+#     rounding: 0.2-5.6e-6 on CPU), and < PREFILL_BF16_LOSS_TOL (1e-3) against the exact recurrence: what
+#     the switch itself loses is 0.7-2.9e-4 in float64 on CPU (L 63..1000, chunk 16/32/64, two seeds), so
+#     1e-3 leaves a 3x margin while still catching an inverse that goes wrong;
+#   state dtype bf16: PREFILL_BF16_STATE_TOL (2e-2, as the Triton tests: one bf16 rounding of the result).
+PREFILL_BF16_LOSS_TOL = 1e-3
+PREFILL_BF16_STATE_TOL = 2e-2
+PREFILL_LS = (1, 5, 63, 64, 65, 200, 1000)
+_PREFILL_BH = ((1, 2), (3, 12), (1, 12), (3, 2))
+_PREFILL_ORACLE: dict = {}
+
+
+def _prefill_mod():
+    try:
+        from k3lab_kernels.cute import kda_prefill as kp
+    except ImportError:  # the checkout's `kernels/` folder
+        from kernels.cute import kda_prefill as kp
+    return kp
+
+
+def prefill_cases(quick: bool = False) -> list:
+    """Every chunk x inverse x grouped over every L of PREFILL_LS at tile_v 32, (B, H) rotating through
+    (1,2) (3,12) (1,12) (3,2) so each switch combination meets both batches and both head counts; then
+    the other value tiles (both forms) and a bf16 state. quick: two lengths per combination."""
+    kp = _prefill_mod()
+    cases, k = [], 0
+    for ch in kp.PREFILL_CHUNKS:
+        for inv in kp.PREFILL_INVERSES:
+            for gr in (False, True):
+                for L in PREFILL_LS:
+                    B, H = _PREFILL_BH[k % len(_PREFILL_BH)]
+                    k += 1
+                    if quick and L not in ((65, 1000) if k % 2 else (5, 200)):
+                        continue
+                    cases.append(dict(B=B, H=H, L=L, chunk=ch, inverse=inv, grouped=gr, tile_v=32))
+    for tv in (16, 64, 128):
+        for gr in (False, True):
+            cases.append(dict(B=3, H=12, L=200, chunk=64 if tv != 16 else 16, inverse="fp32", grouped=gr, tile_v=tv))
+    for gr in (False, True):
+        cases.append(dict(B=3, H=2, L=200, chunk=32, inverse="bf16", grouped=gr, tile_v=32, state_dtype="bf16"))
+    return cases
+
+
+def _prefill_oracle(inp, p, st, cs, key):
+    """The exact recurrence in float64: the decode step L times, keeping only the running state
+    (kda_prefill_sequential would keep every position's state). Cached by the inputs' key."""
+    if key in _PREFILL_ORACLE:
+        return _PREFILL_ORACLE[key]
+    d = torch.float64
+    p64 = p.to(dtype=d)
+    S, c = st.to(d), cs.to(d)
+    outs = []
+    for t in range(inp["qkv"].shape[1]):
+        o, S, c = ref.kda_decode(*(inp[n][:, t].to(d) for n in ("qkv", "f", "b", "gate")), p64, S, c, dtype=d,
+                                 out_dtype=d)
+        outs.append(o)
+    if len(_PREFILL_ORACLE) >= 32:  # prefill_cases() cycles through 28 (B, H, L) inputs
+        _PREFILL_ORACLE.clear()
+    _PREFILL_ORACLE[key] = (torch.stack(outs, 1), S, c)
+    return _PREFILL_ORACLE[key]
+
+
+def check_prefill(B: int, H: int, L: int, chunk: int = 64, inverse: str = "fp32", grouped: bool = False,
+                  tile_v: int = 32, state_dtype: str = "fp32", seed=None) -> dict:
+    """One CuTe prefill call against the fp64 oracles (tolerances above). The inputs depend only on
+    (B, H, L) unless `seed` is given, so the exact oracle is shared by every switch combination."""
+    kp = _prefill_mod()
+    seed = B * 100 + H * 10 + L if seed is None else seed
+    sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+    inp, p, st, cs = _inputs(B, H, T=L, seed=seed)
+    st = st.to(sdt)
+    out = torch.full((B, L, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    st_k, cs_k = st.clone(), cs.clone()
+    kp.kda_prefill(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, chunk=chunk, inverse=inverse,
+                   grouped=grouped, tile_v=tile_v)
+    torch.cuda.synchronize()
+    o_s, S_s, c_s = _prefill_oracle(inp, p, st, cs, (B, H, L, seed, state_dtype))
+    res = {"out_finite": bool(torch.isfinite(out).all()), "conv_exact": bool(torch.equal(cs_k.double(), c_s)),
+           "exact_out_err": _rel(out, o_s), "exact_state_err": _rel(st_k, S_s)}
+    state_tol = STATE_TOL if sdt == torch.float32 else PREFILL_BF16_STATE_TOL
+    exact_ok = True
+    if inverse == "bf16":
+        d = torch.float64
+        o_c, S_c, _ = ref.kda_prefill_chunked(*(inp[n].to(d) for n in ("qkv", "f", "b", "gate")), p.to(dtype=d),
+                                              st.to(d), cs.to(d), chunk=chunk, dtype=d,
+                                              inverse_dtype=torch.bfloat16, grouped=grouped)
+        res["out_err"], res["state_err"] = _rel(out, o_c), _rel(st_k, S_c)
+        res["inverse_loss"] = _rel(S_c, S_s)  # what the switch itself loses, in float64
+        exact_ok = res["exact_state_err"] < max(PREFILL_BF16_LOSS_TOL, state_tol)
+    else:
+        res["out_err"], res["state_err"] = res["exact_out_err"], res["exact_state_err"]
+    res["ok"] = bool(res["out_finite"] and res["conv_exact"] and res["out_err"] < OUT_TOL
+                     and res["state_err"] < state_tol and exact_ok)
+    return res
+
+
+def check_prefill_errors() -> dict:
+    """The prefill wrapper refuses bad switches and tensors, naming the argument."""
+    kp = _prefill_mod()
+    inp, p, st, cs = _inputs(1, 2, T=5)
+    out = torch.empty((1, 5, 2 * 128), dtype=torch.bfloat16, device="cuda")
+    a = [inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out]
+
+    def with_(i, t):
+        b = list(a)
+        b[i] = t
+        return b
+
+    cases = {  # name: (call, the word the message must contain)
+        "chunk=48": (lambda: kp.kda_prefill(*a, chunk=48), "chunk"),
+        "inverse=fp16": (lambda: kp.kda_prefill(*a, inverse="fp16"), "inverse"),
+        "grouped=1": (lambda: kp.kda_prefill(*a, grouped=1), "grouped"),
+        "tile_v=8": (lambda: kp.kda_prefill(*a, tile_v=8), "tile_v"),
+        "fp32 qkv": (lambda: kp.kda_prefill(*with_(0, inp["qkv"].float())), "qkv"),
+        "cpu gate": (lambda: kp.kda_prefill(*with_(3, inp["gate"].cpu())), "gate"),
+        "noncontig state": (lambda: kp.kda_prefill(*with_(5, st.transpose(2, 3))), "state"),
+        "fp16 state": (lambda: kp.kda_prefill(*with_(5, st.half())), "state"),
+        "short out": (lambda: kp.kda_prefill(*with_(7, out[:, :4])), "out"),
+    }
+    res = {}
+    for k, (fn, word) in cases.items():
+        try:
+            fn()
+            res[k] = "NOT RAISED"
+        except (ValueError, TypeError, NotImplementedError) as e:
+            res[k] = type(e).__name__ if word in str(e) else f"UNNAMED: {e}"
+    res["ok"] = all(v in ("ValueError", "TypeError", "NotImplementedError") for v in res.values())
+    return res
+
+
+def time_prefill(backend: str = "cute", B: int = 1, L: int = 4096, H: int = 12, chunk: int = 64,
+                 inverse: str = "fp32", grouped: bool = False, tile_v: int = 32, n_calls: int = 3) -> dict:
+    """Median per call over replays of a CUDA graph of n_calls prefills (one buffer set; the state and
+    conv state advance call to call). backend: "cute" or "triton"."""
+    inp, p, st, cs = _inputs(B, H, T=L, seed=3)
+    out = torch.empty((B, L, H * 128), dtype=torch.bfloat16, device="cuda")
+    if backend == "cute":
+        fn = _prefill_mod().kda_prefill
+    else:
+        try:
+            from k3lab_kernels.triton.kda_prefill import kda_prefill as fn
+        except ImportError:
+            from kernels.triton.kda_prefill import kda_prefill as fn
+
+    def call():
+        fn(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, chunk=chunk, inverse=inverse,
+           grouped=grouped, tile_v=tile_v)
+
+    us = _graph_us([call] * n_calls, iters=7)
+    nbytes = _prefill_mod().kda_prefill_bytes(B, L, H)
+    return {"us": us, "bytes": nbytes, "floor_us": nbytes / COPY_BW * 1e6, "tbps": nbytes / us * 1e-6}
+
+
+def main_prefill(argv) -> int:
+    """--prefill: the prefill checks, the refusals, and (unless --no-time) CuTe beside Triton at B=1,
+    L=4096, H=12. Writes $OUT/kda_cute_prefill.json."""
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to check")
+        return 0
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}, torch {torch.__version__}")
+    report = {"device": dev, "torch": torch.__version__, "prefill": [], "timing_prefill": []}
+    t0 = time.time()
+    print(f"\n== prefill correctness (fp64 oracles; out < {OUT_TOL:g}, state < {STATE_TOL:g}, bf16 inverse also "
+          f"< {PREFILL_BF16_LOSS_TOL:g} against the exact recurrence, conv exact) ==")
+    print(f"{'B':>2} {'H':>3} {'L':>5} {'ch':>3} {'inv':>4} {'grp':>5} {'tile':>4} {'state':>5} {'out_err':>9} "
+          f"{'state_err':>9} {'exact_st':>9} {'conv':>5} {'ok':>5}")
+    for case in prefill_cases(quick="--quick" in argv):
+        r = _safe(check_prefill, **case)
+        r.update(case)
+        report["prefill"].append(r)
+        print(f"{case['B']:>2} {case['H']:>3} {case['L']:>5} {case['chunk']:>3} {case['inverse']:>4} "
+              f"{case['grouped']!s:>5} {case['tile_v']:>4} {case.get('state_dtype', 'fp32'):>5} "
+              f"{r.get('out_err', float('nan')):>9.2e} {r.get('state_err', float('nan')):>9.2e} "
+              f"{r.get('exact_state_err', float('nan')):>9.2e} {r.get('conv_exact')!s:>5} {r['ok']!s:>5} "
+              f"{r.get('error', '')}", flush=True)
+    print(f"  [{time.time() - t0:.0f}s]")
+    report["errors"] = _safe(check_prefill_errors)
+    print("\n== prefill refusals ==", report["errors"])
+    if "--no-time" not in argv:
+        print("\n== prefill timing, B=1 L=4096 H=12 (CUDA graph of 3 calls, median of 7 replays) ==")
+        print(f"{'backend':>7} {'grouped':>7} {'inverse':>7} {'us':>10} {'floor_us':>9} {'TB/s':>6}")
+        for be, gr, inv in [("cute", False, "fp32"), ("triton", False, "fp32"), ("cute", True, "fp32"),
+                            ("triton", True, "fp32"), ("cute", False, "bf16")]:
+            r = _safe(time_prefill, be, grouped=gr, inverse=inv)
+            r.update(backend=be, grouped=gr, inverse=inv, B=1, L=4096, H=12, chunk=64, tile_v=32)
+            report["timing_prefill"].append(r)
+            if "us" in r:
+                print(f"{be:>7} {gr!s:>7} {inv:>7} {r['us']:>10.1f} {r['floor_us']:>9.1f} {r['tbps']:>6.3f}")
+        print(f"  [{time.time() - t0:.0f}s]")
+    ok = all(r.get("ok") for r in report["prefill"]) and report["errors"].get("ok")
+    report["all_ok"] = bool(ok)
+    print("\nALL PREFILL CHECKS PASS" if ok else "\nSOME PREFILL CHECKS FAILED")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "kda_cute_prefill.json"), "w") as fh:
             json.dump(report, fh, indent=1, default=str)
     return 0 if ok else 1
 

@@ -87,7 +87,7 @@ def _columns_class():
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
-                     preload=None, scatter=None):
+                     preload=None, scatter=None, delay=None):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -129,6 +129,9 @@ def _columns_class():
             # its values and sends the other half, so the rounds move 4 + 2 + 1 (+ 1 ...) values instead
             # of 8 each; a lane then writes the 8 / 2^rounds sums it owns to shared memory.
             self.scatter = (row_warps > 1) if scatter is None else bool(scatter) and row_warps > 1
+            # delay (row_warps > 1): position t's state_hist stores are issued one position later, right
+            # after position t+1's partial sums are read back, instead of ahead of t+1's shuffles
+            self.delay = False if delay is None else bool(delay) and row_warps > 1
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -299,6 +302,7 @@ def _columns_class():
             c_bv = cute.make_rmem_tensor((4, T), Float32)
             # per (row, position): q d, k d, d, k rk  (preload only)
             c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
+            r_prev = cute.make_rmem_tensor((4, S) if self.delay else (4, 1), Float32)  # delay: last state
             for t in cutlass.range_constexpr(T):
                 ssq = Float32(0.0)
                 ssk = Float32(0.0)
@@ -394,6 +398,17 @@ def _columns_class():
                         cute.autovec_copy(vec(s_part.iterator, cute.assume(pw + TV, divby=4), 4), r_p)
                         for j in cutlass.range_constexpr(4):
                             acc_q[j] = acc_q[j] + r_p[j]
+                if cutlass.const_expr(self.delay and self.hist and t > 0):
+                    # position t-1's state, held back until now
+                    act_p = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        act_p = Int32(0)
+                        if t - 1 < L:
+                            act_p = Int32(1)
+                    if act_p > 0:
+                        h_off = cute.assume((((bt - 1) * H + h) * D + row0) * D + col0, divby=4)
+                        cute.autovec_copy(r_prev, cute.make_tensor(p_shist + h_off,
+                                                                   cute.make_layout((4, S), stride=(1, R * D))))
                 # u = beta (v - S'^T k);  o = S''^T q / sqrt(D) = (S'^T q + (q.k) u) / sqrt(D)
                 for j in cutlass.range_constexpr(4):
                     u[j] = c_bv[j, t] - c_sc[0, t] * acc_k[j]
@@ -416,10 +431,20 @@ def _columns_class():
                         r_s[j, i] = dr * r_s[j, i] + kr * u[j]
                 if cutlass.const_expr(not self.hist):
                     active = Int32(0)
-                if active > 0:
-                    h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
-                    g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
-                    cute.autovec_copy(r_s, g_dst)
+                if cutlass.const_expr(self.delay):
+                    for i in cutlass.range_constexpr(S):
+                        for j in cutlass.range_constexpr(4):
+                            r_prev[j, i] = r_s[j, i]
+                    if cutlass.const_expr(t == T - 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if active > 0:
+                            h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
+                            g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
+                            cute.autovec_copy(r_s, g_dst)
+                else:
+                    if active > 0:
+                        h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
+                        g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
+                        cute.autovec_copy(r_s, g_dst)
 
             # ---- epilogue: gated RMSNorm of every position (warp t % 8 takes position t) ----------
             cute.arch.sync_threads()  # s_o complete
