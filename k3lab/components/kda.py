@@ -6,8 +6,8 @@ Backends:
   torch_compile  torch.compile of the fp32 reference decode step (compiled functions cached per
                  dynamic-shape key); verify/commit/prefill run the reference (recorded as such).
   triton         k3lab_kernels.triton.kda_{decode,verify,prefill} (one launch for decode/verify).
-  cute           k3lab_kernels.cute.kda_decode / kda_verify (same signatures as the Triton wrappers);
-                 BackendUnavailable if the module cannot be imported or CuTe cannot run here.
+  cute           k3lab_kernels.cute.kda_decode / kda_verify / kda_prefill (same signatures as the Triton
+                 wrappers); BackendUnavailable if the module cannot be imported or CuTe cannot run here.
   aiter          refused (no AITER KDA kernels in this workbench).
   auto           the measured winner per op and batch from data/kda_defaults.json (backend and
                  tile_v; CuTe DSL on NVIDIA GPUs where it imports), else triton on a GPU, else
@@ -380,7 +380,7 @@ def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, i
             backend="reference", tile_v=None):
     """L positions per sequence, chunked. Writes out [B,L,HD] bf16, updates state/conv_state in place.
     inverse: "fp32" | "bf16" (A rounded to bf16 before the 64x64 inverse); grouped: chunk summaries
-    + ordered scan + parallel chunk outputs. tile_v: value tile of the triton state passes (>= 16)."""
+    + ordered scan + parallel chunk outputs. tile_v: value tile of the triton/cute state passes (>= 16)."""
     B, L, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
     if chunk not in (16, 32, 64):
         _fail("chunk", f"expected one of (16, 32, 64), got {chunk!r}")
@@ -394,19 +394,23 @@ def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, i
     be = resolve_backend(backend)
     sd = str(state.dtype).replace("torch.", "")
     shape = dict(B=B, L=L, H=H, D=D, chunk=chunk, inverse=inverse, grouped=grouped)
-    if be == "triton":
+    if be in ("triton", "cute"):
         if tile_v < 16:
-            _fail("tile_v", f"the triton prefill needs tile_v >= 16 (tl.dot), got {tile_v}")
-        from k3lab_kernels.triton.kda_prefill import kda_prefill
+            _fail("tile_v", f"the {be} prefill needs tile_v >= 16, got {tile_v}")
+        if be == "triton":
+            from k3lab_kernels.triton.kda_prefill import kda_prefill
+            name = "triton:prefill"
+            launches = "prep,intra,summary,scan,out,norm,conv" if grouped else "prep,intra,seq,norm,conv"
+        else:
+            kda_prefill = _cute_module("kda_prefill").kda_prefill
+            name = "cute:kda_prefill"
+            launches = "prep,intra,summary,scan,out,norm+conv" if grouped else "prep,intra,chunks,norm+conv"
         kda_prefill(qkv, f, b, gate, params, state, conv_state, out, chunk=chunk, inverse=inverse,
                     grouped=grouped, tile_v=tile_v)
         _record(op="prefill", backend_requested=backend, backend=be,
-                kernel="triton:prefill " + ("grouped (prep,intra,summary,scan,out,norm,conv)" if grouped
-                                            else "sequential (prep,intra,seq,norm,conv)"),
+                kernel=f"{name} {'grouped' if grouped else 'sequential'} ({launches})",
                 tile_v=tile_v, state_dtype=sd, shape=shape)
         return out
-    if be == "cute":
-        raise BackendUnavailable("backend 'cute' has no KDA prefill; use 'triton' or 'reference'")
     inv_dtype = torch.bfloat16 if inverse == "bf16" else torch.float32
     o, S, cs = ref.kda_prefill_chunked(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(),
                                        conv_state, chunk=chunk, dtype=torch.float32, inverse_dtype=inv_dtype,

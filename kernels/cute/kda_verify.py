@@ -130,8 +130,10 @@ def _columns_class():
             # of 8 each; a lane then writes the 8 / 2^rounds sums it owns to shared memory.
             self.scatter = (row_warps > 1) if scatter is None else bool(scatter) and row_warps > 1
             # delay (row_warps > 1): position t's state_hist stores are issued one position later, right
-            # after position t+1's partial sums are read back, instead of ahead of t+1's shuffles
-            self.delay = False if delay is None else bool(delay) and row_warps > 1
+            # after position t+1's partial sums are read back, instead of ahead of t+1's shuffles. On for
+            # T >= 4 when the grid fits one CTA per SM (profiles/h200/kda_cute_exp.json, 12 heads, tile 16:
+            # B=1 T=4 5.95 vs 6.06 us, T=8 9.69 vs 9.90; T=2 4.67 vs 4.52 and B=64 T=4 73.89 vs 73.50 lose)
+            self.delay = ((T >= 4 and self.min_ctas == 1) if delay is None else bool(delay)) and row_warps > 1
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
