@@ -323,8 +323,10 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
         stem = safe_name(bd.name)
         shutil.copyfile(p, dest / f"{stem}.json")
         typer.echo(f"bundle -> {dest / f'{stem}.json'}")
-        if htmls:
-            shutil.copyfile(htmls[0], dest / f"{stem}.html")
+        beside = p.with_suffix(".html")  # `k3lab bench` writes its report next to its bundle
+        html = beside if beside.is_file() else (htmls[0] if htmls else None)
+        if html is not None:
+            shutil.copyfile(html, dest / f"{stem}.html")
             relink_plotly(dest / f"{stem}.html", js)
             typer.echo(f"report -> {dest / f'{stem}.html'}")
 

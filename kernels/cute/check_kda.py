@@ -312,7 +312,8 @@ def experiment(report: dict) -> None:
     print("\n== exp: verify correctness (knobs {} = the defaults) ==")
     vcases = [((1, 12, 4, False), 16, 4, {"delay": True}), ((5, 6, 8, True), 16, 4, {"delay": True}),
               ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
-              ((8, 12, 4, True), 32, 4, {"preload": False, "scatter": False}), ((3, 6, 5, True), 64, 2, {"delay": True})]
+              ((8, 12, 4, True), 32, 4, {"preload": False, "scatter": False}),
+              ((3, 6, 5, True), 64, 2, {"delay": True})]
     for (B, H, T, rg), tv, wr, kn in vcases:
         r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, row_warps=wr, knobs=kn)
         r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)

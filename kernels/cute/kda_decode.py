@@ -18,7 +18,7 @@ meet in shared memory (2 barriers), warp 0 finishes the per-head RMSNorm with sh
 Conv/gate prologue: threads 0..127 run the q and k conv channels of key row c = tid (and reduce
 |q|^2, |k|^2, q.k), threads 128..255 the v channel and the decay gate of row c = tid - 128.
 
-Column tiles (the spec's "KDA tile width" switch): tile_v = 64 or 32 splits each head's 128 value
+Column tiles (the spec's "KDA tile width" switch): tile_v = 64, 32 or 16 splits each head's 128 value
 columns over a cluster of 128/tile_v CTAs (still 256 threads each, G = tile_v/4 lanes per row, so
 one warp instruction covers 32/G rows at 16 B a lane). The delta rule is independent per value
 column; each CTA recomputes the head's (tiny) conv/norm/gate prologue, rank 0 alone writes the conv
@@ -37,24 +37,24 @@ params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
     H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29 us)
 
 Measured on the H200 (all within tolerance of the fp64 oracle: out rel err ~1.7e-3, state <= 1.1e-7,
-conv exact):
-    profiles/h200/kda_sweep.json (`k3lab bench kda`: graph replay, inputs rotated past L2 as in a
-    69-layer model): 12 heads B=1 4.10 us (tile 32), B=8 7.49 us, B=64 30.80 us = 3.42 TB/s
-    (82 % of the 4.17 TB/s copy measured in that run).
-    profiles/h200/kda_cute_check.json (check_kda.py: 20 buffer sets, which fit in L2 at B=1):
-    B=1 3.48 / 3.92 / 4.26 us at tile 32 / 64 / 128; B=256 109.6 us = 3.85 TB/s; 96 heads B=64
-    213.3 us = 3.95 TB/s.
-So small batch wants tile_v = 32, B >= 8 wants tile_v = 128. Open: B=1 misses 4.0 us by 0.1 us once
-its state comes from DRAM, and B=64 reaches 3.42 of the 3.6 TB/s target (the long rows of the bigger
-shapes reach 3.85-3.95 TB/s, so the loss at 768 CTAs is the wave tail and the load-compute-store
-serialisation inside a CTA).
+conv exact), profiles/h200/kda_sweep.json (`k3lab bench kda`: graph replay, inputs rotated past L2 as
+in a 69-layer model; copy 4.256 TB/s in that run), 12 heads:
+    B=1 3.83 us (tile 16; tile 32 4.09), B=2 4.61 (tile 32), B=4 5.83 (tile 64), B=8 7.45 (tile 128),
+    B=64 30.90 us = 3.41 TB/s = 80 % of copy (tile 128). fla's recurrence alone: 4.33 / 36.69 us.
+    profiles/h200/kda_cute_check.json (check_kda.py, 20 L2-resident buffer sets): B=256 109.6 us =
+    3.85 TB/s; 96 heads B=64 213.3 us = 3.95 TB/s.
+Open: B=64 reaches 3.41 of the 3.6 TB/s target; the long grids reach 3.85-3.95 TB/s, so the loss at 768
+CTAs (2.9 waves of 2 CTAs per SM) is the wave tail and the load-compute-store order inside a CTA. Two
+fixes were built and measured (profiles/h200/kda_cute_exp.json): the persistent TMA-fed kernel
+(kda_decode_persistent.py) ties at best (31.02 vs 31.04 us), and an L2 prefetch of a later CTA's state
+(not kept; profiles/h200/kda_cute_exp_l2prefetch.log) gained nothing (30.28-33.53 vs 30.83 us).
 
 Host API (torch tensors on one CUDA device, launched on torch's current stream, CUDA-graph safe
 after the first call of a shape has compiled it):
 
     kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=128) -> out
 
-Supported: D = 128, conv kernel 4, tile_v in {128, 64, 32}, qkv/f/b/gate/conv_state/out bf16,
+Supported: D = 128, conv kernel 4, tile_v in TILES (128, 64, 32, 16), qkv/f/b/gate/conv_state/out bf16,
 state fp32, contiguous tensors (state 16-byte, gate/out/conv_w/o_norm_w 8-byte aligned bases);
 params any of fp32/bf16/fp16.
 """

@@ -5,9 +5,9 @@ What one launch fuses is exactly kda_decode.py's (and `k3lab.ref.kda.kda_decode`
 of the head's q|k|v channels (conv_state shifted in place), l2norm of q and k, the decay gate and beta,
 the delta rule on the fp32 state (in place), and the gated output RMSNorm into `out`.
 
-Schedule. grid = min(B * H, SMs) CTAs of 256 threads, one per SM; CTA i takes the (b, h) items
+Schedule. grid = min(B * H, ctas x SMs) CTAs of 256 threads, `ctas` (1 or 2) per SM; CTA i takes the (b, h) items
 i, i + grid, i + 2 grid, ... in order. An item's fp32 state is one contiguous 64 KiB block: one thread
-fetches it with a single cp.async.bulk into one of `stages` (2 or 3) shared-memory buffers, completing
+fetches it with a single cp.async.bulk into one of `stages` (1 to 3) shared-memory buffers, completing
 on an mbarrier, `stages` items ahead of use. The item's small inputs (conv window, q|k|v, f, b, gate,
 the head's conv weights, dt_bias, A_log) are loaded into registers one item ahead. So while a CTA
 computes item j, the states of items j+1 .. j+stages-1 stream in and item j-1's new state drains from
@@ -22,14 +22,21 @@ kda_sweep.json) while long grids reach 3.85-3.95 TB/s: the loss is the wave tail
 serialisation of load, compute and store inside each CTA. This kernel is for large batch only; at
 small batch (items < SMs) it leaves SMs idle and the grid kernel with column tiles wins.
 
+Measured (profiles/h200/kda_cute_exp.json, check_kda.py --exp, 12 heads, DRAM-cold): it does not beat
+the grid kernel. B=64: grid 31.04 us; (CTAs per SM, stages) (2, 1) 31.02, (1, 2) 32.56, (1, 3) 34.65.
+B=256: grid 109.42; (2, 1) 112.09. B=16: grid 10.98, (2, 1) 10.66. ncu (not committed, diagnostic) on
+B=64 with caches flushed gave (2, 1) 27.5 us against the grid's 29.1 at ~2.8 TB/s of DRAM each: with the
+previous call's dirty state in L2, as in a real decode, the gain disappears. Kept as a study switch
+(check_kda.py and tests/test_kda_cute.py cover it); the component does not use it.
+
 Floor (same bytes as the grid kernel, per (b, h) 137,218 B, see kda_decode.py):
     H = 12, B = 64: 105.4 MB -> 24.7 us at 4.275 TB/s (the issue's target: >= 3.6 TB/s, <= 29.3 us).
 
 Host API (torch tensors on one CUDA device; current stream; CUDA-graph safe once compiled):
 
-    kda_decode_persistent(qkv, f, b, gate, params, state, conv_state, out, stages=3) -> out
+    kda_decode_persistent(qkv, f, b, gate, params, state, conv_state, out, stages=3, ctas=1) -> out
 
-Same arguments and checks as kda_decode (tile 128 only); `stages` in (2, 3).
+Same arguments and checks as kda_decode (tile 128 only); (ctas, stages) in CONFIGS.
 """
 import math
 

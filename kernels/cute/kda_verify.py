@@ -31,17 +31,25 @@ The baseline is kda_decode.py's row layout (layout="rows": a warp instruction mo
 cross-warp reductions through shared memory, two CTA barriers and a cluster barrier per position, and
 the prologue on the chain).
 
+Per position, with row_warps > 1 (all three measured, profiles/h200/kda_cute_exp.json):
+  - preload: every position's per-row factors and scalars go to registers after the prologue, so the
+    chain holds no shared-memory load but the partial sums (B=1 T=4 tile 16: 6.06 vs 6.28 us without);
+  - scatter: the 8 partial sums a lane holds meet over the row lanes by a butterfly reduce-scatter
+    (4 + 2 + 1 shuffles instead of 3 x 8; 6.06 vs 6.35 us without);
+  - delay: position t's state_hist stores leave after position t+1's partial sums are read back
+    (on at T >= 4 when the grid fits one CTA per SM: T=4 5.95 vs 6.06 us, T=8 9.69 vs 9.90).
+Tile 16 (a cluster of 8 CTAs per head, row_warps 2/4/8, 16 output lanes in the epilogue) spreads a
+position's state_hist stores over 8 SMs per head; it is the B=1 winner.
+
 Measured on the H200, 12 heads, all outputs/histories within tolerance of the fp64 oracle
 (profiles/h200/kda_sweep.json, `k3lab bench kda`, inputs rotated past L2; fla = fused_recurrent_kda,
 which has no conv, no output norm and writes only the final state):
-    B=1  T=4:  7.04 us (tile 32)    rows baseline 10.4 us, Triton 10.39, fla 10.27
-    B=1  T=8: 11.97 us              rows 18.8 (check_kda), Triton 17.14
-    B=64 T=4: 72.68 us = 3.65 TB/s  rows 88.2 (check_kda), Triton 93.14, fla 78.48
-row_warps sweep (profiles/h200/kda_cute_verify_split.json, check_kda.py): at tile 32, 1/2/4/8 row
-warps give B=1 T=4 10.0 / 7.4 / 7.1 / 7.5 us; at tile 128, B=64 T=4 77.2 / 75.5 / 72.7 / 74.1 us.
-The issue's target (T=4, B=1 <= 6.0 us) is not met: even without any state_hist store the kernel
-needs 5.8 us, so a checkpoint scheme (no history; commit replays the accepted tokens) would only just
-reach it, at the price of a replay in commit.
+    B=1  T=4:  6.06 us (tile 16; 6.05 in kda_sweep-b1.json)   tile 32 6.50, Triton 10.41, fla 10.21
+    B=1  T=8:  9.95 us (tile 16)    Triton 17.09
+    B=64 T=4: 73.08 us = 3.63 TB/s (tile 128)   Triton 93.51, fla 78.46
+The issue's target (T=4, B=1 <= 6.0 us) is missed by 0.05 us: even without any state_hist store the
+kernel needs 5.49 us (kda_cute_exp.json, "hist": False), so the stores now cost about 0.5 us and the
+rest is launch, the state load, the prologue and a 4-step chain of shuffles and one CTA barrier each.
 
 Floor per (b, h): state 64 KiB read once + T x 64 KiB state_hist written, conv 2,304 B read +
 T x 2,304 B conv_hist written, T x (768 + 256 + 256 + 256 + 2) B activations. For H = 12, B = 1:
