@@ -110,15 +110,23 @@ def _cases(only: str | None, quick: bool):
                  P(bf, 2), P(bf, 8), P(f32), P(bf, 2), P(i32, 4), S]
     if only in (None, "decode"):
         from kernels.cute import kda_decode as kd
-        for tv in (128, 64, 32):
+        for tv in kd.TILES:
             cases.append((f"decode tile{tv}", lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv),
+                          step_args))
+        from kernels.cute import kda_decode_persistent as kpd
+        for ctas, stages in kpd.CONFIGS:
+            cases.append((f"decode persistent ctas{ctas} stages{stages} B64",
+                          lambda c=ctas, st=stages: kpd._persistent_class()(64, H, 1, False, False, 1e-6, -5.0, 128,
+                                                                            sms=132, stages=st, ctas=c),
                           step_args))
     if only in (None, "verify"):
         from kernels.cute import kda_verify as kv
         for tv, wr in sorted(kv.ROW_WARPS.items(), reverse=True):
-            cases.append((f"verify T4 tile{tv} row_warps{wr}",
-                          lambda tv=tv, wr=wr: kv._columns_class()(1, H, 4, True, False, 1e-6, -5.0, tv, row_warps=wr),
-                          step_args))
+            for B in (1, 64):  # one CTA per SM (preload, delay) / two (register cap)
+                cases.append((f"verify B{B} T4 tile{tv} row_warps{wr}",
+                              lambda tv=tv, wr=wr, B=B: kv._columns_class()(B, H, 4, True, False, 1e-6, -5.0, tv,
+                                                                            row_warps=wr),
+                              step_args))
     return cases
 
 
