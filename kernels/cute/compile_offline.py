@@ -2,7 +2,7 @@
 stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
-        python kernels/cute/compile_offline.py [--only prefill|decode|verify] [--quick]
+        python kernels/cute/compile_offline.py [--only prefill|decode|verify] [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
 Python 3.12 venv with `pip install typing_extensions numpy cuda-bindings torch` and the CuTe DSL
@@ -142,6 +142,14 @@ def main(argv=None) -> int:
         print(f"--only must be prefill, decode or verify (got {only!r})")
         return 2
     quick = "--quick" in argv
+    keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)
+    for i, a in enumerate(argv):
+        if a == "--keep" and i + 1 < len(argv):
+            keep = argv[i + 1]
+        elif a.startswith("--keep="):
+            keep = a.split("=", 1)[1]
+    if keep:
+        os.makedirs(keep, exist_ok=True)
     # min_blocks_per_mp > 1 asks the device for its shared memory per SM: answer for an H100/H200
     import cutlass.cutlass_dsl.cutlass as _cd
     _cd.cuda_helpers.get_device_attribute = lambda *a, **k: 233472
@@ -161,6 +169,8 @@ def main(argv=None) -> int:
             print(f"{name:<44} FAILED: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}", flush=True)
             continue
         new = glob.glob(os.path.join(_DUMP, "*.cubin"))
+        if keep and len(new) == 1:
+            shutil.copyfile(new[0], os.path.join(keep, name.replace(" ", "_").replace("=", "") + ".cubin"))
         use = _usage(new[0], tool) if len(new) == 1 else f"({len(new)} cubins written)"
         if "LOCAL:" in use and "LOCAL:0" not in use:
             bad += 1

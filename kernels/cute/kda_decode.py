@@ -268,7 +268,7 @@ def _kernel_class():
             half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
             c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             # per key row r: (q_raw, k_raw, decay d, v_raw[r])
             s_info = smem.allocate_tensor(Float32, cute.make_layout(NB * 128 * 4), byte_alignment=16)
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)

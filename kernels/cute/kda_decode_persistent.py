@@ -145,7 +145,7 @@ def _persistent_class():
             half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
             c = tid % 128
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_stage = smem.allocate_tensor(Float32, cute.make_layout(NS * DD), byte_alignment=128)
             s_info = smem.allocate_tensor(Float32, cute.make_layout(2 * 128 * 4), byte_alignment=16)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(2 * 16), byte_alignment=16)

@@ -160,7 +160,7 @@ def _classes():
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_q = smem_f32(smem, CH * D)  # unnormalized q, k of the chunk, [t][d]
             s_k = smem_f32(smem, CH * D)
 
@@ -266,7 +266,7 @@ def _classes():
             nc, Lp = chunk_count(L, CH)
             base = (bh * Lp + c * CH) * D
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_q = smem_f32(smem, CH * DP)   # q, later v
             s_k = smem_f32(smem, CH * DP)
             s_g = smem_f32(smem, CH * DP)   # G
@@ -425,7 +425,7 @@ def _classes():
             col = vt * TV + j   # head-local value column
             k0 = r * NK          # first of this thread's NK key rows
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_q = smem_f32(smem, CH * DP)   # q e^G
             s_k = smem_f32(smem, CH * DP)   # k e^{G_C - G}
             s_w = smem_f32(smem, CH * DP)   # W
@@ -566,7 +566,7 @@ def _classes():
             base = (bh * Lp + c * CH) * D
             gcb = base + (CH - 1) * D
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_k = smem_f32(smem, CH * DP)   # k e^{G_C - G}
             s_w = smem_f32(smem, CH * TV)   # W tile
             s_u = smem_f32(smem, CH * TV)   # U0 tile
@@ -634,7 +634,7 @@ def _classes():
             col = vt * TV + j
             k0 = r * NK
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_m = smem_f32(smem, D * MP)   # M_c [row][col], pitch MP
             s_s = smem_f32(smem, D * TV)   # state tile [key][column]
 

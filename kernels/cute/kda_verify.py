@@ -196,7 +196,7 @@ def _columns_class():
             half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
             c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             # per position, per key row r: (q_raw, k_raw, decay d, v_raw[r])
             s_info = smem.allocate_tensor(Float32, cute.make_layout(T * 128 * 4), byte_alignment=16)
             # per position, lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
