@@ -90,16 +90,16 @@ def test_kda_verify_rows_baseline(tile_v):
 
 
 @pytest.mark.parametrize("knobs", [{"preload": False}, {"scatter": False}, {"delay": True},
-                                   {"preload": True, "delay": True}])
+                                   {"preload": True, "delay": True}, {"late_conv": True}])
 @pytest.mark.parametrize("B,H,T,ragged,tile_v", [(1, 12, 4, False, 16), (5, 6, 8, True, 32), (64, 12, 4, False, 128)])
 def test_kda_verify_knobs(B, H, T, ragged, tile_v, knobs):
-    """The column kernel's measurement knobs (register preload, reduce-scatter, delayed stores) forced
-    both ways give the same answer."""
+    """The column kernel's measurement knobs (register preload, reduce-scatter, delayed stores, late
+    conv_hist stores) forced both ways give the same answer."""
     r = check_verify(B, H, T, ragged=ragged, seed=B + T + tile_v, tile_v=tile_v, row_warps=4, knobs=knobs)
     assert r["ok"], r
 
 
-@pytest.mark.parametrize("ctas,stages", [(1, 2), (1, 3), (2, 1)])
+@pytest.mark.parametrize("ctas,stages", [(1, 2), (1, 3), (2, 1), (3, 1)])
 @pytest.mark.parametrize("B,H", [(1, 12), (5, 6), (64, 12), (3, 96)])
 def test_kda_decode_persistent(B, H, ctas, stages):
     """The persistent decode (cp.async.bulk state stages): same contract as the grid kernel."""

@@ -296,13 +296,15 @@ def copy_bw(nbytes=1 << 30):
 def experiment(report: dict) -> None:
     """The measured alternatives to the defaults, checked then timed DRAM-cold (N_CALLS = 80), each beside
     the default it lost or won against: tile 16 vs 32 (decode and verify at B = 1); the verify knobs
-    (register preload, butterfly reduce-scatter, delayed state_hist stores, no stores at all); the
-    persistent decode ((CTAs per SM, stages) = (2, 1), (1, 2), (1, 3)) vs the grid kernel."""
+    (register preload, butterfly reduce-scatter, delayed state_hist stores, late conv_hist stores, no
+    stores at all); the persistent decode ((CTAs per SM, stages) = (2, 1), (1, 2), (1, 3), and the
+    register-light (3, 1)) vs the grid kernel."""
     global N_CALLS
     t0 = time.time()
     ex = report.setdefault("exp", {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []})
     print("\n== exp: decode correctness (persistent) ==")
-    for B, H, stg in [(64, 12, (2, 1)), (5, 6, (2, 1)), (64, 12, (1, 2)), (256, 12, (1, 3)), (3, 96, (1, 3))]:
+    for B, H, stg in [(64, 12, (2, 1)), (5, 6, (2, 1)), (64, 12, (1, 2)), (256, 12, (1, 3)), (3, 96, (1, 3)),
+                      (64, 12, (3, 1)), (5, 6, (3, 1)), (256, 12, (3, 1)), (3, 96, (3, 1))]:
         r = _safe(check_decode, B, H, seed=B * 7 + H, steps=2 if B <= 8 else 1, stages=stg)
         r.update(B=B, H=H, tile_v=128, stages=stg)
         ex["decode"].append(r)
@@ -313,7 +315,8 @@ def experiment(report: dict) -> None:
     vcases = [((1, 12, 4, False), 16, 4, {"delay": True}), ((5, 6, 8, True), 16, 4, {"delay": True}),
               ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
               ((8, 12, 4, True), 32, 4, {"preload": False, "scatter": False}),
-              ((3, 6, 5, True), 64, 2, {"delay": True})]
+              ((3, 6, 5, True), 64, 2, {"delay": True}), ((1, 12, 4, False), 16, 4, {"late_conv": True}),
+              ((5, 6, 8, True), 16, 4, {"late_conv": True}), ((3, 6, 5, True), 128, 2, {"late_conv": True})]
     for (B, H, T, rg), tv, wr, kn in vcases:
         r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, row_warps=wr, knobs=kn)
         r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
@@ -329,7 +332,8 @@ def experiment(report: dict) -> None:
           (1, 12, 4, 16, 4, {"preload": False}), (1, 12, 4, 16, 4, off), (1, 12, 4, 16, 4, {"hist": False}),
           (1, 12, 4, 16, 8, {}), (1, 12, 4, 32, 4, {}), (1, 12, 4, 32, 4, off),
           (1, 12, 8, 16, 4, {}), (1, 12, 8, 16, 4, {"delay": True}), (1, 12, 8, 16, 4, {"preload": False}),
-          (1, 12, 2, 16, 4, {}), (1, 12, 2, 16, 4, {"delay": True}),
+          (1, 12, 2, 16, 4, {}), (1, 12, 2, 16, 4, {"delay": True}), (1, 12, 4, 16, 4, {"late_conv": True}),
+          (1, 12, 8, 16, 4, {"late_conv": True}),
           (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"delay": True}), (64, 12, 4, 128, 4, {"scatter": False})]
     for B, H, T, tv, wr, kn in vt:
         if kn.get("hist") is False:
@@ -345,8 +349,9 @@ def experiment(report: dict) -> None:
     print("\n== exp: decode timing, DRAM-cold ==")
     tcases = [(1, 12, 16, None), (1, 12, 32, None)]
     for B in (16, 64, 256):
-        tcases += [(B, 12, 128, stg) for stg in (None, (2, 1), (1, 2), (1, 3))]
-    tcases += [(64, 96, 128, None), (64, 96, 128, (2, 1))]
+        tcases += [(B, 12, 128, stg) for stg in (None, (2, 1), (1, 2), (1, 3), (3, 1))]
+    tcases += [(64, 96, 128, None), (64, 96, 128, (2, 1)), (64, 96, 128, (3, 1)), (32, 12, 128, None),
+               (32, 12, 128, (3, 1))]
     for B, H, tv, stg in tcases:
         r = _safe(time_decode, B, H, tile_v=tv, stages=stg)
         r.update(B=B, H=H, tile_v=tv, stages=stg)

@@ -127,6 +127,14 @@ def _cases(only: str | None, quick: bool):
                               lambda tv=tv, wr=wr, B=B: kv._columns_class()(B, H, 4, True, False, 1e-6, -5.0, tv,
                                                                             row_warps=wr),
                               step_args))
+        # the measurement knobs forced (check_kda.py --exp): ragged T = 8 at tile 16, B = 1 and 5
+        for B, knobs in [(1, {"preload": True, "delay": True}), (1, {"late_conv": True}),
+                         (5, {"late_conv": True}), (1, {"scatter": False, "preload": False})]:
+            name = " ".join(f"{k}={v}" for k, v in knobs.items())
+            cases.append((f"verify B{B} T8 tile16 ragged {name}",
+                          lambda B=B, kn=knobs: kv._columns_class()(B, H, 8, True, True, 1e-6, -5.0, 16, row_warps=4,
+                                                                    **kn),
+                          step_args))
     return cases
 
 

@@ -22,6 +22,9 @@ kda_sweep.json) while long grids reach 3.85-3.95 TB/s: the loss is the wave tail
 serialisation of load, compute and store inside each CTA. This kernel is for large batch only; at
 small batch (items < SMs) it leaves SMs idle and the grid kernel with column tiles wins.
 
+(ctas, stages) = (3, 1) ("regless": no state in registers, 3 CTAs and 3 states in flight per SM) was
+added after the GPU session and is checked offline only (compile_offline.py); it has not run yet.
+
 Measured (profiles/h200/kda_cute_exp.json, check_kda.py --exp, 12 heads, DRAM-cold): it does not beat
 the grid kernel. B=64: grid 31.04 us; (CTAs per SM, stages) (2, 1) 31.02, (1, 2) 32.56, (1, 3) 34.65.
 B=256: grid 109.42; (2, 1) 112.09. B=16: grid 10.98, (2, 1) 10.66. ncu (not committed, diagnostic) on
@@ -48,7 +51,9 @@ __all__ = ["CONFIGS", "STAGES", "kda_decode_persistent"]
 
 STAGES = (1, 2, 3)
 # (CTAs per SM, stages) that fit: ctas * (stages * 64 KiB + 20 KiB) <= 227 KiB, and 2 CTAs need <= 128 registers
-CONFIGS = ((1, 2), (1, 3), (2, 1))
+# (3, 1) is the register-light form: the state is never held in registers (both passes read the shared
+# stage, the update goes straight to global), so 3 CTAs fit an SM: 3 states in flight instead of 2.
+CONFIGS = ((1, 2), (1, 3), (2, 1), (3, 1))
 _STATE_BYTES = _D * _D * 4
 _CLS = None
 
@@ -110,6 +115,8 @@ def _persistent_class():
             self.grid = max(1, min(ctas * sms, self.N))
             self.NS = stages
             self.ctas = ctas
+            self.regless = ctas >= 3
+            self.NB = 1 if self.regless else 2  # s_info / s_red / s_part buffers (regless: a third barrier)
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -147,9 +154,10 @@ def _persistent_class():
 
             smem = cutlass.memory.SmemAllocator()
             s_stage = smem.allocate_tensor(Float32, cute.make_layout(NS * DD), byte_alignment=128)
-            s_info = smem.allocate_tensor(Float32, cute.make_layout(2 * 128 * 4), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(2 * 16), byte_alignment=16)
-            s_part = smem.allocate_tensor(Float32, cute.make_layout(2 * 8 * 256), byte_alignment=16)
+            NB = self.NB
+            s_info = smem.allocate_tensor(Float32, cute.make_layout(NB * 128 * 4), byte_alignment=16)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(NB * 16), byte_alignment=16)
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(NB * 8 * 256), byte_alignment=16)
             mbar = smem.allocate_array(cutlass.Int64, NS, byte_alignment=8)
 
             qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * C))
@@ -191,7 +199,7 @@ def _persistent_class():
             w1 = cute.make_rmem_tensor((4,), Float32)
             w2 = cute.make_rmem_tensor((4,), Float32)
             gate_r = cute.make_rmem_tensor((4,), p_gate.dtype)
-            r_s = cute.make_rmem_tensor((4, 16), Float32)
+            r_s = cute.make_rmem_tensor((4, 1) if self.regless else (4, 16), Float32)  # regless: one row
             r_info = cute.make_rmem_tensor((4,), Float32)
             acc_k = cute.make_rmem_tensor((4,), Float32)
             acc_q = cute.make_rmem_tensor((4,), Float32)
@@ -205,7 +213,7 @@ def _persistent_class():
                 it = bid + j * GRID
                 bb = it // H
                 h = it - bb * H
-                buf = j % 2
+                buf = j % NB
                 st = j % NS
                 phase = (j // NS) % 2
                 ch1 = half * (2 * HD) + h * D + c
@@ -242,15 +250,17 @@ def _persistent_class():
 
                 # ---- this item's state: shared stage -> registers --------------------------------
                 cute.arch.mbarrier_wait(mbar + st, phase)
-                s_src = cute.make_tensor(s_stage.iterator + cute.assume(st * DD + warp * D + col0, divby=4),
-                                         cute.make_layout((4, 16), stride=(1, 8 * D)))
-                cute.autovec_copy(s_src, r_s)
+                if cutlass.const_expr(not self.regless):
+                    s_src = cute.make_tensor(s_stage.iterator + cute.assume(st * DD + warp * D + col0, divby=4),
+                                             cute.make_layout((4, 16), stride=(1, 8 * D)))
+                    cute.autovec_copy(s_src, r_s)
                 cute.arch.sync_threads()  # s_info / s_red complete; every thread has read stage st
-                if tid == 0:
-                    nf = it + NS * GRID
-                    if nf < N:
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + st, _STATE_BYTES)
-                        bulk_load(s_stage.iterator + st * DD, p_state + nf * DD, mbar + st, _STATE_BYTES)
+                if cutlass.const_expr(not self.regless):
+                    if tid == 0:
+                        nf = it + NS * GRID
+                        if nf < N:
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + st, _STATE_BYTES)
+                            bulk_load(s_stage.iterator + st * DD, p_state + nf * DD, mbar + st, _STATE_BYTES)
 
                 # ---- pass 1: k^T diag(d) S and q^T diag(d) S over the old state -----------------
                 ssq = Float32(0.0)
@@ -271,9 +281,14 @@ def _persistent_class():
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4), r_info)
                     qd = r_info[0] * r_info[2]
                     kd = r_info[1] * r_info[2]
+                    ii = i
+                    if cutlass.const_expr(self.regless):
+                        ii = 0
+                        cute.autovec_copy(vec(s_stage.iterator, cute.assume(st * DD + r * D + col0, divby=4), 4),
+                                          r_s[None, 0])
                     for jj in cutlass.range_constexpr(4):
-                        acc_k[jj] = acc_k[jj] + kd * r_s[jj, i]
-                        acc_q[jj] = acc_q[jj] + qd * r_s[jj, i]
+                        acc_k[jj] = acc_k[jj] + kd * r_s[jj, ii]
+                        acc_q[jj] = acc_q[jj] + qd * r_s[jj, ii]
                 p_off = cute.assume(buf * 2048 + warp * 256 + col0, divby=4)
                 cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
                 cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
@@ -298,11 +313,29 @@ def _persistent_class():
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4), r_info)
                     dr = r_info[2]
                     kr = r_info[1] * rk
-                    for jj in cutlass.range_constexpr(4):
-                        r_s[jj, i] = dr * r_s[jj, i] + kr * u[jj]
-                g_dst = cute.make_tensor(p_state + cute.assume(it * DD + warp * D + col0, divby=4),
-                                         cute.make_layout((4, 16), stride=(1, 8 * D)))
-                cute.autovec_copy(r_s, g_dst)
+                    if cutlass.const_expr(self.regless):
+                        # row r: shared stage -> registers -> updated -> global (16 B a lane)
+                        cute.autovec_copy(vec(s_stage.iterator, cute.assume(st * DD + r * D + col0, divby=4), 4),
+                                          r_s[None, 0])
+                        for jj in cutlass.range_constexpr(4):
+                            r_s[jj, 0] = dr * r_s[jj, 0] + kr * u[jj]
+                        cute.autovec_copy(r_s[None, 0], vec(p_state, cute.assume(it * DD + r * D + col0, divby=4), 4))
+                    else:
+                        for jj in cutlass.range_constexpr(4):
+                            r_s[jj, i] = dr * r_s[jj, i] + kr * u[jj]
+                if cutlass.const_expr(not self.regless):
+                    g_dst = cute.make_tensor(p_state + cute.assume(it * DD + warp * D + col0, divby=4),
+                                             cute.make_layout((4, 16), stride=(1, 8 * D)))
+                    cute.autovec_copy(r_s, g_dst)
+                else:
+                    # every thread is done with stage st, s_info and s_part: refill the stage, and the next
+                    # item's prologue may overwrite the single-buffered s_info / s_red
+                    cute.arch.sync_threads()
+                    if tid == 0:
+                        nf = it + NS * GRID
+                        if nf < N:
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + st, _STATE_BYTES)
+                            bulk_load(s_stage.iterator + st * DD, p_state + nf * DD, mbar + st, _STATE_BYTES)
 
                 # ---- output: o = S^T q / sqrt(D), gated RMSNorm (warp 0) -------------------------
                 if warp == 0:

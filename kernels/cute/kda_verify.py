@@ -95,7 +95,7 @@ def _columns_class():
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
-                     preload=None, scatter=None, delay=None):
+                     preload=None, scatter=None, delay=None, late_conv=None):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -142,6 +142,10 @@ def _columns_class():
             # T >= 4 when the grid fits one CTA per SM (profiles/h200/kda_cute_exp.json, 12 heads, tile 16:
             # B=1 T=4 5.95 vs 6.06 us, T=8 9.69 vs 9.90; T=2 4.67 vs 4.52 and B=64 T=4 73.89 vs 73.50 lose)
             self.delay = ((T >= 4 and self.min_ctas == 1) if delay is None else bool(delay)) and row_warps > 1
+            # late_conv: the conv_hist stores (rank 0 of a cluster, 3 bf16 per channel per position) leave
+            # at the very end, rebuilt from the start window and the inputs, instead of ahead of the
+            # recurrence's first shuffles. Not measured yet: off unless forced.
+            self.late_conv = bool(late_conv)
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -244,6 +248,12 @@ def _columns_class():
                     win2[i] = conv_g[(bb * C + ch2) * 3 + i]
                 for i in cutlass.range_constexpr(4):
                     w2[i] = convw_g[ch2 * 4 + i].to(Float32)
+            # late_conv: the start windows, kept to rebuild every position's window at the end
+            win0 = cute.make_rmem_tensor((2, 3) if self.late_conv else (1, 1), p_qkv.dtype)
+            if cutlass.const_expr(self.late_conv):
+                for i in cutlass.range_constexpr(3):
+                    win0[0, i] = win1[i]
+                    win0[1, i] = win2[i]  # (upper threads: unused)
 
             # every position's activations now (no global load waits behind a barrier)
             qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
@@ -291,6 +301,8 @@ def _columns_class():
                 if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
                     if rank != 0:
                         wconv = Int32(0)
+                if cutlass.const_expr(self.late_conv):
+                    wconv = Int32(0)
                 if wconv > 0:
                     for i in cutlass.range_constexpr(3):
                         ch_g[(bt * C + ch1) * 3 + i] = win1[i]
@@ -504,6 +516,27 @@ def _columns_class():
                     if active > 0:
                         o_off = cute.assume((bb * T + t) * HD + h * D + e0, divby=E)
                         cute.autovec_copy(r_out, vec(p_out, o_off, E))
+
+            if cutlass.const_expr(self.late_conv):
+                # window after position t = seq[t + 1 .. t + 3], seq = start window (3) then x_0 .. x_{T-1}
+                for t in cutlass.range_constexpr(T):
+                    bt = bb * T + t
+                    wconv = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        wconv = Int32(0)
+                        if t < L:
+                            wconv = Int32(1)
+                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if rank != 0:
+                            wconv = Int32(0)
+                    if wconv > 0:
+                        for i in cutlass.range_constexpr(3):
+                            k = t + 1 + i
+                            ch_g[(bt * C + ch1) * 3 + i] = win0[0, k] if k < 3 else x1[k - 3]
+                        if lower:
+                            for i in cutlass.range_constexpr(3):
+                                k = t + 1 + i
+                                ch_g[(bt * C + ch2) * 3 + i] = win0[1, k] if k < 3 else x2[k - 3]
 
     _COLUMNS_CLS = KDAVerifyColumns
     return KDAVerifyColumns
