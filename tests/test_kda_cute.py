@@ -90,11 +90,11 @@ def test_kda_verify_rows_baseline(tile_v):
 
 
 @pytest.mark.parametrize("knobs", [{"preload": False}, {"scatter": False}, {"delay": True},
-                                   {"preload": True, "delay": True}, {"late_conv": True}])
+                                   {"preload": True, "delay": True}, {"late_conv": True}, {"group_bar": True}])
 @pytest.mark.parametrize("B,H,T,ragged,tile_v", [(1, 12, 4, False, 16), (5, 6, 8, True, 32), (64, 12, 4, False, 128)])
 def test_kda_verify_knobs(B, H, T, ragged, tile_v, knobs):
     """The column kernel's measurement knobs (register preload, reduce-scatter, delayed stores, late
-    conv_hist stores) forced both ways give the same answer."""
+    conv_hist stores, column-group named barriers) forced both ways give the same answer."""
     r = check_verify(B, H, T, ragged=ragged, seed=B + T + tile_v, tile_v=tile_v, row_warps=4, knobs=knobs)
     assert r["ok"], r
 

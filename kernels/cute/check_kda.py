@@ -296,8 +296,8 @@ def copy_bw(nbytes=1 << 30):
 def experiment(report: dict) -> None:
     """The measured alternatives to the defaults, checked then timed DRAM-cold (N_CALLS = 80), each beside
     the default it lost or won against: tile 16 vs 32 (decode and verify at B = 1); the verify knobs
-    (register preload, butterfly reduce-scatter, delayed state_hist stores, late conv_hist stores, no
-    stores at all); the persistent decode ((CTAs per SM, stages) = (2, 1), (1, 2), (1, 3), and the
+    (register preload, butterfly reduce-scatter, delayed state_hist stores, late conv_hist stores,
+    column-group named barriers, no stores at all); the persistent decode ((CTAs per SM, stages) = (2, 1), (1, 2), (1, 3), and the
     register-light (3, 1)) vs the grid kernel."""
     global N_CALLS
     t0 = time.time()
@@ -316,7 +316,9 @@ def experiment(report: dict) -> None:
               ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
               ((8, 12, 4, True), 32, 4, {"preload": False, "scatter": False}),
               ((3, 6, 5, True), 64, 2, {"delay": True}), ((1, 12, 4, False), 16, 4, {"late_conv": True}),
-              ((5, 6, 8, True), 16, 4, {"late_conv": True}), ((3, 6, 5, True), 128, 2, {"late_conv": True})]
+              ((5, 6, 8, True), 16, 4, {"late_conv": True}), ((3, 6, 5, True), 128, 2, {"late_conv": True}),
+              ((1, 12, 4, False), 16, 4, {"group_bar": True}), ((5, 6, 8, True), 32, 2, {"group_bar": True}),
+              ((64, 12, 4, False), 128, 4, {"group_bar": True})]
     for (B, H, T, rg), tv, wr, kn in vcases:
         r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, row_warps=wr, knobs=kn)
         r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
@@ -333,7 +335,9 @@ def experiment(report: dict) -> None:
           (1, 12, 4, 16, 8, {}), (1, 12, 4, 32, 4, {}), (1, 12, 4, 32, 4, off),
           (1, 12, 8, 16, 4, {}), (1, 12, 8, 16, 4, {"delay": True}), (1, 12, 8, 16, 4, {"preload": False}),
           (1, 12, 2, 16, 4, {}), (1, 12, 2, 16, 4, {"delay": True}), (1, 12, 4, 16, 4, {"late_conv": True}),
-          (1, 12, 8, 16, 4, {"late_conv": True}),
+          (1, 12, 8, 16, 4, {"late_conv": True}), (1, 12, 4, 16, 4, {"group_bar": True}),
+          (1, 12, 4, 16, 4, {"group_bar": True, "late_conv": True}), (1, 12, 8, 16, 4, {"group_bar": True}),
+          (64, 12, 4, 128, 4, {"group_bar": True}),
           (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"delay": True}), (64, 12, 4, 128, 4, {"scatter": False})]
     for B, H, T, tv, wr, kn in vt:
         if kn.get("hist") is False:

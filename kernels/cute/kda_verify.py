@@ -95,7 +95,7 @@ def _columns_class():
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
-                     preload=None, scatter=None, delay=None, late_conv=None):
+                     preload=None, scatter=None, delay=None, late_conv=None, group_bar=None):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -146,6 +146,10 @@ def _columns_class():
             # at the very end, rebuilt from the start window and the inputs, instead of ahead of the
             # recurrence's first shuffles. Not measured yet: off unless forced.
             self.late_conv = bool(late_conv)
+            # group_bar (row_warps > 1, row_warps < 8): the per-position partial-sum exchange waits on a
+            # named barrier of the row_warps warps that share the same columns (id 1 + column block)
+            # instead of all 8 warps. Not measured yet: off unless forced.
+            self.group_bar = bool(group_bar) and 1 < row_warps < 8
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -409,7 +413,10 @@ def _columns_class():
                         cute.autovec_copy(acc_k, vec(s_part.iterator, cute.assume(pb, divby=4), 4))
                         cute.autovec_copy(acc_q, vec(s_part.iterator, cute.assume(pb + TV, divby=4), 4))
                 if cutlass.const_expr(WR > 1):
-                    cute.arch.sync_threads()
+                    if cutlass.const_expr(self.group_bar):
+                        cute.arch.barrier(barrier_id=1 + wc, number_of_threads=WR * 32)
+                    else:
+                        cute.arch.sync_threads()
                     acc_k.fill(0.0)
                     acc_q.fill(0.0)
                     for w in cutlass.range_constexpr(WR):
