@@ -297,8 +297,8 @@ def experiment(report: dict) -> None:
     """The measured alternatives to the defaults, checked then timed DRAM-cold (N_CALLS = 80), each beside
     the default it lost or won against: tile 16 vs 32 (decode and verify at B = 1); the verify knobs
     (register preload, butterfly reduce-scatter, delayed state_hist stores, late conv_hist stores,
-    column-group named barriers, no stores at all); the persistent decode ((CTAs per SM, stages) = (2, 1), (1, 2), (1, 3), and the
-    register-light (3, 1)) vs the grid kernel."""
+    column-group named barriers, no stores at all); the persistent decode ((CTAs per SM, stages) =
+    (2, 1), (1, 2), (1, 3), and the register-light (3, 1)) vs the grid kernel."""
     global N_CALLS
     t0 = time.time()
     ex = report.setdefault("exp", {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []})
