@@ -50,6 +50,14 @@ COPY_BW = 4.275e12
 # (34 MB) stay in the 60 MB L2; --cold sets 80 (136 MB at B=1), so the state comes from DRAM as in a
 # 69-layer model and as `k3lab bench kda` measures.
 N_CALLS = 20
+# where check_decode / check_verify / check_prefill put their tensors; tests/test_kda_cute_emulated.py sets
+# "cpu" and swaps the kernel entry points for the CPU emulator's (kernels/cute/emulate.py)
+DEVICE = "cuda"
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _inputs(B, H, T=None, seed=0):
-    inp, p, st, cs = ref.make_kda_inputs(B, H, 128, T=T, seed=seed, device="cuda")
+    inp, p, st, cs = ref.make_kda_inputs(B, H, 128, T=T, seed=seed, device=DEVICE)
     return inp, p, st, cs
 
 
@@ -87,9 +95,9 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
     worst = {"out_err": 0.0, "state_err": 0.0, "conv_exact": True, "out_finite": True}
     for s in range(steps):
         inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
-        out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v, stages=stages)
-        torch.cuda.synchronize()
+        _sync()
         o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
         worst["out_finite"] &= bool(torch.isfinite(out).all())
         worst["out_err"] = max(worst["out_err"], _rel(out, o_r))
@@ -117,9 +125,9 @@ def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
     inp, p, st, cs = _inputs(B, H, T=T, seed=seed)
     st0, cs0 = st.clone(), cs.clone()
     C = 3 * H * 128
-    out = torch.full((B, T, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-    sh = torch.full((B, T, H, 128, 128), float("nan"), dtype=torch.float32, device="cuda")
-    ch = torch.full((B, T, C, 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((B, T, H * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    sh = torch.full((B, T, H, 128, 128), float("nan"), dtype=torch.float32, device=DEVICE)
+    ch = torch.full((B, T, C, 3), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lengths = None
     if ragged:
         g = torch.Generator().manual_seed(seed + 7)
@@ -127,10 +135,10 @@ def check_verify(B: int, H: int, T: int, ragged: bool = False, seed: int = 0,
         lengths[0] = T
         if B > 1:
             lengths[1] = 1
-        lengths = lengths.cuda()
+        lengths = lengths.to(DEVICE)
     _verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch, lengths, tile_v, layout,
             row_warps, knobs)
-    torch.cuda.synchronize()
+    _sync()
     o_r, s_r, c_r = _ref64(ref.kda_verify, inp, p, st, cs)
     res = {"out_err": 0.0, "state_err": 0.0, "conv_exact": True, "untouched": True,
                "inputs_unchanged": bool(torch.equal(st, st0) and torch.equal(cs, cs0)), "out_finite": True}
@@ -604,11 +612,11 @@ def check_prefill(B: int, H: int, L: int, chunk: int = 64, inverse: str = "fp32"
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
     inp, p, st, cs = _inputs(B, H, T=L, seed=seed)
     st = st.to(sdt)
-    out = torch.full((B, L, H * 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((B, L, H * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     st_k, cs_k = st.clone(), cs.clone()
     kp.kda_prefill(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, chunk=chunk, inverse=inverse,
                    grouped=grouped, tile_v=tile_v)
-    torch.cuda.synchronize()
+    _sync()
     o_s, S_s, c_s = _prefill_oracle(inp, p, st, cs, (B, H, L, seed, state_dtype))
     res = {"out_finite": bool(torch.isfinite(out).all()), "conv_exact": bool(torch.equal(cs_k.double(), c_s)),
            "exact_out_err": _rel(out, o_s), "exact_state_err": _rel(st_k, S_s)}
