@@ -24,7 +24,7 @@ case "${STEP:-main}" in
 cute)
   eval "$(bash .gpu/cute/unpack.sh)"; install
   mkdir -p "$OUT/cute"
-  OUT="$OUT/cute" python3 kernels/cute/check_kda.py --tiles=${CUTE_TILES:-128,64,32} ${CUTE_ARGS:-} 2>&1 | tee "$OUT/cute/check.log" | tail -n 40
+  OUT="$OUT/cute" python3 kernels/cute/check_kda.py --tiles=${CUTE_TILES:-128,64,32,16} ${CUTE_ARGS:-} 2>&1 | tee "$OUT/cute/check.log" | tail -n 40
   pack cute ;;
 main)
   eval "$(bash .gpu/base/unpack.sh)"; install

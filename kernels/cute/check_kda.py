@@ -393,7 +393,7 @@ def main(argv=None):
     quick = "--quick" in argv
     lean = "--lean" in argv  # fewer shapes: for a tight device budget
     tiny = "--tiny" in argv  # fewest shapes that still cover every tile width
-    tiles = (128, 64, 32)
+    tiles = (128, 64, 32, 16)
     for a in argv:
         if a.startswith("--tiles="):
             tiles = tuple(int(x) for x in a.split("=", 1)[1].split(","))
@@ -416,7 +416,7 @@ def main(argv=None):
     print(f"{'B':>4} {'H':>3} {'tile':>4} {'steps':>5} {'out_err':>10} {'state_err':>10} {'conv':>6} "
           f"{'ok':>4}")
     shapes = [(B, H, 128) for H in Hs for B in Bs]
-    shapes += [(B, H, tv) for tv in (64, 32) for B, H in [(1, 12), (8, 6), (64, 12), (2, 96)]]
+    shapes += [(B, H, tv) for tv in (64, 32, 16) for B, H in [(1, 12), (8, 6), (64, 12), (2, 96)]]
     if quick:
         shapes = [(1, 12, 128), (64, 12, 128), (1, 12, 32)]
     shapes = [x for x in shapes if x[2] in tiles]
@@ -441,7 +441,7 @@ def main(argv=None):
     vshapes = [(1, 12, 4, False, 128), (2, 6, 8, False, 128), (8, 12, 2, False, 128),
                (64, 12, 4, False, 128), (1, 96, 3, False, 128), (8, 12, 4, True, 128),
                (5, 6, 8, True, 128)]
-    vshapes += [(B, H, T, rg, tv) for tv in (64, 32)
+    vshapes += [(B, H, T, rg, tv) for tv in (64, 32, 16)
                 for B, H, T, rg in [(1, 12, 4, False), (2, 6, 8, False), (8, 12, 4, True)]]
     if quick:
         vshapes = vshapes[:1] + vshapes[-1:]
@@ -453,7 +453,7 @@ def main(argv=None):
                    (2, 6, 8, False, 32), (8, 12, 4, True, 32)]
     few = ((1, 12, 4), (8, 12, 4), (5, 6, 8))
     vcases = [(x, "columns", None) for x in vshapes]
-    vcases += [(x, "columns", wr) for x in vshapes if x[:3] in few for wr in (1, 2, 4, 8)]
+    vcases += [(x, "columns", wr) for x in vshapes if x[:3] in few for wr in _kv.ROW_WARPS_ALLOWED[x[4]]]
     vcases += [(x, "rows", None) for x in vshapes if x[:3] in few]
     for (B, H, T, rg, tv), lay, wr in vcases:
         r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, layout=lay, row_warps=wr)
@@ -511,9 +511,10 @@ def main(argv=None):
             vt = [(1, 12, 4), (1, 12, 8)]
         for B, H, T in vt:
             for tv in tiles:
-                variants = [("columns", wr) for wr in (1, 2, 4, 8)] + [("rows", None)]
+                allowed = _kv.ROW_WARPS_ALLOWED[tv]
+                variants = [("columns", wr) for wr in allowed] + [("rows", None)]
                 if B == 1:
-                    variants += [("columns-nohist", 1), ("columns-nohist", 8)]
+                    variants += [("columns-nohist", allowed[0]), ("columns-nohist", 8)]
                 for lay, wr in variants:
                     r = _safe(time_verify, B, H, T, tile_v=tv, layout=lay, row_warps=wr)
                     r.update(B=B, H=H, T=T, tile_v=tv, layout=lay, row_warps=wr)
