@@ -136,6 +136,18 @@ def _dsl():
                             loc=loc, ip=ip)
         _llvm.store(Float32(val).ir_value(loc=loc, ip=ip), remote, loc=loc, ip=ip)
 
+    def position_norms(s_red, base):
+        """One position's l2norm factors from the lower warps' partial sums s_red[base + w * 4 + 0..2]
+        (|q|^2, |k|^2, q.k; see prologue_position): returns (1/|q|, 1/|k|, q.k) with the reference eps."""
+        ssq = Float32(0.0)
+        ssk = Float32(0.0)
+        dot = Float32(0.0)
+        for w in range(4):
+            ssq = ssq + s_red[base + w * 4 + 0]
+            ssk = ssk + s_red[base + w * 4 + 1]
+            dot = dot + s_red[base + w * 4 + 2]
+        return cute.math.rsqrt(ssq + _L2_EPS), cute.math.rsqrt(ssk + _L2_EPS), dot
+
     def warp_sum(x):
         for sh in (16, 8, 4, 2, 1):
             x = x + cute.arch.shuffle_sync_bfly(x, offset=sh)
@@ -184,8 +196,7 @@ def _dsl():
 
     _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
                            sigmoid=sigmoid, vec=vec, st_cluster_f32=st_cluster_f32, warp_sum=warp_sum,
-
-                           prologue_position=prologue_position)
+                           prologue_position=prologue_position, position_norms=position_norms)
     return _DSL
 
 
@@ -197,7 +208,7 @@ def _kernel_class():
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
-    prologue_position = d.prologue_position
+    prologue_position, position_norms = d.prologue_position, d.position_norms
 
     class KDAStepKernel:
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
@@ -376,15 +387,7 @@ def _kernel_class():
                 cute.arch.sync_threads()
 
                 # ---------------- pass 1: k^T diag(d) S and q^T diag(d) S over the old state ----
-                ssq = Float32(0.0)
-                ssk = Float32(0.0)
-                dot = Float32(0.0)
-                for w in cutlass.range_constexpr(4):
-                    ssq = ssq + s_red[buf * 16 + w * 4 + 0]
-                    ssk = ssk + s_red[buf * 16 + w * 4 + 1]
-                    dot = dot + s_red[buf * 16 + w * 4 + 2]
-                rq = cute.math.rsqrt(ssq + _L2_EPS)
-                rk = cute.math.rsqrt(ssk + _L2_EPS)
+                rq, rk, dot = position_norms(s_red, buf * 16)
                 qk = dot * rq * rk
                 beta = sigmoid(b_r[t].to(Float32))
 

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from .kda_decode import (_D, _L2_EPS, _THREADS, _get_compiled, _kernel_args, _params_key, _stream, _validate)
+from .kda_decode import (_D, _THREADS, _get_compiled, _kernel_args, _params_key, _stream, _validate)
 
 __all__ = ["CONFIGS", "STAGES", "kda_decode_persistent"]
 
@@ -66,7 +66,7 @@ def _persistent_class():
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, warp_sum = d.sigmoid, d.vec, d.warp_sum
-    prologue_position = d.prologue_position
+    prologue_position, position_norms = d.prologue_position, d.position_norms
     from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
@@ -263,15 +263,7 @@ def _persistent_class():
                             bulk_load(s_stage.iterator + st * DD, p_state + nf * DD, mbar + st, _STATE_BYTES)
 
                 # ---- pass 1: k^T diag(d) S and q^T diag(d) S over the old state -----------------
-                ssq = Float32(0.0)
-                ssk = Float32(0.0)
-                dot = Float32(0.0)
-                for w in cutlass.range_constexpr(4):
-                    ssq = ssq + s_red[buf * 16 + w * 4 + 0]
-                    ssk = ssk + s_red[buf * 16 + w * 4 + 1]
-                    dot = dot + s_red[buf * 16 + w * 4 + 2]
-                rq = cute.math.rsqrt(ssq + _L2_EPS)
-                rk = cute.math.rsqrt(ssk + _L2_EPS)
+                rq, rk, dot = position_norms(s_red, buf * 16)
                 qk = dot * rq * rk
                 beta = sigmoid(bv)
                 acc_k.fill(0.0)

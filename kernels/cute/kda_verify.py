@@ -65,7 +65,7 @@ import math
 
 import torch
 
-from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
+from .kda_decode import (_BF16, _D, _F32, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
                          _kernel_class, _params_key, _stream, _validate, kda_verify_bytes)
 
 __all__ = ["LAYOUTS", "kda_verify", "kda_verify_bytes"]
@@ -88,7 +88,7 @@ def _columns_class():
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
-    prologue_position = d.prologue_position
+    prologue_position, position_norms = d.prologue_position, d.position_norms
 
     class KDAVerifyColumns:
         """One CTA (or a cluster of NC CTAs) per (b, h); T positions in order; state only read."""
@@ -330,15 +330,7 @@ def _columns_class():
             c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
             r_prev = cute.make_rmem_tensor((4, S) if self.delay else (4, 1), Float32)  # delay: last state
             for t in cutlass.range_constexpr(T):
-                ssq = Float32(0.0)
-                ssk = Float32(0.0)
-                dot = Float32(0.0)
-                for w in cutlass.range_constexpr(4):
-                    ssq = ssq + s_red[t * 16 + w * 4 + 0]
-                    ssk = ssk + s_red[t * 16 + w * 4 + 1]
-                    dot = dot + s_red[t * 16 + w * 4 + 2]
-                rq = cute.math.rsqrt(ssq + _L2_EPS)
-                rk = cute.math.rsqrt(ssk + _L2_EPS)
+                rq, rk, dot = position_norms(s_red, t * 16)
                 beta = sigmoid(b_r[t].to(Float32))
                 c_sc[0, t] = beta * rk
                 c_sc[1, t] = rq * scale
