@@ -27,9 +27,9 @@ added after the GPU session and is checked offline only (compile_offline.py); it
 
 Measured (profiles/h200/kda_cute_exp.json, check_kda.py --exp, 12 heads, DRAM-cold): it does not beat
 the grid kernel. B=64: grid 31.04 us; (CTAs per SM, stages) (2, 1) 31.02, (1, 2) 32.56, (1, 3) 34.65.
-B=256: grid 109.42; (2, 1) 112.09. B=16: grid 10.98, (2, 1) 10.66. ncu (not committed, diagnostic) on
-B=64 with caches flushed gave (2, 1) 27.5 us against the grid's 29.1 at ~2.8 TB/s of DRAM each: with the
-previous call's dirty state in L2, as in a real decode, the gain disappears. Kept as a study switch
+B=256: grid 109.42; (2, 1) 112.09. B=16: grid 10.98, (2, 1) 10.66. With one buffer set
+reused (hot_us, state warm in L2) B=64 is 28.96 us against the grid's 30.58; with the previous call's dirty
+state in L2 to write back, as in a real decode, the gain disappears. Kept as a study switch
 (check_kda.py and tests/test_kda_cute.py cover it); the component does not use it.
 
 Floor (same bytes as the grid kernel, per (b, h) 137,218 B, see kda_decode.py):
