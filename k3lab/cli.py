@@ -349,7 +349,9 @@ def bench(component: str = typer.Argument(..., help="component to sweep: kda"),
           reps: int = typer.Option(50),
           out: Path = typer.Option(Path("profiles/runs/bench"), help="bundle + report land in OUT/<gpu>/"),
           name: str = typer.Option("kda_sweep"),
-          deadline: float = typer.Option(0, help="stop starting new cases after this many seconds (0: none)")) -> None:
+          deadline: float = typer.Option(0, help="stop starting new cases after this many seconds (0: none)"),
+          pdl: bool = typer.Option(True, help="also time CuTe with the kda_pdl switch (row cute_pdl, default tile)"),
+          ) -> None:
     """Sweep a component's kernels against its peers; write a results bundle and an HTML report."""
     import torch
 
@@ -363,8 +365,8 @@ def bench(component: str = typer.Argument(..., help="component to sweep: kda"),
     device = "cuda" if torch.cuda.is_available() else "cpu"
     grid = dict(heads=_ints(heads), batches=_ints(batches), Ts=_ints(T), tiles=_ints(tiles),
                 backends=tuple(b for b in backends.split(",") if b))
-    rows, meta = kb.run(**grid, peers=peers, reps=reps, device=device, deadline_s=deadline or None)
-    bd = kb.to_bundle(rows, meta, name=name, grid={k: list(v) for k, v in grid.items()})
+    rows, meta = kb.run(**grid, peers=peers, reps=reps, device=device, deadline_s=deadline or None, pdl=pdl)
+    bd = kb.to_bundle(rows, meta, name=name, grid={**{k: list(v) for k, v in grid.items()}, "pdl": pdl})
     bd.notes.append("winners: " + json.dumps(kb.winners(rows)))
     path = bd.save(out)
     html = bundle_report(bd, path.with_suffix(".html"))

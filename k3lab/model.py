@@ -298,10 +298,11 @@ class Layer:
             from k3lab.components import kda  # written by another engineer; imported when first run
             if self.T == 1:
                 kda.decode(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"], backend=be,
-                           tile_v=tile_v)
+                           tile_v=tile_v, pdl=self.switches.kda_pdl)
             else:
                 kda.verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"],
-                           state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v)
+                           state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v,
+                           pdl=self.switches.kda_pdl)
             return b["o"]
         se = st.state.element_size()
         state_bytes = self.B * H * Dh * Dh * se * (1 + self.T)  # read once, written once per position

@@ -23,6 +23,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "kda_state_dtype": ("fp32", "bf16"),
     "kda_prefill_inverse": ("fp32", "bf16"),
     "kda_prefill_grouped": (False, True),
+    "kda_pdl": (False, True),
     "mla_partitions": (1, 2, 4, 8, 16, 32, 64),
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
@@ -55,6 +56,7 @@ class Switches:
     kda_state_dtype: str = "fp32"
     kda_prefill_inverse: str = "fp32"
     kda_prefill_grouped: bool = False
+    kda_pdl: bool = False  # programmatic dependent launch of the CuTe KDA kernels (cute backend only)
     mla_partitions: int = 1
     moe_tile_n: int = 64
     prefetch: bool = False

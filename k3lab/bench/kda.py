@@ -108,7 +108,7 @@ STATE_TOL = {"fp32": 1e-4, "bf16": 1e-2}  # fp32 state: fp32 rounding over D-ter
 CUTE_TILES = (16, 32, 64, 128)  # the CuTe kernels split a head over a cluster of 1, 2, 4 or 8 CTAs
 
 
-def check_component(c: KDACase, s: dict, backend: str) -> dict:
+def check_component(c: KDACase, s: dict, backend: str, pdl: bool = False) -> dict:
     """Run k3lab's component once on a copy of `s` with poisoned outputs; errors vs fp64."""
     from k3lab.components import kda as comp
 
@@ -117,11 +117,12 @@ def check_component(c: KDACase, s: dict, backend: str) -> dict:
     t["out"].fill_(float("nan"))
     args = [t["inp"][k] for k in ("qkv", "f", "b", "gate")]
     if c.T == 1:
-        comp.decode(*args, t["p"], t["state"], t["conv_state"], t["out"], backend=backend, tile_v=c.tile_v)
+        comp.decode(*args, t["p"], t["state"], t["conv_state"], t["out"], backend=backend, tile_v=c.tile_v,
+                    pdl=pdl)
         return _errs(c, t["out"], truth[0], t["state"], truth[1], torch.equal(t["conv_state"], truth[2]))
     t["state_hist"].fill_(float("nan"))
     comp.verify(*args, t["p"], t["state"], t["conv_state"], t["out"], state_hist=t["state_hist"],
-                conv_hist=t["conv_hist"], backend=backend, tile_v=c.tile_v)
+                conv_hist=t["conv_hist"], backend=backend, tile_v=c.tile_v, pdl=pdl)
     return _errs(c, t["out"], truth[0], t["state_hist"], truth[1], torch.equal(t["conv_hist"], truth[2]))
 
 
@@ -131,20 +132,38 @@ def _errs(c: KDACase, out, out_ref, st, st_ref, conv_exact) -> dict:
     return dict(out_err=o, state_err=e, conv_exact=bool(conv_exact), ok=ok)
 
 
-def component_impl(c: KDACase, backend: str) -> Impl:
+def component_impl(c: KDACase, backend: str, pdl: bool = False) -> Impl:
+    """The component on `backend`. pdl=True (cute): the kda_pdl switch, row name "cute_pdl". The timed
+    graph replays calls back to back on rotated sets (never one set twice in a row), so each launch
+    overlaps the previous call's tail as it would overlap the layer's input projection in a model."""
     from k3lab.components import kda as comp
 
     def make(s):
         args = [s["inp"][k] for k in ("qkv", "f", "b", "gate")]
         if c.T == 1:
             return lambda: comp.decode(*args, s["p"], s["state"], s["conv_state"], s["out"], backend=backend,
-                                       tile_v=c.tile_v)
+                                       tile_v=c.tile_v, pdl=pdl)
         return lambda: comp.verify(*args, s["p"], s["state"], s["conv_state"], s["out"],
                                    state_hist=s["state_hist"], conv_hist=s["conv_hist"], backend=backend,
-                                   tile_v=c.tile_v)
+                                   tile_v=c.tile_v, pdl=pdl)
 
-    return Impl(name=backend, backend=backend, launches_hint=None, make=make,
-                check=lambda s: check_component(c, s, backend))
+    name = f"{backend}_pdl" if pdl else backend
+    note = ("programmatic dependent launch (kda_pdl): overlaps the previous call in the graph" if pdl else "")
+    return Impl(name=name, backend=backend, launches_hint=None, make=make,
+                check=lambda s: check_component(c, s, backend, pdl=pdl), note=note)
+
+
+def cute_default_tile(op: str, B: int) -> int | None:
+    """The CuTe tile data/kda_defaults.json gives `op` at batch B (None when no CuTe rule matches)."""
+    import json
+
+    from k3lab.components import kda as comp
+
+    d = json.loads(comp._DEFAULTS_PATH.read_text()) if comp._DEFAULTS_PATH.exists() else {}
+    for rule in d.get(op, []):
+        if rule.get("max_batch") is None or B <= rule["max_batch"]:
+            return rule.get("tile_v") if rule.get("backend") == "cute" else None
+    return None
 
 
 def fla_impls(c: KDACase) -> list[Impl]:
@@ -189,9 +208,10 @@ def torch_impls(c: KDACase) -> list[Impl]:
 
 def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=(4, 8, 16, 32, 64, 128), D=128,
         backends=("triton", "cute"), peers=True, reps: int = 50, device: str = "cuda", with_kernels=True,
-        deadline_s: float | None = None, log: Callable[[str], None] = print) -> list[dict]:
+        deadline_s: float | None = None, log: Callable[[str], None] = print, pdl: bool = True) -> list[dict]:
     """The KDA sweep. Returns (rows, meta): one row per implementation per case. On a CPU
-    (Triton under TRITON_INTERPRET=1) the timings are cpu-smoke: logic only."""
+    (Triton under TRITON_INTERPRET=1) the timings are cpu-smoke: logic only. pdl: also time the CuTe
+    kernel with the kda_pdl switch on ("cute_pdl"), at the default tile of data/kda_defaults.json."""
     from k3lab.harness import timing
     from k3lab.switches import backend_status
 
@@ -214,6 +234,9 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
                     for b in backends:
                         if avail[b][0] and not (b == "cute" and tv not in CUTE_TILES):
                             impls.append(component_impl(c, b))
+                            if (b == "cute" and pdl and gpu
+                                    and tv == cute_default_tile("decode" if T == 1 else "verify", B)):
+                                impls.append(component_impl(c, b, pdl=True))
                     if peers:
                         impls += torch_impls(c) + fla_impls(c)
                     if not impls:

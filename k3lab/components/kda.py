@@ -221,17 +221,29 @@ def _ref_decode_fp32(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, state, c
                           state.float(), conv_state, dtype=torch.float32, out_dtype=torch.bfloat16)
 
 
+def _check_pdl(pdl, be):
+    """pdl (the kda_pdl switch): programmatic dependent launch, implemented by the CuTe kernels only."""
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be a bool, got {pdl!r}")
+    if pdl and be != "cute":
+        _fail("pdl", f"pdl=True (programmatic dependent launch) is implemented by the cute backend only; "
+                     f"the backend here is {be!r}")
+
+
 def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="reference", tile_v=None,
-           num_warps=None):
+           num_warps=None, pdl=False):
     """One position: updates `state` (fp32/bf16) and `conv_state` (bf16) in place, writes out [B,H*D]
     bf16 and returns it. tile_v: value columns per program (triton/cute only; validated always);
-    None = the whole head (D, i.e. 128 for K3)."""
+    None = the whole head (D, i.e. 128 for K3). pdl (cute only): launch with programmatic dependent
+    launch; the kernel directly before on the stream must not write `state` / `conv_state` (see
+    k3lab_kernels.cute.kda_decode)."""
     B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
     if backend == "auto":
         be, auto_tile = auto_choice("decode", B)
         tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
     else:
         be = resolve_backend(backend)
+    _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128)
     out = _out(out, (B, H * D), qkv.device)
     shape = dict(B=B, H=H, D=D)
@@ -245,9 +257,12 @@ def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="ref
         return out
     if be == "cute":
         mod = _cute_module("kda_decode")
-        mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v)
+        if pdl:
+            mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=True)
+        else:
+            mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v)
         _record(op="decode", backend_requested=backend, backend=be, kernel="cute:kda_decode", tile_v=tile_v,
-                state_dtype=sd, shape=shape)
+                state_dtype=sd, shape=shape, notes="pdl" if pdl else "")
         return out
     args = (qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w, state, conv_state,
             float(params.eps), float(params.lower_bound))
@@ -283,12 +298,13 @@ def _check_lengths(lengths, B, T, dev, check_values):
 
 
 def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, conv_hist, lengths=None,
-           backend="reference", tile_v=None, num_warps=None, check_values=True):
+           backend="reference", tile_v=None, num_warps=None, check_values=True, pdl=False):
     """T positions from the start state (state/conv_state only read). Writes out [B,T,HD] bf16,
     state_hist [B,T,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16. lengths [B] int32 in 1..T:
     positions >= lengths[b] are not computed and their out/hist entries are left untouched.
     tile_v None = 8 for triton (its measured best at B=1, T=4 on the H200), 128 for cute; with
-    backend="auto" the tile comes from data/kda_defaults.json."""
+    backend="auto" the tile comes from data/kda_defaults.json. pdl: as in `decode` (cute only; the kernel
+    directly before must not write `state` / `conv_state`, e.g. a commit of the same sequences)."""
     B, T, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
     if not 1 <= T <= 8:
         _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
@@ -297,6 +313,7 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
         tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
     else:
         be = resolve_backend(backend)
+    _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128 if be == "cute" else 8)
     dev = qkv.device
     out = _out(out, (B, T, H * D), dev)
@@ -318,11 +335,13 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     if be == "cute":
         mod = _cute_module("kda_verify")
         row_warps = mod.ROW_WARPS[tile_v]
+        kw = {"pdl": True} if pdl else {}
         mod.kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
-                       tile_v=tile_v, row_warps=row_warps)
+                       tile_v=tile_v, row_warps=row_warps, **kw)
         _record(op="verify", backend_requested=backend, backend=be, kernel="cute:kda_verify", tile_v=tile_v,
                 state_dtype=sd, shape=shape,
-                notes=f"layout=columns row_warps={row_warps}" + (" ragged" if lengths is not None else ""))
+                notes=f"layout=columns row_warps={row_warps}" + (" ragged" if lengths is not None else "")
+                + (" pdl" if pdl else ""))
         return out
     o, S, cs = ref.kda_verify(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(), conv_state,
                               dtype=torch.float32, out_dtype=torch.bfloat16)

@@ -113,6 +113,10 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
             if on_gpu:
                 layer_bytes = sum(v[1] for v in comps.values())
                 n = timing.rotation_count(layer_bytes, timing.l2_bytes(), max_sets=8)
+                if switches is not None and getattr(switches, "kda_pdl", False):
+                    # a PDL launch may read its state while the previous call still writes it: never
+                    # replay one layer copy back to back (k3lab_kernels.cute.kda_decode, pdl)
+                    n = max(n, 2)
                 sets += [build_layer(view, kind, seed + 1000 * i, backend=be, device=device,
                                 switches=switches) for i in range(1, n)]
             set_comps = [s.components() if s is not test_layer else comps for s in sets]

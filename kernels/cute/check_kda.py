@@ -79,14 +79,18 @@ def _ref64(fn, inp, p, st, cs):
               st.to(d), cs.to(d), dtype=d, out_dtype=d)
 
 
-def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None):
-    """The grid decode (stages None) or the persistent one (stages = (CTAs per SM, stages); tile 128)."""
+def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False):
+    """The grid decode (stages None; pdl: programmatic dependent launch) or the persistent one (stages =
+    (CTAs per SM, stages); tile 128)."""
     if stages is None:
+        if pdl:
+            return kda_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=True)
         return kda_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v)
     return kda_decode_persistent(qkv, f, b, gate, p, st, cs, out, ctas=stages[0], stages=stages[1])
 
 
-def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128, stages=None) -> dict:
+def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128, stages=None,
+                 pdl: bool = False) -> dict:
     """Run `steps` decode steps with fresh inputs each step; compare each step with the fp64 oracle
     carried from the same start. Returns the worst errors. stages=(ctas, stages): the persistent kernel."""
     _, p, st, cs = _inputs(B, H, seed=seed)
@@ -96,7 +100,8 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
     for s in range(steps):
         inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
         out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v, stages=stages)
+        _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v, stages=stages,
+                pdl=pdl)
         _sync()
         o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
         worst["out_finite"] &= bool(torch.isfinite(out).all())
@@ -221,7 +226,7 @@ def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
                      for _ in range(n - 1)]
 
 
-def time_decode(B, H, n_calls=None, tile_v=128, stages=None):
+def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False):
     inp, p, st, cs = _inputs(B, H, seed=1)
 
     def make():
@@ -234,10 +239,12 @@ def time_decode(B, H, n_calls=None, tile_v=128, stages=None):
 
     def call(d):
         return lambda: _decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
-                               tile_v=tile_v, stages=stages)
+                               tile_v=tile_v, stages=stages, pdl=pdl)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
-    hot = _graph_us([call(sets[0])] * n_calls)
+    # pdl: back-to-back calls on one set would break its precondition (read the state the previous call
+    # is writing); the hot figure then alternates two sets
+    hot = _graph_us([call(sets[i % 2 if pdl and len(sets) > 1 else 0]) for i in range(n_calls)])
     del sets
     return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
                 "floor_us": nbytes / COPY_BW * 1e6}
@@ -319,6 +326,14 @@ def experiment(report: dict) -> None:
         print(f"{B:>4} {H:>3} pers={stg!s:>6} out {r.get('out_err', float('nan')):.2e} "
               f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
               f"{r.get('error', '')}")
+    print("\n== exp: decode correctness, programmatic dependent launch (pdl) ==")
+    for B, H, tv in [(1, 12, 16), (2, 12, 32), (4, 6, 64), (64, 12, 128), (3, 96, 128), (256, 12, 128)]:
+        r = _safe(check_decode, B, H, seed=B * 5 + H + tv, steps=2 if B <= 8 else 1, tile_v=tv, pdl=True)
+        r.update(B=B, H=H, tile_v=tv, pdl=True)
+        ex["decode"].append(r)
+        print(f"{B:>4} {H:>3} tile {tv:>3} pdl out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
+              f"{r.get('error', '')}")
     print("\n== exp: verify correctness (knobs {} = the defaults) ==")
     vcases = [((1, 12, 4, False), 16, 4, {"delay": True}), ((5, 6, 8, True), 16, 4, {"delay": True}),
               ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
@@ -326,7 +341,9 @@ def experiment(report: dict) -> None:
               ((3, 6, 5, True), 64, 2, {"delay": True}), ((1, 12, 4, False), 16, 4, {"late_conv": True}),
               ((5, 6, 8, True), 16, 4, {"late_conv": True}), ((3, 6, 5, True), 128, 2, {"late_conv": True}),
               ((1, 12, 4, False), 16, 4, {"group_bar": True}), ((5, 6, 8, True), 32, 2, {"group_bar": True}),
-              ((64, 12, 4, False), 128, 4, {"group_bar": True})]
+              ((64, 12, 4, False), 128, 4, {"group_bar": True}),
+              ((1, 12, 4, False), 16, 4, {"pdl": True}), ((5, 6, 8, True), 16, 4, {"pdl": True}),
+              ((64, 12, 4, False), 128, 4, {"pdl": True}), ((3, 6, 5, True), 32, 2, {"pdl": True, "late_conv": True})]
     for (B, H, T, rg), tv, wr, kn in vcases:
         r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv, tile_v=tv, row_warps=wr, knobs=kn)
         r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
@@ -346,7 +363,10 @@ def experiment(report: dict) -> None:
           (1, 12, 8, 16, 4, {"late_conv": True}), (1, 12, 4, 16, 4, {"group_bar": True}),
           (1, 12, 4, 16, 4, {"group_bar": True, "late_conv": True}), (1, 12, 8, 16, 4, {"group_bar": True}),
           (64, 12, 4, 128, 4, {"group_bar": True}),
-          (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"delay": True}), (64, 12, 4, 128, 4, {"scatter": False})]
+          (64, 12, 4, 128, 4, {}), (64, 12, 4, 128, 4, {"delay": True}), (64, 12, 4, 128, 4, {"scatter": False}),
+          (1, 12, 4, 16, 4, {"pdl": True}), (1, 12, 8, 16, 4, {"pdl": True}), (1, 12, 2, 16, 4, {"pdl": True}),
+          (1, 12, 4, 16, 4, {"pdl": True, "late_conv": True}), (1, 12, 4, 16, 4, {"pdl": True, "group_bar": True}),
+          (64, 12, 4, 128, 4, {"pdl": True})]
     for B, H, T, tv, wr, kn in vt:
         if kn.get("hist") is False:
             r = _safe(time_verify, B, H, T, tile_v=tv, layout="columns-nohist", row_warps=wr)
@@ -364,12 +384,17 @@ def experiment(report: dict) -> None:
         tcases += [(B, 12, 128, stg) for stg in (None, (2, 1), (1, 2), (1, 3), (3, 1))]
     tcases += [(64, 96, 128, None), (64, 96, 128, (2, 1)), (64, 96, 128, (3, 1)), (32, 12, 128, None),
                (32, 12, 128, (3, 1))]
-    for B, H, tv, stg in tcases:
-        r = _safe(time_decode, B, H, tile_v=tv, stages=stg)
-        r.update(B=B, H=H, tile_v=tv, stages=stg)
+    tcases = [(B, H, tv, stg, False) for B, H, tv, stg in tcases]
+    tcases += [(1, 12, 16, None, True), (2, 12, 32, None, True), (4, 12, 64, None, True), (8, 12, 128, None, True),
+               (16, 12, 128, None, True), (32, 12, 128, None, True), (64, 12, 128, None, True),
+               (256, 12, 128, None, True), (64, 96, 128, None, True), (1, 6, 16, None, True), (64, 6, 128, None, True),
+               (1, 6, 16, None, False), (64, 6, 128, None, False)]
+    for B, H, tv, stg, pdl in tcases:
+        r = _safe(time_decode, B, H, tile_v=tv, stages=stg, pdl=pdl)
+        r.update(B=B, H=H, tile_v=tv, stages=stg, pdl=pdl)
         ex["timing_decode"].append(r)
         if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {tv:>4} pers={stg!s:>6} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
+            print(f"{B:>4} {H:>3} {tv:>4} pers={stg!s:>6} pdl={pdl!s:>5} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
                   f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
     print(f"  [{time.time() - t0:.0f}s]")
     N_CALLS = 20

@@ -113,6 +113,10 @@ def _cases(only: str | None, quick: bool):
         for tv in kd.TILES:
             cases.append((f"decode tile{tv}", lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv),
                           step_args))
+        for tv in (128, 16):  # programmatic dependent launch
+            cases.append((f"decode tile{tv} pdl",
+                          lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, pdl=True),
+                          step_args))
         from kernels.cute import kda_decode_persistent as kpd
         for ctas, stages in kpd.CONFIGS:
             cases.append((f"decode persistent ctas{ctas} stages{stages} B64",
@@ -130,7 +134,8 @@ def _cases(only: str | None, quick: bool):
         # the measurement knobs forced (check_kda.py --exp): ragged T = 8 at tile 16, B = 1 and 5
         for B, knobs in [(1, {"preload": True, "delay": True}), (1, {"late_conv": True}),
                          (5, {"late_conv": True}), (1, {"scatter": False, "preload": False}),
-                         (1, {"group_bar": True}), (5, {"group_bar": True, "late_conv": True})]:
+                         (1, {"group_bar": True}), (5, {"group_bar": True, "late_conv": True}),
+                         (1, {"pdl": True}), (5, {"pdl": True, "delay": True})]:
             name = " ".join(f"{k}={v}" for k, v in knobs.items())
             cases.append((f"verify B{B} T8 tile16 ragged {name}",
                           lambda B=B, kn=knobs: kv._columns_class()(B, H, 8, True, True, 1e-6, -5.0, 16, row_warps=4,

@@ -264,6 +264,9 @@ class _Buf:
     def read(self, o):
         if o < 0 or o >= self.n:
             raise EmulationError(f"out-of-bounds read of {self.name}: element {o} of {self.n}")
+        if _PDL["on"] and self.space == "g" and self.base not in _PDL["early"] and not _cur().waited:
+            raise EmulationError(f"read of {self.name} before griddepcontrol.wait in a PDL launch (only "
+                                 f"{len(_PDL['early'])} declared inputs may be read before the wait)")
         w = self.written
         if w is not None and not w[o] and STRICT_SMEM:
             raise EmulationError(f"read of never-written shared memory {self.name}[{o}]")
@@ -274,6 +277,8 @@ class _Buf:
             raise EmulationError(f"out-of-bounds write of {self.name}: element {o} of {self.n}")
         if not isinstance(v, (float, int)):
             raise EmulationError(f"store of a non-scalar {type(v).__name__} into {self.name}")
+        if _PDL["on"] and self.space == "g" and not _cur().waited:
+            raise EmulationError(f"store into {self.name} before griddepcontrol.wait in a PDL launch")
         if self.cta is not None and self.cta.exited:
             raise EmulationError(f"store into the shared memory of CTA {self.cta.bidx}, which has exited")
         self.arr[o] = self.store(v)
@@ -284,6 +289,21 @@ class _Buf:
 
 def _ident(v):
     return v
+
+
+# programmatic dependent launch: "on" while a use_pdl launch runs; "early": base addresses of the global
+# tensors the caller declared safe to read before griddepcontrol.wait (not written by the previous kernel)
+_PDL = {"on": False, "early": frozenset()}
+
+
+def griddepcontrol_wait():
+    _cur().waited = True
+
+
+def griddepcontrol_launch_dependents():
+    if _PDL["on"] and not _cur().waited:
+        raise EmulationError("griddepcontrol.launch_dependents before griddepcontrol.wait: the next kernel "
+                             "could then overlap more than one predecessor")
 
 
 class _RBuf:
@@ -584,13 +604,14 @@ def assume(x, divby=1):
 
 class _Thread:
     __slots__ = ("tid", "lane", "warp", "cta", "why", "done", "value", "carrived", "cwaits", "task", "abort",
-                 "exc")
+                 "exc", "waited")
 
     def __init__(self, tid, cta):
         self.tid, self.lane, self.cta = tid, tid % 32, cta
         self.warp = cta.warps[tid // 32]
         self.why, self.done, self.value, self.carrived, self.cwaits = None, False, None, None, 0
         self.task, self.abort, self.exc = None, False, None
+        self.waited = False  # griddepcontrol.wait done (programmatic dependent launch)
 
 
 class _Warp:
@@ -1092,17 +1113,24 @@ class _Launch:
         if any(a % c for a, c in zip(g, cl)):
             raise EmulationError(f"grid {g} is not a multiple of the cluster {cl}")
         name = getattr(self.fn, "__qualname__", "kernel")
-        rec = {"kernel": name, "grid": tuple(g), "block": nt, "cluster": tuple(cl)}
+        pdl = bool(kw.pop("use_pdl", False))
+        if kw:
+            raise EmulationError(f"launch options the emulator does not know: {sorted(kw)}")
+        rec = {"kernel": name, "grid": tuple(g), "block": nt, "cluster": tuple(cl), "use_pdl": pdl}
         LAST.setdefault("launches", []).append(rec)
         t0 = time.perf_counter()
         origins = [(x, y, z) for z in range(0, g[2], cl[2]) for y in range(0, g[1], cl[1])
                    for x in range(0, g[0], cl[0])]
         _S.rng.shuffle(origins)
-        for o in origins:
-            self._cluster(o, cl, nt, name)
+        _PDL["on"] = pdl
+        try:
+            for o in origins:
+                self._cluster(o, cl, nt, name, pdl)
+        finally:
+            _PDL["on"] = False
         rec["seconds"] = round(time.perf_counter() - t0, 3)
 
-    def _cluster(self, origin, cl, nt, name):
+    def _cluster(self, origin, cl, nt, name, pdl=False):
         clus = _Cluster()
         threads = []
         for dz in range(cl[2]):
@@ -1114,6 +1142,8 @@ class _Launch:
                     threads += [_Thread(i, cta) for i in range(nt)]
         clus.total = len(threads)
         _S.run(threads, self.fn, self.args, name)
+        if pdl and not all(t.waited for t in threads):
+            raise EmulationError(f"{name}: a PDL launch whose threads exit without griddepcontrol.wait")
         LAST["max_smem"] = max(LAST.get("max_smem", 0), max(c.smem_top for c in clus.ctas))
 
 
@@ -1319,6 +1349,7 @@ def _fake_modules(emu: _Emu) -> dict:
         make_warp_uniform=lambda x: x, sync_threads=sync_threads, barrier=barrier,
         shuffle_sync_bfly=shuffle_sync_bfly, fmin=fmin, cluster_arrive=cluster_arrive,
         cluster_arrive_relaxed=cluster_arrive, cluster_wait=cluster_wait, mbarrier_init=mbarrier_init,
+        griddepcontrol_wait=griddepcontrol_wait, griddepcontrol_launch_dependents=griddepcontrol_launch_dependents,
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
         mbarrier_wait=mbarrier_wait)
@@ -1408,9 +1439,20 @@ def _run(call, tensors, seed, sms=2):
             LAST["switches"] = _S.switches
 
 
-def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, seed: int = 0):
-    """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`."""
-    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v),
+def _early(params, state, conv_state):
+    """The tensors a PDL launch may read before griddepcontrol.wait: the recurrent and conv state (not
+    written by the previous kernel, the wrappers' precondition) and the layer's parameters."""
+    ts = [state, conv_state] + [getattr(params, f.name) for f in dataclasses.fields(params)
+                                if isinstance(getattr(params, f.name), torch.Tensor)]
+    return frozenset(t.data_ptr() for t in ts)
+
+
+def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, seed: int = 0,
+               pdl: bool = False):
+    """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
+    launch's order: nothing but state, conv_state and params read, nothing written, before the wait."""
+    _PDL["early"] = _early(params, state, conv_state)
+    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, **({"pdl": True} if pdl else {})),
          dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out), seed)
     return out
 
@@ -1419,6 +1461,8 @@ def run_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
                tile_v: int = 128, layout: str = "columns", row_warps=None, seed: int = 0, **knobs):
     """kda_verify on the emulator. knobs (preload, scatter, delay, late_conv, group_bar, hist) go through
     kda_verify's _launch as check_kda.py does (unvalidated); without knobs the public wrapper runs."""
+    _PDL["early"] = _early(params, state, conv_state)
+
     def call(m, **a):
         if knobs:
             m.kv._launch(*a.values(), tile_v, layout, row_warps or m.kv.ROW_WARPS[tile_v], **knobs)

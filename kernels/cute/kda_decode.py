@@ -58,6 +58,7 @@ Supported: D = 128, conv kernel 4, tile_v in TILES (128, 64, 32, 16), qkv/f/b/ga
 state fp32, contiguous tensors (state 16-byte, gate/out/conv_w/o_norm_w 8-byte aligned bases);
 params any of fp32/bf16/fp16.
 """
+import functools
 import math
 from typing import Any
 
@@ -214,8 +215,11 @@ def _kernel_class():
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float, tile_v: int = 128):
+                     lower_bound: float, tile_v: int = 128, pdl: bool = False):
             self.B, self.H, self.T = B, H, T
+            # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and
+            # parameter loads are issued before griddepcontrol.wait, the activations after it
+            self.pdl = bool(pdl)
             self.verify, self.ragged = verify, ragged
             self.eps, self.lb = float(eps), float(lower_bound)
             self.nbuf = 1 if T == 1 else 2
@@ -240,12 +244,12 @@ def _kernel_class():
             if cutlass.const_expr(self.NC == 1):
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
-                    grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream)
+                    grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
             else:
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
-                    cluster=[self.NC, 1, 1], stream=stream)
+                    cluster=[self.NC, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -291,7 +295,7 @@ def _kernel_class():
 
             # sequence length (ragged verify): positions >= L write nothing
             L = Int32(T)
-            if cutlass.const_expr(self.ragged):
+            if cutlass.const_expr(self.ragged and not self.pdl):
                 L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
 
             # ---- issue the state loads first: 16 x 16 B per thread ---------------------------
@@ -329,6 +333,15 @@ def _kernel_class():
             # output-norm weights for warp 0's 4 value columns
             r_onw_raw = cute.make_rmem_tensor((4,), p_onw.dtype)
             cute.autovec_copy(vec(p_onw, cute.assume(col0, divby=4), 4), r_onw_raw)
+
+            if cutlass.const_expr(self.pdl):
+                # the previous kernel on the stream produced the activations (and may read `out`): wait
+                # for it here, then let the next kernel launch (it overlaps only this one: it waits for
+                # us before its own activations, and we waited for our predecessor)
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+                if cutlass.const_expr(self.ragged):
+                    L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
 
             # prefetch every position's activations now (no global load waits behind a barrier)
             qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
@@ -625,16 +638,30 @@ def _params_key(params) -> tuple:
             params.dt_bias.dtype, params.o_norm_w.dtype)
 
 
-def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128):
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
-    place and writes `out` [B,H*128] bf16. Returns `out`."""
+    place and writes `out` [B,H*128] bf16. Returns `out`.
+
+    pdl=True launches with programmatic dependent launch: the kernel may start while the previous
+    kernel on the stream is still running, issues its state, conv-window and parameter loads, and only
+    then waits (griddepcontrol.wait) for that kernel before reading the activations or writing anything;
+    right after the wait it lets the next kernel start the same way. Precondition (the caller's): the
+    kernel directly before this one on the stream does not write this call's `state` or `conv_state`
+    (true in a model, where the layer's input projection precedes it; false for two decode steps of
+    the same state back to back with nothing between)."""
+    if not isinstance(pdl, bool):
+        raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
     B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    key = ("decode", B, H, 1, tile_v, dev.index) + _params_key(params)
+    key = ("decode", B, H, 1, tile_v, pdl, dev.index) + _params_key(params)
+    cls = None
+    if pdl:
+        def cls():
+            return functools.partial(_kernel_class(), pdl=True)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v)
+        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v, cls)
         fn(*args, stream)
     return out

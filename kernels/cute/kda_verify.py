@@ -95,7 +95,7 @@ def _columns_class():
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
-                     preload=None, scatter=None, delay=None, late_conv=None, group_bar=None):
+                     preload=None, scatter=None, delay=None, late_conv=None, group_bar=None, pdl=False):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -150,6 +150,9 @@ def _columns_class():
             # named barrier of the row_warps warps that share the same columns (id 1 + column block)
             # instead of all 8 warps. Not measured yet: off unless forced.
             self.group_bar = bool(group_bar) and 1 < row_warps < 8
+            # pdl: programmatic dependent launch (kda_verify's docstring): state, conv window and parameter
+            # loads before griddepcontrol.wait, lengths and activations after it
+            self.pdl = bool(pdl)
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -161,13 +164,13 @@ def _columns_class():
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream,
-                    max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=self.min_ctas)
+                    max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=self.min_ctas, use_pdl=self.pdl)
             else:
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
                     cluster=[self.NC, 1, 1], stream=stream,
-                    max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=self.min_ctas)
+                    max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=self.min_ctas, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -218,7 +221,7 @@ def _columns_class():
 
             # sequence length (ragged verify): positions >= L write nothing
             L = Int32(T)
-            if cutlass.const_expr(self.ragged):
+            if cutlass.const_expr(self.ragged and not self.pdl):
                 L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
 
             # ---- issue the state loads first: S x 16 B per thread ----------------------------------
@@ -258,6 +261,14 @@ def _columns_class():
                 for i in cutlass.range_constexpr(3):
                     win0[0, i] = win1[i]
                     win0[1, i] = win2[i]  # (upper threads: unused)
+
+            if cutlass.const_expr(self.pdl):
+                # the previous kernel produced the activations and lengths: wait for it, then let the next
+                # kernel launch (it waits for this one before its own activations)
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+                if cutlass.const_expr(self.ragged):
+                    L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
 
             # every position's activations now (no global load waits behind a barrier)
             qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
@@ -542,7 +553,8 @@ def _columns_class():
 
 
 def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v: int = 128, layout: str = "columns", row_warps: int | None = None):
+               lengths=None, tile_v: int = 128, layout: str = "columns", row_warps: int | None = None,
+               pdl: bool = False):
     """T positions per sequence (speculative verification), state kept on chip across positions.
     qkv [B,T,3HD], f [B,T,HD], b [B,T,H], gate [B,T,HD] bf16; writes out [B,T,HD] bf16,
     state_hist [B,T,H,128,128] fp32 (state after each position), conv_hist [B,T,3HD,3] bf16.
@@ -550,7 +562,11 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     not computed and their out/hist entries are left untouched. layout: "columns" (this file's
     generator, the default) or "rows" (kda_decode.py's generator, the baseline). row_warps (columns
     layout only): how many of the 8 warps split the key rows, 1, 2, 4 or 8; None takes ROW_WARPS[tile_v].
-    Returns `out`."""
+    pdl=True: programmatic dependent launch, as in kda_decode (state and conv window loaded before the
+    wait for the previous kernel; that kernel must not write this call's `state` or `conv_state`, e.g. a
+    commit of the same sequences directly before). Returns `out`."""
+    if not isinstance(pdl, bool):
+        raise TypeError(f"kda cute verify: pdl must be a bool (got {pdl!r})")
     if layout not in LAYOUTS:
         raise ValueError(f"kda cute verify: layout must be one of {LAYOUTS} (got {layout!r})")
     if layout == "rows" and row_warps is not None:
@@ -576,8 +592,9 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
         _check("lengths", lengths, (B,), (torch.int32,), dev)
     if layout == "columns" and row_warps is None:
         row_warps = ROW_WARPS[tile_v]
+    knobs = {"pdl": True} if pdl else {}
     _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths, tile_v, layout,
-            row_warps)
+            row_warps, **knobs)
     return out
 
 
@@ -586,7 +603,8 @@ def _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hi
     """Compile (once per shape) and launch on the current stream; arguments already validated.
     hist=False (column layout only) skips the state_hist stores: kernels/cute/check_kda.py uses it to
     measure what the stores cost, nothing else should. knobs (column layout; measurement only): preload,
-    scatter = True/False force the generator's choices (see KDAVerifyColumns)."""
+    scatter, delay, late_conv, group_bar = True/False force the generator's choices (see
+    KDAVerifyColumns); pdl (both layouts) is kda_verify's switch."""
     B, T = qkv.shape[:2]
     H = params.heads
     dev = qkv.device
@@ -598,7 +616,11 @@ def _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hi
         def cls():
             return functools.partial(_columns_class(), row_warps=row_warps, hist=hist, **knobs)
     else:
-        cls = _kernel_class
+        if set(knobs) - {"pdl"}:
+            raise ValueError(f"kda cute verify: layout='rows' takes only the pdl knob (got {sorted(knobs)})")
+
+        def cls():
+            return functools.partial(_kernel_class(), **knobs)
     with torch.cuda.device(dev):
         stream = _stream(dev)
         fn = _get_compiled(key, B, H, T, True, ragged, params, args + [stream], tile_v, cls)
