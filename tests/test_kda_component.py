@@ -69,6 +69,22 @@ def test_decode_rejects_bad_state_and_tiles():
         call_decode(inp, p, st.to("meta"), cs)
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch_compile"])
+def test_pdl_is_refused_off_the_cute_backend(backend):
+    """The kda_pdl switch (programmatic dependent launch) exists in the CuTe kernels only: any other backend
+    refuses it by name instead of silently launching without it."""
+    inp, p, st, cs = dec_inputs()
+    with pytest.raises(kda.KDAArgumentError, match="'pdl'.*cute"):
+        call_decode(inp, p, st, cs, backend=backend, pdl=True)
+    inp, p, st, cs, sh, chh = ver_inputs()
+    with pytest.raises(kda.KDAArgumentError, match="'pdl'.*cute"):
+        kda.verify(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, state_hist=sh, conv_hist=chh,
+                   backend=backend, pdl=True)
+    inp, p, st, cs = dec_inputs()
+    with pytest.raises(kda.KDAArgumentError, match="'pdl'.*bool"):
+        call_decode(inp, p, st, cs, backend=backend, pdl="on")
+
+
 def test_backend_refusals():
     inp, p, st, cs = dec_inputs()
     with pytest.raises(SwitchError, match="not allowed"):

@@ -90,12 +90,22 @@ def test_kda_verify_rows_baseline(tile_v):
 
 
 @pytest.mark.parametrize("knobs", [{"preload": False}, {"scatter": False}, {"delay": True},
-                                   {"preload": True, "delay": True}, {"late_conv": True}, {"group_bar": True}])
+                                   {"preload": True, "delay": True}, {"late_conv": True}, {"group_bar": False},
+                                   {"pdl": True}])
 @pytest.mark.parametrize("B,H,T,ragged,tile_v", [(1, 12, 4, False, 16), (5, 6, 8, True, 32), (64, 12, 4, False, 128)])
 def test_kda_verify_knobs(B, H, T, ragged, tile_v, knobs):
     """The column kernel's measurement knobs (register preload, reduce-scatter, delayed stores, late
     conv_hist stores, column-group named barriers) forced both ways give the same answer."""
     r = check_verify(B, H, T, ragged=ragged, seed=B + T + tile_v, tile_v=tile_v, row_warps=4, knobs=knobs)
+    assert r["ok"], r
+
+
+@pytest.mark.parametrize("tile_v", [128, 64, 32, 16])
+@pytest.mark.parametrize("B,H", [(1, 12), (64, 12), (3, 96)])
+def test_kda_decode_pdl(B, H, tile_v):
+    """Programmatic dependent launch (kda_pdl): two steps, each launched while the previous kernel on the
+    stream may still run; same contract as the plain launch."""
+    r = check_decode(B, H, seed=B * 11 + H + tile_v, steps=2, tile_v=tile_v, pdl=True)
     assert r["ok"], r
 
 

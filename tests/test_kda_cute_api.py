@@ -45,3 +45,13 @@ def test_defaults_cover_every_tile():
 def test_tile16_refuses_one_row_warp():
     with pytest.raises(ValueError, match="row_warps"):
         kv.kda_verify(*_args(), tile_v=16, row_warps=1)
+
+
+def test_pdl_must_be_a_bool():
+    with pytest.raises(TypeError, match="pdl"):
+        kv.kda_verify(*_args(), pdl="yes")
+    from k3lab_kernels.cute import kda_decode as kd
+    inp, p, st, cs = ref.make_kda_inputs(1, 2, 16, seed=0)
+    out = torch.empty(1, 32, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="pdl"):
+        kd.kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, pdl=1)

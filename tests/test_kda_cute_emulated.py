@@ -85,7 +85,8 @@ KNOBS = [
     (32, 4, 2, 1, 2, True, {"scatter": False}),
     (32, 2, 2, 1, 3, True, {"delay": True}),
     (32, 4, 2, 1, 3, True, {"late_conv": True}),
-    (32, 2, 1, 1, 2, False, {"group_bar": True}),
+    (32, 2, 1, 1, 2, False, {"group_bar": False}),
+    (16, 4, 2, 1, 3, True, {"pdl": True}),
 ]
 
 
@@ -97,6 +98,39 @@ def test_verify_knobs(tile_v, row_warps, B, H, T, ragged, knobs):
 
 def test_verify_rows_layout():
     _assert_ok(ck.check_verify(2, 1, 2, ragged=True, seed=5, tile_v=64, layout="rows"))
+
+
+# ---- programmatic dependent launch: results unchanged, and the order the emulator enforces for a use_pdl
+# launch (nothing but state, conv_state and params read, nothing written, before griddepcontrol.wait;
+# launch_dependents after it; every thread waits) holds ----------------------------------------------------
+
+@pytest.mark.parametrize("tile_v,B,H", [(128, 2, 1), (16, 1, 1)])
+def test_decode_pdl(tile_v, B, H):
+    _assert_ok(ck.check_decode(B, H, seed=tile_v + 7, tile_v=tile_v, pdl=True))
+    assert emulate.LAST["launches"][-1]["use_pdl"] is True
+
+
+def test_verify_rows_layout_pdl():
+    _assert_ok(ck.check_verify(2, 1, 2, ragged=True, seed=9, tile_v=64, layout="rows", knobs={"pdl": True}))
+    assert emulate.LAST["launches"][-1]["use_pdl"] is True
+
+
+def test_pdl_order_is_enforced(monkeypatch):
+    """With no tensor declared readable before the wait, the kernels' early state loads must be caught."""
+    monkeypatch.setattr(emulate, "_early", lambda *a: frozenset())
+    with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
+        ck.check_decode(1, 1, seed=1, tile_v=128, pdl=True)
+
+
+def test_pdl_trigger_before_wait_is_caught():
+    def bad(x):
+        cute = sys.modules["cutlass.cute"]
+        cute.arch.griddepcontrol_launch_dependents()
+        cute.arch.griddepcontrol_wait()
+
+    with emulate.emulated():
+        with pytest.raises(emulate.EmulationError, match="launch_dependents before"):
+            emulate.kernel(bad)(0).launch(grid=[1, 1, 1], block=[32, 1, 1], use_pdl=True)
 
 
 # ---- persistent decode: every (ctas, stages), B*H > grid so each CTA loops --------------------------

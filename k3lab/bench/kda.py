@@ -197,6 +197,21 @@ def fla_impls(c: KDACase) -> list[Impl]:
     return impls
 
 
+def copy_impls(c: KDACase) -> list[Impl]:
+    """torch's copy of the case's bytes (half read, half written) in the same rotated graph: what a plain
+    copy of this size reaches, beside the copy bandwidth measured on 1 GiB (the floor). Decode only."""
+    if c.T != 1 or c.tile_v != 128 or c.state_dtype != "fp32":
+        return []
+    n = kda_bytes(c) // 2
+
+    def make(s):
+        src = torch.empty(n, dtype=torch.uint8, device=s["state"].device).fill_(1)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+
+    return [Impl("torch_copy", "torch", 1, make, note="copy of the same bytes, half read and half written")]
+
+
 def torch_impls(c: KDACase) -> list[Impl]:
     if c.tile_v != 128 or c.state_dtype != "fp32":
         return []
@@ -238,7 +253,7 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
                                     and tv == cute_default_tile("decode" if T == 1 else "verify", B)):
                                 impls.append(component_impl(c, b, pdl=True))
                     if peers:
-                        impls += torch_impls(c) + fla_impls(c)
+                        impls += torch_impls(c) + fla_impls(c) + (copy_impls(c) if gpu else [])
                     if not impls:
                         continue
                     if t_end is not None and time.time() > t_end:

@@ -144,12 +144,14 @@ def _columns_class():
             self.delay = ((T >= 4 and self.min_ctas == 1) if delay is None else bool(delay)) and row_warps > 1
             # late_conv: the conv_hist stores (rank 0 of a cluster, 3 bf16 per channel per position) leave
             # at the very end, rebuilt from the start window and the inputs, instead of ahead of the
-            # recurrence's first shuffles. Not measured yet: off unless forced.
+            # recurrence's first shuffles. Off: it loses (kda_cute_exp_pdl.json, B=1 tile 16: T=4 6.22 vs
+            # 5.96 us, T=8 10.57 vs 9.71).
             self.late_conv = bool(late_conv)
             # group_bar (row_warps > 1, row_warps < 8): the per-position partial-sum exchange waits on a
             # named barrier of the row_warps warps that share the same columns (id 1 + column block)
-            # instead of all 8 warps. Not measured yet: off unless forced.
-            self.group_bar = bool(group_bar) and 1 < row_warps < 8
+            # instead of all 8 warps. On by default (profiles/h200/kda_cute_exp_pdl.json, 12 heads: B=1 T=8
+            # tile 16 9.49 vs 9.71 us, B=64 T=4 tile 128 72.82 vs 73.61; B=1 T=4 5.97 vs 5.96, a tie).
+            self.group_bar = (True if group_bar is None else bool(group_bar)) and 1 < row_warps < 8
             # pdl: programmatic dependent launch (kda_verify's docstring): state, conv window and parameter
             # loads before griddepcontrol.wait, lengths and activations after it
             self.pdl = bool(pdl)
