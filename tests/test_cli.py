@@ -108,3 +108,28 @@ def test_publish_copies_and_relinks(tmp_path):
     assert f'src="../assets/{js.name}"' in html
     assert json.loads((profiles / "h200" / "t-bundle.json").read_text())["name"] == "t-bundle"
     assert runner.invoke(cli.app, ["publish", str(tmp_path / "empty")]).exit_code == 2
+
+
+def test_defaults_table_is_the_one_the_committed_sweeps_give(tmp_path):
+    """data/kda_defaults.json is exactly what `k3lab defaults kda` makes from the bundles its _source names:
+    the auto table follows the measured sweep and cannot drift from it by hand."""
+    root = Path(__file__).resolve().parent.parent
+    committed = json.loads((root / "data" / "kda_defaults.json").read_text())
+    cmd = committed["_source"].split("`")[1].split()
+    assert cmd[:3] == ["k3lab", "defaults", "kda"]
+    bundles = [str(root / a) for a in cmd[3:] if a.endswith(".json")]
+    assert bundles
+    out = tmp_path / "t.json"
+    r = runner.invoke(cli.app, ["defaults", "kda", *bundles, "--write", str(out)])
+    assert r.exit_code == 0, r.output
+    made = json.loads(out.read_text())
+    assert {k: v for k, v in made.items() if k != "_source"} == {k: v for k, v in committed.items() if k != "_source"}
+
+
+def test_defaults_refuses_what_it_cannot_use(tmp_path):
+    r = runner.invoke(cli.app, ["defaults", "mla", str(tmp_path)])
+    assert r.exit_code == 2 and "component 'kda'" in r.output
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"rows": []}))
+    r = runner.invoke(cli.app, ["defaults", "kda", str(bad)])
+    assert r.exit_code == 2 and "no passing" in r.output

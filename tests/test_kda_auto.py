@@ -16,6 +16,7 @@ def test_defaults_table_is_well_formed():
         for r in rules:
             assert r["backend"] in ("triton", "cute")
             assert r["tile_v"] in comp.TILE_V_ALLOWED
+            assert set(r) <= {"max_batch", "max_T", "backend", "tile_v"}
         fb = d["fallback"][op]
         assert fb and fb[-1]["max_batch"] is None, "the last fallback rule must match any batch"
         for r in fb:
@@ -43,4 +44,39 @@ def test_auto_follows_the_table_and_falls_back_without_cute(monkeypatch):
     assert comp.auto_choice("decode", 2) == ("cute", 32)
     assert comp.auto_choice("decode", 4) == ("cute", 64)
     assert comp.auto_choice("decode", 64) == ("cute", 128)
-    assert comp.auto_choice("verify", 8) == ("cute", 128)
+    assert comp.auto_choice("verify", 1, 4) == ("cute", 16)
+    assert comp.auto_choice("verify", 8, 4) == ("cute", 64)   # measured: tile 64 wins at B=8 T=4 only
+    assert comp.auto_choice("verify", 8, 2) == ("cute", 128)
+    assert comp.auto_choice("verify", 3, 3) == ("cute", 32)   # unmeasured B, T: the next measured above
+    assert comp.auto_choice("verify", 256, 8) == ("cute", 64)  # beyond the sweep: its largest case
+
+
+def test_every_rule_list_ends_with_a_catch_all():
+    """For every op, any (B, T) matches some rule of the table and of its fallback."""
+    d = json.loads(comp._DEFAULTS_PATH.read_text())
+    for rules in (d["decode"], d["verify"], d["fallback"]["decode"], d["fallback"]["verify"]):
+        for B in (1, 3, 7, 64, 1000):
+            for T in (1, 2, 5, 8, 16):
+                assert any(comp._matches(r, B, T) for r in rules), (rules, B, T)
+
+
+def _row(impl, B, T, tv, us, ok=True, heads=12):
+    return {"backend": impl, "median_us": us, "error": {"ok": ok},
+            "extra": {"heads": heads, "batch": B, "T": T, "tile_v": tv}}
+
+
+def test_default_rules_follow_the_measurements():
+    from k3lab.bench.kda import default_rules
+    rows = [_row("cute", 1, 1, 16, 3.0), _row("cute", 1, 1, 32, 4.0),
+            _row("cute", 8, 1, 64, 5.0), _row("cute", 8, 1, 128, 6.0),
+            _row("cute", 64, 1, 64, 9.0), _row("cute", 64, 1, 128, 8.0, ok=False),  # a failed check never wins
+            _row("cute", 64, 1, 16, 1.0, heads=6),                                   # other head count: ignored
+            _row("triton", 1, 1, 16, 0.5),                                           # other impl: ignored
+            _row("cute", 4, 2, 32, 5.0), _row("cute", 4, 2, 64, 6.0), _row("cute", 4, 8, 64, 9.0),
+            _row("cute", 4, 8, 32, 9.5), _row("cute", 64, 2, 64, 20.0), _row("cute", 64, 8, 64, 90.0)]
+    r = default_rules(rows, "cute")
+    assert r["decode"] == [{"max_batch": 1, "backend": "cute", "tile_v": 16},
+                           {"max_batch": None, "backend": "cute", "tile_v": 64}]
+    assert r["verify"] == [{"max_batch": 4, "max_T": 2, "backend": "cute", "tile_v": 32},
+                           {"max_batch": 4, "max_T": None, "backend": "cute", "tile_v": 64},
+                           {"max_batch": None, "backend": "cute", "tile_v": 64}]

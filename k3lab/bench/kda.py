@@ -153,15 +153,15 @@ def component_impl(c: KDACase, backend: str, pdl: bool = False) -> Impl:
                 check=lambda s: check_component(c, s, backend, pdl=pdl), note=note)
 
 
-def cute_default_tile(op: str, B: int) -> int | None:
-    """The CuTe tile data/kda_defaults.json gives `op` at batch B (None when no CuTe rule matches)."""
+def cute_default_tile(op: str, B: int, T: int = 1) -> int | None:
+    """The CuTe tile data/kda_defaults.json gives `op` at batch B, T positions (None: no CuTe rule)."""
     import json
 
     from k3lab.components import kda as comp
 
     d = json.loads(comp._DEFAULTS_PATH.read_text()) if comp._DEFAULTS_PATH.exists() else {}
     for rule in d.get(op, []):
-        if rule.get("max_batch") is None or B <= rule["max_batch"]:
+        if comp._matches(rule, B, T):
             return rule.get("tile_v") if rule.get("backend") == "cute" else None
     return None
 
@@ -250,7 +250,7 @@ def run(heads=(6, 12), batches=(1, 2, 4, 8, 16, 32, 64), Ts=(1, 2, 4, 8), tiles=
                         if avail[b][0] and not (b == "cute" and tv not in CUTE_TILES):
                             impls.append(component_impl(c, b))
                             if (b == "cute" and pdl and gpu
-                                    and tv == cute_default_tile("decode" if T == 1 else "verify", B)):
+                                    and tv == cute_default_tile("decode" if T == 1 else "verify", B, T)):
                                 impls.append(component_impl(c, b, pdl=True))
                     if peers:
                         impls += torch_impls(c) + fla_impls(c) + (copy_impls(c) if gpu else [])
@@ -345,3 +345,51 @@ def winners(rows: list[dict], impls=("triton", "cute")) -> dict:
         if k not in best or r["median_us"] < best[k]["median_us"]:
             best[k] = dict(backend=r["impl"], tile_v=r["tile_v"], median_us=r["median_us"])
     return best
+
+
+def default_rules(bundle_rows: list[dict], impl: str, heads: int = 12) -> dict[str, list[dict]]:
+    """The auto rules for `impl` ("cute" or "triton") from sweep bundles' rows (their JSON form): per op,
+    per measured batch and T, the fastest tile whose fp64 check passed, at `heads` heads. A rule
+    {max_batch, max_T, backend, tile_v} matches the first (B, T) with B <= max_batch and T <= max_T
+    (None: any), so an unmeasured batch or T takes the next measured one above it and anything beyond
+    the sweep takes its largest. Rows of a later bundle replace an earlier one's for the same case."""
+    best: dict[tuple, dict] = {}
+    for r in bundle_rows:
+        x = r.get("extra") or {}
+        if r.get("backend") != impl or x.get("heads") != heads or not (r.get("error") or {}).get("ok"):
+            continue
+        best[(x["batch"], x["T"], x["tile_v"])] = r
+    out: dict[str, list[dict]] = {}
+    for op, is_op in (("decode", lambda t: t == 1), ("verify", lambda t: t > 1)):
+        cells: dict[int, dict[int, tuple]] = {}
+        for (B, T, tv), r in best.items():
+            if is_op(T):
+                cur = cells.setdefault(B, {}).get(T)
+                if cur is None or r["median_us"] < cur[1]:
+                    cells[B][T] = (tv, r["median_us"])
+        groups = []  # per batch: ((max_T, tile), ...) with equal consecutive tiles merged
+        for B in sorted(cells):
+            g: list[list] = []
+            for T in sorted(cells[B]):
+                tv = cells[B][T][0]
+                if g and g[-1][1] == tv:
+                    g[-1][0] = T
+                else:
+                    g.append([T, tv])
+            g[-1][0] = None  # the largest measured T also covers any T above it
+            if groups and groups[-1][1] == [tuple(x) for x in g]:
+                groups[-1][0] = B
+            else:
+                groups.append([B, [tuple(x) for x in g]])
+        if groups:
+            groups[-1][0] = None
+        rules = []
+        for B, g in groups:
+            for max_T, tv in g:
+                rule = {"max_batch": B}
+                if len(g) > 1:
+                    rule["max_T"] = max_T
+                rule.update(backend=impl, tile_v=tv)
+                rules.append(rule)
+        out[op] = rules
+    return out

@@ -89,8 +89,14 @@ _DEFAULTS_PATH = Path(__file__).resolve().parent.parent.parent / "data" / "kda_d
 _defaults_cache: dict | None = None
 
 
-def auto_choice(op: str, B: int) -> tuple[str, int | None]:
-    """(backend, tile_v) that backend='auto' runs for `op` ("decode" | "verify") at batch B."""
+def _matches(rule: dict, B: int, T: int) -> bool:
+    return ((rule.get("max_batch") is None or B <= rule["max_batch"])
+            and (rule.get("max_T") is None or T <= rule["max_T"]))
+
+
+def auto_choice(op: str, B: int, T: int = 1) -> tuple[str, int | None]:
+    """(backend, tile_v) that backend='auto' runs for `op` ("decode" | "verify") at batch B and T positions
+    (the first rule of data/kda_defaults.json with B <= max_batch and T <= max_T; None matches any)."""
     global _defaults_cache
     gpu_be = resolve_backend("auto")
     if gpu_be == "reference":
@@ -99,7 +105,7 @@ def auto_choice(op: str, B: int) -> tuple[str, int | None]:
         _defaults_cache = json.loads(_DEFAULTS_PATH.read_text()) if _DEFAULTS_PATH.exists() else {}
     d = _defaults_cache
     for rule in d.get(op, []):
-        if rule.get("max_batch") is None or B <= rule["max_batch"]:
+        if _matches(rule, B, T):
             be = rule["backend"]
             if be == "cute":
                 ok, _ = backend_status("cute")
@@ -111,7 +117,7 @@ def auto_choice(op: str, B: int) -> tuple[str, int | None]:
                     break
             return be, rule.get("tile_v")
     for rule in d.get("fallback", {}).get(op, []):
-        if rule.get("max_batch") is None or B <= rule["max_batch"]:
+        if _matches(rule, B, T):
             return rule["backend"], rule.get("tile_v")
     return gpu_be, None
 
@@ -309,7 +315,7 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     if not 1 <= T <= 8:
         _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
     if backend == "auto":
-        be, auto_tile = auto_choice("verify", B)
+        be, auto_tile = auto_choice("verify", B, T)
         tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
     else:
         be = resolve_backend(backend)
