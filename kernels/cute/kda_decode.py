@@ -37,22 +37,31 @@ params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
     H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29 us)
 
 Measured on the H200 (all within tolerance of the fp64 oracle: out rel err ~1.7e-3, state <= 1.1e-7,
-conv exact), profiles/h200/kda_sweep.json (`k3lab bench kda`: graph replay, inputs rotated past L2 as
-in a 69-layer model; copy 4.256 TB/s in that run), 12 heads:
-    B=1 3.83 us (tile 16; tile 32 4.09), B=2 4.61 (tile 32), B=4 5.83 (tile 64), B=8 7.45 (tile 128),
-    B=64 30.90 us = 3.41 TB/s = 80 % of copy (tile 128). fla's recurrence alone: 4.33 / 36.69 us.
-    profiles/h200/kda_cute_check.json (check_kda.py, 20 L2-resident buffer sets): B=256 109.6 us =
-    3.85 TB/s; 96 heads B=64 213.3 us = 3.95 TB/s.
-Open: B=64 reaches 3.41 of the 3.6 TB/s target; the long grids reach 3.85-3.95 TB/s, so the loss at 768
-CTAs (2.9 waves of 2 CTAs per SM) is the wave tail and the load-compute-store order inside a CTA. Two
-fixes were built and measured (profiles/h200/kda_cute_exp.json): the persistent TMA-fed kernel
-(kda_decode_persistent.py) ties at best (31.02 vs 31.04 us), and an L2 prefetch of a later CTA's state
-(not kept; profiles/h200/kda_cute_exp_l2prefetch.log) gained nothing (30.28-33.53 vs 30.83 us).
+conv exact), profiles/h200/kda_sweep.json (third session; `k3lab bench kda`: graph replay of >= 20 calls,
+inputs rotated past L2 as in a 69-layer model; copy 4.218 TB/s in that run), 12 heads:
+    B=1 3.85 us (tile 16; tile 32 4.13), B=2 4.68 (tile 32), B=4 5.89 (tile 64), B=8 7.47 (tile 128),
+    B=64 31.10 us = 3.39 TB/s = 80 % of copy (tile 128). fla's recurrence alone: 4.40 / 36.39 us.
+    With pdl (the kda_pdl switch, row cute_pdl): B=1 2.95 us, B=8 5.12, B=64 30.39 us = 3.47 TB/s = 82 %.
+    torch's own copy of the same bytes in the same rotated graph (row torch_copy): B=64 40.71 us.
+    profiles/h200/kda_cute_exp_pdl.json (check_kda.py --exp, 80 rotated sets): B=256 109.49 us = 3.85 TB/s
+    (pdl 108.40 = 3.89); 96 heads B=64 214.71 us = 3.93 TB/s (pdl 212.99 = 3.96).
+Open: B=64 reaches 3.39 (3.47 with pdl) of the 3.6 TB/s target; the long grids reach 3.85-3.96 TB/s, so
+the loss at 768 CTAs (2.9 waves of 2 CTAs per SM) is the start and the tail of the kernel and the
+load-compute-store order inside a CTA. Measured and not kept (kda_cute_exp.json, kda_cute_exp_pdl.json):
+the persistent TMA-fed kernel (kda_decode_persistent.py; (2, 1) 31.22 vs 31.05 us, the register-light
+(3, 1) 33.25), an L2 prefetch of a later CTA's state (kda_cute_exp_l2prefetch.log: 30.28-33.53 vs
+30.83 us). PDL, which overlaps the start of one call with the end of the previous, is the one that gains.
+
+Programmatic dependent launch (pdl=True): the launch may begin while the previous kernel on the stream
+still runs; each CTA issues its state, conv-window and parameter loads, then griddepcontrol.wait (the
+previous grid complete and its memory visible), then griddepcontrol.launch_dependents (so only the next
+kernel, never one further, can overlap this one), then reads the activations and writes. The caller's
+precondition: the kernel directly before does not write this call's state or conv_state.
 
 Host API (torch tensors on one CUDA device, launched on torch's current stream, CUDA-graph safe
 after the first call of a shape has compiled it):
 
-    kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=128) -> out
+    kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=128, pdl=False) -> out
 
 Supported: D = 128, conv kernel 4, tile_v in TILES (128, 64, 32, 16), qkv/f/b/gate/conv_state/out bf16,
 state fp32, contiguous tensors (state 16-byte, gate/out/conv_w/o_norm_w 8-byte aligned bases);

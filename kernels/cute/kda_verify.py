@@ -31,25 +31,31 @@ The baseline is kda_decode.py's row layout (layout="rows": a warp instruction mo
 cross-warp reductions through shared memory, two CTA barriers and a cluster barrier per position, and
 the prologue on the chain).
 
-Per position, with row_warps > 1 (all three measured, profiles/h200/kda_cute_exp.json):
+Per position, with row_warps > 1 (measured in profiles/h200/kda_cute_exp.json, second session, and again
+in kda_cute_exp_pdl.json, third):
   - preload: every position's per-row factors and scalars go to registers after the prologue, so the
-    chain holds no shared-memory load but the partial sums (B=1 T=4 tile 16: 6.06 vs 6.28 us without);
+    chain holds no shared-memory load but the partial sums (B=1 T=4 tile 16: 5.96 vs 6.34 us without);
   - scatter: the 8 partial sums a lane holds meet over the row lanes by a butterfly reduce-scatter
-    (4 + 2 + 1 shuffles instead of 3 x 8; 6.06 vs 6.35 us without);
+    (4 + 2 + 1 shuffles instead of 3 x 8; 5.96 vs 6.35 us without);
   - delay: position t's state_hist stores leave after position t+1's partial sums are read back
-    (on at T >= 4 when the grid fits one CTA per SM: T=4 5.95 vs 6.06 us, T=8 9.69 vs 9.90).
+    (on at T >= 4 when the grid fits one CTA per SM: second session T=4 5.95 vs 6.06 us, T=8 9.69 vs 9.90);
+  - group_bar: the exchange waits on a named barrier of the row_warps warps sharing columns, not all 8
+    (B=1 T=8 9.49 vs 9.71 us, B=64 T=4 72.82 vs 73.61; B=1 T=4 a tie).
+Not kept: late_conv (conv_hist stores at the end: T=4 6.22 vs 5.96 us).
 Tile 16 (a cluster of 8 CTAs per head, row_warps 2/4/8, 16 output lanes in the epilogue) spreads a
 position's state_hist stores over 8 SMs per head; it is the B=1 winner.
 
 Measured on the H200, 12 heads, all outputs/histories within tolerance of the fp64 oracle
-(profiles/h200/kda_sweep.json, `k3lab bench kda`, inputs rotated past L2; fla = fused_recurrent_kda,
-which has no conv, no output norm and writes only the final state):
-    B=1  T=4:  6.06 us (tile 16; 6.05 in kda_sweep-b1.json)   tile 32 6.50, Triton 10.41, fla 10.21
-    B=1  T=8:  9.95 us (tile 16)    Triton 17.09
-    B=64 T=4: 73.08 us = 3.63 TB/s (tile 128)   Triton 93.51, fla 78.46
-The issue's target (T=4, B=1 <= 6.0 us) is missed by 0.05 us: even without any state_hist store the
-kernel needs 5.49 us (kda_cute_exp.json, "hist": False), so the stores now cost about 0.5 us and the
-rest is launch, the state load, the prologue and a 4-step chain of shuffles and one CTA barrier each.
+(profiles/h200/kda_sweep.json, third session, `k3lab bench kda`, inputs rotated past L2; fla =
+fused_recurrent_kda, which has no conv, no output norm and writes only the final state):
+    B=1  T=4:  6.05 us (tile 16)   pdl 4.99   tile 32 6.29, Triton 10.41, fla 10.09
+    B=1  T=8:  9.62 us (tile 16)   pdl 8.95   Triton 17.27, fla 16.46
+    B=64 T=4: 72.93 us = 3.64 TB/s (tile 128)   pdl 76.36 (pdl loses here), Triton 93.73, fla 78.71
+    B=64 T=8: 143.79 us (tile 64; kda_sweep-b64t8.json)   fla 142.46 (fla is 1 % faster, writing no history)
+The issue's target (T=4, B=1 <= 6.0 us) is missed by 0.05 us with a plain launch and met with pdl
+(4.99 us). Without any state_hist store the plain kernel needs 5.48 us (kda_cute_exp_pdl.json, "hist":
+False): the stores cost about 0.5 us; the rest is launch, the state load, the prologue and a 4-step chain
+of shuffles and one barrier each. pdl hides the launch and the state load behind the previous kernel.
 
 Floor per (b, h): state 64 KiB read once + T x 64 KiB state_hist written, conv 2,304 B read +
 T x 2,304 B conv_hist written, T x (768 + 256 + 256 + 256 + 2) B activations. For H = 12, B = 1:
@@ -58,7 +64,7 @@ launch, then the T-step chain; the state_hist stores of a position leave from th
 the batch's heads (12 heads: 12 / 24 / 48 CTAs at tile 128 / 64 / 32).
 
     kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v=128, layout="columns") -> out
+               lengths=None, tile_v=128, layout="columns", row_warps=None, pdl=False) -> out
 """
 import functools
 import math
