@@ -38,11 +38,17 @@ def _launch_verify(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths, tile_v, lay
                        row_warps=row_warps, **knobs)
 
 
+def _launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, cache=None, pdl=False):
+    """kda_decode's _launch_decode (the knob path check_kda uses) on the emulator."""
+    emulate.run_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=pdl, cache=cache)
+
+
 @pytest.fixture(autouse=True)
 def on_emulator(monkeypatch):
     """check_kda with CPU tensors and the emulator behind its kernel entry points."""
     monkeypatch.setattr(ck, "DEVICE", "cpu")
     monkeypatch.setattr(ck, "kda_decode", emulate.run_decode)
+    monkeypatch.setattr(ck, "_kd", types.SimpleNamespace(_launch_decode=_launch_decode))
     monkeypatch.setattr(ck, "kda_decode_persistent", functools.partial(emulate.run_persistent, sms=SMS))
     monkeypatch.setattr(ck, "kda_verify", emulate.run_verify)
     monkeypatch.setattr(ck, "_kv", types.SimpleNamespace(_launch=_launch_verify, ROW_WARPS=ck._kv.ROW_WARPS))
@@ -108,6 +114,12 @@ def test_verify_rows_layout():
 def test_decode_pdl(tile_v, B, H):
     _assert_ok(ck.check_decode(B, H, seed=tile_v + 7, tile_v=tile_v, pdl=True))
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
+
+
+@pytest.mark.parametrize("tile_v,cache,pdl", [(128, "cs_store", False), (64, "cs_both", True)])
+def test_decode_cache_hints(tile_v, cache, pdl):
+    """The state cache-hint knob (cute.copy with G2R / R2G atoms of 128 bits) moves the same data."""
+    _assert_ok(ck.check_decode(2, 1, seed=3, tile_v=tile_v, pdl=pdl, cache=cache))
 
 
 def test_verify_rows_layout_pdl():

@@ -32,12 +32,14 @@ except ImportError:  # not installed: run from the checkout
 from k3lab.ref import kda as ref  # noqa: E402 - after the checkout fallback above
 
 try:
+    from k3lab_kernels.cute import kda_decode as _kd
     from k3lab_kernels.cute import kda_verify as _kv
     from k3lab_kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify_bytes
     from k3lab_kernels.cute.kda_decode_persistent import kda_decode_persistent
 except ImportError:  # the checkout's `kernels/` folder is the k3lab_kernels package
     if _ROOT not in sys.path:
         sys.path.insert(0, _ROOT)
+    from kernels.cute import kda_decode as _kd
     from kernels.cute import kda_verify as _kv
     from kernels.cute.kda_decode import kda_decode, kda_decode_bytes, kda_verify_bytes
     from kernels.cute.kda_decode_persistent import kda_decode_persistent
@@ -79,10 +81,14 @@ def _ref64(fn, inp, p, st, cs):
               st.to(d), cs.to(d), dtype=d, out_dtype=d)
 
 
-def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False):
-    """The grid decode (stages None; pdl: programmatic dependent launch) or the persistent one (stages =
-    (CTAs per SM, stages); tile 128)."""
+def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False, cache=None):
+    """The grid decode (stages None; pdl: programmatic dependent launch; cache: the state cache-hint
+    measurement knob, through kda_decode's _launch_decode) or the persistent one (stages = (CTAs per SM,
+    stages); tile 128)."""
     if stages is None:
+        if cache is not None:
+            kn = {"cache": cache, **({"pdl": True} if pdl else {})}
+            return _kd._launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, **kn)
         if pdl:
             return kda_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=True)
         return kda_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v)
@@ -90,7 +96,7 @@ def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False)
 
 
 def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128, stages=None,
-                 pdl: bool = False) -> dict:
+                 pdl: bool = False, cache=None) -> dict:
     """Run `steps` decode steps with fresh inputs each step; compare each step with the fp64 oracle
     carried from the same start. Returns the worst errors. stages=(ctas, stages): the persistent kernel."""
     _, p, st, cs = _inputs(B, H, seed=seed)
@@ -101,7 +107,7 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
         inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
         out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v, stages=stages,
-                pdl=pdl)
+                pdl=pdl, cache=cache)
         _sync()
         o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
         worst["out_finite"] &= bool(torch.isfinite(out).all())
@@ -226,7 +232,7 @@ def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
                      for _ in range(n - 1)]
 
 
-def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False):
+def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False, cache=None):
     inp, p, st, cs = _inputs(B, H, seed=1)
 
     def make():
@@ -239,7 +245,7 @@ def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False):
 
     def call(d):
         return lambda: _decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
-                               tile_v=tile_v, stages=stages, pdl=pdl)
+                               tile_v=tile_v, stages=stages, pdl=pdl, cache=cache)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     # pdl: back-to-back calls on one set would break its precondition (read the state the previous call
@@ -334,6 +340,15 @@ def experiment(report: dict) -> None:
         print(f"{B:>4} {H:>3} tile {tv:>3} pdl out {r.get('out_err', float('nan')):.2e} "
               f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
               f"{r.get('error', '')}")
+    print("\n== exp: decode correctness, state cache hints (cache) ==")
+    for B, H, tv, cache, pdl in [(64, 12, 128, "cs_store", False), (64, 12, 128, "cs_both", True),
+                                 (5, 6, 64, "cs_both", False), (3, 96, 128, "cs_both", False)]:
+        r = _safe(check_decode, B, H, seed=B * 3 + H + tv, steps=2, tile_v=tv, pdl=pdl, cache=cache)
+        r.update(B=B, H=H, tile_v=tv, pdl=pdl, cache=cache)
+        ex["decode"].append(r)
+        print(f"{B:>4} {H:>3} tile {tv:>3} cache={cache} pdl={pdl} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
+              f"{r.get('error', '')}")
     print("\n== exp: verify correctness (knobs {} = the defaults) ==")
     vcases = [((1, 12, 4, False), 16, 4, {"delay": True}), ((5, 6, 8, True), 16, 4, {"delay": True}),
               ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
@@ -396,6 +411,18 @@ def experiment(report: dict) -> None:
         if "rot_us" in r:
             print(f"{B:>4} {H:>3} {tv:>4} pers={stg!s:>6} pdl={pdl!s:>5} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
                   f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+    print("\n== exp: decode timing, state cache hints and tile 64 with pdl (B = 64 target), DRAM-cold ==")
+    for B, H, tv, cache, pdl in [(64, 12, 128, None, False), (64, 12, 128, "cs_store", False),
+                                 (64, 12, 128, "cs_both", False), (64, 12, 128, None, True),
+                                 (64, 12, 128, "cs_store", True), (64, 12, 128, "cs_both", True),
+                                 (64, 12, 64, None, True), (64, 12, 64, "cs_both", True), (16, 12, 64, None, True),
+                                 (256, 12, 128, "cs_both", False), (256, 12, 128, "cs_both", True)]:
+        r = _safe(time_decode, B, H, tile_v=tv, pdl=pdl, cache=cache)
+        r.update(B=B, H=H, tile_v=tv, stages=None, pdl=pdl, cache=cache)
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {tv:>4} cache={cache!s:>8} pdl={pdl!s:>5} rot {r['rot_us']:8.2f} "
+                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
     print(f"  [{time.time() - t0:.0f}s]")
     N_CALLS = 20
     ex["all_ok"] = all(r.get("ok") for r in ex["decode"] + ex["verify"])

@@ -117,6 +117,10 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"decode tile{tv} pdl",
                           lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, pdl=True),
                           step_args))
+        for tv, cache in ((128, "cs_store"), (128, "cs_both"), (64, "cs_both")):  # cache hints on the state
+            cases.append((f"decode tile{tv} cache={cache}",
+                          lambda tv=tv, c=cache: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, cache=c),
+                          step_args))
         from kernels.cute import kda_decode_persistent as kpd
         for ctas, stages in kpd.CONFIGS:
             cases.append((f"decode persistent ctas{ctas} stages{stages} B64",

@@ -592,6 +592,50 @@ def autovec_copy(src, dst):
         w(do + r, v)
 
 
+class _CopyOp:
+    """cute.nvgpu.CopyG2ROp / CopyR2GOp / CopyUniversalOp: the cache and ordering options only change speed
+    or the memory model, which the emulator does not model; they are recorded, not checked."""
+
+    def __init__(self, *a, **kw):
+        self.kw = kw
+
+
+class _CopyAtom:
+    def __init__(self, op, dtype, bits, kw):
+        self.op, self.dtype, self.bits, self.kw = op, dtype, bits, kw
+
+
+def make_copy_atom(op, dtype, num_bits_per_copy=0, **kw):
+    if not isinstance(op, _CopyOp):
+        raise EmulationError(f"make_copy_atom: unsupported operation {op!r}")
+    return _CopyAtom(op, dtype, int(num_bits_per_copy), kw)
+
+
+def copy(atom, src, dst, **kw):
+    """cute.copy for the (V, Rest...) profile: V = the atom's bits / the element width, contiguous in both
+    tensors and aligned to the atom's width (what one vector instruction needs); then an element copy."""
+    if not isinstance(atom, _CopyAtom) or kw:
+        raise EmulationError(f"copy: unsupported atom or options {sorted(kw)}")
+    if not (isinstance(src, Tensor) and isinstance(dst, Tensor)):
+        raise EmulationError("copy needs two tensors")
+    if src.dtype.width != dst.dtype.width or src.dtype.width != atom.dtype.width:
+        raise EmulationError("copy: element widths of the atom, source and destination differ")
+    if src.shape != dst.shape:
+        raise EmulationError(f"copy of shape {src.shape} into shape {dst.shape}")
+    if atom.bits:
+        v = atom.bits // atom.dtype.width
+        if src.shape[0] != v or src.stride[0] != 1 or dst.stride[0] != 1:
+            raise EmulationError(f"copy: mode 0 must be {v} contiguous elements for a {atom.bits}-bit atom, got "
+                                 f"shape {src.shape} strides {src.stride} / {dst.stride}")
+        for t in (src, dst):
+            if t.buf.__class__ is _Buf:
+                es = _esize(t.dtype)
+                for r in _rel_offsets(t.shape, t.stride)[::v]:
+                    if (t.buf.base + (t.off + r) * es) % (atom.bits // 8):
+                        raise EmulationError(f"copy: misaligned {atom.bits}-bit access to {t.buf.name}")
+    autovec_copy(src, dst)
+
+
 def assume(x, divby=1):
     if _as_index(x) % divby:
         raise EmulationError(f"cute.assume({x}, divby={divby}) is false")
@@ -1354,9 +1398,15 @@ def _fake_modules(emu: _Emu) -> dict:
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
         mbarrier_wait=mbarrier_wait)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
+    nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,
+                    LoadCacheMode=types.SimpleNamespace(ALWAYS="ca", GLOBAL="cg", STREAMING="cs", LAST_USE="lu",
+                                                        NONE="none"),
+                    StoreCacheMode=types.SimpleNamespace(WRITE_BACK="wb", GLOBAL="cg", STREAMING="cs",
+                                                         WRITE_THROUGH="wt", NONE="none"))
     cute = _module("cutlass.cute", jit=jit, kernel=kernel, compile=compile, Pointer=Pointer, Tensor=Tensor,
                    Layout=Layout, make_layout=make_layout, make_tensor=make_tensor, make_rmem_tensor=make_rmem_tensor,
-                   autovec_copy=autovec_copy, assume=assume, arch=arch, runtime=runtime,
+                   autovec_copy=autovec_copy, assume=assume, arch=arch, runtime=runtime, nvgpu=nvgpu,
+                   make_copy_atom=make_copy_atom, copy=copy,
                    math=types.SimpleNamespace(exp=_exp, rsqrt=_rsqrt),
                    AddressSpace=types.SimpleNamespace(gmem="gmem", smem="smem", rmem="rmem"))
     llvm = _module("cutlass._mlir.dialects.llvm", store=_llvm_store,
@@ -1448,12 +1498,20 @@ def _early(params, state, conv_state):
 
 
 def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, seed: int = 0,
-               pdl: bool = False):
+               pdl: bool = False, cache=None):
     """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
-    launch's order: nothing but state, conv_state and params read, nothing written, before the wait."""
+    launch's order: nothing but state, conv_state and params read, nothing written, before the wait.
+    cache (the measurement knob) goes through kda_decode's _launch_decode, as check_kda.py does."""
     _PDL["early"] = _early(params, state, conv_state)
-    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, **({"pdl": True} if pdl else {})),
-         dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out), seed)
+
+    def call(m, **a):
+        if cache is not None:
+            m.kd._launch_decode(*a.values(), tile_v, cache=cache, **({"pdl": True} if pdl else {}))
+        else:
+            m.kd.kda_decode(**a, tile_v=tile_v, **({"pdl": True} if pdl else {}))
+
+    _run(call, dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out),
+         seed)
     return out
 
 

@@ -224,11 +224,17 @@ def _kernel_class():
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float, tile_v: int = 128, pdl: bool = False):
+                     lower_bound: float, tile_v: int = 128, pdl: bool = False, cache=None):
             self.B, self.H, self.T = B, H, T
             # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and
             # parameter loads are issued before griddepcontrol.wait, the activations after it
             self.pdl = bool(pdl)
+            # cache (decode only; a measurement knob, check_kda.py --exp): cache hints on the state traffic.
+            # None: plain ld/st.global.v4; "cs_store": the state write-back as st.global.cs (streaming,
+            # evict-first); "cs_both": also the state loads as ld.global.cs. Not measured yet.
+            assert cache in (None, "cs_store", "cs_both"), cache
+            assert cache is None or (T == 1 and not verify), "cache hints: decode only"
+            self.cache = cache
             self.verify, self.ragged = verify, ragged
             self.eps, self.lb = float(eps), float(lower_bound)
             self.nbuf = 1 if T == 1 else 2
@@ -312,7 +318,12 @@ def _kernel_class():
             s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
             g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
             r_s = cute.make_rmem_tensor((4, S), Float32)
-            cute.autovec_copy(g_state, r_s)
+            if cutlass.const_expr(self.cache == "cs_both"):
+                ld_cs = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
+                                            load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
+                cute.copy(ld_cs, g_state, r_s)
+            else:
+                cute.autovec_copy(g_state, r_s)
             if cutlass.const_expr(NC > 1):
                 cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before remote stores
 
@@ -477,6 +488,10 @@ def _kernel_class():
                         g_dst = cute.make_tensor(p_shist + h_off,
                                                  cute.make_layout((4, S), stride=(1, 8 * R * D)))
                         cute.autovec_copy(r_s, g_dst)
+                    elif cutlass.const_expr(self.cache is not None):
+                        st_cs = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), Float32, num_bits_per_copy=128,
+                                                    store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+                        cute.copy(st_cs, r_s, g_state)
                     else:
                         cute.autovec_copy(r_s, g_state)
 
@@ -660,15 +675,27 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     the same state back to back with nothing between)."""
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
-    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
+    _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
+    if pdl:
+        _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, pdl=True)
+    else:
+        _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v)
+    return out
+
+
+def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **knobs):
+    """Compile (once per shape and knobs) and launch on the current stream; arguments already validated.
+    knobs: pdl (kda_decode's switch) and cache (a measurement knob for kernels/cute/check_kda.py --exp:
+    None, "cs_store", "cs_both"; see KDAStepKernel)."""
+    B, H = qkv.shape[0], params.heads
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    key = ("decode", B, H, 1, tile_v, pdl, dev.index) + _params_key(params)
+    key = ("decode", B, H, 1, tile_v, tuple(sorted(knobs.items())), dev.index) + _params_key(params)
     cls = None
-    if pdl:
+    if knobs:
         def cls():
-            return functools.partial(_kernel_class(), pdl=True)
+            return functools.partial(_kernel_class(), **knobs)
     with torch.cuda.device(dev):
         stream = _stream(dev)
         fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v, cls)
