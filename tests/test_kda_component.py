@@ -205,3 +205,16 @@ def test_drift_study_small():
     assert last.loc["fp32", "state_err"] < 1e-4
     assert last.loc["fp32", "state_err"] < last.loc["bf16", "state_err"] < 5e-2
     assert (df.out_err < 2e-2).all()
+
+
+def test_layer_with_kda_pdl_names_why_the_reference_kda_layer_cannot_run():
+    """The kda_pdl switch through the model: a KDA layer on a backend without PDL is skipped by the layer
+    bench with the component's reason (never run silently without the switch); MLA layers still run."""
+    from k3lab.config import preset
+    from k3lab.harness.layerbench import bench_layers
+    from k3lab.switches import Switches
+
+    b = bench_layers(preset("tiny", batch=1, context=64), backends="reference", switches=Switches(kda_pdl=True),
+                     reps=1, warmup=1, name="t-pdl", log=lambda s: None)
+    assert "'pdl'" in b.backends_skipped.get("reference:kda", "") and "cute" in b.backends_skipped["reference:kda"]
+    assert any(r.name.startswith("mla.") for r in b.rows) and not any(r.name.startswith("kda.") for r in b.rows)
