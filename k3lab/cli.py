@@ -7,6 +7,7 @@
     k3lab publish RUN_DIR --gpu h200
     k3lab bench kda [--heads 6,12] [--batches 1,64] [--T 1,4] [--tiles 32,128] [--out DIR]
     k3lab defaults kda BUNDLE... [--heads 12] [--write data/kda_defaults.json]
+    k3lab digest [REV]
 
 Parameter values are parsed as JSON when they parse (1, true, [1,2], "x") and kept as strings
 otherwise. A run lands in `profiles/runs/<timestamp>-<notebook stem>-<param hash>/` with the executed
@@ -372,6 +373,21 @@ def bench(component: str = typer.Argument(..., help="component to sweep: kda"),
     path = bd.save(out)
     html = bundle_report(bd, path.with_suffix(".html"))
     typer.echo(f"bundle -> {path}\nreport -> {html}")
+
+
+@app.command()
+def digest(rev: str | None = typer.Argument(None, help="a commit; none: the working tree")) -> None:
+    """The source digest a results bundle records (env.source_digest), of the working tree or a commit."""
+    from k3lab.harness.env import source_digest, source_digest_of
+
+    if rev is None:
+        typer.echo(source_digest())
+        return
+    try:
+        typer.echo(source_digest_of(rev))
+    except ValueError as e:
+        _echo_err(f"error: {e}")
+        raise typer.Exit(2) from None
 
 
 @app.command()

@@ -124,11 +124,40 @@ def test_numerics_errors_and_nan_never_passes():
 def test_env_fingerprint():
     fp = env.fingerprint()
     for k in ("gpu", "sm_count", "driver", "cuda", "torch", "triton", "cutlass_dsl", "fla", "python",
-              "hostname", "commit", "dirty", "time"):
+              "hostname", "commit", "dirty", "time", "source_digest"):
         assert k in fp
     json.dumps(fp)
     assert env.gpu_slug("NVIDIA H200") == "h200" and env.gpu_slug(None) == "cpu"
     assert env.gpu_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+
+
+def test_source_digest_follows_the_files(tmp_path):
+    (tmp_path / "k3lab").mkdir()
+    (tmp_path / "k3lab" / "a.py").write_text("x = 1\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "t.json").write_text("{}")
+    d0 = env.source_digest(tmp_path)
+    assert d0 and len(d0) == 16 and env.source_digest(tmp_path) == d0
+    (tmp_path / "notes.md").write_text("not source")
+    assert env.source_digest(tmp_path) == d0
+    (tmp_path / "k3lab" / "a.py").write_text("x = 2\n")
+    assert env.source_digest(tmp_path) != d0
+    assert env.source_digest(tmp_path / "empty") is None
+
+
+def test_source_digest_of_head_matches_a_clean_tree():
+    """What a bundle records (the files) and what `k3lab digest HEAD` computes (the commit) agree when the
+    source files are committed, so a bundle can be matched to its commit even when its .git was stale."""
+    root = env.REPO_ROOT
+    status = env._run(["git", "status", "--porcelain", "--untracked-files=all", "--", "k3lab", "kernels", "data",
+                       "pyproject.toml"], root)
+    if status is None:
+        pytest.skip("not a git checkout")
+    if any(line.endswith(".py") or line.endswith(".json") or line.endswith(".toml") for line in status.splitlines()):
+        pytest.skip("source files differ from HEAD in this checkout")
+    assert env.source_digest() == env.source_digest_of("HEAD")
+    with pytest.raises(ValueError, match="git archive"):
+        env.source_digest_of("no-such-revision")
 
 
 # ---- bundles --------------------------------------------------------------------------------------

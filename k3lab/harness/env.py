@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata as _md
 import importlib.util
 import platform
@@ -37,6 +38,48 @@ def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
         return {"commit": None, "dirty": None}
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+# the files whose content decides what a run computes and measures
+SOURCE_GLOBS = ("k3lab/**/*.py", "kernels/**/*.py", "data/*.json", "pyproject.toml")
+
+
+def source_digest(root: Path = REPO_ROOT) -> str | None:
+    """sha256 (16 hex digits) over the paths and bytes of SOURCE_GLOBS under `root`, read from the files
+    themselves: unlike `commit` it stays right on a copy of the tree whose .git is missing or stale (the
+    lent GPU machines). `k3lab digest REV` gives the digest of a commit to compare with."""
+    root = Path(root)
+    files = sorted({p for g in SOURCE_GLOBS for p in root.glob(g)
+                    if p.is_file() and "__pycache__" not in p.parts})
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(p.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def source_digest_of(rev: str, root: Path = REPO_ROOT) -> str:
+    """source_digest of commit `rev` of the repository at `root` (git archive into a temporary folder)."""
+    import io
+    import tarfile
+    import tempfile
+
+    try:
+        r = subprocess.run(["git", "archive", "--format=tar", rev], cwd=root, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"git archive {rev}: {e}") from None
+    if r.returncode != 0:
+        raise ValueError(f"git archive {rev}: {r.stderr.decode(errors='replace').strip()}")
+    with tempfile.TemporaryDirectory() as d:
+        with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tf:
+            tf.extractall(d, filter="data")
+        out = source_digest(Path(d))
+    if out is None:
+        raise ValueError(f"commit {rev} holds none of {SOURCE_GLOBS}")
+    return out
 
 
 def gpu_slug(name: str | None) -> str:
@@ -76,4 +119,5 @@ def fingerprint() -> dict[str, Any]:
         drv = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         env["driver"] = drv.splitlines()[0].strip() if drv else None
     env.update(git_state())
+    env["source_digest"] = source_digest()
     return env
