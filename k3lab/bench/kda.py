@@ -155,15 +155,10 @@ def component_impl(c: KDACase, backend: str, pdl: bool = False) -> Impl:
 
 def cute_default_tile(op: str, B: int, T: int = 1) -> int | None:
     """The CuTe tile data/kda_defaults.json gives `op` at batch B, T positions (None: no CuTe rule)."""
-    import json
-
     from k3lab.components import kda as comp
 
-    d = json.loads(comp._DEFAULTS_PATH.read_text()) if comp._DEFAULTS_PATH.exists() else {}
-    for rule in d.get(op, []):
-        if comp._matches(rule, B, T):
-            return rule.get("tile_v") if rule.get("backend") == "cute" else None
-    return None
+    rule = comp.table_rule(op, B, T)
+    return rule.get("tile_v") if rule and rule.get("backend") == "cute" else None
 
 
 def fla_impls(c: KDACase) -> list[Impl]:

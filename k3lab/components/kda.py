@@ -94,16 +94,26 @@ def _matches(rule: dict, B: int, T: int) -> bool:
             and (rule.get("max_T") is None or T <= rule["max_T"]))
 
 
+def defaults_table() -> dict:
+    """data/kda_defaults.json, read once."""
+    global _defaults_cache
+    if _defaults_cache is None:
+        _defaults_cache = json.loads(_DEFAULTS_PATH.read_text()) if _DEFAULTS_PATH.exists() else {}
+    return _defaults_cache
+
+
+def table_rule(op: str, B: int, T: int = 1) -> dict | None:
+    """The first rule of the table's `op` list that matches (B, T), whatever its backend can do here."""
+    return next((r for r in defaults_table().get(op, []) if _matches(r, B, T)), None)
+
+
 def auto_choice(op: str, B: int, T: int = 1) -> tuple[str, int | None]:
     """(backend, tile_v) that backend='auto' runs for `op` ("decode" | "verify") at batch B and T positions
     (the first rule of data/kda_defaults.json with B <= max_batch and T <= max_T; None matches any)."""
-    global _defaults_cache
     gpu_be = resolve_backend("auto")
     if gpu_be == "reference":
         return "reference", None
-    if _defaults_cache is None:
-        _defaults_cache = json.loads(_DEFAULTS_PATH.read_text()) if _DEFAULTS_PATH.exists() else {}
-    d = _defaults_cache
+    d = defaults_table()
     for rule in d.get(op, []):
         if _matches(rule, B, T):
             be = rule["backend"]
@@ -263,10 +273,7 @@ def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="ref
         return out
     if be == "cute":
         mod = _cute_module("kda_decode")
-        if pdl:
-            mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=True)
-        else:
-            mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v)
+        mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=pdl)
         _record(op="decode", backend_requested=backend, backend=be, kernel="cute:kda_decode", tile_v=tile_v,
                 state_dtype=sd, shape=shape, notes="pdl" if pdl else "")
         return out
@@ -341,9 +348,8 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     if be == "cute":
         mod = _cute_module("kda_verify")
         row_warps = mod.ROW_WARPS[tile_v]
-        kw = {"pdl": True} if pdl else {}
         mod.kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
-                       tile_v=tile_v, row_warps=row_warps, **kw)
+                       tile_v=tile_v, row_warps=row_warps, pdl=pdl)
         _record(op="verify", backend_requested=backend, backend=be, kernel="cute:kda_verify", tile_v=tile_v,
                 state_dtype=sd, shape=shape,
                 notes=f"layout=columns row_warps={row_warps}" + (" ragged" if lengths is not None else "")

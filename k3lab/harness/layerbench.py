@@ -113,7 +113,7 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
             if on_gpu:
                 layer_bytes = sum(v[1] for v in comps.values())
                 n = timing.rotation_count(layer_bytes, timing.l2_bytes(), max_sets=8)
-                if switches is not None and getattr(switches, "kda_pdl", False):
+                if switches.kda_pdl:
                     # a PDL launch may read its state while the previous call still writes it: never
                     # replay one layer copy back to back (k3lab_kernels.cute.kda_decode, pdl)
                     n = max(n, 2)

@@ -613,7 +613,7 @@ def make_copy_atom(op, dtype, num_bits_per_copy=0, **kw):
 
 def copy(atom, src, dst, **kw):
     """cute.copy for the (V, Rest...) profile: V = the atom's bits / the element width, contiguous in both
-    tensors and aligned to the atom's width (what one vector instruction needs); then an element copy."""
+    tensors; autovec_copy then checks each V-run's alignment (V elements = the atom's width) and copies."""
     if not isinstance(atom, _CopyAtom) or kw:
         raise EmulationError(f"copy: unsupported atom or options {sorted(kw)}")
     if not (isinstance(src, Tensor) and isinstance(dst, Tensor)):
@@ -627,12 +627,8 @@ def copy(atom, src, dst, **kw):
         if src.shape[0] != v or src.stride[0] != 1 or dst.stride[0] != 1:
             raise EmulationError(f"copy: mode 0 must be {v} contiguous elements for a {atom.bits}-bit atom, got "
                                  f"shape {src.shape} strides {src.stride} / {dst.stride}")
-        for t in (src, dst):
-            if t.buf.__class__ is _Buf:
-                es = _esize(t.dtype)
-                for r in _rel_offsets(t.shape, t.stride)[::v]:
-                    if (t.buf.base + (t.off + r) * es) % (atom.bits // 8):
-                        raise EmulationError(f"copy: misaligned {atom.bits}-bit access to {t.buf.name}")
+        if atom.bits > 128:
+            raise EmulationError(f"copy: {atom.bits}-bit atoms are not supported (at most 128)")
     autovec_copy(src, dst)
 
 

@@ -676,10 +676,8 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
     _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
-    if pdl:
-        _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, pdl=True)
-    else:
-        _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v)
+    # pdl=False launches with no knobs: the same compiled kernel (and cache key) as before the switch existed
+    _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **({"pdl": True} if pdl else {}))
     return out
 
 
