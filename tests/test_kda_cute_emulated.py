@@ -38,9 +38,9 @@ def _launch_verify(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths, tile_v, lay
                        row_warps=row_warps, **knobs)
 
 
-def _launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, cache=None, pdl=False):
+def _launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, pdl=False, **knobs):
     """kda_decode's _launch_decode (the knob path check_kda uses) on the emulator."""
-    emulate.run_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=pdl, cache=cache)
+    emulate.run_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=pdl, **knobs)
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +120,13 @@ def test_decode_pdl(tile_v, B, H):
 def test_decode_cache_hints(tile_v, cache, pdl):
     """The state cache-hint knob (cute.copy with G2R / R2G atoms of 128 bits) moves the same data."""
     _assert_ok(ck.check_decode(2, 1, seed=3, tile_v=tile_v, pdl=pdl, cache=cache))
+
+
+@pytest.mark.parametrize("tile_v,knobs", [(128, {"fold": True}), (128, {"early": True}),
+                                          (128, {"fold": True, "early": True, "pdl": True}), (32, {"fold": True})])
+def test_decode_fold_early(tile_v, knobs):
+    """fold (the prologue hands the passes q d, k d, d, k) and early (the output before the state update)."""
+    _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, **knobs))
 
 
 def test_verify_rows_layout_pdl():

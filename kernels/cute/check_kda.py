@@ -3,6 +3,8 @@
     python kernels/cute/check_kda.py [--quick] [--lean] [--tiny] [--no-time] [--verify-only] [--cold] [--exp]
                                      [--tiles=128,64,32,16]
     python kernels/cute/check_kda.py --prefill [--quick] [--no-time]   (kda_prefill.py only: main_prefill)
+    python kernels/cute/check_kda.py --exp-b64        (the B = 64 decode candidates only: main_b64)
+    python kernels/cute/check_kda.py --ncu-launch=B,H,tile[,pdl][,cs_both]   (a run for ncu: ncu_launch)
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
 `make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
@@ -81,13 +83,14 @@ def _ref64(fn, inp, p, st, cs):
               st.to(d), cs.to(d), dtype=d, out_dtype=d)
 
 
-def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False, cache=None):
-    """The grid decode (stages None; pdl: programmatic dependent launch; cache: the state cache-hint
-    measurement knob, through kda_decode's _launch_decode) or the persistent one (stages = (CTAs per SM,
-    stages); tile 128)."""
+def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False, **knobs):
+    """The grid decode (stages None; pdl: programmatic dependent launch; knobs: KDAStepKernel's measurement
+    knobs, through kda_decode's _launch_decode) or the persistent one (stages = (CTAs per SM, stages);
+    tile 128)."""
     if stages is None:
-        if cache is not None:
-            kn = {"cache": cache, **({"pdl": True} if pdl else {})}
+        knobs = {k: v for k, v in knobs.items() if v}  # the measurement knobs set (cache, bare, fold, early)
+        if knobs:
+            kn = {**knobs, **({"pdl": True} if pdl else {})}
             return _kd._launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, **kn)
         if pdl:
             return kda_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=True)
@@ -96,7 +99,7 @@ def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False,
 
 
 def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 128, stages=None,
-                 pdl: bool = False, cache=None) -> dict:
+                 pdl: bool = False, **knobs) -> dict:
     """Run `steps` decode steps with fresh inputs each step; compare each step with the fp64 oracle
     carried from the same start. Returns the worst errors. stages=(ctas, stages): the persistent kernel."""
     _, p, st, cs = _inputs(B, H, seed=seed)
@@ -107,7 +110,7 @@ def check_decode(B: int, H: int, seed: int = 0, steps: int = 1, tile_v: int = 12
         inp, _, _, _ = _inputs(B, H, seed=seed + 1000 * (s + 1))
         out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st_k, cs_k, out, tile_v=tile_v, stages=stages,
-                pdl=pdl, cache=cache)
+                pdl=pdl, **knobs)
         _sync()
         o_r, st_r, cs_r = _ref64(ref.kda_decode, inp, p, st_r, cs_r)
         worst["out_finite"] &= bool(torch.isfinite(out).all())
@@ -232,7 +235,7 @@ def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
                      for _ in range(n - 1)]
 
 
-def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False, cache=None):
+def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False, **knobs):
     inp, p, st, cs = _inputs(B, H, seed=1)
 
     def make():
@@ -245,7 +248,7 @@ def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False, cache=No
 
     def call(d):
         return lambda: _decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
-                               tile_v=tile_v, stages=stages, pdl=pdl, cache=cache)
+                               tile_v=tile_v, stages=stages, pdl=pdl, **knobs)
 
     rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     # pdl: back-to-back calls on one set would break its precondition (read the state the previous call
@@ -340,15 +343,6 @@ def experiment(report: dict) -> None:
         print(f"{B:>4} {H:>3} tile {tv:>3} pdl out {r.get('out_err', float('nan')):.2e} "
               f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
               f"{r.get('error', '')}")
-    print("\n== exp: decode correctness, state cache hints (cache) ==")
-    for B, H, tv, cache, pdl in [(64, 12, 128, "cs_store", False), (64, 12, 128, "cs_both", True),
-                                 (5, 6, 64, "cs_both", False), (3, 96, 128, "cs_both", False)]:
-        r = _safe(check_decode, B, H, seed=B * 3 + H + tv, steps=2, tile_v=tv, pdl=pdl, cache=cache)
-        r.update(B=B, H=H, tile_v=tv, pdl=pdl, cache=cache)
-        ex["decode"].append(r)
-        print(f"{B:>4} {H:>3} tile {tv:>3} cache={cache} pdl={pdl} out {r.get('out_err', float('nan')):.2e} "
-              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
-              f"{r.get('error', '')}")
     print("\n== exp: verify correctness (knobs {} = the defaults) ==")
     vcases = [((1, 12, 4, False), 16, 4, {"delay": True}), ((5, 6, 8, True), 16, 4, {"delay": True}),
               ((64, 12, 4, False), 128, 4, {"delay": True}), ((1, 12, 4, False), 16, 4, {"scatter": False}),
@@ -411,24 +405,146 @@ def experiment(report: dict) -> None:
         if "rot_us" in r:
             print(f"{B:>4} {H:>3} {tv:>4} pers={stg!s:>6} pdl={pdl!s:>5} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
                   f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
-    print("\n== exp: decode timing, state cache hints and tile 64 with pdl (B = 64 target), DRAM-cold ==")
-    for B, H, tv, cache, pdl in [(64, 12, 128, None, False), (64, 12, 128, "cs_store", False),
-                                 (64, 12, 128, "cs_both", False), (64, 12, 128, None, True),
-                                 (64, 12, 128, "cs_store", True), (64, 12, 128, "cs_both", True),
-                                 (64, 12, 64, None, True), (64, 12, 64, "cs_both", True), (16, 12, 64, None, True),
-                                 (256, 12, 128, "cs_both", False), (256, 12, 128, "cs_both", True)]:
-        r = _safe(time_decode, B, H, tile_v=tv, pdl=pdl, cache=cache)
-        r.update(B=B, H=H, tile_v=tv, stages=None, pdl=pdl, cache=cache)
-        ex["timing_decode"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {tv:>4} cache={cache!s:>8} pdl={pdl!s:>5} rot {r['rot_us']:8.2f} "
-                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+    b64_experiment(ex)
     print(f"  [{time.time() - t0:.0f}s]")
     N_CALLS = 20
     ex["all_ok"] = all(r.get("ok") for r in ex["decode"] + ex["verify"])
 
 
+# the B = 64 decode candidates: (B, H, tile, knobs); bare = the state traffic alone (see KDAStepKernel)
+B64_CASES = [(64, 12, 128, {}), (64, 12, 128, {"pdl": True}),
+             (64, 12, 128, {"fold": True}), (64, 12, 128, {"fold": True, "pdl": True}),
+             (64, 12, 128, {"early": True}), (64, 12, 128, {"early": True, "pdl": True}),
+             (64, 12, 128, {"fold": True, "early": True}), (64, 12, 128, {"fold": True, "early": True, "pdl": True}),
+             (64, 12, 128, {"bare": "pad2", "pdl": True}),
+             (256, 12, 128, {}), (256, 12, 128, {"fold": True, "early": True}),
+             (16, 12, 128, {}), (16, 12, 128, {"fold": True, "early": True}),
+             (1, 12, 16, {}), (1, 12, 16, {"fold": True}), (1, 12, 16, {"fold": True, "pdl": True}),
+             (4, 12, 64, {}), (4, 12, 64, {"fold": True})]
+
+
+def b64_experiment(ex: dict) -> None:
+    """The B = 64 decode target's candidates (--exp, or alone with --exp-b64): the decode as it is (checked
+    against fp64 first at every tile), with and without pdl, beside `bare` (the same grid's state traffic
+    with nothing else) and torch's in-place scale of the same state, all timed DRAM-cold (80 calls)."""
+    global N_CALLS
+    print("\n== exp: decode correctness ==")
+    for B, H, tv, kn in [(64, 12, 128, {}), (5, 6, 64, {}), (3, 96, 32, {}), (2, 12, 16, {"pdl": True}),
+                         (7, 6, 128, {"pdl": True}), (64, 12, 128, {"fold": True, "early": True}),
+                         (3, 96, 128, {"fold": True}), (5, 6, 64, {"fold": True}), (2, 12, 16, {"fold": True, "pdl": True}),
+                         (7, 6, 32, {"fold": True}), (4, 12, 128, {"early": True, "pdl": True})]:
+        r = _safe(check_decode, B, H, seed=B * 3 + H + tv, steps=2, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, **kn)
+        ex["decode"].append(r)
+        print(f"{B:>4} {H:>3} tile {tv:>3} {kn!s:>14} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
+              f"{r.get('error', '')}")
+    keep, N_CALLS = N_CALLS, 80
+    print("\n== exp: decode timing, the B = 64 target (bare = the state traffic alone), DRAM-cold ==")
+    for B, H, tv, kn in B64_CASES:
+        r = _safe(time_decode, B, H, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {tv:>4} {kn!s:>32} rot {r['rot_us']:8.2f} "
+                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+    print("\n== exp: torch's in-place scale of the same state (read and written in place, as the kernel does) ==")
+    for B in (64,):
+        r = _safe(time_inplace, B, 12)
+        r.update(B=B, H=12, impl="torch_inplace")
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {12:>3} state.mul_ rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
+                  f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s (of the decode's bytes)")
+    N_CALLS = keep
+
+
+def time_inplace(B, H, n_calls=None):
+    """torch's in-place scale of the decode's fp32 state and bf16 conv state on the same rotated sets: the
+    plainest kernel that reads and writes those bytes in place. tbps counts the decode's floor bytes, so
+    the figure compares with the kernel's."""
+    _, _, st, cs = _inputs(B, H, seed=1)
+    n_calls = n_calls or N_CALLS
+    nbytes = kda_decode_bytes(B, H)
+    sets = _sets(lambda: {"st": st.clone(), "cs": cs.clone()}, nbytes, n_calls=n_calls)
+
+    def call(d):
+        def run():
+            d["st"].mul_(0.999)
+            d["cs"].mul_(1.0)
+        return run
+
+    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
+    hot = _graph_us([call(sets[0]) for _ in range(n_calls)])
+    del sets
+    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
+            "floor_us": nbytes / COPY_BW * 1e6}
+
+
+def ncu_launch(spec: str) -> int:
+    """--ncu-launch=B,H,tile[,pdl][,knob=value...] (bare=pad2, fold=1, early=1) or --ncu-launch=inplace,B,H: build 8 rotated sets,
+    run each once (compiles), then launch 6 more calls between cudaProfilerStart/Stop, so
+    `ncu --profile-from-start off --launch-skip 4 --launch-count 1` profiles one call in the middle
+    of a back-to-back run (the previous calls' dirty state still in L2, as in the timed graphs)."""
+    parts = spec.split(",")
+    inplace = parts[0] == "inplace"
+    if inplace:
+        parts = parts[1:]
+    B, H = int(parts[0]), int(parts[1])
+    tv = int(parts[2]) if len(parts) > 2 and not inplace else 128
+    pdl = "pdl" in parts[3:]
+    # the rest: pdl, or knob=value (bare=pad2, fold=1, early=1, cache=cs_both)
+    knobs = {k: (v if k in ("bare", "cache") else bool(int(v)))
+             for k, v in (x.split("=", 1) for x in parts[3:] if "=" in x)}
+    inp, p, st, cs = _inputs(B, H, seed=1)
+    sets = [{"st": st.clone(), "cs": cs.clone(),
+             "out": torch.empty(B, H * 128, dtype=torch.bfloat16, device="cuda")} for _ in range(8)]
+
+    def call(d):
+        if inplace:
+            d["st"].mul_(0.999)
+            return
+        _decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, d["st"], d["cs"], d["out"], tile_v=tv,
+                pdl=pdl, **knobs)
+
+    for d in sets:
+        call(d)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for i in range(6):
+        call(sets[i])
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"ncu-launch {spec}: 6 calls")
+    return 0
+
+
 # ---- main ------------------------------------------------------------------------------------
+
+def main_b64() -> int:
+    """--exp-b64: the B = 64 decode candidates alone (b64_experiment), with the copy bandwidth; writes
+    $OUT/kda_cute_exp_b64.json."""
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to check")
+        return 0
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}, torch {torch.__version__}")
+    t0 = time.time()
+    ex = {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []}
+    b64_experiment(ex)
+    bw = _safe(copy_bw)
+    if isinstance(bw, float):
+        print(f"\nD2D copy bandwidth here: {bw / 1e12:.3f} TB/s")
+    ok = all(r.get("ok") for r in ex["decode"])
+    report = {"device": dev, "torch": torch.__version__, "exp": ex, "copy_bw": bw, "all_ok": ok}
+    print(f"  [{time.time() - t0:.0f}s]")
+    print("\nALL CHECKS PASS" if ok else "\nSOME CHECKS FAILED")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "kda_cute_exp_b64.json"), "w") as fh:
+            json.dump(report, fh, indent=1, default=str)
+    return 0 if ok else 1
+
 
 def _safe(fn, *a, **k):
     try:
@@ -442,6 +558,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--prefill" in argv:  # the chunked prefill only (main_prefill, below)
         return main_prefill(argv)
+    for a in argv:
+        if a.startswith("--ncu-launch="):
+            return ncu_launch(a.split("=", 1)[1])
+    if "--exp-b64" in argv:
+        return main_b64()
     quick = "--quick" in argv
     lean = "--lean" in argv  # fewer shapes: for a tight device budget
     tiny = "--tiny" in argv  # fewest shapes that still cover every tile width

@@ -121,6 +121,15 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"decode tile{tv} cache={cache}",
                           lambda tv=tv, c=cache: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, cache=c),
                           step_args))
+        for kn in ({"fold": True}, {"early": True}, {"fold": True, "early": True}):
+            cases.append((f"decode tile128 {kn}",
+                          lambda kn=kn: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, **kn), step_args))
+        cases.append(("decode tile32 fold", lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 32, fold=True),
+                      step_args))
+        for bare in ("regs", "pad2"):  # the state traffic alone (a measurement knob)
+            cases.append((f"decode tile128 bare={bare}",
+                          lambda b=bare: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, bare=b),
+                          step_args))
         from kernels.cute import kda_decode_persistent as kpd
         for ctas, stages in kpd.CONFIGS:
             cases.append((f"decode persistent ctas{ctas} stages{stages} B64",

@@ -1494,15 +1494,17 @@ def _early(params, state, conv_state):
 
 
 def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, seed: int = 0,
-               pdl: bool = False, cache=None):
+               pdl: bool = False, **knobs):
     """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
     launch's order: nothing but state, conv_state and params read, nothing written, before the wait.
-    cache (the measurement knob) goes through kda_decode's _launch_decode, as check_kda.py does."""
+    knobs (the measurement knobs: cache, fold, early, bare) go through kda_decode's _launch_decode, as
+    check_kda.py does."""
     _PDL["early"] = _early(params, state, conv_state)
+    knobs = {k: v for k, v in knobs.items() if v}
 
     def call(m, **a):
-        if cache is not None:
-            m.kd._launch_decode(*a.values(), tile_v, cache=cache, **({"pdl": True} if pdl else {}))
+        if knobs:
+            m.kd._launch_decode(*a.values(), tile_v, **knobs, **({"pdl": True} if pdl else {}))
         else:
             m.kd.kda_decode(**a, tile_v=tile_v, **({"pdl": True} if pdl else {}))
 

@@ -166,12 +166,15 @@ def _dsl():
     @cute.jit
     def prologue_position(x1t, x2t, f_t, win1: cute.Tensor, win2: cute.Tensor, w1: cute.Tensor, w2: cute.Tensor,
                           a_exp, dtb, lb: cutlass.Constexpr, lower, lane, warp, c, s_info: cute.Tensor, info_base,
-                          s_red: cute.Tensor, red_base):
+                          s_red: cute.Tensor, red_base, fold: cutlass.Constexpr = False, s_v=None, v_base=0):
         """One position's state-independent work, shared by both generators. Threads 0..127 (`lower`):
         conv + silu of the q and k channels of key row c into s_info[info_base + 0, 1] and the warp
         sums |q|^2, |k|^2, q.k into s_red[red_base + warp * 4 + 0..2]; threads 128..255: conv + silu
         of the v channel c into s_info[info_base + 3] and the decay exp(g) of row c into
-        s_info[info_base + 2]. Then the conv windows shift by one (win[3] took x_t first)."""
+        s_info[info_base + 2]. Then the conv windows shift by one (win[3] took x_t first).
+        fold=True (the decode): the lower thread of row c also forms the decay d and writes
+        (q d, k d, d, k) into s_info[info_base + 0..3], so the state passes multiply nothing per row; the
+        upper thread writes v_c alone, into s_v[v_base + c] (the value columns read it 4 at a time)."""
         win1[3] = x1t
         y1 = Float32(0.0)
         for i in cutlass.range_constexpr(4):
@@ -183,8 +186,15 @@ def _dsl():
             for i in cutlass.range_constexpr(4):
                 y2 = y2 + win2[i].to(Float32) * w2[i]
             y2 = y2 * sigmoid(y2)
-            s_info[info_base + 0] = y1
-            s_info[info_base + 1] = y2
+            if cutlass.const_expr(fold):
+                dd = cute.math.exp(lb * sigmoid(a_exp * (f_t.to(Float32) + dtb)))
+                s_info[info_base + 0] = y1 * dd
+                s_info[info_base + 1] = y2 * dd
+                s_info[info_base + 2] = dd
+                s_info[info_base + 3] = y2
+            else:
+                s_info[info_base + 0] = y1
+                s_info[info_base + 1] = y2
             sq = warp_sum(y1 * y1)
             sk = warp_sum(y2 * y2)
             dqk = warp_sum(y1 * y2)
@@ -193,10 +203,13 @@ def _dsl():
                 s_red[red_base + warp * 4 + 1] = sk
                 s_red[red_base + warp * 4 + 2] = dqk
         else:
-            fv = f_t.to(Float32)
-            g = lb * sigmoid(a_exp * (fv + dtb))
-            s_info[info_base + 2] = cute.math.exp(g)
-            s_info[info_base + 3] = y1
+            if cutlass.const_expr(fold):
+                s_v[v_base + c] = y1
+            else:
+                fv = f_t.to(Float32)
+                g = lb * sigmoid(a_exp * (fv + dtb))
+                s_info[info_base + 2] = cute.math.exp(g)
+                s_info[info_base + 3] = y1
         # the conv window after this position (pre-conv inputs, exact bf16 copies)
         for i in cutlass.range_constexpr(3):
             win1[i] = win1[i + 1]
@@ -224,8 +237,23 @@ def _kernel_class():
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float, tile_v: int = 128, pdl: bool = False, cache=None):
+                     lower_bound: float, tile_v: int = 128, pdl: bool = False, cache=None, bare=None,
+                     fold: bool = False, early: bool = False):
             self.B, self.H, self.T = B, H, T
+            # fold (decode): the prologue hands the state passes (q d, k d, d, k) per key row (see
+            # prologue_position) and v in its own array: no per-row multiplies in either pass.
+            # early (decode, tile 128): warp 0 forms and stores the output before the state update, so the
+            # CTA ends with its state stores rather than with warp 0's norm chain. Measurement knobs.
+            self.fold = bool(fold) and not verify
+            self.early = bool(early) and not verify and tile_v == 128
+            # bare (a measurement knob, check_kda.py --exp-b64; writes a WRONG state on purpose): the same
+            # grid and state traffic (16 x 16 B loads, then 16 x 16 B stores a thread) with nothing
+            # else, the state scaled by 0.999. "regs": as many CTAs per SM as the registers allow;
+            # "pad2": shared memory padded so that 2 CTAs share an SM, as the real tile-128 kernel does.
+            # What the compute, the prologue and the barriers cost beyond the bytes.
+            assert bare in (None, "regs", "pad2"), bare
+            assert bare is None or (T == 1 and not verify and tile_v == 128), "bare: decode tile 128 only"
+            self.bare = bare
             # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and
             # parameter loads are issued before griddepcontrol.wait, the activations after it
             self.pdl = bool(pdl)
@@ -256,7 +284,10 @@ def _kernel_class():
                      p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                      p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
                      p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
-            if cutlass.const_expr(self.NC == 1):
+            if cutlass.const_expr(self.bare is not None):
+                self.bare_kernel(p_state).launch(grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream,
+                                                 use_pdl=self.pdl)
+            elif cutlass.const_expr(self.NC == 1):
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
@@ -265,6 +296,31 @@ def _kernel_class():
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
                     cluster=[self.NC, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def bare_kernel(self, p_state: cute.Pointer):
+            """The `bare` measurement knob: the tile-128 state traffic alone (see __init__)."""
+            tid, _, _ = cute.arch.thread_idx()
+            hx, bb, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            if cutlass.const_expr(self.bare == "pad2"):
+                smem = cutlass.memory.SmemAllocator()
+                pad = smem.allocate_tensor(Float32, cute.make_layout(24 * 1024), byte_alignment=16)  # 96 KiB
+                if tid == 0:
+                    pad[0] = Float32(0.0)
+            s_off = cute.assume(((bb * self.H + hx) * _D + warp) * _D + lane * 4, divby=4)
+            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, 16), stride=(1, 8 * _D)))
+            r_s = cute.make_rmem_tensor((4, 16), Float32)
+            cute.autovec_copy(g_state, r_s)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            for i in cutlass.range_constexpr(16):
+                for j in cutlass.range_constexpr(4):
+                    r_s[j, i] = r_s[j, i] * 0.999
+            cute.arch.sync_threads()  # every load lands before any store, as in the real kernel
+            cute.autovec_copy(r_s, g_state)
 
         @cute.kernel
         def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -301,6 +357,9 @@ def _kernel_class():
             smem = cutlass.memory.SmemAllocator()
             # per key row r: (q_raw, k_raw, decay d, v_raw[r])
             s_info = smem.allocate_tensor(Float32, cute.make_layout(NB * 128 * 4), byte_alignment=16)
+            s_v = None
+            if cutlass.const_expr(self.fold):
+                s_v = smem.allocate_tensor(Float32, cute.make_layout(NB * 128), byte_alignment=16)
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(NB * 16), byte_alignment=16)
             # per warp partial column sums: [buf][warp][k^T d S (128) | q^T d S (128)]
@@ -394,7 +453,7 @@ def _kernel_class():
 
                 # ---------------- prologue: conv + silu, gate, norms; windows shift -------------
                 prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, buf * 512 + c * 4, s_red, buf * 16)
+                                  warp, c, s_info, buf * 512 + c * 4, s_red, buf * 16, self.fold, s_v, buf * 128)
                 # decode with a cluster: the peers read conv_state too, so rank 0 writes it only after
                 # the cluster barrier below (late_conv)
                 if cutlass.const_expr(not late_conv):
@@ -429,12 +488,20 @@ def _kernel_class():
                 acc_k.fill(0.0)
                 acc_q.fill(0.0)
                 r_info = cute.make_rmem_tensor((4,), Float32)
+                r_i2 = cute.make_rmem_tensor((2,), Float32)
                 for i in cutlass.range_constexpr(S):
                     r = (i * 8 + warp) * R + rsub
-                    cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
-                                      r_info)
-                    qd = r_info[0] * r_info[2]
-                    kd = r_info[1] * r_info[2]
+                    qd = Float32(0.0)
+                    kd = Float32(0.0)
+                    if cutlass.const_expr(self.fold):
+                        cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 2), r_i2)
+                        qd = r_i2[0]
+                        kd = r_i2[1]
+                    else:
+                        cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
+                                          r_info)
+                        qd = r_info[0] * r_info[2]
+                        kd = r_info[1] * r_info[2]
                     for j in cutlass.range_constexpr(4):
                         acc_k[j] = acc_k[j] + kd * r_s[j, i]
                         acc_q[j] = acc_q[j] + qd * r_s[j, i]
@@ -467,82 +534,105 @@ def _kernel_class():
                     cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                     for j in cutlass.range_constexpr(4):
                         tot_k[j] = tot_k[j] + r_p[j]
-                    cute.autovec_copy(vec(s_part.iterator, o_w + 128, 4), r_p)
-                    for j in cutlass.range_constexpr(4):
-                        tot_q[j] = tot_q[j] + r_p[j]
-                u = cute.make_rmem_tensor((4,), Float32)
-                for j in cutlass.range_constexpr(4):
-                    vj = s_info[buf * 512 + (col0 + j) * 4 + 3]
-                    u[j] = beta * (vj - rk * tot_k[j])
-                for i in cutlass.range_constexpr(S):
-                    r = (i * 8 + warp) * R + rsub
-                    cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
-                                      r_info)
-                    dr = r_info[2]
-                    kr = r_info[1] * rk
-                    for j in cutlass.range_constexpr(4):
-                        r_s[j, i] = dr * r_s[j, i] + kr * u[j]
-                if active > 0:
-                    if cutlass.const_expr(self.verify):
-                        h_off = cute.assume((((bt * H) + h) * D + warp * R + rsub) * D + col0, divby=4)
-                        g_dst = cute.make_tensor(p_shist + h_off,
-                                                 cute.make_layout((4, S), stride=(1, 8 * R * D)))
-                        cute.autovec_copy(r_s, g_dst)
-                    elif cutlass.const_expr(self.cache is not None):
-                        st_cs = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), Float32, num_bits_per_copy=128,
-                                                    store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
-                        cute.copy(st_cs, r_s, g_state)
-                    else:
-                        cute.autovec_copy(r_s, g_state)
-
-                # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
-                # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
-                # columns is completed across the cluster through distributed shared memory.
-                o = cute.make_rmem_tensor((4,), Float32)
-                ss = Float32(0.0)
-                for j in cutlass.range_constexpr(4):
-                    o[j] = (rq * tot_q[j] + qk * u[j]) * scale
-                    ss = ss + o[j] * o[j]
-                if cutlass.const_expr(NC == 1):
-                    if warp == 0:
-                        ss = warp_sum(ss)
-                else:
-                    if warp == 0:
-                        if rsub != 0:
-                            ss = Float32(0.0)
-                        ss = warp_sum(ss)
-                        if cutlass.const_expr(t == 0):
-                            cute.arch.cluster_wait()  # matches the arrive after the state loads
-                        if lane < NC:
-                            st_cluster_f32(s_ss.iterator + (t * NC + rank), lane, ss)
-                    else:
-                        if cutlass.const_expr(t == 0):
-                            cute.arch.cluster_wait()
-                    cute.arch.cluster_arrive()
-                    cute.arch.cluster_wait()
-                    if cutlass.const_expr(late_conv):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                        if rank == 0:
-                            for i in cutlass.range_constexpr(3):
-                                conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                            if lower:
-                                for i in cutlass.range_constexpr(3):
-                                    conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-                    ss = Float32(0.0)
-                    for rr in cutlass.range_constexpr(NC):
-                        ss = ss + s_ss[t * NC + rr]
+                # q^T diag(d) S feeds the output only, which warp 0 alone forms
                 if warp == 0:
-                    o_off = cute.assume(bt * HD + h * D + col0, divby=4)
-                    inv = cute.math.rsqrt(ss * (1.0 / D) + self.eps)
-                    r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                    for w in cutlass.range_constexpr(8):
+                        o_w = cute.assume(buf * 2048 + w * 256 + cg * 4 + 128, divby=4)
+                        cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                        for j in cutlass.range_constexpr(4):
+                            tot_q[j] = tot_q[j] + r_p[j]
+                u = cute.make_rmem_tensor((4,), Float32)
+                uk = cute.make_rmem_tensor((4,), Float32)  # fold: u / |k| (the update's k is unnormalised)
+                if cutlass.const_expr(self.fold):
+                    r_v = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(vec(s_v.iterator, cute.assume(buf * 128 + col0, divby=4), 4), r_v)
                     for j in cutlass.range_constexpr(4):
-                        val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
-                        r_out[j] = val.to(p_out.dtype)
-                    wout = active
-                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                        if lane >= G:
-                            wout = Int32(0)
-                    if wout > 0:
-                        cute.autovec_copy(r_out, vec(p_out, o_off, 4))
+                        u[j] = beta * (r_v[j] - rk * tot_k[j])
+                        uk[j] = rk * u[j]
+                else:
+                    for j in cutlass.range_constexpr(4):
+                        vj = s_info[buf * 512 + (col0 + j) * 4 + 3]
+                        u[j] = beta * (vj - rk * tot_k[j])
+                # early: the output (below) before the state update; otherwise after it
+                for ph in cutlass.range_constexpr(2):
+                    if cutlass.const_expr(ph == 1):
+                        for i in cutlass.range_constexpr(S):
+                            r = (i * 8 + warp) * R + rsub
+                            if cutlass.const_expr(self.fold):
+                                cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4 + 2, divby=2), 2),
+                                                  r_i2)
+                                for j in cutlass.range_constexpr(4):
+                                    r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
+                            else:
+                                cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
+                                                  r_info)
+                                dr = r_info[2]
+                                kr = r_info[1] * rk
+                                for j in cutlass.range_constexpr(4):
+                                    r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                        if active > 0:
+                            if cutlass.const_expr(self.verify):
+                                h_off = cute.assume((((bt * H) + h) * D + warp * R + rsub) * D + col0, divby=4)
+                                g_dst = cute.make_tensor(p_shist + h_off,
+                                                         cute.make_layout((4, S), stride=(1, 8 * R * D)))
+                                cute.autovec_copy(r_s, g_dst)
+                            elif cutlass.const_expr(self.cache is not None):
+                                st_cs = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), Float32, num_bits_per_copy=128,
+                                                            store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
+                                cute.copy(st_cs, r_s, g_state)
+                            else:
+                                cute.autovec_copy(r_s, g_state)
+
+                    if cutlass.const_expr(ph == (0 if self.early else 1)):
+                        # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
+                        # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
+                        # columns is completed across the cluster through distributed shared memory.
+                        o = cute.make_rmem_tensor((4,), Float32)
+                        ss = Float32(0.0)
+                        if warp == 0:
+                            for j in cutlass.range_constexpr(4):
+                                o[j] = (rq * tot_q[j] + qk * u[j]) * scale
+                                ss = ss + o[j] * o[j]
+                        if cutlass.const_expr(NC == 1):
+                            if warp == 0:
+                                ss = warp_sum(ss)
+                        else:
+                            if warp == 0:
+                                if rsub != 0:
+                                    ss = Float32(0.0)
+                                ss = warp_sum(ss)
+                                if cutlass.const_expr(t == 0):
+                                    cute.arch.cluster_wait()  # matches the arrive after the state loads
+                                if lane < NC:
+                                    st_cluster_f32(s_ss.iterator + (t * NC + rank), lane, ss)
+                            else:
+                                if cutlass.const_expr(t == 0):
+                                    cute.arch.cluster_wait()
+                            cute.arch.cluster_arrive()
+                            cute.arch.cluster_wait()
+                            if cutlass.const_expr(late_conv):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                                if rank == 0:
+                                    for i in cutlass.range_constexpr(3):
+                                        conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                                    if lower:
+                                        for i in cutlass.range_constexpr(3):
+                                            conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+                            ss = Float32(0.0)
+                            for rr in cutlass.range_constexpr(NC):
+                                ss = ss + s_ss[t * NC + rr]
+                        if warp == 0:
+                            o_off = cute.assume(bt * HD + h * D + col0, divby=4)
+                            inv = cute.math.rsqrt(ss * (1.0 / D) + self.eps)
+                            r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                            for j in cutlass.range_constexpr(4):
+                                val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
+                                r_out[j] = val.to(p_out.dtype)
+                            wout = active
+                            if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                                if lane >= G:
+                                    wout = Int32(0)
+                            if wout > 0:
+                                cute.autovec_copy(r_out, vec(p_out, o_off, 4))
 
     _KERNEL_CLS = KDAStepKernel
     return KDAStepKernel
