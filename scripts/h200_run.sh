@@ -6,7 +6,8 @@
 #                                   fla) and the layer notebook at tp8, batch 1 and 64, context 8K
 #   STEP=tests carry [".gpu/base"]  the GPU-marked tests (several minutes)
 #   STEP=tune  carry [".gpu/base"]  the Triton KDA tile x warps x stages tuner (kernels/triton/tune_kda.py)
-#   STEP=b64   carry [".gpu/cute"]  the B = 64 decode candidates (check_kda.py --exp-b64) and ncu of one call
+#   STEP=b64   carry [".gpu/cute"]  the B = 64 decode candidates (check_kda.py --exp-b64), ncu of one call of
+#                                   each NCU_SPECS entry ("" for none), the GPU tests of TESTS (files) if set
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short
 # still returns them (the tool brings back at most 8 files). Knobs: HEADS, BATCHES, TS, DEADLINE,
 # NAME (the sweep bundle's name, default kda_sweep), LAYER_BATCHES (empty: skip the layer notebook),
@@ -45,7 +46,7 @@ b64)
   eval "$(bash .gpu/cute/unpack.sh)"; install
   mkdir -p "$OUT/b64"
   OUT="$OUT/b64" python3 kernels/cute/check_kda.py --exp-b64 2>&1 | tee "$OUT/b64/exp.log" | tail -n 30
-  for spec in ${NCU_SPECS:-64,12,128 inplace,64,12}; do
+  for spec in ${NCU_SPECS-64,12,128 inplace,64,12}; do
     tag=$(echo "$spec" | tr ',' '_')
     ncu --clock-control none --cache-control none --profile-from-start off --launch-skip 4 --launch-count 1 \
         --set full --metrics dram__bytes_read.sum,dram__bytes_write.sum -f -o "$OUT/b64/ncu_$tag" \
@@ -53,6 +54,9 @@ b64)
     ncu --import "$OUT/b64/ncu_$tag.ncu-rep" --page details > "$OUT/b64/ncu_$tag.txt" 2>&1
     grep -E "Duration|DRAM Throughput|dram__bytes|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|L2 Hit|Warp Cycles Per Issued|Block Limit" "$OUT/b64/ncu_$tag.txt" | head -n 24
   done
+  if [ -n "${TESTS:-}" ]; then  # e.g. TESTS=tests/test_kda_cute.py: those files' GPU tests
+    python3 -m pytest -q -m gpu $TESTS --durations=15 2>&1 | tee "$OUT/b64/pytest_gpu.log" | tail -n 8
+  fi
   pack b64 ;;
 tests)
   eval "$(bash .gpu/base/unpack.sh)"; install

@@ -116,16 +116,12 @@ def test_decode_pdl(tile_v, B, H):
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
 
 
-@pytest.mark.parametrize("tile_v,cache,pdl", [(128, "cs_store", False), (64, "cs_both", True)])
-def test_decode_cache_hints(tile_v, cache, pdl):
-    """The state cache-hint knob (cute.copy with G2R / R2G atoms of 128 bits) moves the same data."""
-    _assert_ok(ck.check_decode(2, 1, seed=3, tile_v=tile_v, pdl=pdl, cache=cache))
-
-
-@pytest.mark.parametrize("tile_v,knobs", [(128, {"fold": True}), (128, {"early": True}),
-                                          (128, {"fold": True, "early": True, "pdl": True}), (32, {"fold": True})])
-def test_decode_fold_early(tile_v, knobs):
-    """fold (the prologue hands the passes q d, k d, d, k) and early (the output before the state update)."""
+@pytest.mark.parametrize("tile_v,knobs", [(128, {"fold": False}), (128, {"early": False}),
+                                          (128, {"fold": False, "early": False, "pdl": True}), (64, {"fold": False}),
+                                          (32, {"fold": True}), (16, {"fold": True, "pdl": True})])
+def test_decode_fold_early_off_and_on(tile_v, knobs):
+    """fold (the prologue hands the passes q d, k d, d, k; default at tiles 128 and 64) and early (the
+    output before the state update; default at tile 128), each forced against its default."""
     _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, **knobs))
 
 

@@ -4,7 +4,7 @@
                                      [--tiles=128,64,32,16]
     python kernels/cute/check_kda.py --prefill [--quick] [--no-time]   (kda_prefill.py only: main_prefill)
     python kernels/cute/check_kda.py --exp-b64        (the B = 64 decode candidates only: main_b64)
-    python kernels/cute/check_kda.py --ncu-launch=B,H,tile[,pdl][,cs_both]   (a run for ncu: ncu_launch)
+    python kernels/cute/check_kda.py --ncu-launch=B,H,tile[,pdl][,knob=value]   (a run for ncu: ncu_launch)
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
 `make_kda_inputs` (never zeros), outputs poisoned with NaN first, compared against the fp64
@@ -88,7 +88,7 @@ def _decode(qkv, f, b, gate, p, st, cs, out, tile_v=128, stages=None, pdl=False,
     knobs, through kda_decode's _launch_decode) or the persistent one (stages = (CTAs per SM, stages);
     tile 128)."""
     if stages is None:
-        knobs = {k: v for k, v in knobs.items() if v}  # the measurement knobs set (cache, bare, fold, early)
+        knobs = {k: v for k, v in knobs.items() if v is not None}  # measurement knobs given (bare, fold, early)
         if knobs:
             kn = {**knobs, **({"pdl": True} if pdl else {})}
             return _kd._launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, **kn)
@@ -411,28 +411,27 @@ def experiment(report: dict) -> None:
     ex["all_ok"] = all(r.get("ok") for r in ex["decode"] + ex["verify"])
 
 
-# the B = 64 decode candidates: (B, H, tile, knobs); bare = the state traffic alone (see KDAStepKernel)
-B64_CASES = [(64, 12, 128, {}), (64, 12, 128, {"pdl": True}),
-             (64, 12, 128, {"fold": True}), (64, 12, 128, {"fold": True, "pdl": True}),
-             (64, 12, 128, {"early": True}), (64, 12, 128, {"early": True, "pdl": True}),
-             (64, 12, 128, {"fold": True, "early": True}), (64, 12, 128, {"fold": True, "early": True, "pdl": True}),
-             (64, 12, 128, {"bare": "pad2", "pdl": True}),
-             (256, 12, 128, {}), (256, 12, 128, {"fold": True, "early": True}),
-             (16, 12, 128, {}), (16, 12, 128, {"fold": True, "early": True}),
-             (1, 12, 16, {}), (1, 12, 16, {"fold": True}), (1, 12, 16, {"fold": True, "pdl": True}),
-             (4, 12, 64, {}), (4, 12, 64, {"fold": True})]
+# the B = 64 decode target: (B, H, tile, knobs). {} = the defaults (fold and early on at tile 128); OFF = the
+# kernel before them; bare = the same grid's state traffic alone (see KDAStepKernel)
+OFF = {"fold": False, "early": False}
+B64_CASES = [(64, 12, 128, {}), (64, 12, 128, {"pdl": True}), (64, 12, 128, OFF), (64, 12, 128, {**OFF, "pdl": True}),
+             (64, 12, 128, {"fold": False}), (64, 12, 128, {"early": False}),
+             (64, 12, 128, {"bare": "pad2"}), (64, 12, 128, {"bare": "pad2", "pdl": True}),
+             (256, 12, 128, {}), (256, 12, 128, OFF), (16, 12, 128, {}), (16, 12, 128, OFF),
+             (1, 12, 16, {}), (1, 12, 16, {"fold": True}), (4, 12, 64, {}), (4, 12, 64, {"fold": False})]
 
 
 def b64_experiment(ex: dict) -> None:
-    """The B = 64 decode target's candidates (--exp, or alone with --exp-b64): the decode as it is (checked
-    against fp64 first at every tile), with and without pdl, beside `bare` (the same grid's state traffic
-    with nothing else) and torch's in-place scale of the same state, all timed DRAM-cold (80 calls)."""
+    """The B = 64 decode target (--exp, or alone with --exp-b64): the decode as it is and with its fold /
+    early knobs off (each checked against fp64 first), with and without pdl, beside `bare` (the same grid's
+    state traffic with nothing else) and torch's in-place scale of the same state, all timed DRAM-cold
+    (80 calls a graph)."""
     global N_CALLS
     print("\n== exp: decode correctness ==")
     for B, H, tv, kn in [(64, 12, 128, {}), (5, 6, 64, {}), (3, 96, 32, {}), (2, 12, 16, {"pdl": True}),
-                         (7, 6, 128, {"pdl": True}), (64, 12, 128, {"fold": True, "early": True}),
-                         (3, 96, 128, {"fold": True}), (5, 6, 64, {"fold": True}), (2, 12, 16, {"fold": True, "pdl": True}),
-                         (7, 6, 32, {"fold": True}), (4, 12, 128, {"early": True, "pdl": True})]:
+                         (7, 6, 128, {"pdl": True}), (64, 12, 128, OFF), (3, 96, 128, {"fold": False}),
+                         (5, 6, 64, {"fold": False}), (2, 12, 16, {"fold": True, "pdl": True}), (7, 6, 32, {"fold": True}),
+                         (4, 12, 128, {"early": False, "pdl": True})]:
         r = _safe(check_decode, B, H, seed=B * 3 + H + tv, steps=2, tile_v=tv, **kn)
         r.update(B=B, H=H, tile_v=tv, **kn)
         ex["decode"].append(r)
@@ -493,8 +492,8 @@ def ncu_launch(spec: str) -> int:
     B, H = int(parts[0]), int(parts[1])
     tv = int(parts[2]) if len(parts) > 2 and not inplace else 128
     pdl = "pdl" in parts[3:]
-    # the rest: pdl, or knob=value (bare=pad2, fold=1, early=1, cache=cs_both)
-    knobs = {k: (v if k in ("bare", "cache") else bool(int(v)))
+    # the rest: pdl, or knob=value (bare=pad2, fold=0, early=0)
+    knobs = {k: (v if k == "bare" else bool(int(v)))
              for k, v in (x.split("=", 1) for x in parts[3:] if "=" in x)}
     inp, p, st, cs = _inputs(B, H, seed=1)
     sets = [{"st": st.clone(), "cs": cs.clone(),

@@ -117,15 +117,13 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"decode tile{tv} pdl",
                           lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, pdl=True),
                           step_args))
-        for tv, cache in ((128, "cs_store"), (128, "cs_both"), (64, "cs_both")):  # cache hints on the state
-            cases.append((f"decode tile{tv} cache={cache}",
-                          lambda tv=tv, c=cache: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, cache=c),
-                          step_args))
-        for kn in ({"fold": True}, {"early": True}, {"fold": True, "early": True}):
+        for kn in ({"fold": False}, {"early": False}, {"fold": False, "early": False}):  # the knobs off
             cases.append((f"decode tile128 {kn}",
                           lambda kn=kn: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, **kn), step_args))
         cases.append(("decode tile32 fold", lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 32, fold=True),
                       step_args))
+        cases.append(("decode tile64 no fold",
+                      lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 64, fold=False), step_args))
         for bare in ("regs", "pad2"):  # the state traffic alone (a measurement knob)
             cases.append((f"decode tile128 bare={bare}",
                           lambda b=bare: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, bare=b),

@@ -1497,10 +1497,10 @@ def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
                pdl: bool = False, **knobs):
     """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
     launch's order: nothing but state, conv_state and params read, nothing written, before the wait.
-    knobs (the measurement knobs: cache, fold, early, bare) go through kda_decode's _launch_decode, as
+    knobs (the measurement knobs: fold, early, bare) go through kda_decode's _launch_decode, as
     check_kda.py does."""
     _PDL["early"] = _early(params, state, conv_state)
-    knobs = {k: v for k, v in knobs.items() if v}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
 
     def call(m, **a):
         if knobs:

@@ -237,15 +237,23 @@ def _kernel_class():
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float, tile_v: int = 128, pdl: bool = False, cache=None, bare=None,
-                     fold: bool = False, early: bool = False):
+                     lower_bound: float, tile_v: int = 128, pdl: bool = False, bare=None,
+                     fold=None, early=None):
             self.B, self.H, self.T = B, H, T
-            # fold (decode): the prologue hands the state passes (q d, k d, d, k) per key row (see
-            # prologue_position) and v in its own array: no per-row multiplies in either pass.
-            # early (decode, tile 128): warp 0 forms and stores the output before the state update, so the
-            # CTA ends with its state stores rather than with warp 0's norm chain. Measurement knobs.
-            self.fold = bool(fold) and not verify
-            self.early = bool(early) and not verify and tile_v == 128
+            # fold (decode; default at tiles 128 and 64): the prologue hands the state passes (q d, k d, d, k)
+            # per key row (see prologue_position) and v in its own array, so neither pass multiplies per row.
+            # It lengthens the prologue (the decay moves to the q/k threads), which is the chain at B = 1,
+            # so the narrow tiles (the small-batch defaults) keep the old split.
+            # early (decode, tile 128; default): warp 0 forms and stores the output before the state update,
+            # so the CTA ends with its state stores instead of warp 0's norm chain.
+            # Measured (profiles/h200/kda_cute_exp_b64.json, 12 heads, B = 64): 30.05 us as before, fold 29.79,
+            # early 29.60, both 29.26 (29.00 with pdl); B = 16 10.37 -> 9.83, B = 256 107.98 -> 107.29;
+            # B = 1 tile 16 with fold 3.97 against 3.90 (why fold stays off there).
+            self.fold = (tile_v >= 64 if fold is None else bool(fold)) and not verify
+            self.early = (True if early is None else bool(early)) and not verify and tile_v == 128
+            # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and
+            # parameter loads are issued before griddepcontrol.wait, the activations after it
+            self.pdl = bool(pdl)
             # bare (a measurement knob, check_kda.py --exp-b64; writes a WRONG state on purpose): the same
             # grid and state traffic (16 x 16 B loads, then 16 x 16 B stores a thread) with nothing
             # else, the state scaled by 0.999. "regs": as many CTAs per SM as the registers allow;
@@ -254,15 +262,6 @@ def _kernel_class():
             assert bare in (None, "regs", "pad2"), bare
             assert bare is None or (T == 1 and not verify and tile_v == 128), "bare: decode tile 128 only"
             self.bare = bare
-            # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and
-            # parameter loads are issued before griddepcontrol.wait, the activations after it
-            self.pdl = bool(pdl)
-            # cache (decode only; a measurement knob, check_kda.py --exp): cache hints on the state traffic.
-            # None: plain ld/st.global.v4; "cs_store": the state write-back as st.global.cs (streaming,
-            # evict-first); "cs_both": also the state loads as ld.global.cs. Not measured yet.
-            assert cache in (None, "cs_store", "cs_both"), cache
-            assert cache is None or (T == 1 and not verify), "cache hints: decode only"
-            self.cache = cache
             self.verify, self.ragged = verify, ragged
             self.eps, self.lb = float(eps), float(lower_bound)
             self.nbuf = 1 if T == 1 else 2
@@ -377,12 +376,7 @@ def _kernel_class():
             s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
             g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
             r_s = cute.make_rmem_tensor((4, S), Float32)
-            if cutlass.const_expr(self.cache == "cs_both"):
-                ld_cs = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), Float32, num_bits_per_copy=128,
-                                            load_cache_mode=cute.nvgpu.LoadCacheMode.STREAMING)
-                cute.copy(ld_cs, g_state, r_s)
-            else:
-                cute.autovec_copy(g_state, r_s)
+            cute.autovec_copy(g_state, r_s)
             if cutlass.const_expr(NC > 1):
                 cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before remote stores
 
@@ -576,10 +570,6 @@ def _kernel_class():
                                 g_dst = cute.make_tensor(p_shist + h_off,
                                                          cute.make_layout((4, S), stride=(1, 8 * R * D)))
                                 cute.autovec_copy(r_s, g_dst)
-                            elif cutlass.const_expr(self.cache is not None):
-                                st_cs = cute.make_copy_atom(cute.nvgpu.CopyR2GOp(), Float32, num_bits_per_copy=128,
-                                                            store_cache_mode=cute.nvgpu.StoreCacheMode.STREAMING)
-                                cute.copy(st_cs, r_s, g_state)
                             else:
                                 cute.autovec_copy(r_s, g_state)
 
@@ -773,8 +763,8 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
 
 def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **knobs):
     """Compile (once per shape and knobs) and launch on the current stream; arguments already validated.
-    knobs: pdl (kda_decode's switch) and cache (a measurement knob for kernels/cute/check_kda.py --exp:
-    None, "cs_store", "cs_both"; see KDAStepKernel)."""
+    knobs: pdl (kda_decode's switch) and the measurement knobs of kernels/cute/check_kda.py (bare, fold,
+    early; see KDAStepKernel)."""
     B, H = qkv.shape[0], params.heads
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
