@@ -41,8 +41,8 @@ def test_auto_follows_the_table_and_falls_back_without_cute(monkeypatch):
     monkeypatch.setattr(comp, "backend_status", lambda b: (True, "pretend"))
     monkeypatch.setattr(comp, "_cute_module", lambda name: object())
     assert comp.auto_choice("decode", 1) == ("cute", 16)
-    assert comp.auto_choice("decode", 2) == ("cute", 32)
-    assert comp.auto_choice("decode", 4) == ("cute", 64)
+    assert comp.auto_choice("decode", 2) == ("cute", 16)
+    assert comp.auto_choice("decode", 4) == ("cute", 128)   # measured: tile 128 from B=4 (fold + early)
     assert comp.auto_choice("decode", 64) == ("cute", 128)
     assert comp.auto_choice("verify", 1, 4) == ("cute", 16)
     assert comp.auto_choice("verify", 8, 4) == ("cute", 64)   # measured: tile 64 wins at B=8 T=4 only

@@ -14,9 +14,15 @@ owns key rows w, w+8, ..., w+120 and lane l owns value columns 4l..4l+3, so ever
 moves one full 512-byte state row with 16-byte vector loads/stores (16 loads + 16 stores a thread).
 Both reductions over the key rows (k^T diag(d) S and q^T diag(d) S) are done in ONE pass over the
 old state, using  o = q^T diag(d) S + (q.k) * beta * (v - k^T diag(d) S);  the per-warp partial sums
-meet in shared memory (2 barriers), warp 0 finishes the per-head RMSNorm with shuffles.
+meet in shared memory (2 barriers); every warp combines k^T diag(d) S (it needs it for its update),
+warp 0 alone combines q^T diag(d) S and finishes the per-head RMSNorm with shuffles.
 Conv/gate prologue: threads 0..127 run the q and k conv channels of key row c = tid (and reduce
 |q|^2, |k|^2, q.k), threads 128..255 the v channel and the decay gate of row c = tid - 128.
+`fold` (default at tiles 128 and 64): the q/k thread of row c also forms the decay d_c and hands the
+passes (q_c d_c, k_c d_c, d_c, k_c), v in its own array, so no pass multiplies per row (1/|k| goes into
+the per-column u instead). `early` (default at tile 128): warp 0 stores the output before its state
+update, so the CTA ends with state stores, not with warp 0's norm chain. Both shorten the work between
+a CTA's last state load and its exit, which is what B = 64 was short of (below).
 
 Column tiles (the spec's "KDA tile width" switch): tile_v = 64, 32 or 16 splits each head's 128 value
 columns over a cluster of 128/tile_v CTAs (still 256 threads each, G = tile_v/4 lanes per row, so
@@ -34,23 +40,24 @@ Floor (decode, bytes that must move, per (b, h)): state 65,536 B read + 65,536 B
 2,304 B read + 2,304 B written, qkv 768 B, f 256 B, gate 256 B, out 256 B, b 2 B = 137,218 B, plus
 params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
     H = 12, B = 1:  1.69 MB -> 0.39 us   (launch-latency bound; the target is <= 4 us graph replay)
-    H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29 us)
+    H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29.3 us)
 
 Measured on the H200 (all within tolerance of the fp64 oracle: out rel err ~1.7e-3, state <= 1.1e-7,
-conv exact), profiles/h200/kda_sweep.json (third session; `k3lab bench kda`: graph replay of >= 20 calls,
-inputs rotated past L2 as in a 69-layer model; copy 4.218 TB/s in that run), 12 heads:
-    B=1 3.85 us (tile 16; tile 32 4.13), B=2 4.68 (tile 32), B=4 5.89 (tile 64), B=8 7.47 (tile 128),
-    B=64 31.10 us = 3.39 TB/s = 80 % of copy (tile 128). fla's recurrence alone: 4.40 / 36.39 us.
-    With pdl (the kda_pdl switch, row cute_pdl): B=1 2.95 us, B=8 5.12, B=64 30.39 us = 3.47 TB/s = 82 %.
-    torch's own copy of the same bytes in the same rotated graph (row torch_copy): B=64 40.71 us.
-    profiles/h200/kda_cute_exp_pdl.json (check_kda.py --exp, 80 rotated sets): B=256 109.49 us = 3.85 TB/s
-    (pdl 108.40 = 3.89); 96 heads B=64 214.71 us = 3.93 TB/s (pdl 212.99 = 3.96).
-Open: B=64 reaches 3.39 (3.47 with pdl) of the 3.6 TB/s target; the long grids reach 3.85-3.96 TB/s, so
-the loss at 768 CTAs (2.9 waves of 2 CTAs per SM) is the start and the tail of the kernel and the
-load-compute-store order inside a CTA. Measured and not kept (kda_cute_exp.json, kda_cute_exp_pdl.json):
-the persistent TMA-fed kernel (kda_decode_persistent.py; (2, 1) 31.22 vs 31.05 us, the register-light
-(3, 1) 33.25), an L2 prefetch of a later CTA's state (kda_cute_exp_l2prefetch.log: 30.28-33.53 vs
-30.83 us). PDL, which overlaps the start of one call with the end of the previous, is the one that gains.
+conv exact), profiles/h200/kda_sweep-decode.json (fourth session; `k3lab bench kda`: graph replay of >= 20
+calls, inputs rotated past L2 as in a 69-layer model; copy 4.129 TB/s in that run), 12 heads:
+    B=1 3.91 us (tile 16), B=2 4.60 (tile 16), B=4 5.39, B=8 6.85, B=16 9.85, B=32 16.38 (tile 128),
+    B=64 29.52 us = 3.57 TB/s = 86.5 % of copy (tile 128). fla's recurrence alone: 4.38 / 36.35 us.
+    With pdl (the kda_pdl switch, row cute_pdl): B=1 2.94 us, B=64 29.33 us = 3.59 TB/s = 87 %.
+    torch's own copy of the same bytes in the same rotated graph (row torch_copy): B=64 40.68 us.
+The B = 64 account (profiles/h200/kda_cute_exp_b64.json, check_kda.py --exp-b64, 80 rotated sets; copy
+4.001 TB/s in that run): this kernel 29.38 us (pdl 29.13); without fold and early 30.32 (the kernel of the
+third session, 30.85, also combined q^T diag(d) S in every warp: kda_cute_exp_cache.json); `bare`, the same
+grid moving the same state with nothing else, 27.49 (pdl 26.13); torch's in-place scale of the state,
+one elementwise kernel, 28.72. So about 1.9 us is the work after each CTA's loads land, not the
+traffic shape; B = 256 107.97 us = 3.90 TB/s. Measured and not kept: evict-first (.cs) state loads and
+stores (kda_cute_exp_cache.json: 31.24 / 31.78 against 30.85 us), tile 64 with pdl (32.31), the persistent
+TMA-fed kernel (kda_decode_persistent.py; (2, 1) 31.22 vs 31.05 us in kda_cute_exp_pdl.json), an L2
+prefetch of a later CTA's state (kda_cute_exp_l2prefetch.log).
 
 Programmatic dependent launch (pdl=True): the launch may begin while the previous kernel on the stream
 still runs; each CTA issues its state, conv-window and parameter loads, then griddepcontrol.wait (the
@@ -242,13 +249,13 @@ def _kernel_class():
             self.B, self.H, self.T = B, H, T
             # fold (decode; default at tiles 128 and 64): the prologue hands the state passes (q d, k d, d, k)
             # per key row (see prologue_position) and v in its own array, so neither pass multiplies per row.
-            # It lengthens the prologue (the decay moves to the q/k threads), which is the chain at B = 1,
-            # so the narrow tiles (the small-batch defaults) keep the old split.
             # early (decode, tile 128; default): warp 0 forms and stores the output before the state update,
             # so the CTA ends with its state stores instead of warp 0's norm chain.
-            # Measured (profiles/h200/kda_cute_exp_b64.json, 12 heads, B = 64): 30.05 us as before, fold 29.79,
-            # early 29.60, both 29.26 (29.00 with pdl); B = 16 10.37 -> 9.83, B = 256 107.98 -> 107.29;
-            # B = 1 tile 16 with fold 3.97 against 3.90 (why fold stays off there).
+            # Measured (profiles/h200/kda_cute_exp_b64.json, 12 heads, 80 rotated sets): B = 64 29.38 us with
+            # both, 29.87 fold only, 29.89 early only, 30.32 neither (pdl: 29.13 against 29.81); B = 16 9.97
+            # against 10.38, B = 256 107.97 against 108.96; tile 64 at B = 4 5.62 against 5.69 without fold.
+            # Tile 16 at B = 1 ties (4.00 with fold, 4.01 without): the narrow tiles, whose B = 1 figure is a
+            # latency chain that fold lengthens on the q/k threads, keep the old split.
             self.fold = (tile_v >= 64 if fold is None else bool(fold)) and not verify
             self.early = (True if early is None else bool(early)) and not verify and tile_v == 128
             # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and

@@ -183,16 +183,15 @@ def _scratch(device: torch.device, rows: int, D: int, NT: int, T: int = 1):
     return s
 
 
-# GUESS pending measurement: these values were measured on the previous version of the kernels (which
-# kept 1-D prologue vectors replicated per thread and the q/k windows live to the end) and are kept
-# unchanged; ptxas (sm_90a, no GPU) now reports decode tile 16/2 warps 86 regs, 32/4 80, 64/4 130,
-# 128/8 159 with no spills (was 124 / 157 / 254 / 255+spill). Re-derive with kernels/triton/tune_kda.py.
-# Old measurement (H200, 12 heads, D=128, CUDA-graph replay, 2026-11-30): decode best at
-# tile 16 / 2 warps (B=1: 4.98 us back-to-back, 6.0 us as a single-node graph; B=64: 1.93 TB/s fp32)
-# and tile 32 / 4 warps (B=64 fp32: 1.96 TB/s); tile 128 / 8 warps spills (255 regs).
-_DECODE_WARPS = {4: 2, 8: 2, 16: 2, 32: 4, 64: 4, 128: 8}
-# verify (B=1, T=4): tile 8 / 1 warp 9.5 us, tile 16 / 1 warp 11.6 us; B=8, T=4: tile 16 / 1 warp 18.2 us
-_VERIFY_WARPS = {4: 1, 8: 1, 16: 1, 32: 4, 64: 4, 128: 8}
+# num_warps per value tile, from kernels/triton/tune_kda.py --quick on the H200 (profiles/h200/tune_kda.json,
+# 12 heads, D = 128, every config checked against fp64 first; tiles 8/16/32/128, the geometric mean over
+# its cases: decode B = 1 and 64, verify T = 4 and 8 at B = 1 and 8). Changed where the tuner found a clear
+# winner: decode tile 128 8 -> 4 warps (B=64 56.46 -> 33.81 us; 8 warps spills), verify tile 128 8 -> 4
+# (B=8 T=4 28.42 -> 20.07 us), verify tiles 8 and 16 1 -> 2 (B=8 T=4 41.83 -> 34.82, 21.22 -> 17.69 us).
+# Kept where 2 and 4 warps tie within 0.5 % (decode tiles 16, 32) and where the quick tuner did not go
+# (tiles 4, 64: the previous kernel's measurement).
+_DECODE_WARPS = {4: 2, 8: 2, 16: 2, 32: 4, 64: 4, 128: 4}
+_VERIFY_WARPS = {4: 1, 8: 2, 16: 2, 32: 4, 64: 4, 128: 4}
 
 
 def default_num_warps(D: int, tile_v: int, verify: bool = False) -> int:
