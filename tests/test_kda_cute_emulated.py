@@ -118,10 +118,12 @@ def test_decode_pdl(tile_v, B, H):
 
 @pytest.mark.parametrize("tile_v,knobs", [(128, {"fold": False}), (128, {"early": False}),
                                           (128, {"fold": False, "early": False, "pdl": True}), (64, {"fold": False}),
-                                          (32, {"fold": True}), (16, {"fold": True, "pdl": True})])
+                                          (32, {"fold": True}), (16, {"fold": True, "pdl": True}),
+                                          (128, {"rs": True}), (128, {"rs": True, "early": False, "pdl": True})])
 def test_decode_fold_early_off_and_on(tile_v, knobs):
     """fold (the prologue hands the passes q d, k d, d, k; default at tiles 128 and 64) and early (the
-    output before the state update; default at tile 128), each forced against its default."""
+    output before the state update; default at tile 128), each forced against its default; rs (the
+    reduce-scatter combine, a measurement knob)."""
     _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, **knobs))
 
 

@@ -417,6 +417,7 @@ OFF = {"fold": False, "early": False}
 B64_CASES = [(64, 12, 128, {}), (64, 12, 128, {"pdl": True}), (64, 12, 128, OFF), (64, 12, 128, {**OFF, "pdl": True}),
              (64, 12, 128, {"fold": False}), (64, 12, 128, {"early": False}),
              (64, 12, 128, {"bare": "pad2"}), (64, 12, 128, {"bare": "pad2", "pdl": True}),
+             (64, 12, 128, {"rs": True}), (64, 12, 128, {"rs": True, "pdl": True}),
              (256, 12, 128, {}), (256, 12, 128, OFF), (16, 12, 128, {}), (16, 12, 128, OFF),
              (1, 12, 16, {}), (1, 12, 16, {"fold": True}), (4, 12, 64, {}), (4, 12, 64, {"fold": False})]
 
@@ -430,8 +431,9 @@ def b64_experiment(ex: dict) -> None:
     print("\n== exp: decode correctness ==")
     for B, H, tv, kn in [(64, 12, 128, {}), (5, 6, 64, {}), (3, 96, 32, {}), (2, 12, 16, {"pdl": True}),
                          (7, 6, 128, {"pdl": True}), (64, 12, 128, OFF), (3, 96, 128, {"fold": False}),
-                         (5, 6, 64, {"fold": False}), (2, 12, 16, {"fold": True, "pdl": True}), (7, 6, 32, {"fold": True}),
-                         (4, 12, 128, {"early": False, "pdl": True})]:
+                         (5, 6, 64, {"fold": False}), (2, 12, 16, {"fold": True, "pdl": True}),
+                         (7, 6, 32, {"fold": True}), (4, 12, 128, {"early": False, "pdl": True}),
+                         (64, 12, 128, {"rs": True}), (3, 96, 128, {"rs": True, "pdl": True})]:
         r = _safe(check_decode, B, H, seed=B * 3 + H + tv, steps=2, tile_v=tv, **kn)
         r.update(B=B, H=H, tile_v=tv, **kn)
         ex["decode"].append(r)
@@ -481,8 +483,8 @@ def time_inplace(B, H, n_calls=None):
 
 
 def ncu_launch(spec: str) -> int:
-    """--ncu-launch=B,H,tile[,pdl][,knob=value...] (bare=pad2, fold=1, early=1) or --ncu-launch=inplace,B,H: build 8 rotated sets,
-    run each once (compiles), then launch 6 more calls between cudaProfilerStart/Stop, so
+    """--ncu-launch=B,H,tile[,pdl][,knob=value...] (bare=pad2, fold=0, early=0) or --ncu-launch=inplace,B,H:
+    build 8 rotated sets, run each once (compiles), then launch 6 more calls between cudaProfilerStart/Stop, so
     `ncu --profile-from-start off --launch-skip 4 --launch-count 1` profiles one call in the middle
     of a back-to-back run (the previous calls' dirty state still in L2, as in the timed graphs)."""
     parts = spec.split(",")
@@ -492,7 +494,7 @@ def ncu_launch(spec: str) -> int:
     B, H = int(parts[0]), int(parts[1])
     tv = int(parts[2]) if len(parts) > 2 and not inplace else 128
     pdl = "pdl" in parts[3:]
-    # the rest: pdl, or knob=value (bare=pad2, fold=0, early=0)
+    # the rest: pdl, or knob=value (bare=pad2, fold=0, early=0, rs=1)
     knobs = {k: (v if k == "bare" else bool(int(v)))
              for k, v in (x.split("=", 1) for x in parts[3:] if "=" in x)}
     inp, p, st, cs = _inputs(B, H, seed=1)

@@ -120,8 +120,10 @@ def _cases(only: str | None, quick: bool):
         for kn in ({"fold": False}, {"early": False}, {"fold": False, "early": False}):  # the knobs off
             cases.append((f"decode tile128 {kn}",
                           lambda kn=kn: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, **kn), step_args))
-        cases.append(("decode tile32 fold", lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 32, fold=True),
-                      step_args))
+        cases.append(("decode tile32 fold",
+                      lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 32, fold=True), step_args))
+        cases.append(("decode tile128 rs",
+                      lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, rs=True), step_args))
         cases.append(("decode tile64 no fold",
                       lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 64, fold=False), step_args))
         for bare in ("regs", "pad2"):  # the state traffic alone (a measurement knob)

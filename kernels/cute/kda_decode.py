@@ -245,8 +245,15 @@ def _kernel_class():
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, pdl: bool = False, bare=None,
-                     fold=None, early=None):
+                     fold=None, early=None, rs: bool = False):
             self.B, self.H, self.T = B, H, T
+            # rs (decode, tile 128; a measurement knob, not yet timed): the 8 warps' partial column sums are
+            # combined as a reduce-scatter (thread t sums column t over the warps, one barrier more, then
+            # one 16-byte load a thread) instead of every thread summing its 4 columns over the 8 warps.
+            # The same summation order (fp32 on the GPU; the CPU emulator keeps registers in fp64, so there
+            # the stored partial sums round once more and the results differ in the last bit).
+            self.rs = bool(rs)
+            assert not rs or (T == 1 and not verify and tile_v == 128), "rs: decode, tile 128 only"
             # fold (decode; default at tiles 128 and 64): the prologue hands the state passes (q d, k d, d, k)
             # per key row (see prologue_position) and v in its own array, so neither pass multiplies per row.
             # early (decode, tile 128; default): warp 0 forms and stores the output before the state update,
@@ -363,6 +370,9 @@ def _kernel_class():
             smem = cutlass.memory.SmemAllocator()
             # per key row r: (q_raw, k_raw, decay d, v_raw[r])
             s_info = smem.allocate_tensor(Float32, cute.make_layout(NB * 128 * 4), byte_alignment=16)
+            s_tot = None
+            if cutlass.const_expr(self.rs):
+                s_tot = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
             s_v = None
             if cutlass.const_expr(self.fold):
                 s_v = smem.allocate_tensor(Float32, cute.make_layout(NB * 128), byte_alignment=16)
@@ -530,18 +540,29 @@ def _kernel_class():
                 tot_k.fill(0.0)
                 tot_q.fill(0.0)
                 r_p = cute.make_rmem_tensor((4,), Float32)
-                for w in cutlass.range_constexpr(8):
-                    o_w = cute.assume(buf * 2048 + w * 256 + cg * 4, divby=4)
-                    cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
-                    for j in cutlass.range_constexpr(4):
-                        tot_k[j] = tot_k[j] + r_p[j]
-                # q^T diag(d) S feeds the output only, which warp 0 alone forms
-                if warp == 0:
+                if cutlass.const_expr(self.rs):
+                    # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
+                    tsum = Float32(0.0)
                     for w in cutlass.range_constexpr(8):
-                        o_w = cute.assume(buf * 2048 + w * 256 + cg * 4 + 128, divby=4)
+                        tsum = tsum + s_part[buf * 2048 + w * 256 + tid]
+                    s_tot[tid] = tsum
+                    cute.arch.sync_threads()
+                    cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
+                    if warp == 0:
+                        cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
+                else:
+                    for w in cutlass.range_constexpr(8):
+                        o_w = cute.assume(buf * 2048 + w * 256 + cg * 4, divby=4)
                         cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                         for j in cutlass.range_constexpr(4):
-                            tot_q[j] = tot_q[j] + r_p[j]
+                            tot_k[j] = tot_k[j] + r_p[j]
+                    # q^T diag(d) S feeds the output only, which warp 0 alone forms
+                    if warp == 0:
+                        for w in cutlass.range_constexpr(8):
+                            o_w = cute.assume(buf * 2048 + w * 256 + cg * 4 + 128, divby=4)
+                            cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                            for j in cutlass.range_constexpr(4):
+                                tot_q[j] = tot_q[j] + r_p[j]
                 u = cute.make_rmem_tensor((4,), Float32)
                 uk = cute.make_rmem_tensor((4,), Float32)  # fold: u / |k| (the update's k is unnormalised)
                 if cutlass.const_expr(self.fold):
@@ -771,7 +792,7 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
 def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **knobs):
     """Compile (once per shape and knobs) and launch on the current stream; arguments already validated.
     knobs: pdl (kda_decode's switch) and the measurement knobs of kernels/cute/check_kda.py (bare, fold,
-    early; see KDAStepKernel)."""
+    early, rs; see KDAStepKernel)."""
     B, H = qkv.shape[0], params.heads
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
