@@ -235,6 +235,15 @@ def _sets(make, set_bytes, budget=1 << 30, n_calls=20):
                      for _ in range(n - 1)]
 
 
+def _rot_hot(call, sets, n_calls, nbytes, hot_sets=1) -> dict:
+    """Time n_calls of call(set) in one graph twice: rotating over `sets` (rot) and over the first `hot_sets`
+    of them (hot); the result row every time_* function returns."""
+    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
+    hot = _graph_us([call(sets[i % min(hot_sets, len(sets))]) for i in range(n_calls)])
+    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
+            "floor_us": nbytes / COPY_BW * 1e6}
+
+
 def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False, **knobs):
     inp, p, st, cs = _inputs(B, H, seed=1)
 
@@ -250,13 +259,9 @@ def time_decode(B, H, n_calls=None, tile_v=128, stages=None, pdl=False, **knobs)
         return lambda: _decode(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
                                tile_v=tile_v, stages=stages, pdl=pdl, **knobs)
 
-    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
     # pdl: back-to-back calls on one set would break its precondition (read the state the previous call
     # is writing); the hot figure then alternates two sets
-    hot = _graph_us([call(sets[i % 2 if pdl and len(sets) > 1 else 0]) for i in range(n_calls)])
-    del sets
-    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
-                "floor_us": nbytes / COPY_BW * 1e6}
+    return _rot_hot(call, sets, n_calls, nbytes, hot_sets=2 if pdl else 1)
 
 
 def _verify_nohist(qkv, f, b, gate, p, st, cs, out, sh, ch, tile_v, row_warps):
@@ -290,11 +295,7 @@ def time_verify(B, H, T, n_calls=None, tile_v=128, layout="columns", row_warps=N
         return lambda: kda_verify(d["qkv"], d["f"], d["b"], d["gate"], p, d["st"], d["cs"], d["out"],
                                   d["sh"], d["ch"], tile_v=tile_v, layout=layout, row_warps=row_warps)
 
-    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
-    hot = _graph_us([call(sets[0])] * n_calls)
-    del sets
-    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
-                "floor_us": nbytes / COPY_BW * 1e6}
+    return _rot_hot(call, sets, n_calls, nbytes)
 
 
 def copy_bw(nbytes=1 << 30):
@@ -475,11 +476,7 @@ def time_inplace(B, H, n_calls=None):
             d["cs"].mul_(1.0)
         return run
 
-    rot = _graph_us([call(sets[i % len(sets)]) for i in range(n_calls)])
-    hot = _graph_us([call(sets[0]) for _ in range(n_calls)])
-    del sets
-    return {"rot_us": rot, "hot_us": hot, "bytes": nbytes, "tbps": nbytes / rot * 1e-6,
-            "floor_us": nbytes / COPY_BW * 1e6}
+    return _rot_hot(call, sets, n_calls, nbytes)
 
 
 def ncu_launch(spec: str) -> int:

@@ -502,8 +502,6 @@ def _kernel_class():
                 r_i2 = cute.make_rmem_tensor((2,), Float32)
                 for i in cutlass.range_constexpr(S):
                     r = (i * 8 + warp) * R + rsub
-                    qd = Float32(0.0)
-                    kd = Float32(0.0)
                     if cutlass.const_expr(self.fold):
                         cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 2), r_i2)
                         qd = r_i2[0]
