@@ -4,6 +4,7 @@
                                      [--tiles=128,64,32,16]
     python kernels/cute/check_kda.py --prefill [--quick] [--no-time]   (kda_prefill.py only: main_prefill)
     python kernels/cute/check_kda.py --exp-b64        (the B = 64 decode candidates only: main_b64)
+    python kernels/cute/check_kda.py --exp-chunk      (the verify chunk knob, then the B = 64 candidates)
     python kernels/cute/check_kda.py --ncu-launch=B,H,tile[,pdl][,knob=value]   (a run for ncu: ncu_launch)
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
@@ -461,6 +462,53 @@ def b64_experiment(ex: dict) -> None:
     N_CALLS = keep
 
 
+# the verify `chunk` knob (the T positions as one chunk: one pass over the state, one exchange) beside the
+# stepwise chain: (B, H, T, tile, knobs); {} = the defaults
+CHUNK = {"chunk": True}
+CHUNK_CHECKS = [((1, 12, 4, False), 16, CHUNK), ((1, 12, 8, False), 16, CHUNK), ((5, 6, 8, True), 16, CHUNK),
+                ((2, 12, 2, False), 16, CHUNK), ((3, 6, 3, True), 32, CHUNK), ((8, 12, 4, True), 64, CHUNK),
+                ((64, 12, 4, False), 128, CHUNK), ((2, 96, 5, True), 128, CHUNK), ((1, 12, 1, False), 16, CHUNK),
+                ((1, 12, 4, True), 16, {**CHUNK, "pdl": True}), ((4, 6, 8, True), 32, {**CHUNK, "preload": True}),
+                ((1, 12, 8, False), 16, {**CHUNK, "preload": True}),
+                ((3, 12, 4, False), 16, {**CHUNK, "group_bar": False})]
+CHUNK_TIMES = [(1, 12, 4, 16, {}), (1, 12, 4, 16, CHUNK), (1, 12, 4, 16, {"pdl": True}),
+               (1, 12, 4, 16, {**CHUNK, "pdl": True}), (1, 12, 4, 32, CHUNK),
+               (1, 12, 4, 16, {**CHUNK, "preload": False}),
+               (1, 12, 2, 16, {}), (1, 12, 2, 16, CHUNK), (1, 12, 8, 16, {}), (1, 12, 8, 16, CHUNK),
+               (1, 12, 8, 16, {**CHUNK, "preload": True}), (1, 12, 8, 16, {**CHUNK, "pdl": True}),
+               (1, 6, 4, 16, {}), (1, 6, 4, 16, CHUNK),
+               (2, 12, 4, 32, {}), (2, 12, 4, 32, CHUNK), (2, 12, 4, 16, {}), (2, 12, 4, 16, CHUNK),
+               (4, 12, 4, 32, {}), (4, 12, 4, 32, CHUNK), (4, 12, 4, 64, CHUNK),
+               (8, 12, 4, 64, {}), (8, 12, 4, 64, CHUNK), (8, 12, 8, 128, {}), (8, 12, 8, 128, CHUNK),
+               (16, 12, 4, 128, {}), (16, 12, 4, 128, CHUNK), (64, 12, 4, 128, {}), (64, 12, 4, 128, CHUNK)]
+
+
+def chunk_experiment(ex: dict) -> None:
+    """The verify `chunk` knob: checked against fp64 (every tile, T 1..8, ragged, pdl, preload forced), then
+    timed DRAM-cold (80 calls a graph) beside the stepwise chain at the same tile."""
+    global N_CALLS
+    print("\n== exp: verify correctness, chunk ==")
+    for (B, H, T, rg), tv, kn in CHUNK_CHECKS:
+        wr = _kv.ROW_WARPS[tv]
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv + 3, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["verify"].append(r)
+        print(f"{B:>4} {H:>3} {T:>2} {rg!s:>5} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} untouched "
+              f"{r.get('untouched')} ok {r['ok']} {r.get('error', '')}")
+    keep, N_CALLS = N_CALLS, 80
+    print("\n== exp: verify timing, chunk beside the stepwise chain, DRAM-cold ==")
+    for B, H, T, tv, kn in CHUNK_TIMES:
+        wr = _kv.ROW_WARPS[tv]
+        r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["timing_verify"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} {kn!s:>34} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
+                  f"{r['tbps']:.3f} TB/s")
+    N_CALLS = keep
+
+
 def time_inplace(B, H, n_calls=None):
     """torch's in-place scale of the decode's fp32 state and bf16 conv state on the same rotated sets: the
     plainest kernel that reads and writes those bytes in place. tbps counts the decode's floor bytes, so
@@ -519,9 +567,10 @@ def ncu_launch(spec: str) -> int:
 
 # ---- main ------------------------------------------------------------------------------------
 
-def main_b64() -> int:
+def main_b64(chunk: bool = False) -> int:
     """--exp-b64: the B = 64 decode candidates alone (b64_experiment), with the copy bandwidth; writes
-    $OUT/kda_cute_exp_b64.json."""
+    $OUT/kda_cute_exp_b64.json. --exp-chunk: the verify chunk knob (chunk_experiment) first, then the same;
+    writes $OUT/kda_cute_exp_chunk.json."""
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check")
         return 0
@@ -529,17 +578,20 @@ def main_b64() -> int:
     print(f"device: {dev}, torch {torch.__version__}")
     t0 = time.time()
     ex = {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []}
+    if chunk:
+        chunk_experiment(ex)
+        print(f"  [{time.time() - t0:.0f}s]")
     b64_experiment(ex)
     bw = _safe(copy_bw)
     if isinstance(bw, float):
         print(f"\nD2D copy bandwidth here: {bw / 1e12:.3f} TB/s")
-    ok = all(r.get("ok") for r in ex["decode"])
+    ok = all(r.get("ok") for r in ex["decode"] + ex["verify"])
     report = {"device": dev, "torch": torch.__version__, "exp": ex, "copy_bw": bw, "all_ok": ok}
     print(f"  [{time.time() - t0:.0f}s]")
     print("\nALL CHECKS PASS" if ok else "\nSOME CHECKS FAILED")
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, "kda_cute_exp_b64.json"), "w") as fh:
+        with open(os.path.join(out_dir, "kda_cute_exp_chunk.json" if chunk else "kda_cute_exp_b64.json"), "w") as fh:
             json.dump(report, fh, indent=1, default=str)
     return 0 if ok else 1
 
@@ -559,8 +611,8 @@ def main(argv=None):
     for a in argv:
         if a.startswith("--ncu-launch="):
             return ncu_launch(a.split("=", 1)[1])
-    if "--exp-b64" in argv:
-        return main_b64()
+    if "--exp-b64" in argv or "--exp-chunk" in argv:
+        return main_b64(chunk="--exp-chunk" in argv)
     quick = "--quick" in argv
     lean = "--lean" in argv  # fewer shapes: for a tight device budget
     tiny = "--tiny" in argv  # fewest shapes that still cover every tile width

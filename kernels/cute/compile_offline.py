@@ -154,6 +154,15 @@ def _cases(only: str | None, quick: bool):
                           lambda B=B, kn=knobs: kv._columns_class()(B, H, 8, True, True, 1e-6, -5.0, 16, row_warps=4,
                                                                     **kn),
                           step_args))
+        # chunk (the T positions as one chunk): B = 1 at tiles 16 / 32, T 2..8, and the large-batch tile 128
+        for B, T, tv, rg, kn in [(1, 2, 16, False, {}), (1, 4, 16, False, {}), (1, 4, 16, True, {}),
+                                 (1, 8, 16, False, {}), (1, 8, 16, False, {"preload": True}), (1, 4, 32, False, {}),
+                                 (1, 4, 16, False, {"pdl": True}), (64, 4, 128, False, {}), (8, 4, 64, False, {})]:
+            name = " ".join(f"{k}={v}" for k, v in kn.items())
+            cases.append((f"verify chunk B{B} T{T} tile{tv}{' ragged' if rg else ''} {name}",
+                          lambda B=B, T=T, tv=tv, rg=rg, kn=kn: kv._columns_class()(
+                              B, H, T, True, rg, 1e-6, -5.0, tv, row_warps=kv.ROW_WARPS[tv], chunk=True, **kn),
+                          step_args))
     return cases
 
 

@@ -71,7 +71,7 @@ import math
 
 import torch
 
-from .kda_decode import (_BF16, _D, _F32, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
+from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
                          _kernel_class, _params_key, _stream, _validate, kda_verify_bytes)
 
 __all__ = ["LAYOUTS", "kda_verify", "kda_verify_bytes"]
@@ -96,12 +96,41 @@ def _columns_class():
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
     prologue_position, position_norms = d.prologue_position, d.position_norms
 
+    def reduce_scatter(vals, lane, offs):
+        """Butterfly reduce-scatter of `vals` over the lanes lane ^ off, off in offs: each round a lane keeps
+        half of its values (the upper half when lane & off) and adds the partner's copy of that half; once
+        one value is left the remaining rounds add it whole. Returns (the values kept, the index in `vals`
+        of the first). len(vals) must halve evenly while more than one is left."""
+        vals = list(vals)
+        start = Int32(0)
+        for off in offs:
+            if len(vals) > 1:
+                assert len(vals) % 2 == 0, len(vals)
+                hn = len(vals) // 2
+                up = (lane & off) != 0
+                kept = []
+                for i in range(hn):
+                    send = Float32(cutlass.select_(up, vals[i], vals[i + hn]))
+                    keep = Float32(cutlass.select_(up, vals[i + hn], vals[i]))
+                    kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                vals = kept
+                start = start + Int32(cutlass.select_(up, Int32(hn), Int32(0)))
+            else:
+                vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=off)
+        return vals, start
+
+    def red4(s_red, i, r_c):
+        """chunk: prologue value i summed over the 4 lower warps, in warp order (as position_norms sums)."""
+        cute.autovec_copy(vec(s_red.iterator, cute.assume(i * 4, divby=4), 4), r_c)
+        return ((r_c[0] + r_c[1]) + r_c[2]) + r_c[3]
+
     class KDAVerifyColumns:
         """One CTA (or a cluster of NC CTAs) per (b, h); T positions in order; state only read."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
-                     preload=None, scatter=None, delay=None, late_conv=None, group_bar=None, pdl=False):
+                     preload=None, scatter=None, delay=None, late_conv=None, group_bar=None, pdl=False,
+                     chunk=None):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -137,6 +166,32 @@ def _columns_class():
             # at most 128 registers a thread -> 2 CTAs (16 warps) per SM when the grid has more CTAs than
             # an H200 has SMs; a grid that fits in one CTA per SM may use more registers
             self.min_ctas = 2 if B * H * self.NC > 132 else 1
+            # chunk: the T positions as one chunk of the delta rule (the WY form the chunked prefill uses,
+            # with T <= 8 rows): what does not depend on the state (the l2norm factors, beta, the decay's
+            # cumulative products P_t and, for j < t, the decayed products k_t.k_j and q_t.k_j) is reduced in
+            # the prologue, while the state loads are in flight; then ONE pass over the state forms
+            # S0^T (k_t P_t) and S0^T (q_t P_t) for every t, ONE exchange (shuffles, shared memory, one
+            # barrier) reduces them, and a T x T triangular solve per column gives every u_t and o_t. The
+            # stepwise chain instead pays T exchanges (shuffle rounds and a barrier) in sequence. The state
+            # after each position comes from the same register update as the chain's. Off by default until
+            # measured (a measurement knob).
+            self.chunk = bool(chunk)
+            assert not (self.chunk and late_conv), "chunk writes conv_hist in its prologue (late_conv off)"
+            # chunk: (t, j < t) -> index of the pair among the prologue's decayed cross terms
+            self.pair, n_ = {}, 0
+            for t_ in range(1, T):
+                for m_ in range(t_):
+                    self.pair[(t_, t_ - 1 - m_)] = n_
+                    n_ += 1
+            # values the prologue reduces (3 per position, 2 per pair), padded to a multiple of 32 for the
+            # warp's reduce-scatter; values a thread reduces over its row lanes (8 per position), padded to a
+            # multiple of 2 ** rounds
+            self.nsum = -(-(3 * T + 2 * n_) // 32) * 32
+            rounds_ = len(self.red_offs)
+            self.nacc = -(-(8 * T) // max(4, 2 ** rounds_)) * max(4, 2 ** rounds_)
+            if preload is None and self.chunk:
+                # chunk preloads 4 S T registers of row factors next to 8 T sums; T <= 4 at tile 16
+                preload = self.S * T <= 8
             self.pre = (self.S * T <= (16 if self.min_ctas == 1 else 8)) if preload is None else bool(preload)
             # scatter (row_warps > 1): the shuffle reduction of a position's 8 partial sums (4 columns x
             # k and q) over the R row lanes is a butterfly reduce-scatter: each round a lane keeps half of
@@ -148,6 +203,7 @@ def _columns_class():
             # T >= 4 when the grid fits one CTA per SM (profiles/h200/kda_cute_exp.json, 12 heads, tile 16:
             # B=1 T=4 5.95 vs 6.06 us, T=8 9.69 vs 9.90; T=2 4.67 vs 4.52 and B=64 T=4 73.89 vs 73.50 lose)
             self.delay = ((T >= 4 and self.min_ctas == 1) if delay is None else bool(delay)) and row_warps > 1
+            self.delay = self.delay and not self.chunk
             # late_conv: the conv_hist stores (rank 0 of a cluster, 3 bf16 per channel per position) leave
             # at the very end, rebuilt from the start window and the inputs, instead of ahead of the
             # recurrence's first shuffles. Off: it loses (kda_cute_exp_pdl.json, B=1 tile 16: T=4 6.22 vs
@@ -217,13 +273,18 @@ def _columns_class():
 
             smem = cutlass.memory.SmemAllocator()
             # per position, per key row r: (q_raw, k_raw, decay d, v_raw[r])
-            s_info = smem.allocate_tensor(Float32, cute.make_layout(T * 128 * 4), byte_alignment=16)
-            # per position, lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(T * 16), byte_alignment=16)
+            # (chunk: per position, per key row r: (q P, k P, d, k), then per position the v channels)
+            s_info = smem.allocate_tensor(Float32, cute.make_layout(T * 128 * (5 if self.chunk else 4)),
+                                          byte_alignment=16)
+            # per position, lower warps 0..3: (|q|^2, |k|^2, q.k, pad)  (chunk: value i of warp w at i * 4 + w)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(self.nsum * 4 if self.chunk else T * 16),
+                                         byte_alignment=16)
             # per position, the tile's unnormalized outputs
             s_o = smem.allocate_tensor(Float32, cute.make_layout(T * TV), byte_alignment=16)
             # row blocks' partial column sums (k^T d S | q^T d S), two position buffers
-            s_part = smem.allocate_tensor(Float32, cute.make_layout(2 * WR * 2 * TV), byte_alignment=16)
+            # (chunk: one exchange of every position's sums, WR x nacc / 4 x TV)
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(WR * (self.nacc // 4) * TV if self.chunk
+                                                                     else 2 * WR * 2 * TV), byte_alignment=16)
             # cluster: every CTA's partial sum of o^2 per position, written by the peers
             s_ss = smem.allocate_tensor(Float32, cute.make_layout(T * NC), byte_alignment=16)
 
@@ -309,178 +370,389 @@ def _columns_class():
                     cute.autovec_copy(vec(p_gate, cute.assume((bb * T + t) * HD + h * D + e0, divby=E), E),
                                       gate_r[None, t])
 
-            # ---- prologue of ALL positions (independent of the state): conv + silu, gate, norms ---
-            for t in cutlass.range_constexpr(T):
-                bt = bb * T + t
-                active = Int32(1)
-                if cutlass.const_expr(self.ragged):
-                    active = Int32(0)
-                    if t < L:
-                        active = Int32(1)
-                prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, t * 512 + c * 4, s_red, t * 16)
-                # conv_hist[b, t] (rank 0 of a cluster writes it)
-                wconv = active
-                if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                    if rank != 0:
+            if cutlass.const_expr(not self.chunk):
+                # ---- prologue of ALL positions (independent of the state): conv + silu, gate, norms ---
+                for t in cutlass.range_constexpr(T):
+                    bt = bb * T + t
+                    active = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        active = Int32(0)
+                        if t < L:
+                            active = Int32(1)
+                    prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
+                                      warp, c, s_info, t * 512 + c * 4, s_red, t * 16)
+                    # conv_hist[b, t] (rank 0 of a cluster writes it)
+                    wconv = active
+                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if rank != 0:
+                            wconv = Int32(0)
+                    if cutlass.const_expr(self.late_conv):
                         wconv = Int32(0)
-                if cutlass.const_expr(self.late_conv):
-                    wconv = Int32(0)
-                if wconv > 0:
-                    for i in cutlass.range_constexpr(3):
-                        ch_g[(bt * C + ch1) * 3 + i] = win1[i]
-                    if lower:
+                    if wconv > 0:
                         for i in cutlass.range_constexpr(3):
-                            ch_g[(bt * C + ch2) * 3 + i] = win2[i]
+                            ch_g[(bt * C + ch1) * 3 + i] = win1[i]
+                        if lower:
+                            for i in cutlass.range_constexpr(3):
+                                ch_g[(bt * C + ch2) * 3 + i] = win2[i]
 
+            else:
+                # chunk: the T positions as one chunk (see the `chunk` knob). Lower thread c: conv + silu of
+                # the q and k channels of key row c for every position, the decay of row c, its cumulative
+                # products, and the row's terms of every state-independent sum (|q_t|^2, |k_t|^2, q_t.k_t,
+                # and for j < t the decayed k_t.k_j and q_t.k_j), reduce-scattered over the warp. Upper
+                # thread c: conv + silu of the v channel c.
+                y1 = cute.make_rmem_tensor((T,), Float32)
+                for t in cutlass.range_constexpr(T):
+                    win1[3] = x1[t]
+                    ya = Float32(0.0)
+                    for i in cutlass.range_constexpr(4):
+                        ya = ya + win1[i].to(Float32) * w1[i]
+                    y1[t] = ya * sigmoid(ya)
+                    for i in cutlass.range_constexpr(3):
+                        win1[i] = win1[i + 1]
+                    wconv = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        wconv = Int32(0)
+                        if t < L:
+                            wconv = Int32(1)
+                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                        if rank != 0:
+                            wconv = Int32(0)
+                    if wconv > 0:
+                        for i in cutlass.range_constexpr(3):
+                            ch_g[((bb * T + t) * C + ch1) * 3 + i] = win1[i]
+                if lower:
+                    y2 = cute.make_rmem_tensor((T,), Float32)
+                    dk = cute.make_rmem_tensor((T,), Float32)
+                    for t in cutlass.range_constexpr(T):
+                        win2[3] = x2[t]
+                        yb = Float32(0.0)
+                        for i in cutlass.range_constexpr(4):
+                            yb = yb + win2[i].to(Float32) * w2[i]
+                        y2[t] = yb * sigmoid(yb)
+                        for i in cutlass.range_constexpr(3):
+                            win2[i] = win2[i + 1]
+                        dk[t] = cute.math.exp(self.lb * sigmoid(a_exp * (f_r[t].to(Float32) + dtb)))
+                        wconv = Int32(1)
+                        if cutlass.const_expr(self.ragged):
+                            wconv = Int32(0)
+                            if t < L:
+                                wconv = Int32(1)
+                        if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                            if rank != 0:
+                                wconv = Int32(0)
+                        if wconv > 0:
+                            for i in cutlass.range_constexpr(3):
+                                ch_g[((bb * T + t) * C + ch2) * 3 + i] = win2[i]
+                    # per position: (q P_t, k P_t, d_t, k) of row c, P_t = d_0 ... d_t (raw q, k: the
+                    # l2norm factors are applied to the reduced sums)
+                    pc = Float32(1.0)
+                    for t in cutlass.range_constexpr(T):
+                        pc = pc * dk[t]
+                        s_info[t * 512 + c * 4 + 0] = y1[t] * pc
+                        s_info[t * 512 + c * 4 + 1] = y2[t] * pc
+                        s_info[t * 512 + c * 4 + 2] = dk[t]
+                        s_info[t * 512 + c * 4 + 3] = y2[t]
+                    vals = []
+                    for t in cutlass.range_constexpr(T):
+                        vals += [y1[t] * y1[t], y2[t] * y2[t], y1[t] * y2[t]]
+                    for t in cutlass.range_constexpr(1, T):
+                        gd = Float32(1.0)
+                        for m in cutlass.range_constexpr(t):
+                            jj = t - 1 - m
+                            gd = gd * dk[jj + 1]   # G[t, jj] = d_{jj+1} ... d_t (self.pair's order)
+                            vals += [y2[t] * gd * y2[jj], y1[t] * gd * y2[jj]]
+                    vals += [Float32(0.0)] * (self.nsum - len(vals))
+                    kept, start = reduce_scatter(vals, lane, (16, 8, 4, 2, 1))
+                    for i in cutlass.range_constexpr(len(kept)):
+                        s_red[(start + i) * 4 + warp] = kept[i]
+                else:
+                    for t in cutlass.range_constexpr(T):
+                        s_info[T * 512 + t * 128 + c] = y1[t]   # v_c
             cute.arch.sync_threads()  # the only CTA barrier before the epilogue
 
-            # ---- the recurrence: per position only warp-local work (no barrier) -----------------
-            r_info = cute.make_rmem_tensor((4,), Float32)
-            acc_k = cute.make_rmem_tensor((4,), Float32)
-            acc_q = cute.make_rmem_tensor((4,), Float32)
-            u = cute.make_rmem_tensor((4,), Float32)
-            o = cute.make_rmem_tensor((4,), Float32)
-            r_p = cute.make_rmem_tensor((4,), Float32)
-            # per position: beta rk, rq / sqrt(D), (q.k) / sqrt(D), rk; per (column, position): beta v
-            c_sc = cute.make_rmem_tensor((4, T), Float32)
-            c_bv = cute.make_rmem_tensor((4, T), Float32)
-            # per (row, position): q d, k d, d, k rk  (preload only)
-            c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
-            r_prev = cute.make_rmem_tensor((4, S) if self.delay else (4, 1), Float32)  # delay: last state
-            for t in cutlass.range_constexpr(T):
-                rq, rk, dot = position_norms(s_red, t * 16)
-                beta = sigmoid(b_r[t].to(Float32))
-                c_sc[0, t] = beta * rk
-                c_sc[1, t] = rq * scale
-                c_sc[2, t] = dot * rq * rk * scale
-                c_sc[3, t] = rk
-                for j in cutlass.range_constexpr(4):
-                    c_bv[j, t] = beta * s_info[t * 512 + (col0 + j) * 4 + 3]
-                if cutlass.const_expr(self.pre):
-                    for i in cutlass.range_constexpr(S):
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + (row0 + i * R) * 4, divby=4), 4),
-                                          r_info)
-                        c_row[0, i, t] = r_info[0] * r_info[2]
-                        c_row[1, i, t] = r_info[1] * r_info[2]
-                        c_row[2, i, t] = r_info[2]
-                        c_row[3, i, t] = r_info[1] * rk
-            for t in cutlass.range_constexpr(T):
-                bt = bb * T + t
-                active = Int32(1)
-                if cutlass.const_expr(self.ragged):
-                    active = Int32(0)
-                    if t < L:
-                        active = Int32(1)
-
-                # k^T diag(d) S and q^T diag(d) S over the old state: this thread's S rows, then the
-                # lanes holding the same columns (other rows) by butterfly shuffles
-                acc_k.fill(0.0)
-                acc_q.fill(0.0)
-                for i in cutlass.range_constexpr(S):
-                    if cutlass.const_expr(self.pre):
-                        qd = c_row[0, i, t]
-                        kd = c_row[1, i, t]
-                    else:
-                        r = row0 + i * R
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
-                                          r_info)
-                        qd = r_info[0] * r_info[2]
-                        kd = r_info[1] * r_info[2]
+            if cutlass.const_expr(not self.chunk):
+                # ---- the recurrence: per position only warp-local work (no barrier) -----------------
+                r_info = cute.make_rmem_tensor((4,), Float32)
+                acc_k = cute.make_rmem_tensor((4,), Float32)
+                acc_q = cute.make_rmem_tensor((4,), Float32)
+                u = cute.make_rmem_tensor((4,), Float32)
+                o = cute.make_rmem_tensor((4,), Float32)
+                r_p = cute.make_rmem_tensor((4,), Float32)
+                # per position: beta rk, rq / sqrt(D), (q.k) / sqrt(D), rk; per (column, position): beta v
+                c_sc = cute.make_rmem_tensor((4, T), Float32)
+                c_bv = cute.make_rmem_tensor((4, T), Float32)
+                # per (row, position): q d, k d, d, k rk  (preload only)
+                c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
+                r_prev = cute.make_rmem_tensor((4, S) if self.delay else (4, 1), Float32)  # delay: last state
+                for t in cutlass.range_constexpr(T):
+                    rq, rk, dot = position_norms(s_red, t * 16)
+                    beta = sigmoid(b_r[t].to(Float32))
+                    c_sc[0, t] = beta * rk
+                    c_sc[1, t] = rq * scale
+                    c_sc[2, t] = dot * rq * rk * scale
+                    c_sc[3, t] = rk
                     for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + kd * r_s[j, i]
-                        acc_q[j] = acc_q[j] + qd * r_s[j, i]
-                # the row blocks' partial sums meet in shared memory (double-buffered by position:
-                # buffer t % 2 is rewritten only after every thread passed the next barrier)
-                pb = (t % 2) * (WR * 2 * TV) + wr * (2 * TV) + colw
-                if cutlass.const_expr(self.scatter):
-                    vals = [acc_k[0], acc_k[1], acc_k[2], acc_k[3], acc_q[0], acc_q[1], acc_q[2], acc_q[3]]
-                    start = Int32(0)   # vals holds the sums of value indices start .. start + len - 1
-                    for si in cutlass.range_constexpr(len(self.red_offs)):
-                        off = self.red_offs[si]
-                        if cutlass.const_expr(len(vals) > 1):
-                            hn = len(vals) // 2
-                            up = (lane & off) != 0
-                            kept = []
-                            for i in cutlass.range_constexpr(hn):
-                                send = Float32(cutlass.select_(up, vals[i], vals[i + hn]))
-                                keep = Float32(cutlass.select_(up, vals[i + hn], vals[i]))
-                                kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
-                            vals = kept
-                            start = start + Int32(cutlass.select_(up, Int32(hn), Int32(0)))
-                        else:
-                            vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=off)
-                    for i in cutlass.range_constexpr(len(vals)):
-                        g = start + i
-                        s_part[pb + (g // 4) * TV + (g % 4)] = vals[i]
-                else:
-                    for si in cutlass.range_constexpr(len(self.red_offs)):
-                        for j in cutlass.range_constexpr(4):
-                            acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
-                                                                              offset=self.red_offs[si])
-                            acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
-                                                                              offset=self.red_offs[si])
-                    if cutlass.const_expr(WR > 1):
-                        cute.autovec_copy(acc_k, vec(s_part.iterator, cute.assume(pb, divby=4), 4))
-                        cute.autovec_copy(acc_q, vec(s_part.iterator, cute.assume(pb + TV, divby=4), 4))
-                if cutlass.const_expr(WR > 1):
-                    if cutlass.const_expr(self.group_bar):
-                        cute.arch.barrier(barrier_id=1 + wc, number_of_threads=WR * 32)
-                    else:
-                        cute.arch.sync_threads()
+                        c_bv[j, t] = beta * s_info[t * 512 + (col0 + j) * 4 + 3]
+                    if cutlass.const_expr(self.pre):
+                        for i in cutlass.range_constexpr(S):
+                            ro = t * 512 + (row0 + i * R) * 4
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(ro, divby=4), 4),
+                                              r_info)
+                            c_row[0, i, t] = r_info[0] * r_info[2]
+                            c_row[1, i, t] = r_info[1] * r_info[2]
+                            c_row[2, i, t] = r_info[2]
+                            c_row[3, i, t] = r_info[1] * rk
+                for t in cutlass.range_constexpr(T):
+                    bt = bb * T + t
+                    active = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        active = Int32(0)
+                        if t < L:
+                            active = Int32(1)
+
+                    # k^T diag(d) S and q^T diag(d) S over the old state: this thread's S rows, then the
+                    # lanes holding the same columns (other rows) by butterfly shuffles
                     acc_k.fill(0.0)
                     acc_q.fill(0.0)
-                    for w in cutlass.range_constexpr(WR):
-                        pw = (t % 2) * (WR * 2 * TV) + w * (2 * TV) + colw
-                        cute.autovec_copy(vec(s_part.iterator, cute.assume(pw, divby=4), 4), r_p)
-                        for j in cutlass.range_constexpr(4):
-                            acc_k[j] = acc_k[j] + r_p[j]
-                        cute.autovec_copy(vec(s_part.iterator, cute.assume(pw + TV, divby=4), 4), r_p)
-                        for j in cutlass.range_constexpr(4):
-                            acc_q[j] = acc_q[j] + r_p[j]
-                if cutlass.const_expr(self.delay and self.hist and t > 0):
-                    # position t-1's state, held back until now
-                    act_p = Int32(1)
-                    if cutlass.const_expr(self.ragged):
-                        act_p = Int32(0)
-                        if t - 1 < L:
-                            act_p = Int32(1)
-                    if act_p > 0:
-                        h_off = cute.assume((((bt - 1) * H + h) * D + row0) * D + col0, divby=4)
-                        cute.autovec_copy(r_prev, cute.make_tensor(p_shist + h_off,
-                                                                   cute.make_layout((4, S), stride=(1, R * D))))
-                # u = beta (v - S'^T k);  o = S''^T q / sqrt(D) = (S'^T q + (q.k) u) / sqrt(D)
-                for j in cutlass.range_constexpr(4):
-                    u[j] = c_bv[j, t] - c_sc[0, t] * acc_k[j]
-                    o[j] = c_sc[1, t] * acc_q[j] + c_sc[2, t] * u[j]
-                # every lane of a column group holds the same o: all store it (same value, same
-                # address: no branch in the position chain)
-                cute.autovec_copy(o, vec(s_o.iterator, cute.assume(t * TV + colw, divby=4), 4))
-                # S'' = diag(d) S + k u^T
-                for i in cutlass.range_constexpr(S):
-                    if cutlass.const_expr(self.pre):
-                        dr = c_row[2, i, t]
-                        kr = c_row[3, i, t]
-                    else:
-                        r = row0 + i * R
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
-                                          r_info)
-                        dr = r_info[2]
-                        kr = r_info[1] * c_sc[3, t]
-                    for j in cutlass.range_constexpr(4):
-                        r_s[j, i] = dr * r_s[j, i] + kr * u[j]
-                if cutlass.const_expr(not self.hist):
-                    active = Int32(0)
-                if cutlass.const_expr(self.delay):
                     for i in cutlass.range_constexpr(S):
+                        if cutlass.const_expr(self.pre):
+                            qd = c_row[0, i, t]
+                            kd = c_row[1, i, t]
+                        else:
+                            r = row0 + i * R
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
+                                              r_info)
+                            qd = r_info[0] * r_info[2]
+                            kd = r_info[1] * r_info[2]
                         for j in cutlass.range_constexpr(4):
-                            r_prev[j, i] = r_s[j, i]
-                    if cutlass.const_expr(t == T - 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                            acc_k[j] = acc_k[j] + kd * r_s[j, i]
+                            acc_q[j] = acc_q[j] + qd * r_s[j, i]
+                    # the row blocks' partial sums meet in shared memory (double-buffered by position:
+                    # buffer t % 2 is rewritten only after every thread passed the next barrier)
+                    pb = (t % 2) * (WR * 2 * TV) + wr * (2 * TV) + colw
+                    if cutlass.const_expr(self.scatter):
+                        vals = [acc_k[0], acc_k[1], acc_k[2], acc_k[3], acc_q[0], acc_q[1], acc_q[2], acc_q[3]]
+                        start = Int32(0)   # vals holds the sums of value indices start .. start + len - 1
+                        for si in cutlass.range_constexpr(len(self.red_offs)):
+                            off = self.red_offs[si]
+                            if cutlass.const_expr(len(vals) > 1):
+                                hn = len(vals) // 2
+                                up = (lane & off) != 0
+                                kept = []
+                                for i in cutlass.range_constexpr(hn):
+                                    send = Float32(cutlass.select_(up, vals[i], vals[i + hn]))
+                                    keep = Float32(cutlass.select_(up, vals[i + hn], vals[i]))
+                                    kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                                vals = kept
+                                start = start + Int32(cutlass.select_(up, Int32(hn), Int32(0)))
+                            else:
+                                vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=off)
+                        for i in cutlass.range_constexpr(len(vals)):
+                            g = start + i
+                            s_part[pb + (g // 4) * TV + (g % 4)] = vals[i]
+                    else:
+                        for si in cutlass.range_constexpr(len(self.red_offs)):
+                            for j in cutlass.range_constexpr(4):
+                                acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
+                                                                                  offset=self.red_offs[si])
+                                acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
+                                                                                  offset=self.red_offs[si])
+                        if cutlass.const_expr(WR > 1):
+                            cute.autovec_copy(acc_k, vec(s_part.iterator, cute.assume(pb, divby=4), 4))
+                            cute.autovec_copy(acc_q, vec(s_part.iterator, cute.assume(pb + TV, divby=4), 4))
+                    if cutlass.const_expr(WR > 1):
+                        if cutlass.const_expr(self.group_bar):
+                            cute.arch.barrier(barrier_id=1 + wc, number_of_threads=WR * 32)
+                        else:
+                            cute.arch.sync_threads()
+                        acc_k.fill(0.0)
+                        acc_q.fill(0.0)
+                        for w in cutlass.range_constexpr(WR):
+                            pw = (t % 2) * (WR * 2 * TV) + w * (2 * TV) + colw
+                            cute.autovec_copy(vec(s_part.iterator, cute.assume(pw, divby=4), 4), r_p)
+                            for j in cutlass.range_constexpr(4):
+                                acc_k[j] = acc_k[j] + r_p[j]
+                            cute.autovec_copy(vec(s_part.iterator, cute.assume(pw + TV, divby=4), 4), r_p)
+                            for j in cutlass.range_constexpr(4):
+                                acc_q[j] = acc_q[j] + r_p[j]
+                    if cutlass.const_expr(self.delay and self.hist and t > 0):
+                        # position t-1's state, held back until now
+                        act_p = Int32(1)
+                        if cutlass.const_expr(self.ragged):
+                            act_p = Int32(0)
+                            if t - 1 < L:
+                                act_p = Int32(1)
+                        if act_p > 0:
+                            h_off = cute.assume((((bt - 1) * H + h) * D + row0) * D + col0, divby=4)
+                            cute.autovec_copy(r_prev, cute.make_tensor(p_shist + h_off,
+                                                                       cute.make_layout((4, S), stride=(1, R * D))))
+                    # u = beta (v - S'^T k);  o = S''^T q / sqrt(D) = (S'^T q + (q.k) u) / sqrt(D)
+                    for j in cutlass.range_constexpr(4):
+                        u[j] = c_bv[j, t] - c_sc[0, t] * acc_k[j]
+                        o[j] = c_sc[1, t] * acc_q[j] + c_sc[2, t] * u[j]
+                    # every lane of a column group holds the same o: all store it (same value, same
+                    # address: no branch in the position chain)
+                    cute.autovec_copy(o, vec(s_o.iterator, cute.assume(t * TV + colw, divby=4), 4))
+                    # S'' = diag(d) S + k u^T
+                    for i in cutlass.range_constexpr(S):
+                        if cutlass.const_expr(self.pre):
+                            dr = c_row[2, i, t]
+                            kr = c_row[3, i, t]
+                        else:
+                            r = row0 + i * R
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(t * 512 + r * 4, divby=4), 4),
+                                              r_info)
+                            dr = r_info[2]
+                            kr = r_info[1] * c_sc[3, t]
+                        for j in cutlass.range_constexpr(4):
+                            r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                    if cutlass.const_expr(not self.hist):
+                        active = Int32(0)
+                    if cutlass.const_expr(self.delay):
+                        for i in cutlass.range_constexpr(S):
+                            for j in cutlass.range_constexpr(4):
+                                r_prev[j, i] = r_s[j, i]
+                        if cutlass.const_expr(t == T - 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
+                            if active > 0:
+                                h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
+                                g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
+                                cute.autovec_copy(r_s, g_dst)
+                    else:
                         if active > 0:
                             h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
                             g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
                             cute.autovec_copy(r_s, g_dst)
+
+            else:
+                # chunk: every position's l2norm factors, beta and decayed cross terms (state-independent),
+                # then ONE pass over the state: A_t = S0^T (k_t P_t) and B_t = S0^T (q_t P_t) for all t (raw
+                # q, k), reduced over the row lanes and row warps in one exchange; then per column, in
+                # order, u_t = beta_t (v_t - rk_t (A_t + sum_{j<t} rk_j KK[t,j] u_j)) and
+                # o_t = rq_t / sqrt(D) (B_t + sum_{j<t} rk_j QK[t,j] u_j) + (q_t.k_t) u_t / sqrt(D), and the
+                # state after each position by the same register update as the stepwise chain.
+                r_c = cute.make_rmem_tensor((4,), Float32)
+                o = cute.make_rmem_tensor((4,), Float32)
+                r_p = cute.make_rmem_tensor((4,), Float32)
+                c_sc = cute.make_rmem_tensor((4, T), Float32)
+                c_bv = cute.make_rmem_tensor((4, T), Float32)
+                c_mk = cute.make_rmem_tensor((max(1, T * (T - 1) // 2),), Float32)
+                c_mq = cute.make_rmem_tensor((max(1, T * (T - 1) // 2),), Float32)
+                r_v = cute.make_rmem_tensor((4,), Float32)
+                for t in cutlass.range_constexpr(T):
+                    rq = cute.math.rsqrt(red4(s_red, 3 * t, r_c) + _L2_EPS)
+                    rk = cute.math.rsqrt(red4(s_red, 3 * t + 1, r_c) + _L2_EPS)
+                    dot = red4(s_red, 3 * t + 2, r_c)
+                    beta = sigmoid(b_r[t].to(Float32))
+                    c_sc[0, t] = beta * rk
+                    c_sc[1, t] = rq * scale
+                    c_sc[2, t] = dot * rq * rk * scale
+                    c_sc[3, t] = rk
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(T * 512 + t * 128 + col0, divby=4), 4), r_v)
+                    for j in cutlass.range_constexpr(4):
+                        c_bv[j, t] = beta * r_v[j]
+                for t in cutlass.range_constexpr(1, T):
+                    for jj in cutlass.range_constexpr(t):
+                        pi = self.pair[(t, jj)]
+                        c_mk[pi] = c_sc[3, jj] * red4(s_red, 3 * T + 2 * pi, r_c)
+                        c_mq[pi] = c_sc[3, jj] * red4(s_red, 3 * T + 2 * pi + 1, r_c)
+                # per (row, position): k P, q P (the pass); d, k rk (the updates)  (preload only)
+                c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
+                r_info = cute.make_rmem_tensor((4,), Float32)
+                if cutlass.const_expr(self.pre):
+                    for t in cutlass.range_constexpr(T):
+                        for i in cutlass.range_constexpr(S):
+                            ro = t * 512 + (row0 + i * R) * 4
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(ro, divby=4), 4),
+                                              r_info)
+                            c_row[0, i, t] = r_info[1]
+                            c_row[1, i, t] = r_info[0]
+                            c_row[2, i, t] = r_info[2]
+                            c_row[3, i, t] = r_info[3] * c_sc[3, t]
+                # the pass: acc[t, 0, j] = (S0^T k_t P_t)[col j], acc[t, 1, j] = (S0^T q_t P_t)[col j]
+                acc = cute.make_rmem_tensor((4, 2, T), Float32)
+                acc.fill(0.0)
+                for i in cutlass.range_constexpr(S):
+                    for t in cutlass.range_constexpr(T):
+                        if cutlass.const_expr(self.pre):
+                            kp = c_row[0, i, t]
+                            qp = c_row[1, i, t]
+                        else:
+                            ro = t * 512 + (row0 + i * R) * 4
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(ro, divby=4), 4),
+                                              r_info)
+                            kp = r_info[1]
+                            qp = r_info[0]
+                        for j in cutlass.range_constexpr(4):
+                            acc[j, 0, t] = acc[j, 0, t] + kp * r_s[j, i]
+                            acc[j, 1, t] = acc[j, 1, t] + qp * r_s[j, i]
+                # over the R row lanes (butterfly reduce-scatter), then the WR row warps (shared memory, one
+                # barrier); value g = (t * 2 + kind) * 4 + j, stored at (t * 2 + kind) * TV + colw + j
+                if cutlass.const_expr(WR > 1):
+                    vals = []
+                    for t in cutlass.range_constexpr(T):
+                        for kd in cutlass.range_constexpr(2):
+                            for j in cutlass.range_constexpr(4):
+                                vals.append(acc[j, kd, t])
+                    vals += [Float32(0.0)] * (self.nacc - len(vals))
+                    kept, start = reduce_scatter(vals, lane, self.red_offs)
+                    for i in cutlass.range_constexpr(len(kept)):
+                        g = start + i   # (padding values land in slots nobody reads)
+                        s_part[wr * (self.nacc // 4 * TV) + (g // 4) * TV + colw + (g % 4)] = kept[i]
+                    if cutlass.const_expr(self.group_bar):
+                        cute.arch.barrier(barrier_id=1 + wc, number_of_threads=WR * 32)
+                    else:
+                        cute.arch.sync_threads()
+                    acc.fill(0.0)
+                    for w in cutlass.range_constexpr(WR):
+                        for t in cutlass.range_constexpr(T):
+                            for kd in cutlass.range_constexpr(2):
+                                po = w * (self.nacc // 4 * TV) + (t * 2 + kd) * TV + colw
+                                cute.autovec_copy(vec(s_part.iterator, cute.assume(po, divby=4), 4), r_p)
+                                for j in cutlass.range_constexpr(4):
+                                    acc[j, kd, t] = acc[j, kd, t] + r_p[j]
                 else:
+                    for si in cutlass.range_constexpr(len(self.red_offs)):
+                        for t in cutlass.range_constexpr(T):
+                            for kd in cutlass.range_constexpr(2):
+                                for j in cutlass.range_constexpr(4):
+                                    acc[j, kd, t] = acc[j, kd, t] + cute.arch.shuffle_sync_bfly(
+                                        acc[j, kd, t], offset=self.red_offs[si])
+                # the small triangular solve, column by column, and the outputs
+                uu = cute.make_rmem_tensor((4, T), Float32)
+                for t in cutlass.range_constexpr(T):
+                    for j in cutlass.range_constexpr(4):
+                        wv = acc[j, 0, t]
+                        zv = acc[j, 1, t]
+                        for jj in cutlass.range_constexpr(t):
+                            pi = self.pair[(t, jj)]
+                            wv = wv + c_mk[pi] * uu[j, jj]
+                            zv = zv + c_mq[pi] * uu[j, jj]
+                        uu[j, t] = c_bv[j, t] - c_sc[0, t] * wv
+                        o[j] = c_sc[1, t] * zv + c_sc[2, t] * uu[j, t]
+                    cute.autovec_copy(o, vec(s_o.iterator, cute.assume(t * TV + colw, divby=4), 4))
+                # the state after each position: S_t = diag(d_t) S_{t-1} + k_t u_t^T, stored as it forms
+                for t in cutlass.range_constexpr(T):
+                    bt = bb * T + t
+                    for i in cutlass.range_constexpr(S):
+                        if cutlass.const_expr(self.pre):
+                            dr = c_row[2, i, t]
+                            kr = c_row[3, i, t]
+                        else:
+                            ro = t * 512 + (row0 + i * R) * 4
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(ro, divby=4), 4),
+                                              r_info)
+                            dr = r_info[2]
+                            kr = r_info[3] * c_sc[3, t]
+                        for j in cutlass.range_constexpr(4):
+                            r_s[j, i] = dr * r_s[j, i] + kr * uu[j, t]
+                    active = Int32(1)
+                    if cutlass.const_expr(self.ragged):
+                        active = Int32(0)
+                        if t < L:
+                            active = Int32(1)
+                    if cutlass.const_expr(not self.hist):
+                        active = Int32(0)
                     if active > 0:
                         h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
                         g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
