@@ -5,6 +5,7 @@
     python kernels/cute/check_kda.py --prefill [--quick] [--no-time]   (kda_prefill.py only: main_prefill)
     python kernels/cute/check_kda.py --exp-b64        (the B = 64 decode candidates only: main_b64)
     python kernels/cute/check_kda.py --exp-chunk      (the verify chunk knob, then the B = 64 candidates)
+    python kernels/cute/check_kda.py --exp-lat        (the latency knobs fast and bpro, and rs with fast)
     python kernels/cute/check_kda.py --ncu-launch=B,H,tile[,pdl][,knob=value]   (a run for ncu: ncu_launch)
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
@@ -483,6 +484,79 @@ CHUNK_TIMES = [(1, 12, 4, 16, {}), (1, 12, 4, 16, CHUNK), (1, 12, 4, 16, {"pdl":
                (16, 12, 4, 128, {}), (16, 12, 4, 128, CHUNK), (64, 12, 4, 128, {}), (64, 12, 4, 128, CHUNK)]
 
 
+# the latency knobs (third call of the fifth session): fast (single-MUFU transcendentals, decode and verify)
+# and bpro (the verify's batched prologue), each alone and together, beside the defaults
+FAST, BPRO = {"fast": True}, {"bpro": True}
+FB = {"fast": True, "bpro": True}
+LAT_CHECKS = [((1, 12, 4, False), 16, FB), ((1, 12, 8, False), 16, FB), ((5, 6, 8, True), 16, FB),
+              ((2, 12, 2, False), 32, FB), ((3, 6, 3, True), 32, BPRO), ((8, 12, 4, True), 64, FB),
+              ((64, 12, 4, False), 128, FB), ((2, 96, 5, True), 128, FB), ((1, 12, 1, False), 16, FB),
+              ((1, 12, 4, True), 16, {**FB, "pdl": True}), ((4, 6, 8, True), 32, FAST), ((3, 12, 7, True), 16, BPRO)]
+LAT_TIMES = [(1, 12, 4, 16, {}), (1, 12, 4, 16, FAST), (1, 12, 4, 16, BPRO), (1, 12, 4, 16, FB),
+             (1, 12, 4, 16, {"pdl": True}), (1, 12, 4, 16, {**FB, "pdl": True}), (1, 12, 4, 32, FB),
+             (1, 12, 4, 16, {**FB, "hist": False}), (1, 12, 4, 16, {**FB, "chunk": True}),
+             (1, 12, 2, 16, {}), (1, 12, 2, 16, FB), (1, 12, 8, 16, {}), (1, 12, 8, 16, FAST), (1, 12, 8, 16, BPRO),
+             (1, 12, 8, 16, FB), (1, 12, 8, 16, {**FB, "pdl": True}), (1, 6, 4, 16, {}), (1, 6, 4, 16, FB),
+             (2, 12, 4, 32, {}), (2, 12, 4, 32, FB), (4, 12, 4, 32, {}), (4, 12, 4, 32, FB),
+             (8, 12, 4, 64, {}), (8, 12, 4, 64, FB), (8, 12, 8, 128, {}), (8, 12, 8, 128, FB),
+             (16, 12, 4, 128, {}), (16, 12, 4, 128, FB), (64, 12, 4, 128, {}), (64, 12, 4, 128, FB),
+             (64, 12, 4, 128, FAST)]
+LAT_DECODE = [(1, 12, 16, {}), (1, 12, 16, FAST), (1, 12, 16, {"pdl": True}), (1, 12, 16, {**FAST, "pdl": True}),
+              (2, 12, 16, {}), (2, 12, 16, FAST), (4, 12, 128, {}), (4, 12, 128, FAST), (8, 12, 128, {}),
+              (8, 12, 128, FAST), (16, 12, 128, {}), (16, 12, 128, FAST), (16, 12, 128, {"rs": True}),
+              (16, 12, 128, {**FAST, "rs": True}), (32, 12, 128, {}), (32, 12, 128, {"rs": True}),
+              (64, 12, 128, {}), (64, 12, 128, FAST), (64, 12, 128, {"rs": True}), (64, 12, 128, {**FAST, "rs": True}),
+              (64, 12, 128, {"rs": True, "pdl": True}), (64, 12, 128, {**FAST, "rs": True, "pdl": True}),
+              (256, 12, 128, {}), (256, 12, 128, {"rs": True}), (256, 12, 128, {**FAST, "rs": True}),
+              (1, 6, 16, {}), (1, 6, 16, FAST), (64, 6, 128, {}), (64, 6, 128, {**FAST, "rs": True}),
+              (64, 96, 128, {}), (64, 96, 128, {**FAST, "rs": True})]
+LAT_DECODE_CHECKS = [(1, 12, 16, FAST), (2, 12, 16, {**FAST, "pdl": True}), (5, 6, 64, FAST), (3, 96, 32, FAST),
+                     (64, 12, 128, {**FAST, "rs": True}), (7, 6, 128, {**FAST, "rs": True, "pdl": True}),
+                     (256, 12, 128, {"rs": True}), (3, 96, 128, {**FAST, "rs": True})]
+
+
+def lat_experiment(ex: dict) -> None:
+    """The latency knobs: verify fast / bpro and decode fast (and rs with them), checked against fp64, then
+    timed DRAM-cold (80 calls a graph) beside the defaults."""
+    global N_CALLS
+    print("\n== exp: verify correctness, fast / bpro ==")
+    for (B, H, T, rg), tv, kn in LAT_CHECKS:
+        wr = _kv.ROW_WARPS[tv]
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv + 5, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["verify"].append(r)
+        print(f"{B:>4} {H:>3} {T:>2} {rg!s:>5} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} untouched "
+              f"{r.get('untouched')} ok {r['ok']} {r.get('error', '')}")
+    print("\n== exp: decode correctness, fast / rs ==")
+    for B, H, tv, kn in LAT_DECODE_CHECKS:
+        r = _safe(check_decode, B, H, seed=B * 3 + H + tv + 1, steps=2, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, **kn)
+        ex["decode"].append(r)
+        print(f"{B:>4} {H:>3} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
+              f"{r.get('error', '')}")
+    keep, N_CALLS = N_CALLS, 80
+    print("\n== exp: verify timing, fast / bpro beside the defaults, DRAM-cold ==")
+    for B, H, T, tv, kn in LAT_TIMES:
+        wr = _kv.ROW_WARPS[tv]
+        r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["timing_verify"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} {kn!s:>46} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
+                  f"{r['tbps']:.3f} TB/s")
+    print("\n== exp: decode timing, fast / rs beside the defaults, DRAM-cold ==")
+    for B, H, tv, kn in LAT_DECODE:
+        r = _safe(time_decode, B, H, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {tv:>4} {kn!s:>46} rot {r['rot_us']:8.2f} "
+                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+    N_CALLS = keep
+
+
 def chunk_experiment(ex: dict) -> None:
     """The verify `chunk` knob: checked against fp64 (every tile, T 1..8, ragged, pdl, preload forced), then
     timed DRAM-cold (80 calls a graph) beside the stepwise chain at the same tile."""
@@ -567,10 +641,11 @@ def ncu_launch(spec: str) -> int:
 
 # ---- main ------------------------------------------------------------------------------------
 
-def main_b64(chunk: bool = False) -> int:
+def main_b64(mode: str = "b64") -> int:
     """--exp-b64: the B = 64 decode candidates alone (b64_experiment), with the copy bandwidth; writes
     $OUT/kda_cute_exp_b64.json. --exp-chunk: the verify chunk knob (chunk_experiment) first, then the same;
-    writes $OUT/kda_cute_exp_chunk.json."""
+    writes $OUT/kda_cute_exp_chunk.json. --exp-lat: the latency knobs (lat_experiment) alone; writes
+    $OUT/kda_cute_exp_lat.json."""
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to check")
         return 0
@@ -578,10 +653,13 @@ def main_b64(chunk: bool = False) -> int:
     print(f"device: {dev}, torch {torch.__version__}")
     t0 = time.time()
     ex = {"decode": [], "verify": [], "timing_decode": [], "timing_verify": []}
-    if chunk:
+    if mode == "chunk":
         chunk_experiment(ex)
         print(f"  [{time.time() - t0:.0f}s]")
-    b64_experiment(ex)
+    if mode == "lat":
+        lat_experiment(ex)
+    else:
+        b64_experiment(ex)
     bw = _safe(copy_bw)
     if isinstance(bw, float):
         print(f"\nD2D copy bandwidth here: {bw / 1e12:.3f} TB/s")
@@ -591,7 +669,7 @@ def main_b64(chunk: bool = False) -> int:
     print("\nALL CHECKS PASS" if ok else "\nSOME CHECKS FAILED")
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, "kda_cute_exp_chunk.json" if chunk else "kda_cute_exp_b64.json"), "w") as fh:
+        with open(os.path.join(out_dir, f"kda_cute_exp_{mode}.json"), "w") as fh:
             json.dump(report, fh, indent=1, default=str)
     return 0 if ok else 1
 
@@ -611,8 +689,9 @@ def main(argv=None):
     for a in argv:
         if a.startswith("--ncu-launch="):
             return ncu_launch(a.split("=", 1)[1])
-    if "--exp-b64" in argv or "--exp-chunk" in argv:
-        return main_b64(chunk="--exp-chunk" in argv)
+    for mode in ("b64", "chunk", "lat"):
+        if f"--exp-{mode}" in argv:
+            return main_b64(mode)
     quick = "--quick" in argv
     lean = "--lean" in argv  # fewer shapes: for a tight device budget
     tiny = "--tiny" in argv  # fewest shapes that still cover every tile width

@@ -124,6 +124,10 @@ def _cases(only: str | None, quick: bool):
                       lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 32, fold=True), step_args))
         cases.append(("decode tile128 rs",
                       lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, rs=True), step_args))
+        for tv, kn in ((16, {"fast": True}), (128, {"fast": True}), (128, {"fast": True, "rs": True})):
+            cases.append((f"decode tile{tv} {kn}",
+                          lambda tv=tv, kn=kn: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, **kn),
+                          step_args))
         cases.append(("decode tile64 no fold",
                       lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 64, fold=False), step_args))
         for bare in ("regs", "pad2"):  # the state traffic alone (a measurement knob)
@@ -157,11 +161,22 @@ def _cases(only: str | None, quick: bool):
         # chunk (the T positions as one chunk): B = 1 at tiles 16 / 32, T 2..8, and the large-batch tile 128
         for B, T, tv, rg, kn in [(1, 2, 16, False, {}), (1, 4, 16, False, {}), (1, 4, 16, True, {}),
                                  (1, 8, 16, False, {}), (1, 8, 16, False, {"preload": True}), (1, 4, 32, False, {}),
-                                 (1, 4, 16, False, {"pdl": True}), (64, 4, 128, False, {}), (8, 4, 64, False, {})]:
+                                 (1, 4, 16, False, {"pdl": True}), (64, 4, 128, False, {}), (8, 4, 64, False, {}),
+                                 (1, 4, 16, False, {"fast": True})]:
             name = " ".join(f"{k}={v}" for k, v in kn.items())
             cases.append((f"verify chunk B{B} T{T} tile{tv}{' ragged' if rg else ''} {name}",
                           lambda B=B, T=T, tv=tv, rg=rg, kn=kn: kv._columns_class()(
                               B, H, T, True, rg, 1e-6, -5.0, tv, row_warps=kv.ROW_WARPS[tv], chunk=True, **kn),
+                          step_args))
+        # fast (single-MUFU transcendentals) and bpro (the batched prologue)
+        for B, T, tv, kn in ((1, 4, 16, {"fast": True}), (1, 8, 16, {"fast": True}), (64, 4, 128, {"fast": True}),
+                             (1, 4, 16, {"bpro": True}), (1, 4, 16, {"bpro": True, "fast": True}),
+                             (1, 8, 16, {"bpro": True, "fast": True}), (1, 2, 32, {"bpro": True, "fast": True}),
+                             (64, 4, 128, {"bpro": True, "fast": True}), (8, 4, 64, {"bpro": True, "fast": True})):
+            name = " ".join(f"{k}={v}" for k, v in kn.items())
+            cases.append((f"verify B{B} T{T} tile{tv} {name}",
+                          lambda B=B, T=T, tv=tv, kn=kn: kv._columns_class()(B, H, T, True, False, 1e-6, -5.0, tv,
+                                                                             row_warps=kv.ROW_WARPS[tv], **kn),
                           step_args))
     return cases
 

@@ -55,7 +55,8 @@ What it does NOT check:
     or independently (races are exposed only by the random interleaving and the poison, not proven absent);
     CTAs of different clusters never run concurrently; 32-bit index overflow is not modelled;
   - arithmetic precision: registers hold Python floats (float64), rounded only when stored to fp32 global or
-    shared memory, or converted/stored to bf16/fp16; exp/rsqrt are exact, not the GPU's approximations;
+    shared memory, or converted/stored to bf16/fp16; exp/exp2/rsqrt/rcp are exact, not the GPU's approximations
+    (the `fast` knob's approximate ones included);
   - performance (time, bandwidth, occupancy, bank conflicts) and anything about the real launch limits
     beyond block size, cluster size <= 8 and shared memory.
 """
@@ -1226,7 +1227,21 @@ def _exp(x):
         return Float32(math.inf)
 
 
-def _rsqrt(x):
+def _exp2(x, fastmath=False, approx=False, ftz=False):
+    try:
+        return Float32(2.0 ** float(x))
+    except OverflowError:
+        return Float32(math.inf)
+
+
+def _rcp_approx(x):
+    x = float(x)
+    if x == 0:
+        return Float32(math.copysign(math.inf, x))
+    return Float32(1.0 / x)
+
+
+def _rsqrt(x, fastmath=False, approx=False, ftz=False):
     x = float(x)
     if x != x or x < 0:
         return Float32(math.nan)
@@ -1392,7 +1407,7 @@ def _fake_modules(emu: _Emu) -> dict:
         griddepcontrol_wait=griddepcontrol_wait, griddepcontrol_launch_dependents=griddepcontrol_launch_dependents,
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
-        mbarrier_wait=mbarrier_wait)
+        mbarrier_wait=mbarrier_wait, rcp_approx=_rcp_approx)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
     nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,
                     LoadCacheMode=types.SimpleNamespace(ALWAYS="ca", GLOBAL="cg", STREAMING="cs", LAST_USE="lu",
@@ -1403,7 +1418,7 @@ def _fake_modules(emu: _Emu) -> dict:
                    Layout=Layout, make_layout=make_layout, make_tensor=make_tensor, make_rmem_tensor=make_rmem_tensor,
                    autovec_copy=autovec_copy, assume=assume, arch=arch, runtime=runtime, nvgpu=nvgpu,
                    make_copy_atom=make_copy_atom, copy=copy,
-                   math=types.SimpleNamespace(exp=_exp, rsqrt=_rsqrt),
+                   math=types.SimpleNamespace(exp=_exp, exp2=_exp2, rsqrt=_rsqrt),
                    AddressSpace=types.SimpleNamespace(gmem="gmem", smem="smem", rmem="rmem"))
     llvm = _module("cutlass._mlir.dialects.llvm", store=_llvm_store,
                    PointerType=types.SimpleNamespace(get=lambda space: ("ptr", space)))

@@ -138,8 +138,26 @@ def _dsl():
     from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
-    def sigmoid(x):
+    log2e = 1.4426950408889634
+
+    def expf(x, fast=False):
+        """exp(x); fast: ex2.approx.ftz (MUFU.EX2 alone, relative error ~2e-7) instead of the accurate
+        range-reduced exp."""
+        if fast:
+            return cute.math.exp2(x * log2e, approx=True, ftz=True)
+        return cute.math.exp(x)
+
+    def sigmoid(x, fast=False):
+        """1 / (1 + exp(-x)); fast: ex2.approx and rcp.approx (two MUFU ops) instead of the accurate exp and
+        the IEEE division (whose slow path is a called subroutine)."""
+        if fast:
+            return cute.arch.rcp_approx(1.0 + expf(-x, True))
         return 1.0 / (1.0 + cute.math.exp(-x))
+
+    def rsqrtf(x, fast=False):
+        if fast:
+            return cute.math.rsqrt(x, approx=True, ftz=True)
+        return cute.math.rsqrt(x)
 
     def vec(ptr, off, n):
         """A 1-D view of n contiguous elements at element offset `off` of pointer `ptr`."""
@@ -153,7 +171,7 @@ def _dsl():
                             loc=loc, ip=ip)
         _llvm.store(Float32(val).ir_value(loc=loc, ip=ip), remote, loc=loc, ip=ip)
 
-    def position_norms(s_red, base):
+    def position_norms(s_red, base, fast=False):
         """One position's l2norm factors from the lower warps' partial sums s_red[base + w * 4 + 0..2]
         (|q|^2, |k|^2, q.k; see prologue_position): returns (1/|q|, 1/|k|, q.k) with the reference eps."""
         ssq = Float32(0.0)
@@ -163,7 +181,7 @@ def _dsl():
             ssq = ssq + s_red[base + w * 4 + 0]
             ssk = ssk + s_red[base + w * 4 + 1]
             dot = dot + s_red[base + w * 4 + 2]
-        return cute.math.rsqrt(ssq + _L2_EPS), cute.math.rsqrt(ssk + _L2_EPS), dot
+        return rsqrtf(ssq + _L2_EPS, fast), rsqrtf(ssk + _L2_EPS, fast), dot
 
     def warp_sum(x):
         for sh in (16, 8, 4, 2, 1):
@@ -173,7 +191,8 @@ def _dsl():
     @cute.jit
     def prologue_position(x1t, x2t, f_t, win1: cute.Tensor, win2: cute.Tensor, w1: cute.Tensor, w2: cute.Tensor,
                           a_exp, dtb, lb: cutlass.Constexpr, lower, lane, warp, c, s_info: cute.Tensor, info_base,
-                          s_red: cute.Tensor, red_base, fold: cutlass.Constexpr = False, s_v=None, v_base=0):
+                          s_red: cute.Tensor, red_base, fold: cutlass.Constexpr = False, s_v=None, v_base=0,
+                          fast: cutlass.Constexpr = False):
         """One position's state-independent work, shared by both generators. Threads 0..127 (`lower`):
         conv + silu of the q and k channels of key row c into s_info[info_base + 0, 1] and the warp
         sums |q|^2, |k|^2, q.k into s_red[red_base + warp * 4 + 0..2]; threads 128..255: conv + silu
@@ -186,15 +205,15 @@ def _dsl():
         y1 = Float32(0.0)
         for i in cutlass.range_constexpr(4):
             y1 = y1 + win1[i].to(Float32) * w1[i]
-        y1 = y1 * sigmoid(y1)
+        y1 = y1 * sigmoid(y1, fast)
         if lower:
             win2[3] = x2t
             y2 = Float32(0.0)
             for i in cutlass.range_constexpr(4):
                 y2 = y2 + win2[i].to(Float32) * w2[i]
-            y2 = y2 * sigmoid(y2)
+            y2 = y2 * sigmoid(y2, fast)
             if cutlass.const_expr(fold):
-                dd = cute.math.exp(lb * sigmoid(a_exp * (f_t.to(Float32) + dtb)))
+                dd = expf(lb * sigmoid(a_exp * (f_t.to(Float32) + dtb), fast), fast)
                 s_info[info_base + 0] = y1 * dd
                 s_info[info_base + 1] = y2 * dd
                 s_info[info_base + 2] = dd
@@ -214,8 +233,8 @@ def _dsl():
                 s_v[v_base + c] = y1
             else:
                 fv = f_t.to(Float32)
-                g = lb * sigmoid(a_exp * (fv + dtb))
-                s_info[info_base + 2] = cute.math.exp(g)
+                g = lb * sigmoid(a_exp * (fv + dtb), fast)
+                s_info[info_base + 2] = expf(g, fast)
                 s_info[info_base + 3] = y1
         # the conv window after this position (pre-conv inputs, exact bf16 copies)
         for i in cutlass.range_constexpr(3):
@@ -225,7 +244,8 @@ def _dsl():
                 win2[i] = win2[i + 1]
 
     _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
-                           sigmoid=sigmoid, vec=vec, st_cluster_f32=st_cluster_f32, warp_sum=warp_sum,
+                           sigmoid=sigmoid, expf=expf, rsqrtf=rsqrtf, vec=vec, st_cluster_f32=st_cluster_f32,
+                           warp_sum=warp_sum,
                            prologue_position=prologue_position, position_norms=position_norms)
     return _DSL
 
@@ -239,14 +259,20 @@ def _kernel_class():
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
     prologue_position, position_norms = d.prologue_position, d.position_norms
+    rsqrtf = d.rsqrtf
 
     class KDAStepKernel:
         """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, pdl: bool = False, bare=None,
-                     fold=None, early=None, rs: bool = False):
+                     fold=None, early=None, rs: bool = False, fast: bool = False):
             self.B, self.H, self.T = B, H, T
+            # fast: the prologue's and epilogue's transcendentals as single MUFU ops (ex2.approx, rcp.approx,
+            # rsqrt.approx; relative error ~1e-7, far inside the fp64 check's tolerances) instead of the
+            # accurate exp (a range-reduced polynomial) and the IEEE division (a called slow path) on the
+            # latency chain of every position
+            self.fast = bool(fast)
             # rs (decode, tile 128; a measurement knob, not yet timed): the 8 warps' partial column sums are
             # combined as a reduce-scatter (thread t sums column t over the warps, one barrier more, then
             # one 16-byte load a thread) instead of every thread summing its 4 columns over the 8 warps.
@@ -464,7 +490,8 @@ def _kernel_class():
 
                 # ---------------- prologue: conv + silu, gate, norms; windows shift -------------
                 prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, buf * 512 + c * 4, s_red, buf * 16, self.fold, s_v, buf * 128)
+                                  warp, c, s_info, buf * 512 + c * 4, s_red, buf * 16, self.fold, s_v, buf * 128,
+                                  self.fast)
                 # decode with a cluster: the peers read conv_state too, so rank 0 writes it only after
                 # the cluster barrier below (late_conv)
                 if cutlass.const_expr(not late_conv):
@@ -490,9 +517,9 @@ def _kernel_class():
                 cute.arch.sync_threads()
 
                 # ---------------- pass 1: k^T diag(d) S and q^T diag(d) S over the old state ----
-                rq, rk, dot = position_norms(s_red, buf * 16)
+                rq, rk, dot = position_norms(s_red, buf * 16, self.fast)
                 qk = dot * rq * rk
-                beta = sigmoid(b_r[t].to(Float32))
+                beta = sigmoid(b_r[t].to(Float32), self.fast)
 
                 acc_k = cute.make_rmem_tensor((4,), Float32)
                 acc_q = cute.make_rmem_tensor((4,), Float32)
@@ -638,10 +665,11 @@ def _kernel_class():
                                 ss = ss + s_ss[t * NC + rr]
                         if warp == 0:
                             o_off = cute.assume(bt * HD + h * D + col0, divby=4)
-                            inv = cute.math.rsqrt(ss * (1.0 / D) + self.eps)
+                            inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
                             r_out = cute.make_rmem_tensor((4,), p_out.dtype)
                             for j in cutlass.range_constexpr(4):
-                                val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
+                                val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32),
+                                                                                        self.fast)
                                 r_out[j] = val.to(p_out.dtype)
                             wout = active
                             if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)

@@ -94,6 +94,7 @@ def _columns_class():
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, st_cluster_f32, warp_sum = d.sigmoid, d.vec, d.st_cluster_f32, d.warp_sum
+    expf, rsqrtf = d.expf, d.rsqrtf
     prologue_position, position_norms = d.prologue_position, d.position_norms
 
     def reduce_scatter(vals, lane, offs):
@@ -130,7 +131,7 @@ def _columns_class():
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
                      preload=None, scatter=None, delay=None, late_conv=None, group_bar=None, pdl=False,
-                     chunk=None):
+                     chunk=None, fast=False, bpro=False):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -176,6 +177,13 @@ def _columns_class():
             # after each position comes from the same register update as the chain's. Off by default until
             # measured (a measurement knob).
             self.chunk = bool(chunk)
+            # fast: single-MUFU transcendentals (see kda_decode.py's KDAStepKernel)
+            self.fast = bool(fast)
+            # bpro: the batched prologue (the stepwise chain after it is unchanged): every position's conv,
+            # silu and decay in one branch per half, the 3 T warp sums in one reduce-scatter (8 + 4 + 2 + 1 + 1
+            # shuffles at T = 4 instead of 3 T x 5), instead of T position blocks one after another, each
+            # with its own branch and five rounds of shuffles
+            self.bpro = bool(bpro) and not self.chunk
             assert not (self.chunk and late_conv), "chunk writes conv_hist in its prologue (late_conv off)"
             # chunk: (t, j < t) -> index of the pair among the prologue's decayed cross terms
             self.pair, n_ = {}, 0
@@ -187,6 +195,8 @@ def _columns_class():
             # warp's reduce-scatter; values a thread reduces over its row lanes (8 per position), padded to a
             # multiple of 2 ** rounds
             self.nsum = -(-(3 * T + 2 * n_) // 32) * 32
+            if not self.chunk:  # bpro: 3 T sums, padded to a power of two (halving evenly)
+                self.nsum = 1 << max(2, (3 * T - 1).bit_length())
             rounds_ = len(self.red_offs)
             self.nacc = -(-(8 * T) // max(4, 2 ** rounds_)) * max(4, 2 ** rounds_)
             if preload is None and self.chunk:
@@ -277,7 +287,8 @@ def _columns_class():
             s_info = smem.allocate_tensor(Float32, cute.make_layout(T * 128 * (5 if self.chunk else 4)),
                                           byte_alignment=16)
             # per position, lower warps 0..3: (|q|^2, |k|^2, q.k, pad)  (chunk: value i of warp w at i * 4 + w)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(self.nsum * 4 if self.chunk else T * 16),
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(self.nsum * 4 if (self.chunk or self.bpro)
+                                                                   else T * 16),
                                          byte_alignment=16)
             # per position, the tile's unnormalized outputs
             s_o = smem.allocate_tensor(Float32, cute.make_layout(T * TV), byte_alignment=16)
@@ -370,7 +381,7 @@ def _columns_class():
                     cute.autovec_copy(vec(p_gate, cute.assume((bb * T + t) * HD + h * D + e0, divby=E), E),
                                       gate_r[None, t])
 
-            if cutlass.const_expr(not self.chunk):
+            if cutlass.const_expr(not (self.chunk or self.bpro)):
                 # ---- prologue of ALL positions (independent of the state): conv + silu, gate, norms ---
                 for t in cutlass.range_constexpr(T):
                     bt = bb * T + t
@@ -380,7 +391,7 @@ def _columns_class():
                         if t < L:
                             active = Int32(1)
                     prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                      warp, c, s_info, t * 512 + c * 4, s_red, t * 16)
+                                      warp, c, s_info, t * 512 + c * 4, s_red, t * 16, False, None, 0, self.fast)
                     # conv_hist[b, t] (rank 0 of a cluster writes it)
                     wconv = active
                     if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
@@ -396,18 +407,21 @@ def _columns_class():
                                 ch_g[(bt * C + ch2) * 3 + i] = win2[i]
 
             else:
-                # chunk: the T positions as one chunk (see the `chunk` knob). Lower thread c: conv + silu of
-                # the q and k channels of key row c for every position, the decay of row c, its cumulative
-                # products, and the row's terms of every state-independent sum (|q_t|^2, |k_t|^2, q_t.k_t,
-                # and for j < t the decayed k_t.k_j and q_t.k_j), reduce-scattered over the warp. Upper
-                # thread c: conv + silu of the v channel c.
+                # the batched prologue (bpro, and chunk): every position in one branch per half, so the
+                # positions' conv, silu and decay interleave, and the warp sums of all positions meet in one
+                # butterfly reduce-scatter (value i of lower warp w lands in s_red[i * 4 + w]). Lower thread
+                # c: conv + silu of the q and k channels of key row c for every position; bpro: (q, k) into
+                # s_info[.. + 0, 1] and the sums |q_t|^2, |k_t|^2, q_t.k_t; chunk (see the `chunk` knob): the
+                # decay of row c too, its cumulative products, (q P_t, k P_t, d_t, k) into s_info, and for
+                # j < t the decayed k_t.k_j and q_t.k_j as well. Upper thread c: conv + silu of the v channel
+                # c (bpro: and the decay of row c, into s_info[.. + 2, 3]; chunk: v after the rows' block).
                 y1 = cute.make_rmem_tensor((T,), Float32)
                 for t in cutlass.range_constexpr(T):
                     win1[3] = x1[t]
                     ya = Float32(0.0)
                     for i in cutlass.range_constexpr(4):
                         ya = ya + win1[i].to(Float32) * w1[i]
-                    y1[t] = ya * sigmoid(ya)
+                    y1[t] = ya * sigmoid(ya, self.fast)
                     for i in cutlass.range_constexpr(3):
                         win1[i] = win1[i + 1]
                     wconv = Int32(1)
@@ -423,16 +437,18 @@ def _columns_class():
                             ch_g[((bb * T + t) * C + ch1) * 3 + i] = win1[i]
                 if lower:
                     y2 = cute.make_rmem_tensor((T,), Float32)
-                    dk = cute.make_rmem_tensor((T,), Float32)
+                    dk = cute.make_rmem_tensor((T if self.chunk else 1,), Float32)
                     for t in cutlass.range_constexpr(T):
                         win2[3] = x2[t]
                         yb = Float32(0.0)
                         for i in cutlass.range_constexpr(4):
                             yb = yb + win2[i].to(Float32) * w2[i]
-                        y2[t] = yb * sigmoid(yb)
+                        y2[t] = yb * sigmoid(yb, self.fast)
                         for i in cutlass.range_constexpr(3):
                             win2[i] = win2[i + 1]
-                        dk[t] = cute.math.exp(self.lb * sigmoid(a_exp * (f_r[t].to(Float32) + dtb)))
+                        if cutlass.const_expr(self.chunk):
+                            dk[t] = expf(self.lb * sigmoid(a_exp * (f_r[t].to(Float32) + dtb), self.fast),
+                                         self.fast)
                         wconv = Int32(1)
                         if cutlass.const_expr(self.ragged):
                             wconv = Int32(0)
@@ -446,29 +462,40 @@ def _columns_class():
                                 ch_g[((bb * T + t) * C + ch2) * 3 + i] = win2[i]
                     # per position: (q P_t, k P_t, d_t, k) of row c, P_t = d_0 ... d_t (raw q, k: the
                     # l2norm factors are applied to the reduced sums)
-                    pc = Float32(1.0)
-                    for t in cutlass.range_constexpr(T):
-                        pc = pc * dk[t]
-                        s_info[t * 512 + c * 4 + 0] = y1[t] * pc
-                        s_info[t * 512 + c * 4 + 1] = y2[t] * pc
-                        s_info[t * 512 + c * 4 + 2] = dk[t]
-                        s_info[t * 512 + c * 4 + 3] = y2[t]
+                    if cutlass.const_expr(self.chunk):
+                        pc = Float32(1.0)
+                        for t in cutlass.range_constexpr(T):
+                            pc = pc * dk[t]
+                            s_info[t * 512 + c * 4 + 0] = y1[t] * pc
+                            s_info[t * 512 + c * 4 + 1] = y2[t] * pc
+                            s_info[t * 512 + c * 4 + 2] = dk[t]
+                            s_info[t * 512 + c * 4 + 3] = y2[t]
+                    else:
+                        for t in cutlass.range_constexpr(T):
+                            s_info[t * 512 + c * 4 + 0] = y1[t]
+                            s_info[t * 512 + c * 4 + 1] = y2[t]
                     vals = []
                     for t in cutlass.range_constexpr(T):
                         vals += [y1[t] * y1[t], y2[t] * y2[t], y1[t] * y2[t]]
-                    for t in cutlass.range_constexpr(1, T):
-                        gd = Float32(1.0)
-                        for m in cutlass.range_constexpr(t):
-                            jj = t - 1 - m
-                            gd = gd * dk[jj + 1]   # G[t, jj] = d_{jj+1} ... d_t (self.pair's order)
-                            vals += [y2[t] * gd * y2[jj], y1[t] * gd * y2[jj]]
+                    if cutlass.const_expr(self.chunk):
+                        for t in cutlass.range_constexpr(1, T):
+                            gd = Float32(1.0)
+                            for m in cutlass.range_constexpr(t):
+                                jj = t - 1 - m
+                                gd = gd * dk[jj + 1]   # G[t, jj] = d_{jj+1} ... d_t (self.pair's order)
+                                vals += [y2[t] * gd * y2[jj], y1[t] * gd * y2[jj]]
                     vals += [Float32(0.0)] * (self.nsum - len(vals))
                     kept, start = reduce_scatter(vals, lane, (16, 8, 4, 2, 1))
                     for i in cutlass.range_constexpr(len(kept)):
                         s_red[(start + i) * 4 + warp] = kept[i]
                 else:
                     for t in cutlass.range_constexpr(T):
-                        s_info[T * 512 + t * 128 + c] = y1[t]   # v_c
+                        if cutlass.const_expr(self.chunk):
+                            s_info[T * 512 + t * 128 + c] = y1[t]   # v_c
+                        else:
+                            s_info[t * 512 + c * 4 + 2] = expf(
+                                self.lb * sigmoid(a_exp * (f_r[t].to(Float32) + dtb), self.fast), self.fast)
+                            s_info[t * 512 + c * 4 + 3] = y1[t]
             cute.arch.sync_threads()  # the only CTA barrier before the epilogue
 
             if cutlass.const_expr(not self.chunk):
@@ -486,8 +513,14 @@ def _columns_class():
                 c_row = cute.make_rmem_tensor((4, S, T) if self.pre else (4, 1, 1), Float32)
                 r_prev = cute.make_rmem_tensor((4, S) if self.delay else (4, 1), Float32)  # delay: last state
                 for t in cutlass.range_constexpr(T):
-                    rq, rk, dot = position_norms(s_red, t * 16)
-                    beta = sigmoid(b_r[t].to(Float32))
+                    if cutlass.const_expr(self.bpro):
+                        r_c = cute.make_rmem_tensor((4,), Float32)
+                        rq = rsqrtf(red4(s_red, 3 * t, r_c) + _L2_EPS, self.fast)
+                        rk = rsqrtf(red4(s_red, 3 * t + 1, r_c) + _L2_EPS, self.fast)
+                        dot = red4(s_red, 3 * t + 2, r_c)
+                    else:
+                        rq, rk, dot = position_norms(s_red, t * 16, self.fast)
+                    beta = sigmoid(b_r[t].to(Float32), self.fast)
                     c_sc[0, t] = beta * rk
                     c_sc[1, t] = rq * scale
                     c_sc[2, t] = dot * rq * rk * scale
@@ -640,10 +673,10 @@ def _columns_class():
                 c_mq = cute.make_rmem_tensor((max(1, T * (T - 1) // 2),), Float32)
                 r_v = cute.make_rmem_tensor((4,), Float32)
                 for t in cutlass.range_constexpr(T):
-                    rq = cute.math.rsqrt(red4(s_red, 3 * t, r_c) + _L2_EPS)
-                    rk = cute.math.rsqrt(red4(s_red, 3 * t + 1, r_c) + _L2_EPS)
+                    rq = rsqrtf(red4(s_red, 3 * t, r_c) + _L2_EPS, self.fast)
+                    rk = rsqrtf(red4(s_red, 3 * t + 1, r_c) + _L2_EPS, self.fast)
                     dot = red4(s_red, 3 * t + 2, r_c)
-                    beta = sigmoid(b_r[t].to(Float32))
+                    beta = sigmoid(b_r[t].to(Float32), self.fast)
                     c_sc[0, t] = beta * rk
                     c_sc[1, t] = rq * scale
                     c_sc[2, t] = dot * rq * rk * scale
@@ -795,10 +828,11 @@ def _columns_class():
                         active = Int32(0)
                         if t < L:
                             active = Int32(1)
-                    inv = cute.math.rsqrt(ss_r[t] * (1.0 / D) + self.eps)
+                    inv = rsqrtf(ss_r[t] * (1.0 / D) + self.eps, self.fast)
                     r_out = cute.make_rmem_tensor((E,), p_out.dtype)
                     for j in cutlass.range_constexpr(E):
-                        val = r_o[j, t] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32))
+                        val = (r_o[j, t] * inv * r_onw_raw[j].to(Float32)
+                               * sigmoid(gate_r[j, t].to(Float32), self.fast))
                         r_out[j] = val.to(p_out.dtype)
                     if cutlass.const_expr(EL < 32):  # noqa: SIM102 (DSL: nested dynamic ifs)
                         if lane >= EL:
