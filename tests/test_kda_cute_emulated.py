@@ -93,6 +93,12 @@ KNOBS = [
     (32, 4, 2, 1, 3, True, {"late_conv": True}),
     (32, 2, 1, 1, 2, False, {"group_bar": False}),
     (16, 4, 2, 1, 3, True, {"pdl": True}),
+    (16, 4, 2, 1, 3, True, {"bpro": False}),       # on by default at these (small) grids
+    (32, 2, 1, 1, 4, False, {"fast": False}),      # on by default
+    (128, 4, 1, 2, 2, False, {"bpro": False, "fast": False}),
+    (16, 4, 2, 1, 4, True, {"chunk": True}),       # measured, loses: a knob only
+    (32, 2, 1, 1, 3, False, {"chunk": True, "preload": False}),
+    (128, 1, 2, 1, 3, True, {"chunk": True}),
 ]
 
 
@@ -119,11 +125,12 @@ def test_decode_pdl(tile_v, B, H):
 @pytest.mark.parametrize("tile_v,knobs", [(128, {"fold": False}), (128, {"early": False}),
                                           (128, {"fold": False, "early": False, "pdl": True}), (64, {"fold": False}),
                                           (32, {"fold": True}), (16, {"fold": True, "pdl": True}),
-                                          (128, {"rs": True}), (128, {"rs": True, "early": False, "pdl": True})])
+                                          (128, {"rs": False}), (128, {"rs": True, "early": False, "pdl": True}),
+                                          (16, {"fast": False}), (128, {"fast": True, "rs": False})])
 def test_decode_fold_early_off_and_on(tile_v, knobs):
-    """fold (the prologue hands the passes q d, k d, d, k; default at tiles 128 and 64) and early (the
-    output before the state update; default at tile 128), each forced against its default; rs (the
-    reduce-scatter combine, a measurement knob)."""
+    """fold (the prologue hands the passes q d, k d, d, k; default at tiles 128 and 64), early (the
+    output before the state update; default at tile 128), rs (the reduce-scatter combine; default at tile
+    128) and fast (single-MUFU transcendentals; default on small grids), each forced against its default."""
     _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, **knobs))
 
 
@@ -296,3 +303,24 @@ def test_dsmem_exchange_and_a_store_before_the_cluster_barrier():
     assert torch.equal(out[:64], torch.tensor([11.0] * 32 + [10.0] * 32))
     with pytest.raises(emulate.EmulationError, match="before any completed cluster barrier"):
         _tiny_launch(_swap_ranks(early=True), threads=32, grid=(2, 1, 1), cluster=[2, 1, 1])
+
+
+def test_latency_knob_defaults_follow_the_measurement():
+    """The defaults kda_cute_exp_lat.json chose: verify fast always, bpro and decode fast only while the whole
+    grid is resident (B H NC <= 2 x 132 CTAs), rs at decode tile 128; the row-layout verify (a baseline)
+    keeps the accurate functions; chunk stays off."""
+    with emulate.emulated() as m:
+        col, row = m.kv._columns_class(), m.kd._kernel_class()
+        v1 = col(1, 12, 4, True, False, 1e-6, -5.0, 16, row_warps=4)
+        v16 = col(16, 12, 4, True, False, 1e-6, -5.0, 128, row_warps=4)
+        v64 = col(64, 12, 4, True, False, 1e-6, -5.0, 128, row_warps=4)
+        assert (v1.fast, v1.bpro, v1.chunk) == (True, True, False)
+        assert (v16.fast, v16.bpro) == (True, True)
+        assert (v64.fast, v64.bpro) == (True, False)
+        d1 = row(1, 12, 1, False, False, 1e-6, -5.0, 16)
+        d16 = row(16, 12, 1, False, False, 1e-6, -5.0, 128)
+        d64 = row(64, 12, 1, False, False, 1e-6, -5.0, 128)
+        assert (d1.fast, d1.rs) == (True, False)
+        assert (d16.fast, d16.rs) == (True, True)
+        assert (d64.fast, d64.rs) == (False, True)
+        assert row(2, 12, 4, True, False, 1e-6, -5.0, 64).fast is False  # the rows baseline

@@ -84,6 +84,9 @@ _D = 128
 _W = 4
 _THREADS = 256
 _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
+# CTAs an H100 / H200 holds at once at two a SM (132 SMs): a grid this small is latency-bound, and the
+# latency knobs (decode `fast`, verify `bpro`) are on by default only there
+_RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
 
@@ -266,18 +269,27 @@ def _kernel_class():
 
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, pdl: bool = False, bare=None,
-                     fold=None, early=None, rs: bool = False, fast: bool = False):
+                     fold=None, early=None, rs=None, fast=None):
             self.B, self.H, self.T = B, H, T
+            nc_ = 128 // tile_v
             # fast: the prologue's and epilogue's transcendentals as single MUFU ops (ex2.approx, rcp.approx,
             # rsqrt.approx; relative error ~1e-7, far inside the fp64 check's tolerances) instead of the
             # accurate exp (a range-reduced polynomial) and the IEEE division (a called slow path) on the
-            # latency chain of every position
-            self.fast = bool(fast)
-            # rs (decode, tile 128; a measurement knob, not yet timed): the 8 warps' partial column sums are
-            # combined as a reduce-scatter (thread t sums column t over the warps, one barrier more, then
-            # one 16-byte load a thread) instead of every thread summing its 4 columns over the 8 warps.
-            # The same summation order (fp32 on the GPU; the CPU emulator keeps registers in fp64, so there
-            # the stored partial sums round once more and the results differ in the last bit).
+            # latency chain. Decode default: on when the whole grid is resident at once (B H NC <= 2 x 132
+            # CTAs: latency-bound). Measured (profiles/h200/kda_cute_exp_lat.json, 12 heads, 80 rotated
+            # sets): B = 1 3.43 against 3.85 us (pdl 2.78 against 2.96), B = 2 4.28 against 4.54, B = 4, 8, 16
+            # 0.1-0.2 us faster; at B = 64 it LOSES (29.79 against 29.15; with rs 29.27 against 28.53), so
+            # the large grids keep the accurate functions. The row-layout verify (a baseline) keeps them too.
+            self.fast = ((not verify and B * H * nc_ <= _RESIDENT) if fast is None else bool(fast))
+            # rs (decode, tile 128; default): the 8 warps' partial column sums are combined as a
+            # reduce-scatter (thread t sums column t over the warps, one barrier more, then one 16-byte load
+            # a thread) instead of every thread summing its 4 columns over the 8 warps. The same summation
+            # order (fp32 on the GPU; the CPU emulator keeps registers in fp64, so there the stored partial
+            # sums round once more and the results differ in the last bit). Measured (kda_cute_exp_chunk.json
+            # and kda_cute_exp_lat.json): B = 64 28.54 / 28.53 against 29.14 / 29.15 us, B = 32 15.52 against
+            # 16.26, B = 256 105.96 against 106.97, B = 16 9.79 against 9.84; with pdl at B = 64 a tie.
+            if rs is None:
+                rs = T == 1 and not verify and tile_v == 128 and bare is None
             self.rs = bool(rs)
             assert not rs or (T == 1 and not verify and tile_v == 128), "rs: decode, tile 128 only"
             # fold (decode; default at tiles 128 and 64): the prologue hands the state passes (q d, k d, d, k)

@@ -71,7 +71,7 @@ import math
 
 import torch
 
-from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
+from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _RESIDENT, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
                          _kernel_class, _params_key, _stream, _validate, kda_verify_bytes)
 
 __all__ = ["LAYOUTS", "kda_verify", "kda_verify_bytes"]
@@ -131,7 +131,7 @@ def _columns_class():
         def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
                      lower_bound: float, tile_v: int = 128, row_warps: int = 1, hist: bool = True,
                      preload=None, scatter=None, delay=None, late_conv=None, group_bar=None, pdl=False,
-                     chunk=None, fast=False, bpro=False):
+                     chunk=None, fast=None, bpro=None):
             assert verify, "the column-layout generator is verify-only (decode: kda_decode.py)"
             # hist=False skips the state_hist stores: a measurement of what they cost at small batch
             # (kernels/cute/check_kda.py), not an API mode
@@ -166,7 +166,7 @@ def _columns_class():
             # against 10.28 without).
             # at most 128 registers a thread -> 2 CTAs (16 warps) per SM when the grid has more CTAs than
             # an H200 has SMs; a grid that fits in one CTA per SM may use more registers
-            self.min_ctas = 2 if B * H * self.NC > 132 else 1
+            self.min_ctas = 2 if B * H * self.NC > _RESIDENT // 2 else 1
             # chunk: the T positions as one chunk of the delta rule (the WY form the chunked prefill uses,
             # with T <= 8 rows): what does not depend on the state (the l2norm factors, beta, the decay's
             # cumulative products P_t and, for j < t, the decayed products k_t.k_j and q_t.k_j) is reduced in
@@ -174,15 +174,25 @@ def _columns_class():
             # S0^T (k_t P_t) and S0^T (q_t P_t) for every t, ONE exchange (shuffles, shared memory, one
             # barrier) reduces them, and a T x T triangular solve per column gives every u_t and o_t. The
             # stepwise chain instead pays T exchanges (shuffle rounds and a barrier) in sequence. The state
-            # after each position comes from the same register update as the chain's. Off by default until
-            # measured (a measurement knob).
+            # after each position comes from the same register update as the chain's. A measurement knob:
+            # it LOSES everywhere (profiles/h200/kda_cute_exp_chunk.json, 12 heads: B = 1 T = 4 6.24 against
+            # 5.93 us, T = 8 10.95 against 9.46, B = 64 T = 4 79.46 against 72.06): the chain's exchanges were
+            # not the cost; the prologue's transcendentals and per-position blocks were (see fast, bpro).
             self.chunk = bool(chunk)
-            # fast: single-MUFU transcendentals (see kda_decode.py's KDAStepKernel)
-            self.fast = bool(fast)
+            # fast (default on): single-MUFU transcendentals (see kda_decode.py's KDAStepKernel). Measured
+            # (profiles/h200/kda_cute_exp_lat.json, 12 heads, tile 16 at B = 1): T = 4 5.45 against 5.99 us,
+            # T = 8 8.44 against 9.48; B = 64 T = 4 (tile 128) 71.74 against 72.35.
+            self.fast = True if fast is None else bool(fast)
             # bpro: the batched prologue (the stepwise chain after it is unchanged): every position's conv,
             # silu and decay in one branch per half, the 3 T warp sums in one reduce-scatter (8 + 4 + 2 + 1 + 1
             # shuffles at T = 4 instead of 3 T x 5), instead of T position blocks one after another, each
-            # with its own branch and five rounds of shuffles
+            # with its own branch and five rounds of shuffles. Default: on when the whole grid is resident
+            # at once (B H NC <= 2 x 132 CTAs). Measured (kda_cute_exp_lat.json, with fast): B = 1 T = 4 5.03
+            # against 5.45 us (fast alone; 5.99 neither; pdl 4.20 against 4.99), T = 8 7.57 against 8.44,
+            # T = 2 3.95 against 4.45 (neither); B = 2, 4, 8, 16 at T = 4 0.8-1.1 us faster than neither;
+            # at B = 64 T = 4 it LOSES (73.29 against 71.74 with fast alone).
+            if bpro is None:
+                bpro = B * H * self.NC <= _RESIDENT
             self.bpro = bool(bpro) and not self.chunk
             assert not (self.chunk and late_conv), "chunk writes conv_hist in its prologue (late_conv off)"
             # chunk: (t, j < t) -> index of the pair among the prologue's decayed cross terms
