@@ -7,7 +7,8 @@
 #   STEP=tests carry [".gpu/base"]  the GPU-marked tests (several minutes)
 #   STEP=tune  carry [".gpu/base"]  the Triton KDA tile x warps x stages tuner (kernels/triton/tune_kda.py)
 #   STEP=b64   carry [".gpu/cute"]  the B = 64 decode candidates (check_kda.py ${EXP:---exp-b64}; EXP=--exp-chunk
-#                                   runs the verify chunk study first), ncu of one call of
+#                                   runs the verify chunk study first, --exp-lat the latency knobs, none
+#                                   nothing), ncu of one call of
 #                                   each NCU_SPECS entry ("" for none), the GPU tests of TESTS (files) if set
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short
 # still returns them (the tool brings back at most 8 files). Knobs: HEADS, BATCHES, TS, DEADLINE,
@@ -46,7 +47,9 @@ b64)
   # (check_kda.py --ncu-launch=...; the default: the CuTe decode and torch's in-place scale of the state)
   eval "$(bash .gpu/cute/unpack.sh)"; install
   mkdir -p "$OUT/b64"
-  OUT="$OUT/b64" python3 kernels/cute/check_kda.py ${EXP:---exp-b64} 2>&1 | tee "$OUT/b64/exp.log" | tail -n 60
+  if [ "${EXP:-}" != none ]; then  # EXP=none: only the ncu specs and the tests
+    OUT="$OUT/b64" python3 kernels/cute/check_kda.py ${EXP:---exp-b64} 2>&1 | tee "$OUT/b64/exp.log" | tail -n 60
+  fi
   for spec in ${NCU_SPECS-64,12,128 inplace,64,12}; do
     tag=$(echo "$spec" | tr ',' '_')
     ncu --clock-control none --cache-control none --profile-from-start off --launch-skip 4 --launch-count 1 \
