@@ -36,8 +36,8 @@ def test_auto_follows_the_table_and_falls_back_without_cute(monkeypatch):
     monkeypatch.setattr(comp, "resolve_backend", lambda b="auto": "triton")
     monkeypatch.setattr(comp, "backend_status", lambda b: (False, "no cute here"))
     assert comp.auto_choice("decode", 1) == ("triton", 16)
-    assert comp.auto_choice("decode", 64) == ("triton", 64)
-    assert comp.auto_choice("verify", 1) == ("triton", 32)
+    assert comp.auto_choice("decode", 64) == ("triton", 128)  # fifth-session sweep: Triton at the tuned warps
+    assert comp.auto_choice("verify", 1) == ("triton", 16)
     monkeypatch.setattr(comp, "backend_status", lambda b: (True, "pretend"))
     monkeypatch.setattr(comp, "_cute_module", lambda name: object())
     assert comp.auto_choice("decode", 1) == ("cute", 16)
