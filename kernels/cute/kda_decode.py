@@ -43,21 +43,26 @@ params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
     H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29.3 us)
 
 Measured on the H200 (all within tolerance of the fp64 oracle: out rel err ~1.7e-3, state <= 1.1e-7,
-conv exact), profiles/h200/kda_sweep-decode.json (fourth session; `k3lab bench kda`: graph replay of >= 20
-calls, inputs rotated past L2 as in a 69-layer model; copy 4.129 TB/s in that run), 12 heads:
-    B=1 3.91 us (tile 16), B=2 4.60 (tile 16), B=4 5.39, B=8 6.85, B=16 9.85, B=32 16.38 (tile 128),
-    B=64 29.52 us = 3.57 TB/s = 86.5 % of copy (tile 128). fla's recurrence alone: 4.38 / 36.35 us.
-    With pdl (the kda_pdl switch, row cute_pdl): B=1 2.94 us, B=64 29.33 us = 3.59 TB/s = 87 %.
-    torch's own copy of the same bytes in the same rotated graph (row torch_copy): B=64 40.68 us.
-The B = 64 account (profiles/h200/kda_cute_exp_b64.json, check_kda.py --exp-b64, 80 rotated sets; copy
-4.001 TB/s in that run): this kernel 29.38 us (pdl 29.13); without fold and early 30.32 (the kernel of the
-third session, 30.85, also combined q^T diag(d) S in every warp: kda_cute_exp_cache.json); `bare`, the same
-grid moving the same state with nothing else, 27.49 (pdl 26.13); torch's in-place scale of the state,
-one elementwise kernel, 28.72. So about 1.9 us is the work after each CTA's loads land, not the
-traffic shape; B = 256 107.97 us = 3.90 TB/s. Measured and not kept: evict-first (.cs) state loads and
-stores (kda_cute_exp_cache.json: 31.24 / 31.78 against 30.85 us), tile 64 with pdl (32.31), the persistent
-TMA-fed kernel (kda_decode_persistent.py; (2, 1) 31.22 vs 31.05 us in kda_cute_exp_pdl.json), an L2
-prefetch of a later CTA's state (kda_cute_exp_l2prefetch.log).
+conv exact), profiles/h200/kda_sweep.json (fifth session; `k3lab bench kda`: graph replay of >= 20 calls,
+inputs rotated past L2 as in a 69-layer model; copy 4.195 TB/s in that run), 12 heads:
+    B=1 3.42 us (tile 16), B=2 4.30 (tile 16), B=4 5.13, B=8 6.72, B=16 9.68, B=32 15.71 (tile 128),
+    B=64 28.72 us = 3.67 TB/s = 87.5 % of copy (tile 128). fla's recurrence alone: 4.34 / 36.25 us.
+    With pdl (the kda_pdl switch, row cute_pdl): B=1 2.74 us, B=64 29.24 us.
+    torch's own copy of the same bytes in the same rotated graph (row torch_copy): B=64 39.88 us.
+    6 heads (kda_sweep-h6.json): B=1 2.76 us, B=64 15.62 us.
+What moved them in the fifth session (profiles/h200/kda_cute_exp_lat.json, check_kda.py --exp-lat):
+`fast` (the prologue's and epilogue's transcendentals as single MUFU ops; on while the grid is resident)
+B=1 3.85 -> 3.43 us; `rs` (the warps' partial sums combined as a reduce-scatter; tile 128) B=64
+29.15 -> 28.53 us, B=256 106.97 -> 105.96.
+The B = 64 account of the fourth session (profiles/h200/kda_cute_exp_b64.json, check_kda.py --exp-b64, 80
+rotated sets; copy 4.001 TB/s in that run): the kernel then 29.38 us (pdl 29.13); without fold and early 30.32
+(the kernel of the third session, 30.85, also combined q^T diag(d) S in every warp: kda_cute_exp_cache.json);
+`bare`, the same grid moving the same state with nothing else, 27.49 (pdl 26.13); torch's in-place scale of
+the state, one elementwise kernel, 28.72. So about 1.9 us is the work after each CTA's loads land, not the
+traffic shape; B = 256 107.97 us = 3.90 TB/s. Measured and not kept: evict-first (.cs) state loads and stores
+(kda_cute_exp_cache.json: 31.24 / 31.78 against 30.85 us), tile 64 with pdl (32.31), the persistent TMA-fed
+kernel (kda_decode_persistent.py; (2, 1) 31.22 vs 31.05 us in kda_cute_exp_pdl.json), an L2 prefetch of a
+later CTA's state (kda_cute_exp_l2prefetch.log).
 
 Programmatic dependent launch (pdl=True): the launch may begin while the previous kernel on the stream
 still runs; each CTA issues its state, conv-window and parameter loads, then griddepcontrol.wait (the

@@ -45,17 +45,28 @@ Not kept: late_conv (conv_hist stores at the end: T=4 6.22 vs 5.96 us).
 Tile 16 (a cluster of 8 CTAs per head, row_warps 2/4/8, 16 output lanes in the epilogue) spreads a
 position's state_hist stores over 8 SMs per head; it is the B=1 winner.
 
+Fifth session: the prologue was the long pole, not the chain. Taking it off the critical path
+(profiles/h200/kda_cute_exp_lat.json, 80 rotated sets, 12 heads, B=1 T=4 tile 16):
+  - fast (default on): exp, sigmoid and rsqrt as single MUFU ops (ex2.approx, rcp.approx, rsqrt.approx)
+    instead of the accurate exp's range-reduced polynomial and the IEEE division's called slow path,
+    both on every position's latency chain: 5.45 against 5.99 us;
+  - bpro (on while the grid is resident, B H NC <= 2 x 132): the batched prologue, every position's conv,
+    silu and decay in one branch per half (the positions interleave) and the 3 T warp sums in one
+    reduce-scatter instead of T blocks of 15 shuffles one after another: 5.59 alone, 5.03 with fast;
+  - chunk (measured, not kept; kda_cute_exp_chunk.json): the T positions as one WY chunk (one pass over
+    the state, one exchange, a T x T solve per column) 6.24 against 5.93 us: the T exchanges were not
+    the cost.
+
 Measured on the H200, 12 heads, all outputs/histories within tolerance of the fp64 oracle
-(profiles/h200/kda_sweep.json, third session, `k3lab bench kda`, inputs rotated past L2; fla =
-fused_recurrent_kda, which has no conv, no output norm and writes only the final state):
-    B=1  T=4:  6.05 us (tile 16)   pdl 4.99   tile 32 6.29, Triton 10.41, fla 10.09
-    B=1  T=8:  9.62 us (tile 16)   pdl 8.95   Triton 17.27, fla 16.46
-    B=64 T=4: 72.93 us = 3.64 TB/s (tile 128)   pdl 76.36 (pdl loses here), Triton 93.73, fla 78.71
-    B=64 T=8: 143.79 us (tile 64; kda_sweep-b64t8.json)   fla 142.46 (fla is 1 % faster, writing no history)
-The issue's target (T=4, B=1 <= 6.0 us) is missed by 0.05 us with a plain launch and met with pdl
-(4.99 us). Without any state_hist store the plain kernel needs 5.48 us (kda_cute_exp_pdl.json, "hist":
-False): the stores cost about 0.5 us; the rest is launch, the state load, the prologue and a 4-step chain
-of shuffles and one barrier each. pdl hides the launch and the state load behind the previous kernel.
+(profiles/h200/kda_sweep.json, fifth session, `k3lab bench kda`, inputs rotated past L2, copy 4.195 TB/s
+in that run; fla = fused_recurrent_kda, which has no conv, no output norm and writes only the final state):
+    B=1  T=4:  5.04 us (tile 16)   pdl 4.23   tile 32 5.34, Triton 10.05, fla 9.97
+    B=1  T=8:  7.67 us (tile 16)   pdl 6.80   Triton 16.64, fla 16.37
+    B=64 T=4: 71.92 us = 3.69 TB/s = 87.9 % of copy (tile 128)   pdl 75.19 (pdl loses here), Triton 86.82,
+              fla 78.62
+    B=64 T=8: 142.20 us (tile 64)   fla 137.67 (fla is 3 % faster, writing one state where this writes 8)
+The issue's target (T=4, B=1 <= 6.0 us) is met with a plain launch (5.04 us) and with pdl (4.23 us).
+Without any state_hist store the fast + bpro kernel needs 4.59 us (kda_cute_exp_lat.json, "hist": False).
 
 Floor per (b, h): state 64 KiB read once + T x 64 KiB state_hist written, conv 2,304 B read +
 T x 2,304 B conv_hist written, T x (768 + 256 + 256 + 256 + 2) B activations. For H = 12, B = 1:
