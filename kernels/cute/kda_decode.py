@@ -835,7 +835,7 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
 def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **knobs):
     """Compile (once per shape and knobs) and launch on the current stream; arguments already validated.
     knobs: pdl (kda_decode's switch) and the measurement knobs of kernels/cute/check_kda.py (bare, fold,
-    early, rs; see KDAStepKernel)."""
+    early, rs, fast; see KDAStepKernel)."""
     B, H = qkv.shape[0], params.heads
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers

@@ -938,7 +938,7 @@ def _launch(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hi
     """Compile (once per shape) and launch on the current stream; arguments already validated.
     hist=False (column layout only) skips the state_hist stores: kernels/cute/check_kda.py uses it to
     measure what the stores cost, nothing else should. knobs (column layout; measurement only): preload,
-    scatter, delay, late_conv, group_bar = True/False force the generator's choices (see
+    scatter, delay, late_conv, group_bar, fast, bpro, chunk = True/False force the generator's choices (see
     KDAVerifyColumns); pdl (both layouts) is kda_verify's switch."""
     B, T = qkv.shape[:2]
     H = params.heads
