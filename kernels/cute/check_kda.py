@@ -6,6 +6,7 @@
     python kernels/cute/check_kda.py --exp-b64        (the B = 64 decode candidates only: main_b64)
     python kernels/cute/check_kda.py --exp-chunk      (the verify chunk knob, then the B = 64 candidates)
     python kernels/cute/check_kda.py --exp-lat        (the latency knobs fast and bpro, and rs with fast)
+    python kernels/cute/check_kda.py --exp-thr        (both sides of the latency knobs' resident-grid rule)
     python kernels/cute/check_kda.py --ncu-launch=B,H,tile[,pdl][,knob=value]   (a run for ncu: ncu_launch)
 
 Checks (the same functions tests/test_kda_cute.py asserts on): fresh random inputs from
@@ -515,6 +516,36 @@ LAT_DECODE_CHECKS = [(1, 12, 16, FAST), (2, 12, 16, {**FAST, "pdl": True}), (5, 
                      (256, 12, 128, {"rs": True}), (3, 96, 128, {**FAST, "rs": True})]
 
 
+# where the resident-grid rule (decode fast, verify bpro on while B H NC <= 2 x 132) switches: each knob on and
+# off on both sides of it (12 heads: B 16 / 24 below or at it, 32 / 48 above; 6 heads: B 32 below, 64 above)
+THR_DECODE = [(B, H, 128, {"fast": f}) for B, H in ((16, 12), (24, 12), (32, 12), (48, 12), (32, 6), (64, 6))
+              for f in (True, False)]
+THR_VERIFY = [(B, H, T, 128, {"bpro": bp}) for B, H, T in ((16, 12, 4), (24, 12, 2), (32, 12, 2), (32, 12, 4),
+                                                          (32, 6, 4), (64, 6, 4)) for bp in (True, False)]
+
+
+def thr_experiment(ex: dict) -> None:
+    """--exp-thr: the resident-grid threshold of the latency knobs, timed DRAM-cold on both sides."""
+    global N_CALLS
+    keep, N_CALLS = N_CALLS, 80
+    print("\n== exp: the resident-grid rule, decode fast on / off ==")
+    for B, H, tv, kn in THR_DECODE:
+        r = _safe(time_decode, B, H, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {tv:>4} grid {B * H:>5} {kn!s:>16} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f}")
+    print("\n== exp: the resident-grid rule, verify bpro on / off ==")
+    for B, H, T, tv, kn in THR_VERIFY:
+        r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=_kv.ROW_WARPS[tv], knobs=kn)
+        r.update(B=B, H=H, T=T, tile_v=tv, knobs=kn)
+        ex["timing_verify"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {T:>2} {tv:>4} grid {B * H:>5} {kn!s:>16} rot {r['rot_us']:8.2f} "
+                  f"hot {r['hot_us']:8.2f}")
+    N_CALLS = keep
+
+
 def lat_experiment(ex: dict) -> None:
     """The latency knobs: verify fast / bpro and decode fast (and rs with them), checked against fp64, then
     timed DRAM-cold (80 calls a graph) beside the defaults."""
@@ -658,6 +689,8 @@ def main_b64(mode: str = "b64") -> int:
         print(f"  [{time.time() - t0:.0f}s]")
     if mode == "lat":
         lat_experiment(ex)
+    elif mode == "thr":
+        thr_experiment(ex)
     else:
         b64_experiment(ex)
     bw = _safe(copy_bw)
@@ -689,7 +722,7 @@ def main(argv=None):
     for a in argv:
         if a.startswith("--ncu-launch="):
             return ncu_launch(a.split("=", 1)[1])
-    for mode in ("b64", "chunk", "lat"):
+    for mode in ("b64", "chunk", "lat", "thr"):
         if f"--exp-{mode}" in argv:
             return main_b64(mode)
     quick = "--quick" in argv
