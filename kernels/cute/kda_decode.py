@@ -284,7 +284,10 @@ def _kernel_class():
             # CTAs: latency-bound). Measured (profiles/h200/kda_cute_exp_lat.json, 12 heads, 80 rotated
             # sets): B = 1 3.43 against 3.85 us (pdl 2.78 against 2.96), B = 2 4.28 against 4.54, B = 4, 8, 16
             # 0.1-0.2 us faster; at B = 64 it LOSES (29.79 against 29.15; with rs 29.27 against 28.53), so
-            # the large grids keep the accurate functions. The row-layout verify (a baseline) keeps them too.
+            # the large grids keep the accurate functions. Where it switches (kda_cute_exp_thr.json): grid 192
+            # 9.61 / 9.69 against 9.70 / 9.79 us (12 heads B = 16, 6 heads B = 32); grid 288 13.41 against
+            # 12.42, 384 16.41 / 16.36 against 15.76 / 15.62, 576 23.10 against 22.43. The row-layout verify
+            # (a baseline) keeps the accurate functions too.
             self.fast = ((not verify and B * H * nc_ <= _RESIDENT) if fast is None else bool(fast))
             # rs (decode, tile 128; default): the 8 warps' partial column sums are combined as a
             # reduce-scatter (thread t sums column t over the warps, one barrier more, then one 16-byte load

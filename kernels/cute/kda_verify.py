@@ -201,7 +201,10 @@ def _columns_class():
             # at once (B H NC <= 2 x 132 CTAs). Measured (kda_cute_exp_lat.json, with fast): B = 1 T = 4 5.03
             # against 5.45 us (fast alone; 5.99 neither; pdl 4.20 against 4.99), T = 8 7.57 against 8.44,
             # T = 2 3.95 against 4.45 (neither); B = 2, 4, 8, 16 at T = 4 0.8-1.1 us faster than neither;
-            # at B = 64 T = 4 it LOSES (73.29 against 71.74 with fast alone).
+            # at B = 64 T = 4 it LOSES (73.29 against 71.74 with fast alone). Where it switches
+            # (kda_cute_exp_thr.json, tile 128): grid 192 22.12 / 21.86 against 22.62 / 22.70 us (12 heads B = 16
+            # T = 4, 6 heads B = 32 T = 4); grid 288 (B = 24 T = 2) 18.76 against 18.28, 384 39.89 / 39.65
+            # against 38.58 / 38.57 (T = 4).
             if bpro is None:
                 bpro = B * H * self.NC <= _RESIDENT
             self.bpro = bool(bpro) and not self.chunk
