@@ -206,7 +206,8 @@ def _columns_class():
             # T = 4, 6 heads B = 32 T = 4); grid 288 (B = 24 T = 2) 18.76 against 18.28, 384 39.89 / 39.65
             # against 38.58 / 38.57 (T = 4).
             if bpro is None:
-                bpro = B * H * self.NC <= _RESIDENT
+                bpro = B * H * self.NC <= _RESIDENT and not late_conv
+            assert not (bpro and late_conv), "bpro writes conv_hist in its prologue (late_conv off)"
             self.bpro = bool(bpro) and not self.chunk
             assert not (self.chunk and late_conv), "chunk writes conv_hist in its prologue (late_conv off)"
             # chunk: (t, j < t) -> index of the pair among the prologue's decayed cross terms
