@@ -131,6 +131,17 @@ def _columns_class():
                 vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=off)
         return vals, start
 
+    def conv_silu(win, x, w, fast):
+        """The batched prologue's conv step of one channel: x enters the window (win[3]), the 4-tap conv and
+        silu, then the window shifts by one (win[0..2] is then the conv state after this position)."""
+        win[3] = x
+        y = Float32(0.0)
+        for i in range(4):
+            y = y + win[i].to(Float32) * w[i]
+        for i in range(3):
+            win[i] = win[i + 1]
+        return y * sigmoid(y, fast)
+
     def red4(s_red, i, r_c):
         """chunk: prologue value i summed over the 4 lower warps, in warp order (as position_norms sums)."""
         cute.autovec_copy(vec(s_red.iterator, cute.assume(i * 4, divby=4), 4), r_c)
@@ -219,9 +230,9 @@ def _columns_class():
             # values the prologue reduces (3 per position, 2 per pair), padded to a multiple of 32 for the
             # warp's reduce-scatter; values a thread reduces over its row lanes (8 per position), padded to a
             # multiple of 2 ** rounds
-            self.nsum = -(-(3 * T + 2 * n_) // 32) * 32
-            if not self.chunk:  # bpro: 3 T sums, padded to a power of two (halving evenly)
-                self.nsum = 1 << max(2, (3 * T - 1).bit_length())
+            # (bpro: 3 T sums, padded to a power of two, which halves evenly)
+            self.nsum = (-(-(3 * T + 2 * n_) // 32) * 32 if self.chunk
+                         else 1 << max(2, (3 * T - 1).bit_length()))
             rounds_ = len(self.red_offs)
             self.nacc = -(-(8 * T) // max(4, 2 ** rounds_)) * max(4, 2 ** rounds_)
             if preload is None and self.chunk:
@@ -440,15 +451,9 @@ def _columns_class():
                 # decay of row c too, its cumulative products, (q P_t, k P_t, d_t, k) into s_info, and for
                 # j < t the decayed k_t.k_j and q_t.k_j as well. Upper thread c: conv + silu of the v channel
                 # c (bpro: and the decay of row c, into s_info[.. + 2, 3]; chunk: v after the rows' block).
-                y1 = cute.make_rmem_tensor((T,), Float32)
+                # conv_hist[b, t] is written by rank 0 of a cluster, for positions t < L
+                whist = []
                 for t in cutlass.range_constexpr(T):
-                    win1[3] = x1[t]
-                    ya = Float32(0.0)
-                    for i in cutlass.range_constexpr(4):
-                        ya = ya + win1[i].to(Float32) * w1[i]
-                    y1[t] = ya * sigmoid(ya, self.fast)
-                    for i in cutlass.range_constexpr(3):
-                        win1[i] = win1[i + 1]
                     wconv = Int32(1)
                     if cutlass.const_expr(self.ragged):
                         wconv = Int32(0)
@@ -457,32 +462,22 @@ def _columns_class():
                     if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
                         if rank != 0:
                             wconv = Int32(0)
-                    if wconv > 0:
+                    whist.append(wconv)
+                y1 = cute.make_rmem_tensor((T,), Float32)
+                for t in cutlass.range_constexpr(T):
+                    y1[t] = conv_silu(win1, x1[t], w1, self.fast)
+                    if whist[t] > 0:
                         for i in cutlass.range_constexpr(3):
                             ch_g[((bb * T + t) * C + ch1) * 3 + i] = win1[i]
                 if lower:
                     y2 = cute.make_rmem_tensor((T,), Float32)
                     dk = cute.make_rmem_tensor((T if self.chunk else 1,), Float32)
                     for t in cutlass.range_constexpr(T):
-                        win2[3] = x2[t]
-                        yb = Float32(0.0)
-                        for i in cutlass.range_constexpr(4):
-                            yb = yb + win2[i].to(Float32) * w2[i]
-                        y2[t] = yb * sigmoid(yb, self.fast)
-                        for i in cutlass.range_constexpr(3):
-                            win2[i] = win2[i + 1]
+                        y2[t] = conv_silu(win2, x2[t], w2, self.fast)
                         if cutlass.const_expr(self.chunk):
                             dk[t] = expf(self.lb * sigmoid(a_exp * (f_r[t].to(Float32) + dtb), self.fast),
                                          self.fast)
-                        wconv = Int32(1)
-                        if cutlass.const_expr(self.ragged):
-                            wconv = Int32(0)
-                            if t < L:
-                                wconv = Int32(1)
-                        if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                            if rank != 0:
-                                wconv = Int32(0)
-                        if wconv > 0:
+                        if whist[t] > 0:
                             for i in cutlass.range_constexpr(3):
                                 ch_g[((bb * T + t) * C + ch2) * 3 + i] = win2[i]
                     # per position: (q P_t, k P_t, d_t, k) of row c, P_t = d_0 ... d_t (raw q, k: the
@@ -590,22 +585,9 @@ def _columns_class():
                     # buffer t % 2 is rewritten only after every thread passed the next barrier)
                     pb = (t % 2) * (WR * 2 * TV) + wr * (2 * TV) + colw
                     if cutlass.const_expr(self.scatter):
-                        vals = [acc_k[0], acc_k[1], acc_k[2], acc_k[3], acc_q[0], acc_q[1], acc_q[2], acc_q[3]]
-                        start = Int32(0)   # vals holds the sums of value indices start .. start + len - 1
-                        for si in cutlass.range_constexpr(len(self.red_offs)):
-                            off = self.red_offs[si]
-                            if cutlass.const_expr(len(vals) > 1):
-                                hn = len(vals) // 2
-                                up = (lane & off) != 0
-                                kept = []
-                                for i in cutlass.range_constexpr(hn):
-                                    send = Float32(cutlass.select_(up, vals[i], vals[i + hn]))
-                                    keep = Float32(cutlass.select_(up, vals[i + hn], vals[i]))
-                                    kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
-                                vals = kept
-                                start = start + Int32(cutlass.select_(up, Int32(hn), Int32(0)))
-                            else:
-                                vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=off)
+                        # vals then holds the sums of value indices start .. start + len - 1
+                        vals, start = reduce_scatter([acc_k[0], acc_k[1], acc_k[2], acc_k[3],
+                                                      acc_q[0], acc_q[1], acc_q[2], acc_q[3]], lane, self.red_offs)
                         for i in cutlass.range_constexpr(len(vals)):
                             g = start + i
                             s_part[pb + (g // 4) * TV + (g % 4)] = vals[i]
