@@ -426,42 +426,79 @@ B64_CASES = [(64, 12, 128, {}), (64, 12, 128, {"pdl": True}), (64, 12, 128, OFF)
              (1, 12, 16, {}), (1, 12, 16, {"fold": True}), (4, 12, 64, {}), (4, 12, 64, {"fold": False})]
 
 
+EXP_CALLS = 80  # calls a graph in the experiments' timing: DRAM-cold at B = 1, as `k3lab bench kda` measures
+
+
+def _exp_check_decode(ex: dict, cases, seed_add: int = 0) -> None:
+    """Each (B, H, tile, knobs) of `cases` through check_decode (two steps) against fp64; rows into ex["decode"]."""
+    for B, H, tv, kn in cases:
+        r = _safe(check_decode, B, H, seed=B * 3 + H + tv + seed_add, steps=2, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, **kn)
+        ex["decode"].append(r)
+        print(f"{B:>4} {H:>3} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
+              f"{r.get('error', '')}")
+
+
+def _exp_check_verify(ex: dict, cases, seed_add: int = 0) -> None:
+    """Each ((B, H, T, ragged), tile, knobs) of `cases` through check_verify at the tile's default row warps;
+    rows into ex["verify"]."""
+    for (B, H, T, rg), tv, kn in cases:
+        wr = _kv.ROW_WARPS[tv]
+        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv + seed_add, tile_v=tv, row_warps=wr,
+                  knobs=kn)
+        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["verify"].append(r)
+        print(f"{B:>4} {H:>3} {T:>2} {rg!s:>5} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
+              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} untouched "
+              f"{r.get('untouched')} ok {r['ok']} {r.get('error', '')}")
+
+
+def _exp_time_decode(ex: dict, cases) -> None:
+    """Each (B, H, tile, knobs) of `cases` timed DRAM-cold (EXP_CALLS a graph); rows into ex["timing_decode"]."""
+    for B, H, tv, kn in cases:
+        r = _safe(time_decode, B, H, n_calls=EXP_CALLS, tile_v=tv, **kn)
+        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
+        ex["timing_decode"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {tv:>4} grid {B * H * (128 // tv):>5} {kn!s:>46} rot {r['rot_us']:8.2f} "
+                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+
+
+def _exp_time_verify(ex: dict, cases) -> None:
+    """Each (B, H, T, tile, knobs) of `cases` timed DRAM-cold at the tile's default row warps; rows into
+    ex["timing_verify"]."""
+    for B, H, T, tv, kn in cases:
+        wr = _kv.ROW_WARPS[tv]
+        r = _safe(time_verify, B, H, T, n_calls=EXP_CALLS, tile_v=tv, row_warps=wr, knobs=kn)
+        r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
+        ex["timing_verify"].append(r)
+        if "rot_us" in r:
+            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} grid {B * H * (128 // tv):>5} {kn!s:>46} "
+                  f"rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} {r['tbps']:.3f} TB/s")
+
+
 def b64_experiment(ex: dict) -> None:
     """The B = 64 decode target (--exp, or alone with --exp-b64): the decode as it is and with its fold /
     early knobs off (each checked against fp64 first), with and without pdl, beside `bare` (the same grid's
     state traffic with nothing else) and torch's in-place scale of the same state, all timed DRAM-cold
     (80 calls a graph)."""
-    global N_CALLS
     print("\n== exp: decode correctness ==")
-    for B, H, tv, kn in [(64, 12, 128, {}), (5, 6, 64, {}), (3, 96, 32, {}), (2, 12, 16, {"pdl": True}),
-                         (7, 6, 128, {"pdl": True}), (64, 12, 128, OFF), (3, 96, 128, {"fold": False}),
-                         (5, 6, 64, {"fold": False}), (2, 12, 16, {"fold": True, "pdl": True}),
-                         (7, 6, 32, {"fold": True}), (4, 12, 128, {"early": False, "pdl": True}),
-                         (64, 12, 128, {"rs": True}), (3, 96, 128, {"rs": True, "pdl": True})]:
-        r = _safe(check_decode, B, H, seed=B * 3 + H + tv, steps=2, tile_v=tv, **kn)
-        r.update(B=B, H=H, tile_v=tv, **kn)
-        ex["decode"].append(r)
-        print(f"{B:>4} {H:>3} tile {tv:>3} {kn!s:>14} out {r.get('out_err', float('nan')):.2e} "
-              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
-              f"{r.get('error', '')}")
-    keep, N_CALLS = N_CALLS, 80
+    _exp_check_decode(ex, [(64, 12, 128, {}), (5, 6, 64, {}), (3, 96, 32, {}), (2, 12, 16, {"pdl": True}),
+                           (7, 6, 128, {"pdl": True}), (64, 12, 128, OFF), (3, 96, 128, {"fold": False}),
+                           (5, 6, 64, {"fold": False}), (2, 12, 16, {"fold": True, "pdl": True}),
+                           (7, 6, 32, {"fold": True}), (4, 12, 128, {"early": False, "pdl": True}),
+                           (64, 12, 128, {"rs": True}), (3, 96, 128, {"rs": True, "pdl": True})])
     print("\n== exp: decode timing, the B = 64 target (bare = the state traffic alone), DRAM-cold ==")
-    for B, H, tv, kn in B64_CASES:
-        r = _safe(time_decode, B, H, tile_v=tv, **kn)
-        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
-        ex["timing_decode"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {tv:>4} {kn!s:>32} rot {r['rot_us']:8.2f} "
-                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
+    _exp_time_decode(ex, B64_CASES)
     print("\n== exp: torch's in-place scale of the same state (read and written in place, as the kernel does) ==")
     for B in (64,):
-        r = _safe(time_inplace, B, 12)
+        r = _safe(time_inplace, B, 12, n_calls=EXP_CALLS)
         r.update(B=B, H=12, impl="torch_inplace")
         ex["timing_decode"].append(r)
         if "rot_us" in r:
             print(f"{B:>4} {12:>3} state.mul_ rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
                   f"floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s (of the decode's bytes)")
-    N_CALLS = keep
 
 
 # the verify `chunk` knob (the T positions as one chunk: one pass over the state, one exchange) beside the
@@ -526,92 +563,32 @@ THR_VERIFY = [(B, H, T, 128, {"bpro": bp}) for B, H, T in ((16, 12, 4), (24, 12,
 
 def thr_experiment(ex: dict) -> None:
     """--exp-thr: the resident-grid threshold of the latency knobs, timed DRAM-cold on both sides."""
-    global N_CALLS
-    keep, N_CALLS = N_CALLS, 80
     print("\n== exp: the resident-grid rule, decode fast on / off ==")
-    for B, H, tv, kn in THR_DECODE:
-        r = _safe(time_decode, B, H, tile_v=tv, **kn)
-        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
-        ex["timing_decode"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {tv:>4} grid {B * H:>5} {kn!s:>16} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f}")
+    _exp_time_decode(ex, THR_DECODE)
     print("\n== exp: the resident-grid rule, verify bpro on / off ==")
-    for B, H, T, tv, kn in THR_VERIFY:
-        r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=_kv.ROW_WARPS[tv], knobs=kn)
-        r.update(B=B, H=H, T=T, tile_v=tv, knobs=kn)
-        ex["timing_verify"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {T:>2} {tv:>4} grid {B * H:>5} {kn!s:>16} rot {r['rot_us']:8.2f} "
-                  f"hot {r['hot_us']:8.2f}")
-    N_CALLS = keep
+    _exp_time_verify(ex, THR_VERIFY)
 
 
 def lat_experiment(ex: dict) -> None:
     """The latency knobs: verify fast / bpro and decode fast (and rs with them), checked against fp64, then
     timed DRAM-cold (80 calls a graph) beside the defaults."""
-    global N_CALLS
     print("\n== exp: verify correctness, fast / bpro ==")
-    for (B, H, T, rg), tv, kn in LAT_CHECKS:
-        wr = _kv.ROW_WARPS[tv]
-        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv + 5, tile_v=tv, row_warps=wr, knobs=kn)
-        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
-        ex["verify"].append(r)
-        print(f"{B:>4} {H:>3} {T:>2} {rg!s:>5} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
-              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} untouched "
-              f"{r.get('untouched')} ok {r['ok']} {r.get('error', '')}")
+    _exp_check_verify(ex, LAT_CHECKS, seed_add=5)
     print("\n== exp: decode correctness, fast / rs ==")
-    for B, H, tv, kn in LAT_DECODE_CHECKS:
-        r = _safe(check_decode, B, H, seed=B * 3 + H + tv + 1, steps=2, tile_v=tv, **kn)
-        r.update(B=B, H=H, tile_v=tv, **kn)
-        ex["decode"].append(r)
-        print(f"{B:>4} {H:>3} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
-              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} ok {r['ok']} "
-              f"{r.get('error', '')}")
-    keep, N_CALLS = N_CALLS, 80
+    _exp_check_decode(ex, LAT_DECODE_CHECKS, seed_add=1)
     print("\n== exp: verify timing, fast / bpro beside the defaults, DRAM-cold ==")
-    for B, H, T, tv, kn in LAT_TIMES:
-        wr = _kv.ROW_WARPS[tv]
-        r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=wr, knobs=kn)
-        r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
-        ex["timing_verify"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} {kn!s:>46} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
-                  f"{r['tbps']:.3f} TB/s")
+    _exp_time_verify(ex, LAT_TIMES)
     print("\n== exp: decode timing, fast / rs beside the defaults, DRAM-cold ==")
-    for B, H, tv, kn in LAT_DECODE:
-        r = _safe(time_decode, B, H, tile_v=tv, **kn)
-        r.update(B=B, H=H, tile_v=tv, stages=None, **kn)
-        ex["timing_decode"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {tv:>4} {kn!s:>46} rot {r['rot_us']:8.2f} "
-                  f"hot {r['hot_us']:8.2f} floor {r['floor_us']:7.2f} {r['tbps']:.3f} TB/s")
-    N_CALLS = keep
+    _exp_time_decode(ex, LAT_DECODE)
 
 
 def chunk_experiment(ex: dict) -> None:
     """The verify `chunk` knob: checked against fp64 (every tile, T 1..8, ragged, pdl, preload forced), then
     timed DRAM-cold (80 calls a graph) beside the stepwise chain at the same tile."""
-    global N_CALLS
     print("\n== exp: verify correctness, chunk ==")
-    for (B, H, T, rg), tv, kn in CHUNK_CHECKS:
-        wr = _kv.ROW_WARPS[tv]
-        r = _safe(check_verify, B, H, T, ragged=rg, seed=B + H + T + tv + 3, tile_v=tv, row_warps=wr, knobs=kn)
-        r.update(B=B, H=H, T=T, ragged=rg, tile_v=tv, row_warps=wr, knobs=kn)
-        ex["verify"].append(r)
-        print(f"{B:>4} {H:>3} {T:>2} {rg!s:>5} tile {tv:>3} {kn!s:>34} out {r.get('out_err', float('nan')):.2e} "
-              f"state {r.get('state_err', float('nan')):.2e} conv {r.get('conv_exact')} untouched "
-              f"{r.get('untouched')} ok {r['ok']} {r.get('error', '')}")
-    keep, N_CALLS = N_CALLS, 80
+    _exp_check_verify(ex, CHUNK_CHECKS, seed_add=3)
     print("\n== exp: verify timing, chunk beside the stepwise chain, DRAM-cold ==")
-    for B, H, T, tv, kn in CHUNK_TIMES:
-        wr = _kv.ROW_WARPS[tv]
-        r = _safe(time_verify, B, H, T, tile_v=tv, row_warps=wr, knobs=kn)
-        r.update(B=B, H=H, T=T, tile_v=tv, row_warps=wr, knobs=kn)
-        ex["timing_verify"].append(r)
-        if "rot_us" in r:
-            print(f"{B:>4} {H:>3} {T:>2} tile {tv:>3} {kn!s:>34} rot {r['rot_us']:8.2f} hot {r['hot_us']:8.2f} "
-                  f"{r['tbps']:.3f} TB/s")
-    N_CALLS = keep
+    _exp_time_verify(ex, CHUNK_TIMES)
 
 
 def time_inplace(B, H, n_calls=None):
