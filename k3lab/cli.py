@@ -5,8 +5,8 @@
     k3lab compare A B [--threshold 0.05]
     k3lab env
     k3lab publish RUN_DIR --gpu h200
-    k3lab bench kda [--heads 6,12] [--batches 1,64] [--T 1,4] [--tiles 32,128] [--out DIR]
-    k3lab defaults kda BUNDLE... [--heads 12] [--write data/kda_defaults.json]
+    k3lab bench COMPONENT [--grid heads=12 --grid batch=1,64 --grid T=1,4 --grid tile_v=16,128] [--hot] [--out DIR]
+    k3lab defaults COMPONENT BUNDLE... [--heads 12] [--write data/<component>_defaults.json]
     k3lab digest [REV]
 
 Parameter values are parsed as JSON when they parse (1, true, [1,2], "x") and kept as strings
@@ -333,43 +333,58 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
             typer.echo(f"report -> {dest / f'{stem}.html'}")
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {s!r}") from None
+def _grid(items: list[str]) -> dict[str, tuple]:
+    """--grid NAME=v1,v2 (repeatable) -> {NAME: (v1, v2)}, values parsed as JSON when they parse."""
+    out: dict[str, tuple] = {}
+    for g in items:
+        if "=" not in g:
+            raise typer.BadParameter(f"--grid {g!r}: expected NAME=v1,v2,...")
+        k, vals = g.split("=", 1)
+        out[k.strip()] = tuple(parse_value(v) for v in _split_values(vals))
+    return out
+
+
+def _component(component: str) -> None:
+    from k3lab import registry
+
+    if component not in registry.components():
+        _echo_err(f"error: unknown component {component!r}; registered: {registry.components()}")
+        raise typer.Exit(2)
 
 
 @app.command()
-def bench(component: str = typer.Argument(..., help="component to sweep: kda"),
-          heads: str = typer.Option("6,12", help="heads per GPU"),
-          batches: str = typer.Option("1,2,4,8,16,32,64"),
-          T: str = typer.Option("1,2,4,8", "--T", help="positions per sequence (1 = decode, >1 = verify)"),
-          tiles: str = typer.Option("4,8,16,32,64,128", help="KDA value-tile widths"),
+def bench(component: str = typer.Argument(..., help="a registered component (k3lab.registry), e.g. kda"),
+          grid: list[str] = typer.Option([], "--grid", "-g",
+                                         help="NAME=v1,v2: an axis (heads, batch, T, ...) or option (tile_v, ...)"),
+          ops: str = typer.Option("", help="ops to run (default: the component's sweep ops)"),
           backends: str = typer.Option("triton,cute", help="our backends to run where available"),
-          peers: bool = typer.Option(True, help="also time torch reference, torch.compile and fla"),
+          peers: bool = typer.Option(True, help="also time the reference, torch.compile and the public peers"),
+          variants: bool = typer.Option(True, help="also time each op's variants (e.g. cute_pdl) at the auto choice"),
+          hot: bool = typer.Option(False, "--hot", help="replay one input set hot in L2 instead of rotating past it"),
           reps: int = typer.Option(50),
           out: Path = typer.Option(Path("profiles/runs/bench"), help="bundle + report land in OUT/<gpu>/"),
-          name: str = typer.Option("kda_sweep"),
+          name: str = typer.Option("", help="bundle name (default <component>_sweep)"),
           deadline: float = typer.Option(0, help="stop starting new cases after this many seconds (0: none)"),
-          pdl: bool = typer.Option(True, help="also time CuTe with the kda_pdl switch (row cute_pdl, default tile)"),
           ) -> None:
-    """Sweep a component's kernels against its peers; write a results bundle and an HTML report."""
-    import torch
-
+    """Every op of a component, checked against fp64 then timed beside its peers; bundle + HTML report."""
+    from k3lab import registry
+    from k3lab.bench import runner
     from k3lab.report import bundle_report
 
-    if component != "kda":
-        _echo_err(f"error: bench supports component 'kda', got {component!r}")
-        raise typer.Exit(2)
-    from k3lab.bench import kda as kb
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    grid = dict(heads=_ints(heads), batches=_ints(batches), Ts=_ints(T), tiles=_ints(tiles),
-                backends=tuple(b for b in backends.split(",") if b))
-    rows, meta = kb.run(**grid, peers=peers, reps=reps, device=device, deadline_s=deadline or None, pdl=pdl)
-    bd = kb.to_bundle(rows, meta, name=name, grid={**{k: list(v) for k, v in grid.items()}, "pdl": pdl})
-    bd.notes.append("winners: " + json.dumps(kb.winners(rows)))
+    _component(component)
+    try:
+        g = _grid(grid)
+        op_names = [o for o in ops.split(",") if o] or None
+        var = {}
+        if variants:
+            for op in registry.ops_of(component):
+                var.update(op.variants)
+        bd = runner.run(component, grid=g, ops=op_names, backends=[b for b in backends.split(",") if b],
+                        peers=peers, reps=reps, hot=hot, deadline_s=deadline or None, variants=var,
+                        name=name or None)
+    except (registry.RegistryError, typer.BadParameter) as e:
+        _echo_err(f"error: {e}")
+        raise typer.Exit(2) from None
     path = bd.save(out)
     html = bundle_report(bd, path.with_suffix(".html"))
     typer.echo(f"bundle -> {path}\nreport -> {html}")
@@ -391,18 +406,20 @@ def digest(rev: str | None = typer.Argument(None, help="a commit; none: the work
 
 
 @app.command()
-def defaults(component: str = typer.Argument(..., help="component: kda"),
-             bundles: list[Path] = typer.Argument(..., help="sweep bundles (`k3lab bench kda`); later ones win"),
+def defaults(component: str = typer.Argument(..., help="a registered component, e.g. kda"),
+             bundles: list[Path] = typer.Argument(..., help="sweep bundles (`k3lab bench`); later ones win"),
              heads: int = typer.Option(12, help="the head count the rules are taken at"),
+             primary: str = typer.Option("cute", help="the backend whose rules come first"),
+             fallback: str = typer.Option("triton", help="the backend used where the primary cannot run"),
+             option: str = typer.Option("tile_v", help="the option the rules choose"),
              write: Path | None = typer.Option(None, help="write the table here (e.g. data/kda_defaults.json)")
              ) -> None:
-    """The auto table (backend and tile per op, batch and T) from measured sweeps: the fastest tile whose
-    fp64 check passed; CuTe rules first, Triton as the fallback where CuTe DSL is missing."""
-    from k3lab.bench import kda as kb
+    """The auto table (backend and option per op, batch and T) from measured sweeps: the fastest option whose
+    fp64 check passed; the primary backend's rules first, the fallback's where the primary cannot run."""
+    from k3lab import policy, registry
 
-    if component != "kda":
-        _echo_err(f"error: defaults supports component 'kda', got {component!r}")
-        raise typer.Exit(2)
+    _component(component)
+    ops = {o.name: o.policy_key for o in registry.ops_of(component)}
     rows: list[dict] = []
     for p in bundles:
         try:
@@ -410,20 +427,27 @@ def defaults(component: str = typer.Argument(..., help="component: kda"),
         except (OSError, ValueError, KeyError) as e:
             _echo_err(f"error: cannot read the rows of bundle {p}: {e}")
             raise typer.Exit(2) from None
-    cute, triton = kb.default_rules(rows, "cute", heads), kb.default_rules(rows, "triton", heads)
-    if not cute.get("decode") or not cute.get("verify") or not triton.get("decode") or not triton.get("verify"):
-        _echo_err(f"error: the bundles hold no passing cute and triton rows for both decode and verify at "
+
+    def key_of(r: dict) -> str | None:
+        x = r.get("extra") or {}
+        return ops.get(x.get("op") or x.get("component"))
+
+    first = policy.default_rules(rows, primary, key_of=key_of, heads=heads, option=option)
+    second = policy.default_rules(rows, fallback, key_of=key_of, heads=heads, option=option)
+    keys = sorted(set(first) & set(second))
+    if not keys:
+        _echo_err(f"error: the bundles hold no passing {primary} and {fallback} rows of any {component} op at "
                   f"{heads} heads")
         raise typer.Exit(2)
     names = " ".join(str(p) for p in bundles)
     table = {
-        "_what": ("What backend='auto' runs for the KDA component on an NVIDIA GPU, per op, batch and positions T: "
-                  "the fastest correct implementation measured. The first rule with B <= max_batch and T <= max_T "
-                  "matches (null or absent: any). 'fallback' is used when CuTe DSL is missing."),
-        "_source": (f"generated by `k3lab defaults kda {names} --heads {heads} --write <this file>`: per measured "
-                    f"(batch, T) at {heads} heads, the fastest tile whose fp64 check passed."),
-        "decode": cute["decode"], "verify": cute["verify"],
-        "fallback": {"decode": triton["decode"], "verify": triton["verify"]},
+        "_what": (f"What backend='auto' runs for the {component} component, per op, batch and positions T: the "
+                  "fastest correct implementation measured. The first rule with B <= max_batch and T <= max_T "
+                  f"matches (null or absent: any). 'fallback' is used when {primary} cannot run."),
+        "_source": (f"generated by `k3lab defaults {component} {names} --heads {heads} --write <this file>`: per "
+                    f"measured (batch, T) at {heads} heads, the fastest {option} whose fp64 check passed."),
+        **{k: first[k] for k in keys},
+        "fallback": {k: second[k] for k in keys},
     }
     text = json.dumps(table, indent=1) + "\n"
     if write is None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from k3lab import registry
 from k3lab.components import moe as moe_comp
 from k3lab.components.attnres import mix_norm
 from k3lab.config import ConfigError, GpuView
@@ -173,9 +174,9 @@ class Layer:
         unless all_components=True, which runs them on the reference path (used by prepare)."""
         comps: OrderedDict[str, Component] = OrderedDict()
         comps["attnres_attn"] = self._attnres("attn")
-        comps.update(self._kda() if self.kind == "kda" else self._mla())
+        comps.update(registry.layer_part(self.kind)(self))
         comps["attnres_mlp"] = self._attnres("mlp")
-        comps.update(self._moe() if self.w.mlp_kind == "moe" else self._dense())
+        comps.update(registry.layer_part(self.w.mlp_kind)(self))
         self.ran = {n: g for n, g in self._groups.items()}
         self.skipped = {}
         out: OrderedDict[str, Component] = OrderedDict()
@@ -247,7 +248,7 @@ class Layer:
             n_src = self.n_blocks + (1 if self.block_start else 0) + 1
         return fn, _nb(*vecs) + self.N * D * self.e * (n_src + 1), 6 * self.N * D * n_src
 
-    def _kda(self) -> OrderedDict[str, Component]:
+    def kda_part(self) -> OrderedDict[str, Component]:
         w, b, st = self.w.attn, self.buf, self.state
         p = w.params
         H, Dh, W = p.heads, p.head_dim, p.conv_kernel
@@ -304,12 +305,9 @@ class Layer:
                            state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v,
                            pdl=self.switches.kda_pdl)
             return b["o"]
-        se = st.state.element_size()
-        state_bytes = self.B * H * Dh * Dh * se * (1 + self.T)  # read once, written once per position
-        conv_bytes = self.B * 3 * H * Dh * (W - 1) * st.conv_state.element_size() * (1 + self.T)
-        io = self.N * (3 * H * Dh + H * Dh + H + H * Dh + H * Dh) * self.e
-        c["kda_core"] = (core, state_bytes + conv_bytes + io + _nb(p.conv_w, p.A_log, p.dt_bias, p.o_norm_w),
-                         self.N * H * (8 * Dh * Dh + 6 * Dh * W))
+        from k3lab.ops.kda import kda_bytes, kda_flops  # the registry's one formula
+        c["kda_core"] = (core, kda_bytes(self.B, H, self.T, D=Dh, W=W, state_bytes=st.state.element_size()),
+                         kda_flops(self.B, H, self.T, Dh))
         self._reg("out_proj", "proj")
 
         def out():
@@ -320,7 +318,7 @@ class Layer:
         c["out_proj"] = (out, ob + self.N * D * self.e * 2, of)
         return c
 
-    def _mla(self) -> OrderedDict[str, Component]:
+    def mla_part(self) -> OrderedDict[str, Component]:
         w, b, st = self.w.attn, self.buf, self.state
         H, C, Dn, Dr, Dv = w.heads, w.kv_lora, w.nope_dim, w.rope_dim, w.v_dim
         D = self.view.cfg.hidden_size
@@ -379,7 +377,7 @@ class Layer:
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, t.shape[-1])
 
-    def _moe(self) -> OrderedDict[str, Component]:
+    def moe_part(self) -> OrderedDict[str, Component]:
         m, b = self.w.mlp, self.buf
         D, Lat = self.view.cfg.hidden_size, m.w_down.shape[0]
         E, k = m.router.n_experts, m.router.top_k
@@ -430,7 +428,7 @@ class Layer:
         c["shared"] = (shared, sb + self.N * D * self.e * 4, 6 * self.N * D * sI)
         return c
 
-    def _dense(self) -> OrderedDict[str, Component]:
+    def dense_part(self) -> OrderedDict[str, Component]:
         m, b = self.w.mlp, self.buf
         D = self.view.cfg.hidden_size
         self._reg("dense_mlp", "proj")
@@ -440,6 +438,11 @@ class Layer:
             return b["x_out"]
         return OrderedDict(dense_mlp=(dense, _nb(m.w1, m.w3, m.w2) + self.N * D * self.e * 3,
                                       6 * self.N * D * m.w1.shape[0]))
+
+    def floor_bw(self, name: str) -> str:
+        """The bandwidth a component's floor uses: "copy" for the KDA core (its state is read and written),
+        "read" for the rest (weights and caches are read)."""
+        return "copy" if name == "kda_core" else "read"
 
     def summary(self) -> list[dict[str, Any]]:
         """[{name, backend, bytes, flops}] of the components that run, for a table."""

@@ -267,7 +267,8 @@ def bundle_figures(bundle: Any) -> list[Any]:
 
 def error_table_html(bundle: Any) -> str:
     head = ("<tr><th>component</th><th>backend</th><th>kind</th><th>median us</th><th>p10</th><th>p90</th>"
-            "<th>floor us</th><th>x floor</th><th>TB/s</th><th>% copy</th><th>launches</th>"
+            "<th>floor us</th><th>floor bw</th><th>x floor</th><th>TB/s</th><th>% of bw</th><th>timing</th>"
+            "<th>launches</th>"
             "<th>rel err vs fp64</th><th>max abs</th><th>ok</th></tr>")
     body = []
 
@@ -281,8 +282,9 @@ def error_table_html(bundle: Any) -> str:
         body.append(
             f"<tr><td>{_html.escape(r.name)}</td><td>{_html.escape(r.backend)}</td><td>{r.kind}</td>"
             f"<td>{f(r.median_us, '{:.2f}')}</td><td>{f(r.p10_us, '{:.2f}')}</td><td>{f(r.p90_us, '{:.2f}')}</td>"
-            f"<td>{f(r.floor_us, '{:.2f}')}</td><td>{f(r.distance, '{:.1f}')}</td><td>{f(r.achieved_tbps)}</td>"
-            f"<td>{f(r.pct_of_copy, '{:.1f}')}</td><td>{f(r.launches)}</td>"
+            f"<td>{f(r.floor_us, '{:.2f}')}</td><td>{f(r.floor_bw)}</td><td>{f(r.distance, '{:.1f}')}</td>"
+            f"<td>{f(r.achieved_tbps)}</td><td>{f(r.pct_of_bw, '{:.1f}')}</td><td>{f(r.mode)}</td>"
+            f"<td>{f(r.launches)}</td>"
             f"<td>{f(e.get('rel_norm'), '{:.2e}')}</td><td>{f(e.get('max_abs'), '{:.2e}')}</td>"
             f"<td class='{cls}'>{'' if ok is None else ('yes' if ok else 'NO')}</td></tr>")
     return f"<table>{head}{''.join(body)}</table>"
@@ -297,6 +299,7 @@ def bundle_report(bundle: Any, html_path: str | Path, *, js: str | Path | None =
             f"commit {str(env.get('commit'))[:10]}{' (dirty)' if env.get('dirty') else ''} · "
             f"{_html.escape(str(env.get('time')))}<br>"
             f"copy {f'{bundle.copy_tbps:.3f}' if bundle.copy_tbps else '?'} TB/s"
+            f" · read {f'{bundle.read_tbps:.3f}' if getattr(bundle, 'read_tbps', None) else '?'} TB/s"
             f" · launch floor {f'{bundle.launch_floor_us:.2f}' if bundle.launch_floor_us else '?'} us</p>")
     ran = "".join(f"<li><b>{_html.escape(k)}</b>: {_html.escape(v)}</li>" for k, v in bundle.backends_ran.items())
     skipped = "".join(f"<li><b>{_html.escape(k)}</b> skipped: {_html.escape(v)}</li>"

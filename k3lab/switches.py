@@ -1,7 +1,13 @@
 """One typed, serializable object for every switch of K3_SPEC section 4.
 
 Notebook parameters map onto `Switches` one to one (`Switches.from_params`). An invalid value is
-refused with a message naming the switch and its allowed values. `require_backend` refuses a
+refused with a message naming the switch and its allowed values. A switch whose component has not
+landed yet (`NOT_WIRED`) is declared with its allowed values but refused at any value other than its
+default, with a message saying so: nothing would read it.
+
+One owner per setting: `Switches` holds implementation choices (backends, tiles, partitions, padding,
+launch modes). The shape of what one GPU sees (batch, context, dcp, draft_depth, kv_dtype,
+expert_dtype) is `k3lab.config.GpuView`'s. `require_backend` refuses a
 backend that cannot run on this machine (no GPU, no CuTe DSL, no ROCm) instead of falling back.
 """
 from __future__ import annotations
@@ -17,7 +23,6 @@ BACKENDS = ("reference", "torch_compile", "triton", "cute", "aiter")
 """`auto` (per-component only) picks the measured winner for the shape; the record says which ran."""
 
 ALLOWED: dict[str, tuple[Any, ...]] = {
-    "dcp": (1, 2, 4, 8, 16),
     "pad_heads": (0, 16, 32, 64, 128),
     "kda_tile_v": (4, 8, 16, 32, 64, 128),
     "kda_state_dtype": ("fp32", "bf16"),
@@ -27,14 +32,23 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "mla_partitions": (1, 2, 4, 8, 16, 32, 64),
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
-    "draft_depth": (0, 1, 2, 3, 4, 5, 6, 7),
     "shared_expert_stream": (False, True),
     "split_router": (False, True),
     "owned_output": (False, True),
     "fused_allreduce": (False, True),
-    "kv_dtype": ("bf16", "fp8"),
-    "expert_dtype": ("bf16", "fp8", "mxfp4"),
 }
+# declared, not read by any code yet: the issue that wires each
+NOT_WIRED = {
+    "moe_tile_n": "the MoE kernels (issue 14)",
+    "split_router": "the MoE split router (issue 14)",
+    "owned_output": "the MoE routed-output ownership (issue 14)",
+    "shared_expert_stream": "the MoE shared-expert stream (issue 14)",
+    "prefetch": "the trunk kernels' L2 prefetch (issue 13)",
+    "fused_allreduce": "the fused all-reduce + AttnRes + RMSNorm (multi-GPU)",
+    "kda_prefill_inverse": "a prefill step in the model (the kda.prefill API takes inverse= directly)",
+    "kda_prefill_grouped": "a prefill step in the model (the kda.prefill API takes grouped= directly)",
+}
+VIEW_SETTINGS = ("dcp", "draft_depth", "kv_dtype", "expert_dtype")  # owned by k3lab.config.GpuView
 
 
 class SwitchError(ValueError):
@@ -50,7 +64,6 @@ class Switches:
     """Every toggle of a k3lab run. Defaults are the plain, unoptimized path."""
 
     backend: dict[str, str] = field(default_factory=lambda: {c: "reference" for c in COMPONENTS})
-    dcp: int = 1
     pad_heads: int = 0  # 0 = no padding; else pad MLA query heads up to this count
     kda_tile_v: int = 128  # value columns per program in the KDA kernels
     kda_state_dtype: str = "fp32"
@@ -60,13 +73,10 @@ class Switches:
     mla_partitions: int = 1
     moe_tile_n: int = 64
     prefetch: bool = False
-    draft_depth: int = 0
     shared_expert_stream: bool = False
     split_router: bool = False
     owned_output: bool = False
     fused_allreduce: bool = False
-    kv_dtype: str = "bf16"
-    expert_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +101,12 @@ class Switches:
                 ok = not isinstance(v, bool) and v in allowed
             if not ok:
                 raise SwitchError(f"switch {name!r} = {v!r} is not allowed; allowed values: {allowed}")
+        default = Switches.__dataclass_fields__
+        for name, what in NOT_WIRED.items():
+            v = getattr(self, name)
+            if v != default[name].default:
+                raise SwitchError(f"switch {name!r} = {v!r}: declared but not wired yet ({what} will read it); "
+                                  f"only its default {default[name].default!r} is accepted today")
 
     # ---- (de)serialization ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -103,6 +119,10 @@ class Switches:
     def from_dict(cls, d: dict[str, Any]) -> Switches:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
+        view = sorted(set(unknown) & set(VIEW_SETTINGS))
+        if view:
+            raise SwitchError(f"{view} belong to the GPU view (k3lab.config.preset(..., {view[0]}=...)), not to "
+                              f"Switches")
         if unknown:
             raise SwitchError(f"unknown switch(es) {unknown}; known: {sorted(names)}")
         return cls(**d)
@@ -110,7 +130,8 @@ class Switches:
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> Switches:
         """Notebook parameters onto switches: `backend_<component>` sets one backend, `backend` sets
-        all; every other switch has a parameter of the same name. Non-switch params are ignored."""
+        all; every other switch has a parameter of the same name. Non-switch params (the view's batch,
+        context, dcp, draft_depth, kv_dtype, expert_dtype among them) are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
         backend: dict[str, str] = {}

@@ -83,10 +83,22 @@ def test_presets_and_gpu_view():
 
 def test_switch_defaults_and_round_trip():
     s = Switches()
-    assert s.backend == {c: "reference" for c in COMPONENTS} and s.dcp == 1
+    assert s.backend == {c: "reference" for c in COMPONENTS} and s.mla_partitions == 1
     assert Switches.from_dict(json.loads(s.to_json())) == s
-    s2 = s.replace(dcp=4, backend_kda="triton")
-    assert s2.dcp == 4 and s2.backend["kda"] == "triton" and s2.backend["mla"] == "reference"
+    s2 = s.replace(mla_partitions=4, backend_kda="triton")
+    assert s2.mla_partitions == 4 and s2.backend["kda"] == "triton" and s2.backend["mla"] == "reference"
+
+
+def test_one_owner_and_unwired_switches_are_refused_by_name():
+    from k3lab.switches import NOT_WIRED, VIEW_SETTINGS
+
+    for name in VIEW_SETTINGS:
+        with pytest.raises(SwitchError, match="GPU view"):
+            Switches.from_dict({name: 1})
+    for name in NOT_WIRED:
+        other = next(v for v in ALLOWED[name] if v != getattr(Switches(), name))
+        with pytest.raises(SwitchError, match=f"'{name}'.*declared but not wired yet"):
+            Switches(**{name: other})
 
 
 @pytest.mark.parametrize("name", sorted(ALLOWED))
@@ -98,8 +110,8 @@ def test_invalid_switch_values_name_switch_and_allowed(name):
 
 
 def test_switch_bool_is_not_an_int_and_backends():
-    with pytest.raises(SwitchError, match="'dcp'"):
-        Switches(dcp=True)
+    with pytest.raises(SwitchError, match="'mla_partitions'"):
+        Switches(mla_partitions=True)
     with pytest.raises(SwitchError, match="unknown component"):
         Switches(backend={"gpu": "reference"})
     with pytest.raises(SwitchError, match=r"backend\[mla\]"):
@@ -112,7 +124,7 @@ def test_from_params():
     s = Switches.from_params({"backend": "torch_compile", "backend_kda": "reference", "dcp": 8, "pad_heads": 16,
                               "batch": 4, "notebook_title": "x"})
     assert s.backend["kda"] == "reference" and s.backend["mla"] == "torch_compile"
-    assert s.dcp == 8 and s.pad_heads == 16
+    assert s.pad_heads == 16 and not hasattr(s, "dcp")  # dcp is the view's (k3lab.config.GpuView)
     with pytest.raises(SwitchError, match="'mla_partitions'"):
         Switches.from_params({"mla_partitions": 3})
     assert set(BACKENDS) >= {"reference", "torch_compile"}

@@ -62,6 +62,14 @@ def test_tensor_bytes_counts_each_tensor_once():
 def test_cpu_floors_and_kernel_list():
     assert timing.measure_copy_bandwidth(nbytes=32 * 2**20, reps=3, device="cpu") > 0
     assert timing.launch_floor_us(launches=50, reps=3, device="cpu") > 0
+    assert timing.measure_read_bandwidth(nbytes=32 * 2**20, reps=3, device="cpu") > 0
+    pr = timing.probes("cpu")
+    assert pr["kind"] == "cpu-smoke" and set(pr) == {"copy_tbps", "read_tbps", "launch_us", "kind"}
+    assert timing.probes("cpu") == pr  # measured once per process
+    t = timing.bench_cpu(lambda a: a + 1, input_sets=[(torch.ones(4),)] * 3, reps=3)
+    assert t.mode == "hot" and t.kind == "cpu-smoke"
+    with pytest.raises(ValueError, match="mode"):
+        timing.Timing.from_samples("cpu-smoke", [1.0], mode="warm")
     x = torch.randn(16, 16)
     kl = timing.kernel_list(lambda: torch.relu(x @ x), calls=2)
     names = [k["name"] for k in kl]
@@ -76,7 +84,11 @@ def test_gpu_graph_timing_and_floors():
     w = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     t = timing.bench_gpu(lambda wi: x @ wi, input_sets=[(wi,) for wi in w], reps=10)
-    assert t.kind == "gpu-graph" and t.calls_per_sample >= 20 and t.input_sets == 3
+    assert t.kind == "gpu-graph" and t.calls_per_sample >= 20 and t.input_sets == 3 and t.mode == "rotated"
+    th = timing.bench_gpu(lambda wi: x @ wi, input_sets=[(wi,) for wi in w], reps=10, rotate=False)
+    assert th.mode == "hot" and th.input_sets == 1
+    rb = timing.measure_read_bandwidth(nbytes=2**30, reps=5)
+    assert 0.1 < rb < 20
     assert 0 < t.p10_us <= t.median_us <= t.p90_us
     bw = timing.measure_copy_bandwidth(nbytes=2**30, reps=5)
     assert 0.1 < bw < 20
@@ -91,15 +103,21 @@ def test_gpu_graph_timing_and_floors():
 # ---- roofline / numerics --------------------------------------------------------------------------
 
 def test_floor_bytes_vs_launch():
-    f = roofline.floor(4_275_000, copy_tbps=4.275, launch_us=2.0)
+    f = roofline.floor(4_275_000, bw_tbps=4.275, launch_us=2.0)
     assert f.bytes_us == pytest.approx(1.0) and f.floor_us == 2.0 and f.bound == "launch"
-    g = roofline.floor(112 * 10**6, 10**9, copy_tbps=4.275, launch_us=2.0)
-    assert g.bound == "bytes" and g.floor_us == pytest.approx(112e6 / 4.275e12 * 1e6)
+    g = roofline.floor(112 * 10**6, 10**9, bw_tbps=4.275, launch_us=2.0, bw_kind="copy")
+    assert g.bound == "copy" and g.floor_us == pytest.approx(112e6 / 4.275e12 * 1e6)
     a = roofline.assess(2 * g.floor_us, g)
-    assert a["distance"] == pytest.approx(2.0) and a["pct_of_copy"] == pytest.approx(50.0)
-    assert roofline.floor(0, 10**12, copy_tbps=4, launch_us=1, peak_tflops=100).bound == "flops"
+    assert a["distance"] == pytest.approx(2.0) and a["pct_of_bw"] == pytest.approx(50.0) and a["floor_bw"] == "copy"
+    assert roofline.floor(0, 10**12, bw_tbps=4, launch_us=1, peak_tflops=100).bound == "flops"
     with pytest.raises(ValueError):
-        roofline.floor(-1, copy_tbps=1, launch_us=1)
+        roofline.floor(-1, bw_tbps=1, launch_us=1)
+    with pytest.raises(ValueError, match="bw_kind"):
+        roofline.floor(1, bw_tbps=1, launch_us=1, bw_kind="write")
+    pr = dict(copy_tbps=4.2, read_tbps=4.6, launch_us=2.0)
+    r = roofline.floor_from_probes(46 * 10**6, 0, pr, "read")
+    assert r.bound == "read" and r.floor_us == pytest.approx(10.0)
+    assert roofline.floor_from_probes(42 * 10**6, 0, pr, "copy").floor_us == pytest.approx(10.0)
 
 
 def test_numerics_errors_and_nan_never_passes():
@@ -170,7 +188,7 @@ def _bundle(scale: float = 1.0, err_ok: bool = True, kind: str = "cpu-smoke") ->
                    backends_skipped={"cute": "not installed"}, copy_tbps=0.05, launch_floor_us=1.0)
     for i, name in enumerate(["kda.in_proj", "kda.recurrence"]):
         t = timing.Timing.from_samples(kind, [scale * (10 + i + j) for j in range(5)])
-        fl = roofline.floor(1000, 10, copy_tbps=0.05, launch_us=1.0)
+        fl = roofline.floor(1000, 10, bw_tbps=0.05, launch_us=1.0, bw_kind="read")
         err = numerics.ErrorStats(1e-3 if err_ok else float("nan"), 1e-3, 10, 0 if err_ok else 1, 1e-2)
         b.add(Row.from_timing(name, "reference", t, floor=fl, error=err, layer="kda"))
     return b
@@ -187,7 +205,7 @@ def test_bundle_round_trip(tmp_path):
     assert d["config"]["view"]["heads"] == 4 and d["config"]["model"]["hidden_size"] == 64
     r = d["rows"][0]
     for k in ("name", "backend", "median_us", "p10_us", "p90_us", "samples_us", "floor_us", "bytes", "flops",
-              "achieved_tbps", "pct_of_copy", "launches", "kernels", "error", "extra"):
+              "achieved_tbps", "pct_of_bw", "floor_bw", "mode", "launches", "kernels", "error", "extra"):
         assert k in r
     assert bmod.load(tmp_path / "cpu").name == "t-bundle"  # a directory with one bundle
     assert len(b.table()) == 2
@@ -234,7 +252,7 @@ def test_switches_from_notebook_params():
     params = dict(preset="tiny", batch=1, draft_depth=3, kv_dtype="fp8", kda_tile_v=4, mla_partitions=16,
                   backend_kda="triton", out_dir="/tmp/x", seed=0)
     s = Switches.from_params(params)
-    assert s.draft_depth == 3 and s.kv_dtype == "fp8" and s.kda_tile_v == 4 and s.mla_partitions == 16
+    assert s.kda_tile_v == 4 and s.mla_partitions == 16  # draft_depth and kv_dtype are the view's
     assert s.backend["kda"] == "triton" and s.backend["mla"] == "reference"
     assert Switches.from_dict(json.loads(s.to_json())) == s
     with pytest.raises(SwitchError, match="kda_tile_v"):

@@ -1,15 +1,18 @@
-"""backend='auto' for KDA: the measured-winner table (data/kda_defaults.json) and the record of what ran."""
+"""backend='auto' for KDA: the measured-winner table (data/kda_defaults.json) through k3lab.policy and the
+one dispatcher, and the record of what ran (returned to the caller, never a module global)."""
 import json
 
 import pytest
 import torch
 
+from k3lab import policy
+from k3lab.components import dispatch
 from k3lab.components import kda as comp
 from k3lab.ref import kda as ref
 
 
 def test_defaults_table_is_well_formed():
-    d = json.loads(comp._DEFAULTS_PATH.read_text())
+    d = json.loads(policy.path("kda").read_text())
     for op in ("decode", "verify"):
         rules = d[op]
         assert rules and rules[-1]["max_batch"] is None, "the last rule must match any batch"
@@ -27,46 +30,52 @@ def test_defaults_table_is_well_formed():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_auto_on_cpu_runs_the_reference_and_says_so():
     inp, p, S, cs = ref.make_kda_inputs(2, 2, 16, seed=3)
-    assert comp.auto_choice("decode", 2) == ("reference", None)
-    comp.decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, S, cs, backend="auto")
-    assert comp.last_run.backend == "reference" and comp.last_run.backend_requested == "auto"
+    assert dispatch.select("kda_decode", "auto", B=2)[:2] == ("reference", {})
+    ran = []
+    comp.decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, S, cs, backend="auto", ran=ran)
+    (r,) = ran
+    assert r.backend == "reference" and r.backend_requested == "auto" and "reference" in r.why
+    assert not hasattr(comp, "last_run"), "what ran is the caller's, not a module global"
 
 
-def test_auto_follows_the_table_and_falls_back_without_cute(monkeypatch):
-    monkeypatch.setattr(comp, "resolve_backend", lambda b="auto": "triton")
-    monkeypatch.setattr(comp, "backend_status", lambda b: (False, "no cute here"))
-    assert comp.auto_choice("decode", 1) == ("triton", 16)
-    assert comp.auto_choice("decode", 64) == ("triton", 128)  # fifth-session sweep: Triton at the tuned warps
-    assert comp.auto_choice("verify", 1) == ("triton", 16)
-    monkeypatch.setattr(comp, "backend_status", lambda b: (True, "pretend"))
-    monkeypatch.setattr(comp, "_cute_module", lambda name: object())
-    assert comp.auto_choice("decode", 1) == ("cute", 16)
-    assert comp.auto_choice("decode", 2) == ("cute", 16)
-    assert comp.auto_choice("decode", 4) == ("cute", 128)   # measured: tile 128 from B=4 (fold + early)
-    assert comp.auto_choice("decode", 64) == ("cute", 128)
-    assert comp.auto_choice("verify", 1, 4) == ("cute", 16)
-    assert comp.auto_choice("verify", 8, 4) == ("cute", 64)   # measured: tile 64 wins at B=8 T=4 only
-    assert comp.auto_choice("verify", 8, 2) == ("cute", 128)
-    assert comp.auto_choice("verify", 3, 3) == ("cute", 32)   # unmeasured B, T: the next measured above
-    assert comp.auto_choice("verify", 256, 8) == ("cute", 64)  # beyond the sweep: its largest case
+def _choice(key, B, T, runs):
+    be, opts, _ = policy.choose("kda", key, B, T, lambda b: b in runs)
+    return be, opts.get("tile_v")
+
+
+def test_auto_follows_the_table_and_falls_back_without_cute():
+    no_cute = ("triton",)
+    assert _choice("decode", 1, 1, no_cute) == ("triton", 16)
+    assert _choice("decode", 64, 1, no_cute) == ("triton", 128)
+    assert _choice("verify", 1, 2, no_cute) == ("triton", 16)
+    both = ("triton", "cute")
+    assert _choice("decode", 1, 1, both) == ("cute", 16)
+    assert _choice("decode", 2, 1, both) == ("cute", 16)
+    assert _choice("decode", 4, 1, both) == ("cute", 128)   # measured: tile 128 from B=4 (fold + early)
+    assert _choice("decode", 64, 1, both) == ("cute", 128)
+    assert _choice("verify", 1, 4, both) == ("cute", 16)
+    assert _choice("verify", 8, 4, both) == ("cute", 64)    # measured: tile 64 wins at B=8 T=4 only
+    assert _choice("verify", 8, 2, both) == ("cute", 128)
+    assert _choice("verify", 3, 3, both) == ("cute", 32)    # unmeasured B, T: the next measured above
+    assert _choice("verify", 256, 8, both) == ("cute", 64)  # beyond the sweep: its largest case
+    assert _choice("decode", 1, 1, ()) == ("reference", None)  # nothing can run: the reference, said so
 
 
 def test_every_rule_list_ends_with_a_catch_all():
     """For every op, any (B, T) matches some rule of the table and of its fallback."""
-    d = json.loads(comp._DEFAULTS_PATH.read_text())
+    d = policy.table("kda")
     for rules in (d["decode"], d["verify"], d["fallback"]["decode"], d["fallback"]["verify"]):
         for B in (1, 3, 7, 64, 1000):
             for T in (1, 2, 5, 8, 16):
-                assert any(comp._matches(r, B, T) for r in rules), (rules, B, T)
+                assert any(policy.matches(r, B, T) for r in rules), (rules, B, T)
 
 
 def _row(impl, B, T, tv, us, ok=True, heads=12):
     return {"backend": impl, "median_us": us, "error": {"ok": ok},
-            "extra": {"heads": heads, "batch": B, "T": T, "tile_v": tv}}
+            "extra": {"heads": heads, "batch": B, "T": T, "tile_v": tv, "op": "kda_decode" if T == 1 else "kda_verify"}}
 
 
 def test_default_rules_follow_the_measurements():
-    from k3lab.bench.kda import default_rules
     rows = [_row("cute", 1, 1, 16, 3.0), _row("cute", 1, 1, 32, 4.0),
             _row("cute", 8, 1, 64, 5.0), _row("cute", 8, 1, 128, 6.0),
             _row("cute", 64, 1, 64, 9.0), _row("cute", 64, 1, 128, 8.0, ok=False),  # a failed check never wins
@@ -74,7 +83,8 @@ def test_default_rules_follow_the_measurements():
             _row("triton", 1, 1, 16, 0.5),                                           # other impl: ignored
             _row("cute", 4, 2, 32, 5.0), _row("cute", 4, 2, 64, 6.0), _row("cute", 4, 8, 64, 9.0),
             _row("cute", 4, 8, 32, 9.5), _row("cute", 64, 2, 64, 20.0), _row("cute", 64, 8, 64, 90.0)]
-    r = default_rules(rows, "cute")
+    keys = {"kda_decode": "decode", "kda_verify": "verify"}
+    r = policy.default_rules(rows, "cute", key_of=lambda row: keys[row["extra"]["op"]], heads=12)
     assert r["decode"] == [{"max_batch": 1, "backend": "cute", "tile_v": 16},
                            {"max_batch": None, "backend": "cute", "tile_v": 64}]
     assert r["verify"] == [{"max_batch": 4, "max_T": 2, "backend": "cute", "tile_v": 32},

@@ -1,7 +1,7 @@
-"""The KDA sweep (k3lab.bench.kda, `k3lab bench kda`, notebooks/02_kda.ipynb) on tiny shapes.
+"""The generic bench (k3lab.bench.runner, `k3lab bench kda`, notebooks/02_kda.ipynb) on tiny KDA shapes.
 
 On a CPU the Triton kernels run in the interpreter and timings are cpu-smoke: these tests prove the
-sweep's plumbing (checks, rows, bundle, report, winners), not speed."""
+sweep's plumbing (checks, rows, floors, bundle, report, winners), not speed."""
 from __future__ import annotations
 
 import json
@@ -11,41 +11,44 @@ from pathlib import Path
 
 import torch
 
-from k3lab.bench import kda as kb
+from k3lab import policy, registry
+from k3lab.bench import runner
 from k3lab.harness.bundle import find_bundles, load
+from k3lab.ops.kda import kda_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bytes_count_by_hand():
-    c = kb.KDACase(heads=12, batch=64, T=1)
     HD = 12 * 128
     state = 64 * 12 * 128 * 128 * 4 * 2
     io = 64 * (3 * HD + HD + 12 + HD) * 2 + 64 * HD * 2
     conv = 64 * 3 * HD * 3 * 2 * 2
     params = 3 * HD * 4 * 2 + HD * 4 + 12 * 4 + 128 * 2
-    assert kb.kda_bytes(c) == state + io + conv + params
-    v = kb.KDACase(heads=12, batch=1, T=4)
+    assert kda_bytes(64, 12) == state + io + conv + params
+    op = registry.get("kda_decode")
+    assert op.nbytes(op.case(heads=12, batch=64)) == state + io + conv + params
     st = 12 * 128 * 128 * 4
-    assert kb.kda_bytes(v) - kb.kda_bytes(v, hist=False) == st * 3 + 3 * HD * 3 * 2 * 4
+    assert kda_bytes(1, 12, 4) - kda_bytes(1, 12, 4, hist=False) == st * 3 + 3 * HD * 3 * 2 * 4
 
 
 def test_sweep_rows_bundle_and_winners(tmp_path):
-    rows, meta = kb.run(heads=(2,), batches=(1, 2), Ts=(1, 3), tiles=(8, 16), D=16, device="cpu", reps=2,
-                        backends=("triton", "cute"), log=lambda s: None)
-    assert "cute" in meta["unavailable"] or torch.cuda.is_available()
-    ours = [r for r in rows if r["impl"] == "triton"]
+    bd = runner.run("kda", grid=dict(heads=(2,), batch=(1, 2), T=(1, 3), tile_v=(8, 16), D=(16,)), reps=2,
+                    device="cpu", kernels=False, log=lambda s: None)
+    assert "cute" in bd.backends_skipped or torch.cuda.is_available()
+    ours = [r for r in bd.rows if r.backend == "triton"]
     assert len(ours) == 2 * 2 * 2
     for r in ours:
-        assert r["ok"], r  # checked against fp64 with poisoned outputs before timing
-        assert r["timing_kind"] == "cpu-smoke"
-    b = kb.to_bundle(rows, meta, name="t", grid={})
-    path = b.save(tmp_path)
+        assert r.error["ok"], r.error  # checked against fp64 with poisoned outputs before timing
+        assert r.kind == "cpu-smoke" and r.mode == "hot" and r.floor_bw == "copy"
+    assert {r.backend for r in bd.rows} >= {"triton", "reference", "torch_compile"}
+    path = bd.save(tmp_path)
     back = load(path)
-    assert len(back.rows) == len(rows) and back.copy_tbps == meta["copy_tbps"]
-    w = kb.winners(rows)
-    assert set(w) == {"H2_B1_T1", "H2_B1_T3", "H2_B2_T1", "H2_B2_T3"}
-    assert all(v["tile_v"] in (8, 16) for v in w.values())
+    assert len(back.rows) == len(bd.rows) and back.copy_tbps == bd.copy_tbps and back.read_tbps == bd.read_tbps
+    rows = json.loads(path.read_text())["rows"]
+    w = policy.winners(rows, ("triton",))
+    assert set(w) == {"heads2_batch1_T1", "heads2_batch1_T3", "heads2_batch2_T1", "heads2_batch2_T3"}
+    assert all(v["options"]["tile_v"] in (8, 16) for v in w.values())
 
 
 def test_kda_notebook_headless(tmp_path):
@@ -64,7 +67,10 @@ def test_kda_notebook_headless(tmp_path):
     assert drift["state_err"]["bf16"] > drift["state_err"]["fp32"]
 
 
-def test_bench_cli_refuses_unknown_component():
-    r = subprocess.run([sys.executable, "-m", "k3lab.cli", "bench", "mla"], capture_output=True, text=True,
+def test_bench_cli_refuses_unknown_component_and_grid_names():
+    r = subprocess.run([sys.executable, "-m", "k3lab.cli", "bench", "nosuch"], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 2 and "kda" in (r.stdout + r.stderr)
+    r = subprocess.run([sys.executable, "-m", "k3lab.cli", "bench", "kda", "--grid", "tiles=8"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2 and "tiles" in (r.stdout + r.stderr) and "tile_v" in (r.stdout + r.stderr)

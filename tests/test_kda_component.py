@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3lab.components import kda
+from k3lab.components import dispatch, kda
 from k3lab.ref.kda import make_kda_inputs
 from k3lab.switches import BackendUnavailable, SwitchError
 
@@ -94,9 +94,9 @@ def test_backend_refusals():
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable, match="cute"):
             call_decode(inp, p, st, cs, backend="cute")
-        assert kda.resolve_backend("auto") == "reference"
+        assert dispatch.select("kda_decode", "auto", B=2)[0] == "reference"
     else:
-        assert kda.resolve_backend("auto") == "triton"
+        assert dispatch.select("kda_decode", "auto", B=2)[0] in ("triton", "cute")
 
 
 def test_verify_and_commit_validation():
@@ -130,12 +130,14 @@ def test_verify_and_commit_validation():
 def test_decode_triton_matches_reference_and_records(tile_v):
     inp, p, st, cs = dec_inputs(seed=1)
     st_r, cs_r, st_t, cs_t = st.clone(), cs.clone(), st.clone(), cs.clone()
-    o_r = call_decode(inp, p, st_r, cs_r, backend="reference")
-    assert kda.last_run.backend == "reference" and kda.last_run.tile_v is None
-    o_t = call_decode(inp, p, st_t, cs_t, backend="triton", tile_v=tile_v)
-    run = kda.last_run
-    assert (run.op, run.backend, run.tile_v, run.state_dtype) == ("decode", "triton", tile_v, "float32")
-    assert "triton" in run.kernel
+    ran = []
+    o_r = call_decode(inp, p, st_r, cs_r, backend="reference", ran=ran)
+    assert ran[-1].backend == "reference" and ran[-1].options["tile_v"] is None
+    o_t = call_decode(inp, p, st_t, cs_t, backend="triton", tile_v=tile_v, ran=ran)
+    run = ran[-1]
+    assert (run.op, run.backend, run.options["tile_v"], run.options["state_dtype"]) == (
+        "kda_decode", "triton", tile_v, "float32")
+    assert run.kernel == "k3lab_kernels.triton.kda_decode:kda_decode" and len(ran) == 2
     assert rel(o_t, o_r) < 1e-2 and rel(st_t, st_r) < 1e-5 and torch.equal(cs_t, cs_r)
 
 
@@ -157,16 +159,17 @@ def test_verify_commit_prefill_triton_vs_reference():
     o_r = kda.verify(*a, poison(), state_hist=sh, conv_hist=chh, lengths=lens, backend="reference")
     sh_r, chh_r = sh.clone(), chh.clone()
     sh2, chh2 = torch.full_like(sh, float("nan")), torch.full_like(chh, float("nan"))
-    o_t = kda.verify(*a, poison(), state_hist=sh2, conv_hist=chh2, lengths=lens, backend="triton", tile_v=8)
-    assert kda.last_run.kernel.endswith("ragged") and kda.last_run.tile_v == 8
+    ran = []
+    o_t = kda.verify(*a, poison(), state_hist=sh2, conv_hist=chh2, lengths=lens, backend="triton", tile_v=8, ran=ran)
+    assert ran[-1].notes.endswith("ragged") and ran[-1].options["tile_v"] == 8
     assert rel(o_t[0], o_r[0]) < 1e-2 and rel(o_t[1, :2], o_r[1, :2]) < 1e-2
     assert torch.isnan(o_t[1, 2].float()).all() and torch.isnan(o_r[1, 2].float()).all()
     assert rel(sh2[0], sh_r[0]) < 1e-5 and torch.equal(chh2[0], chh_r[0])
     n = torch.tensor([2, 1], dtype=torch.int32, device=DEV)
     S1, c1, S2, c2 = st.clone(), cs.clone(), st.clone(), cs.clone()
     kda.commit(sh_r, chh_r, n, S1, c1, backend="reference")
-    kda.commit(sh2, chh2, n, S2, c2, backend="triton")
-    assert kda.last_run.backend == "triton"
+    kda.commit(sh2, chh2, n, S2, c2, backend="triton", ran=ran)
+    assert ran[-1].backend == "triton" and ran[-1].op == "kda_commit"
     assert rel(S2, S1) < 1e-5 and torch.equal(c1, c2)
 
     L = 70
@@ -175,9 +178,9 @@ def test_verify_commit_prefill_triton_vs_reference():
     res = {}
     for be in ("reference", "triton"):
         S, c = st.clone(), cs.clone()
-        o = kda.prefill(*a, S, c, backend=be, grouped=True)
+        o = kda.prefill(*a, S, c, backend=be, grouped=True, ran=ran)
         res[be] = (o, S, c)
-        assert kda.last_run.op == "prefill" and kda.last_run.backend == be
+        assert ran[-1].op == "kda_prefill" and ran[-1].backend == be
     assert rel(res["triton"][0], res["reference"][0]) < 1e-2
     assert rel(res["triton"][1], res["reference"][1]) < 1e-4
     assert torch.equal(res["triton"][2], res["reference"][2])
@@ -188,10 +191,11 @@ def test_torch_compile_backend():
     s1, c1, s2, c2 = st.clone(), cs.clone(), st.clone(), cs.clone()
     o1 = call_decode(inp, p, s1, c1, backend="reference")
     try:
-        o2 = call_decode(inp, p, s2, c2, backend="torch_compile")
+        ran = []
+        o2 = call_decode(inp, p, s2, c2, backend="torch_compile", ran=ran)
     except Exception as ex:  # no C++ toolchain for inductor on this machine
         pytest.skip(f"torch.compile unavailable here: {ex!r}"[:200])
-    assert kda.last_run.backend == "torch_compile"
+    assert ran[-1].backend == "torch_compile"
     assert rel(o2, o1) < 1e-2 and rel(s2, s1) < 1e-5 and torch.equal(c1, c2)
 
 
@@ -218,3 +222,63 @@ def test_layer_with_kda_pdl_names_why_the_reference_kda_layer_cannot_run():
                      reps=1, warmup=1, name="t-pdl", log=lambda s: None)
     assert "'pdl'" in b.backends_skipped.get("reference:kda", "") and "cute" in b.backends_skipped["reference:kda"]
     assert any(r.name.startswith("mla.") for r in b.rows) and not any(r.name.startswith("kda.") for r in b.rows)
+
+
+# ---- the one checker, through the registry, on the shapes the kernels claim ---------------------------
+
+@pytest.mark.parametrize("op,shape,backend,opts", [
+    ("kda_decode", dict(heads=2, batch=1, D=32), "triton", dict(tile_v=8)),
+    ("kda_decode", dict(heads=3, batch=3, D=16, state_dtype="bf16"), "triton", dict(tile_v=16)),
+    ("kda_decode", dict(heads=2, batch=2, D=16), "reference", {}),
+    ("kda_verify", dict(heads=2, batch=3, D=16, T=3, ragged=True), "triton", dict(tile_v=8)),
+    ("kda_verify", dict(heads=1, batch=1, D=32, T=2), "triton", dict(tile_v=32)),
+    ("kda_verify", dict(heads=2, batch=3, D=16, T=4, ragged=True), "reference", {}),
+    ("kda_prefill", dict(heads=2, batch=1, D=16, L=70, chunk=16, grouped=True), "triton", dict(tile_v=16)),
+    ("kda_prefill", dict(heads=2, batch=2, D=16, L=33, chunk=32, inverse="bf16"), "reference", {}),
+])
+def test_checker_passes_the_kernels(op, shape, backend, opts):
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    o = registry.get(op)
+    res = checker.check(o, o.case(**shape), backend=backend, options=opts, seed=7, device=DEV)
+    checker.require(res)
+    assert res.ran and res.ran[-1].backend == backend
+    assert set(res.errors) >= set(o.written) | set(o.updated)
+
+
+def test_checker_catches_what_it_claims():
+    """A wrong output, a written entry that must stay untouched, a modified input and an inexact conv state
+    each fail the check, named."""
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    op = registry.get("kda_verify")
+    case = op.case(heads=2, batch=3, D=16, T=3, ragged=True)
+
+    def right(d):
+        op.call(d, case, "reference", {}, None)
+
+    checker.require(checker.check(op, case, impl=right, seed=1))
+
+    def writes_everything(d):  # ignores lengths: fills the positions it must leave untouched
+        kda.verify(d["qkv"], d["f"], d["b"], d["gate"], d["params"], d["state"], d["conv_state"], d["out"],
+                   state_hist=d["state_hist"], conv_hist=d["conv_hist"], backend="reference")
+
+    r = checker.check(op, case, impl=writes_everything, seed=1)
+    assert not r.ok and any("untouched" in f for f in r.failures)
+
+    def scribbles_input(d):
+        right(d)
+        d["qkv"].add_(1)
+
+    r = checker.check(op, case, impl=scribbles_input, seed=1)
+    assert not r.ok and any("'qkv'" in f for f in r.failures)
+
+    def off_by_a_bit(d):
+        right(d)
+        d["out"].mul_(1.05)
+        d["conv_hist"][0, 0, 0, 0] += 1
+
+    r = checker.check(op, case, impl=off_by_a_bit, seed=1)
+    assert not r.ok and any(f.startswith("out:") for f in r.failures) and any("conv_hist" in f for f in r.failures)

@@ -1,39 +1,33 @@
-"""KDA component API (docs/CONTRACTS.md): decode / verify / commit / prefill, dispatching on backend.
+"""KDA component API (docs/CONTRACTS.md): decode / verify / commit / prefill.
 
-Backends:
+Which implementation runs comes from the one dispatcher (k3lab.components.dispatch) and the registry
+(k3lab.ops.kda names every kernel):
   reference      k3lab.ref.kda computed in fp32 (inputs upcast), results copied into the caller's
                  in-place buffers (state, conv_state, out, hists).
-  torch_compile  torch.compile of the fp32 reference decode step (compiled functions cached per
-                 dynamic-shape key); verify/commit/prefill run the reference (recorded as such).
+  torch_compile  torch.compile of the fp32 reference decode step; verify/commit/prefill run the reference
+                 (the record says so).
   triton         k3lab_kernels.triton.kda_{decode,verify,prefill} (one launch for decode/verify).
-  cute           k3lab_kernels.cute.kda_decode / kda_verify / kda_prefill (same signatures as the Triton
-                 wrappers); BackendUnavailable if the module cannot be imported or CuTe cannot run here.
+  cute           k3lab_kernels.cute.kda_{decode,verify,prefill} (same signatures as the Triton wrappers).
   aiter          refused (no AITER KDA kernels in this workbench).
-  auto           the measured winner per op and batch from data/kda_defaults.json (backend and
-                 tile_v; CuTe DSL on NVIDIA GPUs where it imports), else triton on a GPU, else
-                 reference. `last_run` records what auto chose. (The Triton interpreter on CPU is
-                 never picked by auto: it is for logic tests.)
+  auto           the measured winner per op, batch and T (k3lab.policy reads data/kda_defaults.json:
+                 backend and tile_v); the torch reference without a GPU. The Triton interpreter on CPU is
+                 never picked by auto: it is for logic tests.
 
 Every argument is validated at this boundary (shape, dtype, device, contiguity, tile_v, lengths and
 num_accepted ranges, backend availability); errors are `KDAArgumentError` (a ValueError) naming the
 argument. Value-range checks (lengths, num_accepted) read the tensor on the host, which is a device
 sync: pass `check_values=False` on timed / CUDA-graph-captured paths (the kernels clamp instead).
 
-Each call returns `out` (commit returns None) and records what ran in the module attribute
-`last_run` (a `KDARun`: op, backend asked, backend run, kernel, tile_v, state dtype, notes).
+Each call returns `out` (commit returns None). Pass `ran=[]` to get the record of what ran appended to
+that list (a `k3lab.components.dispatch.Ran`: op, backend asked, backend run, kernel, options, why).
 """
 from __future__ import annotations
 
-import importlib
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
 import torch
 
+from k3lab.components import dispatch
 from k3lab.ref import kda as ref
 from k3lab.ref.kda import KDAParams
-from k3lab.switches import BACKENDS, BackendUnavailable, SwitchError, backend_status, require_backend
 
 TILE_V_ALLOWED = (4, 8, 16, 32, 64, 128)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -42,101 +36,6 @@ INVERSES = ("fp32", "bf16")
 
 class KDAArgumentError(ValueError):
     """An argument of the KDA component API has the wrong shape, dtype, device, layout or value."""
-
-
-@dataclass
-class KDARun:
-    op: str
-    backend_requested: str
-    backend: str
-    kernel: str
-    tile_v: int | None = None
-    state_dtype: str = ""
-    shape: dict = field(default_factory=dict)
-    notes: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-last_run: KDARun | None = None
-
-
-def _record(**kw) -> KDARun:
-    global last_run
-    last_run = KDARun(**kw)
-    return last_run
-
-
-# ---- backend resolution ------------------------------------------------------------------------
-
-def resolve_backend(backend: str = "auto") -> str:
-    """Backend that will run for `backend` (resolves "auto"; refuses unknown / unavailable ones)."""
-    if backend == "auto":
-        ok, _ = backend_status("triton")
-        gpu = torch.cuda.is_available()
-        return "triton" if (ok and gpu) else "reference"
-    if backend not in BACKENDS:
-        raise SwitchError(f"backend {backend!r} is not allowed for kda; allowed: {BACKENDS + ('auto',)}")
-    if backend == "aiter":
-        raise BackendUnavailable("backend 'aiter' has no KDA kernels in k3lab (AITER KDA is not ported); "
-                                 "use 'triton', 'cute', 'torch_compile' or 'reference'")
-    require_backend(backend)
-    return backend
-
-
-_DEFAULTS_PATH = Path(__file__).resolve().parent.parent.parent / "data" / "kda_defaults.json"
-_defaults_cache: dict | None = None
-
-
-def _matches(rule: dict, B: int, T: int) -> bool:
-    return ((rule.get("max_batch") is None or B <= rule["max_batch"])
-            and (rule.get("max_T") is None or T <= rule["max_T"]))
-
-
-def defaults_table() -> dict:
-    """data/kda_defaults.json, read once."""
-    global _defaults_cache
-    if _defaults_cache is None:
-        _defaults_cache = json.loads(_DEFAULTS_PATH.read_text()) if _DEFAULTS_PATH.exists() else {}
-    return _defaults_cache
-
-
-def table_rule(op: str, B: int, T: int = 1) -> dict | None:
-    """The first rule of the table's `op` list that matches (B, T), whatever its backend can do here."""
-    return next((r for r in defaults_table().get(op, []) if _matches(r, B, T)), None)
-
-
-def auto_choice(op: str, B: int, T: int = 1) -> tuple[str, int | None]:
-    """(backend, tile_v) that backend='auto' runs for `op` ("decode" | "verify") at batch B and T positions
-    (the first rule of data/kda_defaults.json with B <= max_batch and T <= max_T; None matches any)."""
-    gpu_be = resolve_backend("auto")
-    if gpu_be == "reference":
-        return "reference", None
-    d = defaults_table()
-    for rule in d.get(op, []):
-        if _matches(rule, B, T):
-            be = rule["backend"]
-            if be == "cute":
-                ok, _ = backend_status("cute")
-                if not ok:
-                    break
-                try:
-                    _cute_module(f"kda_{op}")
-                except BackendUnavailable:
-                    break
-            return be, rule.get("tile_v")
-    for rule in d.get("fallback", {}).get(op, []):
-        if _matches(rule, B, T):
-            return rule["backend"], rule.get("tile_v")
-    return gpu_be, None
-
-
-def _cute_module(name: str):
-    try:
-        return importlib.import_module(f"k3lab_kernels.cute.{name}")
-    except Exception as ex:  # ImportError, or the CuTe DSL failing at import
-        raise BackendUnavailable(f"backend 'cute': cannot import k3lab_kernels.cute.{name}: {ex!r}") from ex
 
 
 # ---- validation --------------------------------------------------------------------------------
@@ -228,10 +127,8 @@ def _f32(*ts):
 
 # ---- decode --------------------------------------------------------------------------------------
 
-_COMPILED: dict = {}
-
-
-def _ref_decode_fp32(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, eps, lb):
+def ref_decode_fp32(qkv, f, b, gate, conv_w, A_log, dt_bias, o_norm_w, state, conv_state, eps, lb):
+    """The reference decode step in fp32 (what the reference and torch_compile backends run)."""
     p = KDAParams(conv_w, A_log, dt_bias, o_norm_w, eps, lb)
     return ref.kda_decode(qkv.float(), f.float(), b.float(), gate.float(), p.to(torch.float32),
                           state.float(), conv_state, dtype=torch.float32, out_dtype=torch.bfloat16)
@@ -246,55 +143,56 @@ def _check_pdl(pdl, be):
                      f"the backend here is {be!r}")
 
 
+def _select(op, backend, B, T, tile_v, D):
+    """(backend, tile_v given or from the auto rule, why) through the one dispatcher."""
+    be, opts, why = dispatch.select(op, backend, B=B, T=T)
+    if tile_v is None and opts.get("tile_v") and opts["tile_v"] <= D:
+        tile_v = opts["tile_v"]
+    return be, tile_v, why
+
+
+def _sd(state):
+    return str(state.dtype).replace("torch.", "")
+
+
 def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="reference", tile_v=None,
-           num_warps=None, pdl=False):
+           num_warps=None, pdl=False, ran=None):
     """One position: updates `state` (fp32/bf16) and `conv_state` (bf16) in place, writes out [B,H*D]
     bf16 and returns it. tile_v: value columns per program (triton/cute only; validated always);
-    None = the whole head (D, i.e. 128 for K3). pdl (cute only): launch with programmatic dependent
-    launch; the kernel directly before on the stream must not write `state` / `conv_state` (see
-    k3lab_kernels.cute.kda_decode)."""
+    None = the whole head (D, i.e. 128 for K3) or the auto rule's. pdl (cute only): launch with
+    programmatic dependent launch; the kernel directly before on the stream must not write `state` /
+    `conv_state` (see k3lab_kernels.cute.kda_decode). ran: a list to append the record of what ran to."""
     B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
-    if backend == "auto":
-        be, auto_tile = auto_choice("decode", B)
-        tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
-    else:
-        be = resolve_backend(backend)
+    be, tile_v, why = _select("kda_decode", backend, B, 1, tile_v, D)
     _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128)
     out = _out(out, (B, H * D), qkv.device)
-    shape = dict(B=B, H=H, D=D)
-    sd = str(state.dtype).replace("torch.", "")
+    rec = dict(op="kda_decode", backend_requested=backend, backend=be, why=why, shape=dict(B=B, H=H, D=D),
+               options=dict(tile_v=tile_v, state_dtype=_sd(state), pdl=pdl))
     if be == "triton":
-        from k3lab_kernels.triton.kda_decode import default_num_warps, kda_decode
-        kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, num_warps=num_warps)
-        _record(op="decode", backend_requested=backend, backend=be, kernel="triton:_kda_decode_kernel",
-                tile_v=tile_v, state_dtype=sd, shape=shape,
-                notes=f"num_warps={num_warps or default_num_warps(D, tile_v)}")
+        from k3lab_kernels.triton.kda_decode import default_num_warps
+        dispatch.kernel("kda_decode", be)(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v,
+                                          num_warps=num_warps)
+        dispatch.record(ran, kernel=dispatch.kernel_path("kda_decode", be), **rec,
+                        notes=f"num_warps={num_warps or default_num_warps(D, tile_v)}")
         return out
     if be == "cute":
-        mod = _cute_module("kda_decode")
-        mod.kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=pdl)
-        _record(op="decode", backend_requested=backend, backend=be, kernel="cute:kda_decode", tile_v=tile_v,
-                state_dtype=sd, shape=shape, notes="pdl" if pdl else "")
+        dispatch.kernel("kda_decode", be)(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=pdl)
+        dispatch.record(ran, kernel=dispatch.kernel_path("kda_decode", be), **rec)
         return out
     args = (qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w, state, conv_state,
             float(params.eps), float(params.lower_bound))
     if be == "torch_compile":
-        key = (str(qkv.device), state.dtype)
-        fn = _COMPILED.get(key)
-        if fn is None:
-            fn = torch.compile(_ref_decode_fp32, dynamic=True)
-            _COMPILED[key] = fn
-        o, S, cs = fn(*args)
-        kernel = "torch.compile(ref.kda_decode fp32)"
+        fn = dispatch.compiled(f"kda.decode.{qkv.device}.{state.dtype}", ref_decode_fp32, dynamic=True)
+        kernel = "torch.compile(" + dispatch.kernel_path("kda_decode", be) + ")"
     else:
-        o, S, cs = _ref_decode_fp32(*args)
-        kernel = "ref.kda_decode fp32"
+        fn, kernel = ref_decode_fp32, "k3lab.components.kda:ref_decode_fp32 (k3lab.ref.kda in fp32)"
+    o, S, cs = fn(*args)
     out.copy_(o)
     state.copy_(S)
     conv_state.copy_(cs)
-    _record(op="decode", backend_requested=backend, backend=be, kernel=kernel, tile_v=None, state_dtype=sd,
-            shape=shape, notes="tile_v not used by this backend")
+    rec["options"]["tile_v"] = None
+    dispatch.record(ran, kernel=kernel, **rec, notes="tile_v not used by this backend")
     return out
 
 
@@ -311,7 +209,7 @@ def _check_lengths(lengths, B, T, dev, check_values):
 
 
 def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, conv_hist, lengths=None,
-           backend="reference", tile_v=None, num_warps=None, check_values=True, pdl=False):
+           backend="reference", tile_v=None, num_warps=None, check_values=True, pdl=False, ran=None):
     """T positions from the start state (state/conv_state only read). Writes out [B,T,HD] bf16,
     state_hist [B,T,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16. lengths [B] int32 in 1..T:
     positions >= lengths[b] are not computed and their out/hist entries are left untouched.
@@ -321,11 +219,7 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     B, T, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
     if not 1 <= T <= 8:
         _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
-    if backend == "auto":
-        be, auto_tile = auto_choice("verify", B, T)
-        tile_v = tile_v if tile_v is not None else (auto_tile if auto_tile and auto_tile <= D else None)
-    else:
-        be = resolve_backend(backend)
+    be, tile_v, why = _select("kda_verify", backend, B, T, tile_v, D)
     _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128 if be == "cute" else 8)
     dev = qkv.device
@@ -333,27 +227,24 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     _check("state_hist", state_hist, (B, T, H, D, D), (state.dtype,), dev)
     _check("conv_hist", conv_hist, (B, T, 3 * H * D, W - 1), (torch.bfloat16,), dev)
     _check_lengths(lengths, B, T, dev, check_values)
-    sd = str(state.dtype).replace("torch.", "")
-    shape = dict(B=B, T=T, H=H, D=D, ragged=lengths is not None)
+    rec = dict(op="kda_verify", backend_requested=backend, backend=be, why=why,
+               shape=dict(B=B, T=T, H=H, D=D, ragged=lengths is not None),
+               options=dict(tile_v=tile_v, state_dtype=_sd(state), pdl=pdl))
     if be == "triton":
         from k3lab_kernels.triton.kda_decode import default_num_warps
-        from k3lab_kernels.triton.kda_verify import kda_verify
-        kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
-                   tile_v=tile_v, num_warps=num_warps)
-        _record(op="verify", backend_requested=backend, backend=be,
-                kernel="triton:_kda_verify_kernel" + (" ragged" if lengths is not None else " uniform"),
-                tile_v=tile_v, state_dtype=sd, shape=shape,
-                notes=f"num_warps={num_warps or default_num_warps(D, tile_v, verify=True)}")
+        dispatch.kernel("kda_verify", be)(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
+                                          lengths=lengths, tile_v=tile_v, num_warps=num_warps)
+        dispatch.record(ran, kernel=dispatch.kernel_path("kda_verify", be), **rec,
+                        notes=f"num_warps={num_warps or default_num_warps(D, tile_v, verify=True)}"
+                        + (" ragged" if lengths is not None else " uniform"))
         return out
     if be == "cute":
-        mod = _cute_module("kda_verify")
-        row_warps = mod.ROW_WARPS[tile_v]
-        mod.kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths,
-                       tile_v=tile_v, row_warps=row_warps, pdl=pdl)
-        _record(op="verify", backend_requested=backend, backend=be, kernel="cute:kda_verify", tile_v=tile_v,
-                state_dtype=sd, shape=shape,
-                notes=f"layout=columns row_warps={row_warps}" + (" ragged" if lengths is not None else "")
-                + (" pdl" if pdl else ""))
+        fn = dispatch.kernel("kda_verify", be)
+        row_warps = __import__(fn.__module__, fromlist=["ROW_WARPS"]).ROW_WARPS[tile_v]
+        fn(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths, tile_v=tile_v,
+           row_warps=row_warps, pdl=pdl)
+        dispatch.record(ran, kernel=dispatch.kernel_path("kda_verify", be), **rec,
+                        notes=f"row_warps={row_warps}" + (" ragged" if lengths is not None else ""))
         return out
     o, S, cs = ref.kda_verify(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(), conv_state,
                               dtype=torch.float32, out_dtype=torch.bfloat16)
@@ -368,13 +259,14 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
             out[bb, :k].copy_(o[bb, :k])
             state_hist[bb, :k].copy_(S[bb, :k])
             conv_hist[bb, :k].copy_(cs[bb, :k])
-    _record(op="verify", backend_requested=backend, backend=be, kernel="ref.kda_verify fp32", tile_v=None,
-            state_dtype=sd, shape=shape,
-            notes="torch_compile runs the reference for verify" if be == "torch_compile" else "")
+    rec["options"]["tile_v"] = None
+    dispatch.record(ran, kernel="k3lab.ref.kda:kda_verify (fp32)", **rec,
+                    notes="torch_compile runs the reference for verify" if be == "torch_compile" else "")
     return out
 
 
-def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, backend="reference", check_values=True):
+def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, backend="reference", check_values=True,
+           ran=None):
     """state[b] = state_hist[b, n_b-1]; conv_state[b] = conv_hist[b, n_b-1]; num_accepted [B] int in 1..T."""
     if not isinstance(state_hist, torch.Tensor) or state_hist.dim() != 5:
         _fail("state_hist", "expected a tensor [B,T,H,D,D]")
@@ -391,24 +283,27 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, backend="r
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
         if lo < 1 or hi > T:
             _fail("num_accepted", f"values must lie in 1..T={T}, got min {lo} max {hi}")
-    be = resolve_backend(backend)
+    if backend == "auto":
+        be = "triton" if dispatch.can_run("kda_verify", "triton") else "reference"
+    else:
+        be, _, _ = dispatch.select("kda_verify", backend, B=B, T=T)
     if be == "triton":
         from k3lab_kernels.triton.kda_verify import commit as tcommit
         tcommit(state_hist, conv_hist, num_accepted, state, conv_state)
-        kernel = "triton:_gather_rows_kernel x2"
+        kernel = "k3lab_kernels.triton.kda_verify:commit (_gather_rows_kernel x2)"
     else:  # reference, torch_compile and cute: the torch gather (cute has no commit kernel)
         S, cs = ref.kda_rollback(state_hist, conv_hist, num_accepted)
         state.copy_(S)
         conv_state.copy_(cs)
-        kernel = "ref.kda_rollback + copy_"
-    _record(op="commit", backend_requested=backend, backend=be, kernel=kernel,
-            state_dtype=str(state.dtype).replace("torch.", ""), shape=dict(B=B, T=T, H=H, D=D))
+        kernel = "k3lab.ref.kda:kda_rollback + copy_"
+    dispatch.record(ran, op="kda_commit", backend_requested=backend, backend=be, kernel=kernel,
+                    options=dict(state_dtype=_sd(state)), shape=dict(B=B, T=T, H=H, D=D))
 
 
 # ---- prefill ---------------------------------------------------------------------------------------
 
 def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, inverse="fp32", grouped=False,
-            backend="reference", tile_v=None):
+            backend="reference", tile_v=None, ran=None):
     """L positions per sequence, chunked. Writes out [B,L,HD] bf16, updates state/conv_state in place.
     inverse: "fp32" | "bf16" (A rounded to bf16 before the 64x64 inverse); grouped: chunk summaries
     + ordered scan + parallel chunk outputs. tile_v: value tile of the triton/cute state passes (>= 16)."""
@@ -422,25 +317,21 @@ def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, i
     tile_v = _check_tile(tile_v, D, 32)
     dev = qkv.device
     out = _out(out, (B, L, H * D), dev)
-    be = resolve_backend(backend)
-    sd = str(state.dtype).replace("torch.", "")
-    shape = dict(B=B, L=L, H=H, D=D, chunk=chunk, inverse=inverse, grouped=grouped)
+    be, _, why = dispatch.select("kda_prefill", backend, B=B, T=L)
+    rec = dict(op="kda_prefill", backend_requested=backend, backend=be, why=why,
+               shape=dict(B=B, L=L, H=H, D=D), options=dict(chunk=chunk, inverse=inverse, grouped=grouped,
+                                                            tile_v=tile_v, state_dtype=_sd(state)))
     if be in ("triton", "cute"):
         if tile_v < 16:
             _fail("tile_v", f"the {be} prefill needs tile_v >= 16, got {tile_v}")
         if be == "triton":
-            from k3lab_kernels.triton.kda_prefill import kda_prefill
-            name = "triton:prefill"
             launches = "prep,intra,summary,scan,out,norm,conv" if grouped else "prep,intra,seq,norm,conv"
         else:
-            kda_prefill = _cute_module("kda_prefill").kda_prefill
-            name = "cute:kda_prefill"
             launches = "prep,intra,summary,scan,out,norm+conv" if grouped else "prep,intra,chunks,norm+conv"
-        kda_prefill(qkv, f, b, gate, params, state, conv_state, out, chunk=chunk, inverse=inverse,
-                    grouped=grouped, tile_v=tile_v)
-        _record(op="prefill", backend_requested=backend, backend=be,
-                kernel=f"{name} {'grouped' if grouped else 'sequential'} ({launches})",
-                tile_v=tile_v, state_dtype=sd, shape=shape)
+        dispatch.kernel("kda_prefill", be)(qkv, f, b, gate, params, state, conv_state, out, chunk=chunk,
+                                           inverse=inverse, grouped=grouped, tile_v=tile_v)
+        dispatch.record(ran, kernel=dispatch.kernel_path("kda_prefill", be), **rec,
+                        notes=f"{'grouped' if grouped else 'sequential'} ({launches})")
         return out
     inv_dtype = torch.bfloat16 if inverse == "bf16" else torch.float32
     o, S, cs = ref.kda_prefill_chunked(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(),
@@ -449,15 +340,7 @@ def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, i
     out.copy_(o)
     state.copy_(S)
     conv_state.copy_(cs)
-    _record(op="prefill", backend_requested=backend, backend=be, kernel="ref.kda_prefill_chunked fp32",
-            tile_v=None, state_dtype=sd, shape=shape)
+    rec["options"]["tile_v"] = None
+    dispatch.record(ran, kernel="k3lab.ref.kda:kda_prefill_chunked (fp32)", **rec,
+                    notes="torch_compile runs the reference for prefill" if be == "torch_compile" else "")
     return out
-
-
-# ---- drift study ---------------------------------------------------------------------------------
-
-def drift_study(*args, **kwargs):
-    """See k3lab.studies.kda_drift.drift_study."""
-    from k3lab.studies.kda_drift import drift_study as _ds
-
-    return _ds(*args, **kwargs)

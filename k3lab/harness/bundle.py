@@ -1,7 +1,10 @@
 """Versioned results bundles: one JSON per run of a notebook, comparable across commits and GPUs.
 
     {schema_version, name, created, env, config: {view, model}, switches, backends_ran,
-     backends_skipped, copy_tbps, launch_floor_us, rows: [Row...], notes}
+     backends_skipped, copy_tbps, read_tbps, launch_floor_us, rows: [Row...], notes}
+
+Each row records its timing mode ("rotated" past L2 or "hot") and which bandwidth its floor used
+(`floor_bw`: "read" for ops that mostly read, "copy" for ops that read and write the same bytes).
 
 A Row is one component on one backend. `save(dir)` writes `dir/<gpu-slug>/<name>.json`; `load(path)`
 reads and validates. `compare(a, b)` matches rows on (name, backend) and reports b/a median ratios;
@@ -37,7 +40,9 @@ class Row:
     bytes: int | None = None
     flops: int | None = None
     achieved_tbps: float | None = None
-    pct_of_copy: float | None = None
+    pct_of_bw: float | None = None  # achieved / the floor's bandwidth (floor_bw), in %
+    floor_bw: str | None = None  # "read" | "copy": the bandwidth the floor used
+    mode: str | None = None  # timing mode: "rotated" (inputs past L2) | "hot"
     launches: float | None = None
     kernels: list[dict[str, Any]] = field(default_factory=list)
     error: dict[str, Any] | None = None  # numerics.ErrorStats.to_dict() vs fp64
@@ -55,7 +60,7 @@ class Row:
 
         r = cls(name=name, backend=backend, kind=timing.kind, median_us=timing.median_us,
                 p10_us=timing.p10_us, p90_us=timing.p90_us, samples_us=list(timing.samples_us),
-                kernels=list(kernels or []), extra=dict(extra))
+                kernels=list(kernels or []), extra=dict(extra), mode=getattr(timing, "mode", None))
         r.extra.setdefault("calls_per_sample", timing.calls_per_sample)
         r.extra.setdefault("input_sets", timing.input_sets)
         if timing.note:
@@ -63,7 +68,7 @@ class Row:
         if floor is not None:
             a = assess(timing.median_us, floor)
             r.floor_us, r.bytes, r.flops = a["floor_us"], floor.bytes, floor.flops
-            r.achieved_tbps, r.pct_of_copy = a["achieved_tbps"], a["pct_of_copy"]
+            r.achieved_tbps, r.pct_of_bw, r.floor_bw = a["achieved_tbps"], a["pct_of_bw"], a["floor_bw"]
             r.extra.setdefault("bound", a["bound"])
         elif flops is not None:
             r.flops = flops
@@ -90,6 +95,7 @@ class Bundle:
     backends_skipped: dict[str, str] = field(default_factory=dict)  # backend -> why not
     rows: list[Row] = field(default_factory=list)
     copy_tbps: float | None = None
+    read_tbps: float | None = None
     launch_floor_us: float | None = None
     notes: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
@@ -125,6 +131,8 @@ class Bundle:
         rows = []
         for r in d["rows"]:
             known = {k: v for k, v in r.items() if k in Row.__dataclass_fields__}
+            if "pct_of_copy" in r and "pct_of_bw" not in r:  # bundles before the read probe: copy floors
+                known.update(pct_of_bw=r["pct_of_copy"], floor_bw="copy")
             rows.append(Row(**known))
         return cls(rows=rows, **kw)
 

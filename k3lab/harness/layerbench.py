@@ -6,7 +6,8 @@ For each requested backend that can run here (`k3lab.switches.backend_status`) a
   1. checked once against an fp64 CPU build of the same layer (same seed, components called in
      order on fresh layers, every output compared),
   2. timed: CUDA-graph replay with rotated layer copies on a GPU, `cpu-smoke` wall clock otherwise,
-  3. placed against its floor (bytes / measured copy bandwidth, or the launch floor).
+  3. placed against its floor (bytes over the measured read bandwidth for weight and cache reads, over the
+     copy bandwidth for the KDA core whose state is read and written, or the launch floor).
 What ran and why anything did not is recorded in the bundle.
 """
 from __future__ import annotations
@@ -71,11 +72,11 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
     name = name or f"decode_layer-b{view.batch}-c{view.context}-tp{view.tp}"
     b = Bundle.new(name, view=view, switches=switches)
     b.notes.append("layers from k3lab.model")
-    b.copy_tbps = timing.measure_copy_bandwidth(device=device)
-    b.launch_floor_us = timing.launch_floor_us(device=device)
+    pr = timing.probes(device)
+    b.copy_tbps, b.read_tbps, b.launch_floor_us = pr["copy_tbps"], pr["read_tbps"], pr["launch_us"]
     kind_label = "gpu-graph" if on_gpu else "cpu-smoke"
-    log(f"{'GPU' if on_gpu else 'CPU (smoke timing only)'}: copy {b.copy_tbps:.3f} TB/s, "
-        f"launch floor {b.launch_floor_us:.2f} us")
+    log(f"{'GPU' if on_gpu else 'CPU (smoke timing only)'}: copy {b.copy_tbps:.3f} TB/s, read {b.read_tbps:.3f} "
+        f"TB/s, launch floor {b.launch_floor_us:.2f} us")
     if not on_gpu:
         b.notes.append("CPU run: times are cpu-smoke wall clock, floors use a host memcpy; not GPU figures")
 
@@ -128,7 +129,7 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                 else:
                     t = timing.bench_cpu(fn, warmup=min(warmup, 2), reps=reps, bytes_per_call=nbytes)
                 kl = timing.kernel_list(fn, calls=2) if (kernels and on_gpu) else []
-                fl = roofline.floor(nbytes, flops, copy_tbps=b.copy_tbps, launch_us=b.launch_floor_us)
+                fl = roofline.floor_from_probes(nbytes, flops, pr, test_layer.floor_bw(cname))
                 ran = getattr(test_layer, "ran", {}).get(cname, be)
                 rname = cname if cname.startswith(kind + ".") else f"{kind}.{cname}"
                 row = Row.from_timing(rname, be, t, floor=fl, kernels=kl, error=errs[cname], layer=kind, ran=ran)

@@ -1,4 +1,5 @@
-"""Timing: CUDA-graph replay with rotated inputs (GPU), labelled smoke timing (CPU).
+"""The one timer: CUDA-graph replay with inputs rotated past L2 or kept hot (GPU), labelled smoke timing
+(CPU); and the three probes every GPU run records first: copy bandwidth, read-only bandwidth, launch floor.
 
 Every figure carries its `kind`:
     "gpu-graph"  calls captured in one CUDA graph (several calls per graph, one input set each), the
@@ -10,7 +11,15 @@ Every figure carries its `kind`:
 Input rotation: a kernel timed over and over on the same buffers finds them in L2 and looks faster
 than it is at decode, where every weight comes from HBM once per step. `rotation_count` sizes the
 number of distinct input sets from the bytes one call touches versus the L2 size, so that by the time
-a set is used again the others have pushed it out of L2.
+a set is used again the others have pushed it out of L2. `rotate=False` keeps one set hot in L2 instead;
+every Timing records which (`mode`: "rotated" or "hot").
+
+Probes (`probes()` measures once per process and device):
+    copy_tbps  device-to-device copy, (read + written) / time: the ceiling of ops that read and write the
+               same bytes (KDA state)
+    read_tbps  a streaming read (k3lab_kernels.triton.bw_probe, a Triton reduction over 2 GiB): the ceiling
+               of ops that mostly read (weights, caches)
+    launch_us  per-launch time of a near-empty kernel replayed from a CUDA graph: the floor of tiny ops
 """
 from __future__ import annotations
 
@@ -24,6 +33,7 @@ from typing import Any
 import torch
 
 KINDS = ("gpu-graph", "gpu-eager", "cpu-smoke")
+MODES = ("rotated", "hot")
 
 
 @dataclass
@@ -38,11 +48,14 @@ class Timing:
     input_sets: int = 1
     bytes_per_call: int | None = None
     note: str = ""
+    mode: str = "rotated"  # "rotated": inputs rotated past L2; "hot": one input set replayed (L2-warm)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"timing kind must be one of {KINDS}, got {self.kind!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"timing mode must be one of {MODES}, got {self.mode!r}")
 
     @classmethod
     def from_samples(cls, kind: str, samples_us: Sequence[float], **kw: Any) -> Timing:
@@ -56,8 +69,9 @@ class Timing:
         return asdict(self)
 
     def __str__(self) -> str:
-        return (f"{self.kind}: median {self.median_us:.2f} us (p10 {self.p10_us:.2f}, p90 {self.p90_us:.2f}; "
-                f"{len(self.samples_us)} samples x {self.calls_per_sample} calls, {self.input_sets} input sets)")
+        return (f"{self.kind} ({self.mode}): median {self.median_us:.2f} us (p10 {self.p10_us:.2f}, "
+                f"p90 {self.p90_us:.2f}; {len(self.samples_us)} samples x {self.calls_per_sample} calls, "
+                f"{self.input_sets} input sets)")
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -144,7 +158,8 @@ def _resolve_sets(make_inputs: Callable[[], Any] | None, input_sets: Sequence[An
 def bench_gpu(fn: Callable[..., Any], *, make_inputs: Callable[[], Any] | None = None,
               input_sets: Sequence[Any] | None = None, warmup: int = 10, reps: int = 50,
               graph: bool = True, min_calls_per_graph: int = 20, max_sets: int = 64,
-              bytes_per_call: int | None = None, mem_budget: int | None = 8 * 2**30) -> Timing:
+              bytes_per_call: int | None = None, mem_budget: int | None = 8 * 2**30,
+              rotate: bool = True) -> Timing:
     """Time `fn(*args)` on the current CUDA device.
 
     Inputs: `input_sets` (a list of argument tuples, used in rotation) or `make_inputs()` (called as
@@ -154,10 +169,16 @@ def bench_gpu(fn: Callable[..., Any], *, make_inputs: Callable[[], Any] | None =
     With `graph=True` the calls are captured into one CUDA graph, cycling through the input sets,
     at least `min_calls_per_graph` calls; each replay is one sample, timed with CUDA events, and
     divided by the calls in it. If capture fails the eager path runs and the note says why.
+    rotate=False: the first input set only, replayed hot in L2 (mode "hot", recorded in the Timing).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_gpu needs CUDA; use bench_cpu (kind='cpu-smoke') on a CPU")
-    sets, nbytes = _resolve_sets(make_inputs, input_sets, True, max_sets, bytes_per_call, mem_budget)
+    if not isinstance(rotate, bool):
+        raise ValueError(f"bench_gpu: rotate must be a bool, got {rotate!r}")
+    sets, nbytes = _resolve_sets(make_inputs, input_sets, rotate, max_sets, bytes_per_call, mem_budget)
+    if not rotate:
+        sets = sets[:1]
+    mode = "rotated" if rotate else "hot"
     # warm up eagerly (compiles, autotunes, allocator pools) on every set
     for i in range(max(len(sets), min(warmup, 3))):
         fn(*sets[i % len(sets)])
@@ -165,12 +186,15 @@ def bench_gpu(fn: Callable[..., Any], *, make_inputs: Callable[[], Any] | None =
     note = ""
     if graph:
         try:
-            return _bench_graph(fn, sets, nbytes, warmup, reps, min_calls_per_graph)
+            t = _bench_graph(fn, sets, nbytes, warmup, reps, min_calls_per_graph)
+            t.mode = mode
+            return t
         except Exception as e:  # noqa: BLE001 - any capture failure falls back, with the reason kept
             note = f"graph capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); eager timing"
             torch.cuda.synchronize()
     t = _bench_eager(fn, sets, nbytes, warmup, reps)
     t.note = note or t.note
+    t.mode = mode
     return t
 
 
@@ -295,6 +319,63 @@ def launch_floor_us(launches: int = 200, reps: int = 20, device: Any = None) -> 
     return statistics.median(samples)
 
 
+def measure_read_bandwidth(nbytes: int = 2 * 2**30, reps: int = 10, warmup: int = 3, device: Any = None) -> float:
+    """A streaming read of `nbytes` (well past L2; k3lab_kernels.triton.bw_probe.stream_sum, one partial sum
+    per program, nothing else written): bytes read / time, the median of `reps` reads, in TB/s. The
+    ceiling of ops that mostly read (weights, caches). On a CPU: torch's sum over a 256 MiB buffer (a
+    smoke figure, labelled by the caller)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cpu":
+        x = torch.ones(min(nbytes, 256 * 2**20) // 4, dtype=torch.float32)
+        samples = []
+        for i in range(warmup + reps):
+            t0 = time.perf_counter()
+            x.sum()
+            if i >= warmup:
+                samples.append(time.perf_counter() - t0)
+        return x.numel() * 4 / statistics.median(samples) / 1e12
+    from k3lab_kernels.triton.bw_probe import stream_sum
+
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    part = stream_sum(x)  # compiles; allocates the partial sums once
+    for _ in range(warmup):
+        stream_sum(x, part)
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        stream_sum(x, part)
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e-3)
+    expect = float(x.numel())
+    got = float(part.double().sum())
+    if abs(got - expect) > 1e-6 * expect:
+        raise RuntimeError(f"read probe: the streaming sum read {got} ones, expected {expect}")
+    moved = x.numel() * x.element_size()
+    del x, part
+    return moved / statistics.median(samples) / 1e12
+
+
+_PROBES: dict[str, dict[str, float]] = {}
+
+
+def probes(device: Any = None, *, fresh: bool = False) -> dict[str, Any]:
+    """{copy_tbps, read_tbps, launch_us, kind} of `device`, measured once per process (fresh=True
+    measures again). kind is "gpu" or "cpu-smoke" (host figures: never a GPU floor)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    key = str(dev)
+    if fresh or key not in _PROBES:
+        _PROBES[key] = dict(copy_tbps=measure_copy_bandwidth(device=dev), read_tbps=measure_read_bandwidth(device=dev),
+                            launch_us=launch_floor_us(device=dev),
+                            kind="gpu" if dev.type == "cuda" else "cpu-smoke")
+    return dict(_PROBES[key])
+
+
 # ---- CPU ----------------------------------------------------------------------------------------
 
 def bench_cpu(fn: Callable[..., Any], *, make_inputs: Callable[[], Any] | None = None,
@@ -310,7 +391,7 @@ def bench_cpu(fn: Callable[..., Any], *, make_inputs: Callable[[], Any] | None =
         fn(*sets[i % len(sets)])
         samples.append((time.perf_counter_ns() - t0) / 1e3)
     return Timing.from_samples("cpu-smoke", samples, input_sets=len(sets), bytes_per_call=nbytes or None,
-                               note="CPU wall clock: smoke only, not a GPU figure")
+                               note="CPU wall clock: smoke only, not a GPU figure", mode="hot")
 
 
 def bench(fn: Callable[..., Any], *, device: Any = None, **kw: Any) -> Timing:
@@ -320,6 +401,8 @@ def bench(fn: Callable[..., Any], *, device: Any = None, **kw: Any) -> Timing:
     if dev.type == "cuda":
         return bench_gpu(fn, **kw)
     cpu_kw = {k: v for k, v in kw.items() if k in ("make_inputs", "input_sets", "warmup", "reps", "bytes_per_call")}
+    if kw.get("rotate") is False and cpu_kw.get("input_sets"):
+        cpu_kw["input_sets"] = list(cpu_kw["input_sets"])[:1]
     return bench_cpu(fn, **cpu_kw)
 
 

@@ -10,12 +10,8 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
+from k3lab.harness.numerics import rel_norm_error as _rel
 from k3lab.ref import kda as ref
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    b64 = b.double()
-    return float((a.double() - b64).norm() / b64.norm().clamp_min(1e-300))
 
 
 def drift_study(steps: int = 2000, *, B: int = 1, H: int = 12, D: int = 128, backend: str = "auto",
@@ -23,10 +19,11 @@ def drift_study(steps: int = 2000, *, B: int = 1, H: int = 12, D: int = 128, bac
                 state_dtypes=("fp32", "bf16")) -> pd.DataFrame:
     """Run `steps` decode steps of one KDA layer per state dtype; rows every `every` steps with columns
     step, state_dtype, backend, out_err, state_err (relative Frobenius norm vs fp64), state_norm."""
+    from k3lab.components import dispatch
     from k3lab.components import kda as comp
 
-    be = comp.resolve_backend(backend)
-    tile_v = tile_v or min(128, D)
+    be, opts, _ = dispatch.select("kda_decode", backend, B=B)
+    tile_v = tile_v or min(opts.get("tile_v") or 128, D)
     if device is None:
         device = "cuda" if (be in ("triton", "cute") and torch.cuda.is_available()) else "cpu"
     _, params, state0, conv0 = ref.make_kda_inputs(B, H, D, seed=seed, device=device)

@@ -1,0 +1,180 @@
+"""`k3lab bench COMPONENT`: every registered op of a component, our backends beside the torch reference,
+torch.compile and the public peers, per shape; a results bundle.
+
+For each case of the grid: fresh input sets (as many as k3lab.harness.timing.rotation_count says, so the
+sets not in use exceed L2; one set with hot=True), then per implementation
+  1. the one checker against fp64 on a copy of the first set (outputs poisoned; state, caches and
+     histories compared; untouched entries and unchanged inputs required),
+  2. the one timer: CUDA-graph replay over the sets ("rotated") or one set ("hot"), recorded per row,
+  3. the floor: bytes over the bandwidth the op declares (read or copy, measured in this run) or the
+     launch floor, recorded per row.
+On a CPU the timings are cpu-smoke (logic only; Triton under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3lab import policy, registry
+from k3lab.harness import checker, roofline, timing
+from k3lab.harness.bundle import Bundle, Row
+from k3lab.registry import Case, Op
+from k3lab.switches import Switches, backend_status
+
+
+@dataclass
+class Impl:
+    name: str  # the row's label: a backend, "<backend>_<variant>" or a peer's name
+    make: Callable[[dict], Callable[[], Any]]  # input set -> zero-argument callable
+    check: Callable[[dict], checker.Result] | None = None  # first input set -> checker result
+    options: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+    min_sets: int = 1
+
+
+def _ours(op: Op, case: Case, be: str, opts: dict, name: str | None = None, note: str = "") -> Impl:
+    def make(s):
+        return lambda: op.call(s, case, be, opts, None)
+
+    def check(s):
+        return checker.check(op, case, backend=be, options=opts, inputs=s)
+
+    pdl = bool(opts.get("pdl"))
+    return Impl(name or be, make, check, dict(opts), note, min_sets=2 if pdl else 1)
+
+
+def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool, only: dict[str, Iterable],
+                    variants: dict[str, tuple[str, dict]] | None = None, gpu: bool) -> tuple[list[Impl], dict]:
+    """Our backends (every option combination `only` leaves) and, with peers, the reference, torch.compile
+    and the op's public peers. `variants` {name: (backend, extra options)} are timed at the options the
+    auto policy picks for the case (e.g. "cute_pdl": ("cute", {"pdl": True}))."""
+    impls, skipped = [], {}
+    for be in backends:
+        ok, why = backend_status(be)
+        if not ok or be not in op.backends:
+            skipped[be] = why if not ok else f"no {op.name} kernel"
+            continue
+        for opts in op.options(be, only):
+            impls.append(_ours(op, case, be, opts))
+    for vname, (be, extra) in (variants or {}).items():
+        if not gpu or not any(i.name == be for i in impls):
+            continue
+        r = policy.rule(op.component, op.policy_key, case.get("batch", 1), case.get("T", 1))
+        if r is None or r.get("backend") != be:
+            continue
+        opts = {**policy.options_of(r), **extra}
+        if all(k not in only or v in set(only[k]) for k, v in policy.options_of(r).items()):
+            impls.append(_ours(op, case, be, opts, name=vname, note=f"{extra} at the auto rule's options"))
+    if peers:
+        for be in ("reference", "torch_compile"):
+            if be in op.backends and not any(i.name == be for i in impls):
+                impls.append(_ours(op, case, be, {}))
+        for p in op.peers(case):
+            chk = (lambda s, p=p: p.check(case, s)) if p.check is not None else None
+            impls.append(Impl(p.name, p.make, chk, {}, p.note))
+    return impls, skipped
+
+
+def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterable[str] | None = None,
+        backends: Iterable[str] = ("triton", "cute"), peers: bool = True, reps: int = 50, hot: bool = False,
+        device: str | None = None, deadline_s: float | None = None, kernels: bool = True,
+        variants: dict[str, tuple[str, dict]] | None = None, name: str | None = None,
+        log: Callable[[str], None] = print) -> Bundle:
+    """The sweep of `component` (every registered op, or `ops`) over `grid` (axis or option name ->
+    values; axes not given take each op's defaults). Returns the bundle (not yet saved)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = torch.device(device).type == "cuda"
+    grid = {k: tuple(v) for k, v in (grid or {}).items()}
+    op_list = registry.ops_of(component)
+    if ops is not None:
+        want = set(ops)
+        unknown = want - {o.name for o in op_list}
+        if unknown:
+            raise registry.RegistryError(f"bench {component}: unknown ops {sorted(unknown)}; "
+                                         f"{component} has {[o.name for o in op_list]}")
+        op_list = [o for o in op_list if o.name in want]
+    else:
+        op_list = [o for o in op_list if o.in_sweep]
+    known = set().union(*(set(o.axes) | set(o.option_axes) for o in op_list))
+    bad = sorted(set(grid) - known)
+    if bad:
+        raise registry.RegistryError(f"bench {component}: unknown grid names {bad}; axes and options: {sorted(known)}")
+    pr = timing.probes(device)
+    log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us"
+        + ("" if gpu else " (cpu-smoke)"))
+    bd = Bundle.new(name or f"{component}_sweep", switches=Switches(), copy_tbps=pr["copy_tbps"],
+                    read_tbps=pr["read_tbps"], launch_floor_us=pr["launch_us"])
+    bd.config = {"bench": component, "ops": [o.name for o in op_list], "grid": {k: list(v) for k, v in grid.items()},
+                 "backends": list(backends), "peers": peers, "mode": "hot" if hot else "rotated", "reps": reps}
+    if not gpu:
+        bd.notes.append("CPU run: cpu-smoke timings and host bandwidths; logic only, not GPU figures")
+    t_end = time.time() + deadline_s if deadline_s else None
+    not_run: list[str] = []
+    for op in op_list:
+        only = {k: v for k, v in grid.items() if k in op.option_axes}
+        for case in op.cases({k: v for k, v in grid.items() if k in op.axes}):
+            impls, skipped = implementations(op, case, backends, peers=peers, only=only, variants=variants, gpu=gpu)
+            bd.backends_skipped.update(skipped)
+            if not impls:
+                continue
+            if t_end is not None and time.time() > t_end:
+                not_run.append(case.key())
+                continue
+            nbytes, flops = op.nbytes(case), op.flops(case)
+            n_sets = 1 if hot else (max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2)
+            n_sets = max(n_sets, max(i.min_sets for i in impls))
+            sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
+            fl = roofline.floor_from_probes(nbytes, flops, pr, op.floor_bw)
+            for im in impls:
+                row = _row(op, case, im, sets, fl, reps=reps, hot=hot, gpu=gpu, kernels=kernels, log=log)
+                if isinstance(row, str):
+                    bd.notes.append(row)
+                    continue
+                bd.add(row)
+                bd.backends_ran.setdefault(im.name, im.note or im.name)
+            del sets
+            if gpu:
+                torch.cuda.empty_cache()
+    if not_run:
+        bd.notes.append(f"deadline reached; cases not run: {not_run}")
+        log(f"deadline reached: {len(not_run)} cases not run")
+    ours = tuple(b for b in backends)
+    bd.notes.append("winners: " + str(policy.winners([r.__dict__ | {"error": r.error} for r in bd.rows], ours)))
+    return bd
+
+
+def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, reps: int, hot: bool, gpu: bool,
+         kernels: bool, log: Callable[[str], None]) -> Row | str:
+    """The row of one implementation at one case, or a note saying why it has none."""
+    x = dict(case.asdict(), **im.options, op=op.name, component=op.name, case=case.key(), options=im.options,
+             note=im.note)
+    err: dict | None = None
+    try:
+        if im.check is not None:
+            res = im.check(sets[0])
+            err = dict(ok=res.ok, failures=res.failures, outputs=res.errors,
+                       rel_norm=max((e.get("rel_norm") or 0.0) for e in res.errors.values()) if res.errors else None)
+            if res.ran:
+                x["ran"] = res.ran[-1].to_dict()
+        fns = [im.make(s) for s in sets]
+        kl = timing.kernel_list(fns[0]) if (kernels and gpu) else []
+        bench = timing.bench_gpu if gpu else timing.bench_cpu
+        kw = dict(rotate=not hot) if gpu else {}
+        tm = bench(lambda f: f(), input_sets=[(f,) for f in fns], reps=reps, bytes_per_call=fl.bytes, **kw)
+        label = case.key() + ("".join(f"[{k}={v}]" for k, v in im.options.items()) if im.options else "")
+        row = Row.from_timing(label, im.name, tm, floor=fl, kernels=kl, error=err, **x)
+        row.extra["x_floor"] = row.distance
+        ok = "" if err is None else ("" if err["ok"] else "  FAIL " + "; ".join(err["failures"])[:160])
+        short = ",".join(f"{k}={v}" for k, v in {**case.asdict(), **im.options}.items()
+                         if len(op.axes.get(k, ())) != 1 and v is not False)
+        log(f"{op.name:<12} {short:<40} {im.name:<15} {tm.median_us:9.2f} us  floor {fl.floor_us:7.2f} ({fl.bound})"
+            f"  x{row.distance:5.2f}{ok}")
+        return row
+    except Exception as e:  # noqa: BLE001 - the row records what failed
+        msg = f"{type(e).__name__}: {e}"[:400]
+        log(f"{case.key():<60} {im.name:<16} ERROR {msg[:160]}")
+        return f"{op.name} {case.key()} {im.name}: {msg}" + (f" (check: {err})" if err else "")

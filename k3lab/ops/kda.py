@@ -1,0 +1,274 @@
+"""KDA in the registry: decode (T = 1), verify (T = 2..8, the state after every position) and chunked
+prefill. The maths is k3lab.ref.kda; the API k3lab.components.kda; the kernels are named below.
+
+Bytes (the one formula; fp32 state 4 bytes or bf16 2, bf16 activations, conv kernel W = 4):
+    state   B*H*D*D*s read + written (verify: read once, T states written to the history; prefill: read
+            and written once)
+    inputs  B*T*(3HD + HD + H + HD)*2 read (qkv, f, b, gate);  out  B*T*HD*2 written
+    conv    B*3HD*(W-1)*2 read + written (verify: T windows written to the history)
+    params  3HD*W*2 + HD*4 + H*4 + D*2
+The state dominates and is read and written: the floor uses the copy bandwidth.
+
+Tolerances (relative norm against fp64):
+    out         1e-2: a bf16 output is one rounding (2^-9 relative per element) of fp32 maths
+    state       fp32 1e-4: fp32 rounding over D-term sums and the T-step chain; bf16 2e-2: one bf16
+                rounding of the state each step
+    conv state  bit-exact: the window only shifts bf16 values
+    prefill with the bf16-rounded inverse is compared with the fp64 chunked form that rounds the same
+    inverse (the switch's own loss is not the kernel's error)
+"""
+from __future__ import annotations
+
+import torch
+
+from k3lab.ref import kda as ref
+from k3lab.registry import Case, Op, Peer, register
+
+HEADS = (6, 12)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+TILES_TRITON = (4, 8, 16, 32, 64, 128)
+TILES_CUTE = (16, 32, 64, 128)  # the CuTe kernels split a head over a cluster of 8, 4, 2 or 1 CTAs
+OUT_TOL = 1e-2
+STATE_TOL = {"fp32": 1e-4, "bf16": 2e-2}
+WHY = ("out 1e-2: one bf16 rounding of fp32 maths; state fp32 1e-4: fp32 sums of D terms over T steps; "
+       "state bf16 2e-2: one bf16 rounding a step; conv window bit-exact (shifted bf16 values)")
+
+
+def _sd(case: Case) -> torch.dtype:
+    return torch.float32 if case.get("state_dtype", "fp32") == "fp32" else torch.bfloat16
+
+
+def kda_bytes(B: int, H: int, T: int = 1, *, D: int = 128, W: int = 4, state_bytes: int = 4, hist: bool = True,
+              prefill: bool = False) -> int:
+    """Bytes one KDA call must move (module docstring). T = 1 decode, T > 1 verify (hist: T states
+    written), prefill: T positions, the state read and written once."""
+    HD = H * D
+    st = B * H * D * D * state_bytes
+    if T == 1 or prefill:
+        state = 2 * st
+    else:
+        state = st * (1 + (T if hist else 1))
+    io = B * T * (3 * HD + HD + H + HD) * 2 + B * T * HD * 2
+    win = B * 3 * HD * (W - 1) * 2
+    conv = 2 * win if (T == 1 or prefill) else win * (1 + (T if hist else 0))
+    params = 3 * HD * W * 2 + HD * 4 + H * 4 + D * 2
+    return state + io + conv + params
+
+
+def kda_flops(B: int, H: int, T: int = 1, D: int = 128) -> int:
+    """Per position and head: decay D*D, k^T S 2*D*D, rank-1 update 2*D*D, S^T q 2*D*D."""
+    return B * T * H * 7 * D * D
+
+
+def _case_bytes(c: Case) -> int:
+    sb = 4 if c.get("state_dtype", "fp32") == "fp32" else 2
+    T = c.get("T", 1) if c.op != "kda_prefill" else c["L"]
+    return kda_bytes(c["batch"], c["heads"], T, D=c.get("D", 128), state_bytes=sb, prefill=c.op == "kda_prefill")
+
+
+def _case_flops(c: Case) -> int:
+    T = c.get("T", 1) if c.op != "kda_prefill" else c["L"]
+    return kda_flops(c["batch"], c["heads"], T, c.get("D", 128))
+
+
+# ---- inputs and references ------------------------------------------------------------------------------
+
+def _make(case: Case, seed: int, device: str, T: int | None) -> dict:
+    B, H, D = case["batch"], case["heads"], case.get("D", 128)
+    inp, p, S, cs = ref.make_kda_inputs(B, H, D, T=T, seed=seed, device=device)
+    d = dict(inp, params=p, state=S.to(_sd(case)), conv_state=cs)
+    lead = (B,) if T is None else (B, T)
+    d["out"] = torch.empty(*lead, H * D, dtype=torch.bfloat16, device=device)
+    return d
+
+
+def _args(d: dict, dtype=None) -> list:
+    xs = [d[k] for k in ("qkv", "f", "b", "gate")]
+    return [x.to(dtype) for x in xs] if dtype is not None else xs
+
+
+def make_decode(case: Case, seed: int, device: str) -> dict:
+    return _make(case, seed, device, None)
+
+
+def make_verify(case: Case, seed: int, device: str) -> dict:
+    B, T, H, D = case["batch"], case["T"], case["heads"], case.get("D", 128)
+    d = _make(case, seed, device, T)
+    d["state_hist"] = torch.empty(B, T, H, D, D, dtype=_sd(case), device=device)
+    d["conv_hist"] = torch.empty(B, T, *d["conv_state"].shape[1:], dtype=torch.bfloat16, device=device)
+    if case.get("ragged", False):
+        g = torch.Generator().manual_seed(seed + 17)
+        n = torch.randint(1, T + 1, (B,), generator=g, dtype=torch.int32)
+        n[0] = T  # one full-length sequence, and (B > 1) the shortest possible
+        if B > 1:
+            n[-1] = 1
+        d["lengths"] = n.to(device)
+    return d
+
+
+def make_prefill(case: Case, seed: int, device: str) -> dict:
+    return _make(case, seed, device, case["L"])
+
+
+def ref_decode(d: dict, case: Case) -> dict:
+    f64 = torch.float64
+    o, S, cs = ref.kda_decode(*_args(d, f64), d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
+                              dtype=f64, out_dtype=f64)
+    return dict(out=o, state=S, conv_state=cs)
+
+
+def ref_verify(d: dict, case: Case) -> dict:
+    f64 = torch.float64
+    o, Sh, ch = ref.kda_verify(*_args(d, f64), d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
+                               dtype=f64, out_dtype=f64)
+    if "lengths" in d:  # positions >= lengths[b] must be left untouched
+        n = d["lengths"].to("cpu", torch.long)
+        for b in range(o.shape[0]):
+            o[b, n[b]:] = float("nan")
+            Sh[b, n[b]:] = float("nan")
+            ch[b, n[b]:] = float("nan")
+    return dict(out=o, state_hist=Sh, conv_hist=ch)
+
+
+def ref_prefill(d: dict, case: Case) -> dict:
+    """fp32 inverse: the exact recurrence (the decode step L times). bf16 inverse: the fp64 chunked form
+    with the same bf16-rounded inverse (the switch's own loss is not the kernel's error)."""
+    f64 = torch.float64
+    p64, S, c = d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64)
+    if case["inverse"] == "bf16":
+        o, S, c = ref.kda_prefill_chunked(*_args(d, f64), p64, S, c, chunk=case["chunk"], dtype=f64,
+                                          inverse_dtype=torch.bfloat16, grouped=case["grouped"])
+        return dict(out=o, state=S, conv_state=c)
+    outs = []
+    for t in range(d["qkv"].shape[1]):
+        o, S, c = ref.kda_decode(*(x[:, t] for x in _args(d, f64)), p64, S, c, dtype=f64, out_dtype=f64)
+        outs.append(o)
+    return dict(out=torch.stack(outs, 1), state=S, conv_state=c)
+
+
+def tolerances(case: Case) -> dict[str, float]:
+    st = STATE_TOL[case.get("state_dtype", "fp32")]
+    return dict(out=OUT_TOL, state=st, state_hist=st, conv_state=0.0, conv_hist=0.0)
+
+
+# ---- calls through the component API ------------------------------------------------------------------
+
+def call_decode(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import kda
+
+    return kda.decode(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], backend=backend, ran=ran,
+                      **opts)
+
+
+def call_verify(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import kda
+
+    return kda.verify(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], state_hist=d["state_hist"],
+                      conv_hist=d["conv_hist"], lengths=d.get("lengths"), backend=backend, ran=ran,
+                      check_values=False, **opts)
+
+
+def call_prefill(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import kda
+
+    return kda.prefill(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], chunk=case["chunk"],
+                       inverse=case["inverse"], grouped=case["grouped"], backend=backend, ran=ran, **opts)
+
+
+# ---- peers ----------------------------------------------------------------------------------------------
+
+def fla_peers(case: Case) -> list[Peer]:
+    """fla's recurrence alone (T >= 1) and its served decode path (T = 1), on the same inputs."""
+    from k3lab.bench import peers
+
+    ok, _ = peers.fla_available()
+    if not ok or case.get("state_dtype", "fp32") != "fp32" or case.get("ragged", False):
+        return []
+    B, H, D, T = case["batch"], case["heads"], case.get("D", 128), case.get("T", 1)
+
+    def make_rec(s):
+        x = s["qkv"].view(B, T, 3, H, D)
+        q, k, v = (torch.nn.functional.silu(x[:, :, i].float()).to(torch.bfloat16).contiguous() for i in range(3))
+        fg, bb = s["f"].view(B, T, H, D), s["b"].view(B, T, H)
+        o = torch.empty(B, T, H, D, dtype=torch.bfloat16, device=q.device)
+        return lambda: peers.fla_recurrence(q, k, v, fg, bb, s["params"].A_log, s["params"].dt_bias, s["state"], o)
+
+    out = [Peer("fla_recurrence", make_rec, note="recurrence only (no conv, no output norm); final state only")]
+    if T == 1:
+        def make_path(s):
+            path = peers.FlaDecodePath(s["params"], s["state"], s["conv_state"], B)
+            a = _args(s)
+            return lambda: path(*a)
+        out.append(Peer("fla_path", make_path, note="fla conv x3 + fused_recurrent_kda + gated rmsnorm"))
+    return out
+
+
+def copy_peer(case: Case) -> list[Peer]:
+    """torch's copy of the case's bytes (half read, half written) in the same rotated graph: what a plain
+    copy of this size reaches. Decode, fp32 state only."""
+    if case.get("T", 1) != 1 or case.get("state_dtype", "fp32") != "fp32" or not torch.cuda.is_available():
+        return []
+    n = _case_bytes(case) // 2
+
+    def make(s):
+        src = torch.empty(n, dtype=torch.uint8, device=s["state"].device).fill_(1)
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+    return [Peer("torch_copy", make, note="copy of the same bytes, half read and half written")]
+
+
+# ---- the entries --------------------------------------------------------------------------------------
+
+_AXES = dict(heads=HEADS, batch=BATCHES, D=(128,), state_dtype=("fp32",))
+_PDL = {"cute_pdl": ("cute", {"pdl": True})}  # the kda_pdl switch, timed at the auto rule's tile
+# num_warps (Triton): None = the tuned default (k3lab_kernels.triton.kda_decode.default_num_warps); the Triton
+# tuner is `k3lab bench kda --backends triton --grid num_warps=1,2,4,8,16`
+_TILE = {"tile_v": {"triton": TILES_TRITON, "cute": TILES_CUTE}, "pdl": {"cute": (False,)},
+         "num_warps": {"triton": (None, 1, 2, 4, 8, 16)}}
+_TILE_DEFAULTS = {"num_warps": (None,)}
+
+register(Op(
+    name="kda_decode", component="kda", policy_key="decode",
+    doc="one position: conv update + silu + q/k l2norm + gate + beta + delta rule + gated RMSNorm",
+    axes=dict(_AXES, T=(1,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS,
+    make_inputs=make_decode, reference=ref_decode, written=("out",), updated=("state", "conv_state"),
+    tolerances=tolerances, tolerance_why=WHY, call=call_decode,
+    nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
+    backends={"reference": "k3lab.ref.kda:kda_decode",
+              "torch_compile": "k3lab.components.kda:ref_decode_fp32",
+              "triton": "k3lab_kernels.triton.kda_decode:kda_decode",
+              "cute": "k3lab_kernels.cute.kda_decode:kda_decode"},
+    peers=lambda c: fla_peers(c) + copy_peer(c), valid=lambda c: c["T"] == 1, variants=_PDL,
+    test_file="tests/test_kda_component.py",
+))
+
+register(Op(
+    name="kda_verify", component="kda", policy_key="verify",
+    doc="T = draft depth + 1 positions from the start state; the state after every position kept for rollback",
+    axes=dict(_AXES, T=(2, 4, 8), ragged=(False,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS,
+    make_inputs=make_verify, reference=ref_verify, written=("out", "state_hist", "conv_hist"), updated=(),
+    tolerances=tolerances, tolerance_why=WHY, call=call_verify,
+    nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
+    # torch_compile of verify runs the reference (the record says so)
+    backends={"reference": "k3lab.ref.kda:kda_verify", "torch_compile": "k3lab.ref.kda:kda_verify",
+              "triton": "k3lab_kernels.triton.kda_verify:kda_verify",
+              "cute": "k3lab_kernels.cute.kda_verify:kda_verify"},
+    peers=fla_peers, valid=lambda c: 2 <= c["T"] <= 8, variants=_PDL,
+    test_file="tests/test_kda_component.py",
+))
+
+register(Op(
+    name="kda_prefill", component="kda", policy_key="prefill",
+    doc="L positions in chunks of 16/32/64 (fp32 or bf16-rounded inverse; grouped chunk scan on/off)",
+    axes=dict(heads=(12,), batch=(1,), L=(64, 1000, 4096), chunk=(64,), inverse=("fp32",), grouped=(False, True),
+              D=(128,), state_dtype=("fp32",)),
+    option_axes={"tile_v": {"triton": (16, 32, 64, 128), "cute": (16, 32, 64, 128)}},
+    make_inputs=make_prefill, reference=ref_prefill, written=("out",), updated=("state", "conv_state"),
+    tolerances=tolerances, tolerance_why=WHY, call=call_prefill,
+    nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
+    backends={"reference": "k3lab.ref.kda:kda_prefill_chunked",
+              "torch_compile": "k3lab.ref.kda:kda_prefill_chunked",
+              "triton": "k3lab_kernels.triton.kda_prefill:kda_prefill",
+              "cute": "k3lab_kernels.cute.kda_prefill:kda_prefill"},
+    test_file="tests/test_kda_component.py", in_sweep=False,
+))

@@ -1,0 +1,124 @@
+"""The `auto` policy: which backend and options run an op, from measurement.
+
+`data/<component>_defaults.json` holds, per op (its registry `policy_key`, e.g. "decode"), rules measured
+by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
+
+    {"decode": [{"max_batch": 1, "backend": "cute", "tile_v": 16}, ..., {"max_batch": null, ...}],
+     "fallback": {"decode": [... rules for when the first choice cannot run here ...]}}
+
+The first rule with batch <= max_batch and T <= max_T matches (null or absent: any). Every key of a rule
+besides max_batch, max_T and backend is an option of the op (tile_v, ...). `choose` walks the rules, then
+the fallback rules, taking the first whose backend can run here; without a GPU it is the reference.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+RULE_KEYS = ("max_batch", "max_T", "backend")
+_tables: dict[str, dict] = {}
+
+
+def path(component: str) -> Path:
+    return DATA / f"{component}_defaults.json"
+
+
+def table(component: str) -> dict:
+    """data/<component>_defaults.json, read once ({} when the component has none yet)."""
+    if component not in _tables:
+        p = path(component)
+        _tables[component] = json.loads(p.read_text()) if p.exists() else {}
+    return _tables[component]
+
+
+def matches(rule: dict, B: int, T: int = 1) -> bool:
+    return ((rule.get("max_batch") is None or B <= rule["max_batch"])
+            and (rule.get("max_T") is None or T <= rule["max_T"]))
+
+
+def options_of(rule: dict) -> dict[str, Any]:
+    return {k: v for k, v in rule.items() if k not in RULE_KEYS}
+
+
+def rule(component: str, key: str, B: int, T: int = 1) -> dict | None:
+    """The first primary rule of `key` matching (B, T), whatever its backend can do here."""
+    return next((r for r in table(component).get(key, []) if matches(r, B, T)), None)
+
+
+def choose(component: str, key: str, B: int, T: int, can_run: Callable[[str], bool]) -> tuple[str, dict, str]:
+    """(backend, options, why) that `auto` runs. `can_run(backend)` says whether a backend runs here."""
+    t = table(component)
+    for src, rules in (("measured", t.get(key, [])), ("fallback", t.get("fallback", {}).get(key, []))):
+        r = next((r for r in rules if matches(r, B, T)), None)
+        if r is not None and can_run(r["backend"]):
+            return r["backend"], options_of(r), f"{src} rule of data/{component}_defaults.json: {r}"
+    return "reference", {}, "no measured rule can run here: the torch reference"
+
+
+def default_rules(rows: list[dict], impl: str, *, key_of: Callable[[dict], str | None], heads: int | None = None,
+                  option: str = "tile_v") -> dict[str, list[dict]]:
+    """Rules for `impl` from bench bundle rows (their JSON form): per op and per measured batch and T, the
+    fastest `option` value whose fp64 check passed (at `heads` heads when given). `key_of(row)` names the
+    policy key of a row (None: the row is not ruled). A rule matches the first (B, T) with
+    B <= max_batch and T <= max_T, so an unmeasured batch or T takes the next measured one above it and
+    anything beyond the sweep takes its largest. Rows of a later bundle replace an earlier one's."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        x = r.get("extra") or {}
+        if r.get("backend") != impl or not (r.get("error") or {}).get("ok"):
+            continue
+        if heads is not None and x.get("heads") != heads:
+            continue
+        key = key_of(r)
+        if key is not None:
+            best[(key, x["batch"], x.get("T", 1), x[option])] = r
+    out: dict[str, list[dict]] = {}
+    for key in sorted({k for (k, _, _, _) in best}):
+        cells: dict[int, dict[int, tuple]] = {}
+        for (k, B, T, ov), r in best.items():
+            if k == key:
+                cur = cells.setdefault(B, {}).get(T)
+                if cur is None or r["median_us"] < cur[1]:
+                    cells[B][T] = (ov, r["median_us"])
+        groups: list[list] = []  # per batch: ((max_T, value), ...) with equal consecutive values merged
+        for B in sorted(cells):
+            g: list[list] = []
+            for T in sorted(cells[B]):
+                ov = cells[B][T][0]
+                if g and g[-1][1] == ov:
+                    g[-1][0] = T
+                else:
+                    g.append([T, ov])
+            g[-1][0] = None  # the largest measured T also covers any T above it
+            if groups and groups[-1][1] == [tuple(x) for x in g]:
+                groups[-1][0] = B
+            else:
+                groups.append([B, [tuple(x) for x in g]])
+        if groups:
+            groups[-1][0] = None
+        rules = []
+        for B, g in groups:
+            for max_T, ov in g:
+                r = {"max_batch": B}
+                if len(g) > 1:
+                    r["max_T"] = max_T
+                r.update({"backend": impl, option: ov})
+                rules.append(r)
+        out[key] = rules
+    return out
+
+
+def winners(rows: list[dict], impls: tuple[str, ...], group: tuple[str, ...] = ("heads", "batch", "T")) -> dict:
+    """Per case group: the fastest of `impls` whose check passed (rows in bundle JSON form)."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        x = r.get("extra") or {}
+        if r.get("backend") not in impls or not (r.get("error") or {}).get("ok"):
+            continue
+        k = "_".join(f"{g}{x.get(g)}" for g in group)
+        if k not in best or r["median_us"] < best[k]["median_us"]:
+            best[k] = dict(backend=r["backend"], options=x.get("options", {}), median_us=r["median_us"])
+    return best
