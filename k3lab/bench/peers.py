@@ -79,3 +79,69 @@ class FlaDecodePath:
         out = rms_norm_gated(o.view(B * H, D), gate.view(B * H, D), self.p.o_norm_w, None,
                              activation="sigmoid", eps=self.p.eps)
         return out.view(B, HD)
+
+
+# ---- FlashInfer (carried as an archive: ../shared/device/bundle-flashinfer.sh; FI_SITE set by its unpack) ----
+
+def flashinfer_module(name: str):
+    """Import `flashinfer.<name>` through a package stub (the carried tree lacks modules that
+    `import flashinfer` pulls in). Raises ImportError naming what is missing."""
+    import importlib
+    import os
+    import sys
+    import types
+
+    site = os.environ.get("FI_SITE")
+    if "flashinfer" not in sys.modules:
+        if not site:
+            import importlib.util as iu
+            if iu.find_spec("flashinfer") is None:
+                raise ImportError("FlashInfer is not importable: unpack .gpu/fi (FI_SITE) or install flashinfer-python")
+        else:
+            pkg = types.ModuleType("flashinfer")
+            pkg.__path__ = [os.path.join(site, "flashinfer")]
+            sys.modules["flashinfer"] = pkg
+    return importlib.import_module(f"flashinfer.{name}")
+
+
+def flashinfer_available() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "FlashInfer kernels need a GPU"
+    try:
+        flashinfer_module("kda_kernels.fused_kda_decode")
+    except Exception as e:  # noqa: BLE001 - ImportError or the DSL failing at import
+        return False, f"FlashInfer's fused KDA decode does not import: {type(e).__name__}: {str(e)[:200]}"
+    return True, "flashinfer 0.7.2 fused_kda_decode (CuTe DSL)"
+
+
+class FlashInferKDADecode:
+    """FlashInfer's one-launch KDA decode (conv update, silu, q/k l2norm, gate, beta, delta rule, gated
+    RMSNorm) on our inputs. Its layouts differ from ours and are converted here, outside any timed region:
+    state [slots, H, V, K] (value-major rows: ours transposed), conv cache [slots, 3HD, W-1] stored
+    sequence-strided (memory [slots, W-1, 3HD]), conv weight [3, W, HD] fp32, norm weight fp32."""
+
+    def __init__(self, params, state, conv_state, B: int):
+        self.mod = flashinfer_module("kda_kernels.fused_kda_decode")
+        H, D, W = params.heads, params.head_dim, params.conv_kernel
+        HD = H * D
+        self.B, self.H, self.D = B, H, D
+        self.p = params
+        self.weight = params.conv_w.view(3, HD, W).permute(0, 2, 1).contiguous().float()
+        self.A_log = params.A_log.float().contiguous()
+        self.dt_bias = params.dt_bias.float().contiguous()
+        self.norm_w = params.o_norm_w.float().contiguous()
+        self.state = state.transpose(-1, -2).contiguous()
+        self.conv = conv_state.transpose(1, 2).contiguous().transpose(1, 2)  # [B, 3HD, W-1], strides (.., 1, 3HD)
+        self.idx = torch.arange(B, dtype=torch.int32, device=state.device)
+        self.out = torch.empty(1, B, H, D, dtype=torch.bfloat16, device=state.device)
+
+    def __call__(self, qkv, f, b, gate):
+        B, H, D = self.B, self.H, self.D
+        return self.mod.run_fused_kda_decode(
+            qkv, self.weight, self.conv, f.view(1, B, H, D), b.view(1, B, H), self.A_log, self.dt_bias, self.idx,
+            self.state, gate.view(B, H, D), self.norm_w, lower_bound=self.p.lower_bound, norm_eps=self.p.eps,
+            output=self.out)
+
+    def ours(self):
+        """(out [B, HD], state [B, H, K, V], conv_state [B, 3HD, W-1]) in our layouts."""
+        return (self.out.view(self.B, -1), self.state.transpose(-1, -2).contiguous(), self.conv.contiguous())

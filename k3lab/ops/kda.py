@@ -217,6 +217,42 @@ def copy_peer(case: Case) -> list[Peer]:
     return [Peer("torch_copy", make, note="copy of the same bytes, half read and half written")]
 
 
+def flashinfer_peer(case: Case) -> list[Peer]:
+    """FlashInfer's fused KDA decode (one launch, same work as ours), layouts converted outside the timed
+    region; checked against the same fp64 reference (its errors are reported, our tolerances applied)."""
+    from k3lab.bench import peers
+
+    if case.get("T", 1) != 1 or case.get("state_dtype", "fp32") != "fp32" or case.get("D", 128) != 128:
+        return []
+    ok, _ = peers.flashinfer_available()
+    if not ok or case["heads"] not in (8, 12, 24, 32, 48, 96):
+        return []
+
+    def make(s):
+        fi = peers.FlashInferKDADecode(s["params"], s["state"], s["conv_state"], case["batch"])
+        a = _args(s)
+        return lambda: fi(*a)
+
+    def check(c, s):
+        from k3lab.harness import checker
+
+        d = checker.clone_inputs(s)
+        want = ref_decode(checker.clone_inputs(s), c)
+        fi = peers.FlashInferKDADecode(d["params"], d["state"], d["conv_state"], c["batch"])
+        fi.out.fill_(float("nan"))
+        fi(*_args(d))
+        torch.cuda.synchronize()
+        out, st, cs = fi.ours()
+        res = checker.Result(c.op, c.key(), "flashinfer")
+        for name, got in (("out", out), ("state", st), ("conv_state", cs)):
+            e = checker.compare(name, got, want[name], tolerances(c)[name])
+            res.errors[name] = e
+            if not e["ok"]:
+                res.failures.append(e["why"])
+        return res
+    return [Peer("flashinfer", make, check, note="FlashInfer 0.7.2 fused_kda_decode (CuTe DSL), one launch")]
+
+
 # ---- the entries --------------------------------------------------------------------------------------
 
 _AXES = dict(heads=HEADS, batch=BATCHES, D=(128,), state_dtype=("fp32",))
@@ -238,7 +274,7 @@ register(Op(
               "torch_compile": "k3lab.components.kda:ref_decode_fp32",
               "triton": "k3lab_kernels.triton.kda_decode:kda_decode",
               "cute": "k3lab_kernels.cute.kda_decode:kda_decode"},
-    peers=lambda c: fla_peers(c) + copy_peer(c), valid=lambda c: c["T"] == 1, variants=_PDL,
+    peers=lambda c: fla_peers(c) + flashinfer_peer(c) + copy_peer(c), valid=lambda c: c["T"] == 1, variants=_PDL,
     test_file="tests/test_kda_component.py",
 ))
 
