@@ -6,6 +6,7 @@
     k3lab env
     k3lab publish RUN_DIR --gpu h200
     k3lab bench COMPONENT [--grid heads=12 --grid batch=1,64 --grid T=1,4 --grid tile_v=16,128] [--hot] [--out DIR]
+    k3lab check COMPONENT [--grid ...] [--backends cute] [--seeds 0,1]
     k3lab defaults COMPONENT BUNDLE... [--heads 12] [--write data/<component>_defaults.json]
     k3lab digest [REV]
 
@@ -388,6 +389,31 @@ def bench(component: str = typer.Argument(..., help="a registered component (k3l
     path = bd.save(out)
     html = bundle_report(bd, path.with_suffix(".html"))
     typer.echo(f"bundle -> {path}\nreport -> {html}")
+
+
+@app.command()
+def check(component: str = typer.Argument(..., help="a registered component, e.g. kda"),
+          grid: list[str] = typer.Option([], "--grid", "-g", help="NAME=v1,v2: an axis or an option"),
+          ops: str = typer.Option("", help="ops to check (default: the component's sweep ops)"),
+          backends: str = typer.Option("triton,cute", help="backends to check where available"),
+          seeds: str = typer.Option("0", help="comma-separated seeds: fresh random inputs each")) -> None:
+    """Every case x backend x option of a component against fp64 with the one checker (no timing);
+    exit 1 when any check fails."""
+    from k3lab import registry
+    from k3lab.bench import runner
+
+    _component(component)
+    try:
+        res = runner.check_all(component, grid=_grid(grid), ops=[o for o in ops.split(",") if o] or None,
+                               backends=[b for b in backends.split(",") if b],
+                               seeds=[int(x) for x in seeds.split(",") if x.strip()])
+    except (registry.RegistryError, typer.BadParameter, ValueError) as e:
+        _echo_err(f"error: {e}")
+        raise typer.Exit(2) from None
+    bad = [r for r in res if not r.ok]
+    typer.echo(f"{len(res) - len(bad)} of {len(res)} checks passed")
+    if bad:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -178,3 +178,31 @@ def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, 
         msg = f"{type(e).__name__}: {e}"[:400]
         log(f"{case.key():<60} {im.name:<16} ERROR {msg[:160]}")
         return f"{op.name} {case.key()} {im.name}: {msg}" + (f" (check: {err})" if err else "")
+
+
+def check_all(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterable[str] | None = None,
+              backends: Iterable[str] = ("triton", "cute"), seeds: Iterable[int] = (0,), device: str | None = None,
+              log: Callable[[str], None] = print) -> list[checker.Result]:
+    """The one checker over every case, backend and option combination of `component` (no timing):
+    what `k3lab check` prints. Backends that cannot run here are named and skipped."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    grid = {k: tuple(v) for k, v in (grid or {}).items()}
+    op_list = [o for o in registry.ops_of(component) if (o.name in set(ops) if ops else o.in_sweep)]
+    results = []
+    for op in op_list:
+        only = {k: v for k, v in grid.items() if k in op.option_axes}
+        for be in backends:
+            ok, why = backend_status(be)
+            if not ok or be not in op.backends:
+                log(f"{op.name}: {be} skipped ({why if not ok else 'no kernel'})")
+                continue
+            for case in op.cases({k: v for k, v in grid.items() if k in op.axes}):
+                for opts in op.options(be, only):
+                    for seed in seeds:
+                        try:
+                            res = checker.check(op, case, backend=be, options=opts, seed=seed, device=device)
+                        except Exception as e:  # noqa: BLE001 - a refusal or a crash is a failed check, named
+                            res = checker.Result(op.name, case.key(), be, failures=[f"{type(e).__name__}: {e}"[:300]])
+                        results.append(res)
+                        log(str(res))
+    return results
