@@ -1,5 +1,7 @@
-"""The CuTe KDA verify wrapper refuses bad switch values by name before touching the GPU (runs on CPU,
-without nvidia-cutlass-dsl)."""
+"""The CuTe KDA decode / verify wrappers refuse bad switch values by name before touching the GPU, and keep
+the signatures k3lab.components.kda calls (runs on CPU, without nvidia-cutlass-dsl)."""
+import inspect
+
 import pytest
 import torch
 
@@ -14,16 +16,6 @@ def _args(B=1, H=2, D=16, T=3):
     sh = torch.empty(B, T, H, D, D)
     ch = torch.empty(B, T, 3 * H * D, 3, dtype=torch.bfloat16)
     return (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, sh, ch)
-
-
-def test_unknown_layout_is_refused_by_name():
-    with pytest.raises(ValueError, match="layout"):
-        kv.kda_verify(*_args(), layout="diagonal")
-
-
-def test_row_warps_only_with_the_column_layout():
-    with pytest.raises(ValueError, match="row_warps"):
-        kv.kda_verify(*_args(), layout="rows", row_warps=4)
 
 
 @pytest.mark.parametrize("rw", [0, 3, 16, "4"])
@@ -55,3 +47,12 @@ def test_pdl_must_be_a_bool():
     out = torch.empty(1, 32, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="pdl"):
         kd.kda_decode(inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out, pdl=1)
+
+
+def test_public_signatures():
+    """Only the switches users toggle: tile_v and pdl (decode); lengths, tile_v, row_warps and pdl (verify)."""
+    from k3lab_kernels.cute import kda_decode as kd
+    head = ["qkv", "f", "b", "gate", "params", "state", "conv_state", "out"]
+    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl"]
+    assert list(inspect.signature(kv.kda_verify).parameters) == head + ["state_hist", "conv_hist", "lengths",
+                                                                        "tile_v", "row_warps", "pdl"]

@@ -1,46 +1,30 @@
-"""The CuTe DSL KDA kernels (kernels/cute/kda_*.py) on the CPU emulator (kernels/cute/emulate.py): their
-logic checked without a GPU or nvidia-cutlass-dsl, as TRITON_INTERPRET=1 checks the Triton kernels.
+"""The CuTe DSL KDA kernels (kernels/cute/kda_*.py) on the CPU emulator (tests/cute_emulate.py): their logic
+checked without a GPU or nvidia-cutlass-dsl, as TRITON_INTERPRET=1 checks the Triton kernels.
 
 The checks are kernels/cute/check_kda.py's own (check_decode / check_verify / check_prefill: fresh inputs,
 outputs poisoned with NaN, the fp64 oracle; out < 1e-2, state < 1e-4, conv exact, ragged entries untouched,
 inputs unchanged) with its tensors on the CPU and its kernel entry points swapped for the emulator's. Shapes
-are small (D = 128 is fixed by the kernels): the whole file runs in well under 90 s on 2 CPU cores. Then a
-few deliberate breakages (a missing barrier, a wrong mbarrier parity, a missing arrive, a cluster wait
-without arrive, a DSMEM store before the cluster barrier, out-of-bounds, misaligned and divergent code) must
-make the emulator raise.
+are small (D = 128 is fixed by the kernels). Then deliberate breakages (a missing barrier, a wrong mbarrier
+parity, a missing arrive, a cluster wait without arrive, a DSMEM store before the cluster barrier,
+out-of-bounds, misaligned and divergent code) must make the emulator raise.
+
+The default run holds a representative subset: every kernel, every tile (cluster of 1, 2, 4, 8 CTAs), every
+row_warps, ragged and uniform verify, both sides of the resident-grid choices, pdl and its order check, and
+the breakages. The cases marked `slow` (python3 -m pytest -q -m slow) cover the rest of the matrix.
 """
-import functools
 import sys
 import types
 
 import pytest
 import torch
 
-try:
-    from k3lab_kernels.cute import check_kda as ck
-    from k3lab_kernels.cute import emulate
-    from k3lab_kernels.cute.kda_decode_persistent import CONFIGS
-    from k3lab_kernels.cute.kda_verify import ROW_WARPS_ALLOWED
-except ImportError:  # the checkout's kernels/ folder
-    from kernels.cute import check_kda as ck
-    from kernels.cute import emulate
-    from kernels.cute.kda_decode_persistent import CONFIGS
-    from kernels.cute.kda_verify import ROW_WARPS_ALLOWED
+import cute_emulate as emulate
+import k3lab  # noqa: F401  (maps k3lab_kernels onto the checkout when it is not installed)
+from k3lab_kernels.cute import check_kda as ck
+from k3lab_kernels.cute.kda_verify import ROW_WARPS_ALLOWED
 
 pytestmark = pytest.mark.cute_emu
-
-SMS = 1  # the persistent decode's grid = min(B*H, ctas * SMS): every CTA loops over several items
-
-
-def _launch_verify(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths, tile_v, layout, row_warps, **knobs):
-    """kda_verify's _launch (the knob path check_kda uses) on the emulator."""
-    emulate.run_verify(qkv, f, b, gate, p, st, cs, out, sh, ch, lengths=lengths, tile_v=tile_v, layout=layout,
-                       row_warps=row_warps, **knobs)
-
-
-def _launch_decode(qkv, f, b, gate, p, st, cs, out, tile_v, pdl=False, **knobs):
-    """kda_decode's _launch_decode (the knob path check_kda uses) on the emulator."""
-    emulate.run_decode(qkv, f, b, gate, p, st, cs, out, tile_v=tile_v, pdl=pdl, **knobs)
+slow = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +32,19 @@ def on_emulator(monkeypatch):
     """check_kda with CPU tensors and the emulator behind its kernel entry points."""
     monkeypatch.setattr(ck, "DEVICE", "cpu")
     monkeypatch.setattr(ck, "kda_decode", emulate.run_decode)
-    monkeypatch.setattr(ck, "_kd", types.SimpleNamespace(_launch_decode=_launch_decode))
-    monkeypatch.setattr(ck, "kda_decode_persistent", functools.partial(emulate.run_persistent, sms=SMS))
     monkeypatch.setattr(ck, "kda_verify", emulate.run_verify)
-    monkeypatch.setattr(ck, "_kv", types.SimpleNamespace(_launch=_launch_verify, ROW_WARPS=ck._kv.ROW_WARPS))
     monkeypatch.setattr(ck, "_prefill_mod", lambda: types.SimpleNamespace(kda_prefill=emulate.run_prefill))
+
+
+@pytest.fixture
+def large_grid(monkeypatch):
+    """The kernels as on a grid larger than the GPU holds at once (the resident-grid rule's other side: decode
+    with the accurate transcendentals, verify with the per-position prologue, two CTAs an SM), at the tiny
+    shapes the emulator can run: the rule's threshold set to 0 CTAs."""
+    with emulate.emulated() as m:
+        monkeypatch.setattr(m.kd, "_RESIDENT", 0)
+        monkeypatch.setattr(m.kv, "_RESIDENT", 0)
+        yield
 
 
 def _assert_ok(r):
@@ -61,82 +53,99 @@ def _assert_ok(r):
 
 # ---- decode: every tile (clusters of 1, 2, 4, 8 CTAs); B, H tiny ---------------------------------------
 
-@pytest.mark.parametrize("tile_v,B,H", [(128, 2, 2), (64, 1, 2), (32, 2, 1), (16, 1, 1)])
+@pytest.mark.parametrize("tile_v,B,H", [(128, 2, 1), (64, 1, 1), (32, 1, 1), (16, 1, 1),
+                                        pytest.param(128, 2, 2, marks=slow), pytest.param(64, 1, 2, marks=slow),
+                                        pytest.param(32, 2, 1, marks=slow)])
 def test_decode(tile_v, B, H):
     _assert_ok(ck.check_decode(B, H, seed=tile_v + B + H, tile_v=tile_v))
 
 
-# ---- verify, column layout: every allowed row_warps at tiles 128 / 32 / 16, ragged and uniform ---------
+@pytest.mark.parametrize("tile_v", [128, pytest.param(64, marks=slow), pytest.param(32, marks=slow),
+                                    pytest.param(16, marks=slow)])
+def test_decode_large_grid(tile_v, large_grid):
+    _assert_ok(ck.check_decode(2, 1, seed=11, steps=2, tile_v=tile_v))
 
-VERIFY = [  # (tile_v, row_warps, B, H, T, ragged)
-    (128, 1, 1, 1, 2, False), (128, 2, 2, 1, 3, True), (128, 4, 1, 2, 2, False), (128, 8, 2, 1, 4, True),
-    (32, 1, 1, 1, 3, False), (32, 2, 2, 1, 2, True), (32, 4, 1, 1, 4, False), (32, 8, 2, 1, 2, True),
-    (16, 2, 1, 1, 2, False), (16, 4, 2, 1, 2, True), (16, 8, 1, 1, 4, False),
+
+# ---- verify: every allowed row_warps at tiles 128 / 32 / 16, ragged and uniform -------------------------
+
+VERIFY = [  # (tile_v, row_warps, B, H, T, ragged); the default run takes one of each tile and row_warps
+    (128, 1, 1, 1, 2, False), (64, 8, 2, 1, 2, True), (32, 4, 1, 1, 4, False), (16, 2, 1, 1, 2, False),
+    pytest.param(128, 2, 2, 1, 3, True, marks=slow), pytest.param(128, 4, 1, 2, 2, False, marks=slow),
+    pytest.param(128, 8, 2, 1, 4, True, marks=slow), pytest.param(64, 2, 2, 1, 3, True, marks=slow),
+    pytest.param(32, 1, 1, 1, 3, False, marks=slow), pytest.param(32, 2, 2, 1, 2, True, marks=slow),
+    pytest.param(32, 8, 2, 1, 2, True, marks=slow), pytest.param(16, 4, 2, 1, 2, True, marks=slow),
+    pytest.param(16, 8, 1, 1, 4, False, marks=slow),
 ]
 
 
-def test_verify_cases_cover_every_allowed_row_warps():
+def _values(case):
+    return case.values if hasattr(case, "values") else case
+
+
+def test_verify_cases_cover_every_tile_and_row_warps():
+    cases = [_values(c) for c in VERIFY]
+    assert {c[0] for c in cases} == set(ROW_WARPS_ALLOWED)
     for tv in (128, 32, 16):
-        assert {c[1] for c in VERIFY if c[0] == tv} == set(ROW_WARPS_ALLOWED[tv])
+        assert {c[1] for c in cases if c[0] == tv} == set(ROW_WARPS_ALLOWED[tv])
+    fast = [c for c in VERIFY if not hasattr(c, "marks")]
+    assert {c[0] for c in fast} == set(ROW_WARPS_ALLOWED) and {c[1] for c in fast} == {1, 2, 4, 8}
+    assert {c[5] for c in fast} == {True, False}
 
 
 @pytest.mark.parametrize("tile_v,row_warps,B,H,T,ragged", VERIFY)
-def test_verify_columns(tile_v, row_warps, B, H, T, ragged):
+def test_verify(tile_v, row_warps, B, H, T, ragged):
     _assert_ok(ck.check_verify(B, H, T, ragged=ragged, seed=B + H + T + tile_v, tile_v=tile_v, row_warps=row_warps))
+    assert emulate.LAST["launches"][-1]["min_blocks_per_mp"] == 1  # a resident grid: no register cap
 
 
-# each knob forced once against its default at that shape (preload: off by default at S*T > 16)
-KNOBS = [
-    (128, 2, 1, 1, 2, False, {"preload": True}),
-    (32, 4, 2, 1, 2, True, {"scatter": False}),
-    (32, 2, 2, 1, 3, True, {"delay": True}),
-    (32, 4, 2, 1, 3, True, {"late_conv": True}),
-    (32, 2, 1, 1, 2, False, {"group_bar": False}),
-    (16, 4, 2, 1, 3, True, {"pdl": True}),
-    (16, 4, 2, 1, 3, True, {"bpro": False}),       # on by default at these (small) grids
-    (32, 2, 1, 1, 4, False, {"fast": False}),      # on by default
-    (128, 4, 1, 2, 2, False, {"bpro": False, "fast": False}),
-    (16, 4, 2, 1, 4, True, {"chunk": True}),       # measured, loses: a knob only
-    (32, 2, 1, 1, 3, False, {"chunk": True, "preload": False}),
-    (128, 1, 2, 1, 3, True, {"chunk": True}),
-]
+@pytest.mark.parametrize("tile_v,row_warps,B,H,T,ragged", [
+    (32, 4, 2, 1, 3, True),
+    pytest.param(128, 2, 1, 1, 4, False, marks=slow), pytest.param(16, 8, 2, 1, 2, True, marks=slow),
+    pytest.param(64, 1, 1, 1, 2, False, marks=slow)])
+def test_verify_large_grid(tile_v, row_warps, B, H, T, ragged, large_grid):
+    _assert_ok(ck.check_verify(B, H, T, ragged=ragged, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps))
+    assert emulate.LAST["launches"][-1]["min_blocks_per_mp"] == 2
 
 
-@pytest.mark.parametrize("tile_v,row_warps,B,H,T,ragged,knobs", KNOBS)
-def test_verify_knobs(tile_v, row_warps, B, H, T, ragged, knobs):
-    _assert_ok(ck.check_verify(B, H, T, ragged=ragged, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps,
-                               knobs=knobs))
-
-
-def test_verify_rows_layout():
-    _assert_ok(ck.check_verify(2, 1, 2, ragged=True, seed=5, tile_v=64, layout="rows"))
+def test_resident_grid_rule():
+    """The shape's choices at the real shapes (12 heads): decode fast and verify's batched prologue only while
+    the whole grid is resident (B H NC <= 2 x 132 CTAs), verify preload / delay / register cap by CTAs an SM,
+    decode fold at tiles 128 and 64, early and rs at 128."""
+    with emulate.emulated() as m:
+        dec, ver = m.kd._kernel_class(), m.kv._kernel_class()
+        assert [(k.fast, k.fold, k.early, k.rs) for k in (dec(1, 12, 1e-6, -5.0, 16), dec(4, 12, 1e-6, -5.0, 64),
+                                                         dec(16, 12, 1e-6, -5.0, 128), dec(64, 12, 1e-6, -5.0, 128))] \
+            == [(True, False, False, False), (True, True, False, False), (True, True, True, True),
+                (False, True, True, True)]
+        v1, v16, v64 = (ver(B, 12, 4, False, 1e-6, -5.0, tv, 4) for B, tv in ((1, 16), (16, 128), (64, 128)))
+        assert (v1.bpro, v1.min_ctas, v1.pre, v1.delay) == (True, 1, True, True)
+        assert (v16.bpro, v16.min_ctas, v16.pre, v16.delay) == (True, 2, False, False)
+        assert (v64.bpro, v64.min_ctas) == (False, 2)
 
 
 # ---- programmatic dependent launch: results unchanged, and the order the emulator enforces for a use_pdl
 # launch (nothing but state, conv_state and params read, nothing written, before griddepcontrol.wait;
 # launch_dependents after it; every thread waits) holds ----------------------------------------------------
 
-@pytest.mark.parametrize("tile_v,B,H", [(128, 2, 1), (16, 1, 1)])
+@pytest.mark.parametrize("tile_v,B,H", [(64, 1, 1), pytest.param(16, 1, 1, marks=slow),
+                                        pytest.param(128, 2, 1, marks=slow)])
 def test_decode_pdl(tile_v, B, H):
     _assert_ok(ck.check_decode(B, H, seed=tile_v + 7, tile_v=tile_v, pdl=True))
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
 
 
-@pytest.mark.parametrize("tile_v,knobs", [(128, {"fold": False}), (128, {"early": False}),
-                                          (128, {"fold": False, "early": False, "pdl": True}), (64, {"fold": False}),
-                                          (32, {"fold": True}), (16, {"fold": True, "pdl": True}),
-                                          (128, {"rs": False}), (128, {"rs": True, "early": False, "pdl": True}),
-                                          (16, {"fast": False}), (128, {"fast": True, "rs": False})])
-def test_decode_fold_early_off_and_on(tile_v, knobs):
-    """fold (the prologue hands the passes q d, k d, d, k; default at tiles 128 and 64), early (the
-    output before the state update; default at tile 128), rs (the reduce-scatter combine; default at tile
-    128) and fast (single-MUFU transcendentals; default on small grids), each forced against its default."""
-    _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, **knobs))
-
-
-def test_verify_rows_layout_pdl():
-    _assert_ok(ck.check_verify(2, 1, 2, ragged=True, seed=9, tile_v=64, layout="rows", knobs={"pdl": True}))
+@pytest.mark.parametrize("tile_v,row_warps,B,T", [(64, 4, 2, 2), pytest.param(16, 4, 2, 3, marks=slow),
+                                                  pytest.param(128, 2, 2, 4, marks=slow)])
+def test_verify_pdl(tile_v, row_warps, B, T):
+    _assert_ok(ck.check_verify(B, 1, T, ragged=True, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps, pdl=True))
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
+
+
+@slow
+@pytest.mark.parametrize("tile_v", [128, 64, 32, 16])
+def test_decode_two_steps(tile_v):
+    """Two steps from the same start, the state carried (and, at tile 128, with pdl)."""
+    _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, pdl=tile_v == 128))
 
 
 def test_pdl_order_is_enforced(monkeypatch):
@@ -157,27 +166,11 @@ def test_pdl_trigger_before_wait_is_caught():
             emulate.kernel(bad)(0).launch(grid=[1, 1, 1], block=[32, 1, 1], use_pdl=True)
 
 
-# ---- persistent decode: every (ctas, stages), B*H > grid so each CTA loops --------------------------
-
-PERSISTENT = [(1, 2, 2, 2), (1, 3, 2, 2), (2, 1, 2, 2), (3, 1, 3, 2)]  # (ctas, stages, B, H): 2+ items a CTA
-
-
-def test_persistent_cases_cover_every_config():
-    assert sorted(c[:2] for c in PERSISTENT) == sorted(CONFIGS)
-
-
-@pytest.mark.parametrize("ctas,stages,B,H", PERSISTENT)
-def test_persistent(ctas, stages, B, H):
-    _assert_ok(ck.check_decode(B, H, seed=ctas * 10 + stages, stages=(ctas, stages)))
-    grid = emulate.LAST["launches"][-1]["grid"][0]
-    assert grid == ctas * SMS and B * H >= 2 * grid
-
-
 # ---- prefill: both forms, both inverses, two chunks with the state carried ----------------------------
 
 @pytest.mark.parametrize("case", [
-    dict(B=1, H=1, L=20, chunk=16, inverse="fp32", grouped=False, tile_v=32),
     dict(B=1, H=1, L=5, chunk=16, inverse="bf16", grouped=True, tile_v=64, state_dtype="bf16"),
+    pytest.param(dict(B=1, H=1, L=20, chunk=16, inverse="fp32", grouped=False, tile_v=32), marks=slow),
 ])
 def test_prefill(case):
     r = ck.check_prefill(**case)
@@ -215,21 +208,6 @@ def test_missing_barrier_is_caught(monkeypatch):
             emulate.run_decode(*_decode_args())
 
 
-def test_wrong_mbarrier_parity_is_caught(monkeypatch):
-    with emulate.emulated():
-        _break(monkeypatch, "mbarrier_wait", lambda real: lambda ptr, phase: real(ptr, 1 - phase))
-        with pytest.raises(emulate.EmulationError):
-            emulate.run_persistent(*_decode_args(2, 1), ctas=1, stages=2, sms=1)
-
-
-def test_missing_arrive_deadlocks(monkeypatch):
-    with emulate.emulated():
-        arch = sys.modules["cutlass.cute"].arch
-        _break(monkeypatch, "mbarrier_arrive_and_expect_tx", lambda real: arch.mbarrier_expect_tx)
-        with pytest.raises(emulate.Deadlock, match="mbarrier_wait"):
-            emulate.run_persistent(*_decode_args(2, 1), ctas=2, stages=1, sms=1)
-
-
 def test_cluster_wait_without_arrive_is_caught(monkeypatch):
     with emulate.emulated():
         _break(monkeypatch, "cluster_arrive_relaxed", lambda real: lambda: None)
@@ -242,6 +220,36 @@ def _tiny_launch(body, threads=64, grid=(1, 1, 1), cluster=None, n=256):
     buf = torch.zeros(n)
     emulate.launch(body, buf, grid=grid, block=(threads, 1, 1), cluster=cluster)
     return buf
+
+
+def _bulk_copy(parity=0, arrive=True):
+    """Thread 0 copies floats 0..63 of the buffer into shared memory by a bulk copy completing on an mbarrier;
+    every thread waits on the barrier's phase `parity`, then writes its float + 1 to float 64 + tid."""
+    def body(p):
+        tid = emulate.thread_idx()[0]
+        smem = emulate.SmemAllocator()
+        s = smem.allocate_tensor(emulate.Float32, emulate.make_layout(64))
+        mbar = smem.allocate_array(emulate.Int64, 1)
+        if tid == 0:
+            emulate.mbarrier_init(mbar, 1)
+        emulate.sync_threads()
+        if tid == 0:
+            (emulate.mbarrier_arrive_and_expect_tx if arrive else emulate.mbarrier_expect_tx)(mbar, 256)
+            sys.modules["cutlass._mlir.dialects.nvvm"].cp_async_bulk_shared_cluster_global(s.iterator, p, mbar, 256)
+        emulate.mbarrier_wait(mbar, parity)
+        emulate.make_tensor(p, emulate.make_layout(128))[64 + tid] = s[tid] + 1.0
+    return body
+
+
+def test_bulk_copy_and_its_mbarrier_breakages():
+    buf = torch.zeros(256)
+    buf[:64] = torch.arange(64.0)
+    emulate.launch(_bulk_copy(), buf, block=(64, 1, 1))
+    assert torch.equal(buf[64:128], torch.arange(64.0) + 1)
+    with pytest.raises(emulate.EmulationError, match="never-written shared memory"):  # a wait that does not wait
+        _tiny_launch(_bulk_copy(parity=1))
+    with pytest.raises(emulate.Deadlock, match="mbarrier_wait"):  # the count never reached
+        _tiny_launch(_bulk_copy(arrive=False))
 
 
 def test_out_of_bounds_and_misalignment_are_caught():
@@ -303,24 +311,3 @@ def test_dsmem_exchange_and_a_store_before_the_cluster_barrier():
     assert torch.equal(out[:64], torch.tensor([11.0] * 32 + [10.0] * 32))
     with pytest.raises(emulate.EmulationError, match="before any completed cluster barrier"):
         _tiny_launch(_swap_ranks(early=True), threads=32, grid=(2, 1, 1), cluster=[2, 1, 1])
-
-
-def test_latency_knob_defaults_follow_the_measurement():
-    """The defaults kda_cute_exp_lat.json chose: verify fast always, bpro and decode fast only while the whole
-    grid is resident (B H NC <= 2 x 132 CTAs), rs at decode tile 128; the row-layout verify (a baseline)
-    keeps the accurate functions; chunk stays off."""
-    with emulate.emulated() as m:
-        col, row = m.kv._columns_class(), m.kd._kernel_class()
-        v1 = col(1, 12, 4, True, False, 1e-6, -5.0, 16, row_warps=4)
-        v16 = col(16, 12, 4, True, False, 1e-6, -5.0, 128, row_warps=4)
-        v64 = col(64, 12, 4, True, False, 1e-6, -5.0, 128, row_warps=4)
-        assert (v1.fast, v1.bpro, v1.chunk) == (True, True, False)
-        assert (v16.fast, v16.bpro) == (True, True)
-        assert (v64.fast, v64.bpro) == (True, False)
-        d1 = row(1, 12, 1, False, False, 1e-6, -5.0, 16)
-        d16 = row(16, 12, 1, False, False, 1e-6, -5.0, 128)
-        d64 = row(64, 12, 1, False, False, 1e-6, -5.0, 128)
-        assert (d1.fast, d1.rs) == (True, False)
-        assert (d16.fast, d16.rs) == (True, True)
-        assert (d64.fast, d64.rs) == (False, True)
-        assert row(2, 12, 4, True, False, 1e-6, -5.0, 64).fast is False  # the rows baseline

@@ -11,11 +11,12 @@ are compiled directly on fake device pointers (no torch wrapper, no device): wha
 every kernel builds for the chip and how many registers it takes, not that it is right.
 
 --only prefill: every switch value of kda_prefill.py (chunk x inverse, chunk x tile_v x state dtype
-for the sequential pass, and the grouped summary / scan / out kernels); decode / verify: the grid
-decode at each tile and the column-layout verify at each tile with its default row warps (best
-effort: those generators change often; a failure prints and the script goes on). --quick: the
-largest and smallest configuration of each prefill kernel only. Exit status 1 if any compile failed
-or any kernel uses local memory.
+for the sequential pass, and the grouped summary / scan / out kernels); decode: every tile on a resident
+grid and a larger one, and pdl; verify: every tile with its default row warps at three batch sizes (the
+shape's choices differ), every row_warps, T 2 and 8, ragged and pdl (a failure prints and the script
+goes on). --quick: the largest and smallest configuration of each prefill kernel only. --keep DIR: each
+configuration's cubin as DIR/<name>.cubin (to diff SASS across commits). Exit status 1 if any compile
+failed or any kernel uses local memory.
 """
 import glob
 import os
@@ -110,74 +111,31 @@ def _cases(only: str | None, quick: bool):
                  P(bf, 2), P(bf, 8), P(f32), P(bf, 2), P(i32, 4), S]
     if only in (None, "decode"):
         from kernels.cute import kda_decode as kd
-        for tv in kd.TILES:
-            cases.append((f"decode tile{tv}", lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv),
-                          step_args))
-        for tv in (128, 16):  # programmatic dependent launch
-            cases.append((f"decode tile{tv} pdl",
-                          lambda tv=tv: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, pdl=True),
-                          step_args))
-        for kn in ({"fold": False}, {"early": False}, {"fold": False, "early": False}):  # the knobs off
-            cases.append((f"decode tile128 {kn}",
-                          lambda kn=kn: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, **kn), step_args))
-        cases.append(("decode tile32 fold",
-                      lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 32, fold=True), step_args))
-        cases.append(("decode tile128 rs",
-                      lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, rs=True), step_args))
-        for tv, kn in ((16, {"fast": True}), (128, {"fast": True}), (128, {"fast": True, "rs": True})):
-            cases.append((f"decode tile{tv} {kn}",
-                          lambda tv=tv, kn=kn: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, tv, **kn),
-                          step_args))
-        cases.append(("decode tile64 no fold",
-                      lambda: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 64, fold=False), step_args))
-        for bare in ("regs", "pad2"):  # the state traffic alone (a measurement knob)
-            cases.append((f"decode tile128 bare={bare}",
-                          lambda b=bare: kd._kernel_class()(1, H, 1, False, False, 1e-6, -5.0, 128, bare=b),
-                          step_args))
-        from kernels.cute import kda_decode_persistent as kpd
-        for ctas, stages in kpd.CONFIGS:
-            cases.append((f"decode persistent ctas{ctas} stages{stages} B64",
-                          lambda c=ctas, st=stages: kpd._persistent_class()(64, H, 1, False, False, 1e-6, -5.0, 128,
-                                                                            sms=132, stages=st, ctas=c),
-                          step_args))
+        for B in (1, 64):  # a resident grid (fast) / a larger one
+            for tv in kd.TILES:
+                cases.append((f"decode B{B} tile{tv}",
+                              lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv), step_args))
+        for B, tv in ((1, 16), (64, 128)):  # programmatic dependent launch
+            cases.append((f"decode B{B} tile{tv} pdl",
+                          lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv, pdl=True), step_args))
     if only in (None, "verify"):
         from kernels.cute import kda_verify as kv
-        for tv, wr in sorted(kv.ROW_WARPS.items(), reverse=True):
-            for B in (1, 64):  # one CTA per SM (preload, delay) / two (register cap)
+        # B = 1: one CTA per SM (preload, delay) and the batched prologue; B = 16: the batched prologue under
+        # the register cap; B = 64: neither
+        for B in (1, 16, 64):
+            for tv, wr in sorted(kv.ROW_WARPS.items(), reverse=True):
                 cases.append((f"verify B{B} T4 tile{tv} row_warps{wr}",
-                              lambda tv=tv, wr=wr, B=B: kv._columns_class()(B, H, 4, True, False, 1e-6, -5.0, tv,
-                                                                            row_warps=wr),
+                              lambda tv=tv, wr=wr, B=B: kv._kernel_class()(B, H, 4, False, 1e-6, -5.0, tv, wr),
                               step_args))
-        # the measurement knobs forced (check_kda.py --exp): ragged T = 8 at tile 16, B = 1 and 5
-        for B, knobs in [(1, {"preload": True, "delay": True}), (1, {"late_conv": True}),
-                         (5, {"late_conv": True}), (1, {"scatter": False, "preload": False}),
-                         (1, {"group_bar": False}), (5, {"group_bar": True, "late_conv": True}),
-                         (1, {"pdl": True}), (5, {"pdl": True, "delay": True})]:
-            name = " ".join(f"{k}={v}" for k, v in knobs.items())
-            cases.append((f"verify B{B} T8 tile16 ragged {name}",
-                          lambda B=B, kn=knobs: kv._columns_class()(B, H, 8, True, True, 1e-6, -5.0, 16, row_warps=4,
-                                                                    **kn),
-                          step_args))
-        # chunk (the T positions as one chunk): B = 1 at tiles 16 / 32, T 2..8, and the large-batch tile 128
-        for B, T, tv, rg, kn in [(1, 2, 16, False, {}), (1, 4, 16, False, {}), (1, 4, 16, True, {}),
-                                 (1, 8, 16, False, {}), (1, 8, 16, False, {"preload": True}), (1, 4, 32, False, {}),
-                                 (1, 4, 16, False, {"pdl": True}), (64, 4, 128, False, {}), (8, 4, 64, False, {}),
-                                 (1, 4, 16, False, {"fast": True})]:
-            name = " ".join(f"{k}={v}" for k, v in kn.items())
-            cases.append((f"verify chunk B{B} T{T} tile{tv}{' ragged' if rg else ''} {name}",
-                          lambda B=B, T=T, tv=tv, rg=rg, kn=kn: kv._columns_class()(
-                              B, H, T, True, rg, 1e-6, -5.0, tv, row_warps=kv.ROW_WARPS[tv], chunk=True, **kn),
-                          step_args))
-        # fast (single-MUFU transcendentals) and bpro (the batched prologue)
-        for B, T, tv, kn in ((1, 4, 16, {"fast": True}), (1, 8, 16, {"fast": True}), (64, 4, 128, {"fast": True}),
-                             (1, 4, 16, {"bpro": True}), (1, 4, 16, {"bpro": True, "fast": True}),
-                             (1, 8, 16, {"bpro": True, "fast": True}), (1, 2, 32, {"bpro": True, "fast": True}),
-                             (64, 4, 128, {"bpro": True, "fast": True}), (8, 4, 64, {"bpro": True, "fast": True})):
-            name = " ".join(f"{k}={v}" for k, v in kn.items())
-            cases.append((f"verify B{B} T{T} tile{tv} {name}",
-                          lambda B=B, T=T, tv=tv, kn=kn: kv._columns_class()(B, H, T, True, False, 1e-6, -5.0, tv,
-                                                                             row_warps=kv.ROW_WARPS[tv], **kn),
-                          step_args))
+        # every other row_warps (tile 32), T 2 and 8, ragged, pdl
+        for B, T, tv, wr, rg, pdl in [(1, 4, 32, 1, False, False), (1, 4, 32, 2, False, False),
+                                      (1, 4, 32, 8, False, False), (1, 2, 16, 4, False, False),
+                                      (1, 8, 16, 4, True, False), (5, 8, 16, 4, True, False),
+                                      (1, 8, 16, 4, True, True), (5, 8, 16, 4, True, True),
+                                      (64, 4, 128, 4, False, True)]:
+            name = f"verify B{B} T{T} tile{tv} row_warps{wr}" + (" ragged" if rg else "") + (" pdl" if pdl else "")
+            cases.append((name, lambda B=B, T=T, tv=tv, wr=wr, rg=rg, pdl=pdl: kv._kernel_class()(
+                B, H, T, rg, 1e-6, -5.0, tv, wr, pdl), step_args))
     return cases
 
 

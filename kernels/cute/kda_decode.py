@@ -1,85 +1,42 @@
-"""KDA fused decode step (T = 1) as one CuTe DSL kernel ("row layout").
+"""KDA decode step (T = 1) as one CuTe DSL kernel, and the device helpers every CuTe KDA kernel shares.
 
-What one launch fuses, per (sequence b, head h), exactly what `k3lab.ref.kda.kda_decode` computes:
+Fuses, per (sequence b, head h), what `k3lab.ref.kda.kda_decode` computes: the depthwise causal conv
+update (kernel 4) of the head's 384 q|k|v channels + silu (conv_state [B, 3HD, 3] bf16 shifted in place),
+l2norm of q and k, the decay g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)) and beta = sigmoid(b), the
+delta rule S = exp(g)[:, None] * S;  S += beta * outer(k, v - S^T k) on the fp32 state [B, H, 128, 128] in
+place, and o = S^T q / sqrt(128) through the gated RMSNorm rms(o; o_norm_w) * sigmoid(gate) into out
+[B, H*D] bf16.
 
-    depthwise causal conv update (kernel 4) over the head's 384 q|k|v channels + silu,
-    conv_state [B, 3HD, 3] bf16 shifted in place,
-    l2norm of q and k over the 128 dims,
-    g = lb * sigmoid(exp(A_log[h]) * (f + dt_bias)),  beta = sigmoid(b),
-    S = exp(g)[:, None] * S;  S += beta * outer(k, v - S^T k)   (fp32 state [B, H, 128, 128], in place)
-    o = S^T q / sqrt(128);  out = rms(o; o_norm_w) * sigmoid(gate)   -> out [B, H*D] bf16
+Layout ("rows"). 256 threads a CTA, tile_v (TILES) value columns a CTA: 128 is one CTA per head; 64 / 32
+/ 16 a cluster of 2 / 4 / 8 CTAs per head, each recomputing the head's small prologue, rank 0 writing
+conv_state after the cluster barrier, the output norm's sum of o^2 joined through distributed shared
+memory. Warp w owns key rows w, w + 8, ... (a warp instruction covers R = 32 / G rows, G = tile_v / 4
+lanes a row, 4 value columns a lane: 16-byte state loads and stores). Prologue: threads 0..127 run the q
+and k channels of key row tid, threads 128..255 the v channel and the decay of row tid - 128. Both key
+reductions (k^T diag(d) S and q^T diag(d) S) are one pass over the old state, with
+o = q^T diag(d) S + (q.k) beta (v - k^T diag(d) S); the warps' partial sums meet in shared memory and
+warp 0 alone finishes the output. What the shape decides (each measured: docs/NOTES_kda.md):
+  fold   tiles 128 and 64: the prologue hands the pass (q d, k d, d, k) per row, v apart;
+  early  tile 128: warp 0 stores the output before its state update, so the CTA ends with state stores;
+  rs     tile 128: the warps' partial sums are combined as a reduce-scatter;
+  fast   while the whole grid is resident (_resident_grid): exp, sigmoid and rsqrt as single MUFU ops.
 
-Layout. One CTA of 256 threads per (b, h) holds the whole 128 x 128 fp32 state in registers: warp w
-owns key rows w, w+8, ..., w+120 and lane l owns value columns 4l..4l+3, so every warp instruction
-moves one full 512-byte state row with 16-byte vector loads/stores (16 loads + 16 stores a thread).
-Both reductions over the key rows (k^T diag(d) S and q^T diag(d) S) are done in ONE pass over the
-old state, using  o = q^T diag(d) S + (q.k) * beta * (v - k^T diag(d) S);  the per-warp partial sums
-meet in shared memory (2 barriers); every warp combines k^T diag(d) S (it needs it for its update),
-warp 0 alone combines q^T diag(d) S and finishes the per-head RMSNorm with shuffles.
-Conv/gate prologue: threads 0..127 run the q and k conv channels of key row c = tid (and reduce
-|q|^2, |k|^2, q.k), threads 128..255 the v channel and the decay gate of row c = tid - 128.
-`fold` (default at tiles 128 and 64): the q/k thread of row c also forms the decay d_c and hands the
-passes (q_c d_c, k_c d_c, d_c, k_c), v in its own array, so no pass multiplies per row (1/|k| goes into
-the per-column u instead). `early` (default at tile 128): warp 0 stores the output before its state
-update, so the CTA ends with state stores, not with warp 0's norm chain. Both shorten the work between
-a CTA's last state load and its exit, which is what B = 64 was short of (below).
+Floor (kda_decode_bytes): per (b, h) the state 65,536 B read + written, conv_state 2,304 B read +
+written, qkv 768 B, f, gate and out 256 B each, b 2 B (137,218 B), plus the parameters once. 12 heads:
+B = 1 1.69 MB (0.39 us at 4.275 TB/s, so launch latency is the bound), B = 64 105.4 MB (24.7 us).
 
-Column tiles (the spec's "KDA tile width" switch): tile_v = 64, 32 or 16 splits each head's 128 value
-columns over a cluster of 128/tile_v CTAs (still 256 threads each, G = tile_v/4 lanes per row, so
-one warp instruction covers 32/G rows at 16 B a lane). The delta rule is independent per value
-column; each CTA recomputes the head's (tiny) conv/norm/gate prologue, rank 0 alone writes the conv
-state (after the cluster barrier: the peers read it too), and the output RMSNorm's sum of o^2 is joined
-across the cluster through distributed shared memory (st.shared::cluster + one cluster barrier).
-More CTAs per head = more SMs pulling state at small batch.
-
-The same generator also runs T > 1 positions (verify=True): that is kda_verify's layout="rows"
-baseline. Its per-position cost (2 CTA barriers + a cluster barrier + the prologue on the chain) is
-why verification has its own generator, kda_verify.py ("column layout").
-
-Floor (decode, bytes that must move, per (b, h)): state 65,536 B read + 65,536 B written, conv_state
-2,304 B read + 2,304 B written, qkv 768 B, f 256 B, gate 256 B, out 256 B, b 2 B = 137,218 B, plus
-params once (conv_w 3 KiB/head, dt_bias, norm weight). At 4.275 TB/s:
-    H = 12, B = 1:  1.69 MB -> 0.39 us   (launch-latency bound; the target is <= 4 us graph replay)
-    H = 12, B = 64: 105.4 MB -> 24.7 us  (bandwidth bound; the target is >= 3.6 TB/s, <= 29.3 us)
-
-Measured on the H200 (all within tolerance of the fp64 oracle: out rel err ~1.7e-3, state <= 1.1e-7,
-conv exact), profiles/h200/kda_sweep.json (fifth session; `k3lab bench kda`: graph replay of >= 20 calls,
-inputs rotated past L2 as in a 69-layer model; copy 4.195 TB/s in that run), 12 heads:
-    B=1 3.42 us (tile 16), B=2 4.30 (tile 16), B=4 5.13, B=8 6.72, B=16 9.68, B=32 15.71 (tile 128),
-    B=64 28.72 us = 3.67 TB/s = 87.5 % of copy (tile 128). fla's recurrence alone: 4.34 / 36.25 us.
-    With pdl (the kda_pdl switch, row cute_pdl): B=1 2.74 us, B=64 29.24 us.
-    torch's own copy of the same bytes in the same rotated graph (row torch_copy): B=64 39.88 us.
-    6 heads (kda_sweep-h6.json): B=1 2.76 us, B=64 15.62 us.
-What moved them in the fifth session (profiles/h200/kda_cute_exp_lat.json, check_kda.py --exp-lat):
-`fast` (the prologue's and epilogue's transcendentals as single MUFU ops; on while the grid is resident)
-B=1 3.85 -> 3.43 us; `rs` (the warps' partial sums combined as a reduce-scatter; tile 128) B=64
-29.15 -> 28.53 us, B=256 106.97 -> 105.96.
-The B = 64 account of the fourth session (profiles/h200/kda_cute_exp_b64.json, check_kda.py --exp-b64, 80
-rotated sets; copy 4.001 TB/s in that run): the kernel then 29.38 us (pdl 29.13); without fold and early 30.32
-(the kernel of the third session, 30.85, also combined q^T diag(d) S in every warp: kda_cute_exp_cache.json);
-`bare`, the same grid moving the same state with nothing else, 27.49 (pdl 26.13); torch's in-place scale of
-the state, one elementwise kernel, 28.72. So about 1.9 us is the work after each CTA's loads land, not the
-traffic shape; B = 256 107.97 us = 3.90 TB/s. Measured and not kept: evict-first (.cs) state loads and stores
-(kda_cute_exp_cache.json: 31.24 / 31.78 against 30.85 us), tile 64 with pdl (32.31), the persistent TMA-fed
-kernel (kda_decode_persistent.py; (2, 1) 31.22 vs 31.05 us in kda_cute_exp_pdl.json), an L2 prefetch of a
-later CTA's state (kda_cute_exp_l2prefetch.log).
-
-Programmatic dependent launch (pdl=True): the launch may begin while the previous kernel on the stream
-still runs; each CTA issues its state, conv-window and parameter loads, then griddepcontrol.wait (the
-previous grid complete and its memory visible), then griddepcontrol.launch_dependents (so only the next
-kernel, never one further, can overlap this one), then reads the activations and writes. The caller's
-precondition: the kernel directly before does not write this call's state or conv_state.
-
-Host API (torch tensors on one CUDA device, launched on torch's current stream, CUDA-graph safe
-after the first call of a shape has compiled it):
+Contract (torch tensors on one CUDA device, torch's current stream, CUDA-graph safe once a shape has
+compiled):
 
     kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=128, pdl=False) -> out
 
-Supported: D = 128, conv kernel 4, tile_v in TILES (128, 64, 32, 16), qkv/f/b/gate/conv_state/out bf16,
-state fp32, contiguous tensors (state 16-byte, gate/out/conv_w/o_norm_w 8-byte aligned bases);
-params any of fp32/bf16/fp16.
+D = 128, conv kernel 4; qkv, f, b, gate, conv_state and out bf16, state fp32, params fp32 / bf16 / fp16;
+contiguous, the state 16-byte and gate / out / conv_w / o_norm_w 8-byte aligned. pdl=True (programmatic
+dependent launch): each CTA loads its state, conv window and parameters, then waits for the previous
+kernel on the stream (griddepcontrol.wait), lets the next one launch, then reads the activations and
+writes. The caller's precondition: the kernel directly before does not write this call's state or
+conv_state.
 """
-import functools
 import math
 from typing import Any
 
@@ -89,13 +46,19 @@ _D = 128
 _W = 4
 _THREADS = 256
 _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
-# CTAs an H100 / H200 holds at once at two a SM (132 SMs): a grid this small is latency-bound, and the
-# latency knobs (decode `fast`, verify `bpro`) are on by default only there
+# CTAs an H100 / H200 holds at once at two a SM (132 SMs)
 _RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
 
 __all__ = ["TILES", "cute_available", "kda_decode", "kda_decode_bytes", "kda_verify_bytes"]
+
+
+def _resident_grid(ctas: int) -> bool:
+    """Whether a grid of `ctas` CTAs is resident at once (two on each SM): such a grid is latency-bound, and
+    the latency choices (decode `fast`, verify's batched prologue) are on only there; larger grids lose
+    with them (docs/NOTES_kda.md, kda_cute_exp_thr.json)."""
+    return ctas <= _RESIDENT
 
 
 def cute_available() -> bool:
@@ -133,7 +96,7 @@ _DSL = None
 
 
 def _dsl():
-    """The CuTe DSL modules and the small device helpers both KDA generators use (built once)."""
+    """The CuTe DSL modules and the small device helpers the CuTe KDA kernels share (built once)."""
     global _DSL
     if _DSL is not None:
         return _DSL
@@ -201,7 +164,7 @@ def _dsl():
                           a_exp, dtb, lb: cutlass.Constexpr, lower, lane, warp, c, s_info: cute.Tensor, info_base,
                           s_red: cute.Tensor, red_base, fold: cutlass.Constexpr = False, s_v=None, v_base=0,
                           fast: cutlass.Constexpr = False):
-        """One position's state-independent work, shared by both generators. Threads 0..127 (`lower`):
+        """One position's state-independent work, shared by the decode and verify generators. Threads 0..127 (`lower`):
         conv + silu of the q and k channels of key row c into s_info[info_base + 0, 1] and the warp
         sums |q|^2, |k|^2, q.k into s_red[red_base + warp * 4 + 0..2]; threads 128..255: conv + silu
         of the v channel c into s_info[info_base + 3] and the decay exp(g) of row c into
@@ -259,7 +222,7 @@ def _dsl():
 
 
 def _kernel_class():
-    """The row-layout generator: decode (T = 1), and verify with layout="rows" (the baseline)."""
+    """The decode generator (built once)."""
     global _KERNEL_CLS
     if _KERNEL_CLS is not None:
         return _KERNEL_CLS
@@ -269,63 +232,13 @@ def _kernel_class():
     prologue_position, position_norms = d.prologue_position, d.position_norms
     rsqrtf = d.rsqrtf
 
-    class KDAStepKernel:
-        """One CTA per (b, h); T positions in order (T = 1: decode, in place)."""
+    class KDADecodeKernel:
+        """One CTA (or a cluster of 128 / tile_v CTAs) per (b, h); state and conv_state updated in place."""
 
-        def __init__(self, B: int, H: int, T: int, verify: bool, ragged: bool, eps: float,
-                     lower_bound: float, tile_v: int = 128, pdl: bool = False, bare=None,
-                     fold=None, early=None, rs=None, fast=None):
-            self.B, self.H, self.T = B, H, T
-            nc_ = 128 // tile_v
-            # fast: the prologue's and epilogue's transcendentals as single MUFU ops (ex2.approx, rcp.approx,
-            # rsqrt.approx; relative error ~1e-7, far inside the fp64 check's tolerances) instead of the
-            # accurate exp (a range-reduced polynomial) and the IEEE division (a called slow path) on the
-            # latency chain. Decode default: on when the whole grid is resident at once (B H NC <= 2 x 132
-            # CTAs: latency-bound). Measured (profiles/h200/kda_cute_exp_lat.json, 12 heads, 80 rotated
-            # sets): B = 1 3.43 against 3.85 us (pdl 2.78 against 2.96), B = 2 4.28 against 4.54, B = 4, 8, 16
-            # 0.1-0.2 us faster; at B = 64 it LOSES (29.79 against 29.15; with rs 29.27 against 28.53), so
-            # the large grids keep the accurate functions. Where it switches (kda_cute_exp_thr.json): grid 192
-            # 9.61 / 9.69 against 9.70 / 9.79 us (12 heads B = 16, 6 heads B = 32); grid 288 13.41 against
-            # 12.42, 384 16.41 / 16.36 against 15.76 / 15.62, 576 23.10 against 22.43. The row-layout verify
-            # (a baseline) keeps the accurate functions too.
-            self.fast = ((not verify and B * H * nc_ <= _RESIDENT) if fast is None else bool(fast))
-            # rs (decode, tile 128; default): the 8 warps' partial column sums are combined as a
-            # reduce-scatter (thread t sums column t over the warps, one barrier more, then one 16-byte load
-            # a thread) instead of every thread summing its 4 columns over the 8 warps. The same summation
-            # order (fp32 on the GPU; the CPU emulator keeps registers in fp64, so there the stored partial
-            # sums round once more and the results differ in the last bit). Measured (kda_cute_exp_chunk.json
-            # and kda_cute_exp_lat.json): B = 64 28.54 / 28.53 against 29.14 / 29.15 us, B = 32 15.52 against
-            # 16.26, B = 256 105.96 against 106.97, B = 16 9.79 against 9.84; with pdl at B = 64 a tie.
-            if rs is None:
-                rs = T == 1 and not verify and tile_v == 128 and bare is None
-            self.rs = bool(rs)
-            assert not rs or (T == 1 and not verify and tile_v == 128), "rs: decode, tile 128 only"
-            # fold (decode; default at tiles 128 and 64): the prologue hands the state passes (q d, k d, d, k)
-            # per key row (see prologue_position) and v in its own array, so neither pass multiplies per row.
-            # early (decode, tile 128; default): warp 0 forms and stores the output before the state update,
-            # so the CTA ends with its state stores instead of warp 0's norm chain.
-            # Measured (profiles/h200/kda_cute_exp_b64.json, 12 heads, 80 rotated sets): B = 64 29.38 us with
-            # both, 29.87 fold only, 29.89 early only, 30.32 neither (pdl: 29.13 against 29.81); B = 16 9.97
-            # against 10.38, B = 256 107.97 against 108.96; tile 64 at B = 4 5.62 against 5.69 without fold.
-            # Tile 16 at B = 1 ties (4.00 with fold, 4.01 without): the narrow tiles, whose B = 1 figure is a
-            # latency chain that fold lengthens on the q/k threads, keep the old split.
-            self.fold = (tile_v >= 64 if fold is None else bool(fold)) and not verify
-            self.early = (True if early is None else bool(early)) and not verify and tile_v == 128
-            # pdl: programmatic dependent launch (see kda_decode's docstring): the state, conv window and
-            # parameter loads are issued before griddepcontrol.wait, the activations after it
-            self.pdl = bool(pdl)
-            # bare (a measurement knob, check_kda.py --exp-b64; writes a WRONG state on purpose): the same
-            # grid and state traffic (16 x 16 B loads, then 16 x 16 B stores a thread) with nothing
-            # else, the state scaled by 0.999. "regs": as many CTAs per SM as the registers allow;
-            # "pad2": shared memory padded so that 2 CTAs share an SM, as the real tile-128 kernel does.
-            # What the compute, the prologue and the barriers cost beyond the bytes.
-            assert bare in (None, "regs", "pad2"), bare
-            assert bare is None or (T == 1 and not verify and tile_v == 128), "bare: decode tile 128 only"
-            self.bare = bare
-            self.verify, self.ragged = verify, ragged
+        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False):
+            assert tile_v in TILES, tile_v
+            self.B, self.H = B, H
             self.eps, self.lb = float(eps), float(lower_bound)
-            self.nbuf = 1 if T == 1 else 2
-            assert tile_v in (128, 64, 32, 16)
             self.TV = tile_v            # value columns per CTA
             self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
             self.G = tile_v // 4        # lanes across one row of the tile (4 columns each)
@@ -336,6 +249,16 @@ def _kernel_class():
                 offs.append(o_)
                 o_ *= 2
             self.red_offs = tuple(offs)   # shuffle offsets joining lanes that share columns
+            # the shape's choices (module doc): approximate transcendentals while the grid is resident;
+            # reduce-scatter combine and the output before the update at tile 128; the prologue folds the
+            # decay into the pass's row factors at tiles 128 and 64 (the narrow tiles' B = 1 latency chain,
+            # which fold lengthens on the q/k threads, keeps the plain split)
+            self.fast = _resident_grid(B * H * self.NC)
+            self.rs = tile_v == 128
+            self.early = tile_v == 128
+            self.fold = tile_v >= 64
+            # pdl: the state, conv window and parameter loads before griddepcontrol.wait, the activations after
+            self.pdl = bool(pdl)
 
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -343,10 +266,7 @@ def _kernel_class():
                      p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                      p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
                      p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
-            if cutlass.const_expr(self.bare is not None):
-                self.bare_kernel(p_state).launch(grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream,
-                                                 use_pdl=self.pdl)
-            elif cutlass.const_expr(self.NC == 1):
+            if cutlass.const_expr(self.NC == 1):
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
@@ -357,44 +277,17 @@ def _kernel_class():
                     cluster=[self.NC, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
-        def bare_kernel(self, p_state: cute.Pointer):
-            """The `bare` measurement knob: the tile-128 state traffic alone (see __init__)."""
-            tid, _, _ = cute.arch.thread_idx()
-            hx, bb, _ = cute.arch.block_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            lane = tid % 32
-            if cutlass.const_expr(self.bare == "pad2"):
-                smem = cutlass.memory.SmemAllocator()
-                pad = smem.allocate_tensor(Float32, cute.make_layout(24 * 1024), byte_alignment=16)  # 96 KiB
-                if tid == 0:
-                    pad[0] = Float32(0.0)
-            s_off = cute.assume(((bb * self.H + hx) * _D + warp) * _D + lane * 4, divby=4)
-            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, 16), stride=(1, 8 * _D)))
-            r_s = cute.make_rmem_tensor((4, 16), Float32)
-            cute.autovec_copy(g_state, r_s)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            for i in cutlass.range_constexpr(16):
-                for j in cutlass.range_constexpr(4):
-                    r_s[j, i] = r_s[j, i] * 0.999
-            cute.arch.sync_threads()  # every load lands before any store, as in the real kernel
-            cute.autovec_copy(r_s, g_state)
-
-        @cute.kernel
         def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
                    p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
                    p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                    p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
                    p_chist: cute.Pointer, p_len: cute.Pointer):
+            # (p_shist, p_chist, p_len: verify's history and lengths pointers, unused at T = 1)
             D = _D
             H = self.H
-            T = self.T
             HD = H * D
             C = 3 * HD
-            NB = self.nbuf
             scale = 1.0 / math.sqrt(D)
-            late_conv = (not self.verify) and self.NC > 1
 
             TV, NC, G, R, S = self.TV, self.NC, self.G, self.R, self.S
             tid, _, _ = cute.arch.thread_idx()
@@ -414,27 +307,22 @@ def _kernel_class():
             c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
 
             smem = cutlass.memory.SmemAllocator()
-            # per key row r: (q_raw, k_raw, decay d, v_raw[r])
-            s_info = smem.allocate_tensor(Float32, cute.make_layout(NB * 128 * 4), byte_alignment=16)
+            # per key row r: (q_raw, k_raw, decay d, v_raw[r]); fold: (q d, k d, d, k)
+            s_info = smem.allocate_tensor(Float32, cute.make_layout(128 * 4), byte_alignment=16)
             s_tot = None
             if cutlass.const_expr(self.rs):
                 s_tot = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
             s_v = None
             if cutlass.const_expr(self.fold):
-                s_v = smem.allocate_tensor(Float32, cute.make_layout(NB * 128), byte_alignment=16)
+                s_v = smem.allocate_tensor(Float32, cute.make_layout(128), byte_alignment=16)
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(NB * 16), byte_alignment=16)
-            # per warp partial column sums: [buf][warp][k^T d S (128) | q^T d S (128)]
-            s_part = smem.allocate_tensor(Float32, cute.make_layout(NB * 8 * 256), byte_alignment=16)
-            # cluster: every CTA's partial sum of o^2 per position, written by the peers
-            s_ss = smem.allocate_tensor(Float32, cute.make_layout(T * NC), byte_alignment=16)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
+            # per warp partial column sums: [warp][k^T d S (128) | q^T d S (128)]
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(8 * 256), byte_alignment=16)
+            # cluster: every CTA's partial sum of o^2, written by the peers
+            s_ss = smem.allocate_tensor(Float32, cute.make_layout(NC), byte_alignment=16)
 
-            # sequence length (ragged verify): positions >= L write nothing
-            L = Int32(T)
-            if cutlass.const_expr(self.ragged and not self.pdl):
-                L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
-
-            # ---- issue the state loads first: 16 x 16 B per thread ---------------------------
+            # ---- issue the state loads first: S x 16 B per thread ------------------------------
             # thread's rows: (i * 8 + warp) * R + rsub, i < S; columns col0 .. col0 + 3
             s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
             g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
@@ -476,230 +364,185 @@ def _kernel_class():
                 # us before its own activations, and we waited for our predecessor)
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
-                if cutlass.const_expr(self.ragged):
-                    L = cute.make_tensor(p_len, cute.make_layout(self.B))[bb]
 
-            # prefetch every position's activations now (no global load waits behind a barrier)
-            qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * T * C))
-            f_g = cute.make_tensor(p_f, cute.make_layout(self.B * T * HD))
-            b_g = cute.make_tensor(p_b, cute.make_layout(self.B * T * H))
-            x1 = cute.make_rmem_tensor((T,), p_qkv.dtype)
-            x2 = cute.make_rmem_tensor((T,), p_qkv.dtype)
-            f_r = cute.make_rmem_tensor((T,), p_f.dtype)
-            b_r = cute.make_rmem_tensor((T,), p_b.dtype)
-            gate_r = cute.make_rmem_tensor((4, T), p_gate.dtype)
-            for t in cutlass.range_constexpr(T):
-                bt = bb * T + t
-                x1[t] = qkv_g[bt * C + ch1]
-                f_r[t] = f_g[bt * HD + h * D + c]
-                b_r[t] = b_g[bt * H + h]
-                cute.autovec_copy(vec(p_gate, cute.assume(bt * HD + h * D + col0, divby=4), 4),
-                                  gate_r[None, t])
+            # the activations now (no global load waits behind a barrier)
+            qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * C))
+            f_g = cute.make_tensor(p_f, cute.make_layout(self.B * HD))
+            b_g = cute.make_tensor(p_b, cute.make_layout(self.B * H))
+            x1 = cute.make_rmem_tensor((1,), p_qkv.dtype)
+            x2 = cute.make_rmem_tensor((1,), p_qkv.dtype)
+            f_r = cute.make_rmem_tensor((1,), p_f.dtype)
+            b_r = cute.make_rmem_tensor((1,), p_b.dtype)
+            gate_r = cute.make_rmem_tensor((4,), p_gate.dtype)
+            x1[0] = qkv_g[bb * C + ch1]
+            f_r[0] = f_g[bb * HD + h * D + c]
+            b_r[0] = b_g[bb * H + h]
+            cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col0, divby=4), 4), gate_r)
             if lower:
-                for t in cutlass.range_constexpr(T):
-                    x2[t] = qkv_g[(bb * T + t) * C + ch2]
+                x2[0] = qkv_g[bb * C + ch2]
 
-            for t in cutlass.range_constexpr(T):
-                buf = t % NB
-                bt = bb * T + t
-                active = Int32(1)
-                if cutlass.const_expr(self.ragged):
-                    active = Int32(0)
-                    if t < L:
-                        active = Int32(1)
+            # ---------------- prologue: conv + silu, gate, norms; windows shift -----------------
+            prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
+                              warp, c, s_info, c * 4, s_red, 0, self.fold, s_v, 0, self.fast)
+            # one CTA a head writes conv_state now; with a cluster the peers read it too, so rank 0
+            # writes it after the cluster barrier of the output norm (below)
+            if cutlass.const_expr(NC == 1):
+                for i in cutlass.range_constexpr(3):
+                    conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                if lower:
+                    for i in cutlass.range_constexpr(3):
+                        conv_g[(bb * C + ch2) * 3 + i] = win2[i]
 
-                # ---------------- prologue: conv + silu, gate, norms; windows shift -------------
-                prologue_position(x1[t], x2[t], f_r[t], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, buf * 512 + c * 4, s_red, buf * 16, self.fold, s_v, buf * 128,
-                                  self.fast)
-                # decode with a cluster: the peers read conv_state too, so rank 0 writes it only after
-                # the cluster barrier below (late_conv)
-                if cutlass.const_expr(not late_conv):
-                    wconv = active
-                    if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                        if rank != 0:
-                            wconv = Int32(0)
-                    if wconv > 0:
-                        if cutlass.const_expr(self.verify):
-                            ch_g = cute.make_tensor(p_chist, cute.make_layout(self.B * T * C * 3))
-                            for i in cutlass.range_constexpr(3):
-                                ch_g[(bt * C + ch1) * 3 + i] = win1[i]
-                            if lower:
-                                for i in cutlass.range_constexpr(3):
-                                    ch_g[(bt * C + ch2) * 3 + i] = win2[i]
+            cute.arch.sync_threads()
+
+            # ---------------- pass 1: k^T diag(d) S and q^T diag(d) S over the old state --------
+            rq, rk, dot = position_norms(s_red, 0, self.fast)
+            qk = dot * rq * rk
+            beta = sigmoid(b_r[0].to(Float32), self.fast)
+
+            acc_k = cute.make_rmem_tensor((4,), Float32)
+            acc_q = cute.make_rmem_tensor((4,), Float32)
+            acc_k.fill(0.0)
+            acc_q.fill(0.0)
+            r_info = cute.make_rmem_tensor((4,), Float32)
+            r_i2 = cute.make_rmem_tensor((2,), Float32)
+            for i in cutlass.range_constexpr(S):
+                r = (i * 8 + warp) * R + rsub
+                if cutlass.const_expr(self.fold):
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
+                    qd = r_i2[0]
+                    kd = r_i2[1]
+                else:
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 4), r_info)
+                    qd = r_info[0] * r_info[2]
+                    kd = r_info[1] * r_info[2]
+                for j in cutlass.range_constexpr(4):
+                    acc_k[j] = acc_k[j] + kd * r_s[j, i]
+                    acc_q[j] = acc_q[j] + qd * r_s[j, i]
+            # lanes holding the same columns (different rows) combine by shuffles
+            for si in cutlass.range_constexpr(len(self.red_offs)):
+                for j in cutlass.range_constexpr(4):
+                    acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=self.red_offs[si])
+                    acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=self.red_offs[si])
+            p_off = cute.assume(warp * 256 + cg * 4, divby=4)
+            if cutlass.const_expr(R == 1):
+                cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
+                cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
+            else:
+                if rsub == 0:
+                    cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
+                    cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
+
+            cute.arch.sync_threads()
+
+            # ---------------- combine partials, delta-rule update ---------------------------------
+            tot_k = cute.make_rmem_tensor((4,), Float32)
+            tot_q = cute.make_rmem_tensor((4,), Float32)
+            tot_k.fill(0.0)
+            tot_q.fill(0.0)
+            r_p = cute.make_rmem_tensor((4,), Float32)
+            if cutlass.const_expr(self.rs):
+                # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
+                # (the same summation order as below: fp32 on the GPU gives the same sums)
+                tsum = Float32(0.0)
+                for w in cutlass.range_constexpr(8):
+                    tsum = tsum + s_part[w * 256 + tid]
+                s_tot[tid] = tsum
+                cute.arch.sync_threads()
+                cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
+                if warp == 0:
+                    cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
+            else:
+                for w in cutlass.range_constexpr(8):
+                    o_w = cute.assume(w * 256 + cg * 4, divby=4)
+                    cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                    for j in cutlass.range_constexpr(4):
+                        tot_k[j] = tot_k[j] + r_p[j]
+                # q^T diag(d) S feeds the output only, which warp 0 alone forms
+                if warp == 0:
+                    for w in cutlass.range_constexpr(8):
+                        o_w = cute.assume(w * 256 + cg * 4 + 128, divby=4)
+                        cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                        for j in cutlass.range_constexpr(4):
+                            tot_q[j] = tot_q[j] + r_p[j]
+            u = cute.make_rmem_tensor((4,), Float32)
+            uk = cute.make_rmem_tensor((4,), Float32)  # fold: u / |k| (the update's k is unnormalised)
+            if cutlass.const_expr(self.fold):
+                r_v = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(vec(s_v.iterator, cute.assume(col0, divby=4), 4), r_v)
+                for j in cutlass.range_constexpr(4):
+                    u[j] = beta * (r_v[j] - rk * tot_k[j])
+                    uk[j] = rk * u[j]
+            else:
+                for j in cutlass.range_constexpr(4):
+                    vj = s_info[(col0 + j) * 4 + 3]
+                    u[j] = beta * (vj - rk * tot_k[j])
+            # early: the output (phase 0) before the state update (phase 1); otherwise after it
+            for ph in cutlass.range_constexpr(2):
+                if cutlass.const_expr(ph == 1):
+                    for i in cutlass.range_constexpr(S):
+                        r = (i * 8 + warp) * R + rsub
+                        if cutlass.const_expr(self.fold):
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
+                            for j in cutlass.range_constexpr(4):
+                                r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
                         else:
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 4), r_info)
+                            dr = r_info[2]
+                            kr = r_info[1] * rk
+                            for j in cutlass.range_constexpr(4):
+                                r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                    cute.autovec_copy(r_s, g_state)
+
+                if cutlass.const_expr(ph == (0 if self.early else 1)):
+                    # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
+                    # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
+                    # columns is completed across the cluster through distributed shared memory.
+                    o = cute.make_rmem_tensor((4,), Float32)
+                    ss = Float32(0.0)
+                    if warp == 0:
+                        for j in cutlass.range_constexpr(4):
+                            o[j] = (rq * tot_q[j] + qk * u[j]) * scale
+                            ss = ss + o[j] * o[j]
+                    if cutlass.const_expr(NC == 1):
+                        if warp == 0:
+                            ss = warp_sum(ss)
+                    else:
+                        if warp == 0:
+                            if rsub != 0:
+                                ss = Float32(0.0)
+                            ss = warp_sum(ss)
+                            cute.arch.cluster_wait()  # matches the arrive after the state loads
+                            if lane < NC:
+                                st_cluster_f32(s_ss.iterator + rank, lane, ss)
+                        else:
+                            cute.arch.cluster_wait()
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
+                        if rank == 0:  # every peer has read the conv window by now
                             for i in cutlass.range_constexpr(3):
                                 conv_g[(bb * C + ch1) * 3 + i] = win1[i]
                             if lower:
                                 for i in cutlass.range_constexpr(3):
                                     conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-
-                cute.arch.sync_threads()
-
-                # ---------------- pass 1: k^T diag(d) S and q^T diag(d) S over the old state ----
-                rq, rk, dot = position_norms(s_red, buf * 16, self.fast)
-                qk = dot * rq * rk
-                beta = sigmoid(b_r[t].to(Float32), self.fast)
-
-                acc_k = cute.make_rmem_tensor((4,), Float32)
-                acc_q = cute.make_rmem_tensor((4,), Float32)
-                acc_k.fill(0.0)
-                acc_q.fill(0.0)
-                r_info = cute.make_rmem_tensor((4,), Float32)
-                r_i2 = cute.make_rmem_tensor((2,), Float32)
-                for i in cutlass.range_constexpr(S):
-                    r = (i * 8 + warp) * R + rsub
-                    if cutlass.const_expr(self.fold):
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 2), r_i2)
-                        qd = r_i2[0]
-                        kd = r_i2[1]
-                    else:
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
-                                          r_info)
-                        qd = r_info[0] * r_info[2]
-                        kd = r_info[1] * r_info[2]
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + kd * r_s[j, i]
-                        acc_q[j] = acc_q[j] + qd * r_s[j, i]
-                # lanes holding the same columns (different rows) combine by shuffles
-                for si in cutlass.range_constexpr(len(self.red_offs)):
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j],
-                                                                          offset=self.red_offs[si])
-                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j],
-                                                                          offset=self.red_offs[si])
-                p_off = cute.assume(buf * 2048 + warp * 256 + cg * 4, divby=4)
-                if cutlass.const_expr(R == 1):
-                    cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
-                    cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
-                else:
-                    if rsub == 0:
-                        cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
-                        cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
-
-                cute.arch.sync_threads()
-
-                # ---------------- combine partials, delta-rule update ---------------------------
-                tot_k = cute.make_rmem_tensor((4,), Float32)
-                tot_q = cute.make_rmem_tensor((4,), Float32)
-                tot_k.fill(0.0)
-                tot_q.fill(0.0)
-                r_p = cute.make_rmem_tensor((4,), Float32)
-                if cutlass.const_expr(self.rs):
-                    # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
-                    tsum = Float32(0.0)
-                    for w in cutlass.range_constexpr(8):
-                        tsum = tsum + s_part[buf * 2048 + w * 256 + tid]
-                    s_tot[tid] = tsum
-                    cute.arch.sync_threads()
-                    cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
-                    if warp == 0:
-                        cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
-                else:
-                    for w in cutlass.range_constexpr(8):
-                        o_w = cute.assume(buf * 2048 + w * 256 + cg * 4, divby=4)
-                        cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
-                        for j in cutlass.range_constexpr(4):
-                            tot_k[j] = tot_k[j] + r_p[j]
-                    # q^T diag(d) S feeds the output only, which warp 0 alone forms
-                    if warp == 0:
-                        for w in cutlass.range_constexpr(8):
-                            o_w = cute.assume(buf * 2048 + w * 256 + cg * 4 + 128, divby=4)
-                            cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
-                            for j in cutlass.range_constexpr(4):
-                                tot_q[j] = tot_q[j] + r_p[j]
-                u = cute.make_rmem_tensor((4,), Float32)
-                uk = cute.make_rmem_tensor((4,), Float32)  # fold: u / |k| (the update's k is unnormalised)
-                if cutlass.const_expr(self.fold):
-                    r_v = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(vec(s_v.iterator, cute.assume(buf * 128 + col0, divby=4), 4), r_v)
-                    for j in cutlass.range_constexpr(4):
-                        u[j] = beta * (r_v[j] - rk * tot_k[j])
-                        uk[j] = rk * u[j]
-                else:
-                    for j in cutlass.range_constexpr(4):
-                        vj = s_info[buf * 512 + (col0 + j) * 4 + 3]
-                        u[j] = beta * (vj - rk * tot_k[j])
-                # early: the output (below) before the state update; otherwise after it
-                for ph in cutlass.range_constexpr(2):
-                    if cutlass.const_expr(ph == 1):
-                        for i in cutlass.range_constexpr(S):
-                            r = (i * 8 + warp) * R + rsub
-                            if cutlass.const_expr(self.fold):
-                                cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4 + 2, divby=2), 2),
-                                                  r_i2)
-                                for j in cutlass.range_constexpr(4):
-                                    r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
-                            else:
-                                cute.autovec_copy(vec(s_info.iterator, cute.assume(buf * 512 + r * 4, divby=4), 4),
-                                                  r_info)
-                                dr = r_info[2]
-                                kr = r_info[1] * rk
-                                for j in cutlass.range_constexpr(4):
-                                    r_s[j, i] = dr * r_s[j, i] + kr * u[j]
-                        if active > 0:
-                            if cutlass.const_expr(self.verify):
-                                h_off = cute.assume((((bt * H) + h) * D + warp * R + rsub) * D + col0, divby=4)
-                                g_dst = cute.make_tensor(p_shist + h_off,
-                                                         cute.make_layout((4, S), stride=(1, 8 * R * D)))
-                                cute.autovec_copy(r_s, g_dst)
-                            else:
-                                cute.autovec_copy(r_s, g_state)
-
-                    if cutlass.const_expr(ph == (0 if self.early else 1)):
-                        # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
-                        # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
-                        # columns is completed across the cluster through distributed shared memory.
-                        o = cute.make_rmem_tensor((4,), Float32)
                         ss = Float32(0.0)
-                        if warp == 0:
-                            for j in cutlass.range_constexpr(4):
-                                o[j] = (rq * tot_q[j] + qk * u[j]) * scale
-                                ss = ss + o[j] * o[j]
+                        for rr in cutlass.range_constexpr(NC):
+                            ss = ss + s_ss[rr]
+                    if warp == 0:
+                        o_off = cute.assume(bb * HD + h * D + col0, divby=4)
+                        inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
+                        r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                        for j in cutlass.range_constexpr(4):
+                            val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j].to(Float32), self.fast)
+                            r_out[j] = val.to(p_out.dtype)
                         if cutlass.const_expr(NC == 1):
-                            if warp == 0:
-                                ss = warp_sum(ss)
+                            cute.autovec_copy(r_out, vec(p_out, o_off, 4))
                         else:
-                            if warp == 0:
-                                if rsub != 0:
-                                    ss = Float32(0.0)
-                                ss = warp_sum(ss)
-                                if cutlass.const_expr(t == 0):
-                                    cute.arch.cluster_wait()  # matches the arrive after the state loads
-                                if lane < NC:
-                                    st_cluster_f32(s_ss.iterator + (t * NC + rank), lane, ss)
-                            else:
-                                if cutlass.const_expr(t == 0):
-                                    cute.arch.cluster_wait()
-                            cute.arch.cluster_arrive()
-                            cute.arch.cluster_wait()
-                            if cutlass.const_expr(late_conv):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                                if rank == 0:
-                                    for i in cutlass.range_constexpr(3):
-                                        conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                                    if lower:
-                                        for i in cutlass.range_constexpr(3):
-                                            conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-                            ss = Float32(0.0)
-                            for rr in cutlass.range_constexpr(NC):
-                                ss = ss + s_ss[t * NC + rr]
-                        if warp == 0:
-                            o_off = cute.assume(bt * HD + h * D + col0, divby=4)
-                            inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
-                            r_out = cute.make_rmem_tensor((4,), p_out.dtype)
-                            for j in cutlass.range_constexpr(4):
-                                val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j, t].to(Float32),
-                                                                                        self.fast)
-                                r_out[j] = val.to(p_out.dtype)
-                            wout = active
-                            if cutlass.const_expr(NC > 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
-                                if lane >= G:
-                                    wout = Int32(0)
-                            if wout > 0:
+                            if lane < G:
                                 cute.autovec_copy(r_out, vec(p_out, o_off, 4))
 
-    _KERNEL_CLS = KDAStepKernel
-    return KDAStepKernel
+    _KERNEL_CLS = KDADecodeKernel
+    return KDADecodeKernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,13 +620,12 @@ def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
     return B, H
 
 
-def _get_compiled(key, B, H, T, verify, ragged, params, args, tile_v, kernel_class=None):
+def _get_compiled(key, build, args):
+    """The compiled kernel of `key`: `build()` (a kernel object) compiled for `args` on first use."""
     fn = _COMPILED.get(key)
     if fn is None:
         from cutlass import cute
-        cls = (kernel_class or _kernel_class)()
-        kern = cls(B, H, T, verify, ragged, params.eps, params.lower_bound, tile_v)
-        fn = cute.compile(kern, *args)
+        fn = cute.compile(build(), *args)
         _COMPILED[key] = fn
     return fn
 
@@ -794,7 +636,7 @@ def _stream(dev):
 
 
 def _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths):
-    """The 14 pointers both generators take, in their order. lengths=None (uniform T): an Int32 pointer
+    """The 14 pointers the decode and verify generators take, in their order. lengths=None (uniform T): an Int32 pointer
     the kernel never reads."""
     if lengths is None:
         import cutlass
@@ -818,38 +660,20 @@ def _params_key(params) -> tuple:
 
 def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
-    place and writes `out` [B,H*128] bf16. Returns `out`.
-
-    pdl=True launches with programmatic dependent launch: the kernel may start while the previous
-    kernel on the stream is still running, issues its state, conv-window and parameter loads, and only
-    then waits (griddepcontrol.wait) for that kernel before reading the activations or writing anything;
-    right after the wait it lets the next kernel start the same way. Precondition (the caller's): the
-    kernel directly before this one on the stream does not write this call's `state` or `conv_state`
-    (true in a model, where the layer's input projection precedes it; false for two decode steps of
-    the same state back to back with nothing between)."""
+    place and writes `out` [B,H*128] bf16. Returns `out`. tile_v: value columns a CTA (TILES).
+    pdl=True: programmatic dependent launch (module doc); the kernel directly before this one on the
+    stream must not write this call's `state` or `conv_state` (true in a model, where the layer's input
+    projection precedes it; false for two decode steps of the same state back to back)."""
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
-    _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
-    # pdl=False launches with no knobs: the same compiled kernel (and cache key) as before the switch existed
-    _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **({"pdl": True} if pdl else {}))
-    return out
-
-
-def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, **knobs):
-    """Compile (once per shape and knobs) and launch on the current stream; arguments already validated.
-    knobs: pdl (kda_decode's switch) and the measurement knobs of kernels/cute/check_kda.py (bare, fold,
-    early, rs, fast; see KDAStepKernel)."""
-    B, H = qkv.shape[0], params.heads
+    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    key = ("decode", B, H, 1, tile_v, tuple(sorted(knobs.items())), dev.index) + _params_key(params)
-    cls = None
-    if knobs:
-        def cls():
-            return functools.partial(_kernel_class(), **knobs)
+    key = ("decode", B, H, tile_v, pdl, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], tile_v, cls)
+        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl),
+                           args + [stream])
         fn(*args, stream)
     return out

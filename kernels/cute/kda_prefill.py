@@ -35,11 +35,8 @@ head re-read its chunk's q, k, G, W (mostly from L2): about 500 MB, ~7x the floo
 M, N and the start states (50 MB each, written and read: ~300 MB). The SIMT fp32 maths (~8 GFLOP
 and ~0.2 G exponentials) and the sequential chunk chain (B*H*128/tile_v CTAs, 48 at this shape) are
 the larger cost: expect hundreds of microseconds, not the floor. It is a correctness-first kernel for
-the numerics study and for filling states, not a tuned one (tensor-core MMA would be the next step).
-Measured on the H200 (profiles/h200/kda_cute_prefill.json, `check_kda.py --prefill --quick`, B=1,
-L=4096, H=12, chunk 64, tile 32, median of graph replays): 1456.7 us sequential, 1404.3 us grouped,
-1462.1 us with the bf16 inverse (80x the floor); the Triton prefill in the same run 26950 / 34427 us.
-All 32 checked cases within tolerance of fp64 (out <= 1.7e-3, fp32-inverse state <= 3.5e-6).
+the numerics study and for filling states, not a tuned one (tensor-core MMA would be the next step;
+the H200 figures are in docs/NOTES_kda.md).
 
 Supported: D = 128, conv kernel 4, chunk in {16, 32, 64}, inverse in {"fp32", "bf16"}, grouped
 bool, tile_v in {16, 32, 64, 128} (value columns a CTA in the state passes), qkv/f/b/gate/conv_state/out

@@ -1,8 +1,9 @@
-"""KDA fused decode step (T = 1) as one persistent CuTe DSL kernel that streams the state through shared
-memory with the TMA unit ("persistent" schedule of the CuTe decode).
+"""A study kernel (experiments/kda_decode_persistent/README.md): the KDA decode step (T = 1) as one
+persistent CuTe DSL kernel that streams the state through shared memory with the TMA unit. Measured on
+the H200, not faster than the production grid kernel (k3lab_kernels.cute.kda_decode); nothing imports it.
 
-What one launch fuses is exactly kda_decode.py's (and `k3lab.ref.kda.kda_decode`): conv update + silu
-of the head's q|k|v channels (conv_state shifted in place), l2norm of q and k, the decay gate and beta,
+What one launch fuses is exactly the production decode's (and `k3lab.ref.kda.kda_decode`): conv update +
+silu of the head's q|k|v channels (conv_state shifted in place), l2norm of q and k, the decay gate and beta,
 the delta rule on the fp32 state (in place), and the gated output RMSNorm into `out`.
 
 Schedule. grid = min(B * H, ctas x SMs) CTAs of 256 threads, `ctas` (1 or 2) per SM; CTA i takes the (b, h) items
@@ -12,27 +13,27 @@ on an mbarrier, `stages` items ahead of use. The item's small inputs (conv windo
 the head's conv weights, dt_bias, A_log) are loaded into registers one item ahead. So while a CTA
 computes item j, the states of items j+1 .. j+stages-1 stream in and item j-1's new state drains from
 registers (st.global.v4) behind it: loads, maths and stores of different items overlap, and no SM
-waits for a wave to end. The per-item maths is the row layout of kda_decode.py at tile 128 (warp w
+waits for a wave to end. The per-item maths is the production decode's row layout at tile 128 (warp w
 owns key rows w, w+8, ..; lane l value columns 4l..4l+3; both key reductions in one pass; partial sums
 through shared memory; warp 0 finishes the RMSNorm). Shared memory: stages x 64 KiB + 20 KiB.
 
-Why: the grid kernel (kda_decode.py) gives each CTA one item: load, compute, store, 2 CTAs per SM.
+Why: the grid kernel (k3lab_kernels.cute.kda_decode) gives each CTA one item: load, compute, store, 2 CTAs per SM.
 At B = 64, 12 heads (768 items, 2.9 waves on 132 SMs) it reached 3.42 TB/s (profiles/h200/
 kda_sweep.json) while long grids reach 3.85-3.95 TB/s: the loss is the wave tail and the
 serialisation of load, compute and store inside each CTA. This kernel is for large batch only; at
 small batch (items < SMs) it leaves SMs idle and the grid kernel with column tiles wins.
 
-(ctas, stages) = (3, 1) ("regless": no state in registers, 3 CTAs and 3 states in flight per SM) was
-added after the GPU session and is checked offline only (compile_offline.py); it has not run yet.
+(ctas, stages) = (3, 1) is the register-light form ("regless"): no state in registers, so 3 CTAs and 3
+states are in flight per SM.
 
-Measured (profiles/h200/kda_cute_exp.json, check_kda.py --exp, 12 heads, DRAM-cold): it does not beat
+Measured (profiles/h200/kda_cute_exp.json, check_kda.py --exp of the time, 12 heads, DRAM-cold): it does not beat
 the grid kernel. B=64: grid 31.04 us; (CTAs per SM, stages) (2, 1) 31.02, (1, 2) 32.56, (1, 3) 34.65.
 B=256: grid 109.42; (2, 1) 112.09. B=16: grid 10.98, (2, 1) 10.66. With one buffer set
 reused (hot_us, state warm in L2) B=64 is 28.96 us against the grid's 30.58; with the previous call's dirty
-state in L2 to write back, as in a real decode, the gain disappears. Kept as a study switch
-(check_kda.py and tests/test_kda_cute.py cover it); the component does not use it.
+state in L2 to write back, as in a real decode, the gain disappears. (3, 1) later ran too: 33.25 against
+31.05 us at B=64 (kda_cute_exp_pdl.json).
 
-Floor (same bytes as the grid kernel, per (b, h) 137,218 B, see kda_decode.py):
+Floor (same bytes as the grid kernel, per (b, h) 137,218 B, see k3lab_kernels.cute.kda_decode):
     H = 12, B = 64: 105.4 MB -> 24.7 us at 4.275 TB/s (the issue's target: >= 3.6 TB/s, <= 29.3 us).
 
 Host API (torch tensors on one CUDA device; current stream; CUDA-graph safe once compiled):
@@ -41,11 +42,14 @@ Host API (torch tensors on one CUDA device; current stream; CUDA-graph safe once
 
 Same arguments and checks as kda_decode (tile 128 only); (ctas, stages) in CONFIGS.
 """
+import functools
 import math
 
 import torch
 
-from .kda_decode import (_D, _THREADS, _get_compiled, _kernel_args, _params_key, _stream, _validate)
+import k3lab  # noqa: F401  (maps k3lab_kernels onto the checkout when it is not installed)
+from k3lab_kernels.cute.kda_decode import (_D, _THREADS, _dsl, _get_compiled, _kernel_args, _params_key, _stream,
+                                          _validate)
 
 __all__ = ["CONFIGS", "STAGES", "kda_decode_persistent"]
 
@@ -62,7 +66,6 @@ def _persistent_class():
     global _CLS
     if _CLS is not None:
         return _CLS
-    from .kda_decode import _dsl
     d = _dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
     sigmoid, vec, warp_sum = d.sigmoid, d.vec, d.warp_sum
@@ -359,13 +362,10 @@ def kda_decode_persistent(qkv, f, b, gate, params, state, conv_state, out, stage
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
     key = ("decode-persistent", ctas, stages, sms, B, H, dev.index) + _params_key(params)
-
-    def cls():
-        import functools
-        return functools.partial(_persistent_class(), sms=sms, stages=stages, ctas=ctas)
-
+    build = functools.partial(_persistent_class(), B, H, 1, False, False, params.eps, params.lower_bound, 128,
+                              sms=sms, stages=stages, ctas=ctas)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, B, H, 1, False, False, params, args + [stream], 128, cls)
+        fn = _get_compiled(key, build, args + [stream])
         fn(*args, stream)
     return out

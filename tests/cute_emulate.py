@@ -1,22 +1,21 @@
-"""CPU emulator of the CuTe DSL subset the KDA kernels use (kda_decode.py, kda_verify.py,
-kda_decode_persistent.py, kda_prefill.py): checks their LOGIC without a GPU or nvidia-cutlass-dsl, the way
-TRITON_INTERPRET=1 checks the Triton kernels.
+"""CPU emulator of the CuTe DSL subset the KDA kernels use (kernels/cute/kda_decode.py, kda_verify.py,
+kda_prefill.py): checks their LOGIC without a GPU or nvidia-cutlass-dsl, the way TRITON_INTERPRET=1 checks
+the Triton kernels. Test tooling: the tests import it as a plain module (tests/ is on sys.path under pytest).
 
-    from k3lab_kernels.cute import emulate
+    import cute_emulate as emulate
     emulate.run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v=32)        # CPU tensors
-    emulate.run_verify(..., state_hist, conv_hist, lengths=None, tile_v=16, row_warps=4, delay=True)
-    emulate.run_persistent(..., ctas=3, stages=1, sms=2)
+    emulate.run_verify(..., state_hist, conv_hist, lengths=None, tile_v=16, row_warps=4, pdl=True)
     emulate.run_prefill(..., chunk=16, inverse="bf16", grouped=True, tile_v=64)
     emulate.launch(fn, tensor, ..., grid=(2, 1, 1), block=(64, 1, 1), cluster=(2, 1, 1))  # any device function
 
 Each run_* takes the GPU wrapper's arguments as CPU tensors and runs the REAL host wrapper (validation,
 compile cache keys, `_kernel_args`, the launch code) and the REAL kernel source inside `emulated()`: that
 context puts fake `cutlass`, `cutlass.cute`, `cutlass._mlir.dialects.{llvm,nvvm}`, `cutlass.cutlass_dsl`,
-`cutlass.cute.runtime` and `cuda.bindings.driver` modules into sys.modules and reloads the four kernel modules
-so their lazily built classes bind the fakes (on exit the real modules come back and the kernel modules are
-reloaded again). The tensors are handed to the wrapper as CPU tensors that report device cuda:0, and the
-kernel modules see a `torch` whose `cuda.device/current_stream/get_device_properties` are stand-ins and whose
-`empty` returns NaN-filled scratch.
+`cutlass.cute.runtime` and `cuda.bindings.driver` modules into sys.modules and reloads the three kernel
+modules (k3lab_kernels.cute.kda_*) so their lazily built classes bind the fakes (on exit the real modules come
+back and the kernel modules are reloaded again). The tensors are handed to the wrapper as CPU tensors that
+report device cuda:0, and the kernel modules see a `torch` whose
+`cuda.device/current_stream/get_device_properties` are stand-ins and whose `empty` returns NaN-filled scratch.
 
 How a launch runs. Every CUDA thread is a cooperative task (a greenlet when the `greenlet` package is there,
 else an OS thread handing a baton); exactly one runs at a time, until it blocks in a barrier, a shuffle, a
@@ -56,7 +55,7 @@ What it does NOT check:
     CTAs of different clusters never run concurrently; 32-bit index overflow is not modelled;
   - arithmetic precision: registers hold Python floats (float64), rounded only when stored to fp32 global or
     shared memory, or converted/stored to bf16/fp16; exp/exp2/rsqrt/rcp are exact, not the GPU's approximations
-    (the `fast` knob's approximate ones included);
+    (the approximate ones the kernels' `fast` choice selects included);
   - performance (time, bandwidth, occupancy, bank conflicts) and anything about the real launch limits
     beyond block size, cluster size <= 8 and shared memory.
 """
@@ -81,8 +80,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the machine
     _greenlet = None
 
-__all__ = ["Deadlock", "EmulationError", "LAST", "STRICT_SMEM", "emulated", "launch", "run_decode",
-           "run_persistent", "run_prefill", "run_verify"]
+__all__ = ["Deadlock", "EmulationError", "LAST", "STRICT_SMEM", "emulated", "launch", "run_decode", "run_prefill",
+           "run_verify"]
 
 STRICT_SMEM = True        # a read of never-written shared memory raises (else the NaN poison flows on)
 SMEM_LIMIT = 227 * 1024   # bytes of shared memory one CTA may use on sm_90
@@ -1157,7 +1156,8 @@ class _Launch:
         pdl = bool(kw.pop("use_pdl", False))
         if kw:
             raise EmulationError(f"launch options the emulator does not know: {sorted(kw)}")
-        rec = {"kernel": name, "grid": tuple(g), "block": nt, "cluster": tuple(cl), "use_pdl": pdl}
+        rec = {"kernel": name, "grid": tuple(g), "block": nt, "cluster": tuple(cl), "use_pdl": pdl,
+               "min_blocks_per_mp": min_blocks_per_mp}
         LAST.setdefault("launches", []).append(rec)
         t0 = time.perf_counter()
         origins = [(x, y, z) for z in range(0, g[2], cl[2]) for y in range(0, g[1], cl[1])
@@ -1439,11 +1439,11 @@ def _fake_modules(emu: _Emu) -> dict:
     return {m.__name__: m for m in mods}
 
 
-_KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_decode_persistent", "kda_prefill")
+_KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill")
 
 
 def _kernel_modules():
-    return [importlib.import_module(f"{__package__}.{n}") for n in _KERNEL_MODULES]
+    return [importlib.import_module(f"k3lab_kernels.cute.{n}") for n in _KERNEL_MODULES]
 
 
 def _is_fake_name(k: str) -> bool:
@@ -1453,12 +1453,11 @@ def _is_fake_name(k: str) -> bool:
 @contextlib.contextmanager
 def emulated(seed: int = 0, sms: int = 2):
     """Inside: the kernel modules are built on the fake DSL (see the module doc); `sms` is what
-    torch.cuda.get_device_properties reports (the persistent decode's grid). Re-entrant: an inner call
-    reuses the outer context."""
+    torch.cuda.get_device_properties reports. Re-entrant: an inner call reuses the outer context."""
     global _EMU
     if _EMU is not None:
         _EMU.sms = sms
-        yield types.SimpleNamespace(**dict(zip(("kd", "kv", "kpers", "kp"), _kernel_modules())))
+        yield types.SimpleNamespace(**dict(zip(("kd", "kv", "kp"), _kernel_modules())))
         return
     saved = {k: v for k, v in sys.modules.items() if _is_fake_name(k)}
     for k in saved:
@@ -1471,7 +1470,7 @@ def emulated(seed: int = 0, sms: int = 2):
             importlib.reload(m)
             m.torch = _TorchStandIn()
         LAST.clear()
-        yield types.SimpleNamespace(**dict(zip(("kd", "kv", "kpers", "kp"), mods)))
+        yield types.SimpleNamespace(**dict(zip(("kd", "kv", "kp"), mods)))
     finally:
         _EMU = None
         for k in [k for k in sys.modules if _is_fake_name(k)]:
@@ -1481,10 +1480,10 @@ def emulated(seed: int = 0, sms: int = 2):
             importlib.reload(m)
 
 
-def _run(call, tensors, seed, sms=2):
+def _run(call, tensors, seed):
     """Register and wrap `tensors` (a dict of argument name -> tensor / KDAParams), call `call(**wrapped)` in
     the emulated kernel modules, then write the bf16 results back into the caller's tensors."""
-    with emulated(seed=seed, sms=sms) as m:
+    with emulated(seed=seed) as m:
         LAST["launches"], LAST["max_smem"], _S.switches = [], 0, 0
         wrapped = {}
         for k, v in tensors.items():
@@ -1508,49 +1507,23 @@ def _early(params, state, conv_state):
     return frozenset(t.data_ptr() for t in ts)
 
 
-def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, seed: int = 0,
-               pdl: bool = False, **knobs):
+def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
+               seed: int = 0):
     """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
-    launch's order: nothing but state, conv_state and params read, nothing written, before the wait.
-    knobs (the measurement knobs: fold, early, bare) go through kda_decode's _launch_decode, as
-    check_kda.py does."""
+    launch's order: nothing but state, conv_state and params read, nothing written, before the wait."""
     _PDL["early"] = _early(params, state, conv_state)
-    knobs = {k: v for k, v in knobs.items() if v is not None}
-
-    def call(m, **a):
-        if knobs:
-            m.kd._launch_decode(*a.values(), tile_v, **knobs, **({"pdl": True} if pdl else {}))
-        else:
-            m.kd.kda_decode(**a, tile_v=tile_v, **({"pdl": True} if pdl else {}))
-
-    _run(call, dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out),
-         seed)
+    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, pdl=pdl),
+         dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out), seed)
     return out
 
 
 def run_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=None,
-               tile_v: int = 128, layout: str = "columns", row_warps=None, seed: int = 0, **knobs):
-    """kda_verify on the emulator. knobs (preload, scatter, delay, late_conv, group_bar, hist) go through
-    kda_verify's _launch as check_kda.py does (unvalidated); without knobs the public wrapper runs."""
+               tile_v: int = 128, row_warps=None, pdl: bool = False, seed: int = 0):
+    """kda_verify on the emulator (same arguments; CPU tensors). Returns `out`; pdl as in run_decode."""
     _PDL["early"] = _early(params, state, conv_state)
-
-    def call(m, **a):
-        if knobs:
-            m.kv._launch(*a.values(), tile_v, layout, row_warps or m.kv.ROW_WARPS[tile_v], **knobs)
-        else:
-            m.kv.kda_verify(**a, tile_v=tile_v, layout=layout, row_warps=row_warps)
-
-    _run(call, dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out,
-                    state_hist=state_hist, conv_hist=conv_hist, lengths=lengths), seed)
-    return out
-
-
-def run_persistent(qkv, f, b, gate, params, state, conv_state, out, stages: int = 3, ctas: int = 1, sms: int = 2,
-                   seed: int = 0):
-    """kda_decode_persistent on the emulator; `sms` is the SM count the grid is sized for (grid =
-    min(B*H, ctas*sms)), so a small value makes the CTAs loop over several items."""
-    _run(lambda m, **a: m.kpers.kda_decode_persistent(**a, stages=stages, ctas=ctas),
-         dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out), seed, sms)
+    _run(lambda m, **a: m.kv.kda_verify(**a, tile_v=tile_v, row_warps=row_warps, pdl=pdl),
+         dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out,
+              state_hist=state_hist, conv_hist=conv_hist, lengths=lengths), seed)
     return out
 
 
