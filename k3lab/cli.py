@@ -104,7 +104,8 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
 
     notebook = Path(notebook).resolve()
     if not notebook.exists():
-        raise RunFailed(f"notebook {notebook} does not exist", Path("."))
+        raise RunFailed(f"notebook {notebook} does not exist", Path.cwd())
+    params = check_params(notebook, params)
     run_dir = Path(out).resolve() if out else (PROFILES_DIR / "runs" / run_id(notebook, params))
     run_dir.mkdir(parents=True, exist_ok=True)
     params = {**params, "out_dir": str(run_dir)}
@@ -144,6 +145,35 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     if error:
         raise RunFailed(error, run_dir)
     return run_dir
+
+
+PATH_PARAMS = ("bundle",)  # parameters that name a file: resolved against the caller's directory
+
+
+def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a parameter the notebook's parameters cell does not define (naming the valid ones), and a
+    value whose type differs from the default's (a number where a number is expected); resolve file
+    parameters against the caller's directory (the notebook runs in its own folder)."""
+    import papermill as pm
+
+    known = pm.inspect_notebook(str(notebook))
+    unknown = sorted(set(params) - set(known) - {"out_dir"})
+    if unknown:
+        raise RunFailed(f"notebook {notebook.name} has no parameter {unknown}; its parameters: "
+                        f"{sorted(k for k in known if k != 'out_dir')}", Path.cwd())
+    out = dict(params)
+    for k, v in params.items():
+        default = (known.get(k) or {}).get("default")
+        try:
+            dv = parse_value(default) if isinstance(default, str) else default
+        except Exception:  # noqa: BLE001
+            dv = None
+        if isinstance(dv, (int, float)) and not isinstance(dv, bool) and not (
+                isinstance(v, (int, float)) and not isinstance(v, bool)):
+            raise RunFailed(f"parameter {k!r} expects a number (default {dv!r}), got {v!r}", Path.cwd())
+        if k in PATH_PARAMS and isinstance(v, str) and v and not Path(v).is_absolute():
+            out[k] = str(Path(v).resolve())
+    return out
 
 
 def _echo_err(msg: str) -> None:

@@ -1,9 +1,9 @@
 """The CuTe DSL KDA kernels (kernels/cute/kda_*.py) on the CPU emulator (tests/cute_emulate.py): their logic
 checked without a GPU or nvidia-cutlass-dsl, as TRITON_INTERPRET=1 checks the Triton kernels.
 
-The checks are kernels/cute/check_kda.py's own (check_decode / check_verify / check_prefill: fresh inputs,
-outputs poisoned with NaN, the fp64 oracle; out < 1e-2, state < 1e-4, conv exact, ragged entries untouched,
-inputs unchanged) with its tensors on the CPU and its kernel entry points swapped for the emulator's. Shapes
+The checks are the shared checker's (k3lab.harness.checker: fresh inputs, outputs poisoned with NaN, the
+fp64 reference; out < 1e-2, state < 1e-4, conv exact, ragged entries untouched, inputs unchanged), with the
+emulator's entry points passed as the implementation (tests/kda_impls.py) and CPU tensors. Shapes
 are small (D = 128 is fixed by the kernels). Then deliberate breakages (a missing barrier, a wrong mbarrier
 parity, a missing arrive, a cluster wait without arrive, a DSMEM store before the cluster barrier,
 out-of-bounds, misaligned and divergent code) must make the emulator raise.
@@ -13,27 +13,18 @@ row_warps, ragged and uniform verify, both sides of the resident-grid choices, p
 the breakages. The cases marked `slow` (python3 -m pytest -q -m slow) cover the rest of the matrix.
 """
 import sys
-import types
 
 import pytest
 import torch
 
 import cute_emulate as emulate
-import k3lab  # noqa: F401  (maps k3lab_kernels onto the checkout when it is not installed)
-from k3lab_kernels.cute import check_kda as ck
+import kda_impls as K
+from k3lab.harness import checker
+from k3lab.ref import kda as ref
 from k3lab_kernels.cute.kda_verify import ROW_WARPS_ALLOWED
 
 pytestmark = pytest.mark.cute_emu
 slow = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def on_emulator(monkeypatch):
-    """check_kda with CPU tensors and the emulator behind its kernel entry points."""
-    monkeypatch.setattr(ck, "DEVICE", "cpu")
-    monkeypatch.setattr(ck, "kda_decode", emulate.run_decode)
-    monkeypatch.setattr(ck, "kda_verify", emulate.run_verify)
-    monkeypatch.setattr(ck, "_prefill_mod", lambda: types.SimpleNamespace(kda_prefill=emulate.run_prefill))
 
 
 @pytest.fixture
@@ -47,8 +38,18 @@ def large_grid(monkeypatch):
         yield
 
 
+def check_decode(B, H, seed, tile_v, pdl=False):
+    return checker.check(K.DEC, K.dcase(B, H), impl=K.decode(emulate.run_decode, tile_v=tile_v, pdl=pdl), seed=seed,
+                         device="cpu")
+
+
+def check_verify(B, H, T, ragged, seed, tile_v, row_warps=None, pdl=False):
+    return checker.check(K.VER, K.vcase(B, H, T, ragged), seed=seed, device="cpu",
+                         impl=K.verify(emulate.run_verify, tile_v=tile_v, row_warps=row_warps, pdl=pdl))
+
+
 def _assert_ok(r):
-    assert r["ok"], r
+    checker.require(r)
 
 
 # ---- decode: every tile (clusters of 1, 2, 4, 8 CTAs); B, H tiny ---------------------------------------
@@ -57,13 +58,13 @@ def _assert_ok(r):
                                         pytest.param(128, 2, 2, marks=slow), pytest.param(64, 1, 2, marks=slow),
                                         pytest.param(32, 2, 1, marks=slow)])
 def test_decode(tile_v, B, H):
-    _assert_ok(ck.check_decode(B, H, seed=tile_v + B + H, tile_v=tile_v))
+    _assert_ok(check_decode(B, H, seed=tile_v + B + H, tile_v=tile_v))
 
 
 @pytest.mark.parametrize("tile_v", [128, pytest.param(64, marks=slow), pytest.param(32, marks=slow),
                                     pytest.param(16, marks=slow)])
 def test_decode_large_grid(tile_v, large_grid):
-    _assert_ok(ck.check_decode(2, 1, seed=11, steps=2, tile_v=tile_v))
+    _assert_ok(check_decode(2, 1, seed=11, tile_v=tile_v))
 
 
 # ---- verify: every allowed row_warps at tiles 128 / 32 / 16, ragged and uniform -------------------------
@@ -94,7 +95,7 @@ def test_verify_cases_cover_every_tile_and_row_warps():
 
 @pytest.mark.parametrize("tile_v,row_warps,B,H,T,ragged", VERIFY)
 def test_verify(tile_v, row_warps, B, H, T, ragged):
-    _assert_ok(ck.check_verify(B, H, T, ragged=ragged, seed=B + H + T + tile_v, tile_v=tile_v, row_warps=row_warps))
+    _assert_ok(check_verify(B, H, T, ragged=ragged, seed=B + H + T + tile_v, tile_v=tile_v, row_warps=row_warps))
     assert emulate.LAST["launches"][-1]["min_blocks_per_mp"] == 1  # a resident grid: no register cap
 
 
@@ -103,7 +104,7 @@ def test_verify(tile_v, row_warps, B, H, T, ragged):
     pytest.param(128, 2, 1, 1, 4, False, marks=slow), pytest.param(16, 8, 2, 1, 2, True, marks=slow),
     pytest.param(64, 1, 1, 1, 2, False, marks=slow)])
 def test_verify_large_grid(tile_v, row_warps, B, H, T, ragged, large_grid):
-    _assert_ok(ck.check_verify(B, H, T, ragged=ragged, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps))
+    _assert_ok(check_verify(B, H, T, ragged=ragged, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps))
     assert emulate.LAST["launches"][-1]["min_blocks_per_mp"] == 2
 
 
@@ -130,29 +131,29 @@ def test_resident_grid_rule():
 @pytest.mark.parametrize("tile_v,B,H", [(64, 1, 1), pytest.param(16, 1, 1, marks=slow),
                                         pytest.param(128, 2, 1, marks=slow)])
 def test_decode_pdl(tile_v, B, H):
-    _assert_ok(ck.check_decode(B, H, seed=tile_v + 7, tile_v=tile_v, pdl=True))
+    _assert_ok(check_decode(B, H, seed=tile_v + 7, tile_v=tile_v, pdl=True))
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
 
 
 @pytest.mark.parametrize("tile_v,row_warps,B,T", [(64, 4, 2, 2), pytest.param(16, 4, 2, 3, marks=slow),
                                                   pytest.param(128, 2, 2, 4, marks=slow)])
 def test_verify_pdl(tile_v, row_warps, B, T):
-    _assert_ok(ck.check_verify(B, 1, T, ragged=True, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps, pdl=True))
+    _assert_ok(check_verify(B, 1, T, ragged=True, seed=T + tile_v, tile_v=tile_v, row_warps=row_warps, pdl=True))
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
 
 
 @slow
 @pytest.mark.parametrize("tile_v", [128, 64, 32, 16])
-def test_decode_two_steps(tile_v):
-    """Two steps from the same start, the state carried (and, at tile 128, with pdl)."""
-    _assert_ok(ck.check_decode(2, 2, seed=11, steps=2, tile_v=tile_v, pdl=tile_v == 128))
+def test_decode_batch_and_heads(tile_v):
+    """Two sequences of two heads (and, at tile 128, with pdl)."""
+    _assert_ok(check_decode(2, 2, seed=11, tile_v=tile_v, pdl=tile_v == 128))
 
 
 def test_pdl_order_is_enforced(monkeypatch):
     """With no tensor declared readable before the wait, the kernels' early state loads must be caught."""
     monkeypatch.setattr(emulate, "_early", lambda *a: frozenset())
     with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
-        ck.check_decode(1, 1, seed=1, tile_v=128, pdl=True)
+        check_decode(1, 1, seed=1, tile_v=128, pdl=True)
 
 
 def test_pdl_trigger_before_wait_is_caught():
@@ -173,7 +174,10 @@ def test_pdl_trigger_before_wait_is_caught():
     pytest.param(dict(B=1, H=1, L=20, chunk=16, inverse="fp32", grouped=False, tile_v=32), marks=slow),
 ])
 def test_prefill(case):
-    r = ck.check_prefill(**case)
+    c = dict(case)
+    tile_v = c.pop("tile_v")
+    pc = K.pcase(**c)
+    r = checker.check(K.PRE, pc, impl=K.prefill(emulate.run_prefill, pc, tile_v=tile_v), seed=5, device="cpu")
     _assert_ok(r)
     names = [x["kernel"].split(".")[-2] for x in emulate.LAST["launches"]]
     assert names == (["Prep", "Intra", "Summary", "Scan", "Chunks", "Norm"] if case["grouped"]
@@ -190,7 +194,7 @@ def test_bf16_rounding_matches_torch():
 
 
 def _decode_args(B=1, H=1):
-    inp, p, st, cs = ck.ref.make_kda_inputs(B, H, 128, seed=3)
+    inp, p, st, cs = ref.make_kda_inputs(B, H, 128, seed=3)
     out = torch.full((B, H * 128), float("nan"), dtype=torch.bfloat16)
     return (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs, out)
 

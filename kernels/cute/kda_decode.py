@@ -21,7 +21,8 @@ warp 0 alone finishes the output. What the shape decides (each measured: docs/NO
   rs     tile 128: the warps' partial sums are combined as a reduce-scatter;
   fast   while the whole grid is resident (_resident_grid): exp, sigmoid and rsqrt as single MUFU ops.
 
-Floor (kda_decode_bytes): per (b, h) the state 65,536 B read + written, conv_state 2,304 B read +
+Floor (k3lab.ops.kda.kda_bytes, the one formula): per (b, h) the state 65,536 B read + written,
+conv_state 2,304 B read +
 written, qkv 768 B, f, gate and out 256 B each, b 2 B (137,218 B), plus the parameters once. 12 heads:
 B = 1 1.69 MB (0.39 us at 4.275 TB/s, so launch latency is the bound), B = 64 105.4 MB (24.7 us).
 
@@ -51,7 +52,7 @@ _RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
 
-__all__ = ["TILES", "cute_available", "kda_decode", "kda_decode_bytes", "kda_verify_bytes"]
+__all__ = ["TILES", "cute_available", "kda_decode"]
 
 
 def _resident_grid(ctas: int) -> bool:
@@ -70,21 +71,8 @@ def cute_available() -> bool:
         return False
 
 
-def kda_decode_bytes(B: int, H: int, D: int = _D, W: int = _W) -> int:
-    """Bytes the decode step must move (state r+w, conv r+w, activations, params once)."""
-    C = 3 * H * D
-    per_b = 2 * H * D * D * 4 + 2 * C * (W - 1) * 2 + C * 2 + 3 * H * D * 2 + H * 2
-    params = C * W * 2 + H * 4 + H * D * 4 + D * 2
-    return B * per_b + params
 
 
-def kda_verify_bytes(B: int, H: int, T: int, D: int = _D, W: int = _W) -> int:
-    """Bytes verify must move: state read once, T states + T conv windows written, T activations."""
-    C = 3 * H * D
-    per_b = (H * D * D * 4 * (1 + T) + C * (W - 1) * 2 * (1 + T)
-             + T * (C * 2 + 3 * H * D * 2 + H * 2))
-    params = C * W * 2 + H * 4 + H * D * 4 + D * 2
-    return B * per_b + params
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ numerics study of the intra-chunk inverse):
             conv_state <- the last 3 entries of [conv_state, x] (prep read the old one, same stream).
 So 4 launches (grouped=False) or 6 (grouped=True).
 
-Floor (bytes that must move, B=1, L=4096, H=12, D=128; kda_prefill_bytes): qkv 37.7 MB + f 12.6 MB +
+Floor (k3lab.ops.kda.kda_bytes(..., prefill=True); B=1, L=4096, H=12, D=128): qkv 37.7 MB + f 12.6 MB +
 gate 12.6 MB + out 12.6 MB + b 0.1 MB + fp32 state read and written 1.6 MB + conv state and params
 0.1 MB = 77.3 MB -> 18.1 us at 4.275 TB/s.
 What this design moves instead (estimate, same shape): the fp32 intermediates q, k, v, G, W, U0 and o
@@ -63,7 +63,7 @@ import torch
 
 from .kda_decode import _BF16, _D, _L2_EPS, _PARAM, _W, _check, _dsl, _ptr, _stream
 
-__all__ = ["PREFILL_CHUNKS", "PREFILL_INVERSES", "PREFILL_TILES", "kda_prefill", "kda_prefill_bytes"]
+__all__ = ["PREFILL_CHUNKS", "PREFILL_INVERSES", "PREFILL_TILES", "kda_prefill"]
 
 PREFILL_CHUNKS = (16, 32, 64)
 PREFILL_INVERSES = ("fp32", "bf16")
@@ -73,13 +73,6 @@ _DP = _D + 4  # shared-memory row pitch of [CH, D] fp32 tiles: 16-byte aligned, 
 _INT32_MAX = 2**31 - 1
 
 
-def kda_prefill_bytes(B: int, L: int, H: int, D: int = _D, W: int = _W) -> int:
-    """Bytes a prefill must move: activations in, out, state read + written, conv state, params."""
-    HD = H * D
-    C = 3 * HD
-    per_b = L * (C + 3 * HD + H) * 2 + 2 * H * D * D * 4 + 2 * C * (W - 1) * 2
-    params = C * W * 2 + H * 4 + HD * 4 + D * 2
-    return B * per_b + params
 
 
 # ---------------------------------------------------------------------------------------------

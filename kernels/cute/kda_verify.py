@@ -32,7 +32,8 @@ docs/NOTES_kda.md):
   registers at most 128 a thread (two CTAs per SM) once the grid has more CTAs than the GPU has SMs.
 ROW_WARPS holds the default row_warps per tile.
 
-Floor (kda_verify_bytes): per (b, h) the state 64 KiB read once and T x 64 KiB state_hist written, the
+Floor (k3lab.ops.kda.kda_bytes, the one formula): per (b, h) the state 64 KiB read once and T x 64 KiB
+state_hist written, the
 conv window 2,304 B read and T x 2,304 B conv_hist written, T x (768 + 256 + 256 + 256 + 2) B
 activations. 12 heads, B = 1: T = 4 4.1 MB (0.97 us at 4.275 TB/s), T = 8 7.5 MB (1.75 us); at B = 1
 the bound is latency: the launch, then the T-step chain, with each position's state_hist stores leaving
@@ -53,9 +54,9 @@ import math
 import torch
 
 from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _RESIDENT, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
-                         _params_key, _resident_grid, _stream, _validate, kda_verify_bytes)
+                         _params_key, _resident_grid, _stream, _validate)
 
-__all__ = ["ROW_WARPS", "ROW_WARPS_ALLOWED", "kda_verify", "kda_verify_bytes"]
+__all__ = ["ROW_WARPS", "ROW_WARPS_ALLOWED", "kda_verify"]
 
 # row_warps per tile_v when not given (profiles/h200/kda_cute_verify_split.json: 4 is the best at tile 32
 # and at tile 128 for B=64, within 2 % of the best at tile 64; docs/NOTES_kda.md)
