@@ -127,8 +127,8 @@ def test_defaults_table_is_the_one_the_committed_sweeps_give(tmp_path):
 
 
 def test_defaults_refuses_what_it_cannot_use(tmp_path):
-    r = runner.invoke(cli.app, ["defaults", "mla", str(tmp_path)])
-    assert r.exit_code == 2 and "unknown component 'mla'" in r.output and "kda" in r.output
+    r = runner.invoke(cli.app, ["defaults", "nosuch", str(tmp_path)])
+    assert r.exit_code == 2 and "unknown component 'nosuch'" in r.output and "kda" in r.output
     bad = tmp_path / "b.json"
     bad.write_text(json.dumps({"rows": []}))
     r = runner.invoke(cli.app, ["defaults", "kda", str(bad)])
