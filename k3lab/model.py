@@ -60,7 +60,7 @@ Component = tuple[Callable[[], Any], int, int]
 # "proj" = plain torch matmuls (cuBLAS on a GPU), labelled "reference" whatever the request
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "attnres": ("reference", "torch_compile"),
-    "mla": ("reference", "torch_compile"),
+    "mla": ("reference", "torch_compile", "triton"),
     "moe": ("reference", "torch_compile"),
     "router": ("reference", "torch_compile"),
     "kda": None,
@@ -347,8 +347,11 @@ class Layer:
 
         def attn():
             from k3lab.components import mla as mla_comp
+            # triton: k3lab_kernels.triton.mla_decode (split + merge). The cache holds lengths + T positions
+            # exactly (alloc_state), so n_positions is its capacity: no host sync, graph-capturable.
             b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
-                                            backend=be, partitions=sw.mla_partitions, pad_heads=sw.pad_heads)
+                                            backend=be, partitions=sw.mla_partitions, pad_heads=sw.pad_heads,
+                                            n_positions=st.cache.capacity, check_values=False)
             return b["o_lat"]
         S = int(st.lengths.max()) + self.T
         Hp = max(H, sw.pad_heads)

@@ -178,7 +178,7 @@ def layer_part(kind: str) -> Callable:
 
 REGISTRY: dict[str, Op] = {}
 _LOADED = False
-OP_MODULES = ("k3lab.ops.kda",)
+OP_MODULES = ("k3lab.ops.kda", "k3lab.ops.mla")
 
 
 def register(op: Op) -> Op:
@@ -188,18 +188,30 @@ def register(op: Op) -> Op:
     return op
 
 
+LOAD_ERRORS: dict[str, str] = {}  # op module -> why it did not import (named by get / ops_of)
+
+
 def _load() -> None:
+    """Import every op module once. One that fails to import is named in LOAD_ERRORS and in the error of any
+    lookup that misses, so one broken component never hides the others."""
     global _LOADED
     if not _LOADED:
         _LOADED = True
         for m in OP_MODULES:
-            importlib.import_module(m)
+            try:
+                importlib.import_module(m)
+            except Exception as e:  # noqa: BLE001
+                LOAD_ERRORS[m] = f"{type(e).__name__}: {e}"
+
+
+def _why_missing() -> str:
+    return f" (op modules that failed to import: {LOAD_ERRORS})" if LOAD_ERRORS else ""
 
 
 def get(name: str) -> Op:
     _load()
     if name not in REGISTRY:
-        raise RegistryError(f"unknown op {name!r}; registered: {sorted(REGISTRY)}")
+        raise RegistryError(f"unknown op {name!r}; registered: {sorted(REGISTRY)}{_why_missing()}")
     return REGISTRY[name]
 
 
@@ -212,5 +224,6 @@ def ops_of(component: str) -> list[Op]:
     _load()
     ops = [op for op in REGISTRY.values() if op.component == component]
     if not ops:
-        raise RegistryError(f"unknown component {component!r}; registered components: {components()}")
+        raise RegistryError(f"unknown component {component!r}; registered components: {components()}"
+                            f"{_why_missing()}")
     return ops

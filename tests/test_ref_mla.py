@@ -140,3 +140,104 @@ def test_cache_overflow_is_refused():
     _, w, cache, _, h = _setup()
     with pytest.raises(ValueError, match="capacity"):
         mla.mla_decode(h, w, cache, torch.tensor([cache.capacity, 0]))
+
+
+# ---- DCP with histories shorter than the ranks, paged caches, the combine and the cache entry ----------
+
+@pytest.mark.parametrize("layout", ["interleave", "contiguous"])
+def test_dcp_every_n_and_short_histories(layout):
+    """DCP-N for N = 2..16 equals the unsharded result, histories 1..N+1 included (ranks past the history
+    hold nothing and contribute an empty partial); dcp=4 with one cached position no longer raises."""
+    g = torch.Generator().manual_seed(3)
+    B, T, H, C, Dr = 2, 2, 3, 8, 4
+    ql, qr = torch.randn(B, T, H, C, generator=g, dtype=D64), torch.randn(B, T, H, Dr, generator=g, dtype=D64)
+    kv = torch.randn(B, 24, C + Dr, generator=g, dtype=D64)
+    for ctx in (0, 1, 3, 17):
+        lengths = torch.tensor([ctx, max(0, ctx - 2)])
+        plain = mla.mla_attend(ql, qr, kv, lengths, scale=0.4)
+        for n in range(2, 17):
+            o, lse = mla.mla_attend(ql, qr, kv, lengths, scale=0.4, dcp=n, dcp_layout=layout, partitions=2)
+            assert torch.allclose(o, plain[0], atol=1e-12) and torch.allclose(lse, plain[1], atol=1e-12), (ctx, n)
+    o, lse = mla.mla_attend_partials(ql, qr, kv, torch.tensor([1, 1]), scale=0.4, dcp=4)
+    assert o.shape == (B, 4, T, H, C)
+    assert bool(torch.isinf(lse[:, 3, 0]).all()) and not bool(o[:, 3, 0].any())  # rank 3 holds nothing for t=0
+
+
+def test_dcp_one_cached_position_through_the_layer():
+    _, w, cache, _, h = _setup(ctx=1)
+    lengths = torch.tensor([1, 1])
+    plain = mla.mla_decode(h, w, _clone(cache), lengths)
+    assert torch.allclose(mla.mla_decode(h, w, _clone(cache), lengths, dcp=4), plain, atol=1e-12)
+
+
+def test_attend_ignores_garbage_past_the_history():
+    _, w, cache, lengths, h = _setup()
+    qn, qr = mla.mla_q(h.unsqueeze(1), w)
+    ql = mla.absorb_q(qn, w)
+    kv = cache.read(D64)
+    want = mla.mla_attend(ql, qr, kv, lengths, scale=w.scale)
+    for b, n in enumerate(lengths.tolist()):
+        kv[b, n + 1:] = float("nan")
+    got = mla.mla_attend(ql, qr, kv, lengths, scale=w.scale, partitions=3)
+    assert torch.allclose(got[0], want[0], atol=1e-12) and torch.allclose(got[1], want[1], atol=1e-12)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("kv_dtype,mode", [(None, "tensor"), ("fp8", "tensor"), ("fp8", "token")])
+def test_paged_cache_equals_contiguous(page_size, kv_dtype, mode):
+    g = torch.Generator().manual_seed(4)
+    B, S, W = 3, 21, 12
+    dt = torch.float32 if kv_dtype is None else torch.bfloat16
+    flat = mla.MLACache.empty(B, S, W, dtype=dt, kv_dtype=kv_dtype, fp8_scale=mode, tensor_scale=0.5)
+    paged = mla.PagedMLACache.empty(B, S, W, page_size, dtype=dt, kv_dtype=kv_dtype, fp8_scale=mode,
+                                    tensor_scale=0.5, spare_pages=2, seed=1)
+    assert paged.capacity >= S and paged.block_table.dtype == torch.int32 and paged.scale_mode == flat.scale_mode
+    lengths = torch.tensor([0, 5, 13])
+    for step in range(3):
+        ent = torch.randn(B, 2, W, generator=g)
+        flat.write(lengths + 2 * step, ent)
+        paged.write(lengths + 2 * step, ent)
+    got = paged.read(D64)[:, :S]
+    assert torch.equal(got, flat.read(D64))
+    again = mla.PagedMLACache.from_contiguous(flat, page_size, spare_pages=1, seed=2, fill=float("nan"))
+    assert torch.equal(again.read(D64)[:, :S], flat.read(D64))
+    assert not torch.equal(again.block_table.flatten().sort().values, again.block_table.flatten())  # shuffled
+    with pytest.raises(ValueError, match="capacity"):
+        paged.write(torch.tensor([paged.capacity, 0, 0]), torch.zeros(B, 1, W))
+
+
+def test_fp8_quantize_rounds_to_nearest_and_saturates():
+    x = torch.tensor([[1.9961, 0.0, 500.0, -1000.0, 1.5e-3, 448.0]], dtype=D64)
+    q, s = mla.fp8_quantize(x, "tensor", 1.0)  # 1.5e-3 -> the smallest subnormal 2^-9; 1.9961 carries to 2
+    assert s is None and q.to(D64).tolist()[0] == [2.0, 0.0, 448.0, -448.0, 2.0 ** -9, 448.0]
+    q, s = mla.fp8_quantize(x, "token")
+    assert s.shape == (1,) and float(s[0]) == pytest.approx(1000 / 448)
+    assert float(q.to(D64)[0, 3]) == -448.0  # the entry's amax maps to the top of e4m3
+    with pytest.raises(ValueError, match="fp8 scale mode"):
+        mla.fp8_quantize(x, "row")
+
+
+def test_combine_reference_by_loops():
+    g = torch.Generator().manual_seed(6)
+    B, K, T, H, C, Dv = 2, 3, 2, 2, 4, 3
+    o, lse = torch.randn(B, K, T, H, C, generator=g, dtype=D64), torch.randn(B, K, T, H, generator=g, dtype=D64)
+    lse[0, 1] = float("-inf")
+    o[0, 1] = 0.0
+    w_uv, gate = torch.randn(H, C, Dv, generator=g, dtype=D64), torch.randn(B, T, H * Dv, generator=g, dtype=D64)
+    got = mla.mla_combine(o, lse, w_uv, gate)
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                ws = [math.exp(float(lse[b, k, t, h])) for k in range(K)]
+                ol = sum(ws[k] * o[b, k, t, h] for k in range(K)) / sum(ws)
+                y = ol @ w_uv[h]
+                gt = torch.sigmoid(gate[b, t, h * Dv:(h + 1) * Dv])
+                assert torch.allclose(got[b, t, h * Dv:(h + 1) * Dv], y * gt, atol=1e-12)
+
+
+def test_cache_entry_is_the_kv_entry():
+    _, w, _, _, h = _setup()
+    from k3lab.ref.situ import linear
+
+    assert torch.allclose(mla.mla_cache_entry(linear(h, w.w_dkv), w.kv_norm, w.eps), mla.mla_kv_entry(h, w),
+                          atol=1e-12)

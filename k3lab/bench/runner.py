@@ -109,7 +109,8 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     bd = Bundle.new(name or f"{component}_sweep", switches=Switches(), copy_tbps=pr["copy_tbps"],
                     read_tbps=pr["read_tbps"], launch_floor_us=pr["launch_us"])
     bd.config = {"bench": component, "ops": [o.name for o in op_list], "grid": {k: list(v) for k, v in grid.items()},
-                 "backends": list(backends), "peers": peers, "mode": "hot" if hot else "rotated", "reps": reps}
+                 "backends": list(backends), "peers": peers, "mode": "hot" if hot else "rotated", "reps": reps,
+                 "probes": pr}
     if not gpu:
         bd.notes.append("CPU run: cpu-smoke timings and host bandwidths; logic only, not GPU figures")
     t_end = time.time() + deadline_s if deadline_s else None
@@ -158,8 +159,8 @@ def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, 
             res = im.check(sets[0])
             err = dict(ok=res.ok, failures=res.failures, outputs=res.errors,
                        rel_norm=max((e.get("rel_norm") or 0.0) for e in res.errors.values()) if res.errors else None)
-            if res.ran:
-                x["ran"] = res.ran[-1].to_dict()
+            if res.ran:  # what the dispatcher ran for this row (the rest of the record is the row itself)
+                x["ran"] = dict(kernel=res.ran[-1].kernel, why=res.ran[-1].why, notes=res.ran[-1].notes)
         fns = [im.make(s) for s in sets]
         kl = timing.kernel_list(fns[0]) if (kernels and gpu) else []
         bench = timing.bench_gpu if gpu else timing.bench_cpu

@@ -1,106 +1,410 @@
 """Gated MLA component API (absorbed decode over the latent cache; k3lab.ref.mla has the maths).
 
-    decode(h, weights, cache, lengths, out=None, *, backend="reference", partitions=1, pad_heads=0,
-           dcp=1, dcp_layout="interleave") -> out [B, D]
-        h [B, D] = the normed layer input. Writes h's cache entry at position lengths[b] of `cache`
-        (in place); does NOT advance `lengths` (the caller owns it). Attends positions <= lengths[b].
-    verify(h, weights, cache, lengths, out=None, *, ...) -> out [B, T, D]
-        T positions per sequence: entries written at lengths .. lengths+T-1, causal among the new.
-    attend(q_lat, q_rope, cache, lengths, *, scale, backend, partitions, pad_heads, dcp, dcp_layout)
-        -> (o_lat [B, T, H, C], lse [B, T, H]) over an already written cache.
+    attend(q_lat, q_rope, cache, lengths, *, scale, backend="reference", partitions=1, pad_heads=0, dcp=1,
+           dcp_layout="interleave", merge=True, out=None, lse=None, n_positions=None, ran=None, ...)
+        -> (o_lat [B,T,H,C], lse [B,T,H]) over an already written cache (MLACache or PagedMLACache);
+           merge=False -> the partials (o [B,K,T,H,C], lse [B,K,T,H]), K = dcp * partitions.
+    combine(o_parts, lse_parts, w_uv, gate, out=None, *, backend, ran=None, ...) -> [B,T,H*Dv]
+        the partials merged by log-sum-exp, times Wuv per head, times sigmoid(gate): what Wo reads.
+    write_cache(kv, kv_norm, cache, lengths, *, eps=1e-6, backend, ran=None)
+        the kv down-projection's output [B,T,C+Dr] -> [rms(c; kv_norm) | k_rope] written in place at
+        positions lengths[b] .. lengths[b]+T-1 (lengths is not advanced: the caller owns it).
+    decode(h, weights, cache, lengths, out=None, *, backend, partitions, pad_heads, dcp, dcp_layout, ran)
+        -> out [B, D]: h [B, D] = the normed layer input; writes h's entry at lengths[b], attends
+        positions <= lengths[b].
+    verify(h, weights, cache, lengths, out=None, *, ...) -> out [B, T, D]: T positions per sequence, entries
+        written at lengths .. lengths+T-1, causal among the new.
 
-partitions = split-KV pieces merged by log-sum-exp; dcp = simulated decode context parallelism over
-`dcp` ranks; pad_heads = pad the query heads to this count (0 = none) and drop the padded outputs.
-Backends here: "reference", "torch_compile"; others are refused with BackendUnavailable.
+Options: partitions = split-KV pieces merged by log-sum-exp (1..128; None = the automatic choice of
+k3lab_kernels.triton.mla_decode.default_partitions: the reference then uses 1); dcp = decode context
+parallelism over `dcp` ranks emulated on one GPU (each rank's partials computed as that GPU would, all
+merged by log-sum-exp); pad_heads = run the query heads as this many rows (0 = none; padded outputs
+dropped). The Triton kernels' own knobs (block_n, block_m, num_warps, num_stages, block_v) default to
+their heuristics.
+
+Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.mla):
+  reference      k3lab.ref.mla in the compute dtype (fp32, fp64 for fp64 inputs)
+  torch_compile  torch.compile of the same reference functions
+  triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches)
+  aiter          refused with a message (no AITER adapter yet; AITER needs ROCm)
+  auto           the measured table (data/mla_defaults.json once measured), else the reference
+Each call takes `ran=[]` to get the record of what ran appended (op, backend asked and run, kernel,
+options, shape, why). Argument errors are MLAArgumentError (a ValueError) naming the argument. Value checks
+of `lengths` read it on the host (a device sync): pass check_values=False (and n_positions) on timed or
+CUDA-graph-captured paths.
 """
 from __future__ import annotations
 
 import torch
 
-from k3lab.components.dispatch import resolve_backend, write_out
+from k3lab.components import dispatch
 from k3lab.ref import mla as ref
-from k3lab.ref.mla import MLACache, MLAWeights
+from k3lab.ref.mla import DCP_LAYOUTS, MLACache, MLAWeights, PagedMLACache
 from k3lab.ref.rmsnorm import compute_dtype
+from k3lab.ref.situ import linear
+from k3lab.switches import BackendUnavailable
 
 COMPONENT = "mla"
+MAX_PARTITIONS = 128
+CACHES = (MLACache, PagedMLACache)
+TRITON_CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+TRITON_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_lengths(lengths, batch: int, T: int, cache: MLACache) -> torch.Tensor:
-    if isinstance(lengths, int):
-        lengths = torch.full((batch,), lengths, dtype=torch.long, device=cache.data.device)
-    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,) or lengths.is_floating_point():
-        raise ValueError(f"{COMPONENT}: 'lengths' must be an int tensor of shape [{batch}], got "
-                         f"{getattr(lengths, 'shape', type(lengths).__name__)}")
-    if bool((lengths < 0).any()) or int(lengths.max()) + T > cache.capacity:
-        raise ValueError(f"{COMPONENT}: 'lengths' + {T} new positions must lie in 0..{cache.capacity} "
-                         f"(the cache capacity), got lengths {lengths.tolist()}")
+class MLAArgumentError(ValueError):
+    """An argument of the MLA component API has the wrong type, shape, dtype, device or value."""
+
+
+def _fail(name: str, msg: str):
+    raise MLAArgumentError(f"{COMPONENT}: {name!r} {msg}")
+
+
+def _refuse_aiter(backend: str) -> None:
+    if backend != "aiter":
+        return
+    where = (f"this machine has a CUDA GPU ({torch.cuda.get_device_name()})" if torch.cuda.is_available()
+             and torch.version.hip is None else "no ROCm GPU is visible here")
+    raise BackendUnavailable(f"{COMPONENT}: backend 'aiter' runs AITER's MLA decode on AMD ROCm GPUs only and "
+                             f"{where}; no AITER adapter is written in k3lab yet. Use backend='triton' "
+                             f"(or 'reference').")
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+def _tensor(name, t, dim=None, dtypes=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        _fail(name, f"must have {dim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        _fail(name, f"must be on {device} (the device of the first tensor argument), got {t.device}")
+    return t
+
+
+def _cache(cache, batch: int, width: int, device, triton: bool):
+    if not isinstance(cache, CACHES):
+        _fail("cache", f"must be k3lab.ref.mla.MLACache or PagedMLACache, got {type(cache).__name__}")
+    if cache.batch != batch or cache.width != width:
+        shape = tuple(cache.data.shape) if isinstance(cache, MLACache) else (
+            f"pool {tuple(cache.pool.shape)}, table {tuple(cache.block_table.shape)}")
+        _fail("cache", f"must hold batch {batch} of width {width} (C + Dr), got {shape}")
+    if cache.device != device:
+        _fail("cache", f"must be on {device}, got {cache.device}")
+    if triton:
+        if cache.dtype not in TRITON_CACHE_DTYPES:
+            _fail("cache", f"dtype must be bf16 or float8_e4m3fn for the triton backend, got {cache.dtype}")
+        if isinstance(cache, MLACache):
+            if not cache.data.is_contiguous():
+                _fail("cache", "data must be contiguous for the triton backend")
+        elif not (cache.pool.is_contiguous() and cache.block_table.is_contiguous()):
+            _fail("cache", "pool and block_table must be contiguous for the triton backend")
+        if cache.scale is not None and (cache.scale.dtype != torch.float32 or not cache.scale.is_contiguous()):
+            _fail("cache", "fp8 scale must be a contiguous float32 tensor for the triton backend")
+
+
+def _lengths(lengths, batch: int, T: int, cache, device, check_values: bool) -> torch.Tensor:
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        lengths = torch.full((batch,), lengths, dtype=torch.long, device=device)
+    if (not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (batch,)
+            or lengths.dtype not in (torch.int32, torch.int64)):
+        _fail("lengths", f"must be an int32/int64 tensor of shape [{batch}] (or an int), got "
+                         f"{getattr(lengths, 'shape', type(lengths).__name__)} {getattr(lengths, 'dtype', '')}")
+    if lengths.device != device:
+        _fail("lengths", f"must be on {device}, got {lengths.device}")
+    if check_values and (bool((lengths < 0).any()) or int(lengths.max()) + T > cache.capacity):
+        _fail("lengths", f"+ {T} new positions must lie in 0..{cache.capacity} (the cache capacity), got "
+                         f"{lengths.tolist()}")
     return lengths
 
 
-def _check_opts(weights: MLAWeights, partitions: int, pad_heads: int, dcp: int) -> None:
-    if not isinstance(partitions, int) or partitions < 1:
-        raise ValueError(f"{COMPONENT}: 'partitions' must be an int >= 1, got {partitions!r}")
-    if not isinstance(dcp, int) or dcp < 1:
-        raise ValueError(f"{COMPONENT}: 'dcp' must be an int >= 1, got {dcp!r}")
-    if not isinstance(pad_heads, int) or (pad_heads and pad_heads < weights.heads):
-        raise ValueError(f"{COMPONENT}: 'pad_heads' must be 0 or >= the {weights.heads} query heads, "
-                         f"got {pad_heads!r}")
+def _int_opt(name, v, lo, hi=None, allow_none=False):
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        _fail(name, f"must be an int in {rng}{' or None' if allow_none else ''}, got {v!r}")
 
 
-def _check(h, weights, cache, T_axis: bool):
+def _attend_opts(H: int, partitions, pad_heads, dcp, dcp_layout) -> None:
+    _int_opt("partitions", partitions, 1, MAX_PARTITIONS, allow_none=True)
+    _int_opt("dcp", dcp, 1)
+    if isinstance(pad_heads, bool) or not isinstance(pad_heads, int) or (pad_heads and pad_heads < H):
+        _fail("pad_heads", f"must be 0 (no padding) or an int >= the {H} query heads, got {pad_heads!r}")
+    if dcp_layout not in DCP_LAYOUTS:
+        _fail("dcp_layout", f"must be one of {DCP_LAYOUTS}, got {dcp_layout!r}")
+
+
+def _out(name, t, shape, dtypes, device):
+    _tensor(name, t, len(shape), dtypes, device)
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        _fail(name, "must be contiguous")
+    return t
+
+
+def _kv_args(cache) -> dict:
+    if isinstance(cache, PagedMLACache):
+        return dict(kv=cache.pool, kv_scale=cache.scale, block_table=cache.block_table)
+    return dict(kv=cache.data, kv_scale=cache.scale, block_table=None)
+
+
+def _cache_kind(cache) -> dict:
+    return dict(page_size=cache.page_size if isinstance(cache, PagedMLACache) else 0,
+                kv_dtype=str(cache.dtype).replace("torch.", ""), fp8_scale=cache.scale_mode)
+
+
+# ---- attention -----------------------------------------------------------------------------------
+
+def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: float, backend: str = "reference",
+           partitions: int | None = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
+           merge: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+           n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
+           block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+           ran: list | None = None):
+    """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
+    already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
+    lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
+    are filled when given. merge=False returns the partials (triton: in a workspace reused by the next call
+    of the same shape). n_positions = max(lengths) + T when the caller knows it (no host sync). The triton
+    kernel multiplies bf16 queries on tensor cores: fp32 queries are rounded to bf16 first."""
+    _refuse_aiter(backend)
+    _tensor("q_lat", q_lat, 4)
+    dev = q_lat.device
+    _tensor("q_rope", q_rope, 4, None, dev)
+    if q_rope.shape[:3] != q_lat.shape[:3]:
+        _fail("q_rope", f"must agree with q_lat [B,T,H,C] {tuple(q_lat.shape)} on B, T, H; got {tuple(q_rope.shape)}")
+    B, T, H, C = q_lat.shape
+    if B < 1 or T < 1 or H < 1:
+        _fail("q_lat", f"must have B, T, H >= 1, got {tuple(q_lat.shape)}")
+    _attend_opts(H, partitions, pad_heads, dcp, dcp_layout)
+    if not isinstance(merge, bool):
+        _fail("merge", f"must be a bool, got {merge!r}")
+    be, auto_opts, why = dispatch.select("mla_decode", backend, B=B, T=T)
+    tri = be == "triton"
+    if tri:
+        _tensor("q_lat", q_lat, 4, TRITON_ACT_DTYPES)
+        _tensor("q_rope", q_rope, 4, TRITON_ACT_DTYPES)
+    _cache(cache, B, C + q_rope.shape[-1], dev, tri)
+    lengths = _lengths(lengths, B, T, cache, dev, check_values)
+    if n_positions is not None:
+        _int_opt("n_positions", n_positions, T, cache.capacity)
+    K_shape = None
+    if tri:
+        from k3lab_kernels.triton.mla_decode import default_partitions
+
+        n_max = n_positions or (int(lengths.max()) + T if check_values else cache.capacity)
+        P = partitions or auto_opts.get("partitions") or default_partitions(
+            B, n_max, T=T, H=H, pad_heads=pad_heads, dcp=dcp, block_n=block_n, block_m=block_m)
+        K_shape = dcp * P
+    else:
+        P = partitions or 1
+    if merge:
+        if out is not None:
+            _out("out", out, (B, T, H, C), (torch.float32,) if tri else None, dev)
+        if lse is not None:
+            _out("lse", lse, (B, T, H), (torch.float32,) if tri else None, dev)
+    elif out is not None or lse is not None:
+        _fail("out", "and 'lse' are for merged results; with merge=False the partials come back in a workspace")
+    opts = dict(partitions=P, pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, merge=merge)
+    rec = dict(op="mla_decode", backend_requested=backend, backend=be, why=why,
+               shape=dict(B=B, T=T, H=H, C=C, capacity=cache.capacity, **_cache_kind(cache)))
+    if tri:
+        from k3lab_kernels.triton.mla_decode import BLOCK_N_ALLOWED
+
+        for name, v, allowed in (("block_n", block_n, BLOCK_N_ALLOWED), ("block_m", block_m, (16, 32, 64)),
+                                 ("num_warps", num_warps, (1, 2, 4, 8, 16)),
+                                 ("num_stages", num_stages, (1, 2, 3, 4, 5))):
+            if v is not None and (isinstance(v, bool) or v not in allowed):
+                _fail(name, f"must be None (the kernel's heuristic) or one of {allowed}, got {v!r}")
+        fn = dispatch.kernel("mla_decode", be)
+        knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+        q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+        q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+        res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,
+                 dcp=dcp, dcp_layout=dcp_layout, merge=merge, **_kv_args(cache), **knobs)
+        dispatch.record(ran, kernel=dispatch.kernel_path("mla_decode", be), options=dict(opts, **knobs), **rec,
+                        notes=f"partials K={K_shape}" + ("" if partitions else " (automatic partitions)"))
+        return res
+    kv = cache.read(compute_dtype(q_lat))
+    n = n_positions if n_positions is not None else int(lengths.max()) + T
+    f = ref.mla_attend if merge else ref.mla_attend_partials
+    if be == "torch_compile":
+        f = dispatch.compiled(f"mla.{f.__name__}", f)
+        kernel = f"torch.compile({dispatch.kernel_path('mla_decode', be)})"
+    else:
+        kernel = dispatch.kernel_path("mla_decode", be)
+    o, l = f(q_lat, q_rope, kv, lengths, scale=scale, partitions=P, dcp=dcp, dcp_layout=dcp_layout,
+             pad_heads=pad_heads, n_positions=n)
+    if out is not None:
+        o = out.copy_(o)
+    if lse is not None:
+        l = lse.copy_(l)
+    dispatch.record(ran, kernel=kernel, options=opts, **rec,
+                    notes="" if partitions else "partitions=None: the reference runs one piece")
+    return o, l
+
+
+# ---- combine -------------------------------------------------------------------------------------
+
+def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.Tensor, gate: torch.Tensor,
+            out: torch.Tensor | None = None, *, backend: str = "reference", block_v: int | None = None,
+            block_r: int | None = None, num_warps: int | None = None, ran: list | None = None) -> torch.Tensor:
+    """Partials o [B,K,T,H,C] / lse [B,K,T,H] (or a merged o_lat [B,T,H,C] with lse None), Wuv [H,C,Dv],
+    gate logits [B,T,H*Dv] -> out [B,T,H*Dv] = merge(o) @ Wuv[h] * sigmoid(gate) (bf16 from triton, the
+    compute dtype from the reference; `out` filled when given)."""
+    _refuse_aiter(backend)
+    _tensor("o_parts", o_parts)
+    dev = o_parts.device
+    if o_parts.dim() == 4:
+        if lse_parts is not None:
+            _fail("lse_parts", "must be None when o_parts is an already merged o_lat [B,T,H,C]")
+    elif o_parts.dim() != 5:
+        _fail("o_parts", f"must be [B,K,T,H,C] partials or a merged [B,T,H,C], got {tuple(o_parts.shape)}")
+    o5 = o_parts if o_parts.dim() == 5 else o_parts.unsqueeze(1)
+    B, K, T, H, C = o5.shape
+    if lse_parts is not None:
+        _tensor("lse_parts", lse_parts, 4, None, dev)
+        if tuple(lse_parts.shape) != (B, K, T, H):
+            _fail("lse_parts", f"must have shape {(B, K, T, H)}, got {tuple(lse_parts.shape)}")
+    _tensor("w_uv", w_uv, 3, None, dev)
+    if w_uv.shape[:2] != (H, C):
+        _fail("w_uv", f"must be [H={H}, C={C}, Dv], got {tuple(w_uv.shape)}")
+    Dv = w_uv.shape[2]
+    _tensor("gate", gate, 3, None, dev)
+    if tuple(gate.shape) != (B, T, H * Dv):
+        _fail("gate", f"must have shape {(B, T, H * Dv)}, got {tuple(gate.shape)}")
+    be, _, why = dispatch.select("mla_combine", backend, B=B, T=T)
+    rec = dict(op="mla_combine", backend_requested=backend, backend=be, why=why, shape=dict(B=B, K=K, T=T, H=H, C=C,
+                                                                                           Dv=Dv))
+    if be == "triton":
+        from k3lab_kernels.triton.mla_combine import BLOCK_R_ALLOWED, BLOCK_V_ALLOWED
+
+        _tensor("o_parts", o_parts, None, (torch.float32,))
+        if lse_parts is not None:
+            _tensor("lse_parts", lse_parts, None, (torch.float32,))
+        _tensor("w_uv", w_uv, None, (torch.bfloat16,))
+        _tensor("gate", gate, None, (torch.bfloat16, torch.float16, torch.float32))
+        if block_v is not None and (block_v not in BLOCK_V_ALLOWED or Dv % block_v):
+            _fail("block_v", f"must be one of {BLOCK_V_ALLOWED} dividing Dv={Dv}, got {block_v!r}")
+        if block_r is not None and (isinstance(block_r, bool) or block_r not in BLOCK_R_ALLOWED):
+            _fail("block_r", f"must be None or one of {BLOCK_R_ALLOWED} (1 = the one-row kernel), got {block_r!r}")
+        if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16)):
+            _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {num_warps!r}")
+        if out is not None:
+            _out("out", out, (B, T, H * Dv), (torch.bfloat16,), dev)
+        c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731
+        y = dispatch.kernel("mla_combine", be)(c(o_parts), c(lse_parts), c(w_uv), c(gate), out, block_v=block_v,
+                                               block_r=block_r, num_warps=num_warps)
+        dispatch.record(ran, kernel=dispatch.kernel_path("mla_combine", be),
+                        options=dict(block_v=block_v, block_r=block_r, num_warps=num_warps), **rec)
+        return y
+    if out is not None:
+        _out("out", out, (B, T, H * Dv), None, dev)
+    lse5 = lse_parts if lse_parts is not None else torch.zeros(B, 1, T, H, dtype=o5.dtype, device=dev)
+    fn = ref.mla_combine
+    kernel = dispatch.kernel_path("mla_combine", be)
+    if be == "torch_compile":
+        fn, kernel = dispatch.compiled("mla.combine", ref.mla_combine), f"torch.compile({kernel})"
+    y = fn(o5, lse5, w_uv, gate)
+    if out is not None:
+        y = out.copy_(y)
+    dispatch.record(ran, kernel=kernel, options={}, **rec)
+    return y
+
+
+# ---- cache write ---------------------------------------------------------------------------------
+
+def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps: float = 1e-6,
+                backend: str = "reference", check_values: bool = True, ran: list | None = None) -> None:
+    """kv [B,T,C+Dr] (the kv down-projection's output) -> [rms(c; kv_norm) | k_rope] written in place
+    at positions lengths[b] .. lengths[b]+T-1 of `cache` (fp8: quantized with the cache's scale scheme)."""
+    _refuse_aiter(backend)
+    _tensor("kv", kv, 3)
+    dev = kv.device
+    B, T, W = kv.shape
+    _tensor("kv_norm", kv_norm, 1, None, dev)
+    C = kv_norm.shape[0]
+    if not 0 < C < W:
+        _fail("kv_norm", f"must have C < C + Dr = {W} entries, got {C}")
+    be, _, why = dispatch.select("mla_cache_write", backend, B=B, T=T)
+    tri = be == "triton"
+    if tri:
+        _tensor("kv", kv, 3, TRITON_ACT_DTYPES)
+        _tensor("kv_norm", kv_norm, 1, TRITON_ACT_DTYPES)
+    _cache(cache, B, W, dev, tri)
+    lengths = _lengths(lengths, B, T, cache, dev, check_values)
+    if not isinstance(eps, float) or eps <= 0:
+        _fail("eps", f"must be a positive float, got {eps!r}")
+    rec = dict(op="mla_cache_write", backend_requested=backend, backend=be, why=why,
+               shape=dict(B=B, T=T, W=W, **_cache_kind(cache)))
+    if tri:
+        kw = _kv_args(cache)
+        dispatch.kernel("mla_cache_write", be)(kv if kv.stride(-1) == 1 else kv.contiguous(), kv_norm.contiguous(),
+                                               kw["kv"], lengths, eps=eps, scale=kw["kv_scale"],
+                                               block_table=kw["block_table"])
+        dispatch.record(ran, kernel=dispatch.kernel_path("mla_cache_write", be), options={}, **rec)
+        return
+    kernel = dispatch.kernel_path("mla_cache_write", be)
+    entry = ref.mla_cache_entry
+    if be == "torch_compile":  # the entry's maths compiled; the scatter into the cache stays eager
+        entry, kernel = dispatch.compiled("mla.cache_entry", ref.mla_cache_entry), f"torch.compile({kernel})"
+    cache.write(lengths, entry(kv, kv_norm, eps))
+    dispatch.record(ran, kernel=kernel, options={}, **rec)
+
+
+# ---- the layer's attention -----------------------------------------------------------------------
+
+def _check_layer(h, weights, cache, T_axis: bool):
     if not isinstance(weights, MLAWeights):
-        raise TypeError(f"{COMPONENT}: 'weights' must be k3lab.ref.mla.MLAWeights, got {type(weights).__name__}")
+        raise MLAArgumentError(f"{COMPONENT}: 'weights' must be k3lab.ref.mla.MLAWeights, got "
+                               f"{type(weights).__name__}")
     D = weights.w_dq.shape[1]
     want = "[B, T, D]" if T_axis else "[B, D]"
     if not isinstance(h, torch.Tensor) or h.dim() != (3 if T_axis else 2) or h.shape[-1] != D:
-        raise ValueError(f"{COMPONENT}: 'h' must be {want} with D={D}, got {tuple(getattr(h, 'shape', ()))}")
-    if not isinstance(cache, MLACache):
-        raise TypeError(f"{COMPONENT}: 'cache' must be k3lab.ref.mla.MLACache, got {type(cache).__name__}")
-    if cache.data.shape[0] != h.shape[0] or cache.data.shape[2] != weights.entry_width:
-        raise ValueError(f"{COMPONENT}: 'cache' must be [{h.shape[0]}, S, {weights.entry_width}], got "
-                         f"{tuple(cache.data.shape)}")
+        raise MLAArgumentError(f"{COMPONENT}: 'h' must be {want} with D={D}, got {tuple(getattr(h, 'shape', ()))}")
+    _cache(cache, h.shape[0], weights.entry_width, h.device, False)
 
 
-def verify(h: torch.Tensor, weights: MLAWeights, cache: MLACache, lengths, out: torch.Tensor | None = None, *,
-           backend: str = "reference", partitions: int = 1, pad_heads: int = 0, dcp: int = 1,
-           dcp_layout: str = "interleave") -> torch.Tensor:
-    _check(h, weights, cache, True)
-    lengths = _check_lengths(lengths, h.shape[0], h.shape[1], cache)
-    _check_opts(weights, partitions, pad_heads, dcp)
-    # projections and the cache write stay eager (the write is in place); the attention core and
-    # output path go through the backend
+def verify(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tensor | None = None, *,
+           backend: str = "reference", partitions: int | None = 1, pad_heads: int = 0, dcp: int = 1,
+           dcp_layout: str = "interleave", ran: list | None = None) -> torch.Tensor:
+    """T positions per sequence (module docstring). The projections are torch matmuls (cuBLAS on a GPU);
+    triton runs the cache write, the split attention and the combine (merge + Wuv + gate) as kernels."""
+    _refuse_aiter(backend)
+    _check_layer(h, weights, cache, True)
+    B, T, _ = h.shape
+    lengths = _lengths(lengths, B, T, cache, h.device, True)
+    _attend_opts(weights.heads, partitions, pad_heads, dcp, dcp_layout)
+    be, _, _ = dispatch.select("mla_decode", backend, B=B, T=T)
     q_nope, q_rope = ref.mla_q(h, weights)
     q_lat = ref.absorb_q(q_nope, weights)
-    cache.write(lengths, ref.mla_kv_entry(h, weights))
-    o_lat, _ = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=backend, partitions=partitions,
-                      pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout)
-    y = resolve_backend(COMPONENT, backend, ref.mla_out, "out")(o_lat, h, weights)
-    return write_out(COMPONENT, y, out)
+    kw = dict(partitions=partitions, pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, ran=ran)
+    if be == "triton":
+        ckv = linear(h, weights.w_dkv)
+        write_cache(ckv, weights.kv_norm, cache, lengths, eps=float(weights.eps), backend=be, ran=ran)
+        o_p, l_p = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=be, merge=False, **kw)
+        gate = linear(h, weights.w_gate)
+        y = combine(o_p, l_p, weights.w_uv, gate, backend=be, ran=ran)
+        y = linear(y.to(h.dtype), weights.w_o)
+    else:
+        # projections and the cache write stay eager (the write is in place); the attention core and
+        # output path go through the backend
+        cache.write(lengths, ref.mla_kv_entry(h, weights))
+        o_lat, _ = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=be, **kw)
+        fn = ref.mla_out if be == "reference" else dispatch.compiled("mla.out", ref.mla_out)
+        y = fn(o_lat, h, weights)
+    return dispatch.write_out(COMPONENT, y, out)
 
 
-def decode(h: torch.Tensor, weights: MLAWeights, cache: MLACache, lengths, out: torch.Tensor | None = None, *,
-           backend: str = "reference", partitions: int = 1, pad_heads: int = 0, dcp: int = 1,
-           dcp_layout: str = "interleave") -> torch.Tensor:
-    _check(h, weights, cache, False)
+def decode(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tensor | None = None, *,
+           backend: str = "reference", partitions: int | None = 1, pad_heads: int = 0, dcp: int = 1,
+           dcp_layout: str = "interleave", ran: list | None = None) -> torch.Tensor:
+    """One position per sequence: h [B, D] -> out [B, D] (module docstring)."""
+    _refuse_aiter(backend)
+    _check_layer(h, weights, cache, False)
     y = verify(h.unsqueeze(1), weights, cache, lengths, None, backend=backend, partitions=partitions,
-               pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout).squeeze(1)
-    return write_out(COMPONENT, y, out)
-
-
-def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: MLACache, lengths, *, scale: float,
-           backend: str = "reference", partitions: int = 1, pad_heads: int = 0, dcp: int = 1,
-           dcp_layout: str = "interleave") -> tuple[torch.Tensor, torch.Tensor]:
-    if q_lat.dim() != 4 or q_rope.dim() != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
-        raise ValueError(f"{COMPONENT}: 'q_lat' [B,T,H,C] and 'q_rope' [B,T,H,Dr] must agree on B,T,H, got "
-                         f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
-    if q_lat.shape[-1] + q_rope.shape[-1] != cache.data.shape[-1]:
-        raise ValueError(f"{COMPONENT}: C + Dr = {q_lat.shape[-1] + q_rope.shape[-1]} does not match the cache "
-                         f"width {cache.data.shape[-1]}")
-    B, T, H, _ = q_lat.shape
-    lengths = _check_lengths(lengths, B, T, cache)
-    if not isinstance(pad_heads, int) or (pad_heads and pad_heads < H):
-        raise ValueError(f"{COMPONENT}: 'pad_heads' must be 0 or >= the {H} query heads, got {pad_heads!r}")
-    kv = cache.read(compute_dtype(q_lat))
-    fn = resolve_backend(COMPONENT, backend, ref.mla_attend, "attend")
-    return fn(q_lat, q_rope, kv, lengths, scale=scale, partitions=partitions, dcp=dcp, dcp_layout=dcp_layout,
-              pad_heads=pad_heads, n_positions=int(lengths.max()) + T)
+               pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, ran=ran).squeeze(1)
+    return dispatch.write_out(COMPONENT, y, out)

@@ -319,11 +319,13 @@ def launch_floor_us(launches: int = 200, reps: int = 20, device: Any = None) -> 
     return statistics.median(samples)
 
 
-def measure_read_bandwidth(nbytes: int = 2 * 2**30, reps: int = 10, warmup: int = 3, device: Any = None) -> float:
-    """A streaming read of `nbytes` (well past L2; k3lab_kernels.triton.bw_probe.stream_sum, one partial sum
-    per program, nothing else written): bytes read / time, the median of `reps` reads, in TB/s. The
-    ceiling of ops that mostly read (weights, caches). On a CPU: torch's sum over a 256 MiB buffer (a
-    smoke figure, labelled by the caller)."""
+def measure_read_bandwidth(nbytes: int = 4 * 2**30, reps: int = 10, warmup: int = 3, device: Any = None,
+                           detail: dict | None = None) -> float:
+    """A streaming read of `nbytes` (far past L2; k3lab_kernels.triton.bw_probe.stream_sum, one partial sum
+    per program, nothing else written): bytes read / time in TB/s, the median of `reps` reads, for the
+    fastest of the probe's tile shapes (`detail`, when given, receives every shape's figure). The ceiling of
+    ops that mostly read (weights, caches). On a CPU: torch's sum over a 256 MiB buffer (a smoke figure,
+    labelled by the caller)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -336,43 +338,53 @@ def measure_read_bandwidth(nbytes: int = 2 * 2**30, reps: int = 10, warmup: int 
             if i >= warmup:
                 samples.append(time.perf_counter() - t0)
         return x.numel() * 4 / statistics.median(samples) / 1e12
-    from k3lab_kernels.triton.bw_probe import stream_sum
+    from k3lab_kernels.triton.bw_probe import CONFIGS, stream_sum
 
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    part = stream_sum(x)  # compiles; allocates the partial sums once
-    for _ in range(warmup):
-        stream_sum(x, part)
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        stream_sum(x, part)
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e-3)
-    expect = float(x.numel())
-    got = float(part.double().sum())
-    if abs(got - expect) > 1e-6 * expect:
-        raise RuntimeError(f"read probe: the streaming sum read {got} ones, expected {expect}")
-    moved = x.numel() * x.element_size()
-    del x, part
-    return moved / statistics.median(samples) / 1e12
+    best = 0.0
+    for cfg in CONFIGS:
+        part = stream_sum(x, config=cfg)  # compiles; allocates the partial sums once
+        for _ in range(warmup):
+            stream_sum(x, part, cfg)
+        samples = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            stream_sum(x, part, cfg)
+            b.record()
+            b.synchronize()
+            samples.append(a.elapsed_time(b) * 1e-3)
+        got = float(part.double().sum())
+        if abs(got - x.numel()) > 1e-6 * x.numel():
+            raise RuntimeError(f"read probe {cfg}: the streaming sum read {got} ones, expected {x.numel()}")
+        tbps = x.numel() * x.element_size() / statistics.median(samples) / 1e12
+        if detail is not None:
+            detail[str(cfg)] = tbps
+        best = max(best, tbps)
+        del part
+    del x
+    return best
 
 
 _PROBES: dict[str, dict[str, float]] = {}
 
 
 def probes(device: Any = None, *, fresh: bool = False) -> dict[str, Any]:
-    """{copy_tbps, read_tbps, launch_us, kind} of `device`, measured once per process (fresh=True
-    measures again). kind is "gpu" or "cpu-smoke" (host figures: never a GPU floor)."""
+    """{copy_tbps, read_tbps, launch_us, kind} of `device` (on a GPU also read_by_tile: the read probe's
+    figure per tile shape), measured once per process (fresh=True measures again). kind is "gpu" or
+    "cpu-smoke" (host figures: never a GPU floor)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     key = str(dev)
     if fresh or key not in _PROBES:
-        _PROBES[key] = dict(copy_tbps=measure_copy_bandwidth(device=dev), read_tbps=measure_read_bandwidth(device=dev),
+        detail: dict = {}
+        _PROBES[key] = dict(copy_tbps=measure_copy_bandwidth(device=dev),
+                            read_tbps=measure_read_bandwidth(device=dev, detail=detail),
                             launch_us=launch_floor_us(device=dev),
                             kind="gpu" if dev.type == "cuda" else "cpu-smoke")
+        if detail:
+            _PROBES[key]["read_by_tile"] = detail
     return dict(_PROBES[key])
 
 

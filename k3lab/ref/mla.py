@@ -33,7 +33,19 @@ fp8 cache (kv_dtype "fp8"): float8_e4m3fn entries with a float32 scale, dequanti
 Default is a PER-TENSOR static scale (one per layer cache, 1.0 unless given: the vLLM fp8 KV
 convention, and what keeps the cache at exactly 576 bytes a position as K3_SPEC section 3 counts it);
 a PER-TOKEN scale (amax / 448 of each 576-value entry, stored [B, S_max] float32, +4 bytes a position)
-is available with fp8_scale="token". Values beyond 448 * scale saturate.
+is available with fp8_scale="token". Values beyond 448 * scale saturate. Quantization rounds to nearest
+(ties to even) once, from the compute dtype: `fp8_quantize`.
+
+Paged cache (`PagedMLACache`): one pool of pages [n_pages, page_size, C+Dr] shared by the batch and a
+block table [B, max_pages] int32; position t of sequence b lives in row t % page_size of page
+block_table[b, t // page_size]. fp8 scales are per tensor (0-d) or per token ([n_pages, page_size],
+beside the pool rows). `read` gathers the pages into the contiguous [B, max_pages * page_size, C+Dr]
+form, so every reference here runs on either cache; `PagedMLACache.from_contiguous` pages a contiguous
+cache (pages in a shuffled order, so a kernel that ignores the table fails).
+
+Garbage beyond a sequence's visible positions (a shorter sequence of a ragged batch, the unused tail of
+its last page) never reaches the maths: `attend` zeroes the rows no query of the sequence may see
+before the products (0 * NaN would otherwise be NaN).
 """
 from __future__ import annotations
 
@@ -102,6 +114,22 @@ class MLAWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
+def fp8_quantize(entries: torch.Tensor, scale_mode: str, tensor_scale: torch.Tensor | float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Entries [..., W] -> (float8_e4m3fn [..., W], per-token scales [...] or None), rounding once to
+    nearest. "tensor": e4m3(clamp(x / tensor_scale, +-448)); "token": s = max(amax(|x|) / 448, 1e-12)
+    over each entry's W values, e4m3(clamp(x / s, +-448)). Computed in entries' dtype (fp64 for the
+    oracle, fp32 otherwise)."""
+    ef = entries if entries.dtype == torch.float64 else entries.to(torch.float32)
+    if scale_mode == "tensor":
+        s = torch.as_tensor(tensor_scale, dtype=ef.dtype, device=ef.device)
+        return (ef / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), None
+    if scale_mode != "token":
+        raise ValueError(f"fp8 scale mode must be one of {FP8_SCALES}, got {scale_mode!r}")
+    s = (ef.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    return (ef / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
 @dataclass
 class MLACache:
     """Latent cache [B, S_max, C+Dr] plus, for fp8, its scale (0-d per-tensor or [B, S_max] per-token)."""
@@ -160,14 +188,10 @@ class MLACache:
         if not self.is_fp8:
             self.data[bidx, pos] = entries.to(self.data.dtype)
             return
-        ef = entries.to(torch.float32)
-        if self.scale_mode == "tensor":
-            s = self.scale
-        else:
-            s = (ef.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)  # [B, T]
-            self.scale[bidx, pos] = s
-            s = s.unsqueeze(-1)
-        self.data[bidx, pos] = (ef / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q, s = fp8_quantize(entries, self.scale_mode, self.scale)
+        if s is not None:
+            self.scale[bidx, pos] = s.to(self.scale.dtype)
+        self.data[bidx, pos] = q
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole cache dequantized to `dtype`."""
@@ -179,6 +203,166 @@ class MLACache:
     def nbytes(self) -> int:
         n = self.data.numel() * self.data.element_size()
         return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+
+    @property
+    def batch(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def clone(self) -> MLACache:
+        return MLACache(self.data.clone(), None if self.scale is None else self.scale.clone())
+
+
+@dataclass
+class PagedMLACache:
+    """Paged latent cache (module docstring): pool [n_pages, page_size, C+Dr] (bf16, fp8 e4m3 or any float
+    dtype for the oracle), block_table [B, max_pages] int32 (page ids into the pool; entries past a
+    sequence's pages may hold any valid id), and for fp8 its scale: 0-d per-tensor, or [n_pages, page_size]
+    per-token float32. Capacity per sequence = max_pages * page_size."""
+
+    pool: torch.Tensor
+    block_table: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.pool.dim() != 3:
+            raise ValueError(f"PagedMLACache.pool must be [n_pages, page_size, width], got {tuple(self.pool.shape)}")
+        if self.block_table.dim() != 2 or self.block_table.dtype != torch.int32:
+            raise ValueError(f"PagedMLACache.block_table must be [B, max_pages] int32, got "
+                             f"{tuple(self.block_table.shape)} {self.block_table.dtype}")
+        if self.is_fp8 and self.scale is None:
+            raise ValueError("PagedMLACache: an fp8 cache needs a scale (0-d per-tensor or [n_pages, page_size])")
+        if self.scale is not None and self.scale.dim() not in (0, 2):
+            raise ValueError(f"PagedMLACache.scale must be 0-d or [n_pages, page_size], got {tuple(self.scale.shape)}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.pool.dtype == torch.float8_e4m3fn
+
+    @property
+    def scale_mode(self) -> str | None:
+        if not self.is_fp8:
+            return None
+        return "tensor" if self.scale.dim() == 0 else "token"
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.block_table.shape[1] * self.page_size
+
+    @property
+    def batch(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.pool.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int, width: int, page_size: int, *, dtype=torch.bfloat16, device="cpu",
+              kv_dtype: str | None = None, fp8_scale: str = "tensor", tensor_scale: float = 1.0,
+              spare_pages: int = 0, seed: int = 0) -> PagedMLACache:
+        """ceil(capacity / page_size) pages per sequence plus `spare_pages` unused ones, handed out in a
+        shuffled order (seeded)."""
+        if page_size < 1:
+            raise ValueError(f"PagedMLACache.empty: page_size must be >= 1, got {page_size}")
+        per_seq = -(-capacity // page_size)
+        n_pages = batch * per_seq + spare_pages
+        perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed))[: batch * per_seq]
+        table = perm.view(batch, per_seq).to(device=device, dtype=torch.int32)
+        c = MLACache.empty(n_pages, page_size, width, dtype=dtype, device=device, kv_dtype=kv_dtype,
+                           fp8_scale=fp8_scale, tensor_scale=tensor_scale)
+        return cls(c.data, table, c.scale)
+
+    @classmethod
+    def from_contiguous(cls, cache: MLACache, page_size: int, *, spare_pages: int = 0, seed: int = 0,
+                        fill: float | None = None) -> PagedMLACache:
+        """The same entries (and scales) paged: page j of sequence b holds positions j*page_size.. of
+        cache.data[b]. `fill` (e.g. NaN) fills the spare pages (by default zeros)."""
+        B, S, W = cache.data.shape
+        pc = cls.empty(B, S, W, page_size, dtype=cache.data.dtype, device=cache.data.device,
+                       kv_dtype="fp8" if cache.is_fp8 else None, fp8_scale=cache.scale_mode or "tensor",
+                       spare_pages=spare_pages, seed=seed)
+        if fill is not None:
+            pc.pool.copy_(torch.full(pc.pool.shape, fill, dtype=torch.float32, device=pc.pool.device).to(pc.pool.dtype))
+        per_seq = pc.block_table.shape[1]
+        pad = per_seq * page_size - S
+        src = cache.data if pad == 0 else torch.cat(
+            [cache.data, torch.zeros(B, pad, W, dtype=cache.data.dtype, device=cache.data.device)], 1)
+        idx = pc.block_table.long()
+        pc.pool[idx] = src.view(B, per_seq, page_size, W)
+        if cache.scale_mode == "token":
+            ssrc = torch.cat([cache.scale, cache.scale.new_ones(B, pad)], 1) if pad else cache.scale
+            pc.scale[idx] = ssrc.view(B, per_seq, page_size)
+        elif cache.scale_mode == "tensor":
+            pc.scale.copy_(cache.scale)
+        return pc
+
+    def rows(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of positions pos [B, ...] (long)."""
+        b = torch.arange(pos.shape[0], device=pos.device).view(-1, *([1] * (pos.dim() - 1)))
+        page = self.block_table.to(pos.device).long()[b, pos // self.page_size]
+        return page, pos % self.page_size
+
+    def write(self, lengths: torch.Tensor, entries: torch.Tensor) -> None:
+        """In place: entries [B, T, W] go to positions lengths[b] .. lengths[b]+T-1 (through the table)."""
+        B, T, W = entries.shape
+        if W != self.width or B != self.batch:
+            raise ValueError(f"PagedMLACache.write: entries {tuple(entries.shape)} do not fit cache of batch "
+                             f"{self.batch}, width {self.width}")
+        if int(lengths.max()) + T > self.capacity:
+            raise ValueError(f"PagedMLACache.write: writing {T} positions after length {int(lengths.max())} "
+                             f"exceeds the capacity {self.capacity}")
+        pos = lengths.to(device=entries.device, dtype=torch.long)[:, None] + torch.arange(T, device=entries.device)
+        page, slot = self.rows(pos)
+        if not self.is_fp8:
+            self.pool[page, slot] = entries.to(self.pool.dtype)
+            return
+        q, s = fp8_quantize(entries, self.scale_mode, self.scale)
+        if s is not None:
+            self.scale[page, slot] = s.to(self.scale.dtype)
+        self.pool[page, slot] = q
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole cache gathered through the block table, [B, capacity, W], dequantized to `dtype`."""
+        idx = self.block_table.long()
+        B, n = idx.shape
+        x = self.pool[idx].reshape(B, n * self.page_size, self.width).to(dtype)
+        if self.scale_mode == "tensor":
+            x = x * self.scale.to(dtype)
+        elif self.scale_mode == "token":
+            x = x * self.scale[idx].reshape(B, n * self.page_size, 1).to(dtype)
+        return x
+
+    def nbytes(self) -> int:
+        n = self.pool.numel() * self.pool.element_size() + self.block_table.numel() * 4
+        return n + (0 if self.scale is None else self.scale.numel() * self.scale.element_size())
+
+    def clone(self) -> PagedMLACache:
+        return PagedMLACache(self.pool.clone(), self.block_table.clone(),
+                             None if self.scale is None else self.scale.clone())
 
 
 # ---- projections -------------------------------------------------------------------------------
@@ -220,7 +404,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, pos: tor
     the compute dtype; rows that see nothing get o = 0, lse = -inf."""
     dt = compute_dtype(q_lat, kv)
     C = q_lat.shape[-1]
-    kv = kv.to(dt)
+    seen = pos.view(1, -1) <= limit.amax(1, keepdim=True)  # [B,S]: rows some query of the sequence sees
+    kv = torch.where(seen[..., None], kv.to(dt), torch.zeros((), dtype=dt, device=kv.device))
     c, kr = kv[..., :C], kv[..., C:]
     s = (torch.einsum("bthc,bsc->bths", q_lat.to(dt), c)
          + torch.einsum("bthr,bsr->bths", q_rope.to(dt), kr)) * scale
@@ -256,8 +441,8 @@ def dcp_shard_positions(n_positions: int, n_ranks: int, layout: str = "interleav
     """The global positions each DCP rank holds."""
     if layout not in DCP_LAYOUTS:
         raise ValueError(f"dcp layout must be one of {DCP_LAYOUTS}, got {layout!r}")
-    if layout == "interleave":
-        return [torch.arange(r, n_positions, n_ranks) for r in range(n_ranks)]
+    if layout == "interleave":  # a rank past the history (n_positions < n_ranks) holds nothing
+        return [torch.arange(min(r, n_positions), n_positions, n_ranks) for r in range(n_ranks)]
     return [torch.arange(a, b) for a, b in partition_bounds(n_positions, n_ranks)]
 
 
@@ -294,6 +479,22 @@ def mla_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     lengths [B]. dcp > 1 shards positions over `dcp` simulated ranks; partitions > 1 splits each rank's
     positions into contiguous pieces; pad_heads > H pads the query heads. n_positions = max(lengths) + T
     when the caller knows it (saves a host sync; keeps torch.compile graphs whole). Returns (o_lat, lse)."""
+    o, lse = mla_attend_partials(q_lat, q_rope, kv, lengths, scale=scale, partitions=partitions, dcp=dcp,
+                                 dcp_layout=dcp_layout, pad_heads=pad_heads, pad_fill=pad_fill,
+                                 n_positions=n_positions)
+    if o.shape[1] == 1:
+        return o[:, 0], lse[:, 0]
+    return merge_stacked(o, lse)
+
+
+def mla_attend_partials(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor, *,
+                        scale: float, partitions: int = 1, dcp: int = 1, dcp_layout: str = "interleave",
+                        pad_heads: int = 0, pad_fill: str = "zeros", n_positions: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_attend` before its merge: the partials stacked, (o [B,K,T,H,C], lse [B,K,T,H]) with
+    K = dcp * partitions, k = rank * partitions + piece. Each DCP rank attends all heads over its own
+    positions (as one GPU of DCP-N would), cut into `partitions` contiguous pieces; an empty piece or
+    rank (a history shorter than the ranks) is an empty partial: o = 0, lse = -inf."""
     _B, T, H, _ = q_lat.shape
     if pad_heads:
         q_lat, q_rope = pad_query_heads(q_lat, q_rope, pad_heads, pad_fill)
@@ -308,8 +509,36 @@ def mla_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         rank_kv = kv[:, rank_pos]  # rank r's shard of the cache
         for a, b in partition_bounds(rank_pos.numel(), partitions):
             parts.append(attend(q_lat, q_rope, rank_kv[:, a:b], rank_pos[a:b], limit, scale))
-    o, lse = merge(parts) if len(parts) > 1 else parts[0]
-    return o[..., :H, :], lse[..., :H]
+    o = torch.stack([p[0][..., :H, :] for p in parts], 1)
+    lse = torch.stack([p[1][..., :H] for p in parts], 1)
+    return o, lse
+
+
+def merge_stacked(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge` of stacked partials: o [B,K,...,C], lse [B,K,...] -> (o [B,...,C], lse [B,...])."""
+    out = lse.logsumexp(1)
+    safe = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+    wts = torch.exp(lse - safe.unsqueeze(1))  # empty partials (lse = -inf) weigh 0
+    return (wts.unsqueeze(-1) * o).sum(1), out
+
+
+def mla_combine(o_parts: torch.Tensor, lse_parts: torch.Tensor, w_uv: torch.Tensor,
+                gate_logits: torch.Tensor) -> torch.Tensor:
+    """The combine: partials (o [B,K,T,H,C], lse [B,K,T,H]) merged by log-sum-exp, then per head
+    o[h] @ Wuv[h] (C -> Dv) times sigmoid(gate_logits) ([B,T,H*Dv]): what the output projection reads,
+    [B,T,H*Dv], in the compute dtype (the math of `mla_out` before Wo, without its bf16 cast of o_lat)."""
+    dt = compute_dtype(o_parts, gate_logits)
+    o, _ = merge_stacked(o_parts.to(dt), lse_parts.to(dt))
+    y = torch.einsum("bthc,hcv->bthv", o, w_uv.to(dt)).flatten(-2)
+    return y * torch.sigmoid(gate_logits.to(dt))
+
+
+def mla_cache_entry(kv: torch.Tensor, kv_norm: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The kv down-projection's output [..., C+Dr] -> the cache entry [rms(c; kv_norm) | k_rope] in the
+    compute dtype (fp64 stays fp64, else fp32): what the cache write stores before its rounding."""
+    C = kv_norm.shape[0]
+    dt = compute_dtype(kv, kv_norm)
+    return torch.cat([rms_norm(kv[..., :C].to(dt), kv_norm.to(dt), eps), kv[..., C:].to(dt)], dim=-1)
 
 
 # ---- the layer's attention ----------------------------------------------------------------------

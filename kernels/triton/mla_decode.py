@@ -1,0 +1,398 @@
+"""Gated-MLA decode attention over the latent cache (absorbed form), split-KV, in two Triton kernels.
+
+What it computes (k3lab.ref.mla.mla_attend): for sequence b, query row (t, h) and visible position s,
+    score = (q_lat[b,t,h] . c_s + q_rope[b,t,h] . k_rope_s) * scale        (scale = 192^-0.5 passed in)
+    o_lat[b,t,h] = softmax_s(score) . c_s  (fp32, [B,T,H,C]),   lse[b,t,h] = log sum_s exp(score) (fp32)
+over the cache entries [c (C=512) | k_rope (Dr=64)] of positions s <= lengths[b] + t (the T new
+positions are causal among themselves; their entries are already in the cache).
+
+Kernel 1, `_mla_split_kernel`: one program per (row group g, partition p, DCP shard r) x sequence b,
+grid (G * P * NS, B) with g fastest (the groups of one piece run side by side and share its rows in L2).
+  * ALL query heads of one sequence are one tile of rows: row = t * HR + h (HR = pad_heads, or H when
+    not padded), BM rows a program (BM = next power of two >= max(16, T*HR), at most `block_m`=64; more
+    rows = G > 1 groups, e.g. T=8 at 12/16 heads). So each cache row is read ONCE per sequence for all
+    heads and all T queries (twice, the second time mostly from L2, when G = 2). Padded rows (h >= H or
+    t >= T) are loaded as zero queries and never stored: they cannot change any result.
+  * Head padding: tl.dot needs M >= 16, so both forms run tensor-core tiles. Unpadded, the T*H rows are
+    packed densely and masked up to BM; pad_heads=16 lays each position's heads out as 16 rows.
+  * The piece: the shard's visible positions of sequence b are cut into P contiguous chunks of
+    ceil(n / P) rounded up to a multiple of BN (ragged batches: each sequence is cut by its own length).
+    A piece with no positions (short history, many partitions, DCP shard past the history) writes an
+    empty partial: o = 0, lse = -inf (never NaN: the running max is guarded).
+  * Per block of BN positions: the block's rows are gathered (contiguous: b * S_max + s; paged: page =
+    block_table[b, s // PAGE], row page * PAGE + s % PAGE), each row 1152 contiguous bytes in bf16
+    (576 in fp8) loaded as a [BN, C] and a [BN, Dr] tile (16-byte vectors: the row stride 576 is a
+    constexpr), used for BOTH products: S = Q_lat C^T + Q_rope Kr^T (fp32, tensor cores), online softmax
+    in fp32 (exp2), acc += P C (P rounded to bf16 for the tensor-core product, acc fp32). The loads stay
+    inside the visible range (masked), so garbage past a sequence (other pages, NaN) is never read.
+  * fp8 e4m3 cache: the tile is converted to bf16 in registers (exact). Scale scheme: PER-TENSOR, one fp32
+    scale (0-d tensor, read in the kernel: no host sync) folded into the score scale and applied to o
+    once at the end; PER-TOKEN, one fp32 scale per cache row ([B, S_max] contiguous, [n_pages, PAGE]
+    paged, beside the rows) multiplies the row's scores (S[:, j] * s_j) and its softmax weight
+    (P[:, j] * s_j before the P C product), i.e. the kernel attends over e4m3 * scale exactly as
+    k3lab.ref.mla.MLACache.read dequantizes it.
+  * DCP-N emulated: shard r holds positions r, r+N, r+2N, ... (interleave) or the r-th contiguous slice
+    of ceil(n / N) (contiguous) of each sequence; its programs are exactly what one GPU of DCP-N runs
+    over its local positions (all heads, its own P pieces). Partial k = r * P + p.
+  Output: the partials o [B, K, T, H, C] fp32 (normalized) and lse [B, K, T, H] fp32, K = NS * P; with
+  K = 1 the kernel writes o_lat / lse directly and there is no second kernel.
+
+Kernel 2, `_mla_merge_kernel` (K > 1): o = sum_k exp(lse_k - lse) o_k with lse = log sum_k exp(lse_k),
+32 partials a step; empty partials weigh 0. Grid (B*T*H / RB, C / BC): on a GPU one (b, t, h) row and
+128 columns a program (48 programs at batch 1, 12 heads). (k3lab.components.mla.verify skips it:
+k3lab_kernels.triton.mla_combine merges the partials inside the combine with Wuv and the gate.)
+
+Floor (bytes that must move, per call; cache bytes read once per sequence):
+  cache   sum_b (lengths[b] + T) * 576 * e    (e = 2 bf16, 1 fp8; + 4 per position with per-token scales)
+  queries B*T*H*576*2;  outputs B*T*H*(512 + 1)*4 (fp32 o_lat, lse);  block table / lengths: small.
+  e.g. batch 1, 12 heads, bf16: 1K context 1.18 MB (0.26 us at 4.6 TB/s: launch-bound); 8K 9.4 MB
+  (2.05 us); 32K 37.7 MB (8.2 us); 128K 151 MB (32.8 us); batch 64 at 8K 604 MB (131 us).
+The partials (K * B*T*H*513*4 bytes written then read: 3.1 MB at batch 1, K = 128, 12 heads; L2-resident)
+are the split's price. No measured figure is quoted here: docs/NOTES_mla.md.
+Grid sizing: at batch 1 the partitions fill the GPU (the automatic choice, `default_partitions`, aims at
+two programs per SM of 132, at most 128 pieces of >= 2 blocks each); at batch 64 a few pieces suffice.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_PARTITIONS = 128
+BLOCK_N_ALLOWED = (16, 32, 64, 128)
+DCP_LAYOUTS = ("interleave", "contiguous")
+NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine without a GPU
+
+
+def dot_f32() -> bool:
+    """True under TRITON_INTERPRET=1. There (Triton 3.9) tl.dot multiplies bf16 operands wrongly (as raw
+    bit patterns) and float -> bf16 / fp8 casts truncate (fp8: a mantissa carry is lost, 1.99 -> 1.0), so
+    interpreted kernels round to nearest-even explicitly (`rne_bf16`, `rne_e4m3`: what the GPU's casts do)
+    and widen the same bf16 operands to fp32 before tl.dot. On a GPU the products are bf16 x bf16 -> fp32
+    tensor-core MMAs and the casts are the hardware's."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def rne_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32: bf16's cast then is exact everywhere."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def rne_e4m3(x):
+    """fp32 in [-448, 448] -> the nearest float8 e4m3 value (ties to even), still fp32. Normal range
+    (|x| >= 2^-6): 3 mantissa bits kept on the fp32 bit pattern (a carry moves into the exponent);
+    subnormals: multiples of 2^-9, by adding and removing 1.5 * 2^14 (whose fp32 ulp is 2^-9)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    sub = (x + 24576.0) - 24576.0
+    return tl.where(tl.abs(x) < 0.015625, sub, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _mask2(rows_ok, cols_ok, ROWS_ONLY: tl.constexpr):
+    """[R, 1] (every column valid: a row-only mask, vector loads along the row) or [R, N]."""
+    if ROWS_ONLY:
+        return rows_ok[:, None]
+    else:
+        return rows_ok[:, None] & cols_ok[None, :]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part,
+    qk_scale,
+    s_qb, s_qt, s_qh, s_rb, s_rt, s_rh,
+    s_kvb, s_sb, s_btb,
+    T, H, P, NS, G,
+    C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
+    HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = tl.program_id(1)
+    g = pid % G
+    rest = pid // G
+    p = rest % P
+    r = rest // P
+    K = NS * P
+    n_b = tl.load(lengths + b).to(tl.int32) + T  # positions the sequence's last query sees
+    # this shard's positions of the sequence: global position = pos0 + j * pstride, j in [0, n_loc)
+    if CONTIG_SHARDS:
+        size = (n_b + NS - 1) // NS
+        pos0 = r * size
+        pstride = 1
+        n_loc = tl.minimum(tl.maximum(n_b - pos0, 0), size)
+    else:
+        pos0 = r
+        pstride = NS
+        n_loc = (n_b - r + NS - 1) // NS  # >= 0: r <= NS - 1 and n_b >= 1
+    chunk = (n_loc + P - 1) // P
+    chunk = (chunk + BN - 1) // BN * BN
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, n_loc)
+
+    rows = g * BM + tl.arange(0, BM)
+    t = rows // HR
+    h = rows % HR
+    row_ok = (t < T) & (h < H)
+    limit = n_b - T + t  # lengths[b] + t: the last position row (t, h) sees
+    cc = tl.arange(0, CP)
+    rr = tl.arange(0, DRP)
+    # column masks only where the width is not a power of two (C = 512, Dr = 64 need none: a row-only
+    # mask keeps the 16-byte vector loads along the row)
+    if CP == C:
+        c_ok = cc < CP
+    else:
+        c_ok = cc < C
+    if DRP == DR:
+        r_ok = rr < DRP
+    else:
+        r_ok = rr < DR
+    q = tl.load(q_lat + b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + cc[None, :],
+                mask=_mask2(row_ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
+    qr = tl.load(q_rope + b * s_rb + t[:, None] * s_rt + h[:, None] * s_rh + rr[None, :],
+                 mask=_mask2(row_ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+    if DOT_F32:  # the interpreter: the same bf16 values, multiplied in fp32 (see `dot_f32`)
+        q = q.to(tl.float32)
+        qr = qr.to(tl.float32)
+    if SCALE_MODE == 1:
+        ts = tl.load(kv_scale).to(tl.float32)
+        qk_scale = qk_scale * ts
+
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, CP], tl.float32)
+    for start in range(lo, hi, BN):
+        j = start + tl.arange(0, BN)
+        ok = j < hi
+        gp = pos0 + j * pstride
+        if PAGED:
+            page = tl.load(block_table + b * s_btb + gp // PAGE, mask=ok, other=0)
+            row = page.to(tl.int64) * PAGE + (gp % PAGE)
+        else:
+            row = b.to(tl.int64) * s_kvb + gp
+        base = kv + row[:, None] * W
+        c = tl.load(base + cc[None, :], mask=_mask2(ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
+        kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+        if DOT_F32:
+            c = c.to(tl.float32)
+            kr = kr.to(tl.float32)
+        s = tl.dot(q, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+        if SCALE_MODE == 2:
+            if PAGED:
+                srow = row
+            else:
+                srow = b.to(tl.int64) * s_sb + gp
+            tok = tl.load(kv_scale + srow, mask=ok, other=0.0).to(tl.float32)
+            s = s * tok[None, :]
+        s = s * qk_scale
+        vis = ok[None, :] & (gp[None, :] <= limit[:, None])
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        pw = tl.exp2(s - m_use[:, None])
+        l = l * alpha + tl.sum(pw, 1)
+        if SCALE_MODE == 2:
+            pw = pw * tok[None, :]
+        if DOT_F32:
+            pb = rne_bf16(pw)
+        else:
+            pb = pw.to(tl.bfloat16)
+        acc = acc * alpha[:, None] + tl.dot(pb, c)
+        m = m_new
+
+    has = l > 0.0
+    o = acc / tl.where(has, l, 1.0)[:, None]
+    if SCALE_MODE == 1:
+        o = o * ts
+    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    k = r * P + p
+    orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
+    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
+    tl.store(lse_part + orow, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
+                      C: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, EVEN: tl.constexpr):
+    """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for
+    RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials at a time."""
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    cb = tl.program_id(1)
+    rok = rows < NR
+    b = rows // TH
+    base = b.to(tl.int64) * K * TH + rows % TH  # [RB]: partial k of row at base + k * TH
+    kk = tl.arange(0, KB)
+    m = tl.full([RB], float("-inf"), tl.float32)
+    for k0 in range(0, K, KB):
+        km = rok[:, None] & (k0 + kk < K)[None, :]
+        lk = tl.load(lse_part + base[:, None] + (k0 + kk)[None, :] * TH, mask=km, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lk, 1))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    cols = cb * BC + tl.arange(0, BC)
+    cm = cols < C
+    den = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, BC], tl.float32)
+    for k0 in range(0, K, KB):
+        km = rok[:, None] & (k0 + kk < K)[None, :]
+        off = base[:, None] + (k0 + kk)[None, :] * TH
+        lk = tl.load(lse_part + off, mask=km, other=float("-inf"))
+        w = tl.exp(lk - m_use[:, None])
+        den += tl.sum(w, 1)
+        if EVEN:  # C % BC == 0: no column mask (vector loads along the row)
+            omask = km[:, :, None]
+        else:
+            omask = km[:, :, None] & cm[None, None, :]
+        ok = tl.load(o_part + off[:, :, None] * C + cols[None, None, :], mask=omask, other=0.0)
+        acc += tl.sum(w[:, :, None] * ok, 1)
+    has = den > 0.0
+    o = acc / tl.where(has, den, 1.0)[:, None]
+    tl.store(o_lat + rows.to(tl.int64)[:, None] * C + cols[None, :], o, mask=_mask2(rok, cm, EVEN))
+    if cb == 0:
+        tl.store(lse_out + rows, tl.where(has, m_use + tl.log(tl.where(has, den, 1.0)), float("-inf")), mask=rok)
+
+
+# ---- launch helpers ------------------------------------------------------------------------------
+
+def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = None) -> tuple[int, int, int]:
+    """(HR, BM, G): the row stride per position, the rows of a program and the row groups."""
+    HR = pad_heads if pad_heads else H
+    BM = max(16, _pow2(T * HR))
+    BM = min(BM, block_m or 64)
+    G = -(-(T * HR) // BM)
+    return HR, BM, G
+
+
+def default_block_n(BM: int) -> int:
+    return 32 if BM <= 32 else 16
+
+
+def default_num_warps(BM: int) -> int:
+    return 4 if BM <= 32 else 8
+
+
+def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads: int = 0, dcp: int = 1,
+                       block_n: int | None = None, block_m: int | None = None, sms: int | None = None,
+                       min_blocks: int = 2) -> int:
+    """The automatic partition count: as many programs as two per SM hold (B * dcp * G * P <= 2 * SMs,
+    rounded down: no partial second wave), each piece at least `min_blocks` blocks of BN positions, at most
+    MAX_PARTITIONS. A heuristic until measured (docs/NOTES_mla.md). Host values only (n_max = the longest
+    visible history, max(lengths) + T): no device sync."""
+    _, BM, G = rows_per_program(T, H, pad_heads, block_m)
+    bn = block_n or default_block_n(BM)
+    if sms is None:
+        sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+               if torch.cuda.is_available() else NOMINAL_SMS)
+    n_loc = -(-max(1, n_max) // dcp)
+    by_work = max(1, -(-n_loc // bn) // min_blocks)
+    by_grid = max(1, 2 * sms // (B * dcp * G))
+    return int(min(by_work, by_grid, MAX_PARTITIONS))
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(device, B: int, K: int, T: int, H: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials' buffers (o [B,K,T,H,C] fp32, lse [B,K,T,H] fp32), allocated once per shape and device
+    and reused (call once before a CUDA-graph capture; concurrent calls of one shape on two streams would
+    share them: not supported)."""
+    key = (str(device), B, K, T, H, C)
+    if key not in _WS:
+        _WS[key] = (torch.empty(B, K, T, H, C, dtype=torch.float32, device=device),
+                    torch.empty(B, K, T, H, dtype=torch.float32, device=device))
+    return _WS[key]
+
+
+def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor,
+               o_lat: torch.Tensor | None = None, lse: torch.Tensor | None = None, *, scale: float,
+               kv_scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+               partitions: int = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
+               merge: bool = True, block_n: int | None = None, block_m: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None,
+               parts: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Launch the split kernel (and the merge when partials > 1 and merge=True).
+
+    q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
+    contiguous, any other strides); kv: contiguous cache [B, S_max, C+Dr] or, with block_table
+    [B, max_pages] int32, the page pool [n_pages, PAGE, C+Dr]; bf16 or float8_e4m3fn (then kv_scale: 0-d
+    per-tensor or per-token [B, S_max] / [n_pages, PAGE] fp32); lengths [B] int32/int64 (positions cached
+    before this step).
+    o_lat [B,T,H,C] fp32 and lse [B,T,H] fp32 are written (allocated when None). merge=False returns
+    the partials (o [B,K,T,H,C], lse [B,K,T,H]) instead, K = dcp * partitions (`parts` = buffers for
+    them; default a cached workspace). The caller validates; this wrapper only asserts the layout."""
+    B, T, H, C = q_lat.shape
+    DR = q_rope.shape[-1]
+    W = C + DR
+    assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv.is_contiguous() and kv.shape[-1] == W
+    assert dcp_layout in DCP_LAYOUTS and 1 <= partitions and 1 <= dcp
+    HR, BM, G = rows_per_program(T, H, pad_heads, block_m)
+    BN = block_n or default_block_n(BM)
+    K = dcp * partitions
+    dev = q_lat.device
+    direct = K == 1 and merge
+    if direct:
+        o_dst = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
+        l_dst = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    elif parts is not None:
+        o_dst, l_dst = parts
+    else:
+        o_dst, l_dst = workspace(dev, B, K, T, H, C)
+    paged = block_table is not None
+    if kv_scale is None:
+        mode = 0
+    else:
+        mode = 1 if kv_scale.dim() == 0 else 2
+    page = kv.shape[1] if paged else 1
+    s_sb = kv_scale.stride(0) if mode == 2 and not paged else 0
+    bt = block_table if paged else lengths  # a placeholder pointer when contiguous
+    grid = (G * partitions * dcp, B)
+    _mla_split_kernel[grid](
+        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
+        float(scale) * LOG2E,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+        0 if paged else kv.shape[1], s_sb, block_table.stride(0) if paged else 0,
+        T, H, partitions, dcp, G,
+        C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
+        PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
+        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or 2,
+    )
+    if direct:
+        return o_dst, l_dst
+    if not merge:
+        return o_dst, l_dst
+    o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
+    l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    merge_partials(o_dst, l_dst, o_out, l_out)
+    return o_out, l_out
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, o_lat: torch.Tensor, lse: torch.Tensor,
+                   *, rows: int | None = None, block_c: int | None = None, block_k: int | None = None,
+                   num_warps: int = 4) -> None:
+    """The log-sum-exp merge of contiguous partials o [B,K,T,H,C] / lse [B,K,T,H] into o_lat [B,T,H,C] /
+    lse [B,T,H] (fp32, contiguous). GPU default: one (b, t, h) row and 128 columns a program, 32 partials
+    a step (B*T*H*C/128 programs: 48 at batch 1, 12 heads); the interpreter takes 16 rows and all columns
+    a program (its cost is per program)."""
+    B, K, T, H, C = o_part.shape
+    interp = dot_f32()
+    RB = rows or (16 if interp else 1)
+    BC = min(block_c or (C if interp else 128), _pow2(C))
+    KB = min(block_k or (64 if interp else 32), _pow2(K))
+    NR = B * T * H
+    _mla_merge_kernel[(triton.cdiv(NR, RB), triton.cdiv(C, BC))](o_part, lse_part, o_lat, lse, K, T * H, NR, C=C,
+                                                               RB=RB, BC=_pow2(BC), KB=KB, EVEN=C % _pow2(BC) == 0,
+                                                               num_warps=num_warps)

@@ -1,0 +1,213 @@
+"""The MLA component API (k3lab.components.mla): dispatch and its records, argument errors by name, the
+AITER refusal, the layer-level decode / verify on the triton backend against the reference, partials
+(merge=False) and the layer builder's MLA attention on triton. Small shapes (the tiny preset: C = 32,
+Dr = 8, Dv = 16, so the kernels' masked paths for widths other than 512/64/128 run too)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab.components import mla
+from k3lab.components.mla import MLAArgumentError
+from k3lab.config import preset
+from k3lab.ref import mla as ref
+from k3lab.switches import BackendUnavailable, SwitchError
+from k3lab.weights import make_mla_attn
+
+C, DR = 512, 64
+
+
+def _attend_inputs(B=2, T=1, H=12, ctx=20, seed=0, paged=0, kv_dtype=None, fp8_scale="tensor"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, C, generator=g).bfloat16()
+    qr = torch.randn(B, T, H, DR, generator=g).bfloat16()
+    cache = ref.MLACache.empty(B, ctx + T, C + DR, kv_dtype=kv_dtype, fp8_scale=fp8_scale)
+    cache.write(torch.zeros(B, dtype=torch.long), torch.randn(B, ctx + T, C + DR, generator=g))
+    if paged:
+        cache = ref.PagedMLACache.from_contiguous(cache, paged, spare_pages=1, seed=seed)
+    lengths = torch.tensor([ctx - 3 * b for b in range(B)], dtype=torch.int32)
+    return q, qr, cache, lengths
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---- dispatch ------------------------------------------------------------------------------------------
+
+def test_attend_triton_matches_reference_and_records():
+    q, qr, cache, lengths = _attend_inputs(T=2, paged=16)
+    ran = []
+    o, lse = mla.attend(q, qr, cache, lengths, scale=0.1, backend="triton", partitions=None, dcp=2, ran=ran)
+    o_ref, lse_ref = mla.attend(q, qr, cache, lengths, scale=0.1, ran=ran)
+    assert o.dtype == torch.float32 and _rel(o, o_ref) < 5e-3 and _rel(lse, lse_ref) < 1e-5
+    tri, rf = ran
+    assert tri.op == "mla_decode" and tri.backend == "triton" and tri.kernel.endswith("mla_decode:mla_decode")
+    assert tri.options["dcp"] == 2 and tri.options["partitions"] >= 1 and "automatic" in tri.notes
+    assert tri.shape["page_size"] == 16 and rf.backend == "reference" and rf.why == "requested"
+
+
+def test_attend_partials_merge_to_the_result():
+    q, qr, cache, lengths = _attend_inputs(T=1)
+    o, lse = mla.attend(q, qr, cache, lengths, scale=0.1, backend="triton", partitions=3, dcp=2)
+    op_, lp = mla.attend(q, qr, cache, lengths, scale=0.1, backend="triton", partitions=3, dcp=2, merge=False)
+    assert op_.shape == (2, 6, 1, 12, C) and lp.shape == (2, 6, 1, 12)
+    om, lm = ref.merge_stacked(op_.double(), lp.double())
+    assert _rel(om, o) < 1e-6 and _rel(lm, lse) < 1e-6
+    rp, rl = mla.attend(q, qr, cache, lengths, scale=0.1, partitions=3, dcp=2, merge=False)
+    assert rp.shape == op_.shape  # the reference's partials have the same layout (its pieces may differ)
+
+
+def test_auto_runs_the_reference_without_a_table():
+    q, qr, cache, lengths = _attend_inputs()
+    ran = []
+    mla.attend(q, qr, cache, lengths, scale=0.1, backend="auto", ran=ran)
+    assert ran[0].backend == "reference" and ran[0].backend_requested == "auto"
+
+
+def test_out_buffers_are_filled():
+    q, qr, cache, lengths = _attend_inputs()
+    out, lse = torch.full((2, 1, 12, C), float("nan")), torch.full((2, 1, 12), float("nan"))
+    o, l = mla.attend(q, qr, cache, lengths, scale=0.1, backend="triton", out=out, lse=lse, partitions=2)
+    assert o is out and l is lse and torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_combine_and_write_records():
+    ran = []
+    g = torch.Generator().manual_seed(1)
+    o, l = torch.randn(1, 4, 1, 6, C, generator=g), torch.randn(1, 4, 1, 6, generator=g)
+    w_uv = (torch.randn(6, C, 128, generator=g) * 0.05).bfloat16()
+    gate = torch.randn(1, 1, 6 * 128, generator=g).bfloat16()
+    y = mla.combine(o, l, w_uv, gate, backend="triton", block_v=64, ran=ran)
+    y_ref = mla.combine(o, l, w_uv, gate, ran=ran)
+    assert y.dtype == torch.bfloat16 and _rel(y, y_ref) < 1e-2
+    merged = mla.combine(o[:, 0], None, w_uv, gate, backend="triton")  # K = 1: an o_lat
+    assert _rel(merged, mla.combine(o[:, 0], None, w_uv, gate)) < 1e-2
+    _, _, cache, lengths = _attend_inputs(kv_dtype="fp8", fp8_scale="token", paged=1)
+    kv = torch.randn(2, 1, C + DR, generator=g).bfloat16()
+    mla.write_cache(kv, torch.ones(C).bfloat16(), cache, lengths, backend="triton", ran=ran)
+    assert [r.op for r in ran] == ["mla_combine", "mla_combine", "mla_cache_write"]
+    assert ran[0].options["block_v"] == 64 and ran[2].shape["fp8_scale"] == "token"
+
+
+# ---- the layer: decode / verify --------------------------------------------------------------------------
+
+def _layer(batch=2, ctx=12, kv_dtype=None, seed=0):
+    view = preset("tiny", batch=batch)
+    w = make_mla_attn(view, 3, seed)  # bf16
+    g = torch.Generator().manual_seed(seed)
+    cache = ref.MLACache.empty(batch, ctx + 6, w.entry_width, kv_dtype=kv_dtype)
+    cache.write(torch.zeros(batch, dtype=torch.long), torch.randn(batch, ctx, w.entry_width, generator=g))
+    lengths = torch.tensor([ctx, ctx - 5][:batch])
+    return view, w, cache, lengths, g
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_layer_triton_matches_reference(kv_dtype, T):
+    view, w, cache, lengths, g = _layer(kv_dtype=kv_dtype)
+    h = torch.randn(2, T, view.cfg.hidden_size, generator=g).bfloat16()
+    c_ref, c_tri = cache.clone(), cache.clone()
+    ran = []
+    if T == 1:
+        y_ref = mla.decode(h[:, 0], w, c_ref, lengths)
+        y = mla.decode(h[:, 0], w, c_tri, lengths, backend="triton", partitions=2, pad_heads=16, dcp=2, ran=ran)
+    else:
+        y_ref = mla.verify(h, w, c_ref, lengths)
+        y = mla.verify(h, w, c_tri, lengths, backend="triton", partitions=None, ran=ran)
+    assert [r.op for r in ran] == ["mla_cache_write", "mla_decode", "mla_combine"]
+    assert all(r.backend == "triton" for r in ran)
+    assert _rel(y, y_ref) < 3e-2  # bf16 activations both ways; the reference rounds o_lat to bf16 first
+    written = (c_tri.data.float() - c_ref.data.float()).abs().max()
+    assert written <= (0.07 if kv_dtype else 0.02) * c_ref.data.float().abs().max()
+
+
+def test_layer_builder_runs_the_triton_attention():
+    from k3lab.model import build_layer
+    from k3lab.switches import Switches
+
+    view = preset("tiny", batch=2, context=24, draft_depth=1)
+    sw = Switches(mla_partitions=4, pad_heads=16)
+    ref_layer = build_layer(view, "mla", 0, backend="reference", dtype=torch.float64, switches=sw, n_experts=4)
+    layer = build_layer(view, "mla", 0, backend="triton", switches=sw, n_experts=4)
+    assert layer.ran["attn"] == "triton"
+    a, b = ref_layer.components()["attn"][0](), layer.components()["attn"][0]()
+    assert b.dtype == torch.float32 and _rel(b, a) < 2e-2
+
+
+# ---- argument errors, by name ------------------------------------------------------------------------------
+
+def test_attend_argument_errors():
+    q, qr, cache, lengths = _attend_inputs()
+    kw = dict(scale=0.1, backend="triton")
+    cases = [
+        ("'q_lat'", lambda: mla.attend(q[0], qr, cache, lengths, **kw)),
+        ("'q_rope'", lambda: mla.attend(q, qr[:, :, :6], cache, lengths, **kw)),
+        ("'cache'", lambda: mla.attend(q, qr, cache.data, lengths, **kw)),
+        ("'cache'", lambda: mla.attend(q, qr[..., :32], cache, lengths, **kw)),
+        ("'cache'", lambda: mla.attend(q, qr, ref.MLACache(cache.data.float()), lengths, **kw)),
+        ("'lengths'", lambda: mla.attend(q, qr, cache, lengths[:1], **kw)),
+        ("'lengths'", lambda: mla.attend(q, qr, cache, lengths.float(), **kw)),
+        ("'lengths'", lambda: mla.attend(q, qr, cache, lengths + 100, **kw)),
+        ("'partitions'", lambda: mla.attend(q, qr, cache, lengths, partitions=0, **kw)),
+        ("'partitions'", lambda: mla.attend(q, qr, cache, lengths, partitions=129, **kw)),
+        ("'dcp'", lambda: mla.attend(q, qr, cache, lengths, dcp=0, **kw)),
+        ("'pad_heads'", lambda: mla.attend(q, qr, cache, lengths, pad_heads=8, **kw)),
+        ("'dcp_layout'", lambda: mla.attend(q, qr, cache, lengths, dcp_layout="rows", **kw)),
+        ("'merge'", lambda: mla.attend(q, qr, cache, lengths, merge=1, **kw)),
+        ("'out'", lambda: mla.attend(q, qr, cache, lengths, out=torch.empty(2, 1, 12, C).bfloat16(), **kw)),
+        ("'lse'", lambda: mla.attend(q, qr, cache, lengths, lse=torch.empty(2, 12), **kw)),
+        ("'n_positions'", lambda: mla.attend(q, qr, cache, lengths, n_positions=10_000, **kw)),
+        ("'q_lat'", lambda: mla.attend(q.double(), qr.double(), cache, lengths, **kw)),
+        ("'block_n'", lambda: mla.attend(q, qr, cache, lengths, block_n=24, **kw)),
+        ("'num_warps'", lambda: mla.attend(q, qr, cache, lengths, num_warps=3, **kw)),
+    ]
+    for name, fn in cases:
+        with pytest.raises(MLAArgumentError, match=name):
+            fn()
+
+
+def test_combine_and_write_argument_errors():
+    o, l = torch.randn(1, 2, 1, 4, C), torch.randn(1, 2, 1, 4)
+    w_uv, gate = torch.zeros(4, C, 128).bfloat16(), torch.zeros(1, 1, 512).bfloat16()
+    kw = dict(backend="triton")
+    for name, fn in [
+        ("'o_parts'", lambda: mla.combine(o[0, 0], l, w_uv, gate, **kw)),
+        ("'lse_parts'", lambda: mla.combine(o, l[:, :1], w_uv, gate, **kw)),
+        ("'lse_parts'", lambda: mla.combine(o[:, 0], l, w_uv, gate, **kw)),
+        ("'w_uv'", lambda: mla.combine(o, l, w_uv[:2], gate, **kw)),
+        ("'w_uv'", lambda: mla.combine(o, l, w_uv.float(), gate, **kw)),
+        ("'gate'", lambda: mla.combine(o, l, w_uv, gate[..., :100], **kw)),
+        ("'block_v'", lambda: mla.combine(o, l, w_uv, gate, block_v=48, **kw)),
+        ("'block_r'", lambda: mla.combine(o, l, w_uv, gate, block_r=8, **kw)),
+        ("'out'", lambda: mla.combine(o, l, w_uv, gate, torch.empty(1, 1, 512), **kw)),
+    ]:
+        with pytest.raises(MLAArgumentError, match=name):
+            fn()
+    _, _, cache, lengths = _attend_inputs()
+    kv, nw = torch.zeros(2, 1, C + DR).bfloat16(), torch.ones(C).bfloat16()
+    for name, fn in [
+        ("'kv'", lambda: mla.write_cache(kv[0], nw, cache, lengths, **kw)),
+        ("'kv_norm'", lambda: mla.write_cache(kv, torch.ones(C + DR), cache, lengths, **kw)),
+        ("'cache'", lambda: mla.write_cache(kv[:1], nw, cache, lengths[:1], **kw)),
+        ("'lengths'", lambda: mla.write_cache(kv, nw, cache, lengths + 1000, **kw)),
+        ("'eps'", lambda: mla.write_cache(kv, nw, cache, lengths, eps=0, **kw)),
+    ]:
+        with pytest.raises(MLAArgumentError, match=name):
+            fn()
+
+
+def test_backends_refused_by_name():
+    q, qr, cache, lengths = _attend_inputs()
+    with pytest.raises(BackendUnavailable, match="ROCm") as e:
+        mla.attend(q, qr, cache, lengths, scale=0.1, backend="aiter")
+    assert "triton" in str(e.value)  # says what to use instead
+    view, w, c, lens, _ = _layer()
+    with pytest.raises(BackendUnavailable, match="aiter"):
+        mla.decode(torch.zeros(2, view.cfg.hidden_size).bfloat16(), w, c, lens, backend="aiter")
+    with pytest.raises(BackendUnavailable, match="aiter"):
+        mla.write_cache(torch.zeros(2, 1, C + DR), torch.ones(C), cache, lengths, backend="aiter")
+    with pytest.raises(SwitchError, match="'cuda'"):
+        mla.attend(q, qr, cache, lengths, scale=0.1, backend="cuda")
+    with pytest.raises(TypeError, match="ran must be a list"):
+        mla.attend(q, qr, cache, lengths, scale=0.1, ran=())

@@ -1,0 +1,202 @@
+"""Triton MLA kernels (decode attention split-KV + merge, combine, cache write) through the shared checker
+(k3lab.harness.checker: fp64 reference, outputs NaN-poisoned, caches compared, inputs unchanged) at every
+switch value the kernels claim, small shapes. Without a GPU they run under TRITON_INTERPRET=1
+(tests/conftest.py). The caches' unused rows and spare pages hold NaN (k3lab.ops.mla), so a kernel that
+reads past a sequence's visible positions fails. Tolerances and their reasons: k3lab.ops.mla."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab import registry
+from k3lab.harness import checker
+
+DEC = registry.get("mla_decode")
+COMB = registry.get("mla_combine")
+WRITE = registry.get("mla_cache_write")
+
+
+def _check(op, backend="triton", options=None, seed=0, **shape):
+    res = checker.require(checker.check(op, op.case(**shape), backend=backend, options=options or {}, seed=seed))
+    assert res.ran and res.ran[-1].backend == backend
+    return res
+
+
+# ---- decode attention ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [
+    dict(context=1, page_size=0),                                   # one cached position
+    dict(context=1, T=4, page_size=1),                               # the whole history is the new positions
+    dict(context=3, partitions=16, page_size=0),                     # history shorter than the partitions
+    dict(context=40, partitions=64, page_size=16),                   # most pieces empty
+    dict(context=50, batch=3, ragged=True, T=2, partitions=4),       # ragged lengths 50, 25, 1
+    dict(context=37, batch=2, ragged=True, partitions=1, page_size=0),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_small_histories_and_ragged(shape):
+    _check(DEC, **shape)
+
+
+@pytest.mark.parametrize("heads", [6, 12, 16])
+@pytest.mark.parametrize("pad_heads", [0, 16])
+def test_decode_heads_and_padding(heads, pad_heads):
+    _check(DEC, heads=heads, pad_heads=pad_heads, context=30, T=2 if heads == 6 else 1, partitions=2)
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16, 64])
+def test_decode_page_sizes(page_size):
+    _check(DEC, page_size=page_size, context=70, batch=2, ragged=True, partitions=3)
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("fp8_scale", ["tensor", "token"])
+def test_decode_fp8(page_size, fp8_scale):
+    """Against the dequantized cache (e4m3 * scale): the kernel's own error only."""
+    _check(DEC, kv_dtype="fp8", fp8_scale=fp8_scale, page_size=page_size, context=45, batch=2, ragged=True,
+           T=2, partitions=2)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+def test_decode_verify_T(T):
+    """T new positions read the cache once, query t sees positions <= lengths + t."""
+    _check(DEC, T=T, context=20, batch=2, ragged=True, partitions=2, page_size=16)
+
+
+@pytest.mark.parametrize("dcp,layout", [(2, "interleave"), (3, "contiguous"), (4, "interleave"),
+                                        (4, "contiguous"), (16, "interleave")])
+def test_decode_dcp_equals_unsharded(dcp, layout):
+    """DCP-N emulated: every shard's partials (all heads over its positions) merged by lse equal the
+    unsharded fp64 answer; context 2 < N leaves shards empty."""
+    _check(DEC, dcp=dcp, dcp_layout=layout, context=2 if dcp == 16 else 21, batch=2, ragged=True, partitions=2,
+           page_size=0)
+
+
+def test_decode_dcp_one_cached_position():
+    """The issue's new-user case: dcp=4 at the start of a conversation."""
+    _check(DEC, dcp=4, context=1, partitions="auto")
+
+
+@pytest.mark.parametrize("options", [dict(block_n=64), dict(block_m=16), dict(block_n=16, num_warps=8, num_stages=3)])
+def test_decode_kernel_options(options):
+    """block_m=16 at 12 heads x T=2 splits the rows into two groups (each reads the cache)."""
+    _check(DEC, options=options, T=2, context=33, partitions=2, page_size=16)
+
+
+def test_decode_reference_backends_agree():
+    _check(DEC, backend="reference", context=30, dcp=2, partitions=3)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(T=8, context=60, batch=2, ragged=True, partitions=3),  # 96 rows -> two groups of 64
+    dict(T=8, heads=16, pad_heads=16, context=40, kv_dtype="fp8", fp8_scale="token", page_size=1),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_T8_two_row_groups(shape):
+    _check(DEC, **shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [
+    dict(context=1000, batch=1, partitions="auto", page_size=64),
+    dict(context=300, batch=8, ragged=True, partitions="auto", kv_dtype="fp8", page_size=16, dcp=2),
+    dict(context=200, heads=6, T=4, dcp=8, dcp_layout="contiguous", partitions=4, page_size=64),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_larger(shape):
+    _check(DEC, **shape)
+
+
+def test_merge_kernel_gpu_tiling():
+    """The merge at its GPU tiling (one row, 128 columns, 32 partials a step; the interpreter's default
+    takes 16 rows and all columns), K = 40 with empty partials."""
+    from k3lab.ref.mla import merge_stacked
+    from k3lab_kernels.triton.mla_decode import merge_partials
+
+    g = torch.Generator().manual_seed(2)
+    o, lse = torch.randn(2, 40, 1, 3, 512, generator=g), torch.randn(2, 40, 1, 3, generator=g) * 3
+    o[:, 5:9], lse[:, 5:9] = 0.0, float("-inf")
+    out, lo = torch.full((2, 1, 3, 512), float("nan")), torch.full((2, 1, 3), float("nan"))
+    merge_partials(o, lse, out, lo, rows=1, block_c=128, block_k=32)
+    wo, wl = merge_stacked(o.double(), lse.double())
+    assert float((out.double() - wo).norm() / wo.norm()) < 1e-6
+    assert float((lo.double() - wl).abs().max()) < 1e-5
+
+
+# ---- combine -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [
+    dict(partitions=1),                                 # an already merged o_lat
+    dict(partitions=8),                                 # with empty partials (lse = -inf)
+    dict(partitions=2, dcp=4, heads=6, batch=3, T=2),   # pieces x shards
+    dict(partitions=3, heads=16),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_combine(shape):
+    _check(COMB, **shape)
+
+
+@pytest.mark.parametrize("block_v", [16, 64])
+def test_combine_block_v(block_v):
+    _check(COMB, options=dict(block_v=block_v), partitions=2, batch=2, heads=6)
+
+
+@pytest.mark.parametrize("block_r,batch", [(16, 1), (1, 3)])
+def test_combine_both_paths(block_r, batch):
+    """The tensor-core rows kernel forced at batch 1, the one-row kernel forced at 3 rows x T=2."""
+    _check(COMB, options=dict(block_r=block_r), partitions=3, batch=batch, T=2, heads=6)
+
+
+@pytest.mark.slow
+def test_combine_batch_over_one_row_block():
+    _check(COMB, partitions=2, batch=40, T=2)  # 80 rows: two row blocks of 64
+
+
+# ---- cache write ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [0, 1, 16, 64])
+@pytest.mark.parametrize("kv", [("bf16", "tensor"), ("fp8", "tensor"), ("fp8", "token")])
+def test_cache_write(page_size, kv):
+    """Only the rows at lengths[b] .. lengths[b]+T-1 are written (everything else keeps its NaN poison),
+    rounded once like the fp64 reference; per-token scales beside them."""
+    _check(WRITE, kv_dtype=kv[0], fp8_scale=kv[1], page_size=page_size, batch=3, ragged=True, T=2, context=20)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_cache_write_T_and_empty_history(T):
+    _check(WRITE, T=T, context=0, batch=2, page_size=16)
+
+
+# ---- registry and bench ---------------------------------------------------------------------------------
+
+def test_registry_entries():
+    ops = {o.name for o in registry.ops_of("mla")}
+    assert ops == {"mla_decode", "mla_combine", "mla_cache_write"}
+    for op in registry.ops_of("mla"):
+        assert op.floor_bw in ("read", "copy") and op.test_file == "tests/test_mla_triton.py"
+        assert set(op.backends) == {"reference", "torch_compile", "triton"}
+        for case in op.cases():
+            assert op.nbytes(case) > 0 and op.flops(case) > 0
+    # 32K context, batch 1, 12 heads, bf16: the cache alone is 37.7 MB
+    c = DEC.case(context=32768, batch=1, heads=12, page_size=64)
+    assert 37.7e6 < DEC.nbytes(c) < 38.0e6
+    assert DEC.nbytes(DEC.case(kv_dtype="fp8", context=32768)) < 0.55 * DEC.nbytes(c)
+    assert not DEC.valid(DEC.case(heads=16, pad_heads=6)) and not DEC.valid(DEC.case(dcp=1, dcp_layout="contiguous"))
+
+
+def test_bench_runs_on_cpu():
+    """`k3lab bench mla` end to end on the smallest grid (every op, the triton backend, no peers)."""
+    from k3lab.bench import runner
+
+    bd = runner.run("mla", grid=dict(heads=(12,), batch=(1,), context=(16,), partitions=(2,)), backends=("triton",),
+                    peers=False, reps=1, log=lambda s: None)
+    rows = {r.extra["op"]: r for r in bd.rows}
+    assert set(rows) == {"mla_decode", "mla_combine", "mla_cache_write"}
+    assert all(r.error["ok"] for r in rows.values()), [r.error for r in rows.values()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    dict(heads=12, batch=1, context=32768, page_size=64),
+    dict(heads=12, batch=64, context=8192, page_size=64, partitions="auto"),
+    dict(heads=12, batch=1, context=32768, T=4, page_size=64, kv_dtype="fp8"),
+    dict(heads=6, batch=16, context=4096, ragged=True, dcp=8, page_size=1),
+])
+def test_decode_gpu_shapes(shape):
+    _check(DEC, **shape)
+
