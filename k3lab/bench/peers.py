@@ -118,7 +118,9 @@ class FlashInferKDADecode:
     """FlashInfer's one-launch KDA decode (conv update, silu, q/k l2norm, gate, beta, delta rule, gated
     RMSNorm) on our inputs. Its layouts differ from ours and are converted here, outside any timed region:
     state [slots, H, V, K] (value-major rows: ours transposed), conv cache [slots, 3HD, W-1] stored
-    sequence-strided (memory [slots, W-1, 3HD]), conv weight [3, W, HD] fp32, norm weight fp32."""
+    sequence-strided (memory [slots, W-1, 3HD]), conv weight [3, W, HD] fp32, norm weight fp32. Slot 0 is
+    FlashInfer's null slot (a row whose state index is <= 0 is skipped and writes zeros: `is_live` in its
+    kernel), so sequence b lives in slot b + 1 and slot 0 is an unused dummy."""
 
     def __init__(self, params, state, conv_state, B: int):
         self.mod = flashinfer_module("kda_kernels.fused_kda_decode")
@@ -130,9 +132,11 @@ class FlashInferKDADecode:
         self.A_log = params.A_log.float().contiguous()
         self.dt_bias = params.dt_bias.float().contiguous()
         self.norm_w = params.o_norm_w.float().contiguous()
-        self.state = state.transpose(-1, -2).contiguous()
-        self.conv = conv_state.transpose(1, 2).contiguous().transpose(1, 2)  # [B, 3HD, W-1], strides (.., 1, 3HD)
-        self.idx = torch.arange(B, dtype=torch.int32, device=state.device)
+        st = state.transpose(-1, -2)
+        self.state = torch.cat([torch.zeros_like(st[:1]), st]).contiguous()  # slot 0: the null slot
+        cs = conv_state.transpose(1, 2)
+        self.conv = torch.cat([torch.zeros_like(cs[:1]), cs]).contiguous().transpose(1, 2)  # strides (.., 1, 3HD)
+        self.idx = torch.arange(1, B + 1, dtype=torch.int32, device=state.device)
         self.out = torch.empty(1, B, H, D, dtype=torch.bfloat16, device=state.device)
 
     def __call__(self, qkv, f, b, gate):
@@ -144,4 +148,4 @@ class FlashInferKDADecode:
 
     def ours(self):
         """(out [B, HD], state [B, H, K, V], conv_state [B, 3HD, W-1]) in our layouts."""
-        return (self.out.view(self.B, -1), self.state.transpose(-1, -2).contiguous(), self.conv.contiguous())
+        return (self.out.view(self.B, -1), self.state[1:].transpose(-1, -2).contiguous(), self.conv[1:].contiguous())
