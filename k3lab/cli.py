@@ -331,6 +331,14 @@ def env() -> None:
 
 
 @app.command()
+def probes() -> None:
+    """Measure and print this device's copy bandwidth, read-only bandwidth (per probe tile) and launch floor."""
+    from k3lab.harness.timing import probes as measure
+
+    typer.echo(json.dumps(measure(), indent=1))
+
+
+@app.command()
 def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3lab run`"),
             gpu: str | None = typer.Option(None, "--gpu", help="profiles/<gpu>/ (default: the bundle's GPU)"),
             profiles: Path = typer.Option(PROFILES_DIR, "--profiles", help="profiles root")) -> None:

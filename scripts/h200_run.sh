@@ -7,6 +7,9 @@
 #   STEP=bench  carry [".gpu/base", ".gpu/fi"] (right after STEP=cute: CuTe stays unpacked) the sweep
 #                                              `k3lab bench $COMPONENT $GRID` (bundle + report), then
 #                                              `k3lab defaults` from it into $OUT/bench/defaults.json
+#   STEP=fi     carry [".gpu/cute", ".gpu/fi"] the probes, then `k3lab bench kda --ops kda_decode` beside
+#                                              FlashInfer's fused decode (no fla: .gpu/base does not fit beside),
+#                                              then $EXTRA (a command line) if set
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
@@ -38,6 +41,14 @@ bench)
      | tee "$OUT/bench.log" | tail -n 40
   $K defaults ${COMPONENT:-kda} "$OUT"/bench/*/"${NAME:-kda_sweep}".json --write "$OUT/bench/defaults.json" 2>&1 | tail -n 2
   pack bench ;;
+fi)
+  unpack cute fi; install
+  mkdir -p "$OUT/fi"
+  $K probes | tee "$OUT/fi/probes.json"
+  $K bench kda --ops kda_decode --backends cute,triton ${GRID:---grid heads=12 --grid batch=1,2,4,8,16,32,64 --grid tile_v=16,128} \
+     --reps ${REPS:-30} --deadline ${DEADLINE:-200} --name ${NAME:-kda_decode_fi} --out "$OUT/fi" 2>&1 | tee "$OUT/fi/bench.log" | tail -n 30
+  if [ -n "${EXTRA:-}" ]; then bash -c "$EXTRA" 2>&1 | tee "$OUT/fi/extra.log" | tail -n 30; fi
+  pack fi ;;
 layer)
   unpack base; install
   for B in ${LAYER_BATCHES-1 64}; do
@@ -45,6 +56,6 @@ layer)
        -p backends reference,torch_compile,triton -p reps 10 --out "$OUT/layer_b$B" 2>&1 | tail -n 4
     pack layer_b$B
   done ;;
-*) echo "STEP must be cute, bench or layer" >&2; exit 2 ;;
+*) echo "STEP must be cute, bench, fi or layer" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
