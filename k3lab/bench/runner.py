@@ -166,12 +166,12 @@ def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, 
         bench = timing.bench_gpu if gpu else timing.bench_cpu
         kw = dict(rotate=not hot) if gpu else {}
         tm = bench(lambda f: f(), input_sets=[(f,) for f in fns], reps=reps, bytes_per_call=fl.bytes, **kw)
-        label = case.key() + ("".join(f"[{k}={v}]" for k, v in im.options.items()) if im.options else "")
+        label = case.key() + "".join(f"[{k}={v}]" for k, v in im.options.items() if v not in (None, False))
         row = Row.from_timing(label, im.name, tm, floor=fl, kernels=kl, error=err, **x)
         row.extra["x_floor"] = row.distance
         ok = "" if err is None else ("" if err["ok"] else "  FAIL " + "; ".join(err["failures"])[:160])
         short = ",".join(f"{k}={v}" for k, v in {**case.asdict(), **im.options}.items()
-                         if len(op.axes.get(k, ())) != 1 and v is not False)
+                         if len(op.axes.get(k, ())) != 1 and v not in (None, False))
         log(f"{op.name:<12} {short:<40} {im.name:<15} {tm.median_us:9.2f} us  floor {fl.floor_us:7.2f} ({fl.bound})"
             f"  x{row.distance:5.2f}{ok}")
         return row
