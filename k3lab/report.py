@@ -265,6 +265,44 @@ def bundle_figures(bundle: Any) -> list[Any]:
     return figs
 
 
+def sweep_frame(bundle: Any):
+    """A bench bundle's rows as a DataFrame: the case axes and options (from each row's extra), impl, timing
+    kind and mode, median, floor, floor bandwidth, % of it, the worst output error and whether the check passed."""
+    import pandas as pd
+
+    recs = []
+    for r in bundle.rows:
+        e = r.error or {}
+        rec = {k: v for k, v in (r.extra or {}).items() if not isinstance(v, (dict, list))}
+        rec.update(impl=r.backend, kind=r.kind, mode=r.mode, median_us=r.median_us, floor_us=r.floor_us,
+                   floor_bw=r.floor_bw, pct_of_bw=r.pct_of_bw, x_floor=r.distance, launches=r.launches,
+                   err=e.get("rel_norm"), ok=e.get("ok"))
+        recs.append(rec)
+    return pd.DataFrame(recs)
+
+
+def sweep_figures(bundle: Any, x: str, *, facet: str | None = None, impls: Any = None) -> list[Any]:
+    """Line plots of a bench bundle: median us and % of the floor's bandwidth against axis `x`, one line per
+    implementation (its best option at each point), one panel per value of `facet`."""
+    import plotly.express as px
+
+    df = sweep_frame(bundle)
+    if df.empty or x not in df:
+        return []
+    if impls is not None:
+        df = df[df.impl.isin(list(impls))]
+    keys = [c for c in ("impl", x, facet) if c]
+    best = df.sort_values("median_us").groupby(keys, as_index=False).first()
+    kw = dict(color="impl", markers=True, facet_col=facet) if facet else dict(color="impl", markers=True)
+    figs = [px.line(best, x=x, y="median_us", log_x=True, log_y=True, title=f"{bundle.name}: median per call (us)",
+                    **kw),
+            px.line(best, x=x, y="pct_of_bw", log_x=True, title=f"{bundle.name}: bytes / time, % of the floor's "
+                    "bandwidth (read or copy, measured in the run)", **kw)]
+    for f in figs:
+        f.update_layout(template="plotly_white", height=420)
+    return figs
+
+
 def error_table_html(bundle: Any) -> str:
     head = ("<tr><th>component</th><th>backend</th><th>kind</th><th>median us</th><th>p10</th><th>p90</th>"
             "<th>floor us</th><th>floor bw</th><th>x floor</th><th>TB/s</th><th>% of bw</th><th>timing</th>"

@@ -202,7 +202,7 @@ def test_one_tile_per_head_uses_no_scratch():
 
 # ---- prefill -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("L", [1, 70, 130])
+@pytest.mark.parametrize("L", [1, 70, pytest.param(130, marks=pytest.mark.slow)])  # 130: three chunks (slow run)
 @pytest.mark.parametrize("grouped", [False, True], ids=["seq", "grouped"])
 @pytest.mark.parametrize("inverse", ["fp32", "bf16"])
 def test_prefill(L, grouped, inverse):

@@ -253,7 +253,7 @@ def measure_copy_bandwidth(nbytes: int = 2 * 2**30, reps: int = 10, warmup: int 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cpu":
-        nbytes = min(nbytes, 256 * 2**20)
+        nbytes = min(nbytes, 64 * 2**20)
     n = nbytes // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device).fill_(1.0)
     dst = torch.empty_like(src)
@@ -324,13 +324,13 @@ def measure_read_bandwidth(nbytes: int = 4 * 2**30, reps: int = 10, warmup: int 
     """A streaming read of `nbytes` (far past L2; k3lab_kernels.triton.bw_probe.stream_sum, one partial sum
     per program, nothing else written): bytes read / time in TB/s, the median of `reps` reads, for the
     fastest of the probe's tile shapes (`detail`, when given, receives every shape's figure). The ceiling of
-    ops that mostly read (weights, caches). On a CPU: torch's sum over a 256 MiB buffer (a smoke figure,
+    ops that mostly read (weights, caches). On a CPU: torch's sum over a 64 MiB buffer (a smoke figure,
     labelled by the caller)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cpu":
-        x = torch.ones(min(nbytes, 256 * 2**20) // 4, dtype=torch.float32)
+        x = torch.ones(min(nbytes, 64 * 2**20) // 4, dtype=torch.float32)
         samples = []
         for i in range(warmup + reps):
             t0 = time.perf_counter()
