@@ -53,3 +53,21 @@ def test_notebook_source_has_no_outputs():
     nb = json.loads(NB.read_text())
     assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
     assert any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb["cells"])
+
+
+def test_mla_notebook_headless_and_report_commands(tmp_path):
+    """notebooks/03_mla on the CPU (reference and torch.compile rows), then `k3lab report` remakes its page
+    from the bundle without changing the bundle."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3lab.cli", "run", str(ROOT / "notebooks" / "03_mla.ipynb"), "-p", "heads", "2",
+           "-p", "batches", "1", "-p", "contexts", "40", "-p", "reps", "2", "--out", str(out), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (bpath,) = find_bundles(out)
+    b = load(bpath)
+    assert b.rows and all(row.floor_bw == "read" and row.error["ok"] for row in b.rows)
+    before = bpath.read_bytes()
+    r = subprocess.run([sys.executable, "-m", "k3lab.cli", "report", str(bpath), "--out", str(tmp_path / "r.html")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "r.html").exists() and bpath.read_bytes() == before
