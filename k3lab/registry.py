@@ -70,11 +70,12 @@ class Case:
 @dataclass
 class Peer:
     """A public implementation timed beside ours: `make(inputs)` returns a zero-argument callable on one
-    input set; `check(case, seed)` (optional) returns a checker Result against the same fp64 reference."""
+    input set; `check(case, inputs)` (optional) returns a checker Result against the same fp64 reference on a
+    copy of that input set."""
 
     name: str
     make: Callable[[dict], Callable[[], Any]]
-    check: Callable[[Case, int], Any] | None = None
+    check: Callable[[Case, dict], Any] | None = None
     note: str = ""
 
 

@@ -151,14 +151,19 @@ def check(op: Op, case: Case, *, backend: str | None = None, options: dict | Non
         if not e["ok"]:
             res.failures.append(e["why"])
     for k, before in read_only.items():
-        now = inp[k]
-        same = torch.equal(before, now) if not before.is_floating_point() else torch.equal(
-            torch.nan_to_num(before, nan=0.0), torch.nan_to_num(now, nan=0.0)) and bool(
-            (torch.isnan(before) == torch.isnan(now)).all())
-        if not same:
+        if not _same_bits(before, inp[k]):
             res.inputs_unchanged = False
             res.failures.append(f"input {k!r} was modified")
     return res
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included), for any dtype: fp8 and friends are compared as bytes."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.element_size() == 0 or a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def require(res: Result) -> Result:
