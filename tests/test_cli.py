@@ -70,7 +70,7 @@ def test_sweep_grid(tmp_path):
 def _save(tmp_path: Path, name: str, scale: float) -> Path:
     from test_harness import _bundle
 
-    b = _bundle(scale)
+    b = _bundle(scale, kind="gpu-graph")
     return b.save_as(tmp_path / f"{name}.json")
 
 

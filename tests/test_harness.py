@@ -234,16 +234,21 @@ def test_bundle_validation_names_the_problem(tmp_path):
 
 
 def test_compare_regressions():
-    a = _bundle()
-    same = bmod.compare(a, _bundle(1.02), 0.05)
+    g = "gpu-graph"
+    a = _bundle(kind=g)
+    same = bmod.compare(a, _bundle(1.02, kind=g), 0.05)
     assert not same.has_regressions and all(r["ratio"] == pytest.approx(1.02) for r in same.rows)
-    slow = bmod.compare(a, _bundle(1.2), 0.05)
+    slow = bmod.compare(a, _bundle(1.2, kind=g), 0.05)
     assert slow.has_regressions and len(slow.regressions) == 2
-    assert bmod.compare(a, _bundle(1.2), 0.25).has_regressions is False
-    nan = bmod.compare(a, _bundle(err_ok=False))
+    assert bmod.compare(a, _bundle(1.2, kind=g), 0.25).has_regressions is False
+    nan = bmod.compare(a, _bundle(err_ok=False, kind=g))
     assert nan.has_regressions and "error check" in nan.regressions[0]["why"]
-    mixed = bmod.compare(a, _bundle(5.0, kind="gpu-graph"))
+    mixed = bmod.compare(_bundle(), _bundle(5.0, kind=g))
     assert not mixed.has_regressions and mixed.rows[0]["ratio"] is None
+    # two CPU runs of the same code: wall clock on a shared CPU is shown, never gated
+    cpu = bmod.compare(_bundle(), _bundle(3.0))
+    assert not cpu.has_regressions and "never gated" in cpu.rows[0]["why"] and cpu.rows[0]["ratio"] == 3.0
+    assert bmod.compare(_bundle(), _bundle(err_ok=False)).has_regressions  # a failing check still counts
 
 
 # ---- switches mapping -----------------------------------------------------------------------------

@@ -277,7 +277,9 @@ class Comparison:
 def compare(a: Bundle, b: Bundle, threshold: float = 0.05) -> Comparison:
     """Ratio b/a of median time per (name, backend) present in both. A row regresses when
     b is slower by more than `threshold` (ratio > 1 + threshold) or when its error check went from
-    ok to failing. Rows whose timing kinds differ are listed with ratio None and never regress."""
+    ok to failing. Rows whose timing kinds or modes (rotated / hot) differ are listed with ratio None and never
+    regress; cpu-smoke rows show their ratio and never regress on time (wall clock on a shared CPU says
+    nothing about a kernel), only on a failing error check."""
     if threshold < 0:
         raise ValueError("threshold must be >= 0")
     ia = {(r.name, r.backend): r for r in a.rows}
@@ -290,10 +292,14 @@ def compare(a: Bundle, b: Bundle, threshold: float = 0.05) -> Comparison:
         if ra.kind != rb.kind:
             rec["kind"] = f"{ra.kind} vs {rb.kind}"
             rec["why"] = "timing kinds differ: not compared"
+        elif ra.mode and rb.mode and ra.mode != rb.mode:
+            rec["why"] = f"timing modes differ ({ra.mode} vs {rb.mode}): not compared"
         else:
             ratio = rb.median_us / ra.median_us if ra.median_us > 0 else float("inf")
             rec["ratio"] = ratio
-            if ratio > 1.0 + threshold:
+            if ra.kind == "cpu-smoke":
+                rec["why"] = "cpu-smoke: shown, never gated"
+            elif ratio > 1.0 + threshold:
                 rec["regression"], rec["why"] = True, f"slower by {100 * (ratio - 1):.1f}%"
         ea, eb = (ra.error or {}).get("ok"), (rb.error or {}).get("ok")
         if ea is True and eb is False:
