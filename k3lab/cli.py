@@ -117,7 +117,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     error: str | None = None
     try:
         pm.execute_notebook(str(notebook), str(out_nb), parameters=params, cwd=str(notebook.parent),
-                            progress_bar=False, log_output=not quiet, kernel_name=kernel_name,
+                            progress_bar=not quiet, log_output=not quiet, kernel_name=kernel_name,
                             stdout_file=None)
     except pm.PapermillExecutionError as e:
         error = _failure_message(e, notebook)
@@ -239,6 +239,15 @@ def sweep(ctx: typer.Context, notebook: Path = typer.Argument(...),
         axes[k.strip()] = [parse_value(v) for v in _split_values(vals)]
     fixed = _params_from_args(ctx.args)
     combos = [dict(zip(axes, vs)) for vs in itertools.product(*axes.values())]
+    if not Path(notebook).exists():
+        _echo_err(f"error: notebook {notebook} does not exist")
+        raise typer.Exit(2)
+    try:  # every combination's parameters checked before the first run
+        for c in combos:
+            check_params(Path(notebook).resolve(), {**fixed, **c})
+    except RunFailed as e:
+        _echo_err(f"error: {e}")
+        raise typer.Exit(2) from None
     console = Console(stderr=True)
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -328,6 +337,29 @@ def env() -> None:
     from k3lab.harness.env import fingerprint
 
     typer.echo(json.dumps(fingerprint(), indent=1))
+
+
+@app.command()
+def runs(prune: bool = typer.Option(False, "--prune-failed", help="delete the failed runs"),
+         root: Path = typer.Option(PROFILES_DIR / "runs", help="where `k3lab run` puts its runs")) -> None:
+    """List the runs under profiles/runs (status, seconds, notebook, error), and optionally delete the failed."""
+    if not root.is_dir():
+        typer.echo(f"no runs under {root}")
+        return
+    failed = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        meta_p = d / "run.json"
+        if not meta_p.exists():
+            continue
+        meta = json.loads(meta_p.read_text())
+        st = meta.get("status", "?")
+        typer.echo(f"{st:7s} {meta.get('seconds', '?'):>8} s  {d.name}  {(meta.get('error') or '')[:100]}")
+        if st == "failed":
+            failed.append(d)
+    if prune:
+        for d in failed:
+            shutil.rmtree(d)
+        typer.echo(f"deleted {len(failed)} failed run(s)")
 
 
 @app.command()

@@ -133,3 +133,22 @@ def test_defaults_refuses_what_it_cannot_use(tmp_path):
     bad.write_text(json.dumps({"rows": []}))
     r = runner.invoke(cli.app, ["defaults", "kda", str(bad)])
     assert r.exit_code == 2 and "no passing" in r.output
+
+
+def test_runs_lists_and_prunes_failed(tmp_path):
+    for name, st in (("r1", "ok"), ("r2", "failed")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"status": st, "seconds": 1.0, "error": None}))
+    r = runner.invoke(cli.app, ["runs", "--root", str(tmp_path), "--prune-failed"])
+    assert r.exit_code == 0 and "r1" in r.output and "deleted 1" in r.output
+    assert (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_run_refuses_unknown_and_mistyped_parameters(tmp_path):
+    nb = Path(__file__).resolve().parent.parent / "notebooks" / "02_kda.ipynb"
+    with pytest.raises(cli.RunFailed, match=r"no parameter \['seeed'\]"):
+        cli.check_params(nb, {"seeed": 1})
+    with pytest.raises(cli.RunFailed, match="'reps' expects a number"):
+        cli.check_params(nb, {"reps": "abc"})
+    got = cli.check_params(nb, {"bundle": "profiles/h200/kda_sweep.json", "reps": 3})
+    assert Path(got["bundle"]).is_absolute() and got["reps"] == 3
