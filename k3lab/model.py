@@ -349,8 +349,9 @@ class Layer:
             from k3lab.components import mla as mla_comp
             # triton: k3lab_kernels.triton.mla_decode (split + merge). The cache holds lengths + T positions
             # exactly (alloc_state), so n_positions is its capacity: no host sync, graph-capturable.
+            parts = None if sw.mla_partitions == "auto" else sw.mla_partitions  # None: the kernel's choice
             b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
-                                            backend=be, partitions=sw.mla_partitions, pad_heads=sw.pad_heads,
+                                            backend=be, partitions=parts, pad_heads=sw.pad_heads,
                                             n_positions=st.cache.capacity, check_values=False)
             return b["o_lat"]
         S = int(st.lengths.max()) + self.T

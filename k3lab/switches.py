@@ -29,7 +29,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "kda_prefill_inverse": ("fp32", "bf16"),
     "kda_prefill_grouped": (False, True),
     "kda_pdl": (False, True),
-    "mla_partitions": (1, 2, 4, 8, 16, 32, 64),
+    "mla_partitions": (1, 2, 4, 8, 16, 32, 64, "auto"),
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
     "shared_expert_stream": (False, True),
@@ -70,7 +70,7 @@ class Switches:
     kda_prefill_inverse: str = "fp32"
     kda_prefill_grouped: bool = False
     kda_pdl: bool = False  # programmatic dependent launch of the CuTe KDA kernels (cute backend only)
-    mla_partitions: int = 1
+    mla_partitions: int | str = "auto"  # "auto": the kernel's measured choice for the batch and context
     moe_tile_n: int = 64
     prefetch: bool = False
     shared_expert_stream: bool = False

@@ -83,7 +83,7 @@ def test_presets_and_gpu_view():
 
 def test_switch_defaults_and_round_trip():
     s = Switches()
-    assert s.backend == {c: "reference" for c in COMPONENTS} and s.mla_partitions == 1
+    assert s.backend == {c: "reference" for c in COMPONENTS} and s.mla_partitions == "auto"
     assert Switches.from_dict(json.loads(s.to_json())) == s
     s2 = s.replace(mla_partitions=4, backend_kda="triton")
     assert s2.mla_partitions == 4 and s2.backend["kda"] == "triton" and s2.backend["mla"] == "reference"
