@@ -14,6 +14,9 @@ What it does, every time:
      entry the reference marks NaN must still hold the poison (left untouched), any other non-finite
      value fails;
   5. requires every read-only input tensor to be unchanged.
+
+`check_twin` is the layer-level form the layer notebook uses: a component of a bf16 layer against the same
+component of its fp64 twin.
 """
 from __future__ import annotations
 
@@ -164,6 +167,27 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.element_size() == 0 or a.numel() == 0:
         return True
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callable[[], Any], tol: float | None):
+    """One call of a layer component (k3lab.model.Layer) against the same component of its fp64 twin (same
+    seed; the layer notebook's check). The outputs it returns are compared; a component that returns nothing
+    is compared on the layer buffers (`layer.buf`) its call changed; with neither, it fails loudly. Returns
+    numerics.ErrorStats (relative norm over every output, NaN never passes)."""
+    def tensors(d: Any) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in (d or {}).items() if isinstance(v, torch.Tensor)}
+
+    before = {k: v.clone() for k, v in tensors(getattr(layer, "buf", None)).items()}
+    out, ref = fn(), ref_fn()
+    if out is None:
+        after = tensors(getattr(layer, "buf", None))
+        rbuf = tensors(getattr(ref_layer, "buf", None))
+        keys = [k for k, v in after.items() if k in rbuf and rbuf[k].shape == v.shape
+                and (k not in before or before[k].shape != v.shape or not torch.equal(before[k], v))]
+        if not keys:
+            raise ValueError("component returned None and changed no layer buffer: nothing to check")
+        out, ref = {k: after[k] for k in keys}, {k: rbuf[k] for k in keys}
+    return error_stats(out, ref, tol)
 
 
 def require(res: Result) -> Result:

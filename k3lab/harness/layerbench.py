@@ -4,7 +4,7 @@ For each requested backend that can run here (`k3lab.switches.backend_status`) a
 `k3lab.model.build_layer(view, kind, seed, ...)` builds the layer; every component of
 `.components()` (name -> (callable, bytes_moved, flops)) is
   1. checked once against an fp64 CPU build of the same layer (same seed, components called in
-     order on fresh layers, every output compared),
+     order on fresh layers, every output compared: k3lab.harness.checker.check_twin),
   2. timed: CUDA-graph replay with rotated layer copies on a GPU, `cpu-smoke` wall clock otherwise,
   3. placed against its floor (bytes over the measured read bandwidth for weight and cache reads, over the
      copy bandwidth for the KDA core whose state is read and written, or the launch floor).
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from k3lab.harness import numerics, roofline, timing
+from k3lab.harness import checker, roofline, timing
 from k3lab.harness.bundle import Bundle, Row
 from k3lab.switches import Switches, backend_status
 
@@ -28,26 +27,6 @@ DEFAULT_TOL = {"reference": 2e-2, "torch_compile": 2e-2, "triton": 2e-2, "cute":
 def _first_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return f"{type(e).__name__}: {s[0][:300] if s else ''}"
-
-
-def _tensors(d: Any) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in (d or {}).items() if isinstance(v, torch.Tensor)}
-
-
-def _check(layer, ref_layer, fn, ref_fn, tol):
-    """One call of a component vs its fp64 twin. A component that returns nothing is checked on the
-    layer buffers (`layer.buf`) its call changed; with neither, the check fails loudly."""
-    before = {k: v.clone() for k, v in _tensors(getattr(layer, "buf", None)).items()}
-    out, ref = fn(), ref_fn()
-    if out is None:
-        after = _tensors(getattr(layer, "buf", None))
-        rbuf = _tensors(getattr(ref_layer, "buf", None))
-        keys = [k for k, v in after.items() if k in rbuf and rbuf[k].shape == v.shape
-                and (k not in before or before[k].shape != v.shape or not torch.equal(before[k], v))]
-        if not keys:
-            raise ValueError("component returned None and changed no layer buffer: nothing to check")
-        out, ref = {k: after[k] for k in keys}, {k: rbuf[k] for k in keys}
-    return numerics.error_stats(out, ref, tol)
 
 
 def parse_backends(backends: str | Sequence[str]) -> list[str]:
@@ -99,7 +78,7 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                     b.notes.append(note)
                 comps = test_layer.components()
                 ref_comps = ref_layer.components()
-                errs = {cname: _check(test_layer, ref_layer, fn, ref_comps[cname][0], tol.get(be))
+                errs = {cname: checker.check_twin(test_layer, ref_layer, fn, ref_comps[cname][0], tol.get(be))
                         for cname, (fn, _, _) in comps.items()}
             except Exception as e:  # noqa: BLE001 - recorded, the other backends go on
                 b.backends_skipped[f"{be}:{kind}"] = _first_line(e)
