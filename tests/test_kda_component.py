@@ -282,3 +282,14 @@ def test_checker_catches_what_it_claims():
 
     r = checker.check(op, case, impl=off_by_a_bit, seed=1)
     assert not r.ok and any(f.startswith("out:") for f in r.failures) and any("conv_hist" in f for f in r.failures)
+
+
+def test_checker_compares_read_only_inputs_bit_for_bit_in_any_dtype():
+    from k3lab.harness.checker import _same_bits
+
+    for t in (torch.tensor(1.5), torch.randn(3, 4), torch.randn(5).to(torch.float8_e4m3fn), torch.tensor([True]),
+              torch.tensor([float("nan"), 1.0])):
+        assert _same_bits(t, t.clone())
+    assert not _same_bits(torch.tensor(1.5), torch.tensor(2.5))
+    x = torch.randn(6).to(torch.float8_e4m3fn)
+    assert not _same_bits(x, (x.float() * 2).to(torch.float8_e4m3fn))

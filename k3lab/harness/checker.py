@@ -166,7 +166,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.element_size() == 0 or a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callable[[], Any], tol: float | None):
