@@ -200,3 +200,20 @@ def test_bench_runs_on_cpu():
 def test_decode_gpu_shapes(shape):
     _check(DEC, **shape)
 
+
+
+@pytest.mark.parametrize("options,case", [
+    (dict(block_n=64, pdl=True), dict(context=200, page_size=64, partitions=2)),    # one page index a block
+    (dict(block_n=16), dict(context=90, page_size=64, batch=2, ragged=True, partitions=3, T=2)),
+    (dict(pdl=True), dict(context=150, page_size=16, partitions=100)),              # the merge's online steps
+])
+def test_decode_page_rows_and_pdl(options, case):
+    """The one-index-per-block gather (page size a multiple of block_n, no DCP) and PDL (a GPU launch
+    attribute: plain launches under the interpreter, the same result); the merge over more partials than it
+    takes a step (one pass, a running max)."""
+    _check(DEC, options=options, **case)
+
+
+def test_combine_pdl():
+    _check(COMB, options=dict(pdl=True), partitions=40, batch=3, heads=6)
+    _check(COMB, options=dict(pdl=True), partitions=20, batch=1, heads=6)

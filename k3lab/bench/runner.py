@@ -103,6 +103,12 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     bad = sorted(set(grid) - known)
     if bad:
         raise registry.RegistryError(f"bench {component}: unknown grid names {bad}; axes and options: {sorted(known)}")
+    for k, vals in grid.items():  # an option value no backend takes would silently time nothing: refuse it
+        allowed = {v for o in op_list for per_be in [o.option_axes.get(k, {})] for vs in per_be.values() for v in vs}
+        if allowed and (wrong := [v for v in vals if v not in allowed]):
+            raise registry.RegistryError(
+                f"bench {component}: grid {k}={wrong!r} is not a value any backend takes; allowed: "
+                f"{sorted(allowed, key=repr)} (values parse as JSON: true/false, null, numbers)")
     pr = timing.probes(device)
     log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us"
         + ("" if gpu else " (cpu-smoke)"))

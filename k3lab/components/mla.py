@@ -158,12 +158,25 @@ def _cache_kind(cache) -> dict:
 
 # ---- attention -----------------------------------------------------------------------------------
 
+def _pdl(pdl) -> bool:
+    """pdl: None = the kernels' default (k3lab_kernels.triton.mla_decode.DEFAULT_PDL), or a bool: the split
+    lets the next kernel start early and the merge / combine waits for it (programmatic dependent launch; a
+    GPU feature, plain launches elsewhere with the same result)."""
+    if pdl is None:
+        from k3lab_kernels.triton.mla_decode import DEFAULT_PDL
+
+        return DEFAULT_PDL
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None (the default) or a bool, got {pdl!r}")
+    return pdl
+
+
 def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: float, backend: str = "reference",
            partitions: int | None = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
            merge: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           ran: list | None = None):
+           pdl: bool | None = None, ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
@@ -220,7 +233,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             if v is not None and (isinstance(v, bool) or v not in allowed):
                 _fail(name, f"must be None (the kernel's heuristic) or one of {allowed}, got {v!r}")
         fn = dispatch.kernel("mla_decode", be)
-        knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages)
+        knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
+                     pdl=_pdl(pdl))
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,
@@ -251,7 +265,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
 
 def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.Tensor, gate: torch.Tensor,
             out: torch.Tensor | None = None, *, backend: str = "reference", block_v: int | None = None,
-            block_r: int | None = None, num_warps: int | None = None, ran: list | None = None) -> torch.Tensor:
+            block_r: int | None = None, num_warps: int | None = None, pdl: bool | None = None,
+            ran: list | None = None) -> torch.Tensor:
     """Partials o [B,K,T,H,C] / lse [B,K,T,H] (or a merged o_lat [B,T,H,C] with lse None), Wuv [H,C,Dv],
     gate logits [B,T,H*Dv] -> out [B,T,H*Dv] = merge(o) @ Wuv[h] * sigmoid(gate) (bf16 from triton, the
     compute dtype from the reference; `out` filled when given)."""
@@ -297,7 +312,7 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
             _out("out", out, (B, T, H * Dv), (torch.bfloat16,), dev)
         c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731
         y = dispatch.kernel("mla_combine", be)(c(o_parts), c(lse_parts), c(w_uv), c(gate), out, block_v=block_v,
-                                               block_r=block_r, num_warps=num_warps)
+                                               block_r=block_r, num_warps=num_warps, pdl=_pdl(pdl))
         dispatch.record(ran, kernel=dispatch.kernel_path("mla_combine", be),
                         options=dict(block_v=block_v, block_r=block_r, num_warps=num_warps), **rec)
         return y
@@ -384,9 +399,9 @@ def verify(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tens
     kw = dict(partitions=partitions, pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, ran=ran)
     if be == "triton":
         ckv = linear(h, weights.w_dkv)
+        gate = linear(h, weights.w_gate)  # before the attention: the combine follows the split directly (PDL)
         write_cache(ckv, weights.kv_norm, cache, lengths, eps=float(weights.eps), backend=be, ran=ran)
         o_p, l_p = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=be, merge=False, **kw)
-        gate = linear(h, weights.w_gate)
         y = combine(o_p, l_p, weights.w_uv, gate, backend=be, ran=ran)
         y = linear(y.to(h.dtype), weights.w_o)
     else:

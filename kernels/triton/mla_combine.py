@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _mask2, _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.mla_decode import _mask2, _pow2, dot_f32, launch_kw, pdl_on, rne_bf16
 
 BLOCK_V_ALLOWED = (16, 32, 64, 128)
 BLOCK_R_ALLOWED = (1, 16, 32, 64)
@@ -42,10 +42,11 @@ ROW_PATH_MAX_ROWS = 2  # B*T up to this: the one-row kernel (batch 1 decode, bat
 @triton.jit
 def _mla_combine_kernel(o_part, lse_part, w_uv, gate, out, K, T, H, NR,
                         C: tl.constexpr, CP: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                        BR: tl.constexpr, DOT_F32: tl.constexpr):
+                        BR: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     """Rows path: BR >= 16 rows (b, t) of one head a program; the partials merged one k at a time as
-    [BR, C] tiles (a first pass over the [BR] lse vectors for the rows' max, a second for the weights,
-    normalizer and o: no reductions, elementwise only); o @ Wuv[h][:, v-block] on tensor cores."""
+    [BR, C] tiles in one pass (a running max per row rescales what is summed so far; elementwise only, no
+    reductions); o @ Wuv[h][:, v-block] on tensor cores. Wuv and the gate do not depend on the split: they
+    are loaded before the PDL wait."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     rb = tl.program_id(2)
@@ -57,34 +58,34 @@ def _mla_combine_kernel(o_part, lse_part, w_uv, gate, out, K, T, H, NR,
     base = b.to(tl.int64) * K * TH + t * H + h  # partial k of (b, t, h) at base + k * TH
     cc = tl.arange(0, CP)
     cm = cc < C
+    vv = vb * BV + tl.arange(0, BV)
+    wv = tl.load(w_uv + h * C * DV + cc[:, None] * DV + vv[None, :], mask=cm[:, None], other=0.0)
+    col = rows.to(tl.int64)[:, None] * (H * DV) + h * DV + vv[None, :]
+    g = tl.load(gate + col, mask=rok[:, None], other=0.0).to(tl.float32)
+    if PDL:  # launched with PDL: the partials are complete and visible after this
+        tl.extra.cuda.gdc_wait()
     if K == 1:
         o = tl.load(o_part + base[:, None] * C + cc[None, :], mask=_mask2(rok, cm, CP == C), other=0.0)
     else:
-        # The rows' max lse: elementwise over [BR] vectors, one k at a time. No tl.max of a [BR, KB] tile
-        # into a loop-carried accumulator: Triton 3.6's TritonGPUOptimizeThreadLocality rewrites that
-        # pattern and fails on sm_90 ("PassManager::run failed"). The max is exact either way.
         m = tl.full([BR], float("-inf"), tl.float32)
-        for k in range(0, K):
-            m = tl.maximum(m, tl.load(lse_part + base + k * TH, mask=rok, other=float("-inf")))
-        m_use = tl.where(m == float("-inf"), 0.0, m)
         den = tl.zeros([BR], tl.float32)
         o = tl.zeros([BR, CP], tl.float32)
         for k in range(0, K):
             lk = tl.load(lse_part + base + k * TH, mask=rok, other=float("-inf"))
-            w = tl.exp(lk - m_use)
-            den += w
             ok = tl.load(o_part + (base + k * TH)[:, None] * C + cc[None, :], mask=_mask2(rok, cm, CP == C),
                          other=0.0)
-            o += w[:, None] * ok
+            m_new = tl.maximum(m, lk)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)  # 0 while nothing is summed (m = -inf)
+            w = tl.exp(lk - m_use)
+            den = den * alpha + w
+            o = o * alpha[:, None] + w[:, None] * ok
+            m = m_new
         o = o / tl.where(den > 0.0, den, 1.0)[:, None]
-    vv = vb * BV + tl.arange(0, BV)
-    wv = tl.load(w_uv + h * C * DV + cc[:, None] * DV + vv[None, :], mask=cm[:, None], other=0.0)
     if DOT_F32:  # the interpreter (see mla_decode.dot_f32): the same bf16 values, multiplied in fp32
         y = tl.dot(rne_bf16(o), wv.to(tl.float32))
     else:
         y = tl.dot(o.to(tl.bfloat16), wv.to(tl.bfloat16))
-    col = rows.to(tl.int64)[:, None] * (H * DV) + h * DV + vv[None, :]
-    g = tl.load(gate + col, mask=rok[:, None], other=0.0).to(tl.float32)
     y = y / (1.0 + tl.exp(-g))
     if DOT_F32:
         y = rne_bf16(y)
@@ -94,10 +95,11 @@ def _mla_combine_kernel(o_part, lse_part, w_uv, gate, out, K, T, H, NR,
 @triton.jit
 def _mla_combine_row_kernel(o_part, lse_part, w_uv, gate, out, K, T, H,
                             C: tl.constexpr, CP: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                            KB: tl.constexpr, RNE: tl.constexpr):
+                            KB: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr):
     """One-row path (small B*T, e.g. batch 1): one row (b, t) of one head and BV columns a program; the
-    partials merged KB at a time as [KB, C] tiles (K / KB steps instead of K), o rounded to bf16 like the
-    tensor-core path, then o @ Wuv[h][:, v-block] as fp32 FMAs (512 x BV: no 16-row tile to fill)."""
+    partials merged KB at a time as [KB, C] tiles in one pass (K / KB steps, a running max), o rounded to
+    bf16 like the tensor-core path, then o @ Wuv[h][:, v-block] as fp32 FMAs (512 x BV: no 16-row tile to
+    fill). Wuv and the gate are loaded before the PDL wait."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     row = tl.program_id(2)
@@ -107,35 +109,37 @@ def _mla_combine_row_kernel(o_part, lse_part, w_uv, gate, out, K, T, H,
     base = b.to(tl.int64) * K * TH + t * H + h
     cc = tl.arange(0, CP)
     cm = cc < C
+    vv = vb * BV + tl.arange(0, BV)
+    wv = tl.load(w_uv + h * C * DV + cc[:, None] * DV + vv[None, :], mask=cm[:, None], other=0.0).to(tl.float32)
+    col = row.to(tl.int64) * (H * DV) + h * DV + vv
+    g = tl.load(gate + col).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if K == 1:  # an already merged o_lat (no lse)
         o = tl.load(o_part + base * C + cc, mask=cm, other=0.0)
     else:
         kk = tl.arange(0, KB)
         m = tl.max(tl.full([KB], float("-inf"), tl.float32), 0)
-        for k0 in range(0, K, KB):
-            lk = tl.load(lse_part + base + (k0 + kk) * TH, mask=k0 + kk < K, other=float("-inf"))
-            m = tl.maximum(m, tl.max(lk, 0))
-        m_use = tl.where(m == float("-inf"), 0.0, m)
         den = tl.sum(tl.zeros([KB], tl.float32), 0)
         o = tl.zeros([CP], tl.float32)
         for k0 in range(0, K, KB):
             km = k0 + kk < K
             lk = tl.load(lse_part + base + (k0 + kk) * TH, mask=km, other=float("-inf"))
-            w = tl.exp(lk - m_use)
-            den += tl.sum(w, 0)
             ok = tl.load(o_part + (base + (k0 + kk) * TH)[:, None] * C + cc[None, :],
                          mask=_mask2(km, cm, CP == C), other=0.0)
-            o += tl.sum(w[:, None] * ok, 0)
+            m_new = tl.maximum(m, tl.max(lk, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)
+            w = tl.exp(lk - m_use)
+            den = den * alpha + tl.sum(w, 0)
+            o = o * alpha + tl.sum(w[:, None] * ok, 0)
+            m = m_new
         o = o / tl.where(den > 0.0, den, 1.0)
     if RNE:
         o = rne_bf16(o)
     else:
         o = o.to(tl.bfloat16).to(tl.float32)
-    vv = vb * BV + tl.arange(0, BV)
-    wv = tl.load(w_uv + h * C * DV + cc[:, None] * DV + vv[None, :], mask=cm[:, None], other=0.0).to(tl.float32)
     y = tl.sum(o[:, None] * wv, 0)
-    col = row.to(tl.int64) * (H * DV) + h * DV + vv
-    g = tl.load(gate + col).to(tl.float32)
     y = y / (1.0 + tl.exp(-g))
     if RNE:
         y = rne_bf16(y)
@@ -149,10 +153,11 @@ def default_block_v(B: int, T: int, Dv: int) -> int:
 
 def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch.Tensor, gate: torch.Tensor,
                 out: torch.Tensor | None = None, *, block_v: int | None = None, block_r: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
+                num_warps: int | None = None, pdl: bool = False) -> torch.Tensor:
     """o_part [B,K,T,H,C] fp32 contiguous (or a merged o_lat [B,T,H,C], K = 1), lse_part [B,K,T,H] fp32
     (None when K = 1), w_uv [H,C,Dv] bf16 contiguous, gate [B,T,H*Dv] contiguous; writes out [B,T,H*Dv]
-    (bf16; allocated when None) and returns it. The caller validates."""
+    (bf16; allocated when None) and returns it. pdl=True launches it with PDL (it waits on its predecessor,
+    the split, after loading Wuv and the gate). The caller validates."""
     if o_part.dim() == 4:
         o_part = o_part.unsqueeze(1)
     B, K, T, H, C = o_part.shape
@@ -168,10 +173,10 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
     if BR == 1:
         _mla_combine_row_kernel[(H, triton.cdiv(Dv, BV), NR)](
             o_part, lse_arg, w_uv, gate, out, K, T, H, C=C, CP=_pow2(C), DV=Dv, BV=BV, KB=min(16, _pow2(K)),
-            RNE=dot_f32(), num_warps=num_warps or 8)
+            RNE=dot_f32(), PDL=pdl_on(pdl), num_warps=num_warps or 8, **launch_kw(pdl))
         return out
     grid = (H, triton.cdiv(Dv, BV), triton.cdiv(NR, BR))
     _mla_combine_kernel[grid](o_part, lse_arg, w_uv, gate, out, K, T, H, NR,
-                              C=C, CP=_pow2(C), DV=Dv, BV=BV, BR=BR, DOT_F32=dot_f32(),
-                              num_warps=num_warps or (4 if BR <= 32 else 8))
+                              C=C, CP=_pow2(C), DV=Dv, BV=BV, BR=BR, DOT_F32=dot_f32(), PDL=pdl_on(pdl),
+                              num_warps=num_warps or (4 if BR <= 32 else 8), **launch_kw(pdl))
     return out

@@ -66,6 +66,7 @@ MAX_PARTITIONS = 128
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 DCP_LAYOUTS = ("interleave", "contiguous")
 NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine without a GPU
+DEFAULT_PDL = False  # programmatic dependent launch between the split and its merge / combine (docs/NOTES_mla.md)
 
 
 def dot_f32() -> bool:
@@ -105,6 +106,17 @@ def _mask2(rows_ok, cols_ok, ROWS_ONLY: tl.constexpr):
         return rows_ok[:, None] & cols_ok[None, :]
 
 
+def pdl_on(pdl: bool) -> bool:
+    """PDL runs on a GPU only (the interpreter has no griddepcontrol): elsewhere the launches are plain and
+    the result is the same."""
+    return bool(pdl) and not dot_f32()
+
+
+def launch_kw(pdl: bool) -> dict:
+    """The launch option of a kernel that waits on its predecessor with gdc_wait (PDL)."""
+    return {"launch_pdl": True} if pdl_on(pdl) else {}
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -119,8 +131,10 @@ def _mla_split_kernel(
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # let the next kernel (merge / combine, launched with PDL) start its prologue now
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     b = tl.program_id(1)
     g = pid % G
@@ -179,7 +193,10 @@ def _mla_split_kernel(
         j = start + tl.arange(0, BN)
         ok = j < hi
         gp = pos0 + j * pstride
-        if PAGED:
+        if PAGE_ROWS:  # the block lies in one page (PAGE % BN == 0, no DCP stride): one index, BN rows
+            page = tl.load(block_table + b * s_btb + start // PAGE)
+            row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
+        elif PAGED:
             page = tl.load(block_table + b * s_btb + gp // PAGE, mask=ok, other=0)
             row = page.to(tl.int64) * PAGE + (gp % PAGE)
         else:
@@ -228,41 +245,45 @@ def _mla_split_kernel(
 
 @triton.jit
 def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
-                      C: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, EVEN: tl.constexpr):
+                      C: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, EVEN: tl.constexpr,
+                      PDL: tl.constexpr):
     """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for
-    RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials at a time."""
+    RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials a step, in ONE pass (a running
+    max rescales what is summed so far: the lse and o loads of a step are issued together)."""
+    if PDL:  # launched with PDL: the split's partials are complete and visible after this
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     cb = tl.program_id(1)
     rok = rows < NR
     b = rows // TH
     base = b.to(tl.int64) * K * TH + rows % TH  # [RB]: partial k of row at base + k * TH
     kk = tl.arange(0, KB)
-    m = tl.full([RB], float("-inf"), tl.float32)
-    for k0 in range(0, K, KB):
-        km = rok[:, None] & (k0 + kk < K)[None, :]
-        lk = tl.load(lse_part + base[:, None] + (k0 + kk)[None, :] * TH, mask=km, other=float("-inf"))
-        m = tl.maximum(m, tl.max(lk, 1))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
     cols = cb * BC + tl.arange(0, BC)
     cm = cols < C
+    m = tl.full([RB], float("-inf"), tl.float32)
     den = tl.zeros([RB], tl.float32)
     acc = tl.zeros([RB, BC], tl.float32)
     for k0 in range(0, K, KB):
         km = rok[:, None] & (k0 + kk < K)[None, :]
         off = base[:, None] + (k0 + kk)[None, :] * TH
         lk = tl.load(lse_part + off, mask=km, other=float("-inf"))
-        w = tl.exp(lk - m_use[:, None])
-        den += tl.sum(w, 1)
         if EVEN:  # C % BC == 0: no column mask (vector loads along the row)
             omask = km[:, :, None]
         else:
             omask = km[:, :, None] & cm[None, None, :]
         ok = tl.load(o_part + off[:, :, None] * C + cols[None, None, :], mask=omask, other=0.0)
-        acc += tl.sum(w[:, :, None] * ok, 1)
+        m_new = tl.maximum(m, tl.max(lk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)  # 0 while m = -inf (nothing summed yet)
+        w = tl.exp(lk - m_use[:, None])
+        den = den * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * ok, 1)
+        m = m_new
     has = den > 0.0
     o = acc / tl.where(has, den, 1.0)[:, None]
     tl.store(o_lat + rows.to(tl.int64)[:, None] * C + cols[None, :], o, mask=_mask2(rok, cm, EVEN))
     if cb == 0:
+        m_use = tl.where(m == float("-inf"), 0.0, m)
         tl.store(lse_out + rows, tl.where(has, m_use + tl.log(tl.where(has, den, 1.0)), float("-inf")), mask=rok)
 
 
@@ -323,7 +344,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                partitions: int = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               parts: tuple[torch.Tensor, torch.Tensor] | None = None):
+               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False):
     """Launch the split kernel (and the merge when partials > 1 and merge=True).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
@@ -333,7 +354,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     before this step).
     o_lat [B,T,H,C] fp32 and lse [B,T,H] fp32 are written (allocated when None). merge=False returns
     the partials (o [B,K,T,H,C], lse [B,K,T,H]) instead, K = dcp * partitions (`parts` = buffers for
-    them; default a cached workspace). The caller validates; this wrapper only asserts the layout."""
+    them; default a cached workspace). pdl=True: the split lets its dependent start early (programmatic
+    dependent launch) and the merge is launched with PDL, waiting on the split's results at its top; a
+    kernel that consumes the partials (merge=False) must do the same. The caller validates; this wrapper
+    only asserts the layout."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -359,6 +383,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     page = kv.shape[1] if paged else 1
     s_sb = kv_scale.stride(0) if mode == 2 and not paged else 0
     bt = block_table if paged else lengths  # a placeholder pointer when contiguous
+    pdl = pdl_on(pdl)
+    page_rows = paged and dcp == 1 and page % BN == 0
     grid = (G * partitions * dcp, B)
     _mla_split_kernel[grid](
         q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
@@ -368,6 +394,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
+        PAGE_ROWS=page_rows, PDL=pdl,
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or 2,
     )
     if direct:
@@ -376,13 +403,13 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         return o_dst, l_dst
     o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
     l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    merge_partials(o_dst, l_dst, o_out, l_out)
+    merge_partials(o_dst, l_dst, o_out, l_out, pdl=pdl)
     return o_out, l_out
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, o_lat: torch.Tensor, lse: torch.Tensor,
                    *, rows: int | None = None, block_c: int | None = None, block_k: int | None = None,
-                   num_warps: int = 4) -> None:
+                   num_warps: int = 4, pdl: bool = False) -> None:
     """The log-sum-exp merge of contiguous partials o [B,K,T,H,C] / lse [B,K,T,H] into o_lat [B,T,H,C] /
     lse [B,T,H] (fp32, contiguous). GPU default: one (b, t, h) row and 128 columns a program, 32 partials
     a step (B*T*H*C/128 programs: 48 at batch 1, 12 heads); the interpreter takes 16 rows and all columns
@@ -395,4 +422,5 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, o_lat: torch.Te
     NR = B * T * H
     _mla_merge_kernel[(triton.cdiv(NR, RB), triton.cdiv(C, BC))](o_part, lse_part, o_lat, lse, K, T * H, NR, C=C,
                                                                RB=RB, BC=_pow2(BC), KB=KB, EVEN=C % _pow2(BC) == 0,
-                                                               num_warps=num_warps)
+                                                               PDL=pdl_on(pdl), num_warps=num_warps,
+                                                               **launch_kw(pdl))
