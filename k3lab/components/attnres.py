@@ -2,11 +2,19 @@
 with the RMSNorm that follows (k3lab.ref.attnres has the maths).
 
     mix(blocks, partial, w_norm, w_proj, *, eps=1e-6, backend="reference") -> mix [B, D] float32
-    mix_norm(blocks, partial, w_norm, w_proj, norm_w, out=None, *, eps=1e-6, backend="reference")
+    mix_norm(blocks, partial, w_norm, w_proj, norm_w, out=None, *, eps=1e-6, backend="reference", ran=None)
         -> rms(mix; norm_w) [B, D] in partial's dtype (written into `out` when given)
+    update_mix_norm(blocks, prefix, new, w_norm, w_proj, norm_w, out=None, partial_out=None, *,
+                    update="add", eps=1e-6, backend="reference", ran=None) -> out
+        the layer's step in one call: p = prefix ("none"), bf16(prefix + new) ("add") or new ("fresh", the
+        first layer of a block), written to partial_out (bf16, may be prefix itself: in place); then
+        out = rms(attnres(blocks, p; w_norm, w_proj); norm_w). Registry op "attnres_norm" (k3lab.ops.trunk).
 
-Backends here: "reference" (the torch reference) and "torch_compile" (torch.compile of it, one
-compiled graph per number of sources). Any other backend is refused with BackendUnavailable.
+Backends: "reference" (the torch reference) and "torch_compile" (torch.compile of it, one compiled graph
+per number of sources) for all three; "triton" (k3lab_kernels.triton.attnres_norm: one launch, bf16
+sources of [B, D], B 1..64 and beyond, 0..9 blocks) and "auto" (data/trunk_defaults.json) for mix_norm
+and update_mix_norm, through the one dispatcher (k3lab.components.dispatch.select/kernel/record). Any
+other backend is refused with BackendUnavailable. Argument errors are ValueError/TypeError naming it.
 """
 from __future__ import annotations
 
@@ -15,9 +23,13 @@ from collections.abc import Sequence
 import torch
 
 from k3lab.ref import attnres as ref
+from k3lab.components import dispatch
 from k3lab.components.dispatch import resolve_backend
 
 COMPONENT = "attnres"
+OP = "attnres_norm"  # the registry entry (k3lab.ops.trunk)
+UPDATES = ("none", "add", "fresh")
+MAX_BLOCKS = 9
 
 
 def _check(blocks, partial, w_norm, w_proj, norm_w=None) -> None:
@@ -55,15 +67,89 @@ def _mix_norm(blocks, partial, w_norm, w_proj, norm_w, eps):
 
 def mix_norm(blocks: Sequence[torch.Tensor], partial: torch.Tensor, w_norm: torch.Tensor, w_proj: torch.Tensor,
              norm_w: torch.Tensor, out: torch.Tensor | None = None, *, eps: float = 1e-6,
-             backend: str = "reference") -> torch.Tensor:
+             backend: str = "reference", ran: list | None = None) -> torch.Tensor:
     """rms(mix; norm_w) in partial's dtype: the mix never leaves the compute dtype before the norm."""
     _check(blocks, partial, w_norm, w_proj, norm_w)
     if out is not None and (out.shape != partial.shape or out.dtype != partial.dtype):
         raise ValueError(f"{COMPONENT}: 'out' must be {tuple(partial.shape)} {partial.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
+    if backend in ("triton", "auto"):
+        return update_mix_norm(blocks, partial, None, w_norm, w_proj, norm_w, out, None, update="none", eps=eps,
+                               backend=backend, ran=ran)
     fn = resolve_backend(COMPONENT, backend, _mix_norm, "mix_norm")
     y = fn(list(blocks), partial, w_norm, w_proj, norm_w, eps)
+    dispatch.record(ran, op=OP, backend_requested=backend, backend=backend, kernel="k3lab.ref.attnres:attnres_norm",
+                    options={}, shape=dict(batch=partial.shape[0] if partial.dim() > 1 else 1, n_blocks=len(blocks),
+                                           update="none"), why="requested")
     if out is None:
         return y
     out.copy_(y)
+    return out
+
+
+def _update_ref(blocks, prefix, new, w_norm, w_proj, norm_w, eps, update: str):
+    """(p, out) in the reference maths: p rounded once to prefix's dtype, as the layer stores it."""
+    if update == "none":
+        p = prefix
+    elif update == "fresh":
+        p = new
+    else:
+        p = (prefix.to(torch.float32 if prefix.dtype != torch.float64 else torch.float64) + new).to(prefix.dtype)
+    return p, ref.attnres_norm(blocks, p, w_norm, w_proj, norm_w, eps)[1]
+
+
+def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: torch.Tensor | None,
+                    w_norm: torch.Tensor, w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor | None = None,
+                    partial_out: torch.Tensor | None = None, *, update: str = "add", eps: float = 1e-6,
+                    backend: str = "reference", ran: list | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
+    if update not in UPDATES:
+        raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
+    _check(blocks, prefix, w_norm, w_proj, norm_w)
+    if len(blocks) > MAX_BLOCKS:
+        raise ValueError(f"{COMPONENT}: 'blocks' must hold 0..{MAX_BLOCKS} tensors (K3 at decode), got {len(blocks)}")
+    if update == "none":
+        if new is not None or partial_out is not None:
+            raise ValueError(f"{COMPONENT}: 'new' and 'partial_out' must be None for update='none'")
+    else:
+        if not isinstance(new, torch.Tensor) or new.shape != prefix.shape or new.dtype != prefix.dtype:
+            raise ValueError(f"{COMPONENT}: 'new' must be a tensor {tuple(prefix.shape)} {prefix.dtype} for "
+                             f"update={update!r}, got {getattr(new, 'shape', type(new).__name__)}")
+        if new.device != prefix.device:
+            raise ValueError(f"{COMPONENT}: 'new' is on {new.device}, prefix on {prefix.device}")
+    for name, t in (("out", out), ("partial_out", partial_out)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != prefix.shape or t.dtype != prefix.dtype
+                              or t.device != prefix.device):
+            raise ValueError(f"{COMPONENT}: {name!r} must be {tuple(prefix.shape)} {prefix.dtype} on {prefix.device}, "
+                             f"got {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t).__name__)}")
+    if isinstance(num_warps, bool) or num_warps not in (None, 4, 8, 16, 32):
+        raise ValueError(f"{COMPONENT}: 'num_warps' must be 4, 8, 16, 32 or None, got {num_warps!r}")
+    B = prefix.shape[0] if prefix.dim() == 2 else 1
+    be, opts, why = dispatch.select(OP, backend, B=B)
+    if num_warps is not None:
+        if be != "triton":
+            raise ValueError(f"{COMPONENT}: 'num_warps' is a triton option; backend {be!r} takes none")
+        opts = {**opts, "num_warps": num_warps}
+    if out is None:
+        out = torch.empty_like(prefix)
+    if be == "triton":
+        srcs = list(blocks) + [prefix] + ([new] if new is not None else [])
+        for i, t in enumerate(srcs):
+            if t.dim() != 2 or t.dtype != torch.bfloat16 or t.stride(1) != 1:
+                name = f"blocks[{i}]" if i < len(blocks) else ("prefix" if i == len(blocks) else "new")
+                raise ValueError(f"{COMPONENT}: {name!r} must be a bf16 [B, D] tensor with unit stride along D for "
+                                 f"the triton backend, got {t.dtype} shape {tuple(t.shape)} strides {t.stride()}")
+        if out.stride(1) != 1 or (partial_out is not None and partial_out.stride(1) != 1):
+            raise ValueError(f"{COMPONENT}: 'out' and 'partial_out' must have unit stride along D for triton")
+        dispatch.kernel(OP, be)(list(blocks), prefix, new, w_norm, w_proj, norm_w, out, partial_out, update=update,
+                                eps=eps, **opts)
+    else:
+        fn = _update_ref if be == "reference" else dispatch.compiled(f"{COMPONENT}.update_{update}", _update_ref)
+        p, y = fn(list(blocks), prefix, new, w_norm, w_proj, norm_w, eps, update)
+        if partial_out is not None:
+            partial_out.copy_(p)
+        out.copy_(y)
+    dispatch.record(ran, op=OP, backend_requested=backend, backend=be, kernel=dispatch.kernel_path(OP, be),
+                    options=opts, shape=dict(batch=B, n_blocks=len(blocks), update=update, dim=prefix.shape[-1]),
+                    why=why)
     return out

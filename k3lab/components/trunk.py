@@ -1,0 +1,249 @@
+"""Trunk component API: projections (one, or a group fused by shared input), the router's selection.
+AttnRes + RMSNorm lives in k3lab.components.attnres (update_mix_norm). Maths: k3lab.ref.situ.linear,
+k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
+
+    proj(x, w, out=None, *, w_scale=None, residual=None, backend="reference", ran=None, **knobs) -> out [B, N]
+        out = x W^T (+ residual); W [N, K] bf16, or float8_e4m3fn with w_scale [N] fp32 (W = W_fp8 * scale per
+        output channel); out bf16 or fp32 (allocated bf16 when None), any row stride, unit inner stride.
+    proj_group(x, w, outs, *, w_scale=None, backend="reference", ran=None, **knobs) -> outs
+        one launch over the concatenated weight W = cat(W_1..W_n) [sum N_i, K] (n <= 6), output i into outs[i]
+        [B, N_i] (each where its consumer reads it: a column slice of a wider buffer is fine).
+    router_topk(logits, e_bias, *, top_k=16, scaling=1.0, idx=None, weights=None, backend, ran) -> (idx, weights)
+        sigmoid, the selection-only bias, top-k (ties: lower expert id first), renormalized weights * scaling.
+    route(h, router, *, backend="reference", ran=None) -> (idx [B, k] int64, weights [B, k] fp32)
+        the router projection (fp32 logits) then router_topk: what the MoE calls.
+
+Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.trunk):
+  reference      torch in fp32 (fp64 for fp64 inputs); for proj/proj_group a matmul of the dequantized weight
+  torch_compile  torch.compile of the same functions
+  triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
+  auto           data/trunk_defaults.json, else the reference
+Knobs (triton only): block_n, block_k, split_k, num_warps, num_stages (proj); num_warps (router_topk); None =
+the kernel's heuristic. Argument errors are TrunkArgumentError (a ValueError) naming the argument.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3lab import registry
+from k3lab.components import dispatch
+from k3lab.ref.router import RouterWeights
+
+COMPONENT = "trunk"
+MAX_BATCH = 256
+MAX_OUTPUTS = 6
+W_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class TrunkArgumentError(ValueError):
+    """An argument of the trunk component API has the wrong type, shape, dtype, device or value."""
+
+
+def _fail(name: str, msg: str):
+    raise TrunkArgumentError(f"{COMPONENT}: {name!r} {msg}")
+
+
+def _dt(ds) -> list[str]:
+    return [str(d).replace("torch.", "") for d in ds]
+
+
+def _tensor(name, t, dim, dtypes=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        _fail(name, f"must have {dim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {_dt(dtypes)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        _fail(name, f"must be on {device} (x's device), got {t.device}")
+    return t
+
+
+def _knobs(op_name: str, be: str, knobs: dict) -> dict:
+    """The kernel knobs checked against the registry's allowed values (triton only)."""
+    op = registry.get(op_name)
+    for k, v in knobs.items():
+        if k not in op.option_axes:
+            _fail(k, f"is not an option of {op_name}; options: {sorted(op.option_axes)}")
+        if v is None:
+            continue
+        if be != "triton":
+            _fail(k, f"is a triton kernel option; backend {be!r} takes none (pass None)")
+        allowed = op.option_axes[k]["triton"]
+        if isinstance(v, bool) or v not in allowed:
+            _fail(k, f"must be one of {[a for a in allowed if a is not None]} or None, got {v!r}")
+    return {k: v for k, v in knobs.items() if v is not None}
+
+
+def _select(op_name: str, backend: str, B: int, knobs: dict) -> tuple[str, dict, str]:
+    be, opts, why = dispatch.select(op_name, backend, B=B)
+    given = {k: v for k, v in knobs.items() if v is not None}
+    return be, {**opts, **_knobs(op_name, be, given)}, why
+
+
+# ---- projections -------------------------------------------------------------------------------------
+
+def _dense(w: torch.Tensor, w_scale: torch.Tensor | None, dt: torch.dtype) -> torch.Tensor:
+    return w.to(dt) * w_scale.to(dt)[:, None] if w.dtype == torch.float8_e4m3fn else w.to(dt)
+
+
+def _linear_ref(x, w, w_scale, residual):
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(dt) @ _dense(w, w_scale, dt).T
+    return y if residual is None else y + residual.to(dt)
+
+
+def _check_proj(x, w, w_scale, outs, residual, backend):
+    _tensor("x", x, 2)
+    dev = x.device
+    if not x.is_floating_point():
+        _fail("x", f"must be a floating tensor [B, K], got {x.dtype}")
+    B, K = x.shape
+    triton = backend == "triton"
+    if B < 1 or (triton and B > MAX_BATCH):
+        _fail("x", f"must have a batch of 1..{MAX_BATCH} rows for the triton backend, got {B}" if triton
+              else f"must have at least one row, got shape {tuple(x.shape)}")
+    if triton and (x.dtype != torch.bfloat16 or x.stride(1) != 1):
+        _fail("x", f"must be bf16 with unit stride along K for the triton backend, got {x.dtype}, "
+                   f"strides {x.stride()}")
+    _tensor("w", w, 2, W_DTYPES if triton else None, dev)
+    if w.shape[1] != K:
+        _fail("w", f"must be [N, {K}] (x's K), got {tuple(w.shape)}")
+    if triton and not w.is_contiguous():
+        _fail("w", "must be contiguous for the triton backend")
+    N = w.shape[0]
+    if w.dtype == torch.float8_e4m3fn:
+        if w_scale is None:
+            _fail("w_scale", "must be given for float8_e4m3fn weights: [N] fp32, one scale per output channel")
+        _tensor("w_scale", w_scale, 1, (torch.float32,), dev)
+        if w_scale.shape[0] != N or not w_scale.is_contiguous():
+            _fail("w_scale", f"must be a contiguous [{N}] fp32 tensor, got {tuple(w_scale.shape)}")
+    elif w_scale is not None:
+        _fail("w_scale", f"is for float8_e4m3fn weights only; w is {w.dtype}")
+    if not 1 <= len(outs) <= MAX_OUTPUTS:
+        _fail("outs", f"must hold 1..{MAX_OUTPUTS} output tensors, got {len(outs)}")
+    total = 0
+    for i, o in enumerate(outs):
+        name = "out" if len(outs) == 1 else f"outs[{i}]"
+        _tensor(name, o, 2, OUT_DTYPES if triton else None, dev)
+        if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
+            _fail(name, f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides {o.stride()}")
+        total += o.shape[1]
+    if total != N:
+        _fail("outs" if len(outs) > 1 else "out", f"widths must add up to w's {N} rows, got {total}")
+    if residual is not None:
+        if len(outs) != 1:
+            _fail("residual", "is an epilogue of a single projection (proj), not of a group")
+        _tensor("residual", residual, 2, (torch.bfloat16,) if triton else None, dev)
+        if tuple(residual.shape) != (B, N) or residual.stride(1) != 1:
+            _fail("residual", f"must be [{B}, {N}] with unit inner stride, got {tuple(residual.shape)}")
+
+
+def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
+    B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
+    be, opts, why = _select(op_name, backend, B, knobs)
+    _check_proj(x, w, w_scale, outs, residual, be)
+    if be == "triton":
+        dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, **opts)
+    else:
+        fn = _linear_ref if be == "reference" else dispatch.compiled("trunk.linear", _linear_ref, dynamic=True)
+        y = fn(x, w, w_scale, residual)
+        a = 0
+        for o in outs:
+            o.copy_(y[:, a:a + o.shape[1]])
+            a += o.shape[1]
+    dispatch.record(ran, op=op_name, backend_requested=backend, backend=be, kernel=dispatch.kernel_path(op_name, be),
+                    options=opts, shape=dict(batch=B, N=w.shape[0], K=x.shape[1], wdtype=str(w.dtype).replace(
+                        "torch.", ""), outputs=len(outs), residual=residual is not None), why=why)
+    return outs
+
+
+def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w_scale: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, backend: str = "reference", ran: list | None = None,
+         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+         num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """out = x W^T (+ residual) (module docstring)."""
+    if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
+    knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs)[0]
+
+
+def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,
+               backend: str = "reference", ran: list | None = None, block_n: int | None = None,
+               block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+               num_stages: int | None = None) -> list[torch.Tensor]:
+    """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
+    if not isinstance(outs, (list, tuple)):
+        _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
+    knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs)
+
+
+# ---- router --------------------------------------------------------------------------------------------
+
+def topk_reference(logits: torch.Tensor, e_bias: torch.Tensor, top_k: int, scaling: float = 1.0):
+    """torch in fp32 (fp64 for fp64 logits) with the tie rule (lower id first): (idx int64, weights)."""
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    s = torch.sigmoid(logits.to(dt))
+    idx = torch.sort(-(s + e_bias.to(dt)), dim=-1, stable=True).indices[:, :top_k]
+    sel = torch.gather(s, -1, idx)
+    return idx, sel / sel.sum(-1, keepdim=True) * scaling
+
+
+def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, scaling: float = 1.0,
+                idx: torch.Tensor | None = None, weights: torch.Tensor | None = None, backend: str = "reference",
+                ran: list | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx [B, k] int64, weights [B, k] fp32) from the router's logits [B, E] (module docstring)."""
+    _tensor("logits", logits, 2)
+    if not logits.is_floating_point():
+        _fail("logits", f"must be floating [B, E], got {logits.dtype}")
+    B, E = logits.shape
+    dev = logits.device
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(E, 32):
+        _fail("top_k", f"must be an int in 1..{min(E, 32)} (at most the {E} experts and 32), got {top_k!r}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        _fail("scaling", f"must be a number, got {scaling!r}")
+    _tensor("e_bias", e_bias, 1, None, dev)
+    if e_bias.shape[0] != E:
+        _fail("e_bias", f"must be [{E}] (one per expert), got {tuple(e_bias.shape)}")
+    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps))
+    if be == "triton":
+        if logits.dtype != torch.float32 or logits.stride(1) != 1:
+            _fail("logits", f"must be fp32 with unit stride along E for the triton backend, got {logits.dtype}")
+        if e_bias.dtype != torch.float32 or not e_bias.is_contiguous():
+            _fail("e_bias", f"must be a contiguous fp32 tensor for the triton backend, got {e_bias.dtype}")
+    for name, t, dts in (("idx", idx, (torch.int64,)), ("weights", weights, (torch.float32, torch.float64))):
+        if t is not None:
+            _tensor(name, t, 2, dts, dev)
+            if tuple(t.shape) != (B, top_k) or not t.is_contiguous():
+                _fail(name, f"must be a contiguous [{B}, {top_k}] tensor, got {tuple(t.shape)}")
+    if idx is None:
+        idx = torch.empty(B, top_k, dtype=torch.int64, device=dev)
+    if weights is None:
+        weights = torch.empty(B, top_k, dtype=torch.float32, device=dev)
+    if be == "triton":
+        dispatch.kernel("router_topk", be)(logits, e_bias, idx, weights, top_k=top_k, scaling=scaling, **opts)
+    else:
+        fn = topk_reference if be == "reference" else dispatch.compiled("trunk.topk", topk_reference)
+        i, w = fn(logits, e_bias, top_k, float(scaling))
+        idx.copy_(i)
+        weights.copy_(w)
+    dispatch.record(ran, op="router_topk", backend_requested=backend, backend=be,
+                    kernel=dispatch.kernel_path("router_topk", be), options=opts,
+                    shape=dict(batch=B, experts=E, top_k=top_k), why=why)
+    return idx, weights
+
+
+def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference", ran: list | None = None,
+          w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router projection into fp32 logits, then router_topk, each through the dispatcher."""
+    if not isinstance(router, RouterWeights):
+        _fail("router", f"must be k3lab.ref.router.RouterWeights, got {type(router).__name__}")
+    _tensor("h", h, 2)
+    dt = torch.float64 if h.dtype == torch.float64 else torch.float32  # the oracle stays fp64 throughout
+    logits = torch.empty(h.shape[0], router.n_experts, dtype=dt, device=h.device)
+    proj(h, router.w, logits, w_scale=w_scale, backend=backend, ran=ran)
+    return router_topk(logits, router.e_bias.to(dt).contiguous(), top_k=router.top_k, scaling=router.scaling,
+                       backend=backend, ran=ran)

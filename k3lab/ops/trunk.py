@@ -1,0 +1,446 @@
+"""The trunk in the registry: projections (one, or a group fused by shared input), the router's top-k
+selection and AttnRes + RMSNorm. The maths: k3lab.ref (situ.linear, router, attnres); the API
+k3lab.components.trunk and k3lab.components.attnres; the kernels are named in each entry's backends table.
+
+Axes (the default grid is small so the CPU interpreter runs it in seconds; the GPU bench passes its own):
+  proj        preset "tp8" | "tp16" | "tiny" (the per-GPU shapes of K3_SPEC section 3, `proj_shapes`), name (a
+              projection of `proj_shapes`), batch 1..256, wdtype "bf16" | "fp8" (e4m3, one fp32 scale per
+              output channel), residual (the output projection's epilogue: out = residual + x W^T)
+  proj_group  preset, group ("kda_in", "mla_in", "moe_in": `GROUPS`), batch, wdtype: one launch over the
+              concatenated weight, each part's output its own tensor (the router's logits fp32, others bf16)
+  router_topk batch, experts (896), top_k (16), scores "random" | "near" (logits in pairs 2^-12 apart: biased scores
+              >= ~1e-5 apart, resolved in fp32) | "ties" (many exactly equal biased scores: the tie rule decides)
+  attnres_norm batch 1..64, n_blocks 0..9, update "none" | "add" | "fresh" (the new-block layer: p = a), dim
+
+Tie rule of the router (the kernel's and the reference's here; torch.topk documents none): descending
+biased score, equal biased scores taken lower expert id first. k3lab.ref.router.route uses torch.topk and
+can order exact ties differently; `ref_router` below is the oracle.
+
+Peers (`k3lab bench trunk`): cuBLAS (F.linear on the same bf16 weights; for fp8 weights on their bf16
+dequantization, as torch has no per-channel-scale fp8 GEMV for bf16 activations), the group's parts run
+one after another (our kernel, one launch each) and cuBLAS on the group's parts; fla's fused_attnres
+(with its output RMSNorm) on the updated partial; the torch reference and torch.compile of it.
+
+Bytes (the one formula):
+  proj        weights N*K*e (e = 2 bf16, 1 fp8 + 4*N scales) + x B*K*2 + outputs B*N*e_out (+ residual B*N*2)
+  router_topk logits B*E*4 + bias E*4 + idx B*k*8 + weights B*k*4
+  attnres     (n_blocks + 1 + [update add]) sources... see `attnres_bytes`: each source B*D*2, the three weight
+              vectors D*2 each, out B*D*2, partial_out B*D*2 when updated
+All at the read bandwidth (floor_bw "read").
+
+Tolerances (relative norm against fp64; every input is exactly representable):
+  proj outputs 4e-3: bf16 x bf16 (or e4m3 widened to bf16, exact) products are exact in fp32 and the sums are
+      fp32 over K <= 7168 (~1e-6); the output is rounded once to bf16 (2^-9 relative per entry, ~1.5e-3 as a
+      norm); the router's fp32 logits 1e-5. fp8 weights are compared against their dequantized fp64 value
+      (W_fp8 * scale), so quantization is no error of the kernel.
+  router idx 0 (exact: same set and order under the tie rule; the inputs keep distinct biased scores 2^-14
+      apart or exactly equal), weights 1e-5 (fp32 sigmoid and sum).
+  attnres partial_out 0 (bit-exact: one rounding of the fp32 sum of two bf16 values, which is exact),
+      out 4e-3 (fp32 mix and norms, the output rounded to bf16).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from k3lab.config import preset as make_preset
+from k3lab.registry import Case, Op, Peer, register
+
+PRESETS = ("tp8", "tp16", "tiny")
+GROUPS = {
+    "kda_in": ("kda_q", "kda_k", "kda_v", "kda_g", "kda_fa", "kda_b"),
+    "mla_in": ("mla_dq", "mla_dkv", "mla_gate"),
+    "moe_in": ("moe_router", "moe_down", "shared_w1", "shared_w3"),
+}
+FP32_OUT = ("moe_router",)  # projections whose output is fp32 (the router's logits feed its top-k)
+UPDATES = ("none", "add", "fresh")
+MAX_OUT = 6  # outputs of one launch (k3lab_kernels.triton.proj_gemv.MAX_OUTPUTS)
+TOL = dict(bf16_out=4e-3, fp32_out=1e-5, weights=1e-5, out=4e-3)
+WHY = ("proj 4e-3: exact products, fp32 sums, one bf16 rounding of the output (fp32 outputs 1e-5); fp8 against "
+       "the dequantized weights; router idx exact under the tie rule, weights 1e-5; attnres partial bit-exact, "
+       "out 4e-3 (fp32 mix and norms, bf16 output)")
+
+
+@functools.cache
+def proj_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """{projection name: (N out, K in)} one GPU computes at `preset` (K3_SPEC sections 2 and 3): the KDA input
+    projections q, k, v, g, the decay's first factor fa and beta, its fb and output o; MLA q/kv down, gate,
+    q up and output; the MoE router, latent down/up and the shared experts' w1, w3 (both experts' slices
+    stacked) and w2. The MLA down-projections, the router and the latent projections are whole on every rank."""
+    if preset not in PRESETS:
+        raise ValueError(f"trunk: preset must be one of {PRESETS}, got {preset!r}")
+    v = make_preset(preset)
+    c = v.cfg
+    D, H = c.hidden_size, v.heads
+    kd = H * c.kda_head_dim
+    sh = c.n_shared_experts * (c.shared_intermediate_size // v.tp)
+    return {
+        "kda_q": (kd, D), "kda_k": (kd, D), "kda_v": (kd, D), "kda_g": (kd, D), "kda_fa": (c.kda_decay_rank, D),
+        "kda_b": (H, D), "kda_fb": (kd, c.kda_decay_rank), "kda_o": (D, kd),
+        "mla_dq": (c.q_lora_rank, D), "mla_dkv": (c.kv_lora_rank + c.qk_rope_head_dim, D),
+        "mla_gate": (H * c.v_head_dim, D), "mla_uq": (H * c.qk_head_dim, c.q_lora_rank), "mla_o": (D, H * c.v_head_dim),
+        "moe_router": (c.n_routed_experts, D), "moe_down": (c.moe_latent_size, D), "moe_up": (D, c.moe_latent_size),
+        "shared_w1": (sh, D), "shared_w3": (sh, D), "shared_w2": (D, sh),
+    }
+
+
+NAMES = tuple(proj_shapes("tiny"))
+
+
+def _parts(case: Case) -> tuple[str, ...]:
+    return GROUPS[case["group"]] if case.op == "proj_group" else (case["name"],)
+
+
+def _wbytes(case: Case) -> int:
+    return 1 if case["wdtype"] == "fp8" else 2
+
+
+def proj_bytes(case: Case) -> int:
+    """Bytes a projection (or a fused group) must move (module docstring)."""
+    shp = proj_shapes(case["preset"])
+    B = case["batch"]
+    parts = _parts(case)
+    K = shp[parts[0]][1]
+    N = sum(shp[p][0] for p in parts)
+    outs = sum(B * shp[p][0] * (4 if p in FP32_OUT else 2) for p in parts)
+    scales = 4 * N if case["wdtype"] == "fp8" else 0
+    return N * K * _wbytes(case) + scales + B * K * 2 + outs + (B * N * 2 if case.get("residual", False) else 0)
+
+
+def proj_flops(case: Case) -> int:
+    shp = proj_shapes(case["preset"])
+    return sum(2 * case["batch"] * shp[p][0] * shp[p][1] for p in _parts(case))
+
+
+def router_bytes(case: Case) -> int:
+    B, E, k = case["batch"], case["experts"], case["top_k"]
+    return B * E * 4 + E * 4 + B * k * 12
+
+
+def router_flops(case: Case) -> int:
+    return 4 * case["batch"] * case["experts"]
+
+
+def attnres_bytes(case: Case) -> int:
+    B, D, n, u = case["batch"], case["dim"], case["n_blocks"], case["update"]
+    src = n + (2 if u == "add" else 1)  # blocks, prefix (or the new output alone for "fresh"), the new output
+    return src * B * D * 2 + 3 * D * 2 + B * D * 2 + (B * D * 2 if u != "none" else 0)
+
+
+def attnres_flops(case: Case) -> int:
+    return 6 * case["batch"] * case["dim"] * (case["n_blocks"] + 1)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _weight(N: int, K: int, wdtype: str, g: torch.Generator, device: str):
+    """(W, scale): bf16 [N, K] (scale an empty tensor) or e4m3 [N, K] with one fp32 scale per row."""
+    w = torch.randn(N, K, generator=g) * K ** -0.5
+    if wdtype == "fp8":
+        from k3lab_kernels.triton.proj_gemv import quantize_fp8
+
+        q, s = quantize_fp8(w)
+        return q.to(device), s.to(device)
+    return w.to(device, torch.bfloat16), torch.empty(0, dtype=torch.float32, device=device)
+
+
+def make_proj(case: Case, seed: int, device: str) -> dict:
+    shp = proj_shapes(case["preset"])
+    parts = _parts(case)
+    B, K = case["batch"], shp[parts[0]][1]
+    N = sum(shp[p][0] for p in parts)
+    g = _gen(seed)
+    w, s = _weight(N, K, case["wdtype"], g, device)
+    d = dict(x=torch.randn(B, K, generator=g).to(device, torch.bfloat16), w=w, w_scale=s)
+    if case.get("residual", False):
+        d["residual"] = torch.randn(B, N, generator=g).to(device, torch.bfloat16)
+    for i in range(MAX_OUT):  # y0.. one per part (the rest empty: the written names are fixed)
+        p = parts[i] if i < len(parts) else None
+        d[f"y{i}"] = torch.empty(B if p else 0, shp[p][0] if p else 0, device=device,
+                                 dtype=torch.float32 if p in FP32_OUT else torch.bfloat16)
+    return d
+
+
+def _wtrue(d: dict, dt=torch.float64) -> torch.Tensor:
+    """The weight's exact value (fp8: dequantized with its per-row scale)."""
+    w = d["w"].to(dt)
+    return w * d["w_scale"].to(dt)[:, None] if d["w"].dtype == torch.float8_e4m3fn else w
+
+
+def ref_proj(d: dict, case: Case) -> dict:
+    y = d["x"].to(torch.float64) @ _wtrue(d).T
+    if "residual" in d:
+        y = y + d["residual"].to(torch.float64)
+    out, a = {}, 0
+    for i, _ in enumerate(_parts(case)):
+        n = d[f"y{i}"].shape[1]
+        out[f"y{i}"] = y[:, a:a + n]
+        a += n
+    return out
+
+
+def make_router(case: Case, seed: int, device: str) -> dict:
+    B, E, k = case["batch"], case["experts"], case["top_k"]
+    g = _gen(seed)
+    kind = case["scores"]
+    if kind == "random":
+        z, bias = torch.randn(B, E, generator=g) * 2, torch.randn(E, generator=g) * 0.1
+    elif kind == "near":  # biased scores in pairs 2^-14 apart around the cut (fp32 resolves them)
+        base = torch.randn(B, E // 2 + 1, generator=g)
+        z = torch.stack([base, base + 2.0 ** -12], -1).reshape(B, -1)[:, :E]
+        bias = torch.zeros(E)
+    elif kind == "ties":  # a few distinct (logit, bias) pairs: many experts share a biased score exactly
+        z = torch.randint(-2, 3, (B, E), generator=g).float() * 0.5
+        bias = torch.zeros(E)
+    else:
+        raise ValueError(f"router_topk: scores must be random, near or ties, got {kind!r}")
+    return dict(logits=z.to(device), e_bias=bias.to(device),
+                idx=torch.empty(B, k, dtype=torch.int64, device=device),
+                weights=torch.empty(B, k, dtype=torch.float32, device=device))
+
+
+def ref_router(d: dict, case: Case) -> dict:
+    """fp64 oracle with the tie rule: a stable sort of the negated biased scores keeps equal scores in id order."""
+    s = torch.sigmoid(d["logits"].to(torch.float64))
+    order = torch.sort(-(s + d["e_bias"].to(torch.float64)), dim=-1, stable=True).indices[:, :case["top_k"]]
+    sel = torch.gather(s, -1, order)
+    return dict(idx=order.to(torch.float64), weights=sel / sel.sum(-1, keepdim=True) * 1.0)
+
+
+def make_attnres(case: Case, seed: int, device: str) -> dict:
+    B, D, n, u = case["batch"], case["dim"], case["n_blocks"], case["update"]
+    g = _gen(seed)
+
+    def act(scale=1.0):
+        return (torch.randn(B, D, generator=g) * scale).to(device, torch.bfloat16)
+
+    d = {f"block{i}": act(1 + i / 4) for i in range(n)}
+    d["prefix"] = act(2.0)
+    d["new"] = act(0.5) if u != "none" else torch.empty(0, dtype=torch.bfloat16, device=device)
+    for k in ("w_norm", "w_proj", "norm_w"):
+        d[k] = (1 + 0.2 * torch.randn(D, generator=g)).to(device, torch.bfloat16)
+    d["w_proj"] = (torch.randn(D, generator=g) * D ** -0.5 * 4).to(device, torch.bfloat16)  # scores O(1..4)
+    d["out"] = torch.empty(B, D, dtype=torch.bfloat16, device=device)
+    d["partial_out"] = torch.empty(B, D if u != "none" else 0, dtype=torch.bfloat16, device=device)
+    return d
+
+
+def blocks_of(d: dict) -> list[torch.Tensor]:
+    return [d[f"block{i}"] for i in range(sum(1 for k in d if k.startswith("block")))]
+
+
+def ref_attnres(d: dict, case: Case) -> dict:
+    from k3lab.ref.attnres import attnres_norm
+
+    f64 = torch.float64
+    u = case["update"]
+    out = {}
+    if u == "none":
+        p = d["prefix"]
+    else:
+        p = (d["new"].to(f64) if u == "fresh" else d["prefix"].to(f64) + d["new"].to(f64)).to(torch.bfloat16)
+        out["partial_out"] = p.to(f64)
+    _, y = attnres_norm([b.to(f64) for b in blocks_of(d)], p.to(f64), d["w_norm"].to(f64), d["w_proj"].to(f64),
+                        d["norm_w"].to(f64), 1e-6, out_dtype=f64)
+    out["out"] = y
+    return out
+
+
+def tolerances(case: Case) -> dict[str, float]:
+    parts = _parts(case) if case.op in ("proj", "proj_group") else ()
+    t = {f"y{i}": TOL["fp32_out"] if i < len(parts) and parts[i] in FP32_OUT else TOL["bf16_out"]
+         for i in range(MAX_OUT)}
+    return dict(t, idx=0.0, weights=TOL["weights"], out=TOL["out"], partial_out=0.0)
+
+
+# ---- calls through the component API ----------------------------------------------------------------
+
+def _scale(d: dict):
+    return d["w_scale"] if d["w_scale"].numel() else None
+
+
+def call_proj(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import trunk
+
+    return trunk.proj(d["x"], d["w"], d["y0"], w_scale=_scale(d), residual=d.get("residual"),
+                      backend=backend, ran=ran, **opts)
+
+
+def call_group(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import trunk
+
+    return trunk.proj_group(d["x"], d["w"], [d[f"y{i}"] for i in range(len(_parts(case)))], w_scale=_scale(d),
+                            backend=backend, ran=ran, **opts)
+
+
+def call_router(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import trunk
+
+    return trunk.router_topk(d["logits"], d["e_bias"], top_k=case["top_k"], scaling=1.0, idx=d["idx"],
+                             weights=d["weights"], backend=backend, ran=ran, **opts)
+
+
+def call_attnres(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import attnres
+
+    u = case["update"]
+    return attnres.update_mix_norm(blocks_of(d), d["prefix"], d["new"] if u != "none" else None, d["w_norm"],
+                                   d["w_proj"], d["norm_w"], out=d["out"],
+                                   partial_out=d["partial_out"] if u != "none" else None, update=u,
+                                   backend=backend, ran=ran, **opts)
+
+
+# ---- peers ------------------------------------------------------------------------------------------------
+
+def _dense_w(d: dict) -> torch.Tensor:
+    """The bf16 weight cuBLAS multiplies: the weight itself, or fp8's dequantization (made outside the timed
+    region, cached on the input set)."""
+    if d["w"].dtype != torch.float8_e4m3fn:
+        return d["w"]
+    if "_w_bf16" not in d:
+        d["_w_bf16"] = _wtrue(d, torch.float32).to(torch.bfloat16)
+    return d["_w_bf16"]
+
+
+def proj_peers(case: Case) -> list[Peer]:
+    import torch.nn.functional as F
+
+    parts = _parts(case)
+    shp = proj_shapes(case["preset"])
+    sizes = [shp[p][0] for p in parts]
+    note_w = " on the bf16 dequantized weights" if case["wdtype"] == "fp8" else ""
+
+    def cublas(d: dict):
+        w, x, r = _dense_w(d), d["x"], d.get("residual")
+        if r is not None:
+            return lambda: torch.addmm(r, x, w.t())
+        return lambda: F.linear(x, w)
+
+    out = [Peer("cublas", cublas, note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}")]
+    if case.op == "proj_group":
+        def cublas_parts(d: dict):
+            ws = list(_dense_w(d).split(sizes))
+            x = d["x"]
+            return lambda: [F.linear(x, w) for w in ws]
+
+        def ours_parts(d: dict):
+            from k3lab.components import trunk
+
+            ws = list(d["w"].split(sizes))
+            sc = list(d["w_scale"].split(sizes)) if d["w_scale"].numel() else [None] * len(ws)
+            ys = [d[f"y{i}"] for i in range(len(parts))]
+            x = d["x"]
+            return lambda: [trunk.proj(x, w, y, w_scale=s, backend="triton") for w, s, y in zip(ws, sc, ys)]
+
+        out += [Peer("cublas_parts", cublas_parts, note=f"cuBLAS, one F.linear per part{note_w}"),
+                Peer("triton_parts", ours_parts, note="our projection kernel, one launch per part")]
+    return out
+
+
+def fla_available() -> tuple[bool, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is None:
+        return False, "fla-core is not installed"
+    if not torch.cuda.is_available():
+        return False, "fla kernels need a GPU"
+    return True, "fla"
+
+
+def attnres_peers(case: Case) -> list[Peer]:
+    """fla's fused_attnres with its output RMSNorm on blocks + [the updated partial] (the partial update is
+    made outside the timed region: fla has none)."""
+    if not fla_available()[0]:
+        return []
+
+    def make(d: dict):
+        from fla.ops.attnres import fused_attnres
+
+        want = ref_attnres(d, case)
+        p = want["partial_out"].to(torch.bfloat16) if "partial_out" in want else d["prefix"]
+        srcs = blocks_of(d) + [p]
+        return lambda: fused_attnres(d["w_proj"], srcs, d["w_norm"], output_rms_weight=d["norm_w"], rms_eps=1e-6)
+
+    def check(c: Case, s: dict):
+        from k3lab.harness import checker
+
+        def impl(inp: dict) -> None:
+            y = make(inp)()
+            inp["out"].copy_(y)
+            if c["update"] != "none":
+                inp["partial_out"].copy_(ref_attnres(inp, c)["partial_out"].to(torch.bfloat16))
+        return checker.check(ATTNRES, c, impl=impl, impl_name="fla", inputs=s)
+
+    return [Peer("fla", make, check, note="fla fused_attnres + output RMSNorm (partial updated outside)")]
+
+
+# ---- the entries --------------------------------------------------------------------------------------
+
+_NONE = (None,)
+_PROJ_OPTS = dict(
+    option_axes={"block_n": {"triton": (None, 16, 32, 64, 128)}, "block_k": {"triton": (None, 64, 128, 256, 512)},
+                 "split_k": {"triton": (None, 1, 2, 4, 8, 16, 28)}, "num_warps": {"triton": (None, 2, 4, 8)},
+                 "num_stages": {"triton": (None, 2, 3, 4, 5, 6)}},
+    option_defaults={"block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE, "num_stages": _NONE},
+)
+
+PROJ = register(Op(
+    name="proj", component="trunk", policy_key="proj",
+    doc="one projection y = x W^T (+ residual): split-K GEMV at batch <= 16, tensor-core tiles above; bf16/fp8 W",
+    axes=dict(preset=("tiny",), name=("kda_q", "kda_b", "mla_dkv", "moe_router"), batch=(1, 3),
+              wdtype=("bf16", "fp8"), residual=(False,)),
+    make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
+    tolerances=tolerances, tolerance_why=WHY, call=call_proj, nbytes=proj_bytes, flops=proj_flops, floor_bw="read",
+    backends={"reference": "k3lab.ref.situ:linear", "torch_compile": "k3lab.ref.situ:linear",
+              "triton": "k3lab_kernels.triton.proj_gemv:proj"},
+    valid=lambda c: c["preset"] in PRESETS and c["name"] in NAMES and 1 <= c["batch"] <= 256
+    and c["wdtype"] in ("bf16", "fp8"),
+    peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
+))
+
+GROUP = register(Op(
+    name="proj_group", component="trunk", policy_key="proj_group",
+    doc="projections that read the same input as one launch over the concatenated weight, outputs apart",
+    axes=dict(preset=("tiny",), group=tuple(GROUPS), batch=(1, 3), wdtype=("bf16", "fp8")),
+    make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
+    tolerances=tolerances, tolerance_why=WHY, call=call_group, nbytes=proj_bytes, flops=proj_flops,
+    floor_bw="read",
+    backends={"reference": "k3lab.ref.situ:linear", "torch_compile": "k3lab.ref.situ:linear",
+              "triton": "k3lab_kernels.triton.proj_gemv:proj"},
+    valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= 256,
+    peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
+))
+
+ROUTER = register(Op(
+    name="router_topk", component="trunk", policy_key="router_topk",
+    doc="router selection after its projection: sigmoid, selection-only bias, top-k, renormalized weights",
+    axes=dict(batch=(1, 5), experts=(896,), top_k=(16,), scores=("random", "near", "ties")),
+    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}}, option_defaults={"num_warps": _NONE},
+    make_inputs=make_router, reference=ref_router, written=("idx", "weights"), updated=(),
+    tolerances=tolerances, tolerance_why=WHY, call=call_router, nbytes=router_bytes, flops=router_flops,
+    floor_bw="read",
+    backends={"reference": "k3lab.components.trunk:topk_reference",
+              "torch_compile": "k3lab.components.trunk:topk_reference",
+              "triton": "k3lab_kernels.triton.router_topk:router_topk"},
+    valid=lambda c: 1 <= c["top_k"] <= min(c["experts"], 32) and c["batch"] >= 1,
+    test_file="tests/test_trunk.py",
+))
+
+ATTNRES = register(Op(
+    name="attnres_norm", component="trunk", policy_key="attnres_norm",
+    doc="AttnRes partial update + softmax mix over blocks + [p] + RMSNorm of the mix, one launch",
+    axes=dict(batch=(1, 3), n_blocks=(0, 1, 9), update=UPDATES, dim=(7168,)),
+    option_axes={"num_warps": {"triton": (None, 4, 8, 16, 32)}}, option_defaults={"num_warps": _NONE},
+    make_inputs=make_attnres, reference=ref_attnres, written=("out", "partial_out"), updated=(),
+    tolerances=tolerances, tolerance_why=WHY, call=call_attnres, nbytes=attnres_bytes, flops=attnres_flops,
+    floor_bw="read",
+    backends={"reference": "k3lab.ref.attnres:attnres_norm", "torch_compile": "k3lab.ref.attnres:attnres_norm",
+              "triton": "k3lab_kernels.triton.attnres_norm:attnres_norm"},
+    valid=lambda c: 0 <= c["n_blocks"] <= 9 and c["update"] in UPDATES and c["batch"] >= 1,
+    peers=attnres_peers, test_file="tests/test_trunk.py",
+))

@@ -1,0 +1,196 @@
+"""Trunk projections in one Triton launch: y_i[B, N_i] = x[B, K] @ W[N, K]^T over the rows of W that
+belong to output i (a fused group is ONE weight, the concatenation of the parts' weights by rows), with
+fp32 accumulation, an optional per-output-channel fp8 scale and an optional residual epilogue.
+
+    y[b, n] = (sum_k x[b, k] * W[n, k]) * scale[n]  (+ residual[b, n])       stored in out_i's dtype
+    out_i[b, n - start_i] = y[b, n]  for start_i <= n < end_i                 (up to MAX_OUTPUTS outputs)
+
+Layout: x [B, K] bf16 with unit stride along K; W [N, K] row-major (nn.Linear), bf16 or float8_e4m3fn;
+scale [N] fp32 (fp8 only: W_true[n, :] = W_fp8[n, :] * scale[n], one scale per output channel,
+scale = amax|W[n, :]| / 448, so the row's largest entry maps to e4m3's largest finite value); residual
+[B, N] (one output only); each out_i [B, N_i] with unit stride along N_i (any row stride: an output can
+be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the router's logits).
+
+One kernel, two configurations chosen by batch (`config`):
+  * small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
+    rows and a range of K (split-K), so even a 576-row projection puts every SM of the GPU to work. The
+    programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
+    per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
+  * larger batch (B > 16, up to 256): BM = 32..128-row tiles of the batch, BN x BK weight tiles on tensor
+    cores; split-K only while the tiles alone leave SMs idle.
+fp8 tiles are widened to bf16 in registers (exact) before the MMA; the scale multiplies the fp32 sum.
+
+Floor (bytes, `k3lab.ops.trunk.proj_bytes`): weights N*K*e (e = 2 bf16, 1 fp8, + 4*N for fp8 scales) +
+x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the read bandwidth. The split-K workspace
+(SPLIT*B_pad*N*4 written and read back) stays in L2 and is not counted.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+
+MAX_OUTPUTS = 6
+SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
+MAX_BATCH = 256
+_COUNTERS: dict[str, torch.Tensor] = {}  # per device: split-K arrival counters, always zero between calls
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    key = str(device)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = c
+    return c
+
+
+@triton.jit
+def _store_out(o, lo, hi, so, y, n, m, M, RNE: tl.constexpr):
+    """The rows lo <= n < hi of the [BN, BM] tile y into out[m, n - lo] (row stride so)."""
+    msk = (n[:, None] >= lo) & (n[:, None] < hi) & (m[None, :] < M)
+    if RNE and o.dtype.element_ty == tl.bfloat16:
+        y = rne_bf16(y)
+    tl.store(o + m[None, :].to(tl.int64) * so + (n[:, None] - lo), y.to(o.dtype.element_ty), mask=msk)
+
+
+@triton.jit
+def _proj_kernel(x, w, scale, res, ws, cnt,
+                 o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
+                 M, N, K, s_xm, s_rm, KSPLIT,
+                 NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
+    m = pid_m * BM + tl.arange(0, BM)
+    nok = n < N
+    mok = m < M
+    kk = tl.arange(0, BK)
+    k_lo = pid_s * KSPLIT
+    k_hi = tl.minimum(k_lo + KSPLIT, K)
+    wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
+    xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            wt = tl.load(wp + k0, mask=nok[:, None], other=0.0)
+            xt = tl.load(xp + k0, mask=mok[:, None], other=0.0)
+        else:
+            kok = (k0 + kk) < k_hi
+            wt = tl.load(wp + k0, mask=nok[:, None] & kok[None, :], other=0.0)
+            xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
+        if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 values
+            acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
+        else:
+            if FP8:
+                wt = wt.to(tl.bfloat16)
+            acc += tl.dot(wt, tl.trans(xt))
+    done = True
+    if SPLIT > 1:
+        MP = tl.num_programs(1) * BM
+        NP = tl.num_programs(0) * BN
+        tile = ws + m[None, :].to(tl.int64) * NP + n[:, None]
+        tl.store(tile + pid_s.to(tl.int64) * MP * NP, acc)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        c = cnt + pid_m * tl.num_programs(0) + pid_n
+        old = tl.atomic_add(c, 1, sem="acq_rel")
+        done = old == SPLIT - 1
+        if done:  # the last program of this output tile: sum the partials in split order
+            acc = tl.load(tile, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                acc += tl.load(tile + s * MP * NP, cache_modifier=".cg")
+            tl.atomic_xchg(c, 0)  # the counter is zero again for the next call
+    if done:
+        if FP8:
+            acc = acc * tl.load(scale + n, mask=nok, other=0.0)[:, None]
+        if RES:
+            r = tl.load(res + m[None, :].to(tl.int64) * s_rm + n[:, None], mask=nok[:, None] & mok[None, :],
+                        other=0.0)
+            acc += r.to(tl.float32)
+        _store_out(o0, 0, e0, s0, acc, n, m, M, DOT_F32)
+        if NSEG > 1:
+            _store_out(o1, e0, e1, s1, acc, n, m, M, DOT_F32)
+        if NSEG > 2:
+            _store_out(o2, e1, e2, s2, acc, n, m, M, DOT_F32)
+        if NSEG > 3:
+            _store_out(o3, e2, e3, s3, acc, n, m, M, DOT_F32)
+        if NSEG > 4:
+            _store_out(o4, e3, e4, s4, acc, n, m, M, DOT_F32)
+        if NSEG > 5:
+            _store_out(o5, e4, e5, s5, acc, n, m, M, DOT_F32)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the H200's, so the interpreter runs the same split choices as the GPU
+
+
+def config(M: int, N: int, K: int, device: torch.device, *, block_n=None, block_k=None, split_k=None,
+           num_warps=None, num_stages=None) -> dict:
+    """The launch configuration for batch M (module docstring); any knob given overrides its default.
+    split_k: the number of K ranges (1 = none); the default fills about two programs per SM."""
+    small = M <= SMALL_BATCH
+    BM = 16 if small else min(128, max(32, _pow2(M)))
+    BN = block_n or (32 if small else 64)
+    BK = block_k or (256 if small else 128)
+    BK = min(BK, max(16, _pow2(K)))
+    tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    chunks = triton.cdiv(K, BK)
+    if split_k is None:
+        want = triton.cdiv(2 * sm_count(device), tiles)
+        split_k = max(1, min(want, chunks // 2))
+    ksplit = triton.cdiv(chunks, max(1, min(split_k, chunks))) * BK
+    split = triton.cdiv(K, ksplit)
+    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit,
+                num_warps=num_warps or 4, num_stages=num_stages or (4 if small else 3))
+
+
+def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> list:
+    """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
+    outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
+    [M, N] (one output only) added before the store. Returns outs. The caller validates."""
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = config(M, N, K, x.device, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages)
+    BM, BN, split = cfg["BM"], cfg["BN"], cfg["SPLIT"]
+    gn, gm = triton.cdiv(N, BN), triton.cdiv(M, BM)
+    if split > 1:
+        ws = torch.empty(split * gm * BM * gn * BN, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, gn * gm)
+    else:
+        ws = cnt = x  # unused
+    ends, o = [], list(outs)
+    e = 0
+    for t in outs:
+        e += t.shape[1]
+        ends.append(e)
+    strides = [t.stride(0) for t in outs]
+    while len(o) < MAX_OUTPUTS:
+        o.append(outs[0])
+        ends.append(e)
+        strides.append(0)
+    fp8 = w.dtype == torch.float8_e4m3fn
+    _proj_kernel[(gn, gm, split)](
+        x, w, w_scale if fp8 else x, residual if residual is not None else x, ws, cnt, *o, *ends, *strides,
+        M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, cfg["KSPLIT"],
+        NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=cfg["BK"], FP8=fp8, RES=residual is not None,
+        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % cfg["BK"] == 0, DOT_F32=dot_f32(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return outs
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float) -> (W_fp8 [N, K] float8_e4m3fn, scale [N] fp32): one scale per output channel,
+    amax / 448 (rows of zeros get scale 1)."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (wf / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale.contiguous()
