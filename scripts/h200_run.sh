@@ -11,6 +11,9 @@
 #                                              FlashInfer's fused decode (no fla: .gpu/base does not fit beside),
 #                                              then $EXTRA (a command line) if set
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
+#   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
+#                                              (batch 1 to 128K, batch 64 to 32K), verify T=4, the partition sweep
+#                                              behind `auto`, the combine, the cache write
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -56,6 +59,21 @@ layer)
        -p backends reference,torch_compile,triton -p reps 10 --out "$OUT/layer_b$B" 2>&1 | tail -n 4
     pack layer_b$B
   done ;;
-*) echo "STEP must be cute, bench, fi or layer" >&2; exit 2 ;;
+mla)
+  unpack base fi fijit; install
+  mkdir -p "$OUT/mla"
+  B="$K bench mla --reps ${REPS:-30} --out $OUT/mla"
+  $B --backends triton --ops mla_decode --name mla_decode --grid heads=12 --grid batch=1 --grid context=1024,8192,32768,131072 \
+     --grid T=1,4 --deadline 150 2>&1 | tee "$OUT/mla/decode_b1.log" | tail -n 14
+  $B --backends triton --ops mla_decode --name mla_decode_b64 --grid heads=12 --grid batch=64 --grid context=1024,8192,32768 \
+     --deadline 150 2>&1 | tee "$OUT/mla/decode_b64.log" | tail -n 12
+  $B --backends triton --no-peers --ops mla_decode --name mla_partitions --grid heads=12 --grid batch=1 \
+     --grid context=1024,8192,32768,131072 --grid partitions=8,16,32,64,128,auto --deadline 90 2>&1 | tail -n 3
+  $B --backends triton --no-peers --ops mla_decode --name mla_partitions_b64 --grid heads=12 --grid batch=64 \
+     --grid context=8192,32768 --grid partitions=1,2,4,8,auto --deadline 60 2>&1 | tail -n 3
+  $B --backends triton --ops mla_combine,mla_cache_write --name mla_combine_write --grid heads=12 --grid batch=1,64 \
+     --grid partitions=1,4,16,128 --grid context=8192 --grid page_size=64 --deadline 60 2>&1 | tail -n 12
+  pack mla ;;
+*) echo "STEP must be cute, bench, fi, layer or mla" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

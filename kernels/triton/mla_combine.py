@@ -11,8 +11,8 @@ Wuv [H, C, Dv] bf16 (C = 512, Dv = 128); gate logits [B,T,H*Dv] bf16; out [B,T,H
 
 Two paths, one launch either way:
   * rows (B*T > 2): grid (H, Dv / BV, ceil(B*T / BR)). A program owns one head, BV output columns and
-    BR >= 16 rows (b, t). It reads its Wuv[h][:, v-block] slice ONCE for all its rows (at batch 64, T = 1
-    one row block of 64: Wuv is read once in all), merges its rows' partials one k at a time ([BR, C]
+    BR >= 16 rows (b, t) (default 16: at batch 64 four row blocks; 64-row blocks left 24 programs for the
+    whole GPU). It reads its Wuv[h][:, v-block] slice once for its rows, merges its rows' partials one k at a time ([BR, C]
     tiles, fp32; empty partials (lse = -inf) weigh 0), rounds o to bf16 and multiplies on tensor cores
     (tl.dot [BR, C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32
     and stores bf16.
@@ -168,7 +168,7 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
         out = torch.empty(B, T, H * Dv, dtype=torch.bfloat16, device=o_part.device)
     BV = block_v or (Dv if dot_f32() else default_block_v(B, T, Dv))  # the interpreter's cost is per program
     NR = B * T
-    BR = block_r or (1 if NR <= ROW_PATH_MAX_ROWS else min(64, max(16, _pow2(NR))))
+    BR = block_r or (1 if NR <= ROW_PATH_MAX_ROWS else 16)  # 16 rows: 4x the programs of 64 at batch 64
     lse_arg = lse_part if lse_part is not None else o_part  # unused when K = 1
     if BR == 1:
         _mla_combine_row_kernel[(H, triton.cdiv(Dv, BV), NR)](

@@ -298,8 +298,12 @@ def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = N
     return HR, BM, G
 
 
-def default_block_n(BM: int) -> int:
-    return 32 if BM <= 32 else 16
+def default_block_n(BM: int, B: int = 1) -> int:
+    """Positions a step. Small batch (the pieces fill the GPU, latency-bound): 32; from batch 16 (the
+    sequences fill it, streaming): 64 (measured at batch 1 and 64: docs/NOTES_mla.md); 16 for 64-row tiles."""
+    if BM > 32:
+        return 16
+    return 64 if B >= 16 else 32
 
 
 def default_num_warps(BM: int) -> int:
@@ -314,7 +318,7 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     MAX_PARTITIONS. A heuristic until measured (docs/NOTES_mla.md). Host values only (n_max = the longest
     visible history, max(lengths) + T): no device sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m)
-    bn = block_n or default_block_n(BM)
+    bn = block_n or default_block_n(BM, B)
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                if torch.cuda.is_available() else NOMINAL_SMS)
@@ -364,7 +368,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv.is_contiguous() and kv.shape[-1] == W
     assert dcp_layout in DCP_LAYOUTS and 1 <= partitions and 1 <= dcp
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m)
-    BN = block_n or default_block_n(BM)
+    BN = block_n or default_block_n(BM, B)
     K = dcp * partitions
     dev = q_lat.device
     direct = K == 1 and merge
