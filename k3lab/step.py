@@ -1,0 +1,844 @@
+"""The per-GPU decode step: one AttnRes block of K3 layers on one GPU, timed, attributed and checked.
+
+    step = DecodeStep(view, switches)          # the layers of block 0 at view (tp8: 9 KDA + 3 MLA, layer 0 dense)
+    x = step.run()                             # one step: every layer's components in order, chained
+    res = bench_step(view, switches, ...)      # timing, launches, trace, comparison, toggles, 93-layer estimate
+
+What it composes. `DecodeStep` builds the layers `block * 12 .. block * 12 + 11` of `view.cfg` (one K3 AttnRes
+block; a config with fewer layers, the CPU `tiny` preset, takes all of its layers) with `k3lab.model.build_layer`:
+each layer holds its own weights (MoE layers the full routed pool unless `n_experts` says otherwise, in
+`view.expert_dtype`: MXFP4, fp8 or bf16), its KDA state or MLA cache at `view.context`, and its components in
+layer order (AttnRes mix + norm, the attention projections and core, the second mix + norm, router, latent
+down, experts, latent up, shared experts; layer 0's dense MLP). The step chains them: layer i reads the stream
+and the AttnRes block list that layer i-1 left (`buf["x_out"]`, `buf["blocks_mlp"]`), layer `block * 12` starts
+from the step's input `x_in` and the history `blocks_in` (empty for block 0). `view.draft_depth` D > 0 runs
+the verify path (T = D + 1 positions a sequence: KDA verify with state histories, MLA causal among the new
+positions, the MoE at batch x T tokens). With a TP view every partial sum stays partial: the all-reduces
+are not run (the 93-layer estimate adds them as an assumed cost).
+
+Backends come from the switch object (`k3lab.switches.Switches`), one per component group, read by the layer
+builder and the component APIs. `resolve_switches` turns `auto` into what runs: on a CPU the reference (as
+`k3lab.policy` does without a GPU); on a GPU `auto` itself where the layer hands it to a component that
+resolves it through the one dispatcher (KDA), else the first fused backend (cute, triton, aiter) the layer
+has a path for and this machine can run, else the reference. Whatever lands later in the component
+modules and `k3lab.model` is picked up through the same calls; nothing here names a kernel.
+
+How time is attributed (every figure through the one timer, `k3lab.harness.timing`):
+  * the whole step: `timing.bench` of `step.run`; on a GPU its calls are captured in ONE CUDA graph (a
+    capture failure, e.g. a host sync in a component, falls back to eager timing, and the row's
+    `timing_note` and `capture` say so);
+  * per layer: one graph per layer (the layer's components in order), rotated over the step's layers of
+    the same type when the layer alone fits in L2 several times; the sum of the per-layer medians is
+    checked against the whole step (`layer_sum_ratio`, ok within `SUM_TOL`);
+  * per component: the same, one graph per component; the stacked bars of a layer are its components;
+  * launches and kernel attribution: one eager step under `torch.profiler` with a `record_function`
+    range per component ("L03.mla.attn"); every kernel is attributed to the innermost range whose CPU
+    span holds its launch (correlation ids); the trace, cut to kernels, copies and ranges, is saved as a
+    Chrome/Perfetto JSON (`save_trace`). On a CPU there are no kernels: the count is top-level aten ops.
+Floors: each component's bytes come from the layer builder (the registry's `nbytes` formula for the ops
+that have one, KDA's `kda_bytes`; else the weights, caches and activations it moves) over the read or copy
+bandwidth measured in the same run (`k3lab.harness.roofline`); a layer's floor is the sum of its
+components', the step's the sum of its layers'.
+
+The 93-layer estimate (`estimate_93`): the measured attention part of the KDA and of the MLA layers and the
+MLP part of the MoE and dense layers (each layer's time split between its attention and MLP parts in
+proportion to its components), times 69 / 24 / 92 / 1, plus 2 all-reduces a layer at an ASSUMED cost (no
+second GPU here), beside the byte floor of the same layers. Tokens/s = batch x committed positions per step
+over the step time (the TP group's rate) and that over the TP degree (per GPU).
+
+Numerics (`step_numerics`): the same stack (same seed, same view) in the compute dtype on the device against
+an fp64 reference build on the CPU, over N decode steps of fresh inputs; the per-layer relative error of
+the stream and of the KDA state after every step.
+"""
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3lab.config import GpuView
+from k3lab.harness import roofline, timing
+from k3lab.harness.bundle import Bundle, Row
+from k3lab.harness.numerics import error_stats
+from k3lab.switches import ALLOWED, COMPONENTS, NOT_WIRED, BackendUnavailable, Switches, backend_status
+
+STEP_LAYERS = 12  # one K3 AttnRes block
+FUSED = ("cute", "triton", "aiter")
+COMPILE_WARM_STEPS = 3  # steps run before timing torch.compile: compile time never lands in a timed region
+SUM_TOL = 0.25  # per-layer medians summed vs the whole step: |sum / whole - 1| <= this
+K3_COUNTS = {"kda": 69, "mla": 24, "moe": 92, "dense": 1}  # layer types of the full model (K3_SPEC section 1)
+ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; K3_SPEC section 6: symmetric-memory one-shot 11-14 us (2 x H200)
+ALLREDUCES_PER_LAYER = 2  # the attention output and the MLP output are partial sums under TP
+MAX_KERNELS_A_ROW = 8  # kernel names kept per component row (the bundle stays small); the trace has them all
+TRACE_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation")
+
+
+class StepError(ValueError):
+    """A bad argument of the decode step (named), or a switch the step cannot honour."""
+
+
+def _fail(name: str, msg: str):
+    raise StepError(f"step: {name!r} {msg}")
+
+
+def block_layer_ids(cfg, block: int = 0) -> list[int]:
+    """The layers of AttnRes block `block` (12 layers; all layers of a config with fewer than 12)."""
+    if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+        _fail("block", f"must be an int >= 0, got {block!r}")
+    n = cfg.num_hidden_layers
+    if n <= STEP_LAYERS:
+        if block:
+            _fail("block", f"the config has {n} layers, one step block; got block={block}")
+        return list(range(n))
+    first = block * STEP_LAYERS
+    if first >= n:
+        _fail("block", f"block {block} starts at layer {first}, the config has {n} layers")
+    return list(range(first, min(first + STEP_LAYERS, n)))
+
+
+def _on_gpu(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+# ---- switches ------------------------------------------------------------------------------------
+
+def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple[Switches, dict[str, str]]:
+    """`auto` per component group -> what runs here (see the module docstring), with the reason per group.
+    A named backend is kept as asked (the layer or the component refuses it by name if it cannot run)."""
+    if not isinstance(switches, Switches):
+        raise TypeError(f"step: 'switches' must be k3lab.switches.Switches, got {type(switches).__name__}")
+    want = dict(switches.backend)
+    why: dict[str, str] = {}
+    gpu = _on_gpu(device) and torch.cuda.is_available()
+    resolved = dict(want)
+    for comp, be in want.items():
+        if be != "auto":
+            why[comp] = "requested"
+            continue
+        if not gpu:
+            resolved[comp], why[comp] = "reference", "auto without a GPU: the torch reference (k3lab.policy)"
+            continue
+        for cand in ("auto",) + FUSED:
+            if cand != "auto" and not backend_status(cand)[0]:
+                continue
+            if _group_accepts(layers, comp, cand, switches):
+                resolved[comp] = cand
+                why[comp] = ("auto: the component resolves it through the one dispatcher" if cand == "auto"
+                             else f"auto: {cand}, the first fused backend with a path for {comp!r} here")
+                break
+        else:
+            resolved[comp], why[comp] = "reference", f"auto: no fused path for {comp!r} here, the torch reference"
+    return switches.replace(backend=resolved), why
+
+
+def _group_accepts(layers, comp: str, backend: str, switches: Switches) -> bool:
+    """Whether the layers give component group `comp` a path under `backend`: with every other group on the
+    reference (always a path), no component is left out (`Layer.skipped`)."""
+    probe = switches.replace(backend={c: "reference" for c in COMPONENTS} | {comp: backend})
+    for L in layers:
+        old = L.switches
+        try:
+            L.switches = probe
+            L.components()
+            if L.skipped:
+                return False
+        finally:
+            L.switches = old
+    return True
+
+
+# ---- the step ------------------------------------------------------------------------------------
+
+class DecodeStep:
+    """One AttnRes block of decode layers on one GPU (see the module docstring)."""
+
+    def __init__(self, view: GpuView, switches: Switches | None = None, *, block: int = 0,
+                 n_experts: int | None = None, device=None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                 gen_device=None, ranges: bool = False):
+        from k3lab.model import build_layer
+
+        if not isinstance(view, GpuView):
+            raise TypeError(f"step: 'view' must be k3lab.config.GpuView, got {type(view).__name__}")
+        if view.dcp != 1:
+            _fail("view.dcp", f"must be 1 for the step (DCP is the MLA component's option), got {view.dcp}")
+        if n_experts is not None and (not isinstance(n_experts, int) or isinstance(n_experts, bool)):
+            _fail("n_experts", f"must be None (the full pool) or an int, got {n_experts!r}")
+        if dtype not in (torch.bfloat16, torch.float64):
+            _fail("dtype", f"must be torch.bfloat16 (the step) or torch.float64 (the oracle), got {dtype}")
+        self.view = view
+        self.cfg = view.cfg
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype
+        self.seed = seed
+        self.block = block
+        self.ids = block_layer_ids(self.cfg, block)
+        self.ranges = ranges
+        switches = switches or Switches()
+        if not isinstance(switches, Switches):
+            raise TypeError(f"step: 'switches' must be k3lab.switches.Switches, got {type(switches).__name__}")
+        self.requested = switches
+        plain = Switches(**{**switches.to_dict(), "backend": {c: "reference" for c in COMPONENTS}})
+        gen = gen_device or ("cuda" if _on_gpu(self.device) else "cpu")
+        t0 = time.perf_counter()
+        self.layers = [build_layer(view, self.cfg.layer_kind(i), seed, n_experts, device=self.device, dtype=dtype,
+                                   switches=plain, layer_index=i, gen_device=gen) for i in self.ids]
+        self.build_s = time.perf_counter() - t0
+        self.n_experts = max((getattr(L, "n_experts", 0) for L in self.layers), default=0)
+        L0 = self.layers[0]
+        self.x_in = L0.buf["x"]
+        self.blocks_in = list(L0.buf["blocks"])
+        self.comps: list = []
+        self.set_switches(switches)
+
+    # -- configuration
+    def set_switches(self, switches: Switches) -> None:
+        """Resolve `auto`, hand the switches to every layer and rebuild the component lists; refuses a
+        backend some component has no path for (no silent fallback)."""
+        sw, why = resolve_switches(switches, self.layers, self.device)
+        built = self.layers[0].switches.kda_state_dtype
+        if sw.kda_state_dtype != built:
+            _fail("kda_state_dtype", f"the KDA states were allocated as {built!r}; build a new DecodeStep for "
+                                     f"{sw.kda_state_dtype!r}")
+        comps = []
+        for L in self.layers:
+            L.switches = sw
+            comps.append(L.components())
+            if L.skipped:
+                raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
+                                         f"the requested backends: {L.skipped}")
+        self.switches, self.why, self.comps = sw, why, comps
+
+    @property
+    def backends(self) -> dict[str, str]:
+        return dict(self.switches.backend)
+
+    def label(self) -> str:
+        return ",".join(f"{c}={b}" for c, b in self.switches.backend.items() if c not in ("dense",))
+
+    # -- running
+    def _layer_fns(self, i: int) -> list[tuple[str, Callable[[], Any]]]:
+        L = self.layers[i]
+        return [(f"L{L.index:02d}.{L.kind}.{n}", fn) for n, (fn, _, _) in self.comps[i].items()]
+
+    def run_layer(self, i: int) -> torch.Tensor:
+        """Layer i alone on the inputs it last saw (its components in order)."""
+        for name, fn in self._layer_fns(i):
+            with torch.profiler.record_function(name) if self.ranges else contextlib.nullcontext():
+                fn()
+        return self.layers[i].buf["x_out"]
+
+    def run(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step. x (optional): copied into the step's input buffer first ([B, D], [B, T, D] when
+        draft_depth > 0). Returns the stream after the last layer (a buffer of the last layer)."""
+        if x is not None:
+            if not isinstance(x, torch.Tensor) or x.shape != self.x_in.shape:
+                _fail("x", f"must be a tensor of shape {tuple(self.x_in.shape)}, got "
+                           f"{tuple(getattr(x, 'shape', ()))}")
+            self.x_in.copy_(x)
+        xs, blocks = self.x_in, self.blocks_in
+        for i, L in enumerate(self.layers):
+            L.buf["x"], L.buf["blocks"] = xs, blocks
+            self.run_layer(i)
+            xs, blocks = L.buf["x_out"], L.buf["blocks_mlp"]
+        self.x_out = xs
+        return xs
+
+    # -- bytes and floors
+    def component_table(self) -> list[dict[str, Any]]:
+        """One record per component of every layer: layer, kind, part (attn | mlp), name, group backend,
+        bytes, flops, floor bandwidth kind."""
+        out = []
+        for i, L in enumerate(self.layers):
+            part = "attn"
+            for n, (_, nb, fl) in self.comps[i].items():
+                if n == "attnres_mlp":
+                    part = "mlp"
+                out.append(dict(layer=L.index, kind=L.kind, mlp=L.w.mlp_kind, part=part, name=n,
+                                backend=L.ran.get(n, "?"), bytes=int(nb), flops=int(fl), floor_bw=L.floor_bw(n)))
+        return out
+
+    def state_bytes(self) -> int:
+        """KDA states + conv states + MLA caches held by the step."""
+        tot = 0
+        for L in self.layers:
+            st = L.state
+            if L.kind == "kda":
+                tot += sum(t.numel() * t.element_size() for t in (st.state, st.conv_state))
+            else:
+                c = st.cache
+                tot += c.data.numel() * c.data.element_size()
+                if getattr(c, "scale", None) is not None:
+                    tot += c.scale.numel() * c.scale.element_size()
+        return tot
+
+    def weight_bytes(self) -> int:
+        from k3lab.weights import nbytes
+
+        return sum(nbytes(L.w) for L in self.layers)
+
+    def group_of(self, i: int) -> tuple:
+        L = self.layers[i]
+        return (L.kind, L.w.mlp_kind, L.block_start)
+
+
+# ---- profiling: launches and kernel attribution ------------------------------------------------------
+
+def _trace_events(path: Path) -> list[dict]:
+    d = json.loads(path.read_text())
+    return d.get("traceEvents", d) if isinstance(d, dict) else d
+
+
+def attribute(events: list[dict], prefix: str = "L") -> dict[str, dict[str, Any]]:
+    """Per range (record_function name starting with `prefix`): launches, kernel time (us) and kernel
+    names, from a Chrome trace's events. GPU: a kernel / copy / memset belongs to the innermost range
+    whose CPU span holds the runtime call that launched it (matched by correlation id). Without GPU events:
+    the top-level aten ops inside each range (kind "cpu-ops")."""
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix)
+              and "dur" in e]
+    dev = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out: dict[str, dict[str, Any]] = {}
+    for r in ranges:
+        out.setdefault(r["name"], {"launches": 0, "kernel_us": 0.0, "kernels": {}, "kind": "gpu" if dev else
+                                   "cpu-ops"})
+
+    def innermost(ts: float, tid) -> str | None:
+        best = None
+        for r in ranges:
+            if r.get("tid") == tid and r["ts"] <= ts <= r["ts"] + r["dur"]:
+                if best is None or r["dur"] < best["dur"]:
+                    best = r
+        return best["name"] if best else None
+
+    if dev:
+        launch = {}
+        for e in events:
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in (e.get("args") or {}):
+                launch[e["args"]["correlation"]] = e
+        for k in dev:
+            c = (k.get("args") or {}).get("correlation")
+            rt = launch.get(c)
+            if rt is None:
+                continue
+            name = innermost(rt["ts"], rt.get("tid"))
+            if name is None:
+                continue
+            rec = out[name]
+            rec["launches"] += 1
+            rec["kernel_us"] += float(k.get("dur", 0.0))
+            kn = str(k.get("name", "?"))[:120]
+            rec["kernels"][kn] = rec["kernels"].get(kn, 0) + 1
+        return out
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and "dur" in e), key=lambda e: (e["ts"], -e["dur"]))
+    top: list[dict] = []
+    end = -1.0
+    for e in ops:  # top-level ops: not inside the previous top-level op
+        if e["ts"] >= end:
+            top.append(e)
+            end = e["ts"] + e["dur"]
+    for e in top:
+        name = innermost(e["ts"] + 1e-3, e.get("tid"))
+        if name is not None and str(e.get("name", "")).startswith("aten::"):
+            out[name]["launches"] += 1
+            out[name]["kernel_us"] += float(e["dur"])
+            out[name]["kernels"][e["name"]] = out[name]["kernels"].get(e["name"], 0) + 1
+    return out
+
+
+def profile_step(step: DecodeStep, trace_path: str | Path | None = None) -> dict[str, dict[str, Any]]:
+    """One eager step under torch.profiler with a range per component; returns `attribute(...)` of it.
+    trace_path: also save the trace cut to kernels, copies and ranges (gzip when it ends in .gz)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = _on_gpu(step.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    old = step.ranges
+    step.ranges = True
+    try:
+        step.run()  # warm (compiles, autotunes) outside the profile
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            with torch.profiler.record_function("step"):
+                step.run()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        step.ranges = old
+    with tempfile.TemporaryDirectory() as td:
+        raw = Path(td) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        events = _trace_events(raw)
+    att = attribute(events)
+    if trace_path is not None:
+        save_trace(events, trace_path)
+    return att
+
+
+def save_trace(events: list[dict], path: str | Path) -> Path:
+    """The trace cut to kernels, copies, memsets and ranges (what the timeline needs), as Chrome trace JSON."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keep = [e for e in events if e.get("cat") in TRACE_CATS or e.get("ph") == "M"]
+    if not any(e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") for e in keep):  # CPU run: ops instead
+        keep += [e for e in events if e.get("cat") == "cpu_op"]
+    for e in keep:
+        e.pop("args", None) if e.get("cat") == "cpu_op" else None
+    text = json.dumps({"traceEvents": keep, "displayTimeUnit": "ms"})
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+# ---- timing --------------------------------------------------------------------------------------------
+
+def _bench(fn, sets, *, device, bytes_per_call: int, reps: int, warmup: int, min_calls: int) -> timing.Timing:
+    """The one timer: a graph of rotated sets on a GPU (hot when fewer sets than the rotation needs and one
+    set is all there is), cpu-smoke on a CPU."""
+    if _on_gpu(device):
+        need = timing.rotation_count(bytes_per_call, timing.l2_bytes(), max_sets=64)
+        rotate = len(sets) > 1 or need <= 1
+        return timing.bench_gpu(fn, input_sets=sets, warmup=warmup, reps=reps, bytes_per_call=bytes_per_call,
+                                min_calls_per_graph=min_calls, rotate=rotate)
+    return timing.bench_cpu(fn, input_sets=sets[:1], warmup=min(warmup, 1), reps=reps, bytes_per_call=bytes_per_call)
+
+
+def _sets_for(step: DecodeStep, i: int, bytes_per_call: int, device) -> list[int]:
+    """Layer indices to rotate over for layer i: i first, then the step's other layers of its type, as many
+    as the timer's rotation count asks for (one on a CPU)."""
+    if not _on_gpu(device):
+        return [i]
+    need = timing.rotation_count(bytes_per_call, timing.l2_bytes(), max_sets=64)
+    same = [j for j in range(len(step.layers)) if j != i and step.group_of(j) == step.group_of(i)]
+    return [i] + same[:max(0, need - 1)]
+
+
+@dataclass
+class StepResult:
+    bundle: Bundle
+    components: list[dict[str, Any]] = field(default_factory=list)
+    attribution: dict[str, dict[str, Any]] = field(default_factory=dict)
+    estimate: dict[str, Any] = field(default_factory=dict)
+    trace: str | None = None
+    numerics: dict[str, Any] | None = None
+
+
+def time_step(step: DecodeStep, *, reps: int, warmup: int, min_calls: int = 3) -> timing.Timing:
+    """The whole step through the one timer (one CUDA graph of `min_calls` steps on a GPU)."""
+    nb = sum(c["bytes"] for c in step.component_table())
+    return _bench(lambda: step.run(), [()], device=step.device, bytes_per_call=nb, reps=reps, warmup=warmup,
+                  min_calls=min_calls)
+
+
+def _floor_us(rec: dict, pr: dict) -> float:
+    return roofline.floor_from_probes(rec["bytes"], rec["flops"], pr, rec["floor_bw"]).floor_us
+
+
+def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 0, n_experts: int | None = None,
+               compare: Sequence[str] = ("reference", "torch_compile"), toggles: bool = True, components: bool = True,
+               reps: int = 20, warmup: int = 3, compare_reps: int | None = None, trace_path: str | Path | None = None,
+               allreduce_us: float = ALLREDUCE_ASSUMED_US, seed: int = 0, name: str | None = None, device=None,
+               step: DecodeStep | None = None, log: Callable[[str], None] = print) -> StepResult:
+    """Build the step (or take `step`), then: launches and kernel attribution (one profiled eager step, trace
+    saved to `trace_path`), per-component and per-layer timing with floors, the whole step in one graph, the
+    per-layer sum check, the same step under each backend of `compare` (every component on it), each switch
+    toggled alone (`toggle_list`), the 93-layer estimate. Returns the bundle and the tables behind it."""
+    switches = switches or Switches()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = _on_gpu(device)
+    if not isinstance(reps, int) or reps < 1:
+        _fail("reps", f"must be an int >= 1, got {reps!r}")
+    compare_reps = compare_reps or max(2, reps // 4)
+    for be in compare:
+        if be not in ("reference", "torch_compile"):
+            _fail("compare", f"holds {be!r}; the comparison steps are 'reference' and 'torch_compile'")
+    pr = timing.probes(device)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    if step is None:
+        step = DecodeStep(view, switches, block=block, n_experts=n_experts, device=device, seed=seed)
+    name = name or f"decode_step-tp{view.tp}-b{view.batch}-c{view.context}-d{view.draft_depth}"
+    b = Bundle.new(name, view=view, switches=step.switches)
+    b.copy_tbps, b.read_tbps, b.launch_floor_us = pr["copy_tbps"], pr["read_tbps"], pr["launch_us"]
+    kind = "gpu" if gpu else "cpu-smoke"
+    log(f"{'GPU' if gpu else 'CPU (smoke timing only)'}: copy {b.copy_tbps:.3f} TB/s, read {b.read_tbps:.3f} TB/s, "
+        f"launch floor {b.launch_floor_us:.2f} us; {len(step.layers)} layers built in {step.build_s:.1f} s")
+    if not gpu:
+        b.notes.append("CPU run: times are cpu-smoke wall clock, floors use host figures; not GPU figures")
+    mem = {"weights_gb": step.weight_bytes() / 1e9, "states_gb": step.state_bytes() / 1e9}
+    if gpu:
+        mem["allocated_gb"] = torch.cuda.memory_allocated(device) / 1e9
+    comp = step.component_table()
+    base_switches = step.switches
+    label = "fused"
+    for be in COMPONENTS:
+        b.backends_ran[f"{label}:{be}"] = f"{step.switches.backend[be]} ({step.why.get(be, '')})"
+
+    # launches and kernel attribution: one profiled eager step
+    att = profile_step(step, trace_path)
+    for c in comp:
+        a = att.get(f"L{c['layer']:02d}.{c['kind']}.{c['name']}", {})
+        c["launches"] = a.get("launches", 0)
+        c["kernel_us"] = a.get("kernel_us", 0.0)
+        c["kernels"] = a.get("kernels", {})
+        c["floor_us"] = _floor_us(c, pr)
+    launch_kind = "kernels" if gpu else "cpu aten ops (no GPU: a smoke count)"
+    log(f"launches per step: {sum(c['launches'] for c in comp)} {launch_kind}")
+
+    # per component
+    if components:
+        for c in comp:
+            i = step.ids.index(c["layer"])
+            sets = [(step.comps[j][c["name"]][0],) for j in _sets_for(step, i, c["bytes"], device)]
+            t = _bench(lambda f: f(), sets, device=device, bytes_per_call=c["bytes"], reps=reps, warmup=warmup,
+                       min_calls=20)
+            c["median_us"] = t.median_us
+            fl = roofline.floor_from_probes(c["bytes"], c["flops"], pr, c["floor_bw"])
+            top = sorted(c["kernels"].items(), key=lambda kv: -kv[1])[:MAX_KERNELS_A_ROW]
+            kl = [{"name": k[:90], "count": v, "device": "cuda"} for k, v in top] if gpu else []
+            row = Row.from_timing(f"L{c['layer']:02d}.{c['kind']}.{c['name']}", label, t, floor=fl, kernels=kl,
+                                  layer=c["layer"], kind_attn=c["kind"], mlp=c["mlp"], part=c["part"],
+                                  component=c["name"], ran=c["backend"], input_sets_layers=len(sets),
+                                  kernel_names=len(c["kernels"]))
+            row.launches = c["launches"]
+            b.add(row)
+    # per layer
+    layer_rows = []
+    for i, L in enumerate(step.layers):
+        recs = [c for c in comp if c["layer"] == L.index]
+        nb = sum(c["bytes"] for c in recs)
+        sets = [(j,) for j in _sets_for(step, i, nb, device)]
+        t = _bench(step.run_layer, sets, device=device, bytes_per_call=nb, reps=reps, warmup=warmup, min_calls=10)
+        row = Row.from_timing(f"L{L.index:02d}.{L.kind}", label, t, layer=L.index, kind_attn=L.kind,
+                              mlp=L.w.mlp_kind, input_sets_layers=len(sets),
+                              component_sum_us=sum(c.get("median_us", 0.0) for c in recs) if components else None)
+        row.floor_us = sum(c["floor_us"] for c in recs)
+        row.bytes = nb
+        row.launches = sum(c["launches"] for c in recs)
+        b.add(row)
+        layer_rows.append(row)
+        log(f"layer {L.index:2d} {L.kind}+{L.w.mlp_kind:5s} {t.median_us:10.1f} us  floor {row.floor_us:9.1f} us  "
+            f"launches {row.launches}")
+    # the whole step: one graph
+    t = time_step(step, reps=reps, warmup=warmup)
+    captured = t.kind == "gpu-graph"
+    whole = Row.from_timing("step", label, t)
+    whole.floor_us = sum(c["floor_us"] for c in comp)
+    whole.bytes = sum(c["bytes"] for c in comp)
+    whole.launches = sum(c["launches"] for c in comp)
+    lsum = sum(r.median_us for r in layer_rows)
+    ratio = lsum / t.median_us if t.median_us > 0 else float("inf")
+    whole.extra.update(layer_sum_us=lsum, layer_sum_ratio=ratio, layer_sum_ok=abs(ratio - 1) <= SUM_TOL,
+                       capture=("one CUDA graph" if captured else (t.note or "not on a GPU")),
+                       launches_per_layer=whole.launches / len(step.layers), memory=mem, backends=step.backends)
+    if gpu:
+        mem["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        mem["reserved_gb"] = torch.cuda.memory_reserved(device) / 1e9
+    b.add(whole)
+    log(f"step {t.median_us:.1f} us ({t.kind}), floor {whole.floor_us:.1f} us; per-layer sum {lsum:.1f} us "
+        f"(x{ratio:.2f} of the whole); memory {json.dumps({k: round(v, 3) for k, v in mem.items()})}")
+    if not captured and gpu:
+        b.notes.append(f"the fused step was not captured in one CUDA graph: {t.note}")
+
+    # comparison: the same step on the reference and on torch.compile of it
+    for be in compare:
+        try:
+            step.set_switches(step.requested.replace(backend={c: be for c in COMPONENTS}))
+            for _ in range(COMPILE_WARM_STEPS if be == "torch_compile" else 0):
+                step.run()  # compiles (and any recompiles) before the timer's own warm-up
+            tc = time_step(step, reps=compare_reps, warmup=2)
+        except Exception as e:  # noqa: BLE001 - recorded; the other comparisons go on
+            b.backends_skipped[be] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            log(f"compare {be}: skipped: {b.backends_skipped[be]}")
+            continue
+        r = Row.from_timing("step", be, tc)
+        r.floor_us, r.bytes = whole.floor_us, whole.bytes
+        r.extra["speedup_of_fused"] = tc.median_us / t.median_us if t.median_us else None
+        b.add(r)
+        b.backends_ran[be] = f"every component on {be}"
+        log(f"step on {be:14s} {tc.median_us:10.1f} us ({tc.kind}); the fused step is x{tc.median_us / t.median_us:.2f} "
+            f"faster")
+    step.set_switches(step.requested)
+    # each switch toggled alone
+    if toggles:
+        for tlabel, sw in toggle_list(step.requested, base_switches):
+            try:
+                step.set_switches(sw)
+                tt = time_step(step, reps=compare_reps, warmup=2)
+            except Exception as e:  # noqa: BLE001
+                b.notes.append(f"toggle {tlabel}: not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                log(f"toggle {tlabel}: not run ({type(e).__name__})")
+                continue
+            r = Row.from_timing(f"toggle:{tlabel}", label, tt, base_us=t.median_us,
+                                delta_us=tt.median_us - t.median_us, switches=sw.to_dict())
+            b.add(r)
+            log(f"toggle {tlabel:40s} {tt.median_us:10.1f} us ({tt.median_us - t.median_us:+.1f})")
+        skipped = sorted(NOT_WIRED)
+        b.notes.append(f"switches not toggled (declared, not wired yet): {skipped}")
+    step.set_switches(step.requested)
+
+    est = estimate_93(comp, layer_rows, view, allreduce_us=allreduce_us, step_us=t.median_us)
+    er = Row(name="estimate:93_layers", backend=label, kind=t.kind, median_us=est["step_us"], p10_us=est["step_us"],
+             p90_us=est["step_us"], floor_us=est["floor_us"], bytes=est["bytes"], extra=est)
+    b.add(er)
+    log(f"93-layer estimate: {est['step_us'] / 1e3:.3f} ms a step ({est['allreduce_label']} all-reduce "
+        f"{est['allreduce_us_total'] / 1e3:.3f} ms), {est['tokens_per_s']:.1f} tok/s "
+        f"({est['tokens_per_s_per_gpu']:.1f} per GPU); byte floor {est['floor_us'] / 1e3:.3f} ms "
+        f"({est['floor_tokens_per_s']:.1f} tok/s)")
+    b.config["step"] = {"layers": step.ids, "block": step.block, "n_experts": step.n_experts,
+                        "expert_dtype": view.expert_dtype, "kda_layers": sum(L.kind == "kda" for L in step.layers),
+                        "mla_layers": sum(L.kind == "mla" for L in step.layers), "why": step.why,
+                        "launch_count": launch_kind, "memory": mem, "kind": kind,
+                        "requested": step.requested.to_dict()["backend"]}
+    b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, ASSUMED (one GPU here)")
+    b.notes.append(f"{step.n_experts} of {view.cfg.n_routed_experts} routed experts built per MoE layer "
+                   f"({view.expert_dtype})")
+    return StepResult(b, comp, att, est, str(trace_path) if trace_path else None)
+
+
+def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
+    """Each switch changed alone from the step's switches: every component on a non-reference backend put
+    on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
+    128 <-> 16, mla_partitions auto <-> 1, kda_pdl when the KDA runs on cute). kda_state_dtype needs a new
+    build and the unwired switches are refused by Switches: neither is toggled."""
+    out = []
+    for comp in COMPONENTS:
+        if comp in ("proj", "dense"):
+            continue
+        be = resolved.backend[comp]
+        if be != "reference":
+            out.append((f"{comp}={be}->reference", requested.replace(**{f"backend_{comp}": "reference"})))
+    flips = {"pad_heads": {0: 16}, "kda_tile_v": {128: 16}, "mla_partitions": {"auto": 1}}
+    for k, m in flips.items():
+        v = getattr(requested, k)
+        nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)
+        if nv is not None and nv in ALLOWED[k]:
+            out.append((f"{k}={v}->{nv}", requested.replace(**{k: nv})))
+    if resolved.backend["kda"] == "cute" or requested.kda_pdl:
+        out.append((f"kda_pdl={requested.kda_pdl}->{not requested.kda_pdl}",
+                    requested.replace(kda_pdl=not requested.kda_pdl)))
+    return out
+
+
+def estimate_93(comp: list[dict], layer_rows: list[Row], view: GpuView, *, allreduce_us: float = ALLREDUCE_ASSUMED_US,
+                step_us: float | None = None) -> dict[str, Any]:
+    """The full model's step from the measured layer types (see the module docstring)."""
+    by_layer: dict[int, list[dict]] = {}
+    for c in comp:
+        by_layer.setdefault(c["layer"], []).append(c)
+    parts: dict[str, list[tuple[float, float, int]]] = {k: [] for k in K3_COUNTS}
+    for r in layer_rows:
+        recs = by_layer[r.extra["layer"]]
+        csum = sum(c.get("median_us", 0.0) for c in recs)
+        for part, key in (("attn", r.extra["kind_attn"]), ("mlp", r.extra["mlp"])):
+            pr = [c for c in recs if c["part"] == part]
+            share = (sum(c.get("median_us", 0.0) for c in pr) / csum) if csum > 0 else (
+                sum(c["floor_us"] for c in pr) / max(sum(c["floor_us"] for c in recs), 1e-12))
+            parts[key].append((r.median_us * share, sum(c["floor_us"] for c in pr), sum(c["bytes"] for c in pr)))
+    type_us, type_floor, type_bytes, missing = {}, {}, {}, []
+    for k, v in parts.items():
+        if not v:
+            missing.append(k)
+            continue
+        type_us[k] = sum(x[0] for x in v) / len(v)
+        type_floor[k] = sum(x[1] for x in v) / len(v)
+        type_bytes[k] = sum(x[2] for x in v) / len(v)
+    for k in missing:  # a type the step has none of (a tiny config's dense-only block): the nearest measured one
+        alt = {"dense": "moe", "moe": "dense", "kda": "mla", "mla": "kda"}[k]
+        type_us[k], type_floor[k], type_bytes[k] = type_us.get(alt, 0.0), type_floor.get(alt, 0.0), type_bytes.get(alt, 0)
+    n_layers = K3_COUNTS["kda"] + K3_COUNTS["mla"]
+    n_ar = ALLREDUCES_PER_LAYER * n_layers if view.tp > 1 else 0
+    compute = sum(K3_COUNTS[k] * type_us[k] for k in K3_COUNTS)
+    floor = sum(K3_COUNTS[k] * type_floor[k] for k in K3_COUNTS)
+    nbytes = int(sum(K3_COUNTS[k] * type_bytes[k] for k in K3_COUNTS))
+    total = compute + n_ar * allreduce_us
+    toks = view.batch * view.tokens_per_seq
+    return {"step_us": total, "compute_us": compute, "floor_us": floor, "bytes": nbytes,
+            "allreduce_us_total": n_ar * allreduce_us, "allreduces": n_ar, "allreduce_us_each": allreduce_us,
+            "allreduce_label": "assumed", "type_us": type_us, "type_floor_us": type_floor, "counts": dict(K3_COUNTS),
+            "missing_types": missing, "positions_per_step": toks,
+            "tokens_per_s": toks / (total * 1e-6) if total > 0 else None,
+            "tokens_per_s_per_gpu": toks / (total * 1e-6) / view.tp if total > 0 else None,
+            "floor_tokens_per_s": toks / (floor * 1e-6) if floor > 0 else None,
+            "x_floor": total / floor if floor > 0 else None, "block_step_us": step_us,
+            "note": "tokens/s: the TP group's positions a second (with draft_depth > 0 every position verified, "
+                    "not committed); per GPU: that over tp"}
+
+
+def targets(bundle: Bundle) -> dict[str, Any]:
+    """Issue 15's H200 targets read off a step bundle: the fused step within 1.3x of its byte floor, >= 1.5x
+    faster than torch.compile of the reference, <= 10 launches a layer."""
+    rows = {(r.name, r.backend): r for r in bundle.rows}
+    f = rows.get(("step", "fused"))
+    tc = rows.get(("step", "torch_compile"))
+    out: dict[str, Any] = {}
+    if f is not None:
+        out["x_floor"] = f.distance
+        out["x_floor_ok"] = f.distance is not None and f.distance <= 1.3
+        out["launches_per_layer"] = f.extra.get("launches_per_layer")
+        out["launches_ok"] = (out["launches_per_layer"] or 1e9) <= 10
+    if f is not None and tc is not None:
+        out["speedup_vs_compile"] = tc.median_us / f.median_us
+        out["speedup_ok"] = out["speedup_vs_compile"] >= 1.5
+    return out
+
+
+# ---- numerics ------------------------------------------------------------------------------------------
+
+def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: int = 4, n_experts: int | None = None,
+                  device=None, seed: int = 0) -> dict[str, Any]:
+    """The step in bf16 on `device` against an fp64 reference build on the CPU (same seed: the same weights,
+    states and inputs), over `n_steps` decode steps of fresh random inputs. Returns per layer the relative
+    error of its output stream (and of the KDA state) after each step, and what ran."""
+    if not isinstance(n_steps, int) or n_steps < 1:
+        _fail("n_steps", f"must be an int >= 1, got {n_steps!r}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    test = DecodeStep(view, switches, n_experts=n_experts, device=device, seed=seed)
+    oracle = DecodeStep(view, Switches(), n_experts=n_experts, device="cpu", dtype=torch.float64, seed=seed,
+                        gen_device="cpu")
+    gen = torch.Generator(device="cpu").manual_seed(seed + 4242)
+    errs = [[] for _ in test.layers]
+    state_errs = [[] for _ in test.layers]
+    for _ in range(n_steps):
+        x = torch.randn(tuple(test.x_in.shape), generator=gen, dtype=torch.float32)
+        test.run(x.to(device=device, dtype=test.dtype))
+        oracle.run(x.to(torch.float64))
+        for i, (L, R) in enumerate(zip(test.layers, oracle.layers)):
+            errs[i].append(error_stats(L.buf["x_out"], R.buf["x_out"]).rel_norm)
+            if L.kind == "kda":
+                state_errs[i].append(error_stats(L.state.state, R.state.state).rel_norm)
+    return {"layers": test.ids, "kinds": [f"{L.kind}+{L.w.mlp_kind}" for L in test.layers], "n_steps": n_steps,
+            "rel_err": errs, "state_rel_err": state_errs, "backends": test.backends, "device": str(device),
+            "view": view.to_dict()}
+
+
+def numerics_rows(num: dict[str, Any], tol: float = 5e-2) -> list[Row]:
+    """The numerics as bundle rows named "numerics:Lnn.kind" (no timing: kind cpu-smoke, 0 us), each with the
+    error after the last step and every step's error in extra."""
+    rows = []
+    for lid, kind, e, se in zip(num["layers"], num["kinds"], num["rel_err"], num["state_rel_err"]):
+        last = e[-1]
+        err = {"rel_norm": last, "max_abs": None, "numel": None, "nonfinite": 0 if math.isfinite(last) else 1,
+               "tol": tol, "ok": bool(math.isfinite(last) and last <= tol)}
+        rows.append(Row(name=f"numerics:L{lid:02d}.{kind}", backend="fused", kind="cpu-smoke", median_us=0.0,
+                        p10_us=0.0, p90_us=0.0, error=err,
+                        extra={"rel_err_by_step": e, "state_rel_err_by_step": se, "layer": lid,
+                               "preset_view": num["view"], "device": num["device"], "not_a_timing": True}))
+    return rows
+
+
+# ---- nsight-python ------------------------------------------------------------------------------------
+
+NSIGHT_METRICS = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                  "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread")
+
+
+def nsight_status() -> tuple[bool, str]:
+    """(available, why) for nsight-python metrics: a GPU, the nsight package, and ncu on the PATH."""
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        return False, "no GPU: nsight-python metrics need an NVIDIA GPU and Nsight Compute (ncu)"
+    if importlib.util.find_spec("nsight") is None:
+        return False, "nsight-python is not installed (pip install nsight-python; on the H200: .gpu/base)"
+    if shutil.which("ncu") is None:
+        return False, "ncu (Nsight Compute) is not on the PATH: nsight-python runs the profiled code under it"
+    return True, "nsight-python and ncu found"
+
+
+def nsight_metrics(view: GpuView, switches: Switches, layer: int, *, n_experts: int | None = None,
+                   launches: dict[str, int] | None = None, timeout_s: int = 240, workdir: str | Path | None = None
+                   ) -> dict[str, Any]:
+    """Nsight Compute metrics (duration, DRAM throughput % of peak, achieved occupancy, registers per thread)
+    of layer `layer`'s components, through nsight-python in a subprocess (`python -m k3lab.step nsight ...`:
+    nsight-python re-runs the script it is called from under ncu, which a notebook kernel is not).
+    nsight-python measures one kernel per annotation: components with one launch (`launches`, from the
+    step's profile) are profiled; the others are listed with their launch counts. Returns
+    {"ok", "message", "rows": [...]}, never raises for a missing tool."""
+    ok, why = nsight_status()
+    if not ok:
+        return {"ok": False, "message": why, "rows": []}
+    spec = {"view": view.to_dict(), "model": view.cfg.to_dict(), "switches": switches.to_dict(), "layer": layer,
+            "n_experts": n_experts, "launches": launches or {}}
+    wd = Path(workdir or tempfile.mkdtemp(prefix="k3nsight-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    (wd / "spec.json").write_text(json.dumps(spec))
+    try:
+        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "nsight", str(wd / "spec.json")],
+                           capture_output=True, text=True, timeout=timeout_s, cwd=wd)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "message": f"nsight-python did not finish in {timeout_s} s", "rows": []}
+    res = wd / "nsight.json"
+    if p.returncode != 0 or not res.exists():
+        tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
+        return {"ok": False, "message": "nsight-python failed: " + " | ".join(tail), "rows": []}
+    return json.loads(res.read_text())
+
+
+def _nsight_main(spec_path: str) -> None:
+    """Run inside `python k3lab/step.py nsight SPEC` (and again by nsight-python under ncu)."""
+    import nsight
+
+    from k3lab.config import GpuView, K3Config
+    from k3lab.model import build_layer
+
+    spec = json.loads(Path(spec_path).read_text())
+    v = dict(spec["view"])
+    v.pop("heads", None)
+    view = GpuView(K3Config(**{**spec["model"], "mla_layers": (tuple(spec["model"]["mla_layers"])
+                                                                if spec["model"]["mla_layers"] else None)}), **v)
+    sw = Switches.from_dict(spec["switches"])
+    lid = int(spec["layer"])
+    L = build_layer(view, view.cfg.layer_kind(lid), 0, spec["n_experts"], device="cuda", layer_index=lid,
+                    switches=Switches(**{**sw.to_dict(), "backend": {c: "reference" for c in COMPONENTS}}),
+                    gen_device="cuda")
+    res, _ = resolve_switches(sw, [L], "cuda")
+    L.switches = res
+    comps = L.components()
+    launches = spec.get("launches") or {}
+    single = [n for n in comps if launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) == 1]
+    for _, (fn, _, _) in comps.items():  # warm: compiles and autotunes outside ncu's view
+        fn()
+    torch.cuda.synchronize()
+
+    @nsight.analyze.kernel(metrics=list(NSIGHT_METRICS), runs=1, output="quiet")
+    def profile_layer():
+        for n, (fn, _, _) in comps.items():
+            if n in single:
+                with nsight.annotate(n):
+                    fn()
+            else:
+                fn()
+
+    rows = []
+    if single:
+        df = profile_layer().to_dataframe()
+        for rec in df.to_dict("records"):
+            rows.append({str(k): (v if isinstance(v, (int, float, str)) or v is None else str(v))
+                         for k, v in rec.items()})
+    others = {n: launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) for n in comps if n not in single}
+    out = {"ok": True, "rows": rows, "layer": lid, "profiled": single, "not_profiled_launches": others,
+           "message": (f"{len(single)} single-kernel components profiled; components with several launches are "
+                       f"not (nsight-python measures one kernel per annotation): {others}")}
+    Path(spec_path).with_name("nsight.json").write_text(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":  # the nsight subprocess: python k3lab/step.py nsight SPEC.json
+    if len(sys.argv) >= 3 and sys.argv[1] == "nsight":
+        _nsight_main(sys.argv[2])
+    else:
+        sys.exit("usage: python k3lab/step.py nsight SPEC.json")
