@@ -180,7 +180,8 @@ def layer_part(kind: str) -> Callable:
 REGISTRY: dict[str, Op] = {}
 _LOADED = False
 OP_MODULES = ("k3lab.ops.kda", "k3lab.ops.mla",
-              "k3lab.ops.trunk",)
+              "k3lab.ops.trunk",
+              "k3lab.ops.moe",)
 
 
 def register(op: Op) -> Op:

@@ -2,16 +2,27 @@
 
     forward(h, weights, out=None, *, backend="reference") -> out [B, D]      routed + shared
     route(h, router, *, backend="reference") -> (idx [B, k], weights [B, k])
-    experts(z, idx, weights_k, moe, *, backend="reference") -> y [B, L] (float32)   the routed sum only
+    experts(z, idx, weights_k, moe, *, backend="reference", out=None, check_values=True, ran=None, **knobs)
+        -> y [B, L] (float32)   the routed sum only
 
-Experts may be stored dense (bf16), fp8 or MXFP4 (`ExpertWeight`); they are dequantized per expert.
-Backends here: "reference", "torch_compile" (compiles the per-expert FFN, dynamic in the token count,
-and the router; the loop over selected experts stays eager); others are refused with BackendUnavailable.
+Experts may be stored dense (bf16), fp8 or MXFP4 (`ExpertWeight`); the reference dequantizes per expert.
+Backends of forward/route: "reference", "torch_compile" (compiles the per-expert FFN, dynamic in the token
+count, and the router; the loop over selected experts stays eager); others are refused with
+BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts", k3lab.ops.moe):
+  reference, torch_compile   k3lab.ref.moe.routed_experts (compute dtype fp32, fp64 for fp64 inputs)
+  triton                     k3lab_kernels.triton.moe_experts: one launch, grouped by expert on the device
+                             (no host sync: capturable in a CUDA graph); z bf16, idx int32/int64, weights_k
+                             fp32, dense experts bf16, fp8 with fp32 per-output-channel scales, or MXFP4
+  auto                       data/moe_defaults.json (measured), else the reference
+The triton knobs (block_n, block_k, block_l, block_t, num_warps, num_stages) default to the kernel's
+heuristic. `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it
+on timed or graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
 
 import torch
 
+from k3lab.components import dispatch
 from k3lab.components.dispatch import resolve_backend, write_out
 from k3lab.ref import moe as ref
 from k3lab.ref import router as ref_router
@@ -19,6 +30,16 @@ from k3lab.ref.moe import MoEWeights
 from k3lab.ref.router import RouterWeights
 
 COMPONENT = "moe"
+OP = "moe_experts"
+TRITON_FORMATS = {"dense": "bf16", "fp8": "fp8", "mxfp4": "mxfp4"}
+
+
+class MoEArgumentError(ValueError):
+    """An argument of the MoE component API has the wrong type, shape, dtype, device or value."""
+
+
+def _fail(name: str, msg: str):
+    raise MoEArgumentError(f"{COMPONENT}: {name!r} {msg}")
 
 
 def _check_h(h, D: int, name: str = "h") -> None:
@@ -48,12 +69,102 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference")
 
 
 def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: MoEWeights, *,
-            backend: str = "reference") -> torch.Tensor:
+            backend: str = "reference", out: torch.Tensor | None = None, check_values: bool = True,
+            block_n: int | None = None, block_k: int | None = None, block_l: int | None = None,
+            block_t: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+            ran: list | None = None) -> torch.Tensor:
+    """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
+    if not isinstance(moe, MoEWeights):
+        raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
     _check_h(z, moe.w_down.shape[0], "z")
+    if not isinstance(idx, torch.Tensor) or not isinstance(weights_k, torch.Tensor):
+        raise TypeError(f"{COMPONENT}: 'idx' and 'weights_k' must be tensors, got {type(idx).__name__} and "
+                        f"{type(weights_k).__name__}")
     if idx.shape != weights_k.shape or idx.shape[0] != z.shape[0] or idx.dim() != 2:
         raise ValueError(f"{COMPONENT}: 'idx' and 'weights_k' must both be [{z.shape[0]}, k], got "
                          f"{tuple(idx.shape)} and {tuple(weights_k.shape)}")
-    if int(idx.min()) < 0 or int(idx.max()) >= moe.router.n_experts:
+    if check_values and (int(idx.min()) < 0 or int(idx.max()) >= moe.router.n_experts):
         raise ValueError(f"{COMPONENT}: 'idx' must hold expert ids in 0..{moe.router.n_experts - 1}")
-    ffn = resolve_backend(COMPONENT, backend, ref.glu_ffn, "glu_ffn", dynamic=True)
-    return ref.routed_experts(z, idx, weights_k, moe, ffn)
+    B, L = z.shape
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (B, L)
+                            or out.device != z.device):
+        _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
+    be, auto_opts, why = dispatch.select(OP, backend, B=B)
+    knobs = dict(block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
+                 num_stages=num_stages)
+    rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
+               shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
+    if be == "triton":
+        knobs = {k: (v if v is not None else auto_opts.get(k)) for k, v in knobs.items()}
+        args = _triton_args(z, idx, weights_k, moe, out, knobs)
+        y = dispatch.kernel(OP, be)(*args["pos"], **args["kw"], **knobs)
+        dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, **rec)
+        return y
+    if any(v is not None for v in knobs.values()):
+        _fail("block_n", f"and the other kernel knobs are for the triton backend; backend {be!r} takes none")
+    ffn = ref.glu_ffn
+    kernel = dispatch.kernel_path(OP, be)
+    if be == "torch_compile":
+        ffn, kernel = dispatch.compiled(f"{COMPONENT}.glu_ffn", ref.glu_ffn, dynamic=True), f"torch.compile({kernel})"
+    y = ref.routed_experts(z, idx, weights_k, moe, ffn)
+    dispatch.record(ran, kernel=kernel, options={}, **rec)
+    return y if out is None else out.copy_(y)
+
+
+def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
+    """Validate the triton backend's inputs (each named) and build the kernel's arguments."""
+    from k3lab_kernels.triton.moe_experts import BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, MAX_BATCH
+
+    B, L = z.shape
+    dev = z.device
+    if z.dtype != torch.bfloat16 or not z.is_contiguous():
+        _fail("z", f"must be a contiguous bf16 tensor for the triton backend, got {z.dtype}")
+    if idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous() or idx.device != dev:
+        _fail("idx", f"must be a contiguous int32/int64 tensor on {dev} for the triton backend, got {idx.dtype} on "
+                     f"{idx.device}")
+    if wk.dtype != torch.float32 or not wk.is_contiguous() or wk.device != dev:
+        _fail("weights_k", f"must be a contiguous float32 tensor on {dev} for the triton backend, got {wk.dtype}")
+    if not 1 <= B <= MAX_BATCH:
+        _fail("z", f"batch must be in 1..{MAX_BATCH} for the triton backend, got {B}")
+    fmts = {moe.w1.fmt, moe.w3.fmt, moe.w2.fmt}
+    if len(fmts) != 1:
+        _fail("moe", f"w1, w3, w2 must share one format for the triton backend, got {sorted(fmts)}")
+    fmt = moe.w1.fmt
+    E, I, L1 = moe.w1.shape
+    if moe.w3.shape != (E, I, L1) or moe.w2.shape != (E, L1, I) or L1 != L:
+        _fail("moe", f"experts must be w1, w3 [E, I, {L}] and w2 [E, {L}, I], got {moe.w1.shape}, "
+                     f"{moe.w3.shape}, {moe.w2.shape}")
+    for name in ("w1", "w3", "w2"):
+        w = getattr(moe, name)
+        if w.data.device != dev or not w.data.is_contiguous():
+            _fail("moe", f"{name} must be contiguous on {dev}")
+        if fmt == "dense" and w.data.dtype != torch.bfloat16:
+            _fail("moe", f"dense {name} must be bf16 for the triton backend, got {w.data.dtype}")
+        if fmt == "fp8" and (w.scale is None or w.scale.dtype != torch.float32 or w.scale.shape != w.data.shape[:2]
+                             or not w.scale.is_contiguous()):
+            _fail("moe", f"fp8 {name} needs contiguous float32 per-output-channel scales {tuple(w.data.shape[:2])}")
+        if fmt == "mxfp4" and not w.scale.is_contiguous():
+            _fail("moe", f"mxfp4 {name} scales must be contiguous")
+    if fmt == "mxfp4" and (I % 32 or L % 32):
+        _fail("moe", f"mxfp4 experts need I and L multiples of 32, got I={I}, L={L}")
+    bn = knobs["block_n"]
+    if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
+                           or (fmt == "mxfp4" and bn < 32)):
+        _fail("block_n", f"must be None or one of {BLOCK_N_ALLOWED} dividing I={I} (>= 32 for mxfp4), got {bn!r}")
+    for name, lo in (("block_k", 32 if fmt != "mxfp4" else 64), ("block_l", 16)):
+        v = knobs[name]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1) or L % v):
+            _fail(name, f"must be None or a power of two >= {lo} dividing L={L}, got {v!r}")
+    if knobs["block_t"] is not None and knobs["block_t"] not in BLOCK_T_ALLOWED:
+        _fail("block_t", f"must be None or one of {BLOCK_T_ALLOWED}, got {knobs['block_t']!r}")
+    if knobs["num_warps"] is not None and knobs["num_warps"] not in (1, 2, 4, 8, 16):
+        _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {knobs['num_warps']!r}")
+    if knobs["num_stages"] is not None and knobs["num_stages"] not in (1, 2, 3, 4, 5):
+        _fail("num_stages", f"must be None or one of 1..5, got {knobs['num_stages']!r}")
+    if out is None:
+        out = torch.empty(B, L, dtype=torch.float32, device=dev)
+    elif out.dtype != torch.float32 or not out.is_contiguous():
+        _fail("out", f"must be a contiguous float32 tensor for the triton backend, got {out.dtype}")
+    return dict(pos=(z, idx, wk, moe.w1.data, moe.w3.data, moe.w2.data, out),
+                kw=dict(fmt=TRITON_FORMATS[fmt], s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale,
+                        b1=float(moe.b1), b2=float(moe.b2)))

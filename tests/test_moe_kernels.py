@@ -1,0 +1,175 @@
+"""Triton MoE expert kernel (k3lab_kernels.triton.moe_experts) through the shared checker (fp64 reference on the
+dequantized weights, output NaN-poisoned, inputs unchanged) at small shapes under TRITON_INTERPRET=1: every
+weight format, batch 1 and odd batches, ragged routing (an expert every token chose, experts with many, one and
+no tokens), groups larger than the kernel's token tile, TP8 and TP16 slices; the MXFP4 dequantization bit-exact
+against k3lab.mxfp4; argument errors by name. GPU tests run K3's sizes (896 experts, latent 3584) and a CUDA
+graph capture. Tolerances and their reasons: k3lab.ops.moe."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab import mxfp4, registry, routing
+from k3lab.components import moe as c_moe
+from k3lab.harness import checker
+from k3lab.ops import moe as ops_moe
+from k3lab.switches import BackendUnavailable, SwitchError
+
+OP = registry.get("moe_experts")
+K3 = dict(latent=3584, inter=3072, n_experts=896, top_k=16)
+FORMATS = ("bf16", "fp8", "mxfp4")
+
+
+def _check(backend="triton", options=None, seed=0, **shape):
+    res = checker.require(checker.check(OP, OP.case(**shape), backend=backend, options=options or {}, seed=seed))
+    assert res.ran and res.ran[-1].backend == backend
+    return res
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_formats_and_batches(dtype, batch):
+    _check(dtype=dtype, batch=batch)
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_ragged_routing(dtype):
+    """Expert 0 chosen by every token, 1..3 by most, 4 by none, the rest by one or none."""
+    inp = OP.make_inputs(OP.case(dtype=dtype, batch=6, routing="ragged"), 0, "cpu")
+    idx = inp["idx"]
+    assert bool((idx == 0).any(1).all()) and not bool((idx == 4).any())
+    counts = torch.bincount(idx.flatten(), minlength=24)
+    assert counts.max() == 6 and (counts == 1).any() and (counts == 0).any()
+    _check(dtype=dtype, batch=6, routing="ragged")
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_same_experts_for_every_token(dtype):
+    """Every token chooses the same top-k: each expert runs once with all tokens (one tile of 16 at batch 5;
+    at batch 19 a second tile, block_t 16)."""
+    inp = OP.make_inputs(OP.case(dtype=dtype, batch=5, routing="same16"), 0, "cpu")
+    assert torch.unique(inp["idx"]).numel() == 4
+    _check(dtype=dtype, batch=5, routing="same16")
+    if dtype == "bf16":
+        _check(dtype=dtype, batch=19, routing="same16", options=dict(block_t=16))
+
+
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_tp16_and_blocks(dtype):
+    _check(dtype=dtype, batch=4, tp=16, inter=512, routing="ragged",
+           options=dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4))
+
+
+def test_int32_ids_and_auto_is_reference_on_cpu():
+    inp = OP.make_inputs(OP.case(batch=3), 0, "cpu")
+    ran: list = []
+    y = c_moe.experts(inp["z"], inp["idx"].int(), inp["weights_k"], inp["moe"], backend="triton", ran=ran)
+    y_ref = c_moe.experts(inp["z"].double(), inp["idx"], inp["weights_k"].double(), inp["moe"])
+    assert (y.double() - y_ref).norm() / y_ref.norm() < ops_moe.TOL
+    c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="auto", ran=ran)
+    assert ran[0].backend == "triton" and ran[1].backend == "reference"
+
+
+# ---- MXFP4 dequantization -------------------------------------------------------------------------------
+
+def test_mxfp4_dequant_bit_exact():
+    """The kernels' in-register dequantization against k3lab.mxfp4.unpack_mxfp4: quantized weights, and every
+    byte value under scales across the exact range (E8M0 2..240: every result a normal fp32, >= 2^-126)."""
+    from k3lab_kernels.triton.moe_experts import mxfp4_dequant
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 256, generator=g) * torch.logspace(-8, 3, 32).unsqueeze(1)
+    p, s = mxfp4.pack_mxfp4(w)
+    assert torch.equal(mxfp4_dequant(p, s), mxfp4.unpack_mxfp4(p, s))
+    p = torch.arange(256, dtype=torch.uint8).repeat(16, 1)  # every code pair
+    s = torch.randint(2, 241, (16, 16), generator=g, dtype=torch.uint8)
+    s[0], s[1] = 2, 240
+    got, want = mxfp4_dequant(p, s), mxfp4.unpack_mxfp4(p, s)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # signed zeros too
+
+
+# ---- argument errors -----------------------------------------------------------------------------------
+
+def _inp(dtype="bf16"):
+    return OP.make_inputs(OP.case(batch=2, dtype=dtype), 0, "cpu")
+
+
+@pytest.mark.parametrize("name,change", [
+    ("z", lambda d: dict(d, z=d["z"].float())),
+    ("idx", lambda d: dict(d, idx=d["idx"].float())),
+    ("weights_k", lambda d: dict(d, weights_k=d["weights_k"].double())),
+    ("out", lambda d: dict(d, y=torch.empty(2, 7))),
+    ("out", lambda d: dict(d, y=torch.empty(2, 64, dtype=torch.float64))),
+])
+def test_triton_argument_errors(name, change):
+    d = change(_inp())
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", out=d["y"])
+
+
+@pytest.mark.parametrize("knob,value,dtype", [("block_n", 48, "bf16"), ("block_n", 16, "mxfp4"),
+                                              ("block_k", 96, "bf16"), ("block_t", 8, "bf16"),
+                                              ("num_warps", 3, "bf16"), ("num_stages", 9, "bf16")])
+def test_knob_errors(knob, value, dtype):
+    d = _inp(dtype)
+    with pytest.raises(c_moe.MoEArgumentError, match=f"'{knob}'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", **{knob: value})
+
+
+def test_common_argument_errors():
+    d = _inp()
+    with pytest.raises(ValueError, match="'idx'"):
+        c_moe.experts(d["z"], d["idx"] + 100, d["weights_k"], d["moe"], backend="triton")
+    with pytest.raises(ValueError, match="'idx' and 'weights_k'"):
+        c_moe.experts(d["z"], d["idx"][:, :2], d["weights_k"], d["moe"], backend="triton")
+    with pytest.raises(TypeError, match="'moe'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], object(), backend="triton")
+    with pytest.raises(c_moe.MoEArgumentError, match="'block_n'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="reference", block_n=32)
+    with pytest.raises(SwitchError, match="'nope'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="nope")
+    with pytest.raises(BackendUnavailable):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute")
+
+
+def test_bytes_count_distinct_experts():
+    c = OP.case(batch=64, routing="uniform", **K3)
+    assert ops_moe.distinct_experts(c) == pytest.approx(613.2, abs=0.1)
+    one = ops_moe.per_expert_bytes(c)
+    assert one == 3 * 384 * 3584 * 2
+    same = OP.case(batch=8, routing="same16", **K3)
+    assert ops_moe.experts_bytes(same) == 16 * one + 8 * 3584 * 6 + 8 * 16 * 12
+    mx = OP.case(batch=1, dtype="mxfp4", **K3)
+    assert 16 * ops_moe.per_expert_bytes(mx) == pytest.approx(35.1e6, rel=0.01)
+    tr = OP.case(batch=16, routing="k3_reuse30", **K3)
+    assert OP.valid(tr) and ops_moe.distinct_experts(tr) == pytest.approx(routing.load("k3_reuse30").mean_distinct(16))
+    assert not OP.valid(OP.case(routing="k3_reuse30"))  # a K3 trace on a 24-expert pool
+
+
+# ---- GPU: K3's sizes ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FORMATS)
+@pytest.mark.parametrize("batch,routing_,tp", [(1, "uniform", 8), (64, "uniform", 8), (8, "same16", 8),
+                                               (33, "ragged", 16), (16, "k3_reuse30", 8)])
+def test_gpu_k3_sizes(dtype, batch, routing_, tp):
+    _check(dtype=dtype, batch=batch, routing=routing_, tp=tp, **K3)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_no_host_sync():
+    """The triton path captures into a CUDA graph (no host sync) and replays on new routing."""
+    case = OP.case(batch=8, dtype="mxfp4", **K3)
+    a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
+    run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="triton", out=a["y"],  # noqa
+                                check_values=False)
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for k in ("z", "idx", "weights_k"):
+        a[k].copy_(b[k])
+    g.replay()
+    torch.cuda.synchronize()
+    want = ops_moe.ref_experts(b, case)["y"]
+    assert (a["y"].double() - want).norm() / want.norm() < ops_moe.TOL
