@@ -94,7 +94,7 @@ def _linear_ref(x, w, w_scale, residual):
     return y if residual is None else y + residual.to(dt)
 
 
-def _check_proj(x, w, w_scale, outs, residual, backend):
+def _check_proj(x, w, w_scale, outs, residual, backend, group: bool):
     _tensor("x", x, 2)
     dev = x.device
     if not x.is_floating_point():
@@ -125,13 +125,13 @@ def _check_proj(x, w, w_scale, outs, residual, backend):
         _fail("outs", f"must hold 1..{MAX_OUTPUTS} output tensors, got {len(outs)}")
     total = 0
     for i, o in enumerate(outs):
-        name = "out" if len(outs) == 1 else f"outs[{i}]"
+        name = f"outs[{i}]" if group else "out"
         _tensor(name, o, 2, OUT_DTYPES if triton else None, dev)
         if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
             _fail(name, f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides {o.stride()}")
         total += o.shape[1]
     if total != N:
-        _fail("outs" if len(outs) > 1 else "out", f"widths must add up to w's {N} rows, got {total}")
+        _fail("outs" if group else "out", f"widths must add up to w's {N} rows, got {total}")
     if residual is not None:
         if len(outs) != 1:
             _fail("residual", "is an epilogue of a single projection (proj), not of a group")
@@ -143,7 +143,7 @@ def _check_proj(x, w, w_scale, outs, residual, backend):
 def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
-    _check_proj(x, w, w_scale, outs, residual, be)
+    _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group")
     if be == "triton":
         dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, **opts)
     else:
@@ -194,7 +194,8 @@ def topk_reference(logits: torch.Tensor, e_bias: torch.Tensor, top_k: int, scali
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, scaling: float = 1.0,
                 idx: torch.Tensor | None = None, weights: torch.Tensor | None = None, backend: str = "reference",
-                ran: list | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ran: list | None = None, num_warps: int | None = None,
+                method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx [B, k] int64, weights [B, k] fp32) from the router's logits [B, E] (module docstring)."""
     _tensor("logits", logits, 2)
     if not logits.is_floating_point():
@@ -208,7 +209,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
     _tensor("e_bias", e_bias, 1, None, dev)
     if e_bias.shape[0] != E:
         _fail("e_bias", f"must be [{E}] (one per expert), got {tuple(e_bias.shape)}")
-    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps))
+    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps, method=method))
     if be == "triton":
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
             _fail("logits", f"must be fp32 with unit stride along E for the triton backend, got {logits.dtype}")

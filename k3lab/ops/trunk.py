@@ -3,8 +3,8 @@ selection and AttnRes + RMSNorm. The maths: k3lab.ref (situ.linear, router, attn
 k3lab.components.trunk and k3lab.components.attnres; the kernels are named in each entry's backends table.
 
 Axes (the default grid is small so the CPU interpreter runs it in seconds; the GPU bench passes its own):
-  proj        preset "tp8" | "tp16" | "tiny" (the per-GPU shapes of K3_SPEC section 3, `proj_shapes`), name (a
-              projection of `proj_shapes`), batch 1..256, wdtype "bf16" | "fp8" (e4m3, one fp32 scale per
+  proj        preset "tp8" | "tp16" | "tiny" (the per-GPU shapes of K3_SPEC section 3, `proj_shapes`), proj (the
+              name of a projection of `proj_shapes`), batch 1..256, wdtype "bf16" | "fp8" (e4m3, one fp32 scale per
               output channel), residual (the output projection's epilogue: out = residual + x W^T)
   proj_group  preset, group ("kda_in", "mla_in", "moe_in": `GROUPS`), batch, wdtype: one launch over the
               concatenated weight, each part's output its own tensor (the router's logits fp32, others bf16)
@@ -89,7 +89,7 @@ NAMES = tuple(proj_shapes("tiny"))
 
 
 def _parts(case: Case) -> tuple[str, ...]:
-    return GROUPS[case["group"]] if case.op == "proj_group" else (case["name"],)
+    return GROUPS[case["group"]] if case.op == "proj_group" else (case["proj"],)
 
 
 def _wbytes(case: Case) -> int:
@@ -134,19 +134,19 @@ def attnres_flops(case: Case) -> int:
 
 # ---- inputs ---------------------------------------------------------------------------------------
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _gen(seed: int, device: str = "cpu") -> torch.Generator:
+    """Drawn on `device`: a GPU bench builds many rotated sets of 10..60 MB of weights."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _weight(N: int, K: int, wdtype: str, g: torch.Generator, device: str):
     """(W, scale): bf16 [N, K] (scale an empty tensor) or e4m3 [N, K] with one fp32 scale per row."""
-    w = torch.randn(N, K, generator=g) * K ** -0.5
+    w = torch.randn(N, K, generator=g, device=device) * K ** -0.5
     if wdtype == "fp8":
         from k3lab_kernels.triton.proj_gemv import quantize_fp8
 
-        q, s = quantize_fp8(w)
-        return q.to(device), s.to(device)
-    return w.to(device, torch.bfloat16), torch.empty(0, dtype=torch.float32, device=device)
+        return quantize_fp8(w)
+    return w.to(torch.bfloat16), torch.empty(0, dtype=torch.float32, device=device)
 
 
 def make_proj(case: Case, seed: int, device: str) -> dict:
@@ -154,11 +154,11 @@ def make_proj(case: Case, seed: int, device: str) -> dict:
     parts = _parts(case)
     B, K = case["batch"], shp[parts[0]][1]
     N = sum(shp[p][0] for p in parts)
-    g = _gen(seed)
+    g = _gen(seed, device)
     w, s = _weight(N, K, case["wdtype"], g, device)
-    d = dict(x=torch.randn(B, K, generator=g).to(device, torch.bfloat16), w=w, w_scale=s)
+    d = dict(x=torch.randn(B, K, generator=g, device=device).to(torch.bfloat16), w=w, w_scale=s)
     if case.get("residual", False):
-        d["residual"] = torch.randn(B, N, generator=g).to(device, torch.bfloat16)
+        d["residual"] = torch.randn(B, N, generator=g, device=device).to(torch.bfloat16)
     for i in range(MAX_OUT):  # y0.. one per part (the rest empty: the written names are fixed)
         p = parts[i] if i < len(parts) else None
         d[f"y{i}"] = torch.empty(B if p else 0, shp[p][0] if p else 0, device=device,
@@ -214,17 +214,17 @@ def ref_router(d: dict, case: Case) -> dict:
 
 def make_attnres(case: Case, seed: int, device: str) -> dict:
     B, D, n, u = case["batch"], case["dim"], case["n_blocks"], case["update"]
-    g = _gen(seed)
+    g = _gen(seed, device)
 
     def act(scale=1.0):
-        return (torch.randn(B, D, generator=g) * scale).to(device, torch.bfloat16)
+        return (torch.randn(B, D, generator=g, device=device) * scale).to(torch.bfloat16)
 
     d = {f"block{i}": act(1 + i / 4) for i in range(n)}
     d["prefix"] = act(2.0)
     d["new"] = act(0.5) if u != "none" else torch.empty(0, dtype=torch.bfloat16, device=device)
-    for k in ("w_norm", "w_proj", "norm_w"):
-        d[k] = (1 + 0.2 * torch.randn(D, generator=g)).to(device, torch.bfloat16)
-    d["w_proj"] = (torch.randn(D, generator=g) * D ** -0.5 * 4).to(device, torch.bfloat16)  # scores O(1..4)
+    for k in ("w_norm", "norm_w"):
+        d[k] = (1 + 0.2 * torch.randn(D, generator=g, device=device)).to(torch.bfloat16)
+    d["w_proj"] = (torch.randn(D, generator=g, device=device) * D ** -0.5 * 4).to(torch.bfloat16)  # scores O(1)
     d["out"] = torch.empty(B, D, dtype=torch.bfloat16, device=device)
     d["partial_out"] = torch.empty(B, D if u != "none" else 0, dtype=torch.bfloat16, device=device)
     return d
@@ -392,13 +392,13 @@ _PROJ_OPTS = dict(
 PROJ = register(Op(
     name="proj", component="trunk", policy_key="proj",
     doc="one projection y = x W^T (+ residual): split-K GEMV at batch <= 16, tensor-core tiles above; bf16/fp8 W",
-    axes=dict(preset=("tiny",), name=("kda_q", "kda_b", "mla_dkv", "moe_router"), batch=(1, 3),
+    axes=dict(preset=("tiny",), proj=("kda_q", "kda_b", "mla_dkv", "moe_router"), batch=(1, 3),
               wdtype=("bf16", "fp8"), residual=(False,)),
     make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_proj, nbytes=proj_bytes, flops=proj_flops, floor_bw="read",
     backends={"reference": "k3lab.ref.situ:linear", "torch_compile": "k3lab.ref.situ:linear",
               "triton": "k3lab_kernels.triton.proj_gemv:proj"},
-    valid=lambda c: c["preset"] in PRESETS and c["name"] in NAMES and 1 <= c["batch"] <= 256
+    valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= 256
     and c["wdtype"] in ("bf16", "fp8"),
     peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
 ))
@@ -420,7 +420,8 @@ ROUTER = register(Op(
     name="router_topk", component="trunk", policy_key="router_topk",
     doc="router selection after its projection: sigmoid, selection-only bias, top-k, renormalized weights",
     axes=dict(batch=(1, 5), experts=(896,), top_k=(16,), scores=("random", "near", "ties")),
-    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}}, option_defaults={"num_warps": _NONE},
+    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}, "method": {"triton": (None, "rounds", "sort")}},
+    option_defaults={"num_warps": _NONE, "method": _NONE},
     make_inputs=make_router, reference=ref_router, written=("idx", "weights"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_router, nbytes=router_bytes, flops=router_flops,
     floor_bw="read",

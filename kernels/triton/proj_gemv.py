@@ -101,7 +101,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
         done = old == SPLIT - 1
         if done:  # the last program of this output tile: sum the partials in split order
             acc = tl.load(tile, cache_modifier=".cg")
-            for s in range(1, SPLIT):
+            for s in tl.static_range(1, SPLIT):  # unrolled: the SPLIT loads in flight together
                 acc += tl.load(tile + s * MP * NP, cache_modifier=".cg")
             tl.atomic_xchg(c, 0)  # the counter is zero again for the next call
     if done:

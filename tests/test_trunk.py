@@ -1,0 +1,270 @@
+"""Trunk kernels (projections and fused groups, router top-k, AttnRes + RMSNorm) through the shared checker
+(k3lab.harness.checker: fp64 reference, outputs NaN-poisoned, inputs unchanged) at every dtype and switch
+value the kernels claim, small shapes (the tiny preset's projections; batch 1 and odd batches; the split-K
+GEMV at batch <= 16 and the tiled path above). Without a GPU they run under TRITON_INTERPRET=1
+(tests/conftest.py). The GPU tests (marked gpu) run every TP8 and TP16 per-GPU projection shape.
+Tolerances and their reasons: k3lab.ops.trunk."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab import registry
+from k3lab.components import attnres, trunk
+from k3lab.components.trunk import TrunkArgumentError
+from k3lab.harness import checker
+from k3lab.harness.numerics import rel_norm_error
+from k3lab.ops import trunk as ops
+from k3lab.ref.router import RouterWeights
+from k3lab.switches import BackendUnavailable, SwitchError
+
+PROJ = registry.get("proj")
+GROUP = registry.get("proj_group")
+ROUTER = registry.get("router_topk")
+ATT = registry.get("attnres_norm")
+
+
+def _check(op, backend="triton", options=None, seed=0, **shape):
+    res = checker.require(checker.check(op, op.case(**shape), backend=backend, options=options or {}, seed=seed))
+    assert res.ran and res.ran[-1].backend == backend
+    return res
+
+
+# ---- projections ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ops.NAMES)
+def test_proj_every_projection_bf16_batch1(name):
+    _check(PROJ, preset="tiny", proj=name, batch=1, wdtype="bf16")
+
+
+@pytest.mark.parametrize("name", ["kda_b", "kda_fb", "mla_dkv", "moe_router", "kda_o"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_proj_fp8_against_dequantized(name, batch):
+    """e4m3 weights with one fp32 scale per output channel, against W_fp8 * scale in fp64."""
+    _check(PROJ, preset="tiny", proj=name, batch=batch, wdtype="fp8")
+
+
+@pytest.mark.parametrize("batch", [3, 16, 17, 40, 130])
+@pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
+def test_proj_batches_small_and_tiled(batch, wdtype):
+    """Odd batches of the split-K GEMV (<= 16: one 16-row tile) and of the tiled path (17..256)."""
+    _check(PROJ, preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
+
+
+@pytest.mark.parametrize("name", ["kda_o", "mla_o"])
+@pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
+def test_proj_residual_epilogue(name, wdtype):
+    _check(PROJ, preset="tiny", proj=name, batch=3, wdtype=wdtype, residual=True)
+
+
+@pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=4, block_k=64), dict(block_n=16, num_warps=2),
+                                     dict(block_n=64, block_k=128, num_stages=2)])
+def test_proj_kernel_options(options):
+    _check(PROJ, options=options, preset="tiny", proj="moe_down", batch=2)
+
+
+def test_proj_split_k_at_tp16_shape():
+    """A real per-GPU shape (TP16 beta: 6 x 7168) at batch 1: 6 rows in one 32-row tile, K split 14 ways."""
+    _check(PROJ, preset="tp16", proj="kda_b", batch=1, wdtype="fp8")
+
+
+# ---- groups --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group", list(ops.GROUPS))
+@pytest.mark.parametrize("batch,wdtype", [(1, "bf16"), (5, "fp8"), (20, "bf16")])
+def test_group(group, wdtype, batch):
+    _check(GROUP, preset="tiny", group=group, batch=batch, wdtype=wdtype)
+
+
+@pytest.mark.parametrize("group", list(ops.GROUPS))
+def test_group_equals_parts_and_writes_where_consumers_read(group):
+    """The fused launch against the same projections run one by one (our kernel, the part's rows of the
+    weight), and outputs that are column slices of one wider buffer (a consumer's layout)."""
+    case = GROUP.case(preset="tiny", group=group, batch=3, wdtype="bf16")
+    d = GROUP.make_inputs(case, 0, "cpu")
+    parts = ops.GROUPS[group]
+    sizes = [ops.proj_shapes("tiny")[p][0] for p in parts]
+    wide = torch.full((3, sum(sizes) + 7), float("nan"), dtype=torch.bfloat16)
+    outs, a = [], 0
+    for n in sizes:
+        outs.append(wide[:, a:a + n])
+        a += n
+    for i, p in enumerate(parts):  # the router's logits stay fp32
+        if p in ops.FP32_OUT:
+            outs[i] = torch.empty(3, sizes[i], dtype=torch.float32)
+    ran = []
+    trunk.proj_group(d["x"], d["w"], outs, backend="triton", ran=ran)
+    assert ran[-1].op == "proj_group" and ran[-1].shape["outputs"] == len(parts)
+    assert torch.isnan(wide[:, a:].float()).all()
+    for w, o in zip(d["w"].split(sizes), outs):
+        one = trunk.proj(d["x"], w, torch.empty_like(o), backend="triton")
+        assert rel_norm_error(o, one) < 4e-3 and not torch.isnan(o.float()).any()
+
+
+# ---- router --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scores", ["random", "near", "ties"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_router_topk(scores, batch):
+    _check(ROUTER, batch=batch, scores=scores)
+
+
+@pytest.mark.parametrize("experts,top_k", [(16, 16), (40, 16), (896, 1), (100, 8)])
+def test_router_small_pools_and_k(experts, top_k):
+    _check(ROUTER, batch=3, experts=experts, top_k=top_k, scores="ties")
+
+
+def test_router_tie_rule_lower_id_first():
+    logits = torch.zeros(1, 32)
+    bias = torch.zeros(32)
+    bias[[3, 9, 20, 30]] = 1.0  # four equal winners, then 28 equal scores: ids in order
+    for be in ("triton", "reference"):
+        idx, w = trunk.router_topk(logits, bias, top_k=6, backend=be)
+        assert idx.tolist() == [[3, 9, 20, 30, 0, 1]], be
+        assert torch.allclose(w, torch.full((1, 6), 1 / 6))
+
+
+def test_route_projection_then_topk_matches_oracle():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(5, 64, generator=g).bfloat16()
+    r = RouterWeights(w=(torch.randn(48, 64, generator=g) * 0.2).bfloat16(), e_bias=torch.randn(48, generator=g) * 0.1,
+                      top_k=8, scaling=2.5)
+    ran = []
+    idx, w = trunk.route(h, r, backend="triton", ran=ran)
+    assert [x.op for x in ran] == ["proj", "router_topk"] and all(x.backend == "triton" for x in ran)
+    logits = h.double() @ r.w.double().T
+    want = ops.ref_router(dict(logits=logits, e_bias=r.e_bias), ROUTER.case(top_k=8))
+    assert torch.equal(idx, want["idx"].long())
+    assert rel_norm_error(w, want["weights"] * 2.5) < 1e-5
+
+
+# ---- AttnRes + RMSNorm ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_blocks", range(10))
+@pytest.mark.parametrize("update", ops.UPDATES)
+def test_attnres_blocks_and_updates(n_blocks, update):
+    """0..9 blocks; the partial given, updated (p = prefix + a, bit-exact bf16) or a new block's (p = a)."""
+    _check(ATT, batch=1, n_blocks=n_blocks, update=update)
+
+
+@pytest.mark.parametrize("batch,dim", [(3, 7168), (3, 100), (2, 1)])
+def test_attnres_batches_and_widths(batch, dim):
+    _check(ATT, batch=batch, n_blocks=9, update="add", dim=dim)
+
+
+def test_attnres_in_place_partial_and_mix_norm_triton():
+    """partial_out may be the prefix itself (the layer updates p in place); mix_norm on triton = update none."""
+    case = ATT.case(batch=2, n_blocks=3, update="add", dim=256)
+    d = ATT.make_inputs(case, 0, "cpu")
+    want = ops.ref_attnres(d, case)
+    blocks = ops.blocks_of(d)
+    p = d["prefix"].clone()
+    ran = []
+    out = attnres.update_mix_norm(blocks, p, d["new"], d["w_norm"], d["w_proj"], d["norm_w"], partial_out=p,
+                                  update="add", backend="triton", ran=ran)
+    assert torch.equal(p.double(), want["partial_out"]) and rel_norm_error(out, want["out"]) < 4e-3
+    assert ran[-1].op == "attnres_norm" and ran[-1].kernel.endswith("attnres_norm:attnres_norm")
+    y = attnres.mix_norm(blocks, p, d["w_norm"], d["w_proj"], d["norm_w"], backend="triton")
+    assert torch.equal(y, out)
+
+
+# ---- argument errors, by name --------------------------------------------------------------------------
+
+def _xw(B=2, K=64, N=24):
+    return torch.randn(B, K).bfloat16(), torch.randn(N, K).bfloat16()
+
+
+@pytest.mark.parametrize("fn,name", [
+    (lambda: trunk.proj(torch.randn(2, 64), _xw()[1], backend="triton"), "'x'"),
+    (lambda: trunk.proj(_xw()[0], torch.randn(24, 63).bfloat16(), backend="triton"), "'w'"),
+    (lambda: trunk.proj(_xw()[0], _xw()[1].to(torch.float8_e4m3fn), backend="triton"), "'w_scale'"),
+    (lambda: trunk.proj(_xw()[0], _xw()[1], w_scale=torch.ones(24), backend="triton"), "'w_scale'"),
+    (lambda: trunk.proj(*_xw(), torch.empty(2, 23, dtype=torch.bfloat16), backend="triton"), "'out'"),
+    (lambda: trunk.proj(*_xw(), residual=torch.empty(2, 5, dtype=torch.bfloat16), backend="triton"), "'residual'"),
+    (lambda: trunk.proj(torch.randn(257, 64).bfloat16(), _xw()[1], backend="triton"), "'x'"),
+    (lambda: trunk.proj(*_xw(), backend="triton", block_n=48), "'block_n'"),
+    (lambda: trunk.proj(*_xw(), backend="reference", split_k=2), "'split_k'"),
+    (lambda: trunk.proj_group(*_xw(), [torch.empty(2, 20, dtype=torch.bfloat16)], backend="triton"), "'outs'"),
+    (lambda: trunk.proj_group(*_xw(), torch.empty(2, 24), backend="triton"), "'outs'"),
+    (lambda: trunk.proj_group(*_xw(), [torch.empty(2, 3, dtype=torch.bfloat16)] * 8, backend="triton"), "'outs'"),
+    (lambda: trunk.router_topk(torch.randn(2, 40), torch.zeros(40), top_k=41), "'top_k'"),
+    (lambda: trunk.router_topk(torch.randn(2, 40), torch.zeros(39)), "'e_bias'"),
+    (lambda: trunk.router_topk(torch.randn(2, 40).bfloat16(), torch.zeros(40), backend="triton"), "'logits'"),
+    (lambda: trunk.router_topk(torch.randn(2, 40), torch.zeros(40), top_k=4, idx=torch.empty(2, 4)), "'idx'"),
+    (lambda: trunk.route(torch.randn(2, 8), object()), "'router'"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_trunk_argument_errors(fn, name):
+    with pytest.raises(TrunkArgumentError, match=name):
+        fn()
+
+
+def _att(B=2, D=32, n=2):
+    t = [torch.randn(B, D).bfloat16() for _ in range(n + 2)]
+    w = [torch.ones(D).bfloat16() for _ in range(3)]
+    return t[:n], t[n], t[n + 1], w
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(update="sum"), "'update'"),
+    (dict(update="none"), "'new'"),
+    (dict(new=torch.randn(2, 31).bfloat16()), "'new'"),
+    (dict(out=torch.empty(2, 32)), "'out'"),
+    (dict(partial_out=torch.empty(3, 32, dtype=torch.bfloat16)), "'partial_out'"),
+    (dict(blocks=[torch.randn(2, 32).bfloat16()] * 10), "'blocks'"),
+    (dict(blocks=[torch.randn(2, 31).bfloat16()]), "'blocks\\[0\\]'"),
+    (dict(num_warps=3), "'num_warps'"),
+    (dict(prefix=torch.randn(2, 32)), "'prefix'"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_attnres_argument_errors(kw, name):
+    blocks, prefix, new, (wn, wp, nw) = _att()
+    args = dict(blocks=blocks, prefix=prefix, new=new, update="add", backend="triton")
+    if kw.get("prefix") is not None:
+        args["new"] = torch.randn(2, 32)
+    args.update(kw)
+    with pytest.raises(ValueError, match=name):
+        attnres.update_mix_norm(args.pop("blocks"), args.pop("prefix"), args.pop("new"), wn, wp, nw, **args)
+
+
+def test_backend_refusals_by_name():
+    x, w = _xw()
+    with pytest.raises(SwitchError, match="'bogus'"):
+        trunk.proj(x, w, backend="bogus")
+    with pytest.raises(BackendUnavailable, match="'cute'"):
+        trunk.proj(x, w, backend="cute")
+
+
+def test_auto_without_measured_rule_or_gpu_is_reference():
+    x, w = _xw()
+    ran = []
+    trunk.proj(x, w, backend="auto", ran=ran)
+    if not torch.cuda.is_available():
+        assert ran[-1].backend == "reference"
+
+
+# ---- GPU: every TP8 and TP16 per-GPU shape -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tp8", "tp16"])
+@pytest.mark.parametrize("name", ops.NAMES)
+def test_gpu_every_projection_shape(preset, name):
+    for batch, wdtype in ((1, "bf16"), (5, "fp8"), (16, "bf16"), (64, "bf16"), (64, "fp8")):
+        _check(PROJ, preset=preset, proj=name, batch=batch, wdtype=wdtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tp8", "tp16"])
+@pytest.mark.parametrize("group", list(ops.GROUPS))
+def test_gpu_groups(preset, group):
+    for batch, wdtype in ((1, "bf16"), (1, "fp8"), (8, "bf16"), (64, "fp8")):
+        _check(GROUP, preset=preset, group=group, batch=batch, wdtype=wdtype)
+
+
+@pytest.mark.gpu
+def test_gpu_router_and_attnres():
+    for batch in (1, 64):
+        for scores in ("random", "near", "ties"):
+            for method in ("rounds", "sort"):
+                _check(ROUTER, batch=batch, scores=scores, options=dict(method=method))
+        for n in (0, 9):
+            for u in ops.UPDATES:
+                _check(ATT, batch=batch, n_blocks=n, update=u)
