@@ -150,7 +150,7 @@ def test_attend_argument_errors():
         ("'lengths'", lambda: mla.attend(q, qr, cache, lengths.float(), **kw)),
         ("'lengths'", lambda: mla.attend(q, qr, cache, lengths + 100, **kw)),
         ("'partitions'", lambda: mla.attend(q, qr, cache, lengths, partitions=0, **kw)),
-        ("'partitions'", lambda: mla.attend(q, qr, cache, lengths, partitions=129, **kw)),
+        ("'partitions'", lambda: mla.attend(q, qr, cache, lengths, partitions=513, **kw)),
         ("'dcp'", lambda: mla.attend(q, qr, cache, lengths, dcp=0, **kw)),
         ("'pad_heads'", lambda: mla.attend(q, qr, cache, lengths, pad_heads=8, **kw)),
         ("'dcp_layout'", lambda: mla.attend(q, qr, cache, lengths, dcp_layout="rows", **kw)),

@@ -10,7 +10,7 @@ Axes (the default grid is small so the CPU interpreter runs it in seconds; the G
     page_size    0 = contiguous cache [B, S_max, 576]; 1, 16, 64 = PagedMLACache pages
     kv_dtype     "bf16" or "fp8" (e4m3), with fp8_scale "tensor" (one scale) or "token" (one per position)
     ragged       False: every sequence at `context`; True: lengths spread evenly from `context` down to 1
-    partitions   split-KV pieces 1..128, or "auto" (k3lab_kernels.triton.mla_decode.default_partitions)
+    partitions   split-KV pieces 1..512, or "auto" (k3lab_kernels.triton.mla_decode.default_partitions)
     pad_heads    0 or 16 (the query heads run as a 16-row tile)
     dcp, dcp_layout   DCP-N emulated on one GPU (1..16; "interleave" or "contiguous")
 The cache's unused rows (past each sequence's visible positions, spare pages) hold NaN: a kernel that
@@ -349,7 +349,7 @@ def _valid_cache(c: Case) -> bool:
 def _valid_decode(c: Case) -> bool:
     pad, p = c["pad_heads"], c["partitions"]
     return (_valid_cache(c) and c["context"] >= 1 and (pad == 0 or pad >= c["heads"])
-            and (p == "auto" or (isinstance(p, int) and 1 <= p <= 128))
+            and (p == "auto" or (isinstance(p, int) and 1 <= p <= 512))
             and (c["dcp"] > 1 or c["dcp_layout"] == "interleave"))
 
 
@@ -363,8 +363,9 @@ register(Op(
               partitions=("auto",), pad_heads=(0,), dcp=(1,), dcp_layout=("interleave",)),
     option_axes={"block_n": {"triton": (None, 16, 32, 64, 128)}, "block_m": {"triton": (None, 16, 32, 64)},
                  "num_warps": {"triton": (None, 2, 4, 8)}, "num_stages": {"triton": (None, 1, 2, 3, 4)},
-                 "pdl": {"triton": (None, False, True)}},
-    option_defaults={"block_n": _NONE, "block_m": _NONE, "num_warps": _NONE, "num_stages": _NONE, "pdl": _NONE},
+                 "pdl": {"triton": (None, False, True)}, "prefetch": {"triton": (None, False, True)}},
+    option_defaults={"block_n": _NONE, "block_m": _NONE, "num_warps": _NONE, "num_stages": _NONE, "pdl": _NONE,
+                     "prefetch": _NONE},
     make_inputs=make_decode, reference=ref_decode, written=("o_lat", "lse"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_decode,
     nbytes=decode_bytes, flops=decode_flops, floor_bw="read",

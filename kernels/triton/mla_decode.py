@@ -62,10 +62,11 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-MAX_PARTITIONS = 128
+MAX_PARTITIONS = 512
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 DCP_LAYOUTS = ("interleave", "contiguous")
 NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine without a GPU
+DEFAULT_PREFETCH = False  # the next block's loads issued before this block's maths (docs/NOTES_mla.md)
 DEFAULT_PDL = False  # programmatic dependent launch between the split and its merge / combine (docs/NOTES_mla.md)
 
 
@@ -122,6 +123,30 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
+def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
+              C: tl.constexpr, CP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
+              BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr):
+    """The cache rows of the block of positions [start, start + BN) of a piece ending at `hi`: (c [BN, C]
+    bf16, kr [BN, Dr] bf16, row [BN] int64). Positions >= hi (a block past the piece: nothing) are never
+    read, nor is their page index."""
+    j = start + tl.arange(0, BN)
+    ok = j < hi
+    gp = pos0 + j * pstride
+    if PAGE_ROWS:  # the block lies in one page (PAGE % BN == 0, no DCP stride): one index, BN rows
+        page = tl.load(block_table + b * s_btb + start // PAGE, mask=start < hi, other=0)
+        row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
+    elif PAGED:
+        page = tl.load(block_table + b * s_btb + gp // PAGE, mask=ok, other=0)
+        row = page.to(tl.int64) * PAGE + (gp % PAGE)
+    else:
+        row = b.to(tl.int64) * s_kvb + gp
+    base = kv + row[:, None] * W
+    c = tl.load(base + cc[None, :], mask=_mask2(ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
+    kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+    return c, kr, row
+
+
+@triton.jit
 def _mla_split_kernel(
     q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part,
     qk_scale,
@@ -131,7 +156,7 @@ def _mla_split_kernel(
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
-    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     if PDL:  # let the next kernel (merge / combine, launched with PDL) start its prologue now
         tl.extra.cuda.gdc_launch_dependents()
@@ -189,21 +214,20 @@ def _mla_split_kernel(
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, CP], tl.float32)
+    if PREFETCH:  # the first block's rows, loaded before the loop (each step then loads the next one)
+        c_n, kr_n, row_n = _kv_block(kv, block_table, b, s_btb, s_kvb, lo, hi, pos0, pstride, cc, rr, c_ok, r_ok,
+                                     C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
     for start in range(lo, hi, BN):
         j = start + tl.arange(0, BN)
         ok = j < hi
         gp = pos0 + j * pstride
-        if PAGE_ROWS:  # the block lies in one page (PAGE % BN == 0, no DCP stride): one index, BN rows
-            page = tl.load(block_table + b * s_btb + start // PAGE)
-            row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
-        elif PAGED:
-            page = tl.load(block_table + b * s_btb + gp // PAGE, mask=ok, other=0)
-            row = page.to(tl.int64) * PAGE + (gp % PAGE)
+        if PREFETCH:  # issue the next block's loads before this block's maths: their latency overlaps it
+            c, kr, row = c_n, kr_n, row_n
+            c_n, kr_n, row_n = _kv_block(kv, block_table, b, s_btb, s_kvb, start + BN, hi, pos0, pstride, cc, rr,
+                                         c_ok, r_ok, C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
         else:
-            row = b.to(tl.int64) * s_kvb + gp
-        base = kv + row[:, None] * W
-        c = tl.load(base + cc[None, :], mask=_mask2(ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
-        kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+            c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
+                                   C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
         if DOT_F32:
             c = c.to(tl.float32)
             kr = kr.to(tl.float32)
@@ -348,7 +372,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                partitions: int = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False):
+               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
+               prefetch: bool | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
@@ -398,7 +423,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, PDL=pdl,
+        PAGE_ROWS=page_rows, PDL=pdl, PREFETCH=DEFAULT_PREFETCH if prefetch is None else bool(prefetch),
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or 2,
     )
     if direct:
