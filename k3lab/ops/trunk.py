@@ -321,7 +321,21 @@ def proj_peers(case: Case) -> list[Peer]:
             return lambda: torch.addmm(r, x, w.t())
         return lambda: F.linear(x, w)
 
-    out = [Peer("cublas", cublas, note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}")]
+    def checker_of(make, name):
+        def check(c: Case, s: dict):
+            from k3lab.harness import checker
+
+            def impl(inp: dict) -> None:
+                y = make(inp)()
+                ys = y if isinstance(y, list) else list(y.split(sizes, dim=1))
+                for i, t in enumerate(ys):
+                    if t is not None:
+                        inp[f"y{i}"].copy_(t)
+            return checker.check(GROUP if c.op == "proj_group" else PROJ, c, impl=impl, impl_name=name, inputs=s)
+        return check
+
+    out = [Peer("cublas", cublas, checker_of(cublas, "cublas"),
+                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}")]
     if case.op == "proj_group":
         def cublas_parts(d: dict):
             ws = list(_dense_w(d).split(sizes))
@@ -337,8 +351,10 @@ def proj_peers(case: Case) -> list[Peer]:
             x = d["x"]
             return lambda: [trunk.proj(x, w, y, w_scale=s, backend="triton") for w, s, y in zip(ws, sc, ys)]
 
-        out += [Peer("cublas_parts", cublas_parts, note=f"cuBLAS, one F.linear per part{note_w}"),
-                Peer("triton_parts", ours_parts, note="our projection kernel, one launch per part")]
+        out += [Peer("cublas_parts", cublas_parts, checker_of(cublas_parts, "cublas_parts"),
+                     note=f"cuBLAS, one F.linear per part{note_w}"),
+                Peer("triton_parts", ours_parts, checker_of(ours_parts, "triton_parts"),
+                     note="our projection kernel, one launch per part")]
     return out
 
 
