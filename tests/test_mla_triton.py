@@ -224,14 +224,3 @@ def test_partition_limits_agree():
     from k3lab_kernels.triton import mla_decode as kern
 
     assert comp.MAX_PARTITIONS == kern.MAX_PARTITIONS
-
-
-@pytest.mark.parametrize("case", [
-    dict(context=300, page_size=64, batch=2, ragged=True, partitions=3),
-    dict(context=200, page_size=16, T=2, partitions=2),
-    dict(context=130, page_size=0, dcp=2, partitions=2, kv_dtype="fp8", fp8_scale="token"),
-])
-def test_decode_prefetch(case):
-    """The next block's rows loaded before this block's maths: the same results, the last prefetch (past the
-    piece) reading nothing."""
-    _check(DEC, options=dict(prefetch=True), **case)

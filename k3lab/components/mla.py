@@ -176,7 +176,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            merge: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           pdl: bool | None = None, prefetch: bool | None = None, ran: list | None = None):
+           pdl: bool | None = None, ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
@@ -233,10 +233,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             if v is not None and (isinstance(v, bool) or v not in allowed):
                 _fail(name, f"must be None (the kernel's heuristic) or one of {allowed}, got {v!r}")
         fn = dispatch.kernel("mla_decode", be)
-        if prefetch is not None and not isinstance(prefetch, bool):
-            _fail("prefetch", f"must be None (the kernel's default) or a bool, got {prefetch!r}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl), prefetch=prefetch)
+                     pdl=_pdl(pdl))
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,

@@ -66,7 +66,6 @@ MAX_PARTITIONS = 512
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 DCP_LAYOUTS = ("interleave", "contiguous")
 NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine without a GPU
-DEFAULT_PREFETCH = False  # the next block's loads issued before this block's maths (docs/NOTES_mla.md)
 DEFAULT_PDL = False  # programmatic dependent launch between the split and its merge / combine (docs/NOTES_mla.md)
 
 
@@ -127,8 +126,7 @@ def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr
               C: tl.constexpr, CP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
               BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr):
     """The cache rows of the block of positions [start, start + BN) of a piece ending at `hi`: (c [BN, C]
-    bf16, kr [BN, Dr] bf16, row [BN] int64). Positions >= hi (a block past the piece: nothing) are never
-    read, nor is their page index."""
+    bf16, kr [BN, Dr] bf16, row [BN] int64). Positions >= hi are never read."""
     j = start + tl.arange(0, BN)
     ok = j < hi
     gp = pos0 + j * pstride
@@ -156,7 +154,7 @@ def _mla_split_kernel(
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
-    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # let the next kernel (merge / combine, launched with PDL) start its prologue now
         tl.extra.cuda.gdc_launch_dependents()
@@ -214,20 +212,12 @@ def _mla_split_kernel(
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, CP], tl.float32)
-    if PREFETCH:  # the first block's rows, loaded before the loop (each step then loads the next one)
-        c_n, kr_n, row_n = _kv_block(kv, block_table, b, s_btb, s_kvb, lo, hi, pos0, pstride, cc, rr, c_ok, r_ok,
-                                     C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
     for start in range(lo, hi, BN):
         j = start + tl.arange(0, BN)
         ok = j < hi
         gp = pos0 + j * pstride
-        if PREFETCH:  # issue the next block's loads before this block's maths: their latency overlaps it
-            c, kr, row = c_n, kr_n, row_n
-            c_n, kr_n, row_n = _kv_block(kv, block_table, b, s_btb, s_kvb, start + BN, hi, pos0, pstride, cc, rr,
-                                         c_ok, r_ok, C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
-        else:
-            c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
-                                   C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
+        c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
+                               C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
         if DOT_F32:
             c = c.to(tl.float32)
             kr = kr.to(tl.float32)
@@ -335,21 +325,23 @@ def default_num_warps(BM: int) -> int:
 
 
 def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads: int = 0, dcp: int = 1,
-                       block_n: int | None = None, block_m: int | None = None, sms: int | None = None,
-                       min_blocks: int = 2) -> int:
-    """The automatic partition count: as many programs as two per SM hold (B * dcp * G * P <= 2 * SMs,
-    rounded down: no partial second wave), each piece at least `min_blocks` blocks of BN positions, at most
-    MAX_PARTITIONS. A heuristic until measured (docs/NOTES_mla.md). Host values only (n_max = the longest
-    visible history, max(lengths) + T): no device sync."""
+                       block_n: int | None = None, block_m: int | None = None, sms: int | None = None) -> int:
+    """The automatic partition count, from the H200 sweeps (docs/NOTES_mla.md). The split kernel holds ~250
+    registers a thread, so an SM runs two of its programs at most ("slots" = 2 * SMs / (B * dcp * G)
+    programs per sequence and row group), and its loop is latency-bound (~2 us a block): more, shorter pieces
+    win until the merge's cost (K partials of 24.6 KB at 12 heads) takes over. The rule: one block a piece up to
+    one program an SM (slots / 2 pieces); all the slots only when each piece still gets >= 4 blocks. Measured at
+    batch 1 (1K: 33 pieces; 8K: 128; 32K: 128; 128K: 256 best) and batch 64 (4). Host values only (n_max = the
+    longest visible history, max(lengths) + T): no device sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                if torch.cuda.is_available() else NOMINAL_SMS)
-    n_loc = -(-max(1, n_max) // dcp)
-    by_work = max(1, -(-n_loc // bn) // min_blocks)
-    by_grid = max(1, 2 * sms // (B * dcp * G))
-    return int(min(by_work, by_grid, MAX_PARTITIONS))
+    blocks = -(-(-(-max(1, n_max) // dcp)) // bn)
+    slots = max(1, 2 * sms // (B * dcp * G))
+    pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
+    return int(min(pieces, MAX_PARTITIONS))
 
 
 _WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -372,8 +364,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                partitions: int = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
-               prefetch: bool | None = None):
+               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False):
     """Launch the split kernel (and the merge when partials > 1 and merge=True).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
@@ -423,7 +414,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, PDL=pdl, PREFETCH=DEFAULT_PREFETCH if prefetch is None else bool(prefetch),
+        PAGE_ROWS=page_rows, PDL=pdl,
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or 2,
     )
     if direct:
