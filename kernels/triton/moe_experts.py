@@ -45,6 +45,8 @@ import triton.language as tl
 from k3lab_kernels.triton.mla_decode import dot_f32, rne_bf16
 
 FORMATS = ("bf16", "fp8", "mxfp4")
+UPCASTS = {"bf16": ("cvt",), "fp8": ("cvt", "f16"), "mxfp4": ("cvt", "dot_scaled")}
+UPCAST_CODE = {"cvt": 0, "f16": 1, "dot_scaled": 2}
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 BLOCK_T_ALLOWED = (16, 32, 64)
 MAX_BATCH = 256
@@ -101,85 +103,191 @@ def mxfp4_dequant(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
-                        L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                        FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
-    n = tl.program_id(0)
-    p = tl.program_id(1)
+def _group(idx, wk, p, B, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr):
+    """Pair p's expert e and its group: leader (p is the first pair that chose e), per token b of the batch
+    whether it chose e (mem), its routing weight for e, its pair index b*K+k, the count and each member's rank."""
     e = tl.load(idx + p).to(tl.int64)
     bb = tl.arange(0, BB)
     kk = tl.arange(0, KP)
     pm = (bb < B)[:, None] & (kk < K)[None, :]
     flat = bb[:, None] * K + kk[None, :]
     eq = (tl.load(idx + flat, mask=pm, other=-1).to(tl.int64) == e) & pm
-    first = tl.min(tl.min(tl.where(eq, flat, BB * KP), axis=1), axis=0)
-    if first == p:
-        mem = tl.max(eq.to(tl.int32), axis=1)  # [BB] 1 where token b chose e
-        w_tok = tl.sum(tl.where(eq, tl.load(wk + flat, mask=pm, other=0.0), 0.0), axis=1)
-        cnt = tl.sum(mem, axis=0)
-        rank = tl.cumsum(mem, axis=0) - 1
-        rows = n * BN + tl.arange(0, BN)
+    leader = tl.min(tl.min(tl.where(eq, flat, BB * KP), axis=1), axis=0) == p
+    mem = tl.max(eq.to(tl.int32), axis=1)
+    w_tok = tl.sum(tl.where(eq, tl.load(wk + flat, mask=pm, other=0.0), 0.0), axis=1)
+    q_tok = tl.sum(tl.where(eq, flat, 0), axis=1)
+    return e, leader, mem, w_tok, q_tok, tl.sum(mem, axis=0), tl.cumsum(mem, axis=0) - 1
+
+
+@triton.jit
+def _slots(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, BT: tl.constexpr):
+    """Members t0 .. t0+BT-1 of a group: token, routing weight, pair index (0 past the count) and validity."""
+    slot = t0 + tl.arange(0, BT)
+    sel = (rank[None, :] == slot[:, None]) & (mem[None, :] > 0)  # [BT, BB]
+    tok = tl.sum(tl.where(sel, tl.arange(0, BB)[None, :], 0), axis=1)
+    w_t = tl.sum(tl.where(sel, w_tok[None, :], 0.0), axis=1)
+    q = tl.sum(tl.where(sel, q_tok[None, :], 0), axis=1)
+    return tok, w_t, q, tl.sum(sel.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def _up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, UPCAST: tl.constexpr,
+        DOT_F32: tl.constexpr):
+    """a = situ(W1 z, W3 z) [BN, BT] fp32 for the BN rows `rows` of one expert and BT member tokens."""
+    g = tl.zeros([BN, BT], tl.float32)
+    u = tl.zeros([BN, BT], tl.float32)
+    for k0 in range(0, L, BK):
+        kc = k0 + tl.arange(0, BK)
+        zt = tl.load(z + tok[None, :] * L + kc[:, None], mask=ok[None, :], other=0.0)
         if FMT == 2:
-            w1e = w1 + e * (I * (L // 2))
-            w3e = w3 + e * (I * (L // 2))
-            w2e = w2 + e * (L * (I // 2))
-            s1e = s1 + e * (I * (L // 32))
-            s3e = s3 + e * (I * (L // 32))
-            s2e = s2 + e * (L * (I // 32))
+            kh = k0 // 2 + tl.arange(0, BK // 2)
+            ks = k0 // 32 + tl.arange(0, BK // 32)
+            q1 = tl.load(w1e + rows[:, None] * (L // 2) + kh[None, :])
+            q3 = tl.load(w3e + rows[:, None] * (L // 2) + kh[None, :])
+            c1 = tl.load(s1e + rows[:, None] * (L // 32) + ks[None, :])
+            c3 = tl.load(s3e + rows[:, None] * (L // 32) + ks[None, :])
+            if UPCAST == 2:  # the compiler's scaled dot (E2M1 upcast + scale, then the MMA)
+                g = tl.dot_scaled(q1, c1, "e2m1", zt, None, "bf16", g)
+                u = tl.dot_scaled(q3, c3, "e2m1", zt, None, "bf16", u)
+            else:
+                g = _mm(_mxfp4_tile(q1, c1, BN, BK), zt, g, DOT_F32)
+                u = _mm(_mxfp4_tile(q3, c3, BN, BK), zt, u, DOT_F32)
+        elif UPCAST == 1:  # fp8 -> fp16 (exact), z -> fp16, fp16 MMAs
+            z16 = zt.to(tl.float16)
+            g = _mm(tl.load(w1e + rows[:, None] * L + kc[None, :]).to(tl.float16), z16, g, DOT_F32)
+            u = _mm(tl.load(w3e + rows[:, None] * L + kc[None, :]).to(tl.float16), z16, u, DOT_F32)
         else:
-            w1e = w1 + e * (I * L)
-            w3e = w3 + e * (I * L)
-            w2e = w2 + e * (L * I)
-            s1e = s1 + e * I
-            s3e = s3 + e * I
-            s2e = s2 + e * L
+            g = _mm(tl.load(w1e + rows[:, None] * L + kc[None, :]).to(tl.bfloat16), zt, g, DOT_F32)
+            u = _mm(tl.load(w3e + rows[:, None] * L + kc[None, :]).to(tl.bfloat16), zt, u, DOT_F32)
+    if FMT == 1:
+        g = g * tl.load(s1e + rows)[:, None]
+        u = u * tl.load(s3e + rows)[:, None]
+    return _situ(g, u, B1, B2)
+
+
+@triton.jit
+def _round_act(a, UPCAST: tl.constexpr, DOT_F32: tl.constexpr):
+    """The activation as the w2 product's operand: fp16 on the fp16 path, else bf16 (nearest-even)."""
+    if UPCAST == 1:
+        return a.to(tl.float16)
+    if DOT_F32:
+        a = rne_bf16(a)
+    return a.to(tl.bfloat16)
+
+
+@triton.jit
+def _ptrs(w1, w3, w2, s1, s3, s2, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr):
+    """Expert e's weight and scale bases in its format."""
+    if FMT == 2:
+        return (w1 + e * (I * (L // 2)), w3 + e * (I * (L // 2)), w2 + e * (L * (I // 2)),
+                s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32)), s2 + e * (L * (I // 32)))
+    return w1 + e * (I * L), w3 + e * (I * L), w2 + e * (L * I), s1 + e * I, s3 + e * I, s2 + e * L
+
+
+@triton.jit
+def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
+                        L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                        FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, UPCAST: tl.constexpr,
+                        DOT_F32: tl.constexpr):
+    """Fused: program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if leader:
+        w1e, w3e, w2e, s1e, s3e, s2e = _ptrs(w1, w3, w2, s1, s3, s2, e, L, I, FMT)
+        rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, BT):
-            slot = t0 + tl.arange(0, BT)
-            sel = (rank[None, :] == slot[:, None]) & (mem[None, :] > 0)  # [BT, BB]
-            tok = tl.sum(tl.where(sel, bb[None, :], 0), axis=1)
-            w_t = tl.sum(tl.where(sel, w_tok[None, :], 0.0), axis=1)
-            ok = slot < cnt
-            # 1. g, u = W1 z, W3 z for the BN rows; a = situ(g, u)
-            g = tl.zeros([BN, BT], tl.float32)
-            u = tl.zeros([BN, BT], tl.float32)
-            for k0 in range(0, L, BK):
-                kc = k0 + tl.arange(0, BK)
-                zt = tl.load(z + tok[None, :] * L + kc[:, None], mask=ok[None, :], other=0.0)
-                if FMT == 2:
-                    kh = k0 // 2 + tl.arange(0, BK // 2)
-                    ks = k0 // 32 + tl.arange(0, BK // 32)
-                    a1 = _mxfp4_tile(tl.load(w1e + rows[:, None] * (L // 2) + kh[None, :]),
-                                     tl.load(s1e + rows[:, None] * (L // 32) + ks[None, :]), BN, BK)
-                    a3 = _mxfp4_tile(tl.load(w3e + rows[:, None] * (L // 2) + kh[None, :]),
-                                     tl.load(s3e + rows[:, None] * (L // 32) + ks[None, :]), BN, BK)
-                else:
-                    a1 = tl.load(w1e + rows[:, None] * L + kc[None, :]).to(tl.bfloat16)
-                    a3 = tl.load(w3e + rows[:, None] * L + kc[None, :]).to(tl.bfloat16)
-                g = _mm(a1, zt, g, DOT_F32)
-                u = _mm(a3, zt, u, DOT_F32)
-            if FMT == 1:
-                g = g * tl.load(s1e + rows)[:, None]
-                u = u * tl.load(s3e + rows)[:, None]
-            act = _situ(g, u, B1, B2)  # [BN, BT], rounded to bf16 for the w2 dot
-            if DOT_F32:
-                act = rne_bf16(act)
-            act = act.to(tl.bfloat16)
-            # 2. y[tok] += w_t * W2[:, rows] a
-            for l0 in range(0, L, BL):
+            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
+            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, UPCAST, DOT_F32),
+                             UPCAST, DOT_F32)
+            for l0 in range(0, L, BL):  # y[tok] += w_t * W2[:, rows] a
                 lr = l0 + tl.arange(0, BL)
+                o = tl.zeros([BL, BT], tl.float32)
                 if FMT == 2:
                     nh = n * (BN // 2) + tl.arange(0, BN // 2)
                     ns = n * (BN // 32) + tl.arange(0, BN // 32)
-                    b2 = _mxfp4_tile(tl.load(w2e + lr[:, None] * (I // 2) + nh[None, :]),
-                                     tl.load(s2e + lr[:, None] * (I // 32) + ns[None, :]), BL, BN)
+                    q2 = tl.load(w2e + lr[:, None] * (I // 2) + nh[None, :])
+                    c2 = tl.load(s2e + lr[:, None] * (I // 32) + ns[None, :])
+                    if UPCAST == 2:
+                        o = tl.dot_scaled(q2, c2, "e2m1", act, None, "bf16", o)
+                    else:
+                        o = _mm(_mxfp4_tile(q2, c2, BL, BN), act, o, DOT_F32)
+                elif UPCAST == 1:
+                    o = _mm(tl.load(w2e + lr[:, None] * I + rows[None, :]).to(tl.float16), act, o, DOT_F32)
                 else:
-                    b2 = tl.load(w2e + lr[:, None] * I + rows[None, :]).to(tl.bfloat16)
-                o = _mm(b2, act, tl.zeros([BL, BT], tl.float32), DOT_F32)  # [BL, BT]
+                    o = _mm(tl.load(w2e + lr[:, None] * I + rows[None, :]).to(tl.bfloat16), act, o, DOT_F32)
                 if FMT == 1:
                     o = o * tl.load(s2e + lr)[:, None]
                 o = o * w_t[None, :]
                 tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _moe_up_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act_buf, B,
+                   L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                   FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+                   BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    """Split, first launch: a = situ(W1 z, W3 z) rows n*BN.. of pair p's expert (if leader) into act_buf at each
+    member's pair row; programs (0, b*K) zero y[b] for the second launch's atomics."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    if (n == 0) & (p % K == 0):
+        for l0 in range(0, L, BL):
+            lr = l0 + tl.arange(0, BL)
+            tl.store(y + (p // K) * L + lr, tl.zeros([BL], tl.float32))
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if leader:
+        w1e, w3e, w2e, s1e, s3e, s2e = _ptrs(w1, w3, w2, s1, s3, s2, e, L, I, FMT)
+        rows = n * BN + tl.arange(0, BN)
+        for t0 in range(0, cnt, BT):
+            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
+            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, UPCAST, DOT_F32),
+                             UPCAST, DOT_F32)
+            tl.store(act_buf + q[None, :] * I + rows[:, None], act, mask=ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(idx, wk, w2, s2, y, act_buf, B,
+                     L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                     FMT: tl.constexpr, BL: tl.constexpr, BI: tl.constexpr, BT: tl.constexpr,
+                     UPCAST: tl.constexpr, DOT_F32: tl.constexpr):
+    """Split, second launch: program (m, p) streams whole rows m*BL.. of pair p's expert's w2 (if leader) against
+    its members' activations and adds w_t * W2 a into y."""
+    m = tl.program_id(0)
+    p = tl.program_id(1)
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if leader:
+        lr = m * BL + tl.arange(0, BL)
+        if FMT == 2:
+            w2e = w2 + e * (L * (I // 2))
+            s2e = s2 + e * (L * (I // 32))
+        else:
+            w2e = w2 + e * (L * I)
+            s2e = s2 + e * L
+        for t0 in range(0, cnt, BT):
+            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
+            o = tl.zeros([BL, BT], tl.float32)
+            for i0 in range(0, I, BI):
+                ii = i0 + tl.arange(0, BI)
+                a = tl.load(act_buf + q[None, :] * I + ii[:, None], mask=ok[None, :], other=0.0)  # [BI, BT]
+                if FMT == 2:
+                    q2 = tl.load(w2e + lr[:, None] * (I // 2) + (i0 // 2 + tl.arange(0, BI // 2))[None, :])
+                    c2 = tl.load(s2e + lr[:, None] * (I // 32) + (i0 // 32 + tl.arange(0, BI // 32))[None, :])
+                    if UPCAST == 2:
+                        o = tl.dot_scaled(q2, c2, "e2m1", a, None, "bf16", o)
+                    else:
+                        o = _mm(_mxfp4_tile(q2, c2, BL, BI), a, o, DOT_F32)
+                elif UPCAST == 1:
+                    o = _mm(tl.load(w2e + lr[:, None] * I + ii[None, :]).to(tl.float16), a, o, DOT_F32)
+                else:
+                    o = _mm(tl.load(w2e + lr[:, None] * I + ii[None, :]).to(tl.bfloat16), a, o, DOT_F32)
+            if FMT == 1:
+                o = o * tl.load(s2e + lr)[:, None]
+            o = o * w_t[None, :]
+            tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
 
 
 def _pow2(n: int) -> int:
@@ -187,25 +295,26 @@ def _pow2(n: int) -> int:
 
 
 def default_blocks(B: int, K: int, I: int, L: int, fmt: str) -> dict:
-    """The kernel's tile heuristic: BN rows of the intermediate per program (small at small batch so that
-    16 experts x I/BN programs fill the SMs; MXFP4 needs BN >= 32, one scale group), BK / BL chunks of the
-    latent that divide L, BT = 16 tokens a tile."""
-    bn = 32 if B * K <= 256 else 64
-    bn = min(bn, I)
-    bk = 512 if fmt == "mxfp4" else 256
+    """The kernel's tile heuristic: BN rows of the intermediate per program (32 at small batch so that 16
+    experts x I/BN programs fill the SMs, 64 from 256 pairs on; MXFP4 needs BN >= 32, one scale group), BK
+    latent columns a step (a [BN, BK] tile of w1 and of w3 in flight per stage, ~8-16 KB each, so two or
+    three programs fit an SM), BL = 128 rows of w2 a step, BT = 16 tokens a tile."""
+    bn = min(32 if B * K <= 256 else 64, I)
+    bk = {"bf16": 128, "fp8": 256, "mxfp4": 256}[fmt]
     while L % bk:
         bk //= 2
     bl = 128
     while L % bl:
         bl //= 2
-    return dict(block_n=bn, block_k=bk, block_l=bl, block_t=16, num_warps=4, num_stages=3)
+    return dict(block_n=bn, block_k=bk, block_l=bl, block_t=16, num_warps=8 if fmt == "mxfp4" else 4,
+                num_stages=3, upcast="cvt", split=False)
 
 
 def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, y: torch.Tensor, *, fmt: str, s1=None, s3=None, s2=None, b1: float = 4.0,
                 b2: float = 25.0, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> torch.Tensor:
+                num_stages: int | None = None, upcast: str | None = None, split: bool | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; this launches (y zeroed first, then one kernel)."""
     B, K = idx.shape
@@ -214,13 +323,23 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
     d = default_blocks(B, K, I, L, fmt)
     bn, bk, bl = block_n or d["block_n"], block_k or d["block_k"], block_l or d["block_l"]
     bt = block_t or d["block_t"]
+    up = UPCAST_CODE[upcast or d["upcast"]]
     f = FORMATS.index(fmt)
     dummy = torch.empty(1, dtype=torch.float32, device=z.device)
-    y.zero_()
-    grid = (I // bn, B * K)
-    _moe_experts_kernel[grid](
-        z, idx, wk, w1, w3, w2, s1 if s1 is not None else dummy, s3 if s3 is not None else dummy,
-        s2 if s2 is not None else dummy, y, B, L=L, I=I, K=K, KP=_pow2(K), BB=max(2, _pow2(B)), FMT=f, BN=bn,
-        BK=bk, BL=bl, BT=bt, B1=float(b1), B2=float(b2), DOT_F32=dot_f32(), num_warps=num_warps or d["num_warps"],
-        num_stages=num_stages or d["num_stages"])
+    sc = [t if t is not None else dummy for t in (s1, s3, s2)]
+    meta = dict(L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), FMT=f, BT=bt, UPCAST=up, DOT_F32=dot_f32())
+    nw, ns = num_warps or d["num_warps"], num_stages or d["num_stages"]
+    if not (split if split is not None else d["split"]):
+        y.zero_()
+        _moe_experts_kernel[(I // bn, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, BN=bn, BK=bk, BL=bl, B1=float(b1),
+                                              B2=float(b2), num_warps=nw, num_stages=ns, **meta)
+        return y
+    act = torch.empty(B * K, I, dtype=torch.float16 if up == 1 else torch.bfloat16, device=z.device)
+    _moe_up_kernel[(I // bn, B * K)](z, idx, wk, w1, w3, w2, *sc, y, act, B, BN=bn, BK=bk, BL=bl, B1=float(b1),
+                                     B2=float(b2), num_warps=nw, num_stages=ns, **meta)
+    bi = min(128, I)
+    while I % bi:
+        bi //= 2
+    _moe_down_kernel[(L // bl, B * K)](idx, wk, w2, sc[2], y, act, B, BL=bl, BI=bi, num_warps=nw, num_stages=ns,
+                                       **meta)
     return y
