@@ -336,7 +336,15 @@ class Layer:
                        2 * self.N * (D * Q + Q * H * (Dn + Dr) + H * Dn * C))
         self._reg("kv_proj", "proj")
 
+        tri = self._backend("mla") == "triton"
+
         def kv():
+            if tri:  # the kv projection (cuBLAS), then kv_norm + the in-place write in one kernel
+                from k3lab.components import mla as mla_comp
+                ckv = linear(lead3(b["h"]), w.w_dkv)
+                mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
+                                     check_values=False)
+                return ckv
             ent = mla_ref.mla_kv_entry(lead3(b["h"]), w)
             st.cache.write(st.lengths, ent)
             return ent
@@ -349,10 +357,15 @@ class Layer:
             from k3lab.components import mla as mla_comp
             # triton: k3lab_kernels.triton.mla_decode (split + merge). The cache holds lengths + T positions
             # exactly (alloc_state), so n_positions is its capacity: no host sync, graph-capturable.
+            # with triton the partials stay unmerged: the combine kernel (out_proj) merges them with Wuv + gate
             parts = None if sw.mla_partitions == "auto" else sw.mla_partitions  # None: the kernel's choice
-            b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
-                                            backend=be, partitions=parts, pad_heads=sw.pad_heads,
-                                            n_positions=st.cache.capacity, check_values=False)
+            res = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
+                                  backend=be, partitions=parts, pad_heads=sw.pad_heads, merge=not tri,
+                                  n_positions=st.cache.capacity, check_values=False)
+            if tri:
+                b["o_parts"], b["lse_parts"] = res
+                return res
+            b["o_lat"] = res[0]
             return b["o_lat"]
         S = int(st.lengths.max()) + self.T
         Hp = max(H, sw.pad_heads)
@@ -361,13 +374,21 @@ class Layer:
                      2 * self.N * Hp * S * (C + Dr + C))
         self._reg("gate_proj", "proj")
 
-        def gate():
-            b["mla_gate"] = torch.sigmoid(linear(b["h"], w.w_gate))
+        def gate():  # triton: the logits (the combine kernel applies the sigmoid)
+            g = linear(b["h"], w.w_gate)
+            b["mla_gate"] = g if tri else torch.sigmoid(g)
             return b["mla_gate"]
         c["gate_proj"] = (gate, *self._mm(w.w_gate))
         self._reg("out_proj", "proj")
 
         def out():
+            if tri:  # merge of the partials + Wuv + sigmoid(gate) in one kernel, then Wo (cuBLAS)
+                from k3lab.components import mla as mla_comp
+                g = lead3(b["mla_gate"]).contiguous()
+                y = mla_comp.combine(b["o_parts"], b["lse_parts"], w.w_uv, g, backend="triton")
+                a = linear((y if self.T > 1 else y.squeeze(1)).to(self.dtype), w.w_o)
+                b["p"] = a if self.block_start else b["x"] + a
+                return b["p"]
             o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
             o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)
             a = linear(o.flatten(-2) * b["mla_gate"], w.w_o)
