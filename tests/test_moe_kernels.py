@@ -163,7 +163,7 @@ def test_bytes_count_distinct_experts():
 # ---- GPU: K3's sizes ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,options", [(f, {}) for f in FORMATS] + VARIANTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype,options", [(f, {}) for f in FORMATS] + [VARIANTS[1], VARIANTS[4]], ids=lambda v: str(v))
 def test_gpu_k3_sizes(dtype, options):
     """K3's pool (896 experts, latent 3584) at TP16, ragged routing at an odd batch; `k3lab bench moe` checks every
     timed row (TP8, batch 1..64, uniform / same16 / traced) the same way."""
