@@ -59,13 +59,18 @@ def _fail(name: str, msg: str):
     raise MLAArgumentError(f"{COMPONENT}: {name!r} {msg}")
 
 
-def _refuse_aiter(backend: str) -> None:
+def _refuse_aiter(backend: str, op: str = "mla_decode") -> None:
+    """Backend "aiter" runs AITER's MLA decode through k3lab_kernels.aiter.mla_decode on a ROCm GPU with AITER;
+    anywhere else, and for the ops it has no adapter for, it is refused here with the reason."""
     if backend != "aiter":
         return
+    if op == "mla_decode" and dispatch.can_run(op, "aiter"):
+        return
     where = (f"this machine has a CUDA GPU ({torch.cuda.get_device_name()})" if torch.cuda.is_available()
-             and torch.version.hip is None else "no ROCm GPU is visible here")
-    raise BackendUnavailable(f"{COMPONENT}: backend 'aiter' runs AITER's MLA decode on AMD ROCm GPUs only and "
-                             f"{where}; no AITER adapter is written in k3lab yet. Use backend='triton' "
+             and torch.version.hip is None else "no ROCm GPU with AITER is visible here")
+    what = ("runs AITER's MLA decode on AMD ROCm GPUs only" if op == "mla_decode"
+            else f"has no {op} adapter (only the decode attention goes through AITER)")
+    raise BackendUnavailable(f"{COMPONENT}: backend 'aiter' {what}, and {where}. Use backend='triton' "
                              f"(or 'reference').")
 
 
@@ -205,6 +210,23 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     if n_positions is not None:
         _int_opt("n_positions", n_positions, T, cache.capacity)
     K_shape = None
+    if be == "aiter":  # k3lab_kernels.aiter.mla_decode: AITER's kernel, heads padded to 16, shards merged here
+        if not merge:
+            _fail("merge", "must be True with backend 'aiter' (the adapter returns merged results)")
+        if pad_heads not in (0, 16):
+            _fail("pad_heads", f"must be 0 or 16 with backend 'aiter' (AITER runs 16 heads), got {pad_heads}")
+        o, l = dispatch.kernel("mla_decode", be)(q_lat, q_rope, cache, lengths, scale=scale, dcp=dcp,
+                                                 dcp_layout=dcp_layout, num_kv_splits=partitions)
+        if out is not None:
+            o = out.copy_(o)
+        if lse is not None:
+            l = lse.copy_(l)
+        dispatch.record(ran, op="mla_decode", backend_requested=backend, backend=be, why=why,
+                        kernel=dispatch.kernel_path("mla_decode", be),
+                        options=dict(partitions=partitions, dcp=dcp, dcp_layout=dcp_layout, pad_heads=16),
+                        shape=dict(B=B, T=T, H=H, C=C, capacity=cache.capacity, **_cache_kind(cache)),
+                        notes="AITER mla_decode_fwd, heads padded to 16")
+        return o, l
     if tri:
         from k3lab_kernels.triton.mla_decode import default_partitions
 
@@ -270,7 +292,7 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
     """Partials o [B,K,T,H,C] / lse [B,K,T,H] (or a merged o_lat [B,T,H,C] with lse None), Wuv [H,C,Dv],
     gate logits [B,T,H*Dv] -> out [B,T,H*Dv] = merge(o) @ Wuv[h] * sigmoid(gate) (bf16 from triton, the
     compute dtype from the reference; `out` filled when given)."""
-    _refuse_aiter(backend)
+    _refuse_aiter(backend, "mla_combine")
     _tensor("o_parts", o_parts)
     dev = o_parts.device
     if o_parts.dim() == 4:
@@ -336,7 +358,7 @@ def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps:
                 backend: str = "reference", check_values: bool = True, ran: list | None = None) -> None:
     """kv [B,T,C+Dr] (the kv down-projection's output) -> [rms(c; kv_norm) | k_rope] written in place
     at positions lengths[b] .. lengths[b]+T-1 of `cache` (fp8: quantized with the cache's scale scheme)."""
-    _refuse_aiter(backend)
+    _refuse_aiter(backend, "mla_cache_write")
     _tensor("kv", kv, 3)
     dev = kv.device
     B, T, W = kv.shape
@@ -388,7 +410,7 @@ def verify(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tens
            dcp_layout: str = "interleave", ran: list | None = None) -> torch.Tensor:
     """T positions per sequence (module docstring). The projections are torch matmuls (cuBLAS on a GPU);
     triton runs the cache write, the split attention and the combine (merge + Wuv + gate) as kernels."""
-    _refuse_aiter(backend)
+    _refuse_aiter(backend, "the MLA layer")
     _check_layer(h, weights, cache, True)
     B, T, _ = h.shape
     lengths = _lengths(lengths, B, T, cache, h.device, True)
@@ -418,7 +440,7 @@ def decode(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tens
            backend: str = "reference", partitions: int | None = 1, pad_heads: int = 0, dcp: int = 1,
            dcp_layout: str = "interleave", ran: list | None = None) -> torch.Tensor:
     """One position per sequence: h [B, D] -> out [B, D] (module docstring)."""
-    _refuse_aiter(backend)
+    _refuse_aiter(backend, "the MLA layer")
     _check_layer(h, weights, cache, False)
     y = verify(h.unsqueeze(1), weights, cache, lengths, None, backend=backend, partitions=partitions,
                pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, ran=ran).squeeze(1)

@@ -369,7 +369,8 @@ register(Op(
     tolerances=tolerances, tolerance_why=WHY, call=call_decode,
     nbytes=decode_bytes, flops=decode_flops, floor_bw="read",
     backends={"reference": "k3lab.ref.mla:mla_attend", "torch_compile": "k3lab.ref.mla:mla_attend",
-              "triton": "k3lab_kernels.triton.mla_decode:mla_decode"},
+              "triton": "k3lab_kernels.triton.mla_decode:mla_decode",
+              "aiter": "k3lab_kernels.aiter.mla_decode:mla_decode"},
     valid=_valid_decode, peers=flashinfer_peers, test_file="tests/test_mla_triton.py",
 ))
 

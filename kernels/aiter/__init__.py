@@ -1,3 +1,3 @@
-"""AITER (ROCm) kernels. None are written yet: the `aiter` backend is refused with a clear message by
-`k3lab.switches.require_backend` on machines without ROCm, and by the components on ROCm until a
-kernel lands here."""
+"""AITER (ROCm) adapters: `mla_decode` runs AITER's MLA decode on k3lab's latent cache (heads padded to 16, DCP
+shards merged by k3lab's lse merge). They run only on ROCm GPUs with AITER installed; elsewhere the components
+refuse backend 'aiter' by name (tests/test_mla_aiter.py checks the adapter against a stand-in)."""
