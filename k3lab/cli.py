@@ -21,8 +21,10 @@ import datetime as _dt
 import hashlib
 import itertools
 import json
+import math
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,20 @@ import typer
 
 from k3lab.report import PROFILES_DIR
 
+# JupyterLab's dependencies bring rfc3987-syntax, which jsonschema imports when present (for a URI format
+# check nbformat never asks for) and which builds a grammar at import: ~3 s on every `k3lab` command that
+# touches nbformat or papermill. Marked absent here, jsonschema goes without that one format check.
+sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="k3lab: run, sweep and compare K3 decode-path notebooks.")
 
 
 class RunFailed(Exception):
-    def __init__(self, message: str, run_dir: Path):
+    """A run that failed; `run_dir` is None when it failed before a run directory was made (a missing
+    notebook, a refused parameter)."""
+
+    def __init__(self, message: str, run_dir: Path | None = None):
         super().__init__(message)
         self.run_dir = run_dir
 
@@ -93,10 +103,157 @@ def _kernel_can_import_k3lab() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([root] + parts)
 
 
+class _Progress:
+    """`k3lab run`'s progress: one line per code cell (cell n of m, elapsed seconds, its first line) on
+    stderr, and the cells' stdout / stderr streamed as they come. Quiet: nothing."""
+
+    def __init__(self, total: int, quiet: bool):
+        import sys
+
+        self.total, self.quiet, self.t0, self.n = total, quiet, time.time(), 0
+        self.out, self.err = sys.stdout, sys.stderr
+
+    def start(self, cell: Any) -> None:
+        if cell.get("cell_type") != "code":
+            return
+        self.n += 1
+        if not self.quiet:
+            first = next((ln for ln in cell.get("source", "").splitlines() if ln.strip()), "")[:70]
+            self.err.write(f"[k3lab] cell {self.n} of {self.total}  {time.time() - self.t0:6.1f} s  {first}\n")
+            self.err.flush()
+
+    def stream(self, to_err: bool):
+        prog = self
+
+        class _W:
+            def write(self, text: str) -> int:
+                if not prog.quiet:
+                    (prog.err if to_err else prog.out).write(text)
+                return len(text)
+
+            def flush(self) -> None:
+                (prog.err if to_err else prog.out).flush()
+
+        return _W()
+
+
+_ENGINE = "k3lab"
+
+
+def _register_engine() -> None:
+    """A papermill engine that reports progress through `_Progress`, streams cell output to it, and starts
+    the kernel with its process stdout / stderr in the run's kernel.log (the kernel's own start-up
+    warnings, e.g. jupyter's notice about TCP transport, stay out of the terminal and the sweep's bar)."""
+    from papermill.engines import NBClientEngine, papermill_engines
+
+    if _ENGINE in papermill_engines._engines:
+        return
+
+    class Engine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,
+                                     stderr_file=None, start_timeout=60, execution_timeout=None,
+                                     k3_progress=None, k3_kernel_log=None, **kwargs):
+            from papermill.clientwrap import PapermillNotebookClient
+            from papermill.log import logger
+            from papermill.utils import merge_kwargs, remove_args
+
+            if k3_progress is not None:
+                start = nb_man.cell_start
+
+                def cell_start(cell, cell_index=None, **kw):
+                    k3_progress.start(cell)
+                    return start(cell, cell_index, **kw)
+
+                nb_man.cell_start = cell_start
+            kwargs = remove_args(["input_path"], **kwargs)
+            safe = remove_args(["timeout", "startup_timeout"], **kwargs)
+            final = merge_kwargs(safe, timeout=execution_timeout or kwargs.get("timeout"),
+                                 startup_timeout=start_timeout, kernel_name=kernel_name, log=logger,
+                                 log_output=False, stdout_file=stdout_file, stderr_file=stderr_file)
+            launch = {"stdout": k3_kernel_log, "stderr": k3_kernel_log} if k3_kernel_log is not None else {}
+            return PapermillNotebookClient(nb_man, **final).execute(**launch)
+
+    papermill_engines.register(_ENGINE, Engine)
+
+
+class _Captured:
+    """Papermill's log messages and Python warnings while a notebook is checked or run: kept (for run.json),
+    not printed, so they never break into the progress output."""
+
+    def __enter__(self):
+        import logging
+        import warnings
+
+        self.messages: list[str] = []
+        outer = self
+
+        class H(logging.Handler):
+            def emit(self, record):
+                if record.levelno >= logging.WARNING:
+                    outer.messages.append(f"{record.name}: {record.getMessage()}")
+
+        self._log = logging.getLogger("papermill")
+        self._h, self._prop = H(), self._log.propagate
+        self._log.addHandler(self._h)
+        self._log.propagate = False
+        self._w = warnings.catch_warnings(record=True)
+        self._rec = self._w.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._w.__exit__(*exc)
+        self.messages += [f"{w.category.__name__}: {w.message}" for w in self._rec]
+        self._log.removeHandler(self._h)
+        self._log.propagate = self._prop
+        return False
+
+
+def notebook_parameters(notebook: Path) -> dict[str, Any]:
+    """The names and default values of the notebook's parameters cell (the cell tagged 'parameters'), read with
+    Python's own parser: every top-level assignment to a name, whatever its comment says (papermill's line
+    parser gives up on a line with a second '=', e.g. in a comment, and then calls that parameter unknown).
+    A default that is not a literal is kept as its source text."""
+    import ast
+
+    import nbformat
+
+    with _Captured():  # nbformat's notes on old notebooks (cells without ids) are not the user's business
+        nb = nbformat.read(str(notebook), as_version=4)
+    cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        return {}
+    src = cells[0].source
+    try:
+        tree = ast.parse(src)
+    except SyntaxError as e:
+        raise RunFailed(f"notebook {Path(notebook).name}: its parameters cell does not parse: {e}") from None
+    out: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        else:
+            continue
+        for t in targets:
+            if isinstance(t, ast.Name):
+                try:
+                    out[t.id] = ast.literal_eval(node.value)
+                except ValueError:
+                    out[t.id] = ast.get_source_segment(src, node.value)
+    return out
+
+
 def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, quiet: bool = False,
-            kernel_name: str | None = None) -> Path:
-    """Run `notebook` headless with papermill into a run directory; export the HTML report.
-    Returns the run directory; raises RunFailed naming the failing cell."""
+            kernel_name: str | None = None, code: bool = False) -> Path:
+    """Run `notebook` headless with papermill into a run directory; export the HTML report (report mode:
+    code hidden, parameters and environment as tables; `code=True` keeps the code). Progress (cell n of m,
+    elapsed) and the cells' output go to the terminal unless `quiet`; the kernel process's own output goes
+    to the run's kernel.log; papermill's warnings to run.json. Returns the run directory; raises RunFailed
+    naming the failing cell."""
+    import nbformat
     import papermill as pm
 
     from k3lab.harness.bundle import BundleError, find_bundles, load
@@ -104,7 +261,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
 
     notebook = Path(notebook).resolve()
     if not notebook.exists():
-        raise RunFailed(f"notebook {notebook} does not exist", Path.cwd())
+        raise RunFailed(f"notebook {notebook} does not exist")
     params = check_params(notebook, params)
     run_dir = Path(out).resolve() if out else (PROFILES_DIR / "runs" / run_id(notebook, params))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,31 +270,41 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     html = run_dir / f"{notebook.stem}.html"
     meta: dict[str, Any] = {"notebook": str(notebook), "params": params, "started": time.time()}
     _kernel_can_import_k3lab()
+    _register_engine()
+    with _Captured():
+        n_code = sum(c.get("cell_type") == "code" for c in nbformat.read(str(notebook), as_version=4).cells) + 1
+    progress = _Progress(n_code, quiet)  # + 1: the cell papermill injects
     t0 = time.time()
     error: str | None = None
-    try:
-        pm.execute_notebook(str(notebook), str(out_nb), parameters=params, cwd=str(notebook.parent),
-                            progress_bar=not quiet, log_output=not quiet, kernel_name=kernel_name,
-                            stdout_file=None)
-    except pm.PapermillExecutionError as e:
-        error = _failure_message(e, notebook)
-    except Exception as e:  # noqa: BLE001 - kernel died, bad parameters, ...
-        error = f"notebook {notebook.name} could not run: {type(e).__name__}: {e}"
-    meta["seconds"] = round(time.time() - t0, 2)
-    if out_nb.exists():
+    with open(run_dir / "kernel.log", "w") as klog, _Captured() as cap:
         try:
-            shown = {k: v for k, v in params.items() if k != "out_dir"}
-            export_html(out_nb, html, title=f"{notebook.stem} {json.dumps(shown)}")
-            meta["html"] = html.name
-        except Exception as e:  # noqa: BLE001
-            meta["html_error"] = f"{type(e).__name__}: {e}"
-    bundles = []
+            pm.execute_notebook(str(notebook), str(out_nb), parameters=params, cwd=str(notebook.parent),
+                                progress_bar=False, log_output=False, kernel_name=kernel_name,
+                                engine_name=_ENGINE, k3_progress=progress, k3_kernel_log=klog,
+                                stdout_file=progress.stream(False), stderr_file=progress.stream(True))
+        except pm.PapermillExecutionError as e:
+            error = _failure_message(e, notebook)
+        except Exception as e:  # noqa: BLE001 - kernel died, bad parameters, ...
+            error = f"notebook {notebook.name} could not run: {type(e).__name__}: {e}"
+    meta["seconds"] = round(time.time() - t0, 2)
+    if cap.messages:
+        meta["warnings"] = cap.messages
+    bundles, envs = [], []
     for p in find_bundles(run_dir):
         try:
-            load(p)
+            envs.append(load(p).env)
             bundles.append(str(p.relative_to(run_dir)))
         except BundleError as e:
             error = error or f"bundle {p} is invalid: {e}"
+    if out_nb.exists():
+        try:
+            shown = {k: v for k, v in params.items() if k != "out_dir"}
+            export_html(out_nb, html, title=f"{notebook.stem} {json.dumps(shown)}", code=code, params=shown,
+                        defaults={k: v for k, v in notebook_parameters(notebook).items() if k != "out_dir"},
+                        env=envs[0] if envs else None)
+            meta["html"] = html.name
+        except Exception as e:  # noqa: BLE001
+            meta["html_error"] = f"{type(e).__name__}: {e}"
     meta["bundles"] = bundles
     meta["status"] = "failed" if error else "ok"
     meta["error"] = error
@@ -154,23 +321,17 @@ def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
     """Refuse a parameter the notebook's parameters cell does not define (naming the valid ones), and a
     value whose type differs from the default's (a number where a number is expected); resolve file
     parameters against the caller's directory (the notebook runs in its own folder)."""
-    import papermill as pm
-
-    known = pm.inspect_notebook(str(notebook))
+    known = notebook_parameters(notebook)
     unknown = sorted(set(params) - set(known) - {"out_dir"})
     if unknown:
         raise RunFailed(f"notebook {notebook.name} has no parameter {unknown}; its parameters: "
-                        f"{sorted(k for k in known if k != 'out_dir')}", Path.cwd())
+                        f"{sorted(k for k in known if k != 'out_dir')}")
     out = dict(params)
     for k, v in params.items():
-        default = (known.get(k) or {}).get("default")
-        try:
-            dv = parse_value(default) if isinstance(default, str) else default
-        except Exception:  # noqa: BLE001
-            dv = None
+        dv = known.get(k)
         if isinstance(dv, (int, float)) and not isinstance(dv, bool) and not (
                 isinstance(v, (int, float)) and not isinstance(v, bool)):
-            raise RunFailed(f"parameter {k!r} expects a number (default {dv!r}), got {v!r}", Path.cwd())
+            raise RunFailed(f"parameter {k!r} expects a number (default {dv!r}), got {v!r}")
         if k in PATH_PARAMS and isinstance(v, str) and v and not Path(v).is_absolute():
             out[k] = str(Path(v).resolve())
     return out
@@ -204,11 +365,12 @@ def _params_from_args(args: list[str]) -> dict[str, Any]:
              + PARAM_HELP)
 def run(ctx: typer.Context, notebook: Path = typer.Argument(..., help="notebook to run"),
         out: Path | None = typer.Option(None, "--out", help="run directory (default profiles/runs/<id>)"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="do not stream cell output")) -> None:
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress lines, no cell output"),
+        code: bool = typer.Option(False, "--code", help="keep the code cells in the HTML report")) -> None:
     try:
-        run_dir = execute(notebook, _params_from_args(ctx.args), out, quiet=quiet)
+        run_dir = execute(notebook, _params_from_args(ctx.args), out, quiet=quiet, code=code)
     except RunFailed as e:
-        _echo_err(f"FAILED: {e}\n  run directory: {e.run_dir}")
+        _echo_err(f"FAILED: {e}" + (f"\n  run directory: {e.run_dir}" if e.run_dir else ""))
         raise typer.Exit(1) from None
     meta = json.loads((run_dir / "run.json").read_text())
     typer.echo(f"ok in {meta['seconds']} s: {run_dir}")
@@ -220,58 +382,278 @@ def run(ctx: typer.Context, notebook: Path = typer.Argument(..., help="notebook 
         typer.echo("  (the notebook wrote no results bundle)")
 
 
-@app.command(context_settings=_EXTRA, help="Run a notebook over the product of parameter grids. "
-             "Fixed " + PARAM_HELP)
-def sweep(ctx: typer.Context, notebook: Path = typer.Argument(...),
-          grid: list[str] = typer.Option(..., "--grid", "-g", help="NAME=v1,v2,... (repeatable)"),
-          out: Path | None = typer.Option(None, "--out", help="parent folder of the runs"),
+PLAN_KEYS = {"name", "baselines", "threshold", "runs"}
+PLAN_RUN_KEYS = {"notebook", "params", "grid"}
+
+
+class PlanError(ValueError):
+    """A sweep plan that cannot run, named by its key."""
+
+
+def load_plan(path: Path) -> dict[str, Any]:
+    """Read and check a sweep plan (YAML):
+
+        name: cpu_smoke                 # optional (default: the file's stem)
+        baselines: ../profiles          # optional: where the baselines live (default: the repo's profiles/)
+        threshold: 0.05                 # optional: a fixed relative slowdown that counts (default: per row,
+                                        #   from the samples' spread; see gate)
+        runs:
+          - notebook: ../notebooks/03_mla.ipynb
+            params: {heads: "2", reps: 2}          # fixed parameters
+            grid: {contexts: ["40", "72"]}        # one run per combination (a scalar is one value)
+
+    Paths resolve against the plan's folder. Returns {name, baselines, threshold, runs: [(notebook, fixed,
+    axes)]}; every notebook must exist (PlanError otherwise)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        d = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise PlanError(f"cannot read plan {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise PlanError(f"plan {path}: expected a mapping with 'runs', got {type(d).__name__}")
+    bad = sorted(set(d) - PLAN_KEYS)
+    if bad:
+        raise PlanError(f"plan {path}: unknown keys {bad}; a plan has {sorted(PLAN_KEYS)}")
+    runs = d.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise PlanError(f"plan {path}: 'runs' must be a non-empty list of {{notebook, params, grid}}")
+    base = path.resolve().parent
+    thr = d.get("threshold")
+    if thr is not None and (not isinstance(thr, (int, float)) or isinstance(thr, bool) or thr < 0):
+        raise PlanError(f"plan {path}: 'threshold' must be a number >= 0, got {thr!r}")
+    out = []
+    for i, r in enumerate(runs):
+        where = f"plan {path}, runs[{i}]"
+        if not isinstance(r, dict) or "notebook" not in r:
+            raise PlanError(f"{where}: expected a mapping with 'notebook'")
+        bad = sorted(set(r) - PLAN_RUN_KEYS)
+        if bad:
+            raise PlanError(f"{where}: unknown keys {bad}; a run has {sorted(PLAN_RUN_KEYS)}")
+        nb = (base / str(r["notebook"])).resolve()
+        if not nb.is_file():
+            raise PlanError(f"{where}: notebook {nb} does not exist")
+        fixed, grid = r.get("params") or {}, r.get("grid") or {}
+        if not isinstance(fixed, dict) or not isinstance(grid, dict):
+            raise PlanError(f"{where}: 'params' and 'grid' must be mappings")
+        both = sorted(set(fixed) & set(grid))
+        if both:
+            raise PlanError(f"{where}: {both} both fixed and on the grid")
+        axes = {}
+        for k, v in grid.items():
+            vals = list(v) if isinstance(v, list) else [v]
+            if not vals:
+                raise PlanError(f"{where}: grid {k!r} has no values")
+            axes[str(k)] = vals
+        out.append((nb, {str(k): v for k, v in fixed.items()}, axes))
+    baselines = (base / str(d["baselines"])).resolve() if d.get("baselines") else PROFILES_DIR
+    return {"name": str(d.get("name") or path.stem), "baselines": baselines, "threshold": thr, "runs": out}
+
+
+# ---- regression gate ------------------------------------------------------------------------------
+
+MIN_THRESHOLD = 0.05  # run-to-run drift of one device that the samples of one run do not show
+Z_SPREAD = 4.0
+
+
+def spread_threshold(ra: Any, rb: Any) -> float:
+    """The relative slowdown that counts for one row pair, from its samples' spread: Z_SPREAD standard errors
+    of the difference of the two medians, relative to the baseline's median, and at least MIN_THRESHOLD.
+    Each median's standard error is 1.2533 sigma / sqrt(samples), sigma taken from the p10..p90 span
+    (2.563 sigma for a normal spread), so a noisy row needs a bigger change before it counts."""
+    def se(r: Any) -> float:
+        n = max(len(r.samples_us or []), 1)
+        return 1.2533 * max(r.p90_us - r.p10_us, 0.0) / 2.563 / math.sqrt(n)
+
+    if ra.median_us <= 0:
+        return MIN_THRESHOLD
+    return max(MIN_THRESHOLD, Z_SPREAD * math.sqrt(se(ra) ** 2 + se(rb) ** 2) / ra.median_us)
+
+
+def gate(a: Any, b: Any, threshold: float | None = None) -> Any:
+    """k3lab.harness.bundle.compare of baseline `a` and new `b`, with the time threshold per row: `threshold`
+    when given, else spread_threshold. cpu-smoke rows are shown and never gated on time; rows of different
+    timing kinds or modes are not compared; an error check that went from passing to failing always counts.
+    Each row dict gains 'threshold' (None where the row is not gated on time)."""
+    from k3lab.harness.bundle import compare as cmp
+
+    if threshold is not None and threshold < 0:
+        raise ValueError("threshold must be >= 0")
+    c = cmp(a, b, math.inf)  # every time gate below, per row; error-check regressions come from compare
+    ia = {(r.name, r.backend): r for r in a.rows}
+    ib = {(r.name, r.backend): r for r in b.rows}
+    for rec in c.rows:
+        rec["threshold"] = None
+        if rec["ratio"] is None or rec["kind"] == "cpu-smoke":
+            continue
+        key = (rec["name"], rec["backend"])
+        thr = threshold if threshold is not None else spread_threshold(ia[key], ib[key])
+        rec["threshold"] = thr
+        if rec["ratio"] > 1.0 + thr:
+            slow = f"slower by {100 * (rec['ratio'] - 1):.1f}% (threshold {100 * thr:.1f}%)"
+            rec["regression"] = True
+            rec["why"] = slow + ("; " + rec["why"] if rec["why"] else "")
+    c.threshold = threshold
+    return c
+
+
+def find_baseline(bundle: Any, root: Path) -> Path | None:
+    """The baseline of a bundle under `root` (profiles/): a bundle one folder down (profiles/<gpu>/*.json, not
+    runs/) with the same name measured on the same kind of device (env.gpu_slug)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    for p in sorted(root.glob("*/*.json")):
+        if p.parent.name == "runs":
+            continue
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(d, dict) and "schema_version" in d and d.get("name") == bundle.name
+                and (d.get("env") or {}).get("gpu_slug", "cpu") == bundle.gpu_slug):
+            return p
+    return None
+
+
+@app.command(context_settings=_EXTRA, help="Run notebooks over parameter grids: a plan (PLAN.yaml; see "
+             "k3lab.cli.load_plan) or one notebook with --grid. Writes an index page linking every run, "
+             "compares every bundle with its baseline under profiles/ and exits 1 on a failed run or a "
+             "regression. Fixed " + PARAM_HELP)
+def sweep(ctx: typer.Context, target: Path = typer.Argument(..., help="a plan (.yaml) or a notebook"),
+          grid: list[str] = typer.Option([], "--grid", "-g", help="NAME=v1,v2,... (with a notebook; repeatable)"),
+          out: Path | None = typer.Option(None, "--out", help="the sweep's folder (default "
+                                          "profiles/runs/sweep-<time>-<name>): one run folder each, index.html"),
+          baselines: Path | None = typer.Option(None, "--baselines", help="baselines root (default: the plan's, "
+                                                "else profiles/)"),
+          threshold: float | None = typer.Option(None, "--threshold", "-t", help="a fixed relative slowdown "
+                                                 "that counts (default: per row, from the samples' spread)"),
+          code: bool = typer.Option(False, "--code", help="keep the code cells in the HTML reports"),
           quiet: bool = typer.Option(True, "--quiet/--verbose")) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    axes: dict[str, list[Any]] = {}
-    for g in grid:
-        if "=" not in g:
-            _echo_err(f"--grid {g!r}: expected NAME=v1,v2,...")
-            raise typer.Exit(2)
-        k, vals = g.split("=", 1)
-        axes[k.strip()] = [parse_value(v) for v in _split_values(vals)]
-    fixed = _params_from_args(ctx.args)
-    combos = [dict(zip(axes, vs)) for vs in itertools.product(*axes.values())]
-    if not Path(notebook).exists():
-        _echo_err(f"error: notebook {notebook} does not exist")
-        raise typer.Exit(2)
+    from k3lab.harness.bundle import BundleError, load
+    from k3lab.report import sweep_index
+
+    try:
+        if target.suffix in (".yaml", ".yml"):
+            if grid or ctx.args:
+                raise PlanError("a plan holds its own grids and parameters: no --grid or -p with a plan")
+            plan = load_plan(target)
+        else:
+            if not target.is_file():
+                raise PlanError(f"notebook {target} does not exist")
+            if not grid:
+                raise PlanError("a notebook sweep needs --grid NAME=v1,v2 (or pass a plan)")
+            axes: dict[str, list[Any]] = {}
+            for g in grid:
+                if "=" not in g:
+                    raise PlanError(f"--grid {g!r}: expected NAME=v1,v2,...")
+                k, vals = g.split("=", 1)
+                axes[k.strip()] = [parse_value(v) for v in _split_values(vals)]
+            plan = {"name": target.stem, "baselines": PROFILES_DIR, "threshold": None,
+                    "runs": [(target.resolve(), _params_from_args(ctx.args), axes)]}
+    except (PlanError, typer.BadParameter) as e:
+        _echo_err(f"error: {e}")
+        raise typer.Exit(2) from None
+    if baselines is not None:
+        plan["baselines"] = baselines.resolve()
+    if threshold is not None:
+        plan["threshold"] = threshold
+    jobs = []
     try:  # every combination's parameters checked before the first run
-        for c in combos:
-            check_params(Path(notebook).resolve(), {**fixed, **c})
+        for nb, fixed, axes in plan["runs"]:
+            for vs in itertools.product(*axes.values()):
+                c = dict(zip(axes, vs))
+                jobs.append((nb, {**fixed, **c}, c, check_params(nb, {**fixed, **c})))
     except RunFailed as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = Path(out).resolve() if out else PROFILES_DIR / "runs" / f"sweep-{stamp}-{plan['name']}"
+    root.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    results = []
+    runs: list[dict[str, Any]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as prog:
-        task = prog.add_task(f"sweep {notebook.name}", total=len(combos))
-        for c in combos:
-            params = {**fixed, **c}
-            prog.update(task, description=f"{notebook.stem} {json.dumps(c)}")
-            dest = (Path(out) / run_id(Path(notebook), params)) if out else None
+        task = prog.add_task(f"sweep {plan['name']}", total=len(jobs))
+        for nb, params, c, _ in jobs:
+            prog.update(task, description=f"{nb.stem} {json.dumps(c)}")
+            rec: dict[str, Any] = {"notebook": str(nb), "params": params, "grid": c, "bundles": []}
             try:
-                rd = execute(notebook, params, dest, quiet=quiet)
-                results.append((c, "ok", str(rd)))
+                rd = execute(nb, params, root / run_id(nb, params), quiet=quiet, code=code)
+                rec["status"] = "ok"
             except RunFailed as e:
-                results.append((c, "FAILED", str(e).splitlines()[0]))
+                rd = e.run_dir
+                rec["status"], rec["error"] = "failed", str(e)
+            if rd is not None:
+                meta = json.loads((rd / "run.json").read_text()) if (rd / "run.json").exists() else {}
+                rec.update(run_dir=str(rd), seconds=meta.get("seconds"),
+                           report=str(rd / meta["html"]) if meta.get("html") else None,
+                           executed=str(rd / nb.name) if (rd / nb.name).exists() else None,
+                           bundles=[str(rd / x) for x in meta.get("bundles", [])])
+            runs.append(rec)
             prog.advance(task)
-    table = Table(title=f"sweep of {notebook.name}")
-    for k in axes:
-        table.add_column(k)
-    table.add_column("status")
-    table.add_column("run / error")
-    for c, st, where in results:
-        table.add_row(*[json.dumps(c[k]) for k in axes], st, where)
-    Console().print(table)
-    if any(st != "ok" for _, st, _ in results):
+    gates: list[dict[str, Any]] = []
+    smoke = 0
+    for rec in runs:
+        for bp in rec["bundles"]:
+            g: dict[str, Any] = {"bundle": bp, "regressions": [], "compared": 0, "gated": 0, "cpu_smoke": 0}
+            try:
+                bd = load(bp)
+            except BundleError as e:
+                g["note"] = f"unreadable: {e}"
+                gates.append(g)
+                continue
+            base = find_baseline(bd, plan["baselines"])
+            if base is None:
+                g["note"] = f"no baseline named {bd.name} ({bd.gpu_slug}) under {plan['baselines']}"
+            else:
+                c = gate(load(base), bd, plan["threshold"])
+                g["baseline"] = str(base)
+                g["compared"] = sum(r["ratio"] is not None for r in c.rows)
+                g["gated"] = sum(r["threshold"] is not None for r in c.rows)
+                g["cpu_smoke"] = sum(r["kind"] == "cpu-smoke" for r in c.rows)
+                g["regressions"] = [{k: r[k] for k in ("name", "backend", "ratio", "threshold", "why")}
+                                    for r in c.regressions]
+                smoke += g["cpu_smoke"]
+                if g["cpu_smoke"]:
+                    g["note"] = f"{g['cpu_smoke']} cpu-smoke rows shown, never gated on time"
+            gates.append(g)
+    n_reg = sum(len(g["regressions"]) for g in gates)
+    failed = [r for r in runs if r["status"] != "ok"]
+    thr_note = (f"threshold {plan['threshold']:.1%} for every row" if plan["threshold"] is not None else
+                f"threshold per row from the samples' spread ({Z_SPREAD:g} standard errors of the median "
+                f"difference, at least {MIN_THRESHOLD:.0%})")
+    notes = [thr_note, "cpu-smoke rows (CPU wall clock) are shown and never gated on time; only a failing "
+             "error check counts for them"]
+    index = sweep_index(root / "index.html", f"sweep {plan['name']}", runs, gates, notes)
+    (root / "sweep.json").write_text(json.dumps({"plan": plan["name"], "runs": runs, "gates": gates},
+                                                indent=1, default=str) + "\n")
+    out_c = Console(width=200)
+    table = Table(title=f"sweep {plan['name']}: {len(runs)} runs")
+    for col in ("notebook", "grid", "status", "s", "run / error"):
+        table.add_column(col, overflow="fold")
+    for r in runs:
+        table.add_row(Path(r["notebook"]).stem, json.dumps(r["grid"]), r["status"], str(r.get("seconds", "")),
+                      r.get("run_dir") or "" if r["status"] == "ok" else (r.get("error") or "").splitlines()[0])
+    out_c.print(table)
+    for g in gates:
+        what = (f"{len(g['regressions'])} regression(s) of {g['gated']} gated rows" if g.get("baseline")
+                else g.get("note", ""))
+        typer.echo(f"{Path(g['bundle']).name}: {what}" + (f" against {g['baseline']}" if g.get("baseline") else ""))
+        for x in g["regressions"]:
+            typer.echo(f"  REGRESSION {x['name']} [{x['backend']}]: {x['why']}")
+    if smoke:
+        typer.echo(f"cpu-smoke: {smoke} rows compared and never gated on time (CPU wall clock says nothing "
+                   "about a kernel)")
+    typer.echo(thr_note)
+    typer.echo(f"index: {index}")
+    if failed or n_reg:
+        typer.echo(f"{len(failed)} failed run(s), {n_reg} regression(s)")
         raise typer.Exit(1)
 
 
@@ -297,34 +679,41 @@ def _split_values(s: str) -> list[str]:
 @app.command()
 def compare(a: Path = typer.Argument(..., help="baseline bundle (JSON or run directory)"),
             b: Path = typer.Argument(..., help="new bundle (JSON or run directory)"),
-            threshold: float = typer.Option(0.05, "--threshold", "-t", help="relative slowdown that counts")) -> None:
-    """Ratios new/baseline per component; exit 1 on regressions."""
+            threshold: float | None = typer.Option(None, "--threshold", "-t", help="a fixed relative slowdown "
+                                                   "that counts (default: per row, from the samples' spread)")
+            ) -> None:
+    """Ratios new/baseline per component; exit 1 on regressions (slower than the row's threshold, or an error
+    check that now fails). cpu-smoke rows are shown and never gated on time."""
     from rich.console import Console
     from rich.table import Table
 
     from k3lab.harness.bundle import BundleError, load
-    from k3lab.harness.bundle import compare as cmp
 
     try:
         ba, bb = load(a), load(b)
     except BundleError as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
-    c = cmp(ba, bb, threshold)
-    t = Table(title=f"{bb.name} vs {ba.name} (threshold {threshold:.0%})")
-    for col in ("component", "backend", "kind", "A us", "B us", "B/A", ""):
+    c = gate(ba, bb, threshold)
+    how = f"threshold {threshold:.0%}" if threshold is not None else "threshold per row from the samples' spread"
+    t = Table(title=f"{bb.name} vs {ba.name} ({how})")
+    for col in ("component", "backend", "kind", "A us", "B us", "B/A", "thr", ""):
         t.add_column(col)
     for r in c.rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
-        t.add_row(r["name"], r["backend"], r["kind"], f"{r['a_us']:.2f}", f"{r['b_us']:.2f}", ratio,
+        thr = "-" if r["threshold"] is None else f"{r['threshold']:.1%}"
+        t.add_row(r["name"], r["backend"], r["kind"], f"{r['a_us']:.2f}", f"{r['b_us']:.2f}", ratio, thr,
                   ("[red]REGRESSION " + r["why"] + "[/red]") if r["regression"] else r["why"])
-    Console(width=160).print(t)
+    Console(width=180).print(t)
     for k in c.only_a:
         typer.echo(f"only in A: {k[0]} [{k[1]}]")
     for k in c.only_b:
         typer.echo(f"only in B: {k[0]} [{k[1]}]")
     if ba.env.get("gpu_slug") != bb.env.get("gpu_slug"):
         typer.echo(f"note: different devices ({ba.env.get('gpu')} vs {bb.env.get('gpu')})")
+    smoke = sum(r["kind"] == "cpu-smoke" for r in c.rows)
+    if smoke:
+        typer.echo(f"cpu-smoke: {smoke} rows shown, never gated on time")
     if c.has_regressions:
         typer.echo(f"{len(c.regressions)} regression(s)")
         raise typer.Exit(1)

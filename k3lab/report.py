@@ -44,6 +44,7 @@ th{background:#eef2f5}td:first-child,th:first-child{text-align:left}
 .output_stderr pre{background:#fff3f3}
 .k3-bad{color:#b00;font-weight:bold}.k3-ok{color:#070}
 .k3-meta{font-size:.85em;color:#555}
+.k3-head td{text-align:left}.k3-head h3{margin:.3em 0}
 """
 
 
@@ -155,27 +156,93 @@ def strip_bulky_outputs(nb: Any, max_bytes: int = MAX_OUTPUT_BYTES) -> int:
 
 
 def export_html(notebook: str | Path | Any, html_path: str | Path, *, title: str | None = None,
-                js: str | Path | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES) -> Path:
-    """Executed notebook (path or NotebookNode) -> a small offline HTML report at `html_path`."""
+                js: str | Path | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES, code: bool = False,
+                params: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None,
+                env: dict[str, Any] | None = None) -> Path:
+    """Executed notebook (path or NotebookNode) -> a small offline HTML report at `html_path`.
+
+    Report mode (the default, `code=False`): code cells show their outputs only, the cell papermill injects
+    is left out, and the page opens with two tables: the parameters (`params`, else the ones papermill
+    recorded in the notebook; `defaults` marks which were left at the notebook's value) and the environment
+    (`env`, e.g. the run's bundle's fingerprint; else this machine's). `code=True` keeps every cell's source.
+    The notebook file itself is never changed."""
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(str(notebook), as_version=4) if isinstance(notebook, (str, Path)) else notebook
     nb = nbformat.from_dict(json.loads(json.dumps(nb)))  # work on a copy
     strip_bulky_outputs(nb, max_output_bytes)
+    if not code:
+        if params is None:
+            params = dict((nb.metadata.get("papermill") or {}).get("parameters") or {})
+        if env is None:
+            from k3lab.harness.env import fingerprint
+
+            env = fingerprint()
+        nb.cells = [c for c in nb.cells if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+        # the tables as the output of a cell of their own, after the notebook's title cell
+        tables = nbformat.v4.new_code_cell("", outputs=[nbformat.v4.new_output(
+            "display_data", data={"text/html": report_header_html(params, env, defaults=defaults)})])
+        tables["id"] = "k3lab-report-tables"
+        at = 1 if nb.cells and nb.cells[0].get("cell_type") == "markdown" else 0
+        nb.cells.insert(at, tables)
     try:
         exporter = HTMLExporter(template_name="basic")
         exporter.exclude_input_prompt = True
         exporter.exclude_output_prompt = True
+        exporter.exclude_input = not code
         body, _ = exporter.from_notebook_node(nb)
     except Exception:  # noqa: BLE001 - nbconvert's templates are data files a wheel-only site may lack
-        body = render_cells(nb)
+        body = render_cells(nb, code=code)
     html_path = Path(html_path)
     html_path.parent.mkdir(parents=True, exist_ok=True)
     if title is None:
         title = Path(str(notebook)).stem if isinstance(notebook, (str, Path)) else "k3lab report"
     html_path.write_text(page(title, body, html_path, js, _pygments_css()))
     return html_path
+
+
+ENV_KEYS = ("gpu", "sm_count", "driver", "cuda", "hip", "torch", "triton", "cutlass_dsl", "fla", "python",
+            "platform", "hostname", "commit", "dirty", "source_digest", "time")
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, (dict, list)):
+        v = json.dumps(v)
+    return _html.escape("" if v is None else str(v))
+
+
+def params_table_html(params: dict[str, Any], defaults: dict[str, Any] | None = None) -> str:
+    """The run's parameters as a table (name, value, and whether the run set it or left the notebook's
+    default when `defaults` is given); `out_dir` is left out."""
+    shown = {k: v for k, v in params.items() if k != "out_dir"}
+    names = list(shown) + [k for k in (defaults or {}) if k not in shown and k != "out_dir"]
+    rows = []
+    for k in names:
+        if defaults is None:
+            rows.append(f"<tr><td>{_html.escape(k)}</td><td>{_cell(shown[k])}</td></tr>")
+        else:
+            how = "set" if k in shown else "default"
+            v = shown[k] if k in shown else defaults[k]
+            rows.append(f"<tr><td>{_html.escape(k)}</td><td>{_cell(v)}</td><td>{how}</td></tr>")
+    hdr = "<tr><th>parameter</th><th>value</th>" + ("" if defaults is None else "<th></th>") + "</tr>"
+    return f"<table class='k3-params'>{hdr}{''.join(rows)}</table>"
+
+
+def env_table_html(env: dict[str, Any]) -> str:
+    """The environment fingerprint as a table (GPU, driver, CUDA, library versions, commit, source digest)."""
+    keys = [k for k in ENV_KEYS if k in env] + [k for k in env if k not in ENV_KEYS and k != "gpu_slug"]
+    keys = [k for k in keys if k == "gpu" or env[k] is not None]
+    rows = "".join(f"<tr><td>{_html.escape(k)}</td><td>{_cell(env[k] if k != 'gpu' else env[k] or 'none (CPU)')}"
+                   "</td></tr>" for k in keys)
+    return f"<table class='k3-env'><tr><th>environment</th><th></th></tr>{rows}</table>"
+
+
+def report_header_html(params: dict[str, Any], env: dict[str, Any], *, defaults: dict[str, Any] | None = None) -> str:
+    """The opening of a report: the parameters and environment tables side by side."""
+    return ("<div class='k3-head' style='display:flex;gap:2em;flex-wrap:wrap;align-items:flex-start'>"
+            f"<div><h3>Parameters</h3>{params_table_html(params, defaults)}</div>"
+            f"<div><h3>Environment</h3>{env_table_html(env)}</div></div>\n")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -191,8 +258,9 @@ def _md(text: str) -> str:
     return f"<pre>{_html.escape(text)}</pre>"
 
 
-def render_cells(nb: Any) -> str:
-    """Minimal notebook -> HTML body without nbconvert templates (the fallback of export_html)."""
+def render_cells(nb: Any, code: bool = True) -> str:
+    """Minimal notebook -> HTML body without nbconvert templates (the fallback of export_html); `code=False`
+    leaves the code cells' sources out."""
     parts = []
     for cell in nb.cells:
         src = cell.get("source", "")
@@ -201,7 +269,8 @@ def render_cells(nb: Any) -> str:
             continue
         if cell.get("cell_type") != "code":
             continue
-        parts.append(f"<div class='input_area'><pre>{_html.escape(src)}</pre></div>")
+        if code:
+            parts.append(f"<div class='input_area'><pre>{_html.escape(src)}</pre></div>")
         for out in cell.get("outputs", []):
             kind = out.get("output_type")
             if kind == "stream":
@@ -351,4 +420,63 @@ def bundle_report(bundle: Any, html_path: str | Path, *, js: str | Path | None =
         parts.append("<ul>" + "".join(f"<li>{_html.escape(n)}</li>" for n in bundle.notes) + "</ul>")
     html_path.parent.mkdir(parents=True, exist_ok=True)
     html_path.write_text(page(bundle.name, "\n".join(parts), html_path, js))
+    return html_path
+
+
+# ---- the index page of a sweep ----------------------------------------------------------------
+
+def _link(target: str | Path | None, base: Path, text: str) -> str:
+    if not target:
+        return ""
+    rel = Path(os.path.relpath(Path(target).resolve(), base.resolve())).as_posix()
+    return f"<a href='{_html.escape(rel)}'>{_html.escape(text)}</a>"
+
+
+def _short(p: str | Path) -> str:
+    p = Path(p)
+    return f"{p.parent.name}/{p.name}"
+
+
+def sweep_index(html_path: str | Path, title: str, runs: list[dict[str, Any]], gates: list[dict[str, Any]],
+                notes: list[str] = ()) -> Path:
+    """One page linking every run of a sweep (its executed notebook, report, bundles and run.json) and every
+    bundle's comparison with its baseline. `runs`: {notebook, params, status, seconds, run_dir, report,
+    executed, bundles: [path], error}; `gates`: {bundle, baseline, compared, gated, cpu_smoke, regressions:
+    [{name, backend, ratio, threshold, why}], note}. Plain HTML (no figures, no script)."""
+    html_path = Path(html_path)
+    base = html_path.parent
+    base.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for r in runs:
+        st = r.get("status", "?")
+        cls = "k3-ok" if st == "ok" else "k3-bad"
+        links = " · ".join(x for x in (
+            _link(r.get("report"), base, "report"), _link(r.get("executed"), base, "notebook"),
+            *(_link(b, base, Path(b).name) for b in r.get("bundles", [])),
+            _link(Path(r["run_dir"]) / "run.json" if r.get("run_dir") else None, base, "run.json")) if x)
+        params = ", ".join(f"{k}={json.dumps(v)}" for k, v in (r.get("params") or {}).items())
+        rows.append(f"<tr><td>{_html.escape(Path(r['notebook']).name)}</td><td>{_html.escape(params)}</td>"
+                    f"<td class='{cls}'>{_html.escape(st)}</td><td>{_cell(r.get('seconds'))}</td><td>{links}</td>"
+                    f"<td>{_html.escape((r.get('error') or '')[:300])}</td></tr>")
+    run_table = ("<table><tr><th>notebook</th><th>parameters</th><th>status</th><th>s</th><th>links</th>"
+                 f"<th>error</th></tr>{''.join(rows)}</table>")
+    grows = []
+    for g in gates:
+        regs = g.get("regressions") or []
+        cls = "k3-bad" if regs else "k3-ok"
+        what = "; ".join(f"{x['name']} [{x['backend']}] {x['why']}" for x in regs)
+        grows.append(
+            f"<tr><td>{_link(g['bundle'], base, Path(g['bundle']).name)}</td>"
+            f"<td>{_link(g['baseline'], base, _short(g['baseline'])) if g.get('baseline') else 'none'}</td>"
+            f"<td>{g.get('compared', 0)}</td><td>{g.get('gated', 0)}</td><td>{g.get('cpu_smoke', 0)}</td>"
+            f"<td class='{cls}'>{len(regs)}</td><td>{_html.escape(what or g.get('note') or '')}</td></tr>")
+    gate_table = ("<table><tr><th>bundle</th><th>baseline</th><th>rows compared</th><th>gated</th>"
+                  "<th>cpu-smoke (never gated)</th><th>regressions</th><th>what</th></tr>"
+                  f"{''.join(grows)}</table>")
+    note_html = "".join(f"<li>{_html.escape(n)}</li>" for n in notes)
+    body = (f"<h1>{_html.escape(title)}</h1><h2>Runs</h2>{run_table}<h2>Against the baselines</h2>{gate_table}"
+            + (f"<ul class='k3-meta'>{note_html}</ul>" if note_html else ""))
+    css = CSS + ".k3-index td,.k3-index th{text-align:left}"
+    html_path.write_text(f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">\n<title>{_html.escape(title)}"
+                         f"</title>\n<style>{css}</style>\n</head>\n<body class='k3-index'>\n{body}\n</body></html>\n")
     return html_path

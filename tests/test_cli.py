@@ -62,9 +62,82 @@ def test_sweep_grid(tmp_path):
     nb = _nb(tmp_path / "sw.ipynb", "assert x != 3, 'three'")
     r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=1,2", "--out", str(tmp_path / "runs")])
     assert r.exit_code == 0, r.output
-    assert len(list((tmp_path / "runs").iterdir())) == 2
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    assert len(runs) == 2
+    index = (tmp_path / "runs" / "index.html").read_text()
+    for d in runs:  # the index links every run's report and executed notebook (relative links)
+        assert f"href='{d.name}/sw.html'" in index and f"href='{d.name}/sw.ipynb'" in index
+        assert str(d) in r.output  # run paths printed whole
     r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=2,3", "--out", str(tmp_path / "runs2")])
-    assert r.exit_code == 1 and "FAILED" in r.output
+    assert r.exit_code == 1 and "failed" in r.output and "three" in r.output
+
+
+def test_sweep_checks_everything_before_the_first_run(tmp_path):
+    nb = _nb(tmp_path / "sw.ipynb", "pass")
+    r = runner.invoke(cli.app, ["sweep", str(tmp_path / "nosuch.ipynb"), "--grid", "x=1,2"])
+    assert r.exit_code == 2 and r.output.count("does not exist") == 1 and "run directory" not in r.output
+    r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=1,abc", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "'x' expects a number" in r.output and not (tmp_path / "o").exists()
+    plan = tmp_path / "p.yaml"
+    for text, msg in [("runs: []", "'runs' must be a non-empty list"), ("nme: x\nruns: [{notebook: sw.ipynb}]",
+                      "unknown keys ['nme']"), ("runs: [{notebook: none.ipynb}]", "does not exist"),
+                      ("runs: [{notebook: sw.ipynb, params: {x: 1}, grid: {x: [2]}}]", "both fixed and on the grid"),
+                      ("runs: [{notebook: sw.ipynb, grid: {seeed: [1]}}]", "no parameter ['seeed']")]:
+        plan.write_text(text)
+        r = runner.invoke(cli.app, ["sweep", str(plan), "--out", str(tmp_path / "o")])
+        assert r.exit_code == 2 and msg in r.output, (text, r.output)
+    assert not (tmp_path / "o").exists()
+
+
+_BENCH_NB = """import json, os, statistics
+def row(name, kind, samples):
+    s = sorted(samples)
+    return dict(name=name, backend="triton", kind=kind, median_us=statistics.median(s), p10_us=s[len(s) // 10],
+                p90_us=s[len(s) * 9 // 10], samples_us=s)
+rows = [row("fast", "gpu-graph", [x * (10 + 0.01 * i) for i in range(50)]),
+        row("steady", "gpu-graph", [10 + 0.01 * i for i in range(50)]), row("cpu_row", "cpu-smoke", [50.0 * x] * 5)]
+os.makedirs(os.path.join(out_dir, "g"))
+with open(os.path.join(out_dir, "g", "t-gate.json"), "w") as f:
+    json.dump(dict(schema_version=1, name="t-gate", env={"gpu": "G", "gpu_slug": "g"}, config={}, switches={},
+                   backends_ran={"triton": "t"}, rows=rows), f)
+"""
+
+
+def test_sweep_gates_against_baselines(tmp_path):
+    """A plan's bundles are compared with the baselines: a row slower than its spread threshold fails the sweep
+    (exit 1, named); cpu-smoke rows never gate, and the output says so."""
+    nb = _nb(tmp_path / "g.ipynb", _BENCH_NB)
+    base = tmp_path / "profiles"
+    r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=1.0", "--out", str(tmp_path / "s0"), "--baselines",
+                                str(base)])
+    assert r.exit_code == 0 and "no baseline named t-gate" in r.output, r.output
+    made = next((tmp_path / "s0").glob("*/g/t-gate.json"))
+    (base / "g").mkdir(parents=True)
+    (base / "g" / "t-gate.json").write_text(made.read_text())
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("name: gate\nbaselines: profiles\nruns:\n  - notebook: g.ipynb\n    grid: {x: [1.02, 1.3]}\n")
+    r = runner.invoke(cli.app, ["sweep", str(plan), "--out", str(tmp_path / "s1")])
+    assert r.exit_code == 1, r.output
+    assert r.output.count("REGRESSION fast [triton]") == 1 and "1 regression(s)" in r.output
+    assert "steady" not in r.output.split("REGRESSION")[-1]
+    assert "cpu-smoke: 2 rows compared and never gated" in r.output
+    index = (tmp_path / "s1" / "index.html").read_text()
+    assert "slower by 30.0%" in index and "never gated" in index
+    gates = json.loads((tmp_path / "s1" / "sweep.json").read_text())["gates"]
+    assert [len(g["regressions"]) for g in gates] == [0, 1] and all(g["cpu_smoke"] == 1 for g in gates)
+
+
+def test_spread_threshold_follows_the_samples():
+    from k3lab.harness.bundle import Row
+    from k3lab.harness.timing import Timing
+
+    def row(scale, spread, n=50, kind="gpu-graph"):
+        return Row.from_timing("r", "triton", Timing.from_samples(
+            kind, [scale * (10 + spread * 10 * (i / (n - 1) - 0.5)) for i in range(n)]))
+
+    tight, noisy = cli.spread_threshold(row(1, 0.001), row(1, 0.001)), cli.spread_threshold(row(1, 0.5), row(1, 0.5))
+    assert tight == cli.MIN_THRESHOLD and noisy > 0.1
+    assert cli.spread_threshold(row(1, 0.5, n=5), row(1, 0.5, n=5)) > noisy  # fewer samples: a wider gate
 
 
 def _save(tmp_path: Path, name: str, scale: float) -> Path:
@@ -79,9 +152,20 @@ def test_compare_exit_codes(tmp_path):
     r = runner.invoke(cli.app, ["compare", str(a), str(same)])
     assert r.exit_code == 0 and "no regressions" in r.output
     r = runner.invoke(cli.app, ["compare", str(a), str(slow)])
-    assert r.exit_code == 1 and "REGRESSION" in r.output
+    assert r.exit_code == 1 and "REGRESSION" in r.output and "threshold" in r.output
     assert runner.invoke(cli.app, ["compare", str(a), str(slow), "--threshold", "0.6"]).exit_code == 0
+    assert runner.invoke(cli.app, ["compare", str(a), str(slow), "--threshold", "0.2"]).exit_code == 1
     assert runner.invoke(cli.app, ["compare", str(a), str(tmp_path / "missing.json")]).exit_code == 2
+
+
+def test_compare_never_gates_cpu_smoke(tmp_path):
+    """Two CPU runs of the same code (cpu-smoke rows, any ratio) compare clean and say why."""
+    from test_harness import _bundle
+
+    a = _bundle(1.0).save_as(tmp_path / "a.json")
+    b = _bundle(3.0).save_as(tmp_path / "b.json")
+    r = runner.invoke(cli.app, ["compare", str(a), str(b)])
+    assert r.exit_code == 0 and "no regressions" in r.output and "cpu-smoke: 2 rows shown, never gated" in r.output
 
 
 def test_env_prints_json():
@@ -152,3 +236,59 @@ def test_run_refuses_unknown_and_mistyped_parameters(tmp_path):
         cli.check_params(nb, {"reps": "abc"})
     got = cli.check_params(nb, {"bundle": "profiles/h200/kda_sweep.json", "reps": 3})
     assert Path(got["bundle"]).is_absolute() and got["reps"] == 3
+
+
+def test_run_shows_progress_streams_output_and_keeps_warnings_out(tmp_path):
+    """`k3lab run`: a line per code cell (n of m, elapsed) and the cells' output; papermill's parse warning
+    and the kernel's own start-up messages stay out of the terminal (run.json and kernel.log keep them)."""
+    params = new_code_cell("x = 1\nout_dir = ''\ny = 2  # papermill cannot parse this: y = 3",
+                           metadata={"tags": ["parameters"]})
+    nb = new_notebook(cells=[params, new_code_cell("print('hello from the cell', x)"),
+                             new_code_cell("import sys; print('to stderr', file=sys.stderr)")],
+                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    path = tmp_path / "p.ipynb"
+    nbformat.write(nb, str(path))
+    out = tmp_path / "run"
+    r = runner.invoke(cli.app, ["run", str(path), "-p", "x", "3", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "[k3lab] cell 1 of 4" in r.output and "[k3lab] cell 4 of 4" in r.output and " s  print(" in r.output
+    assert "hello from the cell 3" in r.output and "to stderr" in r.output
+    assert "Unable to parse" not in r.output and "TCP" not in r.output and "WARNING" not in r.output
+    meta = json.loads((out / "run.json").read_text())
+    assert any("Unable to parse" in w for w in meta["warnings"])
+    assert (out / "kernel.log").exists()
+    r = runner.invoke(cli.app, ["run", str(path), "--out", str(tmp_path / "q"), "--quiet"])
+    assert r.exit_code == 0 and "[k3lab] cell" not in r.output and "hello" not in r.output
+
+
+def test_report_mode_hides_code_and_shows_parameters_and_environment(tmp_path):
+    nb = _nb(tmp_path / "rm.ipynb", "secret_code_line = 41\nprint('result', secret_code_line + x)")
+    r = runner.invoke(cli.app, ["run", str(nb), "-p", "x", "1", "--out", str(tmp_path / "a"), "-q"])
+    assert r.exit_code == 0, r.output
+    html = (tmp_path / "a" / "rm.html").read_text()
+    assert "result 42" in html and "secret_code_line" not in html
+    assert "<h3>Parameters</h3>" in html and "<h3>Environment</h3>" in html and "torch" in html
+    params = html.split("k3-params")[1].split("</table>")[0]
+    assert "<td>x</td><td>1</td><td>set</td>" in params and "out_dir" not in params
+    src = json.loads((tmp_path / "a" / "rm.ipynb").read_text())  # the executed notebook keeps its code
+    assert any("secret_code_line" in "".join(c["source"]) for c in src["cells"])
+    r = runner.invoke(cli.app, ["run", str(nb), "--out", str(tmp_path / "b"), "-q", "--code"])
+    html = (tmp_path / "b" / "rm.html").read_text()
+    assert r.exit_code == 0 and "secret_code_line" in html
+
+
+def test_missing_notebook_names_no_run_directory(tmp_path):
+    r = runner.invoke(cli.app, ["run", str(tmp_path / "nosuch.ipynb")])
+    assert r.exit_code == 1 and "does not exist" in r.output and "run directory" not in r.output
+
+
+def test_parameters_read_whatever_their_comments_say():
+    """A parameter whose comment holds '=' (`page_size = 64  # 0 = contiguous cache`) is a parameter: papermill's
+    line parser drops it, ours does not; `-p n_experts 8` on the layer notebook is accepted."""
+    nbs = Path(__file__).resolve().parent.parent / "notebooks"
+    known = cli.notebook_parameters(nbs / "03_mla.ipynb")
+    assert known["page_size"] == 64 and known["deadline_s"] == 0 and known["heads"] == "12"
+    assert cli.check_params(nbs / "03_mla.ipynb", {"page_size": 0}) == {"page_size": 0}
+    assert cli.check_params(nbs / "01_decode_layer.ipynb", {"n_experts": 8}) == {"n_experts": 8}
+    with pytest.raises(cli.RunFailed, match="'batch' expects a number"):
+        cli.check_params(nbs / "01_decode_layer.ipynb", {"batch": "abc"})

@@ -1,0 +1,94 @@
+"""Reports in a real headless browser: Debian's chromium driven by Playwright (`.ci/run` installs both; Playwright's
+own browser download needs the internet, so chromium is launched from its path). Every page the tests make here
+(the CPU plan's notebook reports and index, a bundle report) and every committed report under profiles/ loads
+offline (every request that is not a local file is refused), draws every plotly figure (a `.js-plotly-plot`
+holding an svg) and logs no console error and no page error. Each report loads the ONE shared plotly.js.
+Skipped cleanly where chromium or Playwright is missing."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_report_sweep import plan_run
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT / "profiles"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - the `browser` extra is not installed
+    sync_playwright = None
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium)"),
+              pytest.mark.skipif(sync_playwright is None, reason="playwright not installed (pip install "
+                                 "-e '.[browser]')")]
+
+
+def _pages(tmp_path_factory) -> list[tuple[Path, bool]]:
+    """(page, whether it must hold figures): the plan's reports and index, a bundle report, the committed ones."""
+    import json
+
+    from k3lab.harness.bundle import load
+    from k3lab.report import bundle_report
+
+    run = plan_run(tmp_path_factory)
+    assert run["proc"].returncode == 0, run["proc"].stdout + run["proc"].stderr
+    meta = json.loads((run["dir"] / "sweep.json").read_text())
+    pages = [(Path(r["report"]), True) for r in meta["runs"]] + [(run["dir"] / "index.html", False)]
+    bundle = next(Path(b) for r in meta["runs"] for b in r["bundles"] if Path(b).name == "mla_sweep-cpu.json")
+    pages.append((bundle_report(load(bundle), run["dir"] / "bundle_report.html"), True))
+    pages += [(p, True) for p in sorted(PROFILES.glob("*/*.html"))]
+    return pages
+
+
+def test_every_report_renders_offline_in_chromium(tmp_path_factory):
+    from k3lab.report import shared_plotly_js
+
+    pages = _pages(tmp_path_factory)
+    js = shared_plotly_js().resolve()
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            ctx = browser.new_context(offline=True)
+
+            def route(r):  # nothing but local files
+                if r.request.url.startswith("file://"):
+                    return r.continue_()
+                problems.append(f"network request refused: {r.request.url}")
+                return r.abort()
+
+            ctx.route("**/*", route)
+            page = ctx.new_page()
+            for path, has_figures in pages:
+                errors: list[str] = []
+                page.on("console", lambda m, e=errors: e.append(f"console {m.type}: {m.text}")
+                        if m.type == "error" else None)
+                page.on("pageerror", lambda exc, e=errors: e.append(f"page error: {exc}"))
+                page.goto(path.resolve().as_uri(), wait_until="load")
+                divs = page.locator("div.plotly-graph-div").count()
+                if divs:
+                    page.wait_for_function(
+                        "n => document.querySelectorAll('.js-plotly-plot .main-svg').length >= n", arg=divs,
+                        timeout=15_000)
+                drawn = page.evaluate("[...document.querySelectorAll('div.plotly-graph-div')]"
+                                      ".filter(d => d.classList.contains('js-plotly-plot') && d.querySelector('svg'))"
+                                      ".length")
+                scripts = page.evaluate("[...document.scripts].filter(s => s.src).map(s => s.src)")
+                name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                if has_figures and not divs:
+                    errors.append("no plotly figure in a report that should have some")
+                if drawn != divs:
+                    errors.append(f"{divs - drawn} of {divs} figures not drawn")
+                if divs and [Path(u[len('file://'):]).resolve() for u in scripts] != [js]:
+                    errors.append(f"plotly.js not the one shared copy: {scripts}")
+                problems += [f"{name}: {e}" for e in errors]
+                page.close()
+                page = ctx.new_page()
+        finally:
+            browser.close()
+    assert len(pages) >= 5
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,74 @@
+"""`k3lab sweep plans/cpu_smoke.yaml` on the CPU: every run of the plan, the index page linking them, each bundle
+compared with its baseline under profiles/ (cpu-smoke rows shown, never gated), the reports in report mode, and
+`k3lab report` leaving a bundle unchanged. The plan runs once per test session (`plan_run`); tests/test_browser.py
+loads the pages it made."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from k3lab.harness.bundle import find_bundles, load
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "plans" / "cpu_smoke.yaml"
+_RUN: dict = {}
+
+
+def plan_run(tmp_path_factory) -> dict:
+    """The CPU plan, run once per session: {"dir": sweep folder, "proc": the finished process}."""
+    if not _RUN:
+        out = tmp_path_factory.mktemp("cpu_smoke")
+        proc = subprocess.run([sys.executable, "-m", "k3lab.cli", "sweep", str(PLAN), "--out", str(out)],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        _RUN.update(dir=out, proc=proc)
+    return _RUN
+
+
+def test_cpu_plan_runs_indexes_and_gates(tmp_path_factory):
+    run = plan_run(tmp_path_factory)
+    out, proc = run["dir"], run["proc"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # no warning breaks into the progress output
+    assert "WARNING" not in proc.stderr and "Unable to parse" not in proc.stderr, proc.stderr
+    meta = json.loads((out / "sweep.json").read_text())
+    runs = meta["runs"]
+    assert [Path(r["notebook"]).name for r in runs] == ["03_mla.ipynb", "02_kda.ipynb", "02_kda.ipynb"]
+    assert [r["grid"] for r in runs][1:] == [{"drift_steps": 10}, {"drift_steps": 20}]
+    index = (out / "index.html").read_text()
+    for r in runs:
+        assert r["status"] == "ok" and Path(r["report"]).exists() and Path(r["executed"]).exists()
+        for p in (r["report"], r["executed"], *r["bundles"]):
+            assert f"href='{Path(p).relative_to(out).as_posix()}'" in index
+    # the MLA bundle meets its committed CPU baseline: compared, never gated, and the output says so
+    (mla,) = [g for g in meta["gates"] if Path(g["bundle"]).name == "mla_sweep-cpu.json"]
+    assert Path(mla["baseline"]) == ROOT / "profiles" / "cpu" / "mla_sweep-cpu.json"
+    assert mla["compared"] > 0 and mla["cpu_smoke"] == mla["compared"] and mla["gated"] == 0
+    assert not mla["regressions"]
+    assert "compared and never gated on time" in proc.stdout and "never gated" in index
+
+
+def test_reports_are_in_report_mode(tmp_path_factory):
+    run = plan_run(tmp_path_factory)
+    r = next(x for x in json.loads((run["dir"] / "sweep.json").read_text())["runs"] if "03_mla" in x["notebook"])
+    html = Path(r["report"]).read_text()
+    assert "runner.run(" not in html and "sweep_figures" not in html  # no code
+    assert "<h3>Parameters</h3>" in html and "<td>contexts</td><td>40</td><td>set</td>" in html
+    assert "<td>page_size</td><td>64</td><td>default</td>" in html
+    assert "<h3>Environment</h3>" in html and "source_digest" in html
+    assert "Plotly.newPlot" in html and "rel err vs fp64" in html
+    nb = json.loads(Path(r["executed"]).read_text())  # the executed notebook keeps its code
+    assert any("runner.run(" in "".join(c["source"]) for c in nb["cells"])
+
+
+def test_report_command_leaves_the_bundle_unchanged(tmp_path_factory, tmp_path):
+    run = plan_run(tmp_path_factory)
+    (bpath,) = [p for p in find_bundles(run["dir"]) if p.name == "mla_sweep-cpu.json"]
+    b = load(bpath)
+    assert b.rows and all(row.floor_bw == "read" and row.error["ok"] for row in b.rows)
+    before = bpath.read_bytes()
+    r = subprocess.run([sys.executable, "-m", "k3lab.cli", "report", str(bpath), "--out", str(tmp_path / "r.html")],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "r.html").exists() and bpath.read_bytes() == before
