@@ -32,20 +32,6 @@ def test_formats_and_batches(dtype, batch):
     _check(dtype=dtype, batch=batch)
 
 
-VARIANTS = [("bf16", dict(split=True)), ("fp8", dict(upcast="f16")), ("fp8", dict(upcast="f16", split=True)),
-            ("fp8", dict(upcast="cvt", split=True)), ("mxfp4", dict(upcast="dot_scaled")),
-            ("mxfp4", dict(upcast="dot_scaled", split=True)), ("mxfp4", dict(upcast="cvt", split=True))]
-SLOW_VARIANTS = {2, 3, 6}  # the split path and each upcast are covered by the others in the default run
-
-
-@pytest.mark.parametrize("dtype,options", [pytest.param(*v, marks=pytest.mark.slow) if i in SLOW_VARIANTS else v
-                                           for i, v in enumerate(VARIANTS)], ids=lambda v: str(v))
-def test_upcast_and_split_paths(dtype, options):
-    """Every path: fp8 via fp16 MMAs, MXFP4 via the compiler's scaled dot, the two-launch split; ragged routing
-    (a group of every token, groups of one, an expert nobody chose)."""
-    _check(dtype=dtype, batch=3, routing="ragged", options=options)
-
-
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_ragged_routing(dtype):
     """Expert 0 chosen by every token, 1..3 by most, 4 by none, the rest by one or none."""
@@ -163,16 +149,16 @@ def test_bytes_count_distinct_experts():
 # ---- GPU: K3's sizes ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,options", [(f, {}) for f in FORMATS] + [VARIANTS[1], VARIANTS[4]], ids=lambda v: str(v))
-def test_gpu_k3_sizes(dtype, options):
+@pytest.mark.parametrize("dtype", FORMATS)
+def test_gpu_k3_sizes(dtype):
     """K3's pool (896 experts, latent 3584) at TP16, ragged routing at an odd batch; `k3lab bench moe` checks every
     timed row (TP8, batch 1..64, uniform / same16 / traced) the same way."""
-    _check(dtype=dtype, batch=33, routing="ragged", tp=16, options=options, **K3)
+    _check(dtype=dtype, batch=33, routing="ragged", tp=16, **K3)
 
 
 @pytest.mark.gpu
 def test_gpu_trace_routing():
-    _check(dtype="mxfp4", batch=16, routing="k3_reuse30", options=dict(upcast="dot_scaled"), **K3)
+    _check(dtype="mxfp4", batch=16, routing="k3_reuse30", **K3)
 
 
 @pytest.mark.gpu

@@ -72,7 +72,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             backend: str = "reference", out: torch.Tensor | None = None, check_values: bool = True,
             block_n: int | None = None, block_k: int | None = None, block_l: int | None = None,
             block_t: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-            upcast: str | None = None, split: bool | None = None, ran: list | None = None) -> torch.Tensor:
+            ran: list | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
@@ -91,7 +91,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B)
     knobs = dict(block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
-                 num_stages=num_stages, upcast=upcast, split=split)
+                 num_stages=num_stages)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
     if be == "triton":
@@ -113,7 +113,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
 
 def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     """Validate the triton backend's inputs (each named) and build the kernel's arguments."""
-    from k3lab_kernels.triton.moe_experts import BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, MAX_BATCH, UPCASTS
+    from k3lab_kernels.triton.moe_experts import BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, MAX_BATCH
 
     B, L = z.shape
     dev = z.device
@@ -161,11 +161,6 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {knobs['num_warps']!r}")
     if knobs["num_stages"] is not None and knobs["num_stages"] not in (1, 2, 3, 4, 5):
         _fail("num_stages", f"must be None or one of 1..5, got {knobs['num_stages']!r}")
-    ups = UPCASTS[TRITON_FORMATS[fmt]]
-    if knobs["upcast"] is not None and knobs["upcast"] not in ups:
-        _fail("upcast", f"must be None or one of {ups} for {TRITON_FORMATS[fmt]} experts, got {knobs['upcast']!r}")
-    if knobs["split"] is not None and not isinstance(knobs["split"], bool):
-        _fail("split", f"must be None or a bool (two launches: w1/w3 + SiTU, then w2), got {knobs['split']!r}")
     if out is None:
         out = torch.empty(B, L, dtype=torch.float32, device=dev)
     elif out.dtype != torch.float32 or not out.is_contiguous():

@@ -45,8 +45,6 @@ import triton.language as tl
 from k3lab_kernels.triton.mla_decode import dot_f32, rne_bf16
 
 FORMATS = ("bf16", "fp8", "mxfp4")
-UPCASTS = {"bf16": ("cvt",), "fp8": ("cvt", "f16"), "mxfp4": ("cvt", "dot_scaled")}
-UPCAST_CODE = {"cvt": 0, "f16": 1, "dot_scaled": 2}
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 BLOCK_T_ALLOWED = (16, 32, 64)
 MAX_BATCH = 256
@@ -132,8 +130,7 @@ def _slots(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
-        BK: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, UPCAST: tl.constexpr,
-        DOT_F32: tl.constexpr):
+        BK: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
     """a = situ(W1 z, W3 z) [BN, BT] fp32 for the BN rows `rows` of one expert and BT member tokens."""
     g = tl.zeros([BN, BT], tl.float32)
     u = tl.zeros([BN, BT], tl.float32)
@@ -147,16 +144,8 @@ def _up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L: tl.constexpr, FMT: tl.constexpr
             q3 = tl.load(w3e + rows[:, None] * (L // 2) + kh[None, :])
             c1 = tl.load(s1e + rows[:, None] * (L // 32) + ks[None, :])
             c3 = tl.load(s3e + rows[:, None] * (L // 32) + ks[None, :])
-            if UPCAST == 2:  # the compiler's scaled dot (E2M1 upcast + scale, then the MMA)
-                g = tl.dot_scaled(q1, c1, "e2m1", zt, None, "bf16", g)
-                u = tl.dot_scaled(q3, c3, "e2m1", zt, None, "bf16", u)
-            else:
-                g = _mm(_mxfp4_tile(q1, c1, BN, BK), zt, g, DOT_F32)
-                u = _mm(_mxfp4_tile(q3, c3, BN, BK), zt, u, DOT_F32)
-        elif UPCAST == 1:  # fp8 -> fp16 (exact), z -> fp16, fp16 MMAs
-            z16 = zt.to(tl.float16)
-            g = _mm(tl.load(w1e + rows[:, None] * L + kc[None, :]).to(tl.float16), z16, g, DOT_F32)
-            u = _mm(tl.load(w3e + rows[:, None] * L + kc[None, :]).to(tl.float16), z16, u, DOT_F32)
+            g = _mm(_mxfp4_tile(q1, c1, BN, BK), zt, g, DOT_F32)
+            u = _mm(_mxfp4_tile(q3, c3, BN, BK), zt, u, DOT_F32)
         else:
             g = _mm(tl.load(w1e + rows[:, None] * L + kc[None, :]).to(tl.bfloat16), zt, g, DOT_F32)
             u = _mm(tl.load(w3e + rows[:, None] * L + kc[None, :]).to(tl.bfloat16), zt, u, DOT_F32)
@@ -167,10 +156,8 @@ def _up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L: tl.constexpr, FMT: tl.constexpr
 
 
 @triton.jit
-def _round_act(a, UPCAST: tl.constexpr, DOT_F32: tl.constexpr):
-    """The activation as the w2 product's operand: fp16 on the fp16 path, else bf16 (nearest-even)."""
-    if UPCAST == 1:
-        return a.to(tl.float16)
+def _round_act(a, DOT_F32: tl.constexpr):
+    """The activation as the w2 product's bf16 operand (nearest-even)."""
     if DOT_F32:
         a = rne_bf16(a)
     return a.to(tl.bfloat16)
@@ -189,9 +176,8 @@ def _ptrs(w1, w3, w2, s1, s3, s2, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.c
 def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                         L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                         FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, UPCAST: tl.constexpr,
-                        DOT_F32: tl.constexpr):
-    """Fused: program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader)."""
+                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader)."""
     n = tl.program_id(0)
     p = tl.program_id(1)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -200,8 +186,7 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
         rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, BT):
             tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
-            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, UPCAST, DOT_F32),
-                             UPCAST, DOT_F32)
+            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, DOT_F32), DOT_F32)
             for l0 in range(0, L, BL):  # y[tok] += w_t * W2[:, rows] a
                 lr = l0 + tl.arange(0, BL)
                 o = tl.zeros([BL, BT], tl.float32)
@@ -210,12 +195,7 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                     ns = n * (BN // 32) + tl.arange(0, BN // 32)
                     q2 = tl.load(w2e + lr[:, None] * (I // 2) + nh[None, :])
                     c2 = tl.load(s2e + lr[:, None] * (I // 32) + ns[None, :])
-                    if UPCAST == 2:
-                        o = tl.dot_scaled(q2, c2, "e2m1", act, None, "bf16", o)
-                    else:
-                        o = _mm(_mxfp4_tile(q2, c2, BL, BN), act, o, DOT_F32)
-                elif UPCAST == 1:
-                    o = _mm(tl.load(w2e + lr[:, None] * I + rows[None, :]).to(tl.float16), act, o, DOT_F32)
+                    o = _mm(_mxfp4_tile(q2, c2, BL, BN), act, o, DOT_F32)
                 else:
                     o = _mm(tl.load(w2e + lr[:, None] * I + rows[None, :]).to(tl.bfloat16), act, o, DOT_F32)
                 if FMT == 1:
@@ -224,82 +204,16 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                 tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
 
 
-@triton.jit
-def _moe_up_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act_buf, B,
-                   L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                   FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                   BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    """Split, first launch: a = situ(W1 z, W3 z) rows n*BN.. of pair p's expert (if leader) into act_buf at each
-    member's pair row; programs (0, b*K) zero y[b] for the second launch's atomics."""
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    if (n == 0) & (p % K == 0):
-        for l0 in range(0, L, BL):
-            lr = l0 + tl.arange(0, BL)
-            tl.store(y + (p // K) * L + lr, tl.zeros([BL], tl.float32))
-    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
-    if leader:
-        w1e, w3e, w2e, s1e, s3e, s2e = _ptrs(w1, w3, w2, s1, s3, s2, e, L, I, FMT)
-        rows = n * BN + tl.arange(0, BN)
-        for t0 in range(0, cnt, BT):
-            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
-            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, UPCAST, DOT_F32),
-                             UPCAST, DOT_F32)
-            tl.store(act_buf + q[None, :] * I + rows[:, None], act, mask=ok[None, :])
-
-
-@triton.jit
-def _moe_down_kernel(idx, wk, w2, s2, y, act_buf, B,
-                     L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                     FMT: tl.constexpr, BL: tl.constexpr, BI: tl.constexpr, BT: tl.constexpr,
-                     UPCAST: tl.constexpr, DOT_F32: tl.constexpr):
-    """Split, second launch: program (m, p) streams whole rows m*BL.. of pair p's expert's w2 (if leader) against
-    its members' activations and adds w_t * W2 a into y."""
-    m = tl.program_id(0)
-    p = tl.program_id(1)
-    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
-    if leader:
-        lr = m * BL + tl.arange(0, BL)
-        if FMT == 2:
-            w2e = w2 + e * (L * (I // 2))
-            s2e = s2 + e * (L * (I // 32))
-        else:
-            w2e = w2 + e * (L * I)
-            s2e = s2 + e * L
-        for t0 in range(0, cnt, BT):
-            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
-            o = tl.zeros([BL, BT], tl.float32)
-            for i0 in range(0, I, BI):
-                ii = i0 + tl.arange(0, BI)
-                a = tl.load(act_buf + q[None, :] * I + ii[:, None], mask=ok[None, :], other=0.0)  # [BI, BT]
-                if FMT == 2:
-                    q2 = tl.load(w2e + lr[:, None] * (I // 2) + (i0 // 2 + tl.arange(0, BI // 2))[None, :])
-                    c2 = tl.load(s2e + lr[:, None] * (I // 32) + (i0 // 32 + tl.arange(0, BI // 32))[None, :])
-                    if UPCAST == 2:
-                        o = tl.dot_scaled(q2, c2, "e2m1", a, None, "bf16", o)
-                    else:
-                        o = _mm(_mxfp4_tile(q2, c2, BL, BI), a, o, DOT_F32)
-                elif UPCAST == 1:
-                    o = _mm(tl.load(w2e + lr[:, None] * I + ii[None, :]).to(tl.float16), a, o, DOT_F32)
-                else:
-                    o = _mm(tl.load(w2e + lr[:, None] * I + ii[None, :]).to(tl.bfloat16), a, o, DOT_F32)
-            if FMT == 1:
-                o = o * tl.load(s2e + lr)[:, None]
-            o = o * w_t[None, :]
-            tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 def default_blocks(B: int, K: int, I: int, L: int, fmt: str) -> dict:
-    """The kernel's tile heuristic: BN rows of the intermediate per program (32 at small batch so that 16
-    experts x I/BN programs fill the SMs, 64 from 256 pairs on; MXFP4 needs BN >= 32, one scale group), BK
-    latent columns a step (a [BN, BK] tile of w1 and of w3 in flight per stage, ~8-16 KB each, so two or
-    three programs fit an SM), BL = 128 rows of w2 a step, BT = 16 tokens a tile."""
-    bn = min(32 if B * K <= 256 else 64, I)
+    """The kernel's tile choice, from the H200 sweeps (docs/NOTES_moe.md): BN = 64 intermediate rows a program
+    (bf16 and MXFP4 at every batch; fp8 takes 32 at batch <= 4), BK latent columns a step (bf16 128, fp8 and
+    MXFP4 256: a [BN, BK] tile of w1 and of w3 in flight per stage, 8-16 KB each), BL = 128 rows of w2 a step,
+    BT = 16 tokens a tile, 4 warps (8 for MXFP4, whose dequantized tile lives in registers), 3 stages."""
+    bn = min(32 if (fmt == "fp8" and B <= 4) else 64, I)
     bk = {"bf16": 128, "fp8": 256, "mxfp4": 256}[fmt]
     while L % bk:
         bk //= 2
@@ -307,39 +221,26 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str) -> dict:
     while L % bl:
         bl //= 2
     return dict(block_n=bn, block_k=bk, block_l=bl, block_t=16, num_warps=8 if fmt == "mxfp4" else 4,
-                num_stages=3, upcast="cvt", split=False)
+                num_stages=3)
 
 
 def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, y: torch.Tensor, *, fmt: str, s1=None, s3=None, s2=None, b1: float = 4.0,
                 b2: float = 25.0, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, upcast: str | None = None, split: bool | None = None) -> torch.Tensor:
+                num_stages: int | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
-    k3lab.components.moe.experts; this launches (y zeroed first, then one kernel)."""
+    k3lab.components.moe.experts; this zeroes y and launches the one kernel."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
     d = default_blocks(B, K, I, L, fmt)
     bn, bk, bl = block_n or d["block_n"], block_k or d["block_k"], block_l or d["block_l"]
-    bt = block_t or d["block_t"]
-    up = UPCAST_CODE[upcast or d["upcast"]]
-    f = FORMATS.index(fmt)
     dummy = torch.empty(1, dtype=torch.float32, device=z.device)
     sc = [t if t is not None else dummy for t in (s1, s3, s2)]
-    meta = dict(L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), FMT=f, BT=bt, UPCAST=up, DOT_F32=dot_f32())
-    nw, ns = num_warps or d["num_warps"], num_stages or d["num_stages"]
-    if not (split if split is not None else d["split"]):
-        y.zero_()
-        _moe_experts_kernel[(I // bn, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, BN=bn, BK=bk, BL=bl, B1=float(b1),
-                                              B2=float(b2), num_warps=nw, num_stages=ns, **meta)
-        return y
-    act = torch.empty(B * K, I, dtype=torch.float16 if up == 1 else torch.bfloat16, device=z.device)
-    _moe_up_kernel[(I // bn, B * K)](z, idx, wk, w1, w3, w2, *sc, y, act, B, BN=bn, BK=bk, BL=bl, B1=float(b1),
-                                     B2=float(b2), num_warps=nw, num_stages=ns, **meta)
-    bi = min(128, I)
-    while I % bi:
-        bi //= 2
-    _moe_down_kernel[(L // bl, B * K)](idx, wk, w2, sc[2], y, act, B, BL=bl, BI=bi, num_warps=nw, num_stages=ns,
-                                       **meta)
+    y.zero_()
+    _moe_experts_kernel[(I // bn, B * K)](
+        z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), FMT=FORMATS.index(fmt),
+        BN=bn, BK=bk, BL=bl, BT=block_t or d["block_t"], B1=float(b1), B2=float(b2), DOT_F32=dot_f32(),
+        num_warps=num_warps or d["num_warps"], num_stages=num_stages or d["num_stages"])
     return y
