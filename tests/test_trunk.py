@@ -51,10 +51,25 @@ def test_proj_batches_small_and_tiled(batch, wdtype):
     _check(PROJ, preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
 
 
+@pytest.mark.parametrize("batch,wdtype", [(1, "bf16"), (3, "fp8"), (8, "bf16")])
+def test_proj_rows_path(batch, wdtype):
+    """The register GEMV (no split-K), batch padded to a power of two, K not a multiple of the chunk."""
+    _check(PROJ, options=dict(path="rows", block_n=16), preset="tiny", proj="kda_fb", batch=batch, wdtype=wdtype)
+    _check(PROJ, options=dict(path="rows", block_n=2, block_k=64), preset="tiny", proj="mla_dkv", batch=batch,
+           wdtype=wdtype)
+
+
+@pytest.mark.parametrize("group", list(ops.GROUPS))
+def test_group_rows_path(group):
+    _check(GROUP, options=dict(path="rows", block_n=32), preset="tiny", group=group, batch=3, wdtype="fp8")
+
+
 @pytest.mark.parametrize("name", ["kda_o", "mla_o"])
 @pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
 def test_proj_residual_epilogue(name, wdtype):
     _check(PROJ, preset="tiny", proj=name, batch=3, wdtype=wdtype, residual=True)
+    _check(PROJ, options=dict(path="rows", block_n=16), preset="tiny", proj=name, batch=3, wdtype=wdtype,
+           residual=True)
 
 
 @pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=4, block_k=64), dict(block_n=16, num_warps=2),
@@ -184,6 +199,9 @@ def _xw(B=2, K=64, N=24):
     (lambda: trunk.proj(torch.randn(257, 64).bfloat16(), _xw()[1], backend="triton"), "'x'"),
     (lambda: trunk.proj(*_xw(), backend="triton", block_n=48), "'block_n'"),
     (lambda: trunk.proj(*_xw(), backend="reference", split_k=2), "'split_k'"),
+    (lambda: trunk.proj(torch.randn(9, 64).bfloat16(), _xw()[1], backend="triton", path="rows"), "'path'"),
+    (lambda: trunk.proj(*_xw(), backend="triton", path="tiles"), "'path'"),
+    (lambda: trunk.proj(*_xw(), backend="triton", path="rows", split_k=2), "'split_k'"),
     (lambda: trunk.proj_group(*_xw(), [torch.empty(2, 20, dtype=torch.bfloat16)], backend="triton"), "'outs'"),
     (lambda: trunk.proj_group(*_xw(), torch.empty(2, 24), backend="triton"), "'outs'"),
     (lambda: trunk.proj_group(*_xw(), [torch.empty(2, 3, dtype=torch.bfloat16)] * 8, backend="triton"), "'outs'"),
@@ -247,24 +265,22 @@ def test_auto_without_measured_rule_or_gpu_is_reference():
 @pytest.mark.parametrize("preset", ["tp8", "tp16"])
 @pytest.mark.parametrize("name", ops.NAMES)
 def test_gpu_every_projection_shape(preset, name):
-    for batch, wdtype in ((1, "bf16"), (5, "fp8"), (16, "bf16"), (64, "bf16"), (64, "fp8")):
-        _check(PROJ, preset=preset, proj=name, batch=batch, wdtype=wdtype)
+    for batch, wdtype, path in ((1, "bf16", "rows"), (5, "fp8", "dot"), (64, "bf16", "dot")):
+        _check(PROJ, options=dict(path=path), preset=preset, proj=name, batch=batch, wdtype=wdtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tp8", "tp16"])
 @pytest.mark.parametrize("group", list(ops.GROUPS))
 def test_gpu_groups(preset, group):
-    for batch, wdtype in ((1, "bf16"), (1, "fp8"), (8, "bf16"), (64, "fp8")):
-        _check(GROUP, preset=preset, group=group, batch=batch, wdtype=wdtype)
+    for batch, wdtype, path in ((1, "fp8", "rows"), (16, "bf16", "dot")):
+        _check(GROUP, options=dict(path=path), preset=preset, group=group, batch=batch, wdtype=wdtype)
 
 
 @pytest.mark.gpu
 def test_gpu_router_and_attnres():
+    for scores in ("random", "near", "ties"):
+        _check(ROUTER, batch=64, scores=scores)
     for batch in (1, 64):
-        for scores in ("random", "near", "ties"):
-            for method in ("rounds", "sort"):
-                _check(ROUTER, batch=batch, scores=scores, options=dict(method=method))
-        for n in (0, 9):
-            for u in ops.UPDATES:
-                _check(ATT, batch=batch, n_blocks=n, update=u)
+        for n, u in ((0, "fresh"), (9, "add"), (9, "none")):
+            _check(ATT, batch=batch, n_blocks=n, update=u)

@@ -15,10 +15,11 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
 
 Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.trunk):
   reference      torch in fp32 (fp64 for fp64 inputs); for proj/proj_group a matmul of the dequantized weight
-  torch_compile  torch.compile of the same functions
+  torch_compile  torch.compile of the same function (router_topk; a projection's torch.compile is cuBLAS)
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
   auto           data/trunk_defaults.json, else the reference
-Knobs (triton only): block_n, block_k, split_k, num_warps, num_stages (proj); num_warps (router_topk); None =
+Knobs (triton only): path ("dot": tensor-core tiles with split-K; "rows": register GEMV for batch <= 8),
+block_n, block_k, split_k, num_warps, num_stages (proj, proj_group); num_warps, method (router_topk); None =
 the kernel's heuristic. Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
@@ -144,11 +145,17 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
     _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group")
+    if opts.get("path") == "rows":
+        from k3lab_kernels.triton.proj_gemv import ROWS_MAX_BATCH
+
+        if B > ROWS_MAX_BATCH:
+            _fail("path", f"'rows' takes a batch of at most {ROWS_MAX_BATCH}, got {B}; use 'dot' or None")
+        if opts.get("split_k", 1) != 1:
+            _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
     if be == "triton":
         dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, **opts)
     else:
-        fn = _linear_ref if be == "reference" else dispatch.compiled("trunk.linear", _linear_ref, dynamic=True)
-        y = fn(x, w, w_scale, residual)
+        y = _linear_ref(x, w, w_scale, residual)
         a = 0
         for o in outs:
             o.copy_(y[:, a:a + o.shape[1]])
@@ -161,23 +168,25 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
 
 def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, backend: str = "reference", ran: list | None = None,
-         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+         path: str | None = None, block_n: int | None = None, block_k: int | None = None,
+         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """out = x W^T (+ residual) (module docstring)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
-    knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs)[0]
 
 
 def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,
-               backend: str = "reference", ran: list | None = None, block_n: int | None = None,
-               block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-               num_stages: int | None = None) -> list[torch.Tensor]:
+               backend: str = "reference", ran: list | None = None, path: str | None = None,
+               block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
-    knobs = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages)
+    knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                 num_stages=num_stages)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs)
 
 
@@ -245,6 +254,7 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference",
     _tensor("h", h, 2)
     dt = torch.float64 if h.dtype == torch.float64 else torch.float32  # the oracle stays fp64 throughout
     logits = torch.empty(h.shape[0], router.n_experts, dtype=dt, device=h.device)
-    proj(h, router.w, logits, w_scale=w_scale, backend=backend, ran=ran)
+    proj(h, router.w, logits, w_scale=w_scale, backend="reference" if backend == "torch_compile" else backend,
+         ran=ran)  # (a projection's torch.compile is cuBLAS: the reference GEMM)
     return router_topk(logits, router.e_bias.to(dt).contiguous(), top_k=router.top_k, scaling=router.scaling,
                        backend=backend, ran=ran)

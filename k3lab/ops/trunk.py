@@ -19,7 +19,9 @@ can order exact ties differently; `ref_router` below is the oracle.
 Peers (`k3lab bench trunk`): cuBLAS (F.linear on the same bf16 weights; for fp8 weights on their bf16
 dequantization, as torch has no per-channel-scale fp8 GEMV for bf16 activations), the group's parts run
 one after another (our kernel, one launch each) and cuBLAS on the group's parts; fla's fused_attnres
-(with its output RMSNorm) on the updated partial; the torch reference and torch.compile of it.
+(with its output RMSNorm) on the updated partial; the torch reference, and torch.compile of it for the
+router and AttnRes (the projections have no torch_compile backend: torch.compile of x @ W^T is the same
+cuBLAS GEMM as the cublas peer).
 
 Bytes (the one formula):
   proj        weights N*K*e (e = 2 bf16, 1 fp8 + 4*N scales) + x B*K*2 + outputs B*N*e_out (+ residual B*N*2)
@@ -399,10 +401,13 @@ def attnres_peers(case: Case) -> list[Peer]:
 
 _NONE = (None,)
 _PROJ_OPTS = dict(
-    option_axes={"block_n": {"triton": (None, 16, 32, 64, 128)}, "block_k": {"triton": (None, 64, 128, 256, 512)},
+    option_axes={"path": {"triton": (None, "dot", "rows")},
+                 "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128)},
+                 "block_k": {"triton": (None, 64, 128, 256, 512, 1024, 2048)},
                  "split_k": {"triton": (None, 1, 2, 4, 8, 16, 28)}, "num_warps": {"triton": (None, 2, 4, 8)},
                  "num_stages": {"triton": (None, 2, 3, 4, 5, 6)}},
-    option_defaults={"block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE, "num_stages": _NONE},
+    option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE,
+                     "num_stages": _NONE},
 )
 
 PROJ = register(Op(
@@ -412,8 +417,7 @@ PROJ = register(Op(
               wdtype=("bf16", "fp8"), residual=(False,)),
     make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_proj, nbytes=proj_bytes, flops=proj_flops, floor_bw="read",
-    backends={"reference": "k3lab.ref.situ:linear", "torch_compile": "k3lab.ref.situ:linear",
-              "triton": "k3lab_kernels.triton.proj_gemv:proj"},
+    backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
     valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= 256
     and c["wdtype"] in ("bf16", "fp8"),
     peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
@@ -426,8 +430,7 @@ GROUP = register(Op(
     make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_group, nbytes=proj_bytes, flops=proj_flops,
     floor_bw="read",
-    backends={"reference": "k3lab.ref.situ:linear", "torch_compile": "k3lab.ref.situ:linear",
-              "triton": "k3lab_kernels.triton.proj_gemv:proj"},
+    backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
     valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= 256,
     peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
 ))
@@ -461,3 +464,54 @@ ATTNRES = register(Op(
     valid=lambda c: 0 <= c["n_blocks"] <= 9 and c["update"] in UPDATES and c["batch"] >= 1,
     peers=attnres_peers, test_file="tests/test_trunk.py",
 ))
+
+
+# ---- the H200 evidence sweep --------------------------------------------------------------------------
+
+# (ops, grid) in priority order: the sweeps behind profiles/h200/trunk.json, run by `h200_sweep` into ONE
+# bundle (rows of every entry merged; each entry a `k3lab bench trunk --ops ... --grid ...`).
+H200_SWEEP: tuple[tuple[tuple[str, ...], dict], ...] = (
+    (("router_topk", "attnres_norm"), dict(batch=(1, 64), scores=("random",), n_blocks=(9,), update=("add",),
+                                           num_warps=(2, 4, 8, 16), method=("rounds",))),
+    (("proj_group",), dict(preset=("tp8", "tp16"), batch=(1,), wdtype=("bf16",), path=("dot", "rows"))),
+    (("proj",), dict(preset=("tp8",), proj=("kda_q", "kda_o", "mla_dkv", "moe_router", "moe_down", "shared_w1"),
+                     batch=(1, 4, 8, 16, 64), wdtype=("bf16",), path=("dot", "rows"))),
+    (("proj",), dict(preset=("tp8",), proj=("kda_q", "kda_o", "moe_down"), batch=(1, 8, 64), wdtype=("fp8",),
+                     path=("dot", "rows"))),
+    (("proj",), dict(preset=("tp16",), proj=("kda_q", "kda_o", "kda_b", "shared_w1", "shared_w2"),
+                     batch=(1, 8, 64), wdtype=("bf16",), path=("dot", "rows"))),
+)
+
+
+def h200_sweep(out: str, *, reps: int = 20, deadline_s: float = 0.0, name: str = "trunk", log=print):
+    """Every entry of H200_SWEEP through k3lab.bench.runner.run (triton beside its peers, each row checked
+    against fp64), entries in order while the deadline lasts; one bundle `name` saved under `out`. Prints one
+    line per row. Returns the bundle's path."""
+    import time
+
+    from k3lab.bench import runner
+
+    t_end = time.time() + deadline_s if deadline_s else None
+    bd = None
+    for ops, grid in H200_SWEEP:
+        left = None if t_end is None else t_end - time.time()
+        if left is not None and left <= 0:
+            msg = f"deadline reached before {ops} {grid}"
+            log(msg)
+            if bd is not None:
+                bd.notes.append(msg)
+            continue
+        b = runner.run("trunk", grid=grid, ops=ops, backends=["triton"], peers=True, reps=reps, deadline_s=left,
+                       kernels=False, name=name, log=log)
+        b.notes.insert(0, f"entry {ops} {grid}")
+        if bd is None:
+            bd = b
+            bd.config["sweep"] = [dict(ops=list(o), grid={k: list(v) for k, v in g.items()}) for o, g in H200_SWEEP]
+        else:
+            bd.rows.extend(b.rows)
+            bd.notes.extend(b.notes)
+            bd.backends_ran.update(b.backends_ran)
+            bd.backends_skipped.update(b.backends_skipped)
+    path = bd.save(out)
+    log(f"bundle -> {path}")
+    return path

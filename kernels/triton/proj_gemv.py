@@ -11,14 +11,20 @@ scale = amax|W[n, :]| / 448, so the row's largest entry maps to e4m3's largest f
 [B, N] (one output only); each out_i [B, N_i] with unit stride along N_i (any row stride: an output can
 be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the router's logits).
 
-One kernel, two configurations chosen by batch (`config`):
-  * small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
-    rows and a range of K (split-K), so even a 576-row projection puts every SM of the GPU to work. The
-    programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
-    per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
-  * larger batch (B > 16, up to 256): BM = 32..128-row tiles of the batch, BN x BK weight tiles on tensor
-    cores; split-K only while the tiles alone leave SMs idle.
-fp8 tiles are widened to bf16 in registers (exact) before the MMA; the scale multiplies the fp32 sum.
+Two paths (`config`, knob `path`), one launch each:
+  * "dot" (tensor cores), two configurations chosen by batch:
+      - small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
+        rows and a range of K (split-K), so even a 576-row projection puts every SM of the GPU to work. The
+        programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
+        per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
+      - larger batch (B > 16, up to 256): BM = 32..128-row tiles of the batch, BN x BK weight tiles;
+        split-K only while the tiles alone leave SMs idle.
+    fp8 tiles are widened to bf16 in registers (exact) before the MMA.
+  * "rows" (B <= 8): a register GEMV without shared memory or split-K: a program owns BN (2..8) rows of W
+    over all of K in chunks of BN*BK = 4096 weights, the next chunk's load issued before the current
+    chunk's fp32 FMAs (two chunks in flight per program, hundreds of programs), the batch padded to a power
+    of two as the middle axis of a [BN, BP, BK] product reduced along K.
+The fp8 scale multiplies the fp32 sum in the shared epilogue.
 
 Floor (bytes, `k3lab.ops.trunk.proj_bytes`): weights N*K*e (e = 2 bf16, 1 fp8, + 4*N for fp8 scales) +
 x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the read bandwidth. The split-K workspace
@@ -105,23 +111,61 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                 acc += tl.load(tile + s * MP * NP, cache_modifier=".cg")
             tl.atomic_xchg(c, 0)  # the counter is zero again for the next call
     if done:
-        if FP8:
-            acc = acc * tl.load(scale + n, mask=nok, other=0.0)[:, None]
-        if RES:
-            r = tl.load(res + m[None, :].to(tl.int64) * s_rm + n[:, None], mask=nok[:, None] & mok[None, :],
-                        other=0.0)
-            acc += r.to(tl.float32)
-        _store_out(o0, 0, e0, s0, acc, n, m, M, DOT_F32)
-        if NSEG > 1:
-            _store_out(o1, e0, e1, s1, acc, n, m, M, DOT_F32)
-        if NSEG > 2:
-            _store_out(o2, e1, e2, s2, acc, n, m, M, DOT_F32)
-        if NSEG > 3:
-            _store_out(o3, e2, e3, s3, acc, n, m, M, DOT_F32)
-        if NSEG > 4:
-            _store_out(o4, e3, e4, s4, acc, n, m, M, DOT_F32)
-        if NSEG > 5:
-            _store_out(o5, e4, e5, s5, acc, n, m, M, DOT_F32)
+        _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
+                  s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32)
+
+
+@triton.jit
+def _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
+              s0, s1, s2, s3, s4, s5, NSEG: tl.constexpr, FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr):
+    """acc [BN, BM] (rows n of W, batch rows m): the fp8 scale, the residual, the stores into the outputs."""
+    if FP8:
+        acc = acc * tl.load(scale + n, mask=nok, other=0.0)[:, None]
+    if RES:
+        r = tl.load(res + m[None, :].to(tl.int64) * s_rm + n[:, None], mask=nok[:, None] & mok[None, :], other=0.0)
+        acc += r.to(tl.float32)
+    _store_out(o0, 0, e0, s0, acc, n, m, M, RNE)
+    if NSEG > 1:
+        _store_out(o1, e0, e1, s1, acc, n, m, M, RNE)
+    if NSEG > 2:
+        _store_out(o2, e1, e2, s2, acc, n, m, M, RNE)
+    if NSEG > 3:
+        _store_out(o3, e2, e3, s3, acc, n, m, M, RNE)
+    if NSEG > 4:
+        _store_out(o4, e3, e4, s4, acc, n, m, M, RNE)
+    if NSEG > 5:
+        _store_out(o5, e4, e5, s5, acc, n, m, M, RNE)
+
+
+@triton.jit
+def _proj_rows_kernel(x, w, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
+                      M, N, K, s_xm, s_rm,
+                      NSEG: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr):
+    """The rows path (small batch): a program owns BN rows of W over all of K, in chunks of BK held in
+    registers (no shared memory, no split-K); the next chunk's load is issued before the current chunk's
+    products, so two chunks per program are in flight. y[n, b] = sum over the chunk of W[n, k] * x[b, k]
+    as a [BN, BP, BK] product reduced along K (fp32 FMAs; BP = the batch padded to a power of two)."""
+    pid = tl.program_id(0)
+    n = pid * BN + tl.arange(0, BN)
+    m = tl.arange(0, BP)
+    nok = n < N
+    mok = m < M
+    kk = tl.arange(0, BK)
+    wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
+    xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
+    acc = tl.zeros((BN, BP), dtype=tl.float32)
+    wt = tl.load(wp, mask=nok[:, None] & (kk < K)[None, :], other=0.0)
+    nk = tl.cdiv(K, BK)
+    for i in range(1, nk + 1):
+        kn = i * BK
+        wn = tl.load(wp + kn, mask=nok[:, None] & ((kn + kk) < K)[None, :], other=0.0)  # past K: nothing read
+        kc = kn - BK
+        xt = tl.load(xp + kc, mask=mok[:, None] & ((kc + kk) < K)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wt.to(tl.float32)[:, None, :] * xt[None, :, :], 2)
+        wt = wn
+    _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
+              s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, RNE)
 
 
 def sm_count(device: torch.device) -> int:
@@ -130,14 +174,31 @@ def sm_count(device: torch.device) -> int:
     return 132  # the H200's, so the interpreter runs the same split choices as the GPU
 
 
-def config(M: int, N: int, K: int, device: torch.device, *, block_n=None, block_k=None, split_k=None,
-           num_warps=None, num_stages=None) -> dict:
+PATHS = ("dot", "rows")
+ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
+ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
+
+
+def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
+           num_warps=None, num_stages=None, fp8: bool = False) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
-    split_k: the number of K ranges (1 = none); the default fills about two programs per SM."""
+    path: "dot" (tensor-core tiles, split-K at small batch) or "rows" (batch <= ROWS_MAX_BATCH: register
+    GEMV, no split-K); split_k: the dot path's number of K ranges (1 = none; default about two programs
+    per SM)."""
+    path = path or "dot"
+    if path == "rows":
+        if M > ROWS_MAX_BATCH or split_k not in (None, 1):
+            raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
+                             f"batch {M}, split_k {split_k}")
+        BN = block_n or next((b for b in (8, 4) if triton.cdiv(N, b) >= 2 * sm_count(device)), 2)
+        BK = min(block_k or ROWS_CHUNK // BN, max(16, _pow2(K)))
+        BP = max(1, _pow2(M))
+        return dict(path=path, BN=BN, BK=BK, BP=BP, num_warps=num_warps or (4 if BP <= 2 else 8),
+                    num_stages=num_stages or 1)
     small = M <= SMALL_BATCH
     BM = 16 if small else min(128, max(32, _pow2(M)))
-    BN = block_n or (32 if small else 64)
-    BK = block_k or (256 if small else 128)
+    BN = block_n or (64 if small and fp8 else 32)  # tuned on the H200 (docs/NOTES_trunk.md)
+    BK = block_k or 128
     BK = min(BK, max(16, _pow2(K)))
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     chunks = triton.cdiv(K, BK)
@@ -146,27 +207,21 @@ def config(M: int, N: int, K: int, device: torch.device, *, block_n=None, block_
         split_k = max(1, min(want, chunks // 2))
     ksplit = triton.cdiv(chunks, max(1, min(split_k, chunks))) * BK
     split = triton.cdiv(K, ksplit)
-    return dict(BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit,
+    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit,
                 num_warps=num_warps or 4, num_stages=num_stages or (4 if small else 3))
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
-         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> list:
+         residual: torch.Tensor | None = None, path: str | None = None, block_n: int | None = None,
+         block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store. Returns outs. The caller validates."""
     M, K = x.shape
     N = w.shape[0]
-    cfg = config(M, N, K, x.device, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages)
-    BM, BN, split = cfg["BM"], cfg["BN"], cfg["SPLIT"]
-    gn, gm = triton.cdiv(N, BN), triton.cdiv(M, BM)
-    if split > 1:
-        ws = torch.empty(split * gm * BM * gn * BN, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, gn * gm)
-    else:
-        ws = cnt = x  # unused
+    cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
+                 num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
@@ -178,9 +233,24 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         ends.append(e)
         strides.append(0)
     fp8 = w.dtype == torch.float8_e4m3fn
+    sc = w_scale if fp8 else x
+    rs = residual if residual is not None else x
+    s_rm = residual.stride(0) if residual is not None else 0
+    if cfg["path"] == "rows":
+        _proj_rows_kernel[(triton.cdiv(N, cfg["BN"]),)](
+            x, w, sc, rs, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, NSEG=len(outs), BP=cfg["BP"],
+            BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return outs
+    BM, BN, split = cfg["BM"], cfg["BN"], cfg["SPLIT"]
+    gn, gm = triton.cdiv(N, BN), triton.cdiv(M, BM)
+    if split > 1:
+        ws = torch.empty(split * gm * BM * gn * BN, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, gn * gm)
+    else:
+        ws = cnt = x  # unused
     _proj_kernel[(gn, gm, split)](
-        x, w, w_scale if fp8 else x, residual if residual is not None else x, ws, cnt, *o, *ends, *strides,
-        M, N, K, x.stride(0), residual.stride(0) if residual is not None else 0, cfg["KSPLIT"],
+        x, w, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"],
         NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=cfg["BK"], FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % cfg["BK"] == 0, DOT_F32=dot_f32(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
