@@ -29,7 +29,7 @@ STEP_PARAMS = VIEW_PARAMS + ("block", "n_experts", "backend") + BACKEND_PARAMS +
     "compare", "compare_reps", "toggles", "components", "reps", "warmup", "allreduce_us", "numerics_steps",
     "numerics_preset", "nsight_layer", "kernels_layer", "panel", "trace", "seed")
 DEPTH_PARAMS = ("preset", "context", "kv_dtype", "expert_dtype", "batches", "depths", "curves", "draft_us_per_token",
-                "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + ("reps", "warmup", "seed")
+                "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + ("components", "reps", "warmup", "seed")
 STEP_TARGETS = {"x_floor": 1.3, "speedup_vs_compile": 1.5, "launches_per_layer": 10}
 
 
@@ -437,7 +437,8 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     """For every batch x draft depth of the parameters: the step built at that view (the verify path for depth
     > 0: KDA and MLA verify over depth + 1 positions, the MoE at batch x (depth + 1) tokens), timed per
     component and layer (k3lab.step.bench_step, no comparison or toggles), and its 93-layer estimate as the
-    verify cycle. Committed tokens per cycle from each acceptance curve (k3lab.acceptance). Returns (DataFrame,
+    verify cycle (with components=False the layer times are split between attention and MLP by their floors).
+    Committed tokens per cycle from each acceptance curve (k3lab.acceptance). Returns (DataFrame,
     Bundle of the cycles)."""
     import pandas as pd
 
@@ -456,8 +457,9 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
         for D in depths:
             view = view_from_params(p, batch=B, draft_depth=D)
             res = stepmod.bench_step(view, sw, n_experts=_n_experts(p.get("n_experts", 0)), compare=(), toggles=False,
-                                     components=True, reps=int(p.get("reps", 5)), warmup=int(p.get("warmup", 1)),
-                                     seed=int(p.get("seed", 0)), log=lambda s: None)
+                                     components=bool(p.get("components", True)), reps=int(p.get("reps", 5)),
+                                     warmup=int(p.get("warmup", 1)), seed=int(p.get("seed", 0)), profile=False,
+                                     log=lambda s: None)
             est = res.estimate
             cycle = est["step_us"] + draft_us * D
             if bundle is None:

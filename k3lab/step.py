@@ -86,7 +86,7 @@ K3_COUNTS = {"kda": 69, "mla": 24, "moe": 92, "dense": 1}  # layer types of the 
 ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; K3_SPEC section 6: symmetric-memory one-shot 11-14 us (2 x H200)
 ALLREDUCES_PER_LAYER = 2  # the attention output and the MLP output are partial sums under TP
 MAX_KERNELS_A_ROW = 8  # kernel names kept per component row (the bundle stays small); the trace has them all
-TRACE_MAX_EVENTS = 6000  # kernels kept in a saved trace (every range is kept): a report stays small
+TRACE_MAX_EVENTS = 4000  # kernels kept in a saved trace (every range is kept): a report stays small
 
 
 class StepError(ValueError):
@@ -481,11 +481,13 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                compare: Sequence[str] = ("reference", "torch_compile"), toggles: bool = True, components: bool = True,
                reps: int = 20, warmup: int = 3, compare_reps: int | None = None, trace_path: str | Path | None = None,
                allreduce_us: float = ALLREDUCE_ASSUMED_US, seed: int = 0, name: str | None = None, device=None,
-               step: DecodeStep | None = None, log: Callable[[str], None] = print) -> StepResult:
+               step: DecodeStep | None = None, profile: bool = True, log: Callable[[str], None] = print
+               ) -> StepResult:
     """Build the step (or take `step`), then: launches and kernel attribution (one profiled eager step, trace
     saved to `trace_path`), per-component and per-layer timing with floors, the whole step in one graph, the
     per-layer sum check, the same step under each backend of `compare` (every component on it), each switch
-    toggled alone (`toggle_list`), the 93-layer estimate. Returns the bundle and the tables behind it."""
+    toggled alone (`toggle_list`), the 93-layer estimate. profile=False leaves out the profiled step (no launch
+    counts, no trace). Returns the bundle and the tables behind it."""
     switches = switches or Switches()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = _on_gpu(device)
@@ -518,7 +520,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
         b.backends_ran[f"{label}:{be}"] = f"{step.switches.backend[be]} ({step.why.get(be, '')})"
 
     # launches and kernel attribution: one profiled eager step
-    att = profile_step(step, trace_path)
+    att = profile_step(step, trace_path) if profile else {}
     for c in comp:
         a = att.get(f"L{c['layer']:02d}.{c['kind']}.{c['name']}", {})
         c["launches"] = a.get("launches", 0)
@@ -526,7 +528,10 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
         c["kernels"] = a.get("kernels", {})
         c["floor_us"] = _floor_us(c, pr)
     launch_kind = "kernels" if gpu else "cpu aten ops (no GPU: a smoke count)"
-    log(f"launches per step: {sum(c['launches'] for c in comp)} {launch_kind}")
+    if profile:
+        log(f"launches per step: {sum(c['launches'] for c in comp)} {launch_kind}")
+    else:
+        launch_kind = "not counted (profile=False)"
 
     # per component
     if components:
@@ -636,7 +641,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, ASSUMED (one GPU here)")
     b.notes.append(f"{step.n_experts} of {view.cfg.n_routed_experts} routed experts built per MoE layer "
                    f"({view.expert_dtype})")
-    return StepResult(b, comp, att, est, str(trace_path) if trace_path else None)
+    return StepResult(b, comp, att, est, str(trace_path) if (trace_path and profile) else None)
 
 
 def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
@@ -731,12 +736,12 @@ def targets(bundle: Bundle) -> dict[str, Any]:
 def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: int = 4, n_experts: int | None = None,
                   device=None, seed: int = 0) -> dict[str, Any]:
     """The step in bf16 on `device` against an fp64 reference build on the CPU (same seed: the same weights,
-    states and inputs), over `n_steps` decode steps of fresh random inputs. Returns per layer the relative
+    states and inputs: both drawn on the CPU), over `n_steps` decode steps of fresh random inputs. Returns per layer the relative
     error of its output stream (and of the KDA state) after each step, and what ran."""
     if not isinstance(n_steps, int) or n_steps < 1:
         _fail("n_steps", f"must be an int >= 1, got {n_steps!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    test = DecodeStep(view, switches, n_experts=n_experts, device=device, seed=seed)
+    test = DecodeStep(view, switches, n_experts=n_experts, device=device, seed=seed, gen_device="cpu")
     oracle = DecodeStep(view, Switches(), n_experts=n_experts, device="cpu", dtype=torch.float64, seed=seed,
                         gen_device="cpu")
     gen = torch.Generator(device="cpu").manual_seed(seed + 4242)

@@ -1,0 +1,324 @@
+"""k3lab.step (the per-GPU decode step), k3lab.acceptance (draft acceptance curves), k3lab.dashboards' pieces.
+
+CPU tests on the `tiny` preset: the step equals the reference stack's composition (k3lab.ref.layers.layer_step
+over the same weights and states) in fp64, decode and verify; the fused wiring (Triton KDA and MLA under the
+interpreter) against the fp64 oracle; the per-layer sum check and the launch attribution; the kernel
+attribution on a synthetic GPU trace (the path a GPU run takes); the acceptance fits. GPU tests (-m gpu) build
+the tp8 step and check what the H200 run relies on (capture report, kernels counted, trace saved).
+"""
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+
+import pytest
+import torch
+
+from k3lab import acceptance
+from k3lab import step as S
+from k3lab.config import preset
+from k3lab.harness.numerics import error_stats
+from k3lab.ref.layers import layer_step
+from k3lab.switches import COMPONENTS, BackendUnavailable, SwitchError, Switches
+
+AUTO = Switches(backend={c: "auto" for c in COMPONENTS})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny preset's ops are microseconds; spinning OpenMP threads on a busy 2-core machine make them
+    milliseconds. One intra-op thread for this module, restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _tiny(**kw):
+    kw.setdefault("context", 24)
+    kw.setdefault("expert_dtype", "bf16")
+    return preset("tiny", **kw)
+
+
+# ---- composition ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft_depth,batch,expert_dtype", [(0, 1, "mxfp4"), (2, 3, "bf16")])
+def test_step_equals_reference_stack_composition(draft_depth, batch, expert_dtype):
+    """fp64 on the CPU: every layer's output of the step == the reference layer loop (layer_step, what
+    k3lab.ref.stack.Stack.step runs) over the same weights, states and input, the block list carried through."""
+    view = _tiny(batch=batch, draft_depth=draft_depth, expert_dtype=expert_dtype)
+    st = S.DecodeStep(view, Switches(), device="cpu", dtype=torch.float64)
+    assert st.ids == list(range(view.cfg.num_hidden_layers))
+    kinds = [L.kind for L in st.layers]
+    assert kinds.count("mla") == 2 and kinds.count("kda") == 6 and st.layers[0].w.mlp_kind == "dense"
+    states = [copy.deepcopy(L.state) for L in st.layers]
+    x0 = st.x_in.clone()
+    out = st.run()
+    x, blocks = x0, []
+    for L, s in zip(st.layers, states):
+        x, blocks = layer_step(x, blocks, L.w, s, block_size=view.cfg.attnres_block_size, eps=view.cfg.rms_norm_eps)
+        err = error_stats(L.buf["x_out"], x).rel_norm
+        assert err < 1e-12, (L.index, err)
+        if L.kind == "kda" and draft_depth == 0:  # decode advances the state in place, as the reference does
+            assert error_stats(L.state.state, s.state).rel_norm < 1e-12
+    assert torch.equal(out, st.layers[-1].buf["x_out"])
+    assert len(blocks) == len(st.layers[-1].buf["blocks_mlp"])
+
+
+def test_step_tp8_composition_is_the_k3_block():
+    """The tp8 view's block 0 is layers 0..11: 9 KDA + 3 MLA in the model's order, layer 0 dense (no build)."""
+    cfg = preset("tp8").cfg
+    ids = S.block_layer_ids(cfg, 0)
+    assert ids == list(range(12))
+    assert [cfg.layer_kind(i) for i in ids].count("kda") == 9 and [cfg.layer_kind(i) for i in ids].count("mla") == 3
+    assert cfg.mlp_kind(0) == "dense" and all(cfg.mlp_kind(i) == "moe" for i in ids[1:])
+    assert S.block_layer_ids(cfg, 7) == list(range(84, 93))  # the last block is short
+    with pytest.raises(S.StepError, match="'block'"):
+        S.block_layer_ids(cfg, 8)
+
+
+def test_fused_wiring_triton_interpreter_against_fp64():
+    """The fused path a GPU takes (Triton KDA decode + Triton MLA attention through the component APIs),
+    under TRITON_INTERPRET=1: the step in bf16 against the fp64 oracle, decode, plus the record of what ran."""
+    view = _tiny(batch=2)
+    sw = Switches(backend={"kda": "triton", "mla": "triton"}, kda_tile_v=16)
+    st = S.DecodeStep(view, sw, device="cpu")
+    assert st.layers[1].ran["kda_core"] == "triton" and st.layers[3].ran["attn"] == "triton"
+    oracle = S.DecodeStep(view, Switches(), device="cpu", dtype=torch.float64)
+    x = torch.randn(tuple(st.x_in.shape), generator=torch.Generator().manual_seed(3))
+    st.run(x.bfloat16())
+    oracle.run(x.double())
+    errs = [error_stats(L.buf["x_out"], R.buf["x_out"]).rel_norm for L, R in zip(st.layers, oracle.layers)]
+    assert all(math.isfinite(e) and e < S.NUMERICS_TOL for e in errs), errs
+
+
+# ---- switches and arguments -----------------------------------------------------------------------------
+
+def test_auto_resolves_to_the_reference_without_a_gpu_and_says_why():
+    st = S.DecodeStep(_tiny(), AUTO, device="cpu")
+    assert set(st.backends.values()) == {"reference"}
+    assert all("auto without a GPU" in w for w in st.why.values())
+    assert st.requested.backend["kda"] == "auto"
+
+
+def test_bad_arguments_are_named():
+    view = _tiny()
+    with pytest.raises(S.StepError, match="'n_experts'"):
+        S.DecodeStep(view, n_experts="many", device="cpu")
+    with pytest.raises(S.StepError, match="'dtype'"):
+        S.DecodeStep(view, device="cpu", dtype=torch.float16)
+    with pytest.raises(TypeError, match="'view'"):
+        S.DecodeStep("tiny", device="cpu")
+    with pytest.raises(S.StepError, match="'view.dcp'"):
+        S.DecodeStep(_tiny(dcp=2), device="cpu")
+    st = S.DecodeStep(view, device="cpu")
+    with pytest.raises(S.StepError, match="'x'"):
+        st.run(torch.zeros(3, 3))
+    with pytest.raises(S.StepError, match="'kda_state_dtype'"):
+        st.set_switches(Switches(kda_state_dtype="bf16"))
+    with pytest.raises(BackendUnavailable, match="no 'moe' path"):
+        st.set_switches(Switches(backend={"moe": "triton"}))
+    with pytest.raises(SwitchError, match="not wired"):
+        Switches(split_router=True)
+    with pytest.raises(S.StepError, match="'compare'"):
+        S.bench_step(view, compare=("cute",), step=st, log=lambda s: None)
+
+
+def test_toggle_list_changes_one_switch_each():
+    base = Switches(backend={"kda": "triton", "mla": "auto"})
+    resolved = Switches(backend={"kda": "triton", "mla": "triton"})
+    tl = dict(S.toggle_list(base, resolved))
+    assert set(tl) == {"kda=triton->reference", "mla=triton->reference", "pad_heads=0->16", "kda_tile_v=128->16",
+                       "mla_partitions=auto->1"}
+    for label, sw in tl.items():
+        diff = {k for k, v in sw.to_dict().items() if v != base.to_dict()[k]}
+        assert len(diff) == 1, (label, diff)
+    assert "kda_pdl=False->True" in dict(S.toggle_list(base, Switches(backend={"kda": "cute"})))
+
+
+# ---- timing, attribution, estimate ---------------------------------------------------------------------
+
+def test_bench_step_tiny_cpu(tmp_path):
+    """bench_step on the CPU tiny preset: every layer and component timed (cpu-smoke), the per-layer sum
+    checked against the whole step, launches attributed to every component range, the trace saved, the
+    93-layer estimate from the measured layer types with the all-reduce labelled assumed."""
+    view = _tiny()
+    trace = tmp_path / "t.json.gz"
+    res = S.bench_step(view, AUTO, reps=2, warmup=1, compare=("reference",), toggles=False, trace_path=trace,
+                       log=lambda s: None)
+    b = res.bundle
+    rows = {(r.name, r.backend): r for r in b.rows}
+    whole = rows[("step", "fused")]
+    layers = [r for r in b.rows if r.backend == "fused" and r.name.startswith("L") and r.name.count(".") == 1]
+    comps = [r for r in b.rows if r.backend == "fused" and r.name.startswith("L") and r.name.count(".") == 2]
+    assert len(layers) == 8 and len(comps) == len(res.components)
+    assert all(r.kind == "cpu-smoke" for r in layers + comps + [whole])
+    # the per-layer sum check, as recorded
+    lsum = sum(r.median_us for r in layers)
+    assert whole.extra["layer_sum_us"] == pytest.approx(lsum)
+    assert whole.extra["layer_sum_ratio"] == pytest.approx(lsum / whole.median_us)
+    assert whole.extra["layer_sum_ok"] == (abs(lsum / whole.median_us - 1) <= S.SUM_TOL)
+    # floors add up: component -> layer -> step
+    for lr in layers:
+        mine = [c for c in comps if c.extra["layer"] == lr.extra["layer"]]
+        assert lr.floor_us == pytest.approx(sum(c.floor_us for c in mine))
+        assert lr.launches == sum(c.launches for c in mine)
+    assert whole.floor_us == pytest.approx(sum(r.floor_us for r in layers))
+    # every component's range was found in the profile and launched something
+    assert all(c.launches > 0 for c in comps), [c.name for c in comps if not c.launches]
+    assert whole.launches == sum(c.launches for c in comps)
+    # comparison row and estimate
+    assert ("step", "reference") in rows
+    est = rows[("estimate:93_layers", "fused")].extra
+    assert est["allreduce_label"] == "assumed" and est["allreduces"] == 0  # tp=1
+    assert est["counts"] == {"kda": 69, "mla": 24, "moe": 92, "dense": 1}
+    t = est["type_us"]
+    assert est["compute_us"] == pytest.approx(69 * t["kda"] + 24 * t["mla"] + 92 * t["moe"] + t["dense"])
+    assert est["tokens_per_s"] == pytest.approx(1 / (est["step_us"] * 1e-6))
+    # trace: gzip Chrome trace JSON with every component range
+    ev = json.loads(gzip.open(trace, "rt").read())["traceEvents"]
+    names = {e["name"] for e in ev if e.get("cat") == "user_annotation"}
+    assert {c.name for c in comps} <= names
+    # the bundle saves and validates
+    b.save(tmp_path)
+
+
+def test_estimate_93_with_tp_assumes_two_allreduces_a_layer():
+    comp = [dict(layer=0, part="attn", median_us=10.0, floor_us=5.0, bytes=100),
+            dict(layer=0, part="mlp", median_us=30.0, floor_us=10.0, bytes=300),
+            dict(layer=1, part="attn", median_us=20.0, floor_us=5.0, bytes=100),
+            dict(layer=1, part="mlp", median_us=20.0, floor_us=5.0, bytes=100)]
+    from k3lab.harness.bundle import Row
+
+    lr = [Row("L00.kda", "fused", "gpu-graph", 80.0, 80.0, 80.0, extra=dict(layer=0, kind_attn="kda", mlp="dense")),
+          Row("L01.mla", "fused", "gpu-graph", 40.0, 40.0, 40.0, extra=dict(layer=1, kind_attn="mla", mlp="moe"))]
+    view = preset("tp8", batch=4)
+    e = S.estimate_93(comp, lr, view, allreduce_us=10.0)
+    # layer 0 measured 80 us split 1:3 by its components; layer 1 40 us split 1:1
+    assert e["type_us"] == {"kda": 20.0, "mla": 20.0, "moe": 20.0, "dense": 60.0}
+    assert e["allreduces"] == 2 * 93 and e["allreduce_us_total"] == 1860.0
+    assert e["step_us"] == pytest.approx(69 * 20 + 24 * 20 + 92 * 20 + 60 + 1860)
+    assert e["tokens_per_s_per_gpu"] == pytest.approx(e["tokens_per_s"] / 8)
+    assert e["floor_us"] == pytest.approx(69 * 5 + 24 * 5 + 92 * 5 + 10)
+
+
+def test_attribute_a_gpu_trace():
+    """Kernels go to the innermost range whose CPU span holds their launch (correlation ids), as on a GPU."""
+    ev = [
+        {"cat": "user_annotation", "name": "step", "ts": 0, "dur": 100, "tid": 1},
+        {"cat": "user_annotation", "name": "L01.kda.kda_core", "ts": 10, "dur": 20, "tid": 1},
+        {"cat": "user_annotation", "name": "L01.kda.out_proj", "ts": 40, "dur": 20, "tid": 1},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12, "dur": 2, "tid": 1, "args": {"correlation": 7}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 15, "dur": 2, "tid": 1, "args": {"correlation": 8}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 45, "dur": 2, "tid": 1, "args": {"correlation": 9}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 45, "dur": 2, "tid": 2, "args": {"correlation": 10}},
+        {"cat": "kernel", "name": "kda_decode_kernel", "ts": 20, "dur": 3.0, "args": {"correlation": 7}},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 24, "dur": 1.0, "args": {"correlation": 8}},
+        {"cat": "kernel", "name": "gemv", "ts": 50, "dur": 5.0, "args": {"correlation": 9}},
+        {"cat": "kernel", "name": "other_thread", "ts": 50, "dur": 5.0, "args": {"correlation": 10}},
+    ]
+    a = S.attribute(ev)
+    assert a["L01.kda.kda_core"]["launches"] == 2 and a["L01.kda.kda_core"]["kernel_us"] == 4.0
+    assert a["L01.kda.kda_core"]["kernels"] == {"kda_decode_kernel": 1, "Memcpy DtoD": 1}
+    assert a["L01.kda.out_proj"]["launches"] == 1 and a["L01.kda.out_proj"]["kind"] == "gpu"
+
+
+def test_save_trace_keeps_ranges_and_caps_kernels(tmp_path):
+    ev = [{"cat": "user_annotation", "name": f"L00.kda.c{i}", "ts": i, "dur": 1, "ph": "X"} for i in range(3)]
+    ev += [{"cat": "kernel", "name": f"k{i}", "ts": i, "dur": 1, "ph": "X", "args": {"correlation": i}}
+           for i in range(50)]
+    p = S.save_trace(ev, tmp_path / "t.json", max_events=10)
+    d = json.loads(p.read_text())["traceEvents"]
+    assert sum(e.get("cat") == "kernel" for e in d) == 10
+    assert sum(e.get("cat") == "user_annotation" for e in d) == 3
+    assert next(e for e in d if e.get("name") == "k3lab")["args"]["events_left_out"] == 40
+
+
+def test_numerics_verify_path_commits_and_stays_finite():
+    num = S.step_numerics(_tiny(batch=2, draft_depth=1), Switches(), n_steps=2, device="cpu")
+    assert num["n_steps"] == 2 and len(num["rel_err"]) == 8
+    assert all(len(e) == 2 and all(math.isfinite(x) for x in e) for e in num["rel_err"])
+    assert num["rel_err"][0][0] < 0.05  # layer 0 (no router): bf16 rounding only
+    rows = S.numerics_rows(num)
+    assert [r.name for r in rows][:2] == ["numerics:L00.kda+dense", "numerics:L01.kda+moe"]
+
+
+def test_nsight_says_clearly_when_it_cannot_run():
+    ok, why = S.nsight_status()
+    if not torch.cuda.is_available():
+        assert not ok and "no GPU" in why
+    res = S.nsight_metrics(_tiny(), Switches(), 1)
+    assert res["ok"] is ok or not res["ok"]
+    if not ok:
+        assert res["message"] == why and res["rows"] == []
+
+
+def test_panel_reruns_with_the_changed_control():
+    """The ipywidgets panel: a control per parameter name (the unwired switches disabled); a change re-runs
+    with the new value, a refused switch is shown in the panel instead of raising."""
+    from k3lab import dashboards as dash
+
+    params = {"preset": "tiny", "batch": 1, "context": 64, "draft_depth": 0, "backend": "auto"}
+    seen = []
+    box = dash.panel(params, seen.append)
+    ctl = box.controls
+    assert set(ctl) == {"batch", "context", "draft_depth", "backend"} | set(dash.BACKEND_PARAMS) | set(dash.SWITCH_PARAMS)
+    assert ctl["split_router"].disabled and not ctl["pad_heads"].disabled
+    ctl["batch"].value = 4
+    assert seen[-1]["batch"] == 4 and seen[-1]["context"] == 64
+    ctl["draft_depth"].value = 3
+    assert seen[-1]["draft_depth"] == 3 and seen[-1]["batch"] == 4
+    sw = dash.switches_from_params({**seen[-1], "backend_mla": "torch_compile", "pad_heads": 16})
+    assert sw.backend["mla"] == "torch_compile" and sw.backend["kda"] == "auto" and sw.pad_heads == 16
+
+
+# ---- acceptance -----------------------------------------------------------------------------------------
+
+def test_acceptance_curves_reproduce_their_targets():
+    a = acceptance.load("agentx_fixed")
+    assert a.committed(3) == pytest.approx(3.00, abs=1e-9) and a.committed(4) == pytest.approx(3.36, abs=1e-9)
+    assert a.residual < 1e-9 and a.form == "geometric" and len(a.probs) == acceptance.MAX_DEPTH
+    assert all(x >= y for x, y in zip(a.probs, a.probs[1:]))  # acceptance decays with depth
+    b = acceptance.load("al6_at7")
+    assert b.committed(7) == pytest.approx(6.0, abs=1e-9) and b.residual < 1e-9
+    assert acceptance.expected_committed([0.5, 0.5], 2) == 1.75
+    # the shipped files are what the fits give
+    for c in acceptance.default_curves():
+        assert acceptance.load(c.name).probs == pytest.approx(c.probs, abs=1e-12)
+    assert acceptance.committed_per_s(a, 3, 2, 1000.0) == pytest.approx(2 * 3.0 / 1e-3)
+
+
+def test_acceptance_bad_input_is_named():
+    with pytest.raises(acceptance.AcceptanceError, match="'depth'"):
+        acceptance.expected_committed([0.5], 2)
+    with pytest.raises(acceptance.AcceptanceError, match="not found"):
+        acceptance.load("nope")
+    with pytest.raises(acceptance.AcceptanceError, match="'committed'"):
+        acceptance.fit_constant(3, 5.0)
+    with pytest.raises(acceptance.AcceptanceError, match="probs"):
+        acceptance.Curve("x", "constant", {"p": 2.0}, [2.0])
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_step_tp8_small_pool(tmp_path):
+    """The tp8 step on the GPU with a small expert pool: fused backends resolved, kernels counted per
+    component from the profile, the trace saved with kernels, the whole step timed (one graph when every
+    component is capturable; otherwise the capture note names the failure), memory reported."""
+    view = preset("tp8", batch=1, context=1024, expert_dtype="mxfp4")
+    res = S.bench_step(view, AUTO, n_experts=32, reps=3, warmup=1, compare=("reference",), toggles=False,
+                       trace_path=tmp_path / "t.json.gz", log=print)
+    b = res.bundle
+    whole = next(r for r in b.rows if r.name == "step" and r.backend == "fused")
+    assert whole.kind in ("gpu-graph", "gpu-eager")
+    if whole.kind == "gpu-eager":
+        assert "capture" in whole.extra["capture"] or whole.extra["capture"]
+    assert whole.launches and whole.launches > 0
+    assert whole.extra["memory"]["allocated_gb"] > 0 and whole.extra["memory"]["peak_gb"] > 0
+    assert b.config["step"]["kda_layers"] == 9 and b.config["step"]["mla_layers"] == 3
+    assert b.switches["backend"]["kda"] == "auto" and b.switches["backend"]["mla"] in ("triton", "cute")
+    ev = json.loads(gzip.open(tmp_path / "t.json.gz", "rt").read())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in ev)
