@@ -134,7 +134,8 @@ def fit_geometric(t1: tuple[int, float], t2: tuple[int, float], name: str = "geo
 
 def default_curves() -> list[Curve]:
     a = fit_geometric((3, 3.00), (4, 3.36), name="agentx_fixed")
-    a.note = "K3_SPEC section 4: 3 drafts commit 3.00 tokens a cycle and 4 commit 3.36 under the AgentX fixed acceptance"
+    a.note = ("K3_SPEC section 4: 3 drafts commit 3.00 tokens a cycle and 4 commit 3.36 under the AgentX fixed "
+              "acceptance")
     b = fit_constant(7, 6.0, name="al6_at7")
     b.note = "K3_SPEC section 4: acceptance length 6 (tokens committed a cycle) at 7 drafts"
     return [a, b]

@@ -27,7 +27,7 @@ BACKEND_PARAMS = tuple(f"backend_{c}" for c in COMPONENTS)
 VIEW_PARAMS = ("preset", "batch", "context", "draft_depth", "kv_dtype", "expert_dtype")
 STEP_PARAMS = VIEW_PARAMS + ("block", "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + (
     "compare", "compare_reps", "toggles", "components", "reps", "warmup", "allreduce_us", "numerics_steps",
-    "numerics_preset", "nsight_layer", "kernels_layer", "panel", "trace", "seed")
+    "numerics_preset", "nsight_layer", "kernels_layer", "panel", "profile", "trace", "seed")
 DEPTH_PARAMS = ("preset", "context", "kv_dtype", "expert_dtype", "batches", "depths", "curves", "draft_us_per_token",
                 "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + ("components", "reps", "warmup", "seed")
 STEP_TARGETS = {"x_floor": 1.3, "speedup_vs_compile": 1.5, "launches_per_layer": 10}
@@ -99,14 +99,15 @@ def run_step(p: dict[str, Any], out_dir: str | Path, log: Callable[[str], None] 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_step-{p.get('preset', 'tiny')}-b{view.batch}-c{view.context}-d{view.draft_depth}"
-    trace = out_dir / f"trace-{name}.json.gz" if p.get("trace", True) else None
+    trace = out_dir / f"trace-{name}.json.gz" if (p.get("trace", True) and p.get("profile", True)) else None
     res = stepmod.bench_step(view, sw, block=int(p.get("block", 0)), n_experts=_n_experts(p.get("n_experts", 0)),
                              compare=tuple(_list(p.get("compare", "reference,torch_compile"), "compare")),
                              toggles=bool(p.get("toggles", True)), components=bool(p.get("components", True)),
                              reps=int(p.get("reps", 20)), warmup=int(p.get("warmup", 3)),
                              compare_reps=int(p.get("compare_reps", 0)) or None, trace_path=trace,
                              allreduce_us=float(p.get("allreduce_us", stepmod.ALLREDUCE_ASSUMED_US)),
-                             seed=int(p.get("seed", 0)), name=name, log=log)
+                             seed=int(p.get("seed", 0)), name=name, log=log, profile=bool(p.get("profile", True)),
+                             checkpoint=lambda bb: bb.save(out_dir))
     b = res.bundle
     num, num_err = None, None
     n_steps = int(p.get("numerics_steps", 0))
@@ -198,7 +199,8 @@ def summary_html(bundle) -> str:
     why = bundle.config.get("step", {}).get("why", {})
     be = bundle.config.get("step", {}).get("requested", {})
     cells.append("<tr><td>backends</td><td colspan=2>" + "<br>".join(
-        f"{_html.escape(c)}: asked {_html.escape(str(be.get(c)))} -> {_html.escape(str(bundle.switches['backend'].get(c)))}"
+        f"{_html.escape(c)}: asked {_html.escape(str(be.get(c)))} -> "
+        f"{_html.escape(str(bundle.switches['backend'].get(c)))}"
         f" ({_html.escape(w)})" for c, w in why.items()) + "</td></tr>")
     return "<table>" + "".join(cells) + "</table>"
 
@@ -480,7 +482,8 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
             r = Row(name=f"cycle:b{B}-d{D}", backend="fused", kind=whole.kind, median_us=cycle, p10_us=cycle,
                     p90_us=cycle, floor_us=est["floor_us"], samples_us=[], extra={**rec, "estimate": est})
             bundle.add(r)
-            log(f"batch {B:3d} depth {D}: cycle {cycle / 1e3:9.3f} ms (KDA {rec['kda_us']:.1f}, MLA {rec['mla_us']:.1f}, "
+            log(f"batch {B:3d} depth {D}: cycle {cycle / 1e3:9.3f} ms (KDA {rec['kda_us']:.1f}, "
+                f"MLA {rec['mla_us']:.1f}, "
                 f"MoE {rec['moe_us']:.1f} us a layer) " + "  ".join(
                     f"{c.name}: {rec[f'committed[{c.name}]']:.2f} tok/cycle, {rec[f'tok_s[{c.name}]']:.1f} tok/s"
                     for c in curves))

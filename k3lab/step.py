@@ -87,6 +87,7 @@ ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; K3_SPEC section 6: symmetric-memo
 ALLREDUCES_PER_LAYER = 2  # the attention output and the MLP output are partial sums under TP
 MAX_KERNELS_A_ROW = 8  # kernel names kept per component row (the bundle stays small); the trace has them all
 TRACE_MAX_EVENTS = 4000  # kernels kept in a saved trace (every range is kept): a report stays small
+TRACE_KERNEL_ARGS = ("correlation", "grid", "block", "registers per thread", "stream")  # kernel args kept
 
 
 class StepError(ValueError):
@@ -422,6 +423,8 @@ def save_trace(events: list[dict], path: str | Path, max_events: int = TRACE_MAX
     for e in keep:
         if e.get("cat") == "cpu_op":
             e.pop("args", None)
+        elif isinstance(e.get("args"), dict) and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            e["args"] = {k: v for k, v in e["args"].items() if k in TRACE_KERNEL_ARGS}
     keep.append({"ph": "M", "name": "k3lab", "pid": 0, "tid": 0,
                  "args": {"events_left_out": left, "kept": min(len(work), max_events)}})
     text = json.dumps({"traceEvents": keep, "displayTimeUnit": "ms"})
@@ -481,13 +484,15 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                compare: Sequence[str] = ("reference", "torch_compile"), toggles: bool = True, components: bool = True,
                reps: int = 20, warmup: int = 3, compare_reps: int | None = None, trace_path: str | Path | None = None,
                allreduce_us: float = ALLREDUCE_ASSUMED_US, seed: int = 0, name: str | None = None, device=None,
-               step: DecodeStep | None = None, profile: bool = True, log: Callable[[str], None] = print
-               ) -> StepResult:
+               step: DecodeStep | None = None, profile: bool = True, log: Callable[[str], None] = print,
+               checkpoint: Callable[[Bundle], Any] | None = None) -> StepResult:
     """Build the step (or take `step`), then: launches and kernel attribution (one profiled eager step, trace
     saved to `trace_path`), per-component and per-layer timing with floors, the whole step in one graph, the
     per-layer sum check, the same step under each backend of `compare` (every component on it), each switch
     toggled alone (`toggle_list`), the 93-layer estimate. profile=False leaves out the profiled step (no launch
-    counts, no trace). Returns the bundle and the tables behind it."""
+    counts, no trace). checkpoint(bundle): called after the fused step and after every toggle and comparison
+    (a run cut short keeps what it measured). Order: the fused step, the estimate, the toggles, the
+    comparisons in the order given. Returns the bundle and the tables behind it."""
     switches = switches or Switches()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = _on_gpu(device)
@@ -498,6 +503,11 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
         if be not in ("reference", "torch_compile"):
             _fail("compare", f"holds {be!r}; the comparison steps are 'reference' and 'torch_compile'")
     pr = timing.probes(device)
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(b)
+
     if gpu:
         torch.cuda.reset_peak_memory_stats(device)
     if step is None:
@@ -588,43 +598,6 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     if not captured and gpu:
         b.notes.append(f"the fused step was not captured in one CUDA graph: {t.note}")
 
-    # comparison: the same step on the reference and on torch.compile of it
-    for be in compare:
-        try:
-            step.set_switches(step.requested.replace(backend={c: be for c in COMPONENTS}))
-            for _ in range(COMPILE_WARM_STEPS if be == "torch_compile" else 0):
-                step.run()  # compiles (and any recompiles) before the timer's own warm-up
-            tc = time_step(step, reps=compare_reps, warmup=2)
-        except Exception as e:  # noqa: BLE001 - recorded; the other comparisons go on
-            b.backends_skipped[be] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            log(f"compare {be}: skipped: {b.backends_skipped[be]}")
-            continue
-        r = Row.from_timing("step", be, tc)
-        r.floor_us, r.bytes = whole.floor_us, whole.bytes
-        r.extra["speedup_of_fused"] = tc.median_us / t.median_us if t.median_us else None
-        b.add(r)
-        b.backends_ran[be] = f"every component on {be}"
-        log(f"step on {be:14s} {tc.median_us:10.1f} us ({tc.kind}); the fused step is x{tc.median_us / t.median_us:.2f} "
-            f"faster")
-    step.set_switches(step.requested)
-    # each switch toggled alone
-    if toggles:
-        for tlabel, sw in toggle_list(step.requested, base_switches):
-            try:
-                step.set_switches(sw)
-                tt = time_step(step, reps=compare_reps, warmup=2)
-            except Exception as e:  # noqa: BLE001
-                b.notes.append(f"toggle {tlabel}: not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                log(f"toggle {tlabel}: not run ({type(e).__name__})")
-                continue
-            r = Row.from_timing(f"toggle:{tlabel}", label, tt, base_us=t.median_us,
-                                delta_us=tt.median_us - t.median_us, switches=sw.to_dict())
-            b.add(r)
-            log(f"toggle {tlabel:40s} {tt.median_us:10.1f} us ({tt.median_us - t.median_us:+.1f})")
-        skipped = sorted(NOT_WIRED)
-        b.notes.append(f"switches not toggled (declared, not wired yet): {skipped}")
-    step.set_switches(step.requested)
-
     est = estimate_93(comp, layer_rows, view, allreduce_us=allreduce_us, step_us=t.median_us)
     er = Row(name="estimate:93_layers", backend=label, kind=t.kind, median_us=est["step_us"], p10_us=est["step_us"],
              p90_us=est["step_us"], floor_us=est["floor_us"], bytes=est["bytes"], extra=est)
@@ -641,6 +614,46 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, ASSUMED (one GPU here)")
     b.notes.append(f"{step.n_experts} of {view.cfg.n_routed_experts} routed experts built per MoE layer "
                    f"({view.expert_dtype})")
+    save()
+    # each switch toggled alone
+    if toggles:
+        for tlabel, sw in toggle_list(step.requested, base_switches):
+            try:
+                step.set_switches(sw)
+                tt = time_step(step, reps=compare_reps, warmup=2)
+            except Exception as e:  # noqa: BLE001
+                b.notes.append(f"toggle {tlabel}: not run: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                log(f"toggle {tlabel}: not run ({type(e).__name__})")
+                continue
+            r = Row.from_timing(f"toggle:{tlabel}", label, tt, base_us=t.median_us,
+                                delta_us=tt.median_us - t.median_us, switches=sw.to_dict())
+            b.add(r)
+            log(f"toggle {tlabel:40s} {tt.median_us:10.1f} us ({tt.median_us - t.median_us:+.1f})")
+            save()
+        skipped = sorted(NOT_WIRED)
+        b.notes.append(f"switches not toggled (declared, not wired yet): {skipped}")
+    step.set_switches(step.requested)
+
+    # comparison: the same step on the reference and on torch.compile of it
+    for be in compare:
+        try:
+            step.set_switches(step.requested.replace(backend={c: be for c in COMPONENTS}))
+            for _ in range(COMPILE_WARM_STEPS if be == "torch_compile" else 0):
+                step.run()  # compiles (and any recompiles) before the timer's own warm-up
+            tc = time_step(step, reps=compare_reps, warmup=2)
+        except Exception as e:  # noqa: BLE001 - recorded; the other comparisons go on
+            b.backends_skipped[be] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            log(f"compare {be}: skipped: {b.backends_skipped[be]}")
+            continue
+        r = Row.from_timing("step", be, tc)
+        r.floor_us, r.bytes = whole.floor_us, whole.bytes
+        r.extra["speedup_of_fused"] = tc.median_us / t.median_us if t.median_us else None
+        b.add(r)
+        b.backends_ran[be] = f"every component on {be}"
+        log(f"step on {be:14s} {tc.median_us:10.1f} us ({tc.kind}); the fused step is "
+            f"x{tc.median_us / t.median_us:.2f} faster")
+        save()
+    step.set_switches(step.requested)
     return StepResult(b, comp, att, est, str(trace_path) if (trace_path and profile) else None)
 
 
@@ -693,7 +706,8 @@ def estimate_93(comp: list[dict], layer_rows: list[Row], view: GpuView, *, allre
         type_bytes[k] = sum(x[2] for x in v) / len(v)
     for k in missing:  # a type the step has none of (a tiny config's dense-only block): the nearest measured one
         alt = {"dense": "moe", "moe": "dense", "kda": "mla", "mla": "kda"}[k]
-        type_us[k], type_floor[k], type_bytes[k] = type_us.get(alt, 0.0), type_floor.get(alt, 0.0), type_bytes.get(alt, 0)
+        type_us[k], type_floor[k] = type_us.get(alt, 0.0), type_floor.get(alt, 0.0)
+        type_bytes[k] = type_bytes.get(alt, 0)
     n_layers = K3_COUNTS["kda"] + K3_COUNTS["mla"]
     n_ar = ALLREDUCES_PER_LAYER * n_layers if view.tp > 1 else 0
     compute = sum(K3_COUNTS[k] * type_us[k] for k in K3_COUNTS)
@@ -736,8 +750,9 @@ def targets(bundle: Bundle) -> dict[str, Any]:
 def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: int = 4, n_experts: int | None = None,
                   device=None, seed: int = 0) -> dict[str, Any]:
     """The step in bf16 on `device` against an fp64 reference build on the CPU (same seed: the same weights,
-    states and inputs: both drawn on the CPU), over `n_steps` decode steps of fresh random inputs. Returns per layer the relative
-    error of its output stream (and of the KDA state) after each step, and what ran."""
+    states and inputs, both drawn on the CPU), over `n_steps` decode steps of fresh random inputs (verify path:
+    every position committed after each step). Returns per layer the relative error of its output stream (and
+    of the KDA state) after each step, and what ran."""
     if not isinstance(n_steps, int) or n_steps < 1:
         _fail("n_steps", f"must be an int >= 1, got {n_steps!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -784,25 +799,36 @@ NSIGHT_METRICS = ("gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_su
                   "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread")
 
 
+def find_ncu() -> str | None:
+    """The ncu executable: on the PATH, else the newest /opt/nvidia/nsight-compute/*/ncu, else CUDA's bin."""
+    hit = shutil.which("ncu")
+    if hit:
+        return hit
+    cands = sorted(Path("/opt/nvidia/nsight-compute").glob("*/ncu")) + [Path("/usr/local/cuda/bin/ncu")]
+    return next((str(c) for c in reversed(cands) if c.exists()), None)
+
+
 def nsight_status() -> tuple[bool, str]:
-    """(available, why) for nsight-python metrics: a GPU, the nsight package, and ncu on the PATH."""
+    """(available, why) for nsight-python metrics: a GPU, the nsight package, and ncu."""
     import importlib.util
 
     if not torch.cuda.is_available():
         return False, "no GPU: nsight-python metrics need an NVIDIA GPU and Nsight Compute (ncu)"
     if importlib.util.find_spec("nsight") is None:
         return False, "nsight-python is not installed (pip install nsight-python; on the H200: .gpu/base)"
-    if shutil.which("ncu") is None:
-        return False, "ncu (Nsight Compute) is not on the PATH: nsight-python runs the profiled code under it"
-    return True, "nsight-python and ncu found"
+    if find_ncu() is None:
+        return False, ("ncu (Nsight Compute) was not found on the PATH nor under /opt/nvidia/nsight-compute: "
+                       "nsight-python runs the profiled code under it")
+    return True, f"nsight-python and ncu ({find_ncu()}) found"
 
 
 def nsight_metrics(view: GpuView, switches: Switches, layer: int, *, n_experts: int | None = None,
-                   launches: dict[str, int] | None = None, timeout_s: int = 240, workdir: str | Path | None = None
+                   launches: dict[str, int] | None = None, timeout_s: int = 150, workdir: str | Path | None = None
                    ) -> dict[str, Any]:
     """Nsight Compute metrics (duration, DRAM throughput % of peak, achieved occupancy, registers per thread)
-    of layer `layer`'s components, through nsight-python in a subprocess (`python -m k3lab.step nsight ...`:
-    nsight-python re-runs the script it is called from under ncu, which a notebook kernel is not).
+    of layer `layer`'s components, through nsight-python in a subprocess running a two-line launcher script
+    written to `workdir` (nsight-python re-runs the script it is called from under ncu, which a notebook
+    kernel is not).
     nsight-python measures one kernel per annotation: components with one launch (`launches`, from the
     step's profile) are profiled; the others are listed with their launch counts. Returns
     {"ok", "message", "rows": [...]}, never raises for a missing tool."""
@@ -814,9 +840,14 @@ def nsight_metrics(view: GpuView, switches: Switches, layer: int, *, n_experts: 
     wd = Path(workdir or tempfile.mkdtemp(prefix="k3nsight-"))
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "spec.json").write_text(json.dumps(spec))
+    (wd / "nsight_layer.py").write_text("import sys\nfrom k3lab.step import _nsight_main\n_nsight_main(sys.argv[1])\n")
+    import os
+
+    env = dict(os.environ)
+    env["PATH"] = str(Path(find_ncu()).parent) + os.pathsep + env.get("PATH", "")
     try:
-        p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "nsight", str(wd / "spec.json")],
-                           capture_output=True, text=True, timeout=timeout_s, cwd=wd)
+        p = subprocess.run([sys.executable, str(wd / "nsight_layer.py"), str(wd / "spec.json")],
+                           capture_output=True, text=True, timeout=timeout_s, cwd=wd, env=env)
     except subprocess.TimeoutExpired:
         return {"ok": False, "message": f"nsight-python did not finish in {timeout_s} s", "rows": []}
     res = wd / "nsight.json"
@@ -827,7 +858,7 @@ def nsight_metrics(view: GpuView, switches: Switches, layer: int, *, n_experts: 
 
 
 def _nsight_main(spec_path: str) -> None:
-    """Run inside `python k3lab/step.py nsight SPEC` (and again by nsight-python under ncu)."""
+    """Run by the launcher `nsight_layer.py SPEC` (and again by nsight-python under ncu)."""
     import nsight
 
     from k3lab.config import GpuView, K3Config
@@ -874,8 +905,3 @@ def _nsight_main(spec_path: str) -> None:
     Path(spec_path).with_name("nsight.json").write_text(json.dumps(out, default=str))
 
 
-if __name__ == "__main__":  # the nsight subprocess: python k3lab/step.py nsight SPEC.json
-    if len(sys.argv) >= 3 and sys.argv[1] == "nsight":
-        _nsight_main(sys.argv[2])
-    else:
-        sys.exit("usage: python k3lab/step.py nsight SPEC.json")

@@ -264,7 +264,8 @@ def test_panel_reruns_with_the_changed_control():
     seen = []
     box = dash.panel(params, seen.append)
     ctl = box.controls
-    assert set(ctl) == {"batch", "context", "draft_depth", "backend"} | set(dash.BACKEND_PARAMS) | set(dash.SWITCH_PARAMS)
+    want = {"batch", "context", "draft_depth", "backend"} | set(dash.BACKEND_PARAMS) | set(dash.SWITCH_PARAMS)
+    assert set(ctl) == want
     assert ctl["split_router"].disabled and not ctl["pad_heads"].disabled
     ctl["batch"].value = 4
     assert seen[-1]["batch"] == 4 and seen[-1]["context"] == 64
