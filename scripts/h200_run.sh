@@ -12,8 +12,8 @@
 #                                              then $EXTRA (a command line) if set
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
-#                                              (batch 1 to 128K, batch 64 to 32K), verify T=4, the partition sweep
-#                                              behind `auto`, the combine, the cache write
+#                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
+#                                              (the partition sweeps behind `auto`: experiments/mla_tune)
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -64,15 +64,13 @@ mla)
   mkdir -p "$OUT/mla"
   B="$K bench mla --reps ${REPS:-30} --out $OUT/mla"
   $B --backends triton --ops mla_decode --name mla_decode --grid heads=12 --grid batch=1 --grid context=1024,8192,32768,131072 \
-     --grid T=1,4 --deadline 150 2>&1 | tee "$OUT/mla/decode_b1.log" | tail -n 14
+     --deadline 100 2>&1 | tee "$OUT/mla/decode_b1.log" | tail -n 4
   $B --backends triton --ops mla_decode --name mla_decode_b64 --grid heads=12 --grid batch=64 --grid context=1024,8192,32768 \
-     --deadline 150 2>&1 | tee "$OUT/mla/decode_b64.log" | tail -n 12
-  $B --backends triton --no-peers --ops mla_decode --name mla_partitions --grid heads=12 --grid batch=1 \
-     --grid context=1024,8192,32768,131072 --grid partitions=8,16,32,64,128,auto --deadline 90 2>&1 | tail -n 3
-  $B --backends triton --no-peers --ops mla_decode --name mla_partitions_b64 --grid heads=12 --grid batch=64 \
-     --grid context=8192,32768 --grid partitions=1,2,4,8,auto --deadline 60 2>&1 | tail -n 3
-  $B --backends triton --ops mla_combine,mla_cache_write --name mla_combine_write --grid heads=12 --grid batch=1,64 \
-     --grid partitions=1,4,16,128 --grid context=8192 --grid page_size=64 --deadline 60 2>&1 | tail -n 12
+     --deadline 100 2>&1 | tee "$OUT/mla/decode_b64.log" | tail -n 4
+  $B --backends triton --no-peers --ops mla_decode --name mla_verify --grid heads=12 --grid batch=1 --grid context=32768 \
+     --grid T=1,4 --grid block_m=16,32,64 --deadline 40 2>&1 | tail -n 8
+  $B --backends triton --no-peers --ops mla_combine --name mla_combine --grid heads=12 --grid batch=1,64 \
+     --grid partitions=1,4,33,132,264 --deadline 40 2>&1 | tail -n 3
   pack mla ;;
 *) echo "STEP must be cute, bench, fi, layer or mla" >&2; exit 2 ;;
 esac
