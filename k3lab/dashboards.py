@@ -231,6 +231,14 @@ def trace_link_html(trace_path: str | Path | None, html_dir: str | Path) -> str:
             "(\"L03.mla.attn\"); kernels show on the GPU stream under the range that launched them.</p>")
 
 
+def record_nsight(bundle, res: dict[str, Any], out_dir: str | Path | None) -> None:
+    """Keep the nsight-python result (or why there is none) in the bundle (config["step"]["nsight"]) and save it
+    again when the run has an out_dir."""
+    bundle.config.setdefault("step", {})["nsight"] = res
+    if out_dir:
+        bundle.save(out_dir)
+
+
 def nsight_html(res: dict[str, Any]) -> str:
     if not res.get("ok"):
         return f"<p class='k3-bad'>nsight-python metrics not collected: {_html.escape(res.get('message', ''))}</p>"
