@@ -28,7 +28,7 @@ Tolerances (relative norm against fp64 on the dequantized weights, so the format
 error of the kernel): y 1e-2: z and every weight are exact in bf16 (fp8 scales multiply the fp32 row sums;
 MXFP4 values are exact in bf16), products are exact in fp32 and summed in fp32, but the SiTU activation is
 rounded to bf16 (2^-9 relative) for the tensor-core w2 product; ~1.5e-3 measured. The reference and
-torch.compile backends run in fp32 (~1e-6).
+torch.compile backends run each expert in z's dtype (bf16; ~5e-3) and sum in fp32.
 
 Peers (GPU): `cublas_loop`, a plain loop of cuBLAS calls over the selected experts (bf16 and fp8 weights; fp8
 multiplies e4m3 -> bf16 weights and applies the channel scales after): the groups (tokens per expert) are

@@ -1,4 +1,4 @@
-"""Latent-MoE routed experts for decode in one Triton launch: the token x top-k pairs grouped by expert on
+"""Latent-MoE routed experts for decode in one Triton launch (after zeroing y): the token x top-k pairs grouped by expert on
 the device, w1/w3 with SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
@@ -6,7 +6,7 @@ the device, w1/w3 with SiTU-GLU fused, w2 with the routing weights applied, and 
 
 Layout (k3lab.ref.moe.ExpertWeight, one GPU's TP slice; L = latent 3584, I = per-GPU intermediate 384 at TP8):
     z [B, L] bf16; idx [B, K] int32/int64 expert ids; wk [B, K] fp32 routing weights; y [B, L] fp32 (zeroed
-    here, then accumulated with fp32 atomics: the order of a token's K terms is not fixed);
+    by the launcher, then accumulated with fp32 atomics: the order of a token's K terms is not fixed);
     w1, w3 [E, I, L] and w2 [E, L, I] in one of three formats:
       bf16    the values;
       fp8     e4m3fn values with one fp32 scale per output channel (w1/w3: per row of I, [E, I]; w2: per
@@ -16,8 +16,8 @@ Layout (k3lab.ref.moe.ExpertWeight, one GPU's TP slice; L = latent 3584, I = per
               uint8 and one E8M0 scale per 32 inputs [E, out, in/32] uint8 (k3lab.mxfp4): W = e2m1 * 2^(s-127).
               Dequantized in the kernel to bf16, exactly (E2M1 times a power of two has two significant bits):
               the fp16 bit pattern of an E2M1 code is (code&7)<<9 | (code&8)<<12 (= value * 2^-14, subnormals
-              included), widened to fp32 and multiplied by 2^(s-113). Exact for s in 0..240 (results down to
-              2^-126; realistic weights sit near s = 120); the H200 has no fp4 maths.
+              included), widened to fp32 and multiplied by 2^(s-113). Exact for s in 2..240 (every result a
+              normal fp32; realistic weights sit near s = 120); the H200 has no fp4 maths.
 
 Grouping without a host sync (the step is captured in a CUDA graph): grid (I / BN, B*K). Program (n, p) takes
 pair p's expert e = idx[p]; it reads the [B, K] id tile and runs only if p is the first pair that chose e (the
@@ -29,8 +29,8 @@ a time (a group larger than BT loops, re-reading the expert's rows from L2). For
   2. streams W2_e[:, n-block] [L, BN] in BL row chunks: W2 a [BL, BT] times the members' routing weights,
      atomically added into y.
 Every weight byte of a selected expert is read once per call (plus the re-reads of groups larger than BT).
-Batch 1, 16 experts, I = 384, BN = 32: 192 programs on 132 SMs, each one expert's 32 rows of w1/w3 and 32
-columns of w2.
+Batch 1, 16 experts, I = 384, BN = 64 (`default_blocks`): 96 programs, each one expert's 64 rows of w1/w3 and
+64 columns of w2 (1.4 MB in bf16).
 
 Floor (bytes, k3lab.ops.moe.experts_bytes): distinct experts touched x (3 * I * L * e) where e = 2 (bf16),
 1 + 4/L (fp8, the scales), 0.5 + 1/32 (mxfp4), + z B*L*2 + ids and weights B*K*(8+4) + y B*L*4 written.
