@@ -232,7 +232,7 @@ def record(stack, first: torch.Tensor, n_steps: int, *, source: str = "") -> Tra
     B, K = calls[0][0].shape
     ids = torch.stack([c[0] for c in calls]).reshape(n_steps, L, B, K).permute(2, 0, 1, 3)
     w = torch.stack([c[1] for c in calls]).reshape(n_steps, L, B, K).permute(2, 0, 1, 3)
-    E = stack.w.layers[1].mlp.router.n_experts if len(stack.w.layers) > 1 else None
+    E = next((lw.mlp.router.n_experts for lw in stack.w.layers if hasattr(lw.mlp, "router")), None)
     E = E or int(ids.max()) + 1
     return Trace(ids.numpy().astype(np.int16), w.numpy().astype(np.float16), E,
                  dict(source=source or f"k3lab.routing.record: reference stack, {B} sequences x {n_steps} steps"))
