@@ -34,6 +34,18 @@ def _check(op, backend="triton", options=None, seed=0, **shape):
 
 @pytest.mark.parametrize("name", ops.NAMES)
 def test_proj_every_projection_bf16_batch1(name):
+    _check(PROJ, options=dict(path="dot"), preset="tiny", proj=name, batch=1, wdtype="bf16")
+
+
+@pytest.mark.parametrize("name,path", [("kda_b", "rows"), ("mla_uq", "dot")])
+def test_proj_default_path_by_shape(name, path):
+    """path None: rows at batch 1 for <= 64 outputs (tiny kda_b: 4), dot otherwise (tiny mla_uq: 96)."""
+    from k3lab_kernels.triton.proj_gemv import config
+
+    N, K = ops.proj_shapes("tiny")[name]
+    assert config(1, N, K, torch.device("cpu"))["path"] == path
+    assert config(1, 128, 7168, torch.device("cpu"))["path"] == "dot"
+    assert config(2, 12, 7168, torch.device("cpu"))["path"] == "dot"
     _check(PROJ, preset="tiny", proj=name, batch=1, wdtype="bf16")
 
 

@@ -19,7 +19,7 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton only): path ("dot": tensor-core tiles with split-K; "rows": register GEMV for batch <= 8),
-block_n, block_k, split_k, num_warps, num_stages (proj, proj_group); num_warps, method (router_topk); None =
+block_n, block_k, split_k, num_warps, num_stages (proj, proj_group); num_warps (router_topk); None =
 the kernel's heuristic. Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
@@ -203,8 +203,7 @@ def topk_reference(logits: torch.Tensor, e_bias: torch.Tensor, top_k: int, scali
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, scaling: float = 1.0,
                 idx: torch.Tensor | None = None, weights: torch.Tensor | None = None, backend: str = "reference",
-                ran: list | None = None, num_warps: int | None = None,
-                method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ran: list | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx [B, k] int64, weights [B, k] fp32) from the router's logits [B, E] (module docstring)."""
     _tensor("logits", logits, 2)
     if not logits.is_floating_point():
@@ -218,7 +217,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
     _tensor("e_bias", e_bias, 1, None, dev)
     if e_bias.shape[0] != E:
         _fail("e_bias", f"must be [{E}] (one per expert), got {tuple(e_bias.shape)}")
-    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps, method=method))
+    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps))
     if be == "triton":
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
             _fail("logits", f"must be fp32 with unit stride along E for the triton backend, got {logits.dtype}")

@@ -439,8 +439,7 @@ ROUTER = register(Op(
     name="router_topk", component="trunk", policy_key="router_topk",
     doc="router selection after its projection: sigmoid, selection-only bias, top-k, renormalized weights",
     axes=dict(batch=(1, 5), experts=(896,), top_k=(16,), scores=("random", "near", "ties")),
-    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}, "method": {"triton": (None, "rounds", "sort")}},
-    option_defaults={"num_warps": _NONE, "method": _NONE},
+    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}}, option_defaults={"num_warps": _NONE},
     make_inputs=make_router, reference=ref_router, written=("idx", "weights"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_router, nbytes=router_bytes, flops=router_flops,
     floor_bw="read",
@@ -472,7 +471,7 @@ ATTNRES = register(Op(
 # bundle (rows of every entry merged; each entry a `k3lab bench trunk --ops ... --grid ...`).
 H200_SWEEP: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("router_topk", "attnres_norm"), dict(batch=(1, 64), scores=("random",), n_blocks=(9,), update=("add",),
-                                           num_warps=(2, 4, 8, 16), method=("rounds",))),
+                                           num_warps=(2, 4, 8, 16))),
     (("proj_group",), dict(preset=("tp8", "tp16"), batch=(1,), wdtype=("bf16",), path=("dot", "rows"))),
     (("proj",), dict(preset=("tp8",), proj=("kda_q", "kda_o", "mla_dkv", "moe_router", "moe_down", "shared_w1"),
                      batch=(1, 4, 8, 16, 64), wdtype=("bf16",), path=("dot", "rows"))),

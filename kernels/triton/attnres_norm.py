@@ -125,5 +125,5 @@ def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Te
     _attnres_norm_kernel[(B,)](*src, *[t.stride(0) for t in src], prefix, a, po, w_norm, w_proj, norm_w, out,
                                prefix.stride(0), a.stride(0), po.stride(0), out.stride(0), D, float(eps),
                                NB=len(blocks), UPDATE=u, DP=_pow2(D), RNE=dot_f32(),
-                               num_warps=num_warps or 16)
+                               num_warps=num_warps or 8)
     return out

@@ -177,15 +177,17 @@ def sm_count(device: torch.device) -> int:
 PATHS = ("dot", "rows")
 ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
+ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta), else dot
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
            num_warps=None, num_stages=None, fp8: bool = False) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "dot" (tensor-core tiles, split-K at small batch) or "rows" (batch <= ROWS_MAX_BATCH: register
-    GEMV, no split-K); split_k: the dot path's number of K ranges (1 = none; default about two programs
-    per SM)."""
-    path = path or "dot"
+    GEMV, no split-K); None = rows at batch 1 with at most ROWS_MAX_N outputs (where split-K leaves a few
+    tiles with a long fixup), dot elsewhere (faster everywhere else measured: docs/NOTES_trunk.md);
+    split_k: the dot path's number of K ranges (1 = none; default about two programs per SM)."""
+    path = path or ("rows" if M == 1 and N <= ROWS_MAX_N else "dot")
     if path == "rows":
         if M > ROWS_MAX_BATCH or split_k not in (None, 1):
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "

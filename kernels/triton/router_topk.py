@@ -13,8 +13,9 @@ to the same fp32 value count as equal here.
 Layout: logits [B, E] fp32 (unit stride along E), e_bias [E] fp32; idx [B, k] int64, weights [B, k] fp32,
 both contiguous. Grid (B,): one program holds its row's E scores in registers (E padded to a power of
 two), packs each into one int64 key (order-preserving score bits high, EP - 1 - id low), and takes the k
-largest keys: k rounds of one max reduction each ("rounds"), or a bitonic sort of the keys ("sort"); the
-selected experts' scores are recomputed from their logits (a 16-entry gather) for the weights.
+largest keys in k rounds of one max reduction each (a bitonic sort of the keys measured slower at every
+warp count: docs/NOTES_trunk.md); the selected experts' scores are recomputed from their logits (a
+16-entry gather) for the weights.
 
 Floor (bytes, `k3lab.ops.trunk.router_bytes`): logits B*E*4 + e_bias E*4 + idx B*k*8 + weights B*k*4 at
 the read bandwidth: 3.6 KB at batch 1, 0.24 MB at batch 64: launch-bound at every decode batch.
@@ -28,12 +29,9 @@ import triton.language as tl
 from k3lab_kernels.triton.mla_decode import _pow2
 
 
-METHODS = ("rounds", "sort")
-
-
 @triton.jit
 def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.constexpr, EP: tl.constexpr,
-                        KP: tl.constexpr, SORT: tl.constexpr):
+                        KP: tl.constexpr):
     b = tl.program_id(0)
     e = tl.arange(0, EP)
     ok = e < E
@@ -46,17 +44,11 @@ def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.conste
     key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (EP - 1 - e)
     key = tl.where(ok, key, -9223372036854775807)
     kk = tl.arange(0, KP)
-    if SORT:
-        top = tl.sort(key, 0, descending=True)
-        top = tl.reshape(top, (EP // KP, KP))
-        first = tl.arange(0, EP // KP)[:, None] == 0
-        sel = tl.sum(tl.where(first, top, 0), 0)
-    else:
-        sel = tl.zeros((KP,), dtype=tl.int64)
-        for j in tl.static_range(TOPK):
-            m = tl.max(key, 0)
-            sel = tl.where(kk == j, m, sel)
-            key = tl.where(key == m, -9223372036854775807, key)
+    sel = tl.zeros((KP,), dtype=tl.int64)
+    for j in tl.static_range(TOPK):
+        m = tl.max(key, 0)
+        sel = tl.where(kk == j, m, sel)
+        key = tl.where(key == m, -9223372036854775807, key)
     km = kk < TOPK
     i = (EP - 1 - (sel & 4294967295)).to(tl.int32)
     i = tl.where(km, i, 0)
@@ -68,11 +60,10 @@ def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.conste
 
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
-                top_k: int, scaling: float = 1.0, num_warps: int | None = None, method: str | None = None):
+                top_k: int, scaling: float = 1.0, num_warps: int | None = None):
     """logits [B, E] fp32, e_bias [E] fp32, idx [B, top_k] int64, weights [B, top_k] fp32 (written).
     Returns (idx, weights). The caller validates."""
     B, E = logits.shape
     _router_topk_kernel[(B,)](logits, e_bias, idx, weights, E, logits.stride(0), float(scaling), TOPK=top_k,
-                              EP=max(_pow2(E), _pow2(top_k)), KP=_pow2(top_k), SORT=(method or "rounds") == "sort",
-                              num_warps=num_warps or 1)
+                              EP=max(_pow2(E), _pow2(top_k)), KP=_pow2(top_k), num_warps=num_warps or 4)
     return idx, weights
