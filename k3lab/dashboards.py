@@ -499,6 +499,9 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     for c in curves:
         col = f"tok_s[{c.name}]"
         df[f"best[{c.name}]"] = df.groupby("batch")[col].transform("max") == df[col]
+    for rec in df.to_dict("records"):  # the best depth per batch and curve, in the bundle too
+        row = _row(bundle, f"cycle:b{rec['batch']}-d{rec['depth']}")
+        row.extra.update({k: bool(v) for k, v in rec.items() if k.startswith("best[")})
     return df, bundle
 
 

@@ -12,7 +12,8 @@
 # its bundle is also copied to $OUT/step/ as plain JSON; the bundle is checkpointed after each phase, so a run
 # cut short by RUN_S keeps what it measured. A table of the target figures is printed last.
 # Knobs: BATCHES ("1 64"; run "1" and "64" as two calls if one call's limit is short), RUN_S (per run, 420),
-# REPS (5), EXPERT_DTYPE (mxfp4 | fp8), PREFLIGHT=1 (first the GPU test of the step: tp8, 32 experts, 1K).
+# REPS (5), EXPERT_DTYPE (mxfp4 | fp8), COMPARE (reference,torch_compile), NSIGHT_LAYER (1; -1 = none),
+# PREFLIGHT=1 (first the GPU test of the step: tp8, 32 experts, 1K context).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/k3out}
@@ -29,7 +30,7 @@ if [ "${PREFLIGHT:-0}" = 1 ]; then
 fi
 for B in ${BATCHES:-1 64}; do
   if [ "$B" = 1 ]; then
-    EXTRA="-p toggles true -p nsight_layer 1 -p numerics_steps 4"
+    EXTRA="-p toggles true -p nsight_layer ${NSIGHT_LAYER:-1} -p numerics_steps 4"
   else
     EXTRA="-p toggles false -p profile false -p nsight_layer -1 -p numerics_steps 0"
   fi
@@ -37,7 +38,7 @@ for B in ${BATCHES:-1 64}; do
   # shellcheck disable=SC2086
   timeout -k 15 "${RUN_S:-420}" python3 -m k3lab.cli run notebooks/06_decode_step.ipynb -p preset tp8 -p batch "$B" \
     -p context 8192 -p expert_dtype "${EXPERT_DTYPE:-mxfp4}" -p reps "${REPS:-5}" -p warmup 1 \
-    -p compare reference,torch_compile $EXTRA --out "$OUT/step/b$B" 2>&1 | tail -n 45
+    -p compare "${COMPARE:-reference,torch_compile}" $EXTRA --out "$OUT/step/b$B" 2>&1 | tail -n 45
   echo "batch $B: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
   cp "$OUT"/step/b"$B"/*/decode_step-*.json "$OUT/step/" 2>/dev/null || echo "batch $B: no bundle written"
   tar czf "$OUT/step/b$B.tgz" -C "$OUT/step" "b$B" && rm -rf "${OUT:?}/step/b$B"

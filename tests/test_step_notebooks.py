@@ -70,6 +70,7 @@ def test_draft_depth_notebook_tiny(tmp_path):
     r2 = cyc["cycle:b2-d2"].extra
     assert abs(r2["committed[agentx_fixed]"] - (1 + 0.8353078 + 0.8353078 * 0.7943269)) < 1e-6
     assert cyc["cycle:b2-d0"].extra["committed[al6_at7]"] == 1.0
+    assert sum(x.extra["best[agentx_fixed]"] for x in cyc.values()) == 1
     assert abs(r2["tok_s[agentx_fixed]"] - 2 * r2["committed[agentx_fixed]"] / (r2["cycle_us"] * 1e-6)) < 1e-6
     html = (out / "07_draft_depth.html").read_text()
     assert html.count("Plotly.newPlot") >= 3 and "best at batch" in html
