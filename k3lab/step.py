@@ -278,15 +278,20 @@ class DecodeStep:
     # -- bytes and floors
     def component_table(self) -> list[dict[str, Any]]:
         """One record per component of every layer: layer, kind, part (attn | mlp), name, group backend,
-        bytes, flops, floor bandwidth kind."""
+        bytes (`bytes_from`: the registry's formula where one fits the component, else the layer builder's
+        count of weights, caches and activations), flops, floor bandwidth kind."""
         out = []
         for i, L in enumerate(self.layers):
             part = "attn"
             for n, (_, nb, fl) in self.comps[i].items():
                 if n == "attnres_mlp":
                     part = "mlp"
+                reg = registry_bytes(self.view, L, n)
+                src = {"kda_core": "registry: k3lab.ops.kda.kda_bytes"}.get(n, "layer builder")
                 out.append(dict(layer=L.index, kind=L.kind, mlp=L.w.mlp_kind, part=part, name=n,
-                                backend=L.ran.get(n, "?"), bytes=int(nb), flops=int(fl), floor_bw=L.floor_bw(n)))
+                                backend=L.ran.get(n, "?"), bytes=int(reg if reg is not None else nb), flops=int(fl),
+                                floor_bw=L.floor_bw(n), bytes_from="registry: mla_decode" if reg is not None
+                                else src))
         return out
 
     def state_bytes(self) -> int:
@@ -311,6 +316,24 @@ class DecodeStep:
     def group_of(self, i: int) -> tuple:
         L = self.layers[i]
         return (L.kind, L.w.mlp_kind, L.block_start)
+
+
+def registry_bytes(view: GpuView, layer, name: str) -> int | None:
+    """The registry's byte formula for a layer component where one fits it, else None: the MLA attention
+    (`mla_decode`: the cache rows read, queries, partial outputs) when the layer has the K3 latent widths the
+    formula is written for. (The KDA core's bytes already come from the registry's kda_bytes in the layer
+    builder; the other components have no registry op yet.)"""
+    if layer.kind != "mla" or name != "attn":
+        return None
+    from k3lab import registry
+    from k3lab.ops import mla as mla_ops
+
+    w = layer.w.attn
+    if (w.kv_lora, w.rope_dim) != (mla_ops.C, mla_ops.DR):
+        return None
+    op = registry.get("mla_decode")
+    return int(op.nbytes(op.case(heads=w.heads, batch=layer.B, context=view.context_per_gpu, T=layer.T, page_size=0,
+                                 kv_dtype=view.kv_dtype, fp8_scale=layer.fp8_scale, ragged=False)))
 
 
 # ---- profiling: launches and kernel attribution ------------------------------------------------------
@@ -556,6 +579,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
             kl = [{"name": k[:90], "count": v, "device": "cuda"} for k, v in top] if gpu else []
             row = Row.from_timing(f"L{c['layer']:02d}.{c['kind']}.{c['name']}", label, t, floor=fl, kernels=kl,
                                   layer=c["layer"], kind_attn=c["kind"], mlp=c["mlp"], part=c["part"],
+                                  bytes_from=c["bytes_from"],
                                   component=c["name"], ran=c["backend"], input_sets_layers=len(sets),
                                   kernel_names=len(c["kernels"]))
             row.launches = c["launches"]

@@ -185,6 +185,26 @@ def test_bench_step_tiny_cpu(tmp_path):
     b.save(tmp_path)
 
 
+def test_mla_attention_bytes_come_from_the_registry_at_k3_widths():
+    """The MLA attention floor uses the registry's mla_decode formula where the latent widths are K3's (tp8);
+    the tiny preset's widths differ, so the layer builder's count stands there."""
+    from types import SimpleNamespace
+
+    from k3lab import registry
+
+    view = preset("tp8", batch=2, context=8192, draft_depth=1, kv_dtype="fp8")
+    attn = SimpleNamespace(kv_lora=512, rope_dim=64, heads=12)
+    fake = SimpleNamespace(kind="mla", w=SimpleNamespace(attn=attn), B=2, T=2, fp8_scale="tensor")
+    op = registry.get("mla_decode")
+    want = op.nbytes(op.case(heads=12, batch=2, context=8192, T=2, page_size=0, kv_dtype="fp8", fp8_scale="tensor",
+                             ragged=False))
+    assert S.registry_bytes(view, fake, "attn") == want > 2 * 8192 * 576  # the cache rows, fp8
+    assert S.registry_bytes(view, fake, "q_proj") is None
+    st = S.DecodeStep(_tiny(), device="cpu")
+    recs = [c for c in st.component_table() if c["name"] in ("attn", "kda_core")]
+    assert {c["bytes_from"] for c in recs} == {"layer builder", "registry: k3lab.ops.kda.kda_bytes"}
+
+
 def test_estimate_93_with_tp_assumes_two_allreduces_a_layer():
     comp = [dict(layer=0, part="attn", median_us=10.0, floor_us=5.0, bytes=100),
             dict(layer=0, part="mlp", median_us=30.0, floor_us=10.0, bytes=300),
