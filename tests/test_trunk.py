@@ -263,12 +263,13 @@ def test_backend_refusals_by_name():
         trunk.proj(x, w, backend="cute")
 
 
-def test_auto_without_measured_rule_or_gpu_is_reference():
+def test_auto_follows_the_measured_table():
+    """data/trunk_defaults.json: triton where it can run (a GPU), else its reference fallback rule."""
     x, w = _xw()
     ran = []
     trunk.proj(x, w, backend="auto", ran=ran)
-    if not torch.cuda.is_available():
-        assert ran[-1].backend == "reference"
+    want = "triton" if torch.cuda.is_available() else "reference"
+    assert ran[-1].backend == want and "trunk_defaults.json" in ran[-1].why
 
 
 # ---- GPU: every TP8 and TP16 per-GPU shape -------------------------------------------------------------
