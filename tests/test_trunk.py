@@ -265,7 +265,7 @@ def test_backend_refusals_by_name():
 
 def test_auto_follows_the_measured_table():
     """data/trunk_defaults.json: triton where it can run (a GPU), else its reference fallback rule."""
-    x, w = _xw()
+    x, w = (t.to("cuda" if torch.cuda.is_available() else "cpu") for t in _xw())
     ran = []
     trunk.proj(x, w, backend="auto", ran=ran)
     want = "triton" if torch.cuda.is_available() else "reference"
