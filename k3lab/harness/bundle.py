@@ -7,12 +7,14 @@ Each row records its timing mode ("rotated" past L2 or "hot") and which bandwidt
 (`floor_bw`: "read" for ops that mostly read, "copy" for ops that read and write the same bytes).
 
 A Row is one component on one backend. `save(dir)` writes `dir/<gpu-slug>/<name>.json`; `load(path)`
-reads and validates. `compare(a, b)` matches rows on (name, backend) and reports b/a median ratios;
+reads and validates. A bundle may be stored gzipped (`<name>.json.gz`, as the large committed ones under
+profiles/ are, to keep the repository small): `read_json` / `load` / `find_bundles` read either form. `compare(a, b)` matches rows on (name, backend) and reports b/a median ratios;
 rows of different timing kinds (cpu-smoke vs gpu-graph) are never compared.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import math
 import re
@@ -142,11 +144,16 @@ class Bundle:
         return self.save_as(path)
 
     def save_as(self, path: str | Path) -> Path:
+        """Write the bundle to `path` (gzipped when it ends in .gz)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         d = self.to_dict()
         validate(d)
-        path.write_text(json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n")
+        text = json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
+        if path.suffix == ".gz":
+            path.write_bytes(gzip.compress(text.encode(), mtime=0))
+        else:
+            path.write_text(text)
         return path
 
     def table(self):
@@ -220,8 +227,19 @@ def validate(d: Any) -> None:
         raise BundleError(f"duplicate rows (name, backend): {sorted(dup)}")
 
 
+BUNDLE_GLOBS = ("*.json", "*.json.gz")
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document in `path`, plain or gzipped (by its first two bytes)."""
+    raw = Path(path).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    return json.loads(raw.decode())
+
+
 def load(path: str | Path) -> Bundle:
-    """Read a bundle JSON, or the one bundle inside a run directory."""
+    """Read a bundle JSON (plain or .json.gz), or the one bundle inside a run directory."""
     p = Path(path)
     if p.is_dir():
         found = find_bundles(p)
@@ -231,26 +249,38 @@ def load(path: str | Path) -> Bundle:
     if not p.exists():
         raise BundleError(f"{p} does not exist")
     try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise BundleError(f"{p} is not JSON: {e}") from None
+        d = read_json(p)
+    except (ValueError, OSError, EOFError) as e:
+        raise BundleError(f"{p} is not JSON (plain or gzipped): {e}") from None
     try:
         return Bundle.from_dict(d)
     except BundleError as e:
         raise BundleError(f"{p}: {e}") from None
 
 
+def stem_path(p: str | Path) -> Path:
+    """`p` without its bundle suffix (.json or .json.gz): where its report (`.html`) goes beside it."""
+    p = Path(p)
+    name = p.name
+    for suf in (".json.gz", ".json"):
+        if name.endswith(suf):
+            return p.with_name(name[: -len(suf)])
+    return p.with_suffix("")
+
+
+def is_bundle_file(p: str | Path) -> bool:
+    """Whether `p` is a results bundle (plain or gzipped JSON with schema_version and rows)."""
+    try:
+        d = read_json(p)
+    except (OSError, ValueError, EOFError):
+        return False
+    return isinstance(d, dict) and "schema_version" in d and "rows" in d
+
+
 def find_bundles(root: str | Path) -> list[Path]:
-    """Bundle JSON files under `root` (any depth), skipping run metadata and notebooks."""
-    out = []
-    for p in sorted(Path(root).rglob("*.json")):
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(d, dict) and "schema_version" in d and "rows" in d:
-            out.append(p)
-    return out
+    """Bundle files (.json or .json.gz) under `root` (any depth), skipping run metadata and notebooks."""
+    paths = sorted({p for g in BUNDLE_GLOBS for p in Path(root).rglob(g)})
+    return [p for p in paths if is_bundle_file(p)]
 
 
 @dataclass
