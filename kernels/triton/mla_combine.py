@@ -16,8 +16,9 @@ Two paths, one launch either way:
     tiles, fp32; empty partials (lse = -inf) weigh 0), rounds o to bf16 and multiplies on tensor cores
     (tl.dot [BR, C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32
     and stores bf16.
-  * one row (B*T <= 2, e.g. batch 1): grid (H, Dv / BV, B*T). A program merges one row's partials KB = 16
-    at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16 and forms o @ Wuv[h]
+  * one row (B*T <= 2, e.g. batch 1): grid (H, Dv / BV, B*T). Above PREMERGE_ABOVE partials the split's
+    merge kernel merges them first (a second launch, all column blocks in parallel). A program merges one
+    row's partials KB = 16 at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16 and forms o @ Wuv[h]
     slice with fp32 FMAs (512 x BV; a 16-row tensor-core tile would be 15/16 padding).
 The merge is repeated by the Dv / BV column programs of a head (from L2): BV trades Wuv-read parallelism
 against that repeat (default 32 at small B*T: 48 programs at 12 heads).
@@ -37,6 +38,10 @@ from k3lab_kernels.triton.mla_decode import _mask2, _pow2, dot_f32, launch_kw, p
 BLOCK_V_ALLOWED = (16, 32, 64, 128)
 BLOCK_R_ALLOWED = (1, 16, 32, 64)
 ROW_PATH_MAX_ROWS = 2  # B*T up to this: the one-row kernel (batch 1 decode, batch 1 T=2 / batch 2)
+# the one-row kernel merges K partials serially (K / 16 dependent steps, repeated by each column program): above
+# this many it lets the split's merge kernel (k3lab_kernels.triton.mla_decode.merge_partials) merge them first,
+# then combines one (the measurement: docs/NOTES_mla.md)
+PREMERGE_ABOVE = 8
 
 
 @triton.jit
@@ -171,6 +176,13 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
     BR = block_r or (1 if NR <= ROW_PATH_MAX_ROWS else 16)  # 16 rows: 4x the programs of 64 at batch 64
     lse_arg = lse_part if lse_part is not None else o_part  # unused when K = 1
     if BR == 1:
+        if K > PREMERGE_ABOVE:  # many partials: the split's merge kernel (every column block in parallel) first
+            from k3lab_kernels.triton.mla_decode import merge_partials
+
+            o_m = torch.empty(B, T, H, C, dtype=torch.float32, device=o_part.device)
+            l_m = torch.empty(B, T, H, dtype=torch.float32, device=o_part.device)
+            merge_partials(o_part, lse_part, o_m, l_m, pdl=pdl)
+            o_part, lse_arg, K = o_m.unsqueeze(1), o_m, 1
         _mla_combine_row_kernel[(H, triton.cdiv(Dv, BV), NR)](
             o_part, lse_arg, w_uv, gate, out, K, T, H, C=C, CP=_pow2(C), DV=Dv, BV=BV, KB=min(16, _pow2(K)),
             RNE=dot_f32(), PDL=pdl_on(pdl), num_warps=num_warps or 8, **launch_kw(pdl))

@@ -66,6 +66,9 @@ MAX_PARTITIONS = 512
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 DCP_LAYOUTS = ("interleave", "contiguous")
 NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine without a GPU
+# rows a program: 16 (T > 1 at 12 heads: row groups of 16, each re-reading its piece mostly from L2) measured
+# ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
+DEFAULT_BLOCK_M = 16
 DEFAULT_PDL = False  # programmatic dependent launch between the split and its merge / combine (docs/NOTES_mla.md)
 
 
@@ -307,7 +310,7 @@ def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = N
     """(HR, BM, G): the row stride per position, the rows of a program and the row groups."""
     HR = pad_heads if pad_heads else H
     BM = max(16, _pow2(T * HR))
-    BM = min(BM, block_m or 64)
+    BM = min(BM, block_m or DEFAULT_BLOCK_M)
     G = -(-(T * HR) // BM)
     return HR, BM, G
 
