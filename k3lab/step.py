@@ -119,6 +119,33 @@ def _on_gpu(device) -> bool:
 
 # ---- switches ------------------------------------------------------------------------------------
 
+# Component groups whose component APIs have kernels the layer builder (k3lab.model) does not route to yet: the
+# step calls those APIs itself (`_overrides`). group -> the registry op whose dispatcher rule `auto` follows.
+OVERRIDE_OPS = {"attnres": "attnres_norm", "router": "router_topk", "moe": "moe_experts", "proj": "proj"}
+LAYER_PATHS = ("reference", "torch_compile")  # what the layer builder itself runs for those groups
+
+
+def _tokens(layers) -> int:
+    L = layers[0]
+    return L.B * L.T
+
+
+def _override_ok(group: str, backend: str, n_tokens: int) -> tuple[bool, str]:
+    """Whether the step can run `group` on `backend` through its component API (named backends may use the
+    Triton interpreter on a CPU, as the dispatcher allows when asked by name)."""
+    from k3lab.components import dispatch, trunk
+
+    if group not in OVERRIDE_OPS or backend in LAYER_PATHS:
+        return False, "the layer builder's path"
+    if group == "proj" and n_tokens > trunk.MAX_BATCH:
+        return False, f"the trunk projection kernels take <= {trunk.MAX_BATCH} tokens, the step has {n_tokens}"
+    try:
+        dispatch.select(OVERRIDE_OPS[group], backend, B=n_tokens)
+    except (BackendUnavailable, ValueError) as e:
+        return False, str(e).splitlines()[0]
+    return True, f"{OVERRIDE_OPS[group]} through its component API"
+
+
 def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple[Switches, dict[str, str]]:
     """`auto` per component group -> what runs here (see the module docstring), with the reason per group.
     A named backend is kept as asked (the layer or the component refuses it by name if it cannot run)."""
@@ -135,6 +162,13 @@ def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple
         if not gpu:
             resolved[comp], why[comp] = "reference", "auto without a GPU: the torch reference (k3lab.policy)"
             continue
+        if comp in OVERRIDE_OPS:  # the component's own measured rule (data/<component>_defaults.json)
+            from k3lab.components import dispatch
+
+            be, _, rule = dispatch.select(OVERRIDE_OPS[comp], "auto", B=_tokens(layers))
+            if be not in LAYER_PATHS and _override_ok(comp, be, _tokens(layers))[0]:
+                resolved[comp], why[comp] = be, f"auto: {be} through the {OVERRIDE_OPS[comp]} component API ({rule})"
+                continue
         for cand in ("auto",) + FUSED:
             if cand != "auto" and not backend_status(cand)[0]:
                 continue
@@ -217,14 +251,30 @@ class DecodeStep:
         if sw.kda_state_dtype != built:
             _fail("kda_state_dtype", f"the KDA states were allocated as {built!r}; build a new DecodeStep for "
                                      f"{sw.kda_state_dtype!r}")
+        n_tok = _tokens(self.layers)
+        over = {}
+        for g in OVERRIDE_OPS:
+            be = sw.backend[g]
+            ok, reason = _override_ok(g, be, n_tok)
+            if ok:
+                over[g] = be
+            elif g in OVERRIDE_OPS and be not in LAYER_PATHS and g != "proj":
+                raise BackendUnavailable(f"step: backend {be!r} for {g!r}: {reason}")
+            elif g == "proj" and be not in LAYER_PATHS and not ok:
+                why[g] = f"{why.get(g, '')}; projections stay on torch matmuls: {reason}"
         comps = []
         for L in self.layers:
-            L.switches = sw
-            comps.append(L.components())
+            # the layer builder sees the reference for the groups the step runs itself
+            L.switches = sw.replace(backend={**sw.backend, **{g: "reference" for g in over}})
+            c = L.components()
             if L.skipped:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
-        self.switches, self.why, self.comps = sw, why, comps
+            for name, fn in _overrides(L, over).items():
+                c[name] = (fn, c[name][1], c[name][2])
+                L.ran[name] = over[_OVERRIDE_GROUP[name]]
+            comps.append(c)
+        self.switches, self.why, self.comps, self.overridden = sw, why, comps, over
 
     @property
     def backends(self) -> dict[str, str]:
@@ -334,6 +384,102 @@ def registry_bytes(view: GpuView, layer, name: str) -> int | None:
     op = registry.get("mla_decode")
     return int(op.nbytes(op.case(heads=w.heads, batch=layer.B, context=view.context_per_gpu, T=layer.T, page_size=0,
                                  kv_dtype=view.kv_dtype, fp8_scale=layer.fp8_scale, ragged=False)))
+
+
+_OVERRIDE_GROUP = {"attnres_attn": "attnres", "attnres_mlp": "attnres", "router": "router", "experts": "moe",
+                   "qkv_proj": "proj", "decay_proj": "proj", "gate_proj": "proj", "out_proj": "proj",
+                   "latent_down": "proj"}
+
+
+def _overrides(L, over: dict[str, str]) -> dict[str, Callable[[], Any]]:
+    """Component callables of layer L that call the component APIs the layer builder does not route to yet,
+    for the groups in `over` (group -> backend). Same buffers in and out as the layer's own callables; the
+    projections overridden are the plain ones (KDA q/k/v, decay, gate, output with its residual; the MLA gate;
+    the latent down-projection); the rest of a layer stays on the builder's path."""
+    from k3lab.components import attnres as attnres_c
+    from k3lab.components import moe as moe_c
+    from k3lab.components import trunk
+
+    b, lw = L.buf, L.w
+    eps = L.view.cfg.rms_norm_eps
+    out: dict[str, Callable[[], Any]] = {}
+
+    def flat(t):
+        return t.reshape(-1, t.shape[-1])
+
+    if "attnres" in over:
+        be = over["attnres"]
+
+        def mix(blocks, x, wn, wp, nw):
+            y = attnres_c.mix_norm([flat(t) for t in blocks], flat(x), wn, wp, nw, eps=eps, backend=be)
+            return y.reshape(x.shape)
+
+        def attnres_attn():
+            b["h"] = mix(b["blocks"], b["x"], lw.attn_res_norm, lw.attn_res_proj, lw.input_norm)
+            b["blocks_mlp"] = b["blocks"] + [b["x"]] if L.block_start else b["blocks"]
+            return b["h"]
+
+        def attnres_mlp():
+            b["h2"] = mix(b["blocks_mlp"], b["p"], lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm)
+            return b["h2"]
+        out.update(attnres_attn=attnres_attn, attnres_mlp=attnres_mlp)
+    m = lw.mlp
+    if lw.mlp_kind == "moe" and "router" in over:
+        be_r = over["router"]
+
+        def router():
+            b["idx"], b["wk"] = trunk.route(flat(b["h2"]), m.router, backend=be_r)
+            return b["idx"], b["wk"]
+        out["router"] = router
+    if lw.mlp_kind == "moe" and "moe" in over:
+        be_e = over["moe"]
+
+        def experts():
+            b["y"] = moe_c.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, check_values=False)
+            return b["y"]
+        out["experts"] = experts
+    if "proj" in over:
+        be_p = over["proj"]
+
+        def P(x, w, residual=None):
+            r = None if residual is None else flat(residual).contiguous()
+            y = trunk.proj(flat(x).contiguous(), w, residual=r, backend=be_p)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+
+        if lw.mlp_kind == "moe":
+            def latent_down():
+                b["z"] = P(flat(b["h2"]), m.w_down)
+                return b["z"]
+            out["latent_down"] = latent_down
+        w = lw.attn
+        if L.kind == "kda":
+            def qkv():
+                b["qkv"] = P(b["h"], w.w_qkv)
+                return b["qkv"]
+
+            def decay():
+                b["f"] = P(P(b["h"], w.w_fa), w.w_fb)
+                b["b"] = P(b["h"], w.w_b)
+                return b["f"], b["b"]
+
+            def gate():
+                b["gate"] = P(b["h"], w.w_g)
+                return b["gate"]
+
+            def out_proj():
+                b["p"] = P(b["o"], w.w_o) if L.block_start else P(b["o"], w.w_o, residual=b["x"])
+                return b["p"]
+            out.update(qkv_proj=qkv, decay_proj=decay, gate_proj=gate, out_proj=out_proj)
+        else:
+            tri = L.ran.get("attn") == "triton"  # the builder's Triton MLA path wants the logits (its combine
+            # kernel applies the sigmoid); its torch path the gate itself
+
+            def mla_gate():
+                g = P(b["h"], w.w_gate)
+                b["mla_gate"] = g if tri else torch.sigmoid(g)
+                return b["mla_gate"]
+            out["gate_proj"] = mla_gate
+    return out
 
 
 # ---- profiling: launches and kernel attribution ------------------------------------------------------

@@ -79,13 +79,29 @@ def test_step_tp8_composition_is_the_k3_block():
         S.block_layer_ids(cfg, 8)
 
 
-def test_fused_wiring_triton_interpreter_against_fp64():
-    """The fused path a GPU takes (Triton KDA decode + Triton MLA attention through the component APIs),
-    under TRITON_INTERPRET=1: the step in bf16 against the fp64 oracle, decode, plus the record of what ran."""
-    view = _tiny(batch=2)
-    sw = Switches(backend={"kda": "triton", "mla": "triton"}, kda_tile_v=16)
-    st = S.DecodeStep(view, sw, device="cpu")
-    assert st.layers[1].ran["kda_core"] == "triton" and st.layers[3].ran["attn"] == "triton"
+FUSED = Switches(backend={c: "triton" for c in ("kda", "mla", "attnres", "router", "moe", "proj")}, kda_tile_v=16)
+
+
+def test_fused_wiring_routes_every_group_to_its_kernel():
+    """The fused switches reach a kernel for every group that has one: KDA and MLA through the layer builder,
+    AttnRes, router, experts and the plain projections through their component APIs (the step's overrides),
+    recorded per component. (Wiring only: the numbers are the slow test below.)"""
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
+    assert st.overridden == {"attnres": "triton", "router": "triton", "moe": "triton", "proj": "triton"}
+    ran = st.layers[1].ran
+    assert {ran[n] for n in ("attnres_attn", "qkv_proj", "decay_proj", "gate_proj", "kda_core", "out_proj",
+                             "attnres_mlp", "router", "latent_down", "experts")} == {"triton"}
+    assert ran["latent_up"] == "reference" and ran["shared"] == "reference"
+    assert st.layers[3].ran["attn"] == "triton" and st.layers[3].ran["gate_proj"] == "triton"
+    st.set_switches(Switches())
+    assert st.overridden == {} and set(st.layers[1].ran.values()) == {"reference"}
+
+
+@pytest.mark.slow
+def test_fused_path_triton_interpreter_against_fp64():
+    """The whole fused path under TRITON_INTERPRET=1 (MXFP4 experts), the step in bf16 against the fp64 oracle."""
+    view = _tiny(batch=1, expert_dtype="mxfp4")
+    st = S.DecodeStep(view, FUSED, device="cpu")
     oracle = S.DecodeStep(view, Switches(), device="cpu", dtype=torch.float64)
     x = torch.randn(tuple(st.x_in.shape), generator=torch.Generator().manual_seed(3))
     st.run(x.bfloat16())
@@ -118,8 +134,10 @@ def test_bad_arguments_are_named():
         st.run(torch.zeros(3, 3))
     with pytest.raises(S.StepError, match="'kda_state_dtype'"):
         st.set_switches(Switches(kda_state_dtype="bf16"))
-    with pytest.raises(BackendUnavailable, match="no 'moe' path"):
-        st.set_switches(Switches(backend={"moe": "triton"}))
+    with pytest.raises(BackendUnavailable, match="for 'moe'"):
+        st.set_switches(Switches(backend={"moe": "cute"}))
+    with pytest.raises(BackendUnavailable, match="no 'mla' path"):
+        st.set_switches(Switches(backend={"mla": "cute"}))
     with pytest.raises(SwitchError, match="not wired"):
         Switches(split_router=True)
     with pytest.raises(S.StepError, match="'compare'"):
