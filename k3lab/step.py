@@ -834,7 +834,7 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
     build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
-        if comp in ("proj", "dense"):
+        if comp == "dense":  # no component reads it (layer 0's dense MLP is a projection group)
             continue
         be = resolved.backend[comp]
         if be != "reference":
@@ -1045,8 +1045,11 @@ def _nsight_main(spec_path: str) -> None:
                     switches=Switches(**{**sw.to_dict(), "backend": {c: "reference" for c in COMPONENTS}}),
                     gen_device="cuda")
     res, _ = resolve_switches(sw, [L], "cuda")
-    L.switches = res
+    over = {g: res.backend[g] for g in OVERRIDE_OPS if _override_ok(g, res.backend[g], L.B * L.T)[0]}
+    L.switches = res.replace(backend={**res.backend, **{g: "reference" for g in over}})
     comps = L.components()
+    for name, fn in _overrides(L, over).items():  # the same component callables as the step's
+        comps[name] = (fn, comps[name][1], comps[name][2])
     launches = spec.get("launches") or {}
     single = [n for n in comps if launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) == 1]
     for _, (fn, _, _) in comps.items():  # warm: compiles and autotunes outside ncu's view

@@ -150,6 +150,8 @@ def test_toggle_list_changes_one_switch_each():
     tl = dict(S.toggle_list(base, resolved))
     assert set(tl) == {"kda=triton->reference", "mla=triton->reference", "pad_heads=0->16", "kda_tile_v=128->16",
                        "mla_partitions=auto->1"}
+    tl2 = dict(S.toggle_list(base, Switches(backend={"proj": "triton", "moe": "triton"})))
+    assert {"proj=triton->reference", "moe=triton->reference"} <= set(tl2)
     for label, sw in tl.items():
         diff = {k for k, v in sw.to_dict().items() if v != base.to_dict()[k]}
         assert len(diff) == 1, (label, diff)
