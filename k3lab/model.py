@@ -59,10 +59,10 @@ Component = tuple[Callable[[], Any], int, int]
 # backends with a path per component group; None = whatever the group's component module accepts (kda)
 # "proj" = plain torch matmuls (cuBLAS on a GPU), labelled "reference" whatever the request
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
-    "attnres": ("reference", "torch_compile"),
+    "attnres": ("reference", "torch_compile", "triton"),  # triton: k3lab_kernels.triton.attnres_norm
     "mla": ("reference", "torch_compile", "triton"),
-    "moe": ("reference", "torch_compile"),
-    "router": ("reference", "torch_compile"),
+    "moe": ("reference", "torch_compile", "triton"),  # triton: the grouped expert kernel (moe_experts)
+    "router": ("reference", "torch_compile", "triton"),  # triton: trunk.route (projection + router_topk)
     "kda": None,
     "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
 }
@@ -70,6 +70,15 @@ _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
 
 def _nb(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _mix(blocks, x, vecs, eps, be):
+    """AttnRes + RMSNorm of `x` over `blocks`; the triton kernel takes rows [N, D]: [B, T, D] runs flattened."""
+    if be == "triton" and x.dim() > 2:
+        D = x.shape[-1]
+        y = mix_norm([t.reshape(-1, D) for t in blocks], x.reshape(-1, D), *vecs, eps=eps, backend=be)
+        return y.view(x.shape)
+    return mix_norm(blocks, x, *vecs, eps=eps, backend=be)
 
 
 def _default_index(view: GpuView, kind: str) -> int:
@@ -235,7 +244,7 @@ class Layer:
             def fn():
                 # with no blocks the spec skips the mix; a softmax over the single source x is 1, so the
                 # fused call computes the same rms(x; input_norm)
-                b["h"] = mix_norm(b["blocks"], b["x"], *vecs, eps=eps, backend=be)
+                b["h"] = _mix(b["blocks"], b["x"], vecs, eps, be)
                 b["blocks_mlp"] = b["blocks"] + [b["x"]] if self.block_start else b["blocks"]
                 return b["h"]
             n_src = self.n_blocks + 1
@@ -243,7 +252,7 @@ class Layer:
             vecs = (lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm)
 
             def fn():
-                b["h2"] = mix_norm(b["blocks_mlp"], b["p"], *vecs, eps=eps, backend=be)
+                b["h2"] = _mix(b["blocks_mlp"], b["p"], vecs, eps, be)
                 return b["h2"]
             n_src = self.n_blocks + (1 if self.block_start else 0) + 1
         return fn, _nb(*vecs) + self.N * D * self.e * (n_src + 1), 6 * self.N * D * n_src
@@ -345,9 +354,12 @@ class Layer:
                 mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
                                      check_values=False)
                 return ckv
-            ent = mla_ref.mla_kv_entry(lead3(b["h"]), w)
-            st.cache.write(st.lengths, ent)
-            return ent
+            ckv = linear(lead3(b["h"]), w.w_dkv)
+            c_n = mla_ref.rms_norm(ckv[..., :C], w.kv_norm, w.eps)
+            st.cache.write(st.lengths, torch.cat([c_n, ckv[..., C:]], dim=-1))
+            # both paths return the projection's output: the written entries are checked downstream (attn reads
+            # them) and by the cache-write op's own tests
+            return ckv
         kv_e = st.cache.data.element_size()
         c["kv_proj"] = (kv, _nb(w.w_dkv, w.kv_norm) + self.N * D * self.e + self.N * (C + Dr) * kv_e,
                         2 * self.N * D * (C + Dr))
@@ -357,15 +369,12 @@ class Layer:
             from k3lab.components import mla as mla_comp
             # triton: k3lab_kernels.triton.mla_decode (split + merge). The cache holds lengths + T positions
             # exactly (alloc_state), so n_positions is its capacity: no host sync, graph-capturable.
-            # with triton the partials stay unmerged: the combine kernel (out_proj) merges them with Wuv + gate
+            # triton: split + merge kernels into o_lat (fp32); the combine kernel (out_proj) then applies Wuv and
+            # the gate to it (at batch 1 the combine would merge many partials through the same merge kernel)
             parts = None if sw.mla_partitions == "auto" else sw.mla_partitions  # None: the kernel's choice
-            res = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
-                                  backend=be, partitions=parts, pad_heads=sw.pad_heads, merge=not tri,
-                                  n_positions=st.cache.capacity, check_values=False)
-            if tri:
-                b["o_parts"], b["lse_parts"] = res
-                return res
-            b["o_lat"] = res[0]
+            b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
+                                            backend=be, partitions=parts, pad_heads=sw.pad_heads,
+                                            n_positions=st.cache.capacity, check_values=False)
             return b["o_lat"]
         S = int(st.lengths.max()) + self.T
         Hp = max(H, sw.pad_heads)
@@ -374,24 +383,23 @@ class Layer:
                      2 * self.N * Hp * S * (C + Dr + C))
         self._reg("gate_proj", "proj")
 
-        def gate():  # triton: the logits (the combine kernel applies the sigmoid)
-            g = linear(b["h"], w.w_gate)
-            b["mla_gate"] = g if tri else torch.sigmoid(g)
+        def gate():  # the logits: the output path applies the sigmoid (triton: inside the combine kernel)
+            b["mla_gate"] = linear(b["h"], w.w_gate)
             return b["mla_gate"]
         c["gate_proj"] = (gate, *self._mm(w.w_gate))
         self._reg("out_proj", "proj")
 
         def out():
-            if tri:  # merge of the partials + Wuv + sigmoid(gate) in one kernel, then Wo (cuBLAS)
+            if tri:  # Wuv + sigmoid(gate) in one kernel, then Wo (cuBLAS)
                 from k3lab.components import mla as mla_comp
                 g = lead3(b["mla_gate"]).contiguous()
-                y = mla_comp.combine(b["o_parts"], b["lse_parts"], w.w_uv, g, backend="triton")
+                y = mla_comp.combine(b["o_lat"], None, w.w_uv, g, backend="triton")
                 a = linear((y if self.T > 1 else y.squeeze(1)).to(self.dtype), w.w_o)
                 b["p"] = a if self.block_start else b["x"] + a
                 return b["p"]
             o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
             o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)
-            a = linear(o.flatten(-2) * b["mla_gate"], w.w_o)
+            a = linear(o.flatten(-2) * torch.sigmoid(b["mla_gate"]), w.w_o)
             b["p"] = a if self.block_start else b["x"] + a
             return b["p"]
         ob, of = self._mm(w.w_o)
@@ -410,7 +418,11 @@ class Layer:
         be_r = self._reg("router", "router")
 
         def router():
-            b["idx"], b["wk"] = moe_comp.route(self._flat(b["h2"]), m.router, backend=be_r)
+            if be_r == "triton":  # the router projection (fp32 logits) and top-k kernels of the trunk
+                from k3lab.components import trunk
+                b["idx"], b["wk"] = trunk.route(self._flat(b["h2"]), m.router, backend="triton")
+            else:
+                b["idx"], b["wk"] = moe_comp.route(self._flat(b["h2"]), m.router, backend=be_r)
             # returned as the dense [N, E] gate matrix, so a swap of two near-tied experts between a
             # bf16 and an fp64 run shows as a small error rather than a reordering
             return torch.zeros(b["idx"].shape[0], E, dtype=b["wk"].dtype, device=b["wk"].device).scatter(
@@ -425,7 +437,8 @@ class Layer:
         be_e = self._reg("experts", "moe")
 
         def experts():
-            b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e)
+            kw = dict(check_values=False) if be_e == "triton" else {}  # no host sync in a captured step
+            b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, **kw)
             return b["y"]
         n_used = int(torch.unique(b["idx"]).numel()) if "idx" in b else min(E, self.N * k)
         I_loc = m.w1.shape[1]
