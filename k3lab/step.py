@@ -119,8 +119,9 @@ def _on_gpu(device) -> bool:
 
 # ---- switches ------------------------------------------------------------------------------------
 
-# Component groups whose component APIs have kernels the layer builder (k3lab.model) does not route to yet: the
-# step calls those APIs itself (`_overrides`). group -> the registry op whose dispatcher rule `auto` follows.
+# Component groups with kernels behind their component APIs: group -> the registry op whose dispatcher rule `auto`
+# follows. Where the layer builder (k3lab.model) has no path for a group's backend (the plain projections: the
+# builder runs torch matmuls for every "proj" backend), the step calls the component API itself (`_overrides`).
 OVERRIDE_OPS = {"attnres": "attnres_norm", "router": "router_topk", "moe": "moe_experts", "proj": "proj"}
 LAYER_PATHS = ("reference", "torch_compile")  # what the layer builder itself runs for those groups
 
@@ -167,7 +168,7 @@ def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple
 
             be, _, rule = dispatch.select(OVERRIDE_OPS[comp], "auto", B=_tokens(layers))
             if be not in LAYER_PATHS and _override_ok(comp, be, _tokens(layers))[0]:
-                resolved[comp], why[comp] = be, f"auto: {be} through the {OVERRIDE_OPS[comp]} component API ({rule})"
+                resolved[comp], why[comp] = be, f"auto: {be}, the {OVERRIDE_OPS[comp]} rule ({rule})"
                 continue
         for cand in ("auto",) + FUSED:
             if cand != "auto" and not backend_status(cand)[0]:
@@ -255,12 +256,14 @@ class DecodeStep:
         over = {}
         for g in OVERRIDE_OPS:
             be = sw.backend[g]
+            if be in LAYER_PATHS or (g != "proj" and _group_accepts(self.layers, g, be, sw)):
+                continue  # the layer builder runs it
             ok, reason = _override_ok(g, be, n_tok)
             if ok:
                 over[g] = be
-            elif g in OVERRIDE_OPS and be not in LAYER_PATHS and g != "proj":
+            elif g != "proj":
                 raise BackendUnavailable(f"step: backend {be!r} for {g!r}: {reason}")
-            elif g == "proj" and be not in LAYER_PATHS and not ok:
+            else:
                 why[g] = f"{why.get(g, '')}; projections stay on torch matmuls: {reason}"
         comps = []
         for L in self.layers:
@@ -388,14 +391,14 @@ def registry_bytes(view: GpuView, layer, name: str) -> int | None:
 
 _OVERRIDE_GROUP = {"attnres_attn": "attnres", "attnres_mlp": "attnres", "router": "router", "experts": "moe",
                    "qkv_proj": "proj", "decay_proj": "proj", "gate_proj": "proj", "out_proj": "proj",
-                   "latent_down": "proj"}
+                   "latent_down": "proj"}  # the MLA layer's projections (q, kv, gate, output) stay the builder's
 
 
 def _overrides(L, over: dict[str, str]) -> dict[str, Callable[[], Any]]:
-    """Component callables of layer L that call the component APIs the layer builder does not route to yet,
-    for the groups in `over` (group -> backend). Same buffers in and out as the layer's own callables; the
-    projections overridden are the plain ones (KDA q/k/v, decay, gate, output with its residual; the MLA gate;
-    the latent down-projection); the rest of a layer stays on the builder's path."""
+    """Component callables of layer L that call the component APIs the layer builder does not route to, for
+    the groups in `over` (group -> backend). Same buffers in and out as the layer's own callables; the
+    projections overridden are the plain ones (KDA q/k/v, decay, gate, output with its residual; the latent
+    down-projection); the rest of a layer stays on the builder's path."""
     from k3lab.components import attnres as attnres_c
     from k3lab.components import moe as moe_c
     from k3lab.components import trunk
@@ -470,15 +473,6 @@ def _overrides(L, over: dict[str, str]) -> dict[str, Callable[[], Any]]:
                 b["p"] = P(b["o"], w.w_o) if L.block_start else P(b["o"], w.w_o, residual=b["x"])
                 return b["p"]
             out.update(qkv_proj=qkv, decay_proj=decay, gate_proj=gate, out_proj=out_proj)
-        else:
-            tri = L.ran.get("attn") == "triton"  # the builder's Triton MLA path wants the logits (its combine
-            # kernel applies the sigmoid); its torch path the gate itself
-
-            def mla_gate():
-                g = P(b["h"], w.w_gate)
-                b["mla_gate"] = g if tri else torch.sigmoid(g)
-                return b["mla_gate"]
-            out["gate_proj"] = mla_gate
     return out
 
 
@@ -1045,7 +1039,9 @@ def _nsight_main(spec_path: str) -> None:
                     switches=Switches(**{**sw.to_dict(), "backend": {c: "reference" for c in COMPONENTS}}),
                     gen_device="cuda")
     res, _ = resolve_switches(sw, [L], "cuda")
-    over = {g: res.backend[g] for g in OVERRIDE_OPS if _override_ok(g, res.backend[g], L.B * L.T)[0]}
+    over = {g: res.backend[g] for g in OVERRIDE_OPS
+            if res.backend[g] not in LAYER_PATHS and (g == "proj" or not _group_accepts([L], g, res.backend[g], res))
+            and _override_ok(g, res.backend[g], L.B * L.T)[0]}
     L.switches = res.replace(backend={**res.backend, **{g: "reference" for g in over}})
     comps = L.components()
     for name, fn in _overrides(L, over).items():  # the same component callables as the step's
