@@ -285,7 +285,8 @@ class Layer:
             return b["gate"]
         c["gate_proj"] = (gate, *self._mm(w.w_g))
         be = self._reg("kda_core", "kda")
-        tile_v = min(self.switches.kda_tile_v, Dh)  # a tile cannot be wider than the head (tiny: D = 16)
+        tv = self.switches.kda_tile_v  # "auto": the component's measured rule (data/kda_defaults.json)
+        tile_v = None if tv == "auto" else min(tv, Dh)  # a tile cannot be wider than the head (tiny: D = 16)
 
         oracle = self.dtype != torch.bfloat16  # the KDA component takes bf16 activations only
         if oracle:
@@ -296,13 +297,12 @@ class Layer:
                 from k3lab.ref import kda as kref
                 if self.T == 1:
                     o, S, cs = kref.kda_decode(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state)
-                else:
+                    st.state.copy_(S)
+                    st.conv_state.copy_(cs)
+                else:  # verify (the kernels' contract): the history is written, the state is left for the commit
                     o, Sh, ch = kref.kda_verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state)
                     b["state_hist"].copy_(Sh)
                     b["conv_hist"].copy_(ch)
-                    S, cs = Sh[:, -1], ch[:, -1]
-                st.state.copy_(S)
-                st.conv_state.copy_(cs)
                 b["o"].copy_(o)
                 return b["o"]
             from k3lab.components import kda  # written by another engineer; imported when first run

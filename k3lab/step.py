@@ -833,7 +833,7 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
         be = resolved.backend[comp]
         if be != "reference":
             out.append((f"{comp}={be}->reference", requested.replace(**{f"backend_{comp}": "reference"})))
-    flips = {"pad_heads": {0: 16}, "kda_tile_v": {128: 16}, "mla_partitions": {"auto": 1}}
+    flips = {"pad_heads": {0: 16}, "kda_tile_v": {"auto": 16, 128: 16}, "mla_partitions": {"auto": 1}}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)

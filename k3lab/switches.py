@@ -24,7 +24,7 @@ BACKENDS = ("reference", "torch_compile", "triton", "cute", "aiter")
 
 ALLOWED: dict[str, tuple[Any, ...]] = {
     "pad_heads": (0, 16, 32, 64, 128),
-    "kda_tile_v": (4, 8, 16, 32, 64, 128),
+    "kda_tile_v": ("auto", 4, 8, 16, 32, 64, 128),
     "kda_state_dtype": ("fp32", "bf16"),
     "kda_prefill_inverse": ("fp32", "bf16"),
     "kda_prefill_grouped": (False, True),
@@ -65,7 +65,7 @@ class Switches:
 
     backend: dict[str, str] = field(default_factory=lambda: {c: "reference" for c in COMPONENTS})
     pad_heads: int = 0  # 0 = no padding; else pad MLA query heads up to this count
-    kda_tile_v: int = 128  # value columns per program in the KDA kernels
+    kda_tile_v: int | str = "auto"  # value columns per program in the KDA kernels ("auto": the measured rule)
     kda_state_dtype: str = "fp32"
     kda_prefill_inverse: str = "fp32"
     kda_prefill_grouped: bool = False

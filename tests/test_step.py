@@ -148,7 +148,7 @@ def test_toggle_list_changes_one_switch_each():
     base = Switches(backend={"kda": "triton", "mla": "auto"})
     resolved = Switches(backend={"kda": "triton", "mla": "triton"})
     tl = dict(S.toggle_list(base, resolved))
-    assert set(tl) == {"kda=triton->reference", "mla=triton->reference", "pad_heads=0->16", "kda_tile_v=128->16",
+    assert set(tl) == {"kda=triton->reference", "mla=triton->reference", "pad_heads=0->16", "kda_tile_v=auto->16",
                        "mla_partitions=auto->1"}
     tl2 = dict(S.toggle_list(base, Switches(backend={"proj": "triton", "moe": "triton"})))
     assert {"proj=triton->reference", "moe=triton->reference"} <= set(tl2)
