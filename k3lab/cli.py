@@ -402,8 +402,9 @@ def load_plan(path: Path) -> dict[str, Any]:
             params: {heads: "2", reps: 2}          # fixed parameters
             grid: {contexts: ["40", "72"]}        # one run per combination (a scalar is one value)
 
-    Paths resolve against the plan's folder. Returns {name, baselines, threshold, runs: [(notebook, fixed,
-    axes)]}; every notebook must exist (PlanError otherwise)."""
+    Paths (notebooks, baselines, file parameters such as `bundle`) resolve against the plan's folder.
+    Returns {name, baselines, threshold, runs: [(notebook, fixed, axes)]}; every notebook must exist
+    (PlanError otherwise)."""
     import yaml
 
     path = Path(path)
@@ -446,7 +447,12 @@ def load_plan(path: Path) -> dict[str, Any]:
             if not vals:
                 raise PlanError(f"{where}: grid {k!r} has no values")
             axes[str(k)] = vals
-        out.append((nb, {str(k): v for k, v in fixed.items()}, axes))
+        def here(k: str, v: Any) -> Any:  # file parameters in a plan are relative to the plan
+            return str((base / v).resolve()) if k in PATH_PARAMS and isinstance(v, str) and v else v
+
+        fixed = {str(k): here(str(k), v) for k, v in fixed.items()}
+        axes = {k: [here(k, v) for v in vals] for k, vals in axes.items()}
+        out.append((nb, fixed, axes))
     baselines = (base / str(d["baselines"])).resolve() if d.get("baselines") else PROFILES_DIR
     return {"name": str(d.get("name") or path.stem), "baselines": baselines, "threshold": thr, "runs": out}
 

@@ -44,7 +44,7 @@ th{background:#eef2f5}td:first-child,th:first-child{text-align:left}
 .output_stderr pre{background:#fff3f3}
 .k3-bad{color:#b00;font-weight:bold}.k3-ok{color:#070}
 .k3-meta{font-size:.85em;color:#555}
-.k3-head td{text-align:left}.k3-head h3{margin:.3em 0}
+.k3-head td,.k3-head th{text-align:left}.k3-head h3{margin:.3em 0}
 """
 
 

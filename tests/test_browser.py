@@ -44,11 +44,22 @@ def _pages(tmp_path_factory) -> list[tuple[Path, bool]]:
     return pages
 
 
-def test_every_report_renders_offline_in_chromium(tmp_path_factory):
+def _broken_page(folder: Path, js: Path) -> Path:
+    """A report that must fail the check: a figure that cannot draw and a script error."""
+    from k3lab.report import page
+
+    path = folder / "broken.html"
+    body = ("<div id='f' class='plotly-graph-div'></div>"  # a figure whose drawing never runs
+            "<script>undefined_function_of_a_broken_report(); Plotly.newPlot('f', [], {});</script>")
+    path.write_text(page("broken", body, path, js))
+    return path
+
+
+def test_every_report_renders_offline_in_chromium(tmp_path_factory, tmp_path):
     from k3lab.report import shared_plotly_js
 
-    pages = _pages(tmp_path_factory)
     js = shared_plotly_js().resolve()
+    pages = _pages(tmp_path_factory) + [(_broken_page(tmp_path, js), True)]
     problems: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
@@ -62,33 +73,37 @@ def test_every_report_renders_offline_in_chromium(tmp_path_factory):
                 return r.abort()
 
             ctx.route("**/*", route)
-            page = ctx.new_page()
+            page = ctx.new_page()  # one page for all: chromium keeps the compiled plotly.js between loads
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
             for path, has_figures in pages:
-                errors: list[str] = []
-                page.on("console", lambda m, e=errors: e.append(f"console {m.type}: {m.text}")
-                        if m.type == "error" else None)
-                page.on("pageerror", lambda exc, e=errors: e.append(f"page error: {exc}"))
+                errors.clear()
                 page.goto(path.resolve().as_uri(), wait_until="load")
                 divs = page.locator("div.plotly-graph-div").count()
                 if divs:
-                    page.wait_for_function(
-                        "n => document.querySelectorAll('.js-plotly-plot .main-svg').length >= n", arg=divs,
-                        timeout=15_000)
+                    try:
+                        page.wait_for_function(
+                            "n => document.querySelectorAll('.js-plotly-plot .main-svg').length >= n", arg=divs,
+                            timeout=10_000)
+                    except Exception:  # noqa: BLE001 - counted below
+                        pass
                 drawn = page.evaluate("[...document.querySelectorAll('div.plotly-graph-div')]"
                                       ".filter(d => d.classList.contains('js-plotly-plot') && d.querySelector('svg'))"
                                       ".length")
                 scripts = page.evaluate("[...document.scripts].filter(s => s.src).map(s => s.src)")
-                name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
                 if has_figures and not divs:
                     errors.append("no plotly figure in a report that should have some")
                 if drawn != divs:
                     errors.append(f"{divs - drawn} of {divs} figures not drawn")
                 if divs and [Path(u[len('file://'):]).resolve() for u in scripts] != [js]:
                     errors.append(f"plotly.js not the one shared copy: {scripts}")
-                problems += [f"{name}: {e}" for e in errors]
-                page.close()
-                page = ctx.new_page()
+                problems.extend(f"{path}: {e}" for e in errors)
         finally:
             browser.close()
-    assert len(pages) >= 5
-    assert not problems, "\n".join(problems)
+    assert len(pages) >= 6
+    caught = [x for x in problems if "broken.html" in x]
+    assert any("page error" in x for x in caught) and any("not drawn" in x for x in caught), \
+        f"the check misses a broken report: {caught}"
+    rest = [x for x in problems if "broken.html" not in x]
+    assert not rest, "\n".join(rest)

@@ -8,22 +8,28 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+from typer.testing import CliRunner
+
+from k3lab import cli
 from k3lab.harness.bundle import find_bundles, load
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "plans" / "cpu_smoke.yaml"
-_RUN: dict = {}
 
 
 def plan_run(tmp_path_factory) -> dict:
-    """The CPU plan, run once per session: {"dir": sweep folder, "proc": the finished process}."""
-    if not _RUN:
-        out = tmp_path_factory.mktemp("cpu_smoke")
-        proc = subprocess.run([sys.executable, "-m", "k3lab.cli", "sweep", str(PLAN), "--out", str(out)],
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
-        _RUN.update(dir=out, proc=proc)
-    return _RUN
+    """The CPU plan, run once per session (the result is kept in the session's temporary folder, so every test
+    module that asks gets the same run): {"dir": the sweep folder, "proc": returncode, stdout, stderr}."""
+    out = tmp_path_factory.getbasetemp() / "cpu_smoke_plan"
+    done = out / "proc.json"
+    if not done.exists():
+        out.mkdir(exist_ok=True)
+        p = subprocess.run([sys.executable, "-m", "k3lab.cli", "sweep", str(PLAN), "--out", str(out)],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+        done.write_text(json.dumps({"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}))
+    return {"dir": out, "proc": SimpleNamespace(**json.loads(done.read_text()))}
 
 
 def test_cpu_plan_runs_indexes_and_gates(tmp_path_factory):
@@ -68,7 +74,6 @@ def test_report_command_leaves_the_bundle_unchanged(tmp_path_factory, tmp_path):
     b = load(bpath)
     assert b.rows and all(row.floor_bw == "read" and row.error["ok"] for row in b.rows)
     before = bpath.read_bytes()
-    r = subprocess.run([sys.executable, "-m", "k3lab.cli", "report", str(bpath), "--out", str(tmp_path / "r.html")],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = CliRunner().invoke(cli.app, ["report", str(bpath), "--out", str(tmp_path / "r.html")])
+    assert r.exit_code == 0, r.output
     assert (tmp_path / "r.html").exists() and bpath.read_bytes() == before
