@@ -145,9 +145,13 @@ def _register_engine() -> None:
     the kernel with its process stdout / stderr in the run's kernel.log (the kernel's own start-up
     warnings, e.g. jupyter's notice about TCP transport, stay out of the terminal and the sweep's bar)."""
     from papermill.engines import NBClientEngine, papermill_engines
+    from papermill.exceptions import PapermillException
 
-    if _ENGINE in papermill_engines._engines:
+    try:
+        papermill_engines.get_engine(_ENGINE)
         return
+    except PapermillException:
+        pass
 
     class Engine(NBClientEngine):
         @classmethod

@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import nbformat
-import pytest
-import typer
-from nbformat.v4 import new_code_cell, new_notebook
-from typer.testing import CliRunner
+from k3lab import cli  # first: it keeps jsonschema from importing rfc3987-syntax (~3 s) through nbformat
 
-from k3lab import cli
+import nbformat  # noqa: E402
+import pytest  # noqa: E402
+import typer  # noqa: E402
+from nbformat.v4 import new_code_cell, new_notebook  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
 from k3lab.report import shared_plotly_js
 
 runner = CliRunner()
