@@ -509,17 +509,19 @@ def gate(a: Any, b: Any, threshold: float | None = None) -> Any:
 
 
 def find_baseline(bundle: Any, root: Path) -> Path | None:
-    """The baseline of a bundle under `root` (profiles/): a bundle one folder down (profiles/<gpu>/*.json, not
-    runs/) with the same name measured on the same kind of device (env.gpu_slug)."""
+    """The baseline of a bundle under `root` (profiles/): a bundle one folder down (profiles/<gpu>/*.json or
+    *.json.gz, not runs/) with the same name measured on the same kind of device (env.gpu_slug)."""
     root = Path(root)
     if not root.is_dir():
         return None
-    for p in sorted(root.glob("*/*.json")):
+    from k3lab.harness.bundle import BUNDLE_GLOBS, read_json
+
+    for p in sorted({q for g in BUNDLE_GLOBS for q in root.glob(f"*/{g}")}):
         if p.parent.name == "runs":
             continue
         try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError):
+            d = read_json(p)
+        except (OSError, ValueError, EOFError):
             continue
         if (isinstance(d, dict) and "schema_version" in d and d.get("name") == bundle.name
                 and (d.get("env") or {}).get("gpu_slug", "cpu") == bundle.gpu_slug):
@@ -774,7 +776,7 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
             gpu: str | None = typer.Option(None, "--gpu", help="profiles/<gpu>/ (default: the bundle's GPU)"),
             profiles: Path = typer.Option(PROFILES_DIR, "--profiles", help="profiles root")) -> None:
     """Copy a run's bundle(s) and HTML report into profiles/<gpu>/ (relinking plotly.js)."""
-    from k3lab.harness.bundle import BundleError, find_bundles, load, safe_name
+    from k3lab.harness.bundle import BundleError, find_bundles, load, safe_name, stem_path
     from k3lab.report import relink_plotly, shared_plotly_js
 
     run_dir = Path(run_dir)
@@ -793,9 +795,10 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
         dest = Path(profiles) / (gpu or bd.gpu_slug)
         dest.mkdir(parents=True, exist_ok=True)
         stem = safe_name(bd.name)
-        shutil.copyfile(p, dest / f"{stem}.json")
-        typer.echo(f"bundle -> {dest / f'{stem}.json'}")
-        beside = p.with_suffix(".html")  # `k3lab bench` writes its report next to its bundle
+        ext = ".json.gz" if p.name.endswith(".gz") else ".json"
+        shutil.copyfile(p, dest / f"{stem}{ext}")
+        typer.echo(f"bundle -> {dest / f'{stem}{ext}'}")
+        beside = stem_path(p).with_suffix(".html")  # `k3lab bench` writes its report next to its bundle
         html = beside if beside.is_file() else (htmls[0] if htmls else None)
         if html is not None:
             shutil.copyfile(html, dest / f"{stem}.html")
@@ -892,7 +895,7 @@ def check(component: str = typer.Argument(..., help="a registered component, e.g
 def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
            out: Path | None = typer.Option(None, help="the HTML page (default: beside the bundle)")) -> None:
     """(Re)make the standalone HTML report of a results bundle; the bundle itself is not changed."""
-    from k3lab.harness.bundle import BundleError, load
+    from k3lab.harness.bundle import BundleError, load, stem_path
     from k3lab.report import bundle_report
 
     try:
@@ -900,7 +903,7 @@ def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
     except BundleError as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
-    typer.echo(f"report -> {bundle_report(bd, out or Path(bundle).with_suffix('.html'))}")
+    typer.echo(f"report -> {bundle_report(bd, out or stem_path(bundle).with_suffix('.html'))}")
 
 
 @app.command()
@@ -930,14 +933,15 @@ def defaults(component: str = typer.Argument(..., help="a registered component, 
     """The auto table (backend and option per op, batch and T) from measured sweeps: the fastest option whose
     fp64 check passed; the primary backend's rules first, the fallback's where the primary cannot run."""
     from k3lab import policy, registry
+    from k3lab.harness.bundle import read_json
 
     _component(component)
     ops = {o.name: o.policy_key for o in registry.ops_of(component)}
     rows: list[dict] = []
     for p in bundles:
         try:
-            rows += json.loads(Path(p).read_text())["rows"]
-        except (OSError, ValueError, KeyError) as e:
+            rows += read_json(p)["rows"]
+        except (OSError, ValueError, KeyError, EOFError) as e:
             _echo_err(f"error: cannot read the rows of bundle {p}: {e}")
             raise typer.Exit(2) from None
 

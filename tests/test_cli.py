@@ -202,7 +202,7 @@ def test_defaults_table_is_the_one_the_committed_sweeps_give(tmp_path):
     committed = json.loads((root / "data" / "kda_defaults.json").read_text())
     cmd = committed["_source"].split("`")[1].split()
     assert cmd[:3] == ["k3lab", "defaults", "kda"]
-    bundles = [str(root / a) for a in cmd[3:] if a.endswith(".json")]
+    bundles = [str(root / a) for a in cmd[3:] if a.endswith((".json", ".json.gz"))]
     assert bundles
     out = tmp_path / "t.json"
     r = runner.invoke(cli.app, ["defaults", "kda", *bundles, "--write", str(out)])
@@ -235,7 +235,7 @@ def test_run_refuses_unknown_and_mistyped_parameters(tmp_path):
         cli.check_params(nb, {"seeed": 1})
     with pytest.raises(cli.RunFailed, match="'reps' expects a number"):
         cli.check_params(nb, {"reps": "abc"})
-    got = cli.check_params(nb, {"bundle": "profiles/h200/kda_sweep.json", "reps": 3})
+    got = cli.check_params(nb, {"bundle": "profiles/h200/kda_sweep.json.gz", "reps": 3})
     assert Path(got["bundle"]).is_absolute() and got["reps"] == 3
 
 

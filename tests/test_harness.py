@@ -318,3 +318,16 @@ def test_render_cells_fallback():
         new_output("display_data", data={"text/html": "<b>hi</b>"})])])
     body = report.render_cells(nb)
     assert "ZeroDivisionError" in body and "\x1b" not in body and "<b>hi</b>" in body and "1/0" in body
+
+
+def test_gzipped_bundle_round_trip(tmp_path):
+    from k3lab.harness import bundle as bmod
+
+    from k3lab.config import preset
+
+    b = bmod.Bundle.new("t-gz", view=preset("tiny"), switches=Switches())
+    p = b.save_as(tmp_path / "h" / "t-gz.json.gz")
+    assert p.read_bytes()[:2] == b"\x1f\x8b" and bmod.load(p).name == "t-gz"
+    assert bmod.find_bundles(tmp_path) == [p] and bmod.stem_path(p).name == "t-gz"
+    with pytest.raises(bmod.BundleError, match="t-gz.json.gz is there"):
+        bmod.load(tmp_path / "h" / "t-gz.json")

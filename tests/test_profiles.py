@@ -1,14 +1,15 @@
 """Committed evidence under profiles/ stays loadable: every results bundle validates, every report
 loads plotly.js from the one shared copy by a relative path that resolves."""
-import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from k3lab.harness.bundle import load
+from k3lab.harness.bundle import BUNDLE_GLOBS, is_bundle_file, load
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
-BUNDLES = [p for p in PROFILES.glob("*/*.json") if "schema_version" in json.loads(p.read_text())]
+BUNDLES = sorted(p for g in BUNDLE_GLOBS for p in PROFILES.glob(f"*/{g}") if is_bundle_file(p))
 REPORTS = list(PROFILES.glob("*/*.html"))
 
 
@@ -33,3 +34,13 @@ def test_report_uses_the_shared_plotly(path):
 
 def test_one_plotly_copy_and_small_tree():
     assert len(list((PROFILES / "assets").glob("plotly*.js"))) == 1
+
+
+def test_tracked_tree_under_5_mib():
+    """The repository stays small (large bundles are committed gzipped: k3lab.harness.bundle)."""
+    root = PROFILES.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout.split(b"\0")
+    total = sum((root / f.decode()).stat().st_size for f in files if f and (root / f.decode()).is_file())
+    assert total < 5 * 2**20, f"tracked files hold {total / 2**20:.2f} MiB"

@@ -19,7 +19,7 @@ through shared memory; warp 0 finishes the RMSNorm). Shared memory: stages x 64 
 
 Why: the grid kernel (k3lab_kernels.cute.kda_decode) gives each CTA one item: load, compute, store, 2 CTAs per SM.
 At B = 64, 12 heads (768 items, 2.9 waves on 132 SMs) it reached 3.42 TB/s (profiles/h200/
-kda_sweep.json) while long grids reach 3.85-3.95 TB/s: the loss is the wave tail and the
+kda_sweep.json.gz) while long grids reach 3.85-3.95 TB/s: the loss is the wave tail and the
 serialisation of load, compute and store inside each CTA. This kernel is for large batch only; at
 small batch (items < SMs) it leaves SMs idle and the grid kernel with column tiles wins.
 

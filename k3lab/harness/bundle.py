@@ -247,7 +247,9 @@ def load(path: str | Path) -> Bundle:
             raise BundleError(f"{p} holds {len(found)} bundles ({[str(f) for f in found]}); name one")
         p = found[0]
     if not p.exists():
-        raise BundleError(f"{p} does not exist")
+        gz = p.with_name(p.name + ".gz")
+        hint = f" (a gzipped bundle {gz.name} is there: pass that path)" if gz.exists() else ""
+        raise BundleError(f"{p} does not exist{hint}")
     try:
         d = read_json(p)
     except (ValueError, OSError, EOFError) as e:

@@ -467,7 +467,7 @@ ATTNRES = register(Op(
 
 # ---- the H200 evidence sweep --------------------------------------------------------------------------
 
-# (ops, grid) in priority order: the sweeps behind profiles/h200/trunk.json, run by `h200_sweep` into ONE
+# (ops, grid) in priority order: the sweeps behind profiles/h200/trunk.json.gz, run by `h200_sweep` into ONE
 # bundle (rows of every entry merged; each entry a `k3lab bench trunk --ops ... --grid ...`).
 H200_SWEEP: tuple[tuple[tuple[str, ...], dict], ...] = (
     (("router_topk", "attnres_norm"), dict(batch=(1, 64), scores=("random",), n_blocks=(9,), update=("add",),
