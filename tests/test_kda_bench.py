@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from k3lab import policy, registry
@@ -51,6 +52,7 @@ def test_sweep_rows_bundle_and_winners(tmp_path):
     assert all(v["options"]["tile_v"] in (8, 16) for v in w.values())
 
 
+@pytest.mark.slow  # the default run executes 02_kda through the CPU plan (tests/test_report_sweep.py)
 def test_kda_notebook_headless(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "k3lab.cli", "run", str(ROOT / "notebooks" / "02_kda.ipynb"),

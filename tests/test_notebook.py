@@ -18,7 +18,7 @@ NB = ROOT / "notebooks" / "01_decode_layer.ipynb"
 def test_decode_layer_notebook_tiny(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "k3lab.cli", "run", str(NB), "-p", "preset", "tiny", "-p", "reps", "5",
-           "-p", "kda_tile_v", "32", "--out", str(out), "--quiet"]
+           "-p", "kda_tile_v", "32", "-p", "backends", "reference,triton", "--out", str(out), "--quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     html = out / "01_decode_layer.html"
@@ -41,7 +41,7 @@ def test_decode_layer_notebook_tiny(tmp_path):
         if not torch.cuda.is_available():
             assert row.kind == "cpu-smoke"
     # every requested backend either ran or says why not
-    for be in ("reference", "torch_compile", "triton", "cute"):
+    for be in ("reference", "triton"):  # torch_compile's layer rows: the GPU evidence run (compile time, CI budget)
         assert be in b.backends_ran or any(k.split(":")[0] == be for k in b.backends_skipped), be
     meta = json.loads((out / "run.json").read_text())
     assert meta["status"] == "ok"

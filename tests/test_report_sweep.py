@@ -42,6 +42,10 @@ def test_cpu_plan_runs_indexes_and_gates(tmp_path_factory):
     runs = meta["runs"]
     assert [Path(r["notebook"]).name for r in runs] == ["03_mla.ipynb", "02_kda.ipynb"]
     assert [r["grid"] for r in runs] == [{"contexts": "40"}, {"drift_steps": 10}]
+    # 02_kda's drift study ran (the notebook's headless test is marked slow): bf16 state drifts further than fp32
+    (kda,) = [load(p) for r in runs if "02_kda" in r["notebook"] for p in r["bundles"]]
+    drift = json.loads(next(n for n in kda.notes if n.startswith("drift: "))[len("drift: "):])
+    assert drift["state_err"]["bf16"] > drift["state_err"]["fp32"]
     index = (out / "index.html").read_text()
     for r in runs:
         assert r["status"] == "ok" and Path(r["report"]).exists() and Path(r["executed"]).exists()

@@ -43,7 +43,8 @@ def test_recorder_on_the_reference_stack():
     st = Stack(make_stack(view, 0, n_layers=3, dtype=torch.float32), batch=2, capacity=8)
     tr = routing.record(st, torch.tensor([3, 5]), 3)
     assert layers.moe_forward is orig
-    assert tr.shape == (2, 3, 3 - view.cfg.first_k_dense, view.cfg.num_experts_per_tok) and tr.n_experts == view.cfg.n_routed_experts
+    assert tr.shape == (2, 3, 3 - view.cfg.first_k_dense, view.cfg.num_experts_per_tok)
+    assert tr.n_experts == view.cfg.n_routed_experts
     np.testing.assert_allclose(tr.weights.astype(np.float32).sum(-1), 1.0, atol=4e-3)
     s = routing.stats(tr, (1, 2))
     assert s["distinct"][1] == view.cfg.num_experts_per_tok and 0.0 <= s["next_token_reuse"] <= 1.0

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import papermill as pm
+import pytest
 
 from k3lab import dashboards as dash
 from k3lab.harness.bundle import find_bundles, load
@@ -58,6 +59,7 @@ def test_step_notebook_tiny(tmp_path):
     assert bpath.stat().st_size < 400_000
 
 
+@pytest.mark.slow  # ~20 s: CI's 10-minute budget (python3 -m pytest -q -m slow runs it)
 def test_draft_depth_notebook_tiny(tmp_path):
     out = tmp_path / "depth"
     r = _run(NB07, out, "-p", "batches", "2", "-p", "depths", "0,2", "-p", "reps", "1", "-p", "components", "false",

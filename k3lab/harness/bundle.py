@@ -8,8 +8,9 @@ Each row records its timing mode ("rotated" past L2 or "hot") and which bandwidt
 
 A Row is one component on one backend. `save(dir)` writes `dir/<gpu-slug>/<name>.json`; `load(path)`
 reads and validates. A bundle may be stored gzipped (`<name>.json.gz`, as the large committed ones under
-profiles/ are, to keep the repository small): `read_json` / `load` / `find_bundles` read either form. `compare(a, b)` matches rows on (name, backend) and reports b/a median ratios;
-rows of different timing kinds (cpu-smoke vs gpu-graph) are never compared.
+profiles/ are, to keep the repository small): `read_json` / `load` / `find_bundles` read either form.
+`compare(a, b)` matches rows on (name, backend) and reports b/a median ratios; rows of different timing
+kinds (cpu-smoke vs gpu-graph) are never compared.
 """
 from __future__ import annotations
 

@@ -12,14 +12,14 @@ Wuv [H, C, Dv] bf16 (C = 512, Dv = 128); gate logits [B,T,H*Dv] bf16; out [B,T,H
 Two paths, one launch either way:
   * rows (B*T > 2): grid (H, Dv / BV, ceil(B*T / BR)). A program owns one head, BV output columns and
     BR >= 16 rows (b, t) (default 16: at batch 64 four row blocks; 64-row blocks left 24 programs for the
-    whole GPU). It reads its Wuv[h][:, v-block] slice once for its rows, merges its rows' partials one k at a time ([BR, C]
-    tiles, fp32; empty partials (lse = -inf) weigh 0), rounds o to bf16 and multiplies on tensor cores
-    (tl.dot [BR, C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32
+    whole GPU). It reads its Wuv[h][:, v-block] slice once for its rows, merges its rows' partials one k
+    at a time ([BR, C] tiles, fp32; empty partials (lse = -inf) weigh 0), rounds o to bf16 and multiplies on
+    tensor cores (tl.dot [BR, C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32
     and stores bf16.
   * one row (B*T <= 2, e.g. batch 1): grid (H, Dv / BV, B*T). Above PREMERGE_ABOVE partials the split's
     merge kernel merges them first (a second launch, all column blocks in parallel). A program merges one
-    row's partials KB = 16 at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16 and forms o @ Wuv[h]
-    slice with fp32 FMAs (512 x BV; a 16-row tensor-core tile would be 15/16 padding).
+    row's partials KB = 16 at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16
+    and forms o @ Wuv[h] slice with fp32 FMAs (512 x BV; a 16-row tensor-core tile would be 15/16 padding).
 The merge is repeated by the Dv / BV column programs of a head (from L2): BV trades Wuv-read parallelism
 against that repeat (default 32 at small B*T: 48 programs at 12 heads).
 

@@ -341,7 +341,8 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                if torch.cuda.is_available() else NOMINAL_SMS)
-    blocks = -(-(-(-max(1, n_max) // dcp)) // bn)
+    n_loc = -(-max(1, n_max) // dcp)  # positions one shard holds
+    blocks = -(-n_loc // bn)
     slots = max(1, 2 * sms // (B * dcp * G))
     pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
     return int(min(pieces, MAX_PARTITIONS))

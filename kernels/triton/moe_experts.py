@@ -1,5 +1,6 @@
-"""Latent-MoE routed experts for decode in one Triton launch (after zeroing y): the token x top-k pairs grouped by expert on
-the device, w1/w3 with SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts.
+"""Latent-MoE routed experts for decode in one Triton launch (after zeroing y): the token x top-k pairs grouped by
+expert on the device, w1/w3 with SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's
+experts.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
