@@ -34,11 +34,11 @@ def test_bytes_count_by_hand():
 
 
 def test_sweep_rows_bundle_and_winners(tmp_path):
-    bd = runner.run("kda", grid=dict(heads=(2,), batch=(1, 2), T=(1, 3), tile_v=(8, 16), D=(16,)), reps=2,
+    bd = runner.run("kda", grid=dict(heads=(2,), batch=(1,), T=(1, 3), tile_v=(8, 16), D=(16,)), reps=2,
                     device="cpu", kernels=False, log=lambda s: None)
     assert "cute" in bd.backends_skipped or torch.cuda.is_available()
     ours = [r for r in bd.rows if r.backend == "triton"]
-    assert len(ours) == 2 * 2 * 2
+    assert len(ours) == 2 * 2
     for r in ours:
         assert r.error["ok"], r.error  # checked against fp64 with poisoned outputs before timing
         assert r.kind == "cpu-smoke" and r.mode == "hot" and r.floor_bw == "copy"
@@ -48,7 +48,7 @@ def test_sweep_rows_bundle_and_winners(tmp_path):
     assert len(back.rows) == len(bd.rows) and back.copy_tbps == bd.copy_tbps and back.read_tbps == bd.read_tbps
     rows = json.loads(path.read_text())["rows"]
     w = policy.winners(rows, ("triton",))
-    assert set(w) == {"heads2_batch1_T1", "heads2_batch1_T3", "heads2_batch2_T1", "heads2_batch2_T3"}
+    assert set(w) == {"heads2_batch1_T1", "heads2_batch1_T3"}
     assert all(v["options"]["tile_v"] in (8, 16) for v in w.values())
 
 
