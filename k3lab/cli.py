@@ -336,6 +336,12 @@ def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
         if isinstance(dv, (int, float)) and not isinstance(dv, bool) and not (
                 isinstance(v, (int, float)) and not isinstance(v, bool)):
             raise RunFailed(f"parameter {k!r} expects a number (default {dv!r}), got {v!r}")
+        if isinstance(dv, bool) and not isinstance(v, bool):
+            # a bool parameter: true/false (JSON) or Python's True/False; any other value would be truthy
+            if isinstance(v, str) and v.lower() in ("true", "false"):
+                out[k] = v.lower() == "true"
+            else:
+                raise RunFailed(f"parameter {k!r} expects true or false (default {dv!r}), got {v!r}")
         if k in PATH_PARAMS and isinstance(v, str) and v and not Path(v).is_absolute():
             out[k] = str(Path(v).resolve())
     return out

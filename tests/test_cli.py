@@ -307,3 +307,13 @@ def test_committed_plans_are_valid(plan):
     for nb, fixed, axes in p["runs"]:
         for vs in itertools.product(*axes.values()):
             cli.check_params(nb, {**fixed, **dict(zip(axes, vs))})
+
+
+def test_bool_parameters_take_python_and_json_spellings():
+    nb = Path(__file__).resolve().parent.parent / "notebooks" / "03_mla.ipynb"
+    assert cli.check_params(nb, {"peers": "False"}) == {"peers": False}
+    assert cli.check_params(nb, {"peers": "true"}) == {"peers": True}
+    with pytest.raises(cli.RunFailed, match="'peers' expects true or false"):
+        cli.check_params(nb, {"peers": "no"})
+    with pytest.raises(cli.RunFailed, match="'peers' expects true or false"):
+        cli.check_params(nb, {"peers": 1})
