@@ -348,17 +348,16 @@ class Layer:
         tri = self._backend("mla") == "triton"
 
         def kv():
-            if tri:  # the kv projection (cuBLAS), then kv_norm + the in-place write in one kernel
-                from k3lab.components import mla as mla_comp
-                ckv = linear(lead3(b["h"]), w.w_dkv)
-                mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
-                                     check_values=False)
-                return ckv
-            ckv = linear(lead3(b["h"]), w.w_dkv)
-            c_n = mla_ref.rms_norm(ckv[..., :C], w.kv_norm, w.eps)
-            st.cache.write(st.lengths, torch.cat([c_n, ckv[..., C:]], dim=-1))
             # both paths return the projection's output: the written entries are checked downstream (attn reads
             # them) and by the cache-write op's own tests
+            ckv = linear(lead3(b["h"]), w.w_dkv)
+            if tri:  # kv_norm + the in-place write in one kernel
+                from k3lab.components import mla as mla_comp
+                mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
+                                     check_values=False)
+            else:
+                c_n = mla_ref.rms_norm(ckv[..., :C], w.kv_norm, w.eps)
+                st.cache.write(st.lengths, torch.cat([c_n, ckv[..., C:]], dim=-1))
             return ckv
         kv_e = st.cache.data.element_size()
         c["kv_proj"] = (kv, _nb(w.w_dkv, w.kv_norm) + self.N * D * self.e + self.N * (C + Dr) * kv_e,
@@ -367,10 +366,9 @@ class Layer:
 
         def attn():
             from k3lab.components import mla as mla_comp
-            # triton: k3lab_kernels.triton.mla_decode (split + merge). The cache holds lengths + T positions
-            # exactly (alloc_state), so n_positions is its capacity: no host sync, graph-capturable.
             # triton: split + merge kernels into o_lat (fp32); the combine kernel (out_proj) then applies Wuv and
-            # the gate to it (at batch 1 the combine would merge many partials through the same merge kernel)
+            # the gate to it. The cache holds lengths + T positions exactly (alloc_state), so n_positions is its
+            # capacity: no host sync, graph-capturable.
             parts = None if sw.mla_partitions == "auto" else sw.mla_partitions  # None: the kernel's choice
             b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
                                             backend=be, partitions=parts, pad_heads=sw.pad_heads,

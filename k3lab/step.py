@@ -120,8 +120,9 @@ def _on_gpu(device) -> bool:
 # ---- switches ------------------------------------------------------------------------------------
 
 # Component groups with kernels behind their component APIs: group -> the registry op whose dispatcher rule `auto`
-# follows. Where the layer builder (k3lab.model) has no path for a group's backend (the plain projections: the
-# builder runs torch matmuls for every "proj" backend), the step calls the component API itself (`_overrides`).
+# follows. The layer builder (k3lab.model) runs AttnRes, the router and the experts on their kernels itself; for
+# the plain projections (the builder runs torch matmuls for every "proj" backend) the step calls the component API
+# (`_overrides`); a group the builder refuses is refused by name.
 OVERRIDE_OPS = {"attnres": "attnres_norm", "router": "router_topk", "moe": "moe_experts", "proj": "proj"}
 LAYER_PATHS = ("reference", "torch_compile")  # what the layer builder itself runs for those groups
 
@@ -395,84 +396,50 @@ _OVERRIDE_GROUP = {"attnres_attn": "attnres", "attnres_mlp": "attnres", "router"
 
 
 def _overrides(L, over: dict[str, str]) -> dict[str, Callable[[], Any]]:
-    """Component callables of layer L that call the component APIs the layer builder does not route to, for
-    the groups in `over` (group -> backend). Same buffers in and out as the layer's own callables; the
-    projections overridden are the plain ones (KDA q/k/v, decay, gate, output with its residual; the latent
-    down-projection); the rest of a layer stays on the builder's path."""
-    from k3lab.components import attnres as attnres_c
-    from k3lab.components import moe as moe_c
+    """Component callables of layer L for the plain projections when their group ("proj") is in `over` (the layer
+    builder runs every projection as a torch matmul; AttnRes, the router and the experts it routes to their
+    kernels itself): KDA q/k/v, decay, gate, output with its residual, and the latent down-projection, through
+    `k3lab.components.trunk.proj`. Same buffers in and out as the layer's own callables."""
     from k3lab.components import trunk
 
-    b, lw = L.buf, L.w
-    eps = L.view.cfg.rms_norm_eps
+    if "proj" not in over:
+        return {}
+    b, lw, m = L.buf, L.w, L.w.mlp
+    be_p = over["proj"]
     out: dict[str, Callable[[], Any]] = {}
 
     def flat(t):
         return t.reshape(-1, t.shape[-1])
 
-    if "attnres" in over:
-        be = over["attnres"]
+    def P(x, w, residual=None):
+        r = None if residual is None else flat(residual).contiguous()
+        y = trunk.proj(flat(x).contiguous(), w, residual=r, backend=be_p)
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
-        def mix(blocks, x, wn, wp, nw):
-            y = attnres_c.mix_norm([flat(t) for t in blocks], flat(x), wn, wp, nw, eps=eps, backend=be)
-            return y.reshape(x.shape)
+    if lw.mlp_kind == "moe":
+        def latent_down():
+            b["z"] = P(flat(b["h2"]), m.w_down)
+            return b["z"]
+        out["latent_down"] = latent_down
+    w = lw.attn
+    if L.kind == "kda":
+        def qkv():
+            b["qkv"] = P(b["h"], w.w_qkv)
+            return b["qkv"]
 
-        def attnres_attn():
-            b["h"] = mix(b["blocks"], b["x"], lw.attn_res_norm, lw.attn_res_proj, lw.input_norm)
-            b["blocks_mlp"] = b["blocks"] + [b["x"]] if L.block_start else b["blocks"]
-            return b["h"]
+        def decay():
+            b["f"] = P(P(b["h"], w.w_fa), w.w_fb)
+            b["b"] = P(b["h"], w.w_b)
+            return b["f"], b["b"]
 
-        def attnres_mlp():
-            b["h2"] = mix(b["blocks_mlp"], b["p"], lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm)
-            return b["h2"]
-        out.update(attnres_attn=attnres_attn, attnres_mlp=attnres_mlp)
-    m = lw.mlp
-    if lw.mlp_kind == "moe" and "router" in over:
-        be_r = over["router"]
+        def gate():
+            b["gate"] = P(b["h"], w.w_g)
+            return b["gate"]
 
-        def router():
-            b["idx"], b["wk"] = trunk.route(flat(b["h2"]), m.router, backend=be_r)
-            return b["idx"], b["wk"]
-        out["router"] = router
-    if lw.mlp_kind == "moe" and "moe" in over:
-        be_e = over["moe"]
-
-        def experts():
-            b["y"] = moe_c.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, check_values=False)
-            return b["y"]
-        out["experts"] = experts
-    if "proj" in over:
-        be_p = over["proj"]
-
-        def P(x, w, residual=None):
-            r = None if residual is None else flat(residual).contiguous()
-            y = trunk.proj(flat(x).contiguous(), w, residual=r, backend=be_p)
-            return y.reshape(*x.shape[:-1], w.shape[0])
-
-        if lw.mlp_kind == "moe":
-            def latent_down():
-                b["z"] = P(flat(b["h2"]), m.w_down)
-                return b["z"]
-            out["latent_down"] = latent_down
-        w = lw.attn
-        if L.kind == "kda":
-            def qkv():
-                b["qkv"] = P(b["h"], w.w_qkv)
-                return b["qkv"]
-
-            def decay():
-                b["f"] = P(P(b["h"], w.w_fa), w.w_fb)
-                b["b"] = P(b["h"], w.w_b)
-                return b["f"], b["b"]
-
-            def gate():
-                b["gate"] = P(b["h"], w.w_g)
-                return b["gate"]
-
-            def out_proj():
-                b["p"] = P(b["o"], w.w_o) if L.block_start else P(b["o"], w.w_o, residual=b["x"])
-                return b["p"]
-            out.update(qkv_proj=qkv, decay_proj=decay, gate_proj=gate, out_proj=out_proj)
+        def out_proj():
+            b["p"] = P(b["o"], w.w_o) if L.block_start else P(b["o"], w.w_o, residual=b["x"])
+            return b["p"]
+        out.update(qkv_proj=qkv, decay_proj=decay, gate_proj=gate, out_proj=out_proj)
     return out
 
 
