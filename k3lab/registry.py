@@ -181,7 +181,7 @@ REGISTRY: dict[str, Op] = {}
 _LOADED = False
 OP_MODULES = ("k3lab.ops.kda", "k3lab.ops.mla",
               "k3lab.ops.trunk",
-              "k3lab.ops.moe",)
+              "k3lab.ops.moe", "k3lab.ops.glue")
 
 
 def register(op: Op) -> Op:

@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,8 @@ def _on_gpu(device) -> bool:
 
 # Component groups with kernels behind their component APIs: group -> the registry op whose dispatcher rule `auto`
 # follows. The layer builder (k3lab.model) runs AttnRes, the router and the experts on their kernels itself; for
-# the plain projections (the builder runs torch matmuls for every "proj" backend) the step calls the component API
-# (`_overrides`); a group the builder refuses is refused by name.
+# the projections (the builder runs torch matmuls for every "proj" backend) the step fuses them by shared input and
+# calls the component APIs (`_fused_parts`); a group the builder refuses is refused by name.
 OVERRIDE_OPS = {"attnres": "attnres_norm", "router": "router_topk", "moe": "moe_experts", "proj": "proj"}
 LAYER_PATHS = ("reference", "torch_compile")  # what the layer builder itself runs for those groups
 
@@ -274,10 +275,7 @@ class DecodeStep:
             if L.skipped:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
-            for name, fn in _overrides(L, over).items():
-                c[name] = (fn, c[name][1], c[name][2])
-                L.ran[name] = over[_OVERRIDE_GROUP[name]]
-            comps.append(c)
+            comps.append(_fused_parts(L, over, c))
         self.switches, self.why, self.comps, self.overridden = sw, why, comps, over
 
     @property
@@ -390,57 +388,254 @@ def registry_bytes(view: GpuView, layer, name: str) -> int | None:
                                  kv_dtype=view.kv_dtype, fp8_scale=layer.fp8_scale, ragged=False)))
 
 
-_OVERRIDE_GROUP = {"attnres_attn": "attnres", "attnres_mlp": "attnres", "router": "router", "experts": "moe",
-                   "qkv_proj": "proj", "decay_proj": "proj", "gate_proj": "proj", "out_proj": "proj",
-                   "latent_down": "proj"}  # the MLA layer's projections (q, kv, gate, output) stay the builder's
+_OVERRIDE_GROUP = {"attnres_attn": "attnres", "attnres_mlp": "attnres", "router": "router", "experts": "moe"}
 
 
-def _overrides(L, over: dict[str, str]) -> dict[str, Callable[[], Any]]:
-    """Component callables of layer L for the plain projections when their group ("proj") is in `over` (the layer
-    builder runs every projection as a torch matmul; AttnRes, the router and the experts it routes to their
-    kernels itself): KDA q/k/v, decay, gate, output with its residual, and the latent down-projection, through
-    `k3lab.components.trunk.proj`. Same buffers in and out as the layer's own callables."""
-    from k3lab.components import trunk
+def _cat_rows(obj_attrs: list[tuple[Any, str]], dim: int = 0) -> torch.Tensor:
+    """Concatenate weights along `dim` (0: [n_i, K] by rows; 1: [N, k_i] side by side) into one tensor and
+    re-point each owner's attribute at its range (a view): the group's one launch reads one weight, the builder's
+    own paths read the same storage, and the layer holds no second copy. Weights that already are consecutive
+    views of one tensor (a step whose switches were set before) are taken as they are."""
+    ws = [getattr(o, a) for o, a in obj_attrs]
+    base = ws[0]._base
+    if base is not None and all(w._base is base for w in ws) and sum(w.shape[dim] for w in ws) == base.shape[dim]:
+        off, ok = ws[0].data_ptr() - base.data_ptr(), True
+        for w in ws:
+            ok = ok and w.data_ptr() - base.data_ptr() == off
+            off += w.shape[dim] * w.stride(dim) * w.element_size()
+        if ok:
+            return base
+    if dim == 1:
+        ws = [w.t() for w in ws]
+    if any(w.dim() != 2 or w.shape[1] != ws[0].shape[1] or w.dtype != ws[0].dtype for w in ws):
+        raise ValueError(f"step: cannot fuse weights of shapes {[tuple(w.shape) for w in ws]} and dtypes "
+                         f"{sorted({str(w.dtype) for w in ws})} by rows")
+    cat = torch.cat(ws, 0)
+    if dim == 1:
+        cat = cat.t().contiguous()
+    a = 0
+    for (o, attr), w in zip(obj_attrs, ws):
+        setattr(o, attr, cat[a:a + w.shape[0]] if dim == 0 else cat[:, a:a + w.shape[0]])
+        a += w.shape[0]
+    return cat
+
+
+def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
+    """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
+    backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
+    the experts). Fused (each a `k3lab.components.trunk` call, one launch; the glue ops of `k3lab.components.glue`
+    one launch each):
+      KDA   in_proj    q|k|v, g, the decay's first factor fa and beta from h: one proj_group (kda_in)
+            decay_proj the decay's second factor fb
+            out_proj   Wo with the residual add in its epilogue
+      MLA   in_proj    q down, kv down, the output gate's logits from h: one proj_group (mla_in)
+            q_proj     q_norm (glue.rms_norm), Wuq, and the absorption of Wuk (a batched matmul)
+            kv_proj    kv_norm + the cache write (the MLA component's kernel on triton, else the reference)
+            out_proj   the combine (merge, Wuv, gate) then Wo with the residual add
+      MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
+                       (moe_in), then the router's top-k
+            latent_up  routed_norm (glue.rms_norm) then Wup with the residual p added
+            shared     SiTU-GLU (glue.situ_glu) then the shared experts' w2 (one weight: their w2 side by side)
+                       with p + routed added: the layer's output
+      dense MLP        [w1; w3] in one projection, SiTU-GLU, w2 with the residual.
+    The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
+    weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch)."""
+    from k3lab.components import glue, trunk
 
     if "proj" not in over:
-        return {}
-    b, lw, m = L.buf, L.w, L.w.mlp
-    be_p = over["proj"]
-    out: dict[str, Callable[[], Any]] = {}
+        return comps
+    be = over["proj"]
+    b, lw = L.buf, L.w
+    N, e, dev, dt = L.N, L.e, L.device, L.dtype
+    lead = (L.B, L.T) if L.T > 1 else (L.B,)
+    D = L.view.cfg.hidden_size
 
     def flat(t):
         return t.reshape(-1, t.shape[-1])
 
-    def P(x, w, residual=None):
-        r = None if residual is None else flat(residual).contiguous()
-        y = trunk.proj(flat(x).contiguous(), w, residual=r, backend=be_p)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+    def buf(n, dtype=None):
+        return torch.empty(N, n, dtype=dtype or dt, device=dev)
 
-    if lw.mlp_kind == "moe":
-        def latent_down():
-            b["z"] = P(flat(b["h2"]), m.w_down)
-            return b["z"]
-        out["latent_down"] = latent_down
+    def mm_bytes(cat_w, k_in, n_out, e_out=None, residual=False):
+        return _nb_t(cat_w) + N * (k_in * e + n_out * (e_out or e) + (n_out * e if residual else 0))
+
+    def P(x, w, out=None, residual=None):
+        r = None if residual is None else flat(residual).contiguous()
+        return trunk.proj(flat(x).contiguous(), w, out, residual=r, backend=be)
+
+    fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "latent_up", "shared", "dense_mlp")
+    out: OrderedDict[str, Any] = OrderedDict()
+    out["attnres_attn"] = comps["attnres_attn"]
     w = lw.attn
     if L.kind == "kda":
-        def qkv():
-            b["qkv"] = P(b["h"], w.w_qkv)
+        H, Dh = w.params.heads, w.params.head_dim
+        w_in = _cat_rows([(w, "w_qkv"), (w, "w_g"), (w, "w_fa"), (w, "w_b")])
+        R = w.w_fa.shape[0]
+        qkv, g, fa, beta = buf(3 * H * Dh), buf(H * Dh), buf(R), buf(H)
+        b["qkv"], b["gate"], b["b"] = qkv.view(*lead, -1), g.view(*lead, -1), beta.view(*lead, -1)
+        f = buf(H * Dh)
+        b["f"] = f.view(*lead, -1)
+
+        def in_proj():
+            trunk.proj_group(flat(b["h"]), w_in, [qkv, g, fa, beta], backend=be)
             return b["qkv"]
 
         def decay():
-            b["f"] = P(P(b["h"], w.w_fa), w.w_fb)
-            b["b"] = P(b["h"], w.w_b)
+            P(fa, w.w_fb, f)
             return b["f"], b["b"]
 
-        def gate():
-            b["gate"] = P(b["h"], w.w_g)
-            return b["gate"]
+        n_in = w_in.shape[0]
+        out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
+        out["decay_proj"] = (decay, mm_bytes(w.w_fb, R, H * Dh), 2 * N * R * H * Dh)
+        out["kda_core"] = comps["kda_core"]
+        p = buf(D)
 
         def out_proj():
-            b["p"] = P(b["o"], w.w_o) if L.block_start else P(b["o"], w.w_o, residual=b["x"])
+            P(b["o"], w.w_o, p, residual=None if L.block_start else b["x"])
+            b["p"] = p.view(*lead, D)
             return b["p"]
-        out.update(qkv_proj=qkv, decay_proj=decay, gate_proj=gate, out_proj=out_proj)
+        out["out_proj"] = (out_proj, mm_bytes(w.w_o, w.w_o.shape[1], D, residual=not L.block_start),
+                           2 * N * w.w_o.shape[1] * D)
+    else:
+        H, C, Dn, Dr = w.heads, w.kv_lora, w.nope_dim, w.rope_dim
+        w_in = _cat_rows([(w, "w_dq"), (w, "w_dkv"), (w, "w_gate")])
+        Q = w.w_dq.shape[0]
+        cq, ckv, gl = buf(Q), buf(C + Dr), buf(w.w_gate.shape[0])
+        cqn, qf = buf(Q), buf(H * (Dn + Dr))
+        q_lat = torch.empty(H, N, C, dtype=dt, device=dev)
+        lead3 = (L.B, L.T)
+        b["mla_gate"] = gl.view(*lead, -1)
+        st = L.state
+        tri = L._backend("mla") == "triton"
+
+        def in_proj():
+            trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be)
+            return cq
+
+        def q_proj():
+            glue.rms_norm(cq, w.q_norm, cqn, eps=float(w.eps), backend=be)
+            P(cqn, w.w_uq, qf)
+            q3 = qf.view(N, H, Dn + Dr)
+            torch.bmm(q3[..., :Dn].transpose(0, 1), w.w_uk, out=q_lat)  # [H, N, Dn] @ [H, Dn, C]
+            b["q_lat"] = q_lat.transpose(0, 1).reshape(*lead3, H, C)
+            b["q_rope"] = q3[..., Dn:].view(*lead3, H, Dr)
+            return b["q_lat"], b["q_rope"]
+
+        def kv():
+            x3 = ckv.view(*lead3, C + Dr)
+            if tri:
+                from k3lab.components import mla as mla_comp
+                mla_comp.write_cache(x3, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
+                                     check_values=False)
+            else:
+                from k3lab.ref import mla as mla_ref
+                c_n = mla_ref.rms_norm(x3[..., :C], w.kv_norm, w.eps)
+                st.cache.write(st.lengths, torch.cat([c_n, x3[..., C:]], dim=-1))
+            return ckv
+
+        n_in = w_in.shape[0]
+        out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
+        out["q_proj"] = (q_proj, _nb_t(w.q_norm, w.w_uq, w.w_uk) + N * (2 * Q + H * (Dn + Dr) + H * (Dn + C)) * e,
+                         2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
+        kv_e = st.cache.data.element_size()
+        out["kv_proj"] = (kv, _nb_t(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
+        out["attn"] = comps["attn"]
+        p = buf(D)
+
+        def out_proj():
+            if tri:
+                from k3lab.components import mla as mla_comp
+                y = mla_comp.combine(b["o_lat"], None, w.w_uv, gl.view(*lead3, -1), backend="triton")
+                a_in = flat(y)
+            else:
+                o_lat = b["o_lat"] if L.T > 1 else b["o_lat"].squeeze(1)
+                o = torch.einsum("...hc,hcv->...hv", o_lat.to(dt), w.w_uv)
+                a_in = flat(o.flatten(-2) * torch.sigmoid(b["mla_gate"]))
+            P(a_in.to(dt), w.w_o, p, residual=None if L.block_start else b["x"])
+            b["p"] = p.view(*lead, D)
+            return b["p"]
+        ob = comps["out_proj"][1]
+        out["out_proj"] = (out_proj, ob, comps["out_proj"][2])
+    out["attnres_mlp"] = comps["attnres_mlp"]
+    m = lw.mlp
+    if lw.mlp_kind == "moe":
+        r, sh = m.router, m.shared
+        Lat, E = m.w_down.shape[0], r.n_experts
+        if len({(s.b1, s.b2) for s in sh}) > 1:
+            raise ValueError(f"step: the shared experts have different SiTU constants {[(s.b1, s.b2) for s in sh]}")
+        w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
+        sI = sum(s.w1.shape[0] for s in sh)
+        logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
+        a_s = buf(sI)
+        w2 = _cat_rows([(s, "w2") for s in sh], dim=1)  # [D, sI]: sum_i w2_i a_i is one projection
+        b["z"] = z
+        idx = torch.empty(N, r.top_k, dtype=torch.int64, device=dev)
+        wk = torch.empty(N, r.top_k, dtype=torch.float32, device=dev)
+        bias = r.e_bias.float().contiguous()
+        be_r = L._backend("router") or "reference"
+        be_r = "reference" if be_r == "torch_compile" else be_r
+
+        def moe_in():
+            trunk.proj_group(flat(b["h2"]), w_moe, [logits, z, gu[:, :sI], gu[:, sI:]], backend=be)
+            trunk.router_topk(logits, bias, top_k=r.top_k, scaling=r.scaling, idx=idx, weights=wk, backend=be_r)
+            b["idx"], b["wk"] = idx, wk
+            return idx, wk
+
+        n_in = w_moe.shape[0]
+        out["moe_in"] = (moe_in, mm_bytes(w_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
+                         2 * N * D * n_in)
+        out["experts"] = comps["experts"]
+        yn, rp = buf(Lat), buf(D)
+
+        def latent_up():
+            glue.rms_norm(flat(b["y"]), m.routed_norm, yn, eps=float(m.eps), backend=be)
+            P(yn, m.w_up, rp, residual=b["p"])
+            b["routed"] = rp
+            return rp
+        out["latent_up"] = (latent_up, _nb_t(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(m.w_up, Lat, D, True),
+                            2 * N * Lat * D)
+        xo = buf(D)
+
+        def shared():
+            glue.situ_glu(gu, a_s, b1=sh[0].b1, b2=sh[0].b2, backend=be)
+            P(a_s, w2, xo, residual=rp)
+            b["x_out"] = xo.view(*lead, D)
+            return b["x_out"]
+        out["shared"] = (shared, N * sI * 3 * e + mm_bytes(w2, sI, D, residual=True), 2 * N * sI * D)
+    else:
+        w13 = _cat_rows([(m, "w1"), (m, "w3")])
+        I = m.w1.shape[0]
+        gu, a_d, xo = buf(2 * I), buf(I), buf(D)
+
+        def dense():
+            P(b["h2"], w13, gu)
+            glue.situ_glu(gu, a_d, b1=m.b1, b2=m.b2, backend=be)
+            P(a_d, m.w2, xo, residual=b["p"])
+            b["x_out"] = xo.view(*lead, D)
+            return b["x_out"]
+        out["dense_mlp"] = (dense, mm_bytes(w13, D, 2 * I) + N * I * 3 * e + mm_bytes(m.w2, I, D, residual=True),
+                            2 * N * D * 3 * I)
+    L.ran = {name: (be if name in fused else L.ran.get(name, "reference")) for name in out}
     return out
+
+
+def _why_failed(e: BaseException, limit: int = 900) -> str:
+    """An exception in a few lines for the record: its type and first line, its root cause (inductor wraps the
+    error that matters: `BackendCompilerFailed ... raised:` then the cause) and the message's last lines."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    out = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    cause = e.__cause__ or e.__context__
+    while cause is not None and (cause.__cause__ or cause.__context__) is not None:
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:
+        out += f" | cause {type(cause).__name__}: {' '.join(str(cause).split())[:300]}"
+    if len(lines) > 1:
+        out += " | " + " / ".join(ln.strip() for ln in lines[-3:])
+    return out[:limit]
+
+
+def _nb_t(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 # ---- profiling: launches and kernel attribution ------------------------------------------------------
@@ -773,7 +968,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                 step.run()  # compiles (and any recompiles) before the timer's own warm-up
             tc = time_step(step, reps=compare_reps, warmup=2)
         except Exception as e:  # noqa: BLE001 - recorded; the other comparisons go on
-            b.backends_skipped[be] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            b.backends_skipped[be] = _why_failed(e)
             log(f"compare {be}: skipped: {b.backends_skipped[be]}")
             continue
         r = Row.from_timing("step", be, tc)
@@ -1010,9 +1205,7 @@ def _nsight_main(spec_path: str) -> None:
             if res.backend[g] not in LAYER_PATHS and (g == "proj" or not _group_accepts([L], g, res.backend[g], res))
             and _override_ok(g, res.backend[g], L.B * L.T)[0]}
     L.switches = res.replace(backend={**res.backend, **{g: "reference" for g in over}})
-    comps = L.components()
-    for name, fn in _overrides(L, over).items():  # the same component callables as the step's
-        comps[name] = (fn, comps[name][1], comps[name][2])
+    comps = _fused_parts(L, over, L.components())  # the same components as the step's
     launches = spec.get("launches") or {}
     single = [n for n in comps if launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) == 1]
     for _, (fn, _, _) in comps.items():  # warm: compiles and autotunes outside ncu's view

@@ -1,0 +1,117 @@
+"""The step's glue ops through the one dispatcher: RMSNorm of rows and the SiTU-GLU activation.
+
+    glue.rms_norm(x [R, D] bf16|fp32, weight [D], out=None, *, eps, backend) -> out [R, D] bf16
+    glue.situ_glu(gu [R, 2I] bf16, out=None, *, b1=4, b2=25, backend) -> out [R, I] bf16   (gu = [w1 x | w3 x])
+
+Registered in `k3lab.ops.glue` (shapes, fp64 oracle, tolerances, bytes); kernels in
+`kernels/triton/rms_norm.py` and `kernels/triton/situ_glu.py`.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3lab.components import dispatch
+from k3lab.ref.situ import B1, B2
+
+COMPONENT = "glue"
+
+
+class GlueArgumentError(ValueError):
+    """An argument of the glue component API has the wrong type, shape, dtype, device or value."""
+
+
+def _fail(name: str, msg: str):
+    raise GlueArgumentError(f"{COMPONENT}: {name!r} {msg}")
+
+
+def _rows(name: str, t, dtypes, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        _fail(name, f"must be 2-D [rows, width], got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        _fail(name, f"must be on {device} (the input's device), got {t.device}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        _fail(name, f"must have unit stride along its last dim, got strides {t.stride()}")
+
+
+def _floats(x) -> tuple:
+    return (torch.bfloat16, torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.bfloat16,
+                                                                                          torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, eps: float,
+             backend: str = "reference", ran: list | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """out = rms(x; weight) (bf16; float64 for the fp64 oracle on the reference), one launch on triton."""
+    _rows("x", x, (torch.bfloat16, torch.float32, torch.float64))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+        _fail("weight", f"must be a 1-D tensor of {x.shape[1]} (x's width), got "
+                        f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
+    if weight.device != x.device:
+        _fail("weight", f"must be on {x.device} (x's device), got {weight.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        _fail("eps", f"must be a positive number, got {eps!r}")
+    odt = torch.float64 if x.dtype == torch.float64 else torch.bfloat16
+    if out is None:
+        out = torch.empty(x.shape, dtype=odt, device=x.device)
+    _rows("out", out, (odt,), x.device)
+    if tuple(out.shape) != tuple(x.shape):
+        _fail("out", f"must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
+    be, opts, why = dispatch.select("rms_norm", backend, B=x.shape[0])
+    if be == "triton":
+        if x.dtype == torch.float64:
+            _fail("x", "must be bf16 or fp32 for the triton backend, got float64")
+        if not weight.is_contiguous() or weight.dtype not in (torch.bfloat16, torch.float32):
+            _fail("weight", f"must be a contiguous bf16 or fp32 tensor for the triton backend, got {weight.dtype}")
+        dispatch.kernel("rms_norm", be)(x, weight, out, eps=float(eps), num_warps=num_warps)
+        opts = dict(opts, num_warps=num_warps)
+    else:
+        from k3lab.ref.rmsnorm import rms_norm as ref
+
+        fn = ref if be == "reference" else dispatch.compiled("glue.rms_norm", ref)
+        out.copy_(fn(x, weight, float(eps), out_dtype=odt))
+    dispatch.record(ran, op="rms_norm", backend_requested=backend, backend=be, kernel=dispatch.kernel_path(
+        "rms_norm", be), options=opts, shape=dict(rows=x.shape[0], dim=x.shape[1], xdtype=str(x.dtype)[6:]), why=why)
+    return out
+
+
+def _situ_ref(gu: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
+    from k3lab.ref.situ import situ
+
+    inter = gu.shape[1] // 2
+    return situ(gu[:, :inter], gu[:, inter:], b1, b2)
+
+
+def situ_glu(gu: torch.Tensor, out: torch.Tensor | None = None, *, b1: float = B1, b2: float = B2,
+             backend: str = "reference", ran: list | None = None, block: int | None = None,
+             num_warps: int | None = None) -> torch.Tensor:
+    """out = situ(gu[:, :I], gu[:, I:]) (bf16; float64 for the fp64 oracle on the reference)."""
+    _rows("gu", gu, (torch.bfloat16, torch.float64))
+    if gu.shape[1] % 2:
+        _fail("gu", f"must hold [g | u]: an even width 2*I, got {gu.shape[1]}")
+    inter = gu.shape[1] // 2
+    for name, v in (("b1", b1), ("b2", b2)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            _fail(name, f"must be a positive number, got {v!r}")
+    if out is None:
+        out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
+    _rows("out", out, (gu.dtype,), gu.device)
+    if tuple(out.shape) != (gu.shape[0], inter):
+        _fail("out", f"must be [{gu.shape[0]}, {inter}] (rows of gu, half its width), got {tuple(out.shape)}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16
+                              or block & (block - 1)):
+        _fail("block", f"must be None or a power of two >= 16, got {block!r}")
+    be, opts, why = dispatch.select("situ_glu", backend, B=gu.shape[0])
+    if be == "triton":
+        if gu.dtype != torch.bfloat16:
+            _fail("gu", f"must be bf16 for the triton backend, got {gu.dtype}")
+        dispatch.kernel("situ_glu", be)(gu, out, b1=float(b1), b2=float(b2), block=block, num_warps=num_warps)
+        opts = dict(opts, block=block, num_warps=num_warps)
+    else:
+        fn = _situ_ref if be == "reference" else dispatch.compiled("glue.situ", _situ_ref)
+        out.copy_(fn(gu, float(b1), float(b2)))
+    dispatch.record(ran, op="situ_glu", backend_requested=backend, backend=be, kernel=dispatch.kernel_path(
+        "situ_glu", be), options=opts, shape=dict(rows=gu.shape[0], inter=inter), why=why)
+    return out

@@ -1,0 +1,60 @@
+"""The step's glue ops (k3lab.ops.glue): RMSNorm of rows and SiTU-GLU, through the one checker (fp64 oracle,
+poisoned outputs) on the reference and on Triton (the interpreter on a CPU), and their argument errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3lab import registry
+from k3lab.components import glue
+from k3lab.components.glue import GlueArgumentError
+from k3lab.harness import checker
+
+
+def _check(op_name, backend, **shape):
+    op = registry.get(op_name)
+    return checker.require(checker.check(op, op.case(**shape), backend=backend, options={}, seed=3))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("batch,dim,xdtype", [(1, 1536, "bf16"), (3, 3584, "fp32"), (2, 100, "bf16")])
+def test_rms_norm_checker(backend, batch, dim, xdtype):
+    _check("rms_norm", backend, batch=batch, dim=dim, xdtype=xdtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("batch,inter", [(1, 768), (3, 1000)])
+def test_situ_glu_checker(backend, batch, inter):
+    _check("situ_glu", backend, batch=batch, inter=inter)
+
+
+def test_glue_strided_rows_and_record():
+    """Row strides: the input a column slice of a wider buffer, the output a slice of another."""
+    x = torch.randn(3, 40)
+    gu = (torch.randn(3, 24) * 3).to(torch.bfloat16)
+    wide = torch.zeros(3, 20, dtype=torch.bfloat16)
+    ran = []
+    glue.situ_glu(gu[:, 4:], wide[:, 2:12], backend="triton", ran=ran)
+    ref = glue.situ_glu(gu[:, 4:].contiguous(), backend="reference")
+    assert torch.allclose(wide[:, 2:12].float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert wide[:, :2].abs().sum() == 0 and wide[:, 12:].abs().sum() == 0
+    w = torch.ones(32, dtype=torch.bfloat16)
+    y = glue.rms_norm(x[:, 8:], w, eps=1e-6, backend="triton", ran=ran)
+    assert torch.allclose(y.float(), glue.rms_norm(x[:, 8:], w, eps=1e-6).float(), rtol=1e-2, atol=1e-2)
+    assert [r.op for r in ran] == ["situ_glu", "rms_norm"] and ran[0].backend == "triton"
+
+
+def test_glue_argument_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(GlueArgumentError, match="'weight'"):
+        glue.rms_norm(x, torch.ones(7), eps=1e-6)
+    with pytest.raises(GlueArgumentError, match="'eps'"):
+        glue.rms_norm(x, torch.ones(8), eps=0)
+    with pytest.raises(GlueArgumentError, match="'x'"):
+        glue.rms_norm(x.t(), torch.ones(2), eps=1e-6)
+    with pytest.raises(GlueArgumentError, match="'gu'"):
+        glue.situ_glu(torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(GlueArgumentError, match="'out'"):
+        glue.situ_glu(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(GlueArgumentError, match="'gu'"):
+        glue.situ_glu(torch.zeros(2, 8, dtype=torch.float64), backend="triton")
