@@ -517,7 +517,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
             P(cqn, w.w_uq, qf)
             q3 = qf.view(N, H, Dn + Dr)
             torch.bmm(q3[..., :Dn].transpose(0, 1), w.w_uk, out=q_lat)  # [H, N, Dn] @ [H, Dn, C]
-            b["q_lat"] = q_lat.transpose(0, 1).reshape(*lead3, H, C)
+            b["q_lat"] = q_lat.transpose(0, 1).unflatten(0, lead3)  # a strided view: the kernel takes any strides
             b["q_rope"] = q3[..., Dn:].view(*lead3, H, Dr)
             return b["q_lat"], b["q_rope"]
 
