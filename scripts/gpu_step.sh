@@ -13,7 +13,8 @@
 # cut short by RUN_S keeps what it measured. A table of the issue's target figures is printed last.
 # Knobs: BATCHES ("1 64"; run "1" and "64" as two calls if one call's limit is short), RUN_S (per run, 420),
 # REPS (5), EXPERT_DTYPE (mxfp4 | fp8), COMPARE (reference,torch_compile), NSIGHT_LAYER (1; -1 = none),
-# PREFLIGHT=1 (first the GPU test of the step: tp8, 32 experts, 1K context).
+# PREFLIGHT=1 (first the GPU test of the step: tp8, 32 experts, 1K context), DEPTH=1 (then notebooks/07_draft_depth at
+# tp8, context 8192, batch DEPTH_BATCHES "1", depths DEPTH_DEPTHS "0,1,3": $OUT/step/depth.tgz and its bundle).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/k3out}
@@ -43,6 +44,15 @@ for B in ${BATCHES:-1 64}; do
   cp "$OUT"/step/b"$B"/*/decode_step-*.json "$OUT/step/" 2>/dev/null || echo "batch $B: no bundle written"
   tar czf "$OUT/step/b$B.tgz" -C "$OUT/step" "b$B" && rm -rf "${OUT:?}/step/b$B"
 done
+if [ "${DEPTH:-0}" = 1 ]; then
+  t0=$(date +%s)
+  timeout -k 15 "${DEPTH_S:-200}" python3 -m k3lab.cli run notebooks/07_draft_depth.ipynb -p preset tp8 -p context 8192 \
+    -p expert_dtype "${EXPERT_DTYPE:-mxfp4}" -p batches "${DEPTH_BATCHES:-1}" -p depths "${DEPTH_DEPTHS:-0,1,3}" \
+    -p components false -p reps 3 --out "$OUT/step/depth" 2>&1 | tail -n 25
+  echo "draft depth: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s"
+  cp "$OUT"/step/depth/*/draft_depth-*.json "$OUT/step/" 2>/dev/null || echo "draft depth: no bundle written"
+  tar czf "$OUT/step/depth.tgz" -C "$OUT/step" depth && rm -rf "${OUT:?}/step/depth"
+fi
 python3 - "$OUT/step" <<'EOF'
 import glob, json, sys
 from k3lab.harness.bundle import load
