@@ -37,15 +37,15 @@ def test_proj_every_projection_bf16_batch1(name):
     _check(PROJ, options=dict(path="dot"), preset="tiny", proj=name, batch=1, wdtype="bf16")
 
 
-@pytest.mark.parametrize("name,path", [("kda_b", "rows"), ("mla_uq", "dot")])
+@pytest.mark.parametrize("name,path", [("kda_b", "rows"), ("mla_uq", "tma")])
 def test_proj_default_path_by_shape(name, path):
-    """path None: rows at batch 1 for <= 64 outputs (tiny kda_b: 4), dot otherwise (tiny mla_uq: 96)."""
+    """path None: rows at batch 1 for <= 64 outputs (tiny kda_b: 4), tma otherwise (tiny mla_uq: 96)."""
     from k3lab_kernels.triton.proj_gemv import config
 
     N, K = ops.proj_shapes("tiny")[name]
     assert config(1, N, K, torch.device("cpu"))["path"] == path
-    assert config(1, 128, 7168, torch.device("cpu"))["path"] == "dot"
-    assert config(2, 12, 7168, torch.device("cpu"))["path"] == "dot"
+    assert config(1, 128, 7168, torch.device("cpu"))["path"] == "tma"
+    assert config(2, 12, 7168, torch.device("cpu"))["path"] == "tma"
     _check(PROJ, preset="tiny", proj=name, batch=1, wdtype="bf16")
 
 
@@ -170,13 +170,15 @@ def test_route_projection_then_topk_matches_oracle():
 @pytest.mark.parametrize("n_blocks", range(10))
 @pytest.mark.parametrize("update", ops.UPDATES)
 def test_attnres_blocks_and_updates(n_blocks, update):
-    """0..9 blocks; the partial given, updated (p = prefix + a, bit-exact bf16) or a new block's (p = a)."""
-    _check(ATT, batch=1, n_blocks=n_blocks, update=update)
+    """0..9 blocks; the partial given, updated (p = prefix + a, bit-exact bf16) or a new block's (p = a).
+    D = 448 over 4 programs of 128 columns (the last one part-masked): the cross-program sums and the
+    barrier's interpreter path (CI time: the full 7168 runs in test_attnres_batches_and_widths)."""
+    _check(ATT, options=dict(block_d=128), batch=1, n_blocks=n_blocks, update=update, dim=448)
 
 
-@pytest.mark.parametrize("batch,dim", [(3, 7168), (3, 100), (2, 1)])
-def test_attnres_batches_and_widths(batch, dim):
-    _check(ATT, batch=batch, n_blocks=9, update="add", dim=dim)
+@pytest.mark.parametrize("batch,dim,block_d", [(3, 7168, None), (3, 100, None), (2, 1, None), (2, 300, 256)])
+def test_attnres_batches_and_widths(batch, dim, block_d):
+    _check(ATT, options=dict(block_d=block_d), batch=batch, n_blocks=9, update="add", dim=dim)
 
 
 def test_attnres_in_place_partial_and_mix_norm_triton():
@@ -278,22 +280,36 @@ def test_auto_follows_the_measured_table():
 @pytest.mark.parametrize("preset", ["tp8", "tp16"])
 @pytest.mark.parametrize("name", ops.NAMES)
 def test_gpu_every_projection_shape(preset, name):
-    for batch, wdtype, path in ((1, "bf16", "rows"), (5, "fp8", "dot"), (64, "bf16", "dot")):
-        _check(PROJ, options=dict(path=path), preset=preset, proj=name, batch=batch, wdtype=wdtype)
+    """The default path at batch 1, the tma path with PDL and fp8 weights, the tma path at batch 64."""
+    for batch, wdtype, opts in ((1, "bf16", {}), (5, "fp8", dict(path="tma", pdl=True)),
+                                (64, "bf16", dict(path="tma"))):
+        _check(PROJ, options=opts, preset=preset, proj=name, batch=batch, wdtype=wdtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(path="dot"), dict(path="dot", pdl=True), dict(path="rows"),
+                                     dict(path="tma", num_stages=6, pdl=True)])
+def test_gpu_paths(options):
+    for name in ("kda_q", "kda_o", "kda_b"):
+        for batch in (1, 3) if options["path"] == "rows" else (1, 16, 40):
+            _check(PROJ, options=options, preset="tp8", proj=name, batch=batch, wdtype="bf16")
+    _check(PROJ, options=options, preset="tp16", proj="kda_o", batch=2, wdtype="fp8", residual=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tp8", "tp16"])
 @pytest.mark.parametrize("group", list(ops.GROUPS))
 def test_gpu_groups(preset, group):
-    for batch, wdtype, path in ((1, "fp8", "rows"), (16, "bf16", "dot")):
-        _check(GROUP, options=dict(path=path), preset=preset, group=group, batch=batch, wdtype=wdtype)
+    for batch, wdtype, opts in ((1, "fp8", dict(pdl=True)), (16, "bf16", {}), (64, "bf16", dict(path="dot"))):
+        _check(GROUP, options=opts, preset=preset, group=group, batch=batch, wdtype=wdtype)
 
 
 @pytest.mark.gpu
 def test_gpu_router_and_attnres():
     for scores in ("random", "near", "ties"):
-        _check(ROUTER, batch=64, scores=scores)
+        for opts in ({}, dict(method="topk", num_warps=8, pdl=True), dict(method="rounds"), dict(method="quad")):
+            _check(ROUTER, options=opts, batch=64, scores=scores)
     for batch in (1, 64):
-        for n, u in ((0, "fresh"), (9, "add"), (9, "none")):
-            _check(ATT, batch=batch, n_blocks=n, update=u)
+        for n, u in ((0, "fresh"), (9, "add"), (9, "none"), (4, "add")):
+            for opts in ({}, dict(block_d=128, num_warps=4, pdl=True), dict(block_d=1024, num_warps=8)):
+                _check(ATT, options=opts, batch=batch, n_blocks=n, update=u)

@@ -101,7 +101,8 @@ def _update_ref(blocks, prefix, new, w_norm, w_proj, norm_w, eps, update: str):
 def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: torch.Tensor | None,
                     w_norm: torch.Tensor, w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor | None = None,
                     partial_out: torch.Tensor | None = None, *, update: str = "add", eps: float = 1e-6,
-                    backend: str = "reference", ran: list | None = None, num_warps: int | None = None) -> torch.Tensor:
+                    backend: str = "reference", ran: list | None = None, num_warps: int | None = None,
+                    block_d: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
     if update not in UPDATES:
         raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
@@ -122,14 +123,19 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
                               or t.device != prefix.device):
             raise ValueError(f"{COMPONENT}: {name!r} must be {tuple(prefix.shape)} {prefix.dtype} on {prefix.device}, "
                              f"got {tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t).__name__)}")
-    if isinstance(num_warps, bool) or num_warps not in (None, 4, 8, 16, 32):
-        raise ValueError(f"{COMPONENT}: 'num_warps' must be 4, 8, 16, 32 or None, got {num_warps!r}")
+    if isinstance(num_warps, bool) or num_warps not in (None, 1, 2, 4, 8, 16):
+        raise ValueError(f"{COMPONENT}: 'num_warps' must be 1, 2, 4, 8, 16 or None, got {num_warps!r}")
+    if isinstance(block_d, bool) or block_d not in (None, 128, 256, 512, 1024):
+        raise ValueError(f"{COMPONENT}: 'block_d' must be 128, 256, 512, 1024 or None, got {block_d!r}")
     B = prefix.shape[0] if prefix.dim() == 2 else 1
     be, opts, why = dispatch.select(OP, backend, B=B)
-    if num_warps is not None:
-        if be != "triton":
-            raise ValueError(f"{COMPONENT}: 'num_warps' is a triton option; backend {be!r} takes none")
-        opts = {**opts, "num_warps": num_warps}
+    if pdl not in (None, False, True):
+        raise ValueError(f"{COMPONENT}: 'pdl' must be True, False or None, got {pdl!r}")
+    for k, v in (("num_warps", num_warps), ("block_d", block_d), ("pdl", pdl)):
+        if v is not None:
+            if be != "triton":
+                raise ValueError(f"{COMPONENT}: {k!r} is a triton option; backend {be!r} takes none")
+            opts = {**opts, k: v}
     if out is None:
         out = torch.empty_like(prefix)
     if be == "triton":

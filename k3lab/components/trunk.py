@@ -19,7 +19,7 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton only): path ("dot": tensor-core tiles with split-K; "rows": register GEMV for batch <= 8),
-block_n, block_k, split_k, num_warps, num_stages (proj, proj_group); num_warps (router_topk); None =
+block_n, block_k, split_k, num_warps, num_stages (proj, proj_group); num_warps, method (router_topk); None =
 the kernel's heuristic. Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _knobs(op_name: str, be: str, knobs: dict) -> dict:
         if be != "triton":
             _fail(k, f"is a triton kernel option; backend {be!r} takes none (pass None)")
         allowed = op.option_axes[k]["triton"]
-        if isinstance(v, bool) or v not in allowed:
+        if isinstance(v, bool) != (k == "pdl") or v not in allowed:
             _fail(k, f"must be one of {[a for a in allowed if a is not None]} or None, got {v!r}")
     return {k: v for k, v in knobs.items() if v is not None}
 
@@ -169,24 +169,26 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
 def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, backend: str = "reference", ran: list | None = None,
          path: str | None = None, block_n: int | None = None, block_k: int | None = None,
-         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+         pdl: bool | None = None) -> torch.Tensor:
     """out = x W^T (+ residual) (module docstring)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages)
+                 num_stages=num_stages, pdl=pdl)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs)[0]
 
 
 def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,
                backend: str = "reference", ran: list | None = None, path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
+               num_warps: int | None = None, num_stages: int | None = None,
+               pdl: bool | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages)
+                 num_stages=num_stages, pdl=pdl)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs)
 
 
@@ -203,7 +205,8 @@ def topk_reference(logits: torch.Tensor, e_bias: torch.Tensor, top_k: int, scali
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, scaling: float = 1.0,
                 idx: torch.Tensor | None = None, weights: torch.Tensor | None = None, backend: str = "reference",
-                ran: list | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ran: list | None = None, num_warps: int | None = None, method: str | None = None,
+                pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx [B, k] int64, weights [B, k] fp32) from the router's logits [B, E] (module docstring)."""
     _tensor("logits", logits, 2)
     if not logits.is_floating_point():
@@ -217,7 +220,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
     _tensor("e_bias", e_bias, 1, None, dev)
     if e_bias.shape[0] != E:
         _fail("e_bias", f"must be [{E}] (one per expert), got {tuple(e_bias.shape)}")
-    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps))
+    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps, method=method, pdl=pdl))
     if be == "triton":
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
             _fail("logits", f"must be fp32 with unit stride along E for the triton backend, got {logits.dtype}")

@@ -336,8 +336,19 @@ def proj_peers(case: Case) -> list[Peer]:
             return checker.check(GROUP if c.op == "proj_group" else PROJ, c, impl=impl, impl_name=name, inputs=s)
         return check
 
+    def stream(d: dict):
+        from k3lab_kernels.triton.bw_probe import stream_sum
+
+        flat = d["w"].view(-1).view(torch.bfloat16)
+        tiles = ((8, 4096, 8), (4, 4096, 8), (1, 4096, 4), (1, 1024, 4), (1, 256, 2), (1, 64, 2), (1, 16, 1))
+        cfg = next(c for c in tiles if flat.numel() % (c[0] * c[1]) == 0)
+        part = torch.empty(flat.numel() // (cfg[0] * cfg[1]), dtype=torch.float32, device=flat.device)
+        return lambda: stream_sum(flat, part, cfg)
+
     out = [Peer("cublas", cublas, checker_of(cublas, "cublas"),
-                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}")]
+                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}"),
+           Peer("stream", stream, None, note="the read probe's streaming sum over the same weight bytes (no "
+                "product, nothing checked): how fast this harness reads these bytes at all")]
     if case.op == "proj_group":
         def cublas_parts(d: dict):
             ws = list(_dense_w(d).split(sizes))
@@ -401,13 +412,13 @@ def attnres_peers(case: Case) -> list[Peer]:
 
 _NONE = (None,)
 _PROJ_OPTS = dict(
-    option_axes={"path": {"triton": (None, "dot", "rows")},
-                 "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128)},
-                 "block_k": {"triton": (None, 64, 128, 256, 512, 1024, 2048)},
-                 "split_k": {"triton": (None, 1, 2, 4, 8, 16, 28)}, "num_warps": {"triton": (None, 2, 4, 8)},
-                 "num_stages": {"triton": (None, 2, 3, 4, 5, 6)}},
+    option_axes={"path": {"triton": (None, "tma", "dot", "rows")},
+                 "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128, 256)},
+                 "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048)},
+                 "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
+                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}, "pdl": {"triton": (None, False, True)}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE,
-                     "num_stages": _NONE},
+                     "num_stages": _NONE, "pdl": _NONE},
 )
 
 PROJ = register(Op(
@@ -439,7 +450,9 @@ ROUTER = register(Op(
     name="router_topk", component="trunk", policy_key="router_topk",
     doc="router selection after its projection: sigmoid, selection-only bias, top-k, renormalized weights",
     axes=dict(batch=(1, 5), experts=(896,), top_k=(16,), scores=("random", "near", "ties")),
-    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}}, option_defaults={"num_warps": _NONE},
+    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}, "method": {"triton": (None, "rounds", "topk", "quad")},
+                 "pdl": {"triton": (None, False, True)}},
+    option_defaults={"num_warps": _NONE, "method": _NONE, "pdl": _NONE},
     make_inputs=make_router, reference=ref_router, written=("idx", "weights"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_router, nbytes=router_bytes, flops=router_flops,
     floor_bw="read",
@@ -454,7 +467,9 @@ ATTNRES = register(Op(
     name="attnres_norm", component="trunk", policy_key="attnres_norm",
     doc="AttnRes partial update + softmax mix over blocks + [p] + RMSNorm of the mix, one launch",
     axes=dict(batch=(1, 3), n_blocks=(0, 1, 9), update=UPDATES, dim=(7168,)),
-    option_axes={"num_warps": {"triton": (None, 4, 8, 16, 32)}}, option_defaults={"num_warps": _NONE},
+    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8, 16)}, "block_d": {"triton": (None, 128, 256, 512, 1024)},
+                 "pdl": {"triton": (None, False, True)}},
+    option_defaults={"num_warps": _NONE, "block_d": _NONE, "pdl": _NONE},
     make_inputs=make_attnres, reference=ref_attnres, written=("out", "partial_out"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_attnres, nbytes=attnres_bytes, flops=attnres_flops,
     floor_bw="read",
@@ -512,5 +527,80 @@ def h200_sweep(out: str, *, reps: int = 20, deadline_s: float = 0.0, name: str =
             bd.backends_ran.update(b.backends_ran)
             bd.backends_skipped.update(b.backends_skipped)
     path = bd.save(out)
+    log(f"bundle -> {path}")
+    return path
+
+
+# ---- the H200 exploration: named option sets per case, in the same call as the peers -------------------
+
+_T = dict(path="tma")
+_TP = dict(path="tma", pdl=True)
+EXPLORE_PROJ_SMALL = (dict(path="dot"), dict(path="dot", pdl=True), dict(_T, num_stages=6), dict(_TP, num_stages=6),
+                      _TP, dict(_TP, block_n=32, block_k=256), dict(_TP, block_k=256, num_stages=3))
+EXPLORE_PROJ_LARGE = (dict(path="dot"), dict(_T, block_n=64), dict(_TP, block_n=64),
+                      dict(_TP, block_n=64, num_stages=3), dict(_TP, block_n=128, num_warps=8))
+EXPLORE_ATTNRES = (*(dict(block_d=b, num_warps=w) for b, w in ((128, 4), (256, 4), (256, 8), (512, 8), (1024, 8))),
+                   dict(block_d=256, num_warps=4, pdl=True), dict(block_d=512, num_warps=8, pdl=True))
+EXPLORE_ROUTER = (dict(method="rounds", num_warps=4), dict(method="topk", num_warps=4),
+                  dict(method="topk", num_warps=8), dict(method="topk", num_warps=8, pdl=True))
+H200_EXPLORE: tuple[tuple[str, dict, tuple[dict, ...]], ...] = (
+    *(("proj", dict(preset="tp8", proj=p, batch=b, wdtype="bf16"), EXPLORE_PROJ_SMALL)
+      for b in (1, 8) for p in ("kda_q", "kda_o", "moe_down", "mla_dkv")),
+    *(("proj", dict(preset="tp8", proj="kda_q", batch=b, wdtype="fp8"), EXPLORE_PROJ_SMALL) for b in (1, 8)),
+    *(("attnres_norm", dict(batch=b, n_blocks=9, update="add"), EXPLORE_ATTNRES) for b in (1, 64)),
+    *(("router_topk", dict(batch=b, scores="random"), EXPLORE_ROUTER) for b in (1, 64)),
+    ("proj_group", dict(preset="tp8", group="kda_in", batch=1, wdtype="bf16"),
+     (dict(path="dot"), dict(_T, num_stages=6), dict(_TP, num_stages=6))),
+    *(("proj", dict(preset="tp8", proj=p, batch=64, wdtype="bf16"), EXPLORE_PROJ_LARGE)
+      for p in ("kda_q", "kda_o", "moe_down", "mla_dkv")),
+)
+
+
+def h200_explore(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str = "trunk_explore",
+                 entries=H200_EXPLORE, peers=("cublas", "stream", "cublas_parts", "triton_parts", "fla"),
+                 device: str = "cuda", log=print):
+    """Each entry (op, case, option sets): our kernel at every option set beside the named peers, on the same
+    rotated input sets, every row checked against fp64 first (k3lab.bench.runner's row); one bundle `name`
+    under `out`, saved after every case (a run cut short keeps what it measured). Returns its path."""
+    import time
+
+    from k3lab import registry
+    from k3lab.bench import runner
+    from k3lab.harness import roofline, timing
+    from k3lab.harness.bundle import Bundle
+    from k3lab.switches import Switches
+
+    t_end = time.time() + deadline_s if deadline_s else None
+    gpu = device == "cuda"
+    pr = timing.probes(device)
+    log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us")
+    bd = Bundle.new(name, switches=Switches(), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
+                    launch_floor_us=pr["launch_us"])
+    bd.config = {"explore": [dict(op=o, case=c, options=list(v)) for o, c, v in entries], "peers": list(peers),
+                 "reps": reps, "mode": "rotated", "probes": pr}
+    path = None
+    for op_name, shape, variants in entries:
+        if t_end is not None and time.time() > t_end:
+            bd.notes.append(f"deadline reached before {op_name} {shape}")
+            continue
+        op = registry.get(op_name)
+        case = op.case(**shape)
+        impls = [runner._ours(op, case, "triton", dict(v)) for v in variants]
+        impls += [p for p in runner.implementations(op, case, (), peers=True, only={}, gpu=gpu)[0] if p.name in peers]
+        nbytes = op.nbytes(case)
+        n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
+        sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
+        fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
+        for im in impls:
+            row = runner._row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log)
+            if isinstance(row, str):
+                bd.notes.append(row)
+            else:
+                bd.add(row)
+                bd.backends_ran.setdefault(im.name, im.note or im.name)
+        del sets
+        if gpu:
+            torch.cuda.empty_cache()
+        path = bd.save(out)
     log(f"bundle -> {path}")
     return path

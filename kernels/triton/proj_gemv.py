@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, launch_kw, pdl_on, rne_bf16
 
 MAX_OUTPUTS = 6
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
@@ -63,11 +63,27 @@ def _store_out(o, lo, hi, so, y, n, m, M, RNE: tl.constexpr):
 
 
 @triton.jit
-def _proj_kernel(x, w, scale, res, ws, cnt,
+def _prefetch_l2(ptr, nbytes, ok):
+    """Pull nbytes (a multiple of 16) from each 16-byte aligned address into L2 (the copy engine's bulk
+    prefetch; nothing is written, nothing waits)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)
+
+
+@triton.jit
+def _proj_kernel(x, w, wraw, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
                  M, N, K, s_xm, s_rm, KSPLIT,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+                 FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 TMA: tl.constexpr, PDL: tl.constexpr):
+    """TMA: w and x are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine zero-fills past
+    N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise pointers.
+    PDL (launched with programmatic dependent launch): the program's slice of W (which no kernel writes)
+    is prefetched into L2 and the next launch released before waiting on the predecessor (x, the outputs,
+    the split-K workspace and counters are touched only after the wait)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -75,26 +91,42 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     m = pid_m * BM + tl.arange(0, BM)
     nok = n < N
     mok = m < M
-    kk = tl.arange(0, BK)
     k_lo = pid_s * KSPLIT
     k_hi = tl.minimum(k_lo + KSPLIT, K)
-    wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
-    xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
+    if PDL:
+        EW: tl.constexpr = 1 if FP8 else 2
+        _prefetch_l2(wraw + n.to(tl.int64) * K + k_lo, (k_hi - k_lo) * EW, nok)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        if EVEN_K:
-            wt = tl.load(wp + k0, mask=nok[:, None], other=0.0)
-            xt = tl.load(xp + k0, mask=mok[:, None], other=0.0)
-        else:
-            kok = (k0 + kk) < k_hi
-            wt = tl.load(wp + k0, mask=nok[:, None] & kok[None, :], other=0.0)
-            xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
-        if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 values
-            acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
-        else:
-            if FP8:
-                wt = wt.to(tl.bfloat16)
-            acc += tl.dot(wt, tl.trans(xt))
+    if TMA:
+        for k0 in range(k_lo, k_hi, BK):
+            wt = w.load([pid_n * BN, k0])
+            xt = x.load([pid_m * BM, k0])
+            if DOT_F32:
+                acc = tl.dot(wt.to(tl.float32), xt.to(tl.float32).T, acc)
+            else:
+                if FP8:
+                    wt = wt.to(tl.bfloat16)
+                acc = tl.dot(wt, xt.T, acc)
+    else:
+        kk = tl.arange(0, BK)
+        wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
+        xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
+        for k0 in range(k_lo, k_hi, BK):
+            if EVEN_K:
+                wt = tl.load(wp + k0, mask=nok[:, None], other=0.0)
+                xt = tl.load(xp + k0, mask=mok[:, None], other=0.0)
+            else:
+                kok = (k0 + kk) < k_hi
+                wt = tl.load(wp + k0, mask=nok[:, None] & kok[None, :], other=0.0)
+                xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
+            if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 values
+                acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
+            else:
+                if FP8:
+                    wt = wt.to(tl.bfloat16)
+                acc += tl.dot(wt, tl.trans(xt))
     done = True
     if SPLIT > 1:
         MP = tl.num_programs(1) * BM
@@ -107,8 +139,8 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
         done = old == SPLIT - 1
         if done:  # the last program of this output tile: sum the partials in split order
             acc = tl.load(tile, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):  # unrolled: the SPLIT loads in flight together
-                acc += tl.load(tile + s * MP * NP, cache_modifier=".cg")
+            for q in tl.static_range(1, SPLIT):  # unrolled: every partial's load in flight together
+                acc += tl.load(tile + q * MP * NP, cache_modifier=".cg")
             tl.atomic_xchg(c, 0)  # the counter is zero again for the next call
     if done:
         _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
@@ -174,20 +206,37 @@ def sm_count(device: torch.device) -> int:
     return 132  # the H200's, so the interpreter runs the same split choices as the GPU
 
 
-PATHS = ("dot", "rows")
+PATHS = ("tma", "dot", "rows")
 ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
-ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta), else dot
+ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta)
+SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
+TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
+
+
+def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The copy engine's rules: 16-byte aligned bases and row strides (x and W)."""
+    return (x.device.type in ("cuda", "cpu") and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and (x.stride(0) * x.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0)
+
+
+def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
+    """Default split-K: as many K ranges as keep every program in one wave of `cap` resident programs."""
+    if split_k is None:
+        split_k = max(1, min(chunks, cap // max(1, tiles)))
+    return max(1, min(split_k, chunks))
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
-           num_warps=None, num_stages=None, fp8: bool = False) -> dict:
+           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
-    path: "dot" (tensor-core tiles, split-K at small batch) or "rows" (batch <= ROWS_MAX_BATCH: register
-    GEMV, no split-K); None = rows at batch 1 with at most ROWS_MAX_N outputs (where split-K leaves a few
-    tiles with a long fixup), dot elsewhere (faster everywhere else measured: docs/NOTES_trunk.md);
-    split_k: the dot path's number of K ranges (1 = none; default about two programs per SM)."""
-    path = path or ("rows" if M == 1 and N <= ROWS_MAX_N else "dot")
+    path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
+    from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None = rows at
+    batch 1 with at most ROWS_MAX_N outputs, tma elsewhere (dot where the copy engine's alignment rules
+    fail: `tma` False); split_k: the number of K ranges (1 = none)."""
+    path = path or ("rows" if M == 1 and N <= ROWS_MAX_N else ("tma" if tma else "dot"))
+    if path not in PATHS:
+        raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
     if path == "rows":
         if M > ROWS_MAX_BATCH or split_k not in (None, 1):
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
@@ -199,31 +248,41 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
                     num_stages=num_stages or 1)
     small = M <= SMALL_BATCH
     BM = 16 if small else min(128, max(32, _pow2(M)))
-    BN = block_n or (64 if small and fp8 else 32)  # tuned on the H200 (docs/NOTES_trunk.md)
-    BK = block_k or 128
-    BK = min(BK, max(16, _pow2(K)))
+    sms = sm_count(device)
+    if path == "tma":
+        BN = min(block_n or (64 if small else 128), TMA_MAX_BOX)
+        BK = min(block_k or 128, TMA_MAX_BOX, max(16, _pow2(K)))
+        stages = num_stages or 4
+        stage = BN * BK * (1 if fp8 else 2) + BM * BK * 2
+        cap = sms * max(1, SMEM_BYTES // (stages * stage))
+    else:
+        BN = block_n or (64 if small and fp8 else 32)
+        BK = min(block_k or 128, max(16, _pow2(K)))
+        stages = num_stages or (4 if small else 3)
+        cap = 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     chunks = triton.cdiv(K, BK)
-    if split_k is None:
-        want = triton.cdiv(2 * sm_count(device), tiles)
-        split_k = max(1, min(want, chunks // 2))
-    ksplit = triton.cdiv(chunks, max(1, min(split_k, chunks))) * BK
+    ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
     split = triton.cdiv(K, ksplit)
     return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit,
-                num_warps=num_warps or 4, num_stages=num_stages or (4 if small else 3))
+                num_warps=num_warps or 4, num_stages=stages)
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, path: str | None = None, block_n: int | None = None,
          block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None) -> list:
+         num_stages: int | None = None, pdl: bool = False) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
-    [M, N] (one output only) added before the store. Returns outs. The caller validates."""
+    [M, N] (one output only) added before the store. Returns outs. The caller validates (path "tma" with
+    misaligned x or W is refused here: ValueError)."""
     M, K = x.shape
     N = w.shape[0]
+    aligned = tma_ok(x, w)
+    if path == "tma" and not aligned:
+        raise ValueError("proj_gemv: path 'tma' needs 16-byte aligned x, W and row strides; use 'dot' or None")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
-                 num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn)
+                 num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
@@ -244,18 +303,27 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return outs
-    BM, BN, split = cfg["BM"], cfg["BN"], cfg["SPLIT"]
+    BM, BN, BK, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT"]
     gn, gm = triton.cdiv(N, BN), triton.cdiv(M, BM)
     if split > 1:
         ws = torch.empty(split * gm * BM * gn * BN, dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, gn * gm)
     else:
         ws = cnt = x  # unused
+    tma = cfg["path"] == "tma"
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xa = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BM, BK])
+        wa = TensorDescriptor(w, [N, K], [w.stride(0), 1], [BN, BK])
+    else:
+        xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
-        x, w, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"],
-        NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=cfg["BK"], FP8=fp8, RES=residual is not None,
-        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % cfg["BK"] == 0, DOT_F32=dot_f32(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        xa, wa, w, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"],
+        NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
+        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma,
+        PDL=pdl_on(pdl) and aligned, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_kw(pdl and aligned))
     return outs
 
 
