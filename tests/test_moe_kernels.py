@@ -27,9 +27,11 @@ def _check(backend="triton", options=None, seed=0, **shape):
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
-@pytest.mark.parametrize("batch", [1, 5])
-def test_formats_and_batches(dtype, batch):
-    _check(dtype=dtype, batch=batch)
+@pytest.mark.parametrize("batch,path", [(1, "gemv"), (5, "grouped")])
+def test_formats_and_batches(dtype, batch, path):
+    """Each path in each format (the kernel's rule picks by format and batch: `default_path`)."""
+    res = _check(dtype=dtype, batch=batch, options=dict(path=path))
+    assert res.ran[-1].options["path"] == path
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -40,7 +42,7 @@ def test_ragged_routing(dtype):
     assert bool((idx == 0).any(1).all()) and not bool((idx == 4).any())
     counts = torch.bincount(idx.flatten(), minlength=24)
     assert counts.max() == 6 and (counts == 1).any() and (counts == 0).any()
-    _check(dtype=dtype, batch=6, routing="ragged")
+    _check(dtype=dtype, batch=6, routing="ragged", options=dict(path="gemv"))  # grouped: test_tp16_and_blocks
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -74,18 +76,25 @@ def test_int32_ids_and_auto_is_reference_on_cpu():
 
 def test_mxfp4_dequant_bit_exact():
     """The kernels' in-register dequantization against k3lab.mxfp4.unpack_mxfp4: quantized weights, and every
-    byte value under scales across the exact range (E8M0 2..240: every result a normal fp32, >= 2^-126)."""
+    byte value under scales across the exact window (a row's largest E8M0 in 10..254, its others at most 29
+    below it); a block further below its row's largest counts as zero."""
     from k3lab_kernels.triton.moe_experts import mxfp4_dequant
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 256, generator=g) * torch.logspace(-8, 3, 32).unsqueeze(1)
     p, s = mxfp4.pack_mxfp4(w)
     assert torch.equal(mxfp4_dequant(p, s), mxfp4.unpack_mxfp4(p, s))
-    p = torch.arange(256, dtype=torch.uint8).repeat(16, 1)  # every code pair
-    s = torch.randint(2, 241, (16, 16), generator=g, dtype=torch.uint8)
-    s[0], s[1] = 2, 240
+    p = torch.arange(256, dtype=torch.uint8).repeat(16, 2)  # every code pair
+    top = torch.randint(10, 255, (16, 1), generator=g)
+    top[0], top[1] = 10, 254
+    s = (top - torch.randint(0, 30, (16, 32), generator=g)).clamp(min=0)
+    s[:, 0] = top[:, 0]
+    s = s.to(torch.uint8)
     got, want = mxfp4_dequant(p, s), mxfp4.unpack_mxfp4(p, s)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # signed zeros too
+    s[2, 1] = s[2, 0] - 30  # beyond the window: that block reads as zeros
+    got = mxfp4_dequant(p, s)
+    assert not got[2, 32:64].any() and torch.equal(got[2, 64:], mxfp4.unpack_mxfp4(p, s)[2, 64:])
 
 
 # ---- argument errors -----------------------------------------------------------------------------------
@@ -109,11 +118,20 @@ def test_triton_argument_errors(name, change):
 
 @pytest.mark.parametrize("knob,value,dtype", [("block_n", 48, "bf16"), ("block_n", 16, "mxfp4"),
                                               ("block_k", 96, "bf16"), ("block_t", 8, "bf16"),
-                                              ("num_warps", 3, "bf16"), ("num_stages", 9, "bf16")])
+                                              ("num_warps", 3, "bf16"), ("num_stages", 9, "bf16"),
+                                              ("path", "fast", "bf16")])
 def test_knob_errors(knob, value, dtype):
     d = _inp(dtype)
+    kw = {knob: value} if knob in ("path", "block_n") else {knob: value, "path": "gemv"}
+    if knob == "block_n":
+        kw["path"] = "grouped"  # block_n 16 is the gemv path's, not MXFP4's on the grouped path
     with pytest.raises(c_moe.MoEArgumentError, match=f"'{knob}'"):
-        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", **{knob: value})
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", **kw)
+    if knob != "path":
+        return
+    big = OP.make_inputs(OP.case(batch=17), 0, "cpu")  # the gemv path holds at most 16 tokens
+    with pytest.raises(c_moe.MoEArgumentError, match="'path'"):
+        c_moe.experts(big["z"], big["idx"], big["weights_k"], big["moe"], backend="triton", path="gemv")
 
 
 def test_common_argument_errors():
@@ -162,9 +180,10 @@ def test_gpu_trace_routing():
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_no_host_sync():
+@pytest.mark.parametrize("dtype", ["mxfp4", "fp8"])  # at batch 8: the grouped path, the gemv path
+def test_gpu_graph_capture_no_host_sync(dtype):
     """The triton path captures into a CUDA graph (no host sync) and replays on new routing."""
-    case = OP.case(batch=8, dtype="mxfp4", **K3)
+    case = OP.case(batch=8, dtype=dtype, **K3)
     a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
     run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="triton", out=a["y"],  # noqa
                                 check_values=False)

@@ -10,13 +10,16 @@ Backends of forward/route: "reference", "torch_compile" (compiles the per-expert
 count, and the router; the loop over selected experts stays eager); others are refused with
 BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts", k3lab.ops.moe):
   reference, torch_compile   k3lab.ref.moe.routed_experts (compute dtype fp32, fp64 for fp64 inputs)
-  triton                     k3lab_kernels.triton.moe_experts: one launch, grouped by expert on the device
-                             (no host sync: capturable in a CUDA graph); z bf16, idx int32/int64, weights_k
-                             fp32, dense experts bf16, fp8 with fp32 per-output-channel scales, or MXFP4
+  triton                     k3lab_kernels.triton.moe_experts: one launch (plus y's zeroing on the grouped
+                             path), grouped by expert on the device (no host sync: capturable in a CUDA graph);
+                             z bf16, idx int32/int64, weights_k fp32, dense experts bf16, fp8 with fp32
+                             per-output-channel scales, or MXFP4
   auto                       data/moe_defaults.json (measured), else the reference
-The triton knobs (block_n, block_k, block_l, block_t, num_warps, num_stages) default to the kernel's
-heuristic. `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it
-on timed or graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
+The triton knobs: `path` ("gemv": the few-token two-role kernel, batch <= 16; "grouped": the tensor-core kernel;
+None: the kernel's rule by format and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t,
+num_warps, num_stages (None: the kernel's tiles for the path). `check_values=False` skips the host-side check that
+idx holds valid ids (a device sync): pass it on timed or graph-captured paths. Argument errors are
+MoEArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
 
@@ -70,9 +73,9 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference")
 
 def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: MoEWeights, *,
             backend: str = "reference", out: torch.Tensor | None = None, check_values: bool = True,
-            block_n: int | None = None, block_k: int | None = None, block_l: int | None = None,
-            block_t: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-            ran: list | None = None) -> torch.Tensor:
+            path: str | None = None, block_n: int | None = None, block_k: int | None = None,
+            block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
+            num_stages: int | None = None, ran: list | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
@@ -90,18 +93,25 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
                             or out.device != z.device):
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B)
-    knobs = dict(block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
+    knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
                  num_stages=num_stages)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
     if be == "triton":
         knobs = {k: (v if v is not None else auto_opts.get(k)) for k, v in knobs.items()}
+        rule = "requested"
+        if knobs["path"] is None:  # the kernel's rule by format and batch, recorded as run
+            from k3lab_kernels.triton.moe_experts import default_path
+
+            knobs["path"], rule = default_path(B, TRITON_FORMATS[moe.w1.fmt]), "the kernel's rule by format and batch"
         args = _triton_args(z, idx, weights_k, moe, out, knobs)
         y = dispatch.kernel(OP, be)(*args["pos"], **args["kw"], **knobs)
-        dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, **rec)
+        dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, notes=f"path {knobs['path']} ({rule})",
+                        **rec)
         return y
     if any(v is not None for v in knobs.values()):
-        _fail("block_n", f"and the other kernel knobs are for the triton backend; backend {be!r} takes none")
+        _fail("path" if path is not None else "block_n",
+              f"and the other kernel knobs are for the triton backend; backend {be!r} takes none")
     ffn = ref.glu_ffn
     kernel = dispatch.kernel_path(OP, be)
     if be == "torch_compile":
@@ -113,7 +123,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
 
 def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     """Validate the triton backend's inputs (each named) and build the kernel's arguments."""
-    from k3lab_kernels.triton.moe_experts import BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, MAX_BATCH
+    from k3lab_kernels.triton.moe_experts import BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, GEMV_MAX_BATCH, MAX_BATCH, PATHS
 
     B, L = z.shape
     dev = z.device
@@ -147,10 +157,15 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
             _fail("moe", f"mxfp4 {name} scales must be contiguous")
     if fmt == "mxfp4" and (I % 32 or L % 32):
         _fail("moe", f"mxfp4 experts need I and L multiples of 32, got I={I}, L={L}")
+    path = knobs["path"]
+    if path not in PATHS or (path == "gemv" and B > GEMV_MAX_BATCH):
+        _fail("path", f"must be None or one of {PATHS} ('gemv' for batch <= {GEMV_MAX_BATCH}), got {path!r} at "
+                      f"batch {B}")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
-                           or (fmt == "mxfp4" and bn < 32)):
-        _fail("block_n", f"must be None or one of {BLOCK_N_ALLOWED} dividing I={I} (>= 32 for mxfp4), got {bn!r}")
+                           or (fmt == "mxfp4" and path == "grouped" and bn < 32)):
+        _fail("block_n", f"must be None or one of {BLOCK_N_ALLOWED} dividing I={I} (>= 32 for mxfp4 on the grouped "
+                         f"path), got {bn!r}")
     for name, lo in (("block_k", 32 if fmt != "mxfp4" else 64), ("block_l", 16)):
         v = knobs[name]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1) or L % v):

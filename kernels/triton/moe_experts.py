@@ -1,30 +1,41 @@
-"""Latent-MoE routed experts for decode in one Triton launch (after zeroing y): the token x top-k pairs grouped by
-expert on the device, w1/w3 with SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's
-experts.
+"""Latent-MoE routed experts for decode: the token x top-k pairs grouped by expert on the device, w1/w3 with
+SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts. Two paths (`path`; the
+rule `default_path` picks by weight format and batch, from the H200 sweeps in docs/NOTES_moe.md):
+  grouped  one launch after zeroing y (`_moe_experts_kernel`, below): program (n, pair) runs BN intermediate rows
+           of w1/w3 and the matching w2 columns of its expert; tensor-core tiles of up to 16 tokens;
+  gemv     one launch, y zeroed inside (`_moe_gemv_kernel`, batch <= 16): role A items (pair, BN rows) put
+           wk * situ(W1 z, W3 z) for every token into a scratch buffer, role B items (pair, BL latent rows) add
+           W2 act into y; items are handed out by a ticket in program start order and B items wait for every A
+           item (a counter), so the whole chip streams w1/w3, then w2, in small even items.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
 
 Layout (k3lab.ref.moe.ExpertWeight, one GPU's TP slice; L = latent 3584, I = per-GPU intermediate 384 at TP8):
-    z [B, L] bf16; idx [B, K] int32/int64 expert ids; wk [B, K] fp32 routing weights; y [B, L] fp32 (zeroed
-    by the launcher, then accumulated with fp32 atomics: the order of a token's K terms is not fixed);
+    z [B, L] bf16; idx [B, K] int32/int64 expert ids; wk [B, K] fp32 routing weights; y [B, L] fp32 (accumulated
+    with fp32 atomics: the order of a token's K terms is not fixed);
     w1, w3 [E, I, L] and w2 [E, L, I] in one of three formats:
       bf16    the values;
       fp8     e4m3fn values with one fp32 scale per output channel (w1/w3: per row of I, [E, I]; w2: per
               row of L, [E, L]): W = q * s. The scale multiplies the dot product of the row, so the dot runs
-              on the exact e4m3 -> bf16 values;
+              on the exact e4m3 values (grouped: as bf16; gemv: as fp16 against z in fp16, exact for
+              2^-14 <= |z| < 65504, and an fp16 activation);
       mxfp4   E2M1 codes packed two per byte along the input dim (element 2i in the low nibble) [E, out, in/2]
-              uint8 and one E8M0 scale per 32 inputs [E, out, in/32] uint8 (k3lab.mxfp4): W = e2m1 * 2^(s-127).
-              Dequantized in the kernel to bf16, exactly (E2M1 times a power of two has two significant bits):
-              the fp16 bit pattern of an E2M1 code is (code&7)<<9 | (code&8)<<12 (= value * 2^-14, subnormals
-              included), widened to fp32 and multiplied by 2^(s-113). Exact for s in 2..240 (every result a
-              normal fp32; realistic weights sit near s = 120); the H200 has no fp4 maths.
+              uint8 and one E8M0 scale per 32 inputs [E, out, in/32] uint8 (k3lab.mxfp4): W = e2m1 * 2^(s-127),
+              dequantized in registers (the H200 has no fp4 maths), exactly. Grouped (`_mxfp4_tile`): the fp16
+              bit pattern (code&7)<<9 | (code&8)<<12 (= value * 2^-14, subnormals included), widened to fp32 and
+              multiplied by 2^(s-113), to bf16; exact for s in 2..240. Gemv (`_e2m1_pair`, `_mx_factors`): each
+              code to the e4m3 byte s00eem00 (= value * 2^-6), four codes a 32-bit word, the hardware's e4m3x2
+              -> f16x2 conversion and an f16x2 multiply by 2^(s - rowmax + 15) (inline PTX, 19 instructions per 8
+              codes), the dot in fp16 on the low and the high nibbles against z's even and odd columns (no
+              interleave), and 2^(rowmax - 136) on each chunk's fp32 partial; exact for blocks within 29
+              binades of their row chunk's largest scale (largest in 10..254); blocks further below count as 0.
 
-Grouping without a host sync (the step is captured in a CUDA graph): grid (I / BN, B*K). Program (n, p) takes
-pair p's expert e = idx[p]; it reads the [B, K] id tile and runs only if p is the first pair that chose e (the
-group's leader: every selected expert runs once, however many tokens chose it; the other pairs' programs exit
-at once). Its members (the tokens that chose e, at most one pair each) are ranked with a cumsum and taken BT at
-a time (a group larger than BT loops, re-reading the expert's rows from L2). For its BN intermediate rows it
+The grouped path, grouping without a host sync (the step is captured in a CUDA graph): grid (I / BN, B*K).
+Program (n, p) takes pair p's expert e = idx[p]; it reads the [B, K] id tile and runs only if p is the first pair
+that chose e (the group's leader: every selected expert runs once, however many tokens chose it; the other pairs'
+programs exit at once). Its members (the tokens that chose e, at most one pair each) are ranked with a cumsum and
+taken BT at a time (a group larger than BT loops, re-reading the expert's rows from L2). For its BN intermediate rows it
   1. streams W1_e, W3_e rows [BN, L] in BK chunks: tensor-core dots against the members' z^T [BK, BT] (bf16,
      fp32 accumulation; MXFP4 dequantized per chunk), then a = situ(g, u) in fp32, rounded to bf16;
   2. streams W2_e[:, n-block] [L, BN] in BL row chunks: W2 a [BL, BT] times the members' routing weights,
@@ -83,21 +94,12 @@ def _mxfp4_tile(q, s, R: tl.constexpr, C: tl.constexpr):
     return w.reshape(R, C).to(tl.bfloat16)
 
 
-@triton.jit
-def _mxfp4_dequant_kernel(q, s, out, C: tl.constexpr, BR: tl.constexpr):
-    """The in-kernel dequantization alone (tests: bit-exact against k3lab.mxfp4.unpack_mxfp4)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    q_t = tl.load(q + r[:, None] * (C // 2) + tl.arange(0, C // 2)[None, :])
-    s_t = tl.load(s + r[:, None] * (C // 32) + tl.arange(0, C // 32)[None, :])
-    w = _mxfp4_tile(q_t, s_t, BR, C)
-    tl.store(out + r[:, None] * C + tl.arange(0, C)[None, :], w.to(tl.float32))
-
-
 def mxfp4_dequant(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[R, C/2] uint8 + [R, C/32] uint8 -> [R, C] fp32 through the kernels' dequantization (R % 16 == 0)."""
+    """[R, C/2] uint8 + [R, C/32] uint8 -> [R, C] fp32 through the gemv path's dequantization (`_e2m1_pair`,
+    `_mx_factors`, one row chunk per row; R % 16 == 0, C a power of two >= 64)."""
     R, C = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(R, C, dtype=torch.float32, device=packed.device)
-    _mxfp4_dequant_kernel[(R // 16,)](packed.contiguous(), scales.contiguous(), out, C=C, BR=16)
+    _mxfp4_dequant_kernel[(R // 16,)](packed.contiguous(), scales.contiguous(), out, C=C, BR=16, INTERP=dot_f32())
     return out
 
 
@@ -205,15 +207,272 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                 tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
 
 
+# ---- the few-token path (batch <= 16): two roles in one launch -------------------------------------------
+
+# E2M1 codes of 4 packed bytes -> 4 low-nibble and 4 high-nibble fp16 values times fp16 factors (one per
+# byte). Each code becomes the e4m3 byte s00eem00 (= e2m1 * 2^-6, the subnormal 0.5 included), four at a time
+# in a 32-bit word; then the hardware's e4m3x2 -> f16x2 conversion and an f16x2 multiply by the block factor
+# (exact in the window of `_mx_factors`). 19 instructions per 8 codes.
+_E2M1_ASM = tl.constexpr("""{
+.reg .b32 t, u, lo, hi;
+.reg .b16 l0, l1, h0, h1;
+and.b32 t, $4, 0x07070707;
+shl.b32 t, t, 2;
+shl.b32 u, $4, 4;
+and.b32 u, u, 0x80808080;
+or.b32 lo, t, u;
+shr.u32 t, $4, 2;
+and.b32 t, t, 0x1C1C1C1C;
+and.b32 u, $4, 0x80808080;
+or.b32 hi, t, u;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $5;
+mul.rn.f16x2 $3, $3, $6;
+}""")
+
+
+@triton.jit
+def _e2m1_pair(q, f, INTERP: tl.constexpr):
+    """Packed E2M1 bytes q (uint8) and fp16 factors f (same shape) -> (low nibbles, high nibbles) as fp16
+    e2m1 * 2^-6 * f. The interpreter builds the same values from the fp16 bit pattern (code * 2^-14)."""
+    if INTERP:
+        lo = q & 0xF
+        hi = q >> 4
+        vl = (((lo & 7).to(tl.int16) << 9) | ((lo & 8).to(tl.int16) << 12)).to(tl.float16, bitcast=True)
+        vh = (((hi & 7).to(tl.int16) << 9) | ((hi & 8).to(tl.int16) << 12)).to(tl.float16, bitcast=True)
+        ff = f.to(tl.float32) * 256.0
+        return (vl.to(tl.float32) * ff).to(tl.float16), (vh.to(tl.float32) * ff).to(tl.float16)
+    else:
+        return tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [q, f],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _mx_factors(s):
+    """E8M0 scales s [R, NB] (uint8) of one row chunk -> (fp16 block factors 2^d [R, NB], fp32 row factors [R])
+    with d = s - max_row(s) + 15 and row factor 2^(max_row(s) - 136): e2m1 * 2^-6 * 2^d * 2^(max - 136) is the
+    weight e2m1 * 2^(s - 127). Exact for d >= -14 (blocks within 29 binades of their row chunk's largest scale)
+    and a largest scale in 10..254; blocks further below (< 2^-29 of the largest) count as zero."""
+    si = s.to(tl.int32)
+    smax = tl.max(si, axis=1)
+    d = si - smax[:, None] + 15
+    f = tl.where(d >= -14, (d + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
+    rf = ((smax - 9) << 23).to(tl.float32, bitcast=True)
+    return f, rf
+
+
+@triton.jit
+def _load_w(wp, sp, rows, c0, C: tl.constexpr, BC: tl.constexpr, FMT: tl.constexpr, m):
+    """Columns c0 .. c0+BC of rows `rows` of one expert's matrix ([*, C] logical) in its stored format: bf16 /
+    fp8 [R, BC] (returned twice); MXFP4 packed [R, BC/2] uint8 and its scales [R, BC/32]. `m`: load at all."""
+    if FMT == 2:
+        q = tl.load(wp + rows[:, None] * (C // 2) + c0 // 2 + tl.arange(0, BC // 2)[None, :], mask=m, other=0)
+        s = tl.load(sp + rows[:, None] * (C // 32) + c0 // 32 + tl.arange(0, BC // 32)[None, :], mask=m, other=0)
+        return q, s
+    else:
+        w = tl.load(wp + rows[:, None] * C + c0 + tl.arange(0, BC)[None, :], mask=m, other=0.0)
+        return w, w
+
+
+@triton.jit
+def _load_x(xp, XS, c0, nrows, BB: tl.constexpr, BC: tl.constexpr, FMT: tl.constexpr, CG: tl.constexpr):
+    """Activations [BB, BC] (row stride XS, rows past `nrows` zero) at columns c0.. as the dot's operand: bf16
+    for bf16 weights, fp16 otherwise; for MXFP4 the even and odd columns [BB, BC/2] (low / high nibbles)."""
+    bb = tl.arange(0, BB)[:, None]
+    rm = bb < nrows
+    if FMT == 2:
+        j = c0 + 2 * tl.arange(0, BC // 2)[None, :]
+        if CG:
+            xe = tl.load(xp + bb * XS + j, mask=rm, other=0.0, cache_modifier=".cg")
+            xo = tl.load(xp + bb * XS + j + 1, mask=rm, other=0.0, cache_modifier=".cg")
+        else:
+            xe = tl.load(xp + bb * XS + j, mask=rm, other=0.0)
+            xo = tl.load(xp + bb * XS + j + 1, mask=rm, other=0.0)
+        return xe.to(tl.float16), xo.to(tl.float16)
+    else:
+        j = c0 + tl.arange(0, BC)[None, :]
+        if CG:
+            x = tl.load(xp + bb * XS + j, mask=rm, other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.load(xp + bb * XS + j, mask=rm, other=0.0)
+        if FMT == 1:
+            x = x.to(tl.float16)
+        return x, x
+
+
+@triton.jit
+def _dot_t(a, b, acc, INTERP: tl.constexpr):
+    """acc + a @ b^T (b [N, K] as stored): tensor-core MMAs on 16-bit operands, fp32 accumulation; the
+    interpreter widens the same values to fp32 first (its bf16 dot is wrong)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+    else:
+        return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _acc_w(acc, xa, xb, w, s, R: tl.constexpr, BC: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+    """acc [BB, R] + x [BB, BC] @ W[R, BC]^T for one weight tile (`_load_w`) and activation tile (`_load_x`).
+    fp8: e4m3 -> fp16 (exact; the channel scale is the caller's); MXFP4: the block factors in the dequantized
+    fp16 values, the row factors on the chunk's fp32 partial."""
+    if FMT == 2:
+        f, rf = _mx_factors(s)
+        lo, hi = _e2m1_pair(w, tl.reshape(tl.broadcast_to(f[:, :, None], (R, BC // 32, 16)), (R, BC // 2)), INTERP)
+        part = _dot_t(xa, lo, tl.zeros(acc.shape, tl.float32), INTERP)
+        part = _dot_t(xb, hi, part, INTERP)
+        return acc + part * rf[None, :]
+    elif FMT == 1:
+        return _dot_t(xa, w.to(tl.float16), acc, INTERP)
+    else:
+        return _dot_t(xa, w, acc, INTERP)
+
+
+@triton.jit
+def _mxfp4_dequant_kernel(q, s, out, C: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+    """The gemv path's dequantization alone (tests: bit-exact against k3lab.mxfp4.unpack_mxfp4)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    qt, st = _load_w(q, s, r, 0, C, C, 2, True)
+    f, rf = _mx_factors(st)
+    lo, hi = _e2m1_pair(qt, tl.reshape(tl.broadcast_to(f[:, :, None], (BR, C // 32, 16)), (BR, C // 2)), INTERP)
+    o = out + r[:, None] * C + 2 * tl.arange(0, C // 2)[None, :]
+    tl.store(o, lo.to(tl.float32) * rf[:, None])
+    tl.store(o + 1, hi.to(tl.float32) * rf[:, None])
+
+
+@triton.jit
+def _gemv_up(z, idx, wk, w1, w3, s1, s3, act, flags, p, n, B, L: tl.constexpr, I: tl.constexpr,
+             K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+    """Role A, item (pair p, row tile n): if p leads its expert's group, act[p, b, rows] = wk_e[b] *
+    situ(W1 z[b], W3 z[b]) for every token b < BB (0 where b did not choose e); flags[p] = p leads."""
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if n == 0:
+        tl.store(flags + p, leader.to(tl.int32))
+    if leader:
+        if FMT == 2:
+            w1e, w3e = w1 + e * (I * (L // 2)), w3 + e * (I * (L // 2))
+            s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
+        else:
+            w1e, w3e, s1e, s3e = w1 + e * (I * L), w3 + e * (I * L), s1 + e * I, s3 + e * I
+        rows = n * BN + tl.arange(0, BN)
+        g = tl.zeros([BB, BN], tl.float32)
+        u = tl.zeros([BB, BN], tl.float32)
+        for k0 in range(0, L, BK):  # software-pipelined by Triton (num_stages): the next chunks' loads in flight
+            x1, c1 = _load_w(w1e, s1e, rows, k0, L, BK, FMT, True)
+            x3, c3 = _load_w(w3e, s3e, rows, k0, L, BK, FMT, True)
+            za, zb = _load_x(z, L, k0, B, BB, BK, FMT, False)
+            g = _acc_w(g, za, zb, x1, c1, BN, BK, FMT, INTERP)
+            u = _acc_w(u, za, zb, x3, c3, BN, BK, FMT, INTERP)
+        if FMT == 1:
+            g = g * tl.load(s1e + rows)[None, :]
+            u = u * tl.load(s3e + rows)[None, :]
+        a = _situ(g, u, B1, B2) * w_tok[:, None]
+        if FMT == 0:
+            a = _round_act(a, INTERP)
+        tl.store(act + p * (BB * I) + tl.arange(0, BB)[:, None] * I + rows[None, :], a.to(act.dtype.element_ty))
+
+
+@triton.jit
+def _gemv_down(idx, w2, s2, act, flags, y, p, lt, B, L: tl.constexpr, I: tl.constexpr, BB: tl.constexpr,
+               FMT: tl.constexpr, BL: tl.constexpr, BI: tl.constexpr, INTERP: tl.constexpr):
+    """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[p, b, :] (fp32 atomics)."""
+    if tl.load(flags + p) != 0:
+        e = tl.load(idx + p).to(tl.int64)
+        if FMT == 2:
+            w2e, s2e = w2 + e * (L * (I // 2)), s2 + e * (L * (I // 32))
+        else:
+            w2e, s2e = w2 + e * (L * I), s2 + e * L
+        lr = lt * BL + tl.arange(0, BL)
+        acc = tl.zeros([BB, BL], tl.float32)
+        for i0 in range(0, I, BI):
+            x, c = _load_w(w2e, s2e, lr, i0, I, BI, FMT, True)
+            aa, ab = _load_x(act + p * (BB * I), I, i0, BB, BB, BI, FMT, True)
+            acc = _acc_w(acc, aa, ab, x, c, BL, BI, FMT, INTERP)
+        if FMT == 1:
+            acc = acc * tl.load(s2e + lr)[None, :]
+        bb = tl.arange(0, BB)[:, None]
+        tl.atomic_add(y + bb * L + lr[None, :], acc, mask=bb < B, sem="relaxed")
+
+
+@triton.jit
+def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPROG,
+                     L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                     FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr, BI: tl.constexpr,
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+    """NA role-A items (pairs x I/BN row tiles: w1/w3 + SiTU into act, and y zeroed) then B*K * L/BL role-B items
+    (w2 into y), handed out by a ticket in the order programs start: a B item waits for every A item, and all
+    of those were taken by programs already running, so the wait always ends. ws (int32, zero between calls):
+    [0] ticket, [32] A items done, [64] programs done (the last resets all three), [96 + p] leader flags."""
+    t = tl.atomic_add(ws, 1, sem="relaxed")
+    flags = ws + 96
+    if t < NA:
+        zc = t * 1024 + tl.arange(0, 1024)
+        for z0 in range(0, B * L, NA * 1024):  # y zeroed here, before any B item adds into it
+            tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
+        _gemv_up(z, idx, wk, w1, w3, s1, s3, act, flags, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, FMT,
+                 BN, BK, B1, B2, INTERP)
+        tl.debug_barrier()
+        tl.atomic_add(ws + 32, 1, sem="release")
+    else:
+        # one thread polls with acquire loads and the CTA waits on its answer (a barrier each poll), so no load
+        # of the B item can move above the wait; bounded: a broken counter gives wrong sums, never a hang
+        done = tl.atomic_add(ws + 32, 0, sem="acquire")
+        spins = 0
+        while (done < NA) & (spins < 100000):
+            done = tl.atomic_add(ws + 32, 0, sem="acquire")
+            spins += 1
+        tl.debug_barrier()
+        tb = t - NA
+        _gemv_down(idx, w2, s2, act, flags, y, tb // (L // BL), tb % (L // BL), B, L, I, BB, FMT, BL, BI, INTERP)
+    if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
+        tl.atomic_xchg(ws, 0)
+        tl.atomic_xchg(ws + 32, 0)
+        tl.atomic_xchg(ws + 64, 0)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def default_blocks(B: int, K: int, I: int, L: int, fmt: str) -> dict:
-    """The kernel's tile choice, from the H200 sweeps (docs/NOTES_moe.md): BN = 64 intermediate rows a program
-    (bf16 and MXFP4 at every batch; fp8 takes 32 at batch <= 4), BK latent columns a step (bf16 128, fp8 and
-    MXFP4 256: a [BN, BK] tile of w1 and of w3 in flight per stage, 8-16 KB each), BL = 128 rows of w2 a step,
-    BT = 16 tokens a tile, 4 warps (8 for MXFP4, whose dequantized tile lives in registers), 3 stages."""
+GEMV_MAX_BATCH = 16
+PATHS = ("gemv", "grouped")
+
+
+def default_path(B: int, fmt: str) -> str:
+    """The path the H200 sweeps chose (docs/NOTES_moe.md, eighth session): fp8 runs the two-role gemv kernel up
+    to 16 tokens (batch 1 36.8 vs 71.5 us, 8 same16 57.6 vs 99.0, 16 uniform 473 vs 529), MXFP4 at batch 1 only
+    (76.6 vs 89.3 us; 118 vs 92 at 8 same16), bf16 never (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8
+    same16); everything else the grouped tensor-core kernel."""
+    if fmt == "fp8" and B <= GEMV_MAX_BATCH:
+        return "gemv"
+    if fmt == "mxfp4" and B == 1:
+        return "gemv"
+    return "grouped"
+
+
+def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = None) -> dict:
+    """The kernels' tile choice, from the H200 sweeps (docs/NOTES_moe.md).
+    gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
+    MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
+    4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
+    grouped: BN = 64 intermediate rows a program (bf16 and MXFP4 at every batch; fp8 32 at batch <= 4), BK
+    (bf16 128, fp8 and MXFP4 256), BL = 128 rows of w2 a step, BT = 16 tokens a tile, 4 warps (MXFP4 8), 3 stages."""
+    path = path or default_path(B, fmt)
+    if path == "gemv":
+        bn = min(16 if fmt == "bf16" else 32, I)
+        bk = {"bf16": 256, "fp8": 512 if B == 1 else 256, "mxfp4": 512}[fmt]
+        while L % bk:
+            bk //= 2
+        bl = min(128 if fmt == "bf16" else 64, L & -L)
+        return dict(block_n=bn, block_k=bk, block_l=bl, block_t=16, num_warps=4, num_stages=3,
+                    block_i=min(128, I & -I))
     bn = min(32 if (fmt == "fp8" and B <= 4) else 64, I)
     bk = {"bf16": 128, "fp8": 256, "mxfp4": 256}[fmt]
     while L % bk:
@@ -225,23 +484,48 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str) -> dict:
                 num_stages=3)
 
 
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def workspace(device, pairs: int, I: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gemv path's scratch on `device`: counters + leader flags (int32, zero between calls: the kernel's
+    last program resets them) and the activations [pairs, 16, I]. Kept per device and size, so make the first
+    call outside a CUDA graph capture; calls on one device must not overlap (one stream)."""
+    key = (str(device), _pow2(pairs), I, dtype)
+    if key not in _workspaces:
+        ws = torch.zeros(96 + _pow2(pairs), dtype=torch.int32, device=device)
+        act = torch.empty(_pow2(pairs), GEMV_MAX_BATCH, I, dtype=dtype, device=device)
+        _workspaces[key] = (ws, act)
+    return _workspaces[key]
+
+
 def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, y: torch.Tensor, *, fmt: str, s1=None, s3=None, s2=None, b1: float = 4.0,
-                b2: float = 25.0, block_n: int | None = None, block_k: int | None = None,
+                b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
-    k3lab.components.moe.experts; this zeroes y and launches the one kernel."""
+    k3lab.components.moe.experts; `path` None takes `default_path`."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
-    d = default_blocks(B, K, I, L, fmt)
+    path = path or default_path(B, fmt)
+    d = default_blocks(B, K, I, L, fmt, path)
     bn, bk, bl = block_n or d["block_n"], block_k or d["block_k"], block_l or d["block_l"]
+    nw, ns = num_warps or d["num_warps"], num_stages or d["num_stages"]
     dummy = torch.empty(1, dtype=torch.float32, device=z.device)
     sc = [t if t is not None else dummy for t in (s1, s3, s2)]
+    common = dict(L=L, I=I, K=K, KP=_pow2(K), FMT=FORMATS.index(fmt), BN=bn, BK=bk, BL=bl, B1=float(b1),
+                  B2=float(b2), num_warps=nw, num_stages=ns)
+    if path == "gemv":
+        ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
+        na = B * K * (I // bn)
+        nprog = na + B * K * (L // bl)
+        _moe_gemv_kernel[(nprog,)](z, idx, wk, w1, w3, w2, *sc, y, act, ws, B, na, nprog, BB=GEMV_MAX_BATCH,
+                                   BI=d["block_i"], INTERP=dot_f32(), **common)
+        return y
     y.zero_()
     _moe_experts_kernel[(I // bn, B * K)](
-        z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), FMT=FORMATS.index(fmt),
-        BN=bn, BK=bk, BL=bl, BT=block_t or d["block_t"], B1=float(b1), B2=float(b2), DOT_F32=dot_f32(),
-        num_warps=num_warps or d["num_warps"], num_stages=num_stages or d["num_stages"])
+        z, idx, wk, w1, w3, w2, *sc, y, B, BB=max(16, _pow2(B)), BT=block_t or d["block_t"], DOT_F32=dot_f32(),
+        **common)
     return y
