@@ -102,7 +102,7 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
                     w_norm: torch.Tensor, w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor | None = None,
                     partial_out: torch.Tensor | None = None, *, update: str = "add", eps: float = 1e-6,
                     backend: str = "reference", ran: list | None = None, num_warps: int | None = None,
-                    block_d: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                    block_d: int | None = None, path: str | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
     if update not in UPDATES:
         raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
@@ -129,9 +129,9 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
         raise ValueError(f"{COMPONENT}: 'block_d' must be 128, 256, 512, 1024 or None, got {block_d!r}")
     B = prefix.shape[0] if prefix.dim() == 2 else 1
     be, opts, why = dispatch.select(OP, backend, B=B)
-    if pdl not in (None, False, True):
-        raise ValueError(f"{COMPONENT}: 'pdl' must be True, False or None, got {pdl!r}")
-    for k, v in (("num_warps", num_warps), ("block_d", block_d), ("pdl", pdl)):
+    if path not in (None, "split", "row"):
+        raise ValueError(f"{COMPONENT}: 'path' must be 'split', 'row' or None, got {path!r}")
+    for k, v in (("num_warps", num_warps), ("block_d", block_d), ("path", path)):
         if v is not None:
             if be != "triton":
                 raise ValueError(f"{COMPONENT}: {k!r} is a triton option; backend {be!r} takes none")

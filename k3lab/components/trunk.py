@@ -18,9 +18,10 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   torch_compile  torch.compile of the same function (router_topk; a projection's torch.compile is cuBLAS)
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
   auto           data/trunk_defaults.json, else the reference
-Knobs (triton only): path ("dot": tensor-core tiles with split-K; "rows": register GEMV for batch <= 8),
-block_n, block_k, split_k, num_warps, num_stages (proj, proj_group); num_warps, method (router_topk); None =
-the kernel's heuristic. Argument errors are TrunkArgumentError (a ValueError) naming the argument.
+Knobs (triton only): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
+loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages (proj,
+proj_group); num_warps, pdl (router_topk: launched with PDL); None = the kernel's measured default.
+Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
 
@@ -169,26 +170,24 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
 def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, backend: str = "reference", ran: list | None = None,
          path: str | None = None, block_n: int | None = None, block_k: int | None = None,
-         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-         pdl: bool | None = None) -> torch.Tensor:
+         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """out = x W^T (+ residual) (module docstring)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, pdl=pdl)
+                 num_stages=num_stages)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs)[0]
 
 
 def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,
                backend: str = "reference", ran: list | None = None, path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None,
-               pdl: bool | None = None) -> list[torch.Tensor]:
+               num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, pdl=pdl)
+                 num_stages=num_stages)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs)
 
 
@@ -205,7 +204,7 @@ def topk_reference(logits: torch.Tensor, e_bias: torch.Tensor, top_k: int, scali
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, scaling: float = 1.0,
                 idx: torch.Tensor | None = None, weights: torch.Tensor | None = None, backend: str = "reference",
-                ran: list | None = None, num_warps: int | None = None, method: str | None = None,
+                ran: list | None = None, num_warps: int | None = None,
                 pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx [B, k] int64, weights [B, k] fp32) from the router's logits [B, E] (module docstring)."""
     _tensor("logits", logits, 2)
@@ -220,7 +219,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
     _tensor("e_bias", e_bias, 1, None, dev)
     if e_bias.shape[0] != E:
         _fail("e_bias", f"must be [{E}] (one per expert), got {tuple(e_bias.shape)}")
-    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps, method=method, pdl=pdl))
+    be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps, pdl=pdl))
     if be == "triton":
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
             _fail("logits", f"must be fp32 with unit stride along E for the triton backend, got {logits.dtype}")

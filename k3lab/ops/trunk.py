@@ -416,9 +416,9 @@ _PROJ_OPTS = dict(
                  "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128, 256)},
                  "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
-                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}, "pdl": {"triton": (None, False, True)}},
+                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE,
-                     "num_stages": _NONE, "pdl": _NONE},
+                     "num_stages": _NONE},
 )
 
 PROJ = register(Op(
@@ -450,9 +450,8 @@ ROUTER = register(Op(
     name="router_topk", component="trunk", policy_key="router_topk",
     doc="router selection after its projection: sigmoid, selection-only bias, top-k, renormalized weights",
     axes=dict(batch=(1, 5), experts=(896,), top_k=(16,), scores=("random", "near", "ties")),
-    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}, "method": {"triton": (None, "rounds", "topk", "quad")},
-                 "pdl": {"triton": (None, False, True)}},
-    option_defaults={"num_warps": _NONE, "method": _NONE, "pdl": _NONE},
+    option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8)}, "pdl": {"triton": (None, False, True)}},
+    option_defaults={"num_warps": _NONE, "pdl": _NONE},
     make_inputs=make_router, reference=ref_router, written=("idx", "weights"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_router, nbytes=router_bytes, flops=router_flops,
     floor_bw="read",
@@ -468,8 +467,8 @@ ATTNRES = register(Op(
     doc="AttnRes partial update + softmax mix over blocks + [p] + RMSNorm of the mix, one launch",
     axes=dict(batch=(1, 3), n_blocks=(0, 1, 9), update=UPDATES, dim=(7168,)),
     option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8, 16)}, "block_d": {"triton": (None, 128, 256, 512, 1024)},
-                 "pdl": {"triton": (None, False, True)}},
-    option_defaults={"num_warps": _NONE, "block_d": _NONE, "pdl": _NONE},
+                 "path": {"triton": (None, "split", "row")}},
+    option_defaults={"num_warps": _NONE, "block_d": _NONE, "path": _NONE},
     make_inputs=make_attnres, reference=ref_attnres, written=("out", "partial_out"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_attnres, nbytes=attnres_bytes, flops=attnres_flops,
     floor_bw="read",
@@ -480,88 +479,52 @@ ATTNRES = register(Op(
 ))
 
 
-# ---- the H200 evidence sweep --------------------------------------------------------------------------
+# ---- the H200 evidence: named option sets per case, in the same call as the peers -------------------------
 
-# (ops, grid) in priority order: the sweeps behind profiles/h200/trunk.json.gz, run by `h200_sweep` into ONE
-# bundle (rows of every entry merged; each entry a `k3lab bench trunk --ops ... --grid ...`).
-H200_SWEEP: tuple[tuple[tuple[str, ...], dict], ...] = (
-    (("router_topk", "attnres_norm"), dict(batch=(1, 64), scores=("random",), n_blocks=(9,), update=("add",),
-                                           num_warps=(2, 4, 8, 16))),
-    (("proj_group",), dict(preset=("tp8", "tp16"), batch=(1,), wdtype=("bf16",), path=("dot", "rows"))),
-    (("proj",), dict(preset=("tp8",), proj=("kda_q", "kda_o", "mla_dkv", "moe_router", "moe_down", "shared_w1"),
-                     batch=(1, 4, 8, 16, 64), wdtype=("bf16",), path=("dot", "rows"))),
-    (("proj",), dict(preset=("tp8",), proj=("kda_q", "kda_o", "moe_down"), batch=(1, 8, 64), wdtype=("fp8",),
-                     path=("dot", "rows"))),
-    (("proj",), dict(preset=("tp16",), proj=("kda_q", "kda_o", "kda_b", "shared_w1", "shared_w2"),
-                     batch=(1, 8, 64), wdtype=("bf16",), path=("dot", "rows"))),
+_BF = dict(preset="tp8", wdtype="bf16")
+# (op, case, our option sets, peers): profiles/h200/trunk.json.gz, entries in priority order (h200_sweep).
+H200_SWEEP: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = (
+    *(("router_topk", dict(batch=b, scores="random"), ({}, dict(pdl=True)), ()) for b in (1, 64)),
+    *(("attnres_norm", dict(batch=b, n_blocks=9, update="add"), (dict(path="split"), dict(path="row")), ("fla",))
+      for b in (1, 2, 4, 8, 16, 32, 64)),
+    *(("proj", dict(_BF, proj=p, batch=b), ({},), ("cublas", "stream"))
+      for b in (1, 8, 64) for p in ("kda_q", "kda_o", "mla_dkv", "moe_router", "moe_down", "shared_w1")),
+    *(("proj_group", dict(preset="tp8", group=g, batch=1, wdtype="bf16"), ({},),
+       ("cublas", "cublas_parts", "triton_parts")) for g in GROUPS),
+    *(("proj", dict(preset="tp8", proj=p, batch=b, wdtype="fp8"), ({},), ("cublas", "stream"))
+      for b in (1, 8) for p in ("kda_q", "kda_o", "moe_down")),
+    *(("proj", dict(preset="tp16", proj=p, batch=b, wdtype="bf16"), ({},), ("cublas", "stream"))
+      for b in (1, 64) for p in ("kda_q", "kda_o", "kda_b", "shared_w1", "shared_w2")),
+    *(("proj", dict(_BF, proj="kda_q", batch=b), ({},), ("cublas",)) for b in (2, 4, 16, 32)),
+    *(("proj_group", dict(preset="tp16", group=g, batch=1, wdtype="bf16"), ({},),
+       ("cublas", "cublas_parts", "triton_parts")) for g in GROUPS),
 )
-
-
-def h200_sweep(out: str, *, reps: int = 20, deadline_s: float = 0.0, name: str = "trunk", log=print):
-    """Every entry of H200_SWEEP through k3lab.bench.runner.run (triton beside its peers, each row checked
-    against fp64), entries in order while the deadline lasts; one bundle `name` saved under `out`. Prints one
-    line per row. Returns the bundle's path."""
-    import time
-
-    from k3lab.bench import runner
-
-    t_end = time.time() + deadline_s if deadline_s else None
-    bd = None
-    for ops, grid in H200_SWEEP:
-        left = None if t_end is None else t_end - time.time()
-        if left is not None and left <= 0:
-            msg = f"deadline reached before {ops} {grid}"
-            log(msg)
-            if bd is not None:
-                bd.notes.append(msg)
-            continue
-        b = runner.run("trunk", grid=grid, ops=ops, backends=["triton"], peers=True, reps=reps, deadline_s=left,
-                       kernels=False, name=name, log=log)
-        b.notes.insert(0, f"entry {ops} {grid}")
-        if bd is None:
-            bd = b
-            bd.config["sweep"] = [dict(ops=list(o), grid={k: list(v) for k, v in g.items()}) for o, g in H200_SWEEP]
-        else:
-            bd.rows.extend(b.rows)
-            bd.notes.extend(b.notes)
-            bd.backends_ran.update(b.backends_ran)
-            bd.backends_skipped.update(b.backends_skipped)
-    path = bd.save(out)
-    log(f"bundle -> {path}")
-    return path
-
-
-# ---- the H200 exploration: named option sets per case, in the same call as the peers -------------------
-
+# the exploration behind the defaults (profiles/h200/trunk_explore*.json.gz were made by the same function at
+# commit d0dbd43, whose option sets included the variants measured and removed since: docs/NOTES_trunk.md)
 _T = dict(path="tma")
-_TP = dict(path="tma", pdl=True)
-EXPLORE_PROJ_SMALL = (dict(path="dot"), dict(path="dot", pdl=True), dict(_T, num_stages=6), dict(_TP, num_stages=6),
-                      _TP, dict(_TP, block_n=32, block_k=256), dict(_TP, block_k=256, num_stages=3))
-EXPLORE_PROJ_LARGE = (dict(path="dot"), dict(_T, block_n=64), dict(_TP, block_n=64),
-                      dict(_TP, block_n=64, num_stages=3), dict(_TP, block_n=128, num_warps=8))
-EXPLORE_ATTNRES = (*(dict(block_d=b, num_warps=w) for b, w in ((128, 4), (256, 4), (256, 8), (512, 8), (1024, 8))),
-                   dict(block_d=256, num_warps=4, pdl=True), dict(block_d=512, num_warps=8, pdl=True))
-EXPLORE_ROUTER = (dict(method="rounds", num_warps=4), dict(method="topk", num_warps=4),
-                  dict(method="topk", num_warps=8), dict(method="topk", num_warps=8, pdl=True))
-H200_EXPLORE: tuple[tuple[str, dict, tuple[dict, ...]], ...] = (
-    *(("proj", dict(preset="tp8", proj=p, batch=b, wdtype="bf16"), EXPLORE_PROJ_SMALL)
+H200_EXPLORE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = (
+    *(("proj", dict(_BF, proj=p, batch=b),
+       (dict(path="dot"), _T, dict(_T, num_stages=4), dict(_T, block_k=256, num_stages=3)), ("cublas", "stream"))
       for b in (1, 8) for p in ("kda_q", "kda_o", "moe_down", "mla_dkv")),
-    *(("proj", dict(preset="tp8", proj="kda_q", batch=b, wdtype="fp8"), EXPLORE_PROJ_SMALL) for b in (1, 8)),
-    *(("attnres_norm", dict(batch=b, n_blocks=9, update="add"), EXPLORE_ATTNRES) for b in (1, 64)),
-    *(("router_topk", dict(batch=b, scores="random"), EXPLORE_ROUTER) for b in (1, 64)),
-    ("proj_group", dict(preset="tp8", group="kda_in", batch=1, wdtype="bf16"),
-     (dict(path="dot"), dict(_T, num_stages=6), dict(_TP, num_stages=6))),
-    *(("proj", dict(preset="tp8", proj=p, batch=64, wdtype="bf16"), EXPLORE_PROJ_LARGE)
-      for p in ("kda_q", "kda_o", "moe_down", "mla_dkv")),
+    *(("attnres_norm", dict(batch=b, n_blocks=9, update="add"),
+       (dict(path="split", block_d=128, num_warps=4), dict(path="split", block_d=256, num_warps=8), dict(path="row")),
+       ("fla",)) for b in (1, 64)),
 )
+
+
+def h200_sweep(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str = "trunk", entries=H200_SWEEP,
+               device: str = "cuda", log=print):
+    """The committed evidence: H200_SWEEP through `h200_explore` (each row checked against fp64, then timed
+    with the inputs rotated past L2, beside the peers the entry names). Returns the bundle's path."""
+    return h200_explore(out, reps=reps, deadline_s=deadline_s, name=name, entries=entries, device=device, log=log)
 
 
 def h200_explore(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str = "trunk_explore",
-                 entries=H200_EXPLORE, peers=("cublas", "stream", "cublas_parts", "triton_parts", "fla"),
-                 device: str = "cuda", log=print):
-    """Each entry (op, case, option sets): our kernel at every option set beside the named peers, on the same
-    rotated input sets, every row checked against fp64 first (k3lab.bench.runner's row); one bundle `name`
-    under `out`, saved after every case (a run cut short keeps what it measured). Returns its path."""
+                 entries=H200_EXPLORE, device: str = "cuda", log=print):
+    """Each entry (op, case, option sets, peers): our kernel at every option set beside the named peers (of
+    `proj_peers` / `attnres_peers`, the reference, torch_compile), on the same rotated input sets, every row
+    checked against fp64 first (k3lab.bench.runner's row); one bundle `name` under `out`, saved after every
+    case (a run cut short keeps what it measured). Returns its path."""
     import time
 
     from k3lab import registry
@@ -576,10 +539,10 @@ def h200_explore(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str
     log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us")
     bd = Bundle.new(name, switches=Switches(), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
                     launch_floor_us=pr["launch_us"])
-    bd.config = {"explore": [dict(op=o, case=c, options=list(v)) for o, c, v in entries], "peers": list(peers),
+    bd.config = {"entries": [dict(op=o, case=c, options=list(v), peers=list(p)) for o, c, v, p in entries],
                  "reps": reps, "mode": "rotated", "probes": pr}
     path = None
-    for op_name, shape, variants in entries:
+    for op_name, shape, variants, peers in entries:
         if t_end is not None and time.time() > t_end:
             bd.notes.append(f"deadline reached before {op_name} {shape}")
             continue

@@ -15,8 +15,15 @@ the same bits as torch's bf16 add) and the mix reads that rounded value, as the 
 Layout: every source row [B, D] with unit stride along D (D = 7168; the block list as up to MAX_BLOCKS
 separate tensors, each with its own row stride); w_norm, w_proj, norm_w [D].
 
-Grid (P, B): each row is split over P programs of BLOCK_D columns (D = 7168: P = 7, 14, 28 or 56), so a
-batch-1 call puts 14..56 SMs to work instead of one. A program loads its [16, BLOCK_D] tile of the
+Two paths (knob `path`; None = "split" up to batch SPLIT_MAX_BATCH = 8, "row" above: measured crossover,
+split 12.3 against row 14.8 us at batch 8, row 15.2 against split 22.0 at batch 16):
+
+"row": grid (B,), one program per row (pass 1 streams the sources for their two sums, pass 2 reads them
+again from L2 for the mix; 8 warps).
+
+"split": grid (P, B): each row is split over P programs of BLOCK_D columns (default 128: D = 7168 over 56
+programs; 256, 512, 1024 give 28, 14, 7), so a batch-1 call puts 56 SMs to work instead of one (block_d
+512 and 1024 measured 10-30x slower, unexplained: docs/NOTES_trunk.md). A program loads its [16, BLOCK_D] tile of the
 sources in one go (the blocks' rows, then p in row n; all loads in flight together) and keeps it in
 registers. Every full-D sum the maths needs is a sum over the row's programs of per-program sums:
   * for the scores: sum_d s_i w (sw_i) and sum_d s_i^2;
@@ -45,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, launch_kw, pdl_on, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
 
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
@@ -61,6 +68,86 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         c = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
         _COUNTERS[key] = c
     return c
+
+
+@triton.jit
+def _src(ptr, s, b, d, dm):
+    return tl.load(ptr + b.to(tl.int64) * s + d, mask=dm, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _score(x, wv, D, eps):
+    return tl.sum(x * wv, 0) / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+
+
+@triton.jit
+def _attnres_row_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, t5, t6, t7, t8,
+                         prefix, new, p_out, w_norm, w_proj, norm_w, out, s_p, s_a, s_po, s_o, D, eps,
+                         NB: tl.constexpr, UPDATE: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr):
+    """The row path: one program per row holds p, w_norm * w_proj and the mix ([D] fp32 each) in registers;
+    pass 1 streams the blocks for their two sums, pass 2 reads them again (L2) for the mix."""
+    b = tl.program_id(0)
+    d = tl.arange(0, DP)
+    dm = d < D
+    wv = (tl.load(w_norm + d, mask=dm, other=0.0).to(tl.float32)
+          * tl.load(w_proj + d, mask=dm, other=0.0).to(tl.float32))
+    if UPDATE == 0:
+        p = _src(prefix, s_p, b, d, dm)
+    else:
+        if UPDATE == 1:
+            p = _src(prefix, s_p, b, d, dm) + _src(new, s_a, b, d, dm)
+        else:
+            p = _src(new, s_a, b, d, dm)
+        if RNE:
+            p = rne_bf16(p)
+        pb = p.to(p_out.dtype.element_ty)
+        tl.store(p_out + b.to(tl.int64) * s_po + d, pb, mask=dm)
+        p = pb.to(tl.float32)
+    jj = tl.arange(0, 16)
+    sc = tl.where(jj == NB, _score(p, wv, D, eps), float("-inf"))
+    if NB > 0:
+        sc = tl.where(jj == 0, _score(_src(b0, t0, b, d, dm), wv, D, eps), sc)
+    if NB > 1:
+        sc = tl.where(jj == 1, _score(_src(b1, t1, b, d, dm), wv, D, eps), sc)
+    if NB > 2:
+        sc = tl.where(jj == 2, _score(_src(b2, t2, b, d, dm), wv, D, eps), sc)
+    if NB > 3:
+        sc = tl.where(jj == 3, _score(_src(b3, t3, b, d, dm), wv, D, eps), sc)
+    if NB > 4:
+        sc = tl.where(jj == 4, _score(_src(b4, t4, b, d, dm), wv, D, eps), sc)
+    if NB > 5:
+        sc = tl.where(jj == 5, _score(_src(b5, t5, b, d, dm), wv, D, eps), sc)
+    if NB > 6:
+        sc = tl.where(jj == 6, _score(_src(b6, t6, b, d, dm), wv, D, eps), sc)
+    if NB > 7:
+        sc = tl.where(jj == 7, _score(_src(b7, t7, b, d, dm), wv, D, eps), sc)
+    if NB > 8:
+        sc = tl.where(jj == 8, _score(_src(b8, t8, b, d, dm), wv, D, eps), sc)
+    ex = tl.exp(sc - tl.max(sc, 0))
+    alpha = ex / tl.sum(ex, 0)
+    mix = tl.sum(tl.where(jj == NB, alpha, 0.0), 0) * p
+    if NB > 0:
+        mix += tl.sum(tl.where(jj == 0, alpha, 0.0), 0) * _src(b0, t0, b, d, dm)
+    if NB > 1:
+        mix += tl.sum(tl.where(jj == 1, alpha, 0.0), 0) * _src(b1, t1, b, d, dm)
+    if NB > 2:
+        mix += tl.sum(tl.where(jj == 2, alpha, 0.0), 0) * _src(b2, t2, b, d, dm)
+    if NB > 3:
+        mix += tl.sum(tl.where(jj == 3, alpha, 0.0), 0) * _src(b3, t3, b, d, dm)
+    if NB > 4:
+        mix += tl.sum(tl.where(jj == 4, alpha, 0.0), 0) * _src(b4, t4, b, d, dm)
+    if NB > 5:
+        mix += tl.sum(tl.where(jj == 5, alpha, 0.0), 0) * _src(b5, t5, b, d, dm)
+    if NB > 6:
+        mix += tl.sum(tl.where(jj == 6, alpha, 0.0), 0) * _src(b6, t6, b, d, dm)
+    if NB > 7:
+        mix += tl.sum(tl.where(jj == 7, alpha, 0.0), 0) * _src(b7, t7, b, d, dm)
+    if NB > 8:
+        mix += tl.sum(tl.where(jj == 8, alpha, 0.0), 0) * _src(b8, t8, b, d, dm)
+    y = mix / tl.sqrt(tl.sum(mix * mix, 0) / D + eps) * tl.load(norm_w + d, mask=dm, other=0.0).to(tl.float32)
+    if RNE:
+        y = rne_bf16(y)
+    tl.store(out + b.to(tl.int64) * s_o + d, y.to(out.dtype.element_ty), mask=dm)
 
 
 @triton.jit
@@ -141,7 +228,7 @@ def _finish(ws, wrow, S, r, d, dm, b, norm_w, out, s_o, D, eps, P,
 def _attnres_norm_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, t5, t6, t7, t8,
                          prefix, new, p_out, w_norm, w_proj, norm_w, out, ws, cnt, s_p, s_a, s_po, s_o, D, eps,
                          NB: tl.constexpr, UPDATE: tl.constexpr, BLOCK_D: tl.constexpr, PP: tl.constexpr,
-                         INTERP: tl.constexpr, PDL: tl.constexpr):
+                         INTERP: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
     P = tl.num_programs(0)
@@ -150,9 +237,6 @@ def _attnres_norm_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4,
     dm = d < D
     wv = (tl.load(w_norm + d, mask=dm, other=0.0).to(tl.float32)
           * tl.load(w_proj + d, mask=dm, other=0.0).to(tl.float32))
-    if PDL:  # launched with PDL: the next launch may start; the sources are complete after the wait
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     S = _tile(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, t5, t6, t7, t8, prefix, new, p_out,
               s_p, s_a, s_po, r, b, d, dm, True, NB, UPDATE, BLOCK_D, INTERP)
     sw = tl.sum(S.to(tl.float32) * wv[None, :], 1)
@@ -191,28 +275,38 @@ def _attnres_norm_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4,
             _finish(ws, wrow, S, r, d, dm, b, norm_w, out, s_o, D, eps, P, NB, PP, INTERP)
 
 
-BLOCK_D = 512  # default columns per program (D = 7168: 14 programs per row)
+PATHS = ("split", "row")
+BLOCK_D = 128  # split path: columns per program (D = 7168: 56 programs per row)
+SPLIT_MAX_BATCH = 8  # path None: split up to this batch, row above (measured: profiles/h200/trunk.json.gz)
 
 
 def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Tensor | None, w_norm: torch.Tensor,
                  w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor, partial_out: torch.Tensor | None,
                  *, update: str = "none", eps: float = 1e-6, num_warps: int | None = None,
-                 block_d: int | None = None, pdl: bool = False) -> torch.Tensor:
+                 block_d: int | None = None, path: str | None = None) -> torch.Tensor:
     """blocks: 0..MAX_BLOCKS tensors [B, D]; prefix [B, D] (the partial before the update; unused for
     update "fresh"); new [B, D] (the attention/MLP output; None for "none"); partial_out [B, D] written
-    for "add"/"fresh" (may be prefix itself); out [B, D] written. block_d: columns per program (a power
-    of two >= 16; None = BLOCK_D). Returns out. The caller validates."""
+    for "add"/"fresh" (may be prefix itself); out [B, D] written. path: "split" (a row over D / block_d
+    programs) or "row" (one program per row); None = split up to SPLIT_MAX_BATCH rows. block_d: the split
+    path's columns per program (a power of two >= 16; None = BLOCK_D). Returns out. The caller validates."""
     B, D = out.shape
-    bd = max(16, min(block_d or BLOCK_D, _pow2(D)))
-    P = triton.cdiv(D, bd)
+    path = path or ("split" if B <= SPLIT_MAX_BATCH else "row")
     u = UPDATES.index(update)
     a = new if new is not None else out
     po = partial_out if partial_out is not None else out
     src = list(blocks) + [out] * (MAX_BLOCKS - len(blocks))
+    strides = [t.stride(0) for t in src]
+    if path == "row":
+        _attnres_row_kernel[(B,)](*src, *strides, prefix, a, po, w_norm, w_proj, norm_w, out,
+                                  prefix.stride(0), a.stride(0), po.stride(0), out.stride(0), D, float(eps),
+                                  NB=len(blocks), UPDATE=u, DP=_pow2(D), RNE=dot_f32(), num_warps=num_warps or 8)
+        return out
+    bd = max(16, min(block_d or BLOCK_D, _pow2(D)))
+    P = triton.cdiv(D, bd)
     ws = torch.empty(B * P * NPART.value, dtype=torch.float32, device=out.device)
     cnt = _counters(out.device, 2 * B) if P > 1 else ws
-    _attnres_norm_kernel[(P, B)](*src, *[t.stride(0) for t in src], prefix, a, po, w_norm, w_proj, norm_w, out,
+    _attnres_norm_kernel[(P, B)](*src, *strides, prefix, a, po, w_norm, w_proj, norm_w, out,
                                  ws, cnt, prefix.stride(0), a.stride(0), po.stride(0), out.stride(0), D, float(eps),
                                  NB=len(blocks), UPDATE=u, BLOCK_D=bd, PP=max(2, _pow2(P)), INTERP=dot_f32(),
-                                 PDL=pdl_on(pdl), num_warps=num_warps or 4, **launch_kw(pdl))
+                                 num_warps=num_warps or 4)
     return out

@@ -11,8 +11,12 @@ scale = amax|W[n, :]| / 448, so the row's largest entry maps to e4m3's largest f
 [B, N] (one output only); each out_i [B, N_i] with unit stride along N_i (any row stride: an output can
 be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the router's logits).
 
-Two paths (`config`, knob `path`), one launch each:
-  * "dot" (tensor cores), two configurations chosen by batch:
+Three paths (`config`, knob `path`; `default_path` picks by shape), one launch each:
+  * "tma" (bf16 weights with >= 1024 outputs): tensor-core tiles whose W [BN, BK] and x [BM, BK] blocks come
+    through the copy engine (tensor descriptors; zero-filled past N, M and K), pipelined num_stages deep in
+    shared memory (6 at batch <= 16, 4 above; capped to fit). Split-K: as many K ranges as keep every program
+    resident in ONE wave (cap = SMs x programs per SM by shared memory), the partials reduced as below.
+  * "dot" (fp8 weights, fewer outputs, misaligned operands): the same tiles from pointer loads:
       - small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
         rows and a range of K (split-K), so even a 576-row projection puts every SM of the GPU to work. The
         programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
@@ -20,10 +24,10 @@ Two paths (`config`, knob `path`), one launch each:
       - larger batch (B > 16, up to 256): BM = 32..128-row tiles of the batch, BN x BK weight tiles;
         split-K only while the tiles alone leave SMs idle.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
-  * "rows" (B <= 8): a register GEMV without shared memory or split-K: a program owns BN (2..8) rows of W
-    over all of K in chunks of BN*BK = 4096 weights, the next chunk's load issued before the current
-    chunk's fp32 FMAs (two chunks in flight per program, hundreds of programs), the batch padded to a power
-    of two as the middle axis of a [BN, BP, BK] product reduced along K.
+  * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
+    split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
+    chunk's load issued before the current chunk's fp32 FMAs, the batch padded to a power of two as the
+    middle axis of a [BN, BP, BK] product reduced along K.
 The fp8 scale multiplies the fp32 sum in the shared epilogue.
 
 Floor (bytes, `k3lab.ops.trunk.proj_bytes`): weights N*K*e (e = 2 bf16, 1 fp8, + 4*N for fp8 scales) +
@@ -36,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, launch_kw, pdl_on, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
 
 MAX_OUTPUTS = 6
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
@@ -63,27 +67,14 @@ def _store_out(o, lo, hi, so, y, n, m, M, RNE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, ok):
-    """Pull nbytes (a multiple of 16) from each 16-byte aligned address into L2 (the copy engine's bulk
-    prefetch; nothing is written, nothing waits)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), nbytes, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)
-
-
-@triton.jit
-def _proj_kernel(x, w, wraw, scale, res, ws, cnt,
+def _proj_kernel(x, w, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
                  M, N, K, s_xm, s_rm, KSPLIT,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 TMA: tl.constexpr, PDL: tl.constexpr):
+                 TMA: tl.constexpr):
     """TMA: w and x are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine zero-fills past
-    N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise pointers.
-    PDL (launched with programmatic dependent launch): the program's slice of W (which no kernel writes)
-    is prefetched into L2 and the next launch released before waiting on the predecessor (x, the outputs,
-    the split-K workspace and counters are touched only after the wait)."""
+    N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise pointers."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -93,11 +84,6 @@ def _proj_kernel(x, w, wraw, scale, res, ws, cnt,
     mok = m < M
     k_lo = pid_s * KSPLIT
     k_hi = tl.minimum(k_lo + KSPLIT, K)
-    if PDL:
-        EW: tl.constexpr = 1 if FP8 else 2
-        _prefetch_l2(wraw + n.to(tl.int64) * K + k_lo, (k_hi - k_lo) * EW, nok)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TMA:
         for k0 in range(k_lo, k_hi, BK):
@@ -210,13 +196,14 @@ PATHS = ("tma", "dot", "rows")
 ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
 ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta)
+TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
 
 
 def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The copy engine's rules: 16-byte aligned bases and row strides (x and W)."""
-    return (x.device.type in ("cuda", "cpu") and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+    return (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
             and (x.stride(0) * x.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0)
 
 
@@ -227,14 +214,24 @@ def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
     return max(1, min(split_k, chunks))
 
 
+def default_path(M: int, N: int, fp8: bool, tma: bool = True) -> str:
+    """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz): rows at batch 1 for at
+    most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster than dot on
+    the 22-51 MB projections at batch 1-8); dot for fp8 weights and fewer outputs (MLA kv down: 6.7 against
+    7.0 us) and where the copy engine's alignment rules fail."""
+    if M == 1 and N <= ROWS_MAX_N:
+        return "rows"
+    return "tma" if tma and not fp8 and N >= TMA_MIN_N else "dot"
+
+
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
            num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
-    from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None = rows at
-    batch 1 with at most ROWS_MAX_N outputs, tma elsewhere (dot where the copy engine's alignment rules
-    fail: `tma` False); split_k: the number of K ranges (1 = none)."""
-    path = path or ("rows" if M == 1 and N <= ROWS_MAX_N else ("tma" if tma else "dot"))
+    from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
+    `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
+    (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES."""
+    path = path or default_path(M, N, fp8, tma)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
     if path == "rows":
@@ -250,10 +247,10 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     BM = 16 if small else min(128, max(32, _pow2(M)))
     sms = sm_count(device)
     if path == "tma":
-        BN = min(block_n or (64 if small else 128), TMA_MAX_BOX)
+        BN = min(block_n or 64, TMA_MAX_BOX)
         BK = min(block_k or 128, TMA_MAX_BOX, max(16, _pow2(K)))
-        stages = num_stages or 4
         stage = BN * BK * (1 if fp8 else 2) + BM * BK * 2
+        stages = max(1, min(num_stages or (6 if small else 4), SMEM_BYTES // stage))
         cap = sms * max(1, SMEM_BYTES // (stages * stage))
     else:
         BN = block_n or (64 if small and fp8 else 32)
@@ -271,7 +268,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, path: str | None = None, block_n: int | None = None,
          block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, pdl: bool = False) -> list:
+         num_stages: int | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store. Returns outs. The caller validates (path "tma" with
@@ -319,11 +316,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     else:
         xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
-        xa, wa, w, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"],
+        xa, wa, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"],
         NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma,
-        PDL=pdl_on(pdl) and aligned, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **launch_kw(pdl and aligned))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return outs
 
 
