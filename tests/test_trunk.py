@@ -177,7 +177,7 @@ def test_attnres_blocks_and_updates(n_blocks, update):
     """0..9 blocks; the partial given, updated (p = prefix + a, bit-exact bf16) or a new block's (p = a).
     D = 200 over 2 programs of 128 columns (the second part-masked): the cross-program sums and the
     barrier's interpreter path (CI time: the full 7168 runs in test_attnres_batches_and_widths)."""
-    _check(ATT, options=dict(block_d=128), batch=1, n_blocks=n_blocks, update=update, dim=200)
+    _check(ATT, options=dict(block_d=128, path="split"), batch=1, n_blocks=n_blocks, update=update, dim=200)
 
 
 @pytest.mark.parametrize("batch,dim,options", [(9, 7168, {}), (1, 7168, dict(block_d=1024)), (3, 100, {}),

@@ -15,8 +15,11 @@ the same bits as torch's bf16 add) and the mix reads that rounded value, as the 
 Layout: every source row [B, D] with unit stride along D (D = 7168; the block list as up to MAX_BLOCKS
 separate tensors, each with its own row stride); w_norm, w_proj, norm_w [D].
 
-Two paths (knob `path`; None = "split" up to batch SPLIT_MAX_BATCH = 8, "row" above: measured crossover,
-split 12.3 against row 14.8 us at batch 8, row 15.2 against split 22.0 at batch 16):
+Two paths (knob `path`; None = "split" up to batch SPLIT_MAX_BATCH = 8 with at least SPLIT_MIN_BLOCKS = 5 blocks,
+"row" otherwise. Measured crossover by batch at 9 blocks: split 12.3 against row 14.8 us at batch 8, row 15.2
+against split 22.0 at batch 16; by blocks at batch 1: split 7.6 against row 11.1 us at 9 blocks (trunk bench),
+row 3.8-5.9 against split 5.9-7.4 us at 0-1 blocks (the decode step's AttnRes of block 0, the eighth session's
+two step bundles); 2..8 blocks are not measured, 5 is the midpoint):
 
 "row": grid (B,), one program per row (pass 1 streams the sources for their two sums, pass 2 reads them
 again from L2 for the mix; 8 warps).
@@ -278,6 +281,7 @@ def _attnres_norm_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4,
 PATHS = ("split", "row")
 BLOCK_D = 128  # split path: columns per program (D = 7168: 56 programs per row)
 SPLIT_MAX_BATCH = 8  # path None: split up to this batch, row above (measured: profiles/h200/trunk.json.gz)
+SPLIT_MIN_BLOCKS = 5  # path None: row below this many blocks (its fixed cross-program cost loses at 0-1 blocks)
 
 
 def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Tensor | None, w_norm: torch.Tensor,
@@ -287,10 +291,11 @@ def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Te
     """blocks: 0..MAX_BLOCKS tensors [B, D]; prefix [B, D] (the partial before the update; unused for
     update "fresh"); new [B, D] (the attention/MLP output; None for "none"); partial_out [B, D] written
     for "add"/"fresh" (may be prefix itself); out [B, D] written. path: "split" (a row over D / block_d
-    programs) or "row" (one program per row); None = split up to SPLIT_MAX_BATCH rows. block_d: the split
+    programs) or "row" (one program per row); None = split up to SPLIT_MAX_BATCH rows with at least
+    SPLIT_MIN_BLOCKS blocks, else row. block_d: the split
     path's columns per program (a power of two >= 16; None = BLOCK_D). Returns out. The caller validates."""
     B, D = out.shape
-    path = path or ("split" if B <= SPLIT_MAX_BATCH else "row")
+    path = path or ("split" if B <= SPLIT_MAX_BATCH and len(blocks) >= SPLIT_MIN_BLOCKS else "row")
     u = UPDATES.index(update)
     a = new if new is not None else out
     po = partial_out if partial_out is not None else out
