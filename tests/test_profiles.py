@@ -18,7 +18,8 @@ def test_bundle_validates(path):
     b = load(path)
     assert b.env and b.name
     for r in b.rows:
-        assert r.median_us > 0
+        # a numerics row (the decode step's error per layer) carries an error and no timing
+        assert r.median_us > 0 or (r.name.startswith("numerics:") and r.error and r.error.get("ok") is not None)
 
 
 @pytest.mark.parametrize("path", REPORTS, ids=lambda p: f"{p.parent.name}/{p.name}")
