@@ -147,3 +147,15 @@ def test_mxfp4_bounded_error_and_errors():
     assert torch.equal(mxfp4.unpack_mxfp4(*mxfp4.pack_mxfp4(torch.zeros(2, 32))), torch.zeros(2, 32))
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp4.pack_mxfp4(torch.zeros(2, 48))
+
+
+def test_reference_router_breaks_ties_by_the_lower_expert_id():
+    """Every biased score equal (zero router weights and bias): the reference takes experts 0..k-1, the router
+    kernel's rule (k3lab.ops.trunk); a raised bias on expert 7 puts it first."""
+    E, k = 40, 6
+    w = RouterWeights(torch.zeros(E, 8, dtype=torch.float64), torch.zeros(E, dtype=torch.float64), top_k=k)
+    idx, wts, _ = route(torch.randn(3, 8, dtype=torch.float64), w)
+    assert idx.tolist() == [list(range(k))] * 3 and torch.allclose(wts, torch.full_like(wts, 1 / k))
+    w.e_bias[7] = 0.5
+    idx, _, _ = route(torch.randn(2, 8, dtype=torch.float64), w)
+    assert idx.tolist() == [[7, 0, 1, 2, 3, 4]] * 2

@@ -13,8 +13,8 @@ Axes (the default grid is small so the CPU interpreter runs it in seconds; the G
   attnres_norm batch 1..64, n_blocks 0..9, update "none" | "add" | "fresh" (the new-block layer: p = a), dim
 
 Tie rule of the router (the kernel's and the reference's here; torch.topk documents none): descending
-biased score, equal biased scores taken lower expert id first. k3lab.ref.router.route uses torch.topk and
-can order exact ties differently; `ref_router` below is the oracle.
+biased score, equal biased scores taken lower expert id first. k3lab.ref.router.route follows it too (a stable
+sort, eighth session; it used torch.topk before); `ref_router` below is the oracle.
 
 Peers (`k3lab bench trunk`): cuBLAS (F.linear on the same bf16 weights; for fp8 weights on their bf16
 dequantization, as torch has no per-channel-scale fp8 GEMV for bf16 activations), the group's parts run

@@ -4,8 +4,9 @@
     sel = topk(s + e_bias, k)                  # the bias only CHOOSES the experts
     w   = s[sel] / sum(s[sel]) * routed_scaling   # weights from the UNBIASED scores
 
-Ties in the biased score are broken by torch.topk (not specified by the model); the selected
-experts come back in descending biased-score order.
+Ties in the biased score (not specified by the model) are broken by the project's rule, the router kernel's:
+equal biased scores take the lower expert id first; the selected experts come back in descending biased-score
+order.
 """
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def route(h: torch.Tensor, w: RouterWeights) -> tuple[torch.Tensor, torch.Tensor
     if not 1 <= w.top_k <= w.n_experts:
         raise ValueError(f"route: top_k={w.top_k} must be in 1..{w.n_experts}")
     s = router_scores(h, w)
-    _, idx = torch.topk(s + w.e_bias.to(s.dtype), w.top_k, dim=-1)
+    # tie rule (the router kernel's, k3lab.ops.trunk): descending biased score, equal scores lower expert id first;
+    # a stable sort of the negated scores gives it (torch.topk documents no order among equal values)
+    idx = torch.sort(-(s + w.e_bias.to(s.dtype)), dim=-1, stable=True).indices[..., : w.top_k].contiguous()
     sel = torch.gather(s, -1, idx)
     weights = sel / sel.sum(-1, keepdim=True) * w.scaling
     return idx, weights, s
