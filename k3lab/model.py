@@ -57,7 +57,8 @@ from k3lab.weights import LayerWeights, make_layer
 Component = tuple[Callable[[], Any], int, int]
 
 # backends with a path per component group; None = whatever the group's component module accepts (kda)
-# "proj" = plain torch matmuls (cuBLAS on a GPU), labelled "reference" whatever the request
+# "proj": triton runs the plain projections on the trunk kernel (Layer._lin); any other backend is torch matmuls
+# (cuBLAS on a GPU), labelled "reference"
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "attnres": ("reference", "torch_compile", "triton"),  # triton: k3lab_kernels.triton.attnres_norm
     "mla": ("reference", "torch_compile", "triton"),
@@ -65,7 +66,7 @@ _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "router": ("reference", "torch_compile", "triton"),  # triton: trunk.route (projection + router_topk)
     "kda": None,
     "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
-}
+}  # proj on triton: the plain projections through k3lab.components.trunk.proj (Layer._lin); else torch
 
 
 def _nb(*ts) -> int:
@@ -229,8 +230,31 @@ class Layer:
     def _reg(self, name: str, group: str) -> str:
         self._group_of[name] = group
         be = self._backend(group)
-        self._groups[name] = "reference" if (be is None or group == "proj") else be
+        if group == "proj":  # the projections run on the trunk kernel (`_lin`) or as torch matmuls
+            be = "triton" if self._proj_kernel() else "reference"
+        self._groups[name] = "reference" if be is None else be
         return self._groups[name]
+
+    def _proj_kernel(self) -> bool:
+        """Whether the "proj" group's plain projections run on the trunk projection kernel: backend triton, bf16,
+        at most the kernel's batch (k3lab.components.trunk.MAX_BATCH tokens)."""
+        from k3lab.components.trunk import MAX_BATCH
+
+        return self._backend("proj") == "triton" and self.dtype == torch.bfloat16 and self.N <= MAX_BATCH
+
+    def _lin(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ residual) in x's dtype: one `trunk.proj` launch (the residual added in its epilogue) when
+        `_proj_kernel()`, else torch (cuBLAS on a GPU). The MLA q path (q_norm between two projections), the
+        latent up-projection and the shared experts stay on torch here; the decode step fuses them all
+        (`k3lab.step._fused_parts`)."""
+        if not self._proj_kernel():
+            y = linear(x, w)
+            return y if residual is None else residual + y
+        from k3lab.components import trunk
+
+        r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
+        y = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w, residual=r, backend="triton")
+        return y.view(*x.shape[:-1], w.shape[0])
 
     def _attnres(self, which: str) -> Component:
         lw, b = self.w, self.buf
@@ -266,14 +290,14 @@ class Layer:
         self._reg("qkv_proj", "proj")
 
         def qkv():
-            b["qkv"] = linear(b["h"], w.w_qkv)
+            b["qkv"] = self._lin(b["h"], w.w_qkv)
             return b["qkv"]
         c["qkv_proj"] = (qkv, *self._mm(w.w_qkv))
         self._reg("decay_proj", "proj")
 
         def decay():
-            b["f"] = linear(linear(b["h"], w.w_fa), w.w_fb)
-            b["b"] = linear(b["h"], w.w_b)
+            b["f"] = self._lin(self._lin(b["h"], w.w_fa), w.w_fb)
+            b["b"] = self._lin(b["h"], w.w_b)
             return b["f"], b["b"]
         R = w.w_fa.shape[0]
         c["decay_proj"] = (decay, _nb(w.w_fa, w.w_fb, w.w_b) + self.N * (D + 2 * R + H * Dh + H) * self.e,
@@ -281,7 +305,7 @@ class Layer:
         self._reg("gate_proj", "proj")
 
         def gate():
-            b["gate"] = linear(b["h"], w.w_g)
+            b["gate"] = self._lin(b["h"], w.w_g)
             return b["gate"]
         c["gate_proj"] = (gate, *self._mm(w.w_g))
         be = self._reg("kda_core", "kda")
@@ -320,8 +344,7 @@ class Layer:
         self._reg("out_proj", "proj")
 
         def out():
-            a = linear(b["o"], w.w_o)
-            b["p"] = a if self.block_start else b["x"] + a
+            b["p"] = self._lin(b["o"], w.w_o, residual=None if self.block_start else b["x"])
             return b["p"]
         ob, of = self._mm(w.w_o)
         c["out_proj"] = (out, ob + self.N * D * self.e * 2, of)
@@ -350,7 +373,7 @@ class Layer:
         def kv():
             # both paths return the projection's output: the written entries are checked downstream (attn reads
             # them) and by the cache-write op's own tests
-            ckv = linear(lead3(b["h"]), w.w_dkv)
+            ckv = self._lin(lead3(b["h"]), w.w_dkv)
             if tri:  # kv_norm + the in-place write in one kernel
                 from k3lab.components import mla as mla_comp
                 mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
@@ -382,7 +405,7 @@ class Layer:
         self._reg("gate_proj", "proj")
 
         def gate():  # the logits: the output path applies the sigmoid (triton: inside the combine kernel)
-            b["mla_gate"] = linear(b["h"], w.w_gate)
+            b["mla_gate"] = self._lin(b["h"], w.w_gate)
             return b["mla_gate"]
         c["gate_proj"] = (gate, *self._mm(w.w_gate))
         self._reg("out_proj", "proj")
@@ -392,8 +415,8 @@ class Layer:
                 from k3lab.components import mla as mla_comp
                 g = lead3(b["mla_gate"]).contiguous()
                 y = mla_comp.combine(b["o_lat"], None, w.w_uv, g, backend="triton")
-                a = linear((y if self.T > 1 else y.squeeze(1)).to(self.dtype), w.w_o)
-                b["p"] = a if self.block_start else b["x"] + a
+                b["p"] = self._lin((y if self.T > 1 else y.squeeze(1)).to(self.dtype), w.w_o,
+                                   residual=None if self.block_start else b["x"])
                 return b["p"]
             o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
             o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)
@@ -429,7 +452,7 @@ class Layer:
         self._reg("latent_down", "proj")
 
         def down():
-            b["z"] = linear(self._flat(b["h2"]), m.w_down)
+            b["z"] = self._lin(self._flat(b["h2"]), m.w_down)
             return b["z"]
         c["latent_down"] = (down, *self._mm(m.w_down))
         be_e = self._reg("experts", "moe")
