@@ -763,14 +763,15 @@ def save_trace(events: list[dict], path: str | Path, max_events: int = TRACE_MAX
 
 # ---- timing --------------------------------------------------------------------------------------------
 
-def _bench(fn, sets, *, device, bytes_per_call: int, reps: int, warmup: int, min_calls: int) -> timing.Timing:
+def _bench(fn, sets, *, device, bytes_per_call: int, reps: int, warmup: int, min_calls: int,
+           graph: bool = True) -> timing.Timing:
     """The one timer: a graph of rotated sets on a GPU (hot when fewer sets than the rotation needs and one
-    set is all there is), cpu-smoke on a CPU."""
+    set is all there is; graph=False: eager), cpu-smoke on a CPU."""
     if _on_gpu(device):
         need = timing.rotation_count(bytes_per_call, timing.l2_bytes(), max_sets=64)
         rotate = len(sets) > 1 or need <= 1
         return timing.bench_gpu(fn, input_sets=sets, warmup=warmup, reps=reps, bytes_per_call=bytes_per_call,
-                                min_calls_per_graph=min_calls, rotate=rotate)
+                                min_calls_per_graph=min_calls, rotate=rotate, graph=graph)
     return timing.bench_cpu(fn, input_sets=sets[:1], warmup=min(warmup, 1), reps=reps, bytes_per_call=bytes_per_call)
 
 
@@ -794,11 +795,11 @@ class StepResult:
     numerics: dict[str, Any] | None = None
 
 
-def time_step(step: DecodeStep, *, reps: int, warmup: int, min_calls: int = 3) -> timing.Timing:
-    """The whole step through the one timer (one CUDA graph of `min_calls` steps on a GPU)."""
+def time_step(step: DecodeStep, *, reps: int, warmup: int, min_calls: int = 3, graph: bool = True) -> timing.Timing:
+    """The whole step through the one timer (one CUDA graph of `min_calls` steps on a GPU; graph=False: eager)."""
     nb = sum(c["bytes"] for c in step.component_table())
     return _bench(lambda: step.run(), [()], device=step.device, bytes_per_call=nb, reps=reps, warmup=warmup,
-                  min_calls=min_calls)
+                  min_calls=min_calls, graph=graph)
 
 
 def _floor_us(rec: dict, pr: dict) -> float:
@@ -966,7 +967,11 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
             step.set_switches(step.requested.replace(backend={c: be for c in COMPONENTS}))
             for _ in range(COMPILE_WARM_STEPS if be == "torch_compile" else 0):
                 step.run()  # compiles (and any recompiles) before the timer's own warm-up
-            tc = time_step(step, reps=compare_reps, warmup=2)
+            # eager: the reference expert loop reads the routing on the host, so a capture always fails; at batch 64
+            # torch.compile then failed with inductor's "Offset increment outside graph capture encountered
+            # unexpectedly" (eighth session), most likely a recompile (new expert token counts) begun inside the
+            # failed capture. Not yet confirmed on a GPU.
+            tc = time_step(step, reps=compare_reps, warmup=2, graph=False)
         except Exception as e:  # noqa: BLE001 - recorded; the other comparisons go on
             b.backends_skipped[be] = _why_failed(e)
             log(f"compare {be}: skipped: {b.backends_skipped[be]}")
