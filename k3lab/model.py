@@ -368,19 +368,11 @@ class Layer:
                        2 * self.N * (D * Q + Q * H * (Dn + Dr) + H * Dn * C))
         self._reg("kv_proj", "proj")
 
-        tri = self._backend("mla") == "triton"
-
         def kv():
             # both paths return the projection's output: the written entries are checked downstream (attn reads
             # them) and by the cache-write op's own tests
             ckv = self._lin(lead3(b["h"]), w.w_dkv)
-            if tri:  # kv_norm + the in-place write in one kernel
-                from k3lab.components import mla as mla_comp
-                mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
-                                     check_values=False)
-            else:
-                c_n = mla_ref.rms_norm(ckv[..., :C], w.kv_norm, w.eps)
-                st.cache.write(st.lengths, torch.cat([c_n, ckv[..., C:]], dim=-1))
+            self.mla_write_cache(ckv)
             return ckv
         kv_e = st.cache.data.element_size()
         c["kv_proj"] = (kv, _nb(w.w_dkv, w.kv_norm) + self.N * D * self.e + self.N * (C + Dr) * kv_e,
@@ -410,23 +402,41 @@ class Layer:
         c["gate_proj"] = (gate, *self._mm(w.w_gate))
         self._reg("out_proj", "proj")
 
-        def out():
-            if tri:  # Wuv + sigmoid(gate) in one kernel, then Wo (cuBLAS)
-                from k3lab.components import mla as mla_comp
-                g = lead3(b["mla_gate"]).contiguous()
-                y = mla_comp.combine(b["o_lat"], None, w.w_uv, g, backend="triton")
-                b["p"] = self._lin((y if self.T > 1 else y.squeeze(1)).to(self.dtype), w.w_o,
-                                   residual=None if self.block_start else b["x"])
-                return b["p"]
-            o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
-            o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)
-            a = linear(o.flatten(-2) * torch.sigmoid(b["mla_gate"]), w.w_o)
-            b["p"] = a if self.block_start else b["x"] + a
+        def out():  # Wuv + sigmoid(gate) (on triton: the combine kernel), then Wo
+            b["p"] = self._lin(self.mla_wo_input(b["mla_gate"]), w.w_o, residual=None if self.block_start else b["x"])
             return b["p"]
         ob, of = self._mm(w.w_o)
         c["out_proj"] = (out, ob + _nb(w.w_uv) + self.N * (H * C * 4 + H * Dv + 2 * D) * self.e,
                          of + 2 * self.N * H * C * Dv)
         return c
+
+    def mla_write_cache(self, ckv: torch.Tensor) -> None:
+        """kv_norm of the new entries ckv [B, T, C + Dr] (the kv down-projection's output) and their in-place write
+        into the cache at the sequences' lengths: the MLA component's kernel when the mla group runs on triton,
+        else the reference (also the decode step's path, `k3lab.step._fused_parts`)."""
+        w, st = self.w.attn, self.state
+        if self._backend("mla") == "triton":
+            from k3lab.components import mla as mla_comp
+            mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
+                                 check_values=False)
+            return
+        C = w.kv_lora
+        c_n = mla_ref.rms_norm(ckv[..., :C], w.kv_norm, w.eps)
+        st.cache.write(st.lengths, torch.cat([c_n, ckv[..., C:]], dim=-1))
+
+    def mla_wo_input(self, gate: torch.Tensor) -> torch.Tensor:
+        """The MLA output projection's input [..., H * Dv] (the stream's leading shape): per head o_lat Wuv times
+        sigmoid(gate logits), from buf["o_lat"]; the combine kernel on triton, else torch (also the decode
+        step's path)."""
+        w, b = self.w.attn, self.buf
+        if self._backend("mla") == "triton":
+            from k3lab.components import mla as mla_comp
+            g = (gate if self.T > 1 else gate.unsqueeze(1)).contiguous()
+            y = mla_comp.combine(b["o_lat"], None, w.w_uv, g, backend="triton")
+            return (y if self.T > 1 else y.squeeze(1)).to(self.dtype)
+        o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
+        o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)
+        return o.flatten(-2) * torch.sigmoid(gate)
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, t.shape[-1])

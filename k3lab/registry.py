@@ -177,6 +177,14 @@ def layer_part(kind: str) -> Callable:
     return obj
 
 
+def generator(seed: int, device: Any = "cpu"):
+    """The seeded torch generator an op's `make_inputs` draws from (on `device`: a GPU bench builds many rotated
+    sets of tens of MB)."""
+    import torch
+
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 REGISTRY: dict[str, Op] = {}
 _LOADED = False
 OP_MODULES = ("k3lab.ops.kda", "k3lab.ops.mla",

@@ -441,6 +441,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch)."""
     from k3lab.components import glue, trunk
+    from k3lab.model import _nb
 
     if "proj" not in over:
         return comps
@@ -457,7 +458,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
         return torch.empty(N, n, dtype=dtype or dt, device=dev)
 
     def mm_bytes(cat_w, k_in, n_out, e_out=None, residual=False):
-        return _nb_t(cat_w) + N * (k_in * e + n_out * (e_out or e) + (n_out * e if residual else 0))
+        return _nb(cat_w) + N * (k_in * e + n_out * (e_out or e) + (n_out * e if residual else 0))
 
     def P(x, w, out=None, residual=None):
         r = None if residual is None else flat(residual).contiguous()
@@ -506,7 +507,6 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
         lead3 = (L.B, L.T)
         b["mla_gate"] = gl.view(*lead, -1)
         st = L.state
-        tri = L._backend("mla") == "triton"
 
         def in_proj():
             trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be)
@@ -522,36 +522,20 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
             return b["q_lat"], b["q_rope"]
 
         def kv():
-            x3 = ckv.view(*lead3, C + Dr)
-            if tri:
-                from k3lab.components import mla as mla_comp
-                mla_comp.write_cache(x3, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
-                                     check_values=False)
-            else:
-                from k3lab.ref import mla as mla_ref
-                c_n = mla_ref.rms_norm(x3[..., :C], w.kv_norm, w.eps)
-                st.cache.write(st.lengths, torch.cat([c_n, x3[..., C:]], dim=-1))
+            L.mla_write_cache(ckv.view(*lead3, C + Dr))
             return ckv
 
         n_in = w_in.shape[0]
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
-        out["q_proj"] = (q_proj, _nb_t(w.q_norm, w.w_uq, w.w_uk) + N * (2 * Q + H * (Dn + Dr) + H * (Dn + C)) * e,
+        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * (2 * Q + H * (Dn + Dr) + H * (Dn + C)) * e,
                          2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
         kv_e = st.cache.data.element_size()
-        out["kv_proj"] = (kv, _nb_t(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
+        out["kv_proj"] = (kv, _nb(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
         out["attn"] = comps["attn"]
         p = buf(D)
 
         def out_proj():
-            if tri:
-                from k3lab.components import mla as mla_comp
-                y = mla_comp.combine(b["o_lat"], None, w.w_uv, gl.view(*lead3, -1), backend="triton")
-                a_in = flat(y)
-            else:
-                o_lat = b["o_lat"] if L.T > 1 else b["o_lat"].squeeze(1)
-                o = torch.einsum("...hc,hcv->...hv", o_lat.to(dt), w.w_uv)
-                a_in = flat(o.flatten(-2) * torch.sigmoid(b["mla_gate"]))
-            P(a_in.to(dt), w.w_o, p, residual=None if L.block_start else b["x"])
+            P(L.mla_wo_input(b["mla_gate"]), w.w_o, p, residual=None if L.block_start else b["x"])
             b["p"] = p.view(*lead, D)
             return b["p"]
         ob = comps["out_proj"][1]
@@ -592,7 +576,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
             P(yn, m.w_up, rp, residual=b["p"])
             b["routed"] = rp
             return rp
-        out["latent_up"] = (latent_up, _nb_t(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(m.w_up, Lat, D, True),
+        out["latent_up"] = (latent_up, _nb(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(m.w_up, Lat, D, True),
                             2 * N * Lat * D)
         xo = buf(D)
 
@@ -632,10 +616,6 @@ def _why_failed(e: BaseException, limit: int = 900) -> str:
     if len(lines) > 1:
         out += " | " + " / ".join(ln.strip() for ln in lines[-3:])
     return out[:limit]
-
-
-def _nb_t(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 # ---- profiling: launches and kernel attribution ------------------------------------------------------

@@ -37,11 +37,6 @@ def _rows(name: str, t, dtypes, device=None) -> None:
         _fail(name, f"must have unit stride along its last dim, got strides {t.stride()}")
 
 
-def _floats(x) -> tuple:
-    return (torch.bfloat16, torch.float32, torch.float64) if x.dtype == torch.float64 else (torch.bfloat16,
-                                                                                          torch.float32)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, eps: float,
              backend: str = "reference", ran: list | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out = rms(x; weight) (bf16; float64 for the fp64 oracle on the reference), one launch on triton."""

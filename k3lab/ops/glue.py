@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from k3lab.registry import Case, Op, register
+from k3lab.registry import generator as _gen
 from k3lab.ref.situ import B1, B2
 
 TOL = 4e-3
@@ -35,8 +36,6 @@ def situ_bytes(case: Case) -> int:
     return case["batch"] * case["inter"] * 6
 
 
-def _gen(seed: int, device: str) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def make_rms(case: Case, seed: int, device: str) -> dict:

@@ -46,6 +46,7 @@ import torch
 
 from k3lab.ref import mla as ref
 from k3lab.registry import Case, Op, Peer, register
+from k3lab.registry import generator as _gen
 
 C, DR, DV = 512, 64, 128
 W = C + DR
@@ -115,8 +116,6 @@ def write_flops(case: Case) -> int:
 
 # ---- inputs ---------------------------------------------------------------------------------------
 
-def _gen(seed: int, device="cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _nan(dtype: torch.dtype, shape, device) -> torch.Tensor:

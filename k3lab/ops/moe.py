@@ -48,6 +48,7 @@ from k3lab.ref.moe import ExpertWeight, MoEWeights
 from k3lab.ref.router import RouterWeights, route
 from k3lab.ref.situ import situ
 from k3lab.registry import Case, Op, Peer, register
+from k3lab.registry import generator as _gen
 
 FORMAT = {"bf16": "dense", "fp8": "fp8", "mxfp4": "mxfp4"}
 ROUTINGS = ("uniform", "same16", "ragged")
@@ -91,8 +92,6 @@ def experts_flops(case: Case) -> int:
 _pools: dict[tuple, MoEWeights] = {}
 
 
-def _gen(seed: int, device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _stack(fmt: str, E: int, rows: int, cols: int, device, g: torch.Generator) -> ExpertWeight:

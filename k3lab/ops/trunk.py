@@ -48,6 +48,7 @@ import torch
 
 from k3lab.config import preset as make_preset
 from k3lab.registry import Case, Op, Peer, register
+from k3lab.registry import generator as _gen
 
 PRESETS = ("tp8", "tp16", "tiny")
 GROUPS = {
@@ -136,9 +137,6 @@ def attnres_flops(case: Case) -> int:
 
 # ---- inputs ---------------------------------------------------------------------------------------
 
-def _gen(seed: int, device: str = "cpu") -> torch.Generator:
-    """Drawn on `device`: a GPU bench builds many rotated sets of 10..60 MB of weights."""
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _weight(N: int, K: int, wdtype: str, g: torch.Generator, device: str):
