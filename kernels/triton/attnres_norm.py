@@ -18,7 +18,7 @@ separate tensors, each with its own row stride); w_norm, w_proj, norm_w [D].
 Two paths (knob `path`; None = "split" up to batch SPLIT_MAX_BATCH = 8 with at least SPLIT_MIN_BLOCKS = 5 blocks,
 "row" otherwise. Measured crossover by batch at 9 blocks: split 12.3 against row 14.8 us at batch 8, row 15.2
 against split 22.0 at batch 16; by blocks at batch 1: split 7.6 against row 11.2 us at 9 blocks (trunk bench),
-row 3.8-5.9 against split 5.9-7.4 us at 0-1 blocks (the decode step's AttnRes of block 0, the eighth session's
+row 3.8-6.2 against split 5.9-7.5 us at 0-1 blocks (the decode step's AttnRes of block 0, the eighth session's
 two step bundles); 2..8 blocks are not measured, 5 is the midpoint):
 
 "row": grid (B,), one program per row (pass 1 streams the sources for their two sums, pass 2 reads them
