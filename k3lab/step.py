@@ -423,24 +423,24 @@ def _cat_rows(obj_attrs: list[tuple[Any, str]], dim: int = 0) -> torch.Tensor:
 def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
     """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
-    the experts). Fused (each a `k3lab.components.trunk` call, one launch; the glue ops of `k3lab.components.glue`
-    one launch each):
+    the experts). Fused (each a `k3lab.components.trunk` call, one launch; an RMSNorm or SiTU-GLU between two
+    projections runs as the second one's input prologue, `trunk.proj(..., prologue=...)`):
       KDA   in_proj    q|k|v, g, the decay's first factor fa and beta from h: one proj_group (kda_in)
             decay_proj the decay's second factor fb
             out_proj   Wo with the residual add in its epilogue
       MLA   in_proj    q down, kv down, the output gate's logits from h: one proj_group (mla_in)
-            q_proj     q_norm (glue.rms_norm), Wuq, and the absorption of Wuk (a batched matmul)
+            q_proj     Wuq with q_norm as its input prologue, and the absorption of Wuk (a batched matmul)
             kv_proj    kv_norm + the cache write (the MLA component's kernel on triton, else the reference)
             out_proj   the combine (merge, Wuv, gate) then Wo with the residual add
       MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
                        (moe_in), then the router's top-k
-            latent_up  routed_norm (glue.rms_norm) then Wup with the residual p added
-            shared     SiTU-GLU (glue.situ_glu) then the shared experts' w2 (one weight: their w2 side by side)
-                       with p + routed added: the layer's output
-      dense MLP        [w1; w3] in one projection, SiTU-GLU, w2 with the residual.
+            latent_up  Wup with routed_norm as its input prologue and the residual p added
+            shared     the shared experts' w2 (one weight: their w2 side by side) with SiTU-GLU as its input
+                       prologue and p + routed added: the layer's output
+      dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch)."""
-    from k3lab.components import glue, trunk
+    from k3lab.components import trunk
     from k3lab.model import _nb
 
     if "proj" not in over:
@@ -460,9 +460,9 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
     def mm_bytes(cat_w, k_in, n_out, e_out=None, residual=False):
         return _nb(cat_w) + N * (k_in * e + n_out * (e_out or e) + (n_out * e if residual else 0))
 
-    def P(x, w, out=None, residual=None):
+    def P(x, w, out=None, residual=None, prologue=None):
         r = None if residual is None else flat(residual).contiguous()
-        return trunk.proj(flat(x).contiguous(), w, out, residual=r, backend=be)
+        return trunk.proj(flat(x).contiguous(), w, out, residual=r, prologue=prologue, backend=be)
 
     fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "latent_up", "shared", "dense_mlp")
     out: OrderedDict[str, Any] = OrderedDict()
@@ -502,7 +502,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
         w_in = _cat_rows([(w, "w_dq"), (w, "w_dkv"), (w, "w_gate")])
         Q = w.w_dq.shape[0]
         cq, ckv, gl = buf(Q), buf(C + Dr), buf(w.w_gate.shape[0])
-        cqn, qf = buf(Q), buf(H * (Dn + Dr))
+        qf = buf(H * (Dn + Dr))
         q_lat = torch.empty(H, N, C, dtype=dt, device=dev)
         lead3 = (L.B, L.T)
         b["mla_gate"] = gl.view(*lead, -1)
@@ -513,8 +513,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
             return cq
 
         def q_proj():
-            glue.rms_norm(cq, w.q_norm, cqn, eps=float(w.eps), backend=be)
-            P(cqn, w.w_uq, qf)
+            P(cq, w.w_uq, qf, prologue=("rms", w.q_norm, float(w.eps)))
             q3 = qf.view(N, H, Dn + Dr)
             torch.bmm(q3[..., :Dn].transpose(0, 1), w.w_uk, out=q_lat)  # [H, N, Dn] @ [H, Dn, C]
             b["q_lat"] = q_lat.transpose(0, 1).unflatten(0, lead3)  # a strided view: the kernel takes any strides
@@ -527,7 +526,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
 
         n_in = w_in.shape[0]
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
-        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * (2 * Q + H * (Dn + Dr) + H * (Dn + C)) * e,
+        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * (Q + H * (Dn + Dr) + H * (Dn + C)) * e,
                          2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
         kv_e = st.cache.data.element_size()
         out["kv_proj"] = (kv, _nb(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
@@ -550,7 +549,6 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
         w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
         sI = sum(s.w1.shape[0] for s in sh)
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
-        a_s = buf(sI)
         w2 = _cat_rows([(s, "w2") for s in sh], dim=1)  # [D, sI]: sum_i w2_i a_i is one projection
         b["z"] = z
         idx = torch.empty(N, r.top_k, dtype=torch.int64, device=dev)
@@ -569,35 +567,32 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
         out["moe_in"] = (moe_in, mm_bytes(w_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
                          2 * N * D * n_in)
         out["experts"] = comps["experts"]
-        yn, rp = buf(Lat), buf(D)
+        rp = buf(D)
 
         def latent_up():
-            glue.rms_norm(flat(b["y"]), m.routed_norm, yn, eps=float(m.eps), backend=be)
-            P(yn, m.w_up, rp, residual=b["p"])
+            P(b["y"], m.w_up, rp, residual=b["p"], prologue=("rms", m.routed_norm, float(m.eps)))
             b["routed"] = rp
             return rp
-        out["latent_up"] = (latent_up, _nb(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(m.w_up, Lat, D, True),
+        out["latent_up"] = (latent_up, _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(m.w_up, 0, D, True),
                             2 * N * Lat * D)
         xo = buf(D)
 
         def shared():
-            glue.situ_glu(gu, a_s, b1=sh[0].b1, b2=sh[0].b2, backend=be)
-            P(a_s, w2, xo, residual=rp)
+            P(gu, w2, xo, residual=rp, prologue=("situ", sh[0].b1, sh[0].b2))
             b["x_out"] = xo.view(*lead, D)
             return b["x_out"]
-        out["shared"] = (shared, N * sI * 3 * e + mm_bytes(w2, sI, D, residual=True), 2 * N * sI * D)
+        out["shared"] = (shared, mm_bytes(w2, 2 * sI, D, residual=True), 2 * N * sI * D)
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])
         I = m.w1.shape[0]
-        gu, a_d, xo = buf(2 * I), buf(I), buf(D)
+        gu, xo = buf(2 * I), buf(D)
 
         def dense():
             P(b["h2"], w13, gu)
-            glue.situ_glu(gu, a_d, b1=m.b1, b2=m.b2, backend=be)
-            P(a_d, m.w2, xo, residual=b["p"])
+            P(gu, m.w2, xo, residual=b["p"], prologue=("situ", m.b1, m.b2))
             b["x_out"] = xo.view(*lead, D)
             return b["x_out"]
-        out["dense_mlp"] = (dense, mm_bytes(w13, D, 2 * I) + N * I * 3 * e + mm_bytes(m.w2, I, D, residual=True),
+        out["dense_mlp"] = (dense, mm_bytes(w13, D, 2 * I) + mm_bytes(m.w2, 2 * I, D, residual=True),
                             2 * N * D * 3 * I)
     L.ran = {name: (be if name in fused else L.ran.get(name, "reference")) for name in out}
     return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3lab import registry
-from k3lab.components import attnres, trunk
+from k3lab.components import attnres, glue, trunk
 from k3lab.components.trunk import TrunkArgumentError
 from k3lab.harness import checker
 from k3lab.harness.numerics import rel_norm_error
@@ -87,6 +87,42 @@ def test_proj_residual_epilogue(name, wdtype):
     _check(PROJ, preset="tiny", proj=name, batch=3, wdtype=wdtype, residual=True)
     _check(PROJ, options=dict(path="rows", block_n=16), preset="tiny", proj=name, batch=3, wdtype=wdtype,
            residual=True)
+
+
+@pytest.mark.parametrize("name,pro,wdtype,batch", [("shared_w2", "situ", "bf16", 1), ("shared_w2", "situ", "fp8", 5),
+                                                ("moe_up", "rms", "bf16", 3), ("mla_uq", "rms", "fp8", 1)])
+def test_proj_input_prologue(name, pro, wdtype, batch):
+    """The op before the projection in its launch: SiTU of [g | u] (shared w2, with the residual epilogue) and
+    RMSNorm of fp32 (routed norm) or bf16 (q_norm) rows, against the fp64 oracle; and equal to the unfused path
+    (the op alone, fp32 maths rounded once to bf16 as the stand-alone kernels round, then the projection) up to
+    the bf16 rounding of the output. (The glue kernels themselves are compared on the GPU: under the interpreter
+    Triton's bf16 cast truncates, and the glue reference rounds after every torch op.)"""
+    res = name == "shared_w2"
+    _check(PROJ, preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
+    case = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
+    d = PROJ.make_inputs(case, 1, "cpu")
+    p = ops.prologue_of(d, case)
+    fused = trunk.proj(d["x"], d["w"], w_scale=ops._scale(d), residual=d.get("residual"), prologue=p,
+                       backend="triton")
+    two = trunk.proj(trunk._prologue_ref(d["x"], p), d["w"], w_scale=ops._scale(d), residual=d.get("residual"),
+                     backend="triton")
+    assert rel_norm_error(fused, two) < 4e-3
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(prologue=("gelu", 1.0, 2.0)), "'prologue'"),
+    (dict(prologue=("situ", 4.0, -1.0)), "'prologue'"),
+    (dict(prologue=("rms", torch.ones(7), 1e-6)), "'prologue'"),
+    (dict(prologue=("rms", torch.ones(24, dtype=torch.bfloat16), 0.0)), "'prologue'"),
+    (dict(prologue=("situ", 4.0, 25.0)), "'x'"),
+    (dict(prologue=("situ", 4.0, 25.0), path="rows", xw=(2, 48)), "'path'"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_proj_prologue_argument_errors(kw, name):
+    kw = dict(kw)
+    x = torch.randn(*kw.pop("xw", (2, 24))).bfloat16()
+    w = torch.randn(16, 24).bfloat16()
+    with pytest.raises(TrunkArgumentError, match=name):
+        trunk.proj(x, w, backend="triton", **kw)
 
 
 @pytest.mark.parametrize("options", [dict(split_k=1), dict(split_k=4, block_k=64), dict(block_n=16, num_warps=2),
@@ -300,6 +336,25 @@ def test_gpu_paths(options):
         for batch in (1, 3) if options["path"] == "rows" else (1, 16, 40):
             _check(PROJ, options=options, preset="tp8", proj=name, batch=batch, wdtype="bf16")
     _check(PROJ, options=options, preset="tp16", proj="kda_o", batch=2, wdtype="fp8", residual=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tp8", "tp16"])
+def test_gpu_prologues(preset):
+    """The input prologues at the real shapes, on the tma path (x through pointers, W through the copy engine)
+    and the dot path, batch 1 to 64."""
+    for name, pro in (("shared_w2", "situ"), ("moe_up", "rms"), ("mla_uq", "rms")):
+        for batch, wdtype, opts in ((1, "bf16", {}), (1, "bf16", dict(path="dot")), (7, "fp8", {}),
+                                    (64, "bf16", dict(path="tma"))):
+            _check(PROJ, options=opts, preset=preset, proj=name, batch=batch, wdtype=wdtype, prologue=pro,
+                   residual=name != "mla_uq")
+        case = PROJ.case(preset=preset, proj=name, batch=3, wdtype="bf16", prologue=pro, residual=False)
+        d = PROJ.make_inputs(case, 2, "cuda")
+        p = ops.prologue_of(d, case)
+        fused = trunk.proj(d["x"], d["w"], prologue=p, backend="triton")
+        a = (glue.situ_glu(d["x"], b1=p[1], b2=p[2], backend="triton") if pro == "situ"
+             else glue.rms_norm(d["x"], p[1], eps=p[2], backend="triton"))
+        assert rel_norm_error(fused, trunk.proj(a, d["w"], backend="triton")) < 1e-3  # the unfused kernels
 
 
 @pytest.mark.gpu

@@ -2,9 +2,12 @@
 AttnRes + RMSNorm lives in k3lab.components.attnres (update_mix_norm). Maths: k3lab.ref.situ.linear,
 k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
 
-    proj(x, w, out=None, *, w_scale=None, residual=None, backend="reference", ran=None, **knobs) -> out [B, N]
-        out = x W^T (+ residual); W [N, K] bf16, or float8_e4m3fn with w_scale [N] fp32 (W = W_fp8 * scale per
-        output channel); out bf16 or fp32 (allocated bf16 when None), any row stride, unit inner stride.
+    proj(x, w, out=None, *, w_scale=None, residual=None, prologue=None, backend="reference", ran=None, **knobs)
+        out = pro(x) W^T (+ residual) [B, N]; W [N, K] bf16, or float8_e4m3fn with w_scale [N] fp32 (W = W_fp8 *
+        scale per output channel); out bf16 or fp32 (allocated bf16 when None), any row stride, unit inner stride.
+        prologue (the op before the projection, in its launch; rounded to bf16 as the stand-alone op rounds):
+          None; ("situ", b1, b2): x = [g | u] [B, 2K], pro(x) = situ(g, u) (the shared experts' / dense w2);
+          ("rms", weight [K], eps): x [B, K] bf16 or fp32, pro(x) = RMSNorm(x) * weight (routed_norm, q_norm).
     proj_group(x, w, outs, *, w_scale=None, backend="reference", ran=None, **knobs) -> outs
         one launch over the concatenated weight W = cat(W_1..W_n) [sum N_i, K] (n <= 6), output i into outs[i]
         [B, N_i] (each where its consumer reads it: a column slice of a wider buffer is fine).
@@ -96,20 +99,67 @@ def _linear_ref(x, w, w_scale, residual):
     return y if residual is None else y + residual.to(dt)
 
 
-def _check_proj(x, w, w_scale, outs, residual, backend, group: bool):
+PROLOGUES = ("situ", "rms")
+
+
+def _check_prologue(prologue, x, w, backend) -> str | None:
+    """The input prologue (module docstring): None, ("situ", b1, b2) or ("rms", weight [K], eps)."""
+    if prologue is None:
+        return None
+    if not isinstance(prologue, tuple) or not prologue or prologue[0] not in PROLOGUES or len(prologue) != 3:
+        _fail("prologue", f"must be None, ('situ', b1, b2) or ('rms', weight, eps), got {prologue!r}")
+    kind, a, b = prologue
+    if kind == "situ":
+        for name, v in (("b1", a), ("b2", b)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                _fail("prologue", f"SiTU constant {name} must be a positive number, got {v!r}")
+        return kind
+    K = w.shape[1] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+    if not isinstance(a, torch.Tensor) or a.dim() != 1 or a.shape[0] != K:
+        _fail("prologue", f"the rms weight must be a 1-D tensor of {K} (w's K), got "
+                          f"{tuple(getattr(a, 'shape', ())) or type(a).__name__}")
+    if isinstance(x, torch.Tensor) and a.device != x.device:
+        _fail("prologue", f"the rms weight must be on {x.device} (x's device), got {a.device}")
+    if backend == "triton" and (not a.is_contiguous() or a.dtype not in (torch.bfloat16, torch.float32)):
+        _fail("prologue", f"the rms weight must be a contiguous bf16 or fp32 tensor for the triton backend, got "
+                          f"{a.dtype}")
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
+        _fail("prologue", f"the rms eps must be a positive number, got {b!r}")
+    return kind
+
+
+def _prologue_ref(x: torch.Tensor, prologue) -> torch.Tensor:
+    """The prologue in fp32 (fp64 for the fp64 oracle), rounded to bf16 as the stand-alone kernels round it."""
+    if prologue is None:
+        return x
+    from k3lab.ref.rmsnorm import rms_norm
+    from k3lab.ref.situ import situ
+
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    K = x.shape[1] // 2 if prologue[0] == "situ" else x.shape[1]
+    y = (situ(x[:, :K].to(dt), x[:, K:].to(dt), prologue[1], prologue[2]) if prologue[0] == "situ"
+         else rms_norm(x.to(dt), prologue[1].to(dt), float(prologue[2]), out_dtype=dt))
+    return y if dt == torch.float64 else y.to(torch.bfloat16)
+
+
+def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | None = None):
     _tensor("x", x, 2)
     dev = x.device
     if not x.is_floating_point():
         _fail("x", f"must be a floating tensor [B, K], got {x.dtype}")
-    B, K = x.shape
+    B = x.shape[0]
+    K = x.shape[1] // 2 if pro == "situ" else x.shape[1]
     triton = backend == "triton"
     if B < 1 or (triton and B > MAX_BATCH):
         _fail("x", f"must have a batch of 1..{MAX_BATCH} rows for the triton backend, got {B}" if triton
               else f"must have at least one row, got shape {tuple(x.shape)}")
-    if triton and (x.dtype != torch.bfloat16 or x.stride(1) != 1):
-        _fail("x", f"must be bf16 with unit stride along K for the triton backend, got {x.dtype}, "
+    xdt = (torch.bfloat16, torch.float32) if pro == "rms" else (torch.bfloat16,)
+    if triton and (x.dtype not in xdt or x.stride(1) != 1):
+        _fail("x", f"must be {_dt(xdt)} with unit stride along K for the triton backend, got {x.dtype}, "
                    f"strides {x.stride()}")
     _tensor("w", w, 2, W_DTYPES if triton else None, dev)
+    if pro == "situ" and x.shape[1] != 2 * w.shape[1]:
+        _fail("x", f"must be [B, 2K] = [g | u] for the situ prologue (w's K = {w.shape[1]}), got {tuple(x.shape)}")
     if w.shape[1] != K:
         _fail("w", f"must be [N, {K}] (x's K), got {tuple(w.shape)}")
     if triton and not w.is_contiguous():
@@ -142,10 +192,13 @@ def _check_proj(x, w, w_scale, outs, residual, backend, group: bool):
             _fail("residual", f"must be [{B}, {N}] with unit inner stride, got {tuple(residual.shape)}")
 
 
-def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
+def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
-    _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group")
+    pro = _check_prologue(prologue, x, w, be)
+    _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
+    if pro is not None and opts.get("path") == "rows":
+        _fail("path", "'rows' runs no input prologue; use 'tma', 'dot' or None")
     if opts.get("path") == "rows":
         from k3lab_kernels.triton.proj_gemv import ROWS_MAX_BATCH
 
@@ -154,29 +207,33 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs):
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
     if be == "triton":
+        if prologue is not None:
+            opts = dict(opts, prologue=prologue)
         dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, **opts)
+        opts.pop("prologue", None)
     else:
-        y = _linear_ref(x, w, w_scale, residual)
+        y = _linear_ref(_prologue_ref(x, prologue), w, w_scale, residual)
         a = 0
         for o in outs:
             o.copy_(y[:, a:a + o.shape[1]])
             a += o.shape[1]
     dispatch.record(ran, op=op_name, backend_requested=backend, backend=be, kernel=dispatch.kernel_path(op_name, be),
-                    options=opts, shape=dict(batch=B, N=w.shape[0], K=x.shape[1], wdtype=str(w.dtype).replace(
-                        "torch.", ""), outputs=len(outs), residual=residual is not None), why=why)
+                    options=opts, shape=dict(batch=B, N=w.shape[0], K=w.shape[1], wdtype=str(w.dtype).replace(
+                        "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none"),
+                    why=why)
     return outs
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w_scale: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, backend: str = "reference", ran: list | None = None,
-         path: str | None = None, block_n: int | None = None, block_k: int | None = None,
+         residual: torch.Tensor | None = None, prologue: tuple | None = None, backend: str = "reference",
+         ran: list | None = None, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
          split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """out = x W^T (+ residual) (module docstring)."""
+    """out = pro(x) W^T (+ residual) (module docstring)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
-    return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs)[0]
+    return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue)[0]
 
 
 def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,

@@ -5,7 +5,9 @@ k3lab.components.trunk and k3lab.components.attnres; the kernels are named in ea
 Axes (the default grid is small so the CPU interpreter runs it in seconds; the GPU bench passes its own):
   proj        preset "tp8" | "tp16" | "tiny" (the per-GPU shapes of K3_SPEC section 3, `proj_shapes`), proj (the
               name of a projection of `proj_shapes`), batch 1..256, wdtype "bf16" | "fp8" (e4m3, one fp32 scale per
-              output channel), residual (the output projection's epilogue: out = residual + x W^T)
+              output channel), residual (the output projection's epilogue: out = residual + x W^T), prologue
+              "none" | "situ" (x = [g | u] [B, 2K], the projection reads situ(g, u): shared_w2) | "rms" (x [B, K],
+              the projection reads RMSNorm(x) * weight: moe_up with fp32 x, the routed expert sum; mla_uq bf16)
   proj_group  preset, group ("kda_in", "mla_in", "moe_in": `GROUPS`), batch, wdtype: one launch over the
               concatenated weight, each part's output its own tensor (the router's logits fp32, others bf16)
   router_topk batch, experts (896), top_k (16), scores "random" | "near" (logits in pairs 2^-12 apart: biased scores
@@ -24,7 +26,8 @@ router and AttnRes (the projections have no torch_compile backend: torch.compile
 cuBLAS GEMM as the cublas peer).
 
 Bytes (the one formula):
-  proj        weights N*K*e (e = 2 bf16, 1 fp8 + 4*N scales) + x B*K*2 + outputs B*N*e_out (+ residual B*N*2)
+  proj        weights N*K*e (e = 2 bf16, 1 fp8 + 4*N scales) + x B*K*2 + outputs B*N*e_out (+ residual B*N*2);
+              the situ prologue reads x [B, 2K] (B*2K*2), the rms one x [B, K] in its dtype and the weight K*2
   router_topk logits B*E*4 + bias E*4 + idx B*k*8 + weights B*k*4
   attnres     (n_blocks + 1 + [update add]) sources... see `attnres_bytes`: each source B*D*2, the three weight
               vectors D*2 each, out B*D*2, partial_out B*D*2 when updated
@@ -34,7 +37,9 @@ Tolerances (relative norm against fp64; every input is exactly representable):
   proj outputs 4e-3: bf16 x bf16 (or e4m3 widened to bf16, exact) products are exact in fp32 and the sums are
       fp32 over K <= 7168 (~1e-6); the output is rounded once to bf16 (2^-9 relative per entry, ~1.5e-3 as a
       norm); the router's fp32 logits 1e-5. fp8 weights are compared against their dequantized fp64 value
-      (W_fp8 * scale), so quantization is no error of the kernel.
+      (W_fp8 * scale), so quantization is no error of the kernel. With a prologue the oracle applies it in fp64
+      with no rounding; the kernel rounds its result to bf16 once (as the stand-alone op does): 2^-9 relative
+      per input entry, averaging to ~1e-3 in the output's norm, within the same 4e-3.
   router idx 0 (exact: same set and order under the tie rule; the inputs keep distinct biased scores 2^-14
       apart or exactly equal), weights 1e-5 (fp32 sigmoid and sum).
   attnres partial_out 0 (bit-exact: one rounding of the fp32 sum of two bf16 values, which is exact),
@@ -51,6 +56,8 @@ from k3lab.registry import Case, Op, Peer, register
 from k3lab.registry import generator as _gen
 
 PRESETS = ("tp8", "tp16", "tiny")
+PROLOGUES = {"none": None, "situ": ("shared_w2",), "rms": ("moe_up", "mla_uq")}  # prologue: the projections it feeds
+RMS_FP32_IN = ("moe_up",)  # the routed norm reads the experts' fp32 sum
 GROUPS = {
     "kda_in": ("kda_q", "kda_k", "kda_v", "kda_g", "kda_fa", "kda_b"),
     "mla_in": ("mla_dq", "mla_dkv", "mla_gate"),
@@ -108,7 +115,10 @@ def proj_bytes(case: Case) -> int:
     N = sum(shp[p][0] for p in parts)
     outs = sum(B * shp[p][0] * (4 if p in FP32_OUT else 2) for p in parts)
     scales = 4 * N if case["wdtype"] == "fp8" else 0
-    return N * K * _wbytes(case) + scales + B * K * 2 + outs + (B * N * 2 if case.get("residual", False) else 0)
+    pro = case.get("prologue", "none")
+    x_in = (B * 2 * K * 2 if pro == "situ" else B * K * (4 if parts[0] in RMS_FP32_IN else 2) + K * 2 if pro == "rms"
+            else B * K * 2)
+    return N * K * _wbytes(case) + scales + x_in + outs + (B * N * 2 if case.get("residual", False) else 0)
 
 
 def proj_flops(case: Case) -> int:
@@ -156,7 +166,16 @@ def make_proj(case: Case, seed: int, device: str) -> dict:
     N = sum(shp[p][0] for p in parts)
     g = _gen(seed, device)
     w, s = _weight(N, K, case["wdtype"], g, device)
-    d = dict(x=torch.randn(B, K, generator=g, device=device).to(torch.bfloat16), w=w, w_scale=s)
+    pro = case.get("prologue", "none")
+    if pro == "situ":  # g and u over the ranges where the tanh saturates and where it does not
+        x = torch.cat([torch.randn(B, K, generator=g, device=device) * 3,
+                       torch.randn(B, K, generator=g, device=device) * 20], 1).to(torch.bfloat16)
+    else:
+        x = torch.randn(B, K, generator=g, device=device) * (3.0 if pro == "rms" else 1.0)
+        x = x if pro == "rms" and parts[0] in RMS_FP32_IN else x.to(torch.bfloat16)
+    d = dict(x=x, w=w, w_scale=s)
+    d["pro_w"] = ((1 + 0.2 * torch.randn(K, generator=g, device=device)).to(torch.bfloat16) if pro == "rms"
+                  else torch.empty(0, dtype=torch.bfloat16, device=device))
     if case.get("residual", False):
         d["residual"] = torch.randn(B, N, generator=g, device=device).to(torch.bfloat16)
     for i in range(MAX_OUT):  # y0.. one per part (the rest empty: the written names are fixed)
@@ -172,8 +191,21 @@ def _wtrue(d: dict, dt=torch.float64) -> torch.Tensor:
     return w * d["w_scale"].to(dt)[:, None] if d["w"].dtype == torch.float8_e4m3fn else w
 
 
+def prologue_of(d: dict, case: Case):
+    """The component API's prologue argument for this case (None, ("situ", 4, 25) or ("rms", weight, 1e-6))."""
+    from k3lab.ref.situ import B1, B2
+
+    pro = case.get("prologue", "none")
+    return None if pro == "none" else ("situ", B1, B2) if pro == "situ" else ("rms", d["pro_w"], 1e-6)
+
+
 def ref_proj(d: dict, case: Case) -> dict:
-    y = d["x"].to(torch.float64) @ _wtrue(d).T
+    from k3lab.components.trunk import _prologue_ref
+
+    pro = prologue_of(d, case)
+    if pro is not None and pro[0] == "rms":
+        pro = ("rms", pro[1].to(torch.float64), pro[2])
+    y = _prologue_ref(d["x"].to(torch.float64), pro) @ _wtrue(d).T
     if "residual" in d:
         y = y + d["residual"].to(torch.float64)
     out, a = {}, 0
@@ -268,7 +300,7 @@ def call_proj(d: dict, case: Case, backend: str, opts: dict, ran: list | None = 
     from k3lab.components import trunk
 
     return trunk.proj(d["x"], d["w"], d["y0"], w_scale=_scale(d), residual=d.get("residual"),
-                      backend=backend, ran=ran, **opts)
+                      prologue=prologue_of(d, case), backend=backend, ran=ran, **opts)
 
 
 def call_group(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
@@ -316,7 +348,13 @@ def proj_peers(case: Case) -> list[Peer]:
     note_w = " on the bf16 dequantized weights" if case["wdtype"] == "fp8" else ""
 
     def cublas(d: dict):
+        from k3lab.components.trunk import _prologue_ref
+
         w, x, r = _dense_w(d), d["x"], d.get("residual")
+        pro = prologue_of(d, case)
+        if pro is not None:  # the prologue in torch ops, then cuBLAS
+            return lambda: F.linear(_prologue_ref(x, pro), w) if r is None else torch.addmm(r, _prologue_ref(x, pro),
+                                                                                           w.t())
         if r is not None:
             return lambda: torch.addmm(r, x, w.t())
         return lambda: F.linear(x, w)
@@ -347,6 +385,23 @@ def proj_peers(case: Case) -> list[Peer]:
                 note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}"),
            Peer("stream", stream, None, note="the read probe's streaming sum over the same weight bytes (no "
                 "product, nothing checked): how fast this harness reads these bytes at all")]
+    if case.get("prologue", "none") != "none":
+        def unfused(d: dict):
+            from k3lab.components import glue, trunk
+
+            x, r, pro, y = d["x"], d.get("residual"), prologue_of(d, case), d["y0"]
+            a = torch.empty(x.shape[0], d["w"].shape[1], dtype=torch.bfloat16, device=x.device)
+            sc = _scale(d)
+
+            def run():
+                if pro[0] == "situ":
+                    glue.situ_glu(x, a, b1=pro[1], b2=pro[2], backend="triton")
+                else:
+                    glue.rms_norm(x, pro[1], a, eps=pro[2], backend="triton")
+                return trunk.proj(a, d["w"], y, w_scale=sc, residual=r, backend="triton")
+            return run
+        out.append(Peer("unfused", unfused, checker_of(unfused, "unfused"),
+                        note="the stand-alone glue kernel (situ_glu / rms_norm) then our projection: two launches"))
     if case.op == "proj_group":
         def cublas_parts(d: dict):
             ws = list(_dense_w(d).split(sizes))
@@ -423,12 +478,13 @@ PROJ = register(Op(
     name="proj", component="trunk", policy_key="proj",
     doc="one projection y = x W^T (+ residual): split-K GEMV at batch <= 16, tensor-core tiles above; bf16/fp8 W",
     axes=dict(preset=("tiny",), proj=("kda_q", "kda_b", "mla_dkv", "moe_router"), batch=(1, 3),
-              wdtype=("bf16", "fp8"), residual=(False,)),
+              wdtype=("bf16", "fp8"), residual=(False,), prologue=("none",)),
     make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_proj, nbytes=proj_bytes, flops=proj_flops, floor_bw="read",
     backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
     valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= 256
-    and c["wdtype"] in ("bf16", "fp8"),
+    and c["wdtype"] in ("bf16", "fp8") and c.get("prologue", "none") in PROLOGUES
+    and (c.get("prologue", "none") == "none" or c["proj"] in PROLOGUES[c["prologue"]]),
     peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
 ))
 

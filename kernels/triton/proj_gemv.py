@@ -30,6 +30,16 @@ Three paths (`config`, knob `path`; `default_path` picks by shape), one launch e
     middle axis of a [BN, BP, BK] product reduced along K.
 The fp8 scale multiplies the fp32 sum in the shared epilogue.
 
+Input prologues (`prologue`, paths tma and dot; the op that would otherwise run alone before the projection,
+one launch saved): each program transforms the x tiles it reads, in fp32, rounded once to bf16 exactly as the
+stand-alone kernel rounds them, before the MMA:
+  * ("situ", b1, b2): x is [g | u] [M, 2K] (a fused w1/w3 projection's output) and the projection reads
+    situ(g, u) (`situ_glu.py`'s formula): the shared experts' and the dense MLP's w2.
+  * ("rms", weight [K], eps): x [M, K] bf16 or fp32, the projection reads rms(x) * weight; each program first
+    sums its rows' squares over all of K (from L2: K*4 bytes a row), then scales its own K range: the MoE's
+    routed_norm before Wup and the MLA q_norm before Wuq.
+With a prologue x is read through pointers (the copy engine cannot transform), W still through the copy engine.
+
 Floor (bytes, `k3lab.ops.trunk.proj_bytes`): weights N*K*e (e = 2 bf16, 1 fp8, + 4*N for fp8 scales) +
 x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the read bandwidth. The split-K workspace
 (SPLIT*B_pad*N*4 written and read back) stays in L2 and is not counted.
@@ -41,6 +51,7 @@ import triton
 import triton.language as tl
 
 from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.situ_glu import situ
 
 MAX_OUTPUTS = 6
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
@@ -67,14 +78,33 @@ def _store_out(o, lo, hi, so, y, n, m, M, RNE: tl.constexpr):
 
 
 @triton.jit
+def _x_in(x, pw, m, mok, kc, kok, s_xm, K, inv, b1, b2, PRO: tl.constexpr, RNE: tl.constexpr):
+    """The [BM, BK] tile of the projection's input at columns kc (kok: inside the range), the prologue
+    applied (module docstring) and rounded to bf16 once."""
+    p = x + m[:, None].to(tl.int64) * s_xm + kc[None, :]
+    msk = mok[:, None] & kok[None, :]
+    v = tl.load(p, mask=msk, other=0.0)
+    if PRO == 1:
+        v = situ(v.to(tl.float32), tl.load(p + K, mask=msk, other=0.0).to(tl.float32), b1, b2)
+    if PRO == 2:
+        v = v.to(tl.float32) * inv[:, None] * tl.load(pw + kc, mask=kok, other=0.0).to(tl.float32)[None, :]
+    if PRO != 0:
+        if RNE:
+            v = rne_bf16(v)
+        v = v.to(tl.bfloat16)
+    return v
+
+
+@triton.jit
 def _proj_kernel(x, w, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
-                 M, N, K, s_xm, s_rm, KSPLIT,
+                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 TMA: tl.constexpr):
-    """TMA: w and x are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine zero-fills past
-    N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise pointers."""
+                 TMA: tl.constexpr, PRO: tl.constexpr):
+    """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
+    zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
+    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x (module docstring; b1, b2, eps, the norm weight pw)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -84,11 +114,23 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     mok = m < M
     k_lo = pid_s * KSPLIT
     k_hi = tl.minimum(k_lo + KSPLIT, K)
+    kk = tl.arange(0, BK)
+    inv = tl.zeros((BM,), dtype=tl.float32)
+    if PRO == 2:  # the rows' sums of squares over all of K first (every program of the row reads them)
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            v = tl.load(x + m[:, None].to(tl.int64) * s_xm + (k0 + kk)[None, :],
+                        mask=mok[:, None] & ((k0 + kk) < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TMA:
         for k0 in range(k_lo, k_hi, BK):
             wt = w.load([pid_n * BN, k0])
-            xt = x.load([pid_m * BM, k0])
+            if PRO == 0:
+                xt = x.load([pid_m * BM, k0])
+            else:
+                xt = _x_in(x, pw, m, mok, k0 + kk, (k0 + kk) < k_hi, s_xm, K, inv, b1, b2, PRO, DOT_F32)
             if DOT_F32:
                 acc = tl.dot(wt.to(tl.float32), xt.to(tl.float32).T, acc)
             else:
@@ -96,17 +138,22 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                     wt = wt.to(tl.bfloat16)
                 acc = tl.dot(wt, xt.T, acc)
     else:
-        kk = tl.arange(0, BK)
         wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
         xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
         for k0 in range(k_lo, k_hi, BK):
             if EVEN_K:
                 wt = tl.load(wp + k0, mask=nok[:, None], other=0.0)
-                xt = tl.load(xp + k0, mask=mok[:, None], other=0.0)
+                if PRO == 0:
+                    xt = tl.load(xp + k0, mask=mok[:, None], other=0.0)
+                else:
+                    xt = _x_in(x, pw, m, mok, k0 + kk, kk < BK, s_xm, K, inv, b1, b2, PRO, DOT_F32)
             else:
                 kok = (k0 + kk) < k_hi
                 wt = tl.load(wp + k0, mask=nok[:, None] & kok[None, :], other=0.0)
-                xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
+                if PRO == 0:
+                    xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
+                else:
+                    xt = _x_in(x, pw, m, mok, k0 + kk, kok, s_xm, K, inv, b1, b2, PRO, DOT_F32)
             if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 values
                 acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
             else:
@@ -214,26 +261,29 @@ def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
     return max(1, min(split_k, chunks))
 
 
-def default_path(M: int, N: int, fp8: bool, tma: bool = True) -> str:
+def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False) -> str:
     """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz): rows at batch 1 for at
     most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster than dot on
     the 22-51 MB projections at batch 1-8); dot for fp8 weights and fewer outputs (MLA kv down: 6.7 against
     7.0 us) and where the copy engine's alignment rules fail."""
-    if M == 1 and N <= ROWS_MAX_N:
+    if M == 1 and N <= ROWS_MAX_N and not prologue:
         return "rows"
     return "tma" if tma and not fp8 and N >= TMA_MIN_N else "dot"
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
-           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True) -> dict:
+           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
     from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
-    (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES."""
-    path = path or default_path(M, N, fp8, tma)
+    (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
+    runs (paths tma and dot only)."""
+    path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
+    if prologue and path == "rows":
+        raise ValueError("proj_gemv: an input prologue runs on paths 'tma' and 'dot', not 'rows'")
     if path == "rows":
         if M > ROWS_MAX_BATCH or split_k not in (None, 1):
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
@@ -266,20 +316,28 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, path: str | None = None, block_n: int | None = None,
-         block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None) -> list:
+         residual: torch.Tensor | None = None, prologue: tuple | None = None, path: str | None = None,
+         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+         num_warps: int | None = None, num_stages: int | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
-    [M, N] (one output only) added before the store. Returns outs. The caller validates (path "tma" with
+    [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
+    ("rms", weight [K], eps) (module docstring). Returns outs. The caller validates (path "tma" with
     misaligned x or W is refused here: ValueError)."""
-    M, K = x.shape
-    N = w.shape[0]
-    aligned = tma_ok(x, w)
+    M = x.shape[0]
+    N, K = w.shape
+    pro = 0 if prologue is None else {"situ": 1, "rms": 2}[prologue[0]]
+    pw, b1, b2, eps = x, 0.0, 0.0, 0.0
+    if pro == 1:
+        b1, b2 = float(prologue[1]), float(prologue[2])
+    elif pro == 2:
+        pw, eps = prologue[1], float(prologue[2])
+    aligned = tma_ok(x, w) if pro == 0 else tma_ok(w, w)  # with a prologue x is read through pointers
     if path == "tma" and not aligned:
         raise ValueError("proj_gemv: path 'tma' needs 16-byte aligned x, W and row strides; use 'dot' or None")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
-                 num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned)
+                 num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
+                 prologue=pro != 0)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
@@ -311,14 +369,14 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        xa = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BM, BK])
+        xa = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BM, BK]) if pro == 0 else x
         wa = TensorDescriptor(w, [N, K], [w.stride(0), 1], [BN, BK])
     else:
         xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
-        xa, wa, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"],
+        xa, wa, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
         NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
-        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma,
+        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return outs
 

@@ -27,15 +27,20 @@ def _tanh(x):
 
 
 @triton.jit
+def situ(g, u, b1, b2):
+    """b1 tanh(g / b1) sigmoid(g) * b2 tanh(u / b2) in fp32 (also the projections' SiTU prologue, proj_gemv)."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    return (b1 * _tanh(g / b1) * sig) * (b2 * _tanh(u / b2))
+
+
+@triton.jit
 def _situ_glu_kernel(gu, a, I, s_gu, s_a, b1, b2, BI: tl.constexpr):
     r = tl.program_id(0)
     i = tl.program_id(1) * BI + tl.arange(0, BI)
     m = i < I
     g = tl.load(gu + r * s_gu + i, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu + r * s_gu + I + i, mask=m, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    y = (b1 * _tanh(g / b1) * sig) * (b2 * _tanh(u / b2))
-    tl.store(a + r * s_a + i, y.to(tl.bfloat16), mask=m)
+    tl.store(a + r * s_a + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=m)
 
 
 def situ_glu(gu: torch.Tensor, out: torch.Tensor, *, b1: float, b2: float, block: int | None = None,
