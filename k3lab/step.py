@@ -433,7 +433,7 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
             kv_proj    kv_norm + the cache write (the MLA component's kernel on triton, else the reference)
             out_proj   the combine (merge, Wuv, gate) then Wo with the residual add
       MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
-                       (moe_in), then the router's top-k
+                       (moe_in), then the router's top-k (in the same launch on triton at <= 16 tokens: `select`)
             latent_up  Wup with routed_norm as its input prologue and the residual p added
             shared     the shared experts' w2 (one weight: their w2 side by side) with SiTU-GLU as its input
                        prologue and p + routed added: the layer's output
@@ -557,9 +557,18 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
         be_r = L._backend("router") or "reference"
         be_r = "reference" if be_r == "torch_compile" else be_r
 
+        from k3lab_kernels.triton.proj_gemv import SELECT_MAX_BATCH
+
+        fuse_sel = be == "triton" and be_r == "triton" and N <= SELECT_MAX_BATCH
+
         def moe_in():
-            trunk.proj_group(flat(b["h2"]), w_moe, [logits, z, gu[:, :sI], gu[:, sI:]], backend=be)
-            trunk.router_topk(logits, bias, top_k=r.top_k, scaling=r.scaling, idx=idx, weights=wk, backend=be_r)
+            outs = [logits, z, gu[:, :sI], gu[:, sI:]]
+            if fuse_sel:  # the top-k in the group's launch
+                trunk.proj_group(flat(b["h2"]), w_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
+                                 backend=be)
+            else:
+                trunk.proj_group(flat(b["h2"]), w_moe, outs, backend=be)
+                trunk.router_topk(logits, bias, top_k=r.top_k, scaling=r.scaling, idx=idx, weights=wk, backend=be_r)
             b["idx"], b["wk"] = idx, wk
             return idx, wk
 

@@ -169,6 +169,34 @@ def test_group_equals_parts_and_writes_where_consumers_read(group):
         assert rel_norm_error(o, one) < 4e-3 and not torch.isnan(o.float()).any()
 
 
+@pytest.mark.parametrize("batch,wdtype,options", [(1, "bf16", {}), (5, "fp8", {}), (16, "bf16", dict(split_k=3))])
+def test_group_fused_router_selection(batch, wdtype, options):
+    """The MoE input group with the router's top-k in its launch: against the fp64 oracle (logits, ids in order,
+    weights), and ids/weights bit-equal to the stand-alone router_topk run on the kernel's own logits."""
+    res = _check(GROUP, options=options, preset="tiny", group="moe_in", batch=batch, wdtype=wdtype, select=True)
+    assert res.ran[-1].shape["select"] == ops.SELECT_K
+    case = GROUP.case(preset="tiny", group="moe_in", batch=batch, wdtype=wdtype, select=True)
+    d = GROUP.make_inputs(case, 4, "cpu")
+    ops.call_group(d, case, "triton", dict(options))
+    i2, w2 = trunk.router_topk(d["y0"], d["e_bias"], top_k=ops.SELECT_K, backend="triton")
+    assert torch.equal(d["idx"], i2) and torch.equal(d["weights"], w2)
+
+
+def test_group_select_argument_errors():
+    case = GROUP.case(preset="tiny", group="moe_in", batch=17, wdtype="bf16", select=False)
+    d = GROUP.make_inputs(case, 0, "cpu")
+    outs = [d[f"y{i}"] for i in range(4)]
+    E = outs[0].shape[1]
+    good = dict(e_bias=torch.zeros(E), idx=torch.empty(17, 16, dtype=torch.int64), weights=torch.empty(17, 16))
+    for kw, name in ((dict(e_bias=torch.zeros(E - 1)), "'select.e_bias'"),
+                     (dict(idx=torch.empty(17, 16, dtype=torch.int32)), "'select.idx'"),
+                     (dict(weights=torch.empty(17, 8)), "'select.weights'"), ({}, "'select'")):
+        with pytest.raises(TrunkArgumentError, match=name):  # ({}: batch 17 is above the fused selection's 16)
+            trunk.proj_group(d["x"], d["w"], outs, select=trunk.Select(**{**good, **kw}), backend="triton")
+    with pytest.raises(TrunkArgumentError, match="'outs\\[0\\]'"):
+        trunk.proj_group(d["x"], d["w"], outs[1:] + outs[:1], select=trunk.Select(**good), backend="triton")
+
+
 # ---- router --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scores,batch", [("random", 1), ("near", 1), ("ties", 1)])
@@ -363,6 +391,13 @@ def test_gpu_prologues(preset):
 def test_gpu_groups(preset, group):
     for batch, wdtype, opts in ((1, "fp8", {}), (16, "bf16", {}), (64, "bf16", dict(path="dot"))):
         _check(GROUP, options=opts, preset=preset, group=group, batch=batch, wdtype=wdtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tp8", "tp16"])
+def test_gpu_fused_selection(preset):
+    for batch, wdtype, opts in ((1, "bf16", {}), (1, "fp8", {}), (8, "bf16", dict(path="dot")), (16, "bf16", {})):
+        _check(GROUP, options=opts, preset=preset, group="moe_in", batch=batch, wdtype=wdtype, select=True)
 
 
 @pytest.mark.gpu

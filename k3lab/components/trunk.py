@@ -8,9 +8,12 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
         prologue (the op before the projection, in its launch; rounded to bf16 as the stand-alone op rounds):
           None; ("situ", b1, b2): x = [g | u] [B, 2K], pro(x) = situ(g, u) (the shared experts' / dense w2);
           ("rms", weight [K], eps): x [B, K] bf16 or fp32, pro(x) = RMSNorm(x) * weight (routed_norm, q_norm).
-    proj_group(x, w, outs, *, w_scale=None, backend="reference", ran=None, **knobs) -> outs
+    proj_group(x, w, outs, *, w_scale=None, select=None, backend="reference", ran=None, **knobs) -> outs
         one launch over the concatenated weight W = cat(W_1..W_n) [sum N_i, K] (n <= 6), output i into outs[i]
         [B, N_i] (each where its consumer reads it: a column slice of a wider buffer is fine).
+        select=Select(e_bias, idx, weights, scaling): the router's selection (router_topk's maths and tie rule)
+        over outs[0], the router's fp32 logits [B, E], in the same launch (triton: batch <= 16): the MoE input
+        group's last step.
     router_topk(logits, e_bias, *, top_k=16, scaling=1.0, idx=None, weights=None, backend, ran) -> (idx, weights)
         sigmoid, the selection-only bias, top-k (ties: lower expert id first), renormalized weights * scaling.
     route(h, router, *, backend="reference", ran=None) -> (idx [B, k] int64, weights [B, k] fp32)
@@ -31,6 +34,8 @@ from __future__ import annotations
 import torch
 
 from k3lab import registry
+from typing import NamedTuple
+
 from k3lab.components import dispatch
 from k3lab.ref.router import RouterWeights
 
@@ -39,6 +44,15 @@ MAX_BATCH = 256
 MAX_OUTPUTS = 6
 W_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class Select(NamedTuple):
+    """The router selection fused into a projection group (proj_group's `select`): over outs[0], the router's
+    fp32 logits [B, E]; e_bias [E] fp32; idx [B, k] int64 and weights [B, k] fp32 written (k = idx's width)."""
+    e_bias: torch.Tensor
+    idx: torch.Tensor
+    weights: torch.Tensor
+    scaling: float = 1.0
 
 
 class TrunkArgumentError(ValueError):
@@ -192,11 +206,48 @@ def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | 
             _fail("residual", f"must be [{B}, {N}] with unit inner stride, got {tuple(residual.shape)}")
 
 
-def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None):
+def _check_select(select, outs, B, backend, path):
+    if select is None:
+        return
+    if not isinstance(select, Select):
+        _fail("select", f"must be None or trunk.Select(e_bias, idx, weights, scaling), got {type(select).__name__}")
+    lg = outs[0]
+    if lg.dtype not in (torch.float32, torch.float64):
+        _fail("outs[0]", f"must be the router's fp32 logits [B, E] when select is given, got {lg.dtype}")
+    E = lg.shape[1]
+    _tensor("select.e_bias", select.e_bias, 1, (torch.float32, torch.float64), lg.device)
+    if select.e_bias.shape[0] != E or not select.e_bias.is_contiguous():
+        _fail("select.e_bias", f"must be a contiguous [{E}] tensor (outs[0]'s experts), got "
+                               f"{tuple(select.e_bias.shape)}")
+    _tensor("select.idx", select.idx, 2, (torch.int64,), lg.device)
+    k = select.idx.shape[1]
+    if select.idx.shape[0] != B or not 1 <= k <= min(E, 32) or not select.idx.is_contiguous():
+        _fail("select.idx", f"must be a contiguous [{B}, k] int64 tensor with 1 <= k <= {min(E, 32)}, got "
+                            f"{tuple(select.idx.shape)}")
+    _tensor("select.weights", select.weights, 2, (torch.float32, torch.float64), lg.device)
+    if tuple(select.weights.shape) != (B, k) or not select.weights.is_contiguous():
+        _fail("select.weights", f"must be a contiguous [{B}, {k}] tensor, got {tuple(select.weights.shape)}")
+    sc = select.scaling
+    if isinstance(sc, bool) or not isinstance(sc, (int, float)):
+        _fail("select.scaling", f"must be a number, got {sc!r}")
+    if backend == "triton":
+        from k3lab_kernels.triton.proj_gemv import SELECT_MAX_BATCH
+
+        if lg.dtype != torch.float32 or select.e_bias.dtype != torch.float32 or select.weights.dtype != torch.float32:
+            _fail("select", "takes fp32 logits, e_bias and weights on the triton backend")
+        if B > SELECT_MAX_BATCH:
+            _fail("select", f"is fused at batch <= {SELECT_MAX_BATCH} (one program selects every row), got {B}; "
+                            "run router_topk after the group")
+        if path == "rows":
+            _fail("path", "'rows' runs no fused selection; use 'tma', 'dot' or None")
+
+
+def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
     pro = _check_prologue(prologue, x, w, be)
     _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
+    _check_select(select, outs, B, be, opts.get("path"))
     if pro is not None and opts.get("path") == "rows":
         _fail("path", "'rows' runs no input prologue; use 'tma', 'dot' or None")
     if opts.get("path") == "rows":
@@ -207,20 +258,24 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
     if be == "triton":
-        if prologue is not None:
-            opts = dict(opts, prologue=prologue)
-        dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, **opts)
-        opts.pop("prologue", None)
+        sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
+                                           float(select.scaling))
+        dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, prologue=prologue, select=sel,
+                                     **opts)
     else:
         y = _linear_ref(_prologue_ref(x, prologue), w, w_scale, residual)
         a = 0
         for o in outs:
             o.copy_(y[:, a:a + o.shape[1]])
             a += o.shape[1]
+        if select is not None:
+            i, wt = topk_reference(outs[0], select.e_bias, select.idx.shape[1], float(select.scaling))
+            select.idx.copy_(i)
+            select.weights.copy_(wt)
     dispatch.record(ran, op=op_name, backend_requested=backend, backend=be, kernel=dispatch.kernel_path(op_name, be),
                     options=opts, shape=dict(batch=B, N=w.shape[0], K=w.shape[1], wdtype=str(w.dtype).replace(
-                        "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none"),
-                    why=why)
+                        "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none",
+                        select=0 if select is None else select.idx.shape[1]), why=why)
     return outs
 
 
@@ -237,7 +292,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
 
 
 def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,
-               backend: str = "reference", ran: list | None = None, path: str | None = None,
+               select: Select | None = None, backend: str = "reference", ran: list | None = None,
+               path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
@@ -245,7 +301,7 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
-    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs)
+    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select)
 
 
 # ---- router --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ Axes (the default grid is small so the CPU interpreter runs it in seconds; the G
               "none" | "situ" (x = [g | u] [B, 2K], the projection reads situ(g, u): shared_w2) | "rms" (x [B, K],
               the projection reads RMSNorm(x) * weight: moe_up with fp32 x, the routed expert sum; mla_uq bf16)
   proj_group  preset, group ("kda_in", "mla_in", "moe_in": `GROUPS`), batch, wdtype: one launch over the
-              concatenated weight, each part's output its own tensor (the router's logits fp32, others bf16)
+              concatenated weight, each part's output its own tensor (the router's logits fp32, others bf16);
+              select (moe_in only): the router's top-16 and weights over the logits in the same launch
   router_topk batch, experts (896), top_k (16), scores "random" | "near" (logits in pairs 2^-12 apart: biased scores
               >= ~1e-5 apart, resolved in fp32) | "ties" (many exactly equal biased scores: the tie rule decides)
   attnres_norm batch 1..64, n_blocks 0..9, update "none" | "add" | "fresh" (the new-block layer: p = a), dim
@@ -64,6 +65,7 @@ GROUPS = {
     "moe_in": ("moe_router", "moe_down", "shared_w1", "shared_w3"),
 }
 FP32_OUT = ("moe_router",)  # projections whose output is fp32 (the router's logits feed its top-k)
+SELECT_K = 16  # the fused selection's top-k (K3's)
 UPDATES = ("none", "add", "fresh")
 MAX_OUT = 6  # outputs of one launch (k3lab_kernels.triton.proj_gemv.MAX_OUTPUTS)
 TOL = dict(bf16_out=4e-3, fp32_out=1e-5, weights=1e-5, out=4e-3)
@@ -118,7 +120,8 @@ def proj_bytes(case: Case) -> int:
     pro = case.get("prologue", "none")
     x_in = (B * 2 * K * 2 if pro == "situ" else B * K * (4 if parts[0] in RMS_FP32_IN else 2) + K * 2 if pro == "rms"
             else B * K * 2)
-    return N * K * _wbytes(case) + scales + x_in + outs + (B * N * 2 if case.get("residual", False) else 0)
+    sel = shp[parts[0]][0] * 4 + B * SELECT_K * 12 if case.get("select", False) else 0  # bias, idx, weights
+    return N * K * _wbytes(case) + scales + x_in + outs + sel + (B * N * 2 if case.get("residual", False) else 0)
 
 
 def proj_flops(case: Case) -> int:
@@ -176,6 +179,11 @@ def make_proj(case: Case, seed: int, device: str) -> dict:
     d = dict(x=x, w=w, w_scale=s)
     d["pro_w"] = ((1 + 0.2 * torch.randn(K, generator=g, device=device)).to(torch.bfloat16) if pro == "rms"
                   else torch.empty(0, dtype=torch.bfloat16, device=device))
+    k = SELECT_K if case.get("select", False) else 0
+    E = shp[parts[0]][0] if k else 0
+    d["e_bias"] = torch.randn(E, generator=g, device=device) * 0.1
+    d["idx"] = torch.empty(B, k, dtype=torch.int64, device=device)
+    d["weights"] = torch.empty(B, k, dtype=torch.float32, device=device)
     if case.get("residual", False):
         d["residual"] = torch.randn(B, N, generator=g, device=device).to(torch.bfloat16)
     for i in range(MAX_OUT):  # y0.. one per part (the rest empty: the written names are fixed)
@@ -213,6 +221,8 @@ def ref_proj(d: dict, case: Case) -> dict:
         n = d[f"y{i}"].shape[1]
         out[f"y{i}"] = y[:, a:a + n]
         a += n
+    if case.get("select", False):  # the oracle's selection over its fp64 logits (the tie rule of ref_router)
+        out.update(ref_router(dict(logits=out["y0"], e_bias=d["e_bias"]), Case.of("router_topk", top_k=SELECT_K)))
     return out
 
 
@@ -306,8 +316,9 @@ def call_proj(d: dict, case: Case, backend: str, opts: dict, ran: list | None = 
 def call_group(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
     from k3lab.components import trunk
 
+    sel = trunk.Select(d["e_bias"], d["idx"], d["weights"]) if case.get("select", False) else None
     return trunk.proj_group(d["x"], d["w"], [d[f"y{i}"] for i in range(len(_parts(case)))], w_scale=_scale(d),
-                            backend=backend, ran=ran, **opts)
+                            select=sel, backend=backend, ran=ran, **opts)
 
 
 def call_router(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
@@ -491,12 +502,14 @@ PROJ = register(Op(
 GROUP = register(Op(
     name="proj_group", component="trunk", policy_key="proj_group",
     doc="projections that read the same input as one launch over the concatenated weight, outputs apart",
-    axes=dict(preset=("tiny",), group=tuple(GROUPS), batch=(1, 3), wdtype=("bf16", "fp8")),
-    make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
+    axes=dict(preset=("tiny",), group=tuple(GROUPS), batch=(1, 3), wdtype=("bf16", "fp8"), select=(False,)),
+    make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)) + ("idx", "weights"),
+    updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_group, nbytes=proj_bytes, flops=proj_flops,
     floor_bw="read",
     backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
-    valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= 256,
+    valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= 256
+    and (not c.get("select", False) or (c["group"] == "moe_in" and c["batch"] <= 16)),
     peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
 ))
 

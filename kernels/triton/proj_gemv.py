@@ -40,6 +40,12 @@ stand-alone kernel rounds them, before the MMA:
     routed_norm before Wup and the MLA q_norm before Wuq.
 With a prologue x is read through pointers (the copy engine cannot transform), W still through the copy engine.
 
+Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
+fp32 logits [M, E]): the programs that finish a tile of the logits count themselves on a per-batch-tile counter;
+the last of the cdiv(E, BN) such tiles runs `router_topk.select_row` for each of the tile's rows (the top-k and
+the renormalized weights, the stand-alone kernel's code and tie rule), then resets the counter. One launch
+fewer a MoE layer; the selection itself runs in one program, row after row, hence the batch limit.
+
 Floor (bytes, `k3lab.ops.trunk.proj_bytes`): weights N*K*e (e = 2 bf16, 1 fp8, + 4*N for fp8 scales) +
 x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the read bandwidth. The split-K workspace
 (SPLIT*B_pad*N*4 written and read back) stays in L2 and is not counted.
@@ -51,9 +57,11 @@ import triton
 import triton.language as tl
 
 from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
 
 MAX_OUTPUTS = 6
+SELECT_MAX_BATCH = 16  # the fused router selection (one program selects for every row of its batch tile)
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
 MAX_BATCH = 256
 _COUNTERS: dict[str, torch.Tensor] = {}  # per device: split-K arrival counters, always zero between calls
@@ -98,13 +106,14 @@ def _x_in(x, pw, m, mok, kc, kok, s_xm, K, inv, b1, b2, PRO: tl.constexpr, RNE: 
 @triton.jit
 def _proj_kernel(x, w, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
-                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps,
+                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, rbias, ridx, rwts, rcnt, rscale,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 TMA: tl.constexpr, PRO: tl.constexpr):
+                 TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
-    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x (module docstring; b1, b2, eps, the norm weight pw)."""
+    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x (module docstring; b1, b2, eps, the norm weight pw). TOPK > 0:
+    the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -178,6 +187,18 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     if done:
         _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
                   s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32)
+        if TOPK > 0:
+            if pid_n * BN < e0:  # a tile of the router's logits: the last of them selects
+                tl.debug_barrier()  # every thread's logits are stored before the release below
+                c = rcnt + pid_m
+                if tl.atomic_add(c, 1, sem="acq_rel") == tl.cdiv(e0, BN) - 1:
+                    e = tl.arange(0, EP)
+                    ok = e < e0
+                    eb = tl.load(rbias + e, mask=ok, other=0.0).to(tl.float32)
+                    for r in range(pid_m * BM, tl.minimum(pid_m * BM + BM, M)):
+                        select_row(o0 + r * s0, eb, e, ok, ridx + r * TOPK, rwts + r * TOPK, rscale, TOPK, EP, KP,
+                                   KP >= 2)  # (r < SELECT_MAX_BATCH: no 64-bit offsets needed)
+                    tl.atomic_xchg(c, 0)  # zero again for the next call
 
 
 @triton.jit
@@ -316,14 +337,16 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, prologue: tuple | None = None, path: str | None = None,
+         residual: torch.Tensor | None = None, prologue: tuple | None = None, select: tuple | None = None,
+         path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
-    ("rms", weight [K], eps) (module docstring). Returns outs. The caller validates (path "tma" with
-    misaligned x or W is refused here: ValueError)."""
+    ("rms", weight [K], eps); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k] fp32, k, scaling):
+    the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns outs. The caller
+    validates (path "tma" with misaligned x or W is refused here: ValueError)."""
     M = x.shape[0]
     N, K = w.shape
     pro = 0 if prologue is None else {"situ": 1, "rms": 2}[prologue[0]]
@@ -350,21 +373,25 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         strides.append(0)
     fp8 = w.dtype == torch.float8_e4m3fn
     sc = w_scale if fp8 else x
-    rs = residual if residual is not None else x
+    res_t = residual if residual is not None else x
     s_rm = residual.stride(0) if residual is not None else 0
+    if select is not None and (cfg["path"] == "rows" or M > SELECT_MAX_BATCH):
+        raise ValueError(f"proj_gemv: the fused selection runs on paths 'tma' and 'dot' at batch <= {SELECT_MAX_BATCH}"
+                         f", got path {cfg['path']!r}, batch {M}")
     if cfg["path"] == "rows":
         _proj_rows_kernel[(triton.cdiv(N, cfg["BN"]),)](
-            x, w, sc, rs, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, NSEG=len(outs), BP=cfg["BP"],
+            x, w, sc, res_t, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, NSEG=len(outs), BP=cfg["BP"],
             BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return outs
     BM, BN, BK, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT"]
     gn, gm = triton.cdiv(N, BN), triton.cdiv(M, BM)
-    if split > 1:
-        ws = torch.empty(split * gm * BM * gn * BN, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, gn * gm)
-    else:
-        ws = cnt = x  # unused
+    ws = torch.empty(split * gm * BM * gn * BN, dtype=torch.float32, device=x.device) if split > 1 else x
+    cnt = _counters(x.device, gn * gm + gm) if split > 1 or select is not None else x  # x: unused
+    rb, ri, rw, rc, rk, rs = x, x, x, x, 0, 1.0
+    if select is not None:
+        rb, ri, rw, rk, rs = select[0], select[1], select[2], int(select[3]), float(select[4])
+        rc = cnt[gn * gm:]  # the selection's counters after the split-K ones
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -374,9 +401,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     else:
         xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
-        xa, wa, sc, rs, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
-        NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
-        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro,
+        xa, wa, sc, res_t, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
+        rb, ri, rw, rc, rs, NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
+        EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
+        EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return outs
 

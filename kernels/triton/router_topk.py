@@ -34,17 +34,12 @@ NEG = tl.constexpr(-9223372036854775807)  # a key below every expert's
 
 
 @triton.jit
-def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.constexpr, EP: tl.constexpr,
-                        KP: tl.constexpr, TOPK_SORT: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0)
-    e = tl.arange(0, EP)
-    ok = e < E
-    row = logits + b.to(tl.int64) * s_l
-    eb = tl.load(bias + e, mask=ok, other=0.0).to(tl.float32)
-    if PDL:  # launched with PDL: the bias is read before waiting on the projection that writes the logits
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    z = tl.load(row + e, mask=ok, other=0.0).to(tl.float32)
+def select_row(row, eb, e, ok, idx_out, wts_out, scaling, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+               TOPK_SORT: tl.constexpr):
+    """One token: its E fp32 logits at `row` (read through L2: also right after other CTAs wrote them), the bias
+    eb [EP] (0 past E), e = arange(EP), ok = e < E; writes idx_out[:TOPK] (int64) and wts_out[:TOPK] (fp32).
+    Also the projection's fused selection (proj_gemv, `select`)."""
+    z = tl.load(row + e, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     v = 1.0 / (1.0 + tl.exp(-z)) + eb + 0.0  # -0 -> +0
     # one int64 key per expert: the biased score's bits made order-preserving as a signed int in the high
     # word, EP - 1 - id in the low word, so one max gives the best score and, among equal scores, the lower id
@@ -63,11 +58,25 @@ def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.conste
     km = kk < TOPK
     i = (EP - 1 - (sel & 4294967295)).to(tl.int32)
     i = tl.where(km, i, 0)
-    s = 1.0 / (1.0 + tl.exp(-tl.load(row + i, mask=km, other=0.0).to(tl.float32)))
+    s = 1.0 / (1.0 + tl.exp(-tl.load(row + i, mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)))
     s = tl.where(km, s, 0.0)
     w = s / tl.sum(s, 0) * scaling
-    tl.store(idx + b.to(tl.int64) * TOPK + kk, i.to(tl.int64), mask=km)
-    tl.store(wts + b.to(tl.int64) * TOPK + kk, w, mask=km)
+    tl.store(idx_out + kk, i.to(tl.int64), mask=km)
+    tl.store(wts_out + kk, w, mask=km)
+
+
+@triton.jit
+def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.constexpr, EP: tl.constexpr,
+                        KP: tl.constexpr, TOPK_SORT: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.arange(0, EP)
+    ok = e < E
+    eb = tl.load(bias + e, mask=ok, other=0.0).to(tl.float32)
+    if PDL:  # launched with PDL: the bias is read before waiting on the projection that writes the logits
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    select_row(logits + b.to(tl.int64) * s_l, eb, e, ok, idx + b.to(tl.int64) * TOPK, wts + b.to(tl.int64) * TOPK,
+               scaling, TOPK, EP, KP, TOPK_SORT)
 
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
