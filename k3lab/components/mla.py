@@ -181,7 +181,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            merge: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           pdl: bool | None = None, ran: list | None = None):
+           pdl: bool | None = None, fused: bool | None = None, preload_pages: int | None = None,
+           merge_block_c: int | None = None, ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
@@ -247,16 +248,22 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     rec = dict(op="mla_decode", backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, T=T, H=H, C=C, capacity=cache.capacity, **_cache_kind(cache)))
     if tri:
-        from k3lab_kernels.triton.mla_decode import BLOCK_N_ALLOWED
+        from k3lab_kernels.triton.mla_decode import BLOCK_N_ALLOWED, PRELOAD_ALLOWED
 
         for name, v, allowed in (("block_n", block_n, BLOCK_N_ALLOWED), ("block_m", block_m, (16, 32, 64)),
                                  ("num_warps", num_warps, (1, 2, 4, 8, 16)),
                                  ("num_stages", num_stages, (1, 2, 3, 4, 5))):
             if v is not None and (isinstance(v, bool) or v not in allowed):
                 _fail(name, f"must be None (the kernel's heuristic) or one of {allowed}, got {v!r}")
+        if fused is not None and not isinstance(fused, bool):
+            _fail("fused", f"must be None (the kernel's default) or a bool, got {fused!r}")
+        for name, v, allowed in (("preload_pages", preload_pages, PRELOAD_ALLOWED),
+                                 ("merge_block_c", merge_block_c, (16, 32, 64, 128, 256, 512))):
+            if v is not None and (isinstance(v, bool) or v not in allowed):
+                _fail(name, f"must be None (the kernel's default) or one of {allowed}, got {v!r}")
         fn = dispatch.kernel("mla_decode", be)
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl))
+                     pdl=_pdl(pdl), fused=fused, preload_pages=preload_pages, merge_block_c=merge_block_c)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,

@@ -64,12 +64,16 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_PARTITIONS = 512
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
+PRELOAD_ALLOWED = (0, 16, 32, 64, 128)  # page indices preloaded a step (0: one load a block, in the loop)
 DCP_LAYOUTS = ("interleave", "contiguous")
 NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine without a GPU
 # rows a program: 16 (T > 1 at 12 heads: row groups of 16, each re-reading its piece mostly from L2) measured
 # ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
 DEFAULT_BLOCK_M = 16
 DEFAULT_PDL = False  # programmatic dependent launch between the split and its merge / combine (docs/NOTES_mla.md)
+DEFAULT_FUSED = False  # one launch: the last program of a sequence's row group merges the partials
+DEFAULT_PRELOAD_PAGES = 64  # page indices loaded before the block loop, this many at a time (0: one a block)
+MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
 
 
 def dot_f32() -> bool:
@@ -148,8 +152,37 @@ def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr
 
 
 @triton.jit
+def _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
+    online softmax (exp2), acc += P C."""
+    if DOT_F32:
+        c = c.to(tl.float32)
+        kr = kr.to(tl.float32)
+    s = tl.dot(q, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+    if SCALE_MODE == 2:
+        s = s * tok[None, :]
+    s = s * qk_scale
+    vis = ok[None, :] & (gp[None, :] <= limit[:, None])
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    pw = tl.exp2(s - m_use[:, None])
+    l = l * alpha + tl.sum(pw, 1)
+    if SCALE_MODE == 2:
+        pw = pw * tok[None, :]
+    if DOT_F32:
+        pb = rne_bf16(pw)
+    else:
+        pb = pw.to(tl.bfloat16)
+    acc = acc * alpha[:, None] + tl.dot(pb, c)
+    return m_new, l, acc
+
+
+@triton.jit
 def _mla_split_kernel(
-    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part,
+    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, o_lat, lse_out, ticket,
     qk_scale,
     s_qb, s_qt, s_qh, s_rb, s_rt, s_rh,
     s_kvb, s_sb, s_btb,
@@ -157,10 +190,8 @@ def _mla_split_kernel(
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
-    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # let the next kernel (merge / combine, launched with PDL) start its prologue now
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     b = tl.program_id(1)
     g = pid % G
@@ -215,39 +246,43 @@ def _mla_split_kernel(
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, CP], tl.float32)
-    for start in range(lo, hi, BN):
-        j = start + tl.arange(0, BN)
-        ok = j < hi
-        gp = pos0 + j * pstride
-        c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
-                               C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
-        if DOT_F32:
-            c = c.to(tl.float32)
-            kr = kr.to(tl.float32)
-        s = tl.dot(q, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
-        if SCALE_MODE == 2:
-            if PAGED:
-                srow = row
+    if NPG > 0:
+        # PAGE_ROWS with the piece's page indices loaded NPG at a time before the block loop: the loop's row
+        # addresses come from registers, not from a load in the loop, so the pipeliner multi-buffers the rows
+        # (num_stages - 1 blocks in flight; with the index loaded in the loop it keeps one buffer)
+        pp = tl.arange(0, NPG)
+        pg_hi = (hi + PAGE - 1) // PAGE
+        for pg0 in range(lo // PAGE, pg_hi, NPG):
+            pages = tl.load(block_table + b * s_btb + pg0 + pp, mask=pg0 + pp < pg_hi, other=0)
+            for start in range(tl.maximum(lo, pg0 * PAGE), tl.minimum(hi, (pg0 + NPG) * PAGE), BN):
+                j = start + tl.arange(0, BN)
+                ok = j < hi
+                page = tl.sum(tl.where(pp == start // PAGE - pg0, pages, 0))
+                row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
+                base = kv + row[:, None] * W
+                c = tl.load(base + cc[None, :], mask=_mask2(ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
+                kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+                if SCALE_MODE == 2:
+                    tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
+                else:
+                    tok = 0.0
+                m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, j, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
+    else:
+        for start in range(lo, hi, BN):
+            j = start + tl.arange(0, BN)
+            ok = j < hi
+            gp = pos0 + j * pstride
+            c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
+                                   C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
+            if SCALE_MODE == 2:
+                if PAGED:
+                    srow = row
+                else:
+                    srow = b.to(tl.int64) * s_sb + gp
+                tok = tl.load(kv_scale + srow, mask=ok, other=0.0).to(tl.float32)
             else:
-                srow = b.to(tl.int64) * s_sb + gp
-            tok = tl.load(kv_scale + srow, mask=ok, other=0.0).to(tl.float32)
-            s = s * tok[None, :]
-        s = s * qk_scale
-        vis = ok[None, :] & (gp[None, :] <= limit[:, None])
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        pw = tl.exp2(s - m_use[:, None])
-        l = l * alpha + tl.sum(pw, 1)
-        if SCALE_MODE == 2:
-            pw = pw * tok[None, :]
-        if DOT_F32:
-            pb = rne_bf16(pw)
-        else:
-            pb = pw.to(tl.bfloat16)
-        acc = acc * alpha[:, None] + tl.dot(pb, c)
-        m = m_new
+                tok = 0.0
+            m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
 
     has = l > 0.0
     o = acc / tl.where(has, l, 1.0)[:, None]
@@ -256,8 +291,40 @@ def _mla_split_kernel(
     lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
     k = r * P + p
     orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
-    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
+    omask = _mask2(row_ok, c_ok, CP == C)
+    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=omask)
     tl.store(lse_part + orow, lse, mask=row_ok)
+    if FUSED:
+        # one launch: the last of the K programs of (sequence, row group) to arrive merges the K partials
+        # (log-sum-exp, one pass with a running max) into o_lat / lse and re-arms the ticket for the next call
+        tl.debug_barrier()  # every thread's partial store happens-before the release below
+        arrived = tl.atomic_add(ticket + b * G + g, 1, sem="acq_rel")
+        if arrived == K - 1:
+            prow = (b.to(tl.int64) * K * T + t) * H + h  # partial k of row (t, h) at prow + k * T * H
+            mm = tl.full([BM], float("-inf"), tl.float32)
+            den = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, CP], tl.float32)
+            for kk in tl.range(0, K, num_stages=3):
+                lk = tl.load(lse_part + prow + kk * T * H, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                ok_ = tl.load(o_part + (prow + kk * T * H)[:, None] * C + cc[None, :], mask=omask, other=0.0,
+                              cache_modifier=".cg")
+                m_new = tl.maximum(mm, lk)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(mm - m_use)
+                w = tl.exp(lk - m_use)
+                den = den * alpha + w
+                acc = acc * alpha[:, None] + w[:, None] * ok_
+                mm = m_new
+            hasm = den > 0.0
+            res = acc / tl.where(hasm, den, 1.0)[:, None]
+            frow = (b.to(tl.int64) * T + t) * H + h
+            tl.store(o_lat + frow[:, None] * C + cc[None, :], res, mask=omask)
+            m_use = tl.where(mm == float("-inf"), 0.0, mm)
+            tl.store(lse_out + frow, tl.where(hasm, m_use + tl.log(tl.where(hasm, den, 1.0)), float("-inf")),
+                     mask=row_ok)
+            tl.store(ticket + b * G + g, 0)
+    if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -323,6 +390,12 @@ def default_block_n(BM: int, B: int = 1) -> int:
     return 64 if B >= 16 else 32
 
 
+def default_num_stages(npg: int) -> int:
+    """3 with preloaded page indices (two blocks of rows in flight); 2 otherwise (the pipeliner keeps one
+    buffer behind a page-index load in the loop either way)."""
+    return 3 if npg else 2
+
+
 def default_num_warps(BM: int) -> int:
     return 4 if BM <= 32 else 8
 
@@ -362,14 +435,27 @@ def workspace(device, B: int, K: int, T: int, H: int, C: int) -> tuple[torch.Ten
     return _WS[key]
 
 
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def tickets(device, n: int) -> torch.Tensor:
+    """The fused merge's arrival counters (int32 [n], zero between calls: the last program re-arms its own),
+    allocated once per size and device (before a CUDA-graph capture, like `workspace`)."""
+    key = (str(device), n)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor,
                o_lat: torch.Tensor | None = None, lse: torch.Tensor | None = None, *, scale: float,
                kv_scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
                partitions: int = 1, pad_heads: int = 0, dcp: int = 1, dcp_layout: str = "interleave",
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False):
-    """Launch the split kernel (and the merge when partials > 1 and merge=True).
+               parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
+               fused: bool | None = None, preload_pages: int | None = None, merge_block_c: int | None = None):
+    """Launch the split kernel (and the merge when partials > 1 and merge=True, unless fused).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
     contiguous, any other strides); kv: contiguous cache [B, S_max, C+Dr] or, with block_table
@@ -381,7 +467,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     them; default a cached workspace). pdl=True: the split lets its dependent start early (programmatic
     dependent launch) and the merge is launched with PDL, waiting on the split's results at its top; a
     kernel that consumes the partials (merge=False) must do the same. The caller validates; this wrapper
-    only asserts the layout."""
+    only asserts the layout. fused=True (merge=True, K > 1): one launch, the last program of each sequence's
+    row group merges the partials (`tickets`). preload_pages: page indices loaded that many at a time before
+    the block loop (paged cache, page a multiple of block_n, no DCP; 0 = one index load per block in the
+    loop). merge_block_c: the merge kernel's columns a program."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -409,25 +498,35 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     bt = block_table if paged else lengths  # a placeholder pointer when contiguous
     pdl = pdl_on(pdl)
     page_rows = paged and dcp == 1 and page % BN == 0
+    npg = (DEFAULT_PRELOAD_PAGES if preload_pages is None else preload_pages) if page_rows else 0
+    fuse = merge and K > 1 and (DEFAULT_FUSED if fused is None else fused)
+    if fuse:
+        f_o = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
+        f_l = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
+        tk = tickets(dev, B * G)
+    else:
+        f_o, f_l, tk = o_dst, l_dst, lengths  # unused
     grid = (G * partitions * dcp, B)
     _mla_split_kernel[grid](
-        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
+        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst, f_o, f_l, tk,
         float(scale) * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         0 if paged else kv.shape[1], s_sb, block_table.stride(0) if paged else 0,
         T, H, partitions, dcp, G,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, PDL=pdl,
-        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or 2,
+        PAGE_ROWS=page_rows, NPG=npg, FUSED=fuse, PDL=pdl,
+        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
     )
     if direct:
         return o_dst, l_dst
+    if fuse:
+        return f_o, f_l
     if not merge:
         return o_dst, l_dst
     o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
     l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    merge_partials(o_dst, l_dst, o_out, l_out, pdl=pdl)
+    merge_partials(o_dst, l_dst, o_out, l_out, block_c=merge_block_c, pdl=pdl)
     return o_out, l_out
 
 
@@ -435,14 +534,14 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, o_lat: torch.Te
                    *, rows: int | None = None, block_c: int | None = None, block_k: int | None = None,
                    num_warps: int = 4, pdl: bool = False) -> None:
     """The log-sum-exp merge of contiguous partials o [B,K,T,H,C] / lse [B,K,T,H] into o_lat [B,T,H,C] /
-    lse [B,T,H] (fp32, contiguous). GPU default: one (b, t, h) row and 128 columns a program, 32 partials
-    a step (B*T*H*C/128 programs: 48 at batch 1, 12 heads); the interpreter takes 16 rows and all columns
-    a program (its cost is per program)."""
+    lse [B,T,H] (fp32, contiguous). GPU default: one (b, t, h) row and MERGE_BLOCK_C columns a program, up
+    to 256 partials in one step (B*T*H*C/32 programs: 192 at batch 1, 12 heads, each one round trip for
+    K <= 256); the interpreter takes 16 rows and all columns a program (its cost is per program)."""
     B, K, T, H, C = o_part.shape
     interp = dot_f32()
     RB = rows or (16 if interp else 1)
-    BC = min(block_c or (C if interp else 128), _pow2(C))
-    KB = min(block_k or (64 if interp else 32), _pow2(K))
+    BC = min(block_c or (C if interp else MERGE_BLOCK_C), _pow2(C))
+    KB = min(block_k or (64 if interp else max(32, 8192 // BC)), _pow2(K))
     NR = B * T * H
     _mla_merge_kernel[(triton.cdiv(NR, RB), triton.cdiv(C, BC))](o_part, lse_part, o_lat, lse, K, T * H, NR, C=C,
                                                                RB=RB, BC=_pow2(BC), KB=KB, EVEN=C % _pow2(BC) == 0,

@@ -1,0 +1,72 @@
+"""Compile the MLA split kernel for sm_90a here (no GPU) and print ptxas's registers / spills, and whether the
+block loop was software-pipelined (async copies or TMA in the TTGIR). Usage:
+    python experiments/mla_tune/ptxas_check.py [KEY=VALUE ...]   (constexpr overrides, e.g. BN=64 VARIANT=1)"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from kernels.triton import mla_decode as md  # noqa: E402
+
+
+def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
+    fn = kernel or md._mla_split_kernel
+    sig, consts = {}, {}
+    defaults = dict(C=512, DR=64, CP=512, DRP=64, W=576, HR=12, BM=16, BN=32, PAGED=True, PAGE=64, SCALE_MODE=0,
+                    CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, FUSED=False, PDL=False)
+    defaults.update(over)
+    for name in fn.arg_names:
+        p = fn.params[fn.arg_names.index(name)]
+        if p.is_constexpr:
+            consts[name] = defaults[name]
+            sig[name] = "constexpr"
+        elif name in ("q_lat", "q_rope", "kv"):
+            sig[name] = "*bf16"
+        elif name in ("kv_scale", "o_part", "lse_part", "o_lat", "lse_out", "ws"):
+            sig[name] = "*fp32"
+        elif name in ("block_table", "lengths", "ticket"):
+            sig[name] = "*i32"
+        elif name in ("qk_scale",):
+            sig[name] = "fp32"
+        elif name.startswith("desc"):
+            raise SystemExit("descriptor args: compile on the GPU")
+        else:
+            sig[name] = "i32"
+    # pointers 16-byte aligned, as the JIT specializes them (without it no load is vectorized or pipelined)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    src = ASTSource(fn, sig, consts, attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                            num_stages=num_stages))
+    ptx = ck.asm["ptx"].replace(".version 9.4", ".version 8.8")
+    ttgir = ck.asm["ttgir"]
+    ptxas = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    info = r.stderr
+    regs = re.findall(r"Used (\d+) registers", info)
+    spill = re.findall(r"(\d+) bytes spill stores", info)
+    asyncs = len(re.findall(r"async_copy_global_to_local|async_tma_copy|ttng.async_tma", ttgir))
+    return dict(regs=regs, spill_stores=spill, async_ops=asyncs, smem=ck.metadata.shared), ttgir, ptx
+
+
+if __name__ == "__main__":
+    over = {}
+    for a in sys.argv[1:]:
+        k, v = a.split("=")
+        over[k] = int(v) if v.lstrip("-").isdigit() else v
+    nw = over.pop("num_warps", 4)
+    ns = over.pop("num_stages", 2)
+    kern = getattr(md, over.pop("kernel", "_mla_split_kernel"))
+    res, ttgir, _ = compile_split(kern, nw, ns, **over)
+    print(res)
+    if os.environ.get("DUMP"):
+        open(os.environ["DUMP"], "w").write(ttgir)
