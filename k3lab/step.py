@@ -275,7 +275,12 @@ class DecodeStep:
             if L.skipped:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
-            comps.append(_fused_parts(L, over, c))
+            comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch))
+        if sw.prefetch and over.get("proj") != "triton":
+            why["prefetch"] = "on, but no effect: the projections are not on triton (nothing prefetches)"
+        elif sw.prefetch:
+            why["prefetch"] = (f"on: {PREFETCH_FRACTION} of L2 ({prefetch_budget(self.device)} bytes) of the input "
+                               f"projections' weights prefetched on a side stream during each AttnRes")
         self.switches, self.why, self.comps, self.overridden = sw, why, comps, over
 
     @property
@@ -420,7 +425,42 @@ def _cat_rows(obj_attrs: list[tuple[Any, str]], dim: int = 0) -> torch.Tensor:
     return cat
 
 
-def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
+PREFETCH_FRACTION = 0.5  # of L2: the prefetch switch's budget a phase (the rest keeps the activations and scratch)
+_SIDE: dict[str, Any] = {}  # per device: the prefetch switch's side stream
+
+
+def prefetch_budget(device) -> int:
+    """Bytes one prefetch may pull in: PREFETCH_FRACTION of the device's L2 (50 MiB assumed off the GPU)."""
+    from k3lab.harness.timing import l2_bytes
+
+    l2 = l2_bytes(device) if _on_gpu(device) else 50 * 2**20
+    return int(PREFETCH_FRACTION * l2)
+
+
+def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool = False):
+    """The component `comp` (fn, bytes, flops) with an L2 prefetch of `w` (the next projection's weight) launched on
+    a side stream beside it and joined at its end (trunk.prefetch_l2; the `prefetch` switch)."""
+    from k3lab.components import trunk
+
+    fn = comp[0]
+
+    def run():
+        if not w.is_cuda:  # the interpreter: the hint prefetches nothing, the plan is still made and recorded
+            trunk.prefetch_l2(w, n_tok, budget=budget, prologue=prologue, backend="triton")
+            return fn()
+        key = str(w.device)
+        side = _SIDE.setdefault(key, torch.cuda.Stream(device=w.device))
+        cur = torch.cuda.current_stream(w.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            trunk.prefetch_l2(w, n_tok, budget=budget, prologue=prologue, backend="triton")
+        r = fn()
+        cur.wait_stream(side)
+        return r
+    return (run, *comp[1:])
+
+
+def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "OrderedDict[str, Any]":
     """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
     the experts). Fused (each a `k3lab.components.trunk` call, one launch; an RMSNorm or SiTU-GLU between two
@@ -439,7 +479,9 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
                        prologue and p + routed added: the layer's output
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
-    weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch)."""
+    weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
+    prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
+    (in_proj's, moe_in's) on a side stream (`_prefetching`)."""
     from k3lab.components import trunk
     from k3lab.model import _nb
 
@@ -467,6 +509,8 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
     fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "latent_up", "shared", "dense_mlp")
     out: OrderedDict[str, Any] = OrderedDict()
     out["attnres_attn"] = comps["attnres_attn"]
+    pf = prefetch and be == "triton"
+    budget = prefetch_budget(dev) if pf else 0
     w = lw.attn
     if L.kind == "kda":
         H, Dh = w.params.heads, w.params.head_dim
@@ -487,6 +531,8 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
 
         n_in = w_in.shape[0]
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
+        if pf:
+            out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
         out["decay_proj"] = (decay, mm_bytes(w.w_fb, R, H * Dh), 2 * N * R * H * Dh)
         out["kda_core"] = comps["kda_core"]
         p = buf(D)
@@ -526,6 +572,8 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
 
         n_in = w_in.shape[0]
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
+        if pf:
+            out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
         out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * (Q + H * (Dn + Dr) + H * (Dn + C)) * e,
                          2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
         kv_e = st.cache.data.element_size()
@@ -573,6 +621,8 @@ def _fused_parts(L, over: dict[str, str], comps) -> "OrderedDict[str, Any]":
             return idx, wk
 
         n_in = w_moe.shape[0]
+        if pf:
+            out["attnres_mlp"] = _prefetching(out["attnres_mlp"], w_moe, N, budget)
         out["moe_in"] = (moe_in, mm_bytes(w_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
                          2 * N * D * n_in)
         out["experts"] = comps["experts"]
@@ -921,7 +971,10 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                         "expert_dtype": view.expert_dtype, "kda_layers": sum(L.kind == "kda" for L in step.layers),
                         "mla_layers": sum(L.kind == "mla" for L in step.layers), "why": step.why,
                         "launch_count": launch_kind, "memory": mem, "kind": kind,
-                        "requested": step.requested.to_dict()["backend"]}
+                        "requested": step.requested.to_dict()["backend"],
+                        "prefetch": dict(on=step.switches.prefetch, fraction_of_l2=PREFETCH_FRACTION,
+                                         budget_bytes=prefetch_budget(step.device),
+                                         l2_bytes_assumed=prefetch_budget(step.device) / PREFETCH_FRACTION)}
     b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, ASSUMED (one GPU here)")
     b.notes.append(f"{step.n_experts} of {view.cfg.n_routed_experts} routed experts built per MoE layer "
                    f"({view.expert_dtype})")
@@ -975,7 +1028,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
-    128 <-> 16, mla_partitions auto <-> 1, kda_pdl when the KDA runs on cute). kda_state_dtype needs a new
+    128 <-> 16, mla_partitions auto <-> 1, prefetch when the projections run on triton, kda_pdl when the KDA runs on
+    cute). kda_state_dtype needs a new
     build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
@@ -985,6 +1039,8 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
         if be != "reference":
             out.append((f"{comp}={be}->reference", requested.replace(**{f"backend_{comp}": "reference"})))
     flips = {"pad_heads": {0: 16}, "kda_tile_v": {"auto": 16, 128: 16}, "mla_partitions": {"auto": 1}}
+    if resolved.backend["proj"] == "triton" or requested.prefetch:
+        flips["prefetch"] = {False: True, True: False}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)

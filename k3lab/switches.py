@@ -43,7 +43,6 @@ NOT_WIRED = {
     "split_router": "the MoE split router (issue 14)",
     "owned_output": "the MoE routed-output ownership (issue 14)",
     "shared_expert_stream": "the MoE shared-expert stream (issue 14)",
-    "prefetch": "the trunk kernels' L2 prefetch (issue 13)",
     "fused_allreduce": "the fused all-reduce + AttnRes + RMSNorm (multi-GPU)",
     "kda_prefill_inverse": "a prefill step in the model (the kda.prefill API takes inverse= directly)",
     "kda_prefill_grouped": "a prefill step in the model (the kda.prefill API takes grouped= directly)",

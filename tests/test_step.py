@@ -105,6 +105,26 @@ def test_fused_wiring_routes_every_group_to_its_kernel():
     assert st.layers[1].w.attn.w_qkv._base is base
 
 
+def test_prefetch_switch_wraps_each_attnres(monkeypatch):
+    """prefetch=True: each AttnRes launches the L2 prefetch of the next group's weight (in_proj's concatenated
+    weight, then moe_in's) with the step's token count and budget; the record says so; off the triton projections
+    it does nothing and the record says that instead."""
+    from k3lab.components import trunk
+
+    calls = []
+    monkeypatch.setattr(trunk, "prefetch_l2", lambda w, n, **kw: calls.append((w, n, kw["budget"])))
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED.replace(prefetch=True), device="cpu")
+    assert "on: 0.5 of L2" in st.why["prefetch"]
+    L = st.layers[1]
+    for part in ("attnres_attn", "attnres_mlp"):
+        st.comps[1][part][0]()
+    want = [L.w.attn.w_qkv._base, L.w.mlp.router.w._base]
+    assert [c[0] for c in calls] == want and {c[1:] for c in calls} == {(1, S.prefetch_budget("cpu"))}
+    assert "prefetch=False->True" in dict(S.toggle_list(FUSED, st.switches))
+    st.set_switches(Switches(prefetch=True))
+    assert "no effect" in st.why["prefetch"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,draft_depth", [(1, 0), (3, 2)])
 def test_fused_path_triton_interpreter_against_fp64(batch, draft_depth):

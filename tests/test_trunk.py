@@ -197,6 +197,28 @@ def test_group_select_argument_errors():
         trunk.proj_group(d["x"], d["w"], outs[1:] + outs[:1], select=trunk.Select(**good), backend="triton")
 
 
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("budget", [40 * 8 * 128, 2 * 40 * 8 * 128, 1 << 30])
+def test_l2_prefetch_lines(wdtype, budget):
+    """The prefetch kernel's record mode (the same index maths as its prefetches): the first `span` columns of every
+    split-K range of the projection's launch, a short last range cut at K; and the registry's cases."""
+    w = torch.zeros(40, 900).to(wdtype)  # batch 2: the dot path, 8 K ranges of 128 columns (the last 4 wide)
+    plan = trunk.prefetch_plan(w, 2, budget)
+    assert plan["splits"] == 8 and plan["ksplit"] == 128 and plan["bytes"] <= budget
+    rec = torch.full((plan["lines"],), -7, dtype=torch.int64)
+    ran = []
+    trunk.prefetch_l2(w, 2, budget=budget, record=rec, backend="triton", ran=ran)
+    want = trunk.prefetch_lines(40, 900, 128, plan["span"], w.element_size())
+    assert torch.equal(rec, want) and ran[-1].backend == "triton"
+    el = 128 // w.element_size()  # elements a line
+    assert bool((want == -1).any()) == (plan["span"] > el)  # the last range's second line starts past K: skipped
+    _check(registry.get("l2_prefetch"), preset="tiny", group="kda_in", batch=3, wdtype="bf16", budget=1 << 16)
+    with pytest.raises(TrunkArgumentError, match="'budget'"):
+        trunk.prefetch_l2(w, 2, budget=-1)
+    with pytest.raises(TrunkArgumentError, match="'record'"):
+        trunk.prefetch_l2(w, 2, budget=budget, record=torch.empty(1, dtype=torch.int64))
+
+
 # ---- router --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("scores,batch", [("random", 1), ("near", 1), ("ties", 1)])

@@ -18,6 +18,10 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
         sigmoid, the selection-only bias, top-k (ties: lower expert id first), renormalized weights * scaling.
     route(h, router, *, backend="reference", ran=None) -> (idx [B, k] int64, weights [B, k] fp32)
         the router projection (fp32 logits) then router_topk: what the MoE calls.
+    prefetch_l2(w, batch, *, budget, prologue=False, record=None, backend="triton", ran=None) -> dict
+        the `prefetch` switch: pull into L2 the first columns of every split-K range that proj(x [batch, K], w)
+        will stream, at most `budget` bytes (launch it on a side stream during a phase that moves few bytes).
+        Nothing is computed; record (int64 [lines]) takes each line's first element index instead (tests).
 
 Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.trunk):
   reference      torch in fp32 (fp64 for fp64 inputs); for proj/proj_group a matmul of the dequantized weight
@@ -302,6 +306,62 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select)
+
+
+def prefetch_plan(w: torch.Tensor, batch: int, budget: int, prologue: bool = False) -> dict:
+    """What prefetch_l2 pulls in for proj(x [batch, K], w): the projection's split-K range (its default launch
+    configuration) and the span of columns at the start of each range that fits `budget` bytes."""
+    from k3lab_kernels.triton import l2_prefetch as pf
+    from k3lab_kernels.triton.proj_gemv import config, tma_ok
+
+    N, K = w.shape
+    fp8 = w.dtype == torch.float8_e4m3fn
+    cfg = config(batch, N, K, w.device, fp8=fp8, tma=tma_ok(w, w), prologue=prologue)
+    ksplit = K if cfg["path"] == "rows" else cfg["KSPLIT"]
+    span = pf.span_for(N, K, ksplit, w.element_size(), budget)
+    S = -(-K // ksplit)
+    el = pf.LINE // w.element_size()
+    lines = N * S * (-(-min(span, ksplit) // el)) if span else 0
+    return dict(path=cfg["path"], ksplit=ksplit, splits=S, span=span, lines=lines, bytes=lines * pf.LINE)
+
+
+def prefetch_lines(N: int, K: int, ksplit: int, span: int, esize: int) -> torch.Tensor:
+    """The lines a prefetch covers, in the kernel's order (row, split, line): each line's first element index
+    into W [N, K], -1 for a line past the end of a short last range (torch; the record's reference)."""
+    from k3lab_kernels.triton.l2_prefetch import LINE
+
+    el = LINE // esize
+    S, lps = -(-K // ksplit), -(-min(span, ksplit) // el)
+    col = torch.arange(S)[:, None] * ksplit + torch.arange(lps)[None, :] * el  # [S, lps]
+    off = torch.arange(N)[:, None, None] * K + col[None]
+    return torch.where(col[None] < K, off, torch.full_like(off, -1)).reshape(-1)
+
+
+def prefetch_l2(w: torch.Tensor, batch: int, *, budget: int, prologue: bool = False,
+                record: torch.Tensor | None = None, backend: str = "triton", ran: list | None = None) -> dict:
+    """The `prefetch` switch's kernel (module docstring): returns prefetch_plan's dict. backend "reference"
+    prefetches nothing (a hint has no reference); with `record` it writes prefetch_lines (torch)."""
+    _tensor("w", w, 2, W_DTYPES)
+    if not w.is_contiguous():
+        _fail("w", "must be contiguous (the projection's weight)")
+    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
+        _fail("batch", f"must be the projection's batch, an int in 1..{MAX_BATCH}, got {batch!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        _fail("budget", f"must be a byte count >= 0, got {budget!r}")
+    be, opts, why = _select("l2_prefetch", backend, batch, {})
+    plan = prefetch_plan(w, batch, budget, bool(prologue))
+    if record is not None:
+        _tensor("record", record, 1, (torch.int64,), w.device)
+        if record.numel() < plan["lines"]:
+            _fail("record", f"must hold at least {plan['lines']} entries (the lines), got {record.numel()}")
+    if be == "triton" and plan["lines"]:
+        dispatch.kernel("l2_prefetch", be)(w, plan["ksplit"], plan["span"], record=record)
+    elif record is not None and plan["lines"]:
+        record[:plan["lines"]].copy_(prefetch_lines(*w.shape, plan["ksplit"], plan["span"], w.element_size()))
+    dispatch.record(ran, op="l2_prefetch", backend_requested=backend, backend=be,
+                    kernel=dispatch.kernel_path("l2_prefetch", be), options=opts,
+                    shape=dict(batch=batch, N=w.shape[0], K=w.shape[1], budget=budget, **plan), why=why)
+    return plan
 
 
 # ---- router --------------------------------------------------------------------------------------------

@@ -546,6 +546,45 @@ ATTNRES = register(Op(
 ))
 
 
+def make_prefetch(case: Case, seed: int, device: str) -> dict:
+    d = make_proj(Case.of("proj_group", preset=case["preset"], group=case["group"], batch=case["batch"],
+                          wdtype=case["wdtype"]), seed, device)
+    from k3lab.components.trunk import prefetch_plan
+
+    plan = prefetch_plan(d["w"], case["batch"], case["budget"])
+    return dict(w=d["w"], rec=torch.empty(max(plan["lines"], 1), dtype=torch.int64, device=device))
+
+
+def ref_prefetch(d: dict, case: Case) -> dict:
+    from k3lab.components.trunk import prefetch_lines, prefetch_plan
+
+    p = prefetch_plan(d["w"], case["batch"], case["budget"])
+    want = prefetch_lines(*d["w"].shape, p["ksplit"], p["span"], d["w"].element_size()) if p["lines"] else None
+    return dict(rec=(want if want is not None else torch.full((1,), float("nan"))).to(torch.float64))
+
+
+def call_prefetch(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import trunk
+
+    return trunk.prefetch_l2(d["w"], case["batch"], budget=case["budget"], record=d["rec"], backend=backend,
+                             ran=ran, **opts)
+
+
+PREFETCH = register(Op(
+    name="l2_prefetch", component="trunk", policy_key="l2_prefetch",
+    doc="the prefetch switch: the first columns of every split-K range of an upcoming projection into L2",
+    axes=dict(preset=("tiny",), group=("kda_in", "moe_in"), batch=(1, 3), wdtype=("bf16", "fp8"),
+              budget=(1 << 16, 1 << 30)),
+    make_inputs=make_prefetch, reference=ref_prefetch, written=("rec",), updated=(),
+    tolerances=lambda c: dict(rec=0.0), tolerance_why="the record of the lines covered: exact indices",
+    call=call_prefetch, nbytes=lambda c: 0, flops=lambda c: 0, floor_bw="read",
+    backends={"reference": "k3lab.components.trunk:prefetch_lines",
+              "triton": "k3lab_kernels.triton.l2_prefetch:prefetch"},
+    valid=lambda c: c["group"] in GROUPS and c["budget"] >= 0 and 1 <= c["batch"] <= 256,
+    test_file="tests/test_trunk.py",
+))
+
+
 # ---- the H200 evidence: named option sets per case, in the same call as the peers -------------------------
 
 _BF = dict(preset="tp8", wdtype="bf16")
