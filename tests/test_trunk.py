@@ -431,3 +431,16 @@ def test_gpu_router_and_attnres():
         for n, u in ((0, "fresh"), (9, "add"), (9, "none"), (4, "add")):
             for opts in (dict(path="split"), dict(path="row"), dict(path="split", block_d=1024, num_warps=8)):
                 _check(ATT, options=opts, batch=batch, n_blocks=n, update=u)
+
+
+@pytest.mark.slow
+def test_prefetch_experiment_smoke(tmp_path):
+    """The prefetch experiment's code path at the tiny preset (CPU smoke timings, one stream): its rows and the L2
+    size it records."""
+    from k3lab.harness.bundle import load
+
+    b = load(ops.prefetch_experiment(str(tmp_path), preset="tiny", groups=("moe_in",), batches=(1,),
+                                     budgets_mb=(0, 0.01), reps=1, device="cpu", log=lambda *a: None))
+    assert [r.name for r in b.rows] == ["moe_in.b1.proj", "moe_in.b1.attnres", "moe_in.b1.seq.0MB",
+                                        "moe_in.b1.seq.0.01MB", "moe_in.b1.phase.0.01MB"]
+    assert "l2_bytes_assumed" in b.config and b.rows[3].extra["prefetched_bytes"] > 0

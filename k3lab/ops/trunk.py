@@ -673,3 +673,82 @@ def h200_explore(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str
         path = bd.save(out)
     log(f"bundle -> {path}")
     return path
+
+
+def prefetch_experiment(out: str, *, groups=("kda_in", "moe_in"), batches=(1, 8),
+                        budgets_mb=(0, 4, 8, 16, 24, 32, 48), n_blocks: int = 1, reps: int = 20,
+                        name: str = "trunk_prefetch", preset: str = "tp8", device: str = "cuda", log=print):
+    """Issue 13 item 6 (the `prefetch` switch): the next projection's time after an AttnRes phase, with its weight
+    prefetched into L2 on a side stream beside that phase (`trunk.prefetch_l2`, budget b MB) and without (b = 0),
+    as in the decode step: AttnRes + RMSNorm (n_blocks blocks, update "add") then the input group (preset, bf16),
+    weights and activations rotated past L2 (one input set per call, graph replay). Rows per (group, batch, b):
+    `seq` (AttnRes then the projection, the pair the step runs), `phase` (AttnRes with the prefetch beside it, no
+    projection: what the prefetch costs the phase itself); and `proj` / `attnres` alone. Where it stops helping:
+    the b at which `seq` stops falling. The bundle records the L2 size assumed. Returns the bundle's path."""
+    from k3lab.harness import timing
+    from k3lab.harness.bundle import Bundle
+    from k3lab.switches import Switches
+
+    pr = timing.probes(device)
+    l2 = timing.l2_bytes() if device == "cuda" else 0
+    bd = Bundle.new(name, switches=Switches(prefetch=True), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
+                    launch_floor_us=pr["launch_us"])
+    bd.config = dict(preset=preset, groups=list(groups), batches=list(batches), budgets_mb=list(budgets_mb),
+                     n_blocks=n_blocks,
+                     update="add", reps=reps, l2_bytes_assumed=l2, mode="rotated", probes=pr)
+    side = torch.cuda.Stream() if device == "cuda" else None  # (CPU: the smoke path, one stream)
+    path = None
+    for g in groups:
+        for B in batches:
+            _prefetch_case(bd, preset, g, B, budgets_mb, n_blocks, reps, pr, l2, side, device, log)
+            if side is not None:
+                torch.cuda.empty_cache()
+            path = bd.save(out)
+    log(f"bundle -> {path}")
+    return path
+
+
+def _prefetch_case(bd, preset: str, g: str, B: int, budgets_mb, n_blocks: int, reps: int, pr: dict, l2: int, side,
+                   device: str, log) -> None:
+    """prefetch_experiment's rows for one group and batch."""
+    from k3lab.components import trunk
+    from k3lab.harness import roofline, timing
+    from k3lab.harness.bundle import Row
+
+    case = GROUP.case(preset=preset, group=g, batch=B, wdtype="bf16")
+    ac = ATTNRES.case(batch=B, n_blocks=n_blocks, update="add", dim=proj_shapes(preset)[GROUPS[g][0]][1])
+    nb, ab = proj_bytes(case), attnres_bytes(ac)
+    n = max(2, timing.rotation_count(nb, l2))
+    sets = [(make_proj(case, 2000 + i, device), make_attnres(ac, 3000 + i, device)) for i in range(n)]
+
+    def run(budget: int, proj: bool, attn: bool = True):
+        def fn(d, a):
+            cur = torch.cuda.current_stream() if side is not None else None
+            if budget and cur is not None:
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    trunk.prefetch_l2(d["w"], B, budget=budget, backend="triton")
+            elif budget:
+                trunk.prefetch_l2(d["w"], B, budget=budget, backend="triton")
+            if attn:
+                call_attnres(a, ac, "triton", {})
+            if budget and cur is not None:
+                cur.wait_stream(side)
+            if proj:
+                call_group(d, case, "triton", {})
+        return fn
+
+    def row(label, fn, nbytes, **extra):
+        t = timing.bench(fn, device=device, input_sets=sets, reps=reps, bytes_per_call=nbytes)
+        fl = roofline.floor_from_probes(nbytes, 0, pr, "read")
+        r = bd.add(Row.from_timing(f"{g}.b{B}.{label}", "triton", t, floor=fl, group=g, batch=B, **extra))
+        log(f"{r.name:28s} {r.median_us:8.2f} us  (floor {r.floor_us:.2f})")
+
+    row("proj", run(0, True, attn=False), nb)
+    row("attnres", run(0, False), ab)
+    for mb in budgets_mb:
+        budget = int(mb * 2**20)
+        plan = trunk.prefetch_plan(sets[0][0]["w"], B, budget)
+        row(f"seq.{mb}MB", run(budget, True), nb + ab, budget_mb=mb, prefetched_bytes=plan["bytes"], plan=plan)
+        if mb:
+            row(f"phase.{mb}MB", run(budget, False), ab, budget_mb=mb, prefetched_bytes=plan["bytes"])
