@@ -440,7 +440,7 @@ def test_prefetch_experiment_smoke(tmp_path):
     from k3lab.harness.bundle import load
 
     b = load(ops.prefetch_experiment(str(tmp_path), preset="tiny", groups=("moe_in",), batches=(1,),
-                                     budgets_mb=(0, 0.01), reps=1, device="cpu", log=lambda *a: None))
+                                     budgets_mb=(0, 0.05), reps=1, device="cpu", log=lambda *a: None))
     assert [r.name for r in b.rows] == ["moe_in.b1.proj", "moe_in.b1.attnres", "moe_in.b1.seq.0MB",
-                                        "moe_in.b1.seq.0.01MB", "moe_in.b1.phase.0.01MB"]
+                                        "moe_in.b1.seq.0.05MB", "moe_in.b1.phase.0.05MB"]
     assert "l2_bytes_assumed" in b.config and b.rows[3].extra["prefetched_bytes"] > 0
