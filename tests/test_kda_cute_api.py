@@ -53,6 +53,7 @@ def test_public_signatures():
     """Only the switches users toggle: tile_v and pdl (decode); lengths, tile_v, row_warps and pdl (verify)."""
     from k3lab_kernels.cute import kda_decode as kd
     head = ["qkv", "f", "b", "gate", "params", "state", "conv_state", "out"]
-    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl"]
+    # knobs: the ninth session's measurement overrides (exploration state only)
+    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl", "knobs"]
     assert list(inspect.signature(kv.kda_verify).parameters) == head + ["state_hist", "conv_hist", "lengths",
                                                                         "tile_v", "row_warps", "pdl"]

@@ -249,6 +249,272 @@ def flashinfer_peer(case: Case) -> list[Peer]:
     return [Peer("flashinfer", make, check, note="FlashInfer 0.7.2 fused_kda_decode (CuTe DSL), one launch")]
 
 
+class FlashInferKDAVerify:
+    """FlashInfer's multi-token fused KDA (`kda_kernels.fused_kda_decode_multitoken`: conv update, silu, q/k
+    l2norm, gate, beta, delta rule and gated RMSNorm over T packed tokens, one checkpoint state written per
+    token, one launch) on our verify inputs; layouts converted here, outside any timed region. Its public
+    entry refuses anything but SM10x (`run_fused_kda_decode_multitoken` checks the major version only); the
+    kernel itself is plain CuTe DSL (SIMT, clusters, mbarriers), so on the H200 its private runner is called
+    with the arguments the public entry would pass, and the one checker says whether it is right there.
+    Slots: 0 is FlashInfer's null slot; sequence n's checkpoints t live in slot 1 + n T + t, and its source
+    state is slot idx[n, 0] (num_accepted 1), overwritten by the first checkpoint as in serving. The conv
+    cache is [slots, 3HD, T + 2] stored sequence-strided; columns 0..2 hold our window; the call leaves the
+    window's last two inputs in columns 0, 1 and token t's input in column t + 2, so columns t..t + 2 are the
+    window after position t."""
+
+    def __init__(self, params, state, conv_state, B: int, T: int):
+        from k3lab.bench import peers
+
+        self.mod = peers.flashinfer_module("kda_kernels.fused_kda_decode_multitoken")
+        H, D, W = params.heads, params.head_dim, params.conv_kernel
+        HD, dev = H * D, state.device
+        self.B, self.T, self.H, self.D, self.p = B, T, H, D, params
+        self.weight = params.conv_w.view(3, HD, W).permute(0, 2, 1).contiguous().float()
+        self.A_log = params.A_log.float().contiguous()
+        self.dt_bias = params.dt_bias.float().contiguous()
+        self.norm_w = params.o_norm_w.float().contiguous()
+        slots = 1 + B * T
+        self.state = torch.zeros(slots, H, D, D, dtype=torch.float32, device=dev)
+        self.idx = torch.arange(1, slots, dtype=torch.int32, device=dev).view(B, T).contiguous()
+        src = self.idx[:, 0].long()
+        self.state[src] = state.transpose(-1, -2).float()
+        conv = torch.zeros(slots, T + W - 2, 3 * HD, dtype=torch.bfloat16, device=dev)
+        conv[src, :W - 1] = conv_state.transpose(1, 2)
+        self.conv = conv.transpose(1, 2)  # [slots, 3HD, T + 2], strides (.., 1, 3HD)
+        self.qsl = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
+        self.acc = torch.ones(B, dtype=torch.int32, device=dev)
+        self.out = torch.empty(1, B * T, H, D, dtype=torch.bfloat16, device=dev)
+
+    def __call__(self, qkv, f, b, gate):
+        B, T, H, D = self.B, self.T, self.H, self.D
+        n = B * T
+        self.mod._run_fused_kda_decode_multitoken(
+            qkv.view(n, -1), self.weight, self.conv, f.view(1, n, H, D), b.view(1, n, H), self.A_log, self.dt_bias,
+            self.idx, self.qsl, self.acc, self.state, gate.view(n, H, D), self.norm_w, float(self.p.lower_bound),
+            float(self.p.eps), self.out)
+        return self.out
+
+    def ours(self):
+        """(out [B, T, HD], state_hist [B, T, H, K, V], conv_hist [B, T, 3HD, W-1]) in our layouts."""
+        B, T = self.B, self.T
+        sh = self.state[self.idx.long().view(-1)].view(B, T, self.H, self.D, self.D).transpose(-1, -2)
+        src = self.conv[self.idx[:, 0].long()]  # [B, 3HD, T + 2]
+        ch = torch.stack([src[:, :, t:t + 3] for t in range(T)], 1)
+        return self.out.view(B, T, -1), sh.contiguous(), ch.contiguous()
+
+
+def flashinfer_mt_peer(case: Case) -> list[Peer]:
+    """FlashInfer's multi-token fused KDA (FlashInferKDAVerify) at uniform T, fp32 state, its head counts."""
+    from k3lab.bench import peers
+
+    if case.get("state_dtype", "fp32") != "fp32" or case.get("ragged", False) or case.get("D", 128) != 128:
+        return []
+    ok, _ = peers.flashinfer_available()
+    if not ok or case["heads"] not in (12, 24, 32, 48, 96):
+        return []
+    B, T = case["batch"], case["T"]
+
+    def make(s):
+        fi = FlashInferKDAVerify(s["params"], s["state"], s["conv_state"], B, T)
+        a = _args(s)
+        return lambda: fi(*a)
+
+    def check(c, s):
+        from k3lab.harness import checker
+
+        def impl(d):
+            fi = FlashInferKDAVerify(d["params"], d["state"], d["conv_state"], B, T)
+            fi(*_args(d))
+            out, sh, ch = fi.ours()
+            d["out"].copy_(out)
+            d["state_hist"].copy_(sh)
+            d["conv_hist"].copy_(ch)
+        return checker.check(registry.get(c.op), c, impl=impl, impl_name="flashinfer_mt", inputs=s)
+    return [Peer("flashinfer_mt", make, check,
+                 note="FlashInfer 0.7.2 fused_kda_decode_multitoken (CuTe DSL), one launch, a checkpoint per token")]
+
+
+# ---- measurement of kernel variants (the H200 sweeps behind the shape rules) ---------------------------
+
+def _direct(op_name: str, v: dict):
+    """(make, impl) of one variant run on the CuTe kernels directly: v["kind"] "decode" (kda_decode with
+    tile_v, pdl and `knobs`), "verify" (kda_verify with tile_v, row_warps, pdl) or "decode_by_verify" (the
+    verify kernel at T = 1 as a decode step: its column layout; the history buffers stand in for the state,
+    copied back for the check)."""
+    from k3lab_kernels.cute import kda_decode as kd
+    from k3lab_kernels.cute import kda_verify as kv
+
+    kind, tv, pdl = v.get("kind", "decode"), v["tile_v"], bool(v.get("pdl", False))
+
+    def run(d, hist=None):
+        a = _args(d)
+        if kind == "decode":
+            return kd.kda_decode(*a, d["params"], d["state"], d["conv_state"], d["out"], tile_v=tv, pdl=pdl,
+                                 knobs=v.get("knobs"))
+        if kind == "verify":
+            return kv.kda_verify(*a, d["params"], d["state"], d["conv_state"], d["out"], d["state_hist"],
+                                 d["conv_hist"], tile_v=tv, row_warps=v.get("row_warps"), pdl=pdl)
+        B = a[0].shape[0]
+        sh, ch = hist
+        return kv.kda_verify(*(x.view(B, 1, -1) for x in a), d["params"], d["state"], d["conv_state"],
+                             d["out"].view(B, 1, -1), sh, ch, tile_v=tv, row_warps=v.get("row_warps"), pdl=pdl)
+
+    def hist_of(d):
+        if kind != "decode_by_verify":
+            return None
+        return (torch.empty_like(d["state"]).unsqueeze(1), torch.empty_like(d["conv_state"]).unsqueeze(1))
+
+    def make(d):
+        h = hist_of(d)
+        return lambda: run(d, h)
+
+    def impl(d):
+        h = hist_of(d)
+        run(d, h)
+        if h is not None:
+            d["state"].copy_(h[0][:, 0])
+            d["conv_state"].copy_(h[1][:, 0])
+    return make, impl
+
+
+def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float = 0.0, name: str = "kda_explore",
+                 device: str = "cuda", log=print) -> str | None:
+    """Each entry (op, case, variants, peers): every variant beside the named peers (of the op's peers) on the
+    same rotated input sets, every row checked against fp64
+    first (k3lab.bench.runner's row). A variant {"name", "tile_v", ...}: without "kind" the production path
+    through the component API (backend "cute", tile_v); with "kind" the kernel called directly (`_direct`).
+    One bundle `name` under `out`, saved after every case (a run cut short keeps what it measured)."""
+    import time
+
+    from k3lab.bench import runner
+    from k3lab.harness import checker, roofline, timing
+    from k3lab.harness.bundle import Bundle
+    from k3lab.switches import Switches
+
+    t_end = time.time() + deadline_s if deadline_s else None
+    gpu = device == "cuda"
+    pr = timing.probes(device)
+    log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us")
+    bd = Bundle.new(name, switches=Switches(), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
+                    launch_floor_us=pr["launch_us"])
+    bd.config = {"entries": [dict(op=o, case=c, variants=list(v), peers=list(p)) for o, c, v, p in entries],
+                 "reps": reps, "mode": "rotated", "probes": pr}
+    path = None
+    for op_name, shape, variants, peer_names in entries:
+        if t_end is not None and time.time() > t_end:
+            bd.notes.append(f"deadline reached before {op_name} {shape}")
+            continue
+        op = registry.get(op_name)
+        case = op.case(**shape)
+        impls = []
+        for v in variants:
+            v = dict(v)
+            label = v.pop("name")
+            if "kind" not in v:
+                impls.append(runner._ours(op, case, "cute", v, name=label))
+                continue
+            make, impl = _direct(op_name, v)
+            chk = (lambda s, impl=impl, label=label, op=op, case=case:
+                   checker.check(op, case, impl=impl, impl_name=label, inputs=s))
+            impls.append(runner.Impl(label, make, chk, v, min_sets=2 if v.get("pdl") else 1))
+        impls += [p for p in runner.implementations(op, case, (), peers=True, only={}, gpu=gpu)[0]
+                  if p.name in peer_names]
+        nbytes = op.nbytes(case)
+        n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
+        n_sets = max(n_sets, max(i.min_sets for i in impls))
+        sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
+        fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
+        for im in impls:
+            row = runner._row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log)
+            if isinstance(row, str):
+                bd.notes.append(row)
+            else:
+                bd.add(row)
+                bd.backends_ran.setdefault(im.name, im.note or im.name)
+        del sets
+        if gpu:
+            torch.cuda.empty_cache()
+        path = bd.save(out)
+    log(f"bundle -> {path}")
+    return path
+
+
+def _v(name: str, tile_v: int, **kw) -> dict:
+    return dict(name=name, tile_v=tile_v, **kw)
+
+
+def _explore_entries() -> list:
+    """The ninth session's first H200 sweep (issue 16): the decode grid shapes and shape choices at every
+    batch beside FlashInfer's fused decode; verify beside FlashInfer's multi-token kernel and fla's
+    recurrence, and the verify tile / row_warps at T = 8. In order of priority (a deadline cuts the tail)."""
+    H = 12
+    dec = []
+    w16 = {"warps": 16}
+    for B in (8, 16, 4):
+        vs = [_v("cute", 128), _v("cute_w16", 128, kind="decode", knobs=w16),
+              _v("cute_w16_mc2", 128, kind="decode", knobs={"warps": 16, "min_ctas": 2}),
+              _v("cute_plain", 128, kind="decode", knobs={"rs": False, "fold": False, "early": False}),
+              _v("cute_nofast", 128, kind="decode", knobs={"fast": False}),
+              _v("cute_t64_w16", 64, kind="decode", knobs=w16),
+              _v("cute_bycol", 128, kind="decode_by_verify"),
+              _v("cute_bycol_rw1", 128, kind="decode_by_verify", row_warps=1),
+              _v("cute_bycol_rw2", 128, kind="decode_by_verify", row_warps=2),
+              _v("cute_pdl", 128, pdl=True), _v("cute_w16_pdl", 128, kind="decode", knobs=w16, pdl=True)]
+        if B == 4:
+            vs = [v for v in vs if v["name"] not in ("cute_nofast", "cute_w16_mc2", "cute_w16_pdl")]
+        dec.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
+    for B in (64, 32):
+        vs = [_v("cute", 128), _v("cute_w16_mc2", 128, kind="decode", knobs={"warps": 16, "min_ctas": 2}),
+              _v("cute_w16", 128, kind="decode", knobs=w16), _v("cute_fast", 128, kind="decode", knobs={"fast": True}),
+              _v("cute_bycol", 128, kind="decode_by_verify"), _v("cute_pdl", 128, pdl=True)]
+        dec.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
+    for B in (1, 2):
+        vs = [_v("cute", 16), _v("cute_w16", 16, kind="decode", knobs=w16), _v("cute_pdl", 16, pdl=True)]
+        dec.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
+    ver = []
+    auto = {1: 16, 8: 128, 16: 128, 64: 128}
+    for B in (1, 8, 16, 64):
+        for T in (8, 4, 2):
+            vs = [_v("cute", auto[B] if not (B >= 8 and T == 8) else 64 if B == 64 else 128)]
+            ver.append(("kda_verify", dict(heads=H, batch=B, T=T), vs, ("flashinfer_mt", "fla_recurrence")))
+    sweep = []
+    for B in (8, 64, 16):
+        vs = [_v(f"cute_t{tv}_rw{wr}", tv, kind="verify", row_warps=wr) for tv in (128, 64) for wr in (1, 2, 4, 8)]
+        sweep.append(("kda_verify", dict(heads=H, batch=B, T=8), vs, ()))
+    return dec + ver + sweep
+
+
+H200_EXPLORE = _explore_entries()
+
+
+def _final_entries() -> list:
+    """The ninth session's evidence run (profiles/h200/kda_decode_fi.json.gz): per batch the production path at
+    the auto rule's tile (row `cute`, through the component API), `kda_pdl` on (`cute_pdl`) and the candidate
+    shape choices left after the first sweep, beside FlashInfer's fused decode / multi-token kernel and fla's
+    recurrence (verify)."""
+    from k3lab import policy
+
+    H = 12
+    out = []
+    for B in (8, 16, 4, 64, 32, 1, 2):
+        tv = policy.rule("kda", "decode", B)["tile_v"]
+        vs = [_v("cute", tv), _v("cute_pro_first", tv, kind="decode", knobs={"pro_first": True}),
+              _v("cute_pdl", tv, pdl=True)]
+        out.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
+    extra = {(8, 8): ((128, 1), (64, 2)), (16, 8): ((128, 1), (64, 2)), (8, 4): ((128, 1), (64, 2)),
+             (64, 8): ((64, 2), (128, 4)), (16, 4): ((128, 1),)}
+    for B in (1, 8, 64, 16, 4, 2, 32):
+        for T in (2, 4, 8):
+            tv = policy.rule("kda", "verify", B, T)["tile_v"]
+            vs = [_v("cute", tv)] + [_v(f"cute_t{t}_rw{w}", t, kind="verify", row_warps=w)
+                                     for t, w in extra.get((B, T), ())]
+            out.append(("kda_verify", dict(heads=H, batch=B, T=T), vs, ("flashinfer_mt", "fla_recurrence")))
+    return out
+
+
+H200_FINAL = _final_entries()
+
+
 # ---- the entries --------------------------------------------------------------------------------------
 
 _AXES = dict(heads=HEADS, batch=BATCHES, D=(128,), state_dtype=("fp32",))
@@ -285,7 +551,7 @@ register(Op(
     backends={"reference": "k3lab.ref.kda:kda_verify", "torch_compile": "k3lab.ref.kda:kda_verify",
               "triton": "k3lab_kernels.triton.kda_verify:kda_verify",
               "cute": "k3lab_kernels.cute.kda_verify:kda_verify"},
-    peers=fla_peers, valid=lambda c: 2 <= c["T"] <= 8, variants=_PDL,
+    peers=lambda c: fla_peers(c) + flashinfer_mt_peer(c), valid=lambda c: 2 <= c["T"] <= 8, variants=_PDL,
     test_file="tests/test_kda_component.py",
 ))
 
