@@ -474,9 +474,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
             out_proj   the combine (merge, Wuv, gate) then Wo with the residual add
       MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
                        (moe_in), then the router's top-k (in the same launch on triton at <= 16 tokens: `select`)
-            latent_up  Wup with routed_norm as its input prologue and the residual p added
-            shared     the shared experts' w2 (one weight: their w2 side by side) with SiTU-GLU as its input
-                       prologue and p + routed added: the layer's output
+            moe_out    p + Wup rms(y) + w2 situ(g, u): the routed norm and up-projection and the shared experts'
+                       w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], each segment
+                       through its input prologue, the residual p in the epilogue: the layer's output
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
@@ -506,7 +506,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
         r = None if residual is None else flat(residual).contiguous()
         return trunk.proj(flat(x).contiguous(), w, out, residual=r, prologue=prologue, backend=be)
 
-    fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "latent_up", "shared", "dense_mlp")
+    fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "moe_out", "dense_mlp")
     out: OrderedDict[str, Any] = OrderedDict()
     out["attnres_attn"] = comps["attnres_attn"]
     pf = prefetch and be == "triton"
@@ -597,7 +597,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
         w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
         sI = sum(s.w1.shape[0] for s in sh)
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
-        w2 = _cat_rows([(s, "w2") for s in sh], dim=1)  # [D, sI]: sum_i w2_i a_i is one projection
+        # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i is one projection over two K segments
+        w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
         b["z"] = z
         idx = torch.empty(N, r.top_k, dtype=torch.int64, device=dev)
         wk = torch.empty(N, r.top_k, dtype=torch.float32, device=dev)
@@ -626,21 +627,16 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
         out["moe_in"] = (moe_in, mm_bytes(w_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
                          2 * N * D * n_in)
         out["experts"] = comps["experts"]
-        rp = buf(D)
-
-        def latent_up():
-            P(b["y"], m.w_up, rp, residual=b["p"], prologue=("rms", m.routed_norm, float(m.eps)))
-            b["routed"] = rp
-            return rp
-        out["latent_up"] = (latent_up, _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(m.w_up, 0, D, True),
-                            2 * N * Lat * D)
         xo = buf(D)
 
-        def shared():
-            P(gu, w2, xo, residual=rp, prologue=("situ", sh[0].b1, sh[0].b2))
+        def moe_out():
+            trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
+                       prologue=("rms", m.routed_norm, float(m.eps)), x2=gu, prologue2=("situ", sh[0].b1, sh[0].b2),
+                       backend=be)
             b["x_out"] = xo.view(*lead, D)
             return b["x_out"]
-        out["shared"] = (shared, mm_bytes(w2, 2 * sI, D, residual=True), 2 * N * sI * D)
+        out["moe_out"] = (moe_out, _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True),
+                          2 * N * (Lat + sI) * D)
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])
         I = m.w1.shape[0]

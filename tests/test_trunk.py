@@ -90,22 +90,26 @@ def test_proj_residual_epilogue(name, wdtype):
 
 
 @pytest.mark.parametrize("name,pro,wdtype,batch", [("shared_w2", "situ", "bf16", 1), ("shared_w2", "situ", "fp8", 5),
-                                                ("moe_up", "rms", "bf16", 3), ("mla_uq", "rms", "fp8", 1)])
+                                                ("moe_up", "rms", "bf16", 3), ("mla_uq", "rms", "fp8", 1),
+                                                ("moe_up_shared", "rms+situ", "bf16", 2),
+                                                ("moe_up_shared", "rms+situ", "fp8", 1)])
 def test_proj_input_prologue(name, pro, wdtype, batch):
     """The op before the projection in its launch: SiTU of [g | u] (shared w2, with the residual epilogue) and
     RMSNorm of fp32 (routed norm) or bf16 (q_norm) rows, against the fp64 oracle; and equal to the unfused path
     (the op alone, fp32 maths rounded once to bf16 as the stand-alone kernels round, then the projection) up to
     the bf16 rounding of the output. (The glue kernels themselves are compared on the GPU: under the interpreter
     Triton's bf16 cast truncates, and the glue reference rounds after every torch op.)"""
-    res = name == "shared_w2"
+    res = name != "mla_uq"
     _check(PROJ, preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
     case = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
     d = PROJ.make_inputs(case, 1, "cpu")
-    p = ops.prologue_of(d, case)
-    fused = trunk.proj(d["x"], d["w"], w_scale=ops._scale(d), residual=d.get("residual"), prologue=p,
+    p, sec = ops.prologue_of(d, case), ops.second_of(d, case)
+    fused = trunk.proj(d["x"], d["w"], w_scale=ops._scale(d), residual=d.get("residual"), prologue=p, **sec,
                        backend="triton")
-    two = trunk.proj(trunk._prologue_ref(d["x"], p), d["w"], w_scale=ops._scale(d), residual=d.get("residual"),
-                     backend="triton")
+    a = trunk._prologue_ref(d["x"], p)
+    if sec:  # the two segments' inputs side by side
+        a = torch.cat([a, trunk._prologue_ref(sec["x2"], sec["prologue2"])], 1)
+    two = trunk.proj(a, d["w"], w_scale=ops._scale(d), residual=d.get("residual"), backend="triton")
     assert rel_norm_error(fused, two) < 4e-3
 
 
@@ -116,6 +120,13 @@ def test_proj_input_prologue(name, pro, wdtype, batch):
     (dict(prologue=("rms", torch.ones(24, dtype=torch.bfloat16), 0.0)), "'prologue'"),
     (dict(prologue=("situ", 4.0, 25.0)), "'x'"),
     (dict(prologue=("situ", 4.0, 25.0), path="rows", xw=(2, 48)), "'path'"),
+    (dict(prologue2=("situ", 4.0, 25.0)), "'x2'"),
+    (dict(prologue=("rms", torch.ones(16), 1e-6), x2=torch.randn(2, 32).bfloat16(), prologue2=("situ", 4.0, 25.0),
+          xw=(2, 16)), "'w'"),
+    (dict(prologue=("situ", 4.0, 25.0), x2=torch.randn(2, 16).bfloat16(), prologue2=("situ", 4.0, 25.0),
+          xw=(2, 16)), "'prologue2'"),
+    (dict(prologue=("rms", torch.ones(8), 1e-6), x2=torch.randn(2, 32).bfloat16(), prologue2=("situ", 4.0, 25.0),
+          xw=(2, 8)), "'x'"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_proj_prologue_argument_errors(kw, name):
     kw = dict(kw)
@@ -393,11 +404,13 @@ def test_gpu_paths(options):
 def test_gpu_prologues(preset):
     """The input prologues at the real shapes, on the tma path (x through pointers, W through the copy engine)
     and the dot path, batch 1 to 64."""
-    for name, pro in (("shared_w2", "situ"), ("moe_up", "rms"), ("mla_uq", "rms")):
+    for name, pro in (("shared_w2", "situ"), ("moe_up", "rms"), ("mla_uq", "rms"), ("moe_up_shared", "rms+situ")):
         for batch, wdtype, opts in ((1, "bf16", {}), (1, "bf16", dict(path="dot")), (7, "fp8", {}),
                                     (64, "bf16", dict(path="tma"))):
             _check(PROJ, options=opts, preset=preset, proj=name, batch=batch, wdtype=wdtype, prologue=pro,
                    residual=name != "mla_uq")
+        if pro == "rms+situ":
+            continue
         case = PROJ.case(preset=preset, proj=name, batch=3, wdtype="bf16", prologue=pro, residual=False)
         d = PROJ.make_inputs(case, 2, "cuda")
         p = ops.prologue_of(d, case)

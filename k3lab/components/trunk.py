@@ -8,6 +8,9 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
         prologue (the op before the projection, in its launch; rounded to bf16 as the stand-alone op rounds):
           None; ("situ", b1, b2): x = [g | u] [B, 2K], pro(x) = situ(g, u) (the shared experts' / dense w2);
           ("rms", weight [K], eps): x [B, K] bf16 or fp32, pro(x) = RMSNorm(x) * weight (routed_norm, q_norm).
+        x2, prologue2 = ("situ", b1, b2) with prologue ("rms", weight [K1], eps): two K segments, W = [W1 | W2],
+          out = rms(x) W1^T + situ(x2) W2^T (+ residual): the MoE's Wup on the routed sum and the shared experts'
+          w2 in one launch (x [B, K1], x2 = [g | u] [B, 2 K2], K1 a multiple of 16 on triton).
     proj_group(x, w, outs, *, w_scale=None, select=None, backend="reference", ran=None, **knobs) -> outs
         one launch over the concatenated weight W = cat(W_1..W_n) [sum N_i, K] (n <= 6), output i into outs[i]
         [B, N_i] (each where its consumer reads it: a column slice of a wider buffer is fine).
@@ -120,29 +123,31 @@ def _linear_ref(x, w, w_scale, residual):
 PROLOGUES = ("situ", "rms")
 
 
-def _check_prologue(prologue, x, w, backend) -> str | None:
-    """The input prologue (module docstring): None, ("situ", b1, b2) or ("rms", weight [K], eps)."""
+def _check_prologue(prologue, x, w, backend, arg: str = "prologue", K: int | None = None) -> str | None:
+    """The input prologue (module docstring): None, ("situ", b1, b2) or ("rms", weight [K], eps); K: the width
+    the prologue's output has (w's K, or x's for the first of two segments)."""
     if prologue is None:
         return None
     if not isinstance(prologue, tuple) or not prologue or prologue[0] not in PROLOGUES or len(prologue) != 3:
-        _fail("prologue", f"must be None, ('situ', b1, b2) or ('rms', weight, eps), got {prologue!r}")
+        _fail(arg, f"must be None, ('situ', b1, b2) or ('rms', weight, eps), got {prologue!r}")
     kind, a, b = prologue
     if kind == "situ":
         for name, v in (("b1", a), ("b2", b)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                _fail("prologue", f"SiTU constant {name} must be a positive number, got {v!r}")
+                _fail(arg, f"SiTU constant {name} must be a positive number, got {v!r}")
         return kind
-    K = w.shape[1] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+    if K is None:
+        K = w.shape[1] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
     if not isinstance(a, torch.Tensor) or a.dim() != 1 or a.shape[0] != K:
-        _fail("prologue", f"the rms weight must be a 1-D tensor of {K} (w's K), got "
+        _fail(arg, f"the rms weight must be a 1-D tensor of {K} (the width it normalizes), got "
                           f"{tuple(getattr(a, 'shape', ())) or type(a).__name__}")
     if isinstance(x, torch.Tensor) and a.device != x.device:
-        _fail("prologue", f"the rms weight must be on {x.device} (x's device), got {a.device}")
+        _fail(arg, f"the rms weight must be on {x.device} (x's device), got {a.device}")
     if backend == "triton" and (not a.is_contiguous() or a.dtype not in (torch.bfloat16, torch.float32)):
-        _fail("prologue", f"the rms weight must be a contiguous bf16 or fp32 tensor for the triton backend, got "
+        _fail(arg, f"the rms weight must be a contiguous bf16 or fp32 tensor for the triton backend, got "
                           f"{a.dtype}")
     if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
-        _fail("prologue", f"the rms eps must be a positive number, got {b!r}")
+        _fail(arg, f"the rms eps must be a positive number, got {b!r}")
     return kind
 
 
@@ -166,12 +171,12 @@ def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | 
     if not x.is_floating_point():
         _fail("x", f"must be a floating tensor [B, K], got {x.dtype}")
     B = x.shape[0]
-    K = x.shape[1] // 2 if pro == "situ" else x.shape[1]
+    K = x.shape[1] // 2 if pro == "situ" else w.shape[1] if pro == "rms+situ" else x.shape[1]
     triton = backend == "triton"
     if B < 1 or (triton and B > MAX_BATCH):
         _fail("x", f"must have a batch of 1..{MAX_BATCH} rows for the triton backend, got {B}" if triton
               else f"must have at least one row, got shape {tuple(x.shape)}")
-    xdt = (torch.bfloat16, torch.float32) if pro == "rms" else (torch.bfloat16,)
+    xdt = (torch.bfloat16, torch.float32) if pro in ("rms", "rms+situ") else (torch.bfloat16,)
     if triton and (x.dtype not in xdt or x.stride(1) != 1):
         _fail("x", f"must be {_dt(xdt)} with unit stride along K for the triton backend, got {x.dtype}, "
                    f"strides {x.stride()}")
@@ -246,11 +251,40 @@ def _check_select(select, outs, B, backend, path):
             _fail("path", "'rows' runs no fused selection; use 'tma', 'dot' or None")
 
 
-def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None):
+def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
+    """Two K segments (proj's x2): x [B, K1] through ('rms', weight [K1], eps), x2 = [g | u] [B, 2 K2] through
+    ('situ', b1, b2), w [N, K1 + K2]. Returns K1."""
+    _tensor("x", x, 2)
+    _tensor("x2", x2, 2, (torch.bfloat16,) if backend == "triton" else None, x.device)
+    K1 = x.shape[1]
+    if prologue is None or prologue[0] != "rms" or prologue2 is None or prologue2[0] != "situ":
+        _fail("prologue2", "two segments take prologue=('rms', weight, eps) for x and prologue2=('situ', b1, b2) for "
+                           f"x2, got {prologue!r} and {prologue2!r}")
+    _check_prologue(prologue, x, w, backend, K=K1)
+    _check_prologue(prologue2, x, w, backend, arg="prologue2")
+    if x2.shape[0] != x.shape[0] or x2.shape[1] % 2 or x2.stride(1) != 1:
+        _fail("x2", f"must be [{x.shape[0]}, 2 K2] = [g | u] with unit inner stride, got {tuple(x2.shape)}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != K1 + x2.shape[1] // 2:
+        _fail("w", f"must be [N, {K1 + x2.shape[1] // 2}] = [W1 | W2] (x's {K1} + x2's {x2.shape[1] // 2} columns), "
+                   f"got {tuple(getattr(w, 'shape', ()))}")
+    if backend == "triton" and K1 % 16:
+        _fail("x", f"must have a width that is a multiple of 16 (a K tile never straddles the segments), got {K1}")
+    return K1
+
+
+def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None, x2=None,
+              prologue2=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
-    pro = _check_prologue(prologue, x, w, be)
-    _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
+    if x2 is not None or prologue2 is not None:
+        if x2 is None:
+            _fail("x2", "must be given with prologue2 (the second K segment)")
+        _check_second(x, x2, w, prologue, prologue2, be)
+        pro = "rms+situ"
+        _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
+    else:
+        pro = _check_prologue(prologue, x, w, be)
+        _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
     _check_select(select, outs, B, be, opts.get("path"))
     if pro is not None and opts.get("path") == "rows":
         _fail("path", "'rows' runs no input prologue; use 'tma', 'dot' or None")
@@ -264,10 +298,14 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
     if be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))
+        two = dict(x2=x2, prologue2=prologue2) if x2 is not None else {}
         dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, prologue=prologue, select=sel,
-                                     **opts)
+                                     **two, **opts)
     else:
-        y = _linear_ref(_prologue_ref(x, prologue), w, w_scale, residual)
+        xin = _prologue_ref(x, prologue)
+        if x2 is not None:
+            xin = torch.cat([xin, _prologue_ref(x2, prologue2).to(xin.dtype)], 1)
+        y = _linear_ref(xin, w, w_scale, residual)
         a = 0
         for o in outs:
             o.copy_(y[:, a:a + o.shape[1]])
@@ -284,15 +322,17 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w_scale: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, prologue: tuple | None = None, backend: str = "reference",
-         ran: list | None = None, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
-         split_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """out = pro(x) W^T (+ residual) (module docstring)."""
+         residual: torch.Tensor | None = None, prologue: tuple | None = None, x2: torch.Tensor | None = None,
+         prologue2: tuple | None = None, backend: str = "reference", ran: list | None = None, path: str | None = None,
+         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+         num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """out = pro(x) W^T (+ residual), or [pro(x) | pro2(x2)] W^T with two K segments (module docstring)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages)
-    return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue)[0]
+    return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue, x2=x2,
+                     prologue2=prologue2)[0]
 
 
 def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor | None = None,

@@ -7,7 +7,9 @@ Axes (the default grid is small so the CPU interpreter runs it in seconds; the G
               name of a projection of `proj_shapes`), batch 1..256, wdtype "bf16" | "fp8" (e4m3, one fp32 scale per
               output channel), residual (the output projection's epilogue: out = residual + x W^T), prologue
               "none" | "situ" (x = [g | u] [B, 2K], the projection reads situ(g, u): shared_w2) | "rms" (x [B, K],
-              the projection reads RMSNorm(x) * weight: moe_up with fp32 x, the routed expert sum; mla_uq bf16)
+              the projection reads RMSNorm(x) * weight: moe_up with fp32 x, the routed expert sum; mla_uq bf16) |
+              "rms+situ" (moe_up_shared: x the routed sum through the rms prologue, x2 = [g | u] of the shared
+              experts through SiTU, W = [Wup | w2]: the MoE's output in one launch)
   proj_group  preset, group ("kda_in", "mla_in", "moe_in": `GROUPS`), batch, wdtype: one launch over the
               concatenated weight, each part's output its own tensor (the router's logits fp32, others bf16);
               select (moe_in only): the router's top-16 and weights over the logits in the same launch
@@ -57,7 +59,8 @@ from k3lab.registry import Case, Op, Peer, register
 from k3lab.registry import generator as _gen
 
 PRESETS = ("tp8", "tp16", "tiny")
-PROLOGUES = {"none": None, "situ": ("shared_w2",), "rms": ("moe_up", "mla_uq")}  # prologue: the projections it feeds
+PROLOGUES = {"none": None, "situ": ("shared_w2",), "rms": ("moe_up", "mla_uq"),  # prologue: the projections it feeds
+             "rms+situ": ("moe_up_shared",)}
 RMS_FP32_IN = ("moe_up",)  # the routed norm reads the experts' fp32 sum
 GROUPS = {
     "kda_in": ("kda_q", "kda_k", "kda_v", "kda_g", "kda_fa", "kda_b"),
@@ -94,6 +97,7 @@ def proj_shapes(preset: str) -> dict[str, tuple[int, int]]:
         "mla_gate": (H * c.v_head_dim, D), "mla_uq": (H * c.qk_head_dim, c.q_lora_rank), "mla_o": (D, H * c.v_head_dim),
         "moe_router": (c.n_routed_experts, D), "moe_down": (c.moe_latent_size, D), "moe_up": (D, c.moe_latent_size),
         "shared_w1": (sh, D), "shared_w3": (sh, D), "shared_w2": (D, sh),
+        "moe_up_shared": (D, c.moe_latent_size + sh),  # [Wup | shared w2]: two K segments (prologue rms+situ)
     }
 
 
@@ -118,8 +122,9 @@ def proj_bytes(case: Case) -> int:
     outs = sum(B * shp[p][0] * (4 if p in FP32_OUT else 2) for p in parts)
     scales = 4 * N if case["wdtype"] == "fp8" else 0
     pro = case.get("prologue", "none")
+    lat = shp["moe_up"][1]
     x_in = (B * 2 * K * 2 if pro == "situ" else B * K * (4 if parts[0] in RMS_FP32_IN else 2) + K * 2 if pro == "rms"
-            else B * K * 2)
+            else B * lat * 4 + lat * 2 + B * 2 * (K - lat) * 2 if pro == "rms+situ" else B * K * 2)
     sel = shp[parts[0]][0] * 4 + B * SELECT_K * 12 if case.get("select", False) else 0  # bias, idx, weights
     return N * K * _wbytes(case) + scales + x_in + outs + sel + (B * N * 2 if case.get("residual", False) else 0)
 
@@ -170,15 +175,23 @@ def make_proj(case: Case, seed: int, device: str) -> dict:
     g = _gen(seed, device)
     w, s = _weight(N, K, case["wdtype"], g, device)
     pro = case.get("prologue", "none")
-    if pro == "situ":  # g and u over the ranges where the tanh saturates and where it does not
-        x = torch.cat([torch.randn(B, K, generator=g, device=device) * 3,
-                       torch.randn(B, K, generator=g, device=device) * 20], 1).to(torch.bfloat16)
+    lat = shp["moe_up"][1]
+    if pro in ("situ", "rms+situ"):  # g and u over the ranges where the tanh saturates and where it does not
+        k2 = K - lat if pro == "rms+situ" else K
+        gu = torch.cat([torch.randn(B, k2, generator=g, device=device) * 3,
+                        torch.randn(B, k2, generator=g, device=device) * 20], 1).to(torch.bfloat16)
+    if pro == "situ":
+        x = gu
+    elif pro == "rms+situ":
+        x = torch.randn(B, lat, generator=g, device=device) * 3  # fp32: the routed experts' sum
     else:
         x = torch.randn(B, K, generator=g, device=device) * (3.0 if pro == "rms" else 1.0)
         x = x if pro == "rms" and parts[0] in RMS_FP32_IN else x.to(torch.bfloat16)
     d = dict(x=x, w=w, w_scale=s)
-    d["pro_w"] = ((1 + 0.2 * torch.randn(K, generator=g, device=device)).to(torch.bfloat16) if pro == "rms"
-                  else torch.empty(0, dtype=torch.bfloat16, device=device))
+    kr = K if pro == "rms" else lat if pro == "rms+situ" else 0
+    d["pro_w"] = (1 + 0.2 * torch.randn(kr, generator=g, device=device)).to(torch.bfloat16)
+    if pro == "rms+situ":
+        d["x2"] = gu
     k = SELECT_K if case.get("select", False) else 0
     E = shp[parts[0]][0] if k else 0
     d["e_bias"] = torch.randn(E, generator=g, device=device) * 0.1
@@ -207,13 +220,23 @@ def prologue_of(d: dict, case: Case):
     return None if pro == "none" else ("situ", B1, B2) if pro == "situ" else ("rms", d["pro_w"], 1e-6)
 
 
+def second_of(d: dict, case: Case) -> dict:
+    """The component API's second K segment for this case: {} or dict(x2=..., prologue2=("situ", 4, 25))."""
+    from k3lab.ref.situ import B1, B2
+
+    return dict(x2=d["x2"], prologue2=("situ", B1, B2)) if case.get("prologue", "none") == "rms+situ" else {}
+
+
 def ref_proj(d: dict, case: Case) -> dict:
     from k3lab.components.trunk import _prologue_ref
 
     pro = prologue_of(d, case)
     if pro is not None and pro[0] == "rms":
         pro = ("rms", pro[1].to(torch.float64), pro[2])
-    y = _prologue_ref(d["x"].to(torch.float64), pro) @ _wtrue(d).T
+    xin = _prologue_ref(d["x"].to(torch.float64), pro)
+    if "x2" in d:
+        xin = torch.cat([xin, _prologue_ref(d["x2"].to(torch.float64), second_of(d, case)["prologue2"])], 1)
+    y = xin @ _wtrue(d).T
     if "residual" in d:
         y = y + d["residual"].to(torch.float64)
     out, a = {}, 0
@@ -310,7 +333,7 @@ def call_proj(d: dict, case: Case, backend: str, opts: dict, ran: list | None = 
     from k3lab.components import trunk
 
     return trunk.proj(d["x"], d["w"], d["y0"], w_scale=_scale(d), residual=d.get("residual"),
-                      prologue=prologue_of(d, case), backend=backend, ran=ran, **opts)
+                      prologue=prologue_of(d, case), **second_of(d, case), backend=backend, ran=ran, **opts)
 
 
 def call_group(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
@@ -362,10 +385,12 @@ def proj_peers(case: Case) -> list[Peer]:
         from k3lab.components.trunk import _prologue_ref
 
         w, x, r = _dense_w(d), d["x"], d.get("residual")
-        pro = prologue_of(d, case)
-        if pro is not None:  # the prologue in torch ops, then cuBLAS
-            return lambda: F.linear(_prologue_ref(x, pro), w) if r is None else torch.addmm(r, _prologue_ref(x, pro),
-                                                                                           w.t())
+        pro, two = prologue_of(d, case), second_of(d, case)
+        if pro is not None:  # the prologue(s) in torch ops, then cuBLAS
+            def xin():
+                a = _prologue_ref(x, pro)
+                return torch.cat([a, _prologue_ref(two["x2"], two["prologue2"])], 1) if two else a
+            return lambda: F.linear(xin(), w) if r is None else torch.addmm(r, xin(), w.t())
         if r is not None:
             return lambda: torch.addmm(r, x, w.t())
         return lambda: F.linear(x, w)
@@ -400,9 +425,22 @@ def proj_peers(case: Case) -> list[Peer]:
         def unfused(d: dict):
             from k3lab.components import glue, trunk
 
-            x, r, pro, y = d["x"], d.get("residual"), prologue_of(d, case), d["y0"]
-            a = torch.empty(x.shape[0], d["w"].shape[1], dtype=torch.bfloat16, device=x.device)
+            x, r, pro, y, two = d["x"], d.get("residual"), prologue_of(d, case), d["y0"], second_of(d, case)
             sc = _scale(d)
+            if two:  # the step's composition before: rms_norm, Wup (+ p), situ_glu, w2 (+ that): four launches
+                k1 = x.shape[1]
+                w1, w2 = d["w"][:, :k1].contiguous(), d["w"][:, k1:].contiguous()
+                a1 = torch.empty(x.shape[0], k1, dtype=torch.bfloat16, device=x.device)
+                a2 = torch.empty(x.shape[0], w2.shape[1], dtype=torch.bfloat16, device=x.device)
+                mid = torch.empty_like(y)
+
+                def run2():
+                    glue.rms_norm(x, pro[1], a1, eps=pro[2], backend="triton")
+                    trunk.proj(a1, w1, mid, w_scale=sc, residual=r, backend="triton")
+                    glue.situ_glu(two["x2"], a2, b1=two["prologue2"][1], b2=two["prologue2"][2], backend="triton")
+                    return trunk.proj(a2, w2, y, w_scale=sc, residual=mid, backend="triton")  # (one scale a row)
+                return run2
+            a = torch.empty(x.shape[0], d["w"].shape[1], dtype=torch.bfloat16, device=x.device)
 
             def run():
                 if pro[0] == "situ":
@@ -412,7 +450,8 @@ def proj_peers(case: Case) -> list[Peer]:
                 return trunk.proj(a, d["w"], y, w_scale=sc, residual=r, backend="triton")
             return run
         out.append(Peer("unfused", unfused, checker_of(unfused, "unfused"),
-                        note="the stand-alone glue kernel (situ_glu / rms_norm) then our projection: two launches"))
+                        note="the stand-alone glue kernel(s) (situ_glu / rms_norm) then our projection(s): two "
+                             "launches, four for two segments"))
     if case.op == "proj_group":
         def cublas_parts(d: dict):
             ws = list(_dense_w(d).split(sizes))

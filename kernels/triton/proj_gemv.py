@@ -38,6 +38,9 @@ stand-alone kernel rounds them, before the MMA:
   * ("rms", weight [K], eps): x [M, K] bf16 or fp32, the projection reads rms(x) * weight; each program first
     sums its rows' squares over all of K (from L2: K*4 bytes a row), then scales its own K range: the MoE's
     routed_norm before Wup and the MLA q_norm before Wuq.
+  * two input segments (`x2`, `prologue2`): W = [W1 | W2] along K, out = rms(x) W1^T + situ(x2) W2^T: the MoE's
+    routed norm + Wup and the shared experts' w2 summed in one launch (the columns below K1 = x's width come
+    from x through the rms prologue, the rest from x2 = [g | u] through SiTU; K1 a multiple of the K tile).
 With a prologue x is read through pointers (the copy engine cannot transform), W still through the copy engine.
 
 Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
@@ -104,15 +107,30 @@ def _x_in(x, pw, m, mok, kc, kok, s_xm, K, inv, b1, b2, PRO: tl.constexpr, RNE: 
 
 
 @triton.jit
+def _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO: tl.constexpr, RNE: tl.constexpr):
+    """The input tile at columns k0 + kk for PRO 1 / 2 (x through its prologue) and 3 (columns below K1 from x
+    through the rms prologue, the others from x2 through SiTU; a tile lies in one segment)."""
+    if PRO == 3:
+        if k0 < K1:
+            v = _x_in(x, pw, m, mok, k0 + kk, kok & (k0 + kk < K1), s_xm, K1, inv, b1, b2, 2, RNE)
+        else:
+            v = _x_in(x2, pw, m, mok, k0 - K1 + kk, kok, s_x2m, K - K1, inv, b1, b2, 1, RNE)
+    else:
+        v = _x_in(x, pw, m, mok, k0 + kk, kok, s_xm, K, inv, b1, b2, PRO, RNE)
+    return v
+
+
+@triton.jit
 def _proj_kernel(x, w, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
-                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, rbias, ridx, rwts, rcnt, rscale,
+                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, x2, s_x2m, K1, rbias, ridx, rwts, rcnt, rscale,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
-    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x (module docstring; b1, b2, eps, the norm weight pw). TOPK > 0:
+    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
+    eps, the norm weight pw). TOPK > 0:
     the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -125,13 +143,14 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     k_hi = tl.minimum(k_lo + KSPLIT, K)
     kk = tl.arange(0, BK)
     inv = tl.zeros((BM,), dtype=tl.float32)
-    if PRO == 2:  # the rows' sums of squares over all of K first (every program of the row reads them)
+    if PRO >= 2:  # the rows' sums of squares over all of x first (every program of the row reads them)
+        KX = K1 if PRO == 3 else K
         ss = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(0, KX, BK):
             v = tl.load(x + m[:, None].to(tl.int64) * s_xm + (k0 + kk)[None, :],
-                        mask=mok[:, None] & ((k0 + kk) < K)[None, :], other=0.0).to(tl.float32)
+                        mask=mok[:, None] & ((k0 + kk) < KX)[None, :], other=0.0).to(tl.float32)
             ss += tl.sum(v * v, axis=1)
-        inv = 1.0 / tl.sqrt(ss / K + eps)
+        inv = 1.0 / tl.sqrt(ss / KX + eps)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TMA:
         for k0 in range(k_lo, k_hi, BK):
@@ -139,7 +158,8 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
             if PRO == 0:
                 xt = x.load([pid_m * BM, k0])
             else:
-                xt = _x_in(x, pw, m, mok, k0 + kk, (k0 + kk) < k_hi, s_xm, K, inv, b1, b2, PRO, DOT_F32)
+                xt = _x_seg(x, x2, pw, m, mok, k0, kk, (k0 + kk) < k_hi, s_xm, s_x2m, K, K1, inv, b1, b2, PRO,
+                            DOT_F32)
             if DOT_F32:
                 acc = tl.dot(wt.to(tl.float32), xt.to(tl.float32).T, acc)
             else:
@@ -155,14 +175,14 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                 if PRO == 0:
                     xt = tl.load(xp + k0, mask=mok[:, None], other=0.0)
                 else:
-                    xt = _x_in(x, pw, m, mok, k0 + kk, kk < BK, s_xm, K, inv, b1, b2, PRO, DOT_F32)
+                    xt = _x_seg(x, x2, pw, m, mok, k0, kk, kk < BK, s_xm, s_x2m, K, K1, inv, b1, b2, PRO, DOT_F32)
             else:
                 kok = (k0 + kk) < k_hi
                 wt = tl.load(wp + k0, mask=nok[:, None] & kok[None, :], other=0.0)
                 if PRO == 0:
                     xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
                 else:
-                    xt = _x_in(x, pw, m, mok, k0 + kk, kok, s_xm, K, inv, b1, b2, PRO, DOT_F32)
+                    xt = _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO, DOT_F32)
             if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 values
                 acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
             else:
@@ -337,27 +357,40 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, prologue: tuple | None = None, select: tuple | None = None,
+         residual: torch.Tensor | None = None, prologue: tuple | None = None, x2: torch.Tensor | None = None,
+         prologue2: tuple | None = None, select: tuple | None = None,
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
-    ("rms", weight [K], eps); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k] fp32, k, scaling):
+    ("rms", weight [K], eps); x2 with prologue2 ("situ", b1, b2) and prologue ("rms", weight [K1], eps): the two
+    K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k] fp32, k, scaling):
     the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns outs. The caller
     validates (path "tma" with misaligned x or W is refused here: ValueError)."""
     M = x.shape[0]
     N, K = w.shape
     pro = 0 if prologue is None else {"situ": 1, "rms": 2}[prologue[0]]
-    pw, b1, b2, eps = x, 0.0, 0.0, 0.0
+    pw, b1, b2, eps, K1 = x, 0.0, 0.0, 0.0, K
     if pro == 1:
         b1, b2 = float(prologue[1]), float(prologue[2])
     elif pro == 2:
         pw, eps = prologue[1], float(prologue[2])
+    if x2 is not None:
+        if pro != 2 or prologue2 is None or prologue2[0] != "situ":
+            raise ValueError("proj_gemv: two segments take prologue ('rms', ...) and prologue2 ('situ', ...)")
+        pro, K1 = 3, x.shape[1]
+        b1, b2 = float(prologue2[1]), float(prologue2[2])
     aligned = tma_ok(x, w) if pro == 0 else tma_ok(w, w)  # with a prologue x is read through pointers
     if path == "tma" and not aligned:
         raise ValueError("proj_gemv: path 'tma' needs 16-byte aligned x, W and row strides; use 'dot' or None")
+    if pro == 3:  # a K tile must not straddle the two segments
+        block_k = block_k or 128
+        while K1 % block_k:
+            block_k //= 2
+        if block_k < 16:
+            raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
                  prologue=pro != 0)
@@ -402,7 +435,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
         xa, wa, sc, res_t, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
-        rb, ri, rw, rc, rs, NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
+        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
