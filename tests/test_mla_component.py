@@ -165,6 +165,8 @@ def test_attend_argument_errors():
         ("'q_lat'", lambda: mla.attend(q.double(), qr.double(), cache, lengths, **kw)),
         ("'block_n'", lambda: mla.attend(q, qr, cache, lengths, block_n=24, **kw)),
         ("'num_warps'", lambda: mla.attend(q, qr, cache, lengths, num_warps=3, **kw)),
+        ("'preload_pages'", lambda: mla.attend(q, qr, cache, lengths, preload_pages=8, **kw)),
+        ("'host_chunk'", lambda: mla.attend(q, qr, cache, lengths, host_chunk=1, **kw)),
     ]
     for name, fn in cases:
         with pytest.raises(MLAArgumentError, match=name):

@@ -207,17 +207,38 @@ def test_decode_gpu_shapes(shape):
     (dict(block_n=64, pdl=True), dict(context=200, page_size=64, partitions=2)),    # one page index a block
     (dict(block_n=16), dict(context=90, page_size=64, batch=2, ragged=True, partitions=3, T=2)),
     (dict(pdl=True), dict(context=150, page_size=16, partitions=100)),              # the merge's online steps
+    (dict(preload_pages=0, pdl=False), dict(context=200, page_size=64, partitions=2)),  # index loaded a block
+    # page indices preloaded 16 at a time: 300-position pieces of 19 pages take two steps of the outer loop
+    (dict(preload_pages=16, block_n=16), dict(context=600, page_size=16, batch=2, ragged=True, partitions=2)),
+    (dict(preload_pages=16, block_n=16), dict(context=90, page_size=16, partitions=2, kv_dtype="fp8",
+                                              fp8_scale="token", T=2)),
+    # pieces cut per sequence in the kernel (no host-side piece length): the ragged 600 / 1 histories
+    (dict(host_chunk=False, preload_pages=16, block_n=16), dict(context=600, page_size=16, batch=2, ragged=True,
+                                                                partitions=3)),
 ])
 def test_decode_page_rows_and_pdl(options, case):
-    """The one-index-per-block gather (page size a multiple of block_n, no DCP) and PDL (a GPU launch
-    attribute: plain launches under the interpreter, the same result); the merge over more partials than it
-    takes a step (one pass, a running max)."""
+    """The one-index-per-block gather (page size a multiple of block_n, no DCP), with the piece's page indices
+    preloaded before the block loop or loaded in it, and PDL (a GPU launch attribute: plain launches under the
+    interpreter, the same result); the merge over more partials than it takes a step (one pass, a running
+    max)."""
     _check(DEC, options=options, **case)
 
 
 def test_combine_pdl():
     _check(COMB, options=dict(pdl=True), partitions=40, batch=3, heads=6)
     _check(COMB, options=dict(pdl=True), partitions=20, batch=1, heads=6)
+
+
+def test_preload_and_block_n_rules():
+    """Page indices preloaded from 4 blocks a piece (batch 1: 32K and 128K yes, 1K and 8K no; batch 64 yes);
+    block_n 64 only at batch >= 16 where nothing can be preloaded."""
+    from k3lab_kernels.triton import mla_decode as kern
+
+    assert kern.default_preload(1025, 33, 32) == 0 and kern.default_preload(8193, 132, 32) == 0
+    assert kern.default_preload(32769, 132, 32) == kern.default_preload(131073, 264, 32) == 64
+    assert kern.default_preload(8193, 4, 32) == 64
+    assert kern.default_block_n(16, 64) == 32 and kern.default_block_n(16, 64, preload=False) == 64
+    assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
 
 
 def test_partition_limits_agree():

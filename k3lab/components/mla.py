@@ -181,8 +181,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            merge: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-           pdl: bool | None = None, fused: bool | None = None, preload_pages: int | None = None,
-           merge_block_c: int | None = None, ran: list | None = None):
+           pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
+           ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
@@ -255,19 +255,19 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                                  ("num_stages", num_stages, (1, 2, 3, 4, 5))):
             if v is not None and (isinstance(v, bool) or v not in allowed):
                 _fail(name, f"must be None (the kernel's heuristic) or one of {allowed}, got {v!r}")
-        if fused is not None and not isinstance(fused, bool):
-            _fail("fused", f"must be None (the kernel's default) or a bool, got {fused!r}")
-        for name, v, allowed in (("preload_pages", preload_pages, PRELOAD_ALLOWED),
-                                 ("merge_block_c", merge_block_c, (16, 32, 64, 128, 256, 512))):
-            if v is not None and (isinstance(v, bool) or v not in allowed):
-                _fail(name, f"must be None (the kernel's default) or one of {allowed}, got {v!r}")
+        if preload_pages is not None and (isinstance(preload_pages, bool) or preload_pages not in PRELOAD_ALLOWED):
+            _fail("preload_pages", f"must be None (the kernel's rule) or one of {PRELOAD_ALLOWED}, "
+                                   f"got {preload_pages!r}")
         fn = dispatch.kernel("mla_decode", be)
+        if host_chunk is not None and not isinstance(host_chunk, bool):
+            _fail("host_chunk", f"must be None (the kernel's default) or a bool, got {host_chunk!r}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl), fused=fused, preload_pages=preload_pages, merge_block_c=merge_block_c)
+                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,
-                 dcp=dcp, dcp_layout=dcp_layout, merge=merge, **_kv_args(cache), **knobs)
+                 dcp=dcp, dcp_layout=dcp_layout, merge=merge, **_kv_args(cache), **knobs,
+                 n_max=n_max if n_positions is not None or check_values else None)
         dispatch.record(ran, kernel=dispatch.kernel_path("mla_decode", be), options=dict(opts, **knobs), **rec,
                         notes=f"partials K={K_shape}" + ("" if partitions else " (automatic partitions)"))
         return res

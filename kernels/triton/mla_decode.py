@@ -70,9 +70,12 @@ NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine with
 # rows a program: 16 (T > 1 at 12 heads: row groups of 16, each re-reading its piece mostly from L2) measured
 # ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
 DEFAULT_BLOCK_M = 16
-DEFAULT_PDL = False  # programmatic dependent launch between the split and its merge / combine (docs/NOTES_mla.md)
-DEFAULT_FUSED = False  # one launch: the last program of a sequence's row group merges the partials
+# programmatic dependent launch between the split and its merge / combine: the split lets them start once its
+# partials are stored (docs/NOTES_mla.md)
+DEFAULT_PDL = True
 DEFAULT_PRELOAD_PAGES = 64  # page indices loaded before the block loop, this many at a time (0: one a block)
+PRELOAD_MIN_BLOCKS = 4  # ... when a piece has at least this many blocks (1-2 blocks a piece: the plain loop wins)
+DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
 
 
@@ -129,7 +132,7 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
+def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok, lo, pg_lo,
               C: tl.constexpr, CP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
               BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr):
     """The cache rows of the block of positions [start, start + BN) of a piece ending at `hi`: (c [BN, C]
@@ -137,8 +140,10 @@ def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr
     j = start + tl.arange(0, BN)
     ok = j < hi
     gp = pos0 + j * pstride
-    if PAGE_ROWS:  # the block lies in one page (PAGE % BN == 0, no DCP stride): one index, BN rows
-        page = tl.load(block_table + b * s_btb + start // PAGE, mask=start < hi, other=0)
+    if PAGE_ROWS:  # the block lies in one page (PAGE % BN == 0, no DCP stride): one index, BN rows; the
+        # piece's first index (pg_lo) was loaded before the loop
+        page = tl.where(start == lo, pg_lo,
+                        tl.load(block_table + b * s_btb + start // PAGE, mask=(start < hi) & (start != lo), other=0))
         row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
     elif PAGED:
         page = tl.load(block_table + b * s_btb + gp // PAGE, mask=ok, other=0)
@@ -182,15 +187,15 @@ def _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MO
 
 @triton.jit
 def _mla_split_kernel(
-    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, o_lat, lse_out, ticket,
+    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part,
     qk_scale,
     s_qb, s_qt, s_qh, s_rb, s_rt, s_rh,
     s_kvb, s_sb, s_btb,
-    T, H, P, NS, G,
+    T, H, P, NS, G, CHUNK, MAXPG,
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
-    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -210,10 +215,21 @@ def _mla_split_kernel(
         pos0 = r
         pstride = NS
         n_loc = (n_b - r + NS - 1) // NS  # >= 0: r <= NS - 1 and n_b >= 1
-    chunk = (n_loc + P - 1) // P
-    chunk = (chunk + BN - 1) // BN * BN
+    if HOST_CHUNK:  # the piece length from the host (the longest history): the piece's first page indices
+        chunk = CHUNK  # are loaded below without waiting for lengths[b] (in bounds of the table row; an entry
+    else:           # past the sequence is never used)
+        chunk = (n_loc + P - 1) // P
+        chunk = (chunk + BN - 1) // BN * BN
     lo = p * chunk
     hi = tl.minimum(lo + chunk, n_loc)
+    if NPG > 0:
+        pp = tl.arange(0, NPG)
+        first = tl.load(block_table + b * s_btb + lo // PAGE + pp, mask=lo // PAGE + pp < MAXPG, other=0)
+        pg_lo = 0
+    elif PAGE_ROWS:
+        pg_lo = tl.load(block_table + b * s_btb + lo // PAGE, mask=lo // PAGE < MAXPG, other=0)
+    else:
+        pg_lo = 0
 
     rows = g * BM + tl.arange(0, BM)
     t = rows // HR
@@ -250,10 +266,10 @@ def _mla_split_kernel(
         # PAGE_ROWS with the piece's page indices loaded NPG at a time before the block loop: the loop's row
         # addresses come from registers, not from a load in the loop, so the pipeliner multi-buffers the rows
         # (num_stages - 1 blocks in flight; with the index loaded in the loop it keeps one buffer)
-        pp = tl.arange(0, NPG)
         pg_hi = (hi + PAGE - 1) // PAGE
         for pg0 in range(lo // PAGE, pg_hi, NPG):
-            pages = tl.load(block_table + b * s_btb + pg0 + pp, mask=pg0 + pp < pg_hi, other=0)
+            later = (pg0 + pp < pg_hi) & (pp + pg0 != pp + lo // PAGE)  # the first step's indices are `first`
+            pages = tl.where(pg0 == lo // PAGE, first, tl.load(block_table + b * s_btb + pg0 + pp, mask=later, other=0))
             for start in range(tl.maximum(lo, pg0 * PAGE), tl.minimum(hi, (pg0 + NPG) * PAGE), BN):
                 j = start + tl.arange(0, BN)
                 ok = j < hi
@@ -273,7 +289,7 @@ def _mla_split_kernel(
             ok = j < hi
             gp = pos0 + j * pstride
             c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
-                                   C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
+                                   lo, pg_lo, C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
             if SCALE_MODE == 2:
                 if PAGED:
                     srow = row
@@ -291,38 +307,8 @@ def _mla_split_kernel(
     lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
     k = r * P + p
     orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
-    omask = _mask2(row_ok, c_ok, CP == C)
-    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=omask)
+    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
     tl.store(lse_part + orow, lse, mask=row_ok)
-    if FUSED:
-        # one launch: the last of the K programs of (sequence, row group) to arrive merges the K partials
-        # (log-sum-exp, one pass with a running max) into o_lat / lse and re-arms the ticket for the next call
-        tl.debug_barrier()  # every thread's partial store happens-before the release below
-        arrived = tl.atomic_add(ticket + b * G + g, 1, sem="acq_rel")
-        if arrived == K - 1:
-            prow = (b.to(tl.int64) * K * T + t) * H + h  # partial k of row (t, h) at prow + k * T * H
-            mm = tl.full([BM], float("-inf"), tl.float32)
-            den = tl.zeros([BM], tl.float32)
-            acc = tl.zeros([BM, CP], tl.float32)
-            for kk in tl.range(0, K, num_stages=3):
-                lk = tl.load(lse_part + prow + kk * T * H, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                ok_ = tl.load(o_part + (prow + kk * T * H)[:, None] * C + cc[None, :], mask=omask, other=0.0,
-                              cache_modifier=".cg")
-                m_new = tl.maximum(mm, lk)
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(mm - m_use)
-                w = tl.exp(lk - m_use)
-                den = den * alpha + w
-                acc = acc * alpha[:, None] + w[:, None] * ok_
-                mm = m_new
-            hasm = den > 0.0
-            res = acc / tl.where(hasm, den, 1.0)[:, None]
-            frow = (b.to(tl.int64) * T + t) * H + h
-            tl.store(o_lat + frow[:, None] * C + cc[None, :], res, mask=omask)
-            m_use = tl.where(mm == float("-inf"), 0.0, mm)
-            tl.store(lse_out + frow, tl.where(hasm, m_use + tl.log(tl.where(hasm, den, 1.0)), float("-inf")),
-                     mask=row_ok)
-            tl.store(ticket + b * G + g, 0)
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -382,17 +368,25 @@ def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = N
     return HR, BM, G
 
 
-def default_block_n(BM: int, B: int = 1) -> int:
-    """Positions a step. Small batch (the pieces fill the GPU, latency-bound): 32; from batch 16 (the
-    sequences fill it, streaming): 64 (measured at batch 1 and 64: docs/NOTES_mla.md); 16 for 64-row tiles."""
+def default_block_n(BM: int, B: int = 1, preload: bool = True) -> int:
+    """Positions a step: 32 (16 for 64-row tiles); 64 from batch 16 where the page indices cannot be preloaded
+    (the loop then keeps one buffer: larger blocks stream better; measured at batch 1 and 64: docs/NOTES_mla.md)."""
     if BM > 32:
         return 16
-    return 64 if B >= 16 else 32
+    return 64 if B >= 16 and not preload else 32
+
+
+def default_preload(n_max: int, K: int, BN: int) -> int:
+    """Page indices preloaded a step (0 = none) for pieces of ceil(n_max / K) positions: DEFAULT_PRELOAD_PAGES
+    from PRELOAD_MIN_BLOCKS blocks a piece (the rows then stream double-buffered), else none."""
+    piece = -(-max(1, n_max) // K)
+    blocks = -(-piece // BN)
+    return DEFAULT_PRELOAD_PAGES if blocks >= PRELOAD_MIN_BLOCKS else 0
 
 
 def default_num_stages(npg: int) -> int:
-    """3 with preloaded page indices (two blocks of rows in flight); 2 otherwise (the pipeliner keeps one
-    buffer behind a page-index load in the loop either way)."""
+    """3 with preloaded page indices (two blocks of rows in flight); 2 otherwise (behind a page-index load in
+    the loop the pipeliner keeps one buffer at any num_stages)."""
     return 3 if npg else 2
 
 
@@ -435,18 +429,6 @@ def workspace(device, B: int, K: int, T: int, H: int, C: int) -> tuple[torch.Ten
     return _WS[key]
 
 
-_TICKETS: dict[tuple, torch.Tensor] = {}
-
-
-def tickets(device, n: int) -> torch.Tensor:
-    """The fused merge's arrival counters (int32 [n], zero between calls: the last program re-arms its own),
-    allocated once per size and device (before a CUDA-graph capture, like `workspace`)."""
-    key = (str(device), n)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _TICKETS[key]
-
-
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor,
                o_lat: torch.Tensor | None = None, lse: torch.Tensor | None = None, *, scale: float,
                kv_scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
@@ -454,8 +436,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
-               fused: bool | None = None, preload_pages: int | None = None, merge_block_c: int | None = None):
-    """Launch the split kernel (and the merge when partials > 1 and merge=True, unless fused).
+               preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None):
+    """Launch the split kernel (and the merge when partials > 1 and merge=True).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
     contiguous, any other strides); kv: contiguous cache [B, S_max, C+Dr] or, with block_table
@@ -467,17 +449,20 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     them; default a cached workspace). pdl=True: the split lets its dependent start early (programmatic
     dependent launch) and the merge is launched with PDL, waiting on the split's results at its top; a
     kernel that consumes the partials (merge=False) must do the same. The caller validates; this wrapper
-    only asserts the layout. fused=True (merge=True, K > 1): one launch, the last program of each sequence's
-    row group merges the partials (`tickets`). preload_pages: page indices loaded that many at a time before
-    the block loop (paged cache, page a multiple of block_n, no DCP; 0 = one index load per block in the
-    loop). merge_block_c: the merge kernel's columns a program."""
+    only asserts the layout. preload_pages: page indices loaded that many at a time before the block loop
+    (paged cache, page a multiple of block_n, no DCP; 0 = one index load per block in the loop; None =
+    `default_preload`, from n_max = the longest visible history when the caller knows it). With n_max given
+    (host_chunk None or True) the pieces are ceil(n_max / dcp / partitions) positions for every sequence, known
+    before lengths is read, so each program loads its first page indices at once."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
     assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv.is_contiguous() and kv.shape[-1] == W
     assert dcp_layout in DCP_LAYOUTS and 1 <= partitions and 1 <= dcp
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m)
-    BN = block_n or default_block_n(BM, B)
+    paged = block_table is not None
+    page = kv.shape[1] if paged else 1
+    BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
     K = dcp * partitions
     dev = q_lat.device
     direct = K == 1 and merge
@@ -488,45 +473,43 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         o_dst, l_dst = parts
     else:
         o_dst, l_dst = workspace(dev, B, K, T, H, C)
-    paged = block_table is not None
     if kv_scale is None:
         mode = 0
     else:
         mode = 1 if kv_scale.dim() == 0 else 2
-    page = kv.shape[1] if paged else 1
     s_sb = kv_scale.stride(0) if mode == 2 and not paged else 0
     bt = block_table if paged else lengths  # a placeholder pointer when contiguous
     pdl = pdl_on(pdl)
     page_rows = paged and dcp == 1 and page % BN == 0
-    npg = (DEFAULT_PRELOAD_PAGES if preload_pages is None else preload_pages) if page_rows else 0
-    fuse = merge and K > 1 and (DEFAULT_FUSED if fused is None else fused)
-    if fuse:
-        f_o = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
-        f_l = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
-        tk = tickets(dev, B * G)
+    if not page_rows:
+        npg = 0
+    elif preload_pages is not None:
+        npg = preload_pages
     else:
-        f_o, f_l, tk = o_dst, l_dst, lengths  # unused
+        npg = default_preload(n_max if n_max else block_table.shape[1] * page, dcp * partitions, BN)
+    hc = bool(n_max) and (DEFAULT_HOST_CHUNK if host_chunk is None else host_chunk)
+    shard = -(-int(n_max or 1) // dcp)  # positions one shard holds at most
+    piece = -(-shard // partitions)
+    chunk = -(-piece // BN) * BN if hc else 0
     grid = (G * partitions * dcp, B)
     _mla_split_kernel[grid](
-        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst, f_o, f_l, tk,
+        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
         float(scale) * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         0 if paged else kv.shape[1], s_sb, block_table.stride(0) if paged else 0,
-        T, H, partitions, dcp, G,
+        T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, FUSED=fuse, PDL=pdl,
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl,
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
     )
     if direct:
         return o_dst, l_dst
-    if fuse:
-        return f_o, f_l
     if not merge:
         return o_dst, l_dst
     o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
     l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    merge_partials(o_dst, l_dst, o_out, l_out, block_c=merge_block_c, pdl=pdl)
+    merge_partials(o_dst, l_dst, o_out, l_out, pdl=pdl)
     return o_out, l_out
 
 
