@@ -106,3 +106,55 @@ def mxfp4_nbytes(shape: tuple[int, ...]) -> int:
     for s in shape[:-1]:
         rows *= s
     return rows * (shape[-1] // 2 + shape[-1] // BLOCK)
+
+
+# ---- the SIMT expert kernel's layout (k3lab_kernels.triton.moe_experts, path "simt") ------------------------
+#
+# The same codes, rearranged so the kernel decodes eight of them with 11 integer instructions and no table.
+# Per 32-block of a row (16 packed bytes, codes c[0..31]) four 32-bit words W[j], j = 0..3. Word j carries the
+# code pairs (c[2q], c[2q+1]) for q = 4p + j, p = 0..3 (its "parts"); part p decodes to one f16x2 (c[2q] in the
+# low half) of value e2m1 * 2^-14, the magnitude bits (e1 e0 m) at f16 bits 11..9 and the sign at bit 15 of each
+# half. Where each part's bits sit in the word (per 16-bit half; the high half is the same + 16), and how the
+# kernel takes it out:
+#   p = 0  magnitude 11..9, sign 15    w & 0x8E008E00
+#   p = 1  magnitude  3..1, sign  7    (w << 8) & 0x8E008E00
+#   p = 2  magnitude  6..4, sign  8    ((w << 5) & 0x0E000E00) | ((w << 7) & 0x80008000)
+#   p = 3  magnitude 14..12, sign 0    ((w >> 3) & 0x0E000E00) | ((w << 15) & 0x80008000)
+# The pairs of a word are the activation pairs 4p + j of its block, so the activations a thread needs for a
+# part of four consecutive words are four consecutive pairs (one 16-byte load). Scales are unchanged.
+_KL_SHIFTS = ((9, 12), (1, 4), (4, 5), (12, -3))  # (magnitude shift, sign shift) of part p
+
+
+def to_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """Packed MXFP4 codes [..., K/2] uint8 (this module's layout) -> the SIMT kernel's words [..., K/8] int32."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % (BLOCK // 2):
+        raise ValueError(f"to_kernel_layout: 'packed' must be uint8 [..., K/2] with K % {BLOCK} == 0, got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    lead, nb = packed.shape[:-1], packed.shape[-1] // (BLOCK // 2)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).to(torch.int64)  # [..., K/2, 2]
+    codes = codes.reshape(*lead, nb, 4, 4, 2)  # [.., block, p, j, half]: pair q = 4p + j
+    word = torch.zeros(*lead, nb, 4, dtype=torch.int64, device=packed.device)
+    for p, (ms, ss) in enumerate(_KL_SHIFTS):
+        for h in range(2):
+            c = codes[..., p, :, h]  # [.., block, j]
+            sign = (c & 8) << ss if ss >= 0 else (c & 8) >> -ss
+            word |= (((c & 7) << ms) | sign) << (16 * h)
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
+    return word.to(torch.int32).reshape(*lead, nb * 4).contiguous()
+
+
+def from_kernel_layout(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_kernel_layout`: [..., K/8] int32 -> packed [..., K/2] uint8."""
+    if words.dtype != torch.int32 or words.shape[-1] % 4:
+        raise ValueError(f"from_kernel_layout: 'words' must be int32 [..., K/8] with K % {BLOCK} == 0, got "
+                         f"{words.dtype} {tuple(words.shape)}")
+    lead, nb = words.shape[:-1], words.shape[-1] // 4
+    w = words.to(torch.int64).reshape(*lead, nb, 4) & 0xFFFFFFFF
+    codes = torch.zeros(*lead, nb, 4, 4, 2, dtype=torch.int64, device=words.device)
+    for p, (ms, ss) in enumerate(_KL_SHIFTS):
+        for h in range(2):
+            half = w >> (16 * h)
+            sign = (half >> ss) & 8 if ss >= 0 else (half << -ss) & 8
+            codes[..., p, :, h] = ((half >> ms) & 7) | sign
+    codes = codes.reshape(*lead, nb * 16, 2)
+    return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8).contiguous()

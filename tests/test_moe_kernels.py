@@ -42,7 +42,10 @@ def test_ragged_routing(dtype):
     assert bool((idx == 0).any(1).all()) and not bool((idx == 4).any())
     counts = torch.bincount(idx.flatten(), minlength=24)
     assert counts.max() == 6 and (counts == 1).any() and (counts == 0).any()
-    _check(dtype=dtype, batch=6, routing="ragged", options=dict(path="gemv"))  # grouped: test_tp16_and_blocks
+    # MXFP4: the simt path, four tokens a pass (expert 0's six members take two passes); the others gemv (grouped:
+    # test_tp16_and_blocks)
+    opts = dict(path="simt", block_t=4) if dtype == "mxfp4" else dict(path="gemv")
+    _check(dtype=dtype, batch=6, routing="ragged", options=opts)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
@@ -76,9 +79,10 @@ def test_int32_ids_and_auto_is_reference_on_cpu():
 
 def test_mxfp4_dequant_bit_exact():
     """The kernels' in-register dequantization against k3lab.mxfp4.unpack_mxfp4: quantized weights, and every
-    byte value under scales across the exact window (a row's largest E8M0 in 10..254, its others at most 29
-    below it); a block further below its row's largest counts as zero."""
-    from k3lab_kernels.triton.moe_experts import mxfp4_dequant
+    byte value under scales across the exact window (gemv: a row's largest E8M0 in 10..254, its others at most
+    29 below it, a block further below counting as zero; simt: every scale 0..240, through the kernel layout,
+    which round-trips)."""
+    from k3lab_kernels.triton.moe_experts import mxfp4_dequant, mxfp4_dequant_simt
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, 256, generator=g) * torch.logspace(-8, 3, 32).unsqueeze(1)
@@ -95,6 +99,29 @@ def test_mxfp4_dequant_bit_exact():
     s[2, 1] = s[2, 0] - 30  # beyond the window: that block reads as zeros
     got = mxfp4_dequant(p, s)
     assert not got[2, 32:64].any() and torch.equal(got[2, 64:], mxfp4.unpack_mxfp4(p, s)[2, 64:])
+    # the simt path: its own layout (round trip), its decode and block factor
+    kl = mxfp4.to_kernel_layout(p)
+    assert kl.dtype == torch.int32 and kl.shape == (16, 128) and torch.equal(mxfp4.from_kernel_layout(kl), p)
+    s = torch.randint(0, 241, (16, 32), generator=g, dtype=torch.uint8)
+    s[0, :2] = torch.tensor([0, 240], dtype=torch.uint8)
+    got, want = mxfp4_dequant_simt(kl, s), mxfp4.unpack_mxfp4(p, s)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    w = torch.randn(32, 256, generator=g) * torch.logspace(-8, 3, 32).unsqueeze(1)
+    p, s = mxfp4.pack_mxfp4(w)
+    assert torch.equal(mxfp4_dequant_simt(mxfp4.to_kernel_layout(p), s), mxfp4.unpack_mxfp4(p, s))
+
+
+def test_kernel_layout_cache():
+    """The component converts an MXFP4 stack to the simt layout once and again only after an in-place change."""
+    m = OP.make_inputs(OP.case(batch=1, dtype="mxfp4"), 0, "cpu")["moe"]
+    a = c_moe.kernel_layout(m.w2)
+    assert c_moe.kernel_layout(m.w2) is a and torch.equal(mxfp4.from_kernel_layout(a), m.w2.data)
+    m.w2.data[0, 0, 0] ^= 1
+    b = c_moe.kernel_layout(m.w2)
+    m.w2.data[0, 0, 0] ^= 1
+    assert b is not a and torch.equal(mxfp4.from_kernel_layout(b)[0, 0, 0], m.w2.data[0, 0, 0] ^ 1)
+    with pytest.raises(ValueError, match="'packed'"):
+        mxfp4.to_kernel_layout(torch.zeros(2, 3, dtype=torch.uint8))
 
 
 # ---- argument errors -----------------------------------------------------------------------------------
@@ -117,12 +144,14 @@ def test_triton_argument_errors(name, change):
 
 
 @pytest.mark.parametrize("knob,value,dtype", [("block_n", 48, "bf16"), ("block_n", 16, "mxfp4"),
-                                              ("block_k", 96, "bf16"), ("block_t", 8, "bf16"),
+                                              ("block_t", 3, "mxfp4"), ("block_k", 96, "bf16"), ("block_t", 8, "bf16"),
                                               ("num_warps", 3, "bf16"), ("num_stages", 9, "bf16"),
                                               ("path", "fast", "bf16")])
 def test_knob_errors(knob, value, dtype):
     d = _inp(dtype)
     kw = {knob: value} if knob in ("path", "block_n") else {knob: value, "path": "gemv"}
+    if dtype == "mxfp4" and knob == "block_t":
+        kw["path"] = "simt"
     if knob == "block_n":
         kw["path"] = "grouped"  # block_n 16 is the gemv path's, not MXFP4's on the grouped path
     with pytest.raises(c_moe.MoEArgumentError, match=f"'{knob}'"):
@@ -132,6 +161,8 @@ def test_knob_errors(knob, value, dtype):
     big = OP.make_inputs(OP.case(batch=17), 0, "cpu")  # the gemv path holds at most 16 tokens
     with pytest.raises(c_moe.MoEArgumentError, match="'path'"):
         c_moe.experts(big["z"], big["idx"], big["weights_k"], big["moe"], backend="triton", path="gemv")
+    with pytest.raises(c_moe.MoEArgumentError, match="'path'"):  # simt: MXFP4 only
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="simt")
 
 
 def test_common_argument_errors():

@@ -23,8 +23,11 @@ MoEArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from k3lab import mxfp4
 from k3lab.components import dispatch
 from k3lab.components.dispatch import resolve_backend, write_out
 from k3lab.ref import moe as ref
@@ -121,9 +124,37 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     return y if out is None else out.copy_(y)
 
 
+_kernel_layouts: dict[int, tuple] = {}
+
+
+def kernel_layout(w) -> torch.Tensor:
+    """The SIMT path's copy of an MXFP4 ExpertWeight's codes (k3lab.mxfp4.to_kernel_layout: [E, out, in/8] int32,
+    the same bytes rearranged), made on first use and kept while `w.data` lives and is not modified in place (its
+    version counter). Make the first call outside a CUDA graph capture (it converts the whole stack once)."""
+    d = w.data
+    hit = _kernel_layouts.get(id(d))
+    if hit is not None and hit[0]() is d and hit[1] == d._version:
+        return hit[2]
+    k = mxfp4.to_kernel_layout(d)
+    key = id(d)
+    _kernel_layouts[key] = (weakref.ref(d, lambda _r, key=key: _kernel_layouts.pop(key, None)), d._version, k)
+    return k
+
+
+def prepare(moe: MoEWeights) -> None:
+    """Make the triton backend's per-format copies ahead of time (the MXFP4 kernel layout of w1, w3, w2), e.g.
+    before capturing a CUDA graph; a no-op for bf16 / fp8 experts."""
+    if not isinstance(moe, MoEWeights):
+        raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
+    if moe.w1.fmt == "mxfp4":
+        for w in (moe.w1, moe.w3, moe.w2):
+            kernel_layout(w)
+
+
 def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     """Validate the triton backend's inputs (each named) and build the kernel's arguments."""
-    from k3lab_kernels.triton.moe_experts import BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, GEMV_MAX_BATCH, MAX_BATCH, PATHS
+    from k3lab_kernels.triton.moe_experts import (BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, GEMV_MAX_BATCH, MAX_BATCH, PATHS,
+                                                  SIMT_MAX_BATCH, SIMT_TOKENS)
 
     B, L = z.shape
     dev = z.device
@@ -158,9 +189,10 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     if fmt == "mxfp4" and (I % 32 or L % 32):
         _fail("moe", f"mxfp4 experts need I and L multiples of 32, got I={I}, L={L}")
     path = knobs["path"]
-    if path not in PATHS or (path == "gemv" and B > GEMV_MAX_BATCH):
-        _fail("path", f"must be None or one of {PATHS} ('gemv' for batch <= {GEMV_MAX_BATCH}), got {path!r} at "
-                      f"batch {B}")
+    if (path not in PATHS or (path == "gemv" and B > GEMV_MAX_BATCH)
+            or (path == "simt" and (fmt != "mxfp4" or B > SIMT_MAX_BATCH))):
+        _fail("path", f"must be None or one of {PATHS} ('gemv' for batch <= {GEMV_MAX_BATCH}, 'simt' for MXFP4 "
+                      f"experts and batch <= {SIMT_MAX_BATCH}), got {path!r} at batch {B} ({fmt})")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
                            or (fmt == "mxfp4" and path == "grouped" and bn < 32)):
@@ -170,8 +202,9 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         v = knobs[name]
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1) or L % v):
             _fail(name, f"must be None or a power of two >= {lo} dividing L={L}, got {v!r}")
-    if knobs["block_t"] is not None and knobs["block_t"] not in BLOCK_T_ALLOWED:
-        _fail("block_t", f"must be None or one of {BLOCK_T_ALLOWED}, got {knobs['block_t']!r}")
+    allowed_t = SIMT_TOKENS if path == "simt" else BLOCK_T_ALLOWED
+    if knobs["block_t"] is not None and knobs["block_t"] not in allowed_t:
+        _fail("block_t", f"must be None or one of {allowed_t} on the {path} path, got {knobs['block_t']!r}")
     if knobs["num_warps"] is not None and knobs["num_warps"] not in (1, 2, 4, 8, 16):
         _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {knobs['num_warps']!r}")
     if knobs["num_stages"] is not None and knobs["num_stages"] not in (1, 2, 3, 4, 5):
@@ -180,6 +213,14 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         out = torch.empty(B, L, dtype=torch.float32, device=dev)
     elif out.dtype != torch.float32 or not out.is_contiguous():
         _fail("out", f"must be a contiguous float32 tensor for the triton backend, got {out.dtype}")
+    if path == "simt":
+        if (bn is not None and bn > I) or (knobs["block_l"] is not None and knobs["block_l"] > L):
+            _fail("block_n", f"and block_l must not exceed I={I} and L={L} on the simt path")
+        if knobs["block_k"] is not None and knobs["block_k"] > L:
+            _fail("block_k", f"must not exceed L={L} on the simt path, got {knobs['block_k']}")
+        ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
+        return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt="mxfp4", s1=moe.w1.scale, s3=moe.w3.scale,
+                                                        s2=moe.w2.scale, b1=float(moe.b1), b2=float(moe.b2)))
     return dict(pos=(z, idx, wk, moe.w1.data, moe.w3.data, moe.w2.data, out),
                 kw=dict(fmt=TRITON_FORMATS[fmt], s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale,
                         b1=float(moe.b1), b2=float(moe.b2)))

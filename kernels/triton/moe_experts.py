@@ -437,12 +437,337 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
         tl.atomic_xchg(ws + 64, 0)
 
 
+# ---- the SIMT path (MXFP4, few tokens per expert): CUDA-core dequant-GEMV ---------------------------------
+#
+# No tensor cores, no 16-row padding: a program streams BN rows (w1/w3) or BL rows (w2) of one expert as
+# [rows, NB, 4] int32 tiles (one 16-byte load per row and 32-block: the block's four words in the kernel layout
+# of k3lab.mxfp4.to_kernel_layout), decodes each word to four f16x2 with 11 integer instructions (no table, no
+# conversion unit), multiplies by the activation pairs in f16x2 FMAs (the block's 32 products summed in f16),
+# and adds the block sum times its E8M0 factor into an fp32 accumulator. Up to four member tokens share each
+# decoded word (one accumulator slot each); a group of more tokens loops, re-reading its rows from L2.
+# Activations enter as f16 scaled by 2^6 (z from bf16 in registers, the SiTU activation stored so by role A),
+# the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
+# Exactness: every decoded weight is exact (weight = decoded * 2^14 * 2^(s - 127), s <= 246); the products
+# and the block's sum are f16 (11-bit significand, a product under 2^-14 keeps an absolute error <= 2^-25, i.e.
+# 2^-17 of the true product scale); activations must satisfy |x| < 1023 (2^6 |x| within f16).
+
+def _simt_decode_ptx(w: str) -> list[str]:
+    """PTX: the kernel-layout word in register `w` -> parts d0..d3 (f16x2, e2m1 * 2^-14), temporary t."""
+    return [f"and.b32 d0, {w}, 0x8E008E00;",
+            f"shl.b32 t, {w}, 8;", "and.b32 d1, t, 0x8E008E00;",
+            f"shl.b32 t, {w}, 5;", "and.b32 t, t, 0x0E000E00;", f"shl.b32 d2, {w}, 7;",
+            "and.b32 d2, d2, 0x80008000;", "or.b32 d2, d2, t;",
+            f"shr.u32 t, {w}, 3;", "and.b32 t, t, 0x0E000E00;", f"shl.b32 d3, {w}, 15;",
+            "and.b32 d3, d3, 0x80008000;", "or.b32 d3, d3, t;"]
+
+
+def _simt_asm(tb: int) -> str:
+    """One 32-block of one row for `tb` tokens (pack=4): $0..$3 accumulator slots out (slot t = token t);
+    inputs $4..$7 the block's words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then four
+    copies of the block factor and the four slots in."""
+    f0, a0 = 8 + 16 * tb, 12 + 16 * tb
+    hs = ", ".join(f"h{t}" for t in range(tb))
+    lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
+    lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
+    for j in range(4):
+        lines += _simt_decode_ptx(f"${4 + j}")
+        for t in range(tb):
+            lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
+    for t in range(tb):
+        lines += [f"mov.b32 {{lo, hi}}, h{t};", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
+                  f"fma.rn.f32 ${t}, a, ${f0 + t}, ${a0 + t};"]
+    lines += [f"mov.b32 ${t}, ${a0 + t};" for t in range(tb, 4)]
+    return "\n".join(lines + ["}"])
+
+
+_SIMT_ASM1 = tl.constexpr(_simt_asm(1))
+_SIMT_ASM2 = tl.constexpr(_simt_asm(2))
+_SIMT_ASM4 = tl.constexpr(_simt_asm(4))
+_SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
+_SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
+_SIMT_CONS4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 76))
+_DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
+                                     + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
+                                        "}"]))
+# bf16x2 -> f16x2 of 2^6 x (round to nearest)
+# (the 2^6 is an exponent add on the fp32 bit pattern: a zero or a bf16 subnormal becomes a value under 2^-120,
+# which the conversion rounds to a zero of the same sign, as it rounds 2^6 times the subnormal)
+_TO_F16_ASM = tl.constexpr("""{
+.reg .b32 a, b;
+mad.lo.u32 a, $1, 65536, 0x03000000;
+and.b32 b, $1, 0xFFFF0000;
+add.u32 b, b, 0x03000000;
+cvt.rn.f16x2.f32 $0, b, a;
+}""")
+
+_M0 = tl.constexpr(0x8E008E00 - (1 << 32))
+_MM = tl.constexpr(0x0E000E00)
+_MS = tl.constexpr(0x80008000 - (1 << 32))
+
+
+@triton.jit
+def _simt_parts(w):
+    """The interpreter's decode (the same bit operations as `_simt_decode_ptx`): int32 words -> 4 int32 parts."""
+    d0 = w & _M0
+    d1 = (w << 8) & _M0
+    d2 = ((w << 5) & _MM) | ((w << 7) & _MS)
+    d3 = ((w >> 3) & _MM) | ((w << 15) & _MS)
+    return d0, d1, d2, d3
+
+
+@triton.jit
+def _simt_decode(w, INTERP: tl.constexpr):
+    """Kernel-layout words -> the four parts (f16x2 bits as int32): inline PTX, or the interpreter's twin."""
+    if INTERP:
+        return _simt_parts(w)
+    else:
+        return tl.inline_asm_elementwise(_DECODE_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _f16x2_f32(d):
+    """f16x2 bits (int32, any shape) -> (low, high) as fp32 (interpreter)."""
+    lo = (d & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (d >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _tok_interp(acc, dl, dh, f, x0, x1, x2, x3, t: tl.constexpr):
+    """acc[..., t] += f * one token's products with the decoded parts dl, dh [R, NB, 4, 2, 2] (interpreter,
+    fp32): its part operands stacked the same way."""
+    xl, xh = _f16x2_f32(tl.join(tl.join(x0, x1), tl.join(x2, x3)))
+    bs = tl.sum(tl.sum(tl.sum(dl * xl + dh * xh, axis=4), axis=3), axis=2)
+    return acc + tl.where(tl.arange(0, 4)[None, None, :] == t, (bs * tl.max(f, axis=2))[:, :, None], 0.0)
+
+
+@triton.jit
+def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3,
+              TB: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] (slot t = token t) += block factor f * the block's products for tokens a, b, c, d (the
+    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p, f [R, NB, 4]."""
+    if INTERP:  # the decode once, then each token's products (fp32)
+        d0, d1, d2, d3 = _simt_parts(w)
+        dl, dh = _f16x2_f32(tl.join(tl.join(d0, d1), tl.join(d2, d3)))
+        acc = _tok_interp(acc, dl, dh, f, xa0, xa1, xa2, xa3, 0)
+        if TB >= 2:
+            acc = _tok_interp(acc, dl, dh, f, xb0, xb1, xb2, xb3, 1)
+        if TB >= 4:
+            acc = _tok_interp(acc, dl, dh, f, xc0, xc1, xc2, xc3, 2)
+            acc = _tok_interp(acc, dl, dh, f, xd0, xd1, xd2, xd3, 3)
+        return acc
+    elif TB == 1:
+        return tl.inline_asm_elementwise(_SIMT_ASM1, _SIMT_CONS1, [w, xa0, xa1, xa2, xa3, f, acc],
+                                         dtype=tl.float32, is_pure=True, pack=4)
+    elif TB == 2:
+        return tl.inline_asm_elementwise(_SIMT_ASM2, _SIMT_CONS2,
+                                         [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, f, acc],
+                                         dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_SIMT_ASM4, _SIMT_CONS4,
+                                         [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
+                                          xd0, xd1, xd2, xd3, f, acc], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _to_f16x2(x, INTERP: tl.constexpr):
+    """bf16 pairs (int32 bits) -> f16 pairs of 2^6 x (int32 bits), nearest-even."""
+    if INTERP:
+        lo = ((x << 16).to(tl.float32, bitcast=True) * 64.0).to(tl.float16).to(tl.int16, bitcast=True)
+        hi = ((x & -65536).to(tl.float32, bitcast=True) * 64.0).to(tl.float16).to(tl.int16, bitcast=True)
+        return (hi.to(tl.int32) << 16) | (lo.to(tl.int32) & 0xFFFF)
+    else:
+        return tl.inline_asm_elementwise(_TO_F16_ASM, "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
+    """One token's activation pairs at blocks `blk` as the four part operands [1, NB, 4] (int32 f16x2 bits):
+    pair 16 b + 4 p + j for part p of word j. xp: int32 pairs, `off` the token's row offset (an empty slot
+    points at row 0: finite values whose sums are never stored); CONV: the pairs are bf16 (z), converted to f16
+    of 2^6 z. No mask, so each part is one 16-byte load."""
+    base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 16 + tl.arange(0, 4)[None, None, :]
+    x0 = tl.load(base)
+    x1 = tl.load(base + 4)
+    x2 = tl.load(base + 8)
+    x3 = tl.load(base + 12)
+    if CONV:
+        if INTERP:  # one conversion of the four (fewer interpreted calls)
+            x01, x23 = tl.split(_to_f16x2(tl.join(tl.join(x0, x1), tl.join(x2, x3)), INTERP))
+            x0, x1 = tl.split(x01)
+            x2, x3 = tl.split(x23)
+        else:
+            x0, x1, x2, x3 = (_to_f16x2(x0, INTERP), _to_f16x2(x1, INTERP), _to_f16x2(x2, INTERP),
+                              _to_f16x2(x3, INTERP))
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _slot(v, t: tl.constexpr):
+    """Element t of a [4] tensor as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, 4) == t, v, 0), axis=0)
+
+
+@triton.jit
+def _simt_step(acc, wp, sp, rows, blk, C: tl.constexpr, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
+               xd0, xd1, xd2, xd3, TB: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] += the blocks `blk` of rows `rows` of one kernel-layout MXFP4 matrix ([*, C] logical)
+    times the tokens' part operands (`_xparts`)."""
+    w = tl.load(wp + rows[:, None, None] * (C // 8) + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    s = tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)  # [R, NB] (a 3D load here would set
+    f = tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)  # the layout)
+    return _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3, TB,
+                     INTERP)
+
+
+@triton.jit
+def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, oc, od,
+               TWO: tl.constexpr, CONV: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] += rows `rows` of one kernel-layout MXFP4 matrix ([*, C] logical) times the tokens'
+    activations (row offsets o?) over all C columns, NB 32-blocks a step; TWO: acc3 the same for a second matrix
+    (wp3, sp3) on the same activations (w1 and w3: one load and conversion of z for both)."""
+    for c0 in range(0, C // 32, NB):
+        blk = c0 + tl.arange(0, NB)
+        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        xc0, xc1, xc2, xc3 = xa0, xa1, xa2, xa3
+        xd0, xd1, xd2, xd3 = xa0, xa1, xa2, xa3
+        if TB >= 2:
+            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+        if TB >= 4:
+            xc0, xc1, xc2, xc3 = _xparts(xp, oc, blk, CONV, INTERP)
+            xd0, xd1, xd2, xd3 = _xparts(xp, od, blk, CONV, INTERP)
+        acc = _simt_step(acc, wp, sp, rows, blk, C, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
+                         xd0, xd1, xd2, xd3, TB, INTERP)
+        if TWO:
+            acc3 = _simt_step(acc3, wp3, sp3, rows, blk, C, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2,
+                              xc3, xd0, xd1, xd2, xd3, TB, INTERP)
+    return acc, acc3
+
+
+@triton.jit
+def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexpr):
+    """Members t0 .. t0+TB-1 of a group in four slots (slots >= TB invalid): token, weight, pair, validity."""
+    tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, 4)
+    return tok, w_t, q, ok & (tl.arange(0, 4) < TB)
+
+
+@triton.jit
+def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+             KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+    """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
+    (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if leader:
+        # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
+        # the pointer's defining op; on a function argument it would be lost)
+        w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
+        w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
+        s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
+        rows = n * BN + tl.arange(0, BN)
+        for t0 in range(0, cnt, TB):
+            tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
+            offs = tl.where(ok, tok, 0) * (L // 2)
+            oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
+            g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
+                              s3e, zi, rows, L, NB, oa, ob, oc, od, True, True, TB, INTERP)
+            a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
+            tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
+
+
+@triton.jit
+def _simt_down(idx, wk, w2, s2, acti, y, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+               KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
+               INTERP: tl.constexpr):
+    """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
+    (token b, pair q_b), fp32 atomics."""
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if leader:
+        w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
+        lr = lt * BL + tl.arange(0, BL)
+        for t0 in range(0, cnt, TB):
+            tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
+            offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
+            oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
+            o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
+                               s2e, acti, lr, I, NB2, oa, ob, oc, od, False, False, TB, INTERP)
+            tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NPROG,
+                     L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                     BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+    """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
+    (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles). ws as there."""
+    t = tl.atomic_add(ws, 1, sem="relaxed")
+    if t < NA:
+        zc = t * 1024 + tl.arange(0, 1024)
+        for z0 in range(0, B * L, NA * 1024):
+            tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
+        _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB, TB,
+                 B1, B2, INTERP)
+        tl.debug_barrier()
+        tl.atomic_add(ws + 32, 1, sem="release")
+    else:
+        done = tl.atomic_add(ws + 32, 0, sem="acquire")
+        spins = 0
+        while (done < NA) & (spins < 100000):
+            done = tl.atomic_add(ws + 32, 0, sem="acquire")
+            spins += 1
+        tl.debug_barrier()
+        tb = t - NA
+        _simt_down(idx, wk, w2, s2, acti, y, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL, NB2, TB,
+                   INTERP)
+    if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
+        tl.atomic_xchg(ws, 0)
+        tl.atomic_xchg(ws + 32, 0)
+        tl.atomic_xchg(ws + 64, 0)
+
+
+@triton.jit
+def _simt_dequant_kernel(w, s, out, C: tl.constexpr, INTERP: tl.constexpr):
+    """Row r of a kernel-layout matrix [R, C] through the SIMT path's decode and block factor (tests): out[r, c]
+    = decoded * 2^14 * 2^(s - 127) in fp32 at the natural column c."""
+    r = tl.program_id(0)
+    nb = tl.arange(0, C // 32)
+    words = tl.load(w + r * (C // 8) + nb[:, None] * 4 + tl.arange(0, 4)[None, :])  # [NB, 4]
+    f = (((tl.load(s + r * (C // 32) + nb).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True))[:, None]
+    d0, d1, d2, d3 = _simt_decode(words, INTERP)
+    o = out + r * C + nb[:, None] * 32 + 2 * tl.arange(0, 4)[None, :]  # word j part p: column 32 b + 2 (4 p + j)
+    _store_pair(o, d0, f)
+    _store_pair(o + 8, d1, f)
+    _store_pair(o + 16, d2, f)
+    _store_pair(o + 24, d3, f)
+
+
+@triton.jit
+def _store_pair(o, d, f):
+    lo, hi = _f16x2_f32(d)
+    tl.store(o, lo * f)
+    tl.store(o + 1, hi * f)
+
+
+def mxfp4_dequant_simt(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Kernel-layout words [R, C/8] int32 + scales [R, C/32] uint8 -> [R, C] fp32 through the SIMT path's
+    decode (C a power of two >= 32)."""
+    R, C = words.shape[0], words.shape[1] * 8
+    out = torch.empty(R, C, dtype=torch.float32, device=words.device)
+    _simt_dequant_kernel[(R,)](words.contiguous(), scales.contiguous(), out, C=C, INTERP=dot_f32())
+    return out
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 GEMV_MAX_BATCH = 16
-PATHS = ("gemv", "grouped")
+SIMT_MAX_BATCH = 64
+SIMT_TOKENS = (1, 2, 4)
+PATHS = ("gemv", "grouped", "simt")
 
 
 def default_path(B: int, fmt: str) -> str:
@@ -452,8 +777,8 @@ def default_path(B: int, fmt: str) -> str:
     same16); everything else the grouped tensor-core kernel."""
     if fmt == "fp8" and B <= GEMV_MAX_BATCH:
         return "gemv"
-    if fmt == "mxfp4" and B == 1:
-        return "gemv"
+    if fmt == "mxfp4" and B <= SIMT_MAX_BATCH:
+        return "simt"
     return "grouped"
 
 
@@ -465,6 +790,15 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     grouped: BN = 64 intermediate rows a program (bf16 and MXFP4 at every batch; fp8 32 at batch <= 4), BK
     (bf16 128, fp8 and MXFP4 256), BL = 128 rows of w2 a step, BT = 16 tokens a tile, 4 warps (MXFP4 8), 3 stages."""
     path = path or default_path(B, fmt)
+    if path == "simt":
+        nb = 16
+        while (L // 32) % nb:
+            nb //= 2
+        nb2 = 4
+        while (I // 32) % nb2:
+            nb2 //= 2
+        return dict(block_n=min(32, I), block_k=32 * nb, block_l=min(64, L & -L), block_t=1 if B == 1 else 2,
+                    num_warps=4, num_stages=1, block_i=32 * nb2)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256, "mxfp4": 512}[fmt]
@@ -517,6 +851,15 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
     sc = [t if t is not None else dummy for t in (s1, s3, s2)]
     common = dict(L=L, I=I, K=K, KP=_pow2(K), FMT=FORMATS.index(fmt), BN=bn, BK=bk, BL=bl, B1=float(b1),
                   B2=float(b2), num_warps=nw, num_stages=ns)
+    if path == "simt":
+        ws, act = workspace(z.device, B * K, I, torch.float16)
+        na = B * K * (I // bn)
+        nprog = na + B * K * (L // bl)
+        _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
+                                   B, na, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
+                                   NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
+                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), num_warps=nw, num_stages=ns)
+        return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
         na = B * K * (I // bn)
