@@ -16,15 +16,23 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
   * Head padding: tl.dot needs M >= 16, so both forms run tensor-core tiles. Unpadded, the T*H rows are
     packed densely and masked up to BM; pad_heads=16 lays each position's heads out as 16 rows.
   * The piece: the shard's visible positions of sequence b are cut into P contiguous chunks of
-    ceil(n / P) rounded up to a multiple of BN (ragged batches: each sequence is cut by its own length).
-    A piece with no positions (short history, many partitions, DCP shard past the history) writes an
-    empty partial: o = 0, lse = -inf (never NaN: the running max is guarded).
+    ceil(n / P) rounded up to a multiple of BN. With the longest history n_max known on the host (the
+    component passes it) n = ceil(n_max / NS) for every sequence, so a program knows its piece before it
+    has read lengths[b] and loads its first page indices at once (one dependent DRAM round trip fewer);
+    otherwise each sequence is cut by its own length. A piece with no positions (short history, many
+    partitions, DCP shard past the history) writes an empty partial: o = 0, lse = -inf (never NaN: the
+    running max is guarded).
   * Per block of BN positions: the block's rows are gathered (contiguous: b * S_max + s; paged: page =
     block_table[b, s // PAGE], row page * PAGE + s % PAGE), each row 1152 contiguous bytes in bf16
     (576 in fp8) loaded as a [BN, C] and a [BN, Dr] tile (16-byte vectors: the row stride 576 is a
     constexpr), used for BOTH products: S = Q_lat C^T + Q_rope Kr^T (fp32, tensor cores), online softmax
     in fp32 (exp2), acc += P C (P rounded to bf16 for the tensor-core product, acc fp32). The loads stay
     inside the visible range (masked), so garbage past a sequence (other pages, NaN) is never read.
+  * Pipelining: with the page index loaded inside the block loop Triton's pipeliner keeps ONE buffer of rows
+    (the next block's copy waits for the index). Where a block lies in one page (page % BN == 0, no DCP) and
+    a piece has >= 4 blocks, the piece's page indices are loaded NPG = 64 at a time before the block loop
+    (the block's index is picked from registers), and num_stages = 3 double-buffers the rows: one block
+    streams while the previous one is multiplied.
   * fp8 e4m3 cache: the tile is converted to bf16 in registers (exact). Scale scheme: PER-TENSOR, one fp32
     scale (0-d tensor, read in the kernel: no host sync) folded into the score scale and applied to o
     once at the end; PER-TOKEN, one fp32 scale per cache row ([B, S_max] contiguous, [n_pages, PAGE]
@@ -35,12 +43,14 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     of ceil(n / N) (contiguous) of each sequence; its programs are exactly what one GPU of DCP-N runs
     over its local positions (all heads, its own P pieces). Partial k = r * P + p.
   Output: the partials o [B, K, T, H, C] fp32 (normalized) and lse [B, K, T, H] fp32, K = NS * P; with
-  K = 1 the kernel writes o_lat / lse directly and there is no second kernel.
+  K = 1 the kernel writes o_lat / lse directly and there is no second kernel. With PDL (default on) each
+  program lets the merge / combine launch once its partial is stored.
 
 Kernel 2, `_mla_merge_kernel` (K > 1): o = sum_k exp(lse_k - lse) o_k with lse = log sum_k exp(lse_k),
-32 partials a step; empty partials weigh 0. Grid (B*T*H / RB, C / BC): on a GPU one (b, t, h) row and
-128 columns a program (48 programs at batch 1, 12 heads). (k3lab.components.mla.verify skips it:
-k3lab_kernels.triton.mla_combine merges the partials inside the combine with Wuv and the gate.)
+one pass with a running max; empty partials weigh 0. Grid (B*T*H / RB, C / BC): on a GPU one (b, t, h)
+row and 32 columns a program (192 programs at batch 1, 12 heads), up to 256 partials in one step: one L2
+round trip for K <= 256. (k3lab.components.mla.verify skips it: k3lab_kernels.triton.mla_combine merges
+the partials inside the combine with Wuv and the gate.)
 
 Floor (bytes that must move, per call; cache bytes read once per sequence):
   cache   sum_b (lengths[b] + T) * 576 * e    (e = 2 bf16, 1 fp8; + 4 per position with per-token scales)
@@ -49,8 +59,9 @@ Floor (bytes that must move, per call; cache bytes read once per sequence):
   (2.05 us); 32K 37.7 MB (8.2 us); 128K 151 MB (32.8 us); batch 64 at 8K 604 MB (131 us).
 The partials (K * B*T*H*513*4 bytes written then read: 3.1 MB at batch 1, K = 128, 12 heads; L2-resident)
 are the split's price. No measured figure is quoted here: docs/NOTES_mla.md.
-Grid sizing: at batch 1 the partitions fill the GPU (the automatic choice, `default_partitions`, aims at
-two programs per SM of 132, at most 128 pieces of >= 2 blocks each); at batch 64 a few pieces suffice.
+Grid sizing: at batch 1 the partitions fill the GPU (the automatic choice, `default_partitions`: one block a
+piece up to one program an SM, two programs an SM once pieces keep >= 4 blocks); at batch 64 a few pieces
+suffice.
 """
 from __future__ import annotations
 
@@ -396,13 +407,14 @@ def default_num_warps(BM: int) -> int:
 
 def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads: int = 0, dcp: int = 1,
                        block_n: int | None = None, block_m: int | None = None, sms: int | None = None) -> int:
-    """The automatic partition count, from the H200 sweeps (docs/NOTES_mla.md). The split kernel holds ~250
-    registers a thread, so an SM runs two of its programs at most ("slots" = 2 * SMs / (B * dcp * G)
-    programs per sequence and row group), and its loop is latency-bound (~2 us a block): more, shorter pieces
-    win until the merge's cost (K partials of 24.6 KB at 12 heads) takes over. The rule: one block a piece up to
-    one program an SM (slots / 2 pieces); all the slots only when each piece still gets >= 4 blocks. Measured at
-    batch 1 (1K: 33 pieces; 8K: 128; 32K: 128; 128K: 256 best) and batch 64 (4). Host values only (n_max = the
-    longest visible history, max(lengths) + T): no device sync."""
+    """The automatic partition count, from the H200 sweeps (docs/NOTES_mla.md). The split kernel holds ~210
+    registers a thread and ~93 KB of shared memory double-buffered, so an SM runs two of its programs at most
+    ("slots" = 2 * SMs / (B * dcp * G) programs per sequence and row group), and at small batch it is
+    latency-bound: more, shorter pieces win until the merge's cost (K partials of 24.6 KB at 12 heads) takes
+    over. The rule: one block a piece up to one program an SM (slots / 2 pieces); all the slots only when each
+    piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
+    (docs/NOTES_mla.md). Host values only (n_max = the longest visible history, max(lengths) + T): no device
+    sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
