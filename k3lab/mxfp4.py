@@ -126,21 +126,30 @@ _KL_SHIFTS = ((9, 12), (1, 4), (4, 5), (12, -3))  # (magnitude shift, sign shift
 
 
 def to_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
-    """Packed MXFP4 codes [..., K/2] uint8 (this module's layout) -> the SIMT kernel's words [..., K/8] int32."""
-    if packed.dtype != torch.uint8 or packed.shape[-1] % (BLOCK // 2):
+    """Packed MXFP4 codes [..., K/2] uint8 (this module's layout) -> the SIMT kernel's words [..., K/8] int32
+    (converted in slices of rows, so a GPU stack of gigabytes needs little scratch)."""
+    if packed.dtype != torch.uint8 or packed.dim() < 1 or packed.shape[-1] % (BLOCK // 2):
         raise ValueError(f"to_kernel_layout: 'packed' must be uint8 [..., K/2] with K % {BLOCK} == 0, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
-    lead, nb = packed.shape[:-1], packed.shape[-1] // (BLOCK // 2)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).to(torch.int64)  # [..., K/2, 2]
-    codes = codes.reshape(*lead, nb, 4, 4, 2)  # [.., block, p, j, half]: pair q = 4p + j
-    word = torch.zeros(*lead, nb, 4, dtype=torch.int64, device=packed.device)
+    flat = packed.reshape(-1, packed.shape[-1])
+    out = torch.empty(flat.shape[0], flat.shape[1] // 4, dtype=torch.int32, device=packed.device)
+    step = max(1, (1 << 22) // max(1, flat.shape[1]))
+    for r0 in range(0, flat.shape[0], step):
+        out[r0:r0 + step] = _to_kl_rows(flat[r0:r0 + step])
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] // 4)
+
+
+def _to_kl_rows(packed: torch.Tensor) -> torch.Tensor:
+    rows, nb = packed.shape[0], packed.shape[1] // (BLOCK // 2)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).to(torch.int32)  # [rows, K/2, 2]
+    codes = codes.reshape(rows, nb, 4, 4, 2)  # [row, block, p, j, half]: pair q = 4p + j
+    word = torch.zeros(rows, nb, 4, dtype=torch.int32, device=packed.device)
     for p, (ms, ss) in enumerate(_KL_SHIFTS):
         for h in range(2):
-            c = codes[..., p, :, h]  # [.., block, j]
+            c = codes[..., p, :, h]  # [row, block, j]
             sign = (c & 8) << ss if ss >= 0 else (c & 8) >> -ss
-            word |= (((c & 7) << ms) | sign) << (16 * h)
-    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
-    return word.to(torch.int32).reshape(*lead, nb * 4).contiguous()
+            word |= (((c & 7) << ms) | sign) << (16 * h)  # int32: bit 31 wraps to the sign, as intended
+    return word.reshape(rows, nb * 4)
 
 
 def from_kernel_layout(words: torch.Tensor) -> torch.Tensor:

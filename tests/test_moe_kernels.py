@@ -42,9 +42,10 @@ def test_ragged_routing(dtype):
     assert bool((idx == 0).any(1).all()) and not bool((idx == 4).any())
     counts = torch.bincount(idx.flatten(), minlength=24)
     assert counts.max() == 6 and (counts == 1).any() and (counts == 0).any()
-    # MXFP4: the simt path, four tokens a pass (expert 0's six members take two passes); the others gemv (grouped:
-    # test_tp16_and_blocks)
-    opts = dict(path="simt", block_t=4) if dtype == "mxfp4" else dict(path="gemv")
+    # MXFP4 and fp8: the simt path, four / two tokens a pass (expert 0's six members take two / three passes; fp8
+    # persistent, two programs a multiprocessor); bf16 gemv (grouped: test_tp16_and_blocks)
+    opts = dict(gemv=dict(path="gemv"), mxfp4=dict(path="simt", block_t=4),
+                fp8=dict(path="simt", block_t=2, persist=2))[dtype if dtype != "bf16" else "gemv"]
     _check(dtype=dtype, batch=6, routing="ragged", options=opts)
 
 
@@ -61,8 +62,10 @@ def test_same_experts_for_every_token(dtype):
 
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_tp16_and_blocks(dtype):
-    _check(dtype=dtype, batch=4, tp=16, inter=512, routing="ragged",
-           options=dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4))
+    opts = dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4)
+    if dtype == "mxfp4":  # the rule's path (simt), one token a pass
+        opts["block_t"] = 1
+    _check(dtype=dtype, batch=4, tp=16, inter=512, routing="ragged", options=opts)
 
 
 def test_int32_ids_and_auto_is_reference_on_cpu():

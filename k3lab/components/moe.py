@@ -17,7 +17,8 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
   auto                       data/moe_defaults.json (measured), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel, batch <= 16; "grouped": the tensor-core kernel;
 None: the kernel's rule by format and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t,
-num_warps, num_stages (None: the kernel's tiles for the path). `check_values=False` skips the host-side check that
+num_warps, num_stages, persist (None: the kernel's tiles for the path; persist: programs per SM on the simt
+path, 0 one item a program). `check_values=False` skips the host-side check that
 idx holds valid ids (a device sync): pass it on timed or graph-captured paths. Argument errors are
 MoEArgumentError (a ValueError) naming the argument.
 """
@@ -78,7 +79,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             backend: str = "reference", out: torch.Tensor | None = None, check_values: bool = True,
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None, ran: list | None = None) -> torch.Tensor:
+            num_stages: int | None = None, persist: int | None = None, ran: list | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
@@ -97,7 +98,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
-                 num_stages=num_stages)
+                 num_stages=num_stages, persist=persist)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
     if be == "triton":
@@ -190,9 +191,11 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         _fail("moe", f"mxfp4 experts need I and L multiples of 32, got I={I}, L={L}")
     path = knobs["path"]
     if (path not in PATHS or (path == "gemv" and B > GEMV_MAX_BATCH)
-            or (path == "simt" and (fmt != "mxfp4" or B > SIMT_MAX_BATCH))):
-        _fail("path", f"must be None or one of {PATHS} ('gemv' for batch <= {GEMV_MAX_BATCH}, 'simt' for MXFP4 "
-                      f"experts and batch <= {SIMT_MAX_BATCH}), got {path!r} at batch {B} ({fmt})")
+            or (path == "simt" and (fmt == "dense" or B > SIMT_MAX_BATCH))):
+        _fail("path", f"must be None or one of {PATHS} ('gemv' for batch <= {GEMV_MAX_BATCH}, 'simt' for fp8 or "
+                      f"MXFP4 experts and batch <= {SIMT_MAX_BATCH}), got {path!r} at batch {B} ({fmt})")
+    if path == "simt" and fmt == "fp8" and (I % 16 or L % 16):
+        _fail("moe", f"fp8 experts on the simt path need I and L multiples of 16, got I={I}, L={L}")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
                            or (fmt == "mxfp4" and path == "grouped" and bn < 32)):
@@ -207,6 +210,11 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         _fail("block_t", f"must be None or one of {allowed_t} on the {path} path, got {knobs['block_t']!r}")
     if knobs["num_warps"] is not None and knobs["num_warps"] not in (1, 2, 4, 8, 16):
         _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {knobs['num_warps']!r}")
+    p_ = knobs["persist"]
+    if p_ is not None and (isinstance(p_, bool) or not isinstance(p_, int) or not 0 <= p_ <= 64
+                           or (p_ and path != "simt")):
+        _fail("persist", f"must be None or 0..64 programs per multiprocessor (the simt path only; 0: one item a "
+                         f"program), got {p_!r} on the {path} path")
     if knobs["num_stages"] is not None and knobs["num_stages"] not in (1, 2, 3, 4, 5):
         _fail("num_stages", f"must be None or one of 1..5, got {knobs['num_stages']!r}")
     if out is None:
@@ -218,8 +226,11 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
             _fail("block_n", f"and block_l must not exceed I={I} and L={L} on the simt path")
         if knobs["block_k"] is not None and knobs["block_k"] > L:
             _fail("block_k", f"must not exceed L={L} on the simt path, got {knobs['block_k']}")
-        ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
-        return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt="mxfp4", s1=moe.w1.scale, s3=moe.w3.scale,
+        if fmt == "fp8":
+            ws = (moe.w1.data, moe.w3.data, moe.w2.data)
+        else:
+            ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
+        return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt=TRITON_FORMATS[fmt], s1=moe.w1.scale, s3=moe.w3.scale,
                                                         s2=moe.w2.scale, b1=float(moe.b1), b2=float(moe.b2)))
     return dict(pos=(z, idx, wk, moe.w1.data, moe.w3.data, moe.w2.data, out),
                 kw=dict(fmt=TRITON_FORMATS[fmt], s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale,

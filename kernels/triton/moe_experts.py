@@ -461,18 +461,27 @@ def _simt_decode_ptx(w: str) -> list[str]:
             "and.b32 d3, d3, 0x80008000;", "or.b32 d3, d3, t;"]
 
 
-def _simt_asm(tb: int) -> str:
-    """One 32-block of one row for `tb` tokens (pack=4): $0..$3 accumulator slots out (slot t = token t);
-    inputs $4..$7 the block's words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then four
-    copies of the block factor and the four slots in."""
-    f0, a0 = 8 + 16 * tb, 12 + 16 * tb
+def _simt_decode8_ptx(w: str) -> list[str]:
+    """PTX: a word of four e4m3 bytes in register `w` -> d0 = (byte 0, byte 2), d1 = (byte 1, byte 3) as f16x2
+    of e4m3 * 2^-8 (exact, subnormals included: the exponent and mantissa bits moved under f16's), temporary t."""
+    return [f"shl.b32 t, {w}, 7;", "and.b32 d0, t, 0x3F803F80;", f"shl.b32 t, {w}, 8;", "and.b32 t, t, 0x80008000;",
+            "or.b32 d0, d0, t;",
+            f"shr.u32 t, {w}, 1;", "and.b32 d1, t, 0x3F803F80;", f"and.b32 t, {w}, 0x80008000;", "or.b32 d1, d1, t;"]
+
+
+def _simt_asm(tb: int, fmt: int = 2) -> str:
+    """One block of one row for `tb` tokens (pack=4): $0..$3 accumulator slots out (slot t = token t);
+    inputs $4..$7 the block's words, then token t's activation pairs: MXFP4 (fmt 2) 8 + 16t + 4p + j for part
+    p of word j, fp8 (fmt 1) 8 + 8t + 4p + j; then four copies of the block factor and the four slots in."""
+    nx = 16 if fmt == 2 else 8
+    f0, a0 = 8 + nx * tb, 12 + nx * tb
     hs = ", ".join(f"h{t}" for t in range(tb))
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
     lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
     for j in range(4):
-        lines += _simt_decode_ptx(f"${4 + j}")
+        lines += _simt_decode_ptx(f"${4 + j}") if fmt == 2 else _simt_decode8_ptx(f"${4 + j}")
         for t in range(tb):
-            lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
+            lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + nx * t + 4 * p + j}, h{t};" for p in range(nx // 4)]
     for t in range(tb):
         lines += [f"mov.b32 {{lo, hi}}, h{t};", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
                   f"fma.rn.f32 ${t}, a, ${f0 + t}, ${a0 + t};"]
@@ -486,6 +495,12 @@ _SIMT_ASM4 = tl.constexpr(_simt_asm(4))
 _SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 _SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
 _SIMT_CONS4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 76))
+_SIMT8_ASM1 = tl.constexpr(_simt_asm(1, 1))
+_SIMT8_ASM2 = tl.constexpr(_simt_asm(2, 1))
+_SIMT8_ASM4 = tl.constexpr(_simt_asm(4, 1))
+_SIMT8_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 20))
+_SIMT8_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
+_SIMT8_CONS4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
 _DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
                                      + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
                                         "}"]))
@@ -500,7 +515,21 @@ add.u32 b, b, 0x03000000;
 cvt.rn.f16x2.f32 $0, b, a;
 }""")
 
+# two bf16 pairs (z0, z1), (z2, z3) -> f16x2 (z0, z2) and (z1, z3) of 2^6 z: the fp8 decode's pairing
+_TO_F16_8_ASM = tl.constexpr("""{
+.reg .b32 a0, a1, a2, a3;
+mad.lo.u32 a0, $2, 65536, 0x03000000;
+and.b32 a1, $2, 0xFFFF0000;
+add.u32 a1, a1, 0x03000000;
+mad.lo.u32 a2, $3, 65536, 0x03000000;
+and.b32 a3, $3, 0xFFFF0000;
+add.u32 a3, a3, 0x03000000;
+cvt.rn.f16x2.f32 $0, a2, a0;
+cvt.rn.f16x2.f32 $1, a3, a1;
+}""")
+
 _M0 = tl.constexpr(0x8E008E00 - (1 << 32))
+_M8 = tl.constexpr(0x3F803F80)
 _MM = tl.constexpr(0x0E000E00)
 _MS = tl.constexpr(0x80008000 - (1 << 32))
 
@@ -513,6 +542,14 @@ def _simt_parts(w):
     d2 = ((w << 5) & _MM) | ((w << 7) & _MS)
     d3 = ((w >> 3) & _MM) | ((w << 15) & _MS)
     return d0, d1, d2, d3
+
+
+@triton.jit
+def _simt_parts8(w):
+    """The interpreter's fp8 decode (the same bit operations as `_simt_decode8_ptx`)."""
+    d0 = ((w << 7) & _M8) | ((w << 8) & _MS)
+    d1 = ((w >> 1) & _M8) | (w & _MS)
+    return d0, d1
 
 
 @triton.jit
@@ -544,9 +581,31 @@ def _tok_interp(acc, dl, dh, f, x0, x1, x2, x3, t: tl.constexpr):
 
 @triton.jit
 def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3,
-              TB: tl.constexpr, INTERP: tl.constexpr):
+              TB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
     """acc [R, NB, 4] (slot t = token t) += block factor f * the block's products for tokens a, b, c, d (the
-    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p, f [R, NB, 4]."""
+    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p (fp8: parts 0 and 1; the
+    other two are not read), f [R, NB, 4]."""
+    if FMT == 1:
+        if INTERP:
+            d0, d1 = _simt_parts8(w)
+            dl, dh = _f16x2_f32(tl.join(tl.join(d0, d1), tl.join(d0, d1) * 0))
+            acc = _tok_interp(acc, dl, dh, f, xa0, xa1, xa0, xa1, 0)
+            if TB >= 2:
+                acc = _tok_interp(acc, dl, dh, f, xb0, xb1, xb0, xb1, 1)
+            if TB >= 4:
+                acc = _tok_interp(acc, dl, dh, f, xc0, xc1, xc0, xc1, 2)
+                acc = _tok_interp(acc, dl, dh, f, xd0, xd1, xd0, xd1, 3)
+            return acc
+        elif TB == 1:
+            return tl.inline_asm_elementwise(_SIMT8_ASM1, _SIMT8_CONS1, [w, xa0, xa1, f, acc], dtype=tl.float32,
+                                             is_pure=True, pack=4)
+        elif TB == 2:
+            return tl.inline_asm_elementwise(_SIMT8_ASM2, _SIMT8_CONS2, [w, xa0, xa1, xb0, xb1, f, acc],
+                                             dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_SIMT8_ASM4, _SIMT8_CONS4, [w, xa0, xa1, xb0, xb1, xc0, xc1, xd0, xd1,
+                                                                         f, acc], dtype=tl.float32, is_pure=True,
+                                             pack=4)
     if INTERP:  # the decode once, then each token's products (fp32)
         d0, d1, d2, d3 = _simt_parts(w)
         dl, dh = _f16x2_f32(tl.join(tl.join(d0, d1), tl.join(d2, d3)))
@@ -582,12 +641,32 @@ def _to_f16x2(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
-    """One token's activation pairs at blocks `blk` as the four part operands [1, NB, 4] (int32 f16x2 bits):
-    pair 16 b + 4 p + j for part p of word j. xp: int32 pairs, `off` the token's row offset (an empty slot
-    points at row 0: finite values whose sums are never stored); CONV: the pairs are bf16 (z), converted to f16
-    of 2^6 z. No mask, so each part is one 16-byte load."""
-    base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 16 + tl.arange(0, 4)[None, None, :]
+def _xparts(xp, off, blk, CONV: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+    """One token's activation pairs at blocks `blk` as the part operands [1, NB, 4] (int32 f16x2 bits). xp:
+    int32 pairs, `off` the token's row offset (an empty slot points at a written row: finite values whose sums
+    are never stored); CONV: the pairs are bf16 (z), converted to f16 of 2^6 z, else f16 already (the SiTU
+    activation as role A stored it). MXFP4: part p of word j is pair 16 b + 4 p + j (one 16-byte load a part).
+    fp8 (16-column blocks): part 0 of word j is (x[16 b + 4 j], x[.. + 2]), part 1 (x[.. + 1], x[.. + 3]); z is
+    loaded as its natural pairs 8 b + 2 j (+1) and re-paired in the conversion, the activation was stored in
+    that order (`_act_col`: parts 0 at pairs 8 b + j, parts 1 at 8 b + 4 + j)."""
+    j = tl.arange(0, 4)[None, None, :]
+    if FMT == 1:
+        if CONV:
+            base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 8 + 2 * j
+            pe = tl.load(base)
+            po = tl.load(base + 1)
+            if INTERP:
+                x0 = ((_to_f16x2(po, INTERP) << 16) | (_to_f16x2(pe, INTERP) & 0xFFFF))
+                x1 = ((_to_f16x2(po, INTERP) & -65536) | ((_to_f16x2(pe, INTERP) >> 16) & 0xFFFF))
+            else:
+                x0, x1 = tl.inline_asm_elementwise(_TO_F16_8_ASM, "=r,=r,r,r", [pe, po], dtype=(tl.int32, tl.int32),
+                                                   is_pure=True, pack=1)
+        else:
+            base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 8 + j
+            x0 = tl.load(base)
+            x1 = tl.load(base + 4)
+        return x0, x1, x0, x1
+    base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 16 + j
     x0 = tl.load(base)
     x1 = tl.load(base + 4)
     x2 = tl.load(base + 8)
@@ -604,6 +683,16 @@ def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _act_col(c, FMT: tl.constexpr):
+    """Where role A stores activation column c (the f16 index in its row): MXFP4 c; fp8 re-paired per 16
+    columns for `_xparts` (4 j + 0, 2 -> 2 j + 0, 1; 4 j + 1, 3 -> 8 + 2 j + 0, 1)."""
+    if FMT == 1:
+        return (c & -16) + 8 * (c & 1) + 2 * ((c & 15) >> 2) + ((c & 3) >> 1)
+    else:
+        return c
+
+
+@triton.jit
 def _slot(v, t: tl.constexpr):
     """Element t of a [4] tensor as a scalar."""
     return tl.sum(tl.where(tl.arange(0, 4) == t, v, 0), axis=0)
@@ -611,38 +700,43 @@ def _slot(v, t: tl.constexpr):
 
 @triton.jit
 def _simt_step(acc, wp, sp, rows, blk, C: tl.constexpr, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-               xd0, xd1, xd2, xd3, TB: tl.constexpr, INTERP: tl.constexpr):
-    """acc [R, NB, 4] += the blocks `blk` of rows `rows` of one kernel-layout MXFP4 matrix ([*, C] logical)
-    times the tokens' part operands (`_xparts`)."""
-    w = tl.load(wp + rows[:, None, None] * (C // 8) + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
-    s = tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)  # [R, NB] (a 3D load here would set
-    f = tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)  # the layout)
+               xd0, xd1, xd2, xd3, TB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] += the blocks `blk` (32 columns MXFP4, 16 fp8) of rows `rows` of one matrix ([*, C]
+    logical; MXFP4 in the kernel layout, fp8 as stored) times the tokens' part operands (`_xparts`)."""
+    WPR: tl.constexpr = C // 8 if FMT == 2 else C // 4  # words a row
+    w = tl.load(wp + rows[:, None, None] * WPR + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    if FMT == 2:
+        s = tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)  # [R, NB] (a 3D load here would
+        f = tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)  # set the layout)
+    else:
+        f = tl.full(w.shape, 4.0, tl.float32)  # e4m3 * 2^-8 times 2^6 x: 2^2 (the channel scale: the caller's)
     return _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3, TB,
-                     INTERP)
+                     FMT, INTERP)
 
 
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, oc, od,
-               TWO: tl.constexpr, CONV: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
-    """acc [R, NB, 4] += rows `rows` of one kernel-layout MXFP4 matrix ([*, C] logical) times the tokens'
-    activations (row offsets o?) over all C columns, NB 32-blocks a step; TWO: acc3 the same for a second matrix
-    (wp3, sp3) on the same activations (w1 and w3: one load and conversion of z for both)."""
-    for c0 in range(0, C // 32, NB):
+               TWO: tl.constexpr, CONV: tl.constexpr, TB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] += rows `rows` of one matrix ([*, C] logical) times the tokens' activations (row offsets
+    o?) over all C columns, NB blocks a step; TWO: acc3 the same for a second matrix (wp3, sp3) on the same
+    activations (w1 and w3: one load and conversion of z for both)."""
+    BLK: tl.constexpr = 32 if FMT == 2 else 16
+    for c0 in range(0, C // BLK, NB):
         blk = c0 + tl.arange(0, NB)
-        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, FMT, INTERP)
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         xc0, xc1, xc2, xc3 = xa0, xa1, xa2, xa3
         xd0, xd1, xd2, xd3 = xa0, xa1, xa2, xa3
         if TB >= 2:
-            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, FMT, INTERP)
         if TB >= 4:
-            xc0, xc1, xc2, xc3 = _xparts(xp, oc, blk, CONV, INTERP)
-            xd0, xd1, xd2, xd3 = _xparts(xp, od, blk, CONV, INTERP)
+            xc0, xc1, xc2, xc3 = _xparts(xp, oc, blk, CONV, FMT, INTERP)
+            xd0, xd1, xd2, xd3 = _xparts(xp, od, blk, CONV, FMT, INTERP)
         acc = _simt_step(acc, wp, sp, rows, blk, C, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-                         xd0, xd1, xd2, xd3, TB, INTERP)
+                         xd0, xd1, xd2, xd3, TB, FMT, INTERP)
         if TWO:
             acc3 = _simt_step(acc3, wp3, sp3, rows, blk, C, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2,
-                              xc3, xd0, xd1, xd2, xd3, TB, INTERP)
+                              xc3, xd0, xd1, xd2, xd3, TB, FMT, INTERP)
     return acc, acc3
 
 
@@ -656,72 +750,93 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+             FMT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
-    (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
+    (f16; fp8: at the columns `_act_col`) for each member pair q (token z, routing weight wk), TB members a
+    pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
         # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
         # the pointer's defining op; on a function argument it would be lost)
-        w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
-        w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
-        s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
+        if FMT == 2:
+            w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
+            w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
+            s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
+        else:
+            w1e = tl.multiple_of(w1 + e * (I * (L // 4)), 16)
+            w3e = tl.multiple_of(w3 + e * (I * (L // 4)), 16)
+            s1e, s3e = s1 + e * I, s3 + e * I
         rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
             offs = tl.where(ok, tok, 0) * (L // 2)
             oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
-                              s3e, zi, rows, L, NB, oa, ob, oc, od, True, True, TB, INTERP)
-            a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
-            tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
+                              s3e, zi, rows, L, NB, oa, ob, oc, od, True, True, TB, FMT, INTERP)
+            g = tl.sum(g, axis=1)
+            u = tl.sum(u, axis=1)
+            if FMT == 1:
+                g = g * tl.load(s1e + rows)[:, None]
+                u = u * tl.load(s3e + rows)[:, None]
+            a = _situ(g, u, B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
+            tl.store(act + q[None, :] * I + _act_col(rows, FMT)[:, None], a.to(tl.float16), mask=ok[None, :])
 
 
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr):
+               FMT: tl.constexpr, INTERP: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
-        w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
+        if FMT == 2:
+            w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
+        else:
+            w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 4)), 16), s2 + e * L
         lr = lt * BL + tl.arange(0, BL)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
-                               s2e, acti, lr, I, NB2, oa, ob, oc, od, False, False, TB, INTERP)
-            tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
+                               s2e, acti, lr, I, NB2, oa, ob, oc, od, False, False, TB, FMT, INTERP)
+            o = tl.sum(o, axis=1)
+            if FMT == 1:
+                o = o * tl.load(s2e + lr)[:, None]
+            tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
 
 
 @triton.jit
-def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NPROG,
+def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+                     FMT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
-    (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles). ws as there."""
+    (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
+    NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
+    there, [64] counting programs done."""
     t = tl.atomic_add(ws, 1, sem="relaxed")
-    if t < NA:
-        zc = t * 1024 + tl.arange(0, 1024)
-        for z0 in range(0, B * L, NA * 1024):
-            tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
-        _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB, TB,
-                 B1, B2, INTERP)
-        tl.debug_barrier()
-        tl.atomic_add(ws + 32, 1, sem="release")
-    else:
-        done = tl.atomic_add(ws + 32, 0, sem="acquire")
-        spins = 0
-        while (done < NA) & (spins < 100000):
+    while t < NITEMS:
+        if t < NA:
+            zc = t * 1024 + tl.arange(0, 1024)
+            for z0 in range(0, B * L, NA * 1024):
+                tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
+            _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
+                     TB, FMT, B1, B2, INTERP)
+            tl.debug_barrier()
+            tl.atomic_add(ws + 32, 1, sem="release")
+        else:
             done = tl.atomic_add(ws + 32, 0, sem="acquire")
-            spins += 1
-        tl.debug_barrier()
-        tb = t - NA
-        _simt_down(idx, wk, w2, s2, acti, y, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL, NB2, TB,
-                   INTERP)
+            spins = 0
+            while (done < NA) & (spins < 100000):
+                done = tl.atomic_add(ws + 32, 0, sem="acquire")
+                spins += 1
+            tl.debug_barrier()
+            tb = t - NA
+            _simt_down(idx, wk, w2, s2, acti, y, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL, NB2, TB,
+                       FMT, INTERP)
+        t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
         tl.atomic_xchg(ws + 32, 0)
@@ -790,15 +905,16 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     grouped: BN = 64 intermediate rows a program (bf16 and MXFP4 at every batch; fp8 32 at batch <= 4), BK
     (bf16 128, fp8 and MXFP4 256), BL = 128 rows of w2 a step, BT = 16 tokens a tile, 4 warps (MXFP4 8), 3 stages."""
     path = path or default_path(B, fmt)
-    if path == "simt":
+    if path == "simt":  # blocks of 32 columns (MXFP4) or 16 (fp8); NB of them a step, NB2 in w2's rows
+        blk = 32 if fmt == "mxfp4" else 16
         nb = 16
-        while (L // 32) % nb:
+        while (L // blk) % nb:
             nb //= 2
-        nb2 = 4
-        while (I // 32) % nb2:
+        nb2 = 4 if fmt == "mxfp4" else 8
+        while (I // blk) % nb2:
             nb2 //= 2
-        return dict(block_n=min(32, I), block_k=32 * nb, block_l=min(64, L & -L), block_t=1 if B == 1 else 2,
-                    num_warps=4, num_stages=1, block_i=32 * nb2)
+        return dict(block_n=min(32, I), block_k=blk * nb, block_l=min(64, L & -L), block_t=1 if B == 1 else 2,
+                    num_warps=4, num_stages=1, block_i=blk * nb2, persist=0)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256, "mxfp4": 512}[fmt]
@@ -819,6 +935,16 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
 
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_sms: dict[str, int] = {}
+
+
+def _sm_count(device) -> int:
+    """Multiprocessors of `device` (the persistent simt grid's unit; 4 under the interpreter)."""
+    key = str(device)
+    if key not in _sms:
+        dev = torch.device(device)
+        _sms[key] = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+    return _sms[key]
 
 
 def workspace(device, pairs: int, I: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -837,7 +963,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 w2: torch.Tensor, y: torch.Tensor, *, fmt: str, s1=None, s3=None, s2=None, b1: float = 4.0,
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> torch.Tensor:
+                num_stages: int | None = None, persist: int | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`."""
     B, K = idx.shape
@@ -854,11 +980,16 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
     if path == "simt":
         ws, act = workspace(z.device, B * K, I, torch.float16)
         na = B * K * (I // bn)
-        nprog = na + B * K * (L // bl)
+        nitems = na + B * K * (L // bl)
+        blk = 32 if fmt == "mxfp4" else 16
+        w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))  # fp8: four codes a word
+        per_sm = persist if persist is not None else d["persist"]
+        nprog = min(nitems, per_sm * _sm_count(z.device)) if per_sm else nitems
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
-                                   B, na, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
-                                   NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
-                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), num_warps=nw, num_stages=ns)
+                                   B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
+                                   NB=bk // blk, BL=bl, NB2=d["block_i"] // blk, TB=block_t or d["block_t"],
+                                   FMT=FORMATS.index(fmt), B1=float(b1), B2=float(b2), INTERP=dot_f32(),
+                                   num_warps=nw, num_stages=ns)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
