@@ -911,6 +911,11 @@ def sync_threads():
     barrier(0, None)
 
 
+def sync_warp(mask=-1):
+    """bar.warp.sync: every lane of the warp arrives (a butterfly shuffle of nothing, offset 0)."""
+    shuffle_sync_bfly(0.0, offset=0)
+
+
 def shuffle_sync_bfly(value, offset=1, mask=-1, mask_and_clamp=31):
     t = _cur()
     w = t.warp
@@ -1402,7 +1407,7 @@ def _fake_modules(emu: _Emu) -> dict:
     arch = types.SimpleNamespace(
         thread_idx=thread_idx, block_idx=block_idx, block_dim=block_dim, warp_idx=warp_idx, lane_idx=lane_idx,
         make_warp_uniform=lambda x: x, sync_threads=sync_threads, barrier=barrier,
-        shuffle_sync_bfly=shuffle_sync_bfly, fmin=fmin, cluster_arrive=cluster_arrive,
+        shuffle_sync_bfly=shuffle_sync_bfly, sync_warp=sync_warp, fmin=fmin, cluster_arrive=cluster_arrive,
         cluster_arrive_relaxed=cluster_arrive, cluster_wait=cluster_wait, mbarrier_init=mbarrier_init,
         griddepcontrol_wait=griddepcontrol_wait, griddepcontrol_launch_dependents=griddepcontrol_launch_dependents,
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,

@@ -76,3 +76,48 @@ def test_bench_cli_refuses_unknown_component_and_grid_names():
     r = subprocess.run([sys.executable, "-m", "k3lab.cli", "bench", "kda", "--grid", "tiles=8"], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and "tiles" in (r.stdout + r.stderr) and "tile_v" in (r.stdout + r.stderr)
+
+
+def test_flashinfer_multitoken_layouts_round_trip(monkeypatch):
+    """The FlashInfer multi-token peer's layout conversions (k3lab.ops.kda.FlashInferKDAVerify), checked by the
+    one checker with FlashInfer's kernel replaced by its semantics in torch (source slot idx[n, accepted - 1],
+    conv columns accepted - 1..accepted + 1, a checkpoint per token into slot idx[n, t], the rolling conv
+    window, value-major states): what the peer hands back must be our verify outputs."""
+    import types
+
+    from k3lab.bench import peers
+    from k3lab.ops import kda as ok
+    from k3lab.ref import kda as ref
+
+    def fake_run(x, weight, conv, gate, beta, A_log, dt_bias, idx, qsl, acc, state, og, nw, lb, eps, out):
+        N, T = idx.shape
+        H, D = A_log.shape[0], 128
+        HD = H * D
+        p = ref.KDAParams(weight.permute(0, 2, 1).reshape(3 * HD, 4).double(), A_log.double(), dt_bias.double(),
+                          nw.double(), eps, lb)
+        for n in range(N):
+            a = int(acc[n]) - 1
+            cs, bos = int(idx[n, 0]), int(qsl[n])
+            S = state[int(idx[n, a])].transpose(-1, -2).double()
+            win = conv[cs, :, a:a + 3].double().clone()
+            cols = [win[:, 1], win[:, 2]]
+            for t in range(int(qsl[n + 1]) - bos):
+                r = bos + t
+                o, S, win = (v[0] for v in ref.kda_decode(
+                    x[r:r + 1].double(), gate[0, r].reshape(1, HD).double(), beta[0, r].reshape(1, H).double(),
+                    og[r].reshape(1, HD).double(), p, S[None], win[None], dtype=torch.float64,
+                    out_dtype=torch.float64))
+                state[int(idx[n, t])] = S.transpose(-1, -2).float()
+                out[0, r] = o.view(H, D).to(out.dtype)
+                cols.append(x[r].double())
+            for j, col in enumerate(cols):
+                conv[cs, :, j] = col.to(conv.dtype)
+
+    monkeypatch.setattr(peers, "flashinfer_module", lambda name: types.SimpleNamespace(
+        _run_fused_kda_decode_multitoken=fake_run))
+    monkeypatch.setattr(peers, "flashinfer_available", lambda: (True, "torch stand-in"))
+    op = registry.get("kda_verify")
+    case = op.case(heads=12, batch=2, T=3)
+    (peer,) = ok.flashinfer_mt_peer(case)
+    res = peer.check(case, op.make_inputs(case, 0, "cpu"))
+    assert res.ok, res.failures

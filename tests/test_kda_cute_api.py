@@ -34,6 +34,17 @@ def test_defaults_cover_every_tile():
     assert all(kv.ROW_WARPS[t] in kv.ROW_WARPS_ALLOWED[t] for t in kv.ROW_WARPS)
 
 
+def test_default_row_warps_rule():
+    """ROW_WARPS, except tile 128 at T >= 8 on one CTA per SM (1) and tile 64 at T = 3..4 on a resident grid (2)."""
+    for tv in (128, 64, 32, 16):
+        for B, T in ((1, 2), (8, 4), (8, 8), (64, 8), (64, 4)):
+            assert kv.default_row_warps(tv, B, 12, T) in kv.ROW_WARPS_ALLOWED[tv]
+    assert kv.default_row_warps(128, 8, 12, 8) == 1 and kv.default_row_warps(128, 16, 12, 8) == 4
+    assert kv.default_row_warps(128, 8, 12, 4) == 4
+    assert kv.default_row_warps(64, 8, 12, 4) == 2 and kv.default_row_warps(64, 8, 12, 2) == 4
+    assert kv.default_row_warps(64, 64, 12, 4) == 4 and kv.default_row_warps(32, 8, 12, 4) == 4
+
+
 def test_tile16_refuses_one_row_warp():
     with pytest.raises(ValueError, match="row_warps"):
         kv.kda_verify(*_args(), tile_v=16, row_warps=1)
@@ -53,7 +64,6 @@ def test_public_signatures():
     """Only the switches users toggle: tile_v and pdl (decode); lengths, tile_v, row_warps and pdl (verify)."""
     from k3lab_kernels.cute import kda_decode as kd
     head = ["qkv", "f", "b", "gate", "params", "state", "conv_state", "out"]
-    # knobs: the ninth session's measurement overrides (exploration state only)
-    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl", "knobs"]
+    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl"]
     assert list(inspect.signature(kv.kda_verify).parameters) == head + ["state_hist", "conv_hist", "lengths",
                                                                         "tile_v", "row_warps", "pdl"]

@@ -240,7 +240,7 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
         return out
     if be == "cute":
         fn = dispatch.kernel("kda_verify", be)
-        row_warps = __import__(fn.__module__, fromlist=["ROW_WARPS"]).ROW_WARPS[tile_v]
+        row_warps = __import__(fn.__module__, fromlist=["default_row_warps"]).default_row_warps(tile_v, B, H, T)
         fn(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths, tile_v=tile_v,
            row_warps=row_warps, pdl=pdl)
         dispatch.record(ran, kernel=dispatch.kernel_path("kda_verify", be), **rec,

@@ -336,54 +336,26 @@ def flashinfer_mt_peer(case: Case) -> list[Peer]:
 
 # ---- measurement of kernel variants (the H200 sweeps behind the shape rules) ---------------------------
 
-def _direct(op_name: str, v: dict):
-    """(make, impl) of one variant run on the CuTe kernels directly: v["kind"] "decode" (kda_decode with
-    tile_v, pdl and `knobs`), "verify" (kda_verify with tile_v, row_warps, pdl) or "decode_by_verify" (the
-    verify kernel at T = 1 as a decode step: its column layout; the history buffers stand in for the state,
-    copied back for the check)."""
-    from k3lab_kernels.cute import kda_decode as kd
+def _direct(v: dict):
+    """(make, impl) of one verify variant run on the CuTe kernel directly, at an explicit tile_v and row_warps
+    (the component API takes the shape's row_warps)."""
     from k3lab_kernels.cute import kda_verify as kv
 
-    kind, tv, pdl = v.get("kind", "decode"), v["tile_v"], bool(v.get("pdl", False))
+    def run(d):
+        return kv.kda_verify(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], d["state_hist"],
+                             d["conv_hist"], tile_v=v["tile_v"], row_warps=v["row_warps"], pdl=bool(v.get("pdl")))
 
-    def run(d, hist=None):
-        a = _args(d)
-        if kind == "decode":
-            return kd.kda_decode(*a, d["params"], d["state"], d["conv_state"], d["out"], tile_v=tv, pdl=pdl,
-                                 knobs=v.get("knobs"))
-        if kind == "verify":
-            return kv.kda_verify(*a, d["params"], d["state"], d["conv_state"], d["out"], d["state_hist"],
-                                 d["conv_hist"], tile_v=tv, row_warps=v.get("row_warps"), pdl=pdl)
-        B = a[0].shape[0]
-        sh, ch = hist
-        return kv.kda_verify(*(x.view(B, 1, -1) for x in a), d["params"], d["state"], d["conv_state"],
-                             d["out"].view(B, 1, -1), sh, ch, tile_v=tv, row_warps=v.get("row_warps"), pdl=pdl)
-
-    def hist_of(d):
-        if kind != "decode_by_verify":
-            return None
-        return (torch.empty_like(d["state"]).unsqueeze(1), torch.empty_like(d["conv_state"]).unsqueeze(1))
-
-    def make(d):
-        h = hist_of(d)
-        return lambda: run(d, h)
-
-    def impl(d):
-        h = hist_of(d)
-        run(d, h)
-        if h is not None:
-            d["state"].copy_(h[0][:, 0])
-            d["conv_state"].copy_(h[1][:, 0])
-    return make, impl
+    return (lambda d: (lambda: run(d))), run
 
 
 def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float = 0.0, name: str = "kda_explore",
                  device: str = "cuda", log=print) -> str | None:
     """Each entry (op, case, variants, peers): every variant beside the named peers (of the op's peers) on the
     same rotated input sets, every row checked against fp64
-    first (k3lab.bench.runner's row). A variant {"name", "tile_v", ...}: without "kind" the production path
-    through the component API (backend "cute", tile_v); with "kind" the kernel called directly (`_direct`).
-    One bundle `name` under `out`, saved after every case (a run cut short keeps what it measured)."""
+    first (k3lab.bench.runner's row). A variant {"name", "tile_v", ...}: without "row_warps" the production
+    path through the component API (backend "cute", tile_v, pdl); with it the verify kernel called directly
+    (`_direct`). One bundle `name` under `out`, saved after every case (a run cut short keeps what it
+    measured) and at the end."""
     import time
 
     from k3lab.bench import runner
@@ -410,10 +382,10 @@ def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float =
         for v in variants:
             v = dict(v)
             label = v.pop("name")
-            if "kind" not in v:
+            if "row_warps" not in v:
                 impls.append(runner._ours(op, case, "cute", v, name=label))
                 continue
-            make, impl = _direct(op_name, v)
+            make, impl = _direct(v)
             chk = (lambda s, impl=impl, label=label, op=op, case=case:
                    checker.check(op, case, impl=impl, impl_name=label, inputs=s))
             impls.append(runner.Impl(label, make, chk, v, min_sets=2 if v.get("pdl") else 1))
@@ -435,6 +407,7 @@ def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float =
         if gpu:
             torch.cuda.empty_cache()
         path = bd.save(out)
+    path = bd.save(out)
     log(f"bundle -> {path}")
     return path
 
@@ -443,70 +416,25 @@ def _v(name: str, tile_v: int, **kw) -> dict:
     return dict(name=name, tile_v=tile_v, **kw)
 
 
-def _explore_entries() -> list:
-    """The ninth session's first H200 sweep (issue 16): the decode grid shapes and shape choices at every
-    batch beside FlashInfer's fused decode; verify beside FlashInfer's multi-token kernel and fla's
-    recurrence, and the verify tile / row_warps at T = 8. In order of priority (a deadline cuts the tail)."""
-    H = 12
-    dec = []
-    w16 = {"warps": 16}
-    for B in (8, 16, 4):
-        vs = [_v("cute", 128), _v("cute_w16", 128, kind="decode", knobs=w16),
-              _v("cute_w16_mc2", 128, kind="decode", knobs={"warps": 16, "min_ctas": 2}),
-              _v("cute_plain", 128, kind="decode", knobs={"rs": False, "fold": False, "early": False}),
-              _v("cute_nofast", 128, kind="decode", knobs={"fast": False}),
-              _v("cute_t64_w16", 64, kind="decode", knobs=w16),
-              _v("cute_bycol", 128, kind="decode_by_verify"),
-              _v("cute_bycol_rw1", 128, kind="decode_by_verify", row_warps=1),
-              _v("cute_bycol_rw2", 128, kind="decode_by_verify", row_warps=2),
-              _v("cute_pdl", 128, pdl=True), _v("cute_w16_pdl", 128, kind="decode", knobs=w16, pdl=True)]
-        if B == 4:
-            vs = [v for v in vs if v["name"] not in ("cute_nofast", "cute_w16_mc2", "cute_w16_pdl")]
-        dec.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
-    for B in (64, 32):
-        vs = [_v("cute", 128), _v("cute_w16_mc2", 128, kind="decode", knobs={"warps": 16, "min_ctas": 2}),
-              _v("cute_w16", 128, kind="decode", knobs=w16), _v("cute_fast", 128, kind="decode", knobs={"fast": True}),
-              _v("cute_bycol", 128, kind="decode_by_verify"), _v("cute_pdl", 128, pdl=True)]
-        dec.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
-    for B in (1, 2):
-        vs = [_v("cute", 16), _v("cute_w16", 16, kind="decode", knobs=w16), _v("cute_pdl", 16, pdl=True)]
-        dec.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
-    ver = []
-    auto = {1: 16, 8: 128, 16: 128, 64: 128}
-    for B in (1, 8, 16, 64):
-        for T in (8, 4, 2):
-            vs = [_v("cute", auto[B] if not (B >= 8 and T == 8) else 64 if B == 64 else 128)]
-            ver.append(("kda_verify", dict(heads=H, batch=B, T=T), vs, ("flashinfer_mt", "fla_recurrence")))
-    sweep = []
-    for B in (8, 64, 16):
-        vs = [_v(f"cute_t{tv}_rw{wr}", tv, kind="verify", row_warps=wr) for tv in (128, 64) for wr in (1, 2, 4, 8)]
-        sweep.append(("kda_verify", dict(heads=H, batch=B, T=8), vs, ()))
-    return dec + ver + sweep
-
-
-H200_EXPLORE = _explore_entries()
-
-
 def _final_entries() -> list:
-    """The ninth session's evidence run (profiles/h200/kda_decode_fi.json.gz): per batch the production path at
-    the auto rule's tile (row `cute`, through the component API), `kda_pdl` on (`cute_pdl`) and the candidate
-    shape choices left after the first sweep, beside FlashInfer's fused decode / multi-token kernel and fla's
-    recurrence (verify)."""
+    """The ninth session's evidence run (profiles/h200/kda_decode_fi.json.gz; docs/NOTES_kda.md): per batch the
+    production path at the auto rule's tile (row `cute`, through the component API) and `kda_pdl` on
+    (`cute_pdl`), the verify row_warps beside the rule's, FlashInfer's fused decode / multi-token kernel and
+    fla's recurrence (verify). In order of priority: a deadline cuts the tail."""
     from k3lab import policy
 
     H = 12
     out = []
     for B in (8, 16, 4, 64, 32, 1, 2):
         tv = policy.rule("kda", "decode", B)["tile_v"]
-        vs = [_v("cute", tv), _v("cute_pro_first", tv, kind="decode", knobs={"pro_first": True}),
-              _v("cute_pdl", tv, pdl=True)]
+        vs = [_v("cute", tv), _v("cute_pdl", tv, pdl=True)]
         out.append(("kda_decode", dict(heads=H, batch=B, T=1), vs, ("flashinfer",)))
     extra = {(8, 8): ((128, 1), (64, 2)), (16, 8): ((128, 1), (64, 2)), (8, 4): ((128, 1), (64, 2)),
              (64, 8): ((64, 2), (128, 4)), (16, 4): ((128, 1),)}
     for B in (1, 8, 64, 16, 4, 2, 32):
         for T in (2, 4, 8):
             tv = policy.rule("kda", "verify", B, T)["tile_v"]
-            vs = [_v("cute", tv)] + [_v(f"cute_t{t}_rw{w}", t, kind="verify", row_warps=w)
+            vs = [_v("cute", tv)] + [_v(f"cute_t{t}_rw{w}", t, row_warps=w)
                                      for t, w in extra.get((B, T), ())]
             out.append(("kda_verify", dict(heads=H, batch=B, T=T), vs, ("flashinfer_mt", "fla_recurrence")))
     return out

@@ -19,6 +19,8 @@ warp 0 alone finishes the output. What the shape decides (each measured: docs/NO
   fold   tiles 128 and 64: the prologue hands the pass (q d, k d, d, k) per row, v apart;
   early  tile 128: warp 0 stores the output before its state update, so the CTA ends with state stores;
   rs     tile 128: the warps' partial sums are combined as a reduce-scatter;
+  pro_first  tile 128 without pdl: the prologue's loads (a channel's conv weights as one vector) are issued
+         before the state's, so the activations do not queue behind 64 KiB of state;
   fast   while the whole grid is resident (_resident_grid): exp, sigmoid and rsqrt as single MUFU ops.
 
 Floor (k3lab.ops.kda.kda_bytes, the one formula): per (b, h) the state 65,536 B read + written,
@@ -223,21 +225,15 @@ def _kernel_class():
     class KDADecodeKernel:
         """One CTA (or a cluster of 128 / tile_v CTAs) per (b, h); state and conv_state updated in place."""
 
-        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False,
-                     knobs: dict | None = None):
+        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False):
             assert tile_v in TILES, tile_v
-            kn = dict(knobs or {})
             self.B, self.H = B, H
-            # warps a CTA (8: 256 threads; 16: 512, the extra warps take state rows only)
-            self.NW = int(kn.pop("warps", 8))
-            assert self.NW in (8, 16), self.NW
-            self.NT = 32 * self.NW
             self.eps, self.lb = float(eps), float(lower_bound)
             self.TV = tile_v            # value columns per CTA
             self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
             self.G = tile_v // 4        # lanes across one row of the tile (4 columns each)
             self.R = 32 // self.G       # rows one warp instruction covers
-            self.S = 128 // (self.NW * self.R)  # row steps per thread
+            self.S = 128 // (8 * self.R)  # row steps per thread
             offs, o_ = [], self.G
             while o_ < 32:
                 offs.append(o_)
@@ -247,16 +243,12 @@ def _kernel_class():
             # reduce-scatter combine and the output before the update at tile 128; the prologue folds the
             # decay into the pass's row factors at tiles 128 and 64 (the narrow tiles' B = 1 latency chain,
             # which fold lengthens on the q/k threads, keeps the plain split)
-            self.fast = bool(kn.pop("fast", _resident_grid(B * H * self.NC)))
-            self.rs = bool(kn.pop("rs", tile_v == 128))
-            self.early = bool(kn.pop("early", tile_v == 128))
-            self.fold = bool(kn.pop("fold", tile_v >= 64))
-            # CTAs a SM must hold (caps the registers a thread); 0: the compiler's choice
-            self.min_ctas = int(kn.pop("min_ctas", 0))
-            # the prologue's loads (conv weights as one vector a channel) before the state's (not with pdl,
-            # whose state loads precede the wait for the previous kernel)
-            self.pro_first = bool(kn.pop("pro_first", False)) and not pdl
-            assert not kn, f"unknown decode knobs {sorted(kn)}"
+            self.fast = _resident_grid(B * H * self.NC)
+            self.rs = tile_v == 128
+            self.early = tile_v == 128
+            self.fold = tile_v >= 64
+            # pdl's state loads precede its wait for the previous kernel, so it keeps the state-first order
+            self.pro_first = tile_v == 128 and not pdl
             # pdl: the state, conv window and parameter loads before griddepcontrol.wait, the activations after
             self.pdl = bool(pdl)
 
@@ -266,14 +258,15 @@ def _kernel_class():
                      p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                      p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
                      p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
-            kw = dict(grid=[self.H * self.NC, self.B, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
-            if cutlass.const_expr(self.NC > 1):
-                kw["cluster"] = [self.NC, 1, 1]
-            if cutlass.const_expr(self.min_ctas > 0):
-                kw["max_number_threads"] = [self.NT, 1, 1]
-                kw["min_blocks_per_mp"] = self.min_ctas
-            self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
-                        p_out, p_shist, p_chist, p_len).launch(**kw)
+            if cutlass.const_expr(self.NC == 1):
+                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                            p_out, p_shist, p_chist, p_len).launch(
+                    grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+            else:
+                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
+                            p_out, p_shist, p_chist, p_len).launch(
+                    grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
+                    cluster=[self.NC, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
@@ -288,7 +281,7 @@ def _kernel_class():
             C = 3 * HD
             scale = 1.0 / math.sqrt(D)
 
-            TV, NC, G, R, S, NW = self.TV, self.NC, self.G, self.R, self.S, self.NW
+            TV, NC, G, R, S = self.TV, self.NC, self.G, self.R, self.S
             tid, _, _ = cute.arch.thread_idx()
             hx, bb, _ = cute.arch.block_idx()
             h = hx
@@ -317,15 +310,14 @@ def _kernel_class():
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
             # per warp partial column sums: [warp][k^T d S (128) | q^T d S (128)]
-            s_part = smem.allocate_tensor(Float32, cute.make_layout(NW * 256), byte_alignment=16)
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(8 * 256), byte_alignment=16)
             # cluster: every CTA's partial sum of o^2, written by the peers
             s_ss = smem.allocate_tensor(Float32, cute.make_layout(NC), byte_alignment=16)
 
-            # ---- issue the state loads first: S x 16 B per thread ------------------------------
-            # (pro_first: after the prologue's loads, before its arithmetic)
-            # thread's rows: (i * NW + warp) * R + rsub, i < S; columns col0 .. col0 + 3
+            # ---- the state loads first (pro_first: after the prologue's loads): S x 16 B per thread -----
+            # thread's rows: (i * 8 + warp) * R + rsub, i < S; columns col0 .. col0 + 3
             s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
-            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, NW * R * D)))
+            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
             r_s = cute.make_rmem_tensor((4, S), Float32)
             if cutlass.const_expr(not self.pro_first):
                 cute.autovec_copy(g_state, r_s)
@@ -333,11 +325,7 @@ def _kernel_class():
                     cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before remote stores
 
             # ---- per-thread prologue constants --------------------------------------------------
-            # channel 1: q (lower) or v (upper); channel 2: k (lower only). With 16 warps the upper 8 take
-            # state rows only (`pro` False).
-            pro = True
-            if cutlass.const_expr(NW > 8):
-                pro = tid < 256
+            # channel 1: q (lower) or v (upper); channel 2: k (lower only)
             ch1 = half * (2 * HD) + h * D + c
             ch2 = HD + h * D + c
             win1 = cute.make_rmem_tensor((4,), p_qkv.dtype)
@@ -346,33 +334,30 @@ def _kernel_class():
             w2 = cute.make_rmem_tensor((4,), Float32)
             conv_g = cute.make_tensor(p_conv, cute.make_layout(self.B * C * 3))
             convw_g = cute.make_tensor(p_convw, cute.make_layout(C * 4))
-            a_exp = Float32(0.0)
-            dtb = Float32(0.0)
-            if pro:
+            for i in cutlass.range_constexpr(3):
+                win1[i] = conv_g[(bb * C + ch1) * 3 + i]
+            if cutlass.const_expr(self.pro_first):  # a channel's 4 weights as one vector load
+                w1_raw = cute.make_rmem_tensor((4,), p_convw.dtype)
+                cute.autovec_copy(vec(p_convw, cute.assume(ch1 * 4, divby=4), 4), w1_raw)
+                for i in cutlass.range_constexpr(4):
+                    w1[i] = w1_raw[i].to(Float32)
+            else:
+                for i in cutlass.range_constexpr(4):
+                    w1[i] = convw_g[ch1 * 4 + i].to(Float32)
+            # the gate constants (upper) / k channel (lower) share registers by role
+            a_exp = cute.math.exp(cute.make_tensor(p_alog, cute.make_layout(H))[h].to(Float32))
+            dtb = cute.make_tensor(p_dtb, cute.make_layout(HD))[h * D + c].to(Float32)
+            if lower:
                 for i in cutlass.range_constexpr(3):
-                    win1[i] = conv_g[(bb * C + ch1) * 3 + i]
-                if cutlass.const_expr(self.pro_first):  # a channel's 4 weights as one vector load
-                    w1_raw = cute.make_rmem_tensor((4,), p_convw.dtype)
-                    cute.autovec_copy(vec(p_convw, cute.assume(ch1 * 4, divby=4), 4), w1_raw)
+                    win2[i] = conv_g[(bb * C + ch2) * 3 + i]
+                if cutlass.const_expr(self.pro_first):
+                    w2_raw = cute.make_rmem_tensor((4,), p_convw.dtype)
+                    cute.autovec_copy(vec(p_convw, cute.assume(ch2 * 4, divby=4), 4), w2_raw)
                     for i in cutlass.range_constexpr(4):
-                        w1[i] = w1_raw[i].to(Float32)
+                        w2[i] = w2_raw[i].to(Float32)
                 else:
                     for i in cutlass.range_constexpr(4):
-                        w1[i] = convw_g[ch1 * 4 + i].to(Float32)
-                # the gate constants (upper) / k channel (lower) share registers by role
-                a_exp = cute.math.exp(cute.make_tensor(p_alog, cute.make_layout(H))[h].to(Float32))
-                dtb = cute.make_tensor(p_dtb, cute.make_layout(HD))[h * D + c].to(Float32)
-                if lower:
-                    for i in cutlass.range_constexpr(3):
-                        win2[i] = conv_g[(bb * C + ch2) * 3 + i]
-                    if cutlass.const_expr(self.pro_first):
-                        w2_raw = cute.make_rmem_tensor((4,), p_convw.dtype)
-                        cute.autovec_copy(vec(p_convw, cute.assume(ch2 * 4, divby=4), 4), w2_raw)
-                        for i in cutlass.range_constexpr(4):
-                            w2[i] = w2_raw[i].to(Float32)
-                    else:
-                        for i in cutlass.range_constexpr(4):
-                            w2[i] = convw_g[ch2 * 4 + i].to(Float32)
+                        w2[i] = convw_g[ch2 * 4 + i].to(Float32)
 
             # output-norm weights for warp 0's 4 value columns
             r_onw_raw = cute.make_rmem_tensor((4,), p_onw.dtype)
@@ -394,30 +379,27 @@ def _kernel_class():
             f_r = cute.make_rmem_tensor((1,), p_f.dtype)
             b_r = cute.make_rmem_tensor((1,), p_b.dtype)
             gate_r = cute.make_rmem_tensor((4,), p_gate.dtype)
+            x1[0] = qkv_g[bb * C + ch1]
+            f_r[0] = f_g[bb * HD + h * D + c]
             b_r[0] = b_g[bb * H + h]
             cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col0, divby=4), 4), gate_r)
-            if pro:
-                x1[0] = qkv_g[bb * C + ch1]
-                f_r[0] = f_g[bb * HD + h * D + c]
-                if lower:
-                    x2[0] = qkv_g[bb * C + ch2]
+            if lower:
+                x2[0] = qkv_g[bb * C + ch2]
             if cutlass.const_expr(self.pro_first):
                 cute.arch.sync_warp()  # keeps the compiler from hoisting the state loads above the prologue's
                 cute.autovec_copy(g_state, r_s)
-                if cutlass.const_expr(NC > 1):
-                    cute.arch.cluster_arrive_relaxed()
-            if pro:
-                # ---------------- prologue: conv + silu, gate, norms; windows shift -----------------
-                prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, c * 4, s_red, 0, self.fold, s_v, 0, self.fast)
-                # one CTA a head writes conv_state now; with a cluster the peers read it too, so rank 0
-                # writes it after the cluster barrier of the output norm (below)
-                if cutlass.const_expr(NC == 1):
+
+            # ---------------- prologue: conv + silu, gate, norms; windows shift -----------------
+            prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
+                              warp, c, s_info, c * 4, s_red, 0, self.fold, s_v, 0, self.fast)
+            # one CTA a head writes conv_state now; with a cluster the peers read it too, so rank 0
+            # writes it after the cluster barrier of the output norm (below)
+            if cutlass.const_expr(NC == 1):
+                for i in cutlass.range_constexpr(3):
+                    conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                if lower:
                     for i in cutlass.range_constexpr(3):
-                        conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                    if lower:
-                        for i in cutlass.range_constexpr(3):
-                            conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+                        conv_g[(bb * C + ch2) * 3 + i] = win2[i]
 
             cute.arch.sync_threads()
 
@@ -433,7 +415,7 @@ def _kernel_class():
             r_info = cute.make_rmem_tensor((4,), Float32)
             r_i2 = cute.make_rmem_tensor((2,), Float32)
             for i in cutlass.range_constexpr(S):
-                r = (i * NW + warp) * R + rsub
+                r = (i * 8 + warp) * R + rsub
                 if cutlass.const_expr(self.fold):
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
                     qd = r_i2[0]
@@ -470,24 +452,23 @@ def _kernel_class():
             if cutlass.const_expr(self.rs):
                 # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
                 # (the same summation order as below: fp32 on the GPU gives the same sums)
-                if pro:
-                    tsum = Float32(0.0)
-                    for w in cutlass.range_constexpr(NW):
-                        tsum = tsum + s_part[w * 256 + tid]
-                    s_tot[tid] = tsum
+                tsum = Float32(0.0)
+                for w in cutlass.range_constexpr(8):
+                    tsum = tsum + s_part[w * 256 + tid]
+                s_tot[tid] = tsum
                 cute.arch.sync_threads()
                 cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
                 if warp == 0:
                     cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
             else:
-                for w in cutlass.range_constexpr(NW):
+                for w in cutlass.range_constexpr(8):
                     o_w = cute.assume(w * 256 + cg * 4, divby=4)
                     cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                     for j in cutlass.range_constexpr(4):
                         tot_k[j] = tot_k[j] + r_p[j]
                 # q^T diag(d) S feeds the output only, which warp 0 alone forms
                 if warp == 0:
-                    for w in cutlass.range_constexpr(NW):
+                    for w in cutlass.range_constexpr(8):
                         o_w = cute.assume(w * 256 + cg * 4 + 128, divby=4)
                         cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                         for j in cutlass.range_constexpr(4):
@@ -508,7 +489,7 @@ def _kernel_class():
             for ph in cutlass.range_constexpr(2):
                 if cutlass.const_expr(ph == 1):
                     for i in cutlass.range_constexpr(S):
-                        r = (i * NW + warp) * R + rsub
+                        r = (i * 8 + warp) * R + rsub
                         if cutlass.const_expr(self.fold):
                             cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
                             for j in cutlass.range_constexpr(4):
@@ -547,12 +528,11 @@ def _kernel_class():
                         cute.arch.cluster_arrive()
                         cute.arch.cluster_wait()
                         if rank == 0:  # every peer has read the conv window by now
-                            if pro:
+                            for i in cutlass.range_constexpr(3):
+                                conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                            if lower:
                                 for i in cutlass.range_constexpr(3):
-                                    conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                                if lower:
-                                    for i in cutlass.range_constexpr(3):
-                                        conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+                                    conv_g[(bb * C + ch2) * 3 + i] = win2[i]
                         ss = Float32(0.0)
                         for rr in cutlass.range_constexpr(NC):
                             ss = ss + s_ss[rr]
@@ -686,26 +666,22 @@ def _params_key(params) -> tuple:
             params.dt_bias.dtype, params.o_norm_w.dtype)
 
 
-def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
-               knobs: dict | None = None):
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
     place and writes `out` [B,H*128] bf16. Returns `out`. tile_v: value columns a CTA (TILES).
     pdl=True: programmatic dependent launch (module doc); the kernel directly before this one on the
     stream must not write this call's `state` or `conv_state` (true in a model, where the layer's input
-    projection precedes it; false for two decode steps of the same state back to back).
-    knobs: measurement overrides of the shape's choices ({"warps": 8|16, "fast", "rs", "early", "fold": bool,
-    "min_ctas": int}); None runs the shape's rules."""
+    projection precedes it; false for two decode steps of the same state back to back)."""
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
     B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    kn = tuple(sorted((knobs or {}).items()))
-    key = ("decode", B, H, tile_v, pdl, kn, dev.index) + _params_key(params)
+    key = ("decode", B, H, tile_v, pdl, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl, knobs),
+        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl),
                            args + [stream])
         fn(*args, stream)
     return out

@@ -30,7 +30,7 @@ docs/NOTES_kda.md):
   delay    T >= 4, WR > 1 and one CTA per SM: position t's state_hist stores leave after position t+1's
            partial sums are read back;
   registers at most 128 a thread (two CTAs per SM) once the grid has more CTAs than the GPU has SMs.
-ROW_WARPS holds the default row_warps per tile.
+ROW_WARPS holds the default row_warps per tile; default_row_warps the shape's exceptions to it.
 
 Floor (k3lab.ops.kda.kda_bytes, the one formula): per (b, h) the state 64 KiB read once and T x 64 KiB
 state_hist written, the
@@ -56,7 +56,7 @@ import torch
 from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _RESIDENT, _THREADS, _W, _check, _dsl, _get_compiled, _kernel_args,
                          _params_key, _resident_grid, _stream, _validate)
 
-__all__ = ["ROW_WARPS", "ROW_WARPS_ALLOWED", "kda_verify"]
+__all__ = ["ROW_WARPS", "ROW_WARPS_ALLOWED", "default_row_warps", "kda_verify"]
 
 # row_warps per tile_v when not given (profiles/h200/kda_cute_verify_split.json.gz: 4 is the best at tile 32
 # and at tile 128 for B=64, within 2 % of the best at tile 64; docs/NOTES_kda.md)
@@ -64,6 +64,19 @@ ROW_WARPS = {128: 4, 64: 4, 32: 4, 16: 4}
 # row_warps each tile allows (a lane holds 4 columns: at tile 16 one warp has at most 16 / (8 / WR))
 ROW_WARPS_ALLOWED = {128: (1, 2, 4, 8), 64: (1, 2, 4, 8), 32: (1, 2, 4, 8), 16: (2, 4, 8)}
 _KERNEL_CLS = None
+
+
+def default_row_warps(tile_v: int, B: int, H: int, T: int) -> int:
+    """row_warps when not given: ROW_WARPS[tile_v], except where the ninth session measured otherwise
+    (profiles/h200/kda_decode_fi.json.gz and kda_explore9.json.gz, 12 heads, B = 8; docs/NOTES_kda.md):
+    tile 128 on a grid of one CTA per SM at T >= 8 takes 1 (21.24 / 21.41 against 22.10 / 22.21 us with 4);
+    tile 64 on a resident grid at T = 3..4 takes 2 (13.07 against 13.59 us)."""
+    ctas = B * H * (128 // tile_v)
+    if tile_v == 128 and T >= 8 and ctas <= _RESIDENT // 2:
+        return 1
+    if tile_v == 64 and 2 < T <= 4 and ctas <= _RESIDENT:
+        return 2
+    return ROW_WARPS[tile_v]
 
 
 def _kernel_class():
@@ -573,7 +586,7 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     state_hist [B,T,H,128,128] fp32 (state after each position), conv_hist [B,T,3HD,3] bf16.
     `state`/`conv_state` are not modified. lengths [B] int32 in 1..T: positions >= lengths[b] are
     not computed and their out/hist entries are left untouched. row_warps: how many of the 8 warps split
-    the key rows (ROW_WARPS_ALLOWED[tile_v]); None takes ROW_WARPS[tile_v]. pdl=True: programmatic
+    the key rows (ROW_WARPS_ALLOWED[tile_v]); None takes default_row_warps. pdl=True: programmatic
     dependent launch (module doc; the kernel directly before must not write `state` or `conv_state`).
     Returns `out`."""
     if not isinstance(pdl, bool):
@@ -598,7 +611,7 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     if lengths is not None:
         _check("lengths", lengths, (B,), (torch.int32,), dev)
     if row_warps is None:
-        row_warps = ROW_WARPS[tile_v]
+        row_warps = default_row_warps(tile_v, B, H, T)
     ragged = lengths is not None
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths)
     key = ("verify", B, H, T, ragged, tile_v, row_warps, pdl, dev.index) + _params_key(params)
