@@ -366,8 +366,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
     ("rms", weight [K], eps); x2 with prologue2 ("situ", b1, b2) and prologue ("rms", weight [K1], eps): the two
-    K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k] fp32, k, scaling):
-    the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns outs. The caller
+    K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k]
+    fp32, k, scaling): the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns outs. The caller
     validates (path "tma" with misaligned x or W is refused here: ValueError)."""
     M = x.shape[0]
     N, K = w.shape
@@ -435,7 +435,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
         xa, wa, sc, res_t, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
-        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, NSEG=len(outs), SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
+        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, NSEG=len(outs),
+        SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
