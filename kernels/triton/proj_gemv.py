@@ -367,8 +367,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
     ("rms", weight [K], eps); x2 with prologue2 ("situ", b1, b2) and prologue ("rms", weight [K1], eps): the two
     K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k]
-    fp32, k, scaling): the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns outs. The caller
-    validates (path "tma" with misaligned x or W is refused here: ValueError)."""
+    fp32, k, scaling): the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns
+    outs. The caller validates (path "tma" with misaligned x or W is refused here: ValueError)."""
     M = x.shape[0]
     N, K = w.shape
     pro = 0 if prologue is None else {"situ": 1, "rms": 2}[prologue[0]]
