@@ -457,3 +457,14 @@ def test_prefetch_experiment_smoke(tmp_path):
     assert [r.name for r in b.rows] == ["moe_in.b1.proj", "moe_in.b1.attnres", "moe_in.b1.seq.0MB",
                                         "moe_in.b1.seq.0.05MB", "moe_in.b1.phase.0.05MB"]
     assert "l2_bytes_assumed" in b.config and b.rows[3].extra["prefetched_bytes"] > 0
+
+
+def test_h200_explore_runs_the_shared_entry_loop(tmp_path):
+    """k3lab.bench.runner.explore (the named-variant sweeps of every component) at a tiny case on the CPU: each
+    variant and the named peer checked against fp64, one row each."""
+    from k3lab.harness.bundle import load
+
+    entry = ("proj", dict(preset="tiny", proj="kda_q", batch=1, wdtype="bf16"), ({}, dict(path="dot")), ("cublas",))
+    b = load(ops.h200_explore(str(tmp_path), entries=(entry,), reps=1, device="cpu", log=lambda *a: None))
+    assert [r.backend for r in b.rows] == ["triton", "triton", "cublas"] and all(r.error["ok"] for r in b.rows)
+    assert b.config["entries"][0]["op"] == "proj"

@@ -213,3 +213,52 @@ def check_all(component: str, *, grid: dict[str, Iterable] | None = None, ops: I
                         results.append(res)
                         log(str(res))
     return results
+
+
+def explore(out: str, entries, impls: Callable[[Op, Case, tuple, tuple, bool], list[Impl]], *, reps: int,
+            deadline_s: float = 0.0, name: str, device: str = "cuda", log: Callable[[str], None] = print) -> str | None:
+    """Named variant sweeps (the H200 explorations behind the kernels' rules, `k3lab.ops.<component>.h200_*`):
+    each entry (op name, case dict, variants, peer names) gets its implementations from `impls(op, case, variants,
+    peers, gpu)`; every one is checked against fp64 and timed on the same input sets, rotated past L2 (`_row`,
+    as `run` does). One bundle `name` under `out`, saved after every case (a run cut short keeps what it
+    measured). Returns its path (None if no case ran)."""
+    t_end = time.time() + deadline_s if deadline_s else None
+    gpu = device == "cuda"
+    pr = timing.probes(device)
+    log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us")
+    bd = Bundle.new(name, switches=Switches(), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
+                    launch_floor_us=pr["launch_us"])
+    bd.config = {"entries": [dict(op=o, case=c, variants=list(v), peers=list(p)) for o, c, v, p in entries],
+                 "reps": reps, "mode": "rotated", "probes": pr}
+    path = None
+    for op_name, shape, variants, peers in entries:
+        if t_end is not None and time.time() > t_end:
+            bd.notes.append(f"deadline reached before {op_name} {shape}")
+            continue
+        op = registry.get(op_name)
+        case = op.case(**shape)
+        ims = impls(op, case, tuple(variants), tuple(peers), gpu)
+        nbytes = op.nbytes(case)
+        n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
+        n_sets = max([n_sets] + [i.min_sets for i in ims])
+        sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
+        fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
+        for im in ims:
+            row = _row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log)
+            if isinstance(row, str):
+                bd.notes.append(row)
+            else:
+                bd.add(row)
+                bd.backends_ran.setdefault(im.name, im.note or im.name)
+        del sets
+        if gpu:
+            torch.cuda.empty_cache()
+        path = bd.save(out)
+    log(f"bundle -> {path}")
+    return path
+
+
+def named_peers(op: Op, case: Case, names: Iterable[str], gpu: bool) -> list[Impl]:
+    """The op's peers (and the reference / torch_compile) whose names are listed, for `explore`."""
+    names = tuple(names)
+    return [p for p in implementations(op, case, (), peers=True, only={}, gpu=gpu)[0] if p.name in names]

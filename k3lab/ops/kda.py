@@ -351,65 +351,26 @@ def _direct(v: dict):
 def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float = 0.0, name: str = "kda_explore",
                  device: str = "cuda", log=print) -> str | None:
     """Each entry (op, case, variants, peers): every variant beside the named peers (of the op's peers) on the
-    same rotated input sets, every row checked against fp64
-    first (k3lab.bench.runner's row). A variant {"name", "tile_v", ...}: without "row_warps" the production
-    path through the component API (backend "cute", tile_v, pdl); with it the verify kernel called directly
-    (`_direct`). One bundle `name` under `out`, saved after every case (a run cut short keeps what it
-    measured) and at the end."""
-    import time
-
+    same rotated input sets, every row checked against fp64 first (`k3lab.bench.runner.explore`). A variant
+    {"name", "tile_v", ...}: without "row_warps" the production path through the component API (backend "cute",
+    tile_v, pdl); with it the verify kernel called directly (`_direct`). One bundle `name` under `out`."""
     from k3lab.bench import runner
-    from k3lab.harness import checker, roofline, timing
-    from k3lab.harness.bundle import Bundle
-    from k3lab.switches import Switches
+    from k3lab.harness import checker
 
-    t_end = time.time() + deadline_s if deadline_s else None
-    gpu = device == "cuda"
-    pr = timing.probes(device)
-    log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us")
-    bd = Bundle.new(name, switches=Switches(), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
-                    launch_floor_us=pr["launch_us"])
-    bd.config = {"entries": [dict(op=o, case=c, variants=list(v), peers=list(p)) for o, c, v, p in entries],
-                 "reps": reps, "mode": "rotated", "probes": pr}
-    path = None
-    for op_name, shape, variants, peer_names in entries:
-        if t_end is not None and time.time() > t_end:
-            bd.notes.append(f"deadline reached before {op_name} {shape}")
-            continue
-        op = registry.get(op_name)
-        case = op.case(**shape)
-        impls = []
+    def impls(op, case, variants, peers, gpu):
+        out_ = []
         for v in variants:
             v = dict(v)
             label = v.pop("name")
             if "row_warps" not in v:
-                impls.append(runner._ours(op, case, "cute", v, name=label))
+                out_.append(runner._ours(op, case, "cute", v, name=label))
                 continue
             make, impl = _direct(v)
-            chk = (lambda s, impl=impl, label=label, op=op, case=case:
-                   checker.check(op, case, impl=impl, impl_name=label, inputs=s))
-            impls.append(runner.Impl(label, make, chk, v, min_sets=2 if v.get("pdl") else 1))
-        impls += [p for p in runner.implementations(op, case, (), peers=True, only={}, gpu=gpu)[0]
-                  if p.name in peer_names]
-        nbytes = op.nbytes(case)
-        n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
-        n_sets = max(n_sets, max(i.min_sets for i in impls))
-        sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
-        fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
-        for im in impls:
-            row = runner._row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log)
-            if isinstance(row, str):
-                bd.notes.append(row)
-            else:
-                bd.add(row)
-                bd.backends_ran.setdefault(im.name, im.note or im.name)
-        del sets
-        if gpu:
-            torch.cuda.empty_cache()
-        path = bd.save(out)
-    path = bd.save(out)
-    log(f"bundle -> {path}")
-    return path
+            chk = (lambda s, impl=impl, label=label: checker.check(op, case, impl=impl, impl_name=label, inputs=s))
+            out_.append(runner.Impl(label, make, chk, v, min_sets=2 if v.get("pdl") else 1))
+        return out_ + runner.named_peers(op, case, peers, gpu)
+
+    return runner.explore(out, entries, impls, reps=reps, deadline_s=deadline_s, name=name, device=device, log=log)
 
 
 def _v(name: str, tile_v: int, **kw) -> dict:

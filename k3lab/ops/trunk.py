@@ -668,50 +668,14 @@ def h200_explore(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str
                  entries=H200_EXPLORE, device: str = "cuda", log=print):
     """Each entry (op, case, option sets, peers): our kernel at every option set beside the named peers (of
     `proj_peers` / `attnres_peers`, the reference, torch_compile), on the same rotated input sets, every row
-    checked against fp64 first (k3lab.bench.runner's row); one bundle `name` under `out`, saved after every
-    case (a run cut short keeps what it measured). Returns its path."""
-    import time
-
-    from k3lab import registry
+    checked against fp64 first (`k3lab.bench.runner.explore`); one bundle `name` under `out`. Returns its path."""
     from k3lab.bench import runner
-    from k3lab.harness import roofline, timing
-    from k3lab.harness.bundle import Bundle
-    from k3lab.switches import Switches
 
-    t_end = time.time() + deadline_s if deadline_s else None
-    gpu = device == "cuda"
-    pr = timing.probes(device)
-    log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us")
-    bd = Bundle.new(name, switches=Switches(), copy_tbps=pr["copy_tbps"], read_tbps=pr["read_tbps"],
-                    launch_floor_us=pr["launch_us"])
-    bd.config = {"entries": [dict(op=o, case=c, options=list(v), peers=list(p)) for o, c, v, p in entries],
-                 "reps": reps, "mode": "rotated", "probes": pr}
-    path = None
-    for op_name, shape, variants, peers in entries:
-        if t_end is not None and time.time() > t_end:
-            bd.notes.append(f"deadline reached before {op_name} {shape}")
-            continue
-        op = registry.get(op_name)
-        case = op.case(**shape)
-        impls = [runner._ours(op, case, "triton", dict(v)) for v in variants]
-        impls += [p for p in runner.implementations(op, case, (), peers=True, only={}, gpu=gpu)[0] if p.name in peers]
-        nbytes = op.nbytes(case)
-        n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
-        sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
-        fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
-        for im in impls:
-            row = runner._row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log)
-            if isinstance(row, str):
-                bd.notes.append(row)
-            else:
-                bd.add(row)
-                bd.backends_ran.setdefault(im.name, im.note or im.name)
-        del sets
-        if gpu:
-            torch.cuda.empty_cache()
-        path = bd.save(out)
-    log(f"bundle -> {path}")
-    return path
+    def impls(op, case, variants, peers, gpu):
+        return ([runner._ours(op, case, "triton", dict(v)) for v in variants]
+                + runner.named_peers(op, case, peers, gpu))
+
+    return runner.explore(out, entries, impls, reps=reps, deadline_s=deadline_s, name=name, device=device, log=log)
 
 
 def prefetch_experiment(out: str, *, groups=("kda_in", "moe_in"), batches=(1, 8),
