@@ -699,30 +699,72 @@ def _slot(v, t: tl.constexpr):
 
 
 @triton.jit
-def _simt_step(acc, wp, sp, rows, blk, C: tl.constexpr, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-               xd0, xd1, xd2, xd3, TB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
-    """acc [R, NB, 4] += the blocks `blk` (32 columns MXFP4, 16 fp8) of rows `rows` of one matrix ([*, C]
-    logical; MXFP4 in the kernel layout, fp8 as stored) times the tokens' part operands (`_xparts`)."""
+def _simt_load(wp, sp, rows, blk, C: tl.constexpr, FMT: tl.constexpr):
+    """The blocks `blk` (32 columns MXFP4, 16 fp8) of rows `rows` of one matrix ([*, C] logical; MXFP4 in the
+    kernel layout, fp8 as stored): words [R, NB, 4] and the E8M0 scales [R, NB] (int32; fp8: zeros)."""
     WPR: tl.constexpr = C // 8 if FMT == 2 else C // 4  # words a row
     w = tl.load(wp + rows[:, None, None] * WPR + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
-    if FMT == 2:
-        s = tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)  # [R, NB] (a 3D load here would
-        f = tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)  # set the layout)
+    if FMT == 2:  # (a 3D load of the scales would set the tile's layout)
+        s = tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)
     else:
-        f = tl.full(w.shape, 4.0, tl.float32)  # e4m3 * 2^-8 times 2^6 x: 2^2 (the channel scale: the caller's)
-    return _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3, TB,
-                     FMT, INTERP)
+        s = tl.zeros([w.shape[0], w.shape[1]], tl.int32)
+    return w, s
 
 
 @triton.jit
-def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, oc, od,
-               TWO: tl.constexpr, CONV: tl.constexpr, TB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+def _factor(s, w, FMT: tl.constexpr):
+    """Block factors [R, NB, 4] for the scales s [R, NB]: MXFP4 2^(s - 119) (the decoded e2m1 * 2^-14 times 2^6 x);
+    fp8 2^2 (e4m3 * 2^-8 times 2^6 x; the channel scale is the caller's)."""
+    if FMT == 2:
+        return tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)
+    else:
+        return tl.full(w.shape, 4.0, tl.float32)
+
+
+@triton.jit
+def _wait_a(ws, NA):
+    """Role B's wait for every role-A item (module docstring of the gemv kernel): one thread polls with acquire
+    loads and the CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
+    done = tl.atomic_add(ws + 32, 0, sem="acquire")
+    spins = 0
+    while (done < NA) & (spins < 100000):
+        done = tl.atomic_add(ws + 32, 0, sem="acquire")
+        spins += 1
+    tl.debug_barrier()
+
+
+@triton.jit
+def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, oc, od, ws, NA,
+               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, PF: tl.constexpr, TB: tl.constexpr,
+               FMT: tl.constexpr, INTERP: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one matrix ([*, C] logical) times the tokens' activations (row offsets
     o?) over all C columns, NB blocks a step; TWO: acc3 the same for a second matrix (wp3, sp3) on the same
-    activations (w1 and w3: one load and conversion of z for both)."""
+    activations (w1 and w3: one load and conversion of z for both). PF: the next step's weights are loaded
+    before this step's arithmetic (registers double-buffered); WAIT: wait for role A (`_wait_a`) before the
+    first activation load, after the first weight loads when PF (role B streams w2 while role A finishes)."""
     BLK: tl.constexpr = 32 if FMT == 2 else 16
-    for c0 in range(0, C // BLK, NB):
+    NS: tl.constexpr = C // BLK  # blocks a row
+    blk = tl.arange(0, NB)
+    w, f = _simt_load(wp, sp, rows, blk, C, FMT)  # (without PF, reloaded in the loop: dead, removed)
+    w3, f3 = w, f
+    if TWO:
+        w3, f3 = _simt_load(wp3, sp3, rows, blk, C, FMT)
+    if WAIT:
+        _wait_a(ws, NA)
+    for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
+        if PF:  # the next step's (the last step reloads itself: an L1/L2 hit)
+            nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)
+            wn, fn = _simt_load(wp, sp, rows, nxt, C, FMT)
+            w3n, f3n = wn, fn
+            if TWO:
+                w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, FMT)
+        else:
+            w, f = _simt_load(wp, sp, rows, blk, C, FMT)
+            w3, f3 = w, f
+            if TWO:
+                w3, f3 = _simt_load(wp3, sp3, rows, blk, C, FMT)
+            wn, fn, w3n, f3n = w, f, w3, f3
         xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, FMT, INTERP)
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         xc0, xc1, xc2, xc3 = xa0, xa1, xa2, xa3
@@ -732,11 +774,12 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         if TB >= 4:
             xc0, xc1, xc2, xc3 = _xparts(xp, oc, blk, CONV, FMT, INTERP)
             xd0, xd1, xd2, xd3 = _xparts(xp, od, blk, CONV, FMT, INTERP)
-        acc = _simt_step(acc, wp, sp, rows, blk, C, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-                         xd0, xd1, xd2, xd3, TB, FMT, INTERP)
+        acc = _simt_acc(w, _factor(f, w, FMT), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
+                        xd0, xd1, xd2, xd3, TB, FMT, INTERP)
         if TWO:
-            acc3 = _simt_step(acc3, wp3, sp3, rows, blk, C, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2,
-                              xc3, xd0, xd1, xd2, xd3, TB, FMT, INTERP)
+            acc3 = _simt_acc(w3, _factor(f3, w3, FMT), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2,
+                             xd3, TB, FMT, INTERP)
+        w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
 
@@ -750,7 +793,7 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             FMT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+             FMT: tl.constexpr, PF: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16; fp8: at the columns `_act_col`) for each member pair q (token z, routing weight wk), TB members a
     pass."""
@@ -772,7 +815,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
-                              s3e, zi, rows, L, NB, oa, ob, oc, od, True, True, TB, FMT, INTERP)
+                              s3e, zi, rows, L, NB, oa, ob, oc, od, zi, 0, True, True, False, PF, TB, FMT, INTERP)
             g = tl.sum(g, axis=1)
             u = tl.sum(u, axis=1)
             if FMT == 1:
@@ -783,11 +826,11 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 
 
 @triton.jit
-def _simt_down(idx, wk, w2, s2, acti, y, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               FMT: tl.constexpr, INTERP: tl.constexpr):
+               FMT: tl.constexpr, PF: tl.constexpr, INTERP: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
-    (token b, pair q_b), fp32 atomics."""
+    (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
         if FMT == 2:
@@ -800,7 +843,8 @@ def _simt_down(idx, wk, w2, s2, acti, y, p, lt, B, L: tl.constexpr, I: tl.conste
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
-                               s2e, acti, lr, I, NB2, oa, ob, oc, od, False, False, TB, FMT, INTERP)
+                               s2e, acti, lr, I, NB2, oa, ob, oc, od, ws, NA, False, False, True, PF, TB, FMT,
+                               INTERP)
             o = tl.sum(o, axis=1)
             if FMT == 1:
                 o = o * tl.load(s2e + lr)[:, None]
@@ -811,7 +855,8 @@ def _simt_down(idx, wk, w2, s2, acti, y, p, lt, B, L: tl.constexpr, I: tl.conste
 def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     FMT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+                     FMT: tl.constexpr, PF: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                     INTERP: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -823,19 +868,13 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, FMT, B1, B2, INTERP)
+                     TB, FMT, PF, B1, B2, INTERP)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
-        else:
-            done = tl.atomic_add(ws + 32, 0, sem="acquire")
-            spins = 0
-            while (done < NA) & (spins < 100000):
-                done = tl.atomic_add(ws + 32, 0, sem="acquire")
-                spins += 1
-            tl.debug_barrier()
+        else:  # waits for role A inside, after its first weight loads
             tb = t - NA
-            _simt_down(idx, wk, w2, s2, acti, y, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL, NB2, TB,
-                       FMT, INTERP)
+            _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
+                       NB2, TB, FMT, PF, INTERP)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -913,8 +952,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
         nb2 = 4 if fmt == "mxfp4" else 8
         while (I // blk) % nb2:
             nb2 //= 2
-        return dict(block_n=min(32, I), block_k=blk * nb, block_l=min(64, L & -L), block_t=1 if B == 1 else 2,
-                    num_warps=4, num_stages=1, block_i=blk * nb2, persist=0)
+        return dict(block_n=min(16, I), block_k=blk * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
+                    num_warps=4, num_stages=2, block_i=blk * nb2, persist=0 if B == 1 else 4)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256, "mxfp4": 512}[fmt]
@@ -988,8 +1027,8 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // blk, BL=bl, NB2=d["block_i"] // blk, TB=block_t or d["block_t"],
-                                   FMT=FORMATS.index(fmt), B1=float(b1), B2=float(b2), INTERP=dot_f32(),
-                                   num_warps=nw, num_stages=ns)
+                                   FMT=FORMATS.index(fmt), PF=ns >= 2, B1=float(b1), B2=float(b2),
+                                   INTERP=dot_f32(), num_warps=nw, num_stages=1)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
