@@ -722,6 +722,18 @@ def _factor(s, w, FMT: tl.constexpr):
 
 
 @triton.jit
+def _l2_prefetch(ptrs, NBYTES: tl.constexpr, INTERP: tl.constexpr):
+    """Ask L2 to fetch NBYTES (a multiple of 16) from each 16-byte aligned address `ptrs` (one bulk-copy-engine
+    prefetch a row, no registers held; a no-op under the interpreter). Returns a dummy to keep it ordered."""
+    if INTERP:
+        return tl.zeros(ptrs.shape, tl.int32)
+    else:
+        return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;", "=r,l,r",
+                                         [ptrs.to(tl.int64, bitcast=True), tl.full(ptrs.shape, NBYTES, tl.int32)],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait_a(ws, NA):
     """Role B's wait for every role-A item (module docstring of the gemv kernel): one thread polls with acquire
     loads and the CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
@@ -739,8 +751,9 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
                FMT: tl.constexpr, INTERP: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one matrix ([*, C] logical) times the tokens' activations (row offsets
     o?) over all C columns, NB blocks a step; TWO: acc3 the same for a second matrix (wp3, sp3) on the same
-    activations (w1 and w3: one load and conversion of z for both). PF: the next step's weights are loaded
-    before this step's arithmetic (registers double-buffered); WAIT: wait for role A (`_wait_a`) before the
+    activations (w1 and w3: one load and conversion of z for both). PF >= 1: the next step's weights are loaded
+    before this step's arithmetic (registers double-buffered; num_stages 2; num_stages 3 also prefetches the
+    item's rows into L2 at its start); WAIT: wait for role A (`_wait_a`) before the
     first activation load, after the first weight loads when PF (role B streams w2 while role A finishes)."""
     BLK: tl.constexpr = 32 if FMT == 2 else 16
     NS: tl.constexpr = C // BLK  # blocks a row
@@ -753,7 +766,7 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         _wait_a(ws, NA)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
-        if PF:  # the next step's (the last step reloads itself: an L1/L2 hit)
+        if PF >= 1:  # the next step's (the last step reloads itself: an L1/L2 hit)
             nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)
             wn, fn = _simt_load(wp, sp, rows, nxt, C, FMT)
             w3n, f3n = wn, fn
@@ -791,24 +804,46 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 
 
 @triton.jit
+def _simt_up_ptrs(w1, w3, s1, s3, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr):
+    """Expert e's w1, w3 rows and scales. Every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row
+    and block (the hint sits on the pointer's defining op; on a function argument it would be lost)."""
+    if FMT == 2:
+        return (tl.multiple_of(w1 + e * (I * (L // 8)), 16), tl.multiple_of(w3 + e * (I * (L // 8)), 16),
+                s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32)))
+    else:
+        return (tl.multiple_of(w1 + e * (I * (L // 4)), 16), tl.multiple_of(w3 + e * (I * (L // 4)), 16),
+                s1 + e * I, s3 + e * I)
+
+
+@triton.jit
+def _simt_up_prefetch(w1, w3, s1, s3, e, n, L: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr,
+                      INTERP: tl.constexpr):
+    """Role A item (expert e, row tile n): its w1, w3 rows (and MXFP4 scales) into L2, so the register steps wait
+    on L2 only."""
+    w1e, w3e, s1e, s3e = _simt_up_ptrs(w1, w3, s1, s3, e, L, I, FMT)
+    rows = n * BN + tl.arange(0, BN)
+    RB: tl.constexpr = L // 2 if FMT == 2 else L
+    _l2_prefetch(w1e + rows * (RB // 4), RB, INTERP)
+    _l2_prefetch(w3e + rows * (RB // 4), RB, INTERP)
+    if FMT == 2:
+        _l2_prefetch(s1e + rows * (L // 32), L // 32, INTERP)
+        _l2_prefetch(s3e + rows * (L // 32), L // 32, INTERP)
+
+
+@triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
              FMT: tl.constexpr, PF: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16; fp8: at the columns `_act_col`) for each member pair q (token z, routing weight wk), TB members a
     pass."""
+    if PF >= 2 and B == 1:  # every pair leads: the L2 prefetch goes out before the group's compare
+        _simt_up_prefetch(w1, w3, s1, s3, tl.load(idx + p).to(tl.int64), n, L, I, BN, FMT, INTERP)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
-        # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
-        # the pointer's defining op; on a function argument it would be lost)
-        if FMT == 2:
-            w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
-            w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
-            s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
-        else:
-            w1e = tl.multiple_of(w1 + e * (I * (L // 4)), 16)
-            w3e = tl.multiple_of(w3 + e * (I * (L // 4)), 16)
-            s1e, s3e = s1 + e * I, s3 + e * I
+        if PF >= 2 and B > 1:
+            _simt_up_prefetch(w1, w3, s1, s3, e, n, L, I, BN, FMT, INTERP)
+        w1e, w3e, s1e, s3e = _simt_up_ptrs(w1, w3, s1, s3, e, L, I, FMT)
         rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
@@ -826,18 +861,27 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 
 
 @triton.jit
+def _simt_down_ptr(w2, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr):
+    WPR: tl.constexpr = I // 8 if FMT == 2 else I // 4
+    return tl.multiple_of(w2 + e * (L * WPR), 16)
+
+
+@triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                FMT: tl.constexpr, PF: tl.constexpr, INTERP: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
+    RB: tl.constexpr = I // 2 if FMT == 2 else I  # bytes of a w2 row (its scales, I/32, are not 16-aligned)
+    lr = lt * BL + tl.arange(0, BL)
+    if PF >= 2 and B == 1:  # the item's w2 rows into L2 before the group's compare and the wait for role A
+        _l2_prefetch(_simt_down_ptr(w2, tl.load(idx + p).to(tl.int64), L, I, FMT) + lr * (RB // 4), RB, INTERP)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
-        if FMT == 2:
-            w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
-        else:
-            w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 4)), 16), s2 + e * L
-        lr = lt * BL + tl.arange(0, BL)
+        w2e = _simt_down_ptr(w2, e, L, I, FMT)
+        s2e = s2 + e * (L * (I // 32)) if FMT == 2 else s2 + e * L
+        if PF >= 2 and B > 1:
+            _l2_prefetch(w2e + lr * (RB // 4), RB, INTERP)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
@@ -953,7 +997,7 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
         while (I // blk) % nb2:
             nb2 //= 2
         return dict(block_n=min(16, I), block_k=blk * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
-                    num_warps=4, num_stages=2, block_i=blk * nb2, persist=0 if B == 1 else 4)
+                    num_warps=4, num_stages=3, block_i=blk * nb2, persist=0 if B == 1 else 4)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256, "mxfp4": 512}[fmt]
@@ -1027,7 +1071,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // blk, BL=bl, NB2=d["block_i"] // blk, TB=block_t or d["block_t"],
-                                   FMT=FORMATS.index(fmt), PF=ns >= 2, B1=float(b1), B2=float(b2),
+                                   FMT=FORMATS.index(fmt), PF=min(ns, 3) - 1, B1=float(b1), B2=float(b2),
                                    INTERP=dot_f32(), num_warps=nw, num_stages=1)
         return y
     if path == "gemv":
