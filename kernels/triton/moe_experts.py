@@ -790,8 +790,8 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         acc = _simt_acc(w, _factor(f, w, FMT), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
                         xd0, xd1, xd2, xd3, TB, FMT, INTERP)
         if TWO:
-            acc3 = _simt_acc(w3, _factor(f3, w3, FMT), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2,
-                             xd3, TB, FMT, INTERP)
+            acc3 = _simt_acc(w3, _factor(f3, w3, FMT), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2,
+                             xc3, xd0, xd1, xd2, xd3, TB, FMT, INTERP)
         w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
