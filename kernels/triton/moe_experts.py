@@ -837,12 +837,14 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16; fp8: at the columns `_act_col`) for each member pair q (token z, routing weight wk), TB members a
     pass."""
-    if PF >= 2 and B == 1:  # every pair leads: the L2 prefetch goes out before the group's compare
-        _simt_up_prefetch(w1, w3, s1, s3, tl.load(idx + p).to(tl.int64), n, L, I, BN, FMT, INTERP)
+    if PF >= 2:
+        if B == 1:  # every pair leads: the L2 prefetch goes out before the group's compare
+            _simt_up_prefetch(w1, w3, s1, s3, tl.load(idx + p).to(tl.int64), n, L, I, BN, FMT, INTERP)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
-        if PF >= 2 and B > 1:
-            _simt_up_prefetch(w1, w3, s1, s3, e, n, L, I, BN, FMT, INTERP)
+        if PF >= 2:
+            if B > 1:
+                _simt_up_prefetch(w1, w3, s1, s3, e, n, L, I, BN, FMT, INTERP)
         w1e, w3e, s1e, s3e = _simt_up_ptrs(w1, w3, s1, s3, e, L, I, FMT)
         rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, TB):
@@ -874,14 +876,16 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     RB: tl.constexpr = I // 2 if FMT == 2 else I  # bytes of a w2 row (its scales, I/32, are not 16-aligned)
     lr = lt * BL + tl.arange(0, BL)
-    if PF >= 2 and B == 1:  # the item's w2 rows into L2 before the group's compare and the wait for role A
-        _l2_prefetch(_simt_down_ptr(w2, tl.load(idx + p).to(tl.int64), L, I, FMT) + lr * (RB // 4), RB, INTERP)
+    if PF >= 2:
+        if B == 1:  # the item's w2 rows into L2 before the group's compare and the wait for role A
+            _l2_prefetch(_simt_down_ptr(w2, tl.load(idx + p).to(tl.int64), L, I, FMT) + lr * (RB // 4), RB, INTERP)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
         w2e = _simt_down_ptr(w2, e, L, I, FMT)
         s2e = s2 + e * (L * (I // 32)) if FMT == 2 else s2 + e * L
-        if PF >= 2 and B > 1:
-            _l2_prefetch(w2e + lr * (RB // 4), RB, INTERP)
+        if PF >= 2:
+            if B > 1:
+                _l2_prefetch(w2e + lr * (RB // 4), RB, INTERP)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
