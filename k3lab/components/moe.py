@@ -15,12 +15,17 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
                              z bf16, idx int32/int64, weights_k fp32, dense experts bf16, fp8 with fp32
                              per-output-channel scales, or MXFP4
   auto                       data/moe_defaults.json (measured), else the reference
-The triton knobs: `path` ("gemv": the few-token two-role kernel, batch <= 16; "grouped": the tensor-core kernel;
-None: the kernel's rule by format and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t,
-num_warps, num_stages, persist (None: the kernel's tiles for the path; persist: programs per SM on the simt
-path, 0 one item a program). `check_values=False` skips the host-side check that
-idx holds valid ids (a device sync): pass it on timed or graph-captured paths. Argument errors are
-MoEArgumentError (a ValueError) naming the argument.
+The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
+CUDA-core sibling for MXFP4, batch <= 64; "grouped": the tensor-core kernel; None: the kernel's rule by format
+and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t, num_warps, num_stages, persist
+(None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program).
+`check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it on timed or
+graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
+
+MXFP4 on the simt path reads the codes in the kernel's layout (k3lab.mxfp4.to_kernel_layout, the same bytes
+rearranged): `kernel_layout(w)` makes that copy of an ExpertWeight on its first use and keeps it while the
+weight lives (the caller holds the natural layout, which the reference reads, and this copy: +1x the packed
+codes). Make the first call, or `prepare(moe)`, outside a CUDA graph capture.
 """
 from __future__ import annotations
 
@@ -190,12 +195,10 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     if fmt == "mxfp4" and (I % 32 or L % 32):
         _fail("moe", f"mxfp4 experts need I and L multiples of 32, got I={I}, L={L}")
     path = knobs["path"]
-    if (path not in PATHS or (path == "gemv" and B > GEMV_MAX_BATCH)
-            or (path == "simt" and (fmt == "dense" or B > SIMT_MAX_BATCH))):
-        _fail("path", f"must be None or one of {PATHS} ('gemv' for batch <= {GEMV_MAX_BATCH}, 'simt' for fp8 or "
-                      f"MXFP4 experts and batch <= {SIMT_MAX_BATCH}), got {path!r} at batch {B} ({fmt})")
-    if path == "simt" and fmt == "fp8" and (I % 16 or L % 16):
-        _fail("moe", f"fp8 experts on the simt path need I and L multiples of 16, got I={I}, L={L}")
+    if (path not in PATHS or (path == "gemv" and (B > GEMV_MAX_BATCH or fmt == "mxfp4"))
+            or (path == "simt" and (fmt != "mxfp4" or B > SIMT_MAX_BATCH))):
+        _fail("path", f"must be None or one of {PATHS} ('gemv' for bf16 / fp8 experts and batch <= {GEMV_MAX_BATCH}, "
+                      f"'simt' for MXFP4 experts and batch <= {SIMT_MAX_BATCH}), got {path!r} at batch {B} ({fmt})")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
                            or (fmt == "mxfp4" and path == "grouped" and bn < 32)):
@@ -215,8 +218,9 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
                            or (p_ and path != "simt")):
         _fail("persist", f"must be None or 0..64 programs per multiprocessor (the simt path only; 0: one item a "
                          f"program), got {p_!r} on the {path} path")
-    if knobs["num_stages"] is not None and knobs["num_stages"] not in (1, 2, 3, 4, 5):
-        _fail("num_stages", f"must be None or one of 1..5, got {knobs['num_stages']!r}")
+    if knobs["num_stages"] is not None and (knobs["num_stages"] not in (1, 2, 3, 4, 5) or path == "simt"):
+        _fail("num_stages", f"must be None or one of 1..5 (None on the simt path: its weight steps are register "
+                            f"double-buffered), got {knobs['num_stages']!r} on the {path} path")
     if out is None:
         out = torch.empty(B, L, dtype=torch.float32, device=dev)
     elif out.dtype != torch.float32 or not out.is_contiguous():
@@ -226,11 +230,8 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
             _fail("block_n", f"and block_l must not exceed I={I} and L={L} on the simt path")
         if knobs["block_k"] is not None and knobs["block_k"] > L:
             _fail("block_k", f"must not exceed L={L} on the simt path, got {knobs['block_k']}")
-        if fmt == "fp8":
-            ws = (moe.w1.data, moe.w3.data, moe.w2.data)
-        else:
-            ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
-        return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt=TRITON_FORMATS[fmt], s1=moe.w1.scale, s3=moe.w3.scale,
+        ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
+        return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt="mxfp4", s1=moe.w1.scale, s3=moe.w3.scale,
                                                         s2=moe.w2.scale, b1=float(moe.b1), b2=float(moe.b2)))
     return dict(pos=(z, idx, wk, moe.w1.data, moe.w3.data, moe.w2.data, out),
                 kw=dict(fmt=TRITON_FORMATS[fmt], s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale,

@@ -230,7 +230,7 @@ register(Op(
     option_axes={"path": {"triton": (None, "gemv", "grouped", "simt")}, "block_n": {"triton": (None, 16, 32, 64, 128)},
                  "block_k": {"triton": (None, 64, 128, 256, 512)},
                  "block_l": {"triton": (None, 16, 32, 64, 128)},
-                 "block_t": {"triton": (None, 1, 2, 4, 16, 32, 64)}, "num_warps": {"triton": (None, 2, 4, 8)},
+                 "block_t": {"triton": (None, 1, 2, 16, 32, 64)}, "num_warps": {"triton": (None, 2, 4, 8)},
                  "num_stages": {"triton": (None, 1, 2, 3, 4, 5)}, "persist": {"triton": (None, 0, 2, 4, 8, 16)}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "block_l": _NONE, "block_t": _NONE,
                      "num_warps": _NONE, "num_stages": _NONE, "persist": _NONE},

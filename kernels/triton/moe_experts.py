@@ -1,12 +1,16 @@
 """Latent-MoE routed experts for decode: the token x top-k pairs grouped by expert on the device, w1/w3 with
-SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts. Two paths (`path`; the
-rule `default_path` picks by weight format and batch, from the H200 sweeps in docs/NOTES_moe.md):
+SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts. Three paths (`path`;
+the rule `default_path` picks by weight format and batch, from the H200 sweeps in docs/NOTES_moe.md):
   grouped  one launch after zeroing y (`_moe_experts_kernel`, below): program (n, pair) runs BN intermediate rows
            of w1/w3 and the matching w2 columns of its expert; tensor-core tiles of up to 16 tokens;
   gemv     one launch, y zeroed inside (`_moe_gemv_kernel`, batch <= 16): role A items (pair, BN rows) put
            wk * situ(W1 z, W3 z) for every token into a scratch buffer, role B items (pair, BL latent rows) add
            W2 act into y; items are handed out by a ticket in program start order and B items wait for every A
-           item (a counter), so the whole chip streams w1/w3, then w2, in small even items.
+           item (a counter), so the whole chip streams w1/w3, then w2, in small even items (bf16, fp8);
+  simt     MXFP4, batch <= 64 (`_moe_simt_kernel`): the gemv kernel's two roles and tickets with CUDA-core bodies
+           (no tensor cores, no 16-token padding): the codes in their kernel layout (k3lab.mxfp4.to_kernel_layout),
+           11 integer instructions per 8 codes, f16x2 FMAs per 32-block, one or two tokens a pass; optionally
+           persistent (`persist` programs a multiprocessor). Its section below has the details and the exactness.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
@@ -24,12 +28,9 @@ Layout (k3lab.ref.moe.ExpertWeight, one GPU's TP slice; L = latent 3584, I = per
               uint8 and one E8M0 scale per 32 inputs [E, out, in/32] uint8 (k3lab.mxfp4): W = e2m1 * 2^(s-127),
               dequantized in registers (the H200 has no fp4 maths), exactly. Grouped (`_mxfp4_tile`): the fp16
               bit pattern (code&7)<<9 | (code&8)<<12 (= value * 2^-14, subnormals included), widened to fp32 and
-              multiplied by 2^(s-113), to bf16; exact for s in 2..240. Gemv (`_e2m1_pair`, `_mx_factors`): each
-              code to the e4m3 byte s00eem00 (= value * 2^-6), four codes a 32-bit word, the hardware's e4m3x2
-              -> f16x2 conversion and an f16x2 multiply by 2^(s - rowmax + 15) (inline PTX, 19 instructions per 8
-              codes), the dot in fp16 on the low and the high nibbles against z's even and odd columns (no
-              interleave), and 2^(rowmax - 136) on each chunk's fp32 partial; exact for blocks within 29
-              binades of their row chunk's largest scale (largest in 10..254); blocks further below count as 0.
+              multiplied by 2^(s-113), to bf16; exact for s in 2..240. Simt: the same codes in the kernel layout
+              ([E, out, in/8] int32; the caller passes these words, see k3lab.components.moe.kernel_layout),
+              decoded to f16x2 of value * 2^-14 (`_simt_decode_ptx`), exact for s in 0..246.
 
 The grouped path, grouping without a host sync (the step is captured in a CUDA graph): grid (I / BN, B*K).
 Program (n, p) takes pair p's expert e = idx[p]; it reads the [B, K] id tile and runs only if p is the first pair
@@ -92,15 +93,6 @@ def _mxfp4_tile(q, s, R: tl.constexpr, C: tl.constexpr):
     sc = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113)
     w = v.reshape(R, C // 32, 32) * sc[:, :, None]
     return w.reshape(R, C).to(tl.bfloat16)
-
-
-def mxfp4_dequant(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[R, C/2] uint8 + [R, C/32] uint8 -> [R, C] fp32 through the gemv path's dequantization (`_e2m1_pair`,
-    `_mx_factors`, one row chunk per row; R % 16 == 0, C a power of two >= 64)."""
-    R, C = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(R, C, dtype=torch.float32, device=packed.device)
-    _mxfp4_dequant_kernel[(R // 16,)](packed.contiguous(), scales.contiguous(), out, C=C, BR=16, INTERP=dot_f32())
-    return out
 
 
 @triton.jit
@@ -209,102 +201,26 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
 
 # ---- the few-token path (batch <= 16): two roles in one launch -------------------------------------------
 
-# E2M1 codes of 4 packed bytes -> 4 low-nibble and 4 high-nibble fp16 values times fp16 factors (one per
-# byte). Each code becomes the e4m3 byte s00eem00 (= e2m1 * 2^-6, the subnormal 0.5 included), four at a time
-# in a 32-bit word; then the hardware's e4m3x2 -> f16x2 conversion and an f16x2 multiply by the block factor
-# (exact in the window of `_mx_factors`). 19 instructions per 8 codes.
-_E2M1_ASM = tl.constexpr("""{
-.reg .b32 t, u, lo, hi;
-.reg .b16 l0, l1, h0, h1;
-and.b32 t, $4, 0x07070707;
-shl.b32 t, t, 2;
-shl.b32 u, $4, 4;
-and.b32 u, u, 0x80808080;
-or.b32 lo, t, u;
-shr.u32 t, $4, 2;
-and.b32 t, t, 0x1C1C1C1C;
-and.b32 u, $4, 0x80808080;
-or.b32 hi, t, u;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
-mul.rn.f16x2 $0, $0, $5;
-mul.rn.f16x2 $1, $1, $6;
-mul.rn.f16x2 $2, $2, $5;
-mul.rn.f16x2 $3, $3, $6;
-}""")
-
-
 @triton.jit
-def _e2m1_pair(q, f, INTERP: tl.constexpr):
-    """Packed E2M1 bytes q (uint8) and fp16 factors f (same shape) -> (low nibbles, high nibbles) as fp16
-    e2m1 * 2^-6 * f. The interpreter builds the same values from the fp16 bit pattern (code * 2^-14)."""
-    if INTERP:
-        lo = q & 0xF
-        hi = q >> 4
-        vl = (((lo & 7).to(tl.int16) << 9) | ((lo & 8).to(tl.int16) << 12)).to(tl.float16, bitcast=True)
-        vh = (((hi & 7).to(tl.int16) << 9) | ((hi & 8).to(tl.int16) << 12)).to(tl.float16, bitcast=True)
-        ff = f.to(tl.float32) * 256.0
-        return (vl.to(tl.float32) * ff).to(tl.float16), (vh.to(tl.float32) * ff).to(tl.float16)
-    else:
-        return tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [q, f],
-                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _mx_factors(s):
-    """E8M0 scales s [R, NB] (uint8) of one row chunk -> (fp16 block factors 2^d [R, NB], fp32 row factors [R])
-    with d = s - max_row(s) + 15 and row factor 2^(max_row(s) - 136): e2m1 * 2^-6 * 2^d * 2^(max - 136) is the
-    weight e2m1 * 2^(s - 127). Exact for d >= -14 (blocks within 29 binades of their row chunk's largest scale)
-    and a largest scale in 10..254; blocks further below (< 2^-29 of the largest) count as zero."""
-    si = s.to(tl.int32)
-    smax = tl.max(si, axis=1)
-    d = si - smax[:, None] + 15
-    f = tl.where(d >= -14, (d + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
-    rf = ((smax - 9) << 23).to(tl.float32, bitcast=True)
-    return f, rf
-
-
-@triton.jit
-def _load_w(wp, sp, rows, c0, C: tl.constexpr, BC: tl.constexpr, FMT: tl.constexpr, m):
-    """Columns c0 .. c0+BC of rows `rows` of one expert's matrix ([*, C] logical) in its stored format: bf16 /
-    fp8 [R, BC] (returned twice); MXFP4 packed [R, BC/2] uint8 and its scales [R, BC/32]. `m`: load at all."""
-    if FMT == 2:
-        q = tl.load(wp + rows[:, None] * (C // 2) + c0 // 2 + tl.arange(0, BC // 2)[None, :], mask=m, other=0)
-        s = tl.load(sp + rows[:, None] * (C // 32) + c0 // 32 + tl.arange(0, BC // 32)[None, :], mask=m, other=0)
-        return q, s
-    else:
-        w = tl.load(wp + rows[:, None] * C + c0 + tl.arange(0, BC)[None, :], mask=m, other=0.0)
-        return w, w
+def _load_w(wp, rows, c0, C: tl.constexpr, BC: tl.constexpr):
+    """Columns c0 .. c0+BC of rows `rows` of one expert's bf16 / fp8 matrix ([*, C]): [R, BC]."""
+    return tl.load(wp + rows[:, None] * C + c0 + tl.arange(0, BC)[None, :])
 
 
 @triton.jit
 def _load_x(xp, XS, c0, nrows, BB: tl.constexpr, BC: tl.constexpr, FMT: tl.constexpr, CG: tl.constexpr):
     """Activations [BB, BC] (row stride XS, rows past `nrows` zero) at columns c0.. as the dot's operand: bf16
-    for bf16 weights, fp16 otherwise; for MXFP4 the even and odd columns [BB, BC/2] (low / high nibbles)."""
+    for bf16 weights, fp16 for fp8."""
     bb = tl.arange(0, BB)[:, None]
     rm = bb < nrows
-    if FMT == 2:
-        j = c0 + 2 * tl.arange(0, BC // 2)[None, :]
-        if CG:
-            xe = tl.load(xp + bb * XS + j, mask=rm, other=0.0, cache_modifier=".cg")
-            xo = tl.load(xp + bb * XS + j + 1, mask=rm, other=0.0, cache_modifier=".cg")
-        else:
-            xe = tl.load(xp + bb * XS + j, mask=rm, other=0.0)
-            xo = tl.load(xp + bb * XS + j + 1, mask=rm, other=0.0)
-        return xe.to(tl.float16), xo.to(tl.float16)
+    j = c0 + tl.arange(0, BC)[None, :]
+    if CG:
+        x = tl.load(xp + bb * XS + j, mask=rm, other=0.0, cache_modifier=".cg")
     else:
-        j = c0 + tl.arange(0, BC)[None, :]
-        if CG:
-            x = tl.load(xp + bb * XS + j, mask=rm, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.load(xp + bb * XS + j, mask=rm, other=0.0)
-        if FMT == 1:
-            x = x.to(tl.float16)
-        return x, x
+        x = tl.load(xp + bb * XS + j, mask=rm, other=0.0)
+    if FMT == 1:
+        x = x.to(tl.float16)
+    return x
 
 
 @triton.jit
@@ -318,32 +234,13 @@ def _dot_t(a, b, acc, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _acc_w(acc, xa, xb, w, s, R: tl.constexpr, BC: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
+def _acc_w(acc, x, w, FMT: tl.constexpr, INTERP: tl.constexpr):
     """acc [BB, R] + x [BB, BC] @ W[R, BC]^T for one weight tile (`_load_w`) and activation tile (`_load_x`).
-    fp8: e4m3 -> fp16 (exact; the channel scale is the caller's); MXFP4: the block factors in the dequantized
-    fp16 values, the row factors on the chunk's fp32 partial."""
-    if FMT == 2:
-        f, rf = _mx_factors(s)
-        lo, hi = _e2m1_pair(w, tl.reshape(tl.broadcast_to(f[:, :, None], (R, BC // 32, 16)), (R, BC // 2)), INTERP)
-        part = _dot_t(xa, lo, tl.zeros(acc.shape, tl.float32), INTERP)
-        part = _dot_t(xb, hi, part, INTERP)
-        return acc + part * rf[None, :]
-    elif FMT == 1:
-        return _dot_t(xa, w.to(tl.float16), acc, INTERP)
+    fp8: e4m3 -> fp16 (exact; the channel scale is the caller's)."""
+    if FMT == 1:
+        return _dot_t(x, w.to(tl.float16), acc, INTERP)
     else:
-        return _dot_t(xa, w, acc, INTERP)
-
-
-@triton.jit
-def _mxfp4_dequant_kernel(q, s, out, C: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
-    """The gemv path's dequantization alone (tests: bit-exact against k3lab.mxfp4.unpack_mxfp4)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    qt, st = _load_w(q, s, r, 0, C, C, 2, True)
-    f, rf = _mx_factors(st)
-    lo, hi = _e2m1_pair(qt, tl.reshape(tl.broadcast_to(f[:, :, None], (BR, C // 32, 16)), (BR, C // 2)), INTERP)
-    o = out + r[:, None] * C + 2 * tl.arange(0, C // 2)[None, :]
-    tl.store(o, lo.to(tl.float32) * rf[:, None])
-    tl.store(o + 1, hi.to(tl.float32) * rf[:, None])
+        return _dot_t(x, w, acc, INTERP)
 
 
 @triton.jit
@@ -356,20 +253,14 @@ def _gemv_up(z, idx, wk, w1, w3, s1, s3, act, flags, p, n, B, L: tl.constexpr, I
     if n == 0:
         tl.store(flags + p, leader.to(tl.int32))
     if leader:
-        if FMT == 2:
-            w1e, w3e = w1 + e * (I * (L // 2)), w3 + e * (I * (L // 2))
-            s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
-        else:
-            w1e, w3e, s1e, s3e = w1 + e * (I * L), w3 + e * (I * L), s1 + e * I, s3 + e * I
+        w1e, w3e, s1e, s3e = w1 + e * (I * L), w3 + e * (I * L), s1 + e * I, s3 + e * I
         rows = n * BN + tl.arange(0, BN)
         g = tl.zeros([BB, BN], tl.float32)
         u = tl.zeros([BB, BN], tl.float32)
         for k0 in range(0, L, BK):  # software-pipelined by Triton (num_stages): the next chunks' loads in flight
-            x1, c1 = _load_w(w1e, s1e, rows, k0, L, BK, FMT, True)
-            x3, c3 = _load_w(w3e, s3e, rows, k0, L, BK, FMT, True)
-            za, zb = _load_x(z, L, k0, B, BB, BK, FMT, False)
-            g = _acc_w(g, za, zb, x1, c1, BN, BK, FMT, INTERP)
-            u = _acc_w(u, za, zb, x3, c3, BN, BK, FMT, INTERP)
+            za = _load_x(z, L, k0, B, BB, BK, FMT, False)
+            g = _acc_w(g, za, _load_w(w1e, rows, k0, L, BK), FMT, INTERP)
+            u = _acc_w(u, za, _load_w(w3e, rows, k0, L, BK), FMT, INTERP)
         if FMT == 1:
             g = g * tl.load(s1e + rows)[None, :]
             u = u * tl.load(s3e + rows)[None, :]
@@ -385,16 +276,12 @@ def _gemv_down(idx, w2, s2, act, flags, y, p, lt, B, L: tl.constexpr, I: tl.cons
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[p, b, :] (fp32 atomics)."""
     if tl.load(flags + p) != 0:
         e = tl.load(idx + p).to(tl.int64)
-        if FMT == 2:
-            w2e, s2e = w2 + e * (L * (I // 2)), s2 + e * (L * (I // 32))
-        else:
-            w2e, s2e = w2 + e * (L * I), s2 + e * L
+        w2e, s2e = w2 + e * (L * I), s2 + e * L
         lr = lt * BL + tl.arange(0, BL)
         acc = tl.zeros([BB, BL], tl.float32)
         for i0 in range(0, I, BI):
-            x, c = _load_w(w2e, s2e, lr, i0, I, BI, FMT, True)
-            aa, ab = _load_x(act + p * (BB * I), I, i0, BB, BB, BI, FMT, True)
-            acc = _acc_w(acc, aa, ab, x, c, BL, BI, FMT, INTERP)
+            acc = _acc_w(acc, _load_x(act + p * (BB * I), I, i0, BB, BB, BI, FMT, True), _load_w(w2e, lr, i0, I, BI),
+                         FMT, INTERP)
         if FMT == 1:
             acc = acc * tl.load(s2e + lr)[None, :]
         bb = tl.arange(0, BB)[:, None]
@@ -439,17 +326,18 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 
 # ---- the SIMT path (MXFP4, few tokens per expert): CUDA-core dequant-GEMV ---------------------------------
 #
-# No tensor cores, no 16-row padding: a program streams BN rows (w1/w3) or BL rows (w2) of one expert as
-# [rows, NB, 4] int32 tiles (one 16-byte load per row and 32-block: the block's four words in the kernel layout
-# of k3lab.mxfp4.to_kernel_layout), decodes each word to four f16x2 with 11 integer instructions (no table, no
-# conversion unit), multiplies by the activation pairs in f16x2 FMAs (the block's 32 products summed in f16),
-# and adds the block sum times its E8M0 factor into an fp32 accumulator. Up to four member tokens share each
-# decoded word (one accumulator slot each); a group of more tokens loops, re-reading its rows from L2.
+# No tensor cores, no 16-row padding: a program streams BN rows (w1 and w3 together) or BL rows (w2) of one
+# expert as [rows, NB, 4] int32 tiles (one 16-byte load per row and 32-block: the block's four words in the
+# kernel layout of k3lab.mxfp4.to_kernel_layout), the next step's tiles loaded before this step's arithmetic
+# (registers double-buffered). Each word becomes four f16x2 with 11 integer instructions (no table, no
+# conversion unit), multiplied by the activation pairs in f16x2 FMAs (a block's 32 products summed in f16); the
+# block sum times its E8M0 factor goes into an fp32 accumulator. One or two member tokens share each decoded
+# word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2.
 # Activations enter as f16 scaled by 2^6 (z from bf16 in registers, the SiTU activation stored so by role A),
 # the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
 # Exactness: every decoded weight is exact (weight = decoded * 2^14 * 2^(s - 127), s <= 246); the products
-# and the block's sum are f16 (11-bit significand, a product under 2^-14 keeps an absolute error <= 2^-25, i.e.
-# 2^-17 of the true product scale); activations must satisfy |x| < 1023 (2^6 |x| within f16).
+# and the block's sum are f16 (11-bit significand; a product under 2^-14 keeps an absolute error <= 2^-25,
+# i.e. 2^-17 in the activation's units); activations must satisfy |x| < 1023 (2^6 |x| within f16).
 
 def _simt_decode_ptx(w: str) -> list[str]:
     """PTX: the kernel-layout word in register `w` -> parts d0..d3 (f16x2, e2m1 * 2^-14), temporary t."""
@@ -461,27 +349,18 @@ def _simt_decode_ptx(w: str) -> list[str]:
             "and.b32 d3, d3, 0x80008000;", "or.b32 d3, d3, t;"]
 
 
-def _simt_decode8_ptx(w: str) -> list[str]:
-    """PTX: a word of four e4m3 bytes in register `w` -> d0 = (byte 0, byte 2), d1 = (byte 1, byte 3) as f16x2
-    of e4m3 * 2^-8 (exact, subnormals included: the exponent and mantissa bits moved under f16's), temporary t."""
-    return [f"shl.b32 t, {w}, 7;", "and.b32 d0, t, 0x3F803F80;", f"shl.b32 t, {w}, 8;", "and.b32 t, t, 0x80008000;",
-            "or.b32 d0, d0, t;",
-            f"shr.u32 t, {w}, 1;", "and.b32 d1, t, 0x3F803F80;", f"and.b32 t, {w}, 0x80008000;", "or.b32 d1, d1, t;"]
-
-
-def _simt_asm(tb: int, fmt: int = 2) -> str:
-    """One block of one row for `tb` tokens (pack=4): $0..$3 accumulator slots out (slot t = token t);
-    inputs $4..$7 the block's words, then token t's activation pairs: MXFP4 (fmt 2) 8 + 16t + 4p + j for part
-    p of word j, fp8 (fmt 1) 8 + 8t + 4p + j; then four copies of the block factor and the four slots in."""
-    nx = 16 if fmt == 2 else 8
-    f0, a0 = 8 + nx * tb, 12 + nx * tb
+def _simt_asm(tb: int) -> str:
+    """One 32-block of one row for `tb` tokens (pack=4): $0..$3 accumulator slots out (slot t = token t);
+    inputs $4..$7 the block's words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then four
+    copies of the block factor and the four slots in."""
+    f0, a0 = 8 + 16 * tb, 12 + 16 * tb
     hs = ", ".join(f"h{t}" for t in range(tb))
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
     lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
     for j in range(4):
-        lines += _simt_decode_ptx(f"${4 + j}") if fmt == 2 else _simt_decode8_ptx(f"${4 + j}")
+        lines += _simt_decode_ptx(f"${4 + j}")
         for t in range(tb):
-            lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + nx * t + 4 * p + j}, h{t};" for p in range(nx // 4)]
+            lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
     for t in range(tb):
         lines += [f"mov.b32 {{lo, hi}}, h{t};", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
                   f"fma.rn.f32 ${t}, a, ${f0 + t}, ${a0 + t};"]
@@ -491,22 +370,14 @@ def _simt_asm(tb: int, fmt: int = 2) -> str:
 
 _SIMT_ASM1 = tl.constexpr(_simt_asm(1))
 _SIMT_ASM2 = tl.constexpr(_simt_asm(2))
-_SIMT_ASM4 = tl.constexpr(_simt_asm(4))
 _SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 _SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
-_SIMT_CONS4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 76))
-_SIMT8_ASM1 = tl.constexpr(_simt_asm(1, 1))
-_SIMT8_ASM2 = tl.constexpr(_simt_asm(2, 1))
-_SIMT8_ASM4 = tl.constexpr(_simt_asm(4, 1))
-_SIMT8_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 20))
-_SIMT8_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
-_SIMT8_CONS4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
 _DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
                                      + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
                                         "}"]))
-# bf16x2 -> f16x2 of 2^6 x (round to nearest)
-# (the 2^6 is an exponent add on the fp32 bit pattern: a zero or a bf16 subnormal becomes a value under 2^-120,
-# which the conversion rounds to a zero of the same sign, as it rounds 2^6 times the subnormal)
+# bf16x2 -> f16x2 of 2^6 x (round to nearest). The 2^6 is an exponent add on the fp32 bit pattern: a zero or a
+# bf16 subnormal becomes a value under 2^-120, which the conversion rounds to a zero of the same sign, as it
+# rounds 2^6 times the subnormal.
 _TO_F16_ASM = tl.constexpr("""{
 .reg .b32 a, b;
 mad.lo.u32 a, $1, 65536, 0x03000000;
@@ -515,21 +386,7 @@ add.u32 b, b, 0x03000000;
 cvt.rn.f16x2.f32 $0, b, a;
 }""")
 
-# two bf16 pairs (z0, z1), (z2, z3) -> f16x2 (z0, z2) and (z1, z3) of 2^6 z: the fp8 decode's pairing
-_TO_F16_8_ASM = tl.constexpr("""{
-.reg .b32 a0, a1, a2, a3;
-mad.lo.u32 a0, $2, 65536, 0x03000000;
-and.b32 a1, $2, 0xFFFF0000;
-add.u32 a1, a1, 0x03000000;
-mad.lo.u32 a2, $3, 65536, 0x03000000;
-and.b32 a3, $3, 0xFFFF0000;
-add.u32 a3, a3, 0x03000000;
-cvt.rn.f16x2.f32 $0, a2, a0;
-cvt.rn.f16x2.f32 $1, a3, a1;
-}""")
-
 _M0 = tl.constexpr(0x8E008E00 - (1 << 32))
-_M8 = tl.constexpr(0x3F803F80)
 _MM = tl.constexpr(0x0E000E00)
 _MS = tl.constexpr(0x80008000 - (1 << 32))
 
@@ -542,14 +399,6 @@ def _simt_parts(w):
     d2 = ((w << 5) & _MM) | ((w << 7) & _MS)
     d3 = ((w >> 3) & _MM) | ((w << 15) & _MS)
     return d0, d1, d2, d3
-
-
-@triton.jit
-def _simt_parts8(w):
-    """The interpreter's fp8 decode (the same bit operations as `_simt_decode8_ptx`)."""
-    d0 = ((w << 7) & _M8) | ((w << 8) & _MS)
-    d1 = ((w >> 1) & _M8) | (w & _MS)
-    return d0, d1
 
 
 @triton.jit
@@ -580,53 +429,23 @@ def _tok_interp(acc, dl, dh, f, x0, x1, x2, x3, t: tl.constexpr):
 
 
 @triton.jit
-def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3,
-              TB: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
-    """acc [R, NB, 4] (slot t = token t) += block factor f * the block's products for tokens a, b, c, d (the
-    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p (fp8: parts 0 and 1; the
-    other two are not read), f [R, NB, 4]."""
-    if FMT == 1:
-        if INTERP:
-            d0, d1 = _simt_parts8(w)
-            dl, dh = _f16x2_f32(tl.join(tl.join(d0, d1), tl.join(d0, d1) * 0))
-            acc = _tok_interp(acc, dl, dh, f, xa0, xa1, xa0, xa1, 0)
-            if TB >= 2:
-                acc = _tok_interp(acc, dl, dh, f, xb0, xb1, xb0, xb1, 1)
-            if TB >= 4:
-                acc = _tok_interp(acc, dl, dh, f, xc0, xc1, xc0, xc1, 2)
-                acc = _tok_interp(acc, dl, dh, f, xd0, xd1, xd0, xd1, 3)
-            return acc
-        elif TB == 1:
-            return tl.inline_asm_elementwise(_SIMT8_ASM1, _SIMT8_CONS1, [w, xa0, xa1, f, acc], dtype=tl.float32,
-                                             is_pure=True, pack=4)
-        elif TB == 2:
-            return tl.inline_asm_elementwise(_SIMT8_ASM2, _SIMT8_CONS2, [w, xa0, xa1, xb0, xb1, f, acc],
-                                             dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            return tl.inline_asm_elementwise(_SIMT8_ASM4, _SIMT8_CONS4, [w, xa0, xa1, xb0, xb1, xc0, xc1, xd0, xd1,
-                                                                         f, acc], dtype=tl.float32, is_pure=True,
-                                             pack=4)
+def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] (slot t = token t) += block factor f * the block's products for tokens a and b (the
+    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p, f [R, NB, 4]."""
     if INTERP:  # the decode once, then each token's products (fp32)
         d0, d1, d2, d3 = _simt_parts(w)
         dl, dh = _f16x2_f32(tl.join(tl.join(d0, d1), tl.join(d2, d3)))
         acc = _tok_interp(acc, dl, dh, f, xa0, xa1, xa2, xa3, 0)
         if TB >= 2:
             acc = _tok_interp(acc, dl, dh, f, xb0, xb1, xb2, xb3, 1)
-        if TB >= 4:
-            acc = _tok_interp(acc, dl, dh, f, xc0, xc1, xc2, xc3, 2)
-            acc = _tok_interp(acc, dl, dh, f, xd0, xd1, xd2, xd3, 3)
         return acc
     elif TB == 1:
         return tl.inline_asm_elementwise(_SIMT_ASM1, _SIMT_CONS1, [w, xa0, xa1, xa2, xa3, f, acc],
                                          dtype=tl.float32, is_pure=True, pack=4)
-    elif TB == 2:
+    else:
         return tl.inline_asm_elementwise(_SIMT_ASM2, _SIMT_CONS2,
                                          [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, f, acc],
                                          dtype=tl.float32, is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(_SIMT_ASM4, _SIMT_CONS4,
-                                         [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-                                          xd0, xd1, xd2, xd3, f, acc], dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -641,32 +460,12 @@ def _to_f16x2(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _xparts(xp, off, blk, CONV: tl.constexpr, FMT: tl.constexpr, INTERP: tl.constexpr):
-    """One token's activation pairs at blocks `blk` as the part operands [1, NB, 4] (int32 f16x2 bits). xp:
-    int32 pairs, `off` the token's row offset (an empty slot points at a written row: finite values whose sums
-    are never stored); CONV: the pairs are bf16 (z), converted to f16 of 2^6 z, else f16 already (the SiTU
-    activation as role A stored it). MXFP4: part p of word j is pair 16 b + 4 p + j (one 16-byte load a part).
-    fp8 (16-column blocks): part 0 of word j is (x[16 b + 4 j], x[.. + 2]), part 1 (x[.. + 1], x[.. + 3]); z is
-    loaded as its natural pairs 8 b + 2 j (+1) and re-paired in the conversion, the activation was stored in
-    that order (`_act_col`: parts 0 at pairs 8 b + j, parts 1 at 8 b + 4 + j)."""
-    j = tl.arange(0, 4)[None, None, :]
-    if FMT == 1:
-        if CONV:
-            base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 8 + 2 * j
-            pe = tl.load(base)
-            po = tl.load(base + 1)
-            if INTERP:
-                x0 = ((_to_f16x2(po, INTERP) << 16) | (_to_f16x2(pe, INTERP) & 0xFFFF))
-                x1 = ((_to_f16x2(po, INTERP) & -65536) | ((_to_f16x2(pe, INTERP) >> 16) & 0xFFFF))
-            else:
-                x0, x1 = tl.inline_asm_elementwise(_TO_F16_8_ASM, "=r,=r,r,r", [pe, po], dtype=(tl.int32, tl.int32),
-                                                   is_pure=True, pack=1)
-        else:
-            base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 8 + j
-            x0 = tl.load(base)
-            x1 = tl.load(base + 4)
-        return x0, x1, x0, x1
-    base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 16 + j
+def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
+    """One token's activation pairs at blocks `blk` as the four part operands [1, NB, 4] (int32 f16x2 bits):
+    pair 16 b + 4 p + j for part p of word j (one 16-byte load a part). xp: int32 pairs, `off` the token's row
+    offset (an empty slot points at a written row: finite values whose sums are never stored); CONV: the pairs
+    are bf16 (z), converted to f16 of 2^6 z, else f16 already (the SiTU activation as role A stored it)."""
+    base = tl.multiple_of(xp + off, 16) + blk[None, :, None] * 16 + tl.arange(0, 4)[None, None, :]
     x0 = tl.load(base)
     x1 = tl.load(base + 4)
     x2 = tl.load(base + 8)
@@ -683,60 +482,29 @@ def _xparts(xp, off, blk, CONV: tl.constexpr, FMT: tl.constexpr, INTERP: tl.cons
 
 
 @triton.jit
-def _act_col(c, FMT: tl.constexpr):
-    """Where role A stores activation column c (the f16 index in its row): MXFP4 c; fp8 re-paired per 16
-    columns for `_xparts` (4 j + 0, 2 -> 2 j + 0, 1; 4 j + 1, 3 -> 8 + 2 j + 0, 1)."""
-    if FMT == 1:
-        return (c & -16) + 8 * (c & 1) + 2 * ((c & 15) >> 2) + ((c & 3) >> 1)
-    else:
-        return c
-
-
-@triton.jit
 def _slot(v, t: tl.constexpr):
     """Element t of a [4] tensor as a scalar."""
     return tl.sum(tl.where(tl.arange(0, 4) == t, v, 0), axis=0)
 
 
 @triton.jit
-def _simt_load(wp, sp, rows, blk, C: tl.constexpr, FMT: tl.constexpr):
-    """The blocks `blk` (32 columns MXFP4, 16 fp8) of rows `rows` of one matrix ([*, C] logical; MXFP4 in the
-    kernel layout, fp8 as stored): words [R, NB, 4] and the E8M0 scales [R, NB] (int32; fp8: zeros)."""
-    WPR: tl.constexpr = C // 8 if FMT == 2 else C // 4  # words a row
-    w = tl.load(wp + rows[:, None, None] * WPR + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
-    if FMT == 2:  # (a 3D load of the scales would set the tile's layout)
-        s = tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)
-    else:
-        s = tl.zeros([w.shape[0], w.shape[1]], tl.int32)
-    return w, s
+def _simt_load(wp, sp, rows, blk, C: tl.constexpr):
+    """The 32-blocks `blk` of rows `rows` of one kernel-layout matrix ([*, C] logical): words [R, NB, 4] and the
+    E8M0 scales [R, NB] (int32; a 3D load of the scales would set the tile's layout)."""
+    w = tl.load(wp + rows[:, None, None] * (C // 8) + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    return w, tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)
 
 
 @triton.jit
-def _factor(s, w, FMT: tl.constexpr):
-    """Block factors [R, NB, 4] for the scales s [R, NB]: MXFP4 2^(s - 119) (the decoded e2m1 * 2^-14 times 2^6 x);
-    fp8 2^2 (e4m3 * 2^-8 times 2^6 x; the channel scale is the caller's)."""
-    if FMT == 2:
-        return tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)
-    else:
-        return tl.full(w.shape, 4.0, tl.float32)
-
-
-@triton.jit
-def _l2_prefetch(ptrs, NBYTES: tl.constexpr, INTERP: tl.constexpr):
-    """Ask L2 to fetch NBYTES (a multiple of 16) from each 16-byte aligned address `ptrs` (one bulk-copy-engine
-    prefetch a row, no registers held; a no-op under the interpreter). Returns a dummy to keep it ordered."""
-    if INTERP:
-        return tl.zeros(ptrs.shape, tl.int32)
-    else:
-        return tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;", "=r,l,r",
-                                         [ptrs.to(tl.int64, bitcast=True), tl.full(ptrs.shape, NBYTES, tl.int32)],
-                                         dtype=tl.int32, is_pure=False, pack=1)
+def _factor(s, w):
+    """Block factors [R, NB, 4] for the scales s [R, NB]: 2^(s - 119) (the decoded e2m1 * 2^-14 times 2^6 x)."""
+    return tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)
 
 
 @triton.jit
 def _wait_a(ws, NA):
-    """Role B's wait for every role-A item (module docstring of the gemv kernel): one thread polls with acquire
-    loads and the CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
+    """Role B's wait for every role-A item (as in `_moe_gemv_kernel`): one thread polls with acquire loads and
+    the CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
     done = tl.atomic_add(ws + 32, 0, sem="acquire")
     spins = 0
     while (done < NA) & (spins < 100000):
@@ -746,52 +514,34 @@ def _wait_a(ws, NA):
 
 
 @triton.jit
-def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, oc, od, ws, NA,
-               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, PF: tl.constexpr, TB: tl.constexpr,
-               FMT: tl.constexpr, INTERP: tl.constexpr):
-    """acc [R, NB, 4] += rows `rows` of one matrix ([*, C] logical) times the tokens' activations (row offsets
-    o?) over all C columns, NB blocks a step; TWO: acc3 the same for a second matrix (wp3, sp3) on the same
-    activations (w1 and w3: one load and conversion of z for both). PF >= 1: the next step's weights are loaded
-    before this step's arithmetic (registers double-buffered; num_stages 2; num_stages 3 also prefetches the
-    item's rows into L2 at its start); WAIT: wait for role A (`_wait_a`) before the
-    first activation load, after the first weight loads when PF (role B streams w2 while role A finishes)."""
-    BLK: tl.constexpr = 32 if FMT == 2 else 16
-    NS: tl.constexpr = C // BLK  # blocks a row
-    blk = tl.arange(0, NB)
-    w, f = _simt_load(wp, sp, rows, blk, C, FMT)  # (without PF, reloaded in the loop: dead, removed)
+def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
+               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
+    """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
+    (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
+    step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
+    one load and conversion of z for both); WAIT: wait for role A (`_wait_a`) after the first weight loads and
+    before the first activation load (role B streams w2 while role A finishes)."""
+    NS: tl.constexpr = C // 32  # blocks a row
+    w, f = _simt_load(wp, sp, rows, tl.arange(0, NB), C)
     w3, f3 = w, f
     if TWO:
-        w3, f3 = _simt_load(wp3, sp3, rows, blk, C, FMT)
+        w3, f3 = _simt_load(wp3, sp3, rows, tl.arange(0, NB), C)
     if WAIT:
         _wait_a(ws, NA)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
-        if PF >= 1:  # the next step's (the last step reloads itself: an L1/L2 hit)
-            nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)
-            wn, fn = _simt_load(wp, sp, rows, nxt, C, FMT)
-            w3n, f3n = wn, fn
-            if TWO:
-                w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, FMT)
-        else:
-            w, f = _simt_load(wp, sp, rows, blk, C, FMT)
-            w3, f3 = w, f
-            if TWO:
-                w3, f3 = _simt_load(wp3, sp3, rows, blk, C, FMT)
-            wn, fn, w3n, f3n = w, f, w3, f3
-        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, FMT, INTERP)
-        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-        xc0, xc1, xc2, xc3 = xa0, xa1, xa2, xa3
-        xd0, xd1, xd2, xd3 = xa0, xa1, xa2, xa3
-        if TB >= 2:
-            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, FMT, INTERP)
-        if TB >= 4:
-            xc0, xc1, xc2, xc3 = _xparts(xp, oc, blk, CONV, FMT, INTERP)
-            xd0, xd1, xd2, xd3 = _xparts(xp, od, blk, CONV, FMT, INTERP)
-        acc = _simt_acc(w, _factor(f, w, FMT), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-                        xd0, xd1, xd2, xd3, TB, FMT, INTERP)
+        nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)  # the last step reloads itself (an L1/L2 hit)
+        wn, fn = _simt_load(wp, sp, rows, nxt, C)
+        w3n, f3n = wn, fn
         if TWO:
-            acc3 = _simt_acc(w3, _factor(f3, w3, FMT), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2,
-                             xc3, xd0, xd1, xd2, xd3, TB, FMT, INTERP)
+            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C)
+        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        if TB >= 2:
+            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+        acc = _simt_acc(w, _factor(f, w), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
+        if TWO:
+            acc3 = _simt_acc(w3, _factor(f3, w3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
         w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
@@ -804,107 +554,53 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 
 
 @triton.jit
-def _simt_up_ptrs(w1, w3, s1, s3, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr):
-    """Expert e's w1, w3 rows and scales. Every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row
-    and block (the hint sits on the pointer's defining op; on a function argument it would be lost)."""
-    if FMT == 2:
-        return (tl.multiple_of(w1 + e * (I * (L // 8)), 16), tl.multiple_of(w3 + e * (I * (L // 8)), 16),
-                s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32)))
-    else:
-        return (tl.multiple_of(w1 + e * (I * (L // 4)), 16), tl.multiple_of(w3 + e * (I * (L // 4)), 16),
-                s1 + e * I, s3 + e * I)
-
-
-@triton.jit
-def _simt_up_prefetch(w1, w3, s1, s3, e, n, L: tl.constexpr, I: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr,
-                      INTERP: tl.constexpr):
-    """Role A item (expert e, row tile n): its w1, w3 rows (and MXFP4 scales) into L2, so the register steps wait
-    on L2 only."""
-    w1e, w3e, s1e, s3e = _simt_up_ptrs(w1, w3, s1, s3, e, L, I, FMT)
-    rows = n * BN + tl.arange(0, BN)
-    RB: tl.constexpr = L // 2 if FMT == 2 else L
-    _l2_prefetch(w1e + rows * (RB // 4), RB, INTERP)
-    _l2_prefetch(w3e + rows * (RB // 4), RB, INTERP)
-    if FMT == 2:
-        _l2_prefetch(s1e + rows * (L // 32), L // 32, INTERP)
-        _l2_prefetch(s3e + rows * (L // 32), L // 32, INTERP)
-
-
-@triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             FMT: tl.constexpr, PF: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
-    (f16; fp8: at the columns `_act_col`) for each member pair q (token z, routing weight wk), TB members a
-    pass."""
-    if PF >= 2:
-        if B == 1:  # every pair leads: the L2 prefetch goes out before the group's compare
-            _simt_up_prefetch(w1, w3, s1, s3, tl.load(idx + p).to(tl.int64), n, L, I, BN, FMT, INTERP)
+    (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
-        if PF >= 2:
-            if B > 1:
-                _simt_up_prefetch(w1, w3, s1, s3, e, n, L, I, BN, FMT, INTERP)
-        w1e, w3e, s1e, s3e = _simt_up_ptrs(w1, w3, s1, s3, e, L, I, FMT)
+        # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
+        # the pointer's defining op; on a function argument it would be lost)
+        w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
+        w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
+        s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
         rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
             offs = tl.where(ok, tok, 0) * (L // 2)
-            oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
-                              s3e, zi, rows, L, NB, oa, ob, oc, od, zi, 0, True, True, False, PF, TB, FMT, INTERP)
-            g = tl.sum(g, axis=1)
-            u = tl.sum(u, axis=1)
-            if FMT == 1:
-                g = g * tl.load(s1e + rows)[:, None]
-                u = u * tl.load(s3e + rows)[:, None]
-            a = _situ(g, u, B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
-            tl.store(act + q[None, :] * I + _act_col(rows, FMT)[:, None], a.to(tl.float16), mask=ok[None, :])
-
-
-@triton.jit
-def _simt_down_ptr(w2, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr):
-    WPR: tl.constexpr = I // 8 if FMT == 2 else I // 4
-    return tl.multiple_of(w2 + e * (L * WPR), 16)
+                              s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
+                              INTERP)
+            a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
+            tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
 
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               FMT: tl.constexpr, PF: tl.constexpr, INTERP: tl.constexpr):
+               INTERP: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
-    RB: tl.constexpr = I // 2 if FMT == 2 else I  # bytes of a w2 row (its scales, I/32, are not 16-aligned)
-    lr = lt * BL + tl.arange(0, BL)
-    if PF >= 2:
-        if B == 1:  # the item's w2 rows into L2 before the group's compare and the wait for role A
-            _l2_prefetch(_simt_down_ptr(w2, tl.load(idx + p).to(tl.int64), L, I, FMT) + lr * (RB // 4), RB, INTERP)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
-        w2e = _simt_down_ptr(w2, e, L, I, FMT)
-        s2e = s2 + e * (L * (I // 32)) if FMT == 2 else s2 + e * L
-        if PF >= 2:
-            if B > 1:
-                _l2_prefetch(w2e + lr * (RB // 4), RB, INTERP)
+        w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
+        lr = lt * BL + tl.arange(0, BL)
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
-            oa, ob, oc, od = _slot(offs, 0), _slot(offs, 1), _slot(offs, 2), _slot(offs, 3)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
-                               s2e, acti, lr, I, NB2, oa, ob, oc, od, ws, NA, False, False, True, PF, TB, FMT,
+                               s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
                                INTERP)
-            o = tl.sum(o, axis=1)
-            if FMT == 1:
-                o = o * tl.load(s2e + lr)[:, None]
-            tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
+            tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
 @triton.jit
 def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     FMT: tl.constexpr, PF: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -916,13 +612,13 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, FMT, PF, B1, B2, INTERP)
+                     TB, B1, B2, INTERP)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - NA
             _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, FMT, PF, INTERP)
+                       NB2, TB, INTERP)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -968,15 +664,16 @@ def _pow2(n: int) -> int:
 
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
-SIMT_TOKENS = (1, 2, 4)
+SIMT_TOKENS = (1, 2)
 PATHS = ("gemv", "grouped", "simt")
 
 
 def default_path(B: int, fmt: str) -> str:
-    """The path the H200 sweeps chose (docs/NOTES_moe.md, eighth session): fp8 runs the two-role gemv kernel up
-    to 16 tokens (batch 1 36.8 vs 71.5 us, 8 same16 57.6 vs 99.0, 16 uniform 473 vs 529), MXFP4 at batch 1 only
-    (76.6 vs 89.3 us; 118 vs 92 at 8 same16), bf16 never (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8
-    same16); everything else the grouped tensor-core kernel."""
+    """The path the H200 sweeps chose (docs/NOTES_moe.md, eighth and ninth sessions): MXFP4 runs the simt kernel
+    up to 64 tokens (batch 1 29.6 vs 77.1 us on gemv; 8 uniform 264 vs 514 and 64 uniform 1444 vs 2499 on
+    grouped; it loses where many tokens share an expert: 8 same16 145 vs 92 grouped), fp8 the two-role gemv
+    kernel up to 16 tokens (batch 1 36.8 vs 71.5 us, 8 same16 57.6 vs 99.0, 16 uniform 473 vs 529), bf16 never
+    (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8 same16); everything else the grouped kernel."""
     if fmt == "fp8" and B <= GEMV_MAX_BATCH:
         return "gemv"
     if fmt == "mxfp4" and B <= SIMT_MAX_BATCH:
@@ -986,25 +683,28 @@ def default_path(B: int, fmt: str) -> str:
 
 def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = None) -> dict:
     """The kernels' tile choice, from the H200 sweeps (docs/NOTES_moe.md).
+    simt: BN = 16 intermediate rows an A item, NB = 16 32-blocks a step (block_k 512), BL = 128 latent rows a B
+    item, 4 of w2's blocks a step, one token a pass at batch 1 (else two), 4 warps, one item a program at batch 1
+    (else persistent, 4 programs a multiprocessor); the weight steps are register double-buffered in the kernel
+    (num_stages is not used).
     gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
     MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
     grouped: BN = 64 intermediate rows a program (bf16 and MXFP4 at every batch; fp8 32 at batch <= 4), BK
     (bf16 128, fp8 and MXFP4 256), BL = 128 rows of w2 a step, BT = 16 tokens a tile, 4 warps (MXFP4 8), 3 stages."""
     path = path or default_path(B, fmt)
-    if path == "simt":  # blocks of 32 columns (MXFP4) or 16 (fp8); NB of them a step, NB2 in w2's rows
-        blk = 32 if fmt == "mxfp4" else 16
+    if path == "simt":  # MXFP4: NB 32-blocks a step in w1/w3 rows, NB2 in w2's rows
         nb = 16
-        while (L // blk) % nb:
+        while (L // 32) % nb:
             nb //= 2
-        nb2 = 4 if fmt == "mxfp4" else 8
-        while (I // blk) % nb2:
+        nb2 = 4
+        while (I // 32) % nb2:
             nb2 //= 2
-        return dict(block_n=min(16, I), block_k=blk * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
-                    num_warps=4, num_stages=3, block_i=blk * nb2, persist=0 if B == 1 else 4)
+        return dict(block_n=min(16, I), block_k=32 * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
+                    num_warps=4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
-        bk = {"bf16": 256, "fp8": 512 if B == 1 else 256, "mxfp4": 512}[fmt]
+        bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
         while L % bk:
             bk //= 2
         bl = min(128 if fmt == "bf16" else 64, L & -L)
@@ -1068,15 +768,12 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         ws, act = workspace(z.device, B * K, I, torch.float16)
         na = B * K * (I // bn)
         nitems = na + B * K * (L // bl)
-        blk = 32 if fmt == "mxfp4" else 16
-        w1, w3, w2 = (w.view(torch.int32) for w in (w1, w3, w2))  # fp8: four codes a word
         per_sm = persist if persist is not None else d["persist"]
         nprog = min(nitems, per_sm * _sm_count(z.device)) if per_sm else nitems
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
-                                   NB=bk // blk, BL=bl, NB2=d["block_i"] // blk, TB=block_t or d["block_t"],
-                                   FMT=FORMATS.index(fmt), PF=min(ns, 3) - 1, B1=float(b1), B2=float(b2),
-                                   INTERP=dot_f32(), num_warps=nw, num_stages=1)
+                                   NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
+                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), num_warps=nw, num_stages=1)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
