@@ -276,6 +276,12 @@ class DecodeStep:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
             comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch))
+        if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "auto"):
+            from k3lab.components import moe as moe_comp
+
+            for L in self.layers:  # the MXFP4 kernel layout made now, not inside a captured (timed) step
+                if L.w.mlp_kind == "moe":
+                    moe_comp.prepare(L.w.mlp)
         if sw.prefetch and over.get("proj") != "triton":
             why["prefetch"] = "on, but no effect: the projections are not on triton (nothing prefetches)"
         elif sw.prefetch:
