@@ -431,6 +431,9 @@ def _cat_rows(obj_attrs: list[tuple[Any, str]], dim: int = 0) -> torch.Tensor:
     return cat
 
 
+PROLOGUE_MAX_TOKENS = 16  # up to this many tokens the norms / SiTU run as the projections' input prologues (above,
+# every program of a projection would repeat them on 32-128 rows; batch 64 measured 109 against 29 us for the MoE
+# output: docs/NOTES_step.md, ninth session); the router's selection is fused to the same size (SELECT_MAX_BATCH)
 PREFETCH_FRACTION = 0.5  # of L2: the prefetch switch's budget a phase (the rest keeps the activations and scratch)
 _SIDE: dict[str, Any] = {}  # per device: the prefetch switch's side stream
 
@@ -486,9 +489,12 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
+    Above PROLOGUE_MAX_TOKENS tokens the norms and SiTU run as launches of their own (glue.rms_norm, glue.situ_glu)
+    and the MoE output as Wup (+ p) then w2 (+ that): four launches; the router's top-k likewise above
+    SELECT_MAX_BATCH.
     prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
     (in_proj's, moe_in's) on a side stream (`_prefetching`)."""
-    from k3lab.components import trunk
+    from k3lab.components import glue, trunk
     from k3lab.model import _nb
 
     if "proj" not in over:
@@ -516,6 +522,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
     out: OrderedDict[str, Any] = OrderedDict()
     out["attnres_attn"] = comps["attnres_attn"]
     pf = prefetch and be == "triton"
+    fuse_pro = N <= PROLOGUE_MAX_TOKENS  # the norms and SiTU as the projections' input prologues
     budget = prefetch_budget(dev) if pf else 0
     w = lw.attn
     if L.kind == "kda":
@@ -564,8 +571,14 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
             trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be)
             return cq
 
+        cqn = None if fuse_pro else buf(Q)
+
         def q_proj():
-            P(cq, w.w_uq, qf, prologue=("rms", w.q_norm, float(w.eps)))
+            if fuse_pro:
+                P(cq, w.w_uq, qf, prologue=("rms", w.q_norm, float(w.eps)))
+            else:
+                glue.rms_norm(cq, w.q_norm, cqn, eps=float(w.eps), backend=be)
+                P(cqn, w.w_uq, qf)
             q3 = qf.view(N, H, Dn + Dr)
             torch.bmm(q3[..., :Dn].transpose(0, 1), w.w_uk, out=q_lat)  # [H, N, Dn] @ [H, Dn, C]
             b["q_lat"] = q_lat.transpose(0, 1).unflatten(0, lead3)  # a strided view: the kernel takes any strides
@@ -580,7 +593,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
         if pf:
             out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
-        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * (Q + H * (Dn + Dr) + H * (Dn + C)) * e,
+        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * ((1 if fuse_pro else 3) * Q + H * (Dn + Dr)
+                                                                     + H * (Dn + C)) * e,
                          2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
         kv_e = st.cache.data.element_size()
         out["kv_proj"] = (kv, _nb(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
@@ -603,8 +617,10 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
         w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
         sI = sum(s.w1.shape[0] for s in sh)
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
-        # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i is one projection over two K segments
-        w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
+        if fuse_pro:  # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i, one projection, two K segments
+            w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
+        else:  # [w2_1 | w2_2] [D, sI]: sum_i w2_i a_i is one projection
+            w2 = _cat_rows([(s, "w2") for s in sh], dim=1)
         b["z"] = z
         idx = torch.empty(N, r.top_k, dtype=torch.int64, device=dev)
         wk = torch.empty(N, r.top_k, dtype=torch.float32, device=dev)
@@ -634,26 +650,46 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
                          2 * N * D * n_in)
         out["experts"] = comps["experts"]
         xo = buf(D)
+        if fuse_pro:
+            def moe_out():
+                trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
+                           prologue=("rms", m.routed_norm, float(m.eps)), x2=gu,
+                           prologue2=("situ", sh[0].b1, sh[0].b2), backend=be)
+                b["x_out"] = xo.view(*lead, D)
+                return b["x_out"]
+            nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
+        else:  # four launches: routed_norm, Wup + p, SiTU-GLU, w2 + (p + routed)
+            yn, rp, a_s = buf(Lat), buf(D), buf(sI)
 
-        def moe_out():
-            trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
-                       prologue=("rms", m.routed_norm, float(m.eps)), x2=gu, prologue2=("situ", sh[0].b1, sh[0].b2),
-                       backend=be)
-            b["x_out"] = xo.view(*lead, D)
-            return b["x_out"]
-        out["moe_out"] = (moe_out, _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True),
-                          2 * N * (Lat + sI) * D)
+            def moe_out():
+                glue.rms_norm(flat(b["y"]), m.routed_norm, yn, eps=float(m.eps), backend=be)
+                P(yn, m.w_up, rp, residual=b["p"])
+                glue.situ_glu(gu, a_s, b1=sh[0].b1, b2=sh[0].b2, backend=be)
+                P(a_s, w2, xo, residual=rp)
+                b["x_out"] = xo.view(*lead, D)
+                return b["x_out"]
+            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(m.w_up, Lat, D, True) + N * sI * 3 * e
+                      + mm_bytes(w2, sI, D, residual=True))
+        out["moe_out"] = (moe_out, nb_out, 2 * N * (Lat + sI) * D)
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])
         I = m.w1.shape[0]
         gu, xo = buf(2 * I), buf(D)
 
+        a_d = None if fuse_pro else buf(I)
+
         def dense():
             P(b["h2"], w13, gu)
-            P(gu, m.w2, xo, residual=b["p"], prologue=("situ", m.b1, m.b2))
+            if fuse_pro:
+                P(gu, m.w2, xo, residual=b["p"], prologue=("situ", m.b1, m.b2))
+            else:
+                glue.situ_glu(gu, a_d, b1=m.b1, b2=m.b2, backend=be)
+                P(a_d, m.w2, xo, residual=b["p"])
             b["x_out"] = xo.view(*lead, D)
             return b["x_out"]
-        out["dense_mlp"] = (dense, mm_bytes(w13, D, 2 * I) + mm_bytes(m.w2, 2 * I, D, residual=True),
+        out["dense_mlp"] = (dense, mm_bytes(w13, D, 2 * I) + mm_bytes(m.w2, (2 if fuse_pro else 1) * I, D,
+                                                                        residual=True)
+                            + (0 if fuse_pro else N * I * 3 * e),
                             2 * N * D * 3 * I)
     L.ran = {name: (be if name in fused else L.ran.get(name, "reference")) for name in out}
     return out

@@ -126,10 +126,11 @@ def test_prefetch_switch_wraps_each_attnres(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch,draft_depth", [(1, 0), (3, 2)])
+@pytest.mark.parametrize("batch,draft_depth", [(1, 0), (3, 2), (17, 0)])
 def test_fused_path_triton_interpreter_against_fp64(batch, draft_depth):
     """The whole fused path under TRITON_INTERPRET=1 (MXFP4 experts), the step in bf16 against the fp64 oracle:
-    decode at batch 1, and verify (T = 3 positions a sequence) at batch 3."""
+    decode at batch 1, verify (T = 3 positions a sequence) at batch 3, and decode at batch 17 (above
+    PROLOGUE_MAX_TOKENS and SELECT_MAX_BATCH: the norms, SiTU and the router's top-k as launches of their own)."""
     view = _tiny(batch=batch, draft_depth=draft_depth, expert_dtype="mxfp4")
     st = S.DecodeStep(view, FUSED, device="cpu")
     oracle = S.DecodeStep(view, Switches(), device="cpu", dtype=torch.float64)
@@ -139,6 +140,11 @@ def test_fused_path_triton_interpreter_against_fp64(batch, draft_depth):
     errs = [error_stats(L.buf["x_out"], R.buf["x_out"]).rel_norm for L, R in zip(st.layers, oracle.layers)]
     if draft_depth:  # verify: layers 0..3 hold every fused part (dense, KDA+MoE, MLA+MoE); from layer 4 on the bf16
         errs = errs[:4]  # reference step itself leaves fp64 by 0.15..0.38 at this tiny size (its routing drifts)
+    if batch > 16:  # 17 tokens: the bf16 reference step too leaves fp64 from layer 2 (0.10..0.30: routing flips), so
+        # layers 0 and 1 (dense, then KDA + MoE on the unfused glue path), layer 1 over the tokens routed alike
+        same = (st.layers[1].buf["idx"].sort(-1).values == oracle.layers[1].buf["idx"].sort(-1).values).all(-1)
+        assert same.sum() >= batch - 2
+        errs = [errs[0], error_stats(st.layers[1].buf["x_out"][same], oracle.layers[1].buf["x_out"][same]).rel_norm]
     assert all(math.isfinite(e) and e < S.NUMERICS_TOL for e in errs), errs
 
 

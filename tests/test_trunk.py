@@ -113,6 +113,20 @@ def test_proj_input_prologue(name, pro, wdtype, batch):
     assert rel_norm_error(fused, two) < 4e-3
 
 
+def test_proj_rms_prologue_rows_in_several_round_trips():
+    """The rms prologue's pre-pass loads RR whole rows a round trip (8192 values): 1024-wide rows take 8 a trip, so
+    a batch of 11 takes two trips (the second partial), against the reference."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 1024, generator=g) * 2
+    w = (torch.randn(48, 1024, generator=g) * 0.03).bfloat16()
+    nw = (1 + 0.2 * torch.randn(1024, generator=g)).bfloat16()
+    pro = ("rms", nw, 1e-6)
+    got = trunk.proj(x, w, prologue=pro, backend="triton")
+    want = trunk.proj(x.double(), w, torch.empty(11, 48, dtype=torch.float64),
+                      prologue=("rms", nw.double(), 1e-6))
+    assert rel_norm_error(got, want) < 4e-3
+
+
 @pytest.mark.parametrize("kw,name", [
     (dict(prologue=("gelu", 1.0, 2.0)), "'prologue'"),
     (dict(prologue=("situ", 4.0, -1.0)), "'prologue'"),

@@ -36,8 +36,9 @@ stand-alone kernel rounds them, before the MMA:
   * ("situ", b1, b2): x is [g | u] [M, 2K] (a fused w1/w3 projection's output) and the projection reads
     situ(g, u) (`situ_glu.py`'s formula): the shared experts' and the dense MLP's w2.
   * ("rms", weight [K], eps): x [M, K] bf16 or fp32, the projection reads rms(x) * weight; each program first
-    sums its rows' squares over all of K (from L2: K*4 bytes a row), then scales its own K range: the MoE's
-    routed_norm before Wup and the MLA q_norm before Wuq.
+    sums its valid rows' squares over all of K (from L2, whole rows a load: one round trip per 8192 values; a loop
+    over K chunks cost one round trip per chunk: moe_out 44.6 us at batch 1, the ninth session's step bundle),
+    then scales its own K range: the MoE's routed_norm before Wup and the MLA q_norm before Wuq.
   * two input segments (`x2`, `prologue2`): W = [W1 | W2] along K, out = rms(x) W1^T + situ(x2) W2^T: the MoE's
     routed norm + Wup and the shared experts' w2 summed in one launch (the columns below K1 = x's width come
     from x through the rms prologue, the rest from x2 = [g | u] through SiTU; K1 a multiple of the K tile).
@@ -126,7 +127,8 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, x2, s_x2m, K1, rbias, ridx, rwts, rcnt, rscale,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
+                 TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
+                 KXP: tl.constexpr, RR: tl.constexpr):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
@@ -143,13 +145,18 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     k_hi = tl.minimum(k_lo + KSPLIT, K)
     kk = tl.arange(0, BK)
     inv = tl.zeros((BM,), dtype=tl.float32)
-    if PRO >= 2:  # the rows' sums of squares over all of x first (every program of the row reads them)
+    if PRO >= 2:  # the valid rows' sums of squares over all of x first, RR whole rows a round trip (one wide load)
         KX = K1 if PRO == 3 else K
+        cx = tl.arange(0, KXP)
+        rr = tl.arange(0, RR)
         ss = tl.zeros((BM,), dtype=tl.float32)
-        for k0 in range(0, KX, BK):
-            v = tl.load(x + m[:, None].to(tl.int64) * s_xm + (k0 + kk)[None, :],
-                        mask=mok[:, None] & ((k0 + kk) < KX)[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(v * v, axis=1)
+        m0 = pid_m * BM
+        for r0 in range(0, tl.minimum(BM, M - m0), RR):
+            rows = m0 + r0 + rr
+            v = tl.load(x + rows[:, None].to(tl.int64) * s_xm + cx[None, :],
+                        mask=(rows < M)[:, None] & (cx < KX)[None, :], other=0.0).to(tl.float32)
+            sr = tl.sum(v * v, axis=1)
+            ss += tl.sum(tl.where(tl.arange(0, BM)[:, None] == (r0 + rr)[None, :], sr[None, :], 0.0), axis=1)
         inv = 1.0 / tl.sqrt(ss / KX + eps)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TMA:
@@ -425,6 +432,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if select is not None:
         rb, ri, rw, rk, rs = select[0], select[1], select[2], int(select[3]), float(select[4])
         rc = cnt[gn * gm:]  # the selection's counters after the split-K ones
+    kxp = _pow2(K1) if pro >= 2 else 1  # the rms pre-pass: one load of RR whole rows (<= 8192 values) a round trip
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -438,7 +446,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, NSEG=len(outs),
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
-        EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1,
+        EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return outs
 
