@@ -275,7 +275,7 @@ class DecodeStep:
             if L.skipped:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
-            comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch))
+            comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch, prologues=sw.fuse_prologues))
         if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "auto"):
             from k3lab.components import moe as moe_comp
 
@@ -469,7 +469,8 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
     return (run, *comp[1:])
 
 
-def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "OrderedDict[str, Any]":
+def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
+                 prologues: bool = True) -> "OrderedDict[str, Any]":
     """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
     the experts). Fused (each a `k3lab.components.trunk` call, one launch; an RMSNorm or SiTU-GLU between two
@@ -489,7 +490,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
-    Above PROLOGUE_MAX_TOKENS tokens the norms and SiTU run as launches of their own (glue.rms_norm, glue.situ_glu)
+    Above PROLOGUE_MAX_TOKENS tokens (or with prologues=False, the `fuse_prologues` switch) the norms and SiTU run as
+    launches of their own (glue.rms_norm, glue.situ_glu)
     and the MoE output as Wup (+ p) then w2 (+ that): four launches; the router's top-k likewise above
     SELECT_MAX_BATCH.
     prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
@@ -522,7 +524,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
     out: OrderedDict[str, Any] = OrderedDict()
     out["attnres_attn"] = comps["attnres_attn"]
     pf = prefetch and be == "triton"
-    fuse_pro = N <= PROLOGUE_MAX_TOKENS  # the norms and SiTU as the projections' input prologues
+    fuse_pro = prologues and N <= PROLOGUE_MAX_TOKENS  # the norms and SiTU as the projections' input prologues
     budget = prefetch_budget(dev) if pf else 0
     w = lw.attn
     if L.kind == "kda":
@@ -619,8 +621,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
         if fuse_pro:  # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i, one projection, two K segments
             w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
-        else:  # [w2_1 | w2_2] [D, sI]: sum_i w2_i a_i is one projection
-            w2 = _cat_rows([(s, "w2") for s in sh], dim=1)
+        else:  # [w2_1 | w2_2] [D, sI]: sum_i w2_i a_i is one projection (Wup copied contiguous if a fused set of the
+            w2 = _cat_rows([(s, "w2") for s in sh], dim=1)  # switches left it a view of [Wup | w2])
+            w_up = m.w_up if m.w_up.is_contiguous() else m.w_up.contiguous()
         b["z"] = z
         idx = torch.empty(N, r.top_k, dtype=torch.int64, device=dev)
         wk = torch.empty(N, r.top_k, dtype=torch.float32, device=dev)
@@ -663,12 +666,12 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False) -> "Ord
 
             def moe_out():
                 glue.rms_norm(flat(b["y"]), m.routed_norm, yn, eps=float(m.eps), backend=be)
-                P(yn, m.w_up, rp, residual=b["p"])
+                P(yn, w_up, rp, residual=b["p"])
                 glue.situ_glu(gu, a_s, b1=sh[0].b1, b2=sh[0].b2, backend=be)
                 P(a_s, w2, xo, residual=rp)
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
-            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(m.w_up, Lat, D, True) + N * sI * 3 * e
+            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(w_up, Lat, D, True) + N * sI * 3 * e
                       + mm_bytes(w2, sI, D, residual=True))
         out["moe_out"] = (moe_out, nb_out, 2 * N * (Lat + sI) * D)
     else:
@@ -1079,6 +1082,7 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
     flips = {"pad_heads": {0: 16}, "kda_tile_v": {"auto": 16, 128: 16}, "mla_partitions": {"auto": 1}}
     if resolved.backend["proj"] == "triton" or requested.prefetch:
         flips["prefetch"] = {False: True, True: False}
+        flips["fuse_prologues"] = {True: False, False: True}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)

@@ -32,6 +32,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "mla_partitions": (1, 2, 4, 8, 16, 32, 64, "auto"),
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
+    "fuse_prologues": (True, False),
     "shared_expert_stream": (False, True),
     "split_router": (False, True),
     "owned_output": (False, True),
@@ -71,7 +72,10 @@ class Switches:
     kda_pdl: bool = False  # programmatic dependent launch of the CuTe KDA kernels (cute backend only)
     mla_partitions: int | str = "auto"  # "auto": the kernel's measured choice for the batch and context
     moe_tile_n: int = 64
-    prefetch: bool = False
+    prefetch: bool = False  # the step: an L2 prefetch of the next input group's weight beside each AttnRes
+    # the step (projections on triton), up to 16 tokens: the RMSNorms and SiTU-GLU as the projections' input prologues
+    # (the MoE output one launch over [Wup | w2]); False: each its own launch (the MoE output four)
+    fuse_prologues: bool = True
     shared_expert_stream: bool = False
     split_router: bool = False
     owned_output: bool = False

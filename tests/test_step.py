@@ -105,6 +105,24 @@ def test_fused_wiring_routes_every_group_to_its_kernel():
     assert st.layers[1].w.attn.w_qkv._base is base
 
 
+def test_fuse_prologues_switch_same_output():
+    """fuse_prologues=False runs the norms and SiTU as launches of their own (the MoE output: routed_norm, Wup + p,
+    SiTU-GLU, w2 + that) and gives the fused composition's output up to bf16 rounding (interpreter, tiny)."""
+    from k3lab.harness.numerics import rel_norm_error
+
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
+    L, outs = st.layers[1], []
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(L.buf["y"].shape, generator=g)
+    for fuse in (True, False):
+        st.set_switches(FUSED.replace(fuse_prologues=fuse))
+        st.comps[1]["moe_in"][0]()
+        L.buf["y"].copy_(y)
+        outs.append(st.comps[1]["moe_out"][0]().clone())
+    assert rel_norm_error(outs[0], outs[1]) < 1e-2
+    assert "fuse_prologues=True->False" in dict(S.toggle_list(FUSED, st.switches))
+
+
 def test_prefetch_switch_wraps_each_attnres(monkeypatch):
     """prefetch=True: each AttnRes launches the L2 prefetch of the next group's weight (in_proj's concatenated
     weight, then moe_in's) with the step's token count and budget; the record says so; off the triton projections
