@@ -84,7 +84,8 @@ for p in sorted(glob.glob(sys.argv[1] + "/decode_step-*.json")):
     nums = [r for r in b.rows if r.name.startswith("numerics:")]
     if nums:
         print("   numerics (tiny stack on the GPU, rel err after the last step):",
-              ", ".join(f"{r.name[9:]} {r.error['rel_norm']:.3g}" for r in nums))
+              ", ".join(f"{r.name[9:]} " + (f"{r.error['rel_norm']:.3g}" if r.error.get("rel_norm") is not None
+                                            else "non-finite") for r in nums))
     print("   notes:", [n for n in b.notes if "capture" in n or "nsight" in n or "numerics" in n][:3])
 EOF
 du -sh "$OUT/step"; ls -la "$OUT/step"
