@@ -310,12 +310,7 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
     else:
         # one thread polls with acquire loads and the CTA waits on its answer (a barrier each poll), so no load
         # of the B item can move above the wait; bounded: a broken counter gives wrong sums, never a hang
-        done = tl.atomic_add(ws + 32, 0, sem="acquire")
-        spins = 0
-        while (done < NA) & (spins < 100000):
-            done = tl.atomic_add(ws + 32, 0, sem="acquire")
-            spins += 1
-        tl.debug_barrier()
+        _wait_a(ws, NA)
         tb = t - NA
         _gemv_down(idx, w2, s2, act, flags, y, tb // (L // BL), tb % (L // BL), B, L, I, BB, FMT, BL, BI, INTERP)
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
@@ -503,8 +498,8 @@ def _factor(s, w):
 
 @triton.jit
 def _wait_a(ws, NA):
-    """Role B's wait for every role-A item (as in `_moe_gemv_kernel`): one thread polls with acquire loads and
-    the CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
+    """Role B's wait for every role-A item (both two-role kernels): one thread polls with acquire loads and the
+    CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
     done = tl.atomic_add(ws + 32, 0, sem="acquire")
     spins = 0
     while (done < NA) & (spins < 100000):
