@@ -458,7 +458,9 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
             trunk.prefetch_l2(w, n_tok, budget=budget, prologue=prologue, backend="triton")
             return fn()
         key = str(w.device)
-        side = _SIDE.setdefault(key, torch.cuda.Stream(device=w.device))
+        side = _SIDE.get(key)
+        if side is None:  # one side stream per device, made once (not a new stream every call)
+            side = _SIDE[key] = torch.cuda.Stream(device=w.device)
         cur = torch.cuda.current_stream(w.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):

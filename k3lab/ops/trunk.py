@@ -123,8 +123,14 @@ def proj_bytes(case: Case) -> int:
     scales = 4 * N if case["wdtype"] == "fp8" else 0
     pro = case.get("prologue", "none")
     lat = shp["moe_up"][1]
-    x_in = (B * 2 * K * 2 if pro == "situ" else B * K * (4 if parts[0] in RMS_FP32_IN else 2) + K * 2 if pro == "rms"
-            else B * lat * 4 + lat * 2 + B * 2 * (K - lat) * 2 if pro == "rms+situ" else B * K * 2)
+    if pro == "situ":  # [g | u]
+        x_in = B * 2 * K * 2
+    elif pro == "rms":  # the rows (fp32 for the routed sum) and the norm weight
+        x_in = B * K * (4 if parts[0] in RMS_FP32_IN else 2) + K * 2
+    elif pro == "rms+situ":  # the routed sum (fp32) with its norm weight, then [g | u]
+        x_in = B * lat * 4 + lat * 2 + B * 2 * (K - lat) * 2
+    else:
+        x_in = B * K * 2
     sel = shp[parts[0]][0] * 4 + B * SELECT_K * 12 if case.get("select", False) else 0  # bias, idx, weights
     return N * K * _wbytes(case) + scales + x_in + outs + sel + (B * N * 2 if case.get("residual", False) else 0)
 
