@@ -487,15 +487,16 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
       MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
                        (moe_in), then the router's top-k (in the same launch on triton at <= 16 tokens: `select`)
             moe_out    p + Wup rms(y) + w2 situ(g, u): the routed norm and up-projection and the shared experts'
-                       w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], each segment
-                       through its input prologue, the residual p in the epilogue: the layer's output
+                       w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], the residual
+                       p in the epilogue: the layer's output. Its input [rms(y) | situ(g, u)] is written by the
+                       two glue kernels (three launches), or made by the projection's input prologues
+                       (`fuse_prologues`: one launch, measured slower)
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
-    Above PROLOGUE_MAX_TOKENS tokens (or with prologues=False, the `fuse_prologues` switch) the norms and SiTU run as
-    launches of their own (glue.rms_norm, glue.situ_glu)
-    and the MoE output as Wup (+ p) then w2 (+ that): four launches; the router's top-k likewise above
-    SELECT_MAX_BATCH.
+    With prologues=True (the `fuse_prologues` switch, default off) and at most PROLOGUE_MAX_TOKENS tokens the norms
+    and SiTU run inside the projections as input prologues; otherwise as launches of their own (glue.rms_norm,
+    glue.situ_glu). The router's top-k runs in moe_in's launch up to SELECT_MAX_BATCH tokens.
     prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
     (in_proj's, moe_in's) on a side stream (`_prefetching`)."""
     from k3lab.components import glue, trunk
@@ -621,11 +622,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
         w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
         sI = sum(s.w1.shape[0] for s in sh)
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
-        if fuse_pro:  # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i, one projection, two K segments
-            w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
-        else:  # [w2_1 | w2_2] [D, sI]: sum_i w2_i a_i is one projection (Wup copied contiguous if a fused set of the
-            w2 = _cat_rows([(s, "w2") for s in sh], dim=1)  # switches left it a view of [Wup | w2])
-            w_up = m.w_up if m.w_up.is_contiguous() else m.w_up.contiguous()
+        # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i is one projection over two K segments
+        w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
         b["z"] = z
         idx = torch.empty(N, r.top_k, dtype=torch.int64, device=dev)
         wk = torch.empty(N, r.top_k, dtype=torch.float32, device=dev)
@@ -663,18 +661,17 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
-        else:  # four launches: routed_norm, Wup + p, SiTU-GLU, w2 + (p + routed)
-            yn, rp, a_s = buf(Lat), buf(D), buf(sI)
+        else:  # three launches: routed_norm and SiTU-GLU into the two segments of one input, then one projection
+            xin = buf(Lat + sI)
 
             def moe_out():
-                glue.rms_norm(flat(b["y"]), m.routed_norm, yn, eps=float(m.eps), backend=be)
-                P(yn, w_up, rp, residual=b["p"])
-                glue.situ_glu(gu, a_s, b1=sh[0].b1, b2=sh[0].b2, backend=be)
-                P(a_s, w2, xo, residual=rp)
+                glue.rms_norm(flat(b["y"]), m.routed_norm, xin[:, :Lat], eps=float(m.eps), backend=be)
+                glue.situ_glu(gu, xin[:, Lat:], b1=sh[0].b1, b2=sh[0].b2, backend=be)
+                P(xin, w_out, xo, residual=b["p"])
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
-            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + mm_bytes(w_up, Lat, D, True) + N * sI * 3 * e
-                      + mm_bytes(w2, sI, D, residual=True))
+            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e
+                      + mm_bytes(w_out, Lat + sI, D, residual=True))
         out["moe_out"] = (moe_out, nb_out, 2 * N * (Lat + sI) * D)
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])

@@ -32,7 +32,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "mla_partitions": (1, 2, 4, 8, 16, 32, 64, "auto"),
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
-    "fuse_prologues": (True, False),
+    "fuse_prologues": (False, True),
     "shared_expert_stream": (False, True),
     "split_router": (False, True),
     "owned_output": (False, True),
@@ -74,8 +74,9 @@ class Switches:
     moe_tile_n: int = 64
     prefetch: bool = False  # the step: an L2 prefetch of the next input group's weight beside each AttnRes
     # the step (projections on triton), up to 16 tokens: the RMSNorms and SiTU-GLU as the projections' input prologues
-    # (the MoE output one launch over [Wup | w2]); False: each its own launch (the MoE output four)
-    fuse_prologues: bool = True
+    # (the MoE output one launch); False (default: the fused forms measured slower at batch 1..16,
+    # profiles/h200/trunk_prologue.json.gz): each its own launch before the projection
+    fuse_prologues: bool = False
     shared_expert_stream: bool = False
     split_router: bool = False
     owned_output: bool = False

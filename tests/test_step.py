@@ -106,8 +106,9 @@ def test_fused_wiring_routes_every_group_to_its_kernel():
 
 
 def test_fuse_prologues_switch_same_output():
-    """fuse_prologues=False runs the norms and SiTU as launches of their own (the MoE output: routed_norm, Wup + p,
-    SiTU-GLU, w2 + that) and gives the fused composition's output up to bf16 rounding (interpreter, tiny)."""
+    """fuse_prologues=False (the default) runs the norms and SiTU as launches of their own (the MoE output:
+    routed_norm and SiTU-GLU into the two segments of one input, then one projection over [Wup | w2]) and gives the
+    fused composition's output up to bf16 rounding (interpreter, tiny)."""
     from k3lab.harness.numerics import rel_norm_error
 
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
@@ -120,7 +121,7 @@ def test_fuse_prologues_switch_same_output():
         L.buf["y"].copy_(y)
         outs.append(st.comps[1]["moe_out"][0]().clone())
     assert rel_norm_error(outs[0], outs[1]) < 1e-2
-    assert "fuse_prologues=True->False" in dict(S.toggle_list(FUSED, st.switches))
+    assert "fuse_prologues=False->True" in dict(S.toggle_list(FUSED, st.switches))
 
 
 def test_prefetch_switch_wraps_each_attnres(monkeypatch):

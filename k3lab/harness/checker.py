@@ -129,6 +129,8 @@ def check(op: Op, case: Case, *, backend: str | None = None, options: dict | Non
         raise ValueError("check: pass exactly one of backend= or impl=")
     if case.op != op.name:
         raise ValueError(f"check: case is for op {case.op!r}, not {op.name!r}")
+    if not op.valid(case):
+        raise ValueError(f"check: 'case' {case} is no case of op {op.name!r} (its rule: {op.valid.__name__})")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     inp = clone_inputs(inputs) if inputs is not None else op.make_inputs(case, seed, device)
     want = op.reference(clone_inputs(inp), case)

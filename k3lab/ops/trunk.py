@@ -662,6 +662,13 @@ H200_EXPLORE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = 
        ("fla",)) for b in (1, 64)),
 )
 
+# the input prologues against the stand-alone glue launches they replace (the step's `fuse_prologues` switch)
+H200_PROLOGUE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = tuple(
+    ("proj", dict(_BF, proj=p, batch=b, prologue=pro), ({}, dict(path="dot")),
+     ("cublas", "unfused", "stream"))
+    for b in (1, 4, 16) for p, pro in (("moe_up_shared", "rms+situ"), ("mla_uq", "rms"), ("moe_up", "rms"),
+                                       ("shared_w2", "situ")))
+
 
 def h200_sweep(out: str, *, reps: int = 10, deadline_s: float = 0.0, name: str = "trunk", entries=H200_SWEEP,
                device: str = "cuda", log=print):

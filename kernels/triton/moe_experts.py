@@ -345,10 +345,11 @@ def _simt_decode_ptx(w: str) -> list[str]:
 
 
 def _simt_asm(tb: int) -> str:
-    """One 32-block of one row for `tb` tokens (pack=4): $0..$3 accumulator slots out (slot t = token t);
-    inputs $4..$7 the block's words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then four
-    copies of the block factor and the four slots in."""
-    f0, a0 = 8 + 16 * tb, 12 + 16 * tb
+    """One 32-block of one row for `tb` tokens, one element per call (pack=1, so no operand depends on how the
+    compiler lays a tile out over threads): $0..$3 accumulator slots out (slot t = token t); inputs $4..$7 the
+    block's four words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then the block factor
+    and the four slots in."""
+    f0, a0 = 8 + 16 * tb, 9 + 16 * tb
     hs = ", ".join(f"h{t}" for t in range(tb))
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
     lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
@@ -358,15 +359,15 @@ def _simt_asm(tb: int) -> str:
             lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
     for t in range(tb):
         lines += [f"mov.b32 {{lo, hi}}, h{t};", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
-                  f"fma.rn.f32 ${t}, a, ${f0 + t}, ${a0 + t};"]
+                  f"fma.rn.f32 ${t}, a, ${f0}, ${a0 + t};"]
     lines += [f"mov.b32 ${t}, ${a0 + t};" for t in range(tb, 4)]
     return "\n".join(lines + ["}"])
 
 
 _SIMT_ASM1 = tl.constexpr(_simt_asm(1))
 _SIMT_ASM2 = tl.constexpr(_simt_asm(2))
-_SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
-_SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
+_SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 25))
+_SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 41))
 _DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
                                      + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
                                         "}"]))
@@ -424,23 +425,57 @@ def _tok_interp(acc, dl, dh, f, x0, x1, x2, x3, t: tl.constexpr):
 
 
 @triton.jit
+def _split4(t, R: tl.constexpr, NB: tl.constexpr):
+    """[R, NB, 4] -> its four [R, NB] slices along the last axis (index 0..3)."""
+    even, odd = tl.split(tl.reshape(t, (R, NB, 2, 2)))  # element j = 2 i + k: k = 0 even j, k = 1 odd j
+    e0, e2 = tl.split(even)
+    e1, e3 = tl.split(odd)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _join4(a0, a1, a2, a3, R: tl.constexpr, NB: tl.constexpr):
+    """Four [R, NB] -> [R, NB, 4] (a_t at index t): `_split4`'s inverse."""
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (R, NB, 4))
+
+
+@triton.jit
 def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexpr, INTERP: tl.constexpr):
-    """acc [R, NB, 4] (slot t = token t) += block factor f * the block's products for tokens a and b (the
-    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p, f [R, NB, 4]."""
+    """acc [R, NB, 4] (slot t = token t) += block factor f [R, NB] * the block's products for tokens a and b (the
+    first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p."""
     if INTERP:  # the decode once, then each token's products (fp32)
         d0, d1, d2, d3 = _simt_parts(w)
         dl, dh = _f16x2_f32(tl.join(tl.join(d0, d1), tl.join(d2, d3)))
-        acc = _tok_interp(acc, dl, dh, f, xa0, xa1, xa2, xa3, 0)
+        f4 = tl.broadcast_to(f[:, :, None], w.shape)
+        acc = _tok_interp(acc, dl, dh, f4, xa0, xa1, xa2, xa3, 0)
         if TB >= 2:
-            acc = _tok_interp(acc, dl, dh, f, xb0, xb1, xb2, xb3, 1)
+            acc = _tok_interp(acc, dl, dh, f4, xb0, xb1, xb2, xb3, 1)
         return acc
-    elif TB == 1:
-        return tl.inline_asm_elementwise(_SIMT_ASM1, _SIMT_CONS1, [w, xa0, xa1, xa2, xa3, f, acc],
-                                         dtype=tl.float32, is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(_SIMT_ASM2, _SIMT_CONS2,
-                                         [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, f, acc],
-                                         dtype=tl.float32, is_pure=True, pack=4)
+    else:  # the tiles split into [R, NB] operands, one PTX call an element (layout-independent)
+        R: tl.constexpr = w.shape[0]
+        NB: tl.constexpr = w.shape[1]
+        w0, w1, w2, w3 = _split4(w, R, NB)
+        a0, a1, a2, a3 = _split4(acc, R, NB)
+        p00, p01, p02, p03 = _split4(xa0, 1, NB)
+        p10, p11, p12, p13 = _split4(xa1, 1, NB)
+        p20, p21, p22, p23 = _split4(xa2, 1, NB)
+        p30, p31, p32, p33 = _split4(xa3, 1, NB)
+        if TB == 1:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _SIMT_ASM1, _SIMT_CONS1, [w0, w1, w2, w3, p00, p01, p02, p03, p10, p11, p12, p13, p20, p21, p22,
+                                          p23, p30, p31, p32, p33, f, a0, a1, a2, a3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            q00, q01, q02, q03 = _split4(xb0, 1, NB)
+            q10, q11, q12, q13 = _split4(xb1, 1, NB)
+            q20, q21, q22, q23 = _split4(xb2, 1, NB)
+            q30, q31, q32, q33 = _split4(xb3, 1, NB)
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _SIMT_ASM2, _SIMT_CONS2, [w0, w1, w2, w3, p00, p01, p02, p03, p10, p11, p12, p13, p20, p21, p22,
+                                          p23, p30, p31, p32, p33, q00, q01, q02, q03, q10, q11, q12, q13, q20, q21,
+                                          q22, q23, q30, q31, q32, q33, f, a0, a1, a2, a3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        return _join4(o0, o1, o2, o3, R, NB)
 
 
 @triton.jit
@@ -491,9 +526,9 @@ def _simt_load(wp, sp, rows, blk, C: tl.constexpr):
 
 
 @triton.jit
-def _factor(s, w):
-    """Block factors [R, NB, 4] for the scales s [R, NB]: 2^(s - 119) (the decoded e2m1 * 2^-14 times 2^6 x)."""
-    return tl.broadcast_to((((s + 8) << 23).to(tl.float32, bitcast=True))[:, :, None], w.shape)
+def _factor(s):
+    """Block factors [R, NB] for the scales s [R, NB]: 2^(s - 119) (the decoded e2m1 * 2^-14 times 2^6 x)."""
+    return ((s + 8) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -534,9 +569,9 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         if TB >= 2:
             xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
-        acc = _simt_acc(w, _factor(f, w), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
+        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
         if TWO:
-            acc3 = _simt_acc(w3, _factor(f3, w3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
+            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
         w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
