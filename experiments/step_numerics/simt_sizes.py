@@ -1,6 +1,5 @@
 """GPU: the MXFP4 simt experts kernel at small sizes (the tiny stack's latent 32 / intermediate 32 failed on the
 H200), through the shared checker, with tile variants; and the simt decode at narrow rows."""
-import sys
 
 import torch
 
@@ -31,7 +30,8 @@ for C in (32, 64, 128, 512):
     try:
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         got = M.mxfp4_dequant_simt(words.to(dev), sc.to(dev)).cpu()
-        print("dequant C", C, "max abs diff", float((got - want).abs().max()), "nonfinite", int((~got.isfinite()).sum()))
+        print("dequant C", C, "max abs diff", float((got - want).abs().max()),
+              "nonfinite", int((~got.isfinite()).sum()))
     except Exception as e:  # noqa: BLE001
         print("dequant C", C, type(e).__name__, str(e)[:200])
 bad = [r for r in rows if r[-1] != "ok"]
