@@ -344,12 +344,12 @@ def _simt_decode_ptx(w: str) -> list[str]:
             "and.b32 d3, d3, 0x80008000;", "or.b32 d3, d3, t;"]
 
 
-def _simt_asm(tb: int) -> str:
-    """One 32-block of one row for `tb` tokens, one element per call (pack=1, so no operand depends on how the
-    compiler lays a tile out over threads): $0..$3 accumulator slots out (slot t = token t); inputs $4..$7 the
+def _simt_asm(tb: int, pack: int = 1) -> str:
+    """One 32-block of one row for `tb` tokens: $0..$3 accumulator slots out (slot t = token t); inputs $4..$7 the
     block's four words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then the block factor
-    and the four slots in."""
-    f0, a0 = 8 + 16 * tb, 9 + 16 * tb
+    (pack=1: one; pack=4: four copies) and the four slots in. pack=1 takes each operand as its own [R, NB] tile
+    (layout-independent), pack=4 a block's four words as one group of a [R, NB, 4] tile."""
+    f0, a0 = 8 + 16 * tb, 8 + 16 * tb + pack  # pack=4: four copies of the factor (slot t reads copy t)
     hs = ", ".join(f"h{t}" for t in range(tb))
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
     lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
@@ -359,7 +359,7 @@ def _simt_asm(tb: int) -> str:
             lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
     for t in range(tb):
         lines += [f"mov.b32 {{lo, hi}}, h{t};", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
-                  f"fma.rn.f32 ${t}, a, ${f0}, ${a0 + t};"]
+                  f"fma.rn.f32 ${t}, a, ${f0 + (t if pack == 4 else 0)}, ${a0 + t};"]
     lines += [f"mov.b32 ${t}, ${a0 + t};" for t in range(tb, 4)]
     return "\n".join(lines + ["}"])
 
@@ -368,6 +368,11 @@ _SIMT_ASM1 = tl.constexpr(_simt_asm(1))
 _SIMT_ASM2 = tl.constexpr(_simt_asm(2))
 _SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 25))
 _SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 41))
+_SIMT_ASM1_P4 = tl.constexpr(_simt_asm(1, 4))  # pack=4: the operands are [R, NB, 4] tiles, a block's words a group
+_SIMT_ASM2_P4 = tl.constexpr(_simt_asm(2, 4))
+_SIMT_CONS1_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
+_SIMT_CONS2_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
+PACK4_MIN_SLOTS = tl.constexpr(256)  # rows x blocks of a tile from which pack=4 runs (4 words a thread at 8 warps)
 _DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
                                      + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
                                         "}"]))
@@ -451,7 +456,17 @@ def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexp
         if TB >= 2:
             acc = _tok_interp(acc, dl, dh, f4, xb0, xb1, xb2, xb3, 1)
         return acc
-    else:  # the tiles split into [R, NB] operands, one PTX call an element (layout-independent)
+    elif w.shape[0] * w.shape[1] >= PACK4_MIN_SLOTS:  # >= 4 elements a thread (<= 8 warps): pack=4 groups one
+        f4 = tl.broadcast_to(f[:, :, None], w.shape)     # block's four words (measured: the fast form)
+        if TB == 1:
+            return tl.inline_asm_elementwise(_SIMT_ASM1_P4, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
+                                             dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_SIMT_ASM2_P4, _SIMT_CONS2_P4,
+                                             [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, f4, acc],
+                                             dtype=tl.float32, is_pure=True, pack=4)
+    else:  # small tiles: split into [R, NB] operands, one PTX call an element (layout-independent; a
+        # pack=4 call on a tile with fewer than four elements a thread grouped the wrong ones: H200, latent 32)
         R: tl.constexpr = w.shape[0]
         NB: tl.constexpr = w.shape[1]
         w0, w1, w2, w3 = _split4(w, R, NB)
