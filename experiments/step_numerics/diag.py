@@ -55,7 +55,7 @@ def variant(name, sw, dtype="mxfp4", batch=1):
 
 
 def main(out):
-    vs = [("fused", FUSED), ("fused-nopro", dict(FUSED, fuse_prologues=False))]
+    vs = [("fused", FUSED), ("fused-prologues", dict(FUSED, fuse_prologues=True))]
     for g in ("moe", "router", "proj", "attnres", "kda", "mla"):
         vs.append((f"fused-{g}=ref", dict(FUSED, backend={**FUSED["backend"], g: "reference"})))
     res = []
