@@ -37,7 +37,8 @@ stand-alone kernel rounds them, before the MMA:
     situ(g, u) (`situ_glu.py`'s formula): the shared experts' and the dense MLP's w2.
   * ("rms", weight [K], eps): x [M, K] bf16 or fp32, the projection reads rms(x) * weight; each program first
     sums its valid rows' squares over all of K (from L2, whole rows a load: one round trip per 8192 values, not
-    one per K chunk; docs/NOTES_trunk.md), then scales its own K range: the MoE's routed_norm before Wup and the MLA q_norm before Wuq.
+    one per K chunk; docs/NOTES_trunk.md), then scales its own K range: the MoE's routed_norm before Wup and the
+    MLA q_norm before Wuq.
   * two input segments (`x2`, `prologue2`): W = [W1 | W2] along K, out = rms(x) W1^T + situ(x2) W2^T: the MoE's
     routed norm + Wup and the shared experts' w2 summed in one launch (the columns below K1 = x's width come
     from x through the rms prologue, the rest from x2 = [g | u] through SiTU; K1 a multiple of the K tile).
