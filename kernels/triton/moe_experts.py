@@ -505,6 +505,20 @@ def _to_f16x2(x, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _xconv(x0, x1, x2, x3, CONV: tl.constexpr, INTERP: tl.constexpr):
+    """The four part operands as loaded (`_xparts` with CONV False) -> f16 of 2^6 z when CONV (bf16 pairs)."""
+    if CONV:
+        if INTERP:
+            x01, x23 = tl.split(_to_f16x2(tl.join(tl.join(x0, x1), tl.join(x2, x3)), INTERP))
+            x0, x1 = tl.split(x01)
+            x2, x3 = tl.split(x23)
+        else:
+            x0, x1, x2, x3 = (_to_f16x2(x0, INTERP), _to_f16x2(x1, INTERP), _to_f16x2(x2, INTERP),
+                              _to_f16x2(x3, INTERP))
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
     """One token's activation pairs at blocks `blk` as the four part operands [1, NB, 4] (int32 f16x2 bits):
     pair 16 b + 4 p + j for part p of word j (one 16-byte load a part). xp: int32 pairs, `off` the token's row
@@ -515,15 +529,7 @@ def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
     x1 = tl.load(base + 4)
     x2 = tl.load(base + 8)
     x3 = tl.load(base + 12)
-    if CONV:
-        if INTERP:  # one conversion of the four (fewer interpreted calls)
-            x01, x23 = tl.split(_to_f16x2(tl.join(tl.join(x0, x1), tl.join(x2, x3)), INTERP))
-            x0, x1 = tl.split(x01)
-            x2, x3 = tl.split(x23)
-        else:
-            x0, x1, x2, x3 = (_to_f16x2(x0, INTERP), _to_f16x2(x1, INTERP), _to_f16x2(x2, INTERP),
-                              _to_f16x2(x3, INTERP))
-    return x0, x1, x2, x3
+    return _xconv(x0, x1, x2, x3, CONV, INTERP)
 
 
 @triton.jit
@@ -560,12 +566,15 @@ def _wait_a(ws, NA):
 
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
-               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr):
+               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
+               XPRE: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
     one load and conversion of z for both); WAIT: wait for role A (`_wait_a`) after the first weight loads and
-    before the first activation load (role B streams w2 while role A finishes)."""
+    before the first activation load (role B streams w2 while role A finishes); XPRE: the next step's
+    activations are loaded with its weights (converted at use), else each step loads its own before its
+    arithmetic."""
     NS: tl.constexpr = C // 32  # blocks a row
     w, f = _simt_load(wp, sp, rows, tl.arange(0, NB), C)
     w3, f3 = w, f
@@ -573,6 +582,10 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3, f3 = _simt_load(wp3, sp3, rows, tl.arange(0, NB), C)
     if WAIT:
         _wait_a(ws, NA)
+    ya0, ya1, ya2, ya3 = _xparts(xp, oa, tl.arange(0, NB), False, INTERP)
+    yb0, yb1, yb2, yb3 = ya0, ya1, ya2, ya3
+    if TB >= 2:
+        yb0, yb1, yb2, yb3 = _xparts(xp, ob, tl.arange(0, NB), False, INTERP)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
         nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)  # the last step reloads itself (an L1/L2 hit)
@@ -580,10 +593,19 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3n, f3n = wn, fn
         if TWO:
             w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C)
-        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
-        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-        if TB >= 2:
-            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+        if XPRE:
+            xa0, xa1, xa2, xa3 = _xconv(ya0, ya1, ya2, ya3, CONV, INTERP)
+            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+            if TB >= 2:
+                xb0, xb1, xb2, xb3 = _xconv(yb0, yb1, yb2, yb3, CONV, INTERP)
+            ya0, ya1, ya2, ya3 = _xparts(xp, oa, nxt, False, INTERP)
+            if TB >= 2:
+                yb0, yb1, yb2, yb3 = _xparts(xp, ob, nxt, False, INTERP)
+        else:
+            xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+            if TB >= 2:
+                xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
         acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
         if TWO:
             acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
@@ -601,7 +623,7 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, XPRE: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -617,7 +639,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP)
+                              INTERP, XPRE)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -625,7 +647,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr):
+               INTERP: tl.constexpr, XPRE: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -637,7 +659,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
-                               INTERP)
+                               INTERP, XPRE)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -645,26 +667,33 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
 def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr):
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, XPRE: tl.constexpr,
+                     TPRE: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
     there, [64] counting programs done."""
     t = tl.atomic_add(ws, 1, sem="relaxed")
     while t < NITEMS:
+        tn = t
+        if TPRE:  # the next ticket before this item's work (its round trip overlaps the streaming)
+            tn = tl.atomic_add(ws, 1, sem="relaxed")
         if t < NA:
             zc = t * 1024 + tl.arange(0, 1024)
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP)
+                     TB, B1, B2, INTERP, XPRE)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - NA
             _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP)
-        t = tl.atomic_add(ws, 1, sem="relaxed")
+                       NB2, TB, INTERP, XPRE)
+        if TPRE:
+            t = tn
+        else:
+            t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
         tl.atomic_xchg(ws + 32, 0)
@@ -710,6 +739,8 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
+SIMT_XPRE = False  # experiments/moe_simt: activations prefetched with the weights
+SIMT_TPRE = False  # experiments/moe_simt: the next ticket taken before the work
 PATHS = ("gemv", "grouped", "simt")
 
 
@@ -818,7 +849,8 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
-                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), num_warps=nw, num_stages=1)
+                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), XPRE=SIMT_XPRE, TPRE=SIMT_TPRE,
+                                   num_warps=nw, num_stages=1)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
