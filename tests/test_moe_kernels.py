@@ -157,6 +157,11 @@ def test_knob_errors(knob, value, dtype):
         c_moe.experts(m["z"], m["idx"], m["weights_k"], m["moe"], backend="triton", path="gemv")
     with pytest.raises(c_moe.MoEArgumentError, match="'num_stages'"):  # simt: register double-buffered
         c_moe.experts(m["z"], m["idx"], m["weights_k"], m["moe"], backend="triton", num_stages=2)
+    for cap in (100, 32, 512, True):  # simt: a multiple of 8 in 64..255
+        with pytest.raises(c_moe.MoEArgumentError, match="'maxnreg'"):
+            c_moe.experts(m["z"], m["idx"], m["weights_k"], m["moe"], backend="triton", maxnreg=cap)
+    with pytest.raises(c_moe.MoEArgumentError, match="'maxnreg'"):  # the simt path's only
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="grouped", maxnreg=128)
 
 
 def test_common_argument_errors():

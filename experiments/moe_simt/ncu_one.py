@@ -1,15 +1,12 @@
 """One call of the MXFP4 simt experts kernel at K3's TP8 sizes, for ncu (experiments/moe_simt/README.md):
-python experiments/moe_simt/ncu_one.py BATCH [xpre] [tpre] (two warm-up calls, then the profiled third)."""
+python experiments/moe_simt/ncu_one.py BATCH (two warm-up calls, then the profiled third)."""
 import sys
 
 import torch
 
 from k3lab import registry
-from k3lab_kernels.triton import moe_experts as M
 
 B = int(sys.argv[1])
-M.SIMT_XPRE = "xpre" in sys.argv[2:]
-M.SIMT_TPRE = "tpre" in sys.argv[2:]
 OP = registry.get("moe_experts")
 case = OP.case(dtype="mxfp4", batch=B, routing="uniform", tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
 sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(3)]

@@ -17,8 +17,9 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
   auto                       data/moe_defaults.json (measured), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
 CUDA-core sibling for MXFP4, batch <= 64; "grouped": the tensor-core kernel; None: the kernel's rule by format
-and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t, num_warps, num_stages, persist
-(None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program).
+and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t, num_warps, num_stages, persist,
+maxnreg (None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program;
+maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, recorded as run).
 `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it on timed or
 graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
 
@@ -84,7 +85,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             backend: str = "reference", out: torch.Tensor | None = None, check_values: bool = True,
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-            num_stages: int | None = None, persist: int | None = None, ran: list | None = None) -> torch.Tensor:
+            num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
+            ran: list | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
@@ -103,7 +105,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
-                 num_stages=num_stages, persist=persist)
+                 num_stages=num_stages, persist=persist, maxnreg=maxnreg)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
     if be == "triton":
@@ -114,6 +116,10 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
 
             knobs["path"], rule = default_path(B, TRITON_FORMATS[moe.w1.fmt]), "the kernel's rule by format and batch"
         args = _triton_args(z, idx, weights_k, moe, out, knobs)
+        if knobs["path"] == "simt" and knobs["maxnreg"] is None:  # the register cap the kernel applies, recorded
+            from k3lab_kernels.triton.moe_experts import default_blocks
+
+            knobs["maxnreg"] = default_blocks(B, idx.shape[1], moe.w1.shape[1], L, "mxfp4", "simt")["maxnreg"]
         y = dispatch.kernel(OP, be)(*args["pos"], **args["kw"], **knobs)
         dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, notes=f"path {knobs['path']} ({rule})",
                         **rec)
@@ -220,6 +226,11 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
                            or (p_ and path != "simt")):
         _fail("persist", f"must be None or 0..64 programs per multiprocessor (the simt path only; 0: one item a "
                          f"program), got {p_!r} on the {path} path")
+    r_ = knobs["maxnreg"]
+    if r_ is not None and (isinstance(r_, bool) or not isinstance(r_, int) or not 64 <= r_ <= 255 or r_ % 8
+                           or path != "simt"):
+        _fail("maxnreg", f"must be None or a multiple of 8 in 64..255 registers a thread (the simt path only), got "
+                         f"{r_!r} on the {path} path")
     if knobs["num_stages"] is not None and (knobs["num_stages"] not in (1, 2, 3, 4, 5) or path == "simt"):
         _fail("num_stages", f"must be None or one of 1..5 (None on the simt path: its weight steps are register "
                             f"double-buffered), got {knobs['num_stages']!r} on the {path} path")

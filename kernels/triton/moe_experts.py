@@ -372,7 +372,6 @@ _SIMT_ASM1_P4 = tl.constexpr(_simt_asm(1, 4))  # pack=4: the operands are [R, NB
 _SIMT_ASM2_P4 = tl.constexpr(_simt_asm(2, 4))
 _SIMT_CONS1_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 _SIMT_CONS2_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
-PACK4_MIN_SLOTS = tl.constexpr(256)  # rows x blocks of a tile from which pack=4 runs (4 words a thread at 8 warps)
 _DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
                                      + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
                                         "}"]))
@@ -445,7 +444,8 @@ def _join4(a0, a1, a2, a3, R: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexpr, INTERP: tl.constexpr):
+def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexpr, INTERP: tl.constexpr,
+              NW: tl.constexpr):
     """acc [R, NB, 4] (slot t = token t) += block factor f [R, NB] * the block's products for tokens a and b (the
     first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p."""
     if INTERP:  # the decode once, then each token's products (fp32)
@@ -456,8 +456,8 @@ def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexp
         if TB >= 2:
             acc = _tok_interp(acc, dl, dh, f4, xb0, xb1, xb2, xb3, 1)
         return acc
-    elif w.shape[0] * w.shape[1] >= PACK4_MIN_SLOTS:  # >= 4 elements a thread (<= 8 warps): pack=4 groups one
-        f4 = tl.broadcast_to(f[:, :, None], w.shape)     # block's four words (measured: the fast form)
+    elif w.shape[0] * w.shape[1] >= 32 * NW:  # >= 4 words a thread (NW warps): pack=4 groups one block's
+        f4 = tl.broadcast_to(f[:, :, None], w.shape)  # four words (measured: the fast form)
         if TB == 1:
             return tl.inline_asm_elementwise(_SIMT_ASM1_P4, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
                                              dtype=tl.float32, is_pure=True, pack=4)
@@ -567,14 +567,14 @@ def _wait_a(ws, NA):
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               XPRE: tl.constexpr):
+               NW: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
     one load and conversion of z for both); WAIT: wait for role A (`_wait_a`) after the first weight loads and
-    before the first activation load (role B streams w2 while role A finishes); XPRE: the next step's
-    activations are loaded with its weights (converted at use), else each step loads its own before its
-    arithmetic."""
+    before the first activation load (role B streams w2 while role A finishes); NW the program's warps.
+    (Loading the next step's activations with its weights lost: +22% at batch 1, +20% at 64 (registers);
+    experiments/moe_simt.)"""
     NS: tl.constexpr = C // 32  # blocks a row
     w, f = _simt_load(wp, sp, rows, tl.arange(0, NB), C)
     w3, f3 = w, f
@@ -582,10 +582,6 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3, f3 = _simt_load(wp3, sp3, rows, tl.arange(0, NB), C)
     if WAIT:
         _wait_a(ws, NA)
-    ya0, ya1, ya2, ya3 = _xparts(xp, oa, tl.arange(0, NB), False, INTERP)
-    yb0, yb1, yb2, yb3 = ya0, ya1, ya2, ya3
-    if TB >= 2:
-        yb0, yb1, yb2, yb3 = _xparts(xp, ob, tl.arange(0, NB), False, INTERP)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
         nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)  # the last step reloads itself (an L1/L2 hit)
@@ -593,22 +589,13 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3n, f3n = wn, fn
         if TWO:
             w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C)
-        if XPRE:
-            xa0, xa1, xa2, xa3 = _xconv(ya0, ya1, ya2, ya3, CONV, INTERP)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TB >= 2:
-                xb0, xb1, xb2, xb3 = _xconv(yb0, yb1, yb2, yb3, CONV, INTERP)
-            ya0, ya1, ya2, ya3 = _xparts(xp, oa, nxt, False, INTERP)
-            if TB >= 2:
-                yb0, yb1, yb2, yb3 = _xparts(xp, ob, nxt, False, INTERP)
-        else:
-            xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TB >= 2:
-                xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
-        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
+        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        if TB >= 2:
+            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
         if TWO:
-            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP)
+            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
         w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
@@ -623,7 +610,7 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, XPRE: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -639,7 +626,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, XPRE)
+                              INTERP, NW)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -647,7 +634,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, XPRE: tl.constexpr):
+               INTERP: tl.constexpr, NW: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -659,7 +646,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
-                               INTERP, XPRE)
+                               INTERP, NW)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -667,33 +654,26 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
 def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, XPRE: tl.constexpr,
-                     TPRE: tl.constexpr):
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
     there, [64] counting programs done."""
     t = tl.atomic_add(ws, 1, sem="relaxed")
     while t < NITEMS:
-        tn = t
-        if TPRE:  # the next ticket before this item's work (its round trip overlaps the streaming)
-            tn = tl.atomic_add(ws, 1, sem="relaxed")
         if t < NA:
             zc = t * 1024 + tl.arange(0, 1024)
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, XPRE)
+                     TB, B1, B2, INTERP, NW)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - NA
             _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP, XPRE)
-        if TPRE:
-            t = tn
-        else:
-            t = tl.atomic_add(ws, 1, sem="relaxed")
+                       NB2, TB, INTERP, NW)
+        t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
         tl.atomic_xchg(ws + 32, 0)
@@ -739,8 +719,6 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
-SIMT_XPRE = False  # experiments/moe_simt: activations prefetched with the weights
-SIMT_TPRE = False  # experiments/moe_simt: the next ticket taken before the work
 PATHS = ("gemv", "grouped", "simt")
 
 
@@ -761,8 +739,9 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     """The kernels' tile choice, from the H200 sweeps (docs/NOTES_moe.md).
     simt: BN = 16 intermediate rows an A item, NB = 16 32-blocks a step (block_k 512), BL = 128 latent rows a B
     item, 4 of w2's blocks a step, one token a pass at batch 1 (else two), 4 warps, one item a program at batch 1
-    (else persistent, 4 programs a multiprocessor); the weight steps are register double-buffered in the kernel
-    (num_stages is not used).
+    (else persistent, 4 programs a multiprocessor, registers capped at 128 a thread so that the four fit: 190
+    uncapped at two tokens a pass, two programs an SM); the weight steps are register double-buffered in the
+    kernel (num_stages is not used).
     gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
     MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
@@ -777,7 +756,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
         while (I // 32) % nb2:
             nb2 //= 2
         return dict(block_n=min(16, I), block_k=32 * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
-                    num_warps=4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4)
+                    num_warps=4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
+                    maxnreg=None if B == 1 else 128)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -826,7 +806,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 w2: torch.Tensor, y: torch.Tensor, *, fmt: str, s1=None, s3=None, s2=None, b1: float = 4.0,
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, persist: int | None = None) -> torch.Tensor:
+                num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`."""
     B, K = idx.shape
@@ -846,11 +826,13 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         nitems = na + B * K * (L // bl)
         per_sm = persist if persist is not None else d["persist"]
         nprog = min(nitems, per_sm * _sm_count(z.device)) if per_sm else nitems
+        cap = maxnreg if maxnreg is not None else d["maxnreg"]
+        extra = {} if cap is None or dot_f32() else dict(maxnreg=cap)  # the interpreter takes no register cap
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
-                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), XPRE=SIMT_XPRE, TPRE=SIMT_TPRE,
-                                   num_warps=nw, num_stages=1)
+                                   B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
+                                   num_warps=nw, num_stages=1, **extra)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
