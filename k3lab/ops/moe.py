@@ -235,7 +235,7 @@ register(Op(
                  "block_l": {"triton": (None, 16, 32, 64, 128)},
                  "block_t": {"triton": (None, 1, 2, 16, 32, 64)}, "num_warps": {"triton": (None, 2, 4, 8)},
                  "num_stages": {"triton": (None, 1, 2, 3, 4, 5)}, "persist": {"triton": (None, 0, 2, 4, 8, 16)},
-                 "maxnreg": {"triton": (None, 96, 128, 160, 255)}},
+                 "maxnreg": {"triton": (None, 96, 128, 160, 248)}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "block_l": _NONE, "block_t": _NONE,
                      "num_warps": _NONE, "num_stages": _NONE, "persist": _NONE, "maxnreg": _NONE},
     make_inputs=make_experts, reference=ref_experts, written=("y",), updated=(),
