@@ -69,7 +69,7 @@ for B in BATCHES:
             K = Phase(phase, **over)
             M._moe_simt_kernel = K
             try:
-                t = timing.bench_gpu(lambda s: OP.call(s, case, "triton", opts, None),
+                t = timing.bench_gpu(lambda s, c=case, o=opts: OP.call(s, c, "triton", o, None),
                                      input_sets=[(s,) for s in sets], reps=15)
             except Exception as e:  # noqa: BLE001
                 print(B, name, phase, type(e).__name__, str(e)[:200], flush=True)
