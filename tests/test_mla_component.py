@@ -58,11 +58,19 @@ def test_attend_partials_merge_to_the_result():
     assert rp.shape == op_.shape  # the reference's partials have the same layout (its pieces may differ)
 
 
-def test_auto_runs_the_reference_without_a_table():
+def test_auto_follows_the_table():
+    """data/mla_defaults.json: triton for every op; without a GPU its fallback rule, the reference."""
+    from k3lab import policy
+
+    for key in ("decode", "combine", "cache_write"):
+        assert policy.rule("mla", key, 1)["backend"] == "triton"
     q, qr, cache, lengths = _attend_inputs()
     ran = []
     mla.attend(q, qr, cache, lengths, scale=0.1, backend="auto", ran=ran)
-    assert ran[0].backend == "reference" and ran[0].backend_requested == "auto"
+    want = "triton" if torch.cuda.is_available() else "reference"
+    assert ran[0].backend == want and ran[0].backend_requested == "auto"
+    if want == "reference":
+        assert "fallback" in ran[0].why
 
 
 def test_out_buffers_are_filled():

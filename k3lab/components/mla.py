@@ -27,7 +27,7 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   torch_compile  torch.compile of the same reference functions
   triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches)
   aiter          refused with a message (no AITER adapter yet; AITER needs ROCm)
-  auto           the measured table (data/mla_defaults.json once measured), else the reference
+  auto           the measured table (data/mla_defaults.json: triton, the reference where it cannot run)
 Each call takes `ran=[]` to get the record of what ran appended (op, backend asked and run, kernel,
 options, shape, why). Argument errors are MLAArgumentError (a ValueError) naming the argument. Value checks
 of `lengths` read it on the host (a device sync): pass check_values=False (and n_positions) on timed or
