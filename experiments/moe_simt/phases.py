@@ -18,8 +18,10 @@ from k3lab_kernels.triton import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 OP = registry.get("moe_experts")
 REAL = M._moe_simt_kernel
+DEFAULTS = {"SIMT_CHAINS": M.SIMT_CHAINS}
 PHASES = ("all",)
-VARIANTS = [("base", {}, {})]  # (name, launch options, component knobs); VARIANTS_JSON replaces the list
+VARIANTS = [("base", {}, {})]  # (name, launch options, component knobs[, kernel-file constants]); VARIANTS_JSON
+# replaces the list
 if os.environ.get("VARIANTS_JSON"):
     VARIANTS = [tuple(v) for v in json.loads(os.environ["VARIANTS_JSON"])]
 BATCHES = [int(b) for b in (sys.argv[2].split(",") if len(sys.argv) > 2 else ("1", "64"))]
@@ -57,9 +59,11 @@ for B in BATCHES:
     n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes()))
     sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(n_sets)]
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
-    for name, over, opts in VARIANTS:
+    for name, over, opts, *mod in VARIANTS:
         if B == 1 and opts.get("persist"):
             continue
+        for k, v in (mod[0] if mod else {}).items():  # module constants of the kernel file (e.g. SIMT_CHAINS)
+            setattr(M, k, v)
         M._moe_simt_kernel = Phase("all", **over)
         try:
             chk = checker.check(OP, case, backend="triton", options=opts, inputs=sets[0])
@@ -81,6 +85,8 @@ for B in BATCHES:
                      regs=K.regs)
             rows.append(r)
             print(B, name, phase, round(t.median_us, 2), chk.ok, K.regs, flush=True)
+        for k in (mod[0] if mod else {}):
+            setattr(M, k, DEFAULTS[k])
     del sets
     torch.cuda.empty_cache()
 json.dump(dict(probes=pr, rows=rows, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
