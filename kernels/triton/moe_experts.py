@@ -344,24 +344,21 @@ def _simt_decode_ptx(w: str) -> list[str]:
             "and.b32 d3, d3, 0x80008000;", "or.b32 d3, d3, t;"]
 
 
-def _simt_asm(tb: int, pack: int = 1, chains: int = 1) -> str:
+def _simt_asm(tb: int, pack: int = 1) -> str:
     """One 32-block of one row for `tb` tokens: $0..$3 accumulator slots out (slot t = token t); inputs $4..$7 the
     block's four words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then the block factor
     (pack=1: one; pack=4: four copies) and the four slots in. pack=1 takes each operand as its own [R, NB] tile
-    (layout-independent), pack=4 a block's four words as one group of a [R, NB, 4] tile. chains: the block's 16
-    f16x2 FMAs a token go to this many accumulators (part p to chain p % chains), added at the end."""
+    (layout-independent), pack=4 a block's four words as one group of a [R, NB, 4] tile."""
     f0, a0 = 8 + 16 * tb, 8 + 16 * tb + pack  # pack=4: four copies of the factor (slot t reads copy t)
-    hs = ", ".join(f"h{t}_{c}" for t in range(tb) for c in range(chains))
+    hs = ", ".join(f"h{t}" for t in range(tb))
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
-    lines += [f"mov.b32 h{t}_{c}, 0;" for t in range(tb) for c in range(chains)]
+    lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
     for j in range(4):
         lines += _simt_decode_ptx(f"${4 + j}")
         for t in range(tb):
-            lines += [f"fma.rn.f16x2 h{t}_{p % chains}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t}_{p % chains};"
-                      for p in range(4)]
+            lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
     for t in range(tb):
-        lines += [f"add.rn.f16x2 h{t}_0, h{t}_0, h{t}_{c};" for c in range(1, chains)]
-        lines += [f"mov.b32 {{lo, hi}}, h{t}_0;", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
+        lines += [f"mov.b32 {{lo, hi}}, h{t};", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
                   f"fma.rn.f32 ${t}, a, ${f0 + (t if pack == 4 else 0)}, ${a0 + t};"]
     lines += [f"mov.b32 ${t}, ${a0 + t};" for t in range(tb, 4)]
     return "\n".join(lines + ["}"])
@@ -373,10 +370,6 @@ _SIMT_CONS1 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 25))
 _SIMT_CONS2 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 41))
 _SIMT_ASM1_P4 = tl.constexpr(_simt_asm(1, 4))  # pack=4: the operands are [R, NB, 4] tiles, a block's words a group
 _SIMT_ASM2_P4 = tl.constexpr(_simt_asm(2, 4))
-_SIMT_ASM1_P4_C2 = tl.constexpr(_simt_asm(1, 4, 2))  # two and four accumulator chains (experiments/moe_simt)
-_SIMT_ASM2_P4_C2 = tl.constexpr(_simt_asm(2, 4, 2))
-_SIMT_ASM1_P4_C4 = tl.constexpr(_simt_asm(1, 4, 4))
-_SIMT_ASM2_P4_C4 = tl.constexpr(_simt_asm(2, 4, 4))
 _SIMT_CONS1_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 _SIMT_CONS2_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
 _DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
@@ -452,7 +445,7 @@ def _join4(a0, a1, a2, a3, R: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexpr, INTERP: tl.constexpr,
-              NW: tl.constexpr, CH: tl.constexpr):
+              NW: tl.constexpr):
     """acc [R, NB, 4] (slot t = token t) += block factor f [R, NB] * the block's products for tokens a and b (the
     first TB of them): w [R, NB, 4] words, x?p [1, NB, 4] the token's pairs for part p."""
     if INTERP:  # the decode once, then each token's products (fp32)
@@ -466,26 +459,12 @@ def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexp
     elif w.shape[0] * w.shape[1] >= 32 * NW:  # >= 4 words a thread (NW warps): pack=4 groups one block's
         f4 = tl.broadcast_to(f[:, :, None], w.shape)  # four words (measured: the fast form)
         if TB == 1:
-            if CH == 4:
-                return tl.inline_asm_elementwise(_SIMT_ASM1_P4_C4, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
-                                                 dtype=tl.float32, is_pure=True, pack=4)
-            elif CH == 2:
-                return tl.inline_asm_elementwise(_SIMT_ASM1_P4_C2, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
-                                                 dtype=tl.float32, is_pure=True, pack=4)
-            else:
-                return tl.inline_asm_elementwise(_SIMT_ASM1_P4, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
-                                                 dtype=tl.float32, is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(_SIMT_ASM1_P4, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
+                                             dtype=tl.float32, is_pure=True, pack=4)
         else:
-            ops = [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, f4, acc]
-            if CH == 4:
-                return tl.inline_asm_elementwise(_SIMT_ASM2_P4_C4, _SIMT_CONS2_P4, ops, dtype=tl.float32,
-                                                 is_pure=True, pack=4)
-            elif CH == 2:
-                return tl.inline_asm_elementwise(_SIMT_ASM2_P4_C2, _SIMT_CONS2_P4, ops, dtype=tl.float32,
-                                                 is_pure=True, pack=4)
-            else:
-                return tl.inline_asm_elementwise(_SIMT_ASM2_P4, _SIMT_CONS2_P4, ops, dtype=tl.float32,
-                                                 is_pure=True, pack=4)
+            return tl.inline_asm_elementwise(_SIMT_ASM2_P4, _SIMT_CONS2_P4,
+                                             [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, f4, acc],
+                                             dtype=tl.float32, is_pure=True, pack=4)
     else:  # small tiles: split into [R, NB] operands, one PTX call an element (layout-independent; a
         # pack=4 call on a tile with fewer than four elements a thread grouped the wrong ones: H200, latent 32)
         R: tl.constexpr = w.shape[0]
@@ -588,7 +567,7 @@ def _wait_a(ws, NA):
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               NW: tl.constexpr, CH: tl.constexpr):
+               NW: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
@@ -614,9 +593,9 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         if TB >= 2:
             xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
-        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW, CH)
+        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
         if TWO:
-            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW, CH)
+            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
         w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
@@ -631,7 +610,7 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexp
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, CH: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -647,7 +626,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, NW, CH)
+                              INTERP, NW)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -655,7 +634,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, NW: tl.constexpr, CH: tl.constexpr):
+               INTERP: tl.constexpr, NW: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
@@ -667,7 +646,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
-                               INTERP, NW, CH)
+                               INTERP, NW)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -675,8 +654,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
 def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     CH: tl.constexpr):
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -688,13 +666,13 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW, CH)
+                     TB, B1, B2, INTERP, NW)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - NA
             _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP, NW, CH)
+                       NB2, TB, INTERP, NW)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -741,7 +719,6 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
-SIMT_CHAINS = 1  # accumulator chains a block (experiments/moe_simt: 1, 2, 4)
 PATHS = ("gemv", "grouped", "simt")
 
 
@@ -855,7 +832,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   CH=SIMT_CHAINS, num_warps=nw, num_stages=1, **extra)
+                                   num_warps=nw, num_stages=1, **extra)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
