@@ -18,7 +18,6 @@ from k3lab_kernels.triton import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 OP = registry.get("moe_experts")
 REAL = M._moe_simt_kernel
-DEFAULTS = {"SIMT_CHAINS": M.SIMT_CHAINS}
 PHASES = ("all",)
 VARIANTS = [("base", {}, {})]  # (name, launch options, component knobs[, kernel-file constants]); VARIANTS_JSON
 # replaces the list
@@ -62,7 +61,8 @@ for B in BATCHES:
     for name, over, opts, *mod in VARIANTS:
         if B == 1 and opts.get("persist"):
             continue
-        for k, v in (mod[0] if mod else {}).items():  # module constants of the kernel file (e.g. SIMT_CHAINS)
+        saved = {k: getattr(M, k) for k in (mod[0] if mod else {})}  # module constants of the kernel file (run 4:
+        for k, v in (mod[0] if mod else {}).items():                  # SIMT_CHAINS, since removed)
             setattr(M, k, v)
         M._moe_simt_kernel = Phase("all", **over)
         try:
@@ -85,8 +85,8 @@ for B in BATCHES:
                      regs=K.regs)
             rows.append(r)
             print(B, name, phase, round(t.median_us, 2), chk.ok, K.regs, flush=True)
-        for k in (mod[0] if mod else {}):
-            setattr(M, k, DEFAULTS[k])
+        for k, v in saved.items():
+            setattr(M, k, v)
     del sets
     torch.cuda.empty_cache()
 json.dump(dict(probes=pr, rows=rows, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
