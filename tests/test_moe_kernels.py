@@ -61,6 +61,20 @@ def test_same_experts_for_every_token(dtype):
         _check(dtype=dtype, batch=19, routing="same16", options=dict(block_t=16))
 
 
+def test_batch_one_repeated_id():
+    """Batch 1 on the simt path takes each pair as its own group: an expert id repeated in the token's row (not
+    what a top-k router makes, but a caller may pass it) adds that expert twice, each with its own weight, as the
+    reference does."""
+    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=1), 0, "cpu")
+    idx = inp["idx"].clone()
+    idx[0, 1] = idx[0, 0]
+    ran: list = []
+    y = c_moe.experts(inp["z"], idx, inp["weights_k"], inp["moe"], backend="triton", path="simt", ran=ran)
+    ref = c_moe.experts(inp["z"], idx, inp["weights_k"], inp["moe"], backend="reference")
+    assert torch.isfinite(y).all() and "path simt" in ran[0].notes
+    assert float((y - ref).norm() / ref.norm()) < 1e-2  # the simt tolerance (module docstring: f16 products)
+
+
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_tp16_and_blocks(dtype):
     opts = dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4)

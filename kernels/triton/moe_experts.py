@@ -601,19 +601,36 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
 
 
 @triton.jit
-def _simt_members(t0, mem, rank, w_tok, q_tok, BB: tl.constexpr, TB: tl.constexpr):
-    """Members t0 .. t0+TB-1 of a group in four slots (slots >= TB invalid): token, weight, pair, validity."""
-    tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, 4)
-    return tok, w_t, q, ok & (tl.arange(0, 4) < TB)
+def _simt_group(idx, wk, p, B, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr, ONE: tl.constexpr):
+    """`_group`, or at batch 1 (ONE) pair p as a group of its own: one token's top-k ids are its experts, so every
+    pair leads (a repeated id in a row then adds its expert twice, each with its own weight: the same sum), and the
+    id tile, its compares and reductions are skipped."""
+    if ONE:
+        z = tl.zeros([BB], tl.int32)
+        return tl.load(idx + p).to(tl.int64), p >= 0, z, z.to(tl.float32), z, 1, z
+    else:
+        return _group(idx, wk, p, B, K, KP, BB)
+
+
+@triton.jit
+def _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB: tl.constexpr, TB: tl.constexpr, ONE: tl.constexpr):
+    """Members t0 .. t0+TB-1 of a group in four slots (slots >= TB invalid): token, weight, pair, validity (ONE:
+    `_simt_group`'s group of one, token 0 with pair p's weight)."""
+    if ONE:
+        s4 = tl.arange(0, 4)
+        return s4 * 0, tl.where(s4 == 0, tl.load(wk + p), 0.0), s4 * 0 + p, s4 < 1
+    else:
+        tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, 4)
+        return tok, w_t, q, ok & (tl.arange(0, 4) < TB)
 
 
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
-    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
     if leader:
         # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
         # the pointer's defining op; on a function argument it would be lost)
@@ -622,7 +639,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
         s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
         rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, TB):
-            tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
+            tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
@@ -634,15 +651,15 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, NW: tl.constexpr):
+               INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
-    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
     if leader:
         w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
         lr = lt * BL + tl.arange(0, BL)
         for t0 in range(0, cnt, TB):
-            tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, BB, TB)
+            tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
@@ -654,7 +671,8 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
 def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr):
+                     B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
+                     ONE: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -666,13 +684,13 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW)
+                     TB, B1, B2, INTERP, NW, ONE)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - NA
             _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP, NW)
+                       NB2, TB, INTERP, NW, ONE)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -719,6 +737,7 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
+SIMT_ONE = True  # batch 1: each pair its own group (`_simt_group`); experiments/moe_simt turns it off to compare
 PATHS = ("gemv", "grouped", "simt")
 
 
@@ -832,7 +851,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   num_warps=nw, num_stages=1, **extra)
+                                   ONE=B == 1 and SIMT_ONE, num_warps=nw, num_stages=1, **extra)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
