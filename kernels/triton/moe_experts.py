@@ -10,7 +10,8 @@ the rule `default_path` picks by weight format and batch, from the H200 sweeps i
   simt     MXFP4, batch <= 64 (`_moe_simt_kernel`): the gemv kernel's two roles and tickets with CUDA-core bodies
            (no tensor cores, no 16-token padding): the codes in their kernel layout (k3lab.mxfp4.to_kernel_layout),
            11 integer instructions per 8 codes, f16x2 FMAs per 32-block, one or two tokens a pass; optionally
-           persistent (`persist` programs a multiprocessor). Its section below has the details and the exactness.
+           persistent (`persist` programs a multiprocessor, registers capped by `maxnreg` so that they fit); at
+           batch 1 each pair is its own group. Its section below has the details and the exactness.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
@@ -327,7 +328,8 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 # (registers double-buffered). Each word becomes four f16x2 with 11 integer instructions (no table, no
 # conversion unit), multiplied by the activation pairs in f16x2 FMAs (a block's 32 products summed in f16); the
 # block sum times its E8M0 factor goes into an fp32 accumulator. One or two member tokens share each decoded
-# word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2.
+# word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2. At batch 1 the
+# pairs are the token's distinct top-k experts, so each pair leads a group of one (`_simt_group`: no id tile).
 # Activations enter as f16 scaled by 2^6 (z from bf16 in registers, the SiTU activation stored so by role A),
 # the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
 # Exactness: every decoded weight is exact (weight = decoded * 2^14 * 2^(s - 127), s <= 246); the products
