@@ -75,6 +75,17 @@ def test_batch_one_repeated_id():
     assert float((y - ref).norm() / ref.norm()) < 1e-2  # the simt tolerance (module docstring: f16 products)
 
 
+def test_simt_word_tiles_as_2d_loads(monkeypatch):
+    """`SIMT_LOAD2D` (the words loaded as [R, 4 NB] and reshaped; not yet the default, docs/NOTES_moe.md): the same
+    sums at batch 1 (groups of one), a ragged batch two tokens a pass, persistent, and one token a pass."""
+    from k3lab_kernels.triton import moe_experts as kern
+
+    monkeypatch.setattr(kern, "SIMT_LOAD2D", True)
+    _check(dtype="mxfp4", batch=1, options=dict(path="simt"))
+    _check(dtype="mxfp4", batch=6, routing="ragged", options=dict(path="simt", block_t=2, persist=2, block_n=32))
+    _check(dtype="mxfp4", batch=3, options=dict(path="simt", block_t=1, block_k=64))
+
+
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_tp16_and_blocks(dtype):
     opts = dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4)

@@ -541,11 +541,20 @@ def _slot(v, t: tl.constexpr):
 
 
 @triton.jit
-def _simt_load(wp, sp, rows, blk, C: tl.constexpr):
-    """The 32-blocks `blk` of rows `rows` of one kernel-layout matrix ([*, C] logical): words [R, NB, 4] and the
-    E8M0 scales [R, NB] (int32; a 3D load of the scales would set the tile's layout)."""
-    w = tl.load(wp + rows[:, None, None] * (C // 8) + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
-    return w, tl.load(sp + rows[:, None] * (C // 32) + blk[None, :]).to(tl.int32)
+def _simt_load(wp, sp, rows, b0, C: tl.constexpr, NB: tl.constexpr, L2D: tl.constexpr):
+    """The 32-blocks b0 .. b0+NB-1 of rows `rows` of one kernel-layout matrix ([*, C] logical): words [R, NB, 4]
+    and the E8M0 scales [R, NB] (int32). L2D: the words load as a 2D [R, 4 NB] tile reshaped in registers, so that
+    their layout has the blocks, not the rows, next to the four words and the scales' [R, NB] layout is its slice
+    (no data moves when they are broadcast over the words). Else a 3D load, whose layout on Triton 3.6 puts the
+    rows second: a shared-memory conversion of the scales every step (ncu, eleventh session). L2D is not yet
+    measured on a GPU (`SIMT_LOAD2D`; docs/NOTES_moe.md)."""
+    R: tl.constexpr = rows.shape[0]
+    if L2D:
+        w = tl.reshape(tl.load(wp + rows[:, None] * (C // 8) + b0 * 4 + tl.arange(0, 4 * NB)[None, :]), (R, NB, 4))
+    else:
+        blk = b0 + tl.arange(0, NB)
+        w = tl.load(wp + rows[:, None, None] * (C // 8) + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    return w, tl.load(sp + rows[:, None] * (C // 32) + b0 + tl.arange(0, NB)[None, :]).to(tl.int32)
 
 
 @triton.jit
@@ -569,7 +578,7 @@ def _wait_a(ws, NA):
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               NW: tl.constexpr):
+               NW: tl.constexpr, L2D: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
@@ -578,19 +587,19 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
     (Loading the next step's activations with its weights lost: +22% at batch 1, +20% at 64 (registers);
     experiments/moe_simt.)"""
     NS: tl.constexpr = C // 32  # blocks a row
-    w, f = _simt_load(wp, sp, rows, tl.arange(0, NB), C)
+    w, f = _simt_load(wp, sp, rows, 0, C, NB, L2D)
     w3, f3 = w, f
     if TWO:
-        w3, f3 = _simt_load(wp3, sp3, rows, tl.arange(0, NB), C)
+        w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB, L2D)
     if WAIT:
         _wait_a(ws, NA)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
-        nxt = tl.minimum(c0 + NB, NS - NB) + tl.arange(0, NB)  # the last step reloads itself (an L1/L2 hit)
-        wn, fn = _simt_load(wp, sp, rows, nxt, C)
+        nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
+        wn, fn = _simt_load(wp, sp, rows, nxt, C, NB, L2D)
         w3n, f3n = wn, fn
         if TWO:
-            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C)
+            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB, L2D)
         xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         if TB >= 2:
@@ -629,7 +638,8 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB: tl.constexpr, TB: tl.c
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr,
+             L2D: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
@@ -645,7 +655,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, NW)
+                              INTERP, NW, L2D)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -653,7 +663,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
+               INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr, L2D: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
@@ -665,7 +675,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
-                               INTERP, NW)
+                               INTERP, NW, L2D)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -674,7 +684,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr):
+                     ONE: tl.constexpr, L2D: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -686,13 +696,13 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA
             for z0 in range(0, B * L, NA * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW, ONE)
+                     TB, B1, B2, INTERP, NW, ONE, L2D)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - NA
             _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP, NW, ONE)
+                       NB2, TB, INTERP, NW, ONE, L2D)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -739,6 +749,7 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
+SIMT_LOAD2D = False  # words as 2D tiles reshaped (`_simt_load`): compiles without the per-step conversion; unmeasured
 SIMT_ONE = True  # batch 1: each pair its own group (`_simt_group`); experiments/moe_simt turns it off to compare
 PATHS = ("gemv", "grouped", "simt")
 
@@ -853,7 +864,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and SIMT_ONE, num_warps=nw, num_stages=1, **extra)
+                                   ONE=B == 1 and SIMT_ONE, L2D=SIMT_LOAD2D, num_warps=nw, num_stages=1, **extra)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)

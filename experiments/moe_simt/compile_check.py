@@ -1,0 +1,54 @@
+"""Compile the MXFP4 simt experts kernel for sm_90a without a GPU and report what the step loop costs: layout
+conversions (TTGIR), shared-memory stores and barriers (PTX), registers and spills (ptxas -v). Use the device's
+Triton to see what the device compiles (H200 image: Triton 3.6):
+
+    pip download --no-deps triton==3.6.0 -d /tmp/t36whl && python -m zipfile -e /tmp/t36whl/triton-3.6.0-*.whl /tmp/t36
+    chmod +x /tmp/t36/triton/backends/nvidia/bin/*
+    PYTHONPATH=/tmp/t36 python experiments/moe_simt/compile_check.py
+
+Prints one line per (tokens a pass, register cap, SIMT_LOAD2D, batch-1 groups of one) at K3's TP8 tiles."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import k3lab  # noqa: E402,F401  (registers k3lab_kernels)
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from k3lab_kernels.triton import moe_experts as M  # noqa: E402
+
+SIG = {"z": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w2": "*i32", "s1": "*u8", "s3": "*u8",
+       "s2": "*u8", "y": "*fp32", "act": "*fp16", "acti": "*i32", "ws": "*i32", "B": "i32", "NA": "i32",
+       "NITEMS": "i32", "NPROG": "i32"}
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool) -> str:
+    const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
+                 INTERP=False, NW=4, ONE=one, L2D=l2d)
+    sig = dict(SIG, **{k: "constexpr" for k in const})
+    opts = {"num_warps": 4, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=sig, constexprs=const),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = re.sub(r"^\.version .*$", ".version 8.7", k.asm["ptx"], flags=re.M)  # the bundled ptxas reads 8.7
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        open(src, "w").write(ptx)
+        out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return (f"tokens/pass {tb}  cap {str(maxnreg):4s}  load2d {str(l2d):5s}  groups-of-one {str(one):5s}  "
+            f"convert_layout {k.asm['ttgir'].count('convert_layout'):3d}  st.shared {ptx.count('st.shared'):3d}  "
+            f"bar.sync {ptx.count('bar.sync'):3d}  registers {regs.group(1) if regs else '?':>4s}  "
+            f"spill stores {spill.group(1) if spill else '?'} B")
+
+
+print(f"triton {triton.__version__}")
+for tb, cap, one in ((1, None, True), (1, None, False), (2, None, False), (2, 128, False)):
+    for l2d in (False, True):
+        print(compile_one(tb, cap, l2d, one), flush=True)
