@@ -86,6 +86,20 @@ def test_simt_word_tiles_as_2d_loads(monkeypatch):
     _check(dtype="mxfp4", batch=3, options=dict(path="simt", block_t=1, block_k=64))
 
 
+def test_simt_tickets_over_leaders(monkeypatch):
+    """`SIMT_LEADERS` (not yet the default, docs/NOTES_moe.md): a one-program prologue lists the leading pairs and
+    the items run over them only; ragged routing (an expert chosen by every token, one by none), two tokens a
+    pass, persistent and not, twice in a row (its per-expert minima are reset by the kernel)."""
+    from k3lab_kernels.triton import moe_experts as kern
+
+    monkeypatch.setattr(kern, "SIMT_LEADERS", True)
+    for _ in range(2):
+        _check(dtype="mxfp4", batch=6, routing="ragged", options=dict(path="simt", block_t=2, persist=2, block_n=32))
+    _check(dtype="mxfp4", batch=5, routing="same16", options=dict(path="simt", persist=0))
+    first = next(iter(kern._leader_ws.values()))[0]
+    assert bool((first == kern.LEAD_BIG).all())
+
+
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_tp16_and_blocks(dtype):
     opts = dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4)

@@ -22,14 +22,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from k3lab_kernels.triton import moe_experts as M  # noqa: E402
 
 SIG = {"z": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w2": "*i32", "s1": "*u8", "s3": "*u8",
-       "s2": "*u8", "y": "*fp32", "act": "*fp16", "acti": "*i32", "ws": "*i32", "B": "i32", "NA": "i32",
-       "NITEMS": "i32", "NPROG": "i32"}
+       "s2": "*u8", "y": "*fp32", "act": "*fp16", "acti": "*i32", "ws": "*i32", "lead": "*i32", "B": "i32",
+       "NA": "i32", "NITEMS": "i32", "NPROG": "i32"}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool) -> str:
+def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool, lead: bool = False) -> str:
     const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
-                 INTERP=False, NW=4, ONE=one, L2D=l2d)
+                 INTERP=False, NW=4, ONE=one, L2D=l2d, LEAD=lead)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     opts = {"num_warps": 4, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=sig, constexprs=const),
@@ -43,6 +43,7 @@ def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool) -> str:
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     return (f"tokens/pass {tb}  cap {str(maxnreg):4s}  load2d {str(l2d):5s}  groups-of-one {str(one):5s}  "
+            f"leaders {str(lead):5s}  "
             f"convert_layout {k.asm['ttgir'].count('convert_layout'):3d}  st.shared {ptx.count('st.shared'):3d}  "
             f"bar.sync {ptx.count('bar.sync'):3d}  registers {regs.group(1) if regs else '?':>4s}  "
             f"spill stores {spill.group(1) if spill else '?'} B")
@@ -52,3 +53,9 @@ print(f"triton {triton.__version__}")
 for tb, cap, one in ((1, None, True), (1, None, False), (2, None, False), (2, 128, False)):
     for l2d in (False, True):
         print(compile_one(tb, cap, l2d, one), flush=True)
+print(compile_one(2, 128, True, False, True), flush=True)
+lk = triton.compile(ASTSource(fn=M._simt_leaders_kernel, signature={"idx": "*i64", "first": "*i32", "lead": "*i32",
+                                                                    "P": "i32", "PB": "constexpr", "BIG": "constexpr"},
+                              constexprs=dict(PB=1024, BIG=M.LEAD_BIG)),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(f"_simt_leaders_kernel (1024 pairs): compiled, {len(lk.asm['ptx'].splitlines())} PTX lines")

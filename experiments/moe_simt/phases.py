@@ -26,6 +26,11 @@ if os.environ.get("VARIANTS_JSON"):
 BATCHES = [int(b) for b in (sys.argv[2].split(",") if len(sys.argv) > 2 else ("1", "64"))]
 
 
+def _moe_simt_arg(name: str) -> int:
+    """The position of a runtime argument of the kernel (its signature changes between runs)."""
+    return REAL.arg_names.index(name)
+
+
 class Phase:
     """Stands in for the kernel: launches it with NA / NITEMS changed for one role only ("A", "B"; "all": both),
     and the launch options in `over` (num_warps, maxnreg); keeps the compiled kernel's registers and spills."""
@@ -36,11 +41,12 @@ class Phase:
     def __getitem__(self, grid):
         def launch(*a, **kw):
             a = list(a)
-            na, nitems = a[14], a[15]
+            i_na = _moe_simt_arg("NA")  # (with SIMT_LEADERS the kernel sizes its roles itself: phases "all" only)
+            na, nitems = a[i_na], a[i_na + 1]
             if self.phase == "A":
-                a[15] = na
+                a[i_na + 1] = na
             elif self.phase == "B":
-                a[14], a[15] = 0, nitems - na
+                a[i_na], a[i_na + 1] = 0, nitems - na
             k = REAL[grid](*a, **dict(kw, **self.over))
             if self.regs is None and hasattr(k, "n_regs"):
                 self.regs = (k.n_regs, k.n_spills)

@@ -680,28 +680,60 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
 
 
 @triton.jit
-def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, B, NA, NITEMS, NPROG,
+def _simt_leaders_kernel(idx, first, lead, P, PB: tl.constexpr, BIG: tl.constexpr):
+    """One program: the pairs that lead their expert's group (the first pair that chose it), listed in pair order
+    in lead[1:], their count in lead[0]. first [E] int32 holds BIG between calls: each pair's atomic minimum there,
+    read back after a barrier (a second minimum returns the settled value), then reset by the leaders."""
+    p = tl.arange(0, PB)
+    ok = p < P
+    e = tl.load(idx + p, mask=ok, other=0)
+    tl.atomic_min(first + e, p, mask=ok, sem="relaxed")
+    tl.debug_barrier()  # bar.sync: the minima above are performed for every thread of the program
+    cur = tl.atomic_min(first + e, p, mask=ok, sem="relaxed")
+    led = ok & (cur == p)
+    tl.debug_barrier()
+    tl.atomic_xchg(first + e, BIG, mask=led, sem="relaxed")
+    n = led.to(tl.int32)
+    tl.store(lead + tl.cumsum(n, axis=0), p, mask=led)  # leader j at lead[1 + j]
+    tl.store(lead, tl.sum(n, axis=0))
+
+
+@triton.jit
+def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, L2D: tl.constexpr):
+                     ONE: tl.constexpr, L2D: tl.constexpr, LEAD: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
-    there, [64] counting programs done."""
+    there, [64] counting programs done. LEAD: the items run over the leaders `_simt_leaders_kernel` listed
+    (their count read here: NA and NITEMS shrink to it) instead of over every pair."""
+    na = NA
+    nitems = NITEMS
+    if LEAD:
+        nl = tl.load(lead)
+        na = nl * (I // BN)
+        nitems = na + nl * (L // BL)
     t = tl.atomic_add(ws, 1, sem="relaxed")
-    while t < NITEMS:
-        if t < NA:
+    while t < nitems:
+        if t < na:
             zc = t * 1024 + tl.arange(0, 1024)
-            for z0 in range(0, B * L, NA * 1024):
+            for z0 in range(0, B * L, na * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
-            _simt_up(z, idx, wk, w1, w3, s1, s3, act, t // (I // BN), t % (I // BN), B, L, I, K, KP, BB, BN, NB,
+            pa = t // (I // BN)
+            if LEAD:
+                pa = tl.load(lead + 1 + pa)
+            _simt_up(z, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
                      TB, B1, B2, INTERP, NW, ONE, L2D)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
-            tb = t - NA
-            _simt_down(idx, wk, w2, s2, acti, y, ws, NA, tb // (L // BL), tb % (L // BL), B, L, I, K, KP, BB, BL,
+            tb = t - na
+            pb = tb // (L // BL)
+            if LEAD:
+                pb = tl.load(lead + 1 + pb)
+            _simt_down(idx, wk, w2, s2, acti, y, ws, na, pb, tb % (L // BL), B, L, I, K, KP, BB, BL,
                        NB2, TB, INTERP, NW, ONE, L2D)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
@@ -750,6 +782,8 @@ GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
 SIMT_LOAD2D = False  # words as 2D tiles reshaped (`_simt_load`): compiles without the per-step conversion; unmeasured
+SIMT_LEADERS = False  # above batch 1, tickets over the leaders only (`_simt_leaders_kernel`); unmeasured
+LEAD_BIG = 1 << 30
 SIMT_ONE = True  # batch 1: each pair its own group (`_simt_group`); experiments/moe_simt turns it off to compare
 PATHS = ("gemv", "grouped", "simt")
 
@@ -822,6 +856,20 @@ def _sm_count(device) -> int:
     return _sms[key]
 
 
+_leader_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _leaders(device, E: int, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_simt_leaders_kernel`'s buffers on `device`: first [E] int32 (LEAD_BIG between calls: the kernel resets
+    what it used) and lead [1 + pairs] (count, then the leaders). Kept per device and size; make the first call
+    outside a CUDA graph capture."""
+    key = (str(device), E, _pow2(pairs))
+    if key not in _leader_ws:
+        _leader_ws[key] = (torch.full((E,), LEAD_BIG, dtype=torch.int32, device=device),
+                           torch.zeros(1 + _pow2(pairs), dtype=torch.int32, device=device))
+    return _leader_ws[key]
+
+
 def workspace(device, pairs: int, I: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The gemv path's scratch on `device`: counters + leader flags (int32, zero between calls: the kernel's
     last program resets them) and the activations [pairs, 16, I]. Kept per device and size, so make the first
@@ -860,11 +908,17 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         nprog = min(nitems, per_sm * _sm_count(z.device)) if per_sm else nitems
         cap = maxnreg if maxnreg is not None else d["maxnreg"]
         extra = {} if cap is None or dot_f32() else dict(maxnreg=cap)  # the interpreter takes no register cap
+        lead_on = SIMT_LEADERS and B > 1
+        lead = _leaders(z.device, w1.shape[0], B * K) if lead_on else ws
+        if lead_on:
+            first, lead = lead
+            _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, num_warps=4)
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
-                                   B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
+                                   lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and SIMT_ONE, L2D=SIMT_LOAD2D, num_warps=nw, num_stages=1, **extra)
+                                   ONE=B == 1 and SIMT_ONE, L2D=SIMT_LOAD2D, LEAD=lead_on, num_warps=nw,
+                                   num_stages=1, **extra)
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
