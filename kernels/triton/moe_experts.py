@@ -507,20 +507,6 @@ def _to_f16x2(x, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _xconv(x0, x1, x2, x3, CONV: tl.constexpr, INTERP: tl.constexpr):
-    """The four part operands as loaded (`_xparts` with CONV False) -> f16 of 2^6 z when CONV (bf16 pairs)."""
-    if CONV:
-        if INTERP:
-            x01, x23 = tl.split(_to_f16x2(tl.join(tl.join(x0, x1), tl.join(x2, x3)), INTERP))
-            x0, x1 = tl.split(x01)
-            x2, x3 = tl.split(x23)
-        else:
-            x0, x1, x2, x3 = (_to_f16x2(x0, INTERP), _to_f16x2(x1, INTERP), _to_f16x2(x2, INTERP),
-                              _to_f16x2(x3, INTERP))
-    return x0, x1, x2, x3
-
-
-@triton.jit
 def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
     """One token's activation pairs at blocks `blk` as the four part operands [1, NB, 4] (int32 f16x2 bits):
     pair 16 b + 4 p + j for part p of word j (one 16-byte load a part). xp: int32 pairs, `off` the token's row
@@ -531,7 +517,15 @@ def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
     x1 = tl.load(base + 4)
     x2 = tl.load(base + 8)
     x3 = tl.load(base + 12)
-    return _xconv(x0, x1, x2, x3, CONV, INTERP)
+    if CONV:
+        if INTERP:  # one conversion of the four (fewer interpreted calls)
+            x01, x23 = tl.split(_to_f16x2(tl.join(tl.join(x0, x1), tl.join(x2, x3)), INTERP))
+            x0, x1 = tl.split(x01)
+            x2, x3 = tl.split(x23)
+        else:
+            x0, x1, x2, x3 = (_to_f16x2(x0, INTERP), _to_f16x2(x1, INTERP), _to_f16x2(x2, INTERP),
+                              _to_f16x2(x3, INTERP))
+    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -909,9 +903,9 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         cap = maxnreg if maxnreg is not None else d["maxnreg"]
         extra = {} if cap is None or dot_f32() else dict(maxnreg=cap)  # the interpreter takes no register cap
         lead_on = SIMT_LEADERS and B > 1
-        lead = _leaders(z.device, w1.shape[0], B * K) if lead_on else ws
+        lead = ws  # unread unless lead_on
         if lead_on:
-            first, lead = lead
+            first, lead = _leaders(z.device, w1.shape[0], B * K)
             _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, num_warps=4)
         _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
