@@ -75,29 +75,34 @@ def test_batch_one_repeated_id():
     assert float((y - ref).norm() / ref.norm()) < 1e-2  # the simt tolerance (module docstring: f16 products)
 
 
-def test_simt_word_tiles_as_2d_loads(monkeypatch):
-    """`SIMT_LOAD2D` (the words loaded as [R, 4 NB] and reshaped; not yet the default, docs/NOTES_moe.md): the same
-    sums at batch 1 (groups of one), a ragged batch two tokens a pass, persistent, and one token a pass."""
+def test_simt_tickets_over_leaders():
+    """`leaders` (the default from batch 16): a one-program prologue lists the leading pairs and the items run over
+    them only; ragged routing (an expert chosen by every token, one by none), two tokens a pass, persistent and not,
+    twice in a row (its per-expert minima are reset by the kernel), and batch 1 with a repeated id (the groups of
+    one are off with it); off below the default's batch."""
     from k3lab_kernels.triton import moe_experts as kern
 
-    monkeypatch.setattr(kern, "SIMT_LOAD2D", True)
-    _check(dtype="mxfp4", batch=1, options=dict(path="simt"))
-    _check(dtype="mxfp4", batch=6, routing="ragged", options=dict(path="simt", block_t=2, persist=2, block_n=32))
-    _check(dtype="mxfp4", batch=3, options=dict(path="simt", block_t=1, block_k=64))
-
-
-def test_simt_tickets_over_leaders(monkeypatch):
-    """`SIMT_LEADERS` (not yet the default, docs/NOTES_moe.md): a one-program prologue lists the leading pairs and
-    the items run over them only; ragged routing (an expert chosen by every token, one by none), two tokens a
-    pass, persistent and not, twice in a row (its per-expert minima are reset by the kernel)."""
-    from k3lab_kernels.triton import moe_experts as kern
-
-    monkeypatch.setattr(kern, "SIMT_LEADERS", True)
     for _ in range(2):
-        _check(dtype="mxfp4", batch=6, routing="ragged", options=dict(path="simt", block_t=2, persist=2, block_n=32))
-    _check(dtype="mxfp4", batch=5, routing="same16", options=dict(path="simt", persist=0))
+        _check(dtype="mxfp4", batch=6, routing="ragged",
+               options=dict(path="simt", block_t=2, persist=2, block_n=32, leaders=True))
+    _check(dtype="mxfp4", batch=5, routing="same16", options=dict(path="simt", persist=0, leaders=True))
+    _check(dtype="mxfp4", batch=1, options=dict(path="simt", leaders=True))
     first = next(iter(kern._leader_ws.values()))[0]
     assert bool((first == kern.LEAD_BIG).all())
+    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=1), 3, "cpu")
+    idx = inp["idx"].clone()
+    idx[0, 1] = idx[0, 0]
+    ran: list = []
+    y = c_moe.experts(inp["z"], idx, inp["weights_k"], inp["moe"], backend="triton", path="simt", leaders=True,
+                      ran=ran)
+    ref = c_moe.experts(inp["z"], idx, inp["weights_k"], inp["moe"], backend="reference")
+    assert ran[0].options["leaders"] is True and float((y - ref).norm() / ref.norm()) < 1e-2
+    ran = []
+    c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", path="simt", ran=ran)
+    assert ran[0].options["leaders"] is False and ran[0].options["maxnreg"] is None  # batch 1: the kernel's rule
+    with pytest.raises(c_moe.MoEArgumentError, match="'leaders'"):
+        c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", path="grouped",
+                      leaders=True)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)

@@ -6,7 +6,8 @@ Triton to see what the device compiles (H200 image: Triton 3.6):
     chmod +x /tmp/t36/triton/backends/nvidia/bin/*
     PYTHONPATH=/tmp/t36 python experiments/moe_simt/compile_check.py
 
-Prints one line per (tokens a pass, register cap, SIMT_LOAD2D, batch-1 groups of one) at K3's TP8 tiles."""
+Prints one line per (tokens a pass, register cap, batch-1 groups of one, leaders) at K3's TP8 tiles (the 2D word
+loads are the only path since the twelfth session; `compile_check_t36.txt` is the eleventh's output, both loads)."""
 import os
 import re
 import subprocess
@@ -27,9 +28,9 @@ SIG = {"z": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool, lead: bool = False) -> str:
+def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False) -> str:
     const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
-                 INTERP=False, NW=4, ONE=one, L2D=l2d, LEAD=lead)
+                 INTERP=False, NW=4, ONE=one, LEAD=lead)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     opts = {"num_warps": 4, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=sig, constexprs=const),
@@ -42,7 +43,7 @@ def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool, lead: bool =
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
-    return (f"tokens/pass {tb}  cap {str(maxnreg):4s}  load2d {str(l2d):5s}  groups-of-one {str(one):5s}  "
+    return (f"tokens/pass {tb}  cap {str(maxnreg):4s}  groups-of-one {str(one):5s}  "
             f"leaders {str(lead):5s}  "
             f"convert_layout {k.asm['ttgir'].count('convert_layout'):3d}  st.shared {ptx.count('st.shared'):3d}  "
             f"bar.sync {ptx.count('bar.sync'):3d}  registers {regs.group(1) if regs else '?':>4s}  "
@@ -51,9 +52,8 @@ def compile_one(tb: int, maxnreg: int | None, l2d: bool, one: bool, lead: bool =
 
 print(f"triton {triton.__version__}")
 for tb, cap, one in ((1, None, True), (1, None, False), (2, None, False), (2, 128, False)):
-    for l2d in (False, True):
-        print(compile_one(tb, cap, l2d, one), flush=True)
-print(compile_one(2, 128, True, False, True), flush=True)
+    print(compile_one(tb, cap, one), flush=True)
+print(compile_one(2, 128, False, True), flush=True)
 lk = triton.compile(ASTSource(fn=M._simt_leaders_kernel, signature={"idx": "*i64", "first": "*i32", "lead": "*i32",
                                                                     "P": "i32", "PB": "constexpr", "BIG": "constexpr"},
                               constexprs=dict(PB=1024, BIG=M.LEAD_BIG)),

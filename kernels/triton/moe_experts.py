@@ -11,7 +11,8 @@ the rule `default_path` picks by weight format and batch, from the H200 sweeps i
            (no tensor cores, no 16-token padding): the codes in their kernel layout (k3lab.mxfp4.to_kernel_layout),
            11 integer instructions per 8 codes, f16x2 FMAs per 32-block, one or two tokens a pass; optionally
            persistent (`persist` programs a multiprocessor, registers capped by `maxnreg` so that they fit); at
-           batch 1 each pair is its own group. Its section below has the details and the exactness.
+           batch 1 each pair is its own group; `leaders`: a prologue lists the groups' leaders, and the tickets
+           run over them only. Its section below has the details and the exactness.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
@@ -535,19 +536,15 @@ def _slot(v, t: tl.constexpr):
 
 
 @triton.jit
-def _simt_load(wp, sp, rows, b0, C: tl.constexpr, NB: tl.constexpr, L2D: tl.constexpr):
+def _simt_load(wp, sp, rows, b0, C: tl.constexpr, NB: tl.constexpr):
     """The 32-blocks b0 .. b0+NB-1 of rows `rows` of one kernel-layout matrix ([*, C] logical): words [R, NB, 4]
-    and the E8M0 scales [R, NB] (int32). L2D: the words load as a 2D [R, 4 NB] tile reshaped in registers, so that
+    and the E8M0 scales [R, NB] (int32). The words load as a 2D [R, 4 NB] tile reshaped in registers, so that
     their layout has the blocks, not the rows, next to the four words and the scales' [R, NB] layout is its slice
-    (no data moves when they are broadcast over the words). Else a 3D load, whose layout on Triton 3.6 puts the
-    rows second: a shared-memory conversion of the scales every step (ncu, eleventh session). L2D is not yet
-    measured on a GPU (`SIMT_LOAD2D`; docs/NOTES_moe.md)."""
+    (no data moves when they are broadcast over the words). A 3D load's layout on Triton 3.6 puts the rows second
+    and costs a shared-memory conversion of the scales every step: 27.7 / 187.5 / 1083 us at batch 1 / 8 / 64
+    against 23.4 / 136.9 / 807 for this load (H200, docs/NOTES_moe.md, twelfth session)."""
     R: tl.constexpr = rows.shape[0]
-    if L2D:
-        w = tl.reshape(tl.load(wp + rows[:, None] * (C // 8) + b0 * 4 + tl.arange(0, 4 * NB)[None, :]), (R, NB, 4))
-    else:
-        blk = b0 + tl.arange(0, NB)
-        w = tl.load(wp + rows[:, None, None] * (C // 8) + blk[None, :, None] * 4 + tl.arange(0, 4)[None, None, :])
+    w = tl.reshape(tl.load(wp + rows[:, None] * (C // 8) + b0 * 4 + tl.arange(0, 4 * NB)[None, :]), (R, NB, 4))
     return w, tl.load(sp + rows[:, None] * (C // 32) + b0 + tl.arange(0, NB)[None, :]).to(tl.int32)
 
 
@@ -572,7 +569,7 @@ def _wait_a(ws, NA):
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               NW: tl.constexpr, L2D: tl.constexpr):
+               NW: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
@@ -581,19 +578,19 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
     (Loading the next step's activations with its weights lost: +22% at batch 1, +20% at 64 (registers);
     experiments/moe_simt.)"""
     NS: tl.constexpr = C // 32  # blocks a row
-    w, f = _simt_load(wp, sp, rows, 0, C, NB, L2D)
+    w, f = _simt_load(wp, sp, rows, 0, C, NB)
     w3, f3 = w, f
     if TWO:
-        w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB, L2D)
+        w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB)
     if WAIT:
         _wait_a(ws, NA)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
         nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
-        wn, fn = _simt_load(wp, sp, rows, nxt, C, NB, L2D)
+        wn, fn = _simt_load(wp, sp, rows, nxt, C, NB)
         w3n, f3n = wn, fn
         if TWO:
-            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB, L2D)
+            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB)
         xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         if TB >= 2:
@@ -632,8 +629,7 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB: tl.constexpr, TB: tl.c
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr,
-             L2D: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
@@ -649,7 +645,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, NW, L2D)
+                              INTERP, NW)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -657,7 +653,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
                KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr, L2D: tl.constexpr):
+               INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
@@ -669,7 +665,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
-                               INTERP, NW, L2D)
+                               INTERP, NW)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -697,7 +693,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, L2D: tl.constexpr, LEAD: tl.constexpr):
+                     ONE: tl.constexpr, LEAD: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -719,7 +715,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
             if LEAD:
                 pa = tl.load(lead + 1 + pa)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW, ONE, L2D)
+                     TB, B1, B2, INTERP, NW, ONE)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
@@ -728,7 +724,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
             if LEAD:
                 pb = tl.load(lead + 1 + pb)
             _simt_down(idx, wk, w2, s2, acti, y, ws, na, pb, tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP, NW, ONE, L2D)
+                       NB2, TB, INTERP, NW, ONE)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -775,8 +771,7 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
-SIMT_LOAD2D = False  # words as 2D tiles reshaped (`_simt_load`): compiles without the per-step conversion; unmeasured
-SIMT_LEADERS = False  # above batch 1, tickets over the leaders only (`_simt_leaders_kernel`); unmeasured
+SIMT_LEADERS_FROM = 16  # from this batch, tickets over the leaders only (`_simt_leaders_kernel`; default_blocks)
 LEAD_BIG = 1 << 30
 SIMT_ONE = True  # batch 1: each pair its own group (`_simt_group`); experiments/moe_simt turns it off to compare
 PATHS = ("gemv", "grouped", "simt")
@@ -801,7 +796,9 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     item, 4 of w2's blocks a step, one token a pass at batch 1 (else two), 4 warps, one item a program at batch 1
     (else persistent, 4 programs a multiprocessor, registers capped at 128 a thread so that the four fit: 190
     uncapped at two tokens a pass, two programs an SM); the weight steps are register double-buffered in the
-    kernel (num_stages is not used).
+    kernel (num_stages is not used); from batch 16 (`SIMT_LEADERS_FROM`) a one-program prologue lists the groups'
+    leaders and the tickets run over them only (`leaders`; H200 with the 2D word loads: batch 2 / 4 / 8 lose 4 / 2
+    / 1%, batch 16 / 32 / 64 gain 1 / 3 / 5%, twelfth session).
     gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
     MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
@@ -817,7 +814,7 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
             nb2 //= 2
         return dict(block_n=min(16, I), block_k=32 * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
                     num_warps=4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
-                    maxnreg=None if B == 1 else 128)
+                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -880,7 +877,8 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 w2: torch.Tensor, y: torch.Tensor, *, fmt: str, s1=None, s3=None, s2=None, b1: float = 4.0,
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None) -> torch.Tensor:
+                num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
+                leaders: bool | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`."""
     B, K = idx.shape
@@ -902,7 +900,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         nprog = min(nitems, per_sm * _sm_count(z.device)) if per_sm else nitems
         cap = maxnreg if maxnreg is not None else d["maxnreg"]
         extra = {} if cap is None or dot_f32() else dict(maxnreg=cap)  # the interpreter takes no register cap
-        lead_on = SIMT_LEADERS and B > 1
+        lead_on = d["leaders"] if leaders is None else leaders
         lead = ws  # unread unless lead_on
         if lead_on:
             first, lead = _leaders(z.device, w1.shape[0], B * K)
@@ -911,7 +909,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and SIMT_ONE, L2D=SIMT_LOAD2D, LEAD=lead_on, num_warps=nw,
+                                   ONE=B == 1 and SIMT_ONE and not lead_on, LEAD=lead_on, num_warps=nw,
                                    num_stages=1, **extra)
         return y
     if path == "gemv":
