@@ -41,7 +41,7 @@ class Phase:
     def __getitem__(self, grid):
         def launch(*a, **kw):
             a = list(a)
-            i_na = _moe_simt_arg("NA")  # (with SIMT_LEADERS the kernel sizes its roles itself: phases "all" only)
+            i_na = _moe_simt_arg("NA")  # (with `leaders` the kernel sizes its roles itself: phases "all" only)
             na, nitems = a[i_na], a[i_na + 1]
             if self.phase == "A":
                 a[i_na + 1] = na
