@@ -489,14 +489,15 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
             moe_out    p + Wup rms(y) + w2 situ(g, u): the routed norm and up-projection and the shared experts'
                        w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], the residual
                        p in the epilogue: the layer's output. Its input [rms(y) | situ(g, u)] is written by the
-                       two glue kernels (three launches), or made by the projection's input prologues
-                       (`fuse_prologues`: one launch, measured slower)
+                       one glue kernel (`glue.norm_glu`: two launches in all), or made by the projection's input
+                       prologues (`fuse_prologues`: one launch, measured slower)
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
     With prologues=True (the `fuse_prologues` switch, default off) and at most PROLOGUE_MAX_TOKENS tokens the norms
     and SiTU run inside the projections as input prologues; otherwise as launches of their own (glue.rms_norm,
-    glue.situ_glu). The router's top-k runs in moe_in's launch up to SELECT_MAX_BATCH tokens.
+    glue.situ_glu; glue.norm_glu for the MoE output's two segments). The router's top-k runs in moe_in's launch up
+    to SELECT_MAX_BATCH tokens.
     prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
     (in_proj's, moe_in's) on a side stream (`_prefetching`)."""
     from k3lab.components import glue, trunk
@@ -661,12 +662,12 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
-        else:  # three launches: routed_norm and SiTU-GLU into the two segments of one input, then one projection
+        else:  # two launches: routed_norm and SiTU-GLU into the two segments of one input, then one projection
             xin = buf(Lat + sI)
 
             def moe_out():
-                glue.rms_norm(flat(b["y"]), m.routed_norm, xin[:, :Lat], eps=float(m.eps), backend=be)
-                glue.situ_glu(gu, xin[:, Lat:], b1=sh[0].b1, b2=sh[0].b2, backend=be)
+                glue.norm_glu(flat(b["y"]), m.routed_norm, gu, xin, eps=float(m.eps), b1=sh[0].b1, b2=sh[0].b2,
+                              backend=be)
                 P(xin, w_out, xo, residual=b["p"])
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]

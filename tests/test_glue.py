@@ -28,6 +28,35 @@ def test_situ_glu_checker(backend, batch, inter):
     _check("situ_glu", backend, batch=batch, inter=inter)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("batch,dim,inter,xdtype", [(1, 3584, 768, "fp32"), (3, 1000, 384, "bf16")])
+def test_norm_glu_checker(backend, batch, dim, inter, xdtype):
+    """The MoE output's two segments in one launch (a row of y not a power of two wide: 1000; the SiTU in more than
+    one column block: block 256)."""
+    _check("norm_glu", backend, batch=batch, dim=dim, inter=inter, xdtype=xdtype)
+    if backend == "triton":
+        op = registry.get("norm_glu")
+        checker.require(checker.check(op, op.case(batch=batch, dim=dim, inter=inter, xdtype=xdtype),
+                                      backend=backend, options=dict(block=256, num_warps=4), seed=4))
+
+
+def test_norm_glu_into_a_wider_buffer():
+    """Strided rows: y a column slice, out a slice of a wider buffer (the step writes the projection's input in
+    place); the same values as rms_norm and situ_glu run one after the other, untouched columns left alone."""
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(2, 70, generator=g)
+    gu = (torch.randn(2, 50, generator=g) * 3).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    wide = torch.zeros(2, 100, dtype=torch.bfloat16)
+    ran = []
+    glue.norm_glu(y[:, 6:], w, gu[:, 10:], wide[:, 3:87], eps=1e-6, backend="triton", ran=ran)
+    a = glue.rms_norm(y[:, 6:], w, eps=1e-6, backend="triton")
+    b = glue.situ_glu(gu[:, 10:], backend="triton")
+    assert torch.equal(wide[:, 3:67], a) and torch.equal(wide[:, 67:87], b)
+    assert wide[:, :3].abs().sum() == 0 and wide[:, 87:].abs().sum() == 0
+    assert ran[0].op == "norm_glu" and ran[0].backend == "triton" and ran[0].shape["inter"] == 20
+
+
 def test_glue_strided_rows_and_record():
     """Row strides: the input a column slice of a wider buffer, the output a slice of another; each against the
     fp64 oracle of the same inputs (one bf16 rounding: <= 2^-9 relative an entry; the bf16 reference rounds after
@@ -62,3 +91,12 @@ def test_glue_argument_errors():
         glue.situ_glu(torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16))
     with pytest.raises(GlueArgumentError, match="'gu'"):
         glue.situ_glu(torch.zeros(2, 8, dtype=torch.float64), backend="triton")
+    with pytest.raises(GlueArgumentError, match="'gu'"):
+        glue.norm_glu(x, torch.ones(8), torch.zeros(3, 8, dtype=torch.bfloat16), eps=1e-6)
+    with pytest.raises(GlueArgumentError, match="'weight'"):
+        glue.norm_glu(x, torch.ones(7), torch.zeros(2, 8, dtype=torch.bfloat16), eps=1e-6)
+    with pytest.raises(GlueArgumentError, match="'out'"):
+        glue.norm_glu(x, torch.ones(8), torch.zeros(2, 8, dtype=torch.bfloat16),
+                      torch.zeros(2, 11, dtype=torch.bfloat16), eps=1e-6)
+    with pytest.raises(GlueArgumentError, match="'b2'"):
+        glue.norm_glu(x, torch.ones(8), torch.zeros(2, 8, dtype=torch.bfloat16), eps=1e-6, b2=0)

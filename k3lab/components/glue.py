@@ -2,9 +2,11 @@
 
     glue.rms_norm(x [R, D] bf16|fp32, weight [D], out=None, *, eps, backend) -> out [R, D] bf16
     glue.situ_glu(gu [R, 2I] bf16, out=None, *, b1=4, b2=25, backend) -> out [R, I] bf16   (gu = [w1 x | w3 x])
+    glue.norm_glu(y [R, D], weight [D], gu [R, 2I], out=None, *, eps, b1, b2, backend) -> out [R, D + I] bf16
+        = [rms_norm(y) | situ_glu(gu)] in one launch on triton (the MoE output projection's input)
 
 Registered in `k3lab.ops.glue` (shapes, fp64 oracle, tolerances, bytes); kernels in
-`kernels/triton/rms_norm.py` and `kernels/triton/situ_glu.py`.
+`kernels/triton/rms_norm.py`, `kernels/triton/situ_glu.py` and `kernels/triton/norm_glu.py`.
 """
 from __future__ import annotations
 
@@ -109,4 +111,56 @@ def situ_glu(gu: torch.Tensor, out: torch.Tensor | None = None, *, b1: float = B
         out.copy_(fn(gu, float(b1), float(b2)))
     dispatch.record(ran, op="situ_glu", backend_requested=backend, backend=be, kernel=dispatch.kernel_path(
         "situ_glu", be), options=opts, shape=dict(rows=gu.shape[0], inter=inter), why=why)
+    return out
+
+
+def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch.Tensor | None = None, *, eps: float,
+             b1: float = B1, b2: float = B2, backend: str = "reference", ran: list | None = None,
+             block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """out [R, D + I] = [rms(y; weight) | situ(gu[:, :I], gu[:, I:])] (bf16; float64 for the fp64 oracle on the
+    reference): `rms_norm` and `situ_glu` side by side, one launch on triton."""
+    _rows("y", y, (torch.bfloat16, torch.float32, torch.float64))
+    _rows("gu", gu, (torch.bfloat16, torch.float64), y.device)
+    R, D = y.shape
+    if gu.shape[0] != R or gu.shape[1] % 2:
+        _fail("gu", f"must be [{R}, 2*I] (y's rows, [g | u]), got {tuple(gu.shape)}")
+    inter = gu.shape[1] // 2
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != D:
+        _fail("weight", f"must be a 1-D tensor of {D} (y's width), got "
+                        f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
+    if weight.device != y.device:
+        _fail("weight", f"must be on {y.device} (y's device), got {weight.device}")
+    for name, v, lo in (("eps", eps, 0), ("b1", b1, 0), ("b2", b2, 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lo:
+            _fail(name, f"must be a positive number, got {v!r}")
+    odt = torch.float64 if y.dtype == torch.float64 else torch.bfloat16
+    if out is None:
+        out = torch.empty(R, D + inter, dtype=odt, device=y.device)
+    _rows("out", out, (odt,), y.device)
+    if tuple(out.shape) != (R, D + inter):
+        _fail("out", f"must be [{R}, {D + inter}] (y's width plus half of gu's), got {tuple(out.shape)}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16
+                              or block & (block - 1)):
+        _fail("block", f"must be None or a power of two >= 16, got {block!r}")
+    be, opts, why = dispatch.select("norm_glu", backend, B=R)
+    if be == "triton":
+        if y.dtype == torch.float64 or gu.dtype != torch.bfloat16:
+            _fail("y" if y.dtype == torch.float64 else "gu", f"must be bf16/fp32 (y) and bf16 (gu) for the triton "
+                                                              f"backend, got {y.dtype} and {gu.dtype}")
+        if not weight.is_contiguous() or weight.dtype not in (torch.bfloat16, torch.float32):
+            _fail("weight", f"must be a contiguous bf16 or fp32 tensor for the triton backend, got {weight.dtype}")
+        if D > 16384:
+            _fail("y", f"must be at most 16384 wide for the triton backend (one row in registers), got {D}")
+        dispatch.kernel("norm_glu", be)(y, weight, gu, out, eps=float(eps), b1=float(b1), b2=float(b2), block=block,
+                                        num_warps=num_warps)
+        opts = dict(opts, block=block, num_warps=num_warps)
+    else:
+        from k3lab.ref.rmsnorm import rms_norm as ref
+
+        fn_n = ref if be == "reference" else dispatch.compiled("glue.rms_norm", ref)
+        fn_s = _situ_ref if be == "reference" else dispatch.compiled("glue.situ", _situ_ref)
+        out[:, :D].copy_(fn_n(y, weight, float(eps), out_dtype=odt))
+        out[:, D:].copy_(fn_s(gu, float(b1), float(b2)))
+    dispatch.record(ran, op="norm_glu", backend_requested=backend, backend=be, kernel=dispatch.kernel_path(
+        "norm_glu", be), options=opts, shape=dict(rows=R, dim=D, inter=inter, ydtype=str(y.dtype)[6:]), why=why)
     return out

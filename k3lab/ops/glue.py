@@ -5,10 +5,13 @@ of a decode layer and would otherwise be several torch launches each.
              routed_norm over the fp32 expert sum of 3584)
   situ_glu   batch (rows), inter: a = situ(g, u) in bf16 from the [g | u] output of one projection over the
              concatenated [w1; w3] (the shared experts, the dense MLP)
+  norm_glu   batch, dim, inter, xdtype: [rms_norm(y) | situ_glu(gu)] side by side in one launch (the MoE output
+             projection's input: routed_norm of the expert sum, the shared experts' activation)
 
 Bytes (the one formula), read bandwidth, launch-bound at decode sizes:
   rms_norm   R*D*(e_x + 2) + D*2
   situ_glu   R*I*(2*2 + 2)
+  norm_glu   the two above, summed
 
 Tolerances (relative norm against fp64): 4e-3 for both: fp32 maths on exact bf16/fp32 inputs and one bf16
 rounding of the output (bf16 keeps 8 bits: a relative rounding of at most 2^-9 per entry); the reference in bf16
@@ -34,6 +37,10 @@ def rms_norm_bytes(case: Case) -> int:
 
 def situ_bytes(case: Case) -> int:
     return case["batch"] * case["inter"] * 6
+
+
+def norm_glu_bytes(case: Case) -> int:
+    return rms_norm_bytes(case) + situ_bytes(case)
 
 
 
@@ -108,4 +115,37 @@ SITU_GLU = register(Op(
     make_inputs=make_situ, reference=ref_situ, written=("out",), updated=(), tolerances=_tol, tolerance_why=WHY,
     call=call_situ, nbytes=situ_bytes, flops=lambda c: 12 * c["batch"] * c["inter"], floor_bw="read",
     backends=_BACKENDS_SITU, valid=lambda c: c["batch"] >= 1 and c["inter"] >= 1, test_file="tests/test_glue.py",
+))
+
+
+def make_norm_glu(case: Case, seed: int, device: str) -> dict:
+    r, s = make_rms(case, seed, device), make_situ(case, seed + 1, device)
+    R, D, I = case["batch"], case["dim"], case["inter"]
+    return dict(y=r["x"], weight=r["weight"], gu=s["gu"],
+                out=torch.empty(R, D + I, dtype=torch.bfloat16, device=device))
+
+
+def ref_norm_glu(d: dict, case: Case) -> dict:
+    n = ref_rms(dict(x=d["y"], weight=d["weight"]), case)["out"]
+    return dict(out=torch.cat([n, ref_situ(d, case)["out"]], dim=1))
+
+
+def call_norm_glu(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import glue
+
+    return glue.norm_glu(d["y"], d["weight"], d["gu"], d["out"], eps=case["eps"], backend=backend, ran=ran, **opts)
+
+
+NORM_GLU = register(Op(
+    name="norm_glu", component="glue", policy_key="norm_glu",
+    doc="[RMSNorm(y) | SiTU-GLU(gu)] side by side in one launch: the MoE output projection's input",
+    axes=dict(batch=(1, 3, 64), dim=(3584, 1000), inter=(768, 384), xdtype=("fp32", "bf16"), eps=(1e-6,)),
+    option_axes={"block": {"triton": (None, 256, 512, 1024)}, "num_warps": {"triton": (None, 4, 8)}},
+    option_defaults={"block": (None,), "num_warps": (None,)},
+    make_inputs=make_norm_glu, reference=ref_norm_glu, written=("out",), updated=(), tolerances=_tol,
+    tolerance_why=WHY, call=call_norm_glu, nbytes=norm_glu_bytes,
+    flops=lambda c: 4 * c["batch"] * c["dim"] + 12 * c["batch"] * c["inter"], floor_bw="read",
+    backends={"reference": "k3lab.ref.rmsnorm:rms_norm", "torch_compile": "k3lab.ref.rmsnorm:rms_norm",
+              "triton": "k3lab_kernels.triton.norm_glu:norm_glu"},
+    valid=lambda c: c["batch"] >= 1 and 1 <= c["dim"] <= 16384 and c["inter"] >= 1, test_file="tests/test_glue.py",
 ))

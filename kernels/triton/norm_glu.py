@@ -1,0 +1,57 @@
+"""The MoE output's two input segments in one Triton launch: the RMSNorm of the routed experts' sum (routed_norm)
+and the shared experts' SiTU-GLU, written side by side into the one input of the output projection over
+[Wup | w2] (k3lab.step, moe_out).
+
+    out[r, :D]      = bf16( y[r] * rsqrt(mean(y[r]^2) + eps) * weight )                    fp32 maths
+    out[r, D + i]   = bf16( b1 tanh(g / b1) sigmoid(g) * b2 tanh(u / b2) ),  g = gu[r, i], u = gu[r, I + i]
+
+The same maths and single rounding as `rms_norm.py` and `situ_glu.py` (their two launches, which this replaces in
+the step: one launch fewer a MoE layer).
+
+Layout: y [R, D] fp32 or bf16, weight [D] bf16/fp32 (contiguous), gu [R, 2I] bf16, out [R, D + I] bf16; unit
+stride along the last dim, any row strides. Grid (R, 1 + cdiv(I, BI)): program (r, 0) normalizes row r (the row
+in registers, D padded to a power of two, D <= 16384), programs (r, j > 0) take columns BI (j - 1).. of the
+SiTU-GLU.
+
+Floor (bytes, `k3lab.ops.glue.norm_glu_bytes`): R*D*(e_y + 2) + D*e_w + R*I*6 at the read bandwidth: 36 KB (TP8,
+batch 1) to 1.3 MB (batch 64): launch-bound at every decode batch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab_kernels.triton.situ_glu import situ
+
+
+@triton.jit
+def _norm_glu_kernel(y, w, gu, out, D, I, s_y, s_gu, s_o, eps, b1, b2, BD: tl.constexpr, BI: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    if j == 0:
+        d = tl.arange(0, BD)
+        m = d < D
+        v = tl.load(y + r * s_y + d, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(w + d, mask=m, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+        tl.store(out + r * s_o + d, (v * inv * g).to(tl.bfloat16), mask=m)
+    else:
+        i = (j - 1) * BI + tl.arange(0, BI)
+        m = i < I
+        g = tl.load(gu + r * s_gu + i, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu + r * s_gu + I + i, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + r * s_o + D + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=m)
+
+
+def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch.Tensor, *, eps: float, b1: float,
+             b2: float, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """out = [rms(y; weight) | situ(gu)] in bf16 (module docstring); the component API validates the arguments."""
+    R, D = y.shape
+    inter = gu.shape[1] // 2
+    BD = triton.next_power_of_2(D)
+    BI = block or min(1024, triton.next_power_of_2(inter))
+    _norm_glu_kernel[(R, 1 + triton.cdiv(inter, BI))](
+        y, weight, gu, out, D, inter, y.stride(0), gu.stride(0), out.stride(0), float(eps), float(b1), float(b2),
+        BD=BD, BI=BI, num_warps=num_warps or (4 if BD <= 2048 else 8))
+    return out
