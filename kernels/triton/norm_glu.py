@@ -33,15 +33,15 @@ def _norm_glu_kernel(y, w, gu, out, D, I, s_y, s_gu, s_o, eps, b1, b2, BD: tl.co
         d = tl.arange(0, BD)
         m = d < D
         v = tl.load(y + r * s_y + d, mask=m, other=0.0).to(tl.float32)
-        g = tl.load(w + d, mask=m, other=0.0).to(tl.float32)
+        wt = tl.load(w + d, mask=m, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-        tl.store(out + r * s_o + d, (v * inv * g).to(tl.bfloat16), mask=m)
+        tl.store(out + r * s_o + d, (v * inv * wt).to(tl.bfloat16), mask=m)
     else:
         i = (j - 1) * BI + tl.arange(0, BI)
-        m = i < I
-        g = tl.load(gu + r * s_gu + i, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(gu + r * s_gu + I + i, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + r * s_o + D + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=m)
+        mi = i < I
+        g = tl.load(gu + r * s_gu + i, mask=mi, other=0.0).to(tl.float32)
+        u = tl.load(gu + r * s_gu + I + i, mask=mi, other=0.0).to(tl.float32)
+        tl.store(out + r * s_o + D + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=mi)
 
 
 def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch.Tensor, *, eps: float, b1: float,
