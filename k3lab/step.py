@@ -208,8 +208,13 @@ class DecodeStep:
 
     def __init__(self, view: GpuView, switches: Switches | None = None, *, block: int = 0,
                  n_experts: int | None = None, device=None, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 gen_device=None, ranges: bool = False):
+                 gen_device=None, ranges: bool = False, ranks: str = "one"):
         from k3lab.model import build_layer
+
+        if ranks not in TP_RANKS:
+            _fail("ranks", f"must be one of {TP_RANKS} (the TP switches' emulation: rank 0's share, timed; or every "
+                           f"rank's share in turn, assembled), got {ranks!r}")
+        self.ranks = ranks
 
         if not isinstance(view, GpuView):
             raise TypeError(f"step: 'view' must be k3lab.config.GpuView, got {type(view).__name__}")
@@ -275,13 +280,22 @@ class DecodeStep:
             if L.skipped:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
-            comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch, prologues=sw.fuse_prologues))
+            comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch, prologues=sw.fuse_prologues,
+                                      split_router=sw.split_router, owned_output=sw.owned_output, ranks=self.ranks))
         if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "auto"):
             from k3lab.components import moe as moe_comp
 
             for L in self.layers:  # the MXFP4 kernel layout made now, not inside a captured (timed) step
                 if L.w.mlp_kind == "moe":
                     moe_comp.prepare(L.w.mlp)
+        for k in ("split_router", "owned_output"):
+            if getattr(sw, k) and over.get("proj") != "triton":
+                why[k] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
+            elif getattr(sw, k):
+                tp = self.layers[0].view.tp
+                why[k] = (f"on, TP{tp} emulated on one GPU ({self.ranks!r}: " + (
+                    "rank 0's share timed; the other ranks' shares from an all-ranks pass at build, the exchange not "
+                    "timed" if self.ranks == "one" else "every rank's share in turn, assembled") + ")")
         if sw.prefetch and over.get("proj") != "triton":
             why["prefetch"] = "on, but no effect: the projections are not on triton (nothing prefetches)"
         elif sw.prefetch:
@@ -402,6 +416,11 @@ def registry_bytes(view: GpuView, layer, name: str) -> int | None:
 _OVERRIDE_GROUP = {"attnres_attn": "attnres", "attnres_mlp": "attnres", "router": "router", "experts": "moe"}
 
 
+def _cuts(n: int, parts: int) -> list[slice]:
+    """n split into `parts` consecutive ranges (TP ranks' shares; sizes differ by at most one)."""
+    return [slice(n * q // parts, n * (q + 1) // parts) for q in range(parts)]
+
+
 def _cat_rows(obj_attrs: list[tuple[Any, str]], dim: int = 0) -> torch.Tensor:
     """Concatenate weights along `dim` (0: [n_i, K] by rows; 1: [N, k_i] side by side) into one tensor and
     re-point each owner's attribute at its range (a view): the group's one launch reads one weight, the builder's
@@ -434,6 +453,7 @@ def _cat_rows(obj_attrs: list[tuple[Any, str]], dim: int = 0) -> torch.Tensor:
 PROLOGUE_MAX_TOKENS = 16  # up to this many tokens the norms / SiTU run as the projections' input prologues (above,
 # every program of a projection would repeat them on 32-128 rows; batch 64 measured 109 against 29 us for the MoE
 # output: docs/NOTES_step.md, ninth session); the router's selection is fused to the same size (SELECT_MAX_BATCH)
+TP_RANKS = ("one", "all")  # split_router / owned_output on one GPU: rank 0's share (timed), or all ranks assembled
 PREFETCH_FRACTION = 0.5  # of L2: the prefetch switch's budget a phase (the rest keeps the activations and scratch)
 _SIDE: dict[str, Any] = {}  # per device: the prefetch switch's side stream
 
@@ -471,8 +491,9 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
     return (run, *comp[1:])
 
 
-def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
-                 prologues: bool = True) -> "OrderedDict[str, Any]":
+def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologues: bool = True,
+                 split_router: bool = False, owned_output: bool = False,
+                 ranks: str = "one") -> "OrderedDict[str, Any]":
     """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
     the experts). Fused (each a `k3lab.components.trunk` call, one launch; an RMSNorm or SiTU-GLU between two
@@ -499,7 +520,17 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
     glue.situ_glu; glue.norm_glu for the MoE output's two segments). The router's top-k runs in moe_in's launch up
     to SELECT_MAX_BATCH tokens.
     prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
-    (in_proj's, moe_in's) on a side stream (`_prefetching`)."""
+    (in_proj's, moe_in's) on a side stream (`_prefetching`).
+    split_router / owned_output (the switches, projections on triton), TP emulated on one GPU (`TP_RANKS`):
+      split_router  rank r computes rows r of the router and of the latent down-projection (E/tp, Lat/tp; the shared
+                    experts' w1/w3 with rank 0's share, one launch), and the shares are exchanged; the top-k then
+                    runs on the whole logits (its own launch).
+      owned_output  rank r adds only its D/tp output coordinates of the routed up-projection: the shared w2 (+ p)
+                    over every coordinate, then Wup's rows r into those coordinates (two launches after the glue).
+    ranks "one" (the timed step): rank 0's share only; the other ranks' shares of the logits and latent are those
+    of an all-ranks pass made when the parts are built (the exchange itself is not timed: one GPU), and the stream
+    leaves this GPU without the other ranks' routed coordinates (their GPUs add them; the all-reduce assembles).
+    ranks "all" (the numerics and the tests): every rank's share in turn, assembled: the plain path's values."""
     from k3lab.components import glue, trunk
     from k3lab.model import _nb
 
@@ -634,27 +665,70 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
 
         from k3lab_kernels.triton.proj_gemv import SELECT_MAX_BATCH
 
-        fuse_sel = be == "triton" and be_r == "triton" and N <= SELECT_MAX_BATCH
+        fuse_sel = be == "triton" and be_r == "triton" and N <= SELECT_MAX_BATCH and not split_router
+        tp = L.view.tp
 
-        def moe_in():
-            outs = [logits, z, gu[:, :sI], gu[:, sI:]]
-            if fuse_sel:  # the top-k in the group's launch
-                trunk.proj_group(flat(b["h2"]), w_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
-                                 backend=be)
-            else:
-                trunk.proj_group(flat(b["h2"]), w_moe, outs, backend=be)
-                trunk.router_topk(logits, bias, top_k=r.top_k, scaling=r.scaling, idx=idx, weights=wk, backend=be_r)
-            b["idx"], b["wk"] = idx, wk
-            return idx, wk
+        def topk():
+            trunk.router_topk(logits, bias, top_k=r.top_k, scaling=r.scaling, idx=idx, weights=wk, backend=be_r)
 
-        n_in = w_moe.shape[0]
+        if split_router:  # rank q: [router rows q; latent-down rows q] (+ the shared w1/w3 with rank 0's share)
+            ce, cl = _cuts(E, tp), _cuts(Lat, tp)
+            w_sh13 = w_moe[E + Lat:]
+            w_rank = [torch.cat([r.w[ce[q]], m.w_down[cl[q]]] + ([w_sh13] if q == 0 else []), 0) for q in range(tp)]
+
+            def shares(qs):
+                for q in qs:
+                    outs = [logits[:, ce[q]], z[:, cl[q]]] + ([gu[:, :sI], gu[:, sI:]] if q == 0 else [])
+                    trunk.proj_group(flat(b["h2"]), w_rank[q], outs, backend=be)
+
+            if ranks == "one" and "h2" in b:
+                shares(range(tp))  # the other ranks' shares, as exchanged (made once, outside any timed region)
+
+            def moe_in():
+                shares(range(tp) if ranks == "all" else (0,))
+                topk()
+                b["idx"], b["wk"] = idx, wk
+                return idx, wk
+            w_in_moe = w_rank[0] if ranks == "one" else torch.cat(w_rank, 0)
+        else:
+            def moe_in():
+                outs = [logits, z, gu[:, :sI], gu[:, sI:]]
+                if fuse_sel:  # the top-k in the group's launch
+                    trunk.proj_group(flat(b["h2"]), w_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
+                                     backend=be)
+                else:
+                    trunk.proj_group(flat(b["h2"]), w_moe, outs, backend=be)
+                    topk()
+                b["idx"], b["wk"] = idx, wk
+                return idx, wk
+            w_in_moe = w_moe
+
+        n_in = w_in_moe.shape[0]
         if pf:
-            out["attnres_mlp"] = _prefetching(out["attnres_mlp"], w_moe, N, budget)
-        out["moe_in"] = (moe_in, mm_bytes(w_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
+            out["attnres_mlp"] = _prefetching(out["attnres_mlp"], w_in_moe, N, budget)
+        out["moe_in"] = (moe_in, mm_bytes(w_in_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
                          2 * N * D * n_in)
         out["experts"] = comps["experts"]
         xo = buf(D)
-        if fuse_pro:
+        if owned_output:  # the shared w2 (+ p) everywhere, then rank q's rows of Wup into its coordinates
+            xin = buf(Lat + sI)
+            cd = _cuts(D, tp)
+            w_sh2 = w_out[:, Lat:].contiguous()
+            w_up = [w_out[cd[q], :Lat].contiguous() for q in range(tp)]
+            qs = range(tp) if ranks == "all" else (0,)
+
+            def moe_out():
+                glue.norm_glu(flat(b["y"]), m.routed_norm, gu, xin, eps=float(m.eps), b1=sh[0].b1, b2=sh[0].b2,
+                              backend=be)
+                trunk.proj(xin[:, Lat:], w_sh2, xo, residual=flat(b["p"]).contiguous(), backend=be)
+                for q in qs:
+                    trunk.proj(xin[:, :Lat], w_up[q], xo[:, cd[q]], residual=xo[:, cd[q]], backend=be)
+                b["x_out"] = xo.view(*lead, D)
+                return b["x_out"]
+            d_own = sum(w_up[q].shape[0] for q in qs)
+            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e + mm_bytes(w_sh2, sI, D, residual=True)
+                      + _nb(*[w_up[q] for q in qs]) + N * (Lat * e + 2 * d_own * e))
+        elif fuse_pro:
             def moe_out():
                 trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
                            prologue=("rms", m.routed_norm, float(m.eps)), x2=gu,
@@ -673,7 +747,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False,
                 return b["x_out"]
             nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e
                       + mm_bytes(w_out, Lat + sI, D, residual=True))
-        out["moe_out"] = (moe_out, nb_out, 2 * N * (Lat + sI) * D)
+        out["moe_out"] = (moe_out, nb_out, 2 * N * (Lat + sI) * D // (tp if owned_output and ranks == "one" else 1))
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])
         I = m.w1.shape[0]
@@ -1069,8 +1143,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
-    128 <-> 16, mla_partitions auto <-> 1, prefetch when the projections run on triton, kda_pdl when the KDA runs on
-    cute). kda_state_dtype needs a new
+    128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router and owned_output when the
+    projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype needs a new
     build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
@@ -1083,6 +1157,8 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
     if resolved.backend["proj"] == "triton" or requested.prefetch:
         flips["prefetch"] = {False: True, True: False}
         flips["fuse_prologues"] = {True: False, False: True}
+        flips["split_router"] = {False: True, True: False}
+        flips["owned_output"] = {False: True, True: False}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)
@@ -1169,7 +1245,8 @@ def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: i
     if not isinstance(n_steps, int) or n_steps < 1:
         _fail("n_steps", f"must be an int >= 1, got {n_steps!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    test = DecodeStep(view, switches, n_experts=n_experts, device=device, seed=seed, gen_device="cpu")
+    test = DecodeStep(view, switches, n_experts=n_experts, device=device, seed=seed, gen_device="cpu",
+                      ranks="all")  # split_router / owned_output: every rank's share, assembled
     oracle = DecodeStep(view, Switches(), n_experts=n_experts, device="cpu", dtype=torch.float64, seed=seed,
                         gen_device="cpu")
     gen = torch.Generator(device="cpu").manual_seed(seed + 4242)
@@ -1292,7 +1369,8 @@ def _nsight_main(spec_path: str) -> None:
             if res.backend[g] not in LAYER_PATHS and (g == "proj" or not _group_accepts([L], g, res.backend[g], res))
             and _override_ok(g, res.backend[g], L.B * L.T)[0]}
     L.switches = res.replace(backend={**res.backend, **{g: "reference" for g in over}})
-    comps = _fused_parts(L, over, L.components())  # the same components as the step's
+    comps = _fused_parts(L, over, L.components(), prologues=res.fuse_prologues, split_router=res.split_router,
+                         owned_output=res.owned_output)  # the same components as the step's
     launches = spec.get("launches") or {}
     single = [n for n in comps if launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) == 1]
     for _, (fn, _, _) in comps.items():  # warm: compiles and autotunes outside ncu's view

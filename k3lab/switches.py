@@ -41,8 +41,6 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
 # declared, not read by any code yet: the issue that wires each
 NOT_WIRED = {
     "moe_tile_n": "the MoE kernels (issue 14)",
-    "split_router": "the MoE split router (issue 14)",
-    "owned_output": "the MoE routed-output ownership (issue 14)",
     "shared_expert_stream": "the MoE shared-expert stream (issue 14)",
     "fused_allreduce": "the fused all-reduce + AttnRes + RMSNorm (multi-GPU)",
     "kda_prefill_inverse": "a prefill step in the model (the kda.prefill API takes inverse= directly)",
@@ -78,6 +76,9 @@ class Switches:
     # profiles/h200/trunk_prologue.json.gz): each its own launch before the projection
     fuse_prologues: bool = False
     shared_expert_stream: bool = False
+    # the step (projections on triton), TP emulated on one GPU (k3lab.step._fused_parts): each rank computes its
+    # share of the router and latent down-projection, exchanged (split_router); each rank adds only its output
+    # coordinates of the routed up-projection (owned_output)
     split_router: bool = False
     owned_output: bool = False
     fused_allreduce: bool = False

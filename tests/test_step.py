@@ -124,6 +124,57 @@ def test_fuse_prologues_switch_same_output():
     assert "fuse_prologues=False->True" in dict(S.toggle_list(FUSED, st.switches))
 
 
+def test_tp_switches_equal_the_plain_path():
+    """split_router and owned_output, TP2 emulated on one GPU (interpreter, tiny at tp=2): every rank's share in
+    turn, assembled (ranks "all", what the numerics run), gives the plain path's routing and output up to bf16
+    rounding (owned_output rounds the shared part once more); ranks "one" (the timed step) computes rank 0's share:
+    its logits and latent columns, its output coordinates, fewer bytes, the other shares as exchanged at build."""
+    from k3lab.config import GpuView, k3_tiny
+    from k3lab.harness.numerics import rel_norm_error
+
+    view = GpuView(k3_tiny(), tp=2, context=24, batch=2)
+    g = torch.Generator().manual_seed(11)
+    res = {}
+    for ranks in ("all", "one"):
+        st = S.DecodeStep(view, FUSED, device="cpu", ranks=ranks)
+        L = st.layers[1]
+        y = torch.randn(L.buf["y"].shape, generator=g) if ranks == "all" else res[("all", False, False)][3]
+        for split, owned in ((False, False), (True, False), (False, True), (True, True)):
+            st.set_switches(FUSED.replace(split_router=split, owned_output=owned))
+            c = st.comps[1]
+            idx, wk = (t.clone() for t in c["moe_in"][0]())
+            L.buf["y"].copy_(y)
+            res[(ranks, split, owned)] = (idx, wk, c["moe_out"][0]().clone(), y, c["moe_in"][1], c["moe_out"][1])
+            if split or owned:
+                assert f"TP2 emulated on one GPU ('{ranks}'" in st.why["split_router" if split else "owned_output"]
+    plain = res[("all", False, False)]
+    for key, (idx, wk, out, *_) in res.items():
+        if key[0] == "all":
+            assert torch.equal(idx, plain[0]) and rel_norm_error(wk, plain[1]) < 1e-6
+            assert rel_norm_error(out, plain[2]) < 1e-2, key
+    one_split, one_owned = res[("one", True, False)], res[("one", False, True)]
+    assert torch.equal(one_split[0], plain[0])  # rank 0's logits fresh, rank 1's from the build's exchange
+    assert rel_norm_error(one_owned[2][:, :32], plain[2][:, :32]) < 1e-2  # rank 0's coordinates hold the routed part
+    assert rel_norm_error(one_owned[2][:, 32:], plain[2][:, 32:]) > 1e-3  # rank 1's do not (its GPU adds them)
+    assert one_split[4] < plain[4] and one_owned[5] < plain[5]  # fewer weight bytes on the timed rank
+    tl = dict(S.toggle_list(FUSED, FUSED))
+    assert "split_router=False->True" in tl and "owned_output=False->True" in tl
+    with pytest.raises(S.StepError, match="'ranks'"):
+        S.DecodeStep(view, FUSED, device="cpu", ranks="two")
+
+
+def test_tp_switches_numerics_against_fp64():
+    """step_numerics builds the step with every rank's share (ranks "all"): split_router and owned_output on keep
+    the plain fused step's error against the fp64 oracle (tiny at tp=2, two steps)."""
+    from k3lab.config import GpuView, k3_tiny
+
+    view = GpuView(k3_tiny(), tp=2, context=24, batch=2)
+    on = S.step_numerics(view, FUSED.replace(split_router=True, owned_output=True), n_steps=2, device="cpu")
+    off = S.step_numerics(view, FUSED, n_steps=2, device="cpu")
+    for a, b in zip(on["rel_err"], off["rel_err"]):
+        assert math.isfinite(a[-1]) and a[-1] < 2 * b[-1] + 1e-3 and a[-1] < S.NUMERICS_TOL
+
+
 def test_prefetch_switch_wraps_each_attnres(monkeypatch):
     """prefetch=True: each AttnRes launches the L2 prefetch of the next group's weight (in_proj's concatenated
     weight, then moe_in's) with the step's token count and budget; the record says so; off the triton projections
@@ -196,7 +247,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(BackendUnavailable, match="no 'mla' path"):
         st.set_switches(Switches(backend={"mla": "cute"}))
     with pytest.raises(SwitchError, match="not wired"):
-        Switches(split_router=True)
+        Switches(shared_expert_stream=True)
     with pytest.raises(S.StepError, match="'compare'"):
         S.bench_step(view, compare=("cute",), step=st, log=lambda s: None)
 
@@ -363,7 +414,7 @@ def test_panel_reruns_with_the_changed_control():
     ctl = box.controls
     want = {"batch", "context", "draft_depth", "backend"} | set(dash.BACKEND_PARAMS) | set(dash.SWITCH_PARAMS)
     assert set(ctl) == want
-    assert ctl["split_router"].disabled and not ctl["pad_heads"].disabled
+    assert ctl["shared_expert_stream"].disabled and not ctl["pad_heads"].disabled
     ctl["batch"].value = 4
     assert seen[-1]["batch"] == 4 and seen[-1]["context"] == 64
     ctl["draft_depth"].value = 3
