@@ -281,17 +281,21 @@ class DecodeStep:
                 raise BackendUnavailable(f"step: layer {L.index} ({L.kind}) has components without a path for "
                                          f"the requested backends: {L.skipped}")
             comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch, prologues=sw.fuse_prologues,
-                                      split_router=sw.split_router, owned_output=sw.owned_output, ranks=self.ranks))
+                                      split_router=sw.split_router, owned_output=sw.owned_output,
+                                      shared_stream=sw.shared_expert_stream, ranks=self.ranks))
         if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "auto"):
             from k3lab.components import moe as moe_comp
 
             for L in self.layers:  # the MXFP4 kernel layout made now, not inside a captured (timed) step
                 if L.w.mlp_kind == "moe":
                     moe_comp.prepare(L.w.mlp)
-        for k in ("split_router", "owned_output"):
+        if sw.shared_expert_stream and over.get("proj") == "triton":
+            why["shared_expert_stream"] = ("on: the shared experts' w1/w3 on a side stream beside the routed experts "
+                                           "(their share of the SMs not bounded)")
+        for k in ("split_router", "owned_output", "shared_expert_stream"):
             if getattr(sw, k) and over.get("proj") != "triton":
                 why[k] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
-            elif getattr(sw, k):
+            elif getattr(sw, k) and k != "shared_expert_stream":
                 tp = self.layers[0].view.tp
                 why[k] = (f"on, TP{tp} emulated on one GPU ({self.ranks!r}: " + (
                     "rank 0's share timed; the other ranks' shares from an all-ranks pass at build, the exchange not "
@@ -491,8 +495,31 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
     return (run, *comp[1:])
 
 
+def _beside(comp, side_fn: Callable[[], Any], device):
+    """The component `comp` (fn, bytes, flops) with `side_fn` launched on the side stream beside it (forked when
+    it starts, joined when it ends: each component stays capturable alone); in order off the GPU."""
+    fn = comp[0]
+
+    def run():
+        if not _on_gpu(device):
+            side_fn()
+            return fn()
+        key = str(device)
+        side = _SIDE.get(key)
+        if side is None:
+            side = _SIDE[key] = torch.cuda.Stream(device=device)
+        cur = torch.cuda.current_stream(device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            side_fn()
+        r = fn()
+        cur.wait_stream(side)
+        return r
+    return (run, *comp[1:])
+
+
 def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologues: bool = True,
-                 split_router: bool = False, owned_output: bool = False,
+                 split_router: bool = False, owned_output: bool = False, shared_stream: bool = False,
                  ranks: str = "one") -> "OrderedDict[str, Any]":
     """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
@@ -530,7 +557,11 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     ranks "one" (the timed step): rank 0's share only; the other ranks' shares of the logits and latent are those
     of an all-ranks pass made when the parts are built (the exchange itself is not timed: one GPU), and the stream
     leaves this GPU without the other ranks' routed coordinates (their GPUs add them; the all-reduce assembles).
-    ranks "all" (the numerics and the tests): every rank's share in turn, assembled: the plain path's values."""
+    ranks "all" (the numerics and the tests): every rank's share in turn, assembled: the plain path's values.
+    shared_stream (the `shared_expert_stream` switch, projections on triton): the shared experts' w1/w3 leave
+    moe_in's launch and run on the side stream beside the routed experts (`_beside`: forked when the experts start,
+    joined when they end); their SiTU-GLU and w2 stay in moe_out. Their share of the SMs is not bounded: the
+    projection's own grid (bounding it needs a grid knob on every projection path, or green contexts)."""
     from k3lab.components import glue, trunk
     from k3lab.model import _nb
 
@@ -674,11 +705,13 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         if split_router:  # rank q: [router rows q; latent-down rows q] (+ the shared w1/w3 with rank 0's share)
             ce, cl = _cuts(E, tp), _cuts(Lat, tp)
             w_sh13 = w_moe[E + Lat:]
-            w_rank = [torch.cat([r.w[ce[q]], m.w_down[cl[q]]] + ([w_sh13] if q == 0 else []), 0) for q in range(tp)]
+            sh0 = not shared_stream  # the shared w1/w3 in rank 0's launch
+            w_rank = [torch.cat([r.w[ce[q]], m.w_down[cl[q]]] + ([w_sh13] if q == 0 and sh0 else []), 0)
+                      for q in range(tp)]
 
             def shares(qs):
                 for q in qs:
-                    outs = [logits[:, ce[q]], z[:, cl[q]]] + ([gu[:, :sI], gu[:, sI:]] if q == 0 else [])
+                    outs = [logits[:, ce[q]], z[:, cl[q]]] + ([gu[:, :sI], gu[:, sI:]] if q == 0 and sh0 else [])
                     trunk.proj_group(flat(b["h2"]), w_rank[q], outs, backend=be)
 
             if ranks == "one" and "h2" in b:
@@ -691,17 +724,18 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 return idx, wk
             w_in_moe = w_rank[0] if ranks == "one" else torch.cat(w_rank, 0)
         else:
+            w_in_moe = w_moe[:E + Lat] if shared_stream else w_moe  # rows: router, latent down (, shared w1/w3)
+
             def moe_in():
-                outs = [logits, z, gu[:, :sI], gu[:, sI:]]
+                outs = [logits, z] + ([] if shared_stream else [gu[:, :sI], gu[:, sI:]])
                 if fuse_sel:  # the top-k in the group's launch
-                    trunk.proj_group(flat(b["h2"]), w_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
+                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
                                      backend=be)
                 else:
-                    trunk.proj_group(flat(b["h2"]), w_moe, outs, backend=be)
+                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be)
                     topk()
                 b["idx"], b["wk"] = idx, wk
                 return idx, wk
-            w_in_moe = w_moe
 
         n_in = w_in_moe.shape[0]
         if pf:
@@ -709,6 +743,15 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         out["moe_in"] = (moe_in, mm_bytes(w_in_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
                          2 * N * D * n_in)
         out["experts"] = comps["experts"]
+        if shared_stream:  # the shared w1/w3 beside the routed experts, on the side stream
+            w_sh13 = w_moe[E + Lat:]
+
+            def shared_up():
+                trunk.proj_group(flat(b["h2"]), w_sh13, [gu[:, :sI], gu[:, sI:]], backend=be)
+
+            fn_e, nb_e, fl_e = comps["experts"]
+            out["experts"] = _beside((fn_e, nb_e + mm_bytes(w_sh13, D, 2 * sI), fl_e + 2 * N * D * 2 * sI), shared_up,
+                                     dev)
         xo = buf(D)
         if owned_output:  # the shared w2 (+ p) everywhere, then rank q's rows of Wup into its coordinates
             xin = buf(Lat + sI)
@@ -1143,8 +1186,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
-    128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router and owned_output when the
-    projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype needs a new
+    128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output and
+    shared_expert_stream when the projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype needs a new
     build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
@@ -1159,6 +1202,7 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
         flips["fuse_prologues"] = {True: False, False: True}
         flips["split_router"] = {False: True, True: False}
         flips["owned_output"] = {False: True, True: False}
+        flips["shared_expert_stream"] = {False: True, True: False}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)
@@ -1370,7 +1414,8 @@ def _nsight_main(spec_path: str) -> None:
             and _override_ok(g, res.backend[g], L.B * L.T)[0]}
     L.switches = res.replace(backend={**res.backend, **{g: "reference" for g in over}})
     comps = _fused_parts(L, over, L.components(), prologues=res.fuse_prologues, split_router=res.split_router,
-                         owned_output=res.owned_output)  # the same components as the step's
+                         owned_output=res.owned_output,
+                         shared_stream=res.shared_expert_stream)  # the same components as the step's
     launches = spec.get("launches") or {}
     single = [n for n in comps if launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) == 1]
     for _, (fn, _, _) in comps.items():  # warm: compiles and autotunes outside ncu's view

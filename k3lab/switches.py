@@ -41,7 +41,6 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
 # declared, not read by any code yet: the issue that wires each
 NOT_WIRED = {
     "moe_tile_n": "the MoE kernels (issue 14)",
-    "shared_expert_stream": "the MoE shared-expert stream (issue 14)",
     "fused_allreduce": "the fused all-reduce + AttnRes + RMSNorm (multi-GPU)",
     "kda_prefill_inverse": "a prefill step in the model (the kda.prefill API takes inverse= directly)",
     "kda_prefill_grouped": "a prefill step in the model (the kda.prefill API takes grouped= directly)",
@@ -75,6 +74,7 @@ class Switches:
     # (the MoE output one launch); False (default: the fused forms measured slower at batch 1..16,
     # profiles/h200/trunk_prologue.json.gz): each its own launch before the projection
     fuse_prologues: bool = False
+    # the step (projections on triton): the shared experts' w1/w3 on a side stream beside the routed experts
     shared_expert_stream: bool = False
     # the step (projections on triton), TP emulated on one GPU (k3lab.step._fused_parts): each rank computes its
     # share of the router and latent down-projection, exchanged (split_router); each rank adds only its output

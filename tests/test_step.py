@@ -158,9 +158,38 @@ def test_tp_switches_equal_the_plain_path():
     assert rel_norm_error(one_owned[2][:, 32:], plain[2][:, 32:]) > 1e-3  # rank 1's do not (its GPU adds them)
     assert one_split[4] < plain[4] and one_owned[5] < plain[5]  # fewer weight bytes on the timed rank
     tl = dict(S.toggle_list(FUSED, FUSED))
-    assert "split_router=False->True" in tl and "owned_output=False->True" in tl
+    assert {"split_router=False->True", "owned_output=False->True", "shared_expert_stream=False->True"} <= set(tl)
     with pytest.raises(S.StepError, match="'ranks'"):
         S.DecodeStep(view, FUSED, device="cpu", ranks="two")
+
+
+def test_shared_expert_stream_same_output():
+    """shared_expert_stream: the shared experts' w1/w3 leave moe_in's launch and run beside the routed experts (in
+    order off the GPU): the same MoE output as the plain fused path, alone and with split_router; moe_in reads fewer
+    bytes and the experts component the shared weights' bytes more."""
+    from k3lab.harness.numerics import rel_norm_error
+
+    st = S.DecodeStep(_tiny(batch=2, expert_dtype="bf16"), FUSED, device="cpu")
+    L = st.layers[1]
+    y = torch.randn(L.buf["y"].shape, generator=torch.Generator().manual_seed(3))
+    res = {}
+    for sw in (FUSED, FUSED.replace(shared_expert_stream=True),
+               FUSED.replace(shared_expert_stream=True, split_router=True)):
+        st.set_switches(sw)
+        c = st.comps[1]
+        idx = c["moe_in"][0]()[0].clone()
+        c["experts"][0]()
+        L.buf["y"].copy_(y)
+        res[(sw.shared_expert_stream, sw.split_router)] = (idx, c["moe_out"][0]().clone(), c["moe_in"][1],
+                                                           c["experts"][1])
+    plain = res[(False, False)]
+    for key, (idx, out, nb_in, nb_e) in res.items():
+        assert torch.equal(idx, plain[0]) and rel_norm_error(out, plain[1]) < 1e-6, key
+    assert res[(True, False)][2] < plain[2] and res[(True, False)][3] > plain[3]
+    st.set_switches(FUSED.replace(shared_expert_stream=True))
+    assert "side stream" in st.why["shared_expert_stream"]
+    st.set_switches(Switches(shared_expert_stream=True))
+    assert "no effect" in st.why["shared_expert_stream"]
 
 
 def test_tp_switches_numerics_against_fp64():
@@ -247,7 +276,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(BackendUnavailable, match="no 'mla' path"):
         st.set_switches(Switches(backend={"mla": "cute"}))
     with pytest.raises(SwitchError, match="not wired"):
-        Switches(shared_expert_stream=True)
+        Switches(fused_allreduce=True)
     with pytest.raises(S.StepError, match="'compare'"):
         S.bench_step(view, compare=("cute",), step=st, log=lambda s: None)
 
@@ -414,7 +443,7 @@ def test_panel_reruns_with_the_changed_control():
     ctl = box.controls
     want = {"batch", "context", "draft_depth", "backend"} | set(dash.BACKEND_PARAMS) | set(dash.SWITCH_PARAMS)
     assert set(ctl) == want
-    assert ctl["shared_expert_stream"].disabled and not ctl["pad_heads"].disabled
+    assert ctl["fused_allreduce"].disabled and not ctl["pad_heads"].disabled
     ctl["batch"].value = 4
     assert seen[-1]["batch"] == 4 and seen[-1]["context"] == 64
     ctl["draft_depth"].value = 3
