@@ -1187,8 +1187,8 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
     128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output and
-    shared_expert_stream when the projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype needs a new
-    build and the unwired switches are refused by Switches: neither is toggled."""
+    shared_expert_stream when the projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype
+    needs a new build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
         if comp == "dense":  # no component reads it (layer 0's dense MLP is a projection group)

@@ -183,7 +183,7 @@ def test_shared_expert_stream_same_output():
         res[(sw.shared_expert_stream, sw.split_router)] = (idx, c["moe_out"][0]().clone(), c["moe_in"][1],
                                                            c["experts"][1])
     plain = res[(False, False)]
-    for key, (idx, out, nb_in, nb_e) in res.items():
+    for key, (idx, out, *_) in res.items():
         assert torch.equal(idx, plain[0]) and rel_norm_error(out, plain[1]) < 1e-6, key
     assert res[(True, False)][2] < plain[2] and res[(True, False)][3] > plain[3]
     st.set_switches(FUSED.replace(shared_expert_stream=True))
