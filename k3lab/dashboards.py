@@ -61,6 +61,15 @@ def view_from_params(p: dict[str, Any], **over: Any):
     return preset(p.get("preset", "tiny"), **kw)
 
 
+def _toggles(v: Any) -> bool | tuple[str, ...]:
+    """The `toggles` parameter: true / false, or the names to toggle ("split_router,owned_output" or a list)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    return tuple(str(x) for x in _list(v, "toggles"))
+
+
 def _list(v: Any, name: str) -> list:
     if isinstance(v, (list, tuple)):
         return list(v)
@@ -102,7 +111,7 @@ def run_step(p: dict[str, Any], out_dir: str | Path, log: Callable[[str], None] 
     trace = out_dir / f"trace-{name}.json.gz" if (p.get("trace", True) and p.get("profile", True)) else None
     res = stepmod.bench_step(view, sw, block=int(p.get("block", 0)), n_experts=_n_experts(p.get("n_experts", 0)),
                              compare=tuple(_list(p.get("compare", "reference,torch_compile"), "compare")),
-                             toggles=bool(p.get("toggles", True)), components=bool(p.get("components", True)),
+                             toggles=_toggles(p.get("toggles", True)), components=bool(p.get("components", True)),
                              reps=int(p.get("reps", 20)), warmup=int(p.get("warmup", 3)),
                              compare_reps=int(p.get("compare_reps", 0)) or None, trace_path=trace,
                              allreduce_us=float(p.get("allreduce_us", stepmod.ALLREDUCE_ASSUMED_US)),

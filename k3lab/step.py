@@ -999,7 +999,8 @@ def _floor_us(rec: dict, pr: dict) -> float:
 
 
 def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 0, n_experts: int | None = None,
-               compare: Sequence[str] = ("reference", "torch_compile"), toggles: bool = True, components: bool = True,
+               compare: Sequence[str] = ("reference", "torch_compile"), toggles: bool | Sequence[str] = True,
+               components: bool = True,
                reps: int = 20, warmup: int = 3, compare_reps: int | None = None, trace_path: str | Path | None = None,
                allreduce_us: float = ALLREDUCE_ASSUMED_US, seed: int = 0, name: str | None = None, device=None,
                step: DecodeStep | None = None, profile: bool = True, log: Callable[[str], None] = print,
@@ -1007,7 +1008,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     """Build the step (or take `step`), then: launches and kernel attribution (one profiled eager step, trace
     saved to `trace_path`), per-component and per-layer timing with floors, the whole step in one graph, the
     per-layer sum check, the same step under each backend of `compare` (every component on it), each switch
-    toggled alone (`toggle_list`), the 93-layer estimate. profile=False leaves out the profiled step (no launch
+    toggled alone (`toggle_list`; `toggles` True, False, or the names to toggle: components and switches from
+    `TOGGLE_NAMES`), the 93-layer estimate. profile=False leaves out the profiled step (no launch
     counts, no trace). checkpoint(bundle): called after the fused step and after every toggle and comparison
     (a run cut short keeps what it measured). Order: the fused step, the estimate, the toggles, the
     comparisons in the order given. Returns the bundle and the tables behind it."""
@@ -1020,6 +1022,14 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     for be in compare:
         if be not in ("reference", "torch_compile"):
             _fail("compare", f"holds {be!r}; the comparison steps are 'reference' and 'torch_compile'")
+    only = None
+    if not isinstance(toggles, bool):
+        if isinstance(toggles, str) or not all(isinstance(n, str) for n in toggles):
+            _fail("toggles", f"must be True, False or a sequence of names from {TOGGLE_NAMES}, got {toggles!r}")
+        only = set(toggles)
+        bad = sorted(only - set(TOGGLE_NAMES))
+        if bad:
+            _fail("toggles", f"names {bad} are not toggled by the step; names: {TOGGLE_NAMES}")
     pr = timing.probes(device)
 
     def save() -> None:
@@ -1139,7 +1149,13 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     save()
     # each switch toggled alone
     if toggles:
-        for tlabel, sw in toggle_list(step.requested, base_switches):
+        todo = toggle_list(step.requested, base_switches)
+        if only is not None:
+            missing = sorted(only - {tl.split("=")[0] for tl, _ in todo})
+            if missing:
+                b.notes.append(f"toggles asked for but not applicable to this step: {missing} (toggle_list)")
+            todo = [(tl, sw) for tl, sw in todo if tl.split("=")[0] in only]
+        for tlabel, sw in todo:
             try:
                 step.set_switches(sw)
                 tt = time_step(step, reps=compare_reps, warmup=2)
@@ -1181,6 +1197,11 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
         save()
     step.set_switches(step.requested)
     return StepResult(b, comp, att, est, str(trace_path) if (trace_path and profile) else None)
+
+
+TOGGLE_NAMES = tuple(c for c in COMPONENTS if c != "dense") + (
+    "pad_heads", "kda_tile_v", "mla_partitions", "prefetch", "fuse_prologues", "split_router", "owned_output",
+    "shared_expert_stream", "kda_pdl")  # what toggle_list can change (each label starts with one of them)
 
 
 def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:

@@ -342,6 +342,23 @@ def test_bench_step_tiny_cpu(tmp_path):
     b.save(tmp_path)
 
 
+def test_bench_step_toggles_by_name():
+    """toggles may name the switches to toggle alone (the notebook's `toggles = "split_router,owned_output"`): only
+    those run; a named switch this step cannot toggle (the TP switches without Triton projections) is noted; a name
+    the step never toggles is refused by name."""
+    from k3lab import dashboards as dash
+
+    res = S.bench_step(_tiny(), AUTO, reps=1, warmup=1, compare=(), toggles=("pad_heads", "split_router"),
+                       components=False, profile=False, log=lambda s: None)
+    names = [r.name for r in res.bundle.rows if r.name.startswith("toggle:")]
+    assert names == ["toggle:pad_heads=0->16"]
+    assert any("['split_router']" in n and "not applicable" in n for n in res.bundle.notes)
+    with pytest.raises(S.StepError, match="'toggles'"):
+        S.bench_step(_tiny(), AUTO, reps=1, toggles=("moe_tile_n",), log=lambda s: None)
+    assert dash._toggles("split_router, owned_output") == ("split_router", "owned_output")
+    assert dash._toggles("false") is False and dash._toggles(True) is True
+
+
 def test_mla_attention_bytes_come_from_the_registry_at_k3_widths():
     """The MLA attention floor uses the registry's mla_decode formula where the latent widths are K3's (tp8);
     the tiny preset's widths differ, so the layer builder's count stands there."""
