@@ -105,6 +105,35 @@ def test_simt_tickets_over_leaders():
                       leaders=True)
 
 
+_TTGIR = """#blocked = #ttg.blocked<{sizePerThread = [1, 1, 4], threadsPerWarp = [8, 4, 1], warpsPerCTA = [2, 1, 1], \
+order = [2, 1, 0]}>
+#blocked3 = #ttg.blocked<{sizePerThread = [1, 1, %d], threadsPerWarp = [1, 8, 4], warpsPerCTA = [1, 2, 1], \
+order = [2, 0, 1]}>
+    %%a = tt.elementwise_inline_asm "..." {constraints = "...", packed_element = 4 : i32, pure = true} %%w, %%acc : \
+tensor<16x16x4xi32, #blocked3>, tensor<16x16x4xf32, #blocked3> -> tensor<16x16x4xf32, #blocked3>
+    %%b = tt.elementwise_inline_asm "..." {constraints = "...", packed_element = 4 : i32, pure = true} %%v : \
+tensor<128x4x4xi32, #blocked> -> tensor<128x4x4xf32, #blocked>
+"""
+
+
+def test_pack4_layout_guard():
+    """The packed PTX assumes each thread holds a block's four words in four consecutive registers; the guard reads
+    the compiled TTGIR (here: the layouts Triton 3.6 chose for the w1/w3 tile at 2 warps, [1, 1, 1] along the
+    words, which gave wrong sums on the H200) and the launcher refuses such a kernel instead of returning its sums."""
+    from k3lab_kernels.triton import moe_experts as kern
+
+    bad = kern.pack4_layout_problems(_TTGIR % 1)
+    assert {b[0] for b in bad} == {"16x16x4xi32", "16x16x4xf32"}  # the 128x4x4 operands are laid out right
+    assert kern.pack4_layout_problems(_TTGIR % 4) == []
+
+    class Fake:
+        asm = {"ttgir": _TTGIR % 1}
+        hash = "fake-2-warps"
+    with pytest.raises(RuntimeError, match="splits a block's four words"):
+        kern._require_pack4_layout(Fake(), dict(num_warps=2))
+    kern._require_pack4_layout(None, {})  # the interpreter's launch returns no compiled kernel: nothing to check
+
+
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_tp16_and_blocks(dtype):
     opts = dict(block_n=32, block_k=64 if dtype == "mxfp4" else 32, num_warps=4)

@@ -53,6 +53,8 @@ TP8, 16 experts: bf16 132 MB, fp8 66 MB, mxfp4 35 MB (28.7 / 14.4 / 7.6 us at 4.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -848,6 +850,45 @@ def _sm_count(device) -> int:
     return _sms[key]
 
 
+_pack4_seen: dict[str, list] = {}
+
+
+def pack4_layout_problems(ttgir: str) -> list:
+    """The operands of the packed (pack=4) inline-PTX calls in a compiled kernel's TTGIR whose layout does not give
+    each thread a block's four words in four consecutive registers (sizePerThread along the words a multiple of 4,
+    the words the fastest dimension). pack=4 groups a thread's registers four by four, so such a layout makes wrong
+    sums: Triton 3.6 chose sizePerThread [1, 1, 1] for the w1/w3 tile at 2 warps (H200: every check failed, twelfth
+    session). Empty when every packed operand is laid out as the call assumes."""
+    defs = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, flags=re.M))
+    bad = []
+    for line in ttgir.splitlines():
+        if "elementwise_inline_asm" not in line or "packed_element = 4" not in line:
+            continue
+        for shape, enc in sorted(set(re.findall(r"tensor<([^>]*?),\s*(#\w+)>", line))):
+            m = re.search(r"sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", defs.get(enc, ""))
+            spt = [int(v) for v in m.group(1).split(",")] if m else None
+            order = [int(v) for v in m.group(2).split(",")] if m else None
+            if spt is None or spt[-1] % 4 or order[0] != len(spt) - 1:
+                bad.append((shape, defs.get(enc, enc)[:160]))
+    return bad
+
+
+def _require_pack4_layout(k, knobs: dict) -> None:
+    """After a simt launch: refuse (RuntimeError naming the knobs) a compiled kernel whose packed operands are not
+    laid out as the PTX assumes (`pack4_layout_problems`; checked once per compiled kernel; nothing to check under
+    the interpreter, which has no layouts)."""
+    asm = getattr(k, "asm", None)
+    if not asm or "ttgir" not in asm:
+        return
+    key = getattr(k, "hash", None) or str(id(k))
+    if key not in _pack4_seen:
+        _pack4_seen[key] = pack4_layout_problems(asm["ttgir"])
+    if _pack4_seen[key]:
+        raise RuntimeError(f"moe_experts (simt): the compiled layout splits a block's four words across threads, so "
+                           f"the packed PTX would sum the wrong words; refused for {knobs} (Triton "
+                           f"{triton.__version__}): {_pack4_seen[key][:2]}. Use 4 or 8 warps or the default tiles.")
+
+
 _leader_ws: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -906,12 +947,13 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         if lead_on:
             first, lead = _leaders(z.device, w1.shape[0], B * K)
             _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, num_warps=4)
-        _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
+        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
                                    ONE=B == 1 and SIMT_ONE and not lead_on, LEAD=lead_on, num_warps=nw,
                                    num_stages=1, **extra)
+        _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y
     if path == "gemv":
         ws, act = workspace(z.device, B * K, I, torch.bfloat16 if fmt == "bf16" else torch.float16)
