@@ -28,11 +28,11 @@ SIG = {"z": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False) -> str:
+def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw: int = 4) -> str:
     const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
-                 INTERP=False, NW=4, ONE=one, LEAD=lead)
+                 INTERP=False, NW=nw, ONE=one, LEAD=lead)
     sig = dict(SIG, **{k: "constexpr" for k in const})
-    opts = {"num_warps": 4, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
+    opts = {"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=sig, constexprs=const),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = re.sub(r"^\.version .*$", ".version 8.7", k.asm["ptx"], flags=re.M)  # the bundled ptxas reads 8.7
@@ -43,17 +43,20 @@ def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False) -> 
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
-    return (f"tokens/pass {tb}  cap {str(maxnreg):4s}  groups-of-one {str(one):5s}  "
+    return (f"warps {nw}  tokens/pass {tb}  cap {str(maxnreg):4s}  groups-of-one {str(one):5s}  "
             f"leaders {str(lead):5s}  "
             f"convert_layout {k.asm['ttgir'].count('convert_layout'):3d}  st.shared {ptx.count('st.shared'):3d}  "
             f"bar.sync {ptx.count('bar.sync'):3d}  registers {regs.group(1) if regs else '?':>4s}  "
-            f"spill stores {spill.group(1) if spill else '?'} B")
+            f"spill stores {spill.group(1) if spill else '?'} B  "
+            f"pack4 layouts {'ok' if not M.pack4_layout_problems(k.asm['ttgir']) else 'WRONG'}")
 
 
 print(f"triton {triton.__version__}")
 for tb, cap, one in ((1, None, True), (1, None, False), (2, None, False), (2, 128, False)):
     print(compile_one(tb, cap, one), flush=True)
 print(compile_one(2, 128, False, True), flush=True)
+print(compile_one(1, None, True, nw=8), flush=True)  # batch 1's default since the twelfth session
+print(compile_one(1, None, True, nw=2), flush=True)  # refused: the layout the H200 summed wrong
 lk = triton.compile(ASTSource(fn=M._simt_leaders_kernel, signature={"idx": "*i64", "first": "*i32", "lead": "*i32",
                                                                     "P": "i32", "PB": "constexpr", "BIG": "constexpr"},
                               constexprs=dict(PB=1024, BIG=M.LEAD_BIG)),
