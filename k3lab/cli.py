@@ -319,6 +319,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
 
 
 PATH_PARAMS = ("bundle",)  # parameters that name a file: resolved against the caller's directory
+BOOL_OR_NAMES = ("toggles",)  # true / false, or a comma-separated list of names (checked by the notebook's code)
 
 
 def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
@@ -340,6 +341,8 @@ def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
             # a bool parameter: true/false (JSON) or Python's True/False; any other value would be truthy
             if isinstance(v, str) and v.lower() in ("true", "false"):
                 out[k] = v.lower() == "true"
+            elif k in BOOL_OR_NAMES and isinstance(v, (str, list)) and v:
+                pass  # names: the notebook's code checks them (k3lab.step.TOGGLE_NAMES for toggles)
             else:
                 raise RunFailed(f"parameter {k!r} expects true or false (default {dv!r}), got {v!r}")
         if k in PATH_PARAMS and isinstance(v, str) and v and not Path(v).is_absolute():

@@ -294,6 +294,12 @@ def test_parameters_read_whatever_their_comments_say():
     assert cli.check_params(nbs / "01_decode_layer.ipynb", {"n_experts": 8}) == {"n_experts": 8}
     with pytest.raises(cli.RunFailed, match="'batch' expects a number"):
         cli.check_params(nbs / "01_decode_layer.ipynb", {"batch": "abc"})
+    step_nb = nbs / "06_decode_step.ipynb"  # toggles: true / false or the names to toggle alone
+    names = "split_router,owned_output"
+    assert cli.check_params(step_nb, {"toggles": names}) == {"toggles": names}
+    assert cli.check_params(step_nb, {"toggles": "false"}) == {"toggles": False}
+    with pytest.raises(cli.RunFailed, match="'profile' expects true or false"):
+        cli.check_params(step_nb, {"profile": "split_router"})
 
 
 @pytest.mark.parametrize("plan", sorted((Path(__file__).resolve().parent.parent / "plans").glob("*.yaml")),
