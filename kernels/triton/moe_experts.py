@@ -462,7 +462,9 @@ def _simt_acc(w, f, acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB: tl.constexp
             acc = _tok_interp(acc, dl, dh, f4, xb0, xb1, xb2, xb3, 1)
         return acc
     elif w.shape[0] * w.shape[1] >= 32 * NW:  # >= 4 words a thread (NW warps): pack=4 groups one block's
-        f4 = tl.broadcast_to(f[:, :, None], w.shape)  # four words (measured: the fast form)
+        # four words (measured: the fast form), IF the compiled layout keeps them in one thread: the launcher checks
+        # every compiled kernel's TTGIR (`_require_pack4_layout`; 2 warps broke it on Triton 3.6)
+        f4 = tl.broadcast_to(f[:, :, None], w.shape)
         if TB == 1:
             return tl.inline_asm_elementwise(_SIMT_ASM1_P4, _SIMT_CONS1_P4, [w, xa0, xa1, xa2, xa3, f4, acc],
                                              dtype=tl.float32, is_pure=True, pack=4)
