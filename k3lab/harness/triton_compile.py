@@ -11,8 +11,9 @@ simt path's pack=4 layout guard reads its TTGIR).
 
 checks each op's first case with its default options; `--options` adds each option value alone on that case,
 `--full` every case of the op's grid. An op's own argument error (a knob refused for that case) counts as
-refused, not failed; an error inside Triton's compiler, or a guard's refusal of a compiled kernel, fails (exit 1). Use the device's
-Triton to see exactly what it compiles (the H200 image has Triton 3.6: PYTHONPATH=/path/to/triton-3.6).
+refused, not failed; an error inside Triton's compiler, or a guard's refusal of a compiled kernel, fails (exit 1).
+Use the device's Triton to see exactly what it compiles (the H200 image has Triton 3.6:
+PYTHONPATH=/path/to/triton-3.6).
 Run in a process of its own: it patches Triton and k3lab's backend check for the process.
 """
 from __future__ import annotations
