@@ -289,6 +289,9 @@ class DecodeStep:
             for L in self.layers:  # the MXFP4 kernel layout made now, not inside a captured (timed) step
                 if L.w.mlp_kind == "moe":
                     moe_comp.prepare(L.w.mlp)
+        if sw.owned_output and sw.fuse_prologues and over.get("proj") == "triton":
+            why["fuse_prologues"] = (why.get("fuse_prologues", "") + "; not in moe_out: owned_output runs its glue "
+                                     "launch and two projections there").lstrip("; ")
         if sw.shared_expert_stream and over.get("proj") == "triton":
             why["shared_expert_stream"] = ("on: the shared experts' w1/w3 on a side stream beside the routed experts "
                                            "(their share of the SMs not bounded)")
