@@ -7,11 +7,13 @@ compiled for `arch` (sm_90 by default: the H200) from the arguments the wrapper 
 (outputs stay as they were). What the wrapper does after the launch still runs on the compiled kernel (the MoE
 simt path's pack=4 layout guard reads its TTGIR).
 
-    python -m k3lab.harness.triton_compile [--options] [--full] [--arch 90] [OP ...]
+    python -m k3lab.harness.triton_compile [--options] [--full] [--resources] [--arch 90] [OP ...]
 
 checks each op's first case with its default options; `--options` adds each option value alone on that case,
-`--full` every case of the op's grid. An op's own argument error (a knob refused for that case) counts as
-refused, not failed; an error inside Triton's compiler, or a guard's refusal of a compiled kernel, fails (exit 1).
+`--full` every case of the op's grid; `--resources` prints each compiled kernel's registers, stack, shared and
+local (spilled) bytes a thread, read off its cubin with cuobjdump. An op's own argument error (a knob refused
+for that case) counts as refused, not failed; an error inside Triton's compiler, or a guard's refusal of a
+compiled kernel, fails (exit 1).
 Use the device's Triton to see exactly what it compiles (the H200 image has Triton 3.6:
 PYTHONPATH=/path/to/triton-3.6).
 Run in a process of its own: it patches Triton and k3lab's backend check for the process.
@@ -38,7 +40,7 @@ class Result:
     case: str
     options: dict
     status: str  # "ok", "refused" (the op's own argument check), "failed"
-    kernels: list = field(default_factory=list)  # (kernel name, compile seconds)
+    kernels: list = field(default_factory=list)  # (kernel name, compile seconds, compiled kernel)
     error: str = ""
 
 
@@ -68,10 +70,31 @@ def _signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
     return sig, const, opts
 
 
+def resources(kernel) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of a compiled kernel (cuobjdump -res-usage on its cubin; {} without the tool)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cubin = kernel.asm.get("cubin")
+    if not cubin or not os.path.exists(tool):
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return dict(zip(("reg", "stack", "shared", "local"), map(int, m.groups()))) if m else {}
+
+
 @contextlib.contextmanager
 def compile_only(arch: int = 90, log: list | None = None):
-    """Within: every JIT kernel launch compiles for sm_`arch` instead (appending (name, seconds) to `log`) and
-    returns the compiled kernel; k3lab's dispatcher takes the triton backend as available."""
+    """Within: every JIT kernel launch compiles for sm_`arch` instead (appending (name, seconds, compiled kernel)
+    to `log`) and returns the compiled kernel; k3lab's dispatcher takes the triton backend as available."""
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -93,7 +116,7 @@ def compile_only(arch: int = 90, log: list | None = None):
             cache[key] = triton.compile(ASTSource(fn=self, signature=sig, constexprs=const), target=target,
                                         options=opts)
             if log is not None:
-                log.append((self.__name__, round(time.perf_counter() - t, 2)))
+                log.append((self.__name__, round(time.perf_counter() - t, 2), cache[key]))
         return cache[key]
 
     saved = (JITFunction.run, switches.backend_status, dispatch.require_backend)
@@ -121,7 +144,7 @@ def _points(op, options: bool, full: bool) -> list[tuple[Any, dict]]:
 
 
 def check(names: list[str] | None = None, *, options: bool = False, full: bool = False, arch: int = 90,
-          say=print) -> list[Result]:
+          show_resources: bool = False, say=print) -> list[Result]:
     """Compile the Triton kernels of the named ops (None: every registered op with a triton backend)."""
     from triton.compiler.errors import CompilationError
 
@@ -153,9 +176,13 @@ def check(names: list[str] | None = None, *, options: bool = False, full: bool =
                 res.kernels = log[n0:]
                 results.append(res)
                 mine.append(res)
+                for kname, _, ck in res.kernels if show_resources else ():
+                    r_ = resources(ck)
+                    say(f"    {kname:28s} {opts or ''} {case.key()[len(name) + 1:-1][:70]}: "
+                        + (" ".join(f"{k} {v}" for k, v in r_.items()) or "no cuobjdump"))
             n = {s: sum(r.status == s for r in mine) for s in ("ok", "refused", "failed")}
             say(f"{name:18s} {n['ok']:3d} ok {n['refused']:3d} refused {n['failed']:3d} failed "
-                f"{time.perf_counter() - t0:6.1f} s  {sorted({k for r in mine for k, _ in r.kernels})}")
+                f"{time.perf_counter() - t0:6.1f} s  {sorted({k[0] for r in mine for k in r.kernels})}")
     return results
 
 
@@ -164,16 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("ops", nargs="*", help="op names (default: every op with a triton backend)")
     ap.add_argument("--options", action="store_true", help="each option value alone on the first case")
     ap.add_argument("--full", action="store_true", help="every case of each op's grid, not only its first")
+    ap.add_argument("--resources", action="store_true", help="registers, stack, shared, local bytes per kernel")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H200), 100")
     a = ap.parse_args(argv)
     import triton
 
     t = time.perf_counter()
-    res = check(a.ops or None, options=a.options, full=a.full, arch=a.arch)
+    res = check(a.ops or None, options=a.options, full=a.full, arch=a.arch, show_resources=a.resources)
     bad = [r for r in res if r.status == "failed"]
     n = {s: sum(r.status == s for r in res) for s in ("ok", "refused", "failed")}
     print(f"triton {triton.__version__}, sm_{a.arch}: {n['ok']} compiled, {n['refused']} refused by the op's own "
-          f"checks, {n['failed']} failed; {len({k for r in res for k, _ in r.kernels})} kernels in "
+          f"checks, {n['failed']} failed; {len({k[0] for r in res for k in r.kernels})} kernels in "
           f"{time.perf_counter() - t:.0f} s")
     for r in bad:
         print(f"FAILED {r.op} {r.options} {r.case}: {r.error}")
