@@ -475,27 +475,12 @@ def prefetch_budget(device) -> int:
 
 def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool = False):
     """The component `comp` (fn, bytes, flops) with an L2 prefetch of `w` (the next projection's weight) launched on
-    a side stream beside it and joined at its end (trunk.prefetch_l2; the `prefetch` switch)."""
+    a side stream beside it and joined at its end (trunk.prefetch_l2; the `prefetch` switch). Off the GPU the
+    interpreter's hint prefetches nothing; the plan is still made and recorded."""
     from k3lab.components import trunk
 
-    fn = comp[0]
-
-    def run():
-        if not w.is_cuda:  # the interpreter: the hint prefetches nothing, the plan is still made and recorded
-            trunk.prefetch_l2(w, n_tok, budget=budget, prologue=prologue, backend="triton")
-            return fn()
-        key = str(w.device)
-        side = _SIDE.get(key)
-        if side is None:  # one side stream per device, made once (not a new stream every call)
-            side = _SIDE[key] = torch.cuda.Stream(device=w.device)
-        cur = torch.cuda.current_stream(w.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            trunk.prefetch_l2(w, n_tok, budget=budget, prologue=prologue, backend="triton")
-        r = fn()
-        cur.wait_stream(side)
-        return r
-    return (run, *comp[1:])
+    return _beside(comp, lambda: trunk.prefetch_l2(w, n_tok, budget=budget, prologue=prologue, backend="triton"),
+                   w.device)
 
 
 def _beside(comp, side_fn: Callable[[], Any], device):
