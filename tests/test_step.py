@@ -520,6 +520,28 @@ def test_gpu_step_tp8_small_pool(tmp_path):
 
 
 @pytest.mark.gpu
+def test_gpu_step_moe_switches_capture_and_match():
+    """The three MoE switches on the GPU (tp8, a small pool, batch 2): the whole step still captures in one graph
+    (the shared experts' side stream forks and joins inside the experts component), and with every rank's share
+    (ranks "all") the layer outputs match the plain fused step's."""
+    from k3lab.harness.numerics import rel_norm_error
+
+    view = preset("tp8", batch=2, context=1024, expert_dtype="mxfp4")
+    on = FUSED.replace(split_router=True, owned_output=True, shared_expert_stream=True)
+    st = S.DecodeStep(view, FUSED, n_experts=32, ranks="all")
+    x = torch.randn(tuple(st.x_in.shape), device=st.device).to(st.dtype)
+    outs = []
+    for sw in (FUSED, on):
+        st.set_switches(sw)
+        outs.append([t.clone() for t in (st.run(x), st.layers[1].buf["x_out"])])
+    for a, b in zip(*outs):
+        assert torch.isfinite(b).all() and rel_norm_error(b, a) < 2e-2
+    one = S.DecodeStep(view, on, n_experts=32)  # ranks "one": the timed form
+    t = S.time_step(one, reps=3, warmup=1)
+    assert t.kind == "gpu-graph", t
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fuse", [True, False])
 def test_gpu_step_numerics_tiny(fuse):
     """The fused step on the GPU against the fp64 build over 2 steps at the tiny preset (the notebook's numerics
