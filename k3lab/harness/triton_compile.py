@@ -7,15 +7,15 @@ compiled for `arch` (sm_90 by default: the H200) from the arguments the wrapper 
 (outputs stay as they were). What the wrapper does after the launch still runs on the compiled kernel (the MoE
 simt path's pack=4 layout guard reads its TTGIR).
 
-    python -m k3lab.harness.triton_compile [--options] [--full] [--resources] [--arch 90] [OP ...]
+    python -m k3lab.harness.triton_compile [--options] [--full] [--grid NAME=v1,v2 ...] [--resources]
+                                           [--arch 90] [OP ...]
 
 checks each op's first case with its default options; `--options` adds each option value alone on that case,
-`--full` every case of the op's grid; `--resources` prints each compiled kernel's registers, stack, shared and
-local (spilled) bytes a thread, read off its cubin with cuobjdump. An op's own argument error (a knob refused
-for that case) counts as refused, not failed; an error inside Triton's compiler, or a guard's refusal of a
-compiled kernel, fails (exit 1).
-Use the device's Triton to see exactly what it compiles (the H200 image has Triton 3.6:
-PYTHONPATH=/path/to/triton-3.6).
+`--full` every case of the op's grid (`--grid` replaces axes of it, e.g. K3's sizes); `--resources` prints each
+compiled kernel's registers, stack, shared and local (spilled) bytes a thread, read off its cubin with
+cuobjdump. An op's own argument error (a knob refused for that case) counts as refused, not failed; an error
+inside Triton's compiler, or a guard's refusal of a compiled kernel, fails (exit 1). Use the device's Triton to
+see exactly what it compiles (the H200 image has Triton 3.6: PYTHONPATH=/path/to/triton-3.6).
 Run in a process of its own: it patches Triton and k3lab's backend check for the process.
 """
 from __future__ import annotations
@@ -130,11 +130,12 @@ def compile_only(arch: int = 90, log: list | None = None):
         JITFunction.run, switches.backend_status, dispatch.require_backend = saved
 
 
-def _points(op, options: bool, full: bool) -> list[tuple[Any, dict]]:
+def _points(op, options: bool, full: bool, grid: dict | None = None) -> list[tuple[Any, dict]]:
     """(case, options) pairs: the first case with the defaults, each option value alone on it (options), every
-    case of the grid (full)."""
-    first = op.case()
-    cases = op.cases() if full else ([first] if op.valid(first) else op.cases()[:1])
+    case of the grid (full); `grid` replaces axes of the op's grid (axes it does not have are ignored)."""
+    g = {k: v for k, v in (grid or {}).items() if k in op.axes}
+    every = op.cases(g)
+    cases = every if full else every[:1]
     out = [(c, {}) for c in cases]
     for opt, per_be in (op.option_axes.items() if options else ()):
         for v in per_be.get("triton", ()):
@@ -144,7 +145,7 @@ def _points(op, options: bool, full: bool) -> list[tuple[Any, dict]]:
 
 
 def check(names: list[str] | None = None, *, options: bool = False, full: bool = False, arch: int = 90,
-          show_resources: bool = False, say=print) -> list[Result]:
+          grid: dict | None = None, show_resources: bool = False, say=print) -> list[Result]:
     """Compile the Triton kernels of the named ops (None: every registered op with a triton backend)."""
     from triton.compiler.errors import CompilationError
 
@@ -161,7 +162,7 @@ def check(names: list[str] | None = None, *, options: bool = False, full: bool =
         for name in names or all_ops:
             op = registry.get(name)
             t0, mine = time.perf_counter(), []
-            for case, opts in _points(op, options, full):
+            for case, opts in _points(op, options, full, grid):
                 n0 = len(log)
                 res = Result(op=name, case=case.key(), options=opts, status="ok")
                 try:
@@ -186,18 +187,36 @@ def check(names: list[str] | None = None, *, options: bool = False, full: bool =
     return results
 
 
+def _value(v: str) -> Any:
+    """A grid value: int, float, bool or the string."""
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3lab.harness.triton_compile", description=__doc__.split("\n")[0])
     ap.add_argument("ops", nargs="*", help="op names (default: every op with a triton backend)")
     ap.add_argument("--options", action="store_true", help="each option value alone on the first case")
     ap.add_argument("--full", action="store_true", help="every case of each op's grid, not only its first")
+    ap.add_argument("--grid", action="append", default=[], metavar="NAME=v1,v2",
+                    help="replace an axis of the ops' grids (repeatable), e.g. latent=3584")
     ap.add_argument("--resources", action="store_true", help="registers, stack, shared, local bytes per kernel")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H200), 100")
     a = ap.parse_args(argv)
     import triton
 
     t = time.perf_counter()
-    res = check(a.ops or None, options=a.options, full=a.full, arch=a.arch, show_resources=a.resources)
+    grid = {}
+    for g in a.grid:
+        name, _, vals = g.partition("=")
+        if not name or not vals:
+            ap.error(f"--grid takes NAME=v1,v2, got {g!r}")
+        grid[name] = [_value(v) for v in vals.split(",")]
+    res = check(a.ops or None, options=a.options, full=a.full, arch=a.arch, grid=grid, show_resources=a.resources)
     bad = [r for r in res if r.status == "failed"]
     n = {s: sum(r.status == s for r in res) for s in ("ok", "refused", "failed")}
     print(f"triton {triton.__version__}, sm_{a.arch}: {n['ok']} compiled, {n['refused']} refused by the op's own "
