@@ -5,8 +5,8 @@ and the shared experts' SiTU-GLU, written side by side into the one input of the
     out[r, :D]      = bf16( y[r] * rsqrt(mean(y[r]^2) + eps) * weight )                    fp32 maths
     out[r, D + i]   = bf16( b1 tanh(g / b1) sigmoid(g) * b2 tanh(u / b2) ),  g = gu[r, i], u = gu[r, I + i]
 
-The same maths and single rounding as `rms_norm.py` and `situ_glu.py` (their two launches, which this replaces in
-the step: one launch fewer a MoE layer).
+The same row functions as `rms_norm.py` and `situ_glu.py` (`rms_row`, `situ_cols`: their two launches, which this
+replaces in the step: one launch fewer a MoE layer).
 
 Layout: y [R, D] fp32 or bf16, weight [D] bf16/fp32 (contiguous), gu [R, 2I] bf16, out [R, D + I] bf16; unit
 stride along the last dim, any row strides. Grid (R, 1 + cdiv(I, BI)): program (r, 0) normalizes row r (the row
@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.situ_glu import situ
+from k3lab_kernels.triton.rms_norm import rms_row
+from k3lab_kernels.triton.situ_glu import situ_cols
 
 
 @triton.jit
@@ -30,18 +31,9 @@ def _norm_glu_kernel(y, w, gu, out, D, I, s_y, s_gu, s_o, eps, b1, b2, BD: tl.co
     r = tl.program_id(0)
     j = tl.program_id(1)
     if j == 0:
-        d = tl.arange(0, BD)
-        m = d < D
-        v = tl.load(y + r * s_y + d, mask=m, other=0.0).to(tl.float32)
-        wt = tl.load(w + d, mask=m, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-        tl.store(out + r * s_o + d, (v * inv * wt).to(tl.bfloat16), mask=m)
+        rms_row(y + r * s_y, w, out + r * s_o, D, eps, BD)
     else:
-        i = (j - 1) * BI + tl.arange(0, BI)
-        mi = i < I
-        g = tl.load(gu + r * s_gu + i, mask=mi, other=0.0).to(tl.float32)
-        u = tl.load(gu + r * s_gu + I + i, mask=mi, other=0.0).to(tl.float32)
-        tl.store(out + r * s_o + D + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=mi)
+        situ_cols(gu + r * s_gu, out + r * s_o + D, I, (j - 1) * BI, b1, b2, BI)
 
 
 def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch.Tensor, *, eps: float, b1: float,

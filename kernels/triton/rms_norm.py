@@ -21,14 +21,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x, w, out, D, s_x, s_o, eps, BD: tl.constexpr):
-    r = tl.program_id(0)
+def rms_row(x, w, out, D, eps, BD: tl.constexpr):
+    """out[:D] = bf16(rms(x[:D]; w)) for one row (x, out: the row's first element; also norm_glu.py's first part)."""
     d = tl.arange(0, BD)
     m = d < D
-    v = tl.load(x + r * s_x + d, mask=m, other=0.0).to(tl.float32)
+    v = tl.load(x + d, mask=m, other=0.0).to(tl.float32)
     g = tl.load(w + d, mask=m, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
-    tl.store(out + r * s_o + d, (v * inv * g).to(tl.bfloat16), mask=m)
+    tl.store(out + d, (v * inv * g).to(tl.bfloat16), mask=m)
+
+
+@triton.jit
+def _rms_norm_kernel(x, w, out, D, s_x, s_o, eps, BD: tl.constexpr):
+    r = tl.program_id(0)
+    rms_row(x + r * s_x, w, out + r * s_o, D, eps, BD)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, eps: float,

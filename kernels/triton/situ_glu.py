@@ -34,13 +34,20 @@ def situ(g, u, b1, b2):
 
 
 @triton.jit
+def situ_cols(gu, a, I, i0, b1, b2, BI: tl.constexpr):
+    """a[i] = bf16(situ(gu[i], gu[I + i])) for columns i0 .. i0+BI-1 of one row (gu, a: the row's first element;
+    also norm_glu.py's second part)."""
+    i = i0 + tl.arange(0, BI)
+    m = i < I
+    g = tl.load(gu + i, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu + I + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(a + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=m)
+
+
+@triton.jit
 def _situ_glu_kernel(gu, a, I, s_gu, s_a, b1, b2, BI: tl.constexpr):
     r = tl.program_id(0)
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
-    m = i < I
-    g = tl.load(gu + r * s_gu + i, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu + r * s_gu + I + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(a + r * s_a + i, situ(g, u, b1, b2).to(tl.bfloat16), mask=m)
+    situ_cols(gu + r * s_gu, a + r * s_a, I, tl.program_id(1) * BI, b1, b2, BI)
 
 
 def situ_glu(gu: torch.Tensor, out: torch.Tensor, *, b1: float, b2: float, block: int | None = None,
