@@ -39,17 +39,37 @@ def _rows(name: str, t, dtypes, device=None) -> None:
         _fail(name, f"must have unit stride along its last dim, got strides {t.stride()}")
 
 
+def _weight(weight, x: torch.Tensor, xname: str) -> None:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+        _fail("weight", f"must be a 1-D tensor of {x.shape[1]} ({xname}'s width), got "
+                        f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
+    if weight.device != x.device:
+        _fail("weight", f"must be on {x.device} ({xname}'s device), got {weight.device}")
+
+
+def _triton_weight(weight: torch.Tensor) -> None:
+    if not weight.is_contiguous() or weight.dtype not in (torch.bfloat16, torch.float32):
+        _fail("weight", f"must be a contiguous bf16 or fp32 tensor for the triton backend, got {weight.dtype}")
+
+
+def _positive(**values) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            _fail(name, f"must be a positive number, got {v!r}")
+
+
+def _block(block) -> None:
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16
+                              or block & (block - 1)):
+        _fail("block", f"must be None or a power of two >= 16, got {block!r}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, *, eps: float,
              backend: str = "reference", ran: list | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out = rms(x; weight) (bf16; float64 for the fp64 oracle on the reference), one launch on triton."""
     _rows("x", x, (torch.bfloat16, torch.float32, torch.float64))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
-        _fail("weight", f"must be a 1-D tensor of {x.shape[1]} (x's width), got "
-                        f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
-    if weight.device != x.device:
-        _fail("weight", f"must be on {x.device} (x's device), got {weight.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        _fail("eps", f"must be a positive number, got {eps!r}")
+    _weight(weight, x, "x")
+    _positive(eps=eps)
     odt = torch.float64 if x.dtype == torch.float64 else torch.bfloat16
     if out is None:
         out = torch.empty(x.shape, dtype=odt, device=x.device)
@@ -60,8 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     if be == "triton":
         if x.dtype == torch.float64:
             _fail("x", "must be bf16 or fp32 for the triton backend, got float64")
-        if not weight.is_contiguous() or weight.dtype not in (torch.bfloat16, torch.float32):
-            _fail("weight", f"must be a contiguous bf16 or fp32 tensor for the triton backend, got {weight.dtype}")
+        _triton_weight(weight)
         dispatch.kernel("rms_norm", be)(x, weight, out, eps=float(eps), num_warps=num_warps)
         opts = dict(opts, num_warps=num_warps)
     else:
@@ -89,17 +108,13 @@ def situ_glu(gu: torch.Tensor, out: torch.Tensor | None = None, *, b1: float = B
     if gu.shape[1] % 2:
         _fail("gu", f"must hold [g | u]: an even width 2*I, got {gu.shape[1]}")
     inter = gu.shape[1] // 2
-    for name, v in (("b1", b1), ("b2", b2)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            _fail(name, f"must be a positive number, got {v!r}")
+    _positive(b1=b1, b2=b2)
     if out is None:
         out = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
     _rows("out", out, (gu.dtype,), gu.device)
     if tuple(out.shape) != (gu.shape[0], inter):
         _fail("out", f"must be [{gu.shape[0]}, {inter}] (rows of gu, half its width), got {tuple(out.shape)}")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16
-                              or block & (block - 1)):
-        _fail("block", f"must be None or a power of two >= 16, got {block!r}")
+    _block(block)
     be, opts, why = dispatch.select("situ_glu", backend, B=gu.shape[0])
     if be == "triton":
         if gu.dtype != torch.bfloat16:
@@ -125,30 +140,21 @@ def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch
     if gu.shape[0] != R or gu.shape[1] % 2:
         _fail("gu", f"must be [{R}, 2*I] (y's rows, [g | u]), got {tuple(gu.shape)}")
     inter = gu.shape[1] // 2
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != D:
-        _fail("weight", f"must be a 1-D tensor of {D} (y's width), got "
-                        f"{tuple(getattr(weight, 'shape', ())) or type(weight).__name__}")
-    if weight.device != y.device:
-        _fail("weight", f"must be on {y.device} (y's device), got {weight.device}")
-    for name, v, lo in (("eps", eps, 0), ("b1", b1, 0), ("b2", b2, 0)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lo:
-            _fail(name, f"must be a positive number, got {v!r}")
+    _weight(weight, y, "y")
+    _positive(eps=eps, b1=b1, b2=b2)
     odt = torch.float64 if y.dtype == torch.float64 else torch.bfloat16
     if out is None:
         out = torch.empty(R, D + inter, dtype=odt, device=y.device)
     _rows("out", out, (odt,), y.device)
     if tuple(out.shape) != (R, D + inter):
         _fail("out", f"must be [{R}, {D + inter}] (y's width plus half of gu's), got {tuple(out.shape)}")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16
-                              or block & (block - 1)):
-        _fail("block", f"must be None or a power of two >= 16, got {block!r}")
+    _block(block)
     be, opts, why = dispatch.select("norm_glu", backend, B=R)
     if be == "triton":
         if y.dtype == torch.float64 or gu.dtype != torch.bfloat16:
             _fail("y" if y.dtype == torch.float64 else "gu", f"must be bf16/fp32 (y) and bf16 (gu) for the triton "
                                                               f"backend, got {y.dtype} and {gu.dtype}")
-        if not weight.is_contiguous() or weight.dtype not in (torch.bfloat16, torch.float32):
-            _fail("weight", f"must be a contiguous bf16 or fp32 tensor for the triton backend, got {weight.dtype}")
+        _triton_weight(weight)
         if D > 16384:
             _fail("y", f"must be at most 16384 wide for the triton backend (one row in registers), got {D}")
         dispatch.kernel("norm_glu", be)(y, weight, gu, out, eps=float(eps), b1=float(b1), b2=float(b2), block=block,
