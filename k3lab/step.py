@@ -741,24 +741,30 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             out["experts"] = _beside((fn_e, nb_e + mm_bytes(w_sh13, D, 2 * sI), fl_e + 2 * N * D * 2 * sI), shared_up,
                                      dev)
         xo = buf(D)
+        xin = buf(Lat + sI)
+        nb_glue = _nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e
+
+        def glue_in():  # [rms(y) | situ(g, u)]: the output projection's input, one launch
+            glue.norm_glu(flat(b["y"]), m.routed_norm, gu, xin, eps=float(m.eps), b1=sh[0].b1, b2=sh[0].b2,
+                          backend=be)
+
         if owned_output:  # the shared w2 (+ p) everywhere, then rank q's rows of Wup into its coordinates
-            xin = buf(Lat + sI)
             cd = _cuts(D, tp)
             w_sh2 = w_out[:, Lat:].contiguous()
             w_up = [w_out[cd[q], :Lat].contiguous() for q in range(tp)]
             qs = range(tp) if ranks == "all" else (0,)
 
             def moe_out():
-                glue.norm_glu(flat(b["y"]), m.routed_norm, gu, xin, eps=float(m.eps), b1=sh[0].b1, b2=sh[0].b2,
-                              backend=be)
+                glue_in()
                 trunk.proj(xin[:, Lat:], w_sh2, xo, residual=flat(b["p"]).contiguous(), backend=be)
                 for q in qs:
                     trunk.proj(xin[:, :Lat], w_up[q], xo[:, cd[q]], residual=xo[:, cd[q]], backend=be)
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             d_own = sum(w_up[q].shape[0] for q in qs)
-            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e + mm_bytes(w_sh2, sI, D, residual=True)
-                      + _nb(*[w_up[q] for q in qs]) + N * (Lat * e + 2 * d_own * e))
+            nb_out = (nb_glue + mm_bytes(w_sh2, sI, D, residual=True) + _nb(*[w_up[q] for q in qs])
+                      + N * (Lat * e + 2 * d_own * e))
+            fl_out = 2 * N * (sI * D + Lat * d_own)
         elif fuse_pro:
             def moe_out():
                 trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
@@ -767,18 +773,16 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
-        else:  # two launches: routed_norm and SiTU-GLU into the two segments of one input, then one projection
-            xin = buf(Lat + sI)
-
+            fl_out = 2 * N * (Lat + sI) * D
+        else:  # two launches: the glue into the two segments of one input, then one projection over [Wup | w2]
             def moe_out():
-                glue.norm_glu(flat(b["y"]), m.routed_norm, gu, xin, eps=float(m.eps), b1=sh[0].b1, b2=sh[0].b2,
-                              backend=be)
+                glue_in()
                 P(xin, w_out, xo, residual=b["p"])
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
-            nb_out = (_nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e
-                      + mm_bytes(w_out, Lat + sI, D, residual=True))
-        out["moe_out"] = (moe_out, nb_out, 2 * N * (Lat + sI) * D // (tp if owned_output and ranks == "one" else 1))
+            nb_out = nb_glue + mm_bytes(w_out, Lat + sI, D, residual=True)
+            fl_out = 2 * N * (Lat + sI) * D
+        out["moe_out"] = (moe_out, nb_out, fl_out)
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])
         I = m.w1.shape[0]
