@@ -777,7 +777,6 @@ SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
 SIMT_LEADERS_FROM = 16  # from this batch, tickets over the leaders only (`_simt_leaders_kernel`; default_blocks)
 LEAD_BIG = 1 << 30
-SIMT_ONE = True  # batch 1: each pair its own group (`_simt_group`); experiments/moe_simt turns it off to compare
 PATHS = ("gemv", "grouped", "simt")
 
 
@@ -953,7 +952,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and SIMT_ONE and not lead_on, LEAD=lead_on, num_warps=nw,
+                                   ONE=B == 1 and not lead_on, LEAD=lead_on, num_warps=nw,
                                    num_stages=1, **extra)
         _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y
