@@ -702,17 +702,20 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                     outs = [logits[:, ce[q]], z[:, cl[q]]] + ([gu[:, :sI], gu[:, sI:]] if q == 0 and sh0 else [])
                     trunk.proj_group(flat(b["h2"]), w_rank[q], outs, backend=be)
 
-            if ranks == "one" and "h2" in b:
-                shares(range(tp))  # the other ranks' shares, as exchanged (made once, outside any timed region)
+            if ranks == "one":
+                if "h2" in b:
+                    shares(range(tp))  # the other ranks' shares, as exchanged (made once, outside any timed region)
+                del w_rank[1:]  # the timed step reads rank 0's weight only
 
             def moe_in():
                 shares(range(tp) if ranks == "all" else (0,))
                 topk()
                 b["idx"], b["wk"] = idx, wk
                 return idx, wk
-            w_in_moe = w_rank[0] if ranks == "one" else torch.cat(w_rank, 0)
+            w_ins = list(w_rank)  # what moe_in reads: rank 0's weight, or every rank's in turn
         else:
             w_in_moe = w_moe[:E + Lat] if shared_stream else w_moe  # rows: router, latent down (, shared w1/w3)
+            w_ins = [w_in_moe]
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [gu[:, :sI], gu[:, sI:]])
@@ -725,11 +728,11 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 b["idx"], b["wk"] = idx, wk
                 return idx, wk
 
-        n_in = w_in_moe.shape[0]
+        n_in = sum(w.shape[0] for w in w_ins)
         if pf:
-            out["attnres_mlp"] = _prefetching(out["attnres_mlp"], w_in_moe, N, budget)
-        out["moe_in"] = (moe_in, mm_bytes(w_in_moe, D, n_in) + N * E * 2 + r.e_bias.numel() * 4 + N * r.top_k * 12,
-                         2 * N * D * n_in)
+            out["attnres_mlp"] = _prefetching(out["attnres_mlp"], w_ins[0], N, budget)
+        out["moe_in"] = (moe_in, _nb(*w_ins) + N * (D * e * len(w_ins) + n_in * e) + N * E * 2 + r.e_bias.numel() * 4
+                         + N * r.top_k * 12, 2 * N * D * n_in)
         out["experts"] = comps["experts"]
         if shared_stream:  # the shared w1/w3 beside the routed experts, on the side stream
             w_sh13 = w_moe[E + Lat:]

@@ -293,6 +293,8 @@ def test_toggle_list_changes_one_switch_each():
         diff = {k for k, v in sw.to_dict().items() if v != base.to_dict()[k]}
         assert len(diff) == 1, (label, diff)
     assert "kda_pdl=False->True" in dict(S.toggle_list(base, Switches(backend={"kda": "cute"})))
+    every = S.toggle_list(base, Switches(backend={c: "triton" for c in COMPONENTS}, kda_pdl=True))
+    assert {label.split("=")[0] for label, _ in every} <= set(S.TOGGLE_NAMES)  # the names `toggles` accepts
 
 
 # ---- timing, attribution, estimate ---------------------------------------------------------------------
