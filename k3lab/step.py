@@ -295,6 +295,11 @@ class DecodeStep:
         if sw.shared_expert_stream and over.get("proj") == "triton":
             why["shared_expert_stream"] = ("on: the shared experts' w1/w3 on a side stream beside the routed experts "
                                            "(their share of the SMs not bounded)")
+        if sw.pdl:
+            comps = [{n: (_chained(fn), nb, fl) for n, (fn, nb, fl) in c.items()} for c in comps]
+            why["pdl"] = ("on: every k3lab Triton kernel of the step launched with programmatic dependent launch "
+                          "(waits for its predecessor, then lets its successor launch; cuBLAS and torch ops, the "
+                          "side streams and the CuTe kernels without kda_pdl launch plainly)")
         for k in ("split_router", "owned_output", "shared_expert_stream"):
             if getattr(sw, k) and over.get("proj") != "triton":
                 why[k] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
@@ -483,6 +488,16 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
                    w.device)
 
 
+def _chained(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn with every k3lab Triton kernel it launches under programmatic dependent launch (the `pdl` switch)."""
+    from k3lab_kernels.triton.mla_decode import pdl_chain
+
+    def run():
+        with pdl_chain(True):
+            return fn()
+    return run
+
+
 def _beside(comp, side_fn: Callable[[], Any], device):
     """The component `comp` (fn, bytes, flops) with `side_fn` launched on the side stream beside it (forked when
     it starts, joined when it ends: each component stays capturable alone); in order off the GPU."""
@@ -498,7 +513,9 @@ def _beside(comp, side_fn: Callable[[], Any], device):
             side = _SIDE[key] = torch.cuda.Stream(device=device)
         cur = torch.cuda.current_stream(device)
         side.wait_stream(cur)
-        with torch.cuda.stream(side):
+        from k3lab_kernels.triton.mla_decode import pdl_chain
+
+        with torch.cuda.stream(side), pdl_chain(False):  # a side stream's first kernel follows an event, not a kernel
             side_fn()
         r = fn()
         cur.wait_stream(side)
@@ -1196,14 +1213,14 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 
 TOGGLE_NAMES = tuple(c for c in COMPONENTS if c != "dense") + (
     "pad_heads", "kda_tile_v", "mla_partitions", "prefetch", "fuse_prologues", "split_router", "owned_output",
-    "shared_expert_stream", "kda_pdl")  # what toggle_list can change (each label starts with one of them)
+    "shared_expert_stream", "kda_pdl", "pdl")  # what toggle_list can change (each label starts with one of them)
 
 
 def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
-    128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output and
-    shared_expert_stream when the projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype
+    128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output,
+    shared_expert_stream and pdl when the projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype
     needs a new build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
@@ -1219,6 +1236,7 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
         flips["split_router"] = {False: True, True: False}
         flips["owned_output"] = {False: True, True: False}
         flips["shared_expert_stream"] = {False: True, True: False}
+        flips["pdl"] = {False: True, True: False}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)

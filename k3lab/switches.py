@@ -37,6 +37,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "split_router": (False, True),
     "owned_output": (False, True),
     "fused_allreduce": (False, True),
+    "pdl": (False, True),
 }
 # declared, not read by any code yet: the issue that wires each
 NOT_WIRED = {
@@ -82,6 +83,9 @@ class Switches:
     split_router: bool = False
     owned_output: bool = False
     fused_allreduce: bool = False
+    # the step: every k3lab Triton kernel launched with programmatic dependent launch (each waits for its
+    # predecessor's results, reading only weights and never-written tensors before; kernels_triton mla_decode.pdl_chain)
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -230,13 +230,13 @@ def test_combine_pdl():
 
 
 def test_preload_and_block_n_rules():
-    """Page indices preloaded from 4 blocks a piece (batch 1: 32K and 128K yes, 1K and 8K no; batch 64 yes);
-    block_n 64 only at batch >= 16 where nothing can be preloaded."""
+    """Page indices preloaded 16 at a time from 2 blocks a piece (batch 1: 8K, 32K and 128K yes, 1K no; batch 64
+    yes); block_n 64 only at batch >= 16 where nothing can be preloaded."""
     from k3lab_kernels.triton import mla_decode as kern
 
-    assert kern.default_preload(1025, 33, 32) == 0 and kern.default_preload(8193, 132, 32) == 0
-    assert kern.default_preload(32769, 132, 32) == kern.default_preload(131073, 264, 32) == 64
-    assert kern.default_preload(8193, 4, 32) == 64
+    assert kern.default_preload(1025, 33, 32) == 0 and kern.default_preload(8193, 132, 32) == 16
+    assert kern.default_preload(32769, 132, 32) == kern.default_preload(131073, 264, 32) == 16
+    assert kern.default_preload(8193, 4, 32) == 16
     assert kern.default_block_n(16, 64) == 32 and kern.default_block_n(16, 64, preload=False) == 64
     assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
 

@@ -521,26 +521,41 @@ def test_gpu_step_tp8_small_pool(tmp_path):
     assert any(e.get("cat") == "kernel" for e in ev)
 
 
+_MOE_SWITCHES = ("split_router", "owned_output", "shared_expert_stream")
+
+
 @pytest.mark.gpu
-def test_gpu_step_moe_switches_capture_and_match():
-    """The three MoE switches on the GPU (tp8, a small pool, batch 2): the whole step still captures in one graph
-    (the shared experts' side stream forks and joins inside the experts component), and with every rank's share
-    (ranks "all") the layer outputs match the plain fused step's."""
+@pytest.mark.parametrize("names", [(n,) for n in _MOE_SWITCHES] + [_MOE_SWITCHES], ids="+".join)
+def test_gpu_step_moe_switches_capture_and_match(names):
+    """The MoE switches on the GPU, each alone and all three (tp8, a small pool, batch 2): the whole step still
+    captures in one graph (the shared experts' side stream forks and joins inside the experts component), and
+    with every rank's share (ranks "all"), from the same KDA states, the first MoE layer's output matches the
+    plain fused step's."""
     from k3lab.harness.numerics import rel_norm_error
 
     view = preset("tp8", batch=2, context=1024, expert_dtype="mxfp4")
-    on = FUSED.replace(split_router=True, owned_output=True, shared_expert_stream=True)
+    on = FUSED.replace(**{n: True for n in names})
     st = S.DecodeStep(view, FUSED, n_experts=32, ranks="all")
     x = torch.randn(tuple(st.x_in.shape), device=st.device).to(st.dtype)
+    kda = [L.state for L in st.layers if L.kind == "kda"]
+    start = [(s.state.clone(), s.conv_state.clone()) for s in kda]  # a T = 1 step advances the KDA states in place
     outs = []
     for sw in (FUSED, on):
+        for s, (s0, c0) in zip(kda, start):
+            s.state.copy_(s0)
+            s.conv_state.copy_(c0)
         st.set_switches(sw)
         outs.append([t.clone() for t in (st.run(x), st.layers[1].buf["x_out"])])
-    for a, b in zip(*outs):
-        assert torch.isfinite(b).all() and rel_norm_error(b, a) < 2e-2
+        torch.cuda.synchronize()
+    # layer 1 (the first MoE layer, the same input both ways) agrees to bf16 rounding: owned_output rounds the
+    # shared part once more, the side stream's shared w1/w3 launch sums in another split-K order. The step's output
+    # after 12 layers is only checked finite: such roundings flip near-tie routing in later layers (H200: 10-26 %
+    # apart at the end while layer 1 was 0.15-0.22 % apart).
+    err1 = rel_norm_error(outs[1][1], outs[0][1])
+    assert all(torch.isfinite(b).all() for b in outs[1]) and err1 < 2e-2, (names, err1)
     one = S.DecodeStep(view, on, n_experts=32)  # ranks "one": the timed form
     t = S.time_step(one, reps=3, warmup=1)
-    assert t.kind == "gpu-graph", t
+    assert t.kind == "gpu-graph", (names, t)
 
 
 @pytest.mark.gpu
@@ -554,3 +569,33 @@ def test_gpu_step_numerics_tiny(fuse):
     num = S.step_numerics(view, FUSED.replace(fuse_prologues=fuse), n_steps=2)
     errs = [e[-1] for e in num["rel_err"]]
     assert all(math.isfinite(e) and e < S.NUMERICS_TOL for e in errs), errs
+
+
+def test_pdl_switch_same_output_and_recorded(monkeypatch):
+    """The `pdl` switch: the step's components run inside a pdl_chain (every k3lab Triton kernel whose wrapper gets
+    pdl=None launches with PDL on a GPU; the interpreter launches plainly), the output is the plain step's, the
+    record says so, and toggle_list offers it. The chain itself: on inside, off outside, an explicit pdl wins."""
+    from k3lab_kernels.triton import mla_decode as md
+
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
+    x = torch.randn(tuple(st.x_in.shape), generator=torch.Generator().manual_seed(5)).to(st.dtype)
+    kda = [L.state for L in st.layers if L.kind == "kda"]
+    start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
+    outs = []
+    for pdl in (False, True):
+        for s, (s0, c0) in zip(kda, start):
+            s.state.copy_(s0)
+            s.conv_state.copy_(c0)
+        st.set_switches(FUSED.replace(pdl=pdl))
+        outs.append(st.run(x).clone())
+    assert torch.equal(outs[0], outs[1])
+    assert "programmatic dependent launch" in st.why["pdl"]
+    assert "pdl=False->True" in dict(S.toggle_list(FUSED, st.switches))
+    assert not md.chain_pdl(None)  # the interpreter: never PDL
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a GPU
+    assert not md.chain_pdl(None) and md.chain_pdl(True)
+    with md.pdl_chain(True):
+        assert md.chain_pdl(None) and not md.chain_pdl(False)
+        with md.pdl_chain(False):
+            assert not md.chain_pdl(None)
+    assert not md.chain_pdl(None)

@@ -8,7 +8,7 @@ compiled for `arch` (sm_90 by default: the H200) from the arguments the wrapper 
 simt path's pack=4 layout guard reads its TTGIR).
 
     python -m k3lab.harness.triton_compile [--options] [--full] [--grid NAME=v1,v2 ...] [--resources]
-                                           [--arch 90] [OP ...]
+                                           [--arch 90] [--pdl] [OP ...]
 
 checks each op's first case with its default options; `--options` adds each option value alone on that case,
 `--full` every case of the op's grid (`--grid` replaces axes of it, e.g. K3's sizes); `--resources` prints each
@@ -206,7 +206,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="replace an axis of the ops' grids (repeatable), e.g. latent=3584")
     ap.add_argument("--resources", action="store_true", help="registers, stack, shared, local bytes per kernel")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H200), 100")
+    ap.add_argument("--pdl", action="store_true", help="inside a pdl_chain: the kernels as the step's `pdl` switch "
+                                                       "launches them (griddepcontrol wait / launch_dependents)")
     a = ap.parse_args(argv)
+    if a.pdl:
+        from k3lab_kernels.triton.mla_decode import pdl_chain
+
+        with pdl_chain(True):
+            return _main(a, ap)
+    return _main(a, ap)
+
+
+def _main(a, ap) -> int:
     import triton
 
     t = time.perf_counter()

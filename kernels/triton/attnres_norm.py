@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16
 
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
@@ -86,7 +86,8 @@ def _score(x, wv, D, eps):
 @triton.jit
 def _attnres_row_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, t5, t6, t7, t8,
                          prefix, new, p_out, w_norm, w_proj, norm_w, out, s_p, s_a, s_po, s_o, D, eps,
-                         NB: tl.constexpr, UPDATE: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr):
+                         NB: tl.constexpr, UPDATE: tl.constexpr, DP: tl.constexpr, RNE: tl.constexpr,
+                         PDL: tl.constexpr):
     """The row path: one program per row holds p, w_norm * w_proj and the mix ([D] fp32 each) in registers;
     pass 1 streams the blocks for their two sums, pass 2 reads them again (L2) for the mix."""
     b = tl.program_id(0)
@@ -94,6 +95,7 @@ def _attnres_row_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, 
     dm = d < D
     wv = (tl.load(w_norm + d, mask=dm, other=0.0).to(tl.float32)
           * tl.load(w_proj + d, mask=dm, other=0.0).to(tl.float32))
+    pdl_enter(PDL)  # the weights above, then the rows the kernels before wrote
     if UPDATE == 0:
         p = _src(prefix, s_p, b, d, dm)
     else:
@@ -231,7 +233,7 @@ def _finish(ws, wrow, S, r, d, dm, b, norm_w, out, s_o, D, eps, P,
 def _attnres_norm_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, t5, t6, t7, t8,
                          prefix, new, p_out, w_norm, w_proj, norm_w, out, ws, cnt, s_p, s_a, s_po, s_o, D, eps,
                          NB: tl.constexpr, UPDATE: tl.constexpr, BLOCK_D: tl.constexpr, PP: tl.constexpr,
-                         INTERP: tl.constexpr):
+                         INTERP: tl.constexpr, PDL: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
     P = tl.num_programs(0)
@@ -240,6 +242,7 @@ def _attnres_norm_kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4,
     dm = d < D
     wv = (tl.load(w_norm + d, mask=dm, other=0.0).to(tl.float32)
           * tl.load(w_proj + d, mask=dm, other=0.0).to(tl.float32))
+    pdl_enter(PDL)  # the weights above, then the rows (and the counters) the kernels before wrote
     S = _tile(b0, b1, b2, b3, b4, b5, b6, b7, b8, t0, t1, t2, t3, t4, t5, t6, t7, t8, prefix, new, p_out,
               s_p, s_a, s_po, r, b, d, dm, True, NB, UPDATE, BLOCK_D, INTERP)
     sw = tl.sum(S.to(tl.float32) * wv[None, :], 1)
@@ -287,13 +290,15 @@ SPLIT_MIN_BLOCKS = 5  # path None: row below this many blocks (its fixed cross-p
 def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Tensor | None, w_norm: torch.Tensor,
                  w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor, partial_out: torch.Tensor | None,
                  *, update: str = "none", eps: float = 1e-6, num_warps: int | None = None,
-                 block_d: int | None = None, path: str | None = None) -> torch.Tensor:
+                 block_d: int | None = None, path: str | None = None, pdl: bool | None = None) -> torch.Tensor:
     """blocks: 0..MAX_BLOCKS tensors [B, D]; prefix [B, D] (the partial before the update; unused for
     update "fresh"); new [B, D] (the attention/MLP output; None for "none"); partial_out [B, D] written
     for "add"/"fresh" (may be prefix itself); out [B, D] written. path: "split" (a row over D / block_d
     programs) or "row" (one program per row); None = split up to SPLIT_MAX_BATCH rows with at least
     SPLIT_MIN_BLOCKS blocks, else row. block_d: the split
-    path's columns per program (a power of two >= 16; None = BLOCK_D). Returns out. The caller validates."""
+    path's columns per program (a power of two >= 16; None = BLOCK_D). pdl: launched with programmatic dependent
+    launch (None: the enclosing mla_decode.pdl_chain's setting). Returns out. The caller validates."""
+    pdl = chain_pdl(pdl)
     B, D = out.shape
     path = path or ("split" if B <= SPLIT_MAX_BATCH and len(blocks) >= SPLIT_MIN_BLOCKS else "row")
     u = UPDATES.index(update)
@@ -304,7 +309,8 @@ def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Te
     if path == "row":
         _attnres_row_kernel[(B,)](*src, *strides, prefix, a, po, w_norm, w_proj, norm_w, out,
                                   prefix.stride(0), a.stride(0), po.stride(0), out.stride(0), D, float(eps),
-                                  NB=len(blocks), UPDATE=u, DP=_pow2(D), RNE=dot_f32(), num_warps=num_warps or 8)
+                                  NB=len(blocks), UPDATE=u, DP=_pow2(D), RNE=dot_f32(), PDL=pdl,
+                                  num_warps=num_warps or 8, **launch_kw(pdl))
         return out
     bd = max(16, min(block_d or BLOCK_D, _pow2(D)))
     P = triton.cdiv(D, bd)
@@ -313,5 +319,5 @@ def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Te
     _attnres_norm_kernel[(P, B)](*src, *strides, prefix, a, po, w_norm, w_proj, norm_w, out,
                                  ws, cnt, prefix.stride(0), a.stride(0), po.stride(0), out.stride(0), D, float(eps),
                                  NB=len(blocks), UPDATE=u, BLOCK_D=bd, PP=max(2, _pow2(P)), INTERP=dot_f32(),
-                                 num_warps=num_warps or 4)
+                                 PDL=pdl, num_warps=num_warps or 4, **launch_kw(pdl))
     return out

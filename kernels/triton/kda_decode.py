@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+
 TILE_V_ALLOWED = (4, 8, 16, 32, 64, 128)
 
 
@@ -77,7 +79,7 @@ def _kda_decode_kernel(
     qkv, f_ptr, b_ptr, gate_ptr, conv_w, A_log, dt_bias, o_norm_w,
     state, conv_state, out, scr_o, counter,
     H, eps, lb, scale,
-    D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
+    D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     vt = pid % NT
@@ -100,19 +102,36 @@ def _kda_decode_kernel(
     # 1. every small input load first (all independent): conv windows as 1-D vectors, gate inputs
     # q and k channels side by side as one [D, 2] tile (column 0 = q, 1 = k)
     ch_qk = ch_q[:, None] + HD * tl.arange(0, 2)[None, :]
-    win_qk = _load_cols(cs_row, ch_qk, W) + (tl.load(x_row + ch_qk),)
-    win_v = _load_cols(cs_row, ch_v, W) + (tl.load(x_row + ch_v),)
-    fk = tl.load(f_ptr + bi.to(tl.int64) * HD + h * D + offs_k).to(tl.float32)
-    dtb = tl.load(dt_bias + h * D + offs_k).to(tl.float32)
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    blog = tl.load(b_ptr + bi.to(tl.int64) * H + h).to(tl.float32)
-    if NT == 1:
-        wn = tl.load(o_norm_w + offs_v).to(tl.float32)
-        gt = tl.load(gate_row + offs_v).to(tl.float32)
-
-    # 2. the one D x TV state tile (rows contiguous along the value axis): in flight during the prologue
     s_ptrs = state + bh.to(tl.int64) * (D * D) + offs_k[:, None] * D + (v0 + offs_v)[None, :]
-    S = tl.load(s_ptrs).to(tl.float32)
+    if PDL:  # launched with PDL: the state, the conv windows and the parameters (no kernel before writes them:
+        # the caller's precondition) before the wait, the activations after it
+        S = tl.load(s_ptrs).to(tl.float32)
+        cw_qk = _load_cols(cs_row, ch_qk, W)
+        cw_v = _load_cols(cs_row, ch_v, W)
+        dtb = tl.load(dt_bias + h * D + offs_k).to(tl.float32)
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        if NT == 1:
+            wn = tl.load(o_norm_w + offs_v).to(tl.float32)
+        pdl_enter(PDL)
+        win_qk = cw_qk + (tl.load(x_row + ch_qk),)
+        win_v = cw_v + (tl.load(x_row + ch_v),)
+        fk = tl.load(f_ptr + bi.to(tl.int64) * HD + h * D + offs_k).to(tl.float32)
+        blog = tl.load(b_ptr + bi.to(tl.int64) * H + h).to(tl.float32)
+        if NT == 1:
+            gt = tl.load(gate_row + offs_v).to(tl.float32)
+    else:
+        win_qk = _load_cols(cs_row, ch_qk, W) + (tl.load(x_row + ch_qk),)
+        win_v = _load_cols(cs_row, ch_v, W) + (tl.load(x_row + ch_v),)
+        fk = tl.load(f_ptr + bi.to(tl.int64) * HD + h * D + offs_k).to(tl.float32)
+        dtb = tl.load(dt_bias + h * D + offs_k).to(tl.float32)
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        blog = tl.load(b_ptr + bi.to(tl.int64) * H + h).to(tl.float32)
+        if NT == 1:
+            wn = tl.load(o_norm_w + offs_v).to(tl.float32)
+            gt = tl.load(gate_row + offs_v).to(tl.float32)
+
+        # 2. the one D x TV state tile (rows contiguous along the value axis): in flight during the prologue
+        S = tl.load(s_ptrs).to(tl.float32)
 
     # 3. prologue in fp32 1-D vectors
     qk2 = _conv_silu(win_qk, conv_w, ch_qk, W)
@@ -200,14 +219,16 @@ def default_num_warps(D: int, tile_v: int, verify: bool = False) -> int:
     return max(1, min(nw, (D * tile_v) // 512 or 1))
 
 
-def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, num_warps=None):
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, num_warps=None, pdl=None):
     """One fused decode step. Shapes as k3lab.ref.kda (contiguous; validated by the component API).
-    Updates `state` and `conv_state` in place, writes `out` [B, H*D]; returns `out`."""
-    _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps)
+    Updates `state` and `conv_state` in place, writes `out` [B, H*D]; returns `out`. pdl: launched with
+    programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting); the state, conv state
+    and parameters are then read before the wait (the kernel directly before must not write them)."""
+    _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps, pdl=pdl)
     return out
 
 
-def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps, num_stages=None):
+def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps, num_stages=None, pdl=None):
     """The launch behind kda_decode; returns Triton's compiled-kernel handle (n_regs / n_spills on a GPU).
     num_stages is exposed for kernels/triton/tune_kda.py only (the kernel has no loop to pipeline)."""
     B = qkv.shape[0]
@@ -217,9 +238,10 @@ def _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_
     scr_o, counter = _scratch(qkv.device, B * H, D, NT) if NT > 1 else (out, out)
     nw = num_warps or default_num_warps(D, tile_v)
     opts = {} if num_stages is None else {"num_stages": num_stages}
+    pdl = chain_pdl(pdl)
     return _kda_decode_kernel[(B * H * NT,)](
         qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w,
         state, conv_state, out, scr_o, counter,
         H, float(params.eps), float(params.lower_bound), 1.0 / math.sqrt(D),
-        D=D, TV=tile_v, NT=NT, W=W, num_warps=nw, **opts,
+        D=D, TV=tile_v, NT=NT, W=W, PDL=pdl, num_warps=nw, **opts, **launch_kw(pdl),
     )

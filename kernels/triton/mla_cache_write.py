@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16, rne_e4m3
+from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16, rne_e4m3
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
                             s_ib, s_it, s_cb, s_sb, s_btb,
                             C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr,
                             W: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr,
-                            RNE: tl.constexpr):
+                            RNE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // T
     t = pid % T
@@ -40,11 +40,7 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
     rr = tl.arange(0, DRP)
     cm = cc < C
     rm = rr < DR
-    src = kv_in + b.to(tl.int64) * s_ib + t * s_it
-    x = tl.load(src + cc, mask=cm, other=0.0).to(tl.float32)
-    xr = tl.load(src + C + rr, mask=rm, other=0.0).to(tl.float32)
     wt = tl.load(norm_w + cc, mask=cm, other=0.0).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, 0) / C + eps) * wt
     pos = tl.load(lengths + b).to(tl.int32) + t
     if PAGED:
         page = tl.load(block_table + b * s_btb + pos // PAGE)
@@ -52,6 +48,11 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
     else:
         row = b.to(tl.int64) * s_cb + pos
     dst = cache + row * W
+    pdl_enter(PDL)  # the weight, the length and the page index above (never written in a step), then the input
+    src = kv_in + b.to(tl.int64) * s_ib + t * s_it
+    x = tl.load(src + cc, mask=cm, other=0.0).to(tl.float32)
+    xr = tl.load(src + C + rr, mask=rm, other=0.0).to(tl.float32)
+    y = x / tl.sqrt(tl.sum(x * x, 0) / C + eps) * wt
     if SCALE_MODE == 0:
         if RNE:
             y = rne_bf16(y)
@@ -79,11 +80,14 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
 
 def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor, *,
                     eps: float = 1e-6, scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                    num_warps: int = 4) -> None:
+                    num_warps: int = 4, pdl: bool | None = None) -> None:
     """kv [B,T,W] (last dim contiguous; bf16/fp16/fp32), kv_norm [C]; cache [B,S_max,W] or, with block_table
     [B, max_pages] int32, the pool [n_pages, PAGE, W] (bf16/fp16 or float8_e4m3fn with `scale`: 0-d
     per-tensor, or per-token [B,S_max] / [n_pages, PAGE] fp32, written); lengths [B] int32/int64. In place;
-    the caller validates (positions inside the capacity)."""
+    the caller validates (positions inside the capacity). pdl: launched with programmatic dependent launch
+    (None: the enclosing mla_decode.pdl_chain's setting; the lengths and the block table are read before the
+    wait: the caller does not change them in the kernel before)."""
+    pdl = chain_pdl(pdl)
     B, T, W = kv.shape
     C = kv_norm.shape[0]
     assert kv.stride(-1) == 1 and cache.is_contiguous() and cache.shape[-1] == W
@@ -95,4 +99,4 @@ def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor
         kv.stride(0), kv.stride(1), 0 if paged else cache.shape[1], scale.stride(0) if mode == 2 and not paged else 0,
         block_table.stride(0) if paged else 0,
         C=C, DR=W - C, CP=_pow2(C), DRP=_pow2(W - C), W=W, PAGED=paged, PAGE=cache.shape[1] if paged else 1,
-        SCALE_MODE=mode, RNE=dot_f32(), num_warps=num_warps)
+        SCALE_MODE=mode, RNE=dot_f32(), PDL=pdl, num_warps=num_warps, **launch_kw(pdl))

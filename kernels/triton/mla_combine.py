@@ -69,6 +69,7 @@ def _mla_combine_kernel(o_part, lse_part, w_uv, gate, out, K, T, H, NR,
     g = tl.load(gate + col, mask=rok[:, None], other=0.0).to(tl.float32)
     if PDL:  # launched with PDL: the partials are complete and visible after this
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
     if K == 1:
         o = tl.load(o_part + base[:, None] * C + cc[None, :], mask=_mask2(rok, cm, CP == C), other=0.0)
     else:
@@ -120,6 +121,7 @@ def _mla_combine_row_kernel(o_part, lse_part, w_uv, gate, out, K, T, H,
     g = tl.load(gate + col).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
     if K == 1:  # an already merged o_lat (no lse)
         o = tl.load(o_part + base * C + cc, mask=cm, other=0.0)
     else:

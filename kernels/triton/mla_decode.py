@@ -65,6 +65,8 @@ suffice.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -84,8 +86,8 @@ DEFAULT_BLOCK_M = 16
 # programmatic dependent launch between the split and its merge / combine: the split lets them start once its
 # partials are stored (docs/NOTES_mla.md)
 DEFAULT_PDL = True
-DEFAULT_PRELOAD_PAGES = 64  # page indices loaded before the block loop, this many at a time (0: one a block)
-PRELOAD_MIN_BLOCKS = 4  # ... when a piece has at least this many blocks (1-2 blocks a piece: the plain loop wins)
+DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this many at a time (0: one a block)
+PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
 
@@ -131,6 +133,37 @@ def pdl_on(pdl: bool) -> bool:
     """PDL runs on a GPU only (the interpreter has no griddepcontrol): elsewhere the launches are plain and
     the result is the same."""
     return bool(pdl) and not dot_f32()
+
+
+_CHAIN = contextvars.ContextVar("k3lab_pdl_chain", default=False)
+
+
+@contextlib.contextmanager
+def pdl_chain(on: bool = True):
+    """Inside: every k3lab Triton kernel whose wrapper is called with pdl=None launches with programmatic dependent
+    launch (the decode step's `pdl` switch). Such a kernel waits for its predecessor (griddepcontrol.wait) before
+    it reads anything a kernel before it may write (activations, caches, counters), then lets its own successor
+    launch; only weights and other never-written tensors are touched before the wait. The waiting programs hold
+    their SM slots, so the next kernel's launch and first weight loads overlap the tail of the current one."""
+    tok = _CHAIN.set(bool(on))
+    try:
+        yield
+    finally:
+        _CHAIN.reset(tok)
+
+
+def chain_pdl(pdl: bool | None) -> bool:
+    """`pdl` as given, or the enclosing pdl_chain's setting when None; False off the GPU (pdl_on)."""
+    return pdl_on(_CHAIN.get() if pdl is None else pdl)
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel launched with PDL (pdl_chain): wait for the predecessor's results, then let the successor launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def launch_kw(pdl: bool) -> dict:
@@ -207,6 +240,7 @@ def _mla_split_kernel(
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -259,6 +293,8 @@ def _mla_split_kernel(
         r_ok = rr < DRP
     else:
         r_ok = rr < DR
+    if WAIT:  # launched with PDL (pdl_chain): lengths and the page indices above, the query and rows after the wait
+        tl.extra.cuda.gdc_wait()
     q = tl.load(q_lat + b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + cc[None, :],
                 mask=_mask2(row_ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
     qr = tl.load(q_rope + b * s_rb + t[:, None] * s_rt + h[:, None] * s_rh + rr[None, :],
@@ -333,6 +369,7 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
     max rescales what is summed so far: the lse and o loads of a step are issued together)."""
     if PDL:  # launched with PDL: the split's partials are complete and visible after this
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     cb = tl.program_id(1)
     rok = rows < NR
@@ -492,6 +529,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     s_sb = kv_scale.stride(0) if mode == 2 and not paged else 0
     bt = block_table if paged else lengths  # a placeholder pointer when contiguous
     pdl = pdl_on(pdl)
+    wait = chain_pdl(None)  # the split itself launched with PDL inside a pdl_chain (the step's `pdl` switch)
     page_rows = paged and dcp == 1 and page % BN == 0
     if not page_rows:
         npg = 0
@@ -512,8 +550,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl,
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait,
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
+        **launch_kw(wait),
     )
     if direct:
         return o_dst, l_dst

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import dot_f32, rne_bf16
+from k3lab_kernels.triton.mla_decode import chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
@@ -674,10 +674,11 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
 
 
 @triton.jit
-def _simt_leaders_kernel(idx, first, lead, P, PB: tl.constexpr, BIG: tl.constexpr):
+def _simt_leaders_kernel(idx, first, lead, P, PB: tl.constexpr, BIG: tl.constexpr, PDL: tl.constexpr):
     """One program: the pairs that lead their expert's group (the first pair that chose it), listed in pair order
     in lead[1:], their count in lead[0]. first [E] int32 holds BIG between calls: each pair's atomic minimum there,
     read back after a barrier (a second minimum returns the settled value), then reset by the leaders."""
+    pdl_enter(PDL)
     p = tl.arange(0, PB)
     ok = p < P
     e = tl.load(idx + p, mask=ok, other=0)
@@ -697,12 +698,14 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, LEAD: tl.constexpr):
+                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
     there, [64] counting programs done. LEAD: the items run over the leaders `_simt_leaders_kernel` listed
-    (their count read here: NA and NITEMS shrink to it) instead of over every pair."""
+    (their count read here: NA and NITEMS shrink to it) instead of over every pair. PDL: launched with
+    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait)."""
+    pdl_enter(PDL)
     na = NA
     nitems = NITEMS
     if LEAD:
@@ -921,9 +924,10 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None) -> torch.Tensor:
+                leaders: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
-    k3lab.components.moe.experts; `path` None takes `default_path`."""
+    k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
+    dependent launch (None: the enclosing mla_decode.pdl_chain's setting; the other paths launch plainly)."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
@@ -936,6 +940,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
     common = dict(L=L, I=I, K=K, KP=_pow2(K), FMT=FORMATS.index(fmt), BN=bn, BK=bk, BL=bl, B1=float(b1),
                   B2=float(b2), num_warps=nw, num_stages=ns)
     if path == "simt":
+        pdl = chain_pdl(pdl)
         ws, act = workspace(z.device, B * K, I, torch.float16)
         na = B * K * (I // bn)
         nitems = na + B * K * (L // bl)
@@ -947,13 +952,14 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         lead = ws  # unread unless lead_on
         if lead_on:
             first, lead = _leaders(z.device, w1.shape[0], B * K)
-            _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, num_warps=4)
+            _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=pdl, num_warps=4,
+                                       **launch_kw(pdl))
         k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
                                    lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and not lead_on, LEAD=lead_on, num_warps=nw,
-                                   num_stages=1, **extra)
+                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, num_warps=nw,
+                                   num_stages=1, **extra, **launch_kw(pdl))
         _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y
     if path == "gemv":

@@ -22,14 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+
 from k3lab_kernels.triton.rms_norm import rms_row
 from k3lab_kernels.triton.situ_glu import situ_cols
 
 
 @triton.jit
-def _norm_glu_kernel(y, w, gu, out, D, I, s_y, s_gu, s_o, eps, b1, b2, BD: tl.constexpr, BI: tl.constexpr):
+def _norm_glu_kernel(y, w, gu, out, D, I, s_y, s_gu, s_o, eps, b1, b2, BD: tl.constexpr, BI: tl.constexpr,
+                     PDL: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1)
+    pdl_enter(PDL)
     if j == 0:
         rms_row(y + r * s_y, w, out + r * s_o, D, eps, BD)
     else:
@@ -37,13 +41,16 @@ def _norm_glu_kernel(y, w, gu, out, D, I, s_y, s_gu, s_o, eps, b1, b2, BD: tl.co
 
 
 def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch.Tensor, *, eps: float, b1: float,
-             b2: float, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """out = [rms(y; weight) | situ(gu)] in bf16 (module docstring); the component API validates the arguments."""
+             b2: float, block: int | None = None, num_warps: int | None = None,
+             pdl: bool | None = None) -> torch.Tensor:
+    """out = [rms(y; weight) | situ(gu)] in bf16 (module docstring); the component API validates the arguments.
+    pdl: launched with programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    pdl = chain_pdl(pdl)
     R, D = y.shape
     inter = gu.shape[1] // 2
     BD = triton.next_power_of_2(D)
     BI = block or min(1024, triton.next_power_of_2(inter))
     _norm_glu_kernel[(R, 1 + triton.cdiv(inter, BI))](
         y, weight, gu, out, D, inter, y.stride(0), gu.stride(0), out.stride(0), float(eps), float(b1), float(b2),
-        BD=BD, BI=BI, num_warps=num_warps or (4 if BD <= 2048 else 8))
+        BD=BD, BI=BI, PDL=pdl, num_warps=num_warps or (4 if BD <= 2048 else 8), **launch_kw(pdl))
     return out

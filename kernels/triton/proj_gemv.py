@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16
 from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
 
@@ -128,12 +128,14 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
-                 KXP: tl.constexpr, RR: tl.constexpr):
+                 KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
     eps, the norm weight pw). TOPK > 0:
-    the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt)."""
+    the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt).
+    PDL: launched with programmatic dependent launch (waits at the top: an L2 prefetch of the program's W slice
+    before the wait measured 280 us slower over the step, docs/NOTES_step.md)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -144,6 +146,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     k_lo = pid_s * KSPLIT
     k_hi = tl.minimum(k_lo + KSPLIT, K)
     kk = tl.arange(0, BK)
+    pdl_enter(PDL)
     inv = tl.zeros((BM,), dtype=tl.float32)
     if PRO >= 2:  # the valid rows' sums of squares over all of x first, RR whole rows a round trip (one wide load)
         KX = K1 if PRO == 3 else K
@@ -254,7 +257,7 @@ def _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, 
 def _proj_rows_kernel(x, w, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
                       M, N, K, s_xm, s_rm,
                       NSEG: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr):
+                      FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr):
     """The rows path (small batch): a program owns BN rows of W over all of K, in chunks of BK held in
     registers (no shared memory, no split-K); the next chunk's load is issued before the current chunk's
     products, so two chunks per program are in flight. y[n, b] = sum over the chunk of W[n, k] * x[b, k]
@@ -269,6 +272,7 @@ def _proj_rows_kernel(x, w, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, 
     xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
     acc = tl.zeros((BN, BP), dtype=tl.float32)
     wt = tl.load(wp, mask=nok[:, None] & (kk < K)[None, :], other=0.0)
+    pdl_enter(PDL)  # W's first chunk above, then x
     nk = tl.cdiv(K, BK)
     for i in range(1, nk + 1):
         kn = i * BK
@@ -368,14 +372,16 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          prologue2: tuple | None = None, select: tuple | None = None,
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None) -> list:
+         num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
     ("rms", weight [K], eps); x2 with prologue2 ("situ", b1, b2) and prologue ("rms", weight [K1], eps): the two
     K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k]
     fp32, k, scaling): the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns
-    outs. The caller validates (path "tma" with misaligned x or W is refused here: ValueError)."""
+    outs. The caller validates (path "tma" with misaligned x or W is refused here: ValueError). pdl: launched with
+    programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape
     pro = 0 if prologue is None else {"situ": 1, "rms": 2}[prologue[0]]
@@ -421,8 +427,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if cfg["path"] == "rows":
         _proj_rows_kernel[(triton.cdiv(N, cfg["BN"]),)](
             x, w, sc, res_t, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, NSEG=len(outs), BP=cfg["BP"],
-            BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
         return outs
     BM, BN, BK, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT"]
     gn, gm = triton.cdiv(N, BN), triton.cdiv(M, BM)
@@ -447,7 +453,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     return outs
 
 

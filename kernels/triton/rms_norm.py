@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+
 
 @triton.jit
 def rms_row(x, w, out, D, eps, BD: tl.constexpr):
@@ -32,16 +34,20 @@ def rms_row(x, w, out, D, eps, BD: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x, w, out, D, s_x, s_o, eps, BD: tl.constexpr):
+def _rms_norm_kernel(x, w, out, D, s_x, s_o, eps, BD: tl.constexpr, PDL: tl.constexpr):
     r = tl.program_id(0)
+    pdl_enter(PDL)
     rms_row(x + r * s_x, w, out + r * s_o, D, eps, BD)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, eps: float,
-             num_warps: int | None = None) -> torch.Tensor:
-    """out = rms(x; weight) in bf16 (module docstring); the component API validates the arguments."""
+             num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """out = rms(x; weight) in bf16 (module docstring); the component API validates the arguments. pdl: launched
+    with programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    pdl = chain_pdl(pdl)
     R, D = x.shape
     BD = triton.next_power_of_2(D)
     nw = num_warps or (4 if BD <= 2048 else 8)
-    _rms_norm_kernel[(R,)](x, weight, out, D, x.stride(0), out.stride(0), float(eps), BD=BD, num_warps=nw)
+    _rms_norm_kernel[(R,)](x, weight, out, D, x.stride(0), out.stride(0), float(eps), BD=BD, PDL=pdl, num_warps=nw,
+                           **launch_kw(pdl))
     return out

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, launch_kw, pdl_on
+from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, launch_kw, pdl_on
 
 
 NEG = tl.constexpr(-9223372036854775807)  # a key below every expert's
@@ -80,10 +80,12 @@ def _router_topk_kernel(logits, bias, idx, wts, E, s_l, scaling, TOPK: tl.conste
 
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
-                top_k: int, scaling: float = 1.0, num_warps: int | None = None, pdl: bool = False):
+                top_k: int, scaling: float = 1.0, num_warps: int | None = None, pdl: bool | None = None):
     """logits [B, E] fp32, e_bias [E] fp32, idx [B, top_k] int64, weights [B, top_k] fp32 (written).
-    pdl: launched with programmatic dependent launch (the bias read before waiting on the projection).
+    pdl: launched with programmatic dependent launch (the bias read before waiting on the projection; None: the
+    enclosing mla_decode.pdl_chain's setting).
     Returns (idx, weights). The caller validates."""
+    pdl = chain_pdl(pdl)
     B, E = logits.shape
     KP = _pow2(top_k)
     _router_topk_kernel[(B,)](logits, e_bias, idx, weights, E, logits.stride(0), float(scaling), TOPK=top_k,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+
 
 @triton.jit
 def _tanh(x):
@@ -45,16 +47,19 @@ def situ_cols(gu, a, I, i0, b1, b2, BI: tl.constexpr):
 
 
 @triton.jit
-def _situ_glu_kernel(gu, a, I, s_gu, s_a, b1, b2, BI: tl.constexpr):
+def _situ_glu_kernel(gu, a, I, s_gu, s_a, b1, b2, BI: tl.constexpr, PDL: tl.constexpr):
     r = tl.program_id(0)
+    pdl_enter(PDL)
     situ_cols(gu + r * s_gu, a + r * s_a, I, tl.program_id(1) * BI, b1, b2, BI)
 
 
 def situ_glu(gu: torch.Tensor, out: torch.Tensor, *, b1: float, b2: float, block: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor:
-    """out = situ(gu[:, :I], gu[:, I:]) in bf16 (module docstring); the component API validates the arguments."""
+             num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """out = situ(gu[:, :I], gu[:, I:]) in bf16 (module docstring); the component API validates the arguments.
+    pdl: launched with programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    pdl = chain_pdl(pdl)
     R, I = out.shape
     BI = block or min(1024, triton.next_power_of_2(I))
     _situ_glu_kernel[(R, triton.cdiv(I, BI))](gu, out, I, gu.stride(0), out.stride(0), float(b1), float(b2), BI=BI,
-                                             num_warps=num_warps or 4)
+                                             PDL=pdl, num_warps=num_warps or 4, **launch_kw(pdl))
     return out
