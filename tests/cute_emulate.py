@@ -186,6 +186,12 @@ class Float32(float):
     def ir_value(self, loc=None, ip=None):
         return self
 
+    def bitcast(self, dtype):
+        """The value rounded to fp32, its bits read as a signed Int32 (the only bitcast the kernels use)."""
+        if dtype is not Int32:
+            raise EmulationError(f"Float32.bitcast to {getattr(dtype, '__name__', dtype)} is not emulated")
+        return Int32(int(np.array([float(self)], dtype=np.float32).view(np.int32)[0]))
+
 
 class Int32(int):
     """An Int32 value; arithmetic gives plain ints."""
@@ -938,12 +944,172 @@ def shuffle_sync_bfly(value, offset=1, mask=-1, mask_and_clamp=31):
     return t.value
 
 
+def _warp_collective(value, tag, result):
+    """Every lane of the warp arrives with `value` under the same `tag`; each gets result(values, lane)."""
+    t = _cur()
+    w = t.warp
+    if not w.who:
+        w.offset = tag
+    elif w.offset != tag:
+        raise EmulationError(f"{tag}: lane {t.lane} arrives while its warp is in {w.offset}")
+    w.vals[t.lane] = value
+    w.who.append(t)
+    if len(w.who) < 32:
+        _S.block(str(tag))
+        return t.value
+    vals = w.vals
+    for u in w.who:
+        u.value = result(vals, u.lane)
+        if u is not t:
+            _S.wake(u)
+    w.who, w.vals = [], [None] * 32
+    return t.value
+
+
+def vote_ballot_sync(pred, mask=-1):
+    """vote.sync.ballot: bit l set when lane l's predicate holds (all 32 lanes take part), as a signed Int32."""
+    def bits(vals, lane):
+        m = sum(1 << i for i, v in enumerate(vals) if v)
+        return Int32(m - (1 << 32) if m >> 31 else m)
+    return _warp_collective(bool(pred), "vote_ballot_sync", bits)
+
+
+def shuffle_sync(value, offset=0, mask=-1, mask_and_clamp=31):
+    """shfl.sync.idx: every lane reads lane `offset`'s value (the same source lane in every lane)."""
+    src = _as_index(offset)
+    if not 0 <= src < 32:
+        raise EmulationError(f"shuffle_sync from lane {src}")
+    return _warp_collective(value, ("shuffle_sync", src), lambda vals, lane: vals[src])
+
+
+def popc(x):
+    return Int32(bin(int(x) & 0xFFFFFFFF).count("1"))
+
+
+def clz(x):
+    return Int32(32 - (int(x) & 0xFFFFFFFF).bit_length())
+
+
+def atomic_add(ptr, val, *, sem=None, scope=None):
+    """atom.add on one word of shared or global memory; returns the old value (tasks never interleave inside)."""
+    if not isinstance(ptr, Pointer):
+        raise EmulationError("atomic_add on a non-pointer")
+    old = ptr.buf.read(ptr.off)
+    ptr.buf.write(ptr.off, old + val)
+    return old
+
+
+def _math_div(x, y, fastmath=False, approx=False, ftz=False, full=False, rounding=None):
+    """cute.math.div: the quotient (div.full.f32 and the approximate forms held exact, as exp2 and rcp are)."""
+    return Float32(_div(float(x), float(y)))
+
+
 def fmin(a, b):
     if a != a:
         return Float32(b)
     if b != b:
         return Float32(a)
     return Float32(min(float(a), float(b)))
+
+
+# ---- for the MLA cache write (kernels/cute/mla_cache_write.py): fmax, the inline PTX it emits (one fp32
+# instruction each, emulated in fp32 exactly: mul/add/fma/div/sqrt rounded once to fp32, div.full and
+# sqrt.approx held correctly rounded as the other approximations are; the e4m3 packing) and fp8 tensors,
+# which the kernels reach as 32-bit words of four codes (_Mem.register) --------------------------------------
+
+def fmax(a, b):
+    if a != a:
+        return Float32(b)
+    if b != b:
+        return Float32(a)
+    return Float32(max(float(a), float(b)))
+
+
+Float32.mlir_type = "f32"  # the result types a kernel hands to llvm.inline_asm
+Int32.mlir_type = "i32"
+_ASM_DIALECT = types.SimpleNamespace(AD_ATT=0, AD_Intel=1)
+
+
+def _f32(x) -> float:
+    """x rounded to fp32 (nearest even, overflow to inf)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    """fma.rn.f32: a * b + c rounded once to fp32 (fp32 operands). The product is exact in fp64; the sum
+    rounded to fp64 then fp32 differs from one rounding only where the fp64 sum falls exactly halfway between
+    two fp32 values, where the exact sum decides."""
+    from fractions import Fraction
+
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        return _f32(a * b + c)
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    d = float(exact)  # correctly rounded to fp64
+    r = _f32(d)
+    if r == d or Fraction(d) == exact or not math.isfinite(r):
+        return r
+    other = float(np.nextafter(np.float32(r), np.float32(math.inf if d > r else -math.inf)))
+    if r + other == 2 * d:  # halfway: the exact value is on one side
+        return max(r, other) if exact > d else min(r, other)
+    return r
+
+
+def _sqrt_approx_ftz(a: float) -> float:
+    if a != a or a < 0:
+        return math.nan
+    if a < 2.0 ** -126:  # ftz: a subnormal input is zero
+        return 0.0
+    return _f32(math.sqrt(a))
+
+
+_PTX_F32 = {"mul.rn.f32": lambda a, b: _f32(a * b), "add.rn.f32": lambda a, b: _f32(a + b), "fma.rn.f32": _fma32,
+            "div.full.f32": lambda a, b: _f32(_div(a, b)), "sqrt.approx.ftz.f32": _sqrt_approx_ftz}
+
+
+def _e4m3(x: float) -> int:
+    """cvt.rn.satfinite.e4m3: the float8_e4m3fn code of x (nearest even, saturated to +-448; NaN 0x7F)."""
+    if x != x:
+        return 0x7F
+    x = min(max(x, -448.0), 448.0)
+    return int(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item())
+
+
+def _inline_asm(res, operands, asm_string, constraints, **kw):
+    """llvm.inline_asm of the PTX forms the kernels emit: `OP $0, $1, ...;` for OP in _PTX_F32 ("f" operands),
+    and a `{ .reg .b16 ...; cvt.rn.satfinite.e4m3x2.f32 d, $a, $b; ...; mov.b32 $0, {lo, hi}; }` packing of
+    e4m3 codes (cvt puts $a's code in the upper byte). Anything else raises."""
+    import re
+
+    vals = [_f32(v) for v in operands]
+    regs: dict = {}
+
+    def get(name):
+        name = name.strip()
+        return vals[int(name[1:]) - 1] if name.startswith("$") else regs[name]
+
+    for stmt in asm_string.split(";"):
+        s = " ".join(stmt.split()).strip("{} ")
+        if not s or s.startswith(".reg "):
+            continue
+        m = re.fullmatch(r"cvt\.rn\.satfinite\.e4m3x2\.f32 (\w+), (\$\d+), (\$\d+)", s)
+        if m:
+            regs[m[1]] = (_e4m3(get(m[2])) << 8) | _e4m3(get(m[3]))
+            continue
+        m = re.fullmatch(r"mov\.b32 \$0, \{ ?(\w+), (\w+) ?\}?", s)
+        if m:
+            regs["$0"] = regs[m[1]] | (regs[m[2]] << 16)
+            continue
+        m = re.fullmatch(r"([a-z0-9.]+) \$0, (.*)", s)
+        if m and m[1] in _PTX_F32:
+            regs["$0"] = _PTX_F32[m[1]](*[get(a) for a in m[2].split(",")])
+            continue
+        raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
+    out = regs["$0"]
+    if constraints.startswith("=f"):
+        return Float32(out)
+    out &= 0xFFFFFFFF
+    return Int32(out - (1 << 32) if out >> 31 else out)
 
 
 def cluster_arrive(aligned=None):
@@ -1283,6 +1449,8 @@ class _Mem:
 
     def register(self, t: torch.Tensor):
         t = t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+        if t.dtype == torch.float8_e4m3fn and t.is_contiguous() and t.numel() % 4 == 0:
+            t = t.reshape(-1).view(torch.int32)  # fp8 data: 32-bit words of four codes (a view)
         if not t.is_contiguous():
             return
         start, nbytes = t.data_ptr(), t.numel() * t.element_size()
@@ -1293,7 +1461,7 @@ class _Mem:
         if dt is None:
             return
         flat = t.detach().reshape(-1)
-        arr = flat.numpy() if t.dtype in (torch.float32, torch.int32) else flat.float().numpy().copy()
+        arr = flat.numpy() if t.dtype in _VIEWED else flat.float().numpy().copy()
         name = f"gmem {t.dtype} [{', '.join(str(s) for s in t.shape)}] at 0x{start:x}"
         self.entries.append((start, nbytes, t, dt, _Buf(arr, dt, "g", name, base=start)))
 
@@ -1309,17 +1477,19 @@ class _Mem:
     def refresh(self):
         """Copy the host's current values into the shadows of the bf16/fp16 tensors (fp32/int32 are views)."""
         for _, _, t, _, buf in self.entries:
-            if t.dtype not in (torch.float32, torch.int32):
+            if t.dtype not in _VIEWED:
                 buf.arr[:] = t.detach().reshape(-1).float().numpy()
 
     def write_back(self):
         for _, _, t, _, buf in self.entries:
-            if buf.dirty and t.dtype not in (torch.float32, torch.int32):
+            if buf.dirty and t.dtype not in _VIEWED:
                 t.copy_(torch.from_numpy(buf.arr).view(t.shape).to(t.dtype))
             buf.dirty = False
 
 
-_TORCH_DT = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16, torch.int32: Int32}
+_TORCH_DT = {torch.float32: Float32, torch.bfloat16: BFloat16, torch.float16: Float16, torch.int32: Int32,
+             torch.int64: Int64}
+_VIEWED = (torch.float32, torch.int32, torch.int64)  # the kernels read and write these through a numpy view
 
 
 class _Emu:
@@ -1412,7 +1582,8 @@ def _fake_modules(emu: _Emu) -> dict:
         griddepcontrol_wait=griddepcontrol_wait, griddepcontrol_launch_dependents=griddepcontrol_launch_dependents,
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
-        mbarrier_wait=mbarrier_wait, rcp_approx=_rcp_approx)
+        mbarrier_wait=mbarrier_wait, rcp_approx=_rcp_approx, vote_ballot_sync=vote_ballot_sync,
+        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
     nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,
                     LoadCacheMode=types.SimpleNamespace(ALWAYS="ca", GLOBAL="cg", STREAMING="cs", LAST_USE="lu",
@@ -1423,10 +1594,11 @@ def _fake_modules(emu: _Emu) -> dict:
                    Layout=Layout, make_layout=make_layout, make_tensor=make_tensor, make_rmem_tensor=make_rmem_tensor,
                    autovec_copy=autovec_copy, assume=assume, arch=arch, runtime=runtime, nvgpu=nvgpu,
                    make_copy_atom=make_copy_atom, copy=copy,
-                   math=types.SimpleNamespace(exp=_exp, exp2=_exp2, rsqrt=_rsqrt),
+                   math=types.SimpleNamespace(exp=_exp, exp2=_exp2, rsqrt=_rsqrt, div=_math_div),
                    AddressSpace=types.SimpleNamespace(gmem="gmem", smem="smem", rmem="rmem"))
     llvm = _module("cutlass._mlir.dialects.llvm", store=_llvm_store,
                    PointerType=types.SimpleNamespace(get=lambda space: ("ptr", space)))
+    arch.fmax, llvm.inline_asm, llvm.AsmDialect = fmax, _inline_asm, _ASM_DIALECT  # the MLA cache write's
     nvvm = _module("cutlass._mlir.dialects.nvvm", mapa=lambda ty, ptr, rank, **kw: _peer(ptr, rank),
                    cp_async_bulk_shared_cluster_global=_bulk_g2s)
     dialects = _module("cutlass._mlir.dialects", llvm=llvm, nvvm=nvvm)
@@ -1444,11 +1616,17 @@ def _fake_modules(emu: _Emu) -> dict:
     return {m.__name__: m for m in mods}
 
 
-_KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill")
+# the CuTe DSL kernel modules the emulator rebinds (k3lab_kernels.cute.<name>); the first three are also
+# reachable as m.kd / m.kv / m.kp, every one as m.mod[<name>]
+_KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill", "attnres_norm", "router_topk", "mla_cache_write")
 
 
 def _kernel_modules():
     return [importlib.import_module(f"k3lab_kernels.cute.{n}") for n in _KERNEL_MODULES]
+
+
+def _namespace(mods):
+    return types.SimpleNamespace(**dict(zip(("kd", "kv", "kp"), mods)), mod=dict(zip(_KERNEL_MODULES, mods)))
 
 
 def _is_fake_name(k: str) -> bool:
@@ -1462,7 +1640,7 @@ def emulated(seed: int = 0, sms: int = 2):
     global _EMU
     if _EMU is not None:
         _EMU.sms = sms
-        yield types.SimpleNamespace(**dict(zip(("kd", "kv", "kp"), _kernel_modules())))
+        yield _namespace(_kernel_modules())
         return
     saved = {k: v for k, v in sys.modules.items() if _is_fake_name(k)}
     for k in saved:
@@ -1475,7 +1653,7 @@ def emulated(seed: int = 0, sms: int = 2):
             importlib.reload(m)
             m.torch = _TorchStandIn()
         LAST.clear()
-        yield types.SimpleNamespace(**dict(zip(("kd", "kv", "kp"), mods)))
+        yield _namespace(mods)
     finally:
         _EMU = None
         for k in [k for k in sys.modules if _is_fake_name(k)]:
@@ -1557,3 +1735,20 @@ def launch(fn, *args, grid=(1, 1, 1), block=(256, 1, 1), cluster=None, seed: int
             kernel(fn)(*ptrs).launch(grid=list(grid), block=list(block), cluster=cluster)
         finally:
             _EMU.mem.write_back()
+
+
+def run_attnres(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, update: str = "none",
+                eps: float = 1e-6, seed: int = 0, **opts):
+    """attnres_norm (kernels/cute/attnres_norm.py) on the emulator: the same arguments as CPU tensors (blocks a
+    list, new / partial_out None for update "none"), opts its options (cluster, vec). Returns `out`."""
+    blocks = list(blocks)
+    named = {f"block{i}": b for i, b in enumerate(blocks)}
+
+    def call(m, **a):
+        m.mod["attnres_norm"].attnres_norm([a[f"block{i}"] for i in range(len(blocks))], a["prefix"], a["new"],
+                                           a["w_norm"], a["w_proj"], a["norm_w"], a["out"], a["partial_out"],
+                                           update=update, eps=eps, **opts)
+
+    _run(call, dict(named, prefix=prefix, new=new, w_norm=w_norm, w_proj=w_proj, norm_w=norm_w, out=out,
+                    partial_out=partial_out), seed)
+    return out

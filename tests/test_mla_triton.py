@@ -169,7 +169,8 @@ def test_registry_entries():
     assert ops == {"mla_decode", "mla_combine", "mla_cache_write"}
     for op in registry.ops_of("mla"):
         assert op.floor_bw in ("read", "copy") and op.test_file == "tests/test_mla_triton.py"
-        want = {"reference", "torch_compile", "triton"} | ({"aiter"} if op.name == "mla_decode" else set())
+        want = ({"reference", "torch_compile", "triton"} | ({"aiter"} if op.name == "mla_decode" else set())
+                | ({"cute"} if op.name == "mla_cache_write" else set()))
         assert set(op.backends) == want
         for case in op.cases():
             assert op.nbytes(case) > 0 and op.flops(case) > 0

@@ -12,9 +12,11 @@ with the RMSNorm that follows (k3lab.ref.attnres has the maths).
 
 Backends: "reference" (the torch reference) and "torch_compile" (torch.compile of it, one compiled graph
 per number of sources) for all three; "triton" (k3lab_kernels.triton.attnres_norm: one launch, bf16
-sources of [B, D], B 1..64 and beyond, 0..9 blocks) and "auto" (data/trunk_defaults.json) for mix_norm
-and update_mix_norm, through the one dispatcher (k3lab.components.dispatch.select/kernel/record). Any
-other backend is refused with BackendUnavailable. Argument errors are ValueError/TypeError naming it.
+sources of [B, D], B 1..64 and beyond, 0..9 blocks; options num_warps, block_d, path), "cute"
+(k3lab_kernels.cute.attnres_norm: one launch, a thread-block cluster per row; options cluster, vec; the same
+bf16 / unit-stride sources) and "auto" (data/trunk_defaults.json) for mix_norm and update_mix_norm, through
+the one dispatcher (k3lab.components.dispatch.select/kernel/record). Any other backend is refused with
+BackendUnavailable. Argument errors are ValueError/TypeError naming it.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def mix_norm(blocks: Sequence[torch.Tensor], partial: torch.Tensor, w_norm: torc
     if out is not None and (out.shape != partial.shape or out.dtype != partial.dtype):
         raise ValueError(f"{COMPONENT}: 'out' must be {tuple(partial.shape)} {partial.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
-    if backend in ("triton", "auto"):
+    if backend in ("triton", "cute", "auto"):
         return update_mix_norm(blocks, partial, None, w_norm, w_proj, norm_w, out, None, update="none", eps=eps,
                                backend=backend, ran=ran)
     fn = resolve_backend(COMPONENT, backend, _mix_norm, "mix_norm")
@@ -102,7 +104,8 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
                     w_norm: torch.Tensor, w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor | None = None,
                     partial_out: torch.Tensor | None = None, *, update: str = "add", eps: float = 1e-6,
                     backend: str = "reference", ran: list | None = None, num_warps: int | None = None,
-                    block_d: int | None = None, path: str | None = None) -> torch.Tensor:
+                    block_d: int | None = None, path: str | None = None, cluster: int | None = None,
+                    vec: int | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
     if update not in UPDATES:
         raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
@@ -127,6 +130,9 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
         raise ValueError(f"{COMPONENT}: 'num_warps' must be 1, 2, 4, 8, 16 or None, got {num_warps!r}")
     if isinstance(block_d, bool) or block_d not in (None, 128, 256, 512, 1024):
         raise ValueError(f"{COMPONENT}: 'block_d' must be 128, 256, 512, 1024 or None, got {block_d!r}")
+    for k, v in (("cluster", cluster), ("vec", vec)):  # the cute kernel's options (registry values)
+        if isinstance(v, bool) or v not in (None, 1, 2, 4, 8):
+            raise ValueError(f"{COMPONENT}: {k!r} must be 1, 2, 4, 8 or None, got {v!r}")
     B = prefix.shape[0] if prefix.dim() == 2 else 1
     be, opts, why = dispatch.select(OP, backend, B=B)
     if path not in (None, "split", "row"):
@@ -136,17 +142,22 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
             if be != "triton":
                 raise ValueError(f"{COMPONENT}: {k!r} is a triton option; backend {be!r} takes none")
             opts = {**opts, k: v}
+    for k, v in (("cluster", cluster), ("vec", vec)):
+        if v is not None:
+            if be != "cute":
+                raise ValueError(f"{COMPONENT}: {k!r} is a cute option; backend {be!r} takes none")
+            opts = {**opts, k: v}
     if out is None:
         out = torch.empty_like(prefix)
-    if be == "triton":
+    if be in ("triton", "cute"):
         srcs = list(blocks) + [prefix] + ([new] if new is not None else [])
         for i, t in enumerate(srcs):
             if t.dim() != 2 or t.dtype != torch.bfloat16 or t.stride(1) != 1:
                 name = f"blocks[{i}]" if i < len(blocks) else ("prefix" if i == len(blocks) else "new")
                 raise ValueError(f"{COMPONENT}: {name!r} must be a bf16 [B, D] tensor with unit stride along D for "
-                                 f"the triton backend, got {t.dtype} shape {tuple(t.shape)} strides {t.stride()}")
+                                 f"the {be} backend, got {t.dtype} shape {tuple(t.shape)} strides {t.stride()}")
         if out.stride(1) != 1 or (partial_out is not None and partial_out.stride(1) != 1):
-            raise ValueError(f"{COMPONENT}: 'out' and 'partial_out' must have unit stride along D for triton")
+            raise ValueError(f"{COMPONENT}: 'out' and 'partial_out' must have unit stride along D for {be}")
         dispatch.kernel(OP, be)(list(blocks), prefix, new, w_norm, w_proj, norm_w, out, partial_out, update=update,
                                 eps=eps, **opts)
     else:

@@ -26,6 +26,8 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   reference      k3lab.ref.mla in the compute dtype (fp32, fp64 for fp64 inputs)
   torch_compile  torch.compile of the same reference functions
   triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches)
+  cute           k3lab_kernels.cute.mla_cache_write: the cache write only (write_cache; pdl option), the same
+                 results as triton bit for bit
   aiter          refused with a message (no AITER adapter yet; AITER needs ROCm)
   auto           the measured table (data/mla_defaults.json: triton, the reference where it cannot run)
 Each call takes `ran=[]` to get the record of what ran appended (op, backend asked and run, kernel,
@@ -88,7 +90,8 @@ def _tensor(name, t, dim=None, dtypes=None, device=None):
     return t
 
 
-def _cache(cache, batch: int, width: int, device, triton: bool):
+def _cache(cache, batch: int, width: int, device, triton: bool, kernel: str = "triton"):
+    """triton: the kernels' layout checks too (kernel: the backend named in their messages)."""
     if not isinstance(cache, CACHES):
         _fail("cache", f"must be k3lab.ref.mla.MLACache or PagedMLACache, got {type(cache).__name__}")
     if cache.batch != batch or cache.width != width:
@@ -99,14 +102,14 @@ def _cache(cache, batch: int, width: int, device, triton: bool):
         _fail("cache", f"must be on {device}, got {cache.device}")
     if triton:
         if cache.dtype not in TRITON_CACHE_DTYPES:
-            _fail("cache", f"dtype must be bf16 or float8_e4m3fn for the triton backend, got {cache.dtype}")
+            _fail("cache", f"dtype must be bf16 or float8_e4m3fn for the {kernel} backend, got {cache.dtype}")
         if isinstance(cache, MLACache):
             if not cache.data.is_contiguous():
-                _fail("cache", "data must be contiguous for the triton backend")
+                _fail("cache", f"data must be contiguous for the {kernel} backend")
         elif not (cache.pool.is_contiguous() and cache.block_table.is_contiguous()):
-            _fail("cache", "pool and block_table must be contiguous for the triton backend")
+            _fail("cache", f"pool and block_table must be contiguous for the {kernel} backend")
         if cache.scale is not None and (cache.scale.dtype != torch.float32 or not cache.scale.is_contiguous()):
-            _fail("cache", "fp8 scale must be a contiguous float32 tensor for the triton backend")
+            _fail("cache", f"fp8 scale must be a contiguous float32 tensor for the {kernel} backend")
 
 
 def _lengths(lengths, batch: int, T: int, cache, device, check_values: bool) -> torch.Tensor:
@@ -362,9 +365,14 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
 # ---- cache write ---------------------------------------------------------------------------------
 
 def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps: float = 1e-6,
-                backend: str = "reference", check_values: bool = True, ran: list | None = None) -> None:
+                backend: str = "reference", pdl: bool | None = None, check_values: bool = True,
+                ran: list | None = None) -> None:
     """kv [B,T,C+Dr] (the kv down-projection's output) -> [rms(c; kv_norm) | k_rope] written in place
-    at positions lengths[b] .. lengths[b]+T-1 of `cache` (fp8: quantized with the cache's scale scheme)."""
+    at positions lengths[b] .. lengths[b]+T-1 of `cache` (fp8: quantized with the cache's scale scheme).
+    pdl (triton and cute): programmatic dependent launch, the kernel loads lengths, the block table and
+    kv_norm before it waits for the previous kernel (which must write none of them, nor a per-tensor scale);
+    None: triton follows the enclosing mla_decode.pdl_chain, cute is off. The cute kernel
+    (k3lab_kernels.cute.mla_cache_write) is K3's shape only (C = 512, Dr = 64)."""
     _refuse_aiter(backend, "mla_cache_write")
     _tensor("kv", kv, 3)
     dev = kv.device
@@ -373,23 +381,38 @@ def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps:
     C = kv_norm.shape[0]
     if not 0 < C < W:
         _fail("kv_norm", f"must have C < C + Dr = {W} entries, got {C}")
+    if pdl is not None and not isinstance(pdl, bool):
+        _fail("pdl", f"must be None (off) or a bool, got {pdl!r}")
     be, _, why = dispatch.select("mla_cache_write", backend, B=B, T=T)
-    tri = be == "triton"
-    if tri:
+    if pdl and be not in ("triton", "cute"):
+        _fail("pdl", f"pdl=True (programmatic dependent launch) needs a kernel backend (triton or cute), not {be!r}")
+    kern = be in ("triton", "cute")  # a kernel (not the torch reference) writes the cache
+    if kern:
         _tensor("kv", kv, 3, TRITON_ACT_DTYPES)
         _tensor("kv_norm", kv_norm, 1, TRITON_ACT_DTYPES)
-    _cache(cache, B, W, dev, tri)
+    if be == "cute" and (C, W) != (512, 576):
+        _fail("kv", f"must be [B, T, 576] with kv_norm [512] for the cute backend (K3's C = 512 + Dr = 64), got "
+                    f"width {W}, C = {C}")
+    _cache(cache, B, W, dev, kern, be)
     lengths = _lengths(lengths, B, T, cache, dev, check_values)
     if not isinstance(eps, float) or eps <= 0:
         _fail("eps", f"must be a positive float, got {eps!r}")
     rec = dict(op="mla_cache_write", backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, T=T, W=W, **_cache_kind(cache)))
-    if tri:
+    if kern:
         kw = _kv_args(cache)
-        dispatch.kernel("mla_cache_write", be)(kv if kv.stride(-1) == 1 else kv.contiguous(), kv_norm.contiguous(),
-                                               kw["kv"], lengths, eps=eps, scale=kw["kv_scale"],
-                                               block_table=kw["block_table"])
-        dispatch.record(ran, kernel=dispatch.kernel_path("mla_cache_write", be), options={}, **rec)
+        fn = dispatch.kernel("mla_cache_write", be)
+        opts = {} if pdl is None else dict(pdl=pdl)
+        if be == "cute":  # 8- / 16-byte vector loads: strides of 4 elements and an aligned base, else a copy
+            es = kv.element_size()
+            if kv.stride(-1) != 1 or kv.stride(0) % 4 or kv.stride(1) % 4 or kv.data_ptr() % (4 * es):
+                kv = kv.contiguous()
+            opts = dict(pdl=bool(pdl))
+        elif kv.stride(-1) != 1:
+            kv = kv.contiguous()
+        fn(kv, kv_norm.contiguous(), kw["kv"], lengths, eps=eps, scale=kw["kv_scale"], block_table=kw["block_table"],
+           **opts)
+        dispatch.record(ran, kernel=dispatch.kernel_path("mla_cache_write", be), options=opts, **rec)
         return
     kernel = dispatch.kernel_path("mla_cache_write", be)
     entry = ref.mla_cache_entry

@@ -30,10 +30,12 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   reference      torch in fp32 (fp64 for fp64 inputs); for proj/proj_group a matmul of the dequantized weight
   torch_compile  torch.compile of the same function (router_topk; a projection's torch.compile is cuBLAS)
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
+  cute           k3lab_kernels.cute.router_topk (router_topk only; E <= 1024 experts)
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton only): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages (proj,
-proj_group); num_warps, pdl (router_topk: launched with PDL); None = the kernel's measured default.
+proj_group); num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); None = the kernel's measured
+default.
 Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
@@ -87,16 +89,17 @@ def _tensor(name, t, dim, dtypes=None, device=None):
 
 
 def _knobs(op_name: str, be: str, knobs: dict) -> dict:
-    """The kernel knobs checked against the registry's allowed values (triton only)."""
+    """The kernel knobs checked against the registry's allowed values for backend `be`."""
     op = registry.get(op_name)
     for k, v in knobs.items():
         if k not in op.option_axes:
             _fail(k, f"is not an option of {op_name}; options: {sorted(op.option_axes)}")
         if v is None:
             continue
-        if be != "triton":
-            _fail(k, f"is a triton kernel option; backend {be!r} takes none (pass None)")
-        allowed = op.option_axes[k]["triton"]
+        if be not in op.option_axes[k]:
+            _fail(k, f"is a {'/'.join(sorted(op.option_axes[k]))} kernel option; backend {be!r} takes none "
+                     f"(pass None)")
+        allowed = op.option_axes[k][be]
         if isinstance(v, bool) != (k == "pdl") or v not in allowed:
             _fail(k, f"must be one of {[a for a in allowed if a is not None]} or None, got {v!r}")
     return {k: v for k, v in knobs.items() if v is not None}
@@ -433,11 +436,13 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
     if e_bias.shape[0] != E:
         _fail("e_bias", f"must be [{E}] (one per expert), got {tuple(e_bias.shape)}")
     be, opts, why = _select("router_topk", backend, B, dict(num_warps=num_warps, pdl=pdl))
-    if be == "triton":
+    if be in ("triton", "cute"):
         if logits.dtype != torch.float32 or logits.stride(1) != 1:
-            _fail("logits", f"must be fp32 with unit stride along E for the triton backend, got {logits.dtype}")
+            _fail("logits", f"must be fp32 with unit stride along E for the {be} backend, got {logits.dtype}")
         if e_bias.dtype != torch.float32 or not e_bias.is_contiguous():
-            _fail("e_bias", f"must be a contiguous fp32 tensor for the triton backend, got {e_bias.dtype}")
+            _fail("e_bias", f"must be a contiguous fp32 tensor for the {be} backend, got {e_bias.dtype}")
+    if be == "cute" and E > 1024:
+        _fail("logits", f"must have at most 1024 experts for the cute backend, got {E}")
     for name, t, dts in (("idx", idx, (torch.int64,)), ("weights", weights, (torch.float32, torch.float64))):
         if t is not None:
             _tensor(name, t, 2, dts, dev)
@@ -447,7 +452,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
         idx = torch.empty(B, top_k, dtype=torch.int64, device=dev)
     if weights is None:
         weights = torch.empty(B, top_k, dtype=torch.float32, device=dev)
-    if be == "triton":
+    if be in ("triton", "cute"):
         dispatch.kernel("router_topk", be)(logits, e_bias, idx, weights, top_k=top_k, scaling=scaling, **opts)
     else:
         fn = topk_reference if be == "reference" else dispatch.compiled("trunk.topk", topk_reference)

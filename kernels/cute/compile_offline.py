@@ -2,7 +2,8 @@
 stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
-        python kernels/cute/compile_offline.py [--only prefill|decode|verify] [--quick] [--keep DIR]
+        python kernels/cute/compile_offline.py [--only prefill|decode|verify|attnres|router|mla_cache_write]
+            [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
 Python 3.12 venv with `pip install typing_extensions numpy cuda-bindings torch` and the CuTe DSL
@@ -14,9 +15,14 @@ every kernel builds for the chip and how many registers it takes, not that it is
 for the sequential pass, and the grouped summary / scan / out kernels); decode: every tile on a resident
 grid and a larger one, and pdl; verify: every tile with its default row warps at three batch sizes (the
 shape's choices differ), every row_warps, T 2 and 8, ragged and pdl (a failure prints and the script
-goes on). --quick: the largest and smallest configuration of each prefill kernel only. --keep DIR: each
-configuration's cubin as DIR/<name>.cubin (to diff SASS across commits). Exit status 1 if any compile
-failed or any kernel uses local memory.
+goes on); attnres: attnres_norm.py at D = 7168, 9 blocks "add", every (cluster, vec) the kernel takes there,
+plus 0 blocks "none", 5 blocks "fresh" and the tiny preset's D = 64; router: router_topk.py at E = 896 with k 16
+(the model's), 1, 7 and 32, E = 200 (padding threads) and 1024, each with and without pdl; mla_cache_write:
+mla_cache_write.py for every cache format (bf16, fp8 per-tensor, fp8 per-token) x contiguous / paged 1, 16,
+64 x pdl, plus int64 lengths, fp32 kv and the "tree" sum order. --quick: the largest
+and smallest configuration of each prefill kernel only. --keep DIR: each configuration's cubin as
+DIR/<name>.cubin (to diff SASS across commits). Exit status 1 if any compile failed or any kernel uses local
+memory.
 """
 import glob
 import os
@@ -136,6 +142,58 @@ def _cases(only: str | None, quick: bool):
             name = f"verify B{B} T{T} tile{tv} row_warps{wr}" + (" ragged" if rg else "") + (" pdl" if pdl else "")
             cases.append((name, lambda B=B, T=T, tv=tv, wr=wr, rg=rg, pdl=pdl: kv._kernel_class()(
                 B, H, T, rg, 1e-6, -5.0, tv, wr, pdl), step_args))
+    if only in (None, "attnres"):
+        from kernels.cute import attnres_norm as ka
+        # the pointer order of attnres_norm.attnres_norm: 9 blocks, prefix, new, w_norm, w_proj, norm_w, out,
+        # partial_out; then 9 block strides, the prefix / new / partial_out / out strides and the batch
+        combos = [("B1", 1, 7168, 9, "add", None, None), ("B64", 64, 7168, 9, "add", None, None)]
+        for c in ka.CLUSTERS:
+            for v in ka.VECS:
+                try:
+                    ka.plan(64, 7168, 9, c, v)
+                except ValueError:
+                    continue
+                combos.append((f"cluster{c} vec{v}", 1, 7168, 9, "add", c, v))
+        combos += [("0 blocks none", 1, 7168, 0, "none", None, None),
+                   ("5 blocks fresh", 1, 7168, 5, "fresh", None, None),
+                   ("D64 9 blocks add", 1, 64, 9, "add", None, None),
+                   ("D64 1 block none", 1, 64, 1, "none", None, None)]
+        for name, Bx, D, nb, upd, c, v in combos:
+            cc, vv = ka.plan(Bx, D, nb, c, v)
+            pa = [P(bf, 2 * vv)] * 16
+            ints = [D] * 9 + [D] * 4 + [Bx]
+            cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{ka.threads(D, nb, cc, vv)})",
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv: ka._kernel_class()(D, nb, upd, cc, vv, 1e-6),
+                          pa + ints + [S]))
+    if only in (None, "router"):
+        from kernels.cute import router_topk as kr
+        # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
+        rargs = [P(f32, 4), P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), i32(64), i32(896), f32(1.0), S]
+        for E, k in ((896, 16), (896, 1), (896, 7), (896, 32), (200, 5), (1024, 16)):
+            for pdl in (False, True):
+                cases.append((f"router E{E} k{k} warps{kr.warps_for(E)}" + (" pdl" if pdl else ""),
+                               lambda E=E, k=k, pdl=pdl: kr._kernel_class()(E, k, pdl), rargs))
+    if only in (None, "mla_cache_write"):
+        from kernels.cute import mla_cache_write as kw
+        # mla_cache_write's arguments: kv, kv_norm, cache (bf16, or fp8 rows as int32 words), scale, block table,
+        # lengths; eps, B*T, T, kv strides, S_max, table row stride
+        def wargs(mode, kv_dt=bf, len_dt=i32):
+            cache = P(bf, 16) if mode == 0 else P(i32, 16)
+            return [P(kv_dt, 4 * kv_dt.width // 8), P(bf, 8), cache, P(f32, 4), P(i32, 4), P(len_dt, len_dt.width // 8),
+                    f32(1e-6), i32(64 * 4), i32(4), i32(4 * 576), i32(576), i32(4096), i32(64), S]
+        for fmt, mode in kw.MODES.items():
+            for page in (0, 1, 16, 64):
+                for pdl in (False, True):
+                    where = f"page{page}" if page else "contiguous"
+                    cases.append((f"mla_cache_write {fmt} {where}" + (" pdl" if pdl else ""),
+                                  lambda mode=mode, page=page, pdl=pdl: kw._kernel_class()(mode, page > 0, page, pdl),
+                                  wargs(mode)))
+        cases.append(("mla_cache_write token page64 int64 lengths", lambda: kw._kernel_class()(2, True, 64),
+                      wargs(2, len_dt=cutlass.Int64)))
+        cases.append(("mla_cache_write bf16 page64 fp32 kv", lambda: kw._kernel_class()(0, True, 64),
+                      wargs(0, kv_dt=f32)))
+        cases.append(("mla_cache_write bf16 page64 tree sum", lambda: kw._kernel_class()(0, True, 64, False, "tree"),
+                      wargs(0)))
     return cases
 
 
@@ -147,8 +205,8 @@ def main(argv=None) -> int:
             only = argv[i + 1]
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
-    if only not in (None, "prefill", "decode", "verify"):
-        print(f"--only must be prefill, decode or verify (got {only!r})")
+    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write"):
+        print(f"--only must be prefill, decode, verify, attnres, router or mla_cache_write (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)
@@ -184,6 +242,9 @@ def main(argv=None) -> int:
         if "LOCAL:" in use and "LOCAL:0" not in use:
             bad += 1
             use += "   <- local memory (spills)"
+        elif name.startswith("attnres") and "STACK:0" not in use:  # its spills show as a stack frame
+            bad += 1
+            use += "   <- stack (spills)"
         print(f"{name:<44} {use}", flush=True)
     print(f"{'ALL COMPILED, NO LOCAL MEMORY' if not bad else f'{bad} PROBLEM(S)'}  [{time.time() - t0:.0f}s]")
     return 1 if bad else 0

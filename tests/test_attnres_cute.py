@@ -1,0 +1,96 @@
+"""The CuTe DSL AttnRes + RMSNorm kernel (kernels/cute/attnres_norm.py) through the component API (backend "cute")
+against the fp64 reference, on the GPU.
+
+Needs nvidia-cutlass-dsl and a CUDA GPU of compute capability >= 9.0; skipped cleanly otherwise. The shared checker
+(k3lab.harness.checker) runs `attnres.update_mix_norm` on fresh random inputs with out and partial_out poisoned:
+partial_out bit-exact, out relative-norm error < 4e-3, inputs unchanged (tolerances: k3lab/ops/trunk.py). Then
+the partial sum's bits against the triton backend, every (cluster, vec) the kernel takes at D = 7168, strided
+rows, the in-place partial and mix_norm.
+"""
+import pytest
+import torch
+from cute_gate import require_cute_gpu
+
+pytestmark = [pytest.mark.cute, pytest.mark.gpu]
+require_cute_gpu()
+
+from k3lab import registry  # noqa: E402
+from k3lab.components import attnres  # noqa: E402
+from k3lab.harness import checker  # noqa: E402
+from k3lab.ops import trunk as ops  # noqa: E402
+
+OP = registry.get("attnres_norm")
+
+
+def check(batch, n_blocks, update, dim=7168, seed=0, **options):
+    case = OP.case(batch=batch, n_blocks=n_blocks, update=update, dim=dim)
+    return checker.require(checker.check(OP, case, backend="cute", options=options, seed=seed, device="cuda"))
+
+
+@pytest.mark.parametrize("update", ops.UPDATES)
+@pytest.mark.parametrize("n_blocks", [0, 1, 5, 9])
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 64])
+def test_attnres_cute_matches_fp64(batch, n_blocks, update):
+    check(batch, n_blocks, update, seed=batch * 10 + n_blocks)
+
+
+@pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 4), (8, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_attnres_cute_options(batch, cluster, vec):
+    check(batch, 9, "add", seed=cluster * vec, cluster=cluster, vec=vec)
+
+
+@pytest.mark.parametrize("dim", [64, 200, 1, 300])
+def test_attnres_cute_odd_widths(dim):
+    check(3, 9, "add", dim=dim, seed=dim)
+
+
+@pytest.mark.parametrize("update", ["add", "fresh"])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_attnres_cute_partial_bits_match_triton(batch, update):
+    """The stored partial sum: the same bits as the triton backend's (and the fp64 reference's), out close."""
+    case = OP.case(batch=batch, n_blocks=9, update=update, dim=7168)
+    d = OP.make_inputs(case, 3, "cuda")
+    got = {}
+    for be in ("triton", "cute"):
+        d["out"].fill_(float("nan"))
+        d["partial_out"].fill_(float("nan"))
+        ops.call_attnres(d, case, be, {})
+        got[be] = (d["out"].clone(), d["partial_out"].clone())
+    assert torch.equal(got["cute"][1].view(torch.int16), got["triton"][1].view(torch.int16))
+    want = OP.reference(d, case)
+    assert torch.equal(got["cute"][1].double(), want["partial_out"])
+    a, b = got["cute"][0].double(), got["triton"][0].double()
+    assert ((a - b).norm() / b.norm()).item() < 4e-3
+
+
+def test_attnres_cute_strided_rows_and_in_place():
+    """Blocks as views of one [B, n, D] buffer (row stride n D), the partial updated in place, out strided."""
+    B, n, D = 5, 9, 7168
+    case = OP.case(batch=B, n_blocks=n, update="add", dim=D)
+    d = OP.make_inputs(case, 11, "cuda")
+    want = OP.reference(d, case)
+    stack = torch.stack([d[f"block{i}"] for i in range(n)], 1)  # [B, n, D]
+    blocks = [stack[:, i] for i in range(n)]
+    p = d["prefix"].clone()
+    wide = torch.full((B, 2 * D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = wide[:, :D]
+    ran = []
+    attnres.update_mix_norm(blocks, p, d["new"], d["w_norm"], d["w_proj"], d["norm_w"], out=out, partial_out=p,
+                            update="add", backend="cute", ran=ran)
+    assert ran[-1].backend == "cute" and ran[-1].kernel.endswith("cute.attnres_norm:attnres_norm")
+    assert torch.equal(p.double(), want["partial_out"])
+    assert ((out.double() - want["out"]).norm() / want["out"].norm()).item() < 4e-3
+    y = attnres.mix_norm(blocks, p, d["w_norm"], d["w_proj"], d["norm_w"], backend="cute")
+    assert ((y.double() - want["out"]).norm() / want["out"].norm()).item() < 4e-3
+
+
+def test_attnres_cute_option_errors():
+    case = OP.case(batch=1, n_blocks=1, update="add", dim=7168)
+    d = OP.make_inputs(case, 0, "cuda")
+    with pytest.raises(ValueError, match="'cluster'"):
+        ops.call_attnres(d, case, "cute", dict(cluster=2))
+    with pytest.raises(ValueError, match="'vec'"):
+        ops.call_attnres(d, case, "triton", dict(vec=4))
+    with pytest.raises(ValueError, match="'num_warps'"):
+        ops.call_attnres(d, case, "cute", dict(num_warps=4))

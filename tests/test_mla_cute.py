@@ -1,0 +1,114 @@
+"""The CuTe DSL MLA cache write (kernels/cute/mla_cache_write.py) on the GPU, through the component API
+(k3lab.components.mla.write_cache, backend "cute").
+
+Needs nvidia-cutlass-dsl and a CUDA GPU of compute capability >= 9.0; skipped cleanly otherwise. The shared
+checker (k3lab.harness.checker) against fp64: the cache and per-token scales poisoned with NaN, only the rows
+at lengths[b] .. lengths[b]+T-1 written, each rounded once to the cache format (tolerances: k3lab/ops/mla.py),
+inputs unchanged; bf16 and fp8 (per-tensor, per-token scales), contiguous and paged 1 / 16 / 64, T 1 and 4,
+batch 1, 5 and 64 (ragged). Then bit-equality with the triton backend on the same inputs (the CuTe kernel
+repeats the Triton kernel's fp32 operations and their order: its module doc), with and without pdl, int64
+lengths, a strided kv, and a CUDA-graph replay.
+"""
+import pytest
+import torch
+from cute_gate import require_cute_gpu
+
+pytestmark = [pytest.mark.cute, pytest.mark.gpu]
+require_cute_gpu()
+
+from k3lab import registry  # noqa: E402
+from k3lab.components import mla as comp  # noqa: E402
+from k3lab.harness import checker  # noqa: E402
+from k3lab.harness.checker import clone_inputs  # noqa: E402
+from k3lab.ops import mla as om  # noqa: E402
+
+WRITE = registry.get("mla_cache_write")
+FORMATS = [("bf16", "tensor"), ("fp8", "tensor"), ("fp8", "token")]
+PAGES = [0, 1, 16, 64]
+BATCHES = [1, 5, 64]
+
+
+def case(kv, page_size, batch, T, context=300):
+    return WRITE.case(kv_dtype=kv[0], fp8_scale=kv[1], page_size=page_size, batch=batch, T=T, context=context,
+                      ragged=batch > 1)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("page_size", PAGES)
+@pytest.mark.parametrize("kv", FORMATS, ids=lambda k: "-".join(k))
+def test_matches_fp64(kv, page_size, batch, T):
+    c = case(kv, page_size, batch, T)
+    res = checker.require(checker.check(WRITE, c, backend="cute", options={"pdl": False}, seed=batch + T))
+    assert res.ran and res.ran[-1].backend == "cute" and res.ran[-1].options == {"pdl": False}
+
+
+def _write(d, backend, **kw):
+    comp.write_cache(d["kv"], d["kv_norm"], om._cache_of(d, "token_scale"), d["lengths"], eps=1e-6,
+                     backend=backend, check_values=False, **kw)
+
+
+def _same(a, b):
+    """The caches (and per-token scales) of two input dicts hold the same bytes (NaN poison included)."""
+    for k in ("kv_cache", "token_scale"):
+        x, y = a[k], b[k]
+        if x.numel():
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), k
+
+
+def _pair(c, seed, **cute_kw):
+    d = WRITE.make_inputs(c, seed, "cuda")
+    a, b = clone_inputs(d), clone_inputs(d)
+    _write(a, "triton")
+    _write(b, "cute", **cute_kw)
+    torch.cuda.synchronize()
+    return a, b
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("page_size", PAGES)
+@pytest.mark.parametrize("kv", FORMATS, ids=lambda k: "-".join(k))
+def test_bit_equal_to_triton(kv, page_size, batch, T):
+    _same(*_pair(case(kv, page_size, batch, T), seed=7 * batch + T))
+
+
+@pytest.mark.parametrize("page_size", [0, 64])
+@pytest.mark.parametrize("kv", FORMATS, ids=lambda k: "-".join(k))
+def test_pdl_bit_equal(kv, page_size):
+    _same(*_pair(case(kv, page_size, 64, 4), seed=3, pdl=True))
+    _same(*_pair(case(kv, page_size, 1, 1), seed=4, pdl=True))
+
+
+@pytest.mark.parametrize("kv", FORMATS, ids=lambda k: "-".join(k))
+def test_int64_lengths_and_strided_kv(kv):
+    d = WRITE.make_inputs(case(kv, 16, 5, 4), 11, "cuda")
+    a, b = clone_inputs(d), clone_inputs(d)
+    _write(a, "triton")
+    wide = torch.full((5, 4, 640), float("nan"), dtype=torch.bfloat16, device="cuda")
+    wide[..., 64:] = b["kv"]
+    b["kv"], b["lengths"] = wide[..., 64:], b["lengths"].long()
+    _write(b, "cute")
+    torch.cuda.synchronize()
+    _same(a, b)
+
+
+def test_cuda_graph_replay():
+    """Compiled once, captured in a CUDA graph, replayed on new kv: the same bytes as a direct call."""
+    c = case(FORMATS[2], 64, 5, 2)
+    d = WRITE.make_inputs(c, 0, "cuda")
+    g_in, direct = clone_inputs(d), clone_inputs(d)
+    _write(g_in, "cute")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        _write(g_in, "cute")
+    torch.cuda.current_stream().wait_stream(s)
+    new_kv = torch.randn_like(d["kv"], dtype=torch.float32).to(d["kv"].dtype)
+    g_in["kv"].copy_(new_kv)
+    direct["kv"].copy_(new_kv)
+    graph.replay()
+    _write(direct, "cute")
+    torch.cuda.synchronize()
+    _same(g_in, direct)
