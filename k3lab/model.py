@@ -60,10 +60,11 @@ Component = tuple[Callable[[], Any], int, int]
 # "proj": triton runs the plain projections on the trunk kernel (Layer._lin); any other backend is torch matmuls
 # (cuBLAS on a GPU), labelled "reference"
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
-    "attnres": ("reference", "torch_compile", "triton"),  # triton: k3lab_kernels.triton.attnres_norm
+    "attnres": ("reference", "torch_compile", "triton", "cute"),  # k3lab_kernels.{triton,cute}.attnres_norm
     "mla": ("reference", "torch_compile", "triton"),
     "moe": ("reference", "torch_compile", "triton"),  # triton: the grouped expert kernel (moe_experts)
-    "router": ("reference", "torch_compile", "triton"),  # triton: trunk.route (projection + router_topk)
+    # triton / cute: trunk.route (the projection on the trunk kernel + router_topk on that backend)
+    "router": ("reference", "torch_compile", "triton", "cute"),
     "kda": None,
     "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
 }  # proj on triton: the plain projections through k3lab.components.trunk.proj (Layer._lin); else torch
@@ -75,7 +76,7 @@ def _nb(*ts) -> int:
 
 def _mix(blocks, x, vecs, eps, be):
     """AttnRes + RMSNorm of `x` over `blocks`; the triton kernel takes rows [N, D]: [B, T, D] runs flattened."""
-    if be == "triton" and x.dim() > 2:
+    if be in ("triton", "cute") and x.dim() > 2:
         D = x.shape[-1]
         y = mix_norm([t.reshape(-1, D) for t in blocks], x.reshape(-1, D), *vecs, eps=eps, backend=be)
         return y.view(x.shape)
@@ -449,9 +450,9 @@ class Layer:
         be_r = self._reg("router", "router")
 
         def router():
-            if be_r == "triton":  # the router projection (fp32 logits) and top-k kernels of the trunk
+            if be_r in ("triton", "cute"):  # the router projection (fp32 logits) and top-k kernels of the trunk
                 from k3lab.components import trunk
-                b["idx"], b["wk"] = trunk.route(self._flat(b["h2"]), m.router, backend="triton")
+                b["idx"], b["wk"] = trunk.route(self._flat(b["h2"]), m.router, backend=be_r)
             else:
                 b["idx"], b["wk"] = moe_comp.route(self._flat(b["h2"]), m.router, backend=be_r)
             # returned as the dense [N, E] gate matrix, so a swap of two near-tied experts between a

@@ -169,7 +169,8 @@ def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple
             from k3lab.components import dispatch
 
             be, _, rule = dispatch.select(OVERRIDE_OPS[comp], "auto", B=_tokens(layers))
-            if be not in LAYER_PATHS and _override_ok(comp, be, _tokens(layers))[0]:
+            if be not in LAYER_PATHS and _override_ok(comp, be, _tokens(layers))[0] and (
+                    comp == "proj" or _group_accepts(layers, comp, be, switches)):
                 resolved[comp], why[comp] = be, f"auto: {be}, the {OVERRIDE_OPS[comp]} rule ({rule})"
                 continue
         for cand in ("auto",) + FUSED:
@@ -265,6 +266,9 @@ class DecodeStep:
             be = sw.backend[g]
             if be in LAYER_PATHS or (g != "proj" and _group_accepts(self.layers, g, be, sw)):
                 continue  # the layer builder runs it
+            if g != "proj":  # the fused composition runs only the projections itself (`_fused_parts`)
+                raise BackendUnavailable(f"step: backend {be!r} for {g!r}: the layer builder has no path for it "
+                                         f"(k3lab.model._IMPLEMENTED), and the step runs only the projections itself")
             ok, reason = _override_ok(g, be, n_tok)
             if ok:
                 over[g] = be

@@ -23,7 +23,7 @@ def step_rows(paths: list[str]) -> list[str]:
         est = e.extra if e else {}
         out.append(f"| {p.split('profiles/h200/')[-1]} | {b.config['view']['batch']} | {f.median_us:.1f} | "
                    f"{f.floor_us:.1f} | {f.median_us / f.floor_us:.2f} | {f'{lpl:.1f}' if lpl else 'not profiled'} | "
-                   f"{ref.median_us:.0f} | {f'{tc.median_us:.0f}' if tc else 'failed'} | "
+                   f"{f'{ref.median_us:.0f}' if ref else 'not run'} | {f'{tc.median_us:.0f}' if tc else 'not run'} | "
                    f"{f'{tc.median_us / f.median_us:.0f}' if tc else '-'} | {est.get('tokens_per_s', 0):.1f} "
                    f"({est.get('tokens_per_s_per_gpu', 0):.1f}) | {est.get('floor_tokens_per_s', 0):.1f} |")
     return out

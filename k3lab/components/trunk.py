@@ -467,13 +467,14 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
 
 def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference", ran: list | None = None,
           w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router projection into fp32 logits, then router_topk, each through the dispatcher."""
+    """The router projection into fp32 logits, then router_topk, each through the dispatcher (backend "cute": the
+    projection on triton, the projections having no CuTe DSL kernel; torch_compile: the reference GEMM)."""
     if not isinstance(router, RouterWeights):
         _fail("router", f"must be k3lab.ref.router.RouterWeights, got {type(router).__name__}")
     _tensor("h", h, 2)
     dt = torch.float64 if h.dtype == torch.float64 else torch.float32  # the oracle stays fp64 throughout
     logits = torch.empty(h.shape[0], router.n_experts, dtype=dt, device=h.device)
-    proj(h, router.w, logits, w_scale=w_scale, backend="reference" if backend == "torch_compile" else backend,
-         ran=ran)  # (a projection's torch.compile is cuBLAS: the reference GEMM)
+    proj(h, router.w, logits, w_scale=w_scale, backend={"torch_compile": "reference", "cute": "triton"}.get(
+        backend, backend), ran=ran)  # (a projection's torch.compile is cuBLAS: the reference GEMM)
     return router_topk(logits, router.e_bias.to(dt).contiguous(), top_k=router.top_k, scaling=router.scaling,
                        backend=backend, ran=ran)

@@ -386,9 +386,12 @@ def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor
     lengths[b] .. lengths[b]+T-1 (module doc): cache [B,S_max,576] or, with block_table [B, max_pages] int32,
     the pool [n_pages, PAGE, 576]; bf16, or float8_e4m3fn with `scale` (0-d per-tensor, read; per-token
     [B,S_max] / [n_pages, PAGE] fp32, written). The caller validates the positions (inside the capacity).
-    pdl=True: programmatic dependent launch (module doc for the caller's precondition); None (the Triton
-    wrapper's default, which follows mla_decode.pdl_chain) is off: the CuTe kernels are in no chain."""
-    pdl = False if pdl is None else pdl
+    pdl=True: programmatic dependent launch (module doc for the caller's precondition); None: the enclosing
+    k3lab_kernels.triton.mla_decode.pdl_chain's setting (the decode step's `pdl` switch), as in Triton."""
+    if pdl is None:
+        from k3lab_kernels.triton.mla_decode import chain_pdl
+
+        pdl = chain_pdl(None)
     mode, paged = _validate(kv, kv_norm, cache, lengths, eps, scale, block_table, pdl)
     import cutlass
 

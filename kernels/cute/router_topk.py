@@ -335,10 +335,13 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
                 top_k: int, scaling: float = 1.0, pdl: bool | None = None):
     """logits [B, E] fp32, e_bias [E] fp32, idx [B, top_k] int64, weights [B, top_k] fp32 (written).
-    pdl: launched with programmatic dependent launch (the bias read before waiting on the projection); None (the
-    Triton wrapper's default, which follows mla_decode.pdl_chain) is off here: the CuTe kernels are in no chain.
+    pdl: launched with programmatic dependent launch (the bias read before waiting on the projection); None: the
+    enclosing k3lab_kernels.triton.mla_decode.pdl_chain's setting (the decode step's `pdl` switch), as in Triton.
     Returns (idx, weights)."""
-    pdl = False if pdl is None else pdl
+    if pdl is None:
+        from k3lab_kernels.triton.mla_decode import chain_pdl
+
+        pdl = chain_pdl(None)
     B, E = _validate(logits, e_bias, idx, weights, top_k, scaling, pdl)
     import cuda.bindings.driver as cuda
     import cutlass

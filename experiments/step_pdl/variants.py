@@ -1,0 +1,65 @@
+"""The decode step under switch variants on the GPU, each checked against the first variant's output and timed
+through the one timer (whole step, one CUDA graph): the `pdl` switch with the CuTe DSL AttnRes and router (what
+`auto` picks when CuTe DSL is installed) against the Triton ones (the router's selection then fused into the MoE
+input projection at <= 16 tokens).
+
+    python experiments/step_pdl/variants.py OUT [BATCH ...]
+
+Writes OUT/step_variants.json (environment, switches and samples per variant) and prints a table.
+"""
+import json
+import sys
+import time
+
+import torch
+
+from k3lab import step as S
+from k3lab.config import preset
+from k3lab.harness import env as envmod
+from k3lab.harness.numerics import rel_norm_error
+from k3lab.switches import COMPONENTS, Switches
+
+AUTO = Switches(backend={c: "auto" for c in COMPONENTS})
+VARIANTS = (
+    ("auto", {}),
+    ("auto+pdl", dict(pdl=True)),
+    ("pdl, router triton", dict(pdl=True, backend_router="triton")),
+    ("pdl, both triton", dict(pdl=True, backend_router="triton", backend_attnres="triton")),
+    ("pdl+split+owned", dict(pdl=True, split_router=True, owned_output=True)),
+)
+
+
+def main(out: str, batches: list[int]) -> None:
+    rows = []
+    for B in batches:
+        st = S.DecodeStep(preset("tp8", batch=B, context=8192, expert_dtype="mxfp4"), AUTO)
+        x = torch.randn(tuple(st.x_in.shape), device=st.device).to(st.dtype)
+        kda = [L.state for L in st.layers if L.kind == "kda"]
+        start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
+        ref = None
+        for name, over in VARIANTS:
+            st.set_switches(AUTO.replace(**over))
+            for s, (s0, c0) in zip(kda, start):
+                s.state.copy_(s0)
+                s.conv_state.copy_(c0)
+            y = st.run(x).clone()
+            torch.cuda.synchronize()
+            err = 0.0 if ref is None else rel_norm_error(y, ref)
+            ref = y if ref is None else ref
+            t = S.time_step(st, reps=20, warmup=3)
+            rows.append(dict(batch=B, variant=name, switches=over, backends=dict(st.switches.backend),
+                             median_us=t.median_us, samples_us=list(t.samples_us), kind=t.kind, err_vs_first=err,
+                             why={k: v for k, v in st.why.items() if k in ("attnres", "router", "pdl")}))
+            print(f"B={B:3d} {name:22s} {t.median_us:9.1f} us  {t.kind}  err {err:.2e}  "
+                  f"attnres={st.switches.backend['attnres']} router={st.switches.backend['router']}", flush=True)
+    with open(f"{out}/step_variants.json", "w") as f:
+        json.dump(dict(env=envmod.fingerprint(), created=time.strftime("%Y-%m-%dT%H:%M:%S"), rows=rows), f, indent=1)
+    print("\n| batch | variant | step us | vs auto |")
+    print("|---|---|---|---|")
+    for r in rows:
+        p = next(q for q in rows if q["batch"] == r["batch"] and q["variant"] == "auto")
+        print(f"| {r['batch']} | {r['variant']} | {r['median_us']:.1f} | {r['median_us'] - p['median_us']:+.1f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], [int(b) for b in sys.argv[2:]] or [1, 64])
