@@ -5,7 +5,8 @@ The checks are the shared checker's (k3lab.harness.checker: fresh inputs of the 
 partial_out poisoned with NaN, the fp64 reference; partial_out bit-exact, out < 4e-3, inputs unchanged), with the
 emulator's entry point as the implementation and CPU tensors: D = 7168 (the model's) at batch 1 and 2, 0 / 1 / 9
 blocks and every update mode, every (cluster, vec) the kernel takes at D = 7168, odd widths (clusters of 1 and
-4, vec 1, idle threads), the in-place partial, and the argument errors by name.
+4, vec 1, idle threads), the in-place partial, and the argument errors by name; alpha "warp" (the large-batch
+option) at batch 1, 3 and 5 with cluster 8 / 4 / 2 and vec 8, 0 / 1 / 9 blocks, every update mode.
 """
 import pytest
 import torch
@@ -68,6 +69,45 @@ def test_options_cover_every_valid_pair():
     assert sorted(valid) == [(4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
 
 
+@pytest.mark.parametrize("update", ["none", "add", "fresh"])
+@pytest.mark.parametrize("n_blocks", [0, 1, 9])
+@pytest.mark.parametrize("batch,cluster,vec", [(1, 8, 8), (3, 4, 8), (5, 2, 8)])
+def test_alpha_warp(batch, cluster, vec, n_blocks, update):
+    """alpha "warp" (warp 0 forms alpha and the norm, one more CTA barrier) at the large-batch configurations:
+    cluster 8 / 4 / 2 with vec 8 (128 / 224 / 448 threads a CTA; cluster 2 only with "warp"), odd batches."""
+    check(batch, n_blocks, update, seed=batch * 7 + n_blocks + len(update), cluster=cluster, vec=vec, alpha="warp")
+    got = emulate.LAST["launches"][-1]
+    assert got["grid"] == (cluster, batch, 1) and got["block"] == kern.threads(7168, n_blocks, cluster, vec)
+    assert got["block"] == {8: 128, 4: 224, 2: 448}[cluster]
+
+
+def test_alpha_warp_default_options():
+    """alpha "warp" with cluster / vec None: the default choice (cluster 8, vec 4), batch 3."""
+    check(3, 9, "add", seed=31, alpha="warp")
+    got = emulate.LAST["launches"][-1]
+    assert got["grid"] == (8, 3, 1) and got["block"] == 224
+
+
+def test_alpha_warp_odd_width():
+    """alpha "warp" where NS exceeds a vec's threads' work: D = 64 (one thread of a CTA owns columns)."""
+    check(3, 9, "fresh", dim=64, seed=64, alpha="warp")
+
+
+def test_alpha_pairs():
+    """alpha "warp" allows vec 8 up to 512 threads a CTA: cluster 2 vec 8 at D = 7168 (448 threads)."""
+    valid = [(c, v) for c in kern.CLUSTERS for v in kern.VECS if _plans(c, v, "warp")]
+    assert sorted(valid) == [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
+    assert kern.plan(64, 7168, 9) == kern.plan(64, 7168, 9, alpha="warp") == (8, 4)  # the defaults unchanged
+
+
+def _plans(c, v, alpha):
+    try:
+        kern.plan(1, 7168, 9, c, v, alpha=alpha)
+        return True
+    except ValueError:
+        return False
+
+
 @pytest.mark.parametrize("batch,dim,n_blocks,update,launch", [
     (2, 64, 9, "add", ((8, 2, 1), 96)),     # the tiny preset's D: one thread of a CTA owns columns
     (1, 200, 5, "fresh", ((8, 1, 1), 32)),  # vec 1 (25 columns a CTA)
@@ -102,13 +142,23 @@ def _args(B=1, D=7168, n=1):
 
 @pytest.mark.parametrize("change,name", [
     (dict(cluster=3), "cluster"), (dict(vec=16), "vec"), (dict(cluster=1), "cluster"), (dict(cluster=2), "cluster"),
-    (dict(update="sum"), "update"), (dict(eps=0.0), "eps"),
+    (dict(update="sum"), "update"), (dict(eps=0.0), "eps"), (dict(alpha="fast"), "alpha"),
+    (dict(alpha="warp", cluster=1), "cluster"),
 ])
 def test_argument_errors(change, name):
     a = dict(_args(), update="add")
     a.update(change)
     with pytest.raises(ValueError, match=repr(name)):
         emulate.run_attnres(**a)
+
+
+def test_component_refuses_alpha_by_name():
+    """The component API checks `alpha` before it dispatches (no GPU needed to refuse it)."""
+    from k3lab.components import attnres
+    a = _args()
+    with pytest.raises(ValueError, match="'alpha'"):
+        attnres.update_mix_norm(a["blocks"], a["prefix"], a["new"], a["w_norm"], a["w_proj"], a["norm_w"],
+                                update="add", backend="cute", alpha="fast")
 
 
 def test_tensor_errors_name_the_argument():

@@ -133,7 +133,7 @@ def test_build_layer_bf16_fp8_verify_and_backends():
     assert lay.state.cache.data.dtype == torch.float8_e4m3fn
     # a backend without a path for some component: those are left out and named, step refuses
     lay = build_layer(preset("tiny"), "mla")
-    lay.switches = Switches(backend={"attnres": "cute"})  # no CuTe AttnRes kernel
+    lay.switches = Switches(backend={"attnres": "aiter"})  # no AITER AttnRes kernel
     comps = lay.components()
     assert "attnres_attn" not in comps and "attnres_attn" in lay.skipped and "attn" in comps
     with pytest.raises(BackendUnavailable):

@@ -599,3 +599,20 @@ def test_pdl_switch_same_output_and_recorded(monkeypatch):
         with md.pdl_chain(False):
             assert not md.chain_pdl(None)
     assert not md.chain_pdl(None)
+
+
+def test_cute_attnres_and_router_run_in_the_builder_never_the_reference():
+    """A backend the step does not run itself goes to the layer builder as asked: the CuTe AttnRes and router are
+    the builder's (k3lab.model), never replaced by the torch reference behind a record that says cute (the H200
+    step once ran the reference 60 us an AttnRes call that way); a group nobody can run on the backend is refused by
+    name."""
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
+    for g in ("attnres", "router"):
+        assert S._group_accepts(st.layers, g, "cute", FUSED)
+    st.set_switches(FUSED.replace(backend_attnres="cute", backend_router="cute"))
+    assert st.switches.backend["attnres"] == st.switches.backend["router"] == "cute"
+    for L in st.layers:
+        assert L.switches.backend["attnres"] == "cute" and L.switches.backend["router"] == "cute"
+    assert "attnres" not in st.overridden and "router" not in st.overridden
+    with pytest.raises(BackendUnavailable, match="layer builder has no path"):
+        st.set_switches(FUSED.replace(backend_moe="cute"))

@@ -26,28 +26,35 @@ NS (NS + 1) / 2 values (65 at 9 blocks, 2 at none):
   3. thread k < K sums the cluster's slots in rank order: every CTA of a row gets the same fp32 totals and so
      the same alpha and norm (deterministic); CTA barrier;
   4. every thread reads the K totals, forms alpha and 1 / rms(mix), and writes its columns of out from the
-     sources still in its registers.
+     sources still in its registers (alpha "threads"); or (alpha "warp") warp 0 alone forms them: lane i < NS
+     the score and alpha_i (butterfly max and sum), t_i = sum_j alpha_j G_ij (G read at runtime offsets) and
+     sum mix^2 = sum_i alpha_i t_i (butterfly), alpha and 1 / rms into shared memory; one more CTA barrier, and
+     every thread reads NS + 1 values. "threads" holds the K totals in registers beside the NS x vec sources
+     (at 9 blocks about NS vec + K + 18 registers); "warp" never does (registers below, under Options).
 A first relaxed cluster arrive at entry, waited for before step 2, keeps the DSMEM stores behind every peer's
 start. Numerics: alpha^T G alpha equals sum mix^2 up to the fp32 rounding of the partial sums (the Triton
 split path's argument; checked against fp64 with the output tolerance 4e-3).
 
-Options: cluster (1, 2, 4, 8; None: the largest that fits D, 8 at D = 7168, at every batch: unmeasured) and vec
-(1, 2, 4, 8; None: the widest the alignment allows that fills whole warps, else the widest). D = 7168 takes
-cluster 8 with vec 2 / 4 / 8 (448 / 224 / 128 threads a CTA) and cluster 4 with vec 4 / 8 (448 / 224).
-Registers at 9 blocks (sm_90a): 104 / 123 / 168 at vec 2 / 4 / 8, so vec 8 is capped at 256 threads
-(MAX_THREADS_VEC: cluster 2 vec 8, 448 threads, spilled). Refused with the argument named: D not a multiple of
-cluster * vec, more threads a CTA than allowed (cluster 1 and 2 at D = 7168), a vec the pointers or row strides
-do not align to.
+Options: cluster (1, 2, 4, 8; None: the largest that fits D, 8 at D = 7168, at every batch: unmeasured), vec
+(1, 2, 4, 8; None: the widest the alignment allows that fills whole warps, else the widest) and alpha
+("threads", "warp"; None = "threads": step 4 above). D = 7168 takes cluster 8 with vec 2 / 4 / 8 (448 / 224 / 128
+threads a CTA) and cluster 4 with vec 4 / 8 (448 / 224), and with alpha "warp" also cluster 2 vec 8 (448).
+Registers at 9 blocks (sm_90a): 104 / 123 / 168 at vec 2 / 4 / 8 with "threads", so there vec 8 is capped at 256
+threads (MAX_THREADS_VEC: cluster 2 vec 8, 448 threads, spilled); 69 / 71 / 126 with "warp" (128 at cluster 2
+vec 8, no spills: MAX_THREADS_VEC_WARP). Refused with the argument named: D not a multiple of cluster * vec, more
+threads a CTA than allowed (cluster 1 at D = 7168, cluster 2 with "threads"), a vec the pointers or row strides
+do not align to, an alpha not in ALPHAS.
 
 Floor (bytes, k3lab.ops.trunk.attnres_bytes): sources (n + 1 + [add]) * B * D * 2 + the three weight vectors +
 out B*D*2 (+ partial_out B*D*2) at the read bandwidth: 9 blocks, "add", batch 1: 0.19 MB (latency-bound);
 batch 64: 10.1 MB = 2.2 us at 4.6 TB/s.
 
 Contract (torch tensors on one CUDA device, torch's current stream, CUDA-graph safe once a shape has compiled;
-compiled once per (n_blocks, update, D, cluster, vec, eps): the batch and the row strides are runtime values):
+compiled once per (n_blocks, update, D, cluster, vec, alpha, eps): the batch and the row strides are runtime
+values):
 
     attnres_norm(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, *, update="none", eps=1e-6,
-                 cluster=None, vec=None) -> out
+                 cluster=None, vec=None, alpha=None) -> out
 
 blocks: 0..MAX_BLOCKS bf16 [B, D] (each its own row stride, unit stride along D); prefix [B, D] (unused for
 "fresh"); new [B, D] (None for "none"); partial_out [B, D] for "add" / "fresh" (may be prefix itself); out
@@ -59,13 +66,16 @@ import torch
 
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
+ALPHAS = ("threads", "warp")
 CLUSTERS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 MAX_THREADS = 512  # a CTA's threads (shared memory: K x (threads + 4) fp32 partials, 134 KB at 512 and 9 blocks)
 # vec 8 takes 168 registers a thread at 9 blocks (compile_offline --only attnres): at most 256 threads (448 spill)
 MAX_THREADS_VEC = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: 256}
+# alpha "warp": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without spills
+MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
 
-__all__ = ["CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "cute_available", "plan"]
+__all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "cute_available", "plan"]
 
 
 class AttnResCuteError(ValueError):
@@ -96,16 +106,20 @@ def threads(D: int, n_blocks: int, cluster: int, vec: int) -> int:
 
 
 def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | None = None,
-         align: int = 16) -> tuple[int, int]:
+         align: int = 16, alpha: str | None = None) -> tuple[int, int]:
     """(cluster, vec) for a call: the given values checked, None chosen (module doc). `align`: the bytes every
-    source / output pointer and row stride is a multiple of (bounds vec)."""
+    source / output pointer and row stride is a multiple of (bounds vec); `alpha` (None = "threads") sets the
+    threads a CTA vec 8 may take."""
+    if alpha is not None and alpha not in ALPHAS:
+        raise AttnResCuteError(f"attnres cute: 'alpha' must be one of {ALPHAS} or None, got {alpha!r}")
+    caps = MAX_THREADS_VEC_WARP if alpha == "warp" else MAX_THREADS_VEC
     if cluster is not None and (isinstance(cluster, bool) or cluster not in CLUSTERS):
         raise AttnResCuteError(f"attnres cute: 'cluster' must be one of {CLUSTERS} or None, got {cluster!r}")
     if vec is not None and (isinstance(vec, bool) or vec not in VECS):
         raise AttnResCuteError(f"attnres cute: 'vec' must be one of {VECS} or None, got {vec!r}")
     if cluster is None:
         cands = [c for c in (8, 4, 2, 1) if D % c == 0]
-        cluster = next((c for c in cands if any(D % (c * v) == 0 and D // (c * v) <= MAX_THREADS_VEC[v]
+        cluster = next((c for c in cands if any(D % (c * v) == 0 and D // (c * v) <= caps[v]
                                                 for v in VECS if 2 * v <= align)), None)
         if cluster is None:
             raise AttnResCuteError(f"attnres cute: 'dim' D={D} fits no cluster of {CLUSTERS} (needs D divisible by "
@@ -117,10 +131,10 @@ def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | N
         raise AttnResCuteError(f"attnres cute: 'cluster'={cluster} does not divide 'dim' D={D}")
     W = D // cluster
     if vec is None:
-        ok = [v for v in VECS if W % v == 0 and 2 * v <= align and W // v <= MAX_THREADS_VEC[v]]
+        ok = [v for v in VECS if W % v == 0 and 2 * v <= align and W // v <= caps[v]]
         if not ok:
             raise AttnResCuteError(f"attnres cute: {given!r}: D={D} with cluster={cluster} fits no vec of {VECS} "
-                                   f"(at most {MAX_THREADS} threads a CTA, {MAX_THREADS_VEC[8]} at vec 8; "
+                                   f"(at most {MAX_THREADS} threads a CTA, {caps[8]} at vec 8; "
                                    f"{align}-byte aligned tensors)")
         vec = max(ok, key=lambda v: ((W // v) % 32 == 0, v))
     if 2 * vec > align:
@@ -128,9 +142,10 @@ def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | N
                                f"these are {align}-byte aligned")
     if W % vec:
         raise AttnResCuteError(f"attnres cute: 'dim' D={D} is not a multiple of cluster * vec = {cluster * vec}")
-    if W // vec > MAX_THREADS_VEC[vec]:
+    if W // vec > caps[vec]:
         raise AttnResCuteError(f"attnres cute: 'cluster'={cluster} with vec={vec} needs {W // vec} threads a CTA "
-                               f"at D={D} (at most {MAX_THREADS_VEC[vec]} at vec {vec}): take another cluster or vec")
+                               f"at D={D} (at most {caps[vec]} at vec {vec} with alpha "
+                               f"{alpha or 'threads'!r}): take another cluster or vec")
     return cluster, vec
 
 
@@ -156,9 +171,11 @@ def _kernel_class():
     class AttnResNormKernel:
         """One cluster of C CTAs per row (module doc)."""
 
-        def __init__(self, D: int, n_blocks: int, update: str, cluster: int, vec_: int, eps: float):
+        def __init__(self, D: int, n_blocks: int, update: str, cluster: int, vec_: int, eps: float,
+                     alpha: str = "threads"):
             assert update in UPDATES and 0 <= n_blocks <= MAX_BLOCKS and cluster in CLUSTERS and vec_ in VECS
-            assert D % (cluster * vec_) == 0
+            assert D % (cluster * vec_) == 0 and alpha in ALPHAS
+            self.AW = alpha == "warp"              # alpha and the norm formed once by warp 0 (module doc)
             self.D, self.NB, self.U = D, n_blocks, UPDATES.index(update)
             self.NS = n_blocks + 1                 # sources of the mix: the blocks, then p
             self.K = n_partials(n_blocks)          # partial sums per thread
@@ -188,6 +205,42 @@ def _kernel_class():
                             t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
                     grid=[self.C, B, 1], block=[self.T, 1, 1], cluster=[self.C, 1, 1], stream=stream)
 
+        @cute.jit
+        def alpha_warp(self, s_tot, s_al, lane: Int32):
+            """Warp 0 (alpha "warp"): alpha and 1 / rms(mix) from the K totals into s_al (32 lanes call it)."""
+            NS = self.NS
+            inv_d = 1.0 / self.D
+            live = lane < NS  # lane i < NS: source i; the other lanes add 0 to every sum
+            li = lane
+            sc = Float32(-3.0e38)
+            if live:
+                gii = NS + li * NS - (li * (li - 1)) // 2  # G_ii's slot (row li of the triangle starts there)
+                sc = s_tot[li] * cute.math.rsqrt(s_tot[gii] * inv_d + self.eps)
+            m = sc
+            for sh in cutlass.range_constexpr(5):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> sh))
+            ex = Float32(0.0)
+            if live:
+                ex = cute.math.exp(sc - m)
+            den = ex
+            for sh in cutlass.range_constexpr(5):
+                den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> sh)
+            a = ex / den
+            if live:
+                s_al[li] = a
+            cute.arch.sync_warp()
+            t = Float32(0.0)
+            if live:
+                for j in cutlass.range_constexpr(NS):
+                    lo = cutlass.select_(li < j, li, Int32(j))  # G_ij = G_ji: the slot of (min, max)
+                    hi = cutlass.select_(li < j, Int32(j), li)
+                    t = t + s_al[j] * s_tot[NS + lo * NS - (lo * (lo - 1)) // 2 + (hi - lo)]
+            ms = a * t
+            for sh in cutlass.range_constexpr(5):
+                ms = ms + cute.arch.shuffle_sync_bfly(ms, offset=16 >> sh)
+            if lane == 0:
+                s_al[NS] = cute.math.rsqrt(ms * inv_d + self.eps)
+
         @cute.kernel
         def kernel(self, b0: cute.Pointer, b1: cute.Pointer, b2: cute.Pointer, b3: cute.Pointer,
                    b4: cute.Pointer, b5: cute.Pointer, b6: cute.Pointer, b7: cute.Pointer, b8: cute.Pointer,
@@ -206,6 +259,8 @@ def _kernel_class():
             s_part = smem.allocate_tensor(Float32, cute.make_layout(K * TP), byte_alignment=16)
             s_clu = smem.allocate_tensor(Float32, cute.make_layout(C * K), byte_alignment=16)
             s_tot = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
+            if cutlass.const_expr(self.AW):  # alpha_0..alpha_{NS-1}, then 1 / rms(mix)
+                s_al = smem.allocate_tensor(Float32, cute.make_layout(NS + 1), byte_alignment=16)
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before DSMEM stores
 
@@ -306,31 +361,43 @@ def _kernel_class():
 
             # ---- alpha, the norm of the mix, and this thread's columns of out ----------------------------------
             inv_d = 1.0 / self.D
-            g = {}
-            for k in cutlass.range_constexpr(len(self.pairs)):
-                g[self.pairs[k]] = s_tot[NS + k]
-            sc = []
-            for i in cutlass.range_constexpr(NS):
-                sc.append(s_tot[i] * cute.math.rsqrt(g[(i, i)] * inv_d + self.eps))
-            m = sc[0]
-            for i in cutlass.range_constexpr(1, NS):
-                m = -cute.arch.fmin(-m, -sc[i])  # fmax
-            ex = []
-            den = Float32(0.0)
-            for i in cutlass.range_constexpr(NS):
-                ex.append(cute.math.exp(sc[i] - m))
-                den = den + ex[i]
             alpha = []
-            for i in cutlass.range_constexpr(NS):
-                alpha.append(ex[i] / den)
-            ms = Float32(0.0)
-            for k in cutlass.range_constexpr(len(self.pairs)):
-                i, j = self.pairs[k]
-                if cutlass.const_expr(i == j):
-                    ms = ms + alpha[i] * alpha[i] * g[(i, j)]
-                else:
-                    ms = ms + 2.0 * alpha[i] * alpha[j] * g[(i, j)]
-            inv = cute.math.rsqrt(ms * inv_d + self.eps)
+            if cutlass.const_expr(self.AW):
+                # warp 0 alone: lane i < NS forms score_i and alpha_i (softmax by butterfly max and sum), then
+                # t_i = sum_j alpha_j G_ij (G read at runtime offsets) and ms = sum_i alpha_i t_i (butterfly);
+                # alpha and 1 / rms into shared memory; every thread reads NS + 1 values (the K totals are
+                # never held in registers beside the sources)
+                if tid < 32:
+                    self.alpha_warp(s_tot, s_al, tid)
+                cute.arch.sync_threads()
+                for i in cutlass.range_constexpr(NS):
+                    alpha.append(s_al[i])
+                inv = s_al[NS]
+            else:
+                g = {}
+                for k in cutlass.range_constexpr(len(self.pairs)):
+                    g[self.pairs[k]] = s_tot[NS + k]
+                sc = []
+                for i in cutlass.range_constexpr(NS):
+                    sc.append(s_tot[i] * cute.math.rsqrt(g[(i, i)] * inv_d + self.eps))
+                m = sc[0]
+                for i in cutlass.range_constexpr(1, NS):
+                    m = -cute.arch.fmin(-m, -sc[i])  # fmax
+                ex = []
+                den = Float32(0.0)
+                for i in cutlass.range_constexpr(NS):
+                    ex.append(cute.math.exp(sc[i] - m))
+                    den = den + ex[i]
+                for i in cutlass.range_constexpr(NS):
+                    alpha.append(ex[i] / den)
+                ms = Float32(0.0)
+                for k in cutlass.range_constexpr(len(self.pairs)):
+                    i, j = self.pairs[k]
+                    if cutlass.const_expr(i == j):
+                        ms = ms + alpha[i] * alpha[i] * g[(i, j)]
+                    else:
+                        ms = ms + 2.0 * alpha[i] * alpha[j] * g[(i, j)]
+                inv = cute.math.rsqrt(ms * inv_d + self.eps)
             r_out = cute.make_rmem_tensor((V,), p_out.dtype)
             for e in cutlass.range_constexpr(V):
                 mix = alpha[0] * x[0][e]
@@ -397,7 +464,7 @@ def _ptr(t: torch.Tensor, align: int):
 def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w_norm: torch.Tensor,
                  w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor, partial_out: torch.Tensor | None,
                  *, update: str = "none", eps: float = 1e-6, cluster: int | None = None,
-                 vec: int | None = None) -> torch.Tensor:
+                 vec: int | None = None, alpha: str | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module doc). Returns out."""
     if update not in UPDATES:
         _fail("update", f"must be one of {UPDATES}, got {update!r}")
@@ -426,7 +493,8 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
     used = list(blocks) + ([prefix] if update != "fresh" else []) + ([new, partial_out] if update != "none" else [])
     used.append(out)
     al = _align(used + [w_norm, w_proj, norm_w], used)
-    C, V = plan(B, D, len(blocks), cluster, vec, al)
+    C, V = plan(B, D, len(blocks), cluster, vec, al, alpha)
+    A = alpha or "threads"
     if B == 0:
         return out
     a = 2 * V
@@ -438,14 +506,14 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
     pout = partial_out if update != "none" else out
     args = bp + [_ptr(pre, a), _ptr(nw, a), _ptr(w_norm, a), _ptr(w_proj, a), _ptr(norm_w, a), po,
                  _ptr(pout, a)] + bs + [pre.stride(0), nw.stride(0), pout.stride(0), out.stride(0), B]
-    key = (len(blocks), update, D, C, V, float(eps), dev.index)
+    key = (len(blocks), update, D, C, V, A, float(eps), dev.index)
     import cuda.bindings.driver as cuda
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         fn = _COMPILED.get(key)
         if fn is None:
             from cutlass import cute
-            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps), *args, stream)
+            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return out
