@@ -1752,3 +1752,13 @@ def run_attnres(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, u
     _run(call, dict(named, prefix=prefix, new=new, w_norm=w_norm, w_proj=w_proj, norm_w=norm_w, out=out,
                     partial_out=partial_out), seed)
     return out
+
+
+def run_verify_checkpoint(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=None,
+                          tile_v: int = 128, row_warps=None, pdl: bool = False, checkpoint=None, seed: int = 0):
+    """kda_verify with a `checkpoint` (state_hist [B, ceil(T / c), H, D, D]) on the emulator; as run_verify."""
+    _PDL["early"] = _early(params, state, conv_state)
+    _run(lambda m, **a: m.kv.kda_verify(**a, tile_v=tile_v, row_warps=row_warps, pdl=pdl, checkpoint=checkpoint),
+         dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out,
+              state_hist=state_hist, conv_hist=conv_hist, lengths=lengths), seed)
+    return out

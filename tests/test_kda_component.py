@@ -124,6 +124,70 @@ def test_verify_and_commit_validation():
         kda.prefill(*a, grouped=1)
 
 
+def test_checkpoint_validation():
+    """`checkpoint` not an int >= 1, above T, and a state_hist of the wrong slot count are refused by name, in
+    verify and in commit; commit with c >= 2 needs the verify's inputs."""
+    inp, p, st, cs, sh, chh = ver_inputs()  # T = 3
+    a = (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs)
+    sh2 = torch.full((B, 2, H, D, D), float("nan"), device=DEV)  # ceil(3 / 2) slots
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(kda.KDAArgumentError, match="'checkpoint'.*int >= 1"):
+            kda.verify(*a, state_hist=sh2, conv_hist=chh, checkpoint=bad)
+        with pytest.raises(kda.KDAArgumentError, match="'checkpoint'.*int >= 1"):
+            kda.commit(sh2, chh, torch.tensor([1, 2], device=DEV), st, cs, checkpoint=bad)
+    with pytest.raises(kda.KDAArgumentError, match="'checkpoint'.*at most T=3"):
+        kda.verify(*a, state_hist=sh2, conv_hist=chh, checkpoint=4)
+    with pytest.raises(kda.KDAArgumentError, match="'checkpoint'.*at most T=3"):
+        kda.commit(sh2, chh, torch.tensor([1, 2], device=DEV), st, cs, checkpoint=4)
+    with pytest.raises(kda.KDAArgumentError, match="'state_hist'.*shape"):
+        kda.verify(*a, state_hist=sh, conv_hist=chh, checkpoint=2)  # 3 slots where c = 2 keeps 2
+    with pytest.raises(kda.KDAArgumentError, match="'state_hist'.*shape"):
+        kda.verify(*a, state_hist=sh2, conv_hist=chh)  # c = 1 keeps 3
+    with pytest.raises(kda.KDAArgumentError, match="'state_hist'.*shape"):
+        kda.commit(sh, chh, torch.tensor([1, 2], device=DEV), st, cs, checkpoint=2, qkv=inp["qkv"], f=inp["f"],
+                   b=inp["b"], params=p)
+    with pytest.raises(kda.KDAArgumentError, match="'qkv'.*checkpoint=2"):
+        kda.commit(sh2, chh, torch.tensor([1, 2], device=DEV), st, cs, checkpoint=2)
+    with pytest.raises(kda.KDAArgumentError, match="'params'.*checkpoint=2"):
+        kda.commit(sh2, chh, torch.tensor([1, 2], device=DEV), st, cs, checkpoint=2, qkv=inp["qkv"], f=inp["f"],
+                   b=inp["b"])
+    with pytest.raises(kda.KDAArgumentError, match="'f'.*shape"):
+        kda.commit(sh2, chh, torch.tensor([1, 2], device=DEV), st, cs, checkpoint=2, qkv=inp["qkv"],
+                   f=inp["f"][:, :2].contiguous(), b=inp["b"], params=p)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_checkpoint_verify_and_commit_through_the_checker(backend):
+    """verify with checkpoint 2 (ragged: untouched slots) and c = T, and commit of every n_b (c = 2, 3), on the
+    reference (fp32 recurrence on the host) and the triton backends."""
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    ver, com = registry.get("kda_verify"), registry.get("kda_commit")
+    opts = dict(tile_v=8) if backend == "triton" else {}
+    for c, ragged in ((2, True), (4, False)):
+        r = checker.require(checker.check(ver, ver.case(heads=2, batch=3, D=16, T=4, ragged=ragged, checkpoint=c),
+                                          backend=backend, options=opts, seed=c))
+        assert r.ran[-1].options["checkpoint"] == c
+    for c in (2, 3):
+        r = checker.require(checker.check(com, com.case(heads=2, batch=5, D=16, T=5, checkpoint=c, accepted="each"),
+                                          backend=backend, options=opts, seed=c))
+        assert r.ran[-1].options["checkpoint"] == c and r.ran[-1].backend == backend
+
+
+def test_commit_cute_backend_replays_with_triton():
+    """cute has no commit kernel: c = 1 the torch gather, c >= 2 the triton replay (the record says so)."""
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    if not dispatch.can_run("kda_verify", "cute"):
+        pytest.skip("the cute backend cannot run here")
+    com = registry.get("kda_commit")
+    r = checker.require(checker.check(com, com.case(heads=2, batch=4, D=128, T=4, checkpoint=2, accepted="each"),
+                                      backend="cute", seed=1))
+    assert "_kda_replay_kernel" in r.ran[-1].kernel and "cute has no commit kernel" in r.ran[-1].notes
+
+
 # ---- dispatch and agreement --------------------------------------------------------------------
 
 @pytest.mark.parametrize("tile_v", [8, 32])

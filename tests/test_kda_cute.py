@@ -56,6 +56,24 @@ def test_kda_verify_column_tiles(B, H, T, ragged, tile_v):
     check_verify(B, H, T, ragged=ragged, seed=B + H + T + tile_v, tile_v=tile_v)
 
 
+@pytest.mark.parametrize("c", [2, 4, 8])
+@pytest.mark.parametrize("B,tile_v,row_warps", [(1, 16, None), (8, 128, None), (8, 64, 2), (64, 128, None)])
+def test_kda_verify_checkpoint(B, tile_v, row_warps, c):
+    """checkpoint c at T = 8 (and T = 4): only the slots' states stored; ragged slots past lengths[b] untouched;
+    then the commit (the cute backend: the Triton replay) of every n_b through the shared checker."""
+    from k3lab import registry
+
+    for T, ragged in ((8, False), (8, True), (4, True)):
+        if c > T:
+            continue
+        checker.require(checker.check(K.VER, K.VER.case(heads=12, batch=B, T=T, ragged=ragged, checkpoint=c),
+                                      seed=B + T + c, impl=K.verify(kda_verify, tile_v=tile_v, row_warps=row_warps,
+                                                                    checkpoint=c)))
+    com = registry.get("kda_commit")
+    checker.require(checker.check(com, com.case(heads=12, batch=max(B, 8), T=8, checkpoint=c, accepted="each"),
+                                  backend="cute", seed=B + c))
+
+
 def test_kda_cute_refuses_unsupported_inputs():
     """The wrapper refuses what it does not support, with a clear error (never a crash in the kernel)."""
     d = K.DEC.make_inputs(K.dcase(1, 6), 0, "cuda")

@@ -24,6 +24,13 @@ def test_row_warps_values(rw):
         kv.kda_verify(*_args(), row_warps=rw)
 
 
+@pytest.mark.parametrize("ck", [0, 4, 2.0, True, "2"])
+def test_checkpoint_values(ck):
+    """checkpoint: None or an int in 1..T (T = 3 here)."""
+    with pytest.raises(ValueError, match="checkpoint"):
+        kv.kda_verify(*_args(), checkpoint=ck)
+
+
 def test_cpu_tensors_are_refused_by_name():
     with pytest.raises(ValueError, match="CUDA"):
         kv.kda_verify(*_args())
@@ -61,9 +68,10 @@ def test_pdl_must_be_a_bool():
 
 
 def test_public_signatures():
-    """Only the switches users toggle: tile_v and pdl (decode); lengths, tile_v, row_warps and pdl (verify)."""
+    """Only the switches users toggle: tile_v and pdl (decode); lengths, tile_v, row_warps, pdl and checkpoint
+    (verify)."""
     from k3lab_kernels.cute import kda_decode as kd
     head = ["qkv", "f", "b", "gate", "params", "state", "conv_state", "out"]
     assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl"]
     assert list(inspect.signature(kv.kda_verify).parameters) == head + ["state_hist", "conv_hist", "lengths",
-                                                                        "tile_v", "row_warps", "pdl"]
+                                                                        "tile_v", "row_warps", "pdl", "checkpoint"]

@@ -99,6 +99,57 @@ def test_verify(tile_v, row_warps, B, H, T, ragged):
     assert emulate.LAST["launches"][-1]["min_blocks_per_mp"] == 1  # a resident grid: no register cap
 
 
+# ---- verify with a checkpoint: only the slot positions' states are stored (compile-time), with and without
+# the delayed store, ragged (slots past lengths[b] untouched); then the Triton commit replays from the slots -----
+
+VERIFY_CKPT = [  # (tile_v, row_warps, B, T, checkpoint, ragged)
+    (128, 4, 1, 4, 2, False),   # delay: position t's slot store after t + 1's partial sums
+    (64, 8, 2, 4, 4, True),     # c = T: the last position only; sequence 2 (length 1) writes no slot
+    (16, 2, 2, 3, 2, True),     # T not a multiple of c: slots at positions 1 and 2
+    pytest.param(32, 1, 1, 4, 3, False, marks=slow), pytest.param(128, 2, 2, 4, 2, True, marks=slow),
+]
+
+
+def check_verify_ckpt(B, T, c, ragged, seed, tile_v, row_warps):
+    return checker.check(K.VER, K.VER.case(heads=1, batch=B, T=T, ragged=ragged, checkpoint=c), seed=seed,
+                         device="cpu", impl=K.verify(emulate.run_verify_checkpoint, tile_v=tile_v,
+                                                     row_warps=row_warps, checkpoint=c))
+
+
+@pytest.mark.parametrize("tile_v,row_warps,B,T,c,ragged", VERIFY_CKPT)
+def test_verify_checkpoint(tile_v, row_warps, B, T, c, ragged):
+    r = checker.require(check_verify_ckpt(B, T, c, ragged, seed=B + T + c + tile_v, tile_v=tile_v,
+                                          row_warps=row_warps))
+    assert r.errors["state_hist"]["numel"] < B * T * 128 * 128  # fewer states than positions were compared
+
+
+def test_verify_checkpoint_large_grid(large_grid):
+    """The per-position prologue, no delayed store, two CTAs an SM."""
+    _assert_ok(check_verify_ckpt(2, 4, 2, True, seed=3, tile_v=128, row_warps=4))
+    assert emulate.LAST["launches"][-1]["min_blocks_per_mp"] == 2
+
+
+def test_cute_verify_checkpoint_then_commit():
+    """The CuTe verify's slots (c = 4, T = 4) feed the commit (the Triton replay, interpreted): sequences accepting
+    3 positions (a replay of 3 from the start state) and 4 (the slot's copy) against the fp64 state at p."""
+    from k3lab.components import kda
+
+    B, H, T, c = 2, 1, 4, 4
+    inp, p, st, cs = ref.make_kda_inputs(B, H, 128, T=T, seed=9)
+    a = [inp[k] for k in ("qkv", "f", "b", "gate")]
+    _, S64, c64 = ref.kda_verify(*[x.double() for x in a], p.to(torch.float64), st.double(), cs.double())
+    out = torch.full((B, T, H * 128), float("nan"), dtype=torch.bfloat16)
+    sh = torch.full((B, 1, H, 128, 128), float("nan"))
+    chh = torch.full((B, T, 3 * H * 128, 3), float("nan"), dtype=torch.bfloat16)
+    emulate.run_verify_checkpoint(*a, p, st, cs, out, sh, chh, tile_v=128, row_warps=4, checkpoint=c)
+    n = torch.tensor([3, 4], dtype=torch.int32)
+    S, cst = st.clone(), cs.clone()
+    kda.commit(sh, chh, n, S, cst, checkpoint=c, qkv=a[0], f=a[1], b=a[2], params=p, tile_v=128, backend="triton")
+    idx = torch.arange(B)
+    assert float(((S.double() - S64[idx, n.long() - 1]).norm() / S64[idx, n.long() - 1].norm())) < 1e-4
+    assert torch.equal(cst.double(), c64[idx, n.long() - 1])
+
+
 @pytest.mark.parametrize("tile_v,row_warps,B,H,T,ragged", [
     (32, 4, 2, 1, 3, True),
     pytest.param(128, 2, 1, 1, 4, False, marks=slow), pytest.param(16, 8, 2, 1, 2, True, marks=slow),

@@ -1,4 +1,6 @@
 """Triton KDA kernels (decode, verify + commit, chunked prefill) against the fp64 reference.
+Verify with a checkpoint c (state_hist: the state after every c-th position and the last) and the commit's
+replay (a slot copy or up to c - 1 positions recomputed from the last slot) through the shared checker too.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; tests
 marked `gpu` run the real shapes (D=128, 6/12/96 heads, B up to 64, every tile_v, T 1..8).
@@ -152,6 +154,81 @@ def test_commit_equals_decode_of_accepted():
         assert torch.equal(c_c[bb], c_d[0])
 
 
+# ---- verify checkpoints and the commit's replay ------------------------------------------------
+
+def _ck_cases():
+    """(T, c) for c in {1, 2, 4, T} at T 2, 4, 8, and c = 3 at T = 8 (slots at positions 2, 5, 7)."""
+    out = [(T, c) for T in (2, 4, 8) for c in sorted({1, 2, 4, T}) if c <= T]
+    return out + [(8, 3)]
+
+
+@pytest.mark.parametrize("T,c", _ck_cases())
+def test_verify_checkpoint_checker(T, c):
+    """The shared checker on state_hist's slots (the fp64 reference's states at checkpoint_positions), uniform
+    and ragged (a slot whose position is >= lengths[b] must stay untouched), two tiles a head and one."""
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    op = registry.get("kda_verify")
+    for ragged, tile_v in ((False, 8), (True, 16)):
+        case = op.case(heads=2, batch=3, D=16, T=T, ragged=ragged, checkpoint=c)
+        res = checker.require(checker.check(op, case, backend="triton", options=dict(tile_v=tile_v), seed=T + c))
+        assert res.errors["state_hist"]["rel_norm"] < 1e-5
+
+
+@pytest.mark.parametrize("T,c", [(8, 2), (8, 4), (8, 8), (8, 3), (4, 2), (4, 4), (2, 2)])
+@pytest.mark.parametrize("tile_v", [8, 16])
+def test_commit_checkpoint_checker(T, c, tile_v):
+    """The commit op through the shared checker: a batch of T sequences accepting 1..T positions (every slot
+    copy and every replay length 1..c-1, from a slot and from the start state), state against the fp64 state at
+    p = n_b - 1 within the verify's state tolerance (1e-4), conv_state bit-exact."""
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    op = registry.get("kda_commit")
+    case = op.case(heads=2, batch=T, D=16, T=T, checkpoint=c, accepted="each")
+    res = checker.require(checker.check(op, case, backend="triton", options=dict(tile_v=tile_v), seed=c + tile_v))
+    assert res.ran[-1].op == "kda_commit" and "_kda_replay_kernel" in res.ran[-1].kernel
+    assert res.errors["state"]["rel_norm"] < 1e-5
+
+
+def test_commit_checkpoint_bf16_state():
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    op = registry.get("kda_commit")
+    case = op.case(heads=2, batch=8, D=16, T=8, checkpoint=4, accepted="each", state_dtype="bf16")
+    checker.require(checker.check(op, case, backend="triton", options=dict(tile_v=8), seed=2))
+
+
+@pytest.mark.parametrize("c", [2, 4, 8])
+def test_verify_then_commit_every_accept(c):
+    """The chain the decode step runs: the Triton verify with checkpoint c, then the Triton commit for every
+    n_b in 1..T (sequence b accepts n_b = 1 + (b + shift) mod T), each time from the same start state. The
+    committed state must match the fp64 state at p = n_b - 1 (relative norm < 1e-4, the verify's state
+    tolerance; ~1e-7 measured) and the c = 1 commit's (max abs < 1e-5); conv_state bit-exact."""
+    from k3lab_kernels.triton.kda_verify import commit, kda_verify
+
+    B, H, D, T = 8, 2, 16, 8
+    inp, p, st, cs = inputs(B, H, D, T=T, seed=40 + c)
+    o64, S64, c64 = ref_verify(*args64(inp), p.to(torch.float64), st.double(), cs.double())
+    out = torch.full((B, T, H * D), NAN, dtype=torch.bfloat16, device=DEV)
+    sh1 = torch.full((B, T, H, D, D), NAN, device=DEV)
+    shc = torch.full((B, -(-T // c), H, D, D), NAN, device=DEV)
+    chh = torch.full((B, T, 3 * H * D, 3), NAN, dtype=torch.bfloat16, device=DEV)
+    kda_verify(*args(inp), p, st, cs, out, sh1, chh, tile_v=8)
+    kda_verify(*args(inp), p, st, cs, out, shc, chh, tile_v=8, checkpoint=c)
+    idx = torch.arange(B, device=DEV)
+    for shift in (0, 3):
+        n = ((torch.arange(B) + shift) % T + 1).to(torch.int32).to(DEV)
+        S1, c1, Sc, cc = st.clone(), cs.clone(), st.clone(), cs.clone()
+        commit(sh1, chh, n, S1, c1)
+        commit(shc, chh, n, Sc, cc, checkpoint=c, qkv=inp["qkv"], f=inp["f"], b=inp["b"], params=p, tile_v=8)
+        assert rel(Sc, S64[idx, n.long() - 1]) < TOL_S32
+        assert float((Sc - S1).abs().max()) < 1e-5
+        assert torch.equal(cc, c1) and torch.equal(cc.double(), c64[idx, n.long() - 1])
+
+
 @pytest.mark.parametrize("W", [2, 3, 5])
 def test_conv_kernel_widths(W):
     """The conv window is a tuple of W 1-D column vectors: any kernel width W >= 2 (the model uses 4)."""
@@ -261,6 +338,26 @@ def test_gpu_decode_every_warp_count(tile_v, num_warps):
 def test_gpu_verify(T, tile_v):
     _verify_check(1, 12, 128, T, tile_v, torch.float32, ragged=False, seed=T)
     _verify_check(8, 12, 128, T, tile_v, torch.float32, ragged=True, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", [2, 4, 8])
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_gpu_verify_checkpoint(B, c):
+    """The H200 shapes: 12 heads, T = 8, the Triton verify's slots (uniform and ragged) and the commit of every
+    n_b through the shared checker."""
+    from k3lab import registry
+    from k3lab.harness import checker
+
+    ver, com = registry.get("kda_verify"), registry.get("kda_commit")
+    for ragged in (False, True):
+        for tile_v in (8, 32, 128):
+            checker.require(checker.check(ver, ver.case(heads=12, batch=B, T=8, ragged=ragged, checkpoint=c),
+                                          backend="triton", options=dict(tile_v=tile_v), seed=B + c))
+    for accepted in ("each", c - 1 if c > 1 else 1, 8):
+        for tile_v in (8, 32):
+            checker.require(checker.check(com, com.case(heads=12, batch=B, T=8, checkpoint=c, accepted=accepted),
+                                          backend="triton", options=dict(tile_v=tile_v), seed=B + c))
 
 
 @pytest.mark.gpu

@@ -208,32 +208,49 @@ def _check_lengths(lengths, B, T, dev, check_values):
             _fail("lengths", f"values must lie in 1..T={T}, got min {lo} max {hi}")
 
 
+def _check_checkpoint(checkpoint, T):
+    """checkpoint: None (= 1) or an int c in 1..T; returns c."""
+    if checkpoint is None:
+        return 1
+    if isinstance(checkpoint, bool) or not isinstance(checkpoint, int) or checkpoint < 1:
+        _fail("checkpoint", f"expected None or an int >= 1, got {checkpoint!r}")
+    if checkpoint > T:
+        _fail("checkpoint", f"must be at most T={T} (c = T keeps the last position's state only), got {checkpoint}")
+    return checkpoint
+
+
 def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, conv_hist, lengths=None,
-           backend="reference", tile_v=None, num_warps=None, check_values=True, pdl=False, ran=None):
+           checkpoint=None, backend="reference", tile_v=None, num_warps=None, check_values=True, pdl=False,
+           ran=None):
     """T positions from the start state (state/conv_state only read). Writes out [B,T,HD] bf16,
-    state_hist [B,T,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16. lengths [B] int32 in 1..T:
-    positions >= lengths[b] are not computed and their out/hist entries are left untouched.
-    tile_v None = 8 for triton (its measured best at B=1, T=4 on the H200), 128 for cute; with
+    state_hist [B,S,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16 (the window after every position).
+    checkpoint c (None = 1, today's contract: a state after every position): S = ceil(T / c) slots, slot s =
+    the state after position min((s + 1) c, T) - 1 (c = T: the last position only); `commit` with the same c
+    recomputes any other position's state. lengths [B] int32 in 1..T: positions >= lengths[b] are not
+    computed and their out / conv_hist entries, and the slots whose position is >= lengths[b], are left
+    untouched. tile_v None = 8 for triton (its measured best at B=1, T=4 on the H200), 128 for cute; with
     backend="auto" the tile comes from data/kda_defaults.json. pdl: as in `decode` (cute only; the kernel
     directly before must not write `state` / `conv_state`, e.g. a commit of the same sequences)."""
     B, T, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
     if not 1 <= T <= 8:
         _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
+    ck = _check_checkpoint(checkpoint, T)
+    NS = -(-T // ck)
     be, tile_v, why = _select("kda_verify", backend, B, T, tile_v, D)
     _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128 if be == "cute" else 8)
     dev = qkv.device
     out = _out(out, (B, T, H * D), dev)
-    _check("state_hist", state_hist, (B, T, H, D, D), (state.dtype,), dev)
+    _check("state_hist", state_hist, (B, NS, H, D, D), (state.dtype,), dev)
     _check("conv_hist", conv_hist, (B, T, 3 * H * D, W - 1), (torch.bfloat16,), dev)
     _check_lengths(lengths, B, T, dev, check_values)
     rec = dict(op="kda_verify", backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, T=T, H=H, D=D, ragged=lengths is not None),
-               options=dict(tile_v=tile_v, state_dtype=_sd(state), pdl=pdl))
+               options=dict(tile_v=tile_v, state_dtype=_sd(state), pdl=pdl, checkpoint=ck))
     if be == "triton":
         from k3lab_kernels.triton.kda_decode import default_num_warps
         dispatch.kernel("kda_verify", be)(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-                                          lengths=lengths, tile_v=tile_v, num_warps=num_warps)
+                                          lengths=lengths, tile_v=tile_v, num_warps=num_warps, checkpoint=ck)
         dispatch.record(ran, kernel=dispatch.kernel_path("kda_verify", be), **rec,
                         notes=f"num_warps={num_warps or default_num_warps(D, tile_v, verify=True)}"
                         + (" ragged" if lengths is not None else " uniform"))
@@ -242,12 +259,12 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
         fn = dispatch.kernel("kda_verify", be)
         row_warps = __import__(fn.__module__, fromlist=["default_row_warps"]).default_row_warps(tile_v, B, H, T)
         fn(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths=lengths, tile_v=tile_v,
-           row_warps=row_warps, pdl=pdl)
+           row_warps=row_warps, pdl=pdl, checkpoint=ck)
         dispatch.record(ran, kernel=dispatch.kernel_path("kda_verify", be), **rec,
                         notes=f"row_warps={row_warps}" + (" ragged" if lengths is not None else ""))
         return out
     o, S, cs = ref.kda_verify(*_f32(qkv, f, b, gate), params.to(torch.float32), state.float(), conv_state,
-                              dtype=torch.float32, out_dtype=torch.bfloat16)
+                              dtype=torch.float32, out_dtype=torch.bfloat16, checkpoint=ck)
     if lengths is None:
         out.copy_(o)
         state_hist.copy_(S)
@@ -257,7 +274,7 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
         for bb in range(B):
             k = int(n[bb])
             out[bb, :k].copy_(o[bb, :k])
-            state_hist[bb, :k].copy_(S[bb, :k])
+            state_hist[bb, :ref.slots_written(k, T, ck)].copy_(S[bb, :ref.slots_written(k, T, ck)])
             conv_hist[bb, :k].copy_(cs[bb, :k])
     rec["options"]["tile_v"] = None
     dispatch.record(ran, kernel="k3lab.ref.kda:kda_verify (fp32)", **rec,
@@ -265,20 +282,48 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     return out
 
 
-def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, backend="reference", check_values=True,
-           ran=None):
-    """state[b] = state_hist[b, n_b-1]; conv_state[b] = conv_hist[b, n_b-1]; num_accepted [B] int in 1..T."""
+def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, checkpoint=None, qkv=None, f=None, b=None,
+           params=None, tile_v=None, backend="reference", check_values=True, ran=None):
+    """Keep each sequence's first n_b = num_accepted[b] verified positions (num_accepted [B] int in 1..T):
+    state[b] = the state after position p = n_b - 1, conv_state[b] = conv_hist[b, p].
+    checkpoint c (None = 1): the verify's; state_hist [B, ceil(T/c), H, D, D], conv_hist [B, T, 3HD, W-1]. A
+    slot position p (n_b a multiple of c, or n_b = T) copies its slot (c = 1: always); any other p recomputes
+    the state from the last slot before p (or from `state`, the start state verify never writes) over the
+    n_b mod c positions in between, from the verify's inputs qkv [B,T,3HD], f [B,T,HD], b [B,T,H] and params
+    (required when c >= 2) and conv_hist, and writes it into `state` in place. tile_v: the triton replay's
+    value tile (None = 8). The triton backend reads num_accepted on the device only (with check_values=False
+    no host sync); the reference loops over sequences on the host (fp32 recurrence); cute has no commit
+    kernel: c = 1 the torch gather, c >= 2 the triton replay (the reference where triton cannot run)."""
     if not isinstance(state_hist, torch.Tensor) or state_hist.dim() != 5:
-        _fail("state_hist", "expected a tensor [B,T,H,D,D]")
-    B, T, H, D, _ = state_hist.shape
-    dev = state_hist.device
-    _check("state_hist", state_hist, tuple(state_hist.shape), STATE_DTYPES, dev)
+        _fail("state_hist", "expected a tensor [B,S,H,D,D]")
     if not isinstance(conv_hist, torch.Tensor) or conv_hist.dim() != 4:
         _fail("conv_hist", "expected a tensor [B,T,3HD,W-1]")
+    B, _, H, D, _ = state_hist.shape
+    T = conv_hist.shape[1]
+    dev = state_hist.device
+    if T < 1:
+        _fail("conv_hist", "expected T >= 1 positions")
+    ck = _check_checkpoint(checkpoint, T)
+    NS = -(-T // ck)
+    _check("state_hist", state_hist, (B, NS, H, D, D), STATE_DTYPES, dev)
     _check("conv_hist", conv_hist, (B, T, 3 * H * D, conv_hist.shape[-1]), (torch.bfloat16,), dev)
     _check("state", state, (B, H, D, D), (state_hist.dtype,), dev)
     _check("conv_state", conv_state, (B, 3 * H * D, conv_hist.shape[-1]), (torch.bfloat16,), dev)
     _check("num_accepted", num_accepted, (B,), (torch.int32, torch.int64), dev)
+    if ck > 1:
+        for name, t in (("qkv", qkv), ("f", f), ("b", b), ("params", params)):
+            if t is None:
+                _fail(name, f"commit with checkpoint={ck} recomputes the states between slots: pass the verify's "
+                            "qkv, f, b and params")
+        Hp, Dp, Wp = _check_params(params, dev)
+        if (Hp, Dp, Wp - 1) != (H, D, conv_hist.shape[-1]):
+            _fail("params", f"heads {Hp}, head dim {Dp}, conv width {Wp} do not match state_hist / conv_hist "
+                            f"(H={H}, D={D}, W-1={conv_hist.shape[-1]})")
+        act = (torch.bfloat16,)
+        _check("qkv", qkv, (B, T, 3 * H * D), act, dev)
+        _check("f", f, (B, T, H * D), act, dev)
+        _check("b", b, (B, T, H), act, dev)
+    tile_v = _check_tile(tile_v, D, 8)
     if check_values:
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
         if lo < 1 or hi > T:
@@ -287,17 +332,30 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, backend="r
         be = "triton" if dispatch.can_run("kda_verify", "triton") else "reference"
     else:
         be, _, _ = dispatch.select("kda_verify", backend, B=B, T=T)
-    if be == "triton":
+    run = be
+    if be == "cute" and ck > 1:
+        run = "triton" if dispatch.can_run("kda_verify", "triton") else "reference"
+    notes = "cute has no commit kernel" if be == "cute" else ""
+    if run == "triton":
         from k3lab_kernels.triton.kda_verify import commit as tcommit
-        tcommit(state_hist, conv_hist, num_accepted, state, conv_state)
-        kernel = "k3lab_kernels.triton.kda_verify:commit (_gather_rows_kernel x2)"
-    else:  # reference, torch_compile and cute: the torch gather (cute has no commit kernel)
+        tcommit(state_hist, conv_hist, num_accepted, state, conv_state, checkpoint=ck, qkv=qkv, f=f, b=b,
+                params=params, tile_v=tile_v)
+        kernel = ("k3lab_kernels.triton.kda_verify:commit (_gather_rows_kernel x2)" if ck == 1 else
+                  "k3lab_kernels.triton.kda_verify:commit (_kda_replay_kernel + _gather_rows_kernel)")
+    elif ck == 1:  # reference, torch_compile and cute: the torch gather
         S, cs = ref.kda_rollback(state_hist, conv_hist, num_accepted)
         state.copy_(S)
         conv_state.copy_(cs)
         kernel = "k3lab.ref.kda:kda_rollback + copy_"
+    else:
+        S, cs = ref.kda_commit(state_hist, conv_hist, num_accepted, *_f32(qkv, f, b), params.to(torch.float32),
+                               state, conv_state, checkpoint=ck, dtype=torch.float32)
+        state.copy_(S)
+        conv_state.copy_(cs)
+        kernel = "k3lab.ref.kda:kda_commit (fp32) + copy_"
     dispatch.record(ran, op="kda_commit", backend_requested=backend, backend=be, kernel=kernel,
-                    options=dict(state_dtype=_sd(state)), shape=dict(B=B, T=T, H=H, D=D))
+                    options=dict(state_dtype=_sd(state), checkpoint=ck, tile_v=tile_v if run == "triton" else None),
+                    shape=dict(B=B, T=T, H=H, D=D), notes=notes)
 
 
 # ---- prefill ---------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""KDA in the registry: decode (T = 1), verify (T = 2..8, the state after every position) and chunked
-prefill. The maths is k3lab.ref.kda; the API k3lab.components.kda; the kernels are named below.
+"""KDA in the registry: decode (T = 1), verify (T = 2..8, the state after every `checkpoint`-th position and
+the last), commit (a verify's accepted prefix into the state: a slot copy or a replay) and chunked prefill. The
+maths is k3lab.ref.kda; the API k3lab.components.kda; the kernels are named below.
 
 Bytes (the one formula; fp32 state 4 bytes or bf16 2, bf16 activations, conv kernel W = 4):
-    state   B*H*D*D*s read + written (verify: read once, T states written to the history; prefill: read
-            and written once)
+    state   B*H*D*D*s read + written (verify: read once, ceil(T / checkpoint) states written to the history;
+            prefill: read and written once; commit: one state read and written)
     inputs  B*T*(3HD + HD + H + HD)*2 read (qkv, f, b, gate);  out  B*T*HD*2 written
     conv    B*3HD*(W-1)*2 read + written (verify: T windows written to the history)
     params  3HD*W*2 + HD*4 + H*4 + D*2
+    commit  the state B*H*D*D*s read (a slot, or the start state) + written, the conv window read + written, and
+            on a partial accept the replayed positions' qkv, f, b (B*r*(3HD + HD + H)*2; r = n mod c)
 The state dominates and is read and written: the floor uses the copy bandwidth.
 
 Tolerances (relative norm against fp64):
@@ -40,15 +43,15 @@ def _sd(case: Case) -> torch.dtype:
 
 
 def kda_bytes(B: int, H: int, T: int = 1, *, D: int = 128, W: int = 4, state_bytes: int = 4, hist: bool = True,
-              prefill: bool = False) -> int:
-    """Bytes one KDA call must move (module docstring). T = 1 decode, T > 1 verify (hist: T states
-    written), prefill: T positions, the state read and written once."""
+              prefill: bool = False, checkpoint: int = 1) -> int:
+    """Bytes one KDA call must move (module docstring). T = 1 decode, T > 1 verify (hist: ceil(T / checkpoint)
+    states written), prefill: T positions, the state read and written once."""
     HD = H * D
     st = B * H * D * D * state_bytes
     if T == 1 or prefill:
         state = 2 * st
     else:
-        state = st * (1 + (T if hist else 1))
+        state = st * (1 + (-(-T // checkpoint) if hist else 1))
     io = B * T * (3 * HD + HD + H + HD) * 2 + B * T * HD * 2
     win = B * 3 * HD * (W - 1) * 2
     conv = 2 * win if (T == 1 or prefill) else win * (1 + (T if hist else 0))
@@ -61,13 +64,35 @@ def kda_flops(B: int, H: int, T: int = 1, D: int = 128) -> int:
     return B * T * H * 7 * D * D
 
 
+def commit_bytes(B: int, H: int, replayed: int = 0, *, D: int = 128, W: int = 4, state_bytes: int = 4) -> int:
+    """Bytes a commit must move: the state read (a slot or the start state) and written, the conv window read
+    and written, and the inputs of the `replayed` positions summed over the batch (qkv, f, b)."""
+    HD = H * D
+    return 2 * B * H * D * D * state_bytes + 2 * B * 3 * HD * (W - 1) * 2 + replayed * (3 * HD + HD + H) * 2
+
+
+def _commit_counts(c: Case) -> list[int]:
+    """num_accepted of every sequence of a commit case (`accepted`: an int n for every sequence, or "each":
+    sequence b accepts 1 + b mod T, so a batch of T covers every n)."""
+    B, T, a = c["batch"], c["T"], c["accepted"]
+    return [1 + bb % T for bb in range(B)] if a == "each" else [int(a)] * B
+
+
 def _case_bytes(c: Case) -> int:
     sb = 4 if c.get("state_dtype", "fp32") == "fp32" else 2
+    if c.op == "kda_commit":
+        ck = c["checkpoint"]
+        rep = sum(ref.replay_plan(n, c["T"], ck)[2] for n in _commit_counts(c))
+        return commit_bytes(c["batch"], c["heads"], rep, D=c.get("D", 128), state_bytes=sb)
     T = c.get("T", 1) if c.op != "kda_prefill" else c["L"]
-    return kda_bytes(c["batch"], c["heads"], T, D=c.get("D", 128), state_bytes=sb, prefill=c.op == "kda_prefill")
+    return kda_bytes(c["batch"], c["heads"], T, D=c.get("D", 128), state_bytes=sb, prefill=c.op == "kda_prefill",
+                     checkpoint=c.get("checkpoint", 1))
 
 
 def _case_flops(c: Case) -> int:
+    if c.op == "kda_commit":
+        return sum(kda_flops(1, c["heads"], ref.replay_plan(n, c["T"], c["checkpoint"])[2], c.get("D", 128))
+                   for n in _commit_counts(c))
     T = c.get("T", 1) if c.op != "kda_prefill" else c["L"]
     return kda_flops(c["batch"], c["heads"], T, c.get("D", 128))
 
@@ -95,7 +120,8 @@ def make_decode(case: Case, seed: int, device: str) -> dict:
 def make_verify(case: Case, seed: int, device: str) -> dict:
     B, T, H, D = case["batch"], case["T"], case["heads"], case.get("D", 128)
     d = _make(case, seed, device, T)
-    d["state_hist"] = torch.empty(B, T, H, D, D, dtype=_sd(case), device=device)
+    ns = -(-T // case.get("checkpoint", 1))
+    d["state_hist"] = torch.empty(B, ns, H, D, D, dtype=_sd(case), device=device)
     d["conv_hist"] = torch.empty(B, T, *d["conv_state"].shape[1:], dtype=torch.bfloat16, device=device)
     if case.get("ragged", False):
         g = torch.Generator().manual_seed(seed + 17)
@@ -119,16 +145,45 @@ def ref_decode(d: dict, case: Case) -> dict:
 
 
 def ref_verify(d: dict, case: Case) -> dict:
+    """The fp64 verify; state_hist holds the checkpoint slots (ref.checkpoint_positions). Ragged: positions >=
+    lengths[b], and the slots whose position is >= lengths[b], must be left untouched (NaN)."""
     f64 = torch.float64
+    ck, T = case.get("checkpoint", 1), d["qkv"].shape[1]
     o, Sh, ch = ref.kda_verify(*_args(d, f64), d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
-                               dtype=f64, out_dtype=f64)
-    if "lengths" in d:  # positions >= lengths[b] must be left untouched
+                               dtype=f64, out_dtype=f64, checkpoint=ck)
+    if "lengths" in d:
         n = d["lengths"].to("cpu", torch.long)
         for b in range(o.shape[0]):
             o[b, n[b]:] = float("nan")
-            Sh[b, n[b]:] = float("nan")
+            Sh[b, ref.slots_written(int(n[b]), T, ck):] = float("nan")
             ch[b, n[b]:] = float("nan")
     return dict(out=o, state_hist=Sh, conv_hist=ch)
+
+
+def make_commit(case: Case, seed: int, device: str) -> dict:
+    """A verify's inputs and the start state, the verify's outputs at `checkpoint` (state_hist: the fp64 states
+    rounded to the state dtype, as a verify leaves them; conv_hist exact) and num_accepted (_commit_counts)."""
+    T = case["T"]
+    d = _make(case, seed, device, T)
+    f64 = torch.float64
+    _, Sh, ch = ref.kda_verify(*_args(d, f64), d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
+                               dtype=f64, out_dtype=f64, checkpoint=case["checkpoint"])
+    d["state_hist"] = Sh.to(_sd(case)).contiguous()
+    d["conv_hist"] = ch.to(torch.bfloat16).contiguous()
+    d["num_accepted"] = torch.tensor(_commit_counts(case), dtype=torch.int32, device=device)
+    del d["out"]
+    return d
+
+
+def ref_commit(d: dict, case: Case) -> dict:
+    """The fp64 state and conv window after each sequence's last accepted position, from the start state over
+    every position (not from the slots): the commit's error includes the slot's own rounding."""
+    f64 = torch.float64
+    _, Sh, ch = ref.kda_verify(*_args(d, f64), d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
+                               dtype=f64, out_dtype=f64)
+    idx = torch.arange(Sh.shape[0], device=Sh.device)
+    p = d["num_accepted"].to(Sh.device, torch.long) - 1
+    return dict(state=Sh[idx, p], conv_state=ch[idx, p])
 
 
 def ref_prefill(d: dict, case: Case) -> dict:
@@ -165,8 +220,16 @@ def call_verify(d: dict, case: Case, backend: str, opts: dict, ran: list | None 
     from k3lab.components import kda
 
     return kda.verify(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], state_hist=d["state_hist"],
-                      conv_hist=d["conv_hist"], lengths=d.get("lengths"), backend=backend, ran=ran,
-                      check_values=False, **opts)
+                      conv_hist=d["conv_hist"], lengths=d.get("lengths"), checkpoint=case.get("checkpoint", 1),
+                      backend=backend, ran=ran, check_values=False, **opts)
+
+
+def call_commit(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import kda
+
+    return kda.commit(d["state_hist"], d["conv_hist"], d["num_accepted"], d["state"], d["conv_state"],
+                      checkpoint=case["checkpoint"], qkv=d["qkv"], f=d["f"], b=d["b"], params=d["params"],
+                      backend=backend, ran=ran, check_values=False, **opts)
 
 
 def call_prefill(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
@@ -327,7 +390,7 @@ def flashinfer_mt_peer(case: Case) -> list[Peer]:
             fi(*_args(d))
             out, sh, ch = fi.ours()
             d["out"].copy_(out)
-            d["state_hist"].copy_(sh)
+            d["state_hist"].copy_(sh[:, ref.checkpoint_positions(T, c.get("checkpoint", 1))])
             d["conv_hist"].copy_(ch)
         return checker.check(registry.get(c.op), c, impl=impl, impl_name="flashinfer_mt", inputs=s)
     return [Peer("flashinfer_mt", make, check,
@@ -431,8 +494,10 @@ register(Op(
 
 register(Op(
     name="kda_verify", component="kda", policy_key="verify",
-    doc="T = draft depth + 1 positions from the start state; the state after every position kept for rollback",
-    axes=dict(_AXES, T=(2, 4, 8), ragged=(False,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS,
+    doc="T = draft depth + 1 positions from the start state; the state after every checkpoint-th position (and "
+        "the last) and the conv window after every position kept for the commit",
+    axes=dict(_AXES, T=(2, 4, 8), ragged=(False,), checkpoint=(1,)), option_axes=_TILE,
+    option_defaults=_TILE_DEFAULTS,
     make_inputs=make_verify, reference=ref_verify, written=("out", "state_hist", "conv_hist"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_verify,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
@@ -440,8 +505,25 @@ register(Op(
     backends={"reference": "k3lab.ref.kda:kda_verify", "torch_compile": "k3lab.ref.kda:kda_verify",
               "triton": "k3lab_kernels.triton.kda_verify:kda_verify",
               "cute": "k3lab_kernels.cute.kda_verify:kda_verify"},
-    peers=lambda c: fla_peers(c) + flashinfer_mt_peer(c), valid=lambda c: 2 <= c["T"] <= 8, variants=_PDL,
+    peers=lambda c: fla_peers(c) + flashinfer_mt_peer(c),
+    valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"], variants=_PDL,
     test_file="tests/test_kda_component.py",
+))
+
+register(Op(
+    name="kda_commit", component="kda", policy_key="commit",
+    doc="a verify's accepted prefix into the state: the slot's copy, or (checkpoint >= 2, between slots) the "
+        "replay of up to checkpoint - 1 positions from the last slot",
+    axes=dict(heads=(12,), batch=(1, 8, 64), D=(128,), state_dtype=("fp32",), T=(8,), checkpoint=(8,),
+              accepted=("each", 7, 8)),
+    option_axes={"tile_v": {"triton": TILES_TRITON}}, option_defaults={"tile_v": (None,)},
+    make_inputs=make_commit, reference=ref_commit, written=(), updated=("state", "conv_state"),
+    tolerances=tolerances, tolerance_why=WHY, call=call_commit,
+    nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
+    backends={"reference": "k3lab.ref.kda:kda_commit", "triton": "k3lab_kernels.triton.kda_verify:commit"},
+    valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"] and (c["accepted"] == "each"
+                                                                          or 1 <= c["accepted"] <= c["T"]),
+    test_file="tests/test_kda_triton.py", in_sweep=False,
 ))
 
 register(Op(

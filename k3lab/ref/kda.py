@@ -117,11 +117,39 @@ def kda_decode(qkv, f, b, gate, p: KDAParams, state, conv_state, *, dtype=None, 
     return out.to(out_dtype or qkv.dtype), S, new_conv.to(conv_state.dtype)
 
 
-def kda_verify(qkv, f, b, gate, p: KDAParams, state, conv_state, *, dtype=None, out_dtype=None):
+def checkpoint_positions(T: int, checkpoint: int | None = None) -> list[int]:
+    """The positions whose state a verify with `checkpoint` c keeps: slot s holds the state after position
+    min((s + 1) c, T) - 1, for s < ceil(T / c). c = 1 (None): every position; c = T: the last only."""
+    c = checkpoint or 1
+    return [min((s + 1) * c, T) - 1 for s in range(-(-T // c))]
+
+
+def slots_written(n: int, T: int, checkpoint: int | None = None) -> int:
+    """How many leading slots a ragged verify writes for a sequence of n (1..T) positions: the slots whose
+    position is < n (n // c when n < T, every slot when n = T); the others are left untouched."""
+    c = checkpoint or 1
+    return -(-T // c) if n >= T else n // c
+
+
+def replay_plan(n: int, T: int, checkpoint: int | None = None) -> tuple[int, int, int]:
+    """How a commit of n accepted positions (p = n - 1) gets the state after p from a verify with `checkpoint` c:
+    (slot, t0, r) = start from slot `slot` (-1: the start state, which verify never writes), then run the r
+    positions t0 .. t0 + r - 1 (= p). A slot position (n a multiple of c, or n = T) is a copy: r = 0.
+    Otherwise slot = n // c - 1, t0 = (n // c) c and r = n mod c (1 .. c - 1)."""
+    c = checkpoint or 1
+    if n % c == 0 or n == T:
+        return (n - 1) // c, n, 0
+    q = n // c
+    return q - 1, q * c, n - q * c
+
+
+def kda_verify(qkv, f, b, gate, p: KDAParams, state, conv_state, *, dtype=None, out_dtype=None, checkpoint=None):
     """T positions of each sequence in order (speculative verification).
     qkv [B,T,3HD], f [B,T,HD], b [B,T,H], gate [B,T,HD].
-    Returns (out [B,T,HD], states [B,T,H,K,V], conv_states [B,T,C,W-1]): the state after every
-    position, so a rejected suffix can be rolled back with `kda_rollback`."""
+    Returns (out [B,T,HD], states [B,S,H,K,V], conv_states [B,T,C,W-1]): the conv window after every
+    position and the state after each checkpoint position (`checkpoint_positions`: S = ceil(T / c) slots;
+    checkpoint None or 1 = every position), so a rejected suffix can be rolled back with `kda_rollback`
+    (c = 1) or `kda_commit` (any c)."""
     T = qkv.shape[1]
     outs, states, convs = [], [], []
     S, cs = state, conv_state
@@ -131,7 +159,8 @@ def kda_verify(qkv, f, b, gate, p: KDAParams, state, conv_state, *, dtype=None, 
         outs.append(o)
         states.append(S)
         convs.append(cs)
-    return torch.stack(outs, 1), torch.stack(states, 1), torch.stack(convs, 1)
+    keep = checkpoint_positions(T, checkpoint)
+    return torch.stack(outs, 1), torch.stack([states[t] for t in keep], 1), torch.stack(convs, 1)
 
 
 def kda_rollback(states: torch.Tensor, conv_states: torch.Tensor, num_accepted: torch.Tensor):
@@ -143,6 +172,34 @@ def kda_rollback(states: torch.Tensor, conv_states: torch.Tensor, num_accepted: 
         raise ValueError(f"num_accepted must be shape [{B}] with values in 1..{T}, got {num_accepted}")
     idx = torch.arange(B, device=states.device)
     return states[idx, n - 1], conv_states[idx, n - 1]
+
+
+def kda_commit(states, conv_states, num_accepted, qkv, f, b, p: KDAParams, state, conv_state, *, checkpoint=None,
+               dtype=None):
+    """The state and conv state after each sequence's last accepted position p = n_b - 1, from a verify with
+    `checkpoint` c (states [B, ceil(T/c), H, K, V], conv_states [B, T, C, W-1]) and the verify's own inputs
+    (qkv [B,T,3HD], f [B,T,HD], b [B,T,H]) and start state / conv state (only read): a slot position copies its
+    slot; any other p runs the recurrence from the last slot before p (or the start state) over the positions in
+    between (`replay_plan`), its conv window from conv_states (or the start conv state). Computes in `dtype`
+    (default: the state's). Returns (state [B,H,K,V], conv_state [B,C,W-1]); the naive twin of the kernels'
+    commit (a loop over sequences)."""
+    B, T = conv_states.shape[:2]
+    n = num_accepted.to("cpu", torch.long)
+    if n.shape != (B,) or bool(((n < 1) | (n > T)).any()):
+        raise ValueError(f"num_accepted must be shape [{B}] with values in 1..{T}, got {num_accepted}")
+    dtype = dtype or state.dtype
+    S_out, c_out = [], []
+    for bb in range(B):
+        nb = int(n[bb])
+        slot, t0, r = replay_plan(nb, T, checkpoint)
+        S = (states[bb, slot] if slot >= 0 else state[bb]).to(dtype)[None]
+        cs = (conv_states[bb, t0 - 1] if t0 > 0 else conv_state[bb])[None]
+        for t in range(t0, t0 + r):
+            q, k, v, g, beta, cs = _prep(qkv[bb:bb + 1, t], f[bb:bb + 1, t], b[bb:bb + 1, t], p, cs, dtype)
+            _, S = delta_step(q, k, v, g, beta, S)
+        S_out.append(S[0])
+        c_out.append(conv_states[bb, nb - 1])
+    return torch.stack(S_out), torch.stack(c_out)
 
 
 # ---- chunked prefill -------------------------------------------------------------------------

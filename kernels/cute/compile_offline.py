@@ -14,9 +14,10 @@ every kernel builds for the chip and how many registers it takes, not that it is
 --only prefill: every switch value of kda_prefill.py (chunk x inverse, chunk x tile_v x state dtype
 for the sequential pass, and the grouped summary / scan / out kernels); decode: every tile on a resident
 grid and a larger one, and pdl; verify: every tile with its default row warps at three batch sizes (the
-shape's choices differ), every row_warps, T 2 and 8, ragged and pdl (a failure prints and the script
-goes on); attnres: attnres_norm.py at D = 7168, 9 blocks "add", every (cluster, vec) the kernel takes there,
-plus 0 blocks "none", 5 blocks "fresh" and the tiny preset's D = 64; router: router_topk.py at E = 896 with k 16
+shape's choices differ), every row_warps, T 2 and 8, ragged, pdl, checkpoints 2-8 (a failure prints and the script
+goes on); attnres: attnres_norm.py at D = 7168, 9 blocks "add", every (cluster, vec, alpha) the kernel takes
+there, plus 0 blocks "none", 5 blocks "fresh" and the tiny preset's D = 64 (with alpha "warp" too), each with its
+dynamic shared memory and the CTAs an SM by shared memory and by registers; router: router_topk.py at E = 896 with k 16
 (the model's), 1, 7 and 32, E = 200 (padding threads) and 1024, each with and without pdl; mla_cache_write:
 mla_cache_write.py for every cache format (bf16, fp8 per-tensor, fp8 per-token) x contiguous / paged 1, 16,
 64 x pdl, plus int64 lengths, fp32 kv and the "tree" sum order. --quick: the largest
@@ -142,29 +143,60 @@ def _cases(only: str | None, quick: bool):
             name = f"verify B{B} T{T} tile{tv} row_warps{wr}" + (" ragged" if rg else "") + (" pdl" if pdl else "")
             cases.append((name, lambda B=B, T=T, tv=tv, wr=wr, rg=rg, pdl=pdl: kv._kernel_class()(
                 B, H, T, rg, 1e-6, -5.0, tv, wr, pdl), step_args))
+        # checkpoints (state_hist: every c-th position and the last) at T 8 and 4, at the tiles `auto` takes (16 at
+        # B 1, 128 at B 8, 64 from B 16) and the shapes' default row warps (delay at B 1 and 8, the batched prologue
+        # to B 16, neither at B 64), ragged and pdl. (Tile 128 at B 64, T 8 is not here: under the 128-register cap
+        # it spills at every checkpoint, c = 1 included: about 100 B of stack.)
+        for B, T, tv, ck, rg, pdl in [(1, 8, 16, 2, False, False), (1, 8, 16, 4, False, False),
+                                      (1, 8, 16, 8, False, False), (1, 8, 16, 3, False, False),
+                                      (8, 8, 128, 2, False, False), (8, 8, 128, 8, False, False),
+                                      (8, 8, 64, 4, True, False), (16, 8, 64, 8, False, False),
+                                      (64, 8, 64, 1, False, False), (64, 8, 64, 2, False, False),
+                                      (64, 8, 64, 8, False, False), (64, 8, 64, 4, True, False),
+                                      (1, 4, 16, 2, True, True), (5, 8, 16, 8, True, True),
+                                      (5, 8, 32, 8, True, True)]:
+            wr = kv.default_row_warps(tv, B, H, T)
+            name = (f"verify B{B} T{T} tile{tv} row_warps{wr} checkpoint{ck}" + (" ragged" if rg else "")
+                    + (" pdl" if pdl else ""))
+            cases.append((name, lambda B=B, T=T, tv=tv, wr=wr, rg=rg, pdl=pdl, ck=ck: kv._kernel_class()(
+                B, H, T, rg, 1e-6, -5.0, tv, wr, pdl, ck), step_args))
     if only in (None, "attnres"):
         from kernels.cute import attnres_norm as ka
         # the pointer order of attnres_norm.attnres_norm: 9 blocks, prefix, new, w_norm, w_proj, norm_w, out,
         # partial_out; then 9 block strides, the prefix / new / partial_out / out strides and the batch
-        combos = [("B1", 1, 7168, 9, "add", None, None), ("B64", 64, 7168, 9, "add", None, None)]
-        for c in ka.CLUSTERS:
-            for v in ka.VECS:
-                try:
-                    ka.plan(64, 7168, 9, c, v)
-                except ValueError:
-                    continue
-                combos.append((f"cluster{c} vec{v}", 1, 7168, 9, "add", c, v))
-        combos += [("0 blocks none", 1, 7168, 0, "none", None, None),
-                   ("5 blocks fresh", 1, 7168, 5, "fresh", None, None),
-                   ("D64 9 blocks add", 1, 64, 9, "add", None, None),
-                   ("D64 1 block none", 1, 64, 1, "none", None, None)]
-        for name, Bx, D, nb, upd, c, v in combos:
-            cc, vv = ka.plan(Bx, D, nb, c, v)
+        combos = [("B1", 1, 7168, 9, "add", None, None, None), ("B64", 64, 7168, 9, "add", None, None, None)]
+        for al in ka.ALPHAS:
+            for c in ka.CLUSTERS:
+                for v in ka.VECS:
+                    try:
+                        ka.plan(64, 7168, 9, c, v, alpha=al)
+                    except ValueError:
+                        continue
+                    combos.append((f"cluster{c} vec{v}" + (f" {al}" if al != "threads" else ""), 1, 7168, 9, "add",
+                                   c, v, al))
+        combos += [("0 blocks none", 1, 7168, 0, "none", None, None, None),
+                   ("5 blocks fresh", 1, 7168, 5, "fresh", None, None, None),
+                   ("D64 9 blocks add", 1, 64, 9, "add", None, None, None),
+                   ("D64 1 block none", 1, 64, 1, "none", None, None, None)]
+        for al in ("warp",):  # the large-batch option's other shapes
+            combos += [(f"0 blocks none c8v8 {al}", 1, 7168, 0, "none", 8, 8, al),
+                       (f"1 block add c4v8 {al}", 1, 7168, 1, "add", 4, 8, al),
+                       (f"5 blocks fresh c2v8 {al}", 1, 7168, 5, "fresh", 2, 8, al),
+                       (f"9 blocks none c2v8 {al}", 1, 7168, 9, "none", 2, 8, al),
+                       (f"D64 9 blocks add {al}", 1, 64, 9, "add", None, None, al)]
+        for name, Bx, D, nb, upd, c, v, al in combos:
+            cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
             pa = [P(bf, 2 * vv)] * 16
             ints = [D] * 9 + [D] * 4 + [Bx]
-            cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{ka.threads(D, nb, cc, vv)})",
-                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv: ka._kernel_class()(D, nb, upd, cc, vv, 1e-6),
-                          pa + ints + [S]))
+            thr = ka.threads(D, nb, cc, vv)
+            # dynamic shared memory: the partials [K][thr + 4], the cluster's slots [C][K], the totals [K],
+            # alpha's NS + 1 (each rounded to 16 bytes); CTAs an SM by it (228 KB, 1 KB reserved a CTA)
+            K = ka.n_partials(nb)
+            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + ((nb + 2,) if al == "warp" else ()))
+            cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
+                          f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al: ka._kernel_class()(
+                              D, nb, upd, cc, vv, 1e-6, al or "threads"), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
@@ -245,6 +277,10 @@ def main(argv=None) -> int:
         elif name.startswith("attnres") and "STACK:0" not in use:  # its spills show as a stack frame
             bad += 1
             use += "   <- stack (spills)"
+        if name.startswith("attnres") and "REG:" in use:  # CTAs an SM by registers (a warp's in units of 256)
+            reg = int(use.split("REG:")[1].split()[0])
+            thr = int(name.split(" thr")[1].split()[0])
+            use += f" by-reg{65536 // (-(-thr // 32) * (-(-reg * 32 // 256) * 256))}"
         print(f"{name:<44} {use}", flush=True)
     print(f"{'ALL COMPILED, NO LOCAL MEMORY' if not bad else f'{bad} PROBLEM(S)'}  [{time.time() - t0:.0f}s]")
     return 1 if bad else 0

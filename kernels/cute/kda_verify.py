@@ -7,9 +7,12 @@ the delta rule on the fp32 state and the gated output RMSNorm. It writes
     out        [B, T, H*D] bf16
     state_hist [B, T, H, D, D] fp32   (the state after each position, for rollback / commit)
     conv_hist  [B, T, 3*H*D, 3] bf16  (the conv window after each position)
-and only reads `state` and `conv_state`. `lengths` [B] int32 in 1..T selects the ragged path: positions
->= lengths[b] write nothing (their out / hist entries are left untouched); None compiles the
-uniform-length specialization.
+and only reads `state` and `conv_state`. `checkpoint` c (compile-time; 1 = the above) keeps fewer states:
+state_hist [B, ceil(T / c), H, D, D], slot s = the state after position min((s + 1) c, T) - 1 (every c-th
+position and the last); the other positions' states never leave the registers (k3lab.components.kda.commit
+recomputes them). `lengths` [B] int32 in 1..T selects the ragged path: positions >= lengths[b] write nothing
+(their out / conv_hist entries, and the slots whose position is >= lengths[b], are left untouched); None
+compiles the uniform-length specialization.
 
 Layout. 256 threads a CTA, tile_v value columns a CTA (128: one CTA per head; 64 / 32 / 16: a cluster
 of 2 / 4 / 8 CTAs). The 8 warps form a grid: `row_warps` (WR) of them split the 128 key rows and 8 / WR
@@ -33,7 +36,7 @@ docs/NOTES_kda.md):
 ROW_WARPS holds the default row_warps per tile; default_row_warps the shape's exceptions to it.
 
 Floor (k3lab.ops.kda.kda_bytes, the one formula): per (b, h) the state 64 KiB read once and T x 64 KiB
-state_hist written, the
+state_hist written (ceil(T / c) x 64 KiB with a checkpoint c), the
 conv window 2,304 B read and T x 2,304 B conv_hist written, T x (768 + 256 + 256 + 256 + 2) B
 activations. 12 heads, B = 1: T = 4 4.1 MB (0.97 us at 4.275 TB/s), T = 8 7.5 MB (1.75 us); at B = 1
 the bound is latency: the launch, then the T-step chain, with each position's state_hist stores leaving
@@ -42,7 +45,7 @@ from the few SMs that own the batch's heads.
 Contract (torch tensors on one CUDA device, torch's current stream, CUDA-graph safe once compiled):
 
     kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v=128, row_warps=None, pdl=False) -> out
+               lengths=None, tile_v=128, row_warps=None, pdl=False, checkpoint=None) -> out
 
 T in 1..16; the tensors as kda_decode's with a T axis. pdl=True: programmatic dependent launch as in
 kda_decode (state, conv window and parameters loaded before the wait for the previous kernel; lengths
@@ -134,8 +137,11 @@ def _kernel_class():
         """One CTA (or a cluster of NC CTAs) per (b, h); T positions in order; state only read."""
 
         def __init__(self, B: int, H: int, T: int, ragged: bool, eps: float, lower_bound: float,
-                     tile_v: int = 128, row_warps: int = 4, pdl: bool = False):
+                     tile_v: int = 128, row_warps: int = 4, pdl: bool = False, checkpoint: int = 1):
             self.B, self.H, self.T = B, H, T
+            assert 1 <= checkpoint <= T, (checkpoint, T)
+            self.CK = checkpoint           # state_hist keeps the state after every CK-th position and the last
+            self.NS = -(-T // checkpoint)  # state_hist slots
             self.ragged = ragged
             self.eps, self.lb = float(eps), float(lower_bound)
             assert tile_v in (128, 64, 32, 16)
@@ -172,6 +178,10 @@ def _kernel_class():
             # after it
             self.pdl = bool(pdl)
 
+        def is_slot(self, t: int) -> bool:
+            """Whether position t's state is stored (slot t // CK): t + 1 a multiple of CK, or the last position."""
+            return (t + 1) % self.CK == 0 or t == self.T - 1
+
         @cute.jit
         def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
                      p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
@@ -205,6 +215,7 @@ def _kernel_class():
 
             TV, NC, CW, G, R, S, E = self.TV, self.NC, self.CW, self.G, self.R, self.S, self.E
             WR, WC, RW = self.WR, self.WC, self.RW
+            CK, NS = self.CK, self.NS
             tid, _, _ = cute.arch.thread_idx()
             hx, bb, _ = cute.arch.block_idx()
             h = hx
@@ -424,7 +435,6 @@ def _kernel_class():
                         c_row[2, i, t] = r_info[2]
                         c_row[3, i, t] = r_info[1] * rk
             for t in cutlass.range_constexpr(T):
-                bt = bb * T + t
                 active = Int32(1)
                 if cutlass.const_expr(self.ragged):
                     active = Int32(0)
@@ -479,15 +489,15 @@ def _kernel_class():
                         for j in cutlass.range_constexpr(4):
                             acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=self.red_offs[si])
                             acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=self.red_offs[si])
-                if cutlass.const_expr(self.delay and t > 0):
-                    # position t-1's state, held back until now
+                if cutlass.const_expr(self.delay and t > 0 and self.is_slot(t - 1)):
+                    # position t-1's state (a slot position), held back until now
                     act_p = Int32(1)
                     if cutlass.const_expr(self.ragged):
                         act_p = Int32(0)
                         if t - 1 < L:
                             act_p = Int32(1)
                     if act_p > 0:
-                        h_off = cute.assume((((bt - 1) * H + h) * D + row0) * D + col0, divby=4)
+                        h_off = cute.assume((((bb * NS + (t - 1) // CK) * H + h) * D + row0) * D + col0, divby=4)
                         cute.autovec_copy(r_prev, cute.make_tensor(p_shist + h_off,
                                                                    cute.make_layout((4, S), stride=(1, R * D))))
                 # u = beta (v - S'^T k);  o = S''^T q / sqrt(D) = (S'^T q + (q.k) u) / sqrt(D)
@@ -510,18 +520,21 @@ def _kernel_class():
                         kr = r_info[1] * c_sc[3, t]
                     for j in cutlass.range_constexpr(4):
                         r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                # the state after a slot position (compile-time: t + 1 a multiple of CK, or the last) goes to
+                # state_hist[b, t // CK]; the others stay in registers only
                 if cutlass.const_expr(self.delay):
-                    for i in cutlass.range_constexpr(S):
-                        for j in cutlass.range_constexpr(4):
-                            r_prev[j, i] = r_s[j, i]
+                    if cutlass.const_expr(self.is_slot(t)):
+                        for i in cutlass.range_constexpr(S):
+                            for j in cutlass.range_constexpr(4):
+                                r_prev[j, i] = r_s[j, i]
                     if cutlass.const_expr(t == T - 1):  # noqa: SIM102 (DSL: nested dynamic ifs)
                         if active > 0:
-                            h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
+                            h_off = cute.assume((((bb * NS + t // CK) * H + h) * D + row0) * D + col0, divby=4)
                             g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
                             cute.autovec_copy(r_s, g_dst)
-                else:
+                elif cutlass.const_expr(self.is_slot(t)):
                     if active > 0:
-                        h_off = cute.assume((((bt * H) + h) * D + row0) * D + col0, divby=4)
+                        h_off = cute.assume((((bb * NS + t // CK) * H + h) * D + row0) * D + col0, divby=4)
                         g_dst = cute.make_tensor(p_shist + h_off, cute.make_layout((4, S), stride=(1, R * D)))
                         cute.autovec_copy(r_s, g_dst)
 
@@ -580,12 +593,15 @@ def _kernel_class():
 
 
 def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist,
-               lengths=None, tile_v: int = 128, row_warps: int | None = None, pdl: bool = False):
+               lengths=None, tile_v: int = 128, row_warps: int | None = None, pdl: bool = False,
+               checkpoint: int | None = None):
     """T positions per sequence (speculative verification), state kept on chip across positions.
     qkv [B,T,3HD], f [B,T,HD], b [B,T,H], gate [B,T,HD] bf16; writes out [B,T,HD] bf16,
-    state_hist [B,T,H,128,128] fp32 (state after each position), conv_hist [B,T,3HD,3] bf16.
+    state_hist [B,ceil(T/c),H,128,128] fp32 (slot s: the state after position min((s+1) c, T) - 1; c =
+    checkpoint, None = 1: every position), conv_hist [B,T,3HD,3] bf16 (every position).
     `state`/`conv_state` are not modified. lengths [B] int32 in 1..T: positions >= lengths[b] are
-    not computed and their out/hist entries are left untouched. row_warps: how many of the 8 warps split
+    not computed and their out / conv_hist entries and the slots whose position is >= lengths[b] are left
+    untouched. row_warps: how many of the 8 warps split
     the key rows (ROW_WARPS_ALLOWED[tile_v]); None takes default_row_warps. pdl=True: programmatic
     dependent launch (module doc; the kernel directly before must not write `state` or `conv_state`).
     Returns `out`."""
@@ -601,10 +617,13 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
     T = qkv.shape[1]
     if not 1 <= T <= 16:
         raise NotImplementedError(f"kda cute verify: T must be in 1..16 (got {T})")
+    ck = 1 if checkpoint is None else checkpoint
+    if isinstance(ck, bool) or not isinstance(ck, int) or not 1 <= ck <= T:
+        raise ValueError(f"kda cute verify: checkpoint must be None or an int in 1..T={T} (got {checkpoint!r})")
     B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T)
     dev = qkv.device
     C = 3 * H * _D
-    _check("state_hist", state_hist, (B, T, H, _D, _D), _F32, dev)
+    _check("state_hist", state_hist, (B, -(-T // ck), H, _D, _D), _F32, dev)
     _check("conv_hist", conv_hist, (B, T, C, _W - 1), _BF16, dev)
     if state_hist.numel() >= 2**31:
         raise NotImplementedError("kda cute verify: state_hist too large for 32-bit indexing")
@@ -614,10 +633,10 @@ def kda_verify(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv
         row_warps = default_row_warps(tile_v, B, H, T)
     ragged = lengths is not None
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state_hist, conv_hist, lengths)
-    key = ("verify", B, H, T, ragged, tile_v, row_warps, pdl, dev.index) + _params_key(params)
+    key = ("verify", B, H, T, ragged, tile_v, row_warps, pdl, ck, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
         fn = _get_compiled(key, lambda: _kernel_class()(B, H, T, ragged, params.eps, params.lower_bound, tile_v,
-                                                        row_warps, pdl), args + [stream])
+                                                        row_warps, pdl, ck), args + [stream])
         fn(*args, stream)
     return out
