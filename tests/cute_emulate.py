@@ -1740,7 +1740,9 @@ def launch(fn, *args, grid=(1, 1, 1), block=(256, 1, 1), cluster=None, seed: int
 def run_attnres(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, update: str = "none",
                 eps: float = 1e-6, seed: int = 0, **opts):
     """attnres_norm (kernels/cute/attnres_norm.py) on the emulator: the same arguments as CPU tensors (blocks a
-    list, new / partial_out None for update "none"), opts its options (cluster, vec). Returns `out`."""
+    list, new / partial_out None for update "none"), opts its options (cluster, vec, alpha, pdl). Returns `out`.
+    pdl=True also checks that only the three weight vectors are read before griddepcontrol.wait."""
+    _PDL["early"] = frozenset(t.data_ptr() for t in (w_norm, w_proj, norm_w))
     blocks = list(blocks)
     named = {f"block{i}": b for i, b in enumerate(blocks)}
 

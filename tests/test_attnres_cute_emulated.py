@@ -50,6 +50,15 @@ def test_batch_one_nine_blocks():
     check(1, 9, "add", seed=5)
 
 
+@pytest.mark.parametrize("update", ["add", "fresh"])
+def test_pdl(update):
+    """pdl=True (the decode step's `pdl` switch): a PDL launch whose CTAs read only the three weight vectors before
+    griddepcontrol.wait (the emulator raises on any other read, and on a launch_dependents before the wait); the
+    same result."""
+    check(2, 9, update, seed=11, pdl=True)
+    assert emulate.LAST["launches"][-1]["use_pdl"]
+
+
 @pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 8), (4, 4), (4, 8)])
 def test_options(cluster, vec):
     """Every (cluster, vec) the kernel takes at D = 7168 (cluster 8 vec 8: 112 of 128 threads own columns)."""

@@ -54,7 +54,11 @@ compiled once per (n_blocks, update, D, cluster, vec, alpha, eps): the batch and
 values):
 
     attnres_norm(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, *, update="none", eps=1e-6,
-                 cluster=None, vec=None, alpha=None) -> out
+                 cluster=None, vec=None, alpha=None, pdl=None) -> out
+
+pdl (None: the enclosing k3lab_kernels.triton.mla_decode.pdl_chain's setting, the decode step's `pdl` switch):
+launched with programmatic dependent launch, each CTA loads the three weight vectors, waits for the previous
+kernel (griddepcontrol.wait: it wrote the sources), lets the next one launch, then loads the sources.
 
 blocks: 0..MAX_BLOCKS bf16 [B, D] (each its own row stride, unit stride along D); prefix [B, D] (unused for
 "fresh"); new [B, D] (None for "none"); partial_out [B, D] for "add" / "fresh" (may be prefix itself); out
@@ -172,10 +176,11 @@ def _kernel_class():
         """One cluster of C CTAs per row (module doc)."""
 
         def __init__(self, D: int, n_blocks: int, update: str, cluster: int, vec_: int, eps: float,
-                     alpha: str = "threads"):
+                     alpha: str = "threads", pdl: bool = False):
             assert update in UPDATES and 0 <= n_blocks <= MAX_BLOCKS and cluster in CLUSTERS and vec_ in VECS
             assert D % (cluster * vec_) == 0 and alpha in ALPHAS
             self.AW = alpha == "warp"              # alpha and the norm formed once by warp 0 (module doc)
+            self.pdl = bool(pdl)                   # weights before griddepcontrol.wait, the sources after
             self.D, self.NB, self.U = D, n_blocks, UPDATES.index(update)
             self.NS = n_blocks + 1                 # sources of the mix: the blocks, then p
             self.K = n_partials(n_blocks)          # partial sums per thread
@@ -199,11 +204,12 @@ def _kernel_class():
             if cutlass.const_expr(self.C == 1):
                 self.kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, p_pre, p_new, p_wn, p_wp, p_nw, p_out, p_po,
                             t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
-                    grid=[1, B, 1], block=[self.T, 1, 1], stream=stream)
+                    grid=[1, B, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl)
             else:
                 self.kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, p_pre, p_new, p_wn, p_wp, p_nw, p_out, p_po,
                             t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
-                    grid=[self.C, B, 1], block=[self.T, 1, 1], cluster=[self.C, 1, 1], stream=stream)
+                    grid=[self.C, B, 1], block=[self.T, 1, 1], cluster=[self.C, 1, 1], stream=stream,
+                    use_pdl=self.pdl)
 
         @cute.jit
         def alpha_warp(self, s_tot, s_al, lane: Int32):
@@ -264,7 +270,7 @@ def _kernel_class():
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before DSMEM stores
 
-            # ---- every load first: the sources' columns, p's inputs, the three weight vectors ----------------
+            # ---- every load first: the three weight vectors (before a PDL wait), the sources, p's inputs -------
             bptr = (b0, b1, b2, b3, b4, b5, b6, b7, b8)
             bstr = (t0, t1, t2, t3, t4, t5, t6, t7, t8)
             r_src = []
@@ -290,6 +296,13 @@ def _kernel_class():
             o_po = cute.assume(row * s_po + col, divby=V)
             o_out = cute.assume(row * s_out + col, divby=V)
             r_p = r_src[NB]
+            if active:  # the weights: no kernel of the step writes them (read before the PDL wait)
+                cute.autovec_copy(vec(p_wn, col, self.V), r_wn)
+                cute.autovec_copy(vec(p_wp, col, self.V), r_wp)
+                cute.autovec_copy(vec(p_nw, col, self.V), r_nw)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             if active:
                 for i in cutlass.range_constexpr(self.NB):
                     cute.autovec_copy(vec(bptr[i], o_blk[i], self.V), r_src[i])
@@ -299,9 +312,6 @@ def _kernel_class():
                     if cutlass.const_expr(self.U == 1):
                         cute.autovec_copy(vec(p_pre, o_pre, self.V), r_a)
                     cute.autovec_copy(vec(p_new, o_new, self.V), r_p)
-                cute.autovec_copy(vec(p_wn, col, self.V), r_wn)
-                cute.autovec_copy(vec(p_wp, col, self.V), r_wp)
-                cute.autovec_copy(vec(p_nw, col, self.V), r_nw)
                 # the partial update: p = bf16(prefix + new) (one rounding) or new, written for add / fresh
                 if cutlass.const_expr(self.U == 1):
                     for e in cutlass.range_constexpr(self.V):
@@ -464,8 +474,14 @@ def _ptr(t: torch.Tensor, align: int):
 def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w_norm: torch.Tensor,
                  w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor, partial_out: torch.Tensor | None,
                  *, update: str = "none", eps: float = 1e-6, cluster: int | None = None,
-                 vec: int | None = None, alpha: str | None = None) -> torch.Tensor:
+                 vec: int | None = None, alpha: str | None = None, pdl: bool | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module doc). Returns out."""
+    if pdl is None:
+        from k3lab_kernels.triton.mla_decode import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be a bool or None, got {pdl!r}")
     if update not in UPDATES:
         _fail("update", f"must be one of {UPDATES}, got {update!r}")
     if not isinstance(blocks, (list, tuple)) or len(blocks) > MAX_BLOCKS:
@@ -506,14 +522,14 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
     pout = partial_out if update != "none" else out
     args = bp + [_ptr(pre, a), _ptr(nw, a), _ptr(w_norm, a), _ptr(w_proj, a), _ptr(norm_w, a), po,
                  _ptr(pout, a)] + bs + [pre.stride(0), nw.stride(0), pout.stride(0), out.stride(0), B]
-    key = (len(blocks), update, D, C, V, A, float(eps), dev.index)
+    key = (len(blocks), update, D, C, V, A, float(eps), pdl, dev.index)
     import cuda.bindings.driver as cuda
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         fn = _COMPILED.get(key)
         if fn is None:
             from cutlass import cute
-            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A), *args, stream)
+            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A, pdl), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return out

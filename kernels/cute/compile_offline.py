@@ -164,7 +164,8 @@ def _cases(only: str | None, quick: bool):
         from kernels.cute import attnres_norm as ka
         # the pointer order of attnres_norm.attnres_norm: 9 blocks, prefix, new, w_norm, w_proj, norm_w, out,
         # partial_out; then 9 block strides, the prefix / new / partial_out / out strides and the batch
-        combos = [("B1", 1, 7168, 9, "add", None, None, None), ("B64", 64, 7168, 9, "add", None, None, None)]
+        combos = [("B1", 1, 7168, 9, "add", None, None, None), ("B64", 64, 7168, 9, "add", None, None, None),
+                  ("B1 pdl", 1, 7168, 9, "add", None, None, "pdl")]
         for al in ka.ALPHAS:
             for c in ka.CLUSTERS:
                 for v in ka.VECS:
@@ -185,6 +186,8 @@ def _cases(only: str | None, quick: bool):
                        (f"9 blocks none c2v8 {al}", 1, 7168, 9, "none", 2, 8, al),
                        (f"D64 9 blocks add {al}", 1, 64, 9, "add", None, None, al)]
         for name, Bx, D, nb, upd, c, v, al in combos:
+            pdl = al == "pdl"  # the default options launched with PDL (the step's `pdl` switch)
+            al = None if pdl else al
             cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
             pa = [P(bf, 2 * vv)] * 16
             ints = [D] * 9 + [D] * 4 + [Bx]
@@ -195,8 +198,8 @@ def _cases(only: str | None, quick: bool):
             smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + ((nb + 2,) if al == "warp" else ()))
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
-                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al: ka._kernel_class()(
-                              D, nb, upd, cc, vv, 1e-6, al or "threads"), pa + ints + [S]))
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl: ka._kernel_class()(
+                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
