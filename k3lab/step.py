@@ -301,9 +301,10 @@ class DecodeStep:
                                            "(their share of the SMs not bounded)")
         if sw.pdl:
             comps = [{n: (_chained(fn), nb, fl) for n, (fn, nb, fl) in c.items()} for c in comps]
-            why["pdl"] = ("on: every k3lab Triton kernel of the step launched with programmatic dependent launch "
-                          "(waits for its predecessor, then lets its successor launch; cuBLAS and torch ops, the "
-                          "side streams and the CuTe kernels without kda_pdl launch plainly)")
+            why["pdl"] = ("on: every k3lab Triton kernel of the step (and the CuTe AttnRes, router and cache write) "
+                          "launched with programmatic dependent launch (waits for its predecessor, then lets its "
+                          "successor launch; cuBLAS and torch ops, the side streams and the CuTe KDA kernels "
+                          "without kda_pdl launch plainly)")
         for k in ("split_router", "owned_output", "shared_expert_stream"):
             if getattr(sw, k) and over.get("proj") != "triton":
                 why[k] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
