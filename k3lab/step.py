@@ -495,7 +495,7 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
 
 def _chained(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn with every k3lab Triton kernel it launches under programmatic dependent launch (the `pdl` switch)."""
-    from k3lab_kernels.triton.mla_decode import pdl_chain
+    from k3lab_kernels.triton.pdl import pdl_chain
 
     def run():
         with pdl_chain(True):
@@ -518,7 +518,7 @@ def _beside(comp, side_fn: Callable[[], Any], device):
             side = _SIDE[key] = torch.cuda.Stream(device=device)
         cur = torch.cuda.current_stream(device)
         side.wait_stream(cur)
-        from k3lab_kernels.triton.mla_decode import pdl_chain
+        from k3lab_kernels.triton.pdl import pdl_chain
 
         with torch.cuda.stream(side), pdl_chain(False):  # a side stream's first kernel follows an event, not a kernel
             side_fn()

@@ -84,7 +84,7 @@ class Switches:
     owned_output: bool = False
     fused_allreduce: bool = False
     # the step: every k3lab Triton kernel launched with programmatic dependent launch (each waits for its
-    # predecessor's results, reading only weights and never-written tensors before; kernels_triton mla_decode.pdl_chain)
+    # predecessor's results, reading only weights and never-written tensors before; k3lab_kernels.triton.pdl)
     pdl: bool = False
 
     def __post_init__(self) -> None:

@@ -923,25 +923,9 @@ def sync_warp(mask=-1):
 
 
 def shuffle_sync_bfly(value, offset=1, mask=-1, mask_and_clamp=31):
-    t = _cur()
-    w = t.warp
+    """shfl.sync.bfly: lane l reads lane l ^ offset's value (every lane with the same offset)."""
     off = _as_index(offset)
-    if not w.who:
-        w.offset = off
-    elif w.offset != off:
-        raise EmulationError(f"shuffle_sync_bfly: lane {t.lane} uses offset {off} while its warp uses {w.offset}")
-    w.vals[t.lane] = value
-    w.who.append(t)
-    if len(w.who) < 32:
-        _S.block(f"shuffle_sync_bfly(offset={off})")
-        return t.value
-    vals = w.vals
-    for u in w.who:
-        u.value = vals[u.lane ^ off]
-        if u is not t:
-            _S.wake(u)
-    w.who, w.vals = [], [None] * 32
-    return t.value
+    return _warp_collective(value, f"shuffle_sync_bfly(offset={off})", lambda vals, lane: vals[lane ^ off])
 
 
 def _warp_collective(value, tag, result):

@@ -575,30 +575,30 @@ def test_pdl_switch_same_output_and_recorded(monkeypatch):
     """The `pdl` switch: the step's components run inside a pdl_chain (every k3lab Triton kernel whose wrapper gets
     pdl=None launches with PDL on a GPU; the interpreter launches plainly), the output is the plain step's, the
     record says so, and toggle_list offers it. The chain itself: on inside, off outside, an explicit pdl wins."""
-    from k3lab_kernels.triton import mla_decode as md
+    from k3lab_kernels.triton import pdl
 
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
     x = torch.randn(tuple(st.x_in.shape), generator=torch.Generator().manual_seed(5)).to(st.dtype)
     kda = [L.state for L in st.layers if L.kind == "kda"]
     start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
     outs = []
-    for pdl in (False, True):
+    for on in (False, True):
         for s, (s0, c0) in zip(kda, start):
             s.state.copy_(s0)
             s.conv_state.copy_(c0)
-        st.set_switches(FUSED.replace(pdl=pdl))
+        st.set_switches(FUSED.replace(pdl=on))
         outs.append(st.run(x).clone())
     assert torch.equal(outs[0], outs[1])
     assert "programmatic dependent launch" in st.why["pdl"]
     assert "pdl=False->True" in dict(S.toggle_list(FUSED, st.switches))
-    assert not md.chain_pdl(None)  # the interpreter: never PDL
+    assert not pdl.chain_pdl(None)  # the interpreter: never PDL
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as on a GPU
-    assert not md.chain_pdl(None) and md.chain_pdl(True)
-    with md.pdl_chain(True):
-        assert md.chain_pdl(None) and not md.chain_pdl(False)
-        with md.pdl_chain(False):
-            assert not md.chain_pdl(None)
-    assert not md.chain_pdl(None)
+    assert not pdl.chain_pdl(None) and pdl.chain_pdl(True)
+    with pdl.pdl_chain(True):
+        assert pdl.chain_pdl(None) and not pdl.chain_pdl(False)
+        with pdl.pdl_chain(False):
+            assert not pdl.chain_pdl(None)
+    assert not pdl.chain_pdl(None)
 
 
 def test_cute_attnres_and_router_run_in_the_builder_never_the_reference():

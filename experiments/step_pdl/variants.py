@@ -1,11 +1,13 @@
 """The decode step under switch variants on the GPU, each checked against the first variant's output and timed
-through the one timer (whole step, one CUDA graph): the `pdl` switch with the CuTe DSL AttnRes and router (what
-`auto` picks when CuTe DSL is installed) against the Triton ones (the router's selection then fused into the MoE
-input projection at <= 16 tokens).
+through the one timer (whole step, one CUDA graph; tp8, one AttnRes block, MXFP4 pools, 8K context, `auto`).
 
-    python experiments/step_pdl/variants.py OUT [BATCH ...]
+    python experiments/step_pdl/variants.py OUT [cute|pdl] [BATCH ...]
 
-Writes OUT/step_variants.json (environment, switches and samples per variant) and prints a table.
+`cute` (default): the `pdl` switch with the CuTe DSL AttnRes and router (what `auto` picks when CuTe DSL is
+installed) against the Triton ones (the router's selection then fused into the MoE input projection at <= 16
+tokens), and pdl + split_router + owned_output. `pdl`: plain launches, pdl, plain again (the first measurement,
+made without CuTe DSL). Writes OUT/step_variants-<set>.json (environment, switches and samples per variant) and
+prints a table.
 """
 import json
 import sys
@@ -20,7 +22,8 @@ from k3lab.harness.numerics import rel_norm_error
 from k3lab.switches import COMPONENTS, Switches
 
 AUTO = Switches(backend={c: "auto" for c in COMPONENTS})
-VARIANTS = (
+SETS = {"pdl": (("plain", {}), ("pdl", dict(pdl=True)), ("plain_again", {}))}
+SETS["cute"] = (
     ("auto", {}),
     ("auto+pdl", dict(pdl=True)),
     ("pdl, router triton", dict(pdl=True, backend_router="triton")),
@@ -29,7 +32,7 @@ VARIANTS = (
 )
 
 
-def main(out: str, batches: list[int]) -> None:
+def main(out: str, which: str, batches: list[int]) -> None:
     rows = []
     for B in batches:
         st = S.DecodeStep(preset("tp8", batch=B, context=8192, expert_dtype="mxfp4"), AUTO)
@@ -37,7 +40,7 @@ def main(out: str, batches: list[int]) -> None:
         kda = [L.state for L in st.layers if L.kind == "kda"]
         start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
         ref = None
-        for name, over in VARIANTS:
+        for name, over in SETS[which]:
             st.set_switches(AUTO.replace(**over))
             for s, (s0, c0) in zip(kda, start):
                 s.state.copy_(s0)
@@ -52,14 +55,17 @@ def main(out: str, batches: list[int]) -> None:
                              why={k: v for k, v in st.why.items() if k in ("attnres", "router", "pdl")}))
             print(f"B={B:3d} {name:22s} {t.median_us:9.1f} us  {t.kind}  err {err:.2e}  "
                   f"attnres={st.switches.backend['attnres']} router={st.switches.backend['router']}", flush=True)
-    with open(f"{out}/step_variants.json", "w") as f:
+    with open(f"{out}/step_variants-{which}.json", "w") as f:
         json.dump(dict(env=envmod.fingerprint(), created=time.strftime("%Y-%m-%dT%H:%M:%S"), rows=rows), f, indent=1)
-    print("\n| batch | variant | step us | vs auto |")
+    first = SETS[which][0][0]
+    print(f"\n| batch | variant | step us | vs {first} |")
     print("|---|---|---|---|")
     for r in rows:
-        p = next(q for q in rows if q["batch"] == r["batch"] and q["variant"] == "auto")
+        p = next(q for q in rows if q["batch"] == r["batch"] and q["variant"] == first)
         print(f"| {r['batch']} | {r['variant']} | {r['median_us']:.1f} | {r['median_us'] - p['median_us']:+.1f} |")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(b) for b in sys.argv[2:]] or [1, 64])
+    args = sys.argv[2:]
+    which = args.pop(0) if args and args[0] in SETS else "cute"
+    main(sys.argv[1], which, [int(b) for b in args] or [1, 64])

@@ -371,7 +371,7 @@ def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps:
     at positions lengths[b] .. lengths[b]+T-1 of `cache` (fp8: quantized with the cache's scale scheme).
     pdl (triton and cute): programmatic dependent launch, the kernel loads lengths, the block table and
     kv_norm before it waits for the previous kernel (which must write none of them, nor a per-tensor scale);
-    None: triton follows the enclosing mla_decode.pdl_chain, cute is off. The cute kernel
+    None: triton follows the enclosing pdl.pdl_chain, cute is off. The cute kernel
     (k3lab_kernels.cute.mla_cache_write) is K3's shape only (C = 512, Dr = 64)."""
     _refuse_aiter(backend, "mla_cache_write")
     _tensor("kv", kv, 3)

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        "launches them (griddepcontrol wait / launch_dependents)")
     a = ap.parse_args(argv)
     if a.pdl:
-        from k3lab_kernels.triton.mla_decode import pdl_chain
+        from k3lab_kernels.triton.pdl import pdl_chain
 
         with pdl_chain(True):
             return _main(a, ap)

@@ -56,7 +56,7 @@ values):
     attnres_norm(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, *, update="none", eps=1e-6,
                  cluster=None, vec=None, alpha=None, pdl=None) -> out
 
-pdl (None: the enclosing k3lab_kernels.triton.mla_decode.pdl_chain's setting, the decode step's `pdl` switch):
+pdl (None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting, the decode step's `pdl` switch):
 launched with programmatic dependent launch, each CTA loads the three weight vectors, waits for the previous
 kernel (griddepcontrol.wait: it wrote the sources), lets the next one launch, then loads the sources.
 
@@ -79,20 +79,11 @@ MAX_THREADS_VEC = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: 256}
 # alpha "warp": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without spills
 MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
 
-__all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "cute_available", "plan"]
+__all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "plan"]
 
 
 class AttnResCuteError(ValueError):
     """An argument the CuTe AttnRes kernel cannot take (the message names it)."""
-
-
-def cute_available() -> bool:
-    try:
-        import cutlass
-        import cutlass.cute  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001  # pragma: no cover - depends on the machine
-        return False
 
 
 def _ceil(x: int, m: int) -> int:
@@ -201,15 +192,10 @@ def _kernel_class():
                      t0: Int32, t1: Int32, t2: Int32, t3: Int32, t4: Int32, t5: Int32, t6: Int32, t7: Int32,
                      t8: Int32, s_pre: Int32, s_new: Int32, s_po: Int32, s_out: Int32, B: Int32,
                      stream: cuda.CUstream):
-            if cutlass.const_expr(self.C == 1):
-                self.kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, p_pre, p_new, p_wn, p_wp, p_nw, p_out, p_po,
-                            t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
-                    grid=[1, B, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl)
-            else:
-                self.kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, p_pre, p_new, p_wn, p_wp, p_nw, p_out, p_po,
-                            t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
-                    grid=[self.C, B, 1], block=[self.T, 1, 1], cluster=[self.C, 1, 1], stream=stream,
-                    use_pdl=self.pdl)
+            cluster = {} if self.C == 1 else {"cluster": [self.C, 1, 1]}  # one CTA a row: no cluster launch
+            self.kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, p_pre, p_new, p_wn, p_wp, p_nw, p_out, p_po,
+                        t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
+                grid=[self.C, B, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl, **cluster)
 
         @cute.jit
         def alpha_warp(self, s_tot, s_al, lane: Int32):
@@ -477,7 +463,7 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
                  vec: int | None = None, alpha: str | None = None, pdl: bool | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module doc). Returns out."""
     if pdl is None:
-        from k3lab_kernels.triton.mla_decode import chain_pdl
+        from k3lab_kernels.triton.pdl import chain_pdl
 
         pdl = chain_pdl(None)
     if not isinstance(pdl, bool):

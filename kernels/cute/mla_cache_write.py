@@ -57,16 +57,7 @@ MODES = {"bf16": 0, "tensor": 1, "token": 2}  # cache format: bf16, fp8 with a p
 SUM_ORDERS = ("chain", "tree")
 SUM_ORDER = "chain"  # the Triton kernel's in-thread order of the four squares (module doc): Triton 3.6
 
-__all__ = ["cute_available", "mla_cache_write"]
-
-
-def cute_available() -> bool:
-    try:
-        import cutlass
-        import cutlass.cute  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001  # pragma: no cover - depends on the machine
-        return False
+__all__ = ["mla_cache_write"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,9 +378,9 @@ def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor
     the pool [n_pages, PAGE, 576]; bf16, or float8_e4m3fn with `scale` (0-d per-tensor, read; per-token
     [B,S_max] / [n_pages, PAGE] fp32, written). The caller validates the positions (inside the capacity).
     pdl=True: programmatic dependent launch (module doc for the caller's precondition); None: the enclosing
-    k3lab_kernels.triton.mla_decode.pdl_chain's setting (the decode step's `pdl` switch), as in Triton."""
+    k3lab_kernels.triton.pdl.pdl_chain's setting (the decode step's `pdl` switch), as in Triton."""
     if pdl is None:
-        from k3lab_kernels.triton.mla_decode import chain_pdl
+        from k3lab_kernels.triton.pdl import chain_pdl
 
         pdl = chain_pdl(None)
     mode, paged = _validate(kv, kv_norm, cache, lengths, eps, scale, block_table, pdl)

@@ -54,16 +54,7 @@ _NEG = -(1 << 63) + 1  # a key below every expert's (the Triton kernel's)
 _TOP = (1 << 63) - 1   # a key above every expert's
 _NLOG2E = -1.4426950408889634  # exp(-z) = ex2(z * -log2e), the constant rounded to fp32 as Triton's 0fBFB8AA3B
 
-__all__ = ["MAX_EXPERTS", "MAX_TOPK", "cute_available", "router_topk"]
-
-
-def cute_available() -> bool:
-    try:
-        import cutlass
-        import cutlass.cute  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001  # pragma: no cover - depends on the machine
-        return False
+__all__ = ["MAX_EXPERTS", "MAX_TOPK", "router_topk"]
 
 
 def _pow2(n: int) -> int:
@@ -163,25 +154,21 @@ def _kernel_class():
             r_eb = cute.make_rmem_tensor((4,), Float32)
             r_z = cute.make_rmem_tensor((4,), Float32)
             keys = cute.make_rmem_tensor((4,), Int64)
-            for i in cutlass.range_constexpr(4):
-                r_eb[i] = Float32(0.0)
-                if cutlass.const_expr(NT * (i + 1) <= E):
-                    r_eb[i] = g_bias[tid + NT * i]
-                elif cutlass.const_expr(NT * i < E):
-                    if tid + NT * i < E:
-                        r_eb[i] = g_bias[tid + NT * i]
+            def spread(g, r):  # expert tid + NT i of g into r[i] (0 past E), i < 4
+                for i in cutlass.range_constexpr(4):
+                    r[i] = Float32(0.0)
+                    if cutlass.const_expr(NT * (i + 1) <= E):
+                        r[i] = g[tid + NT * i]
+                    elif cutlass.const_expr(NT * i < E):
+                        if tid + NT * i < E:
+                            r[i] = g[tid + NT * i]
+
+            spread(g_bias, r_eb)
             if cutlass.const_expr(self.pdl):
                 # the projection before us wrote the logits: wait for it, then let the next kernel launch
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
-            g_z = cute.make_tensor(p_logits + b * s_row, cute.make_layout(E))
-            for i in cutlass.range_constexpr(4):
-                r_z[i] = Float32(0.0)
-                if cutlass.const_expr(NT * (i + 1) <= E):
-                    r_z[i] = g_z[tid + NT * i]
-                elif cutlass.const_expr(NT * i < E):
-                    if tid + NT * i < E:
-                        r_z[i] = g_z[tid + NT * i]
+            spread(cute.make_tensor(p_logits + b * s_row, cute.make_layout(E)), r_z)
             # the candidate list reads NEG past its end up to 64 slots (the ranking's static loops)
             for j in cutlass.range_constexpr((64 + NT - 1) // NT):
                 if cutlass.const_expr(NT * (j + 1) <= 64):
@@ -336,10 +323,10 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, w
                 top_k: int, scaling: float = 1.0, pdl: bool | None = None):
     """logits [B, E] fp32, e_bias [E] fp32, idx [B, top_k] int64, weights [B, top_k] fp32 (written).
     pdl: launched with programmatic dependent launch (the bias read before waiting on the projection); None: the
-    enclosing k3lab_kernels.triton.mla_decode.pdl_chain's setting (the decode step's `pdl` switch), as in Triton.
+    enclosing k3lab_kernels.triton.pdl.pdl_chain's setting (the decode step's `pdl` switch), as in Triton.
     Returns (idx, weights)."""
     if pdl is None:
-        from k3lab_kernels.triton.mla_decode import chain_pdl
+        from k3lab_kernels.triton.pdl import chain_pdl
 
         pdl = chain_pdl(None)
     B, E = _validate(logits, e_bias, idx, weights, top_k, scaling, pdl)

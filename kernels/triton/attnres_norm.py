@@ -55,7 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
@@ -297,7 +298,7 @@ def attnres_norm(blocks: list[torch.Tensor], prefix: torch.Tensor, new: torch.Te
     programs) or "row" (one program per row); None = split up to SPLIT_MAX_BATCH rows with at least
     SPLIT_MIN_BLOCKS blocks, else row. block_d: the split
     path's columns per program (a power of two >= 16; None = BLOCK_D). pdl: launched with programmatic dependent
-    launch (None: the enclosing mla_decode.pdl_chain's setting). Returns out. The caller validates."""
+    launch (None: the enclosing pdl.pdl_chain's setting). Returns out. The caller validates."""
     pdl = chain_pdl(pdl)
     B, D = out.shape
     path = path or ("split" if B <= SPLIT_MAX_BATCH and len(blocks) >= SPLIT_MIN_BLOCKS else "row")

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 TILE_V_ALLOWED = (4, 8, 16, 32, 64, 128)
 
@@ -75,22 +75,25 @@ def _store_cols(cs_row, win, ch, W: tl.constexpr):
 
 
 @triton.jit
+def _head_tile(H, D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr):
+    """Program -> (value tile vt, row bh = bi * H + h, head h, sequence bi, key rows, the tile's value columns,
+    its first column v0): NT value tiles of TV columns a head, the decode / verify / replay grids' order."""
+    pid = tl.program_id(0)
+    vt = pid % NT
+    bh = pid // NT
+    return vt, bh, bh % H, bh // H, tl.arange(0, D), tl.arange(0, TV), vt * TV
+
+
+@triton.jit
 def _kda_decode_kernel(
     qkv, f_ptr, b_ptr, gate_ptr, conv_w, A_log, dt_bias, o_norm_w,
     state, conv_state, out, scr_o, counter,
     H, eps, lb, scale,
     D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr, W: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    vt = pid % NT
-    bh = pid // NT
-    h = bh % H
-    bi = bh // H
+    vt, bh, h, bi, offs_k, offs_v, v0 = _head_tile(H, D, TV, NT)
     HD = H * D
     C = 3 * HD
-    offs_k = tl.arange(0, D)
-    offs_v = tl.arange(0, TV)
-    v0 = vt * TV
     x_row = qkv + bi.to(tl.int64) * C
     cs_row = conv_state + bi.to(tl.int64) * (C * (W - 1))
     out_row = out + bi.to(tl.int64) * HD + h * D
@@ -222,7 +225,7 @@ def default_num_warps(D: int, tile_v: int, verify: bool = False) -> int:
 def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, num_warps=None, pdl=None):
     """One fused decode step. Shapes as k3lab.ref.kda (contiguous; validated by the component API).
     Updates `state` and `conv_state` in place, writes `out` [B, H*D]; returns `out`. pdl: launched with
-    programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting); the state, conv state
+    programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting); the state, conv state
     and parameters are then read before the wait (the kernel directly before must not write them)."""
     _launch_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v, num_warps, pdl=pdl)
     return out

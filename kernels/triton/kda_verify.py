@@ -35,7 +35,7 @@ import math
 
 import triton
 import triton.language as tl
-from k3lab_kernels.triton.kda_decode import TILE_V_ALLOWED, _load_cols, _scratch, default_num_warps
+from k3lab_kernels.triton.kda_decode import TILE_V_ALLOWED, _head_tile, _load_cols, _scratch, default_num_warps
 
 
 @triton.jit
@@ -84,16 +84,9 @@ def _kda_verify_kernel(
     T: tl.constexpr, TP: tl.constexpr, D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr,
     W: tl.constexpr, RAGGED: tl.constexpr, CK: tl.constexpr, NS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    vt = pid % NT
-    bh = pid // NT
-    h = bh % H
-    bi = bh // H
+    vt, bh, h, bi, offs_k, offs_v, v0 = _head_tile(H, D, TV, NT)
     HD = H * D
     C = 3 * HD
-    offs_k = tl.arange(0, D)
-    offs_v = tl.arange(0, TV)
-    v0 = vt * TV
     bT = bi.to(tl.int64) * T
     x_base = qkv + bT * C
     cs_row = conv_state + bi.to(tl.int64) * (C * (W - 1))
@@ -236,16 +229,9 @@ def _kda_replay_kernel(
     CK .. p with the verify's own arithmetic (_position), then stores the tile into `state` in place. In place
     is safe: a program owns its D x TV tile (the recurrence never mixes value columns) and loads it whole
     before its one store; `conv_state` is only read here (the conv gather runs after this launch)."""
-    pid = tl.program_id(0)
-    vt = pid % NT
-    bh = pid // NT
-    h = bh % H
-    bi = bh // H
+    vt, bh, h, bi, offs_k, offs_v, v0 = _head_tile(H, D, TV, NT)
     HD = H * D
     C = 3 * HD
-    offs_k = tl.arange(0, D)
-    offs_v = tl.arange(0, TV)
-    v0 = vt * TV
     n = tl.minimum(tl.maximum(tl.load(num_accepted + bi).to(tl.int32), 1), T)
     at_slot = ((n % CK) == 0) | (n == T)
     q = n // CK

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16, rne_e4m3
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16, rne_e4m3
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor
     [B, max_pages] int32, the pool [n_pages, PAGE, W] (bf16/fp16 or float8_e4m3fn with `scale`: 0-d
     per-tensor, or per-token [B,S_max] / [n_pages, PAGE] fp32, written); lengths [B] int32/int64. In place;
     the caller validates (positions inside the capacity). pdl: launched with programmatic dependent launch
-    (None: the enclosing mla_decode.pdl_chain's setting; the lengths and the block table are read before the
+    (None: the enclosing pdl.pdl_chain's setting; the lengths and the block table are read before the
     wait: the caller does not change them in the kernel before)."""
     pdl = chain_pdl(pdl)
     B, T, W = kv.shape

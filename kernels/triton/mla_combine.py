@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _mask2, _pow2, dot_f32, launch_kw, pdl_on, rne_bf16
+from k3lab_kernels.triton.mla_decode import _mask2, _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.pdl import launch_kw, pdl_on
 
 BLOCK_V_ALLOWED = (16, 32, 64, 128)
 BLOCK_R_ALLOWED = (1, 16, 32, 64)

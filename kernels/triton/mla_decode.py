@@ -65,13 +65,13 @@ suffice.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_on
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -127,48 +127,6 @@ def _mask2(rows_ok, cols_ok, ROWS_ONLY: tl.constexpr):
         return rows_ok[:, None]
     else:
         return rows_ok[:, None] & cols_ok[None, :]
-
-
-def pdl_on(pdl: bool) -> bool:
-    """PDL runs on a GPU only (the interpreter has no griddepcontrol): elsewhere the launches are plain and
-    the result is the same."""
-    return bool(pdl) and not dot_f32()
-
-
-_CHAIN = contextvars.ContextVar("k3lab_pdl_chain", default=False)
-
-
-@contextlib.contextmanager
-def pdl_chain(on: bool = True):
-    """Inside: every k3lab Triton kernel whose wrapper is called with pdl=None launches with programmatic dependent
-    launch (the decode step's `pdl` switch). Such a kernel waits for its predecessor (griddepcontrol.wait) before
-    it reads anything a kernel before it may write (activations, caches, counters), then lets its own successor
-    launch; only weights and other never-written tensors are touched before the wait. The waiting programs hold
-    their SM slots, so the next kernel's launch and first weight loads overlap the tail of the current one."""
-    tok = _CHAIN.set(bool(on))
-    try:
-        yield
-    finally:
-        _CHAIN.reset(tok)
-
-
-def chain_pdl(pdl: bool | None) -> bool:
-    """`pdl` as given, or the enclosing pdl_chain's setting when None; False off the GPU (pdl_on)."""
-    return pdl_on(_CHAIN.get() if pdl is None else pdl)
-
-
-@triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """A kernel launched with PDL (pdl_chain): wait for the predecessor's results, then let the successor launch."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-def launch_kw(pdl: bool) -> dict:
-    """The launch option of a kernel that waits on its predecessor with gdc_wait (PDL)."""
-    return {"launch_pdl": True} if pdl_on(pdl) else {}
 
 
 def _pow2(n: int) -> int:

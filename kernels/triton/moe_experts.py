@@ -59,7 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16
+from k3lab_kernels.triton.mla_decode import dot_f32, rne_bf16
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 FORMATS = ("bf16", "fp8", "mxfp4")
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
@@ -927,7 +928,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 leaders: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
-    dependent launch (None: the enclosing mla_decode.pdl_chain's setting; the other paths launch plainly)."""
+    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly)."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]

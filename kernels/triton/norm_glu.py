@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 from k3lab_kernels.triton.rms_norm import rms_row
 from k3lab_kernels.triton.situ_glu import situ_cols
@@ -44,7 +44,7 @@ def norm_glu(y: torch.Tensor, weight: torch.Tensor, gu: torch.Tensor, out: torch
              b2: float, block: int | None = None, num_warps: int | None = None,
              pdl: bool | None = None) -> torch.Tensor:
     """out = [rms(y; weight) | situ(gu)] in bf16 (module docstring); the component API validates the arguments.
-    pdl: launched with programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    pdl: launched with programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting)."""
     pdl = chain_pdl(pdl)
     R, D = y.shape
     inter = gu.shape[1] // 2

@@ -60,7 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, dot_f32, launch_kw, pdl_enter, rne_bf16
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
 
@@ -380,7 +381,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k]
     fp32, k, scaling): the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns
     outs. The caller validates (path "tma" with misaligned x or W is refused here: ValueError). pdl: launched with
-    programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting)."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape

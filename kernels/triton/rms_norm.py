@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def _rms_norm_kernel(x, w, out, D, s_x, s_o, eps, BD: tl.constexpr, PDL: tl.cons
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, eps: float,
              num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """out = rms(x; weight) in bf16 (module docstring); the component API validates the arguments. pdl: launched
-    with programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    with programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting)."""
     pdl = chain_pdl(pdl)
     R, D = x.shape
     BD = triton.next_power_of_2(D)

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, chain_pdl, launch_kw, pdl_on
+from k3lab_kernels.triton.mla_decode import _pow2
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_on
 
 
 NEG = tl.constexpr(-9223372036854775807)  # a key below every expert's
@@ -83,7 +84,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, w
                 top_k: int, scaling: float = 1.0, num_warps: int | None = None, pdl: bool | None = None):
     """logits [B, E] fp32, e_bias [E] fp32, idx [B, top_k] int64, weights [B, top_k] fp32 (written).
     pdl: launched with programmatic dependent launch (the bias read before waiting on the projection; None: the
-    enclosing mla_decode.pdl_chain's setting).
+    enclosing pdl.pdl_chain's setting).
     Returns (idx, weights). The caller validates."""
     pdl = chain_pdl(pdl)
     B, E = logits.shape

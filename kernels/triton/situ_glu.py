@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import chain_pdl, launch_kw, pdl_enter
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _situ_glu_kernel(gu, a, I, s_gu, s_a, b1, b2, BI: tl.constexpr, PDL: tl.cons
 def situ_glu(gu: torch.Tensor, out: torch.Tensor, *, b1: float, b2: float, block: int | None = None,
              num_warps: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """out = situ(gu[:, :I], gu[:, I:]) in bf16 (module docstring); the component API validates the arguments.
-    pdl: launched with programmatic dependent launch (None: the enclosing mla_decode.pdl_chain's setting)."""
+    pdl: launched with programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting)."""
     pdl = chain_pdl(pdl)
     R, I = out.shape
     BI = block or min(1024, triton.next_power_of_2(I))
