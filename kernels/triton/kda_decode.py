@@ -75,6 +75,26 @@ def _store_cols(cs_row, win, ch, W: tl.constexpr):
 
 
 @triton.jit
+def _recur(qk2, v, fk, blog, a, dtb, lb, scale, S):
+    """One position on a D x TV state tile S (fp32), from the conv + silu outputs qk2 [D, 2] (q | k) and v [TV]:
+    l2norm of q and k, decay = exp(lb sigmoid(a (f + dt_bias))), beta = sigmoid(b); S' = decay * S, S'^T k and
+    S'^T q in one pass over S', u = beta (v - S'^T k), o = (S'^T q + (q.k) u) * scale [= S''^T q * scale],
+    S'' = S' + k u^T. Returns (S'', o). The decode, the verify and the commit's replay share it."""
+    qk2 = qk2 * tl.rsqrt(tl.sum(qk2 * qk2, axis=0) + 1e-6)[None, :]
+    q, k = tl.split(qk2)
+    decay = tl.exp(lb / (1.0 + tl.exp(-(a * (fk.to(tl.float32) + dtb)))))
+    beta = 1.0 / (1.0 + tl.exp(-blog.to(tl.float32)))
+    qk = tl.sum(q * k, axis=0)
+    S = S * decay[:, None]
+    kS = tl.sum(S * k[:, None], axis=0)
+    qS = tl.sum(S * q[:, None], axis=0)
+    u = beta * (v - kS)
+    o = (qS + qk * u) * scale
+    S = S + k[:, None] * u[None, :]
+    return S, o
+
+
+@triton.jit
 def _head_tile(H, D: tl.constexpr, TV: tl.constexpr, NT: tl.constexpr):
     """Program -> (value tile vt, row bh = bi * H + h, head h, sequence bi, key rows, the tile's value columns,
     its first column v0): NT value tiles of TV columns a head, the decode / verify / replay grids' order."""
@@ -137,22 +157,9 @@ def _kda_decode_kernel(
         S = tl.load(s_ptrs).to(tl.float32)
 
     # 3. prologue in fp32 1-D vectors
-    qk2 = _conv_silu(win_qk, conv_w, ch_qk, W)
-    qk2 = qk2 * tl.rsqrt(tl.sum(qk2 * qk2, axis=0) + 1e-6)[None, :]
-    q, k = tl.split(qk2)
-    v = _conv_silu(win_v, conv_w, ch_v, W)
-    decay = tl.exp(lb / (1.0 + tl.exp(-(a * (fk + dtb)))))
-    beta = 1.0 / (1.0 + tl.exp(-blog))
-    qk = tl.sum(q * k, axis=0)
-
-    # 4. one tile live: S' = decay * S; S'^T k and S'^T q in one pass over S'; u = beta (v - S'^T k);
-    #    o = (S'^T q + (q.k) u) / sqrt(D)  [= S''^T q]; S'' = S' + k u^T stored straight back
-    S = S * decay[:, None]
-    kS = tl.sum(S * k[:, None], axis=0)
-    qS = tl.sum(S * q[:, None], axis=0)
-    u = beta * (v - kS)
-    o = (qS + qk * u) * scale
-    S = S + k[:, None] * u[None, :]
+    # 3-4. the position's prologue and recurrence, one tile live (_recur), stored straight back
+    S, o = _recur(_conv_silu(win_qk, conv_w, ch_qk, W), _conv_silu(win_v, conv_w, ch_v, W), fk, blog, a, dtb, lb,
+                  scale, S)
     tl.store(s_ptrs, S.to(state.dtype.element_ty))
 
     # 5. conv-state shifts this program owns: its v channels, and with one tile per head also q/k (with

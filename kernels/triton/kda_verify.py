@@ -35,7 +35,8 @@ import math
 
 import triton
 import triton.language as tl
-from k3lab_kernels.triton.kda_decode import TILE_V_ALLOWED, _head_tile, _load_cols, _scratch, default_num_warps
+from k3lab_kernels.triton.kda_decode import (TILE_V_ALLOWED, _head_tile, _load_cols, _recur, _scratch,
+                                            default_num_warps)
 
 
 @triton.jit
@@ -60,20 +61,8 @@ def _position(seq_qk, seq_v, t: tl.constexpr, conv_w, ch_qk, ch_v, W: tl.constex
     """Position t of the recurrence on one D x TV state tile S (fp32): conv + silu, l2norm of q/k, decay and
     beta, S' = decay * S, S'^T k and S'^T q in one pass, u = beta (v - S'^T k), o = (S'^T q + (q.k) u) * scale,
     S = S' + k u^T. Returns (S, o). The verify and the commit's replay share it (the same arithmetic)."""
-    qk2 = _conv_silu_at(seq_qk, t, conv_w, ch_qk, W)
-    qk2 = qk2 * tl.rsqrt(tl.sum(qk2 * qk2, axis=0) + 1e-6)[None, :]
-    q, k = tl.split(qk2)
-    v = _conv_silu_at(seq_v, t, conv_w, ch_v, W)
-    decay = tl.exp(lb / (1.0 + tl.exp(-(a * (fk.to(tl.float32) + dtb)))))
-    beta = 1.0 / (1.0 + tl.exp(-blog.to(tl.float32)))
-    qk = tl.sum(q * k, axis=0)
-    S = S * decay[:, None]
-    kS = tl.sum(S * k[:, None], axis=0)
-    qS = tl.sum(S * q[:, None], axis=0)
-    u = beta * (v - kS)
-    o = (qS + qk * u) * scale
-    S = S + k[:, None] * u[None, :]
-    return S, o
+    return _recur(_conv_silu_at(seq_qk, t, conv_w, ch_qk, W), _conv_silu_at(seq_v, t, conv_w, ch_v, W), fk, blog,
+                  a, dtb, lb, scale, S)
 
 
 @triton.jit
