@@ -847,6 +847,8 @@ def bench(component: str = typer.Argument(..., help="a registered component (k3l
           out: Path = typer.Option(Path("profiles/runs/bench"), help="bundle + report land in OUT/<gpu>/"),
           name: str = typer.Option("", help="bundle name (default <component>_sweep)"),
           deadline: float = typer.Option(0, help="stop starting new cases after this many seconds (0: none)"),
+          skip: str = typer.Option("", help="peers to leave out, e.g. torch_compile (its builds take tens of "
+                                             "seconds a case)"),
           ) -> None:
     """Every op of a component, checked against fp64 then timed beside its peers; bundle + HTML report."""
     from k3lab import registry
@@ -863,7 +865,7 @@ def bench(component: str = typer.Argument(..., help="a registered component (k3l
                 var.update(op.variants)
         bd = runner.run(component, grid=g, ops=op_names, backends=[b for b in backends.split(",") if b],
                         peers=peers, reps=reps, hot=hot, deadline_s=deadline or None, variants=var,
-                        name=name or None)
+                        name=name or None, skip=[s for s in skip.split(",") if s])
     except (registry.RegistryError, typer.BadParameter) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None

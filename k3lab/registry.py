@@ -104,6 +104,9 @@ class Op:
     tolerance_why: str = ""
     variants: dict[str, tuple[str, dict]] = field(default_factory=dict)  # row name -> (backend, extra options)
     in_sweep: bool = True  # `k3lab bench COMPONENT` runs it unless --ops names others
+    # (backend, shape facts of a call) -> None, or why that backend's kernel cannot take the shape: `auto` then
+    # takes the next rule, a named backend is refused with the reason (k3lab.components.dispatch.select)
+    supports: Callable[[str, dict], str | None] = lambda backend, shape: None
 
     def __post_init__(self) -> None:
         if self.floor_bw not in FLOOR_BWS:

@@ -121,3 +121,35 @@ def test_flashinfer_multitoken_layouts_round_trip(monkeypatch):
     (peer,) = ok.flashinfer_mt_peer(case)
     res = peer.check(case, op.make_inputs(case, 0, "cpu"))
     assert res.ok, res.failures
+
+
+def test_commit_rows_each_checked_on_the_inputs_as_made():
+    """Two commit tiles on the same input sets: the second row's check must not see the state the first row's
+    timing committed in place (state_hist was made from the start state), and `skip` leaves a peer out."""
+    bd = runner.run("kda", ops=["kda_commit"], grid=dict(heads=(2,), batch=(2,), D=(16,), T=(4,), checkpoint=(2,),
+                                                          accepted=("each",), tile_v=(8, 16)),
+                    backends=("triton",), reps=2, device="cpu", kernels=False, skip=["torch_compile"],
+                    log=lambda s: None)
+    ours = [r for r in bd.rows if r.backend == "triton"]
+    assert len(ours) == 2 and all(r.error["ok"] for r in ours), [r.error for r in ours]
+    assert "torch_compile" not in {r.backend for r in bd.rows} and "reference" in {r.backend for r in bd.rows}
+    assert bd.config["skip"] == ["torch_compile"]
+
+
+def test_auto_passes_over_a_backend_that_cannot_take_the_shape(monkeypatch):
+    """`auto` skips the CuTe rule for a head dim the CuTe kernels do not take (the numerics' tiny model on a GPU
+    with CuTe DSL installed) and says so; the named backend is refused with the reason."""
+    from k3lab.components import dispatch
+    from k3lab.switches import BackendUnavailable
+
+    monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
+    be, _, why = dispatch.select("kda_decode", "auto", B=1, shape=dict(D=16, W=4, T=1))
+    assert be == "triton" and "head_dim 128" in why
+    be, _, _ = dispatch.select("kda_decode", "auto", B=1, shape=dict(D=128, W=4, T=1))
+    assert be == "cute"
+    be, _, _ = dispatch.select("kda_verify", "auto", B=1, T=4, shape=dict(D=128, W=3, T=4))
+    assert be != "cute"
+    monkeypatch.setattr(dispatch, "require_backend", lambda b: None)
+    monkeypatch.setattr(dispatch, "_importable", lambda op, b: None)
+    with pytest.raises(BackendUnavailable, match="head_dim 128"):
+        dispatch.select("kda_decode", "cute", B=1, shape=dict(D=16, W=4, T=1))

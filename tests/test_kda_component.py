@@ -357,3 +357,40 @@ def test_checker_compares_read_only_inputs_bit_for_bit_in_any_dtype():
     assert not _same_bits(torch.tensor(1.5), torch.tensor(2.5))
     x = torch.randn(6).to(torch.float8_e4m3fn)
     assert not _same_bits(x, (x.float() * 2).to(torch.float8_e4m3fn))
+
+
+def test_checkpoint_auto_and_the_commit_tile_rule():
+    """checkpoint="auto" resolves by (batch, T) the same way in verify, commit and history_slots (the measured
+    rule: c = 4 at T = 8 from batch 8, else 1); the commit's replay tile follows default_commit_tile and the
+    record says which ran."""
+    from k3lab_kernels.triton.kda_verify import default_commit_tile
+
+    assert kda.default_checkpoint(1, 8) == 1 and kda.default_checkpoint(7, 8) == 1
+    assert kda.default_checkpoint(8, 8) == 4 and kda.default_checkpoint(64, 8) == 4
+    assert kda.default_checkpoint(64, 4) == 1 and kda.default_checkpoint(64, 2) == 1
+    assert kda.history_slots(8, "auto", B=8) == 2 and kda.history_slots(8, "auto", B=1) == 8
+    assert kda.history_slots(8, 3) == 3 and kda.history_slots(5) == 5
+    assert [default_commit_tile(b, c) for b, c in ((1, 8), (2, 2), (8, 4), (16, 8), (64, 2), (64, 4), (64, 8))] \
+        == [16, 16, 32, 32, 64, 64, 128]
+    Bq, Tq = 8, 8
+    inp, p, st, cs = make_kda_inputs(Bq, H, 16, T=Tq, seed=3, device=DEV)
+    a = (inp["qkv"], inp["f"], inp["b"], inp["gate"], p, st, cs)
+    NS = kda.history_slots(Tq, "auto", B=Bq)
+    sh = torch.full((Bq, NS, H, 16, 16), float("nan"), device=DEV)
+    chh = torch.full((Bq, Tq, 3 * H * 16, 3), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ran = []
+    kda.verify(*a, state_hist=sh, conv_hist=chh, checkpoint="auto", ran=ran)
+    assert ran[-1].options["checkpoint"] == 4 and torch.isfinite(sh).all()
+    with pytest.raises(kda.KDAArgumentError, match="'state_hist'.*shape"):  # "auto" means 2 slots here, not 8
+        kda.verify(*a, state_hist=torch.zeros(Bq, Tq, H, 16, 16, device=DEV), conv_hist=chh, checkpoint="auto")
+    n = torch.arange(1, Bq + 1, dtype=torch.int32, device=DEV)
+    st2, cs2 = st.clone(), cs.clone()
+    kda.commit(sh, chh, n, st2, cs2, checkpoint="auto", qkv=inp["qkv"], f=inp["f"], b=inp["b"], params=p,
+               ran=ran)
+    assert ran[-1].options["checkpoint"] == 4
+    # the same commit with every state kept (c = 1): the states agree within the verify's fp32 tolerance
+    sh1 = torch.full((Bq, Tq, H, 16, 16), float("nan"), device=DEV)
+    kda.verify(*a, state_hist=sh1, conv_hist=chh, checkpoint=1)
+    st1, cs1 = st.clone(), cs.clone()
+    kda.commit(sh1, chh, n, st1, cs1)
+    assert rel(st2, st1) < 1e-5 and torch.equal(cs2, cs1)

@@ -83,9 +83,11 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
         backends: Iterable[str] = ("triton", "cute"), peers: bool = True, reps: int = 50, hot: bool = False,
         device: str | None = None, deadline_s: float | None = None, kernels: bool = True,
         variants: dict[str, tuple[str, dict]] | None = None, name: str | None = None,
-        log: Callable[[str], None] = print) -> Bundle:
+        skip: Iterable[str] = (), log: Callable[[str], None] = print) -> Bundle:
     """The sweep of `component` (every registered op, or `ops`) over `grid` (axis or option name ->
-    values; axes not given take each op's defaults). Returns the bundle (not yet saved)."""
+    values; axes not given take each op's defaults). `skip`: peer names left out (e.g. "torch_compile", whose
+    builds cost tens of seconds a case). Returns the bundle (not yet saved)."""
+    skip = set(skip)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.device(device).type == "cuda"
     grid = {k: tuple(v) for k, v in (grid or {}).items()}
@@ -115,8 +117,8 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     bd = Bundle.new(name or f"{component}_sweep", switches=Switches(), copy_tbps=pr["copy_tbps"],
                     read_tbps=pr["read_tbps"], launch_floor_us=pr["launch_us"])
     bd.config = {"bench": component, "ops": [o.name for o in op_list], "grid": {k: list(v) for k, v in grid.items()},
-                 "backends": list(backends), "peers": peers, "mode": "hot" if hot else "rotated", "reps": reps,
-                 "probes": pr}
+                 "backends": list(backends), "peers": peers, "skip": sorted(skip), "mode": "hot" if hot else "rotated",
+                 "reps": reps, "probes": pr}
     if not gpu:
         bd.notes.append("CPU run: cpu-smoke timings and host bandwidths; logic only, not GPU figures")
     t_end = time.time() + deadline_s if deadline_s else None
@@ -125,6 +127,7 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
         only = {k: v for k, v in grid.items() if k in op.option_axes}
         for case in op.cases({k: v for k, v in grid.items() if k in op.axes}):
             impls, skipped = implementations(op, case, backends, peers=peers, only=only, variants=variants, gpu=gpu)
+            impls = [i for i in impls if i.name not in skip]
             bd.backends_skipped.update(skipped)
             if not impls:
                 continue
@@ -136,8 +139,10 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
             n_sets = max(n_sets, max(i.min_sets for i in impls))
             sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
             fl = roofline.floor_from_probes(nbytes, flops, pr, op.floor_bw)
+            pristine = checker.clone_inputs(sets[0])  # every row's check sees the inputs as made (see _row)
             for im in impls:
-                row = _row(op, case, im, sets, fl, reps=reps, hot=hot, gpu=gpu, kernels=kernels, log=log)
+                row = _row(op, case, im, sets, fl, reps=reps, hot=hot, gpu=gpu, kernels=kernels, log=log,
+                           check_inputs=pristine)
                 if isinstance(row, str):
                     bd.notes.append(row)
                     continue
@@ -155,14 +160,17 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
 
 
 def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, reps: int, hot: bool, gpu: bool,
-         kernels: bool, log: Callable[[str], None]) -> Row | str:
-    """The row of one implementation at one case, or a note saying why it has none."""
+         kernels: bool, log: Callable[[str], None], check_inputs: dict | None = None) -> Row | str:
+    """The row of one implementation at one case, or a note saying why it has none. The check runs on
+    `check_inputs` (the first set as made, before any row's timing) when given: an op that updates its inputs in
+    place and whose other inputs were derived from them (the commit: state_hist from the start state) would
+    otherwise check a later row against inputs an earlier row's timing moved on."""
     x = dict(case.asdict(), **im.options, op=op.name, component=op.name, case=case.key(), options=im.options,
              note=im.note)
     err: dict | None = None
     try:
         if im.check is not None:
-            res = im.check(sets[0])
+            res = im.check(sets[0] if check_inputs is None else check_inputs)
             err = dict(ok=res.ok, failures=res.failures, outputs=res.errors,
                        rel_norm=max((e.get("rel_norm") or 0.0) for e in res.errors.values()) if res.errors else None)
             if res.ran:  # what the dispatcher ran for this row (the rest of the record is the row itself)
@@ -177,7 +185,7 @@ def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, 
         row.extra["x_floor"] = row.distance
         ok = "" if err is None else ("" if err["ok"] else "  FAIL " + "; ".join(err["failures"])[:160])
         short = ",".join(f"{k}={v}" for k, v in {**case.asdict(), **im.options}.items()
-                         if len(op.axes.get(k, ())) != 1 and v not in (None, False))
+                         if (len(op.axes.get(k, ())) != 1 or v != op.axes[k][0]) and v not in (None, False))
         log(f"{op.name:<12} {short:<40} {im.name:<15} {tm.median_us:9.2f} us  floor {fl.floor_us:7.2f} ({fl.bound})"
             f"  x{row.distance:5.2f}{ok}")
         return row
@@ -243,8 +251,10 @@ def explore(out: str, entries, impls: Callable[[Op, Case, tuple, tuple, bool], l
         n_sets = max([n_sets] + [i.min_sets for i in ims])
         sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
         fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
+        pristine = checker.clone_inputs(sets[0])
         for im in ims:
-            row = _row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log)
+            row = _row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log,
+                       check_inputs=pristine)
             if isinstance(row, str):
                 bd.notes.append(row)
             else:

@@ -75,13 +75,28 @@ def can_run(op_name: str, backend: str) -> bool:
     return _importable(op_name, backend) is None
 
 
-def select(op_name: str, backend: str, *, B: int, T: int = 1) -> tuple[str, dict[str, Any], str]:
+def select(op_name: str, backend: str, *, B: int, T: int = 1,
+           shape: dict[str, Any] | None = None) -> tuple[str, dict[str, Any], str]:
     """(backend, options, why) for a call of `op_name` at batch B, T positions. "auto" follows the measured
-    table (k3lab.policy); a named backend is validated: unknown -> SwitchError, cannot run here or has
-    no kernel for the op -> BackendUnavailable naming both."""
+    table (k3lab.policy), skipping a rule whose backend cannot take `shape` (the op's `supports`, e.g. the CuTe
+    KDA kernels at head_dim 128 only: a small test model then runs the fallback rule's backend); a named backend
+    is validated: unknown -> SwitchError, cannot run here, has no kernel for the op or cannot take `shape` ->
+    BackendUnavailable naming both."""
     op = registry.get(op_name)
     if backend == "auto":
-        be, opts, why = policy.choose(op.component, op.policy_key, B, T, lambda b: can_run(op_name, b))
+        skipped: list[str] = []
+
+        def runs(b: str) -> bool:
+            if not can_run(op_name, b):
+                return False
+            no = op.supports(b, shape) if shape is not None else None
+            if no is not None:
+                skipped.append(f"{b}: {no}")
+            return no is None
+
+        be, opts, why = policy.choose(op.component, op.policy_key, B, T, runs)
+        if skipped:
+            why += f" (passed over for this shape: {'; '.join(skipped)})"
         return be, opts, why
     if backend not in BACKENDS:
         raise SwitchError(f"{op_name}: backend {backend!r} is not allowed; allowed: {BACKENDS + ('auto',)}")
@@ -92,6 +107,9 @@ def select(op_name: str, backend: str, *, B: int, T: int = 1) -> tuple[str, dict
     why = _importable(op_name, backend)
     if why is not None:
         raise BackendUnavailable(f"backend {backend!r}: cannot import {op.backends[backend]}: {why}")
+    no = op.supports(backend, shape) if shape is not None else None
+    if no is not None:
+        raise BackendUnavailable(f"{op_name}: backend {backend!r} cannot take this call: {no}")
     return backend, {}, "requested"
 
 

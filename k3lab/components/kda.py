@@ -143,9 +143,10 @@ def _check_pdl(pdl, be):
                      f"the backend here is {be!r}")
 
 
-def _select(op, backend, B, T, tile_v, D):
-    """(backend, tile_v given or from the auto rule, why) through the one dispatcher."""
-    be, opts, why = dispatch.select(op, backend, B=B, T=T)
+def _select(op, backend, B, T, tile_v, D, W):
+    """(backend, tile_v given or from the auto rule, why) through the one dispatcher (the shape passed, so that
+    `auto` passes over a kernel that cannot take it: the CuTe kernels at head_dim 128 and conv width 4 only)."""
+    be, opts, why = dispatch.select(op, backend, B=B, T=T, shape=dict(D=D, W=W, T=T))
     if tile_v is None and opts.get("tile_v") and opts["tile_v"] <= D:
         tile_v = opts["tile_v"]
     return be, tile_v, why
@@ -163,7 +164,7 @@ def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="ref
     programmatic dependent launch; the kernel directly before on the stream must not write `state` /
     `conv_state` (see k3lab_kernels.cute.kda_decode). ran: a list to append the record of what ran to."""
     B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
-    be, tile_v, why = _select("kda_decode", backend, B, 1, tile_v, D)
+    be, tile_v, why = _select("kda_decode", backend, B, 1, tile_v, D, W)
     _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128)
     out = _out(out, (B, H * D), qkv.device)
@@ -208,12 +209,35 @@ def _check_lengths(lengths, B, T, dev, check_values):
             _fail("lengths", f"values must lie in 1..T={T}, got min {lo} max {hi}")
 
 
-def _check_checkpoint(checkpoint, T):
-    """checkpoint: None (= 1) or an int c in 1..T; returns c."""
+# The `auto` checkpoint (H200, 12 heads, fp32 state; docs/NOTES_kda.md, fourteenth session): the c that gave the
+# shortest verify + commit at T = 8 with sequence b accepting 1 + b mod T (profiles/h200/kda_ckpt.json.gz,
+# kda_commit_tiles.json.gz): c = 4 from batch 8 (B = 8 / 16 / 64: 23.9 / 43.0 / 127.6 us a cycle against 28.5 /
+# 55.4 / 172.2 at c = 1); batch 1 keeps every state (11.8 us against 12.2 at c = 4). T < 8 and batches 2..7: c = 1
+# (their commits were not measured).
+AUTO_CHECKPOINT = ((8, 8, 4),)  # (min T, min batch, c)
+
+
+def default_checkpoint(B: int, T: int) -> int:
+    """The checkpoint `checkpoint="auto"` resolves to for B sequences of T positions (verify and commit alike)."""
+    for t_min, b_min, c in AUTO_CHECKPOINT:
+        if T >= t_min and B >= b_min:
+            return min(c, T)
+    return 1
+
+
+def history_slots(T: int, checkpoint=None, B: int = 1) -> int:
+    """The state_hist slots a verify of T positions writes: ceil(T / c) (c resolved as `verify` does)."""
+    return -(-T // _check_checkpoint(checkpoint, T, B))
+
+
+def _check_checkpoint(checkpoint, T, B=1):
+    """checkpoint: None (= 1), "auto" (`default_checkpoint(B, T)`) or an int c in 1..T; returns c."""
     if checkpoint is None:
         return 1
+    if checkpoint == "auto":
+        return default_checkpoint(B, T)
     if isinstance(checkpoint, bool) or not isinstance(checkpoint, int) or checkpoint < 1:
-        _fail("checkpoint", f"expected None or an int >= 1, got {checkpoint!r}")
+        _fail("checkpoint", f"expected None, \"auto\" or an int >= 1, got {checkpoint!r}")
     if checkpoint > T:
         _fail("checkpoint", f"must be at most T={T} (c = T keeps the last position's state only), got {checkpoint}")
     return checkpoint
@@ -226,7 +250,8 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     state_hist [B,S,H,D,D] (state dtype), conv_hist [B,T,3HD,W-1] bf16 (the window after every position).
     checkpoint c (None = 1, today's contract: a state after every position): S = ceil(T / c) slots, slot s =
     the state after position min((s + 1) c, T) - 1 (c = T: the last position only); `commit` with the same c
-    recomputes any other position's state. lengths [B] int32 in 1..T: positions >= lengths[b] are not
+    recomputes any other position's state. "auto": `default_checkpoint(B, T)` (the measured cycle's best;
+    `history_slots` sizes state_hist for it). lengths [B] int32 in 1..T: positions >= lengths[b] are not
     computed and their out / conv_hist entries, and the slots whose position is >= lengths[b], are left
     untouched. tile_v None = 8 for triton (its measured best at B=1, T=4 on the H200), 128 for cute; with
     backend="auto" the tile comes from data/kda_defaults.json. pdl: as in `decode` (cute only; the kernel
@@ -234,9 +259,9 @@ def verify(qkv, f, b, gate, params, state, conv_state, out=None, *, state_hist, 
     B, T, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state, T=True)
     if not 1 <= T <= 8:
         _fail("qkv", f"verify takes T in 1..8 positions, got T={T}")
-    ck = _check_checkpoint(checkpoint, T)
+    ck = _check_checkpoint(checkpoint, T, B)
     NS = -(-T // ck)
-    be, tile_v, why = _select("kda_verify", backend, B, T, tile_v, D)
+    be, tile_v, why = _select("kda_verify", backend, B, T, tile_v, D, W)
     _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128 if be == "cute" else 8)
     dev = qkv.device
@@ -286,12 +311,13 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, checkpoint
            params=None, tile_v=None, backend="reference", check_values=True, ran=None):
     """Keep each sequence's first n_b = num_accepted[b] verified positions (num_accepted [B] int in 1..T):
     state[b] = the state after position p = n_b - 1, conv_state[b] = conv_hist[b, p].
-    checkpoint c (None = 1): the verify's; state_hist [B, ceil(T/c), H, D, D], conv_hist [B, T, 3HD, W-1]. A
+    checkpoint c (None = 1; "auto" as in `verify`): the verify's; state_hist [B, ceil(T/c), H, D, D], conv_hist
+    [B, T, 3HD, W-1]. A
     slot position p (n_b a multiple of c, or n_b = T) copies its slot (c = 1: always); any other p recomputes
     the state from the last slot before p (or from `state`, the start state verify never writes) over the
     n_b mod c positions in between, from the verify's inputs qkv [B,T,3HD], f [B,T,HD], b [B,T,H] and params
     (required when c >= 2) and conv_hist, and writes it into `state` in place. tile_v: the triton replay's
-    value tile (None = 8). The triton backend reads num_accepted on the device only (with check_values=False
+    value tile (None = `default_commit_tile(B, c)`, the H200 measurement). The triton backend reads num_accepted on the device only (with check_values=False
     no host sync); the reference loops over sequences on the host (fp32 recurrence); cute has no commit
     kernel: c = 1 the torch gather, c >= 2 the triton replay (the reference where triton cannot run)."""
     if not isinstance(state_hist, torch.Tensor) or state_hist.dim() != 5:
@@ -303,7 +329,7 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, checkpoint
     dev = state_hist.device
     if T < 1:
         _fail("conv_hist", "expected T >= 1 positions")
-    ck = _check_checkpoint(checkpoint, T)
+    ck = _check_checkpoint(checkpoint, T, B)
     NS = -(-T // ck)
     _check("state_hist", state_hist, (B, NS, H, D, D), STATE_DTYPES, dev)
     _check("conv_hist", conv_hist, (B, T, 3 * H * D, conv_hist.shape[-1]), (torch.bfloat16,), dev)
@@ -323,7 +349,8 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, checkpoint
         _check("qkv", qkv, (B, T, 3 * H * D), act, dev)
         _check("f", f, (B, T, H * D), act, dev)
         _check("b", b, (B, T, H), act, dev)
-    tile_v = _check_tile(tile_v, D, 8)
+    from k3lab_kernels.triton.kda_verify import default_commit_tile
+    tile_v = _check_tile(tile_v, D, default_commit_tile(B, ck))
     if check_values:
         lo, hi = int(num_accepted.min()), int(num_accepted.max())
         if lo < 1 or hi > T:
@@ -375,7 +402,7 @@ def prefill(qkv, f, b, gate, params, state, conv_state, out=None, *, chunk=64, i
     tile_v = _check_tile(tile_v, D, 32)
     dev = qkv.device
     out = _out(out, (B, L, H * D), dev)
-    be, _, why = dispatch.select("kda_prefill", backend, B=B, T=L)
+    be, _, why = dispatch.select("kda_prefill", backend, B=B, T=L, shape=dict(D=D, W=W, T=L))
     rec = dict(op="kda_prefill", backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, H=H, D=D), options=dict(chunk=chunk, inverse=inverse, grouped=grouped,
                                                             tile_v=tile_v, state_dtype=_sd(state)))

@@ -415,8 +415,9 @@ def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float =
                  device: str = "cuda", log=print) -> str | None:
     """Each entry (op, case, variants, peers): every variant beside the named peers (of the op's peers) on the
     same rotated input sets, every row checked against fp64 first (`k3lab.bench.runner.explore`). A variant
-    {"name", "tile_v", ...}: without "row_warps" the production path through the component API (backend "cute",
-    tile_v, pdl); with it the verify kernel called directly (`_direct`). One bundle `name` under `out`."""
+    {"name", "tile_v", ...}: without "row_warps" the production path through the component API (backend "cute"
+    unless the variant names one, tile_v, pdl); with it the verify kernel called directly (`_direct`). One bundle
+    `name` under `out`."""
     from k3lab.bench import runner
     from k3lab.harness import checker
 
@@ -425,8 +426,9 @@ def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float =
         for v in variants:
             v = dict(v)
             label = v.pop("name")
+            be = v.pop("backend", "cute")
             if "row_warps" not in v:
-                out_.append(runner._ours(op, case, "cute", v, name=label))
+                out_.append(runner._ours(op, case, be, v, name=label))
                 continue
             make, impl = _direct(v)
             chk = (lambda s, impl=impl, label=label: checker.check(op, case, impl=impl, impl_name=label, inputs=s))
@@ -467,7 +469,75 @@ def _final_entries() -> list:
 H200_FINAL = _final_entries()
 
 
+def _checkpoint_entries(cs: dict | None = None, commits: bool = True) -> list:
+    """The verify checkpoint study (issue 16, verify at T = 8; docs/NOTES_kda.md, fourteenth session): per batch and
+    T the CuTe verify at the rule's tile with every checkpoint c in `cs` (one case each, the peers beside c = 1
+    only: their work does not depend on c), then the commit (triton) at c = 1 (a slot copy) and c = T (the replay
+    of up to T - 1 positions when the accept is partial; accepted "each": sequence b accepts 1 + b mod T). In order
+    of priority: a deadline cuts the tail."""
+    from k3lab import policy
+
+    H = 12
+    out = []
+    cs = cs or {8: (1, 2, 4, 8), 4: (1, 4), 2: (1, 2)}
+
+    def verify(T):
+        for B in (8, 16, 64, 1, 4, 32, 2):
+            tv = policy.rule("kda", "verify", B, T)["tile_v"]
+            for c in cs[T]:
+                peers = ("flashinfer_mt", "fla_recurrence") if c == 1 else ()
+                out.append(("kda_verify", dict(heads=H, batch=B, T=T, checkpoint=c), [_v("cute", tv)], peers))
+
+    verify(8)
+    for B in (1, 8, 16, 64) if commits else ():
+        for c, acc in ((1, (8,)), (8, ("each", 7, 8))):
+            for a in acc:
+                out.append(("kda_commit", dict(heads=H, batch=B, T=8, checkpoint=c, accepted=a),
+                            [dict(name="triton", tile_v=None, backend="triton")], ()))
+    verify(4)
+    verify(2)
+    return out
+
+
+H200_CKPT = _checkpoint_entries()
+H200_CKPT_PEERS = _checkpoint_entries({8: (1, 8), 4: (1, 4), 2: (1, 2)}, commits=False)
+
+
+def _commit_tile_entries() -> list:
+    """The commit's replay tile (`tile_v` of `_kda_replay_kernel`) at the checkpoints and accepts that replay
+    (accepted 7 at c = 8: the longest replay; "each" at c = 2, 4, 8), beside the c = 1 slot copy."""
+    out = []
+    tiles = [dict(name=f"triton_t{tv}", tile_v=tv, backend="triton") for tv in (8, 16, 32, 64, 128)]
+    for B in (64, 8, 16, 1):
+        out.append(("kda_commit", dict(heads=12, batch=B, T=8, checkpoint=1, accepted=8),
+                    [dict(name="triton", tile_v=None, backend="triton")], ()))
+        for c, a in ((8, 7), (4, "each"), (2, "each"), (8, "each")):
+            out.append(("kda_commit", dict(heads=12, batch=B, T=8, checkpoint=c, accepted=a), tiles, ()))
+    return out
+
+
+H200_COMMIT_TILES = _commit_tile_entries()
+
+
 # ---- the entries --------------------------------------------------------------------------------------
+
+def cute_supports(backend: str, shape: dict) -> str | None:
+    """The shapes the CuTe KDA kernels take (kernels/cute/kda_*.py: head_dim 128, conv width 4; verify T <= 16);
+    every other backend takes any shape the component validates."""
+    if backend != "cute":
+        return None
+    if shape.get("D", 128) != 128:
+        return f"the CuTe kernels need head_dim 128 (got {shape['D']})"
+    if shape.get("W", 4) != 4:
+        return f"the CuTe kernels need conv width 4 (got {shape['W']})"
+    return None
+
+
+def _cute_supports_verify(backend: str, shape: dict) -> str | None:
+    if backend == "cute" and shape.get("T", 1) > 16:
+        return f"the CuTe verify takes T <= 16 positions (got {shape['T']})"
+    return cute_supports(backend, shape)
+
 
 _AXES = dict(heads=HEADS, batch=BATCHES, D=(128,), state_dtype=("fp32",))
 _PDL = {"cute_pdl": ("cute", {"pdl": True})}  # the kda_pdl switch, timed at the auto rule's tile
@@ -489,7 +559,7 @@ register(Op(
               "triton": "k3lab_kernels.triton.kda_decode:kda_decode",
               "cute": "k3lab_kernels.cute.kda_decode:kda_decode"},
     peers=lambda c: fla_peers(c) + flashinfer_peer(c) + copy_peer(c), valid=lambda c: c["T"] == 1, variants=_PDL,
-    test_file="tests/test_kda_component.py",
+    test_file="tests/test_kda_component.py", supports=cute_supports,
 ))
 
 register(Op(
@@ -507,7 +577,7 @@ register(Op(
               "cute": "k3lab_kernels.cute.kda_verify:kda_verify"},
     peers=lambda c: fla_peers(c) + flashinfer_mt_peer(c),
     valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"], variants=_PDL,
-    test_file="tests/test_kda_component.py",
+    test_file="tests/test_kda_component.py", supports=_cute_supports_verify,
 ))
 
 register(Op(
@@ -539,5 +609,5 @@ register(Op(
               "torch_compile": "k3lab.ref.kda:kda_prefill_chunked",
               "triton": "k3lab_kernels.triton.kda_prefill:kda_prefill",
               "cute": "k3lab_kernels.cute.kda_prefill:kda_prefill"},
-    test_file="tests/test_kda_component.py", in_sweep=False,
+    test_file="tests/test_kda_component.py", in_sweep=False, supports=cute_supports,
 ))

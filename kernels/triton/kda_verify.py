@@ -265,8 +265,19 @@ def _kda_replay_kernel(
     tl.store(state + bh.to(tl.int64) * (D * D) + s_off, S.to(state.dtype.element_ty))
 
 
+def default_commit_tile(B: int, checkpoint: int) -> int:
+    """The replay's value tile: the fastest of 8..128 on the H200 at B = 1 / 8 / 16 / 64 and c = 2 / 4 / 8
+    (docs/NOTES_kda.md, fourteenth session; profiles/h200/kda_commit_tiles.json.gz): 16 at batch <= 2, 32 to
+    batch 16, then 64 (c <= 4) or 128 (longer replays). The old fixed 8 was 1.3-2.7x slower from batch 8."""
+    if B <= 2:
+        return 16
+    if B <= 16:
+        return 32
+    return 64 if checkpoint <= 4 else 128
+
+
 def commit(state_hist, conv_hist, num_accepted, state, conv_state, block: int = 4096, *, checkpoint=None, qkv=None,
-           f=None, b=None, params=None, tile_v: int = 8, num_warps=None):
+           f=None, b=None, params=None, tile_v: int | None = None, num_warps=None):
     """state[b] = the state after position n_b - 1, conv_state[b] = conv_hist[b, n_b - 1]; num_accepted [B] int on
     the device (not read on the host: no sync). checkpoint c = 1 (None): state_hist holds every position, a
     gather (two launches: state, conv state). c >= 2: state_hist holds ceil(T/c) slots (kda_verify); one
@@ -279,6 +290,7 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, block: int = 
     else:
         H, D, W = params.heads, params.head_dim, params.conv_kernel
         NS = -(-T // CK)
+        tile_v = min(tile_v or default_commit_tile(B, CK), D)
         assert 2 <= CK <= T and state_hist.shape[1] == NS and D % tile_v == 0, (CK, T, tuple(state_hist.shape))
         NT = D // tile_v
         _kda_replay_kernel[(B * H * NT,)](
