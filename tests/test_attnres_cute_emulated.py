@@ -181,3 +181,26 @@ def test_tensor_errors_name_the_argument():
         emulate.run_attnres(**a, update="add")
     with pytest.raises(ValueError, match="'dim'"):
         kern.plan(1, 8191, 9)
+
+
+@pytest.mark.parametrize("dim,kept", [(256, True), (40, False)])
+def test_auto_rule_options_fit_or_give_way(monkeypatch, dim, kept):
+    """`auto`'s AttnRes rule names cluster / vec / alpha (measured at dim 7168): a dim they fit keeps them, one
+    they do not (a small test model) runs the kernel's own choice, and the record's `why` says so."""
+    from k3lab.components import attnres, dispatch
+
+    seen = {}
+    monkeypatch.setattr(dispatch, "select", lambda op, be, B: ("cute", {"cluster": 2, "vec": 8, "alpha": "warp"},
+                                                              "measured rule"))
+    monkeypatch.setattr(dispatch, "kernel", lambda op, be: (lambda *a, **kw: seen.update(kw)))
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(2, dim, generator=g).to(torch.bfloat16) for _ in range(3)]
+    prefix = torch.randn(2, dim, generator=g).to(torch.bfloat16)
+    w = torch.randn(dim, generator=g).to(torch.bfloat16)
+    ran = []
+    attnres.update_mix_norm(blocks, prefix, None, w, w, w, update="none", backend="auto", ran=ran)
+    if kept:
+        assert seen["cluster"] == 2 and seen["vec"] == 8 and seen["alpha"] == "warp"
+        assert "do not fit" not in ran[-1].why
+    else:
+        assert "cluster" not in seen and "vec" not in seen and "do not fit" in ran[-1].why

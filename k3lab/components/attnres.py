@@ -149,6 +149,15 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
             if be != "cute":
                 raise ValueError(f"{COMPONENT}: {k!r} is a cute option; backend {be!r} takes none")
             opts = {**opts, k: v}
+    if be == "cute" and backend == "auto" and any(k in opts for k in ("cluster", "vec", "alpha")):
+        # the auto rule's options were measured at K3's dim (7168); a dim they do not fit (a small test model)
+        # takes the kernel's own choice, and the record says so
+        from k3lab_kernels.cute.attnres_norm import AttnResCuteError, plan
+        try:
+            plan(B, prefix.shape[-1], len(blocks), opts.get("cluster"), opts.get("vec"), alpha=opts.get("alpha"))
+        except AttnResCuteError as e:
+            why += f"; the rule's options {dict((k, opts.pop(k)) for k in ('cluster', 'vec', 'alpha') if k in opts)}" \
+                   f" do not fit this call ({e}): the kernel's own choice"
     if out is None:
         out = torch.empty_like(prefix)
     if be in ("triton", "cute"):
