@@ -163,14 +163,26 @@ class Layer:
             self.buf["o"] = torch.empty(*lead, H * Dh, dtype=self.dtype, device=self.device)
             if self.T > 1:
                 st = self.state
-                self.buf["state_hist"] = torch.empty(self.B, self.T, *st.state.shape[1:], dtype=st.state.dtype,
-                                                     device=self.device)
+                self.buf["state_hist"] = torch.empty(self.B, self.kda_slots(), *st.state.shape[1:],
+                                                     dtype=st.state.dtype, device=self.device)
                 self.buf["conv_hist"] = torch.empty(self.B, self.T, *st.conv_state.shape[1:],
                                                     dtype=st.conv_state.dtype, device=self.device)
         for fn, _, _ in self.components(all_components=True).values():
             fn()
 
     # ---- components ------------------------------------------------------------------------------
+    def kda_checkpoint(self) -> int:
+        """The KDA verify's checkpoint c for this layer's batch and T (the `kda_checkpoint` switch: "auto" is the
+        component's measured rule, k3lab.components.kda.default_checkpoint; a fixed c above T keeps the last
+        position only, i.e. c = T)."""
+        from k3lab.components.kda import default_checkpoint
+        c = self.switches.kda_checkpoint
+        return default_checkpoint(self.B, self.T) if c == "auto" else min(c, self.T)
+
+    def kda_slots(self) -> int:
+        """state_hist slots of the verify path: ceil(T / c)."""
+        return -(-self.T // self.kda_checkpoint())
+
     def _backend(self, group: str) -> str | None:
         """The backend a component group runs under, or None when that backend has no path for it."""
         be = self.switches.backend.get(group, "reference")
@@ -318,6 +330,9 @@ class Layer:
             self._groups["kda_core"] = "reference (k3lab.ref.kda directly: non-bf16 oracle build)"
 
         def core():
+            if self.T > 1 and b["state_hist"].shape[1] != self.kda_slots():  # kda_checkpoint changed since prepare
+                b["state_hist"] = torch.empty(self.B, self.kda_slots(), *st.state.shape[1:], dtype=st.state.dtype,
+                                              device=self.device)
             if oracle:
                 from k3lab.ref import kda as kref
                 if self.T == 1:
@@ -325,7 +340,8 @@ class Layer:
                     st.state.copy_(S)
                     st.conv_state.copy_(cs)
                 else:  # verify (the kernels' contract): the history is written, the state is left for the commit
-                    o, Sh, ch = kref.kda_verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state)
+                    o, Sh, ch = kref.kda_verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state,
+                                                checkpoint=self.kda_checkpoint())
                     b["state_hist"].copy_(Sh)
                     b["conv_hist"].copy_(ch)
                 b["o"].copy_(o)
@@ -337,7 +353,7 @@ class Layer:
             else:
                 kda.verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"],
                            state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v,
-                           pdl=self.switches.kda_pdl)
+                           pdl=self.switches.kda_pdl, checkpoint=self.kda_checkpoint())
             return b["o"]
         from k3lab.ops.kda import kda_bytes, kda_flops  # the registry's one formula
         c["kda_core"] = (core, kda_bytes(self.B, H, self.T, D=Dh, W=W, state_bytes=st.state.element_size()),

@@ -1166,7 +1166,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     save()
     # each switch toggled alone
     if toggles:
-        todo = toggle_list(step.requested, base_switches)
+        todo = toggle_list(step.requested, base_switches, verify=view.tokens_per_seq > 1)
         if only is not None:
             missing = sorted(only - {tl.split("=")[0] for tl, _ in todo})
             if missing:
@@ -1218,14 +1218,16 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 
 TOGGLE_NAMES = tuple(c for c in COMPONENTS if c != "dense") + (
     "pad_heads", "kda_tile_v", "mla_partitions", "prefetch", "fuse_prologues", "split_router", "owned_output",
-    "shared_expert_stream", "kda_pdl", "pdl")  # what toggle_list can change (each label starts with one of them)
+    "shared_expert_stream", "kda_pdl", "pdl", "kda_checkpoint")  # what toggle_list can change (each label starts
+# with one of them)
 
 
-def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Switches]]:
+def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False) -> list[tuple[str, Switches]]:
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
     128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output,
-    shared_expert_stream and pdl when the projections run on triton, kda_pdl when the KDA runs on cute). kda_state_dtype
+    shared_expert_stream and pdl when the projections run on triton, kda_pdl when the KDA runs on cute, kda_checkpoint
+    auto <-> 1 on the verify path (`verify`: draft depth > 0)). kda_state_dtype
     needs a new build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
@@ -1235,6 +1237,8 @@ def toggle_list(requested: Switches, resolved: Switches) -> list[tuple[str, Swit
         if be != "reference":
             out.append((f"{comp}={be}->reference", requested.replace(**{f"backend_{comp}": "reference"})))
     flips = {"pad_heads": {0: 16}, "kda_tile_v": {"auto": 16, 128: 16}, "mla_partitions": {"auto": 1}}
+    if verify:
+        flips["kda_checkpoint"] = {"auto": 1, 1: "auto"}
     if resolved.backend["proj"] == "triton" or requested.prefetch:
         flips["prefetch"] = {False: True, True: False}
         flips["fuse_prologues"] = {True: False, False: True}

@@ -29,6 +29,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "kda_prefill_inverse": ("fp32", "bf16"),
     "kda_prefill_grouped": (False, True),
     "kda_pdl": (False, True),
+    "kda_checkpoint": ("auto", 1, 2, 4, 8),
     "mla_partitions": (1, 2, 4, 8, 16, 32, 64, "auto"),
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
@@ -68,6 +69,9 @@ class Switches:
     kda_prefill_inverse: str = "fp32"
     kda_prefill_grouped: bool = False
     kda_pdl: bool = False  # programmatic dependent launch of the CuTe KDA kernels (cute backend only)
+    # the verify path (draft depth > 0): the KDA verify keeps every c-th position's state (k3lab.components.kda
+    # verify / commit); "auto": the measured rule (kda.default_checkpoint: c = 4 at T = 8 from batch 8, else 1)
+    kda_checkpoint: int | str = "auto"
     mla_partitions: int | str = "auto"  # "auto": the kernel's measured choice for the batch and context
     moe_tile_n: int = 64
     prefetch: bool = False  # the step: an L2 prefetch of the next input group's weight beside each AttnRes

@@ -67,6 +67,29 @@ def test_step_equals_reference_stack_composition(draft_depth, batch, expert_dtyp
     assert len(blocks) == len(st.layers[-1].buf["blocks_mlp"])
 
 
+def test_kda_checkpoint_switch_on_the_verify_path():
+    """`kda_checkpoint`: the verify path's KDA layers keep ceil(T / c) states ("auto": c = 4 at T = 8 from batch 8;
+    a fixed c above T keeps the last only); the commit (every position accepted) leaves the same states and the
+    step the same outputs as c = 1 (fp64, reference path). Toggled (auto <-> 1) on the verify path only."""
+    view = _tiny(batch=8, draft_depth=7, expert_dtype="bf16")
+    runs = {}
+    for ck in (1, "auto", 8):
+        st = S.DecodeStep(view, Switches(kda_checkpoint=ck), device="cpu", dtype=torch.float64)
+        x = torch.randn(tuple(st.x_in.shape), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        out = st.run(x)
+        st.commit()
+        kdas = [L for L in st.layers if L.kind == "kda"]
+        assert all(L.buf["state_hist"].shape[1] == {1: 8, "auto": 2, 8: 1}[ck] for L in kdas)
+        runs[ck] = (out, [L.state.state.clone() for L in kdas])
+    for ck in ("auto", 8):
+        assert torch.equal(runs[ck][0], runs[1][0])
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(runs[ck][1], runs[1][1]))
+    assert "kda_checkpoint=auto->1" in dict(S.toggle_list(Switches(), Switches(), verify=True))
+    assert not any(k.startswith("kda_checkpoint") for k in dict(S.toggle_list(Switches(), Switches())))
+    with pytest.raises(SwitchError, match="kda_checkpoint"):
+        Switches(kda_checkpoint=3)
+
+
 def test_step_tp8_composition_is_the_k3_block():
     """The tp8 view's block 0 is layers 0..11: 9 KDA + 3 MLA in the model's order, layer 0 dense (no build)."""
     cfg = preset("tp8").cfg
