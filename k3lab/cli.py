@@ -957,8 +957,16 @@ def defaults(component: str = typer.Argument(..., help="a registered component, 
             raise typer.Exit(2) from None
 
     def key_of(r: dict) -> str | None:
+        """The policy key of a row, None for a row off the op's default case in any axis the rules do not key
+        (a checkpoint study's c > 1, a bf16 state, another head dim: their winners are not the default's)."""
         x = r.get("extra") or {}
-        return ops.get(x.get("op") or x.get("component"))
+        name = x.get("op") or x.get("component")
+        if name not in ops:
+            return None
+        axes = registry.get(name).axes
+        if any(k in x and x[k] != v[0] for k, v in axes.items() if k not in ("batch", "T", "heads")):
+            return None
+        return ops[name]
 
     first = policy.default_rules(rows, primary, key_of=key_of, heads=heads, option=option)
     second = policy.default_rules(rows, fallback, key_of=key_of, heads=heads, option=option)

@@ -211,6 +211,23 @@ def test_defaults_table_is_the_one_the_committed_sweeps_give(tmp_path):
     assert {k: v for k, v in made.items() if k != "_source"} == {k: v for k, v in committed.items() if k != "_source"}
 
 
+def test_defaults_rules_come_from_default_cases_only(tmp_path):
+    """A checkpoint study's rows (c > 1: faster, at another tile) beside the default case's must not move the
+    verify rule: `k3lab defaults` keys only rows of the op's default case in the axes it does not rule by."""
+    def row(be, tv, us, **x):
+        return dict(backend=be, median_us=us, error=dict(ok=True),
+                    extra=dict(op="kda_verify", heads=12, batch=8, T=8, tile_v=tv, **x))
+    rows = [row("cute", 64, 20.0, checkpoint=1), row("cute", 128, 21.0, checkpoint=1),
+            row("cute", 128, 12.0, checkpoint=8), row("triton", 8, 40.0, checkpoint=1)]
+    src = tmp_path / "b.json"
+    src.write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "t.json"
+    r = runner.invoke(cli.app, ["defaults", "kda", str(src), "--write", str(out)])
+    assert r.exit_code == 0, r.output
+    verify = json.loads(out.read_text())["verify"]
+    assert [x["tile_v"] for x in verify] == [64], verify
+
+
 def test_defaults_refuses_what_it_cannot_use(tmp_path):
     r = runner.invoke(cli.app, ["defaults", "nosuch", str(tmp_path)])
     assert r.exit_code == 2 and "unknown component 'nosuch'" in r.output and "kda" in r.output
