@@ -172,6 +172,35 @@ def load(name: str | Path, root: str | Path = DATA) -> Curve:
         raise AcceptanceError(f"{p}: missing field {e}") from None
 
 
+def accepted_distribution(probs: Sequence[float], depth: int) -> list[float]:
+    """P(a cycle commits n tokens), n = 1 .. depth + 1: the first n - 1 drafts accepted and the next rejected (all
+    accepted: n = depth + 1). Its mean is `expected_committed`."""
+    expected_committed(probs, depth)  # validates depth
+    out, run = [], 1.0
+    for i in range(depth):
+        a = float(probs[i])
+        out.append(run * (1.0 - a))
+        run *= a
+    return out + [run]
+
+
+def accepted_counts(curve: Curve, depth: int, batch: int) -> list[int]:
+    """A batch's committed counts drawn deterministically from the curve (sequence b takes the (b + 1/2) / batch
+    quantile of `accepted_distribution`): what the commit of one verify cycle is timed with."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise AcceptanceError(f"'batch' must be an int >= 1, got {batch!r}")
+    dist = accepted_distribution(curve.probs, depth)
+    cdf, acc = [], 0.0
+    for p in dist:
+        acc += p
+        cdf.append(acc)
+    out = []
+    for b in range(batch):
+        u = (b + 0.5) / batch
+        out.append(next((n + 1 for n, c in enumerate(cdf) if c >= u), depth + 1))
+    return out
+
+
 def committed_per_s(curve: Curve, depth: int, batch: int, cycle_us: float) -> float:
     """Committed tokens a second of `batch` sequences whose verify cycle at `depth` drafts takes `cycle_us`."""
     if cycle_us <= 0:

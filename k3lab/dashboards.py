@@ -457,8 +457,10 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     > 0: KDA and MLA verify over depth + 1 positions, the MoE at batch x (depth + 1) tokens), timed per
     component and layer (k3lab.step.bench_step, no comparison or toggles), and its 93-layer estimate as the
     verify cycle (with components=False the layer times are split between attention and MLP by their floors).
-    Committed tokens per cycle from each acceptance curve (k3lab.acceptance). Returns (DataFrame,
-    Bundle of the cycles)."""
+    Committed tokens per cycle from each acceptance curve (k3lab.acceptance). The cycle of a curve adds the KDA
+    commit of 69 layers, timed on the step's own buffers with the batch's accepted counts drawn from the curve
+    (`DecodeStep.kda_commit_us`: a slot copy, or with `kda_checkpoint` > 1 the replay between slots; the MLA
+    commit is a length update and the MoE has none). Returns (DataFrame, Bundle of the cycles)."""
     import pandas as pd
 
     from k3lab import acceptance
@@ -475,18 +477,21 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     for B in batches:
         for D in depths:
             view = view_from_params(p, batch=B, draft_depth=D)
-            res = stepmod.bench_step(view, sw, n_experts=_n_experts(p.get("n_experts", 0)), compare=(), toggles=False,
+            st = stepmod.DecodeStep(view, sw, n_experts=_n_experts(p.get("n_experts", 0)), seed=int(p.get("seed", 0)))
+            res = stepmod.bench_step(view, sw, compare=(), toggles=False, step=st,
                                      components=bool(p.get("components", True)), reps=int(p.get("reps", 5)),
                                      warmup=int(p.get("warmup", 1)), seed=int(p.get("seed", 0)), profile=False,
                                      log=lambda s: None)
             est = res.estimate
             cycle = est["step_us"] + draft_us * D
+            n_kda = est["counts"]["kda"]
             if bundle is None:
                 bundle = Bundle.new(f"draft_depth-{p.get('preset', 'tiny')}-c{view.context}", view=view, switches=sw)
                 bundle.copy_tbps, bundle.read_tbps = res.bundle.copy_tbps, res.bundle.read_tbps
                 bundle.launch_floor_us = res.bundle.launch_floor_us
                 bundle.notes.append(f"draft cost: {draft_us} us a draft token (assumed); cycle = 93-layer verify "
-                                    f"estimate + that")
+                                    f"estimate + that + 69 KDA commits at the curve's accepted counts (measured, "
+                                    f"per curve: cycle_us[curve])")
                 bundle.notes += [n for n in res.bundle.notes if "all-reduce" in n or "CPU run" in n]
             whole = _row(res.bundle, "step")
             rec = {"batch": B, "depth": D, "cycle_us": cycle, "block_step_us": whole.median_us, "kind": whole.kind,
@@ -494,7 +499,13 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
                    "floor_us": est["floor_us"]}
             for c in curves:
                 rec[f"committed[{c.name}]"] = c.committed(D)
-                rec[f"tok_s[{c.name}]"] = acceptance.committed_per_s(c, D, B, cycle)
+                commit_us, what = (st.kda_commit_us(acceptance.accepted_counts(c, D, B), reps=int(p.get("reps", 5)))
+                                   if D else (0.0, {}))
+                rec[f"commit_us[{c.name}]"] = commit_us  # one KDA layer's
+                rec[f"cycle_us[{c.name}]"] = cycle + n_kda * commit_us
+                rec[f"tok_s[{c.name}]"] = acceptance.committed_per_s(c, D, B, rec[f"cycle_us[{c.name}]"])
+                if what:
+                    rec["commit_ran"] = f"{what.get('kernel')} {what.get('options')}"
             recs.append(rec)
             r = Row(name=f"cycle:b{B}-d{D}", backend="fused", kind=whole.kind, median_us=cycle, p10_us=cycle,
                     p90_us=cycle, floor_us=est["floor_us"], samples_us=[], extra={**rec, "estimate": est})

@@ -369,6 +369,33 @@ class DecodeStep:
                 L.state.state.copy_(L.buf["state_hist"][:, -1])
                 L.state.conv_state.copy_(L.buf["conv_hist"][:, -1])
 
+    def kda_commit_us(self, accepted: Sequence[int], *, reps: int = 20, warmup: int = 3) -> tuple[float, dict]:
+        """Verify path: one KDA layer's commit (`k3lab.components.kda.commit`, backend auto: the Triton copy or
+        replay on a GPU) of sequence b's first accepted[b] positions, with the layer's own checkpoint, timed over
+        the step's KDA layers in rotation (each its own buffers, as the model runs them). Returns (median us, the
+        record of what ran). The states are left as committed."""
+        from k3lab.components import kda
+
+        T = self.view.tokens_per_seq
+        if T == 1:
+            raise StepError("kda_commit_us: the step decodes (draft_depth 0): there is no commit")
+        acc = [int(a) for a in accepted]
+        if len(acc) != self.view.batch or any(not 1 <= a <= T for a in acc):
+            raise StepError(f"kda_commit_us: 'accepted' must hold {self.view.batch} counts in 1..{T}, got {acc}")
+        kdas = [L for L in self.layers if L.kind == "kda"]
+        n = torch.tensor(acc, dtype=torch.int32, device=self.device)
+        ran: list = []
+
+        def one(L):
+            b = L.buf
+            kda.commit(b["state_hist"], b["conv_hist"], n, L.state.state, L.state.conv_state,
+                       checkpoint=L.kda_checkpoint(), qkv=b["qkv"], f=b["f"], b=b["b"], params=L.w.attn.params,
+                       backend="auto", check_values=False, ran=ran if not ran else None)
+
+        tm = timing.bench(one, input_sets=[(L,) for L in kdas], reps=reps, warmup=warmup, device=self.device,
+                          bytes_per_call=1)
+        return tm.median_us, (ran[0].to_dict() if ran else {})
+
     # -- bytes and floors
     def component_table(self) -> list[dict[str, Any]]:
         """One record per component of every layer: layer, kind, part (attn | mlp), name, group backend,

@@ -510,6 +510,31 @@ def test_acceptance_curves_reproduce_their_targets():
     assert acceptance.committed_per_s(a, 3, 2, 1000.0) == pytest.approx(2 * 3.0 / 1e-3)
 
 
+def test_accepted_counts_follow_the_curve():
+    """The distribution of committed counts sums to 1 and its mean is `committed`; a batch's counts are its
+    quantiles (what the draft-depth study times the commit with); the step's commit timer refuses bad counts."""
+    a = acceptance.load("agentx_fixed")
+    for d in (1, 3, 7):
+        dist = acceptance.accepted_distribution(a.probs, d)
+        assert len(dist) == d + 1 and sum(dist) == pytest.approx(1.0, abs=1e-12)
+        assert sum((n + 1) * p for n, p in enumerate(dist)) == pytest.approx(a.committed(d), abs=1e-12)
+    assert acceptance.accepted_distribution([0.5, 0.5], 2) == [0.5, 0.25, 0.25]
+    assert acceptance.accepted_counts(acceptance.Curve("h", "constant", {"p": 0.5}, [0.5, 0.5]), 2, 4) == [1, 1, 2, 3]
+    c = acceptance.accepted_counts(a, 7, 64)
+    assert len(c) == 64 and c == sorted(c) and 1 <= c[0] and c[-1] <= 8
+    assert sum(c) / 64 == pytest.approx(a.committed(7), abs=0.15)
+    with pytest.raises(acceptance.AcceptanceError, match="'batch'"):
+        acceptance.accepted_counts(a, 3, 0)
+    st = S.DecodeStep(_tiny(batch=2, draft_depth=2), Switches(), device="cpu")
+    st.run()
+    us, ran = st.kda_commit_us([1, 3], reps=2, warmup=1)
+    assert us > 0 and ran["op"] == "kda_commit"
+    with pytest.raises(S.StepError, match="'accepted'"):
+        st.kda_commit_us([0, 3])
+    with pytest.raises(S.StepError, match="no commit"):
+        S.DecodeStep(_tiny(batch=1), Switches(), device="cpu").kda_commit_us([1])
+
+
 def test_acceptance_bad_input_is_named():
     with pytest.raises(acceptance.AcceptanceError, match="'depth'"):
         acceptance.expected_committed([0.5], 2)

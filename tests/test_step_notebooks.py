@@ -73,6 +73,10 @@ def test_draft_depth_notebook_tiny(tmp_path):
     assert abs(r2["committed[agentx_fixed]"] - (1 + 0.8353078 + 0.8353078 * 0.7943269)) < 1e-6
     assert cyc["cycle:b2-d0"].extra["committed[al6_at7]"] == 1.0
     assert sum(x.extra["best[agentx_fixed]"] for x in cyc.values()) == 1
-    assert abs(r2["tok_s[agentx_fixed]"] - 2 * r2["committed[agentx_fixed]"] / (r2["cycle_us"] * 1e-6)) < 1e-6
+    # the curve's cycle: the verify estimate + 69 KDA commits at the curve's accepted counts (timed); decode has none
+    assert r2["commit_us[agentx_fixed]"] > 0 and cyc["cycle:b2-d0"].extra["commit_us[agentx_fixed]"] == 0
+    assert abs(r2["cycle_us[agentx_fixed]"] - (r2["cycle_us"] + 69 * r2["commit_us[agentx_fixed]"])) < 1e-6
+    assert abs(r2["tok_s[agentx_fixed]"] - 2 * r2["committed[agentx_fixed]"] / (r2["cycle_us[agentx_fixed]"] * 1e-6)) \
+        < 1e-6
     html = (out / "07_draft_depth.html").read_text()
     assert html.count("Plotly.newPlot") >= 3 and "best at batch" in html
