@@ -356,7 +356,8 @@ class Layer:
                            pdl=self.switches.kda_pdl, checkpoint=self.kda_checkpoint())
             return b["o"]
         from k3lab.ops.kda import kda_bytes, kda_flops  # the registry's one formula
-        c["kda_core"] = (core, kda_bytes(self.B, H, self.T, D=Dh, W=W, state_bytes=st.state.element_size()),
+        c["kda_core"] = (core, kda_bytes(self.B, H, self.T, D=Dh, W=W, state_bytes=st.state.element_size(),
+                                         checkpoint=self.kda_checkpoint() if self.T > 1 else 1),
                          kda_flops(self.B, H, self.T, Dh))
         self._reg("out_proj", "proj")
 

@@ -1193,7 +1193,10 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     save()
     # each switch toggled alone
     if toggles:
-        todo = toggle_list(step.requested, base_switches, verify=view.tokens_per_seq > 1)
+        from k3lab.components.kda import default_checkpoint
+        T = view.tokens_per_seq  # kda_checkpoint changes the step only where it verifies and "auto" is not 1 there
+        todo = toggle_list(step.requested, base_switches, verify=T > 1 and (
+            step.requested.kda_checkpoint != "auto" or default_checkpoint(view.batch, T) != 1))
         if only is not None:
             missing = sorted(only - {tl.split("=")[0] for tl, _ in todo})
             if missing:
@@ -1254,7 +1257,7 @@ def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
     128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output,
     shared_expert_stream and pdl when the projections run on triton, kda_pdl when the KDA runs on cute, kda_checkpoint
-    auto <-> 1 on the verify path (`verify`: draft depth > 0)). kda_state_dtype
+    auto <-> 1 on the verify path where it changes the checkpoint (`verify`)). kda_state_dtype
     needs a new build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
