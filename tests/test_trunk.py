@@ -156,6 +156,47 @@ def test_proj_kernel_options(options):
     _check(PROJ, options=options, preset="tiny", proj="moe_down", batch=2)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_proj_balanced_schedule(batch):
+    """schedule="balanced" (the tma path's split-K sized to spread programs evenly; the partials stored for the
+    batch rows only) against fp64, and with the fused router selection on its counters."""
+    _check(PROJ, options=dict(schedule="balanced"), preset="tiny", proj="moe_down", batch=batch)
+    _check(GROUP, options=dict(schedule="balanced"), preset="tiny", group="moe_in", batch=batch, wdtype="bf16")
+
+
+def test_balanced_schedule_spreads_k3_projections(monkeypatch):
+    """On a 132-SM H200 the balanced rule keeps every program resident (its stages fit the shared memory the
+    programs of one SM share), at least as even as the wave rule, within 5 % of even for the big groups the
+    wave rule leaves SMs idle on (K3's KDA input group at batch 1: 99 programs; MoE input group: 82)."""
+    import triton
+
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    monkeypatch.setattr(pg, "sm_count", lambda d: 132)
+    cpu = torch.device("cpu")
+
+    def spread(c, N):
+        progs = triton.cdiv(N, c["BN"]) * c["SPLIT"]
+        per = triton.cdiv(progs, 132)
+        stage = c["BN"] * c["BK"] * 2 + c["BM"] * c["BK"] * 2
+        assert per * c["num_stages"] * stage <= pg.SMEM_BYTES and c["num_stages"] >= 2
+        return progs / (per * 132)
+
+    for N, K in ((6284, 7168), (5248, 7168), (1536, 7168), (7168, 1536), (3584, 7168), (3648, 7168), (7168, 3968),
+                 (768, 7168), (896, 7168), (3148, 7168), (7168, 768)):
+        for M in (1, 4, 16):
+            wave = pg.config(M, N, K, cpu, path="tma")
+            bal = pg.config(M, N, K, cpu, path="tma", schedule="balanced")
+            assert wave == pg.config(M, N, K, cpu, path="tma", schedule="wave")  # None is the measured rule
+            assert spread(bal, N) >= spread(wave, N) - 1e-9, (N, K, M, wave, bal)
+            assert bal["KSPLIT"] % bal["BK"] == 0 and bal["BK"] in (64, 128)
+    for N in (6284, 5248):
+        assert spread(pg.config(1, N, 7168, cpu, path="tma", schedule="balanced"), N) >= pg.BALANCE_MIN
+        assert spread(pg.config(1, N, 7168, cpu, path="tma"), N) < 0.8
+    with pytest.raises(ValueError, match="schedule"):
+        pg.config(1, 1536, 7168, cpu, schedule="even")
+
+
 def test_proj_split_k_at_tp16_shape():
     """A real per-GPU shape (TP16 beta: 6 x 7168) at batch 1: 6 rows in one 32-row tile, K split 14 ways."""
     _check(PROJ, preset="tp16", proj="kda_b", batch=1, wdtype="fp8")
@@ -405,7 +446,7 @@ def test_gpu_every_projection_shape(preset, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(path="dot"), dict(path="rows"), dict(path="tma", num_stages=8),
-                                     dict(path="tma", block_k=256, num_stages=3)])
+                                     dict(path="tma", block_k=256, num_stages=3), dict(path="tma", schedule="balanced")])
 def test_gpu_paths(options):
     for name in ("kda_q", "kda_o", "kda_b"):
         for batch in (1, 3) if options["path"] == "rows" else (1, 16, 40):

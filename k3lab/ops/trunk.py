@@ -525,9 +525,10 @@ _PROJ_OPTS = dict(
                  "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128, 256)},
                  "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
-                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}},
+                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)},
+                 "schedule": {"triton": (None, "wave", "balanced")}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE,
-                     "num_stages": _NONE},
+                     "num_stages": _NONE, "schedule": _NONE},
 )
 
 PROJ = register(Op(
@@ -666,6 +667,17 @@ H200_EXPLORE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = 
     *(("attnres_norm", dict(batch=b, n_blocks=9, update="add"),
        (dict(path="split", block_d=128, num_warps=4), dict(path="split", block_d=256, num_warps=8), dict(path="row")),
        ("fla",)) for b in (1, 64)),
+)
+
+# the tma path's split-K schedule at batch <= 16 (kernels/triton/proj_gemv.py `_balanced`, built in the fourteenth
+# session without a GPU): the measured "wave" rule against "balanced", every K3 group and the bigger projections,
+# beside cuBLAS and the stream peer; `h200_explore(OUT, entries=H200_SCHEDULE, name="trunk_schedule")`
+_SCH = (dict(schedule="wave"), dict(schedule="balanced"))
+H200_SCHEDULE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = (
+    *(("proj_group", dict(preset=t, group=g, batch=b, wdtype="bf16"), _SCH, ("cublas",))
+      for b in (1, 8, 16) for t in ("tp8", "tp16") for g in GROUPS),
+    *(("proj", dict(preset="tp8", proj=p, batch=b, wdtype="bf16"), _SCH, ("cublas", "stream"))
+      for b in (1, 8) for p in ("kda_q", "kda_o", "moe_up_shared", "mla_o", "moe_down", "shared_w1", "moe_router")),
 )
 
 # the input prologues against the stand-alone glue launches they replace (the step's `fuse_prologues` switch)
