@@ -330,8 +330,9 @@ class Layer:
             self._groups["kda_core"] = "reference (k3lab.ref.kda directly: non-bf16 oracle build)"
 
         def core():
-            if self.T > 1 and b["state_hist"].shape[1] != self.kda_slots():  # kda_checkpoint changed since prepare
-                b["state_hist"] = torch.empty(self.B, self.kda_slots(), *st.state.shape[1:], dtype=st.state.dtype,
+            ck = self.kda_checkpoint() if self.T > 1 else 1
+            if self.T > 1 and b["state_hist"].shape[1] != -(-self.T // ck):  # kda_checkpoint changed since prepare
+                b["state_hist"] = torch.empty(self.B, -(-self.T // ck), *st.state.shape[1:], dtype=st.state.dtype,
                                               device=self.device)
             if oracle:
                 from k3lab.ref import kda as kref
@@ -341,7 +342,7 @@ class Layer:
                     st.conv_state.copy_(cs)
                 else:  # verify (the kernels' contract): the history is written, the state is left for the commit
                     o, Sh, ch = kref.kda_verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state,
-                                                checkpoint=self.kda_checkpoint())
+                                                checkpoint=ck)
                     b["state_hist"].copy_(Sh)
                     b["conv_hist"].copy_(ch)
                 b["o"].copy_(o)
@@ -353,7 +354,7 @@ class Layer:
             else:
                 kda.verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"],
                            state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v,
-                           pdl=self.switches.kda_pdl, checkpoint=self.kda_checkpoint())
+                           pdl=self.switches.kda_pdl, checkpoint=ck)
             return b["o"]
         from k3lab.ops.kda import kda_bytes, kda_flops  # the registry's one formula
         c["kda_core"] = (core, kda_bytes(self.B, H, self.T, D=Dh, W=W, state_bytes=st.state.element_size(),

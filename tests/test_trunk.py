@@ -446,7 +446,8 @@ def test_gpu_every_projection_shape(preset, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(path="dot"), dict(path="rows"), dict(path="tma", num_stages=8),
-                                     dict(path="tma", block_k=256, num_stages=3), dict(path="tma", schedule="balanced")])
+                                     dict(path="tma", block_k=256, num_stages=3),
+                                     dict(path="tma", schedule="balanced")])
 def test_gpu_paths(options):
     for name in ("kda_q", "kda_o", "kda_b"):
         for batch in (1, 3) if options["path"] == "rows" else (1, 16, 40):

@@ -139,7 +139,7 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
             n_sets = max(n_sets, max(i.min_sets for i in impls))
             sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
             fl = roofline.floor_from_probes(nbytes, flops, pr, op.floor_bw)
-            pristine = checker.clone_inputs(sets[0])  # every row's check sees the inputs as made (see _row)
+            pristine = _pristine(op, sets[0])
             for im in impls:
                 row = _row(op, case, im, sets, fl, reps=reps, hot=hot, gpu=gpu, kernels=kernels, log=log,
                            check_inputs=pristine)
@@ -157,6 +157,12 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     ours = tuple(b for b in backends)
     bd.notes.append("winners: " + str(policy.winners([r.__dict__ | {"error": r.error} for r in bd.rows], ours)))
     return bd
+
+
+def _pristine(op: Op, inputs: dict) -> dict | None:
+    """A copy of the first input set as made, for every row's check, when the op updates inputs in place (an
+    earlier row's timing moves them on: see `_row`); None otherwise (no copy of large read-only inputs)."""
+    return checker.clone_inputs(inputs) if op.updated else None
 
 
 def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, reps: int, hot: bool, gpu: bool,
@@ -251,7 +257,7 @@ def explore(out: str, entries, impls: Callable[[Op, Case, tuple, tuple, bool], l
         n_sets = max([n_sets] + [i.min_sets for i in ims])
         sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
         fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
-        pristine = checker.clone_inputs(sets[0])
+        pristine = _pristine(op, sets[0])
         for im in ims:
             row = _row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log,
                        check_inputs=pristine)

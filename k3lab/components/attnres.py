@@ -156,8 +156,8 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
         try:
             plan(B, prefix.shape[-1], len(blocks), opts.get("cluster"), opts.get("vec"), alpha=opts.get("alpha"))
         except AttnResCuteError as e:
-            why += f"; the rule's options {dict((k, opts.pop(k)) for k in ('cluster', 'vec', 'alpha') if k in opts)}" \
-                   f" do not fit this call ({e}): the kernel's own choice"
+            dropped = {k: opts.pop(k) for k in ("cluster", "vec", "alpha") if k in opts}
+            why += f"; the rule's options {dropped} do not fit this call ({e}): the kernel's own choice"
     if out is None:
         out = torch.empty_like(prefix)
     if be in ("triton", "cute"):

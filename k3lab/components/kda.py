@@ -312,14 +312,14 @@ def commit(state_hist, conv_hist, num_accepted, state, conv_state, *, checkpoint
     """Keep each sequence's first n_b = num_accepted[b] verified positions (num_accepted [B] int in 1..T):
     state[b] = the state after position p = n_b - 1, conv_state[b] = conv_hist[b, p].
     checkpoint c (None = 1; "auto" as in `verify`): the verify's; state_hist [B, ceil(T/c), H, D, D], conv_hist
-    [B, T, 3HD, W-1]. A
-    slot position p (n_b a multiple of c, or n_b = T) copies its slot (c = 1: always); any other p recomputes
-    the state from the last slot before p (or from `state`, the start state verify never writes) over the
-    n_b mod c positions in between, from the verify's inputs qkv [B,T,3HD], f [B,T,HD], b [B,T,H] and params
-    (required when c >= 2) and conv_hist, and writes it into `state` in place. tile_v: the triton replay's
-    value tile (None = `default_commit_tile(B, c)`, the H200 measurement). The triton backend reads num_accepted on the device only (with check_values=False
-    no host sync); the reference loops over sequences on the host (fp32 recurrence); cute has no commit
-    kernel: c = 1 the torch gather, c >= 2 the triton replay (the reference where triton cannot run)."""
+    [B, T, 3HD, W-1]. A slot position p (n_b a multiple of c, or n_b = T) copies its slot (c = 1: always); any
+    other p recomputes the state from the last slot before p (or from `state`, the start state verify never
+    writes) over the n_b mod c positions in between, from the verify's inputs qkv [B,T,3HD], f [B,T,HD], b [B,T,H]
+    and params (required when c >= 2) and conv_hist, and writes it into `state` in place. tile_v: the triton
+    replay's value tile (None = `default_commit_tile(B, c)`, the H200 measurement). The triton backend reads
+    num_accepted on the device only (with check_values=False no host sync); the reference loops over sequences on
+    the host (fp32 recurrence); cute has no commit kernel: c = 1 the torch gather, c >= 2 the triton replay (the
+    reference where triton cannot run)."""
     if not isinstance(state_hist, torch.Tensor) or state_hist.dim() != 5:
         _fail("state_hist", "expected a tensor [B,S,H,D,D]")
     if not isinstance(conv_hist, torch.Tensor) or conv_hist.dim() != 4:

@@ -34,8 +34,8 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton only): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages, schedule ("wave" or
-"balanced": the tma path's split-K at batch <= 16, k3lab_kernels.triton.proj_gemv.config) (proj, proj_group); num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); None = the kernel's measured
-default.
+"balanced": the tma path's split-K at batch <= 16, k3lab_kernels.triton.proj_gemv.config) (proj, proj_group);
+num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); None = the kernel's measured default.
 Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
