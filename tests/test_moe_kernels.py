@@ -311,3 +311,22 @@ def test_gpu_step_tiny_sizes(dtype):
     the interpreter stayed finite (docs/NOTES_step.md); this pins the experts kernel at those sizes."""
     for batch in (1, 3, 17):
         _check(dtype=dtype, batch=batch, latent=32, inter=32, tp=1, n_experts=16, top_k=4)
+
+
+def test_batch_above_the_kernel_batch_in_launches(monkeypatch):
+    """More tokens than the kernel's batch (a verify step: 64 sequences x 8 positions = 512 against 256) run as
+    several launches of at most MAX_BATCH tokens into the output's rows, recorded as such; here MAX_BATCH is
+    lowered to 4 so that 9 tokens take three launches (ragged routing: expert 0 chosen in every launch)."""
+    from k3lab_kernels.triton import moe_experts as km
+
+    monkeypatch.setattr(km, "MAX_BATCH", 4)
+    for dtype in ("bf16", "mxfp4"):
+        res = _check(dtype=dtype, batch=9, routing="ragged")
+        assert res.ran[-1].notes.startswith("3 launches of <= 4 tokens"), res.ran[-1].notes
+
+
+@pytest.mark.gpu
+def test_gpu_batch_512():
+    """K3's pool at 512 tokens (the batch-64 verify at draft depth 7): two launches of 256."""
+    res = _check(dtype="mxfp4", batch=512, routing="uniform", **K3)
+    assert res.ran[-1].notes.startswith("2 launches")

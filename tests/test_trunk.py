@@ -156,45 +156,19 @@ def test_proj_kernel_options(options):
     _check(PROJ, options=options, preset="tiny", proj="moe_down", batch=2)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_proj_balanced_schedule(batch):
-    """schedule="balanced" (the tma path's split-K sized to spread programs evenly; the partials stored for the
-    batch rows only) against fp64, and with the fused router selection on its counters."""
-    _check(PROJ, options=dict(schedule="balanced"), preset="tiny", proj="moe_down", batch=batch)
-    _check(GROUP, options=dict(schedule="balanced"), preset="tiny", group="moe_in", batch=batch, wdtype="bf16")
+def test_proj_beyond_256_rows():
+    """A verify step's token count (64 sequences x 8 positions = 512 at K3's largest studied shape): the batch
+    tiles over the grid (BM 128, several row tiles), with and without the residual, against fp64; past
+    MAX_BATCH the op's `supports` refuses triton so that `auto` passes over it (a named triton is refused by
+    the call's argument check, test_argument_errors)."""
+    _check(PROJ, preset="tiny", proj="mla_uq", batch=300, wdtype="bf16")
+    _check(PROJ, preset="tiny", proj="kda_o", batch=260, wdtype="fp8", residual=True)
+    _check(GROUP, preset="tiny", group="moe_in", batch=270, wdtype="bf16")
+    from k3lab.components.trunk import MAX_BATCH
 
-
-def test_balanced_schedule_spreads_k3_projections(monkeypatch):
-    """On a 132-SM H200 the balanced rule keeps every program resident (its stages fit the shared memory the
-    programs of one SM share), at least as even as the wave rule, within 5 % of even for the big groups the
-    wave rule leaves SMs idle on (K3's KDA input group at batch 1: 99 programs; MoE input group: 82)."""
-    import triton
-
-    from k3lab_kernels.triton import proj_gemv as pg
-
-    monkeypatch.setattr(pg, "sm_count", lambda d: 132)
-    cpu = torch.device("cpu")
-
-    def spread(c, N):
-        progs = triton.cdiv(N, c["BN"]) * c["SPLIT"]
-        per = triton.cdiv(progs, 132)
-        stage = c["BN"] * c["BK"] * 2 + c["BM"] * c["BK"] * 2
-        assert per * c["num_stages"] * stage <= pg.SMEM_BYTES and c["num_stages"] >= 2
-        return progs / (per * 132)
-
-    for N, K in ((6284, 7168), (5248, 7168), (1536, 7168), (7168, 1536), (3584, 7168), (3648, 7168), (7168, 3968),
-                 (768, 7168), (896, 7168), (3148, 7168), (7168, 768)):
-        for M in (1, 4, 16):
-            wave = pg.config(M, N, K, cpu, path="tma")
-            bal = pg.config(M, N, K, cpu, path="tma", schedule="balanced")
-            assert wave == pg.config(M, N, K, cpu, path="tma", schedule="wave")  # None is the measured rule
-            assert spread(bal, N) >= spread(wave, N) - 1e-9, (N, K, M, wave, bal)
-            assert bal["KSPLIT"] % bal["BK"] == 0 and bal["BK"] in (64, 128)
-    for N in (6284, 5248):
-        assert spread(pg.config(1, N, 7168, cpu, path="tma", schedule="balanced"), N) >= pg.BALANCE_MIN
-        assert spread(pg.config(1, N, 7168, cpu, path="tma"), N) < 0.8
-    with pytest.raises(ValueError, match="schedule"):
-        pg.config(1, 1536, 7168, cpu, schedule="even")
+    assert MAX_BATCH >= 512 and PROJ.supports("triton", {"batch": MAX_BATCH}) is None
+    assert "rows" in PROJ.supports("triton", {"batch": MAX_BATCH + 1})
+    assert GROUP.supports("triton", {"batch": MAX_BATCH + 1}) and GROUP.supports("reference", {"batch": 10**6}) is None
 
 
 def test_proj_split_k_at_tp16_shape():
@@ -368,7 +342,7 @@ def _xw(B=2, K=64, N=24):
     (lambda: trunk.proj(_xw()[0], _xw()[1], w_scale=torch.ones(24), backend="triton"), "'w_scale'"),
     (lambda: trunk.proj(*_xw(), torch.empty(2, 23, dtype=torch.bfloat16), backend="triton"), "'out'"),
     (lambda: trunk.proj(*_xw(), residual=torch.empty(2, 5, dtype=torch.bfloat16), backend="triton"), "'residual'"),
-    (lambda: trunk.proj(torch.randn(257, 64).bfloat16(), _xw()[1], backend="triton"), "'x'"),
+    (lambda: trunk.proj(torch.randn(1025, 64).bfloat16(), _xw()[1], backend="triton"), "'x'"),
     (lambda: trunk.proj(*_xw(), backend="triton", block_n=48), "'block_n'"),
     (lambda: trunk.proj(*_xw(), backend="reference", split_k=2), "'split_k'"),
     (lambda: trunk.proj(torch.randn(9, 64).bfloat16(), _xw()[1], backend="triton", path="rows"), "'path'"),
@@ -446,11 +420,10 @@ def test_gpu_every_projection_shape(preset, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(path="dot"), dict(path="rows"), dict(path="tma", num_stages=8),
-                                     dict(path="tma", block_k=256, num_stages=3),
-                                     dict(path="tma", schedule="balanced")])
+                                     dict(path="tma", block_k=256, num_stages=3)])
 def test_gpu_paths(options):
     for name in ("kda_q", "kda_o", "kda_b"):
-        for batch in (1, 3) if options["path"] == "rows" else (1, 16, 40):
+        for batch in (1, 3) if options["path"] == "rows" else (1, 16, 40, 512):
             _check(PROJ, options=options, preset="tp8", proj=name, batch=batch, wdtype="bf16")
     _check(PROJ, options=options, preset="tp16", proj="kda_o", batch=2, wdtype="fp8", residual=True)
 

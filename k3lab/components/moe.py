@@ -111,6 +111,21 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
     if be == "triton":
+        from k3lab_kernels.triton.moe_experts import MAX_BATCH as KB
+
+        if B > KB:  # e.g. a verify of 64 sequences x 8 positions: the kernel's batch at a time, into out's rows
+            if out is None:
+                out = torch.empty(B, L, dtype=torch.float32, device=z.device)
+            elif out.dtype != torch.float32 or not out.is_contiguous():
+                _fail("out", f"must be a contiguous float32 tensor for the triton backend, got {out.dtype}")
+            sub: list = []
+            for s in range(0, B, KB):
+                experts(z[s:s + KB], idx[s:s + KB], weights_k[s:s + KB], moe, backend="triton", out=out[s:s + KB],
+                        check_values=False, ran=sub, **knobs)
+            dispatch.record(ran, kernel=sub[0].kernel, options=sub[0].options,
+                            notes=f"{len(sub)} launches of <= {KB} tokens (the kernel's batch; each reads the experts "
+                                  f"its tokens chose again): {'; '.join(r.notes for r in sub)}", **rec)
+            return out
         knobs = {k: (v if v is not None else auto_opts.get(k)) for k, v in knobs.items()}
         rule = "requested"
         if knobs["path"] is None:  # the kernel's rule by format and batch, recorded as run

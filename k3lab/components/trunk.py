@@ -29,12 +29,11 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
 Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.trunk):
   reference      torch in fp32 (fp64 for fp64 inputs); for proj/proj_group a matmul of the dequantized weight
   torch_compile  torch.compile of the same function (router_topk; a projection's torch.compile is cuBLAS)
-  triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 256)
+  triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 1024)
   cute           k3lab_kernels.cute.router_topk (router_topk only; E <= 1024 experts)
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton only): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
-loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages, schedule ("wave" or
-"balanced": the tma path's split-K at batch <= 16, k3lab_kernels.triton.proj_gemv.config) (proj, proj_group);
+loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages (proj, proj_group);
 num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); None = the kernel's measured default.
 Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
@@ -49,7 +48,7 @@ from k3lab.components import dispatch
 from k3lab.ref.router import RouterWeights
 
 COMPONENT = "trunk"
-MAX_BATCH = 256
+MAX_BATCH = 1024  # the triton projections' batch (kernels/triton/proj_gemv.py MAX_BATCH)
 MAX_OUTPUTS = 6
 W_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -106,7 +105,9 @@ def _knobs(op_name: str, be: str, knobs: dict) -> dict:
 
 
 def _select(op_name: str, backend: str, B: int, knobs: dict) -> tuple[str, dict, str]:
-    be, opts, why = dispatch.select(op_name, backend, B=B)
+    # auto passes over a backend that cannot take the batch (the op's `supports`); a named backend is validated by
+    # the call's own argument checks, which name the argument
+    be, opts, why = dispatch.select(op_name, backend, B=B, shape={"batch": B} if backend == "auto" else None)
     given = {k: v for k, v in knobs.items() if v is not None}
     return be, {**opts, **_knobs(op_name, be, given)}, why
 
@@ -328,13 +329,12 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
          residual: torch.Tensor | None = None, prologue: tuple | None = None, x2: torch.Tensor | None = None,
          prologue2: tuple | None = None, backend: str = "reference", ran: list | None = None, path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None,
-         schedule: str | None = None) -> torch.Tensor:
+         num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """out = pro(x) W^T (+ residual), or [pro(x) | pro2(x2)] W^T with two K segments (module docstring)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, schedule=schedule)
+                 num_stages=num_stages)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue, x2=x2,
                      prologue2=prologue2)[0]
 
@@ -343,13 +343,12 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                select: Select | None = None, backend: str = "reference", ran: list | None = None,
                path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None,
-               schedule: str | None = None) -> list[torch.Tensor]:
+               num_warps: int | None = None, num_stages: int | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, schedule=schedule)
+                 num_stages=num_stages)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select)
 
 

@@ -517,6 +517,20 @@ def attnres_peers(case: Case) -> list[Peer]:
     return [Peer("fla", make, check, note="fla fused_attnres + output RMSNorm (partial updated outside)")]
 
 
+def _max_batch() -> int:
+    from k3lab.components.trunk import MAX_BATCH
+
+    return MAX_BATCH
+
+
+def proj_supports(backend: str, shape: dict) -> str | None:
+    """The batches the triton projections take (1..MAX_BATCH rows; `auto` then passes over triton to the
+    reference, e.g. a verify step of more tokens)."""
+    if backend == "triton" and shape.get("batch", 1) > _max_batch():
+        return f"x has {shape['batch']} rows; the triton projections take 1..{_max_batch()}"
+    return None
+
+
 # ---- the entries --------------------------------------------------------------------------------------
 
 _NONE = (None,)
@@ -525,10 +539,9 @@ _PROJ_OPTS = dict(
                  "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128, 256)},
                  "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
-                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)},
-                 "schedule": {"triton": (None, "wave", "balanced")}},
+                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE,
-                     "num_stages": _NONE, "schedule": _NONE},
+                     "num_stages": _NONE},
 )
 
 PROJ = register(Op(
@@ -539,10 +552,10 @@ PROJ = register(Op(
     make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_proj, nbytes=proj_bytes, flops=proj_flops, floor_bw="read",
     backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
-    valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= 256
+    valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= _max_batch()
     and c["wdtype"] in ("bf16", "fp8") and c.get("prologue", "none") in PROLOGUES
     and (c.get("prologue", "none") == "none" or c["proj"] in PROLOGUES[c["prologue"]]),
-    peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
+    peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, **_PROJ_OPTS,
 ))
 
 GROUP = register(Op(
@@ -554,9 +567,9 @@ GROUP = register(Op(
     tolerances=tolerances, tolerance_why=WHY, call=call_group, nbytes=proj_bytes, flops=proj_flops,
     floor_bw="read",
     backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
-    valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= 256
+    valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= _max_batch()
     and (not c.get("select", False) or (c["group"] == "moe_in" and c["batch"] <= 16)),
-    peers=proj_peers, test_file="tests/test_trunk.py", **_PROJ_OPTS,
+    peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, **_PROJ_OPTS,
 ))
 
 ROUTER = register(Op(
@@ -632,7 +645,7 @@ PREFETCH = register(Op(
     call=call_prefetch, nbytes=lambda c: 0, flops=lambda c: 0, floor_bw="read",
     backends={"reference": "k3lab.components.trunk:prefetch_lines",
               "triton": "k3lab_kernels.triton.l2_prefetch:prefetch"},
-    valid=lambda c: c["group"] in GROUPS and c["budget"] >= 0 and 1 <= c["batch"] <= 256,
+    valid=lambda c: c["group"] in GROUPS and c["budget"] >= 0 and 1 <= c["batch"] <= _max_batch(),
     test_file="tests/test_trunk.py",
 ))
 
@@ -667,17 +680,6 @@ H200_EXPLORE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = 
     *(("attnres_norm", dict(batch=b, n_blocks=9, update="add"),
        (dict(path="split", block_d=128, num_warps=4), dict(path="split", block_d=256, num_warps=8), dict(path="row")),
        ("fla",)) for b in (1, 64)),
-)
-
-# the tma path's split-K schedule at batch <= 16 (kernels/triton/proj_gemv.py `_balanced`, built in the fourteenth
-# session without a GPU): the measured "wave" rule against "balanced", every K3 group and the bigger projections,
-# beside cuBLAS and the stream peer; `h200_explore(OUT, entries=H200_SCHEDULE, name="trunk_schedule")`
-_SCH = (dict(schedule="wave"), dict(schedule="balanced"))
-H200_SCHEDULE: tuple[tuple[str, dict, tuple[dict, ...], tuple[str, ...]], ...] = (
-    *(("proj_group", dict(preset=t, group=g, batch=b, wdtype="bf16"), _SCH, ("cublas",))
-      for b in (1, 8, 16) for t in ("tp8", "tp16") for g in GROUPS),
-    *(("proj", dict(preset="tp8", proj=p, batch=b, wdtype="bf16"), _SCH, ("cublas", "stream"))
-      for b in (1, 8) for p in ("kda_q", "kda_o", "moe_up_shared", "mla_o", "moe_down", "shared_w1", "moe_router")),
 )
 
 # the input prologues against the stand-alone glue launches they replace (the step's `fuse_prologues` switch)

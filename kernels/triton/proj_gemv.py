@@ -14,17 +14,17 @@ be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the route
 Three paths (`config`, knob `path`; `default_path` picks by shape), one launch each:
   * "tma" (bf16 weights with >= 1024 outputs): tensor-core tiles whose W [BN, BK] and x [BM, BK] blocks come
     through the copy engine (tensor descriptors; zero-filled past N, M and K), pipelined num_stages deep in
-    shared memory (6 at batch <= 16, 4 above; capped to fit). Split-K (`schedule` "wave", the default): as many
-    K ranges as keep every program resident in ONE wave of the default stages (cap = SMs x programs per SM by
-    shared memory); at batch <= 16 `schedule="balanced"` instead sizes the K ranges, BK (128 or 64) and the stages
-    so that every program is resident and the programs spread evenly over the SMs (`_balanced`; not yet timed).
+    shared memory (6 at batch <= 16, 4 above; capped to fit). Split-K: as many K ranges as keep every program
+    resident in ONE wave of the default stages (cap = SMs x programs per SM by shared memory). (Spreading the
+    programs evenly over the SMs lost to this rule almost everywhere: git history, docs/NOTES_trunk.md.)
     The partials reduced as below.
   * "dot" (fp8 weights, fewer outputs, misaligned operands): the same tiles from pointer loads:
       - small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
         rows and a range of K (split-K), so even a 576-row projection puts every SM of the GPU to work. The
         programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
         per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
-      - larger batch (B > 16, up to 256): BM = 32..128-row tiles of the batch, BN x BK weight tiles;
+      - larger batch (B > 16, up to MAX_BATCH): BM = 32..128-row tiles of the batch over the grid, BN x BK
+        weight tiles;
         split-K only while the tiles alone leave SMs idle.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
@@ -71,7 +71,7 @@ from k3lab_kernels.triton.situ_glu import situ
 MAX_OUTPUTS = 6
 SELECT_MAX_BATCH = 16  # the fused router selection (one program selects for every row of its batch tile)
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
-MAX_BATCH = 256
+MAX_BATCH = 1024  # the batch tiles over the grid; 1024 rows cover a verify of 128 sequences x 8 positions
 _COUNTERS: dict[str, torch.Tensor] = {}  # per device: split-K arrival counters, always zero between calls
 
 
@@ -311,41 +311,6 @@ def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and (x.stride(0) * x.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0)
 
 
-BALANCE_MIN = 0.95  # `schedule="balanced"`: programs a multiprocessor within 5 % of even
-BALANCE_MIN_CHUNKS = 2  # K chunks a program at least when K is split
-SCHEDULES = ("balanced", "wave")
-
-
-def _balanced(tiles: int, K: int, BN: int, BM: int, e: int, sms: int, bks: tuple, max_stages: int) -> tuple:
-    """(BK, split, stages) of the small-batch tma path under `schedule="balanced"`: every program resident at
-    once (the stages shrink as programs share a multiprocessor's shared memory, so the weight bytes in flight
-    per SM stay near SMEM_BYTES) and the programs spread evenly over the SMs: the fewest programs whose count
-    per SM is within BALANCE_MIN of even, else the most even. The "wave" rule fills one wave of 6-stage
-    programs, which leaves SMs idle whenever the output tiles do not divide them (K3's KDA input group at batch
-    1: 99 programs on 132 SMs; the MoE input group 82)."""
-    best, best_key = None, None
-    for BK in bks:
-        stage = BN * BK * e + BM * BK * 2
-        chunks = triton.cdiv(K, BK)
-        seen = set()
-        for s in range(1, chunks + 1):
-            ks = triton.cdiv(chunks, s)
-            split = triton.cdiv(chunks, ks)
-            if split in seen or (split > 1 and ks < BALANCE_MIN_CHUNKS):
-                continue
-            seen.add(split)
-            progs = tiles * split
-            per_sm = triton.cdiv(progs, sms)
-            stages = min(max_stages, SMEM_BYTES // (per_sm * stage))
-            if stages < 2:
-                continue
-            eff = progs / (per_sm * sms)
-            key = (0, progs, -BK) if eff >= BALANCE_MIN else (1, -eff, progs)
-            if best_key is None or key < best_key:
-                best, best_key = (BK, split, stages), key
-    return best
-
-
 def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
     """Default split-K: as many K ranges as keep every program in one wave of `cap` resident programs."""
     if split_k is None:
@@ -364,19 +329,13 @@ def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = F
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
-           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False,
-           schedule: str | None = None) -> dict:
+           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
     from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
     (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
-    runs (paths tma and dot only); schedule (tma at batch <= SMALL_BATCH without split_k): "wave" (None, the
-    measured default) fills one wave of the default stages; "balanced" sizes split-K, BK and the stages so the
-    programs spread evenly over the SMs (`_balanced`; built in the fourteenth session without a GPU, not yet
-    timed: docs/NOTES_trunk.md)."""
-    if schedule not in (None, *SCHEDULES):
-        raise ValueError(f"proj_gemv: schedule must be one of {SCHEDULES} or None, got {schedule!r}")
+    runs (paths tma and dot only)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
@@ -394,16 +353,6 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     small = M <= SMALL_BATCH
     BM = 16 if small else min(128, max(32, _pow2(M)))
     sms = sm_count(device)
-    if path == "tma" and small and split_k is None and schedule == "balanced":
-        BN = min(block_n or 64, TMA_MAX_BOX)
-        bks = (block_k,) if block_k else (128, 64)
-        bks = tuple(min(b, TMA_MAX_BOX, max(16, _pow2(K))) for b in bks)
-        got = _balanced(triton.cdiv(N, BN), K, BN, BM, 1 if fp8 else 2, sms, bks, num_stages or 6)
-        if got is not None:
-            BK, split, stages = got
-            ksplit = triton.cdiv(triton.cdiv(K, BK), split) * BK
-            return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=triton.cdiv(K, ksplit), KSPLIT=ksplit,
-                        num_warps=num_warps or 4, num_stages=stages)
     if path == "tma":
         BN = min(block_n or 64, TMA_MAX_BOX)
         BK = min(block_k or 128, TMA_MAX_BOX, max(16, _pow2(K)))
@@ -428,8 +377,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          prologue2: tuple | None = None, select: tuple | None = None,
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         schedule: str | None = None) -> list:
+         num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
@@ -463,7 +411,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
-                 prologue=pro != 0, schedule=schedule)
+                 prologue=pro != 0)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
