@@ -330,3 +330,29 @@ def test_gpu_batch_512():
     """K3's pool at 512 tokens (the batch-64 verify at draft depth 7): two launches of 256."""
     res = _check(dtype="mxfp4", batch=512, routing="uniform", **K3)
     assert res.ran[-1].notes.startswith("2 launches")
+
+
+@pytest.mark.parametrize("batch,opts", [(1, {}), (3, dict(block_t=2)), (6, dict(block_t=2, persist=2, block_n=32)),
+                                        (5, dict(block_t=1, leaders=True))])
+def test_simt_zpre(batch, opts):
+    """`zpre` (each role-A item converts its tokens' z rows to f16 once, into a buffer every program writes the same
+    values to, then the step loop reads f16 pairs): against fp64 at batch 1 (groups of one), two tokens a pass,
+    persistent programs with ragged routing (an expert every token chose: the same rows converted by many items),
+    and over the leaders' list; bit-equal to the path that converts every step (the same rounding of 2^6 z)."""
+    routing = "ragged" if batch == 6 else "uniform"
+    res = _check(dtype="mxfp4", batch=batch, routing=routing, options=dict(path="simt", zpre=True, **opts))
+    assert res.ran[-1].options["zpre"] is True
+    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=batch, routing=routing), 3, "cpu")
+    args = (inp["z"], inp["idx"], inp["weights_k"], inp["moe"])
+    a = c_moe.experts(*args, backend="triton", path="simt", zpre=True, **opts)
+    b = c_moe.experts(*args, backend="triton", path="simt", zpre=False, **opts)
+    assert torch.equal(a, b)
+
+
+def test_simt_zpre_errors():
+    inp = OP.make_inputs(OP.case(dtype="bf16", batch=2), 0, "cpu")
+    with pytest.raises(ValueError, match="'zpre'"):
+        c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", path="gemv", zpre=True)
+    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=2), 0, "cpu")
+    with pytest.raises(ValueError, match="'zpre'"):
+        c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", zpre=1)

@@ -22,15 +22,16 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from k3lab_kernels.triton import moe_experts as M  # noqa: E402
 
-SIG = {"z": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w2": "*i32", "s1": "*u8", "s3": "*u8",
+SIG = {"z": "*i32", "zf": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w2": "*i32", "s1": "*u8", "s3": "*u8",
        "s2": "*u8", "y": "*fp32", "act": "*fp16", "acti": "*i32", "ws": "*i32", "lead": "*i32", "B": "i32",
        "NA": "i32", "NITEMS": "i32", "NPROG": "i32"}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw: int = 4) -> str:
+def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw: int = 4,
+                zpre: bool = False) -> str:
     const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
-                 INTERP=False, NW=nw, ONE=one, LEAD=lead)
+                 INTERP=False, NW=nw, ONE=one, LEAD=lead, PDL=False, ZPRE=zpre)
     sig = dict(SIG, **{k: "constexpr" for k in const})
     opts = {"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
     k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=sig, constexprs=const),
@@ -44,7 +45,7 @@ def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw:
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     return (f"warps {nw}  tokens/pass {tb}  cap {str(maxnreg):4s}  groups-of-one {str(one):5s}  "
-            f"leaders {str(lead):5s}  "
+            f"leaders {str(lead):5s}  zpre {str(zpre):5s}  "
             f"convert_layout {k.asm['ttgir'].count('convert_layout'):3d}  st.shared {ptx.count('st.shared'):3d}  "
             f"bar.sync {ptx.count('bar.sync'):3d}  registers {regs.group(1) if regs else '?':>4s}  "
             f"spill stores {spill.group(1) if spill else '?'} B  "
@@ -56,6 +57,8 @@ for tb, cap, one in ((1, None, True), (1, None, False), (2, None, False), (2, 12
     print(compile_one(tb, cap, one), flush=True)
 print(compile_one(2, 128, False, True), flush=True)
 print(compile_one(1, None, True, nw=8), flush=True)  # batch 1's default since the twelfth session
+print(compile_one(1, None, True, nw=8, zpre=True), flush=True)  # zpre (fifteenth session)
+print(compile_one(2, 128, False, zpre=True), flush=True)
 print(compile_one(1, None, True, nw=2), flush=True)  # refused: the layout the H200 summed wrong
 lk = triton.compile(ASTSource(fn=M._simt_leaders_kernel, signature={"idx": "*i64", "first": "*i32", "lead": "*i32",
                                                                     "P": "i32", "PB": "constexpr", "BIG": "constexpr"},

@@ -535,6 +535,27 @@ def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _zpre(xp, zf, off, C: tl.constexpr, INTERP: tl.constexpr):
+    """One token's activation row (C/2 bf16 pairs at pair offset `off`) converted once into zf as f16 pairs of 2^6 z
+    (`zpre`): the step loop then loads f16 pairs, with no conversion per thread and step (at batch 1 the conversion
+    was 64 of the role-A step loop's 228 instructions a thread, SASS of Triton 3.6 for sm_90)."""
+    PC: tl.constexpr = 1024
+    for c0 in range(0, C // 2, PC):
+        pc = c0 + tl.arange(0, PC)
+        m = pc < C // 2
+        tl.store(zf + off + pc, _to_f16x2(tl.load(xp + off + pc, mask=m, other=0), INTERP), mask=m)
+
+
+@triton.jit
+def _xsrc(xp, zf, off, blk, CONV: tl.constexpr, PRE: tl.constexpr, INTERP: tl.constexpr):
+    """The step's activation parts: from zf (converted once, `_zpre`) or from xp (converted here if CONV)."""
+    if PRE:
+        return _xparts(zf, off, blk, False, INTERP)
+    else:
+        return _xparts(xp, off, blk, CONV, INTERP)
+
+
+@triton.jit
 def _slot(v, t: tl.constexpr):
     """Element t of a [4] tensor as a scalar."""
     return tl.sum(tl.where(tl.arange(0, 4) == t, v, 0), axis=0)
@@ -572,14 +593,16 @@ def _wait_a(ws, NA):
 
 
 @triton.jit
-def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
+def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, zf, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               NW: tl.constexpr):
+               NW: tl.constexpr, PRE: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
     one load and conversion of z for both); WAIT: wait for role A (`_wait_a`) after the first weight loads and
-    before the first activation load (role B streams w2 while role A finishes); NW the program's warps.
+    before the first activation load (role B streams w2 while role A finishes); NW the program's warps; PRE: the
+    tokens' rows of xp converted once into zf after the first weight loads (their latency hides it), every CTA
+    writing the same values for a token (`_zpre`; a CTA reads only rows it wrote itself, after a barrier).
     (Loading the next step's activations with its weights lost: +22% at batch 1, +20% at 64 (registers);
     experiments/moe_simt.)"""
     NS: tl.constexpr = C // 32  # blocks a row
@@ -589,6 +612,11 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB)
     if WAIT:
         _wait_a(ws, NA)
+    if PRE:
+        _zpre(xp, zf, oa, C, INTERP)
+        if TB >= 2:
+            _zpre(xp, zf, ob, C, INTERP)
+        tl.debug_barrier()
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
         nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
@@ -596,10 +624,10 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3n, f3n = wn, fn
         if TWO:
             w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB)
-        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xa0, xa1, xa2, xa3 = _xsrc(xp, zf, oa, blk, CONV, PRE, INTERP)
         xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
         if TB >= 2:
-            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+            xb0, xb1, xb2, xb3 = _xsrc(xp, zf, ob, blk, CONV, PRE, INTERP)
         acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
         if TWO:
             acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
@@ -632,9 +660,10 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB: tl.constexpr, TB: tl.c
 
 
 @triton.jit
-def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+def _simt_up(zi, zf, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr,
+             ZPRE: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
@@ -649,8 +678,8 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
-                              s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, NW)
+                              s3e, zi, zf, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
+                              INTERP, NW, ZPRE)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -669,8 +698,8 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
-                               s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True, TB,
-                               INTERP, NW)
+                               s2e, acti, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True,
+                               TB, INTERP, NW, False)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -695,17 +724,18 @@ def _simt_leaders_kernel(idx, first, lead, P, PB: tl.constexpr, BIG: tl.constexp
 
 
 @triton.jit
-def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead, B, NA, NITEMS, NPROG,
+def _moe_simt_kernel(z, zf, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead, B, NA, NITEMS, NPROG,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
+                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, ZPRE: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
     there, [64] counting programs done. LEAD: the items run over the leaders `_simt_leaders_kernel` listed
     (their count read here: NA and NITEMS shrink to it) instead of over every pair. PDL: launched with
-    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait)."""
+    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait).
+    ZPRE: role A converts its tokens' z rows once into zf ([B, L/2] int32 f16 pairs) instead of every step."""
     pdl_enter(PDL)
     na = NA
     nitems = NITEMS
@@ -722,8 +752,8 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
             pa = t // (I // BN)
             if LEAD:
                 pa = tl.load(lead + 1 + pa)
-            _simt_up(z, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW, ONE)
+            _simt_up(z, zf, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
+                     TB, B1, B2, INTERP, NW, ONE, ZPRE)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
@@ -822,7 +852,7 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
             nb2 //= 2
         return dict(block_n=min(16, I), block_k=32 * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
-                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM)
+                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM, zpre=False)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -856,6 +886,16 @@ def _sm_count(device) -> int:
 
 
 _pack4_seen: dict[str, list] = {}
+_zfs: dict[tuple, torch.Tensor] = {}
+
+
+def _zf(device, B: int, L: int) -> torch.Tensor:
+    """The simt path's `zpre` buffer on `device`: [B, L/2] int32 (f16 pairs of 2^6 z), kept per device and size;
+    make the first call outside a CUDA graph capture."""
+    key = (str(device), B, L)
+    if key not in _zfs:
+        _zfs[key] = torch.empty(B, L // 2, dtype=torch.int32, device=device)
+    return _zfs[key]
 
 
 def pack4_layout_problems(ttgir: str) -> list:
@@ -925,10 +965,12 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
+                leaders: bool | None = None, pdl: bool | None = None, zpre: bool | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
-    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly)."""
+    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly). zpre (simt
+    path; None: `default_blocks`): each role-A item converts its tokens' z rows to f16 once (`_zpre`) instead of
+    every thread converting its activation pairs every step."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
@@ -955,11 +997,14 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
             first, lead = _leaders(z.device, w1.shape[0], B * K)
             _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=pdl, num_warps=4,
                                        **launch_kw(pdl))
-        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
-                                   lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
+        zp = d["zpre"] if zpre is None else zpre
+        zf = _zf(z.device, B, L) if zp else z.view(torch.int32)  # unread unless zp
+        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), zf, idx, wk, w1, w3, w2, *sc, y, act,
+                                   act.view(torch.int32), ws, lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K),
+                                   BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, num_warps=nw,
+                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, ZPRE=bool(zp), num_warps=nw,
                                    num_stages=1, **extra, **launch_kw(pdl))
         _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y
