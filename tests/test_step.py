@@ -664,3 +664,15 @@ def test_cute_attnres_and_router_run_in_the_builder_never_the_reference():
     assert "attnres" not in st.overridden and "router" not in st.overridden
     with pytest.raises(BackendUnavailable, match="layer builder has no path"):
         st.set_switches(FUSED.replace(backend_moe="cute"))
+
+
+def test_verify_token_counts_keep_the_fused_projections():
+    """A verify at batch 64 and draft depth 7 is 512 tokens: the fused step keeps the triton projections there (the
+    kernels take 1..1024 rows; notebook 07 stopped at 256 before the fifteenth session), and past the limit the step
+    names why it cannot."""
+    from k3lab.components import trunk
+
+    ok, why = S._override_ok("proj", "triton", 64 * 8)
+    assert ok, why
+    ok, why = S._override_ok("proj", "triton", trunk.MAX_BATCH + 1)
+    assert not ok and str(trunk.MAX_BATCH) in why
