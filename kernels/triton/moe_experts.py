@@ -334,7 +334,8 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 # block sum times its E8M0 factor goes into an fp32 accumulator. One or two member tokens share each decoded
 # word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2. At batch 1 the
 # pairs are the token's distinct top-k experts, so each pair leads a group of one (`_simt_group`: no id tile).
-# Activations enter as f16 scaled by 2^6 (z from bf16 in registers, the SiTU activation stored so by role A),
+# Activations enter as f16 scaled by 2^6 (z from bf16 in registers every step, or with `zpre` converted once an item
+# into a [B, L/2] buffer; the SiTU activation stored so by role A),
 # the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
 # Exactness: every decoded weight is exact (weight = decoded * 2^14 * 2^(s - 127), s <= 246); the products
 # and the block's sum are f16 (11-bit significand; a product under 2^-14 keeps an absolute error <= 2^-25,
@@ -537,8 +538,8 @@ def _xparts(xp, off, blk, CONV: tl.constexpr, INTERP: tl.constexpr):
 @triton.jit
 def _zpre(xp, zf, off, C: tl.constexpr, INTERP: tl.constexpr):
     """One token's activation row (C/2 bf16 pairs at pair offset `off`) converted once into zf as f16 pairs of 2^6 z
-    (`zpre`): the step loop then loads f16 pairs, with no conversion per thread and step (at batch 1 the conversion
-    was 64 of the role-A step loop's 228 instructions a thread, SASS of Triton 3.6 for sm_90)."""
+    (`zpre`): the step loop then loads f16 pairs, with no conversion per thread and step (its share of the loop's
+    instructions: docs/NOTES_moe.md, fifteenth session)."""
     PC: tl.constexpr = 1024
     for c0 in range(0, C // 2, PC):
         pc = c0 + tl.arange(0, PC)
