@@ -78,9 +78,15 @@ def test_options_cover_every_valid_pair():
     assert sorted(valid) == [(4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
 
 
-@pytest.mark.parametrize("update", ["none", "add", "fresh"])
-@pytest.mark.parametrize("n_blocks", [0, 1, 9])
-@pytest.mark.parametrize("batch,cluster,vec", [(1, 8, 8), (3, 4, 8), (5, 2, 8)])
+# every (batch, cluster, vec) x n_blocks x update under `-m slow`; by default a Latin square of them (each config
+# at every block count and each update at every block count and config once: 9 of the 27, for CI time)
+_UPD = ("none", "add", "fresh")
+_ALPHA_WARP = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
+               for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 2, 8)]) for j, n in enumerate((0, 1, 9))
+               for u in _UPD]
+
+
+@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _ALPHA_WARP)
 def test_alpha_warp(batch, cluster, vec, n_blocks, update):
     """alpha "warp" (warp 0 forms alpha and the norm, one more CTA barrier) at the large-batch configurations:
     cluster 8 / 4 / 2 with vec 8 (128 / 224 / 448 threads a CTA; cluster 2 only with "warp"), odd batches."""
