@@ -13,18 +13,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import k3lab  # noqa: E402,F401  (registers k3lab_kernels)
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from k3lab_kernels.triton import moe_experts as M  # noqa: E402
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SIG = {"z": "*i32", "zf": "*i32", "idx": "*i64", "wk": "*fp32", "w1": "*i32", "w3": "*i32", "w2": "*i32",
-       "s1": "*u8", "s3": "*u8", "s2": "*u8", "y": "*fp32", "act": "*fp16", "acti": "*i32", "ws": "*i32",
-       "lead": "*i32", "B": "i32", "NA": "i32", "NITEMS": "i32", "NPROG": "i32"}
+sys.path.insert(0, os.path.dirname(__file__))
+from compile_check import M, PTXAS, build, triton  # noqa: E402  (the one compile pipeline of this folder)
 
 
 def loop_mix(B: int, zpre: bool) -> tuple[int, collections.Counter, int]:
@@ -34,15 +24,12 @@ def loop_mix(B: int, zpre: bool) -> tuple[int, collections.Counter, int]:
                  BL=d["block_l"], NB2=d["block_i"] // 32, TB=tb, B1=4.0, B2=25.0, INTERP=False, NW=nw,
                  ONE=B == 1 and not d["leaders"], LEAD=d["leaders"], PDL=False, ZPRE=zpre)
     opts = {"num_warps": nw, "num_stages": 1, **({"maxnreg": d["maxnreg"]} if d["maxnreg"] else {})}
-    k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=dict(SIG, **{c: "constexpr" for c in const}),
-                                 constexprs=const), target=GPUTarget("cuda", 90, 32), options=opts)
-    ptx = re.sub(r"^\.version .*$", ".version 8.7", k.asm["ptx"], flags=re.M)
+    _, _, _, cubin = build(const, opts, ptxas_args=())
     with tempfile.TemporaryDirectory() as t:
-        open(os.path.join(t, "k.ptx"), "w").write(ptx)
-        subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", os.path.join(t, "k.ptx"), "-o",
-                        os.path.join(t, "k.cubin")], check=True)
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", os.path.join(t, "k.cubin")],
-                              capture_output=True, text=True, check=True).stdout
+        open(os.path.join(t, "k.cubin"), "wb").write(cubin)
+        dump = os.path.join(os.path.dirname(PTXAS), "cuobjdump")
+        sass = subprocess.run([dump, "-sass", os.path.join(t, "k.cubin")], capture_output=True, text=True,
+                              check=True).stdout
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
     back = [(a, int(m.group(1), 16)) for a, t in ins if (m := re.search(r"BRA\s+(?:P\d+,\s*)?0x([0-9a-f]+)", t))
             and int(m.group(1), 16) < a]
@@ -62,4 +49,5 @@ if __name__ == "__main__":
     for zp in (False, True):
         n, mix, words = loop_mix(B, zp)
         top = ", ".join(f"{k} {v}" for k, v in mix.most_common(10))
-        print(f"zpre {str(zp):5s}: {n} instructions a step, {words} words a thread a step ({n / words:.1f} a word): {top}")
+        print(f"zpre {str(zp):5s}: {n} instructions a step, {words} words a thread a step ({n / words:.1f} a word): "
+              f"{top}")
