@@ -163,8 +163,7 @@ class Layer:
             self.buf["o"] = torch.empty(*lead, H * Dh, dtype=self.dtype, device=self.device)
             if self.T > 1:
                 st = self.state
-                self.buf["state_hist"] = torch.empty(self.B, self.kda_slots(), *st.state.shape[1:],
-                                                     dtype=st.state.dtype, device=self.device)
+                self.kda_state_hist()
                 self.buf["conv_hist"] = torch.empty(self.B, self.T, *st.conv_state.shape[1:],
                                                     dtype=st.conv_state.dtype, device=self.device)
         for fn, _, _ in self.components(all_components=True).values():
@@ -179,9 +178,16 @@ class Layer:
         c = self.switches.kda_checkpoint
         return default_checkpoint(self.B, self.T) if c == "auto" else min(c, self.T)
 
-    def kda_slots(self) -> int:
-        """state_hist slots of the verify path: ceil(T / c)."""
-        return -(-self.T // self.kda_checkpoint())
+    def kda_state_hist(self) -> torch.Tensor:
+        """The verify path's state_hist buffer, (re)allocated when its slots (k3lab.components.kda.history_slots at
+        this layer's checkpoint) differ from the buffer's, e.g. after the `kda_checkpoint` switch changed."""
+        from k3lab.components.kda import history_slots
+        st, h = self.state, self.buf.get("state_hist")
+        n = history_slots(self.T, self.kda_checkpoint(), self.B)
+        if h is None or h.shape[1] != n:
+            h = self.buf["state_hist"] = torch.empty(self.B, n, *st.state.shape[1:], dtype=st.state.dtype,
+                                                     device=self.device)
+        return h
 
     def _backend(self, group: str) -> str | None:
         """The backend a component group runs under, or None when that backend has no path for it."""
@@ -331,9 +337,8 @@ class Layer:
 
         def core():
             ck = self.kda_checkpoint() if self.T > 1 else 1
-            if self.T > 1 and b["state_hist"].shape[1] != -(-self.T // ck):  # kda_checkpoint changed since prepare
-                b["state_hist"] = torch.empty(self.B, -(-self.T // ck), *st.state.shape[1:], dtype=st.state.dtype,
-                                              device=self.device)
+            if self.T > 1:
+                self.kda_state_hist()  # the switch may have changed since prepare
             if oracle:
                 from k3lab.ref import kda as kref
                 if self.T == 1:
