@@ -400,16 +400,8 @@ def flashinfer_mt_peer(case: Case) -> list[Peer]:
 # ---- measurement of kernel variants (the H200 sweeps behind the shape rules) ---------------------------
 
 def _direct(v: dict):
-    """(make, impl) of one variant run on the CuTe kernel directly: a verify at an explicit tile_v and row_warps
-    (the component API takes the shape's row_warps), or a decode at an explicit `layout`."""
-    if "layout" in v:
-        from k3lab_kernels.cute import kda_decode as kd
-
-        def run(d):
-            return kd.kda_decode(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], tile_v=v["tile_v"],
-                                 pdl=bool(v.get("pdl")), layout=v["layout"])
-
-        return (lambda d: (lambda: run(d))), run
+    """(make, impl) of one verify variant run on the CuTe kernel directly, at an explicit tile_v and row_warps
+    (the component API takes the shape's row_warps)."""
     from k3lab_kernels.cute import kda_verify as kv
 
     def run(d):
@@ -435,7 +427,7 @@ def h200_explore(out: str, entries: list, *, reps: int = 15, deadline_s: float =
             v = dict(v)
             label = v.pop("name")
             be = v.pop("backend", "cute")
-            if "row_warps" not in v and "layout" not in v:
+            if "row_warps" not in v:
                 out_.append(runner._ours(op, case, be, v, name=label))
                 continue
             make, impl = _direct(v)
@@ -475,23 +467,6 @@ def _final_entries() -> list:
 
 
 H200_FINAL = _final_entries()
-
-
-def _cols_entries() -> list:
-    """The column-owning decode (layout "cols", 16 warps) beside the production rows path at the rule's tile, both
-    with and without pdl, and FlashInfer's fused decode, per batch (issue 16's mid-batch gap first)."""
-    from k3lab import policy
-
-    out = []
-    for B in (8, 16, 4, 64, 32, 2, 1, 12):
-        tv = policy.rule("kda", "decode", B)["tile_v"]
-        vs = [_v("cute", tv), _v("cols", 128, layout="cols"), _v("cute_pdl", tv, pdl=True),
-              _v("cols_pdl", 128, layout="cols", pdl=True)]
-        out.append(("kda_decode", dict(heads=12, batch=B, T=1), vs, ("flashinfer",)))
-    return out
-
-
-H200_COLS = _cols_entries()
 
 
 def _checkpoint_entries(cs: dict | None = None, commits: bool = True) -> list:

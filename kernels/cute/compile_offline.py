@@ -125,10 +125,6 @@ def _cases(only: str | None, quick: bool):
         for B, tv in ((1, 16), (64, 128)):  # programmatic dependent launch
             cases.append((f"decode B{B} tile{tv} pdl",
                           lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv, pdl=True), step_args))
-        for B in (1, 8, 16, 64):  # layout "cols": one CTA an SM up to 132 CTAs, two (capped) beyond
-            for pdl in (False, True):
-                cases.append((f"decode cols B{B}" + (" pdl" if pdl else ""),
-                              lambda B=B, pdl=pdl: kd._cols_kernel_class()(B, H, 1e-6, -5.0, pdl), step_args))
     if only in (None, "verify"):
         from kernels.cute import kda_verify as kv
         # B = 1: one CTA per SM (preload, delay) and the batched prologue; B = 16: the batched prologue under

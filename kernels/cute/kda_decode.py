@@ -54,7 +54,7 @@ _RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
 
-__all__ = ["LAYOUTS", "TILES", "cute_available", "kda_decode"]
+__all__ = ["TILES", "cute_available", "kda_decode"]
 
 
 def _resident_grid(ctas: int) -> bool:
@@ -553,185 +553,6 @@ def _kernel_class():
     return KDADecodeKernel
 
 
-_COLS_CLS = None
-# the "cols" layout: 16 warps, one CTA a head
-_COLS_THREADS = 512
-
-
-def _cols_kernel_class():
-    """The column-owning decode generator (layout "cols", module doc; built once)."""
-    global _COLS_CLS
-    if _COLS_CLS is not None:
-        return _COLS_CLS
-    d = _dsl()
-    cuda, cutlass, Float32, cute = d.cuda, d.cutlass, d.Float32, d.cute
-    sigmoid, vec, prologue_position, position_norms, rsqrtf = (d.sigmoid, d.vec, d.prologue_position,
-                                                              d.position_norms, d.rsqrtf)
-
-    class KDADecodeColsKernel:
-        """One CTA of 16 warps per (b, h); warp w owns value columns 8w .. 8w + 7 over all 128 key rows, so both key
-        reductions are warp shuffles and each warp updates and stores its columns without waiting for the others;
-        the CTA meets twice (after the prologue, and for the output norm's sum of o^2)."""
-
-        def __init__(self, B: int, H: int, eps: float, lower_bound: float, pdl: bool = False):
-            self.B, self.H = B, H
-            self.eps, self.lb = float(eps), float(lower_bound)
-            # one CTA an SM at this block size unless capped: a grid beyond the SMs runs two an SM (64 registers)
-            self.fast = _resident_grid(B * H)
-            self.min_ctas = 1 if B * H <= _RESIDENT // 2 else 2
-            self.pdl = bool(pdl)
-
-        @cute.jit
-        def __call__(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
-                     p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
-                     p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
-                     p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
-                     p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv, p_out).launch(
-                grid=[self.H, self.B, 1], block=[_COLS_THREADS, 1, 1], max_number_threads=[_COLS_THREADS, 1, 1],
-                min_blocks_per_mp=self.min_ctas, stream=stream, use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, p_qkv: cute.Pointer, p_f: cute.Pointer, p_b: cute.Pointer,
-                   p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
-                   p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
-                   p_conv: cute.Pointer, p_out: cute.Pointer):
-            D = _D
-            H = self.H
-            HD = H * D
-            C = 3 * HD
-            scale = 1.0 / math.sqrt(D)
-            tid, _, _ = cute.arch.thread_idx()
-            h, bb, _ = cute.arch.block_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            lane = tid % 32
-            rg = lane // 2             # row group: key rows rg, rg + 16, ..., rg + 112
-            col0 = warp * 8 + (lane % 2) * 4  # this thread's 4 value columns
-            pro = tid < 256            # the prologue's threads (module doc: lower q/k + decay, upper v)
-            lower = tid < 128
-            c = tid % 128
-
-            smem = cutlass.memory.SmemAllocator()
-            s_info = smem.allocate_tensor(Float32, cute.make_layout(128 * 4), byte_alignment=16)  # (q d, k d, d, k)
-            s_v = smem.allocate_tensor(Float32, cute.make_layout(128), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
-            s_ss = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)  # a warp's sum of o^2
-
-            s_off = cute.assume(((bb * H + h) * D + rg) * D + col0, divby=4)
-            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, 8), stride=(1, 16 * D)))
-            r_s = cute.make_rmem_tensor((4, 8), Float32)
-            if cutlass.const_expr(self.pdl):
-                cute.autovec_copy(g_state, r_s)
-
-            # every thread loads a prologue channel's inputs (threads 256.. repeat 0..255's: L1 hits) so that the
-            # loads need no branch; only the prologue's threads compute and write
-            ch1 = ((tid // 128) % 2) * (2 * HD) + h * D + c
-            ch2 = HD + h * D + c
-            win1 = cute.make_rmem_tensor((4,), p_qkv.dtype)
-            win2 = cute.make_rmem_tensor((4,), p_qkv.dtype)
-            w1 = cute.make_rmem_tensor((4,), Float32)
-            w2 = cute.make_rmem_tensor((4,), Float32)
-            w1_raw = cute.make_rmem_tensor((4,), p_convw.dtype)
-            w2_raw = cute.make_rmem_tensor((4,), p_convw.dtype)
-            conv_g = cute.make_tensor(p_conv, cute.make_layout(self.B * C * 3))
-            for i in cutlass.range_constexpr(3):
-                win1[i] = conv_g[(bb * C + ch1) * 3 + i]
-                win2[i] = conv_g[(bb * C + ch2) * 3 + i]
-            cute.autovec_copy(vec(p_convw, cute.assume(ch1 * 4, divby=4), 4), w1_raw)
-            cute.autovec_copy(vec(p_convw, cute.assume(ch2 * 4, divby=4), 4), w2_raw)
-            a_exp = cute.math.exp(cute.make_tensor(p_alog, cute.make_layout(H))[h].to(Float32))
-            dtb = cute.make_tensor(p_dtb, cute.make_layout(HD))[h * D + c].to(Float32)
-            r_onw_raw = cute.make_rmem_tensor((4,), p_onw.dtype)
-            cute.autovec_copy(vec(p_onw, cute.assume(col0, divby=4), 4), r_onw_raw)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * C))
-            x1 = cute.make_rmem_tensor((1,), p_qkv.dtype)
-            x2 = cute.make_rmem_tensor((1,), p_qkv.dtype)
-            f_r = cute.make_rmem_tensor((1,), p_f.dtype)
-            b_r = cute.make_rmem_tensor((1,), p_b.dtype)
-            gate_r = cute.make_rmem_tensor((4,), p_gate.dtype)
-            x1[0] = qkv_g[bb * C + ch1]
-            x2[0] = qkv_g[bb * C + ch2]
-            f_r[0] = cute.make_tensor(p_f, cute.make_layout(self.B * HD))[bb * HD + h * D + c]
-            b_r[0] = cute.make_tensor(p_b, cute.make_layout(self.B * H))[bb * H + h]
-            cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col0, divby=4), 4), gate_r)
-            if cutlass.const_expr(not self.pdl):
-                cute.arch.sync_warp()  # keeps the compiler from hoisting the state loads above the prologue's
-                cute.autovec_copy(g_state, r_s)
-            for i in cutlass.range_constexpr(4):
-                w1[i] = w1_raw[i].to(Float32)
-                w2[i] = w2_raw[i].to(Float32)
-            if pro:
-                prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, c * 4, s_red, 0, True, s_v, 0, self.fast)
-                for i in cutlass.range_constexpr(3):
-                    conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                if lower:
-                    for i in cutlass.range_constexpr(3):
-                        conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-
-            cute.arch.sync_threads()
-
-            # ---- both key reductions over this thread's 8 rows, then over the 16 lanes of its columns ----
-            rq, rk, dot = position_norms(s_red, 0, self.fast)
-            qk = dot * rq * rk
-            beta = sigmoid(b_r[0].to(Float32), self.fast)
-            acc_k = cute.make_rmem_tensor((4,), Float32)
-            acc_q = cute.make_rmem_tensor((4,), Float32)
-            acc_k.fill(0.0)
-            acc_q.fill(0.0)
-            r_i2 = cute.make_rmem_tensor((2,), Float32)
-            for i in cutlass.range_constexpr(8):
-                cute.autovec_copy(vec(s_info.iterator, cute.assume((i * 16 + rg) * 4, divby=4), 2), r_i2)
-                for j in cutlass.range_constexpr(4):
-                    acc_k[j] = acc_k[j] + r_i2[1] * r_s[j, i]
-                    acc_q[j] = acc_q[j] + r_i2[0] * r_s[j, i]
-            for off in cutlass.range_constexpr(4):
-                for j in cutlass.range_constexpr(4):
-                    acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=2 << off)
-                    acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=2 << off)
-
-            # ---- the update of this warp's columns, stored at once ---------------------------------------
-            r_v = cute.make_rmem_tensor((4,), Float32)
-            cute.autovec_copy(vec(s_v.iterator, cute.assume(col0, divby=4), 4), r_v)
-            u = cute.make_rmem_tensor((4,), Float32)
-            uk = cute.make_rmem_tensor((4,), Float32)  # u / |k| (the update's k is unnormalised)
-            for j in cutlass.range_constexpr(4):
-                u[j] = beta * (r_v[j] - rk * acc_k[j])
-                uk[j] = rk * u[j]
-            for i in cutlass.range_constexpr(8):
-                cute.autovec_copy(vec(s_info.iterator, cute.assume((i * 16 + rg) * 4 + 2, divby=2), 2), r_i2)
-                for j in cutlass.range_constexpr(4):
-                    r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
-            cute.autovec_copy(r_s, g_state)
-
-            # ---- output: o = S^T q / sqrt(D) through the gated RMSNorm (one CTA barrier for sum o^2) --------
-            o = cute.make_rmem_tensor((4,), Float32)
-            ss = Float32(0.0)
-            for j in cutlass.range_constexpr(4):
-                o[j] = (rq * acc_q[j] + qk * u[j]) * scale
-                ss = ss + o[j] * o[j]
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
-            if lane == 0:
-                s_ss[warp] = ss
-            cute.arch.sync_threads()
-            if rg == 0:
-                tot = Float32(0.0)
-                for w in cutlass.range_constexpr(16):
-                    tot = tot + s_ss[w]
-                inv = rsqrtf(tot * (1.0 / D) + self.eps, self.fast)
-                r_out = cute.make_rmem_tensor((4,), p_out.dtype)
-                for j in cutlass.range_constexpr(4):
-                    val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j].to(Float32), self.fast)
-                    r_out[j] = val.to(p_out.dtype)
-                cute.autovec_copy(r_out, vec(p_out, cute.assume(bb * HD + h * D + col0, divby=4), 4))
-
-    _COLS_CLS = KDADecodeColsKernel
-    return KDADecodeColsKernel
-
-
 # ---------------------------------------------------------------------------------------------
 # Host wrappers
 # ---------------------------------------------------------------------------------------------
@@ -845,36 +666,22 @@ def _params_key(params) -> tuple:
             params.dt_bias.dtype, params.o_norm_w.dtype)
 
 
-LAYOUTS = ("rows", "cols")
-
-
-def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
-               layout: str = "rows"):
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
     place and writes `out` [B,H*128] bf16. Returns `out`. tile_v: value columns a CTA (TILES).
     pdl=True: programmatic dependent launch (module doc); the kernel directly before this one on the
     stream must not write this call's `state` or `conv_state` (true in a model, where the layer's input
-    projection precedes it; false for two decode steps of the same state back to back).
-    layout: "rows" (8 warps over key rows, any tile) or "cols" (16 warps each owning 8 value columns; tile_v 128)."""
+    projection precedes it; false for two decode steps of the same state back to back)."""
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
-    if layout not in LAYOUTS:
-        raise ValueError(f"kda cute: layout must be one of {LAYOUTS} (got {layout!r})")
-    if layout == "cols" and tile_v != 128:
-        raise ValueError(f"kda cute: layout 'cols' runs one CTA a head: tile_v must be 128 (got {tile_v!r})")
     B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    key = ("decode", B, H, tile_v, pdl, layout, dev.index) + _params_key(params)
-    if layout == "cols":
-        def build():
-            return _cols_kernel_class()(B, H, params.eps, params.lower_bound, pdl)
-    else:
-        def build():
-            return _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl)
+    key = ("decode", B, H, tile_v, pdl, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, build, args + [stream])
+        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl),
+                           args + [stream])
         fn(*args, stream)
     return out
