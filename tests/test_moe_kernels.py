@@ -330,35 +330,3 @@ def test_gpu_batch_512():
     """K3's pool at 512 tokens (the batch-64 verify at draft depth 7): two launches of 256."""
     res = _check(dtype="mxfp4", batch=512, routing="uniform", **K3)
     assert res.ran[-1].notes.startswith("2 launches")
-
-
-@pytest.mark.parametrize("batch,opts", [(1, dict(tma=3)), (3, dict(block_t=2, tma=2)),
-                                        (6, dict(block_t=2, persist=2, block_n=32, tma=4)),
-                                        (5, dict(block_t=1, leaders=True, tma=6))])
-def test_simt_tma(batch, opts):
-    """`tma` (role A's w1/w3 words and scales through tensor descriptors over every expert's rows, the step loop
-    pipelined k deep): against fp64 at batch 1 (groups of one), two tokens a pass, persistent programs with ragged
-    routing (an expert every token chose), over the leaders' list; bit-equal to the pointer loads (the same words
-    and the same order of the sums) at batch 1 and 3."""
-    routing = "ragged" if batch == 6 else "uniform"
-    res = _check(dtype="mxfp4", batch=batch, routing=routing, latent=1024, options=dict(path="simt", **opts))
-    assert res.ran[-1].options["tma"] == opts["tma"]
-    if batch > 3:
-        return
-    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=batch, routing=routing, latent=1024), 3, "cpu")
-    args = (inp["z"], inp["idx"], inp["weights_k"], inp["moe"])
-    a = c_moe.experts(*args, backend="triton", path="simt", **opts)
-    b = c_moe.experts(*args, backend="triton", path="simt", **dict(opts, tma=0))
-    assert torch.equal(a, b)
-
-
-def test_simt_tma_errors():
-    inp = OP.make_inputs(OP.case(dtype="bf16", batch=2), 0, "cpu")
-    with pytest.raises(ValueError, match="'tma'"):
-        c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", path="gemv", tma=2)
-    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=2), 0, "cpu")
-    for bad in (1, True, 7, "2"):
-        with pytest.raises(ValueError, match="'tma'"):
-            c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", tma=bad)
-    with pytest.raises(ValueError, match="tma=2 needs .* latent 64"):  # the copy engine's 16-byte rows and boxes
-        c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", tma=2)

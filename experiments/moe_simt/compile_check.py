@@ -30,14 +30,9 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 def build(const: dict, opts: dict, ptxas_args: tuple = ("-v",)):
     """The simt kernel compiled for sm_90a with `const` / `opts`: (compiled kernel, its PTX, ptxas's stderr, the
-    cubin's bytes), through the bundled ptxas (shared with sass_loop.py). const["ST"] >= 2 (`tma`): role A's
-    operands are tensor descriptors of BN x 4 NB words and BN x NB scales."""
-    sig = dict(SIG)
-    if const.get("ST", 0) >= 2:
-        bn, nb = const["BN"], const["NB"]
-        sig.update(w1=f"tensordesc<i32[{bn}, {4 * nb}]>", w3=f"tensordesc<i32[{bn}, {4 * nb}]>",
-                   s1=f"tensordesc<u8[{bn}, {nb}]>", s3=f"tensordesc<u8[{bn}, {nb}]>")
-    k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=dict(sig, **{c: "constexpr" for c in const}),
+    cubin's bytes), through the bundled ptxas (shared with sass_loop.py). (The zpre and tma variants this
+    compiled in the fifteenth and sixteenth sessions are in git history at 4426287.)"""
+    k = triton.compile(ASTSource(fn=M._moe_simt_kernel, signature=dict(SIG, **{c: "constexpr" for c in const}),
                                  constexprs=const), target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = re.sub(r"^\.version .*$", ".version 8.7", k.asm["ptx"], flags=re.M)  # the bundled ptxas reads 8.7
     with tempfile.TemporaryDirectory() as d:
@@ -48,15 +43,15 @@ def build(const: dict, opts: dict, ptxas_args: tuple = ("-v",)):
         return k, ptx, err, open(cub, "rb").read()
 
 
-def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw: int = 4, tma: int = 0) -> str:
+def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw: int = 4) -> str:
     const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
-                 INTERP=False, NW=nw, ONE=one, LEAD=lead, PDL=False, ST=tma)
+                 INTERP=False, NW=nw, ONE=one, LEAD=lead, PDL=False)
     opts = {"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
     k, ptx, out, _ = build(const, opts)
     regs = re.search(r"Used (\d+) registers", out)
     spill = re.search(r"(\d+) bytes spill stores", out)
     return (f"warps {nw}  tokens/pass {tb}  cap {str(maxnreg):4s}  groups-of-one {str(one):5s}  "
-            f"leaders {str(lead):5s}  tma {tma}  async_tma {k.asm['ttgir'].count('async_tma_copy'):2d}  "
+            f"leaders {str(lead):5s}  "
             f"convert_layout {k.asm['ttgir'].count('convert_layout'):3d}  st.shared {ptx.count('st.shared'):3d}  "
             f"bar.sync {ptx.count('bar.sync'):3d}  registers {regs.group(1) if regs else '?':>4s}  "
             f"spill stores {spill.group(1) if spill else '?'} B  "
@@ -69,11 +64,6 @@ if __name__ == "__main__":
         print(compile_one(tb, cap, one), flush=True)
     print(compile_one(2, 128, False, True), flush=True)
     print(compile_one(1, None, True, nw=8), flush=True)  # batch 1's default since the twelfth session
-    for st in (2, 3, 4, 6):  # tma (sixteenth session)
-        print(compile_one(1, None, True, nw=8, tma=st), flush=True)
-    for st in (2, 4):
-        print(compile_one(2, 128, False, tma=st), flush=True)
-        print(compile_one(2, 128, False, True, tma=st), flush=True)
     print(compile_one(1, None, True, nw=2), flush=True)  # refused: the layout the H200 summed wrong
     lsig = {"idx": "*i64", "first": "*i32", "lead": "*i32", "P": "i32", "PB": "constexpr", "BIG": "constexpr"}
     lk = triton.compile(ASTSource(fn=M._simt_leaders_kernel, signature=lsig, constexprs=dict(PB=1024, BIG=M.LEAD_BIG)),

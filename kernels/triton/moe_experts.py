@@ -335,9 +335,7 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 # word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2. At batch 1 the
 # pairs are the token's distinct top-k experts, so each pair leads a group of one (`_simt_group`: no id tile).
 # Activations enter as f16 scaled by 2^6 (z from bf16 in registers every step; the SiTU activation stored so by
-# role A). With `tma` (k >= 2 stages) role A's w1/w3 words and scales come through tensor descriptors (the copy
-# engine), Triton's software pipeline keeping k - 1 steps of them in flight in shared memory instead of one step
-# in registers.
+# role A).
 # the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
 # Exactness: every decoded weight is exact (weight = decoded * 2^14 * 2^(s - 127), s <= 246); the products
 # and the block's sum are f16 (11-bit significand; a product under 2^-14 keeps an absolute error <= 2^-25,
@@ -577,53 +575,37 @@ def _wait_a(ws, NA):
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               NW: tl.constexpr, ST: tl.constexpr, row0):
+               NW: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
     one load and conversion of z for both); WAIT: wait for role A (`_wait_a`) after the first weight loads and
     before the first activation load (role B streams w2 while role A finishes); NW the program's warps.
-    ST >= 2 (`tma`): wp, sp, wp3, sp3 are tensor descriptors over [rows, C/8] words and [rows, C/32] scales, the
-    tile's first row row0; the step loop loads through them and Triton's pipeline keeps ST - 1 steps in flight.
-    (Loading the next step's activations with its weights lost: +22% at batch 1, +20% at 64 (registers);
-    experiments/moe_simt.)"""
+    (Measured and lost, docs/NOTES_moe.md: the next step's activations loaded with its weights, +22% at batch 1;
+    the activations converted once an item, `zpre`, +6..22%; the weights through tensor descriptors pipelined
+    2..6 deep, `tma`, +24..34% at batch 1.)"""
     NS: tl.constexpr = C // 32  # blocks a row
-    R: tl.constexpr = rows.shape[0]
-    if ST >= 2:
-        for c0 in tl.range(0, NS, NB, num_stages=ST):
-            w = tl.reshape(wp.load([row0, c0 * 4]), (R, NB, 4))
-            f = sp.load([row0, c0]).to(tl.int32)
-            xa0, xa1, xa2, xa3 = _xparts(xp, oa, c0 + tl.arange(0, NB), CONV, INTERP)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TB >= 2:
-                xb0, xb1, xb2, xb3 = _xparts(xp, ob, c0 + tl.arange(0, NB), CONV, INTERP)
-            acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            if TWO:
-                w3 = tl.reshape(wp3.load([row0, c0 * 4]), (R, NB, 4))
-                f3 = sp3.load([row0, c0]).to(tl.int32)
-                acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-    else:  # the pointer loads, the next step's weights in registers
-        w, f = _simt_load(wp, sp, rows, 0, C, NB)
-        w3, f3 = w, f
+    w, f = _simt_load(wp, sp, rows, 0, C, NB)
+    w3, f3 = w, f
+    if TWO:
+        w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB)
+    if WAIT:
+        _wait_a(ws, NA)
+    for c0 in range(0, NS, NB):
+        blk = c0 + tl.arange(0, NB)
+        nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
+        wn, fn = _simt_load(wp, sp, rows, nxt, C, NB)
+        w3n, f3n = wn, fn
         if TWO:
-            w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB)
-        if WAIT:
-            _wait_a(ws, NA)
-        for c0 in range(0, NS, NB):
-            blk = c0 + tl.arange(0, NB)
-            nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
-            wn, fn = _simt_load(wp, sp, rows, nxt, C, NB)
-            w3n, f3n = wn, fn
-            if TWO:
-                w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB)
-            xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TB >= 2:
-                xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
-            acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            if TWO:
-                acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            w, f, w3, f3 = wn, fn, w3n, f3n
+            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB)
+        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        if TB >= 2:
+            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
+        if TWO:
+            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
+        w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
 
@@ -654,29 +636,23 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB: tl.constexpr, TB: tl.c
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr,
-             ST: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
-    (f16) for each member pair q (token z, routing weight wk), TB members a pass. ST >= 2: w1, w3, s1, s3 are
-    tensor descriptors over all experts' rows ([E I, L/8] words, [E I, L/32] scales)."""
+    (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
     if leader:
+        # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
+        # the pointer's defining op; on a function argument it would be lost)
+        w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
+        w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
+        s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
         rows = n * BN + tl.arange(0, BN)
-        row0 = (e * I + n * BN).to(tl.int32)
-        if ST >= 2:
-            w1e, w3e, s1e, s3e = w1, w3, s1, s3
-        else:
-            # every row starts 16-byte aligned (L % 32 == 0): one 16-byte load per row and block (the hint sits on
-            # the pointer's defining op; on a function argument it would be lost)
-            w1e = tl.multiple_of(w1 + e * (I * (L // 8)), 16)
-            w3e = tl.multiple_of(w3 + e * (I * (L // 8)), 16)
-            s1e, s3e = s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32))
         for t0 in range(0, cnt, TB):
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, NW, ST, row0)
+                              INTERP, NW)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -696,7 +672,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True,
-                               TB, INTERP, NW, 0, 0)
+                               TB, INTERP, NW)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -725,14 +701,13 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, ST: tl.constexpr):
+                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
     there, [64] counting programs done. LEAD: the items run over the leaders `_simt_leaders_kernel` listed
     (their count read here: NA and NITEMS shrink to it) instead of over every pair. PDL: launched with
-    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait).
-    ST >= 2 (`tma`): w1, w3, s1, s3 are tensor descriptors, role A's step loop pipelined ST deep (`_simt_rows`)."""
+    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait)."""
     pdl_enter(PDL)
     na = NA
     nitems = NITEMS
@@ -750,7 +725,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
             if LEAD:
                 pa = tl.load(lead + 1 + pa)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW, ONE, ST)
+                     TB, B1, B2, INTERP, NW, ONE)
             tl.debug_barrier()
             tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
@@ -809,7 +784,6 @@ SIMT_TOKENS = (1, 2)
 SIMT_LEADERS_FROM = 16  # from this batch, tickets over the leaders only (`_simt_leaders_kernel`; default_blocks)
 LEAD_BIG = 1 << 30
 PATHS = ("gemv", "grouped", "simt")
-TMA_STAGES = (0, 2, 3, 4, 5, 6)  # the simt path's `tma` values (0: off)
 
 
 def default_path(B: int, fmt: str) -> str:
@@ -850,7 +824,7 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
             nb2 //= 2
         return dict(block_n=min(16, I), block_k=32 * nb, block_l=min(128, L & -L), block_t=1 if B == 1 else 2,
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
-                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM, tma=0)
+                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -953,12 +927,10 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None, pdl: bool | None = None, tma: int | None = None) -> torch.Tensor:
+                leaders: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
-    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly). tma (simt
-    path; None: `default_blocks`; 0: pointer loads, the next step in registers): k in TMA_STAGES, role A's w1/w3
-    words and scales through tensor descriptors, k - 1 steps in flight in shared memory (a GPU with TMA only)."""
+    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly)."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
@@ -985,24 +957,12 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
             first, lead = _leaders(z.device, w1.shape[0], B * K)
             _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=pdl, num_warps=4,
                                        **launch_kw(pdl))
-        st = d["tma"] if tma is None else tma
-        a13 = [w1, w3, sc[0], sc[1]]
-        if st:  # role A's operands as tensor descriptors over every expert's rows
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            nb = bk // 32
-            if (L // 32) % 16 or nb % 16:
-                raise ValueError(f"moe_experts: tma={st} needs rows of scales and scale tiles in 16-byte multiples "
-                                 f"(the copy engine's): latent % 512 == 0 and block_k % 512 == 0, got latent {L}, "
-                                 f"block_k {bk}")
-            a13 = [TensorDescriptor(t.view(-1, t.shape[-1]), [t.shape[0] * t.shape[1], t.shape[-1]], [t.shape[-1], 1],
-                                    blk) for t, blk in ((w1, [bn, 4 * nb]), (w3, [bn, 4 * nb]), (sc[0], [bn, nb]),
-                                                        (sc[1], [bn, nb]))]
-        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, a13[0], a13[1], w2, a13[2], a13[3], sc[2], y, act,
+        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act,
                                    act.view(torch.int32), ws, lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K),
                                    BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, ST=int(st), num_warps=nw,
+                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, num_warps=nw,
                                    num_stages=1, **extra, **launch_kw(pdl))
         _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y
