@@ -242,6 +242,28 @@ def test_preload_and_block_n_rules():
     assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
 
 
+def test_block_m_rule():
+    """32-row programs from batch 8 where they take fewer row groups (12 heads: T = 2 and 8; T = 4 from batch 16,
+    where 64 rows for 48 still beat three 16-row passes over the cache); 16 at batch 1 and for T = 1."""
+    from k3lab_kernels.triton import mla_decode as kern
+
+    assert [kern.default_block_m(12 * T, 1) for T in (1, 2, 4, 8)] == [16, 16, 16, 16]
+    assert [kern.default_block_m(12 * T, 8) for T in (1, 2, 4, 8)] == [16, 32, 16, 32]
+    assert [kern.default_block_m(12 * T, 64) for T in (1, 2, 4, 8)] == [16, 32, 32, 32]
+    assert kern.default_block_m(6 * 2, 64) == 16 and kern.default_block_m(16 * 2, 8) == 32  # TP16; padded heads
+    assert kern.rows_per_program(8, 12, B=64) == (12, 32, 3) and kern.rows_per_program(8, 12, B=1) == (12, 16, 6)
+    assert kern.rows_per_program(4, 12, block_m=64, B=64) == (12, 64, 1)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(T=2, context=40, batch=9, ragged=True, partitions=2, page_size=16),   # one 32-row group (24 rows)
+    pytest.param(dict(T=8, context=30, batch=8, ragged=True, partitions=3), marks=pytest.mark.slow),  # 3 x 32
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_batch_rule_32_rows(shape):
+    """The batch >= 8 rule's 32-row programs against fp64 (ragged lengths, partitions)."""
+    _check(DEC, **shape)
+
+
 def test_partition_limits_agree():
     from k3lab.components import mla as comp
     from k3lab_kernels.triton import mla_decode as kern

@@ -9,8 +9,9 @@ positions are causal among themselves; their entries are already in the cache).
 Kernel 1, `_mla_split_kernel`: one program per (row group g, partition p, DCP shard r) x sequence b,
 grid (G * P * NS, B) with g fastest (the groups of one piece run side by side and share its rows in L2).
   * ALL query heads of one sequence are one tile of rows: row = t * HR + h (HR = pad_heads, or H when
-    not padded), BM rows a program (BM = next power of two >= max(16, T*HR), at most `block_m`=64; more
-    rows = G > 1 groups, e.g. T=8 at 12/16 heads). So each cache row is read ONCE per sequence for all
+    not padded), BM rows a program (BM = next power of two >= max(16, T*HR), at most `block_m`: 16, or 32
+    from batch 8 where that takes fewer groups, `default_block_m`; more rows = G > 1 groups, e.g. T=8 at 12/16
+    heads). So each cache row is read ONCE per sequence for all
     heads and all T queries (twice, the second time mostly from L2, when G = 2). Padded rows (h >= H or
     t >= T) are loaded as zero queries and never stored: they cannot change any result.
   * Head padding: tl.dot needs M >= 16, so both forms run tensor-core tiles. Unpadded, the T*H rows are
@@ -365,11 +366,25 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
 
 # ---- launch helpers ------------------------------------------------------------------------------
 
-def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = None) -> tuple[int, int, int]:
-    """(HR, BM, G): the row stride per position, the rows of a program and the row groups."""
+def default_block_m(rows: int, B: int) -> int:
+    """Rows a program for `rows` = T * HR query rows a sequence: DEFAULT_BLOCK_M (16), or 32 from batch 8 where 32-row
+    tiles walk the cache in fewer row groups and, below batch 16, pad no more rows than 16-row tiles (H200, 12
+    heads, 8K: batch 64 T = 2 / 4 / 8 302 / 537 / 1063 -> 235 / 464 / 778 us; batch 8 T = 4 (64 rows for 48) 67 ->
+    73 us, so 16 there; batch 1 keeps 16: 13.0 / 17.3 / 25.3 against 15.2 / 18.8 / 25.9 us at T = 2 / 4 / 8;
+    docs/NOTES_mla.md, sixteenth session)."""
+    g16, g32 = -(-rows // 16), -(-rows // 32)
+    if B >= 8 and g32 < g16 and (B >= 16 or 32 * g32 <= 16 * g16):
+        return 32
+    return DEFAULT_BLOCK_M
+
+
+def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = None,
+                     B: int = 1) -> tuple[int, int, int]:
+    """(HR, BM, G): the row stride per position, the rows of a program and the row groups (block_m None: the
+    rule by rows and batch, `default_block_m`)."""
     HR = pad_heads if pad_heads else H
     BM = max(16, _pow2(T * HR))
-    BM = min(BM, block_m or DEFAULT_BLOCK_M)
+    BM = min(BM, block_m or default_block_m(T * HR, B))
     G = -(-(T * HR) // BM)
     return HR, BM, G
 
@@ -410,7 +425,7 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
     (docs/NOTES_mla.md). Host values only (n_max = the longest visible history, max(lengths) + T): no device
     sync."""
-    _, BM, G = rows_per_program(T, H, pad_heads, block_m)
+    _, BM, G = rows_per_program(T, H, pad_heads, block_m, B)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -466,7 +481,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     W = C + DR
     assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv.is_contiguous() and kv.shape[-1] == W
     assert dcp_layout in DCP_LAYOUTS and 1 <= partitions and 1 <= dcp
-    HR, BM, G = rows_per_program(T, H, pad_heads, block_m)
+    HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B)
     paged = block_table is not None
     page = kv.shape[1] if paged else 1
     BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
