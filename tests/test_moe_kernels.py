@@ -330,3 +330,13 @@ def test_gpu_batch_512():
     """K3's pool at 512 tokens (the batch-64 verify at draft depth 7): two launches of 256."""
     res = _check(dtype="mxfp4", batch=512, routing="uniform", **K3)
     assert res.ran[-1].notes.startswith("2 launches")
+
+
+def test_simt_batch_one_wide_b_items():
+    """Batch 1's 256 latent rows a role-B item (`default_blocks`) against fp64, at a latent that takes them (512)."""
+    from k3lab_kernels.triton.moe_experts import default_blocks
+
+    assert default_blocks(1, 4, 256, 512, "mxfp4", "simt")["block_l"] == 256
+    assert default_blocks(2, 4, 256, 512, "mxfp4", "simt")["block_l"] == 128
+    res = _check(dtype="mxfp4", batch=1, latent=512)
+    assert "path simt" in res.ran[-1].notes
