@@ -112,3 +112,26 @@ def test_cuda_graph_replay():
     _write(direct, "cute")
     torch.cuda.synchronize()
     _same(g_in, direct)
+
+
+# ---- the combine (kernels/cute/mla_combine.py) ---------------------------------------------------------
+
+COMB = registry.get("mla_combine")
+
+
+@pytest.mark.parametrize("shape", [
+    dict(batch=1, T=1, partitions=1), dict(batch=1, T=1, partitions=132), dict(batch=1, T=2, partitions=8),
+    dict(batch=64, T=1, partitions=4), dict(batch=8, T=4, partitions=2, dcp=2), dict(batch=5, T=3, partitions=3),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("pdl", [False, True])
+def test_combine_matches_fp64(shape, pdl):
+    """12 heads, K3's C = 512 and Dv = 128: one partial, many (batch 1), rows in blocks of four with a part-empty
+    last block, pieces x shards; with and without pdl."""
+    c = COMB.case(**dict(dict(heads=12, dcp=1), **shape))
+    checker.require(checker.check(COMB, c, backend="cute", options=dict(pdl=pdl), seed=len(shape) + pdl))
+
+
+@pytest.mark.parametrize("block_r", [1, 2, 4, 8])
+def test_combine_block_r(block_r):
+    checker.require(checker.check(COMB, COMB.case(heads=12, batch=9, T=1, partitions=4, dcp=1), backend="cute",
+                                  options=dict(block_r=block_r), seed=block_r))

@@ -170,7 +170,7 @@ def test_registry_entries():
     for op in registry.ops_of("mla"):
         assert op.floor_bw in ("read", "copy") and op.test_file == "tests/test_mla_triton.py"
         want = ({"reference", "torch_compile", "triton"} | ({"aiter"} if op.name == "mla_decode" else set())
-                | ({"cute"} if op.name == "mla_cache_write" else set()))
+                | ({"cute"} if op.name in ("mla_cache_write", "mla_combine") else set()))
         assert set(op.backends) == want
         for case in op.cases():
             assert op.nbytes(case) > 0 and op.flops(case) > 0

@@ -26,8 +26,9 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   reference      k3lab.ref.mla in the compute dtype (fp32, fp64 for fp64 inputs)
   torch_compile  torch.compile of the same reference functions
   triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches)
-  cute           k3lab_kernels.cute.mla_cache_write: the cache write only (write_cache; pdl option), the same
-                 results as triton bit for bit
+  cute           k3lab_kernels.cute.mla_cache_write (write_cache; pdl option; the same results as triton bit
+                 for bit) and k3lab_kernels.cute.mla_combine (combine; block_r and pdl options; K3's C = 512,
+                 Dv = 128); no CuTe decode attention yet
   aiter          refused with a message (no AITER adapter yet; AITER needs ROCm)
   auto           the measured table (data/mla_defaults.json: triton, the reference where it cannot run)
 Each call takes `ran=[]` to get the record of what ran appended (op, backend asked and run, kernel,
@@ -326,6 +327,31 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
     be, _, why = dispatch.select("mla_combine", backend, B=B, T=T)
     rec = dict(op="mla_combine", backend_requested=backend, backend=be, why=why, shape=dict(B=B, K=K, T=T, H=H, C=C,
                                                                                            Dv=Dv))
+    if be == "cute":
+        from k3lab_kernels.cute.mla_combine import BLOCK_R_ALLOWED as CUTE_BLOCK_R
+
+        if (C, Dv) != (512, 128):
+            _fail("w_uv", f"must be [H, 512, 128] for the cute backend (K3's C and Dv), got {tuple(w_uv.shape)}")
+        _tensor("o_parts", o_parts, None, (torch.float32,))
+        if lse_parts is not None:
+            _tensor("lse_parts", lse_parts, None, (torch.float32,))
+        _tensor("w_uv", w_uv, None, (torch.bfloat16,))
+        _tensor("gate", gate, None, (torch.bfloat16,))
+        if block_v is not None or num_warps is not None:
+            _fail("block_v" if block_v is not None else "num_warps", "is a triton option; the cute kernel runs 32 "
+                  "columns and 4 warps a CTA (its option: block_r)")
+        if block_r is not None and (isinstance(block_r, bool) or block_r not in CUTE_BLOCK_R):
+            _fail("block_r", f"must be None or one of {CUTE_BLOCK_R} on the cute backend, got {block_r!r}")
+        if pdl is not None and not isinstance(pdl, bool):
+            _fail("pdl", f"must be None or a bool, got {pdl!r}")
+        if out is not None:
+            _out("out", out, (B, T, H * Dv), (torch.bfloat16,), dev)
+        c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731
+        y = dispatch.kernel("mla_combine", be)(c(o_parts), c(lse_parts), c(w_uv), c(gate), out, block_r=block_r,
+                                               pdl=pdl)
+        dispatch.record(ran, kernel=dispatch.kernel_path("mla_combine", be), options=dict(block_r=block_r, pdl=pdl),
+                        **rec)
+        return y
     if be == "triton":
         from k3lab_kernels.triton.mla_combine import BLOCK_R_ALLOWED, BLOCK_V_ALLOWED
 

@@ -2,7 +2,7 @@
 stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
-        python kernels/cute/compile_offline.py [--only prefill|decode|verify|attnres|router|mla_cache_write]
+        python kernels/cute/compile_offline.py [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine]
             [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
@@ -229,6 +229,14 @@ def _cases(only: str | None, quick: bool):
                       wargs(0, kv_dt=f32)))
         cases.append(("mla_cache_write bf16 page64 tree sum", lambda: kw._kernel_class()(0, True, 64, False, "tree"),
                       wargs(0)))
+    if only in (None, "mla_combine"):
+        from kernels.cute import mla_combine as kc
+        # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)
+        cargs = [P(f32, 16), P(f32, 4), P(bf, 16), P(bf, 2), P(bf, 2), S]
+        for H, K, T, NR, RB, pdl in ((12, 1, 1, 1, 1, False), (12, 1, 1, 1, 1, True), (12, 132, 1, 1, 1, False),
+                                     (12, 4, 1, 64, 4, True), (12, 1, 4, 256, 4, False), (6, 8, 2, 16, 8, False)):
+            cases.append((f"mla_combine H{H} K{K} T{T} rows{NR} rb{RB}" + (" pdl" if pdl else ""),
+                          lambda H=H, K=K, T=T, NR=NR, RB=RB, pdl=pdl: kc._kernel_class()(H, K, T, NR, RB, pdl), cargs))
     return cases
 
 
@@ -240,8 +248,8 @@ def main(argv=None) -> int:
             only = argv[i + 1]
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
-    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write"):
-        print(f"--only must be prefill, decode, verify, attnres, router or mla_cache_write (got {only!r})")
+    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine"):
+        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write or mla_combine (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)
