@@ -97,3 +97,15 @@ def test_component_refuses_cute_without_cutlass():
     d = COMB.make_inputs(COMB.case(heads=2, batch=1, T=1, partitions=2, dcp=1), 0, "cpu")
     with pytest.raises(BackendUnavailable, match="'cute'"):
         comp.combine(d["o_parts"], d["lse_parts"], d["w_uv"], d["gate"], backend="cute")
+
+
+def test_merge_weights_bound_the_rows():
+    """A CTA keeps RB x K merge weights in shared memory: the default halves RB to fit, an explicit block_r that
+    does not fit is refused by name."""
+    from k3lab_kernels.cute import mla_combine as kc
+
+    assert kc.default_block_r(1) == 1 and kc.default_block_r(64) == 4 and kc.default_block_r(64, 2048) == 2
+    assert kc.default_block_r(64, 4096) == 1
+    d = COMB.make_inputs(COMB.case(heads=2, batch=8, T=1, partitions=600, dcp=1), 0, "cpu")
+    with pytest.raises(ValueError, match="'block_r' 8 rows x 600 partials exceed"):
+        run_combine(d["o_parts"], d["lse_parts"], d["w_uv"], d["gate"], d["out"], block_r=8)

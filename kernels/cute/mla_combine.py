@@ -9,18 +9,19 @@ Triton kernels round it for their product.
 
 Layout. A CTA of 128 threads (4 warps) owns one head h, BV = 32 output columns and RB rows (b, t); grid
 (H, Dv / BV, ceil(B*T / RB)): 48 CTAs at batch 1 and 12 heads. RB (`block_r`): 1 up to 2 rows (batch 1 decode),
-else 4 (`default_block_r`).
-  1. merge: thread i merges latent values i, i + 128, i + 256, i + 384 of each of the CTA's rows over the K partials:
-     one pass over the row's K lse values for their max, then the weights exp(lse_k - max) summed with the partials
-     as they load (the loads of four partials issued together); o rounded to bf16 into shared memory [RB, 512].
-     K = 1 (an already merged o_lat, no lse) is a copy. Rows past B*T hold zeros and are never stored.
-  2. product: warp q takes latent values 128 q .. 128 q + 127, lane l the output column vb * 32 + l: RB fp32 dot
-     products of 128 terms, each Wuv element loaded once for the CTA's RB rows (a warp reads 64 contiguous bytes a
-     latent value); the four warps' partial sums meet in shared memory and warp 0 applies sigmoid(gate) (fp32) and
-     stores bf16.
-The merge is repeated by the Dv / BV = 4 column CTAs of a head (the partials then come from L2). The merge of a row
-runs its K partials in one thread's loop: at many partials (K = 66..264, batch 1 without the split's merge kernel)
-that loop is the critical path; the decode step hands this kernel an already merged o_lat (K = 1).
+else 4 (`default_block_r`), halved while RB * K > MAX_WEIGHTS.
+  1. weights (K > 1): warp r % 4 reads row r's K lse values (lanes k, k + 32, ...), their max by shuffles, the
+     weights exp(lse_k - max) into shared memory and their sum; an all-empty row (every lse = -inf) weighs 0.
+  2. merge: thread i owns latent values 4 i .. 4 i + 3 of each row (one 16-byte load a partial, the loads of
+     eight partials issued together), sum_k w_k o_k / sum_k w_k rounded to bf16 into shared memory [RB, 512]
+     (K = 1, an already merged o_lat: one load); rows past B*T hold zeros.
+  3. product: thread i takes output columns 8 (i % 4) .. + 7 of the CTA's 32 and latent values i // 4 + 32 s,
+     s = 0..15: its 16 Wuv loads of 16 bytes are issued at once (each Wuv element read once for the RB rows), the
+     RB x 8 partial sums reduced over the warp's 8 latent lanes by shuffles and over the 4 warps in shared
+     memory; warp 0, lane = column, applies sigmoid(gate) (fp32) and stores bf16.
+The merge is repeated by the Dv / BV = 4 column CTAs of a head (the partials then come from L2); the decode step
+hands this kernel an already merged o_lat (K = 1). (The first version, one scalar Wuv load and 4 scalar partial
+loads a step, measured 9.3 us at batch 1 against Triton's 1.9: profiles/h200/mla_combine_cute.json.gz, a15ce2b.)
 
 Floor (bytes, k3lab.ops.mla.combine_bytes, the Triton kernel's): Wuv H*C*Dv*2 (12 heads: 1.57 MB) + partials
 B*K*T*H*(C+1)*4 + gate and out B*T*H*Dv*2 each; launch-bound at batch 1.
@@ -41,16 +42,20 @@ C_LATENT = 512
 D_V = 128
 _THREADS = 128
 _BV = 32                       # output columns a CTA
-_CQ = C_LATENT // 4            # latent values a warp takes in the product
 BLOCK_R_ALLOWED = (1, 2, 4, 8)
 ROW_CTA_MAX_ROWS = 2           # up to this many rows (b, t) one row a CTA (the Triton one-row path's limit too)
+MAX_WEIGHTS = 4096             # RB * K merge weights a CTA keeps in shared memory (16 KB)
 
 __all__ = ["BLOCK_R_ALLOWED", "default_block_r", "mla_combine"]
 
 
-def default_block_r(rows: int) -> int:
-    """Rows (b, t) a CTA: one at batch-1 sizes (more CTAs read Wuv), four above (Wuv read once for four rows)."""
-    return 1 if rows <= ROW_CTA_MAX_ROWS else 4
+def default_block_r(rows: int, K: int = 1) -> int:
+    """Rows (b, t) a CTA: one at batch-1 sizes (more CTAs read Wuv), four above (Wuv read once for four rows),
+    halved while the rows' merge weights exceed MAX_WEIGHTS."""
+    rb = 1 if rows <= ROW_CTA_MAX_ROWS else 4
+    while rb > 1 and rb * K > MAX_WEIGHTS:
+        rb //= 2
+    return rb
 
 
 _KERNEL_CLS = None
@@ -65,7 +70,11 @@ def _kernel_class():
     import cutlass
     from cutlass import Float32, cute
 
-    C, DV, BV, CQ = C_LATENT, D_V, _BV, _CQ
+    C, DV, BV = C_LATENT, D_V, _BV
+    CS = C // 32  # latent values a thread takes in the product
+
+    def vec(ptr, off, n):
+        return cute.make_tensor(ptr + off, cute.make_layout(n))
 
     class MLACombineKernel:
         """One CTA per (head, 32 output columns, RB rows)."""
@@ -91,72 +100,101 @@ def _kernel_class():
             h, vb, rb = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
-            v = vb * BV + lane  # this lane's output column (head-local)
 
             smem = cutlass.memory.SmemAllocator()
             s_o = smem.allocate_tensor(Float32, cute.make_layout(RB * C), byte_alignment=16)
             s_acc = smem.allocate_tensor(Float32, cute.make_layout(4 * RB * 32), byte_alignment=16)
-            o_g = cute.make_tensor(p_o, cute.make_layout(NR * K * H * C))
+            s_w = smem.allocate_tensor(Float32, cute.make_layout(RB * K + RB), byte_alignment=16)  # weights, sums
             lse_g = cute.make_tensor(p_lse, cute.make_layout(NR * K * H))
-            w_g = cute.make_tensor(p_w, cute.make_layout(H * C * DV))
             gate_g = cute.make_tensor(p_gate, cute.make_layout(NR * H * DV))
             out_g = cute.make_tensor(p_out, cute.make_layout(NR * H * DV))
 
-            # the gate of warp 0's column for each row (the split does not write it: before the PDL wait)
+            # the gate of warp 0's column (lane) for each row: the split does not write it, so before the PDL wait
             g = cute.make_rmem_tensor((RB,), p_gate.dtype)
             for r in cutlass.range_constexpr(RB):
                 row = rb * RB + r
                 g[r] = Float32(0.0).to(p_gate.dtype)
                 if row < NR:
-                    g[r] = gate_g[row * (H * DV) + h * DV + v]
+                    g[r] = gate_g[row * (H * DV) + h * DV + vb * BV + lane]
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # the partials are complete and visible after this
                 cute.arch.griddepcontrol_launch_dependents()
 
-            # ---- 1. merge: latent values tid + 128 j of each row, over the K partials ------------------------
+            # ---- 1. merge weights: warp r % 4 takes row r ------------------------------------------------------
+            if cutlass.const_expr(K > 1):
+                for r in cutlass.range_constexpr(RB):
+                    row = rb * RB + r
+                    if warp == r % 4:
+                        den = Float32(0.0)
+                        if row < NR:
+                            b = row // T
+                            base = (b * K * T + row - b * T) * H + h  # partial k of (b, t, h) at base + k * TH
+                            m = Float32(float("-inf"))
+                            for k in cutlass.range(lane, K, 32):
+                                m = cute.arch.fmax(m, lse_g[base + k * TH])
+                            for sh in cutlass.range_constexpr(5):
+                                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> sh))
+                            if m == Float32(float("-inf")):
+                                m = Float32(0.0)  # every partial empty: all weights 0
+                            for k in cutlass.range(lane, K, 32):
+                                wk = cute.math.exp(lse_g[base + k * TH] - m)
+                                s_w[r * K + k] = wk
+                                den = den + wk
+                            for sh in cutlass.range_constexpr(5):
+                                den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> sh)
+                        if lane == 0:
+                            s_w[RB * K + r] = den
+                cute.arch.sync_threads()
+
+            # ---- 2. merge: latent values 4 tid .. 4 tid + 3 of each row --------------------------------------
             acc = cute.make_rmem_tensor((4,), Float32)
+            x = cute.make_rmem_tensor((4,), Float32)
             for r in cutlass.range_constexpr(RB):
                 row = rb * RB + r
-                for j in cutlass.range_constexpr(4):
-                    acc[j] = Float32(0.0)
+                acc.fill(0.0)
                 if row < NR:
                     b = row // T
-                    t = row - b * T
-                    base = (b * K * T + t) * H + h  # partial k of (b, t, h) at base + k * TH
+                    base = (b * K * T + row - b * T) * H + h
                     if cutlass.const_expr(K == 1):
-                        for j in cutlass.range_constexpr(4):
-                            acc[j] = o_g[base * C + tid + CQ * j]
+                        cute.autovec_copy(vec(p_o, cute.assume(base * C + 4 * tid, divby=4), 4), acc)
                     else:
-                        m = Float32(float("-inf"))
-                        for k in cutlass.range(K, unroll=4):
-                            m = cute.arch.fmax(m, lse_g[base + k * TH])
-                        if m == Float32(float("-inf")):
-                            m = Float32(0.0)  # every partial empty: all weights 0
-                        den = Float32(0.0)
-                        for k in cutlass.range(K, unroll=4):
-                            wk = cute.math.exp(lse_g[base + k * TH] - m)
-                            den = den + wk
+                        for k in cutlass.range(K, unroll=8):
+                            cute.autovec_copy(vec(p_o, cute.assume((base + k * TH) * C + 4 * tid, divby=4), 4), x)
+                            wk = s_w[r * K + k]
                             for j in cutlass.range_constexpr(4):
-                                acc[j] = acc[j] + wk * o_g[(base + k * TH) * C + tid + CQ * j]
+                                acc[j] = acc[j] + wk * x[j]
+                        den = s_w[RB * K + r]
                         if den > Float32(0.0):
                             inv = Float32(1.0) / den
                             for j in cutlass.range_constexpr(4):
                                 acc[j] = acc[j] * inv
                 for j in cutlass.range_constexpr(4):
-                    s_o[r * C + tid + CQ * j] = acc[j].to(cutlass.BFloat16).to(Float32)
+                    s_o[r * C + 4 * tid + j] = acc[j].to(cutlass.BFloat16).to(Float32)
             cute.arch.sync_threads()
 
-            # ---- 2. product: warp q's 128 latent values x this lane's column, for the RB rows ---------------
-            y = cute.make_rmem_tensor((RB,), Float32)
-            for r in cutlass.range_constexpr(RB):
-                y[r] = Float32(0.0)
-            wbase = (h * C + warp * CQ) * DV + v
-            for c in cutlass.range(CQ, unroll=8):
-                wv = w_g[wbase + c * DV].to(Float32)
+            # ---- 3. product: columns 8 (tid % 4) .. + 7, latent values tid // 4 + 32 s --------------------------
+            oc = tid % 4
+            ci = tid // 4
+            w_r = cute.make_rmem_tensor((8, CS), p_w.dtype)
+            wsrc = cute.make_tensor(p_w + cute.assume((h * C + ci) * DV + vb * BV + 8 * oc, divby=8),
+                                    cute.make_layout((8, CS), stride=(1, 32 * DV)))
+            cute.autovec_copy(wsrc, w_r)  # 16 loads of 16 bytes, all in flight
+            y = cute.make_rmem_tensor((8, RB), Float32)
+            y.fill(0.0)
+            for si in cutlass.range_constexpr(CS):
                 for r in cutlass.range_constexpr(RB):
-                    y[r] = y[r] + s_o[r * C + warp * CQ + c] * wv
+                    sv = s_o[r * C + ci + 32 * si]
+                    for j in cutlass.range_constexpr(8):
+                        y[j, r] = y[j, r] + sv * w_r[j, si].to(Float32)
+            # over the warp's 8 latent lanes (lane bits 2..4), then over the 4 warps
             for r in cutlass.range_constexpr(RB):
-                s_acc[(warp * RB + r) * 32 + lane] = y[r]
+                for j in cutlass.range_constexpr(8):
+                    for sh in cutlass.range_constexpr(3):
+                        y[j, r] = y[j, r] + cute.arch.shuffle_sync_bfly(y[j, r], offset=16 >> sh)
+            if lane < 4:
+                for r in cutlass.range_constexpr(RB):
+                    for j in cutlass.range_constexpr(8):
+                        s_acc[(warp * RB + r) * 32 + 8 * oc + j] = y[j, r]
             cute.arch.sync_threads()
             if warp == 0:
                 for r in cutlass.range_constexpr(RB):
@@ -165,7 +203,7 @@ def _kernel_class():
                         s = (s_acc[r * 32 + lane] + s_acc[(RB + r) * 32 + lane]) + \
                             (s_acc[(2 * RB + r) * 32 + lane] + s_acc[(3 * RB + r) * 32 + lane])
                         s = s / (Float32(1.0) + cute.math.exp(-g[r].to(Float32)))
-                        out_g[row * (H * DV) + h * DV + v] = s.to(p_out.dtype)
+                        out_g[row * (H * DV) + h * DV + vb * BV + lane] = s.to(p_out.dtype)
 
     _KERNEL_CLS = MLACombineKernel
     return MLACombineKernel
@@ -241,9 +279,12 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
     if o5.numel() >= 2 ** 31:
         _fail("o_part", f"holds {o5.numel()} elements: the kernel indexes with 32 bits (< 2^31)")
     NR = B * T
-    RB = default_block_r(NR) if block_r is None else block_r
+    RB = default_block_r(NR, K) if block_r is None else block_r
     if isinstance(RB, bool) or RB not in BLOCK_R_ALLOWED:
         _fail("block_r", f"must be None or one of {BLOCK_R_ALLOWED}, got {block_r!r}")
+    if K > 1 and RB * K > MAX_WEIGHTS:
+        _fail("block_r" if block_r is not None else "o_part", f"{RB} rows x {K} partials exceed the "
+              f"{MAX_WEIGHTS} merge weights a CTA keeps in shared memory")
     lse = lse_part if lse_part is not None else o5  # never read at K = 1
     args = [_ptr(o5, 16), _ptr(lse, 4), _ptr(w_uv, 16), _ptr(gate, 2), _ptr(out, 2)]
     key = (H, K, T, NR, RB, pdl, dev.index)
