@@ -58,6 +58,10 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
         if not ok or be not in op.backends:
             skipped[be] = why if not ok else f"no {op.name} kernel"
             continue
+        no = op.supports(be, case)
+        if no:  # the backend does not take this case (e.g. cute's bf16-only projection at fp8)
+            skipped[be] = no
+            continue
         for opts in op.options(be, only):
             impls.append(_ours(op, case, be, opts))
     for vname, (be, extra) in (variants or {}).items():

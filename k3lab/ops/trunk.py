@@ -525,9 +525,19 @@ def _max_batch() -> int:
 
 def proj_supports(backend: str, shape: dict) -> str | None:
     """The batches the triton projections take (1..MAX_BATCH rows; `auto` then passes over triton to the
-    reference, e.g. a verify step of more tokens)."""
+    reference, e.g. a verify step of more tokens); what the cute projection takes (bf16 weights, batch <= 16, no
+    input prologue or fused selection: kernels/cute/proj_gemv.py). A shape or case without a key passes."""
     if backend == "triton" and shape.get("batch", 1) > _max_batch():
         return f"x has {shape['batch']} rows; the triton projections take 1..{_max_batch()}"
+    if backend == "cute":
+        from k3lab_kernels.cute.proj_gemv import MAX_BATCH as CB
+
+        if shape.get("batch", 1) > CB:
+            return f"x has {shape['batch']} rows; the cute projection takes 1..{CB}"
+        if shape.get("wdtype", "bf16") != "bf16":
+            return "the cute projection takes bf16 weights only"
+        if shape.get("prologue", "none") != "none" or shape.get("select", False):
+            return "the cute projection runs no input prologue or fused selection"
     return None
 
 
@@ -551,7 +561,8 @@ PROJ = register(Op(
               wdtype=("bf16", "fp8"), residual=(False,), prologue=("none",)),
     make_inputs=make_proj, reference=ref_proj, written=tuple(f"y{i}" for i in range(MAX_OUT)), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_proj, nbytes=proj_bytes, flops=proj_flops, floor_bw="read",
-    backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
+    backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj",
+              "cute": "k3lab_kernels.cute.proj_gemv:proj"},
     valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= _max_batch()
     and c["wdtype"] in ("bf16", "fp8") and c.get("prologue", "none") in PROLOGUES
     and (c.get("prologue", "none") == "none" or c["proj"] in PROLOGUES[c["prologue"]]),
@@ -566,7 +577,8 @@ GROUP = register(Op(
     updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_group, nbytes=proj_bytes, flops=proj_flops,
     floor_bw="read",
-    backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj"},
+    backends={"reference": "k3lab.ref.situ:linear", "triton": "k3lab_kernels.triton.proj_gemv:proj",
+              "cute": "k3lab_kernels.cute.proj_gemv:proj"},
     valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= _max_batch()
     and (not c.get("select", False) or (c["group"] == "moe_in" and c["batch"] <= 16)),
     peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, **_PROJ_OPTS,

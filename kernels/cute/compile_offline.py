@@ -2,8 +2,8 @@
 stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
-        python kernels/cute/compile_offline.py [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine]
-            [--quick] [--keep DIR]
+        python kernels/cute/compile_offline.py
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj] [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
 Python 3.12 venv with `pip install typing_extensions numpy cuda-bindings torch` and the CuTe DSL
@@ -229,6 +229,19 @@ def _cases(only: str | None, quick: bool):
                       wargs(0, kv_dt=f32)))
         cases.append(("mla_cache_write bf16 page64 tree sum", lambda: kw._kernel_class()(0, True, 64, False, "tree"),
                       wargs(0)))
+    if only in (None, "proj"):
+        from kernels.cute import proj_gemv as kg
+        # proj's arguments: x, W, residual, six output pointers, x's row stride, six output row strides
+        def gargs(o_dts):
+            return [P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7 + [S]
+        for B, N, K, ends, res, pdl, o_dts in ((1, 4608, 7168, (4608,), False, False, [bf] * 6),
+                                               (1, 576, 7168, (576,), True, True, [bf] * 6),
+                                               (8, 7168, 1536, (7168,), True, False, [bf] * 6),
+                                               (16, 4608, 7168, (1536, 3072, 4608), False, False, [f32] + [bf] * 5),
+                                               (3, 64, 520, (64,), True, False, [bf] * 6)):  # a partial last step
+            name = f"proj B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl: kg._kernel_class()(B, N, K, e, r, p),
+                          gargs(o_dts)))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)
@@ -248,8 +261,9 @@ def main(argv=None) -> int:
             only = argv[i + 1]
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
-    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine"):
-        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write or mla_combine (got {only!r})")
+    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj"):
+        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine or proj "
+              f"(got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)

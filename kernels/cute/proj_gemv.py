@@ -1,0 +1,214 @@
+"""Trunk projections at small batch as one CuTe DSL kernel (the twin of kernels/triton/proj_gemv.py's GEMV paths,
+without its prologues, fp8 weights or fused router selection): y_i = x W_i^T over the row ranges of one weight.
+
+    y[b, n] = sum_k x[b, k] * W[n, k]  (+ residual[b, n])        fp32 accumulation, stored in out_i's dtype
+    out_i[b, n - start_i] = y[b, n]  for start_i <= n < end_i     (up to MAX_OUTPUTS outputs: a fused group)
+
+Layout. x [B, K] bf16 (unit stride along K, a row stride of 8 elements), W [N, K] bf16 contiguous (nn.Linear), K a
+multiple of 8 (a last partial step of 256 columns is masked by lane); B = 1..MAX_BATCH. A CTA of 128 threads (4
+warps); warp w of CTA c owns output row n = 4 c + w over all of K: lane l reads columns 256 s + 8 l .. + 7 of step s
+(one 16-byte load of W and one of each batch row of x, the x rows from L1 / L2), the steps unrolled UNROLL deep so
+that each warp keeps UNROLL x 512 bytes of its row in flight; the batch rows' dot products are summed over the warp
+by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row projection is 144 CTAs of four
+warps. Outputs: each out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider
+buffer); a residual [B, N] bf16 (one output only) is added in fp32 before the store.
+
+Floor (bytes, k3lab.ops.trunk.proj_bytes): weights N*K*2 + x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the
+read bandwidth.
+
+Contract (torch tensors on one CUDA device, torch's current stream, CUDA-graph safe once a shape has compiled):
+proj(x, w, outs, *, residual=None, pdl=None) -> outs. pdl=True (programmatic dependent launch): each warp waits for
+the kernel before (griddepcontrol.wait) before its first load, so the launch overlaps that kernel's tail only;
+None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting, as in Triton.
+"""
+from typing import Any
+
+import torch
+
+MAX_BATCH = 16
+MAX_OUTPUTS = 6
+K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
+UNROLL = 4        # steps a warp keeps in flight
+_THREADS = 128
+_WARPS = _THREADS // 32
+
+__all__ = ["K_STEP", "MAX_BATCH", "MAX_OUTPUTS", "proj"]
+
+_KERNEL_CLS = None
+
+
+def _kernel_class():
+    """The GEMV generator (built once; importing this module never needs cutlass)."""
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import Float32, Int32, cute
+
+    def vec(ptr, off, n):
+        return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    class ProjGemvKernel:
+        """One warp per output row over all of K; four rows a CTA."""
+
+        def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False):
+            assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
+            self.B, self.N, self.K = B, N, K
+            self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
+            self.residual = bool(residual)
+            self.pdl = bool(pdl)
+
+        @cute.jit
+        def __call__(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
+                     p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
+                     p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
+                     s_o4: Int32, s_o5: Int32, stream: cuda.CUstream):
+            self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
+                        s_o5).launch(grid=[(self.N + _WARPS - 1) // _WARPS, 1, 1], block=[_THREADS, 1, 1],
+                                     stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
+                   p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
+                   p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
+                   s_o4: Int32, s_o5: Int32):
+            B, N, K = self.B, self.N, self.K
+            S = K // K_STEP
+            tid, _, _ = cute.arch.thread_idx()
+            c, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            n = c * _WARPS + warp
+            outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
+            strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
+            if n < N:
+                acc = cute.make_rmem_tensor((B,), Float32)
+                acc.fill(0.0)
+                wv = cute.make_rmem_tensor((8,), p_w.dtype)
+                xv = cute.make_rmem_tensor((8,), p_x.dtype)
+                wrow = n * K + 8 * lane
+                if cutlass.const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
+                    cute.arch.griddepcontrol_launch_dependents()
+                for s in cutlass.range(S, unroll=UNROLL):
+                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
+                    for b in cutlass.range_constexpr(B):
+                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
+                        for j in cutlass.range_constexpr(8):
+                            acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
+                if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
+                    if S * K_STEP + 8 * lane < K:
+                        cute.autovec_copy(vec(p_w, cute.assume(wrow + S * K_STEP, divby=8), 8), wv)
+                        for b in cutlass.range_constexpr(B):
+                            cute.autovec_copy(vec(p_x, cute.assume(b * s_x + S * K_STEP + 8 * lane, divby=8), 8),
+                                              xv)
+                            for j in cutlass.range_constexpr(8):
+                                acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
+                for b in cutlass.range_constexpr(B):
+                    for sh in cutlass.range_constexpr(5):
+                        acc[b] = acc[b] + cute.arch.shuffle_sync_bfly(acc[b], offset=16 >> sh)
+                for b in cutlass.range_constexpr(B):
+                    if lane == b:
+                        y = acc[b]
+                        if cutlass.const_expr(self.residual):
+                            y = y + vec(p_res, b * N + n, 1)[0].to(Float32)
+                        for i in cutlass.range_constexpr(len(self.ends)):
+                            lo = 0 if i == 0 else self.ends[i - 1]
+                            if n >= lo:
+                                if n < self.ends[i]:
+                                    vec(outs[i], b * strides[i] + n - lo, 1)[0] = y.to(outs[i].dtype)
+
+    _KERNEL_CLS = ProjGemvKernel
+    return ProjGemvKernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrapper
+# ---------------------------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+class ProjGemvError(ValueError):
+    """An argument of the CuTe projection has the wrong type, shape, dtype, layout or device."""
+
+
+def _fail(name: str, msg: str):
+    raise ProjGemvError(f"proj cute: {name!r} {msg}")
+
+
+def _ptr(t: torch.Tensor, align: int):
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_ptr
+    dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}[t.dtype]
+    return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _check(name, t, device, dtypes, dim=2):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda" or (device is not None and t.device != device):
+        _fail(name, f"must be on the CUDA device of x, got {t.device}")
+    if t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
+    if t.dim() != dim:
+        _fail(name, f"must have {dim} dims, got shape {tuple(t.shape)}")
+
+
+def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
+         pdl: bool | None = None) -> list:
+    """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). Returns outs."""
+    if pdl is None:
+        from k3lab_kernels.triton.pdl import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    _check("x", x, None, (torch.bfloat16,))
+    dev = x.device
+    B, K = x.shape
+    if not 1 <= B <= MAX_BATCH or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        _fail("x", f"must be [1..{MAX_BATCH}, K] with unit stride along K, a row stride of 8 elements and a 16-byte "
+                   f"aligned base, got {tuple(x.shape)} strides {x.stride()}")
+    _check("w", w, dev, (torch.bfloat16,))
+    N = w.shape[0]
+    if w.shape[1] != K or K % 8 or not w.is_contiguous() or w.data_ptr() % 16:
+        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] bf16 weight (x's K, a multiple of 8), got "
+                   f"{tuple(w.shape)}")
+    if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
+        _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
+    ends, total = [], 0
+    for i, o in enumerate(outs):
+        _check(f"outs[{i}]", o, dev, (torch.bfloat16, torch.float32))
+        if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
+            _fail(f"outs[{i}]", f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides "
+                                f"{o.stride()}")
+        total += o.shape[1]
+        ends.append(total)
+    if total != N:
+        _fail("outs", f"widths must add up to w's {N} rows, got {total}")
+    if residual is not None:
+        if len(outs) != 1:
+            _fail("residual", "is an epilogue of a single projection, not of a group")
+        _check("residual", residual, dev, (torch.bfloat16,))
+        if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
+            _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
+    pad = [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
+    o_ptrs = [_ptr(o, o.element_size()) for o in list(outs) + pad]
+    o_str = [o.stride(0) for o in list(outs) + pad]
+    args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str]
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, dev.index)
+    with torch.cuda.device(dev):
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        fn = _COMPILED.get(key)
+        if fn is None:
+            from cutlass import cute
+
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl), *args, stream)
+            _COMPILED[key] = fn
+        fn(*args, stream)
+    return outs
