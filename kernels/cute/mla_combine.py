@@ -276,6 +276,9 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
     if out is None:
         out = torch.empty(B, T, H * D_V, dtype=torch.bfloat16, device=dev)
     _tensor("out", out, dev, (torch.bfloat16,), (B, T, H * D_V))
+    for name, t in (("o_part", o5), ("w_uv", w_uv)):  # 16-byte vector loads
+        if t.data_ptr() % 16:
+            _fail(name, f"base address must be 16-byte aligned (got 0x{t.data_ptr():x})")
     if o5.numel() >= 2 ** 31:
         _fail("o_part", f"holds {o5.numel()} elements: the kernel indexes with 32 bits (< 2^31)")
     NR = B * T
