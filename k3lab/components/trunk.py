@@ -476,7 +476,8 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
 def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference", ran: list | None = None,
           w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router projection into fp32 logits, then router_topk, each through the dispatcher (backend "cute": the
-    projection on triton, the projections having no CuTe DSL kernel; torch_compile: the reference GEMM)."""
+    projection on triton, whose batch range the CuTe projection (<= 16 rows, not yet timed) does not cover;
+    torch_compile: the reference GEMM)."""
     if not isinstance(router, RouterWeights):
         _fail("router", f"must be k3lab.ref.router.RouterWeights, got {type(router).__name__}")
     _tensor("h", h, 2)
