@@ -85,3 +85,17 @@ def test_supports_names_what_cute_does_not_take():
     assert "1..16" in proj_supports("cute", dict(batch=17))
     assert "prologue" in proj_supports("cute", dict(batch=1, prologue="rms"))
     assert "prologue" in proj_supports("cute", dict(batch=1, select=True))
+
+
+def test_bench_skips_what_a_backend_does_not_take(monkeypatch):
+    """The benchmark asks `supports` per case: an fp8 case lists cute as skipped, with the reason, instead of timing a
+    refusal; a bf16 case keeps it."""
+    from k3lab.bench import runner
+
+    monkeypatch.setattr(runner, "backend_status", lambda be: (True, ""))
+    fp8 = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="fp8", residual=False, prologue="none")
+    impls, skipped = runner.implementations(PROJ, fp8, ["cute"], peers=False, only={}, gpu=False)
+    assert not impls and "bf16 weights" in skipped["cute"]
+    bf16 = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="none")
+    impls, skipped = runner.implementations(PROJ, bf16, ["cute"], peers=False, only={}, gpu=False)
+    assert [i.name for i in impls] == ["cute"] and not skipped
