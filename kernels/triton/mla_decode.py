@@ -11,8 +11,8 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
   * ALL query heads of one sequence are one tile of rows: row = t * HR + h (HR = pad_heads, or H when
     not padded), BM rows a program (BM = next power of two >= max(16, T*HR), at most `block_m`: 16, or 32
     from batch 8 where that takes fewer groups, `default_block_m`; more rows = G > 1 groups, e.g. T=8 at 12/16
-    heads). So each cache row is read ONCE per sequence for all
-    heads and all T queries (twice, the second time mostly from L2, when G = 2). Padded rows (h >= H or
+    heads). So each cache row is read ONCE per sequence for all heads and all T queries (G times, the later
+    ones mostly from L2, when G > 1). Padded rows (h >= H or
     t >= T) are loaded as zero queries and never stored: they cannot change any result.
   * Head padding: tl.dot needs M >= 16, so both forms run tensor-core tiles. Unpadded, the T*H rows are
     packed densely and masked up to BM; pad_heads=16 lays each position's heads out as 16 rows.

@@ -335,8 +335,7 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 # word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2. At batch 1 the
 # pairs are the token's distinct top-k experts, so each pair leads a group of one (`_simt_group`: no id tile).
 # Activations enter as f16 scaled by 2^6 (z from bf16 in registers every step; the SiTU activation stored so by
-# role A).
-# the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
+# role A); the decoded weights are e2m1 * 2^-14 (exact f16, subnormals included), so the block factor is 2^(s - 119).
 # Exactness: every decoded weight is exact (weight = decoded * 2^14 * 2^(s - 127), s <= 246); the products
 # and the block's sum are f16 (11-bit significand; a product under 2^-14 keeps an absolute error <= 2^-25,
 # i.e. 2^-17 in the activation's units); activations must satisfy |x| < 1023 (2^6 |x| within f16).
@@ -959,9 +958,8 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
             first, lead = _leaders(z.device, w1.shape[0], B * K)
             _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=pdl, num_warps=4,
                                        **launch_kw(pdl))
-        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act,
-                                   act.view(torch.int32), ws, lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K),
-                                   BB=max(16, _pow2(B)), BN=bn,
+        k = _moe_simt_kernel[(nprog,)](z.view(torch.int32), idx, wk, w1, w3, w2, *sc, y, act, act.view(torch.int32), ws,
+                                   lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
                                    ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, num_warps=nw,
