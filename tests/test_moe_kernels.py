@@ -105,6 +105,30 @@ def test_simt_tickets_over_leaders():
                       leaders=True)
 
 
+def test_simt_wait_per_expert():
+    """`wait="expert"`: a role-B item waits for its own pair's role-A items and the y-zeroing ones, not every A item;
+    the pairs' counters are zeroed by the last program (checked by running twice and reading the workspace back):
+    batch 1 (groups of one), ragged routing persistent with two tokens a pass, the leaders' list, more latent than
+    one zeroing item covers; 'wait' is refused off the simt path and for another value, by name."""
+    from k3lab_kernels.triton import moe_experts as kern
+
+    for _ in range(2):
+        _check(dtype="mxfp4", batch=1, options=dict(path="simt", wait="expert"))
+    _check(dtype="mxfp4", batch=6, routing="ragged", options=dict(path="simt", block_t=2, persist=2, block_n=32,
+                                                                   wait="expert"))
+    _check(dtype="mxfp4", batch=5, routing="same16", options=dict(path="simt", persist=0, leaders=True,
+                                                                   wait="expert"))
+    for key, (ws, _act) in kern._workspaces.items():
+        assert key[1] != "simt" or int(ws.abs().sum()) == 0  # tickets, counters, the pairs' counters: all zero
+    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=1), 0, "cpu")
+    ran: list = []
+    c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", path="simt", ran=ran)
+    assert ran[0].options["wait"] == kern.default_blocks(1, 4, 256, 64, "mxfp4", "simt")["wait"]
+    for kw in (dict(path="grouped", wait="expert"), dict(path="simt", wait="some")):
+        with pytest.raises(c_moe.MoEArgumentError, match="'wait'"):
+            c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", **kw)
+
+
 _TTGIR = """#blocked = #ttg.blocked<{sizePerThread = [1, 1, 4], threadsPerWarp = [8, 4, 1], warpsPerCTA = [2, 1, 1], \
 order = [2, 1, 0]}>
 #blocked3 = #ttg.blocked<{sizePerThread = [1, 1, %d], threadsPerWarp = [1, 8, 4], warpsPerCTA = [1, 2, 1], \
@@ -276,6 +300,16 @@ def test_gpu_k3_sizes(dtype):
     """K3's pool (896 experts, latent 3584) at TP16, ragged routing at an odd batch; `k3lab bench moe` checks every
     timed row (TP8, batch 1..64, uniform / same16 / traced) the same way."""
     _check(dtype=dtype, batch=33, routing="ragged", tp=16, **K3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,routing,tp", [(1, "uniform", 8), (33, "ragged", 16), (64, "k3_reuse30", 8)])
+def test_gpu_wait_per_expert(batch, routing, tp):
+    """The simt path's per-expert wait on the H200 at K3's pool (the race it could lose: a role-B item reading act
+    or adding into y before its expert's role-A items or the zeroing ones are done), twice in a row."""
+    for seed in (0, 1):
+        _check(dtype="mxfp4", batch=batch, routing=routing, tp=tp, seed=seed, options=dict(path="simt", wait="expert"),
+               **K3)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ the rule `default_path` picks by weight format and batch, from the H200 sweeps i
            11 integer instructions per 8 codes, f16x2 FMAs per 32-block, one or two tokens a pass; optionally
            persistent (`persist` programs a multiprocessor, registers capped by `maxnreg` so that they fit); at
            batch 1 each pair is its own group; `leaders`: a prologue lists the groups' leaders, and the tickets
-           run over them only. Its section below has the details and the exactness.
+           run over them only; `wait`: a B item waits for every A item ("all") or its own expert's ("expert").
+           Its section below has the details and the exactness.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
@@ -315,7 +316,7 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
     else:
         # one thread polls with acquire loads and the CTA waits on its answer (a barrier each poll), so no load
         # of the B item can move above the wait; bounded: a broken counter gives wrong sums, never a hang
-        _wait_a(ws, NA)
+        _wait_a(ws + 32, NA)
         tb = t - NA
         _gemv_down(idx, w2, s2, act, flags, y, tb // (L // BL), tb % (L // BL), B, L, I, BB, FMT, BL, BI, INTERP)
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
@@ -560,26 +561,28 @@ def _factor(s):
 
 
 @triton.jit
-def _wait_a(ws, NA):
-    """Role B's wait for every role-A item (both two-role kernels): one thread polls with acquire loads and the
-    CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
-    done = tl.atomic_add(ws + 32, 0, sem="acquire")
+def _wait_a(cnt, NA):
+    """Role B's wait until the counter `cnt` reaches NA (both two-role kernels: ws + 32 counting every role-A item;
+    the simt kernel's per-expert wait: its pair's own counter, then the y-zeroing items'): one thread polls with
+    acquire loads and the CTA waits on its answer, bounded (a broken counter gives wrong sums, never a hang)."""
+    done = tl.atomic_add(cnt, 0, sem="acquire")
     spins = 0
     while (done < NA) & (spins < 100000):
-        done = tl.atomic_add(ws + 32, 0, sem="acquire")
+        done = tl.atomic_add(cnt, 0, sem="acquire")
         spins += 1
     tl.debug_barrier()
 
 
 @triton.jit
-def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA,
-               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, TB: tl.constexpr, INTERP: tl.constexpr,
-               NW: tl.constexpr):
+def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA, ws2, NA2,
+               TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, WAIT2: tl.constexpr, TB: tl.constexpr,
+               INTERP: tl.constexpr, NW: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
-    one load and conversion of z for both); WAIT: wait for role A (`_wait_a`) after the first weight loads and
-    before the first activation load (role B streams w2 while role A finishes); NW the program's warps.
+    one load and conversion of z for both); WAIT: wait for role A (`_wait_a(ws, NA)`, and with WAIT2 also
+    `_wait_a(ws2, NA2)`) after the first weight loads and before the first activation load (role B streams w2 while
+    role A finishes); NW the program's warps.
     (Measured and lost, docs/NOTES_moe.md: the next step's activations loaded with its weights, +22% at batch 1;
     the activations converted once an item, `zpre`, +6..22%; the weights through tensor descriptors pipelined
     2..6 deep, `tma`, +24..34% at batch 1.)"""
@@ -590,6 +593,8 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
         w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB)
     if WAIT:
         _wait_a(ws, NA)
+        if WAIT2:
+            _wait_a(ws2, NA2)
     for c0 in range(0, NS, NB):
         blk = c0 + tl.arange(0, NB)
         nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
@@ -650,18 +655,19 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
-                              s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, True, True, False, TB,
-                              INTERP, NW)
+                              s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, zi, 0, True, True, False,
+                              False, TB, INTERP, NW)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
 
 @triton.jit
-def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-               KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
+def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, ws2, NA2, p, lt, B, L: tl.constexpr, I: tl.constexpr,
+               K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr,
+               TB: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr, WAIT2: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
-    (token b, pair q_b), fp32 atomics; it waits for role A (ws, NA) before reading act."""
+    (token b, pair q_b), fp32 atomics; it waits for role A (counter ws reaching NA, and with WAIT2 ws2 reaching
+    NA2) before reading act."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
     if leader:
         w2e, s2e = tl.multiple_of(w2 + e * (L * (I // 8)), 16), s2 + e * (L * (I // 32))
@@ -670,8 +676,8 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, p, lt, B, L: tl.constexpr, I: t
             tok, w_t, q, ok = _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB, TB, ONE)
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
-                               s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, False, False, True,
-                               TB, INTERP, NW)
+                               s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, ws2, NA2, False,
+                               False, True, WAIT2, TB, INTERP, NW)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -700,13 +706,17 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
+                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, PER_EXPERT: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
     there, [64] counting programs done. LEAD: the items run over the leaders `_simt_leaders_kernel` listed
     (their count read here: NA and NITEMS shrink to it) instead of over every pair. PDL: launched with
-    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait)."""
+    programmatic dependent launch (every weight read depends on the routing, so nothing is read before the wait).
+    PER_EXPERT (the `wait` knob "expert"): a B item waits only for its own pair's I/BN A items (ws[96 + p], each A
+    item adds one) and for the A items that zeroed y (ws[32], the first NZ tickets), not for every A item, so the
+    experts whose A items ended early stream their w2 while the last A items run; the last program zeroes the
+    pairs' counters with the three others."""
     pdl_enter(PDL)
     na = NA
     nitems = NITEMS
@@ -714,31 +724,47 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
         nl = tl.load(lead)
         na = nl * (I // BN)
         nitems = na + nl * (L // BL)
+    nz = tl.minimum(na, (B * L + 1023) // 1024)  # the A items that zero a part of y (tickets 0 .. nz-1)
     t = tl.atomic_add(ws, 1, sem="relaxed")
     while t < nitems:
         if t < na:
             zc = t * 1024 + tl.arange(0, 1024)
             for z0 in range(0, B * L, na * 1024):
                 tl.store(y + z0 + zc, tl.zeros([1024], tl.float32), mask=z0 + zc < B * L)
+            if PER_EXPERT:
+                if t < nz:
+                    tl.debug_barrier()
+                    tl.atomic_add(ws + 32, 1, sem="release")
             pa = t // (I // BN)
             if LEAD:
                 pa = tl.load(lead + 1 + pa)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
                      TB, B1, B2, INTERP, NW, ONE)
             tl.debug_barrier()
-            tl.atomic_add(ws + 32, 1, sem="release")
+            if PER_EXPERT:
+                tl.atomic_add(ws + 96 + pa, 1, sem="release")
+            else:
+                tl.atomic_add(ws + 32, 1, sem="release")
         else:  # waits for role A inside, after its first weight loads
             tb = t - na
             pb = tb // (L // BL)
             if LEAD:
                 pb = tl.load(lead + 1 + pb)
-            _simt_down(idx, wk, w2, s2, acti, y, ws, na, pb, tb % (L // BL), B, L, I, K, KP, BB, BL,
-                       NB2, TB, INTERP, NW, ONE)
+            if PER_EXPERT:
+                _simt_down(idx, wk, w2, s2, acti, y, ws + 32, nz, ws + 96 + pb, I // BN, pb, tb % (L // BL), B, L,
+                           I, K, KP, BB, BL, NB2, TB, INTERP, NW, ONE, True)
+            else:
+                _simt_down(idx, wk, w2, s2, acti, y, ws + 32, na, ws + 32, na, pb, tb % (L // BL), B, L, I, K, KP,
+                           BB, BL, NB2, TB, INTERP, NW, ONE, False)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
         tl.atomic_xchg(ws + 32, 0)
         tl.atomic_xchg(ws + 64, 0)
+        if PER_EXPERT:  # every pair's counter (B * K of them; LEAD counts by the leader's pair index too)
+            for c0 in range(0, B * K, 1024):
+                cc = c0 + tl.arange(0, 1024)
+                tl.store(ws + 96 + cc, tl.zeros([1024], tl.int32), mask=cc < B * K)
 
 
 @triton.jit
@@ -780,6 +806,7 @@ def _pow2(n: int) -> int:
 GEMV_MAX_BATCH = 16
 SIMT_MAX_BATCH = 64
 SIMT_TOKENS = (1, 2)
+SIMT_WAITS = ("all", "expert")  # what a simt role-B item waits for (`_moe_simt_kernel`'s PER_EXPERT)
 SIMT_LEADERS_FROM = 16  # from this batch, tickets over the leaders only (`_simt_leaders_kernel`; default_blocks)
 LEAD_BIG = 1 << 30
 PATHS = ("gemv", "grouped", "simt")
@@ -808,7 +835,10 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     uncapped at two tokens a pass, two programs an SM); the weight steps are register double-buffered in the
     kernel (num_stages is not used); from batch 16 (`SIMT_LEADERS_FROM`) a one-program prologue lists the groups'
     leaders and the tickets run over them only (`leaders`; H200 with the 2D word loads: batch 2 / 4 / 8 lose 4 / 2
-    / 1%, batch 16 / 32 / 64 gain 1 / 3 / 5%, twelfth session).
+    / 1%, batch 16 / 32 / 64 gain 1 / 3 / 5%, twelfth session); a role-B item waits for its own expert's role-A
+    items from batch 2 (`wait` "expert"; H200 us, all / expert: batch 2 47.5 / 40.0, 4 76.6 / 70.4, 8 136.8 / 131.0,
+    16 247.5 / 241.5, 32 432.1 / 423.3, 64 764.8 / 763.0; batch 1 20.4 / 22.7, so "all" there: its last experts'
+    few w2 items would run alone at the end; seventeenth session's moe_wait.json.gz).
     gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
     MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
@@ -825,7 +855,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
         bl = min(256 if B == 1 else 128, L & -L)
         return dict(block_n=min(16, I), block_k=32 * nb, block_l=bl, block_t=1 if B == 1 else 2,
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
-                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM)
+                    maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
+                    wait="all" if B == 1 else "expert")
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -911,11 +942,12 @@ def _leaders(device, E: int, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _leader_ws[key]
 
 
-def workspace(device, pairs: int, I: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gemv path's scratch on `device`: counters + leader flags (int32, zero between calls: the kernel's
-    last program resets them) and the activations [pairs, 16, I]. Kept per device and size, so make the first
-    call outside a CUDA graph capture; calls on one device must not overlap (one stream)."""
-    key = (str(device), _pow2(pairs), I, dtype)
+def workspace(device, pairs: int, I: int, dtype: torch.dtype, path: str = "gemv") -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-role paths' scratch on `device`: counters (int32, zero between calls: the kernel's last program
+    resets them) + the gemv path's leader flags (rewritten every call, not reset) or the simt path's per-pair
+    counters (reset), so each path has its own, and the activations [pairs, 16, I]. Kept per device, path and size,
+    so make the first call outside a CUDA graph capture; calls on one device must not overlap (one stream)."""
+    key = (str(device), path, _pow2(pairs), I, dtype)
     if key not in _workspaces:
         ws = torch.zeros(96 + _pow2(pairs), dtype=torch.int32, device=device)
         act = torch.empty(_pow2(pairs), GEMV_MAX_BATCH, I, dtype=dtype, device=device)
@@ -928,10 +960,12 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
+                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
-    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly)."""
+    dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly). wait (simt
+    path): what a role-B item waits for, "all" the role-A items or its own "expert"'s (`_moe_simt_kernel`; None:
+    `default_blocks`)."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
@@ -945,7 +979,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                   B2=float(b2), num_warps=nw, num_stages=ns)
     if path == "simt":
         pdl = chain_pdl(pdl)
-        ws, act = workspace(z.device, B * K, I, torch.float16)
+        ws, act = workspace(z.device, B * K, I, torch.float16, "simt")
         na = B * K * (I // bn)
         nitems = na + B * K * (L // bl)
         per_sm = persist if persist is not None else d["persist"]
@@ -962,7 +996,8 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    lead, B, na, nitems, nprog, L=L, I=I, K=K, KP=_pow2(K), BB=max(16, _pow2(B)), BN=bn,
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
-                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl, num_warps=nw,
+                                   ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl,
+                                   PER_EXPERT=(wait or d["wait"]) == "expert", num_warps=nw,
                                    num_stages=1, **extra, **launch_kw(pdl))
         _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y

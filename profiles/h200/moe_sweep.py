@@ -37,8 +37,8 @@ for i, entry in enumerate(PLAN):  # [grid, peers] or [grid, peers, reps, seconds
 rows = []
 for r in bd_all.rows:
     x = r.extra
-    opt = ",".join(f"{k}={x.get(k)}" for k in ("path", "block_n", "block_k", "block_l", "num_warps", "num_stages")
-                   if x.get(k) is not None)
+    opt = ",".join(f"{k}={x.get(k)}" for k in ("path", "block_n", "block_k", "block_l", "num_warps", "num_stages",
+                                               "wait") if x.get(k) is not None)
     if x.get("path") is None and "path " in (x.get("ran") or {}).get("notes", ""):
         opt = "rule:" + x["ran"]["notes"].split()[1] + ("," + opt if opt else "")
     ok = (r.error or {}).get("ok")
