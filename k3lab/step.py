@@ -286,7 +286,8 @@ class DecodeStep:
                                          f"the requested backends: {L.skipped}")
             comps.append(_fused_parts(L, over, c, prefetch=sw.prefetch, prologues=sw.fuse_prologues,
                                       split_router=sw.split_router, owned_output=sw.owned_output,
-                                      shared_stream=sw.shared_expert_stream, ranks=self.ranks))
+                                      shared_stream=sw.shared_expert_stream, ranks=self.ranks,
+                                      proj_cute=sw.proj_cute and over.get("proj") == "triton"))
         if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "auto"):
             from k3lab.components import moe as moe_comp
 
@@ -313,6 +314,12 @@ class DecodeStep:
                 why[k] = (f"on, TP{tp} emulated on one GPU ({self.ranks!r}: " + (
                     "rank 0's share timed; the other ranks' shares from an all-ranks pass at build, the exchange not "
                     "timed" if self.ranks == "one" else "every rank's share in turn, assembled") + ")")
+        if sw.proj_cute and over.get("proj") != "triton":
+            why["proj_cute"] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
+        elif sw.proj_cute:
+            why["proj_cute"] = (f"on: the projections of <= {PROJ_CUTE_MAX_TOKENS} token with >= "
+                                f"{PROJ_CUTE_MIN_OUTPUTS} outputs, bf16 weights, no input prologue or fused selection "
+                                f"on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)")
         if sw.prefetch and over.get("proj") != "triton":
             why["prefetch"] = "on, but no effect: the projections are not on triton (nothing prefetches)"
         elif sw.prefetch:
@@ -555,9 +562,27 @@ def _beside(comp, side_fn: Callable[[], Any], device):
     return (run, *comp[1:])
 
 
+PROJ_CUTE_MAX_TOKENS = 1
+PROJ_CUTE_MIN_OUTPUTS = 2048
+
+
+def proj_cute_takes(n_tok: int, n_out: int, *, prologue: bool = False, select: bool = False,
+                    wdtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the `proj_cute` switch runs a step projection on the CuTe DSL GEMV (kernels/cute/proj_gemv.py) instead
+    of the triton kernels: one token, at least PROJ_CUTE_MIN_OUTPUTS outputs, bf16 weights, no input prologue and no
+    fused router selection. From the H200 at TP8 (profiles/h200/proj_cute.json.gz, proj_group_cute.json.gz; weights
+    rotated past L2; seventeenth session), cute against triton at batch 1: the KDA input group 22.89 / 25.26 us, the
+    MLA input group 15.29 / 16.53, the MoE input group (no selection) 22.05 / 22.82, kda_o 7.75 / 7.95, moe_down
+    15.14 / 15.94; it loses at 1536 outputs and fewer (kda_q 9.94 / 9.49, mla_dkv 8.46 / 6.61, the router 8.87 /
+    7.74, shared_w1 8.64 / 7.12: one warp a row and no split-K leave SMs idle) and at batch 4 and above everywhere
+    (kda_o 12.14 / 8.00 at 4)."""
+    return (n_tok <= PROJ_CUTE_MAX_TOKENS and n_out >= PROJ_CUTE_MIN_OUTPUTS and not prologue and not select
+            and wdtype == torch.bfloat16)
+
+
 def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologues: bool = True,
                  split_router: bool = False, owned_output: bool = False, shared_stream: bool = False,
-                 ranks: str = "one") -> "OrderedDict[str, Any]":
+                 ranks: str = "one", proj_cute: bool = False) -> "OrderedDict[str, Any]":
     """The layer's components with its projections fused by shared input when the "proj" group runs on a kernel
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
     the experts). Fused (each a `k3lab.components.trunk` call, one launch; an RMSNorm or SiTU-GLU between two
@@ -598,7 +623,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     shared_stream (the `shared_expert_stream` switch, projections on triton): the shared experts' w1/w3 leave
     moe_in's launch and run on the side stream beside the routed experts (`_beside`: forked when the experts start,
     joined when they end); their SiTU-GLU and w2 stay in moe_out. Their share of the SMs is not bounded: the
-    projection's own grid (bounding it needs a grid knob on every projection path, or green contexts)."""
+    projection's own grid (bounding it needs a grid knob on every projection path, or green contexts).
+    proj_cute (the switch, projections on triton): the projections `proj_cute_takes` accepts run on the CuTe DSL
+    GEMV (backend "cute"); the component's record says "cute" (its one launch) or "triton+cute"."""
     from k3lab.components import glue, trunk
     from k3lab.model import _nb
 
@@ -619,9 +646,19 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     def mm_bytes(cat_w, k_in, n_out, e_out=None, residual=False):
         return _nb(cat_w) + N * (k_in * e + n_out * (e_out or e) + (n_out * e if residual else 0))
 
-    def P(x, w, out=None, residual=None, prologue=None):
+    cute_parts: set[str] = set()
+
+    def pb(w, part: str, prologue: bool = False, select: bool = False) -> str:
+        """A projection's backend (the `proj_cute` switch), decided when the parts are built; `part` its component."""
+        if proj_cute and be == "triton" and proj_cute_takes(N, w.shape[0], prologue=prologue, select=select,
+                                                             wdtype=w.dtype):
+            cute_parts.add(part)
+            return "cute"
+        return be
+
+    def P(x, w, out=None, residual=None, prologue=None, be_=None):
         r = None if residual is None else flat(residual).contiguous()
-        return trunk.proj(flat(x).contiguous(), w, out, residual=r, prologue=prologue, backend=be)
+        return trunk.proj(flat(x).contiguous(), w, out, residual=r, prologue=prologue, backend=be_ or be)
 
     fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "moe_out", "dense_mlp")
     out: OrderedDict[str, Any] = OrderedDict()
@@ -638,13 +675,14 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         b["qkv"], b["gate"], b["b"] = qkv.view(*lead, -1), g.view(*lead, -1), beta.view(*lead, -1)
         f = buf(H * Dh)
         b["f"] = f.view(*lead, -1)
+        be_in, be_fb, be_o = pb(w_in, "in_proj"), pb(w.w_fb, "decay_proj"), pb(w.w_o, "out_proj")
 
         def in_proj():
-            trunk.proj_group(flat(b["h"]), w_in, [qkv, g, fa, beta], backend=be)
+            trunk.proj_group(flat(b["h"]), w_in, [qkv, g, fa, beta], backend=be_in)
             return b["qkv"]
 
         def decay():
-            P(fa, w.w_fb, f)
+            P(fa, w.w_fb, f, be_=be_fb)
             return b["f"], b["b"]
 
         n_in = w_in.shape[0]
@@ -656,7 +694,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         p = buf(D)
 
         def out_proj():
-            P(b["o"], w.w_o, p, residual=None if L.block_start else b["x"])
+            P(b["o"], w.w_o, p, residual=None if L.block_start else b["x"], be_=be_o)
             b["p"] = p.view(*lead, D)
             return b["p"]
         out["out_proj"] = (out_proj, mm_bytes(w.w_o, w.w_o.shape[1], D, residual=not L.block_start),
@@ -672,8 +710,10 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         b["mla_gate"] = gl.view(*lead, -1)
         st = L.state
 
+        be_in, be_uq, be_o = pb(w_in, "in_proj"), pb(w.w_uq, "q_proj", prologue=fuse_pro), pb(w.w_o, "out_proj")
+
         def in_proj():
-            trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be)
+            trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be_in)
             return cq
 
         cqn = None if fuse_pro else buf(Q)
@@ -683,7 +723,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 P(cq, w.w_uq, qf, prologue=("rms", w.q_norm, float(w.eps)))
             else:
                 glue.rms_norm(cq, w.q_norm, cqn, eps=float(w.eps), backend=be)
-                P(cqn, w.w_uq, qf)
+                P(cqn, w.w_uq, qf, be_=be_uq)
             q3 = qf.view(N, H, Dn + Dr)
             torch.bmm(q3[..., :Dn].transpose(0, 1), w.w_uk, out=q_lat)  # [H, N, Dn] @ [H, Dn, C]
             b["q_lat"] = q_lat.transpose(0, 1).unflatten(0, lead3)  # a strided view: the kernel takes any strides
@@ -707,7 +747,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         p = buf(D)
 
         def out_proj():
-            P(L.mla_wo_input(b["mla_gate"]), w.w_o, p, residual=None if L.block_start else b["x"])
+            P(L.mla_wo_input(b["mla_gate"]), w.w_o, p, residual=None if L.block_start else b["x"], be_=be_o)
             b["p"] = p.view(*lead, D)
             return b["p"]
         ob = comps["out_proj"][1]
@@ -746,10 +786,12 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             w_rank = [torch.cat([r.w[ce[q]], m.w_down[cl[q]]] + ([w_sh13] if q == 0 and sh0 else []), 0)
                       for q in range(tp)]
 
+            be_rank = [pb(w_rank[q], "moe_in") for q in range(tp)]
+
             def shares(qs):
                 for q in qs:
                     outs = [logits[:, ce[q]], z[:, cl[q]]] + ([gu[:, :sI], gu[:, sI:]] if q == 0 and sh0 else [])
-                    trunk.proj_group(flat(b["h2"]), w_rank[q], outs, backend=be)
+                    trunk.proj_group(flat(b["h2"]), w_rank[q], outs, backend=be_rank[q])
 
             if ranks == "one":
                 if "h2" in b:
@@ -765,6 +807,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         else:
             w_in_moe = w_moe[:E + Lat] if shared_stream else w_moe  # rows: router, latent down (, shared w1/w3)
             w_ins = [w_in_moe]
+            be_min = pb(w_in_moe, "moe_in", select=fuse_sel)
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [gu[:, :sI], gu[:, sI:]])
@@ -772,7 +815,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                     trunk.proj_group(flat(b["h2"]), w_in_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
                                      backend=be)
                 else:
-                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be)
+                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be_min)
                     topk()
                 b["idx"], b["wk"] = idx, wk
                 return idx, wk
@@ -805,12 +848,13 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             w_sh2 = w_out[:, Lat:].contiguous()
             w_up = [w_out[cd[q], :Lat].contiguous() for q in range(tp)]
             qs = range(tp) if ranks == "all" else (0,)
+            be_sh2, be_up = pb(w_sh2, "moe_out"), [pb(w_up[q], "moe_out") for q in range(tp)]
 
             def moe_out():
                 glue_in()
-                trunk.proj(xin[:, Lat:], w_sh2, xo, residual=flat(b["p"]).contiguous(), backend=be)
+                trunk.proj(xin[:, Lat:], w_sh2, xo, residual=flat(b["p"]).contiguous(), backend=be_sh2)
                 for q in qs:
-                    trunk.proj(xin[:, :Lat], w_up[q], xo[:, cd[q]], residual=xo[:, cd[q]], backend=be)
+                    trunk.proj(xin[:, :Lat], w_up[q], xo[:, cd[q]], residual=xo[:, cd[q]], backend=be_up[q])
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             d_own = sum(w_up[q].shape[0] for q in qs)
@@ -827,9 +871,11 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
         else:  # two launches: the glue into the two segments of one input, then one projection over [Wup | w2]
+            be_out = pb(w_out, "moe_out")
+
             def moe_out():
                 glue_in()
-                P(xin, w_out, xo, residual=b["p"])
+                P(xin, w_out, xo, residual=b["p"], be_=be_out)
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             nb_out = nb_glue + mm_bytes(w_out, Lat + sI, D, residual=True)
@@ -841,21 +887,28 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         gu, xo = buf(2 * I), buf(D)
 
         a_d = None if fuse_pro else buf(I)
+        be_13, be_2 = pb(w13, "dense_mlp"), pb(m.w2, "dense_mlp", prologue=fuse_pro)
 
         def dense():
-            P(b["h2"], w13, gu)
+            P(b["h2"], w13, gu, be_=be_13)
             if fuse_pro:
                 P(gu, m.w2, xo, residual=b["p"], prologue=("situ", m.b1, m.b2))
             else:
                 glue.situ_glu(gu, a_d, b1=m.b1, b2=m.b2, backend=be)
-                P(a_d, m.w2, xo, residual=b["p"])
+                P(a_d, m.w2, xo, residual=b["p"], be_=be_2)
             b["x_out"] = xo.view(*lead, D)
             return b["x_out"]
         out["dense_mlp"] = (dense, mm_bytes(w13, D, 2 * I) + mm_bytes(m.w2, (2 if fuse_pro else 1) * I, D,
                                                                         residual=True)
                             + (0 if fuse_pro else N * I * 3 * e),
                             2 * N * D * 3 * I)
-    L.ran = {name: (be if name in fused else L.ran.get(name, "reference")) for name in out}
+    single = ("in_proj", "decay_proj") + (("out_proj",) if L.kind == "kda" else ())  # one projection launch each
+
+    def ran_as(name: str) -> str:
+        if name in cute_parts:
+            return "cute" if name in single else f"{be}+cute"
+        return be if name in fused else L.ran.get(name, "reference")
+    L.ran = {name: ran_as(name) for name in out}
     return out
 
 
@@ -1248,16 +1301,16 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 
 TOGGLE_NAMES = tuple(c for c in COMPONENTS if c != "dense") + (
     "pad_heads", "kda_tile_v", "mla_partitions", "prefetch", "fuse_prologues", "split_router", "owned_output",
-    "shared_expert_stream", "kda_pdl", "pdl", "kda_checkpoint")  # what toggle_list can change (each label starts
-# with one of them)
+    "shared_expert_stream", "kda_pdl", "pdl", "kda_checkpoint", "proj_cute")  # what toggle_list can change (each
+# label starts with one of them)
 
 
 def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False) -> list[tuple[str, Switches]]:
     """Each switch changed alone from the step's switches: every component on a non-reference backend put
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
     128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output,
-    shared_expert_stream and pdl when the projections run on triton, kda_pdl when the KDA runs on cute, kda_checkpoint
-    auto <-> 1 on the verify path where it changes the checkpoint (`verify`)). kda_state_dtype
+    shared_expert_stream, pdl and proj_cute when the projections run on triton, kda_pdl when the KDA runs on cute,
+    kda_checkpoint auto <-> 1 on the verify path where it changes the checkpoint (`verify`)). kda_state_dtype
     needs a new build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
     for comp in COMPONENTS:
@@ -1276,6 +1329,7 @@ def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False
         flips["owned_output"] = {False: True, True: False}
         flips["shared_expert_stream"] = {False: True, True: False}
         flips["pdl"] = {False: True, True: False}
+        flips["proj_cute"] = {False: True, True: False}
     for k, m in flips.items():
         v = getattr(requested, k)
         nv = m.get(v, next(iter(m)) if v != next(iter(m)) else None)
@@ -1487,8 +1541,8 @@ def _nsight_main(spec_path: str) -> None:
             and _override_ok(g, res.backend[g], L.B * L.T)[0]}
     L.switches = res.replace(backend={**res.backend, **{g: "reference" for g in over}})
     comps = _fused_parts(L, over, L.components(), prologues=res.fuse_prologues, split_router=res.split_router,
-                         owned_output=res.owned_output,
-                         shared_stream=res.shared_expert_stream)  # the same components as the step's
+                         owned_output=res.owned_output, shared_stream=res.shared_expert_stream,
+                         proj_cute=res.proj_cute and over.get("proj") == "triton")  # the same components as the step's
     launches = spec.get("launches") or {}
     single = [n for n in comps if launches.get(f"L{lid:02d}.{L.kind}.{n}", 0) == 1]
     for _, (fn, _, _) in comps.items():  # warm: compiles and autotunes outside ncu's view

@@ -39,6 +39,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "owned_output": (False, True),
     "fused_allreduce": (False, True),
     "pdl": (False, True),
+    "proj_cute": (False, True),
 }
 # declared, not read by any code yet: the issue that wires each
 NOT_WIRED = {
@@ -90,6 +91,9 @@ class Switches:
     # the step: every k3lab Triton kernel launched with programmatic dependent launch (each waits for its
     # predecessor's results, reading only weights and never-written tensors before; k3lab_kernels.triton.pdl)
     pdl: bool = False
+    # the step (projections on triton): the one-token projections with many outputs and no input prologue or fused
+    # router selection through the CuTe DSL GEMV (kernels/cute/proj_gemv.py; k3lab.step.proj_cute_takes says which)
+    proj_cute: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -128,6 +128,34 @@ def test_fused_wiring_routes_every_group_to_its_kernel():
     assert st.layers[1].w.attn.w_qkv._base is base
 
 
+def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
+    """`proj_cute` sends the projections `proj_cute_takes` accepts (one token, >= PROJ_CUTE_MIN_OUTPUTS outputs, bf16,
+    no prologue or fused selection) to backend "cute" and records it per component; off, or on at two tokens, nothing
+    changes; toggled alone when the projections run on triton; the rule's edges. (Wiring: the calls are captured, not
+    run; the GPU tests of the kernel are tests/test_proj_cute.py.)"""
+    from k3lab.components import trunk
+
+    assert S.proj_cute_takes(1, 2048) and not S.proj_cute_takes(1, 2047) and not S.proj_cute_takes(2, 7168)
+    assert not S.proj_cute_takes(1, 7168, prologue=True) and not S.proj_cute_takes(1, 7168, select=True)
+    assert not S.proj_cute_takes(1, 7168, wdtype=torch.float8_e4m3fn)
+    seen: list = []
+    monkeypatch.setattr(trunk, "proj", lambda *a, backend, **k: seen.append(("proj", backend)))
+    monkeypatch.setattr(trunk, "proj_group", lambda *a, backend, **k: seen.append(("group", backend)))
+    monkeypatch.setattr(S, "PROJ_CUTE_MIN_OUTPUTS", 1)  # the tiny preset's projections are narrow
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
+    kda = st.layers[1]
+    assert kda.ran["in_proj"] == "cute" and kda.ran["out_proj"] == "cute" and kda.ran["moe_out"] == "triton+cute"
+    assert "proj_cute" in st.why and "CuTe DSL GEMV" in st.why["proj_cute"]
+    st.comps[1]["in_proj"][0]()
+    st.comps[1]["decay_proj"][0]()
+    assert seen == [("group", "cute"), ("proj", "cute")]
+    st.set_switches(FUSED)
+    assert kda.ran["in_proj"] == "triton" and "proj_cute" not in st.why
+    two = S.DecodeStep(_tiny(batch=2, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
+    assert set(two.layers[1].ran.values()) == {"triton"}
+    assert "proj_cute=False->True" in dict(S.toggle_list(FUSED, st.switches))
+
+
 def test_fuse_prologues_switch_same_output():
     """fuse_prologues=False (the default) runs the norms and SiTU as launches of their own (the MoE output:
     routed_norm and SiTU-GLU into the two segments of one input, then one projection over [Wup | w2]) and gives the
