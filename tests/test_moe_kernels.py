@@ -129,20 +129,6 @@ def test_simt_wait_per_expert():
             c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", **kw)
 
 
-def test_simt_two_steps_ahead():
-    """`ahead=2`: two weight steps in flight (both roles) gives the one-step result: batch 1, ragged persistent two
-    tokens a pass with the per-expert wait, and latent / intermediate sizes of one and two steps a row (the loads
-    past the end fall back on the last step); refused off the simt path and for 3, by name."""
-    _check(dtype="mxfp4", batch=1, options=dict(path="simt", ahead=2))
-    _check(dtype="mxfp4", batch=6, routing="ragged", options=dict(path="simt", block_t=2, persist=2, block_n=32,
-                                                                   wait="expert", ahead=2))
-    _check(dtype="mxfp4", batch=2, latent=32, inter=64, tp=1, n_experts=16, options=dict(path="simt", ahead=2))
-    inp = OP.make_inputs(OP.case(dtype="mxfp4", batch=1), 0, "cpu")
-    for kw in (dict(path="grouped", ahead=2), dict(path="simt", ahead=3)):
-        with pytest.raises(c_moe.MoEArgumentError, match="'ahead'"):
-            c_moe.experts(inp["z"], inp["idx"], inp["weights_k"], inp["moe"], backend="triton", **kw)
-
-
 _TTGIR = """#blocked = #ttg.blocked<{sizePerThread = [1, 1, 4], threadsPerWarp = [8, 4, 1], warpsPerCTA = [2, 1, 1], \
 order = [2, 1, 0]}>
 #blocked3 = #ttg.blocked<{sizePerThread = [1, 1, %d], threadsPerWarp = [1, 8, 4], warpsPerCTA = [1, 2, 1], \

@@ -46,7 +46,7 @@ def build(const: dict, opts: dict, ptxas_args: tuple = ("-v",)):
 def compile_one(tb: int, maxnreg: int | None, one: bool, lead: bool = False, nw: int = 4) -> str:
     const = dict(L=3584, I=384, K=16, KP=16, BB=16, BN=16, NB=16, BL=128, NB2=4, TB=tb, B1=4.0, B2=25.0,
                  INTERP=False, NW=nw, ONE=one, LEAD=lead, PDL=False,
-                 PER_EXPERT=os.environ.get("PER_EXPERT", "0") == "1", AHEAD=int(os.environ.get("AHEAD", "1")))
+                 PER_EXPERT=os.environ.get("PER_EXPERT", "0") == "1")
     opts = {"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
     k, ptx, out, _ = build(const, opts)
     regs = re.search(r"Used (\d+) registers", out)

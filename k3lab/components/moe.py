@@ -22,7 +22,7 @@ maxnreg (None: the kernel's tiles for the path; persist: programs per SM on the 
 maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, recorded as run), leaders (the
 simt path: a prologue lists the groups' leaders and the tickets run over them only; None: from batch 16, recorded
 as run), wait (the simt path: a role-B item waits for "all" role-A items or only its own "expert"'s; None: the
-kernel's choice, recorded as run), ahead (the simt path: 1 or 2 weight steps in flight; None: the kernel's).
+kernel's choice, recorded as run).
 `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it on timed or
 graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
 
@@ -89,8 +89,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-            leaders: bool | None = None, wait: str | None = None, ahead: int | None = None,
-            ran: list | None = None) -> torch.Tensor:
+            leaders: bool | None = None, wait: str | None = None, ran: list | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
@@ -109,8 +108,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
-                 num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait,
-                 ahead=ahead)
+                 num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
     if be == "triton":
@@ -140,7 +138,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             from k3lab_kernels.triton.moe_experts import default_blocks
 
             d = default_blocks(B, idx.shape[1], moe.w1.shape[1], L, "mxfp4", "simt")
-            knobs = dict(knobs, **{k: d[k] for k in ("maxnreg", "leaders", "wait", "ahead") if knobs[k] is None})
+            knobs = dict(knobs, **{k: d[k] for k in ("maxnreg", "leaders", "wait") if knobs[k] is None})
         y = dispatch.kernel(OP, be)(*args["pos"], **args["kw"], **knobs)
         dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, notes=f"path {knobs['path']} ({rule})",
                         **rec)
@@ -258,10 +256,6 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     if knobs["wait"] is not None and (knobs["wait"] not in ("all", "expert") or path != "simt"):
         _fail("wait", f"must be None, 'all' or 'expert' (what a role-B item of the simt path waits for), got "
                       f"{knobs['wait']!r} on the {path} path")
-    if knobs["ahead"] is not None and (knobs["ahead"] not in (1, 2) or isinstance(knobs["ahead"], bool)
-                                       or path != "simt"):
-        _fail("ahead", f"must be None, 1 or 2 (the weight steps in flight on the simt path), got {knobs['ahead']!r} "
-                       f"on the {path} path")
     if knobs["num_stages"] is not None and (knobs["num_stages"] not in (1, 2, 3, 4, 5) or path == "simt"):
         _fail("num_stages", f"must be None or one of 1..5 (None on the simt path: its weight steps are register "
                             f"double-buffered), got {knobs['num_stages']!r} on the {path} path")

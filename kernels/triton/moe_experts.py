@@ -576,14 +576,13 @@ def _wait_a(cnt, NA):
 @triton.jit
 def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.constexpr, oa, ob, ws, NA, ws2, NA2,
                TWO: tl.constexpr, CONV: tl.constexpr, WAIT: tl.constexpr, WAIT2: tl.constexpr, TB: tl.constexpr,
-               INTERP: tl.constexpr, NW: tl.constexpr, AHEAD: tl.constexpr):
+               INTERP: tl.constexpr, NW: tl.constexpr):
     """acc [R, NB, 4] += rows `rows` of one kernel-layout matrix ([*, C] logical) times the tokens' activations
     (row offsets oa, ob) over all C columns, NB 32-blocks a step, the next step's weights loaded before this
     step's arithmetic; TWO: acc3 the same for a second matrix (wp3, sp3) on the same activations (w1 and w3:
     one load and conversion of z for both); WAIT: wait for role A (`_wait_a(ws, NA)`, and with WAIT2 also
     `_wait_a(ws2, NA2)`) after the first weight loads and before the first activation load (role B streams w2 while
-    role A finishes); NW the program's warps; AHEAD (1 or 2): the steps whose weights are in flight while a step
-    computes (2: two register buffers, ~10 more registers a thread at batch 1's tiles).
+    role A finishes); NW the program's warps.
     (Measured and lost, docs/NOTES_moe.md: the next step's activations loaded with its weights, +22% at batch 1;
     the activations converted once an item, `zpre`, +6..22%; the weights through tensor descriptors pipelined
     2..6 deep, `tma`, +24..34% at batch 1.)"""
@@ -592,52 +591,25 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
     w3, f3 = w, f
     if TWO:
         w3, f3 = _simt_load(wp3, sp3, rows, 0, C, NB)
-    if AHEAD == 1:
-        if WAIT:
-            _wait_a(ws, NA)
-            if WAIT2:
-                _wait_a(ws2, NA2)
-        for c0 in range(0, NS, NB):
-            blk = c0 + tl.arange(0, NB)
-            nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
-            wn, fn = _simt_load(wp, sp, rows, nxt, C, NB)
-            w3n, f3n = wn, fn
-            if TWO:
-                w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB)
-            xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TB >= 2:
-                xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
-            acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            if TWO:
-                acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            w, f, w3, f3 = wn, fn, w3n, f3n
-    else:  # two steps in flight: the step after next is loaded while this one computes
-        s1 = tl.minimum(NB, NS - NB)
-        wn, fn = _simt_load(wp, sp, rows, s1, C, NB)
+    if WAIT:
+        _wait_a(ws, NA)
+        if WAIT2:
+            _wait_a(ws2, NA2)
+    for c0 in range(0, NS, NB):
+        blk = c0 + tl.arange(0, NB)
+        nxt = tl.minimum(c0 + NB, NS - NB)  # the last step reloads itself (an L1/L2 hit)
+        wn, fn = _simt_load(wp, sp, rows, nxt, C, NB)
         w3n, f3n = wn, fn
         if TWO:
-            w3n, f3n = _simt_load(wp3, sp3, rows, s1, C, NB)
-        if WAIT:
-            _wait_a(ws, NA)
-            if WAIT2:
-                _wait_a(ws2, NA2)
-        for c0 in range(0, NS, NB):
-            blk = c0 + tl.arange(0, NB)
-            nxt = tl.minimum(c0 + 2 * NB, NS - NB)  # past the end: the last step again (an L1/L2 hit)
-            wl, fl = _simt_load(wp, sp, rows, nxt, C, NB)
-            w3l, f3l = wl, fl
-            if TWO:
-                w3l, f3l = _simt_load(wp3, sp3, rows, nxt, C, NB)
-            xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
-            xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-            if TB >= 2:
-                xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
-            acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            if TWO:
-                acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
-            w, f, w3, f3 = wn, fn, w3n, f3n
-            wn, fn, w3n, f3n = wl, fl, w3l, f3l
+            w3n, f3n = _simt_load(wp3, sp3, rows, nxt, C, NB)
+        xa0, xa1, xa2, xa3 = _xparts(xp, oa, blk, CONV, INTERP)
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+        if TB >= 2:
+            xb0, xb1, xb2, xb3 = _xparts(xp, ob, blk, CONV, INTERP)
+        acc = _simt_acc(w, _factor(f), acc, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
+        if TWO:
+            acc3 = _simt_acc(w3, _factor(f3), acc3, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, TB, INTERP, NW)
+        w, f, w3, f3 = wn, fn, w3n, f3n
     return acc, acc3
 
 
@@ -668,8 +640,7 @@ def _simt_members(t0, mem, rank, w_tok, q_tok, wk, p, BB: tl.constexpr, TB: tl.c
 @triton.jit
 def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
              KP: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, TB: tl.constexpr,
-             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr,
-             AHEAD: tl.constexpr):
+             B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr):
     """Role A, item (pair p, row tile n): if p leads its expert's group, act[q, rows] = 2^6 wk * situ(W1 z, W3 z)
     (f16) for each member pair q (token z, routing weight wk), TB members a pass."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _simt_group(idx, wk, p, B, K, KP, BB, ONE)
@@ -685,7 +656,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
             offs = tl.where(ok, tok, 0) * (L // 2)
             g, u = _simt_rows(tl.zeros([BN, NB, 4], tl.float32), tl.zeros([BN, NB, 4], tl.float32), w1e, s1e, w3e,
                               s3e, zi, rows, L, NB, _slot(offs, 0), _slot(offs, 1), zi, 0, zi, 0, True, True, False,
-                              False, TB, INTERP, NW, AHEAD)
+                              False, TB, INTERP, NW)
             a = _situ(tl.sum(g, axis=1), tl.sum(u, axis=1), B1, B2) * (w_t * 64.0)[None, :]  # [BN, 4]
             tl.store(act + q[None, :] * I + rows[:, None], a.to(tl.float16), mask=ok[None, :])
 
@@ -693,8 +664,7 @@ def _simt_up(zi, idx, wk, w1, w3, s1, s3, act, p, n, B, L: tl.constexpr, I: tl.c
 @triton.jit
 def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, ws2, NA2, p, lt, B, L: tl.constexpr, I: tl.constexpr,
                K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr,
-               TB: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr, WAIT2: tl.constexpr,
-               AHEAD: tl.constexpr):
+               TB: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr, ONE: tl.constexpr, WAIT2: tl.constexpr):
     """Role B, item (pair p, latent tile lt): if p leads, y[b, lr] += W2_e[lr, :] act[q_b, :] for each member
     (token b, pair q_b), fp32 atomics; it waits for role A (counter ws reaching NA, and with WAIT2 ws2 reaching
     NA2) before reading act."""
@@ -707,7 +677,7 @@ def _simt_down(idx, wk, w2, s2, acti, y, ws, NA, ws2, NA2, p, lt, B, L: tl.const
             offs = tl.where(ok, q, p) * (I // 2)  # an empty slot reads the leader's own row (written)
             o, o3 = _simt_rows(tl.zeros([BL, NB2, 4], tl.float32), tl.zeros([BL, NB2, 4], tl.float32), w2e, s2e, w2e,
                                s2e, acti, lr, I, NB2, _slot(offs, 0), _slot(offs, 1), ws, NA, ws2, NA2, False,
-                               False, True, WAIT2, TB, INTERP, NW, AHEAD)
+                               False, True, WAIT2, TB, INTERP, NW)
             tl.atomic_add(y + tok[None, :] * L + lr[:, None], tl.sum(o, axis=1), mask=ok[None, :], sem="relaxed")
 
 
@@ -736,8 +706,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
                      L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                      BN: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr, NB2: tl.constexpr, TB: tl.constexpr,
                      B1: tl.constexpr, B2: tl.constexpr, INTERP: tl.constexpr, NW: tl.constexpr,
-                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, PER_EXPERT: tl.constexpr,
-                     AHEAD: tl.constexpr):
+                     ONE: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr, PER_EXPERT: tl.constexpr):
     """The gemv kernel's two roles and ticket order (`_moe_gemv_kernel`) with the SIMT bodies: NA role-A items
     (pairs x I/BN row tiles; y zeroed) then role-B items (pairs x L/BL latent tiles), NITEMS in all. Each of the
     NPROG programs takes tickets until none is left (NPROG = NITEMS: one item each; fewer: persistent). ws as
@@ -747,7 +716,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
     PER_EXPERT (the `wait` knob "expert"): a B item waits only for its own pair's I/BN A items (ws[96 + p], each A
     item adds one) and for the A items that zeroed y (ws[32], the first NZ tickets), not for every A item, so the
     experts whose A items ended early stream their w2 while the last A items run; the last program zeroes the
-    pairs' counters with the three others. AHEAD: the weight steps in flight in both roles (`_simt_rows`)."""
+    pairs' counters with the three others."""
     pdl_enter(PDL)
     na = NA
     nitems = NITEMS
@@ -770,7 +739,7 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
             if LEAD:
                 pa = tl.load(lead + 1 + pa)
             _simt_up(z, idx, wk, w1, w3, s1, s3, act, pa, t % (I // BN), B, L, I, K, KP, BB, BN, NB,
-                     TB, B1, B2, INTERP, NW, ONE, AHEAD)
+                     TB, B1, B2, INTERP, NW, ONE)
             tl.debug_barrier()
             if PER_EXPERT:
                 tl.atomic_add(ws + 96 + pa, 1, sem="release")
@@ -783,10 +752,10 @@ def _moe_simt_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, acti, ws, lead,
                 pb = tl.load(lead + 1 + pb)
             if PER_EXPERT:
                 _simt_down(idx, wk, w2, s2, acti, y, ws + 32, nz, ws + 96 + pb, I // BN, pb, tb % (L // BL), B, L,
-                           I, K, KP, BB, BL, NB2, TB, INTERP, NW, ONE, True, AHEAD)
+                           I, K, KP, BB, BL, NB2, TB, INTERP, NW, ONE, True)
             else:
                 _simt_down(idx, wk, w2, s2, acti, y, ws + 32, na, ws + 32, na, pb, tb % (L // BL), B, L, I, K, KP,
-                           BB, BL, NB2, TB, INTERP, NW, ONE, False, AHEAD)
+                           BB, BL, NB2, TB, INTERP, NW, ONE, False)
         t = tl.atomic_add(ws, 1, sem="relaxed")
     if tl.atomic_add(ws + 64, 1, sem="acq_rel") == NPROG - 1:
         tl.atomic_xchg(ws, 0)
@@ -887,7 +856,7 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
         return dict(block_n=min(16, I), block_k=32 * nb, block_l=bl, block_t=1 if B == 1 else 2,
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
                     maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
-                    wait="all" if B == 1 else "expert", ahead=1)
+                    wait="all" if B == 1 else "expert")
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -991,13 +960,12 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None,
-                ahead: int | None = None) -> torch.Tensor:
+                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
     dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly). wait (simt
     path): what a role-B item waits for, "all" the role-A items or its own "expert"'s (`_moe_simt_kernel`; None:
-    `default_blocks`). ahead (simt path): weight steps in flight, 1 or 2 (None: `default_blocks`)."""
+    `default_blocks`)."""
     B, K = idx.shape
     L = z.shape[1]
     I = w1.shape[1]
@@ -1029,8 +997,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    NB=bk // 32, BL=bl, NB2=d["block_i"] // 32, TB=block_t or d["block_t"],
                                    B1=float(b1), B2=float(b2), INTERP=dot_f32(), NW=nw,
                                    ONE=B == 1 and not lead_on, LEAD=lead_on, PDL=pdl,
-                                   PER_EXPERT=(wait or d["wait"]) == "expert", AHEAD=ahead or d["ahead"],
-                                   num_warps=nw,
+                                   PER_EXPERT=(wait or d["wait"]) == "expert", num_warps=nw,
                                    num_stages=1, **extra, **launch_kw(pdl))
         _require_pack4_layout(k, dict(B=B, block_n=bn, block_k=bk, block_l=bl, num_warps=nw))
         return y
