@@ -317,9 +317,9 @@ class DecodeStep:
         if sw.proj_cute and over.get("proj") != "triton":
             why["proj_cute"] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
         elif sw.proj_cute:
-            why["proj_cute"] = (f"on: the projections of <= {PROJ_CUTE_MAX_TOKENS} token with >= "
-                                f"{PROJ_CUTE_MIN_OUTPUTS} outputs, bf16 weights, no input prologue or fused selection "
-                                f"on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)")
+            why["proj_cute"] = (f"on: the projections of <= {PROJ_CUTE_MAX_TOKENS} token with bf16 weights, no input "
+                                f"prologue or fused selection, K <= {PROJ_CUTE_SHORT_K} or >= {PROJ_CUTE_MIN_OUTPUTS} "
+                                f"outputs over K a multiple of 1024, on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)")
         if sw.prefetch and over.get("proj") != "triton":
             why["prefetch"] = "on, but no effect: the projections are not on triton (nothing prefetches)"
         elif sw.prefetch:
@@ -563,21 +563,27 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 
 
 PROJ_CUTE_MAX_TOKENS = 1
-PROJ_CUTE_MIN_OUTPUTS = 2048
+PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
+PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
 
-def proj_cute_takes(n_tok: int, n_out: int, *, prologue: bool = False, select: bool = False,
+def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
                     wdtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the `proj_cute` switch runs a step projection on the CuTe DSL GEMV (kernels/cute/proj_gemv.py) instead
-    of the triton kernels: one token, at least PROJ_CUTE_MIN_OUTPUTS outputs, bf16 weights, no input prologue and no
-    fused router selection. From the H200 at TP8 (profiles/h200/proj_cute.json.gz, proj_group_cute.json.gz; weights
-    rotated past L2; seventeenth session), cute against triton at batch 1: the KDA input group 22.89 / 25.26 us, the
-    MLA input group 15.29 / 16.53, the MoE input group (no selection) 22.05 / 22.82, kda_o 7.75 / 7.95, moe_down
-    15.14 / 15.94; it loses at 1536 outputs and fewer (kda_q 9.94 / 9.49, mla_dkv 8.46 / 6.61, the router 8.87 /
-    7.74, shared_w1 8.64 / 7.12: one warp a row and no split-K leave SMs idle) and at batch 4 and above everywhere
-    (kda_o 12.14 / 8.00 at 4)."""
-    return (n_tok <= PROJ_CUTE_MAX_TOKENS and n_out >= PROJ_CUTE_MIN_OUTPUTS and not prologue and not select
-            and wdtype == torch.bfloat16)
+    of the triton kernels: one token, bf16 weights, no input prologue or fused router selection, and either a short
+    input (K <= PROJ_CUTE_SHORT_K) or >= PROJ_CUTE_MIN_OUTPUTS outputs over K a multiple of 1024 (whole rounds of the
+    GEMV's four 256-column steps). From the H200 at TP8, cute against triton at batch 1, us (weights rotated past L2;
+    seventeenth session: profiles/h200/proj_cute.json.gz, proj_group_cute.json.gz, proj_cute_b1.json.gz):
+      K <= 2048 wins: mla_uq (K 1536, 2304 outputs) 4.07 / 6.02, kda_fb 1.55 / 2.15, kda_o and mla_o (7168 outputs)
+        7.76 / 7.89-7.90, with the residual 8.02-8.04 / 8.38-8.40;
+      K = 7168 wins from 3584 outputs: the KDA input group 22.89 / 25.26, the MLA input group (3648) 15.29 / 16.53,
+        the MoE input group without selection 22.05 / 22.82, moe_down 15.14 / 15.94; loses at 1536 and fewer (kda_q,
+        kda_v 9.94-9.96 / 9.45-9.49, mla_dq 9.96 / 9.46, mla_dkv 8.46 / 6.61, router 8.87 / 7.74, shared_w1 8.64 / 7.12:
+        one warp a row over a long K and no split-K);
+      K = 4352 (the MoE output's [Wup | w2], 17 steps) loses: 18.77 / 16.94;
+    and it loses from batch 4 everywhere (kda_o 12.14 / 8.00 at 4)."""
+    return (n_tok <= PROJ_CUTE_MAX_TOKENS and not prologue and not select and wdtype == torch.bfloat16
+            and (k_in <= PROJ_CUTE_SHORT_K or (n_out >= PROJ_CUTE_MIN_OUTPUTS and k_in % 1024 == 0)))
 
 
 def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologues: bool = True,
@@ -650,8 +656,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
 
     def pb(w, part: str, prologue: bool = False, select: bool = False) -> str:
         """A projection's backend (the `proj_cute` switch), decided when the parts are built; `part` its component."""
-        if proj_cute and be == "triton" and proj_cute_takes(N, w.shape[0], prologue=prologue, select=select,
-                                                             wdtype=w.dtype):
+        if proj_cute and be == "triton" and proj_cute_takes(N, w.shape[0], w.shape[1], prologue=prologue,
+                                                             select=select, wdtype=w.dtype):
             cute_parts.add(part)
             return "cute"
         return be

@@ -135,13 +135,15 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     run; the GPU tests of the kernel are tests/test_proj_cute.py.)"""
     from k3lab.components import trunk
 
-    assert S.proj_cute_takes(1, 2048) and not S.proj_cute_takes(1, 2047) and not S.proj_cute_takes(2, 7168)
-    assert not S.proj_cute_takes(1, 7168, prologue=True) and not S.proj_cute_takes(1, 7168, select=True)
-    assert not S.proj_cute_takes(1, 7168, wdtype=torch.float8_e4m3fn)
+    takes = S.proj_cute_takes
+    assert takes(1, 2304, 1536) and takes(1, 7168, 1536) and takes(1, 3648, 7168) and takes(1, 3584, 7168)
+    assert not takes(1, 1536, 7168) and not takes(1, 7168, 4352) and not takes(2, 7168, 1536)
+    assert not takes(1, 7168, 1536, prologue=True) and not takes(1, 7168, 7168, select=True)
+    assert not takes(1, 7168, 1536, wdtype=torch.float8_e4m3fn)
     seen: list = []
     monkeypatch.setattr(trunk, "proj", lambda *a, backend, **k: seen.append(("proj", backend)))
     monkeypatch.setattr(trunk, "proj_group", lambda *a, backend, **k: seen.append(("group", backend)))
-    monkeypatch.setattr(S, "PROJ_CUTE_MIN_OUTPUTS", 1)  # the tiny preset's projections are narrow
+    monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)  # every tiny-preset projection counts as short
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
     kda = st.layers[1]
     assert kda.ran["in_proj"] == "cute" and kda.ran["out_proj"] == "cute" and kda.ran["moe_out"] == "triton+cute"
