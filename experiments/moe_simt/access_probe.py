@@ -6,7 +6,8 @@ arithmetic but an xor of the words, in two patterns, graph replay over input set
          1792 bytes apart (7 steps an item): a DRAM page sees one 256-byte piece a step;
   tiled  the same bytes a step, but each step's 4 KB of a matrix contiguous (the layout a tile-major kernel layout
          would give: [expert, row tile, step, row, words]).
-Prints TB/s for each beside the harness's read probe. Device: PYTHONPATH=$PWD python3 experiments/moe_simt/access_probe.py
+Prints TB/s for each beside the harness's read probe.
+Device: PYTHONPATH=$PWD python3 experiments/moe_simt/access_probe.py
 """
 import json
 import os
