@@ -19,6 +19,7 @@ PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 def run_proj(x, w, outs, residual=None, pdl=False, seed=0):
     t = dict(x=x, w=w, **{f"o{i}": o for i, o in enumerate(outs)})
+    emulate._PDL["early"] = frozenset({w.data_ptr()})  # under pdl only W may be read before the wait
     if residual is not None:
         t["r"] = residual
     emulate._run(lambda m, **a: m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))],
@@ -56,6 +57,26 @@ def test_full_and_partial_steps(K):
     run_proj(x, w, [out])
     want = x.double() @ w.double().T
     assert (out.double() - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def test_pdl_weight_before_the_wait():
+    """Under pdl the first PRE steps of W load before griddepcontrol.wait (W is no kernel's output) and nothing else
+    does: K = 1280 (five steps: the four preloaded and one in the loop) with a residual, checked against fp64; the
+    emulator refuses the same launch when W is not declared readable early (the check is live)."""
+    g = torch.Generator().manual_seed(3)
+    K = 1280
+    x = torch.randn(1, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(8, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    r = torch.randn(1, 8, generator=g).to(torch.bfloat16)
+    out = torch.full((1, 8), float("nan"), dtype=torch.bfloat16)
+    run_proj(x, w, [out], residual=r, pdl=True)
+    want = x.double() @ w.double().T + r.double()
+    assert (out.double() - want).abs().max() < 2e-2 * want.abs().max()
+    t = dict(x=x, w=w, o0=out, r=r)
+    emulate._PDL["early"] = frozenset()
+    with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
+        emulate._run(lambda m, **a: m.mod["proj_gemv"].proj(a["x"], a["w"], [a["o0"]], residual=a["r"], pdl=True),
+                     t, 0)
 
 
 def test_refused_by_name():

@@ -8,7 +8,8 @@ Layout. x [B, K] bf16 (unit stride along K, a row stride of 8 elements), W [N, K
 multiple of 8 (a last partial step of 256 columns is masked by lane); B = 1..MAX_BATCH. A CTA of 128 threads (4
 warps); warp w of CTA c owns output row n = 4 c + w over all of K: lane l reads columns 256 s + 8 l .. + 7 of step s
 (one 16-byte load of W and one of each batch row of x, the x rows from L1 / L2), the steps unrolled UNROLL deep so
-that each warp keeps UNROLL x 512 bytes of its row in flight; the batch rows' dot products are summed over the warp
+that each warp keeps UNROLL x 512 bytes of its row in flight, the first PRE steps' W loaded first (before the wait
+under pdl: the weight streams while the kernel before finishes); the batch rows' dot products are summed over the warp
 by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row projection is 144 CTAs of four
 warps. Outputs: each out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider
 buffer); a residual [B, N] bf16 (one output only) is added in fp32 before the store.
@@ -17,8 +18,9 @@ Floor (bytes, k3lab.ops.trunk.proj_bytes): weights N*K*2 + x B*K*2 + outputs B*N
 read bandwidth.
 
 Contract (torch tensors on one CUDA device, torch's current stream, CUDA-graph safe once a shape has compiled):
-proj(x, w, outs, *, residual=None, pdl=None) -> outs. pdl=True (programmatic dependent launch): each warp waits for
-the kernel before (griddepcontrol.wait) before its first load, so the launch overlaps that kernel's tail only;
+proj(x, w, outs, *, residual=None, pdl=None) -> outs. pdl=True (programmatic dependent launch): each warp loads its
+first PRE steps of W, then waits for the kernel before (griddepcontrol.wait) before reading x or the residual (W must
+not be written by that kernel);
 None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting, as in Triton.
 """
 from typing import Any
@@ -29,6 +31,7 @@ MAX_BATCH = 16
 MAX_OUTPUTS = 6
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 4        # steps a warp keeps in flight
+PRE = 4           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
 _THREADS = 128
 _WARPS = _THREADS // 32
 
@@ -88,10 +91,22 @@ def _kernel_class():
                 wv = cute.make_rmem_tensor((8,), p_w.dtype)
                 xv = cute.make_rmem_tensor((8,), p_x.dtype)
                 wrow = n * K + 8 * lane
+                # the first PRE steps of W in registers before anything else: under pdl they load before the wait
+                # (W is no kernel's output), so the row streams while the kernel before finishes
+                pre = min(PRE, S)
+                wpre = cute.make_rmem_tensor((max(pre, 1) * 8,), p_w.dtype)
+                for s in cutlass.range_constexpr(pre):
+                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8),
+                                      cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)))
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                     cute.arch.griddepcontrol_launch_dependents()
-                for s in cutlass.range(S, unroll=UNROLL):
+                for s in cutlass.range_constexpr(pre):
+                    for b in cutlass.range_constexpr(B):
+                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
+                        for j in cutlass.range_constexpr(8):
+                            acc[b] = acc[b] + wpre[s * 8 + j].to(Float32) * xv[j].to(Float32)
+                for s in cutlass.range(pre, S, unroll=UNROLL):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                     for b in cutlass.range_constexpr(B):
                         cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
