@@ -62,7 +62,7 @@ Component = tuple[Callable[[], Any], int, int]
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "attnres": ("reference", "torch_compile", "triton", "cute"),  # k3lab_kernels.{triton,cute}.attnres_norm
     "mla": ("reference", "torch_compile", "triton"),
-    "moe": ("reference", "torch_compile", "triton"),  # triton: the grouped expert kernel (moe_experts)
+    "moe": ("reference", "torch_compile", "triton", "cute"),  # triton: moe_experts' paths; cute: one token, MXFP4
     # triton / cute: trunk.route (the projection on the trunk kernel + router_topk on that backend)
     "router": ("reference", "torch_compile", "triton", "cute"),
     "kda": None,
@@ -492,7 +492,7 @@ class Layer:
         be_e = self._reg("experts", "moe")
 
         def experts():
-            kw = dict(check_values=False) if be_e == "triton" else {}  # no host sync in a captured step
+            kw = dict(check_values=False) if be_e in ("triton", "cute") else {}  # no host sync in a captured step
             b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, **kw)
             return b["y"]
         n_used = int(torch.unique(b["idx"]).numel()) if "idx" in b else min(E, self.N * k)

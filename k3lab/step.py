@@ -288,7 +288,7 @@ class DecodeStep:
                                       split_router=sw.split_router, owned_output=sw.owned_output,
                                       shared_stream=sw.shared_expert_stream, ranks=self.ranks,
                                       proj_cute=sw.proj_cute and over.get("proj") == "triton"))
-        if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "auto"):
+        if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "cute", "auto"):
             from k3lab.components import moe as moe_comp
 
             for L in self.layers:  # the MXFP4 kernel layout made now, not inside a captured (timed) step

@@ -1059,11 +1059,104 @@ def _e4m3(x: float) -> int:
     return int(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item())
 
 
+def _bits_of_f32(x: float) -> int:
+    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+
+def _f32_of_bits(b: int) -> float:
+    return float(np.array([b & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
+
+
+def _f16_of_bits(h: int) -> float:
+    return float(np.array([h & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
+def _bits_of_f16(x: float) -> int:
+    """Round to fp16, nearest even (numpy's conversion from float64), and return the bits."""
+    return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
+
+
+_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32")
+
+
+def _ptx_b32(operands, asm_string, constraints):
+    """The MoE kernels' integer / f16x2 PTX (kernels/cute/moe_experts.py): every register a 32-bit (or, for .b16,
+    16-bit) pattern; "r" operands enter as their bits, "f" ones as fp32 bits. Ops: mov, and, or, shl, shr.u32,
+    add.u32, mad.lo.u32, fma.rn.f16x2 (each half an fp16 fused multiply-add, rounded once, nearest even),
+    mov.b32 {lo, hi} (split), cvt.f32.f16, add.f32, fma.rn.f32, cvt.rn.f16x2.f32 (d.hi from the first source)."""
+    import re
+
+    cons = constraints.split(",")
+    n_out = sum(1 for c in cons if c.startswith("="))
+    regs: dict = {}
+    for i, (c, v) in enumerate(zip(cons[n_out:], operands)):
+        if v is None:
+            raise EmulationError(f"inline PTX operand ${i + n_out} is an unset register")
+        regs[f"${i + n_out}"] = _bits_of_f32(float(v)) if c == "f" else int(v) & 0xFFFFFFFF
+
+    def get(a):
+        a = a.strip()
+        if a in regs:
+            return regs[a]
+        if a.startswith("$") or not re.fullmatch(r"-?(0x[0-9A-Fa-f]+|\d+)", a):
+            raise EmulationError(f"inline PTX reads {a!r} before writing it")
+        return int(a, 0) & 0xFFFFFFFF
+
+    def fma16(a, b, c):
+        return _bits_of_f16(_f16_of_bits(a) * _f16_of_bits(b) + _f16_of_bits(c))
+
+    for stmt in asm_string.split(";"):
+        s = " ".join(stmt.split()).strip("{} ")
+        if not s or s.startswith(".reg "):
+            continue
+        m = re.fullmatch(r"mov\.b32 \{ ?(\w+), (\w+) ?\}, (\w+)", s)
+        if m:
+            v = get(m[3])
+            regs[m[1]], regs[m[2]] = v & 0xFFFF, v >> 16
+            continue
+        op, rest = s.split(" ", 1)
+        a = [x.strip() for x in rest.split(",")]
+        d = a[0]
+        if op == "mov.b32":
+            regs[d] = get(a[1])
+        elif op in ("and.b32", "or.b32"):
+            regs[d] = (get(a[1]) & get(a[2])) if op == "and.b32" else (get(a[1]) | get(a[2]))
+        elif op == "shl.b32":
+            regs[d] = (get(a[1]) << get(a[2])) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[d] = get(a[1]) >> get(a[2])
+        elif op == "add.u32":
+            regs[d] = (get(a[1]) + get(a[2])) & 0xFFFFFFFF
+        elif op == "mad.lo.u32":
+            regs[d] = (get(a[1]) * get(a[2]) + get(a[3])) & 0xFFFFFFFF
+        elif op == "fma.rn.f16x2":
+            x, y, z = get(a[1]), get(a[2]), get(a[3])
+            regs[d] = fma16(x & 0xFFFF, y & 0xFFFF, z & 0xFFFF) | (fma16(x >> 16, y >> 16, z >> 16) << 16)
+        elif op == "cvt.f32.f16":
+            regs[d] = _bits_of_f32(_f16_of_bits(get(a[1])))
+        elif op == "add.f32":
+            regs[d] = _bits_of_f32(_f32(_f32_of_bits(get(a[1])) + _f32_of_bits(get(a[2]))))
+        elif op == "fma.rn.f32":
+            regs[d] = _bits_of_f32(_fma32(_f32_of_bits(get(a[1])), _f32_of_bits(get(a[2])), _f32_of_bits(get(a[3]))))
+        elif op == "cvt.rn.f16x2.f32":
+            regs[d] = (_bits_of_f16(_f32_of_bits(get(a[1]))) << 16) | _bits_of_f16(_f32_of_bits(get(a[2])))
+        else:
+            raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
+    out = regs["$0"]
+    if constraints.startswith("=f"):
+        return Float32(_f32_of_bits(out))
+    return Int32(out - (1 << 32) if out >> 31 else out)
+
+
 def _inline_asm(res, operands, asm_string, constraints, **kw):
     """llvm.inline_asm of the PTX forms the kernels emit: `OP $0, $1, ...;` for OP in _PTX_F32 ("f" operands),
-    and a `{ .reg .b16 ...; cvt.rn.satfinite.e4m3x2.f32 d, $a, $b; ...; mov.b32 $0, {lo, hi}; }` packing of
-    e4m3 codes (cvt puts $a's code in the upper byte). Anything else raises."""
+    a `{ .reg .b16 ...; cvt.rn.satfinite.e4m3x2.f32 d, $a, $b; ...; mov.b32 $0, {lo, hi}; }` packing of
+    e4m3 codes (cvt puts $a's code in the upper byte), and the MoE kernels' integer / f16x2 blocks (`_ptx_b32`).
+    Anything else raises."""
     import re
+
+    if any(op in asm_string for op in _B32_OPS):
+        return _ptx_b32(operands, asm_string, constraints)
 
     vals = [_f32(v) for v in operands]
     regs: dict = {}
@@ -1540,8 +1633,9 @@ class _TorchStandIn:
 
     @staticmethod
     def empty(*size, dtype=None, device=None, **kw):
-        t = torch.full(size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size, math.nan,
-                       dtype=dtype or torch.float32)
+        dt = dtype or torch.float32
+        t = torch.full(size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size,
+                       math.nan if dt.is_floating_point else -0x5A5A5A5A, dtype=dt)  # ints: a poison pattern
         _EMU.mem.register(t)
         return t
 
@@ -1603,7 +1697,7 @@ def _fake_modules(emu: _Emu) -> dict:
 # the CuTe DSL kernel modules the emulator rebinds (k3lab_kernels.cute.<name>); the first three are also
 # reachable as m.kd / m.kv / m.kp, every one as m.mod[<name>]
 _KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill", "attnres_norm", "router_topk", "mla_cache_write",
-                   "mla_combine", "proj_gemv")
+                   "mla_combine", "proj_gemv", "moe_experts")
 
 
 def _kernel_modules():

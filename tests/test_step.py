@@ -325,8 +325,10 @@ def test_bad_arguments_are_named():
         st.run(torch.zeros(3, 3))
     with pytest.raises(S.StepError, match="'kda_state_dtype'"):
         st.set_switches(Switches(kda_state_dtype="bf16"))
-    with pytest.raises(BackendUnavailable, match="for 'moe'"):
-        st.set_switches(Switches(backend={"moe": "cute"}))
+    st.set_switches(Switches(backend={"moe": "cute"}))  # a layer path (one token, MXFP4), refused where it runs:
+    moe_layer = next(i for i, L in enumerate(st.layers) if L.w.mlp_kind == "moe")
+    with pytest.raises(BackendUnavailable, match="'cute'"):  # no CuTe DSL here
+        st.comps[moe_layer]["experts"][0]()
     with pytest.raises(BackendUnavailable, match="no 'mla' path"):
         st.set_switches(Switches(backend={"mla": "cute"}))
     with pytest.raises(SwitchError, match="not wired"):
@@ -683,8 +685,8 @@ def test_pdl_switch_same_output_and_recorded(monkeypatch):
 def test_cute_attnres_and_router_run_in_the_builder_never_the_reference():
     """A backend the step does not run itself goes to the layer builder as asked: the CuTe AttnRes and router are
     the builder's (k3lab.model), never replaced by the torch reference behind a record that says cute (the H200
-    step once ran the reference 60 us an AttnRes call that way); a group nobody can run on the backend is refused by
-    name."""
+    step once ran the reference 60 us an AttnRes call that way), and so are the CuTe experts; a group nobody can run
+    on the backend (the MLA on cute) is refused by name."""
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
     for g in ("attnres", "router"):
         assert S._group_accepts(st.layers, g, "cute", FUSED)
@@ -693,8 +695,9 @@ def test_cute_attnres_and_router_run_in_the_builder_never_the_reference():
     for L in st.layers:
         assert L.switches.backend["attnres"] == "cute" and L.switches.backend["router"] == "cute"
     assert "attnres" not in st.overridden and "router" not in st.overridden
-    with pytest.raises(BackendUnavailable, match="layer builder has no path"):
-        st.set_switches(FUSED.replace(backend_moe="cute"))
+    assert S._group_accepts(st.layers, "moe", "cute", FUSED)  # the CuTe experts (one token) are the builder's too
+    with pytest.raises(BackendUnavailable, match="no 'mla' path"):
+        st.set_switches(FUSED.replace(backend_mla="cute"))
 
 
 def test_verify_token_counts_keep_the_fused_projections():

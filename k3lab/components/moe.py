@@ -14,6 +14,8 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
                              path), grouped by expert on the device (no host sync: capturable in a CUDA graph);
                              z bf16, idx int32/int64, weights_k fp32, dense experts bf16, fp8 with fp32
                              per-output-channel scales, or MXFP4
+  cute                       k3lab_kernels.cute.moe_experts: one token, MXFP4 experts: two launches (w1/w3 +
+                             SiTU, then w2; no atomics), takes no knobs; refused by name otherwise
   auto                       data/moe_defaults.json (measured), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
 CUDA-core sibling for MXFP4, batch <= 64; "grouped": the tensor-core kernel; None: the kernel's rule by format
@@ -146,6 +148,22 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     if any(v is not None for v in knobs.values()):
         _fail("path" if path is not None else "block_n",
               f"and the other kernel knobs are for the triton backend; backend {be!r} takes none")
+    if be == "cute":  # one token, MXFP4 (kernels/cute/moe_experts.py; the wrapper checks the tensors by name)
+        if {moe.w1.fmt, moe.w3.fmt, moe.w2.fmt} != {"mxfp4"}:
+            _fail("moe", f"must hold MXFP4 experts for the cute backend, got {moe.w1.fmt}")
+        if B != 1:
+            _fail("z", f"must be one token for the cute backend (batch 1), got batch {B}")
+        if out is None:
+            out = torch.empty(B, L, dtype=torch.float32, device=z.device)
+        elif out.dtype != torch.float32 or not out.is_contiguous():
+            _fail("out", f"must be a contiguous float32 tensor for the cute backend, got {out.dtype}")
+        ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
+        y = dispatch.kernel(OP, be)(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, moe.w2.scale, out,
+                                    b1=float(moe.b1), b2=float(moe.b2))
+        dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options={},
+                        notes="two launches: up (w1/w3 + SiTU, a warp per two rows), down (w2, a warp per latent row)",
+                        **rec)
+        return y
     ffn = ref.glu_ffn
     kernel = dispatch.kernel_path(OP, be)
     if be == "torch_compile":

@@ -208,6 +208,20 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
                  "matmul, bf16; host grouping outside the timed region)")]
 
 
+def experts_supports(backend: str, shape: dict) -> str | None:
+    """What the cute backend takes (kernels/cute/moe_experts.py): one token, MXFP4 experts, latent and per-GPU
+    intermediate sizes multiples of 128. A shape without a key passes (the component checks its tensors)."""
+    if backend != "cute":
+        return None
+    if shape.get("batch", 1) != 1:
+        return f"the cute experts take one token, got batch {shape['batch']}"
+    if shape.get("dtype", "mxfp4") != "mxfp4":
+        return f"the cute experts take MXFP4 weights only, got {shape['dtype']}"
+    if {"latent", "inter", "tp"} <= set(shape) and (shape["latent"] % 128 or inter_of(shape) % 128):
+        return "the cute experts need latent and per-GPU intermediate sizes that are multiples of 128"
+    return None
+
+
 def _valid(c: Case) -> bool:
     r, E, K = c["routing"], c["n_experts"], c["top_k"]
     if c["inter"] % c["tp"] or c["latent"] % 32 or not 1 <= K <= E or c["batch"] < 1:
@@ -244,6 +258,7 @@ register(Op(
     tolerances=lambda c: dict(y=TOL), tolerance_why=WHY, call=call_experts,
     nbytes=experts_bytes, flops=experts_flops, floor_bw="read",
     backends={"reference": "k3lab.ref.moe:routed_experts", "torch_compile": "k3lab.ref.moe:routed_experts",
-              "triton": "k3lab_kernels.triton.moe_experts:moe_experts"},
-    valid=_valid, peers=cublas_loop_peer, test_file="tests/test_moe_kernels.py",
+              "triton": "k3lab_kernels.triton.moe_experts:moe_experts",
+              "cute": "k3lab_kernels.cute.moe_experts:moe_experts"},
+    valid=_valid, peers=cublas_loop_peer, test_file="tests/test_moe_kernels.py", supports=experts_supports,
 ))

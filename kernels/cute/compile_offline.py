@@ -3,7 +3,7 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj] [--quick] [--keep DIR]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe] [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
 Python 3.12 venv with `pip install typing_extensions numpy cuda-bindings torch` and the CuTe DSL
@@ -242,6 +242,18 @@ def _cases(only: str | None, quick: bool):
             name = f"proj B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl: kg._kernel_class()(B, N, K, e, r, p),
                           gargs(o_dts)))
+    if only in (None, "moe"):
+        from kernels.cute import moe_experts as km
+        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...)
+        up_cls, down_cls = km._kernel_classes()
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
+        dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
+        for K, I, L, E, step, pdl in ((16, 384, 3584, 896, 2, False), (16, 384, 3584, 896, 1, True),
+                                      (3, 128, 128, 6, 2, False)):
+            cases.append((f"moe up K{K} I{I} L{L}" + (" pdl" if pdl else ""),
+                          lambda K=K, I=I, L=L, E=E, st=step, p=pdl: up_cls(K, I, L, E, st, 4.0, 25.0, p), uargs))
+            cases.append((f"moe down K{K} I{I} L{L}", lambda K=K, I=I, L=L, E=E, st=step: down_cls(K, I, L, E, st),
+                          dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)
@@ -261,8 +273,9 @@ def main(argv=None) -> int:
             only = argv[i + 1]
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
-    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj"):
-        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine or proj "
+    if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
+                    "moe"):
+        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj or moe "
               f"(got {only!r})")
         return 2
     quick = "--quick" in argv

@@ -33,7 +33,7 @@ Layout (k3lab.ref.moe.ExpertWeight, one GPU's TP slice; L = latent 3584, I = per
               bit pattern (code&7)<<9 | (code&8)<<12 (= value * 2^-14, subnormals included), widened to fp32 and
               multiplied by 2^(s-113), to bf16; exact for s in 2..240. Simt: the same codes in the kernel layout
               ([E, out, in/8] int32; the caller passes these words, see k3lab.components.moe.kernel_layout),
-              decoded to f16x2 of value * 2^-14 (`_simt_decode_ptx`), exact for s in 0..246.
+              decoded to f16x2 of value * 2^-14 (`k3lab_kernels.mxfp4_ptx.decode_ptx`), exact for s in 0..246.
 
 The grouped path, grouping without a host sync (the step is captured in a CUDA graph): grid (I / BN, B*K).
 Program (n, p) takes pair p's expert e = idx[p]; it reads the [B, K] id tile and runs only if p is the first pair
@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab_kernels.mxfp4_ptx import decode_ptx
 from k3lab_kernels.triton.mla_decode import dot_f32, rne_bf16
 from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
@@ -341,16 +342,6 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 # and the block's sum are f16 (11-bit significand; a product under 2^-14 keeps an absolute error <= 2^-25,
 # i.e. 2^-17 in the activation's units); activations must satisfy |x| < 1023 (2^6 |x| within f16).
 
-def _simt_decode_ptx(w: str) -> list[str]:
-    """PTX: the kernel-layout word in register `w` -> parts d0..d3 (f16x2, e2m1 * 2^-14), temporary t."""
-    return [f"and.b32 d0, {w}, 0x8E008E00;",
-            f"shl.b32 t, {w}, 8;", "and.b32 d1, t, 0x8E008E00;",
-            f"shl.b32 t, {w}, 5;", "and.b32 t, t, 0x0E000E00;", f"shl.b32 d2, {w}, 7;",
-            "and.b32 d2, d2, 0x80008000;", "or.b32 d2, d2, t;",
-            f"shr.u32 t, {w}, 3;", "and.b32 t, t, 0x0E000E00;", f"shl.b32 d3, {w}, 15;",
-            "and.b32 d3, d3, 0x80008000;", "or.b32 d3, d3, t;"]
-
-
 def _simt_asm(tb: int, pack: int = 1) -> str:
     """One 32-block of one row for `tb` tokens: $0..$3 accumulator slots out (slot t = token t); inputs $4..$7 the
     block's four words, 8 + 16t + 4p + j token t's activation pair for part p of word j, then the block factor
@@ -361,7 +352,7 @@ def _simt_asm(tb: int, pack: int = 1) -> str:
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, " + hs + ";", ".reg .b16 lo, hi;", ".reg .f32 a, b;"]
     lines += [f"mov.b32 h{t}, 0;" for t in range(tb)]
     for j in range(4):
-        lines += _simt_decode_ptx(f"${4 + j}")
+        lines += decode_ptx(f"${4 + j}")
         for t in range(tb):
             lines += [f"fma.rn.f16x2 h{t}, d{p}, ${8 + 16 * t + 4 * p + j}, h{t};" for p in range(4)]
     for t in range(tb):
@@ -379,7 +370,7 @@ _SIMT_ASM1_P4 = tl.constexpr(_simt_asm(1, 4))  # pack=4: the operands are [R, NB
 _SIMT_ASM2_P4 = tl.constexpr(_simt_asm(2, 4))
 _SIMT_CONS1_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 28))
 _SIMT_CONS2_P4 = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 44))
-_DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + _simt_decode_ptx("$4")
+_DECODE_ASM = tl.constexpr("\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + decode_ptx("$4")
                                      + ["mov.b32 $0, d0;", "mov.b32 $1, d1;", "mov.b32 $2, d2;", "mov.b32 $3, d3;",
                                         "}"]))
 # bf16x2 -> f16x2 of 2^6 x (round to nearest). The 2^6 is an exponent add on the fp32 bit pattern: a zero or a
@@ -400,7 +391,7 @@ _MS = tl.constexpr(0x80008000 - (1 << 32))
 
 @triton.jit
 def _simt_parts(w):
-    """The interpreter's decode (the same bit operations as `_simt_decode_ptx`): int32 words -> 4 int32 parts."""
+    """The interpreter's decode (the same bit operations as `decode_ptx`): int32 words -> 4 int32 parts."""
     d0 = w & _M0
     d1 = (w << 8) & _M0
     d2 = ((w << 5) & _MM) | ((w << 7) & _MS)

@@ -1,7 +1,8 @@
 """The MoE sweeps on the H200 (docs/NOTES_moe.md, eighth session): `python3 profiles/h200/moe_sweep.py PLAN.json`
 runs `k3lab.bench.runner.run` once per plan entry ([grid, peers]) at K3's sizes (TP8, 896 experts) in one process
 and merges the rows into one bundle $OUT/$NAME.json.gz (every row checked against fp64, then timed; LIMIT seconds
-in all); the plan is kept in the bundle's config. Prints a short table last."""
+in all; BACKENDS: ours to time, comma-separated, default triton); the plan is kept in the bundle's config. Prints a
+short table last."""
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ for i, entry in enumerate(PLAN):  # [grid, peers] or [grid, peers, reps, seconds
         bd_all.notes.append(f"plan entry {i} not run (time limit): {grid}")
         continue
     g = dict(K3, **grid)
-    bd = runner.run("moe", grid=g, backends=["triton"], peers=peers, reps=reps,
+    bd = runner.run("moe", grid=g, backends=os.environ.get("BACKENDS", "triton").split(","), peers=peers, reps=reps,
                     deadline_s=left, kernels=False, name=NAME, log=lambda s: print(s, flush=True))
     if bd_all is None:
         bd_all = bd

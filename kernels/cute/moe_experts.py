@@ -1,0 +1,342 @@
+"""Latent-MoE routed experts of one token in CuTe DSL, MXFP4 weights (the batch-1 twin of the Triton simt path):
+two launches, no atomics, no tickets, y written (not accumulated).
+
+    act[k, i] = 2^6 wk[k] situ(W1_e z, W3_e z)[i]      e = idx[0, k], k < K (the top-k); f16, the 2^6 undone by
+    y[0, l]   = sum_k wk[k] sum_i W2_e[l, i] situ_k[i]    the block factor 2^(s - 119) of the decoded e2m1 * 2^-14
+
+  up    a warp per (pair k, two intermediate rows 2m, 2m+1): both rows of W1_e and W3_e over all L, lane j taking
+        the 32-blocks j, j + 32, ... (one 16-byte load of four kernel-layout words a row and block, and the block's
+        E8M0 scale); z's 16 bf16 pairs of a block converted to f16 of 2^6 z; each block's 32 products in f16x2 FMAs
+        (the simt path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no table), the
+        block sum times 2^(s - 119) into fp32; warp sums by shuffles; lane 0 stores the two rows' activations as one
+        f16x2 word (2^6 wk situ, the simt path's scaling, exact for |wk situ| < 1023).
+  down  a warp per latent row l: the K x I/32 (pair, block) products of W2_e[l] against act, lane-strided, summed by
+        shuffles and stored; a PDL launch after `up` (it waits for up's activations before reading anything).
+
+Layout: z [1, L] bf16 (read as int32 pairs); idx [1, K] int32 or int64 (the low word read); wk [1, K] fp32; w1, w3
+[E, I, L/8] and w2 [E, L, I/8] int32 words of k3lab.mxfp4.to_kernel_layout; their E8M0 scales [E, out, in/32] uint8
+(read as int32 words, in/32 a multiple of 4); y [1, L] fp32; a workspace act [K, I/2] int32 (cached per device and
+shape: make the first call outside a CUDA graph capture). Needs L % 128 == 0 and I % 128 == 0.
+Exactness and tolerance: the simt path's (k3lab_kernels.triton.moe_experts, the SIMT section): the decoded weights
+are exact, a block's products and sum are f16, everything after fp32.
+
+Floor (k3lab.ops.moe.experts_bytes): the K experts' w1, w3, w2 codes and scales (TP8: 16 x 2.15 MB = 34.5 MB) at the
+read bandwidth, ~7.5 us on the H200. Contract: moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1, b2, pdl=None)
+-> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait) before its first
+read; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. Arguments are checked by name
+(MoECuteError); the component (k3lab.components.moe.experts, backend "cute") passes the kernel layout.
+"""
+from typing import Any
+
+import torch
+
+from ..mxfp4_ptx import decode_ptx
+
+_THREADS = 128
+_WARPS = _THREADS // 32
+
+__all__ = ["MoECuteError", "block_ptx", "moe_experts"]
+
+
+def block_ptx() -> str:
+    """PTX of one 32-block of one row for one token: $0 (f32) = $22 + 2^(s-119) * sum of the block's 32 products,
+    $1..$4 the block's four kernel-layout words, $5 + 4p + j the activation pair (f16x2 of 2^6 x) that part p of word
+    j multiplies, $21 the factor's bits ((s + 8) << 23), $22 the fp32 accumulator in."""
+    lines = ["{", ".reg .b32 t, d0, d1, d2, d3, h;", ".reg .b16 lo, hi;", ".reg .f32 a, b;", "mov.b32 h, 0;"]
+    for j in range(4):
+        lines += decode_ptx(f"${1 + j}")
+        lines += [f"fma.rn.f16x2 h, d{p}, ${5 + 4 * p + j}, h;" for p in range(4)]
+    lines += ["mov.b32 {lo, hi}, h;", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
+              "fma.rn.f32 $0, a, $21, $22;", "}"]
+    return "\n".join(lines)
+
+
+# bf16 pair -> f16 pair of 2^6 x (round to nearest even): the simt path's conversion
+TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x03000000;", "and.b32 b, $1, 0xFFFF0000;",
+                        "add.u32 b, b, 0x03000000;", "cvt.rn.f16x2.f32 $0, b, a;", "}"])
+# two fp32 -> one f16x2 word ($2 in the low half)
+PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
+
+_KERNEL_CLS = None
+
+
+def _kernel_classes():
+    """The two kernels' generators (built once; importing this module never needs cutlass)."""
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import Float32, Int32, cute
+    from cutlass._mlir.dialects import llvm as _llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    BLOCK = block_ptx()
+
+    def vec(ptr, off, n):
+        return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    @dsl_user_op
+    def block_fma(words, pairs, fbits, acc, *, loc=None, ip=None):
+        ops = ([Int32(words[j]).ir_value(loc=loc, ip=ip) for j in range(4)]
+               + [Int32(pairs[q]).ir_value(loc=loc, ip=ip) for q in range(16)]
+               + [Int32(fbits).ir_value(loc=loc, ip=ip), Float32(acc).ir_value(loc=loc, ip=ip)])
+        return Float32(_llvm.inline_asm(Float32.mlir_type, ops, BLOCK, "=f," + "r," * 21 + "f",
+                                        has_side_effects=False, is_align_stack=False,
+                                        asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def to_f16x2(x, *, loc=None, ip=None):
+        return Int32(_llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip)], TO_F16_PTX, "=r,r",
+                                      has_side_effects=False, is_align_stack=False,
+                                      asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def pack_f16x2(hi, lo, *, loc=None, ip=None):
+        return Int32(_llvm.inline_asm(Int32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip),
+                                                        Float32(lo).ir_value(loc=loc, ip=ip)], PACK_PTX, "=r,f,f",
+                                      has_side_effects=False, is_align_stack=False,
+                                      asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + cute.math.exp(-x))
+
+    def tanh(x):
+        return 2.0 * sigmoid(2.0 * x) - 1.0
+
+    class MoEUp:
+        """A warp per (pair, two intermediate rows); four warps a CTA."""
+
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool):
+            self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
+            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
+
+        @cute.jit
+        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
+                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
+                     stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
+                grid=[self.K * (self.I // 2) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
+                use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
+            I, L = self.I, self.L
+            NB = L // 32                 # blocks a row
+            RW = L // 8                  # words a row
+            RS = L // 128                # scale words a row
+            tid, _, _ = cute.arch.thread_idx()
+            c, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            gw = c * _WARPS + warp
+            k = gw // (I // 2)
+            r0 = 2 * (gw % (I // 2))
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
+            e = vec(p_idx, k * self.idx_step, 1)[0]
+            acc = cute.make_rmem_tensor((4,), Float32)  # w1 row r0, w1 row r0 + 1, w3 row r0, w3 row r0 + 1
+            acc.fill(0.0)
+            NF = NB // 32                # rounds every lane takes a block in: their words loaded first, all at once
+            wv = cute.make_rmem_tensor((max(NF, 1) * 16,), Int32)  # [round, row-matrix m, word]
+            sv = cute.make_rmem_tensor((max(NF, 1) * 4,), Int32)   # [round, m]: the word holding the block's scale
+            zr = cute.make_rmem_tensor((16,), Int32)
+            zp = cute.make_rmem_tensor((16,), Int32)
+            for i in cutlass.range_constexpr(NF):
+                b = lane + 32 * i
+                for m in cutlass.range_constexpr(4):
+                    pw = p_w1 if m < 2 else p_w3
+                    ps = p_s1 if m < 2 else p_s3
+                    row = e * I + r0 + m % 2
+                    cute.autovec_copy(vec(pw, cute.assume(row * RW + 4 * b, divby=4), 4),
+                                      cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)))
+                    sv[4 * i + m] = vec(ps, row * RS + b // 4, 1)[0]
+            for i in cutlass.range_constexpr(NF):
+                b = lane + 32 * i
+                cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
+                for q in cutlass.range_constexpr(16):
+                    zp[q] = to_f16x2(zr[q])
+                for m in cutlass.range_constexpr(4):
+                    fbits = (((sv[4 * i + m] >> (8 * (b % 4))) & 0xFF) + 8) << 23
+                    acc[m] = block_fma(cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)), zp,
+                                       fbits, acc[m])
+            if cutlass.const_expr(NB % 32 != 0):  # the last round: lanes 0 .. NB % 32 - 1
+                b = lane + 32 * NF
+                if b < NB:
+                    cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
+                    for q in cutlass.range_constexpr(16):
+                        zp[q] = to_f16x2(zr[q])
+                    w4 = cute.make_rmem_tensor((4,), Int32)
+                    for m in cutlass.range_constexpr(4):
+                        rl = e * I + r0 + m % 2
+                        cute.autovec_copy(vec(p_w1 if m < 2 else p_w3, cute.assume(rl * RW + 4 * b, divby=4), 4), w4)
+                        sw = vec(p_s1 if m < 2 else p_s3, rl * RS + b // 4, 1)[0]
+                        fb = (((sw >> (8 * (b % 4))) & 0xFF) + 8) << 23
+                        acc[m] = block_fma(w4, zp, fb, acc[m])
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            for m in cutlass.range_constexpr(4):
+                for sh in cutlass.range_constexpr(5):
+                    acc[m] = acc[m] + cute.arch.shuffle_sync_bfly(acc[m], offset=16 >> sh)
+            if lane == 0:
+                w = vec(p_wk, k, 1)[0] * 64.0
+                a0 = w * (self.b1 * tanh(acc[0] / self.b1) * sigmoid(acc[0])) * (self.b2 * tanh(acc[2] / self.b2))
+                a1 = w * (self.b1 * tanh(acc[1] / self.b1) * sigmoid(acc[1])) * (self.b2 * tanh(acc[3] / self.b2))
+                vec(p_act, k * (I // 2) + r0 // 2, 1)[0] = pack_f16x2(a1, a0)
+
+    class MoEDown:
+        """A warp per latent row; four warps a CTA; a PDL launch after MoEUp."""
+
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int):
+            self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
+
+        @cute.jit
+        def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
+                     p_y: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.L // _WARPS, 1, 1], block=[_THREADS, 1, 1],
+                                                              stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
+                   p_y: cute.Pointer):
+            K, I, L = self.K, self.I, self.L
+            NB = I // 32                 # blocks a row of w2
+            RW = I // 8
+            RS = I // 128
+            tid, _, _ = cute.arch.thread_idx()
+            c, _, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            lrow = c * _WARPS + warp
+            cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
+            cute.arch.griddepcontrol_launch_dependents()
+            acc = Float32(0.0)
+            NQ = (K * NB + 31) // 32     # (pair, block) products a lane: ids, words and scales loaded first
+            ev = cute.make_rmem_tensor((NQ,), Int32)
+            wv = cute.make_rmem_tensor((NQ * 4,), Int32)
+            sv = cute.make_rmem_tensor((NQ,), Int32)
+            ap = cute.make_rmem_tensor((16,), Int32)
+            for i in cutlass.range_constexpr(NQ):
+                q = lane + 32 * i
+                if cutlass.const_expr((i + 1) * 32 <= K * NB):
+                    ev[i] = vec(p_idx, (q // NB) * self.idx_step, 1)[0]
+                else:
+                    ev[i] = vec(p_idx, (q // NB if q < K * NB else 0) * self.idx_step, 1)[0]
+            for i in cutlass.range_constexpr(NQ):
+                q = lane + 32 * i
+                cb = q % NB
+                row = ev[i] * L + lrow
+                if q < K * NB:
+                    cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
+                                      cute.make_tensor(wv.iterator + 4 * i, cute.make_layout(4)))
+                    sv[i] = vec(p_s2, row * RS + cb // 4, 1)[0]
+            for i in cutlass.range_constexpr(NQ):
+                q = lane + 32 * i
+                if q < K * NB:
+                    k = q // NB
+                    cb = q % NB
+                    fbits = (((sv[i] >> (8 * (cb % 4))) & 0xFF) + 8) << 23
+                    cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
+                    acc = block_fma(cute.make_tensor(wv.iterator + 4 * i, cute.make_layout(4)), ap, fbits, acc)
+            for sh in cutlass.range_constexpr(5):
+                acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> sh)
+            if lane == 0:
+                vec(p_y, lrow, 1)[0] = acc
+
+    _KERNEL_CLS = (MoEUp, MoEDown)
+    return _KERNEL_CLS
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrapper
+# ---------------------------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Any] = {}
+_WS: dict[tuple, torch.Tensor] = {}
+
+
+class MoECuteError(ValueError):
+    """An argument of the CuTe MoE kernels has the wrong type, shape, dtype, layout or device."""
+
+
+def _fail(name: str, msg: str):
+    raise MoECuteError(f"moe_experts cute: {name!r} {msg}")
+
+
+def _ptr(t: torch.Tensor, align: int):
+    import cutlass
+    from cutlass import cute
+    from cutlass.cute.runtime import make_ptr
+    dt = {torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}[t.dtype]
+    return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _tensor(name, t, dev, dtypes, shape):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda" or (dev is not None and t.device != dev):
+        _fail(name, f"must be on the CUDA device of z, got {t.device}")
+    if t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        _fail(name, f"must be a contiguous tensor of shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.data_ptr() % 16:
+        _fail(name, "must start 16-byte aligned")
+
+
+def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None):
+    """y [1, L] fp32 = the routed experts of one token (module docstring). Returns y."""
+    if pdl is None:
+        from k3lab_kernels.triton.pdl import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    if not isinstance(z, torch.Tensor) or z.dim() != 2 or z.shape[0] != 1:
+        _fail("z", f"must be one token [1, L] (the cute experts take batch 1), got {getattr(z, 'shape', z)!r}")
+    dev = z.device
+    L = z.shape[1]
+    _tensor("z", z, None, (torch.bfloat16,), (1, L))
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
+        _fail("w1", f"must be the kernel-layout words [E, I, L/8] int32, got {getattr(w1, 'shape', w1)!r}")
+    E, I = w1.shape[0], w1.shape[1]
+    if L % 128 or I % 128:
+        _fail("z", f"L and I must be multiples of 128 (whole scale words), got L={L}, I={I}")
+    _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8))
+    _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8))
+    _tensor("w2", w2, dev, (torch.int32,), (E, L, I // 8))
+    _tensor("s1", s1, dev, (torch.uint8,), (E, I, L // 32))
+    _tensor("s3", s3, dev, (torch.uint8,), (E, I, L // 32))
+    _tensor("s2", s2, dev, (torch.uint8,), (E, L, I // 32))
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
+        _fail("idx", f"must be [1, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
+    K = idx.shape[1]
+    _tensor("idx", idx, dev, (torch.int32, torch.int64), (1, K))
+    _tensor("wk", wk, dev, (torch.float32,), (1, K))
+    _tensor("y", y, dev, (torch.float32,), (1, L))
+    step = 2 if idx.dtype == torch.int64 else 1
+    key_ws = (dev.index, K, I)
+    act = _WS.get(key_ws)
+    if act is None:
+        act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
+    up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
+               _ptr(w3, 16), _ptr(s1.view(torch.int32), 4), _ptr(s3.view(torch.int32), 4), _ptr(act, 16)]
+    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(s2.view(torch.int32), 4), _ptr(act, 16),
+                 _ptr(y, 4)]
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index)
+    with torch.cuda.device(dev):
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        fns = _COMPILED.get(key)
+        if fns is None:
+            from cutlass import cute
+
+            up_cls, down_cls = _kernel_classes()
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl), *up_args, stream),
+                   cute.compile(down_cls(K, I, L, E, step), *down_args, stream))
+            _COMPILED[key] = fns
+        fns[0](*up_args, stream)
+        fns[1](*down_args, stream)
+    return y

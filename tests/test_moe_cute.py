@@ -1,0 +1,71 @@
+"""The CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py) on the GPU, through the component API
+(k3lab.components.moe.experts, backend "cute"): the shared checker against fp64 at K3's pool (896 experts, latent
+3584; TP8 and TP16 slices; outputs poisoned, inputs unchanged; the registry's MXFP4 tolerance), a top-k with a
+repeated id, pdl inside a pdl chain, a CUDA graph replayed on new routing, and what the backend refuses by name.
+
+    python3 -m pytest -q -m gpu tests/test_moe_cute.py
+"""
+import pytest
+import torch
+
+import cute_gate
+
+cute_gate.require_cute_gpu()
+
+from k3lab import registry  # noqa: E402
+from k3lab.components import moe as c_moe  # noqa: E402
+from k3lab.harness import checker  # noqa: E402
+from k3lab.ops import moe as ops_moe  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.cute]
+OP = registry.get("moe_experts")
+K3 = dict(dtype="mxfp4", batch=1, latent=3584, inter=3072, n_experts=896, top_k=16)
+
+
+@pytest.mark.parametrize("tp,routing", [(8, "uniform"), (16, "uniform"), (8, "k3_reuse30")])
+def test_k3_pool(tp, routing):
+    for seed in (0, 1):
+        checker.require(checker.check(OP, OP.case(tp=tp, routing=routing, **K3), backend="cute", seed=seed))
+
+
+def test_repeated_id_and_pdl():
+    """An id twice in the token's top-k adds that expert twice (each with its weight), as the reference does; the
+    same call inside a pdl chain (the up kernel launched with PDL)."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    case = OP.case(tp=8, routing="uniform", **K3)
+    d = OP.make_inputs(case, 3, "cuda")
+    d["idx"][0, 1] = d["idx"][0, 0]
+    want = ops_moe.ref_experts(d, case)["y"]
+    for pdl in (False, True):
+        y = torch.full_like(d["y"], float("nan"))
+        with pdl_chain(pdl):
+            c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
+        torch.cuda.synchronize()
+        assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+
+
+def test_graph_capture_new_routing():
+    case = OP.case(tp=8, routing="uniform", **K3)
+    a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
+    run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="cute", out=a["y"],  # noqa
+                                check_values=False)
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for k in ("z", "idx", "weights_k"):
+        a[k].copy_(b[k])
+    g.replay()
+    torch.cuda.synchronize()
+    want = ops_moe.ref_experts(b, case)["y"]
+    assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL
+
+
+def test_refused_by_name():
+    d = OP.make_inputs(OP.case(tp=8, routing="uniform", **dict(K3, batch=2)), 0, "cuda")
+    with pytest.raises(ValueError, match="'z'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute")
+    d1 = OP.make_inputs(OP.case(tp=8, routing="uniform", **K3), 0, "cuda")
+    with pytest.raises(ValueError, match="'block_n'"):
+        c_moe.experts(d1["z"], d1["idx"], d1["weights_k"], d1["moe"], backend="cute", block_n=16)

@@ -1,0 +1,85 @@
+"""The CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py) on the CPU emulator (tests/cute_emulate.py):
+their logic without a GPU or nvidia-cutlass-dsl, through the shared checker (fresh inputs, output poisoned, the fp64
+reference on the dequantized weights, the registry's MXFP4 tolerance), at a small pool (latent and intermediate
+128: a partial last round of blocks a lane in both launches; latent 1152 and intermediate 384: a full round and a
+partial one in both) with int64 and int32 ids, the routing weights and
+pdl; the integer / f16x2 PTX as the emulator models it, bit for bit against the Triton simt path's interpreter twin;
+then what the wrapper refuses, by name."""
+import pytest
+import torch
+
+import cute_emulate as emulate
+from k3lab import mxfp4, registry
+from k3lab.harness import checker
+
+pytestmark = pytest.mark.cute_emu
+OP = registry.get("moe_experts")
+SMALL = dict(dtype="mxfp4", batch=1, tp=1, latent=128, inter=128, n_experts=6, top_k=3, routing="uniform")
+# latent 1152: 36 blocks a row of w1 / w3 (one full round of 32 lanes and a partial one); I 384, three pairs: 36 (pair,
+# block) products in the down kernel (a full round and a partial one)
+ROUNDS = dict(SMALL, latent=1152, inter=384)
+
+
+def run(z, idx, wk, moe, y, pdl=False, seed=0):
+    kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
+    t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
+    # the int32 views the wrapper makes (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered
+    # so that the emulator finds them by address and dtype; the kernel never sees these names
+    t.update({f"{k}_words": v.view(torch.int32) for k, v in t.items() if k in ("z", "idx", "s1", "s3", "s2")
+              and v.dtype != torch.int32})
+    emulate._run(lambda m, **a: m.mod["moe_experts"].moe_experts(
+        a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
+        b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0, pdl=pdl), t, seed)
+
+
+def impl(pdl=False, idx32=False):
+    def f(d):
+        idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl)
+    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32})"
+    return f
+
+
+@pytest.mark.parametrize("pdl,idx32,shape", [(False, False, SMALL), (True, True, SMALL),
+                                             pytest.param(True, False, ROUNDS, marks=pytest.mark.slow)])  # ~1 min
+def test_one_token(pdl, idx32, shape):
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32), seed=int(pdl), device="cpu"))
+    launches = emulate.LAST["launches"]
+    assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
+
+
+def test_block_ptx_matches_the_simt_twin():
+    """One block through the emulator's model of block_ptx() equals the Triton simt path's interpreter arithmetic
+    (the parts by the same bit operations, `_M0` / `_MM` / `_MS`; the f16 products summed in f16 per half; the two
+    halves' sum times the factor plus the accumulator in fp32): random words, f16 pairs and scales, bit for bit."""
+    from k3lab_kernels.cute.moe_experts import block_ptx
+    from k3lab_kernels.triton import moe_experts as tm
+
+    g = torch.Generator().manual_seed(5)
+    m0, mm, ms = tm._M0.value, tm._MM.value, tm._MS.value
+    for _ in range(20):
+        w = torch.randint(-2**31, 2**31 - 1, (4,), generator=g, dtype=torch.int64).to(torch.int32)
+        pairs = (torch.randn(32, generator=g) * 4).to(torch.float16).view(torch.int32).tolist()  # pair q: 2q, 2q+1
+        fbits = (int(torch.randint(100, 140, (1,), generator=g)) + 8) << 23
+        got = float(emulate._ptx_b32(w.tolist() + pairs + [fbits, 0.5], block_ptx(), "=f," + "r," * 21 + "f"))
+        parts = [w & m0, (w << 8) & m0, ((w << 5) & mm) | ((w << 7) & ms), ((w >> 3) & mm) | ((w << 15) & ms)]
+        h = [0.0, 0.0]
+        for j in range(4):
+            for p in range(4):
+                dv, xv = int(parts[p][j]) & 0xFFFFFFFF, pairs[4 * p + j] & 0xFFFFFFFF
+                for half in range(2):
+                    prod = emulate._f16_of_bits(dv >> (16 * half)) * emulate._f16_of_bits(xv >> (16 * half))
+                    h[half] = emulate._f16_of_bits(emulate._bits_of_f16(prod + h[half]))
+        want = emulate._fma32(emulate._f32(h[0] + h[1]), emulate._f32_of_bits(fbits), 0.5)
+        assert got == want
+
+
+def test_refused_by_name():
+    d = OP.make_inputs(OP.case(**SMALL), 0, "cpu")
+    z2 = torch.zeros(2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'z' must be one token"):
+        run(z2, d["idx"], d["weights_k"], d["moe"], d["y"])
+    with pytest.raises(ValueError, match="'wk' must have dtype"):
+        run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
+    with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
