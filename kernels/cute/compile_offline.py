@@ -249,6 +249,7 @@ def _cases(only: str | None, quick: bool):
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
         for K, I, L, E, step, pdl in ((16, 384, 3584, 896, 2, False), (16, 384, 3584, 896, 1, True),
+                                      (16, 192, 3584, 896, 2, False),
                                       (3, 128, 128, 6, 2, False)):
             cases.append((f"moe up K{K} I{I} L{L}" + (" pdl" if pdl else ""),
                           lambda K=K, I=I, L=L, E=E, st=step, p=pdl: up_cls(K, I, L, E, st, 4.0, 25.0, p), uargs))

@@ -15,8 +15,9 @@ two launches, no atomics, no tickets, y written (not accumulated).
 
 Layout: z [1, L] bf16 (read as int32 pairs); idx [1, K] int32 or int64 (the low word read); wk [1, K] fp32; w1, w3
 [E, I, L/8] and w2 [E, L, I/8] int32 words of k3lab.mxfp4.to_kernel_layout; their E8M0 scales [E, out, in/32] uint8
-(read as int32 words, in/32 a multiple of 4); y [1, L] fp32; a workspace act [K, I/2] int32 (cached per device and
-shape: make the first call outside a CUDA graph capture). Needs L % 128 == 0 and I % 128 == 0.
+(read as the stack's 32-bit words: byte n in word n // 4, so a TP16 row of six w2 scales may straddle two words);
+y [1, L] fp32; a workspace act [K, I/2] int32 (cached per device and shape: make the first call outside a CUDA graph
+capture). Needs L and I multiples of 32.
 Exactness and tolerance: the simt path's (k3lab_kernels.triton.moe_experts, the SIMT section): the decoded weights
 are exact, a block's products and sum are f16, everything after fp32.
 
@@ -123,9 +124,8 @@ def _kernel_classes():
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
             I, L = self.I, self.L
-            NB = L // 32                 # blocks a row
+            NB = L // 32                 # blocks a row (and scale bytes a row)
             RW = L // 8                  # words a row
-            RS = L // 128                # scale words a row
             tid, _, _ = cute.arch.thread_idx()
             c, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -151,14 +151,14 @@ def _kernel_classes():
                     row = e * I + r0 + m % 2
                     cute.autovec_copy(vec(pw, cute.assume(row * RW + 4 * b, divby=4), 4),
                                       cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)))
-                    sv[4 * i + m] = vec(ps, row * RS + b // 4, 1)[0]
+                    sv[4 * i + m] = vec(ps, (row * NB + b) // 4, 1)[0]
             for i in cutlass.range_constexpr(NF):
                 b = lane + 32 * i
                 cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
                 for q in cutlass.range_constexpr(16):
                     zp[q] = to_f16x2(zr[q])
                 for m in cutlass.range_constexpr(4):
-                    fbits = (((sv[4 * i + m] >> (8 * (b % 4))) & 0xFF) + 8) << 23
+                    fbits = (((sv[4 * i + m] >> (8 * ((e * I + r0 + m % 2) * NB + b) % 32)) & 0xFF) + 8) << 23
                     acc[m] = block_fma(cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)), zp,
                                        fbits, acc[m])
             if cutlass.const_expr(NB % 32 != 0):  # the last round: lanes 0 .. NB % 32 - 1
@@ -171,8 +171,8 @@ def _kernel_classes():
                     for m in cutlass.range_constexpr(4):
                         rl = e * I + r0 + m % 2
                         cute.autovec_copy(vec(p_w1 if m < 2 else p_w3, cute.assume(rl * RW + 4 * b, divby=4), 4), w4)
-                        sw = vec(p_s1 if m < 2 else p_s3, rl * RS + b // 4, 1)[0]
-                        fb = (((sw >> (8 * (b % 4))) & 0xFF) + 8) << 23
+                        sw = vec(p_s1 if m < 2 else p_s3, (rl * NB + b) // 4, 1)[0]
+                        fb = (((sw >> (8 * (rl * NB + b) % 32)) & 0xFF) + 8) << 23
                         acc[m] = block_fma(w4, zp, fb, acc[m])
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -201,9 +201,8 @@ def _kernel_classes():
         def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
                    p_y: cute.Pointer):
             K, I, L = self.K, self.I, self.L
-            NB = I // 32                 # blocks a row of w2
+            NB = I // 32                 # blocks a row of w2 (and scale bytes a row)
             RW = I // 8
-            RS = I // 128
             tid, _, _ = cute.arch.thread_idx()
             c, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -230,13 +229,13 @@ def _kernel_classes():
                 if q < K * NB:
                     cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
                                       cute.make_tensor(wv.iterator + 4 * i, cute.make_layout(4)))
-                    sv[i] = vec(p_s2, row * RS + cb // 4, 1)[0]
+                    sv[i] = vec(p_s2, (row * NB + cb) // 4, 1)[0]
             for i in cutlass.range_constexpr(NQ):
                 q = lane + 32 * i
                 if q < K * NB:
                     k = q // NB
                     cb = q % NB
-                    fbits = (((sv[i] >> (8 * (cb % 4))) & 0xFF) + 8) << 23
+                    fbits = (((sv[i] >> (8 * ((ev[i] * L + lrow) * NB + cb) % 32)) & 0xFF) + 8) << 23
                     cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
                     acc = block_fma(cute.make_tensor(wv.iterator + 4 * i, cute.make_layout(4)), ap, fbits, acc)
             for sh in cutlass.range_constexpr(5):
@@ -301,8 +300,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
         _fail("w1", f"must be the kernel-layout words [E, I, L/8] int32, got {getattr(w1, 'shape', w1)!r}")
     E, I = w1.shape[0], w1.shape[1]
-    if L % 128 or I % 128:
-        _fail("z", f"L and I must be multiples of 128 (whole scale words), got L={L}, I={I}")
+    if L % 32 or I % 32:
+        _fail("z", f"L and I must be multiples of 32 (MXFP4 blocks), got L={L}, I={I}")
     _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8))
     _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8))
     _tensor("w2", w2, dev, (torch.int32,), (E, L, I // 8))
@@ -320,10 +319,13 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     act = _WS.get(key_ws)
     if act is None:
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
+    for name, sc in (("s1", s1), ("s3", s3), ("s2", s2)):
+        if sc.numel() % 4:
+            _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
+    sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]  # scale byte n of the stack: word n // 4
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
-               _ptr(w3, 16), _ptr(s1.view(torch.int32), 4), _ptr(s3.view(torch.int32), 4), _ptr(act, 16)]
-    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(s2.view(torch.int32), 4), _ptr(act, 16),
-                 _ptr(y, 4)]
+               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
+    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
