@@ -68,6 +68,9 @@ _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "kda": None,
     "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
 }  # proj on triton: the plain projections through k3lab.components.trunk.proj (Layer._lin); else torch
+# paths that exist for some layers only: (group, backend) -> (whether this layer has it, why not)
+_PATH_RULES = {("moe", "cute"): (lambda L: L.N == 1 and L.w.mlp_kind == "moe" and L.w.mlp.w1.fmt == "mxfp4",
+                                 "the CuTe experts take one token with MXFP4 experts")}
 
 
 def _nb(*ts) -> int:
@@ -195,6 +198,9 @@ class Layer:
         impl = _IMPLEMENTED.get(group)
         if impl is not None and be not in impl:
             return None
+        rule = _PATH_RULES.get((group, be))
+        if rule is not None and not rule[0](self):
+            return None
         return be
 
     def components(self, *, all_components: bool = False) -> OrderedDict[str, Component]:
@@ -214,8 +220,10 @@ class Layer:
             be = self._backend(group)
             if be is None:
                 want = self.switches.backend.get(group)
+                rule = _PATH_RULES.get((group, want))
                 self.skipped[name] = (f"backend {want!r} has no {group!r} path here "
-                                      f"(implemented: {_IMPLEMENTED[group]})")
+                                      + (f"({rule[1]})" if rule is not None and want in (_IMPLEMENTED[group] or ())
+                                         else f"(implemented: {_IMPLEMENTED[group]})"))
                 if not all_components:
                     continue
             out[name] = comp

@@ -268,7 +268,8 @@ class DecodeStep:
                 continue  # the layer builder runs it
             if g != "proj":  # the fused composition runs only the projections itself (`_fused_parts`)
                 raise BackendUnavailable(f"step: backend {be!r} for {g!r}: the layer builder has no path for it "
-                                         f"(k3lab.model._IMPLEMENTED), and the step runs only the projections itself")
+                                         f"(k3lab.model._IMPLEMENTED, or not for these layers: _PATH_RULES), and "
+                                         f"the step runs only the projections itself")
             ok, reason = _override_ok(g, be, n_tok)
             if ok:
                 over[g] = be

@@ -325,10 +325,13 @@ def test_bad_arguments_are_named():
         st.run(torch.zeros(3, 3))
     with pytest.raises(S.StepError, match="'kda_state_dtype'"):
         st.set_switches(Switches(kda_state_dtype="bf16"))
-    st.set_switches(Switches(backend={"moe": "cute"}))  # a layer path (one token, MXFP4), refused where it runs:
-    moe_layer = next(i for i, L in enumerate(st.layers) if L.w.mlp_kind == "moe")
+    with pytest.raises(BackendUnavailable, match="for 'moe'.*_PATH_RULES"):  # the CuTe experts take one token
+        st.set_switches(Switches(backend={"moe": "cute"}))
+    one = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), device="cpu")
+    one.set_switches(Switches(backend={"moe": "cute"}))  # a path at one token, refused where it runs:
+    moe_layer = next(i for i, L in enumerate(one.layers) if L.w.mlp_kind == "moe")
     with pytest.raises(BackendUnavailable, match="'cute'"):  # no CuTe DSL here
-        st.comps[moe_layer]["experts"][0]()
+        one.comps[moe_layer]["experts"][0]()
     with pytest.raises(BackendUnavailable, match="no 'mla' path"):
         st.set_switches(Switches(backend={"mla": "cute"}))
     with pytest.raises(SwitchError, match="not wired"):
