@@ -203,7 +203,7 @@ def prepare(moe: MoEWeights) -> None:
 def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     """Validate the triton backend's inputs (each named) and build the kernel's arguments."""
     from k3lab_kernels.triton.moe_experts import (BLOCK_N_ALLOWED, BLOCK_T_ALLOWED, GEMV_MAX_BATCH, MAX_BATCH, PATHS,
-                                                  SIMT_MAX_BATCH, SIMT_TOKENS)
+                                                  SIMT_MAX_BATCH, SIMT_TOKENS, SIMT_WAITS)
 
     B, L = z.shape
     dev = z.device
@@ -271,8 +271,8 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     if knobs["leaders"] is not None and (not isinstance(knobs["leaders"], bool) or path != "simt"):
         _fail("leaders", f"must be None, True or False (the simt path only), got {knobs['leaders']!r} on the {path} "
                          f"path")
-    if knobs["wait"] is not None and (knobs["wait"] not in ("all", "expert") or path != "simt"):
-        _fail("wait", f"must be None, 'all' or 'expert' (what a role-B item of the simt path waits for), got "
+    if knobs["wait"] is not None and (knobs["wait"] not in SIMT_WAITS or path != "simt"):
+        _fail("wait", f"must be None or one of {SIMT_WAITS} (what a role-B item of the simt path waits for), got "
                       f"{knobs['wait']!r} on the {path} path")
     if knobs["num_stages"] is not None and (knobs["num_stages"] not in (1, 2, 3, 4, 5) or path == "simt"):
         _fail("num_stages", f"must be None or one of 1..5 (None on the simt path: its weight steps are register "

@@ -216,12 +216,8 @@ def _kernel_classes():
             wv = cute.make_rmem_tensor((NQ * 4,), Int32)
             sv = cute.make_rmem_tensor((NQ,), Int32)
             ap = cute.make_rmem_tensor((16,), Int32)
-            for i in cutlass.range_constexpr(NQ):
-                q = lane + 32 * i
-                if cutlass.const_expr((i + 1) * 32 <= K * NB):
-                    ev[i] = vec(p_idx, (q // NB) * self.idx_step, 1)[0]
-                else:
-                    ev[i] = vec(p_idx, (q // NB if q < K * NB else 0) * self.idx_step, 1)[0]
+            for i in cutlass.range_constexpr(NQ):  # a lane past the last product reads a valid id it never uses
+                ev[i] = vec(p_idx, ((lane + 32 * i) % (K * NB) // NB) * self.idx_step, 1)[0]
             for i in cutlass.range_constexpr(NQ):
                 q = lane + 32 * i
                 cb = q % NB
