@@ -270,9 +270,9 @@ class _Buf:
     def read(self, o):
         if o < 0 or o >= self.n:
             raise EmulationError(f"out-of-bounds read of {self.name}: element {o} of {self.n}")
-        if _PDL["on"] and self.space == "g" and self.base not in _PDL["early"] and not _cur().waited:
+        if _PDL["on"] and self.space == "g" and not _cur().waited and self.base not in _early_now():
             raise EmulationError(f"read of {self.name} before griddepcontrol.wait in a PDL launch (only "
-                                 f"{len(_PDL['early'])} declared inputs may be read before the wait)")
+                                 f"{len(_early_now())} declared inputs may be read before the wait)")
         w = self.written
         if w is not None and not w[o] and STRICT_SMEM:
             raise EmulationError(f"read of never-written shared memory {self.name}[{o}]")
@@ -298,8 +298,16 @@ def _ident(v):
 
 
 # programmatic dependent launch: "on" while a use_pdl launch runs; "early": base addresses of the global
-# tensors the caller declared safe to read before griddepcontrol.wait (not written by the previous kernel)
-_PDL = {"on": False, "early": frozenset()}
+# tensors the caller declared safe to read before griddepcontrol.wait (not written by the previous kernel); a dict
+# {kernel qualname suffix: frozenset} declares them per kernel of a multi-launch wrapper ("kernel": the running one)
+_PDL = {"on": False, "early": frozenset(), "kernel": ""}
+
+
+def _early_now():
+    e = _PDL["early"]
+    if isinstance(e, dict):
+        return next((v for k, v in e.items() if _PDL["kernel"].endswith(k)), frozenset())
+    return e
 
 
 def griddepcontrol_wait():
@@ -372,8 +380,39 @@ class Pointer:
     def addr(self):
         return self.buf.base + self.off * _esize(self.dtype)
 
+    def toint(self, loc=None, ip=None):
+        return _Addr(self)
+
     def __repr__(self):
         return f"Pointer({getattr(self.buf, 'name', '?')} + {self.off}, {self.dtype.__name__})"
+
+
+class _Addr(int):
+    """Pointer.toint(): the byte address, keeping the pointer (an inline-PTX prefetch checks its range)."""
+
+    def __new__(cls, ptr):
+        a = super().__new__(cls, ptr.addr())
+        a.ptr = ptr
+        return a
+
+    def ir_value(self, loc=None, ip=None):
+        return self
+
+
+def _bulk_prefetch(operands):
+    """cp.async.bulk.prefetch.L2.global [addr], size: no data effect; the address must be a global pointer's
+    (16-byte aligned), the size a multiple of 16, and the range inside that pointer's tensor."""
+    addr, size = operands
+    if not isinstance(addr, _Addr) or getattr(addr.ptr.buf, "space", None) != "g":
+        raise EmulationError("bulk prefetch of an address that is no global tensor's")
+    size = int(size)
+    if addr % 16 or size % 16 or size <= 0:
+        raise EmulationError(f"bulk prefetch: address {addr} and size {size} must be multiples of 16")
+    es = _esize(addr.ptr.dtype)
+    if addr.ptr.off < 0 or addr.ptr.off * es + size > addr.ptr.buf.n * es:
+        raise EmulationError(f"bulk prefetch past {addr.ptr.buf.name}: bytes {addr.ptr.off * es} + {size} of "
+                             f"{addr.ptr.buf.n * es}")
+    LAST["prefetched"] = LAST.get("prefetched", 0) + size
 
 
 class Layout:
@@ -1155,6 +1194,8 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
     Anything else raises."""
     import re
 
+    if asm_string.startswith("cp.async.bulk.prefetch.L2.global"):
+        return _bulk_prefetch(operands)
     if any(op in asm_string for op in _B32_OPS):
         return _ptx_b32(operands, asm_string, constraints)
 
@@ -1411,7 +1452,7 @@ class _Launch:
         origins = [(x, y, z) for z in range(0, g[2], cl[2]) for y in range(0, g[1], cl[1])
                    for x in range(0, g[0], cl[0])]
         _S.rng.shuffle(origins)
-        _PDL["on"] = pdl
+        _PDL["on"], _PDL["kernel"] = pdl, name
         try:
             for o in origins:
                 self._cluster(o, cl, nt, name, pdl)
@@ -1746,7 +1787,7 @@ def _run(call, tensors, seed):
     """Register and wrap `tensors` (a dict of argument name -> tensor / KDAParams), call `call(**wrapped)` in
     the emulated kernel modules, then write the bf16 results back into the caller's tensors."""
     with emulated(seed=seed) as m:
-        LAST["launches"], LAST["max_smem"], _S.switches = [], 0, 0
+        LAST["launches"], LAST["max_smem"], LAST["prefetched"], _S.switches = [], 0, 0, 0
         wrapped = {}
         for k, v in tensors.items():
             if dataclasses.is_dataclass(v):

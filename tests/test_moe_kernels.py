@@ -374,3 +374,21 @@ def test_simt_batch_one_wide_b_items():
     assert default_blocks(2, 4, 256, 512, "mxfp4", "simt")["block_l"] == 128
     res = _check(dtype="mxfp4", batch=1, latent=512)
     assert "path simt" in res.ran[-1].notes
+
+
+def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
+    """data/moe_defaults.json: `auto` runs the CuTe DSL experts at one token with MXFP4 weights (where CuTe DSL runs)
+    and passes them over, by the op's `supports`, for another format, more tokens or too many products; the Triton
+    kernels then (the fallback rule at batch 1, the measured one above it)."""
+    from k3lab.components import dispatch
+
+    monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
+    sel = lambda B, fmt, K=16, I=384: dispatch.select("moe_experts", "auto", B=B, shape=dict(B=B, fmt=fmt, K=K, I=I))  # noqa
+    assert sel(1, "mxfp4")[0] == "cute"
+    be, _, why = sel(1, "fp8")
+    assert be == "triton" and "MXFP4 weights only" in why
+    assert sel(2, "mxfp4")[0] == "triton"
+    be, _, why = sel(1, "mxfp4", K=64, I=768)
+    assert be == "triton" and "<= 1024" in why
+    monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("triton", "reference"))  # no CuTe DSL
+    assert sel(1, "mxfp4")[0] == "triton"

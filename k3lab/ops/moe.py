@@ -210,13 +210,21 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 
 def experts_supports(backend: str, shape: dict) -> str | None:
     """What the cute backend takes (kernels/cute/moe_experts.py): one token, MXFP4 experts (whose sizes the op's
-    `_valid` already keeps to multiples of 32). A shape without a key passes (the component checks its tensors)."""
+    `_valid` already keeps to multiples of 32), top-k x I/32 <= 1024 (a thread a product in its down kernel). `shape`
+    is a case of the op (batch, dtype, top_k, inter, tp) or the component's call (B, fmt, K, I: the per-GPU slice);
+    a key it lacks passes (the kernel checks its tensors)."""
     if backend != "cute":
         return None
-    if shape.get("batch", 1) != 1:
-        return f"the cute experts take one token, got batch {shape['batch']}"
-    if shape.get("dtype", "mxfp4") != "mxfp4":
-        return f"the cute experts take MXFP4 weights only, got {shape['dtype']}"
+    batch = shape.get("batch", shape.get("B", 1))
+    if batch != 1:
+        return f"the cute experts take one token, got batch {batch}"
+    fmt = shape.get("dtype", shape.get("fmt", "mxfp4"))
+    if fmt != "mxfp4":
+        return f"the cute experts take MXFP4 weights only, got {fmt}"
+    k = shape.get("top_k", shape.get("K"))
+    inter = shape.get("I", shape["inter"] // shape.get("tp", 1) if "inter" in shape else None)
+    if k is not None and inter is not None and k * (inter // 32) > 1024:
+        return f"the cute experts take top-k x I/32 <= 1024, got {k} x {inter // 32}"
     return None
 
 

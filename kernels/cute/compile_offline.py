@@ -244,16 +244,19 @@ def _cases(only: str | None, quick: bool):
                           gargs(o_dts)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
-        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...)
+        # MoEUp: z, idx, wk, w1, w3, s1, s3, w2, s2, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...,
+        # the study flags: up's L2 prefetch of W2, down's loads before its wait)
         up_cls, down_cls = km._kernel_classes()
-        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
+                 P(i32, 16), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
-        for K, I, L, E, step, pdl in ((16, 384, 3584, 896, 2, False), (16, 384, 3584, 896, 1, True),
-                                      (16, 192, 3584, 896, 2, False),
-                                      (3, 128, 128, 6, 2, False)):
-            cases.append((f"moe up K{K} I{I} L{L}" + (" pdl" if pdl else ""),
-                          lambda K=K, I=I, L=L, E=E, st=step, p=pdl: up_cls(K, I, L, E, st, 4.0, 25.0, p), uargs))
-            cases.append((f"moe down K{K} I{I} L{L}", lambda K=K, I=I, L=L, E=E, st=step: down_cls(K, I, L, E, st),
+        for K, I, L, E, step, pdl, fl in ((16, 384, 3584, 896, 2, False, False), (16, 384, 3584, 896, 1, True, False),
+                                          (16, 384, 3584, 896, 2, True, True), (16, 192, 3584, 896, 2, False, False),
+                                          (16, 192, 3584, 896, 2, True, True), (3, 128, 128, 6, 2, False, False)):
+            tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "") + (" l2w2/early" if fl else "")
+            cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, f=fl:
+                          up_cls(K, I, L, E, st, 4.0, 25.0, p, f), uargs))
+            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, f=fl: down_cls(K, I, L, E, st, f, 8),
                           dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc

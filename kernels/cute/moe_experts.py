@@ -59,6 +59,12 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
+# study flags (experiments/moe_cute/variants.py), read at compile time: the up kernel's warps pull their pair's
+# expert's W2 rows into L2 (bulk prefetch) for the down kernel; the down kernel reads ids, W2 words and scales
+# before griddepcontrol.wait
+L2_W2 = False
+EARLY_DOWN = False
+DOWN_ROWS = 8  # latent rows a CTA of the down kernel
 
 
 def _kernel_classes():
@@ -99,6 +105,14 @@ def _kernel_classes():
                                       has_side_effects=False, is_align_stack=False,
                                       asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
+    @dsl_user_op
+    def bulk_prefetch_l2(ptr, nbytes: int, *, loc=None, ip=None):
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global pointer."""
+        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                                Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
 
@@ -108,21 +122,23 @@ def _kernel_classes():
     class MoEUp:
         """A warp per (pair, two intermediate rows); four warps a CTA."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
+                     l2w2: bool):
             self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
-            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
+            self.b1, self.b2, self.pdl, self.l2w2 = float(b1), float(b2), bool(pdl), bool(l2w2)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
+                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
+                     p_s2: cute.Pointer, p_act: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_w2, p_s2, p_act).launch(
                 grid=[self.K * (self.I // 2) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
+                   p_s2: cute.Pointer, p_act: cute.Pointer):
             I, L = self.I, self.L
             NB = L // 32                 # blocks a row (and scale bytes a row)
             RW = L // 8                  # words a row
@@ -138,13 +154,15 @@ def _kernel_classes():
             e = vec(p_idx, k * self.idx_step, 1)[0]
             acc = cute.make_rmem_tensor((4,), Float32)  # w1 row r0, w1 row r0 + 1, w3 row r0, w3 row r0 + 1
             acc.fill(0.0)
-            NF = NB // 32                # rounds every lane takes a block in: their words loaded first, all at once
-            wv = cute.make_rmem_tensor((max(NF, 1) * 16,), Int32)  # [round, row-matrix m, word]
-            sv = cute.make_rmem_tensor((max(NF, 1) * 4,), Int32)   # [round, m]: the word holding the block's scale
+            NF = NB // 32                # rounds every lane takes a block in
+            TL = NB % 32                 # lanes of the last, partial round (0: none)
+            NR = NF + (1 if TL else 0)   # rounds, their words all loaded first (a lane past the last block of the
+            wv = cute.make_rmem_tensor((NR * 16,), Int32)  # partial round loads a valid block it never uses)
+            sv = cute.make_rmem_tensor((NR * 4,), Int32)   # [round, m]: the word holding the block's scale
             zr = cute.make_rmem_tensor((16,), Int32)
             zp = cute.make_rmem_tensor((16,), Int32)
-            for i in cutlass.range_constexpr(NF):
-                b = lane + 32 * i
+            for i in cutlass.range_constexpr(NR):
+                b = lane + 32 * i if i < NF else lane % TL + 32 * i
                 for m in cutlass.range_constexpr(4):
                     pw = p_w1 if m < 2 else p_w3
                     ps = p_s1 if m < 2 else p_s3
@@ -152,28 +170,23 @@ def _kernel_classes():
                     cute.autovec_copy(vec(pw, cute.assume(row * RW + 4 * b, divby=4), 4),
                                       cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)))
                     sv[4 * i + m] = vec(ps, (row * NB + b) // 4, 1)[0]
-            for i in cutlass.range_constexpr(NF):
-                b = lane + 32 * i
+            if cutlass.const_expr(self.l2w2):  # this warp's share of W2_e (L bytes of words, L/16 of scales: the
+                if lane == 0:                  # pair's I/2 warps cover the expert) into L2 for the down kernel
+                    j = gw % (I // 2)
+                    bulk_prefetch_l2(p_w2 + (e * (L * I // 8) + j * (L // 4)), L)
+                    if cutlass.const_expr(L % 256 == 0):  # the scales' share a multiple of 16 bytes
+                        bulk_prefetch_l2(p_s2 + (e * (L * I // 128) + j * (L // 64)), L // 16)
+            for i in cutlass.range_constexpr(NR):
+                b = lane + 32 * i if i < NF else lane % TL + 32 * i
+                # a lane past the last block adds its (valid, finite) block times a factor of 0.0: no branch
+                keep = -1 if i < NF else (lane - TL) >> 31
                 cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
                 for q in cutlass.range_constexpr(16):
                     zp[q] = to_f16x2(zr[q])
                 for m in cutlass.range_constexpr(4):
-                    fbits = (((sv[4 * i + m] >> (8 * ((e * I + r0 + m % 2) * NB + b) % 32)) & 0xFF) + 8) << 23
+                    fbits = ((((sv[4 * i + m] >> (8 * ((e * I + r0 + m % 2) * NB + b) % 32)) & 0xFF) + 8) << 23) & keep
                     acc[m] = block_fma(cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)), zp,
                                        fbits, acc[m])
-            if cutlass.const_expr(NB % 32 != 0):  # the last round: lanes 0 .. NB % 32 - 1
-                b = lane + 32 * NF
-                if b < NB:
-                    cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
-                    for q in cutlass.range_constexpr(16):
-                        zp[q] = to_f16x2(zr[q])
-                    w4 = cute.make_rmem_tensor((4,), Int32)
-                    for m in cutlass.range_constexpr(4):
-                        rl = e * I + r0 + m % 2
-                        cute.autovec_copy(vec(p_w1 if m < 2 else p_w3, cute.assume(rl * RW + 4 * b, divby=4), 4), w4)
-                        sw = vec(p_s1 if m < 2 else p_s3, (rl * NB + b) // 4, 1)[0]
-                        fb = (((sw >> (8 * (rl * NB + b) % 32)) & 0xFF) + 8) << 23
-                        acc[m] = block_fma(w4, zp, fb, acc[m])
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
             for m in cutlass.range_constexpr(4):
@@ -186,58 +199,70 @@ def _kernel_classes():
                 vec(p_act, k * (I // 2) + r0 // 2, 1)[0] = pack_f16x2(a1, a0)
 
     class MoEDown:
-        """A warp per latent row; four warps a CTA; a PDL launch after MoEUp."""
+        """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
+        activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int):
-            self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, early: bool, rows: int):
+            self.K, self.I, self.L, self.E, self.idx_step, self.early = K, I, L, E, idx_step, bool(early)
+            self.R = rows
+            self.NP = K * (I // 32)                  # (pair, block) products a row
+            self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
 
         @cute.jit
         def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
                      p_y: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.L // _WARPS, 1, 1], block=[_THREADS, 1, 1],
+            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.L // self.R, 1, 1], block=[self.NT, 1, 1],
                                                               stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
                    p_y: cute.Pointer):
-            K, I, L = self.K, self.I, self.L
+            I, L, R, NP, NT = self.I, self.L, self.R, self.NP, self.NT
             NB = I // 32                 # blocks a row of w2 (and scale bytes a row)
             RW = I // 8
+            W = NT // 32
             tid, _, _ = cute.arch.thread_idx()
             c, _, _ = cute.arch.block_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
-            lrow = c * _WARPS + warp
-            cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
-            cute.arch.griddepcontrol_launch_dependents()
-            acc = Float32(0.0)
-            NQ = (K * NB + 31) // 32     # (pair, block) products a lane: ids, words and scales loaded first
-            ev = cute.make_rmem_tensor((NQ,), Int32)
-            wv = cute.make_rmem_tensor((NQ * 4,), Int32)
-            sv = cute.make_rmem_tensor((NQ,), Int32)
+            warp = tid // 32
+            smem = cutlass.utils.SmemAllocator()
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(W * R), byte_alignment=16)  # [warp, row]
+            q = tid % NP                 # an idle thread redoes a valid product times a factor of 0.0
+            keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
+            k = q // NB
+            cb = q % NB
+            if cutlass.const_expr(not self.early):
+                cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
+                cute.arch.griddepcontrol_launch_dependents()
+            e = vec(p_idx, k * self.idx_step, 1)[0]
+            wv = cute.make_rmem_tensor((R * 4,), Int32)
+            sv = cute.make_rmem_tensor((R,), Int32)
+            for r in cutlass.range_constexpr(R):
+                row = e * L + c * R + r
+                cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
+                                  cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)))
+                sv[r] = vec(p_s2, (row * NB + cb) // 4, 1)[0]
+            if cutlass.const_expr(self.early):  # ids and W2 (written before MoEUp began) read; now the activations
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
             ap = cute.make_rmem_tensor((16,), Int32)
-            for i in cutlass.range_constexpr(NQ):  # a lane past the last product reads a valid id it never uses
-                ev[i] = vec(p_idx, ((lane + 32 * i) % (K * NB) // NB) * self.idx_step, 1)[0]
-            for i in cutlass.range_constexpr(NQ):
-                q = lane + 32 * i
-                cb = q % NB
-                row = ev[i] * L + lrow
-                if q < K * NB:
-                    cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
-                                      cute.make_tensor(wv.iterator + 4 * i, cute.make_layout(4)))
-                    sv[i] = vec(p_s2, (row * NB + cb) // 4, 1)[0]
-            for i in cutlass.range_constexpr(NQ):
-                q = lane + 32 * i
-                if q < K * NB:
-                    k = q // NB
-                    cb = q % NB
-                    fbits = (((sv[i] >> (8 * ((ev[i] * L + lrow) * NB + cb) % 32)) & 0xFF) + 8) << 23
-                    cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
-                    acc = block_fma(cute.make_tensor(wv.iterator + 4 * i, cute.make_layout(4)), ap, fbits, acc)
-            for sh in cutlass.range_constexpr(5):
-                acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> sh)
+            cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
+            acc = cute.make_rmem_tensor((R,), Float32)
+            for r in cutlass.range_constexpr(R):
+                fbits = ((((sv[r] >> (8 * ((e * L + c * R + r) * NB + cb) % 32)) & 0xFF) + 8) << 23) & keep
+                acc[r] = block_fma(cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)), ap, fbits,
+                                   Float32(0.0))
+                for sh in cutlass.range_constexpr(5):
+                    acc[r] = acc[r] + cute.arch.shuffle_sync_bfly(acc[r], offset=16 >> sh)
             if lane == 0:
-                vec(p_y, lrow, 1)[0] = acc
+                for r in cutlass.range_constexpr(R):
+                    s_red[warp * R + r] = acc[r]
+            cute.arch.sync_threads()
+            if tid < R:
+                tot = s_red[tid]
+                for w in cutlass.range_constexpr(1, W):
+                    tot = tot + s_red[w * R + tid]
+                vec(p_y, c * R + tid, 1)[0] = tot
 
     _KERNEL_CLS = (MoEUp, MoEDown)
     return _KERNEL_CLS
@@ -310,6 +335,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     _tensor("idx", idx, dev, (torch.int32, torch.int64), (1, K))
     _tensor("wk", wk, dev, (torch.float32,), (1, K))
     _tensor("y", y, dev, (torch.float32,), (1, L))
+    if K * (I // 32) > 1024:
+        _fail("idx", f"top-k x I/32 must be at most 1024 (a thread a product in the down kernel), got {K} x {I // 32}")
     step = 2 if idx.dtype == torch.int64 else 1
     key_ws = (dev.index, K, I)
     act = _WS.get(key_ws)
@@ -320,9 +347,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
     sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]  # scale byte n of the stack: word n // 4
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
-               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
+               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(w2, 16), _ptr(sw[2], 16), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index)
+    rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, L2_W2, EARLY_DOWN, rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -332,8 +360,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step), *down_args, stream))
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, L2_W2), *up_args, stream),
+                   cute.compile(down_cls(K, I, L, E, step, EARLY_DOWN, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
