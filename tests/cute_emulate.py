@@ -380,39 +380,8 @@ class Pointer:
     def addr(self):
         return self.buf.base + self.off * _esize(self.dtype)
 
-    def toint(self, loc=None, ip=None):
-        return _Addr(self)
-
     def __repr__(self):
         return f"Pointer({getattr(self.buf, 'name', '?')} + {self.off}, {self.dtype.__name__})"
-
-
-class _Addr(int):
-    """Pointer.toint(): the byte address, keeping the pointer (an inline-PTX prefetch checks its range)."""
-
-    def __new__(cls, ptr):
-        a = super().__new__(cls, ptr.addr())
-        a.ptr = ptr
-        return a
-
-    def ir_value(self, loc=None, ip=None):
-        return self
-
-
-def _bulk_prefetch(operands):
-    """cp.async.bulk.prefetch.L2.global [addr], size: no data effect; the address must be a global pointer's
-    (16-byte aligned), the size a multiple of 16, and the range inside that pointer's tensor."""
-    addr, size = operands
-    if not isinstance(addr, _Addr) or getattr(addr.ptr.buf, "space", None) != "g":
-        raise EmulationError("bulk prefetch of an address that is no global tensor's")
-    size = int(size)
-    if addr % 16 or size % 16 or size <= 0:
-        raise EmulationError(f"bulk prefetch: address {addr} and size {size} must be multiples of 16")
-    es = _esize(addr.ptr.dtype)
-    if addr.ptr.off < 0 or addr.ptr.off * es + size > addr.ptr.buf.n * es:
-        raise EmulationError(f"bulk prefetch past {addr.ptr.buf.name}: bytes {addr.ptr.off * es} + {size} of "
-                             f"{addr.ptr.buf.n * es}")
-    LAST["prefetched"] = LAST.get("prefetched", 0) + size
 
 
 class Layout:
@@ -1194,8 +1163,6 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
     Anything else raises."""
     import re
 
-    if asm_string.startswith("cp.async.bulk.prefetch.L2.global"):
-        return _bulk_prefetch(operands)
     if any(op in asm_string for op in _B32_OPS):
         return _ptx_b32(operands, asm_string, constraints)
 
@@ -1787,7 +1754,7 @@ def _run(call, tensors, seed):
     """Register and wrap `tensors` (a dict of argument name -> tensor / KDAParams), call `call(**wrapped)` in
     the emulated kernel modules, then write the bf16 results back into the caller's tensors."""
     with emulated(seed=seed) as m:
-        LAST["launches"], LAST["max_smem"], LAST["prefetched"], _S.switches = [], 0, 0, 0
+        LAST["launches"], LAST["max_smem"], _S.switches = [], 0, 0
         wrapped = {}
         for k, v in tensors.items():
             if dataclasses.is_dataclass(v):

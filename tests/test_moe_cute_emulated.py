@@ -22,48 +22,47 @@ ROUNDS = dict(SMALL, latent=1152, inter=384)
 ODD = dict(SMALL, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, l2w2=False, early=False):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None):
     kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
     t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
     # the int32 views the wrapper makes (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered
     # so that the emulator finds them by address and dtype; the kernel never sees these names
     t.update({f"{k}_words": v.reshape(-1).view(torch.int32) for k, v in t.items()
               if k in ("z", "idx", "s1", "s3", "s2") and v.dtype != torch.int32})
-    # before its wait the down kernel may read the ids and W2 (written before the up kernel began), never the
-    # activations; the up kernel under pdl nothing
-    emulate._PDL["early"] = {"MoEDown.kernel": frozenset(x.data_ptr() for x in (idx, kl["w2"], moe.w2.scale))}
+    emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
         mod = m.mod["moe_experts"]
-        mod.L2_W2, mod.EARLY_DOWN = l2w2, early
+        saved, mod.DOWN_ROWS = mod.DOWN_ROWS, rows or mod.DOWN_ROWS
         try:
             mod.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                             b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
                             pdl=pdl)
         finally:
-            mod.L2_W2, mod.EARLY_DOWN = False, False
+            mod.DOWN_ROWS = saved
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, **flags):
+def impl(pdl=False, idx32=False, rows=None):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, **flags)
-    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, {flags})"
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows)
+    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, down rows={rows})"
     return f
 
 
-@pytest.mark.parametrize("pdl,idx32,shape,flags", [
-    (False, False, SMALL, {}), (True, True, SMALL, {}), (False, True, ODD, {}),
-    (True, False, dict(SMALL, latent=256), dict(l2w2=True, early=True)),
-    pytest.param(True, False, ROUNDS, {}, marks=pytest.mark.slow)])  # ~1 min
-def test_one_token(pdl, idx32, shape, flags):
-    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32, **flags), seed=int(pdl), device="cpu"))
+# the down kernel's CTA: K * I/32 product threads rounded up to whole warps (SMALL: 12 of 32, ODD: 9; ROUNDS: 36 of
+# 64), DOWN_ROWS latent rows (ODD at 8 rows, ROUNDS at 1: a single row a CTA)
+@pytest.mark.parametrize("pdl,idx32,shape,rows", [
+    (False, False, SMALL, None), (True, True, SMALL, None), (False, True, ODD, 8),
+    pytest.param(True, False, ROUNDS, 1, marks=pytest.mark.slow)])  # ~1 min
+def test_one_token(pdl, idx32, shape, rows):
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32, rows=rows), seed=int(pdl),
+                                  device="cpu"))
     launches = emulate.LAST["launches"]
     assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
-    if flags.get("l2w2"):  # every expert a pair chose: its W2 words and scales (latent 256: 16 scale bytes a warp)
-        L, inter = shape["latent"], shape["inter"] // shape["tp"]
-        assert emulate.LAST["prefetched"] == shape["top_k"] * L * inter * (1 / 2 + 1 / 32)
+    nt = -(-shape["top_k"] * shape["inter"] // shape["tp"] // 32 // 32) * 32
+    assert launches[-1]["block"] == nt and launches[-1]["grid"][0] == shape["latent"] // (rows or 4)
 
 
 def test_block_ptx_matches_the_simt_twin():

@@ -392,3 +392,7 @@ def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
     assert be == "triton" and "<= 1024" in why
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("triton", "reference"))  # no CuTe DSL
     assert sel(1, "mxfp4")[0] == "triton"
+    # the benchmark asks with a case of the op (full intermediate size and tp)
+    assert OP.supports("cute", OP.case(batch=1, dtype="mxfp4", **K3)) is None
+    assert "top-k x I/32" in OP.supports("cute", OP.case(batch=1, dtype="mxfp4", **dict(K3, top_k=96, tp=1)))
+    assert "one token" in OP.supports("cute", OP.case(batch=2, dtype="mxfp4", **K3))

@@ -1,8 +1,6 @@
 """GPU study of the CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py, issue 14) at K3's pool (896
-experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: the study flags of the kernel file
-(`L2_W2`: the up kernel's warps bulk-prefetch their expert's W2 rows into L2 for the down kernel; `EARLY_DOWN`: the
-down kernel reads ids, W2 words and scales before its griddepcontrol.wait; `DOWN_ROWS`: latent rows a CTA of the
-down kernel), each combination checked against fp64
+experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: `DOWN_ROWS` (latent rows a CTA of the down
+kernel) of the kernel file, each value checked against fp64
 by the shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton
 default of the same run.
 Run: python experiments/moe_cute/variants.py $OUT   (writes $OUT/moe_cute_variants.json, prints a table)."""
@@ -18,8 +16,8 @@ from k3lab_kernels.cute import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("moe_experts")
-# (L2_W2, EARLY_DOWN, DOWN_ROWS)
-FLAGS = [(False, False, 8), (False, False, 4), (False, False, 16), (True, False, 8), (False, True, 8)]
+# DOWN_ROWS values (the study flags L2_W2 / EARLY_DOWN of the first two runs are in git history at 22b43ed)
+FLAGS = [4, 8, 16]
 
 rows = []
 pr = timing.probes("cuda")
@@ -33,14 +31,14 @@ for tp in (8, 16):
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
     for be, flags in [("triton", None)] + [("cute", f) for f in FLAGS]:
         if flags is not None:
-            M.L2_W2, M.EARLY_DOWN, M.DOWN_ROWS = flags
+            M.DOWN_ROWS = flags
         try:
             chk = checker.check(OP, case, backend=be, inputs=sets[0])
             t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
                                  reps=REPS)
         finally:
-            M.L2_W2, M.EARLY_DOWN, M.DOWN_ROWS = False, False, 8
-        name = be if flags is None else f"cute l2w2={int(flags[0])} early={int(flags[1])} rows={flags[2]}"
+            M.DOWN_ROWS = 4
+        name = be if flags is None else f"cute rows={flags}"
         r = dict(tp=tp, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, samples=t.samples_us,
                  floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)
         rows.append(r)

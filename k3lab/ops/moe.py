@@ -222,7 +222,9 @@ def experts_supports(backend: str, shape: dict) -> str | None:
     if fmt != "mxfp4":
         return f"the cute experts take MXFP4 weights only, got {fmt}"
     k = shape.get("top_k", shape.get("K"))
-    inter = shape.get("I", shape["inter"] // shape.get("tp", 1) if "inter" in shape else None)
+    inter = shape.get("I")
+    if inter is None and shape.get("inter") is not None:
+        inter = shape.get("inter") // shape.get("tp", 1)
     if k is not None and inter is not None and k * (inter // 32) > 1024:
         return f"the cute experts take top-k x I/32 <= 1024, got {k} x {inter // 32}"
     return None

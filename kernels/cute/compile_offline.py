@@ -244,20 +244,19 @@ def _cases(only: str | None, quick: bool):
                           gargs(o_dts)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
-        # MoEUp: z, idx, wk, w1, w3, s1, s3, w2, s2, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...,
-        # the study flags: up's L2 prefetch of W2, down's loads before its wait)
+        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down
+        # kernel's latent rows a CTA)
         up_cls, down_cls = km._kernel_classes()
-        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
-                 P(i32, 16), P(i32, 16), S]
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
-        for K, I, L, E, step, pdl, fl in ((16, 384, 3584, 896, 2, False, False), (16, 384, 3584, 896, 1, True, False),
-                                          (16, 384, 3584, 896, 2, True, True), (16, 192, 3584, 896, 2, False, False),
-                                          (16, 192, 3584, 896, 2, True, True), (3, 128, 128, 6, 2, False, False)):
-            tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "") + (" l2w2/early" if fl else "")
-            cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, f=fl:
-                          up_cls(K, I, L, E, st, 4.0, 25.0, p, f), uargs))
-            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, f=fl: down_cls(K, I, L, E, st, f, 8),
-                          dargs))
+        for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
+                                         (16, 384, 3584, 896, 2, False, 8), (16, 192, 3584, 896, 2, False, 4),
+                                         (3, 128, 128, 6, 2, False, 4)):
+            tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "")
+            cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl:
+                          up_cls(K, I, L, E, st, 4.0, 25.0, p), uargs))
+            cases.append((f"moe down {tag} rows {R}", lambda K=K, I=I, L=L, E=E, st=step, r=R:
+                          down_cls(K, I, L, E, st, r), dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)

@@ -59,12 +59,8 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
-# study flags (experiments/moe_cute/variants.py), read at compile time: the up kernel's warps pull their pair's
-# expert's W2 rows into L2 (bulk prefetch) for the down kernel; the down kernel reads ids, W2 words and scales
-# before griddepcontrol.wait
-L2_W2 = False
-EARLY_DOWN = False
-DOWN_ROWS = 8  # latent rows a CTA of the down kernel
+# latent rows a CTA of the down kernel (experiments/moe_cute/README.md: 4 ahead of 8 and 16 at TP8 and TP16)
+DOWN_ROWS = 4
 
 
 def _kernel_classes():
@@ -105,14 +101,6 @@ def _kernel_classes():
                                       has_side_effects=False, is_align_stack=False,
                                       asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
-    @dsl_user_op
-    def bulk_prefetch_l2(ptr, nbytes: int, *, loc=None, ip=None):
-        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global pointer."""
-        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-                                Int32(nbytes).ir_value(loc=loc, ip=ip)],
-                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
 
@@ -122,23 +110,21 @@ def _kernel_classes():
     class MoEUp:
         """A warp per (pair, two intermediate rows); four warps a CTA."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     l2w2: bool):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool):
             self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
-            self.b1, self.b2, self.pdl, self.l2w2 = float(b1), float(b2), bool(pdl), bool(l2w2)
+            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
-                     p_s2: cute.Pointer, p_act: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_w2, p_s2, p_act).launch(
+                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
+                     stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
                 grid=[self.K * (self.I // 2) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
-                   p_s2: cute.Pointer, p_act: cute.Pointer):
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
             I, L = self.I, self.L
             NB = L // 32                 # blocks a row (and scale bytes a row)
             RW = L // 8                  # words a row
@@ -170,12 +156,6 @@ def _kernel_classes():
                     cute.autovec_copy(vec(pw, cute.assume(row * RW + 4 * b, divby=4), 4),
                                       cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)))
                     sv[4 * i + m] = vec(ps, (row * NB + b) // 4, 1)[0]
-            if cutlass.const_expr(self.l2w2):  # this warp's share of W2_e (L bytes of words, L/16 of scales: the
-                if lane == 0:                  # pair's I/2 warps cover the expert) into L2 for the down kernel
-                    j = gw % (I // 2)
-                    bulk_prefetch_l2(p_w2 + (e * (L * I // 8) + j * (L // 4)), L)
-                    if cutlass.const_expr(L % 256 == 0):  # the scales' share a multiple of 16 bytes
-                        bulk_prefetch_l2(p_s2 + (e * (L * I // 128) + j * (L // 64)), L // 16)
             for i in cutlass.range_constexpr(NR):
                 b = lane + 32 * i if i < NF else lane % TL + 32 * i
                 # a lane past the last block adds its (valid, finite) block times a factor of 0.0: no branch
@@ -202,9 +182,8 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, early: bool, rows: int):
-            self.K, self.I, self.L, self.E, self.idx_step, self.early = K, I, L, E, idx_step, bool(early)
-            self.R = rows
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int):
+            self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.NP = K * (I // 32)                  # (pair, block) products a row
             self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
 
@@ -231,9 +210,8 @@ def _kernel_classes():
             keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
             k = q // NB
             cb = q % NB
-            if cutlass.const_expr(not self.early):
-                cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
+            cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
             wv = cute.make_rmem_tensor((R * 4,), Int32)
             sv = cute.make_rmem_tensor((R,), Int32)
@@ -242,9 +220,6 @@ def _kernel_classes():
                 cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
                                   cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)))
                 sv[r] = vec(p_s2, (row * NB + cb) // 4, 1)[0]
-            if cutlass.const_expr(self.early):  # ids and W2 (written before MoEUp began) read; now the activations
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
             ap = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
             acc = cute.make_rmem_tensor((R,), Float32)
@@ -347,10 +322,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
     sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]  # scale byte n of the stack: word n // 4
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
-               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(w2, 16), _ptr(sw[2], 16), _ptr(act, 16)]
+               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, L2_W2, EARLY_DOWN, rows)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -360,8 +335,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, L2_W2), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, EARLY_DOWN, rows), *down_args, stream))
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl), *up_args, stream),
+                   cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
