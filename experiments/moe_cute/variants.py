@@ -1,10 +1,12 @@
 """GPU study of the CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py, issue 14) at K3's pool (896
 experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: `DOWN_ROWS` (latent rows a CTA of the down
-kernel) of the kernel file, each value checked against fp64
+kernel) and `UP_ROWS` (0: a warp per pair and two rows; R: a CTA per pair and R rows) of the kernel file, each
+value checked against fp64
 by the shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton
 default of the same run.
 Run: python experiments/moe_cute/variants.py $OUT   (writes $OUT/moe_cute_variants.json, prints a table)."""
 import json
+import os
 import sys
 
 import torch
@@ -16,8 +18,9 @@ from k3lab_kernels.cute import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("moe_experts")
-# DOWN_ROWS values (the study flags L2_W2 / EARLY_DOWN of the first two runs are in git history at 22b43ed)
-FLAGS = [4, 8, 16]
+# (DOWN_ROWS, UP_ROWS) values (the study flags L2_W2 / EARLY_DOWN of the first two runs are in git history at
+# 22b43ed); UP_ROWS 0 is MoEUp, R > 0 MoEUpRows
+FLAGS = [(4, 0), (4, 2), (4, 4), (4, 8)] if not os.environ.get("FLAGS") else json.loads(os.environ["FLAGS"])
 
 rows = []
 pr = timing.probes("cuda")
@@ -31,14 +34,14 @@ for tp in (8, 16):
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
     for be, flags in [("triton", None)] + [("cute", f) for f in FLAGS]:
         if flags is not None:
-            M.DOWN_ROWS = flags
+            M.DOWN_ROWS, M.UP_ROWS = flags
         try:
             chk = checker.check(OP, case, backend=be, inputs=sets[0])
             t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
                                  reps=REPS)
         finally:
-            M.DOWN_ROWS = 4
-        name = be if flags is None else f"cute rows={flags}"
+            M.DOWN_ROWS, M.UP_ROWS = 4, 0
+        name = be if flags is None else f"cute down {flags[0]} up {flags[1]}"
         r = dict(tp=tp, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, samples=t.samples_us,
                  floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)
         rows.append(r)

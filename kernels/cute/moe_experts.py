@@ -61,6 +61,8 @@ PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 _KERNEL_CLS = None
 # latent rows a CTA of the down kernel (experiments/moe_cute/README.md: 4 ahead of 8 and 16 at TP8 and TP16)
 DOWN_ROWS = 4
+# study: 0 = MoEUp (a warp per pair and two rows); R (even) = MoEUpRows, a CTA per pair and R rows
+UP_ROWS = 0
 
 
 def _kernel_classes():
@@ -239,7 +241,86 @@ def _kernel_classes():
                     tot = tot + s_red[w * R + tid]
                 vec(p_y, c * R + tid, 1)[0] = tot
 
-    _KERNEL_CLS = (MoEUp, MoEDown)
+    class MoEUpRows:
+        """Study form of MoEUp: a CTA per (pair, R intermediate rows of W1_e and W3_e); thread b < L/32 owns block
+        b of every row (z's pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
+
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
+                     rows: int):
+            self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
+            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
+            self.NB = L // 32
+            self.NT = (self.NB + 31) // 32 * 32
+
+        @cute.jit
+        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
+                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
+                     stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
+                grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
+            I, R, NB, NT = self.I, self.R, self.NB, self.NT
+            RW = self.L // 8
+            W = NT // 32
+            tid, _, _ = cute.arch.thread_idx()
+            c, _, _ = cute.arch.block_idx()
+            lane = tid % 32
+            warp = tid // 32
+            smem = cutlass.utils.SmemAllocator()
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(W * 2 * R), byte_alignment=16)  # [warp, m, r]
+            k = c // (I // R)
+            r0 = (c % (I // R)) * R
+            b = tid % NB                 # a thread past the last block redoes a valid one times a factor of 0.0
+            keep = (tid - NB) >> 31
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
+            e = vec(p_idx, k * self.idx_step, 1)[0]
+            wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # [m (w1, w3), r, word]
+            sv = cute.make_rmem_tensor((2 * R,), Int32)
+            for m in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(R):
+                    row = e * I + r0 + r
+                    cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
+                                      cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
+                    sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
+            zr = cute.make_rmem_tensor((16,), Int32)
+            zp = cute.make_rmem_tensor((16,), Int32)
+            cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
+            for q in cutlass.range_constexpr(16):
+                zp[q] = to_f16x2(zr[q])
+            acc = cute.make_rmem_tensor((2 * R,), Float32)
+            for j in cutlass.range_constexpr(2 * R):
+                fbits = ((((sv[j] >> (8 * ((e * I + r0 + j % R) * NB + b) % 32)) & 0xFF) + 8) << 23) & keep
+                acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
+                                   Float32(0.0))
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            for j in cutlass.range_constexpr(2 * R):
+                for sh in cutlass.range_constexpr(5):
+                    acc[j] = acc[j] + cute.arch.shuffle_sync_bfly(acc[j], offset=16 >> sh)
+            if lane == 0:
+                for j in cutlass.range_constexpr(2 * R):
+                    s_red[warp * 2 * R + j] = acc[j]
+            cute.arch.sync_threads()
+            if tid < R // 2:             # the pair of rows r0 + 2 tid, r0 + 2 tid + 1
+                g0 = s_red[2 * tid]
+                g1 = s_red[2 * tid + 1]
+                u0 = s_red[R + 2 * tid]
+                u1 = s_red[R + 2 * tid + 1]
+                for w in cutlass.range_constexpr(1, W):
+                    g0 = g0 + s_red[w * 2 * R + 2 * tid]
+                    g1 = g1 + s_red[w * 2 * R + 2 * tid + 1]
+                    u0 = u0 + s_red[w * 2 * R + R + 2 * tid]
+                    u1 = u1 + s_red[w * 2 * R + R + 2 * tid + 1]
+                wt = vec(p_wk, k, 1)[0] * 64.0
+                a0 = wt * (self.b1 * tanh(g0 / self.b1) * sigmoid(g0)) * (self.b2 * tanh(u0 / self.b2))
+                a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
+                vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
+
+    _KERNEL_CLS = (MoEUp, MoEDown, MoEUpRows)
     return _KERNEL_CLS
 
 
@@ -325,7 +406,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows)
+    up_rows = UP_ROWS if UP_ROWS and I % UP_ROWS == 0 and L // 32 <= 1024 else 0
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -334,8 +416,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl), *up_args, stream),
+            up_cls, down_cls, rows_cls = _kernel_classes()
+            up = (up_cls(K, I, L, E, step, b1, b2, pdl) if not up_rows else
+                  rows_cls(K, I, L, E, step, b1, b2, pdl, up_rows))
+            fns = (cute.compile(up, *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
