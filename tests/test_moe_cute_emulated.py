@@ -22,7 +22,7 @@ ROUNDS = dict(SMALL, latent=1152, inter=384)
 ODD = dict(SMALL, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, up_rows=0):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None):
     kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
     t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
     # the int32 views the wrapper makes (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered
@@ -33,38 +33,42 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, up_rows=0):
 
     def call(m, **a):
         mod = m.mod["moe_experts"]
-        saved, mod.DOWN_ROWS, mod.UP_ROWS = mod.DOWN_ROWS, rows or mod.DOWN_ROWS, up_rows
+        saved = mod.DOWN_ROWS, mod.UP_ROWS
+        if rows:  # both kernels' rows a CTA
+            mod.DOWN_ROWS, mod.UP_ROWS = rows, rows
         try:
             mod.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                             b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
                             pdl=pdl)
         finally:
-            mod.DOWN_ROWS, mod.UP_ROWS = saved, 0
+            mod.DOWN_ROWS, mod.UP_ROWS = saved
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, rows=None, up_rows=0):
+def impl(pdl=False, idx32=False, rows=None):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows, up_rows=up_rows)
-    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, down rows={rows}, up rows={up_rows})"
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows)
+    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, rows a CTA={rows})"
     return f
 
 
 # the down kernel's CTA: K * I/32 product threads rounded up to whole warps (SMALL: 12 of 32, ODD: 9; ROUNDS: 36 of
-# 64), DOWN_ROWS latent rows (ODD at 8 rows, ROUNDS at 1: a single row a CTA)
+# 64), DOWN_ROWS latent rows; the up kernel's: L/32 block threads (SMALL: 4 of 32; ROUNDS: 36 of 64), UP_ROWS rows
+# of W1 and W3 (ODD at 8 rows for both, ROUNDS at 2 for both)
 @pytest.mark.parametrize("pdl,idx32,shape,rows", [
-    (False, False, SMALL, None), (True, True, SMALL, None), (False, True, ODD, 8), (True, False, SMALL, "up4"),
-    pytest.param(True, False, ROUNDS, 1, marks=pytest.mark.slow)])  # ~1 min
+    (False, False, SMALL, None), (True, True, SMALL, None), (False, True, ODD, 8),
+    pytest.param(True, False, ROUNDS, 2, marks=pytest.mark.slow)])  # ~1 min
 def test_one_token(pdl, idx32, shape, rows):
-    up_rows = 4 if rows == "up4" else 0
-    rows = None if rows == "up4" else rows
-    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32, rows=rows, up_rows=up_rows),
-                                  seed=int(pdl), device="cpu"))
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32, rows=rows), seed=int(pdl),
+                                  device="cpu"))
     launches = emulate.LAST["launches"]
     assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
     nt = -(-shape["top_k"] * shape["inter"] // shape["tp"] // 32 // 32) * 32
     assert launches[-1]["block"] == nt and launches[-1]["grid"][0] == shape["latent"] // (rows or 4)
+    inter = shape["inter"] // shape["tp"]
+    assert launches[-2]["block"] == -(-shape["latent"] // 32 // 32) * 32
+    assert launches[-2]["grid"][0] == shape["top_k"] * inter // (rows or 4)
 
 
 def test_block_ptx_matches_the_simt_twin():

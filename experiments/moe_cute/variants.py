@@ -1,7 +1,7 @@
 """GPU study of the CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py, issue 14) at K3's pool (896
 experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: `DOWN_ROWS` (latent rows a CTA of the down
-kernel) and `UP_ROWS` (0: a warp per pair and two rows; R: a CTA per pair and R rows) of the kernel file, each
-value checked against fp64
+kernel) and `UP_ROWS` (intermediate rows of W1 and W3 a CTA of the up kernel) of the kernel file, each pair
+checked against fp64
 by the shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton
 default of the same run.
 Run: python experiments/moe_cute/variants.py $OUT   (writes $OUT/moe_cute_variants.json, prints a table)."""
@@ -18,9 +18,9 @@ from k3lab_kernels.cute import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("moe_experts")
-# (DOWN_ROWS, UP_ROWS) values (the study flags L2_W2 / EARLY_DOWN of the first two runs are in git history at
-# 22b43ed); UP_ROWS 0 is MoEUp, R > 0 MoEUpRows
-FLAGS = [(4, 0), (4, 2), (4, 4), (4, 8)] if not os.environ.get("FLAGS") else json.loads(os.environ["FLAGS"])
+# (DOWN_ROWS, UP_ROWS) values; FLAGS='[[4, 4], ...]' replaces them. The earlier runs' forms are in git history: the
+# study flags L2_W2 / EARLY_DOWN at 22b43ed, the warp-per-(pair, two rows) up kernel (UP_ROWS 0) at 2125780
+FLAGS = [(4, 4), (4, 2), (4, 8), (8, 4)] if not os.environ.get("FLAGS") else json.loads(os.environ["FLAGS"])
 
 rows = []
 pr = timing.probes("cuda")
@@ -40,7 +40,7 @@ for tp in (8, 16):
             t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
                                  reps=REPS)
         finally:
-            M.DOWN_ROWS, M.UP_ROWS = 4, 0
+            M.DOWN_ROWS, M.UP_ROWS = 4, 4
         name = be if flags is None else f"cute down {flags[0]} up {flags[1]}"
         r = dict(tp=tp, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, samples=t.samples_us,
                  floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)

@@ -109,7 +109,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
                             or out.device != z.device):
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B, shape=dict(B=B, fmt=moe.w1.fmt, K=idx.shape[1],
-                                                                      I=moe.w1.shape[1]))
+                                                                      I=moe.w1.shape[1], L=L))
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
                  num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,

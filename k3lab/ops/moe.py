@@ -210,8 +210,9 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 
 def experts_supports(backend: str, shape: dict) -> str | None:
     """What the cute backend takes (kernels/cute/moe_experts.py): one token, MXFP4 experts (whose sizes the op's
-    `_valid` already keeps to multiples of 32), top-k x I/32 <= 1024 (a thread a product in its down kernel). `shape`
-    is a case of the op (batch, dtype, top_k, inter, tp) or the component's call (B, fmt, K, I: the per-GPU slice);
+    `_valid` already keeps to multiples of 32), top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
+    and up kernels). `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B,
+    fmt, K, I: the per-GPU slice, L);
     a key it lacks passes (the kernel checks its tensors)."""
     if backend != "cute":
         return None
@@ -227,6 +228,9 @@ def experts_supports(backend: str, shape: dict) -> str | None:
         inter = shape.get("inter") // shape.get("tp", 1)
     if k is not None and inter is not None and k * (inter // 32) > 1024:
         return f"the cute experts take top-k x I/32 <= 1024, got {k} x {inter // 32}"
+    lat = shape.get("L", shape.get("latent"))
+    if lat is not None and lat // 32 > 1024:
+        return f"the cute experts take latent / 32 <= 1024, got {lat // 32}"
     return None
 
 

@@ -4,20 +4,25 @@ two launches, no atomics, no tickets, y written (not accumulated).
     act[k, i] = 2^6 wk[k] situ(W1_e z, W3_e z)[i]      e = idx[0, k], k < K (the top-k); f16, the 2^6 undone by
     y[0, l]   = sum_k wk[k] sum_i W2_e[l, i] situ_k[i]    the block factor 2^(s - 119) of the decoded e2m1 * 2^-14
 
-  up    a warp per (pair k, two intermediate rows 2m, 2m+1): both rows of W1_e and W3_e over all L, lane j taking
-        the 32-blocks j, j + 32, ... (one 16-byte load of four kernel-layout words a row and block, and the block's
-        E8M0 scale); z's 16 bf16 pairs of a block converted to f16 of 2^6 z; each block's 32 products in f16x2 FMAs
-        (the simt path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no table), the
-        block sum times 2^(s - 119) into fp32; warp sums by shuffles; lane 0 stores the two rows' activations as one
-        f16x2 word (2^6 wk situ, the simt path's scaling, exact for |wk situ| < 1023).
-  down  a warp per latent row l: the K x I/32 (pair, block) products of W2_e[l] against act, lane-strided, summed by
-        shuffles and stored; a PDL launch after `up` (it waits for up's activations before reading anything).
+  up    a CTA per (pair k, R = UP_ROWS intermediate rows of W1_e and of W3_e); thread j < L/32 owns the 32-block j
+        of all 2R rows (one 16-byte load of four kernel-layout words a row, and the row's E8M0 scale byte), z's 16
+        bf16 pairs of its block converted once to f16 of 2^6 z; each block's 32 products in f16x2 FMAs (the simt
+        path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no table), the block sum
+        times 2^(s - 119) into fp32; the 2R row sums reduced by shuffles, then across warps in shared memory; R/2
+        threads store two rows' activations each as one f16x2 word (2^6 wk situ, the simt path's scaling, exact for
+        |wk situ| < 1023). A thread past the last block (L/32 rounded up to whole warps) redoes a valid block times
+        a factor of 0.0.
+  down  a CTA per R = DOWN_ROWS latent rows; thread p < K * I/32 owns the (pair, block) product p of every row: its
+        32 activations loaded once, the rows' W2_e words and scales; per row a shuffle sum, then across warps in
+        shared memory; a PDL launch after `up` (it waits for up's activations before reading anything).
+  (git history: a warp per (pair, two rows) and a warp per latent row, whose every warp re-read z or all of act,
+  lost by 1.9-3 us at TP8; experiments/moe_cute/README.md.)
 
 Layout: z [1, L] bf16 (read as int32 pairs); idx [1, K] int32 or int64 (the low word read); wk [1, K] fp32; w1, w3
 [E, I, L/8] and w2 [E, L, I/8] int32 words of k3lab.mxfp4.to_kernel_layout; their E8M0 scales [E, out, in/32] uint8
 (read as the stack's 32-bit words: byte n in word n // 4, so a TP16 row of six w2 scales may straddle two words);
 y [1, L] fp32; a workspace act [K, I/2] int32 (cached per device and shape: make the first call outside a CUDA graph
-capture). Needs L and I multiples of 32.
+capture). Needs L and I multiples of 32, L/32 <= 1024 and K * I/32 <= 1024 (threads a CTA).
 Exactness and tolerance: the simt path's (k3lab_kernels.triton.moe_experts, the SIMT section): the decoded weights
 are exact, a block's products and sum are f16, everything after fp32.
 
@@ -59,10 +64,10 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
-# latent rows a CTA of the down kernel (experiments/moe_cute/README.md: 4 ahead of 8 and 16 at TP8 and TP16)
+# rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel
+# (experiments/moe_cute/README.md: 4 and 4 ahead of 2, 8 and 16 at TP8 and TP16)
 DOWN_ROWS = 4
-# study: 0 = MoEUp (a warp per pair and two rows); R (even) = MoEUpRows, a CTA per pair and R rows
-UP_ROWS = 0
+UP_ROWS = 4
 
 
 def _kernel_classes():
@@ -108,77 +113,6 @@ def _kernel_classes():
 
     def tanh(x):
         return 2.0 * sigmoid(2.0 * x) - 1.0
-
-    class MoEUp:
-        """A warp per (pair, two intermediate rows); four warps a CTA."""
-
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool):
-            self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
-            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
-
-        @cute.jit
-        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
-                grid=[self.K * (self.I // 2) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
-            I, L = self.I, self.L
-            NB = L // 32                 # blocks a row (and scale bytes a row)
-            RW = L // 8                  # words a row
-            tid, _, _ = cute.arch.thread_idx()
-            c, _, _ = cute.arch.block_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            lane = tid % 32
-            gw = c * _WARPS + warp
-            k = gw // (I // 2)
-            r0 = 2 * (gw % (I // 2))
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
-            e = vec(p_idx, k * self.idx_step, 1)[0]
-            acc = cute.make_rmem_tensor((4,), Float32)  # w1 row r0, w1 row r0 + 1, w3 row r0, w3 row r0 + 1
-            acc.fill(0.0)
-            NF = NB // 32                # rounds every lane takes a block in
-            TL = NB % 32                 # lanes of the last, partial round (0: none)
-            NR = NF + (1 if TL else 0)   # rounds, their words all loaded first (a lane past the last block of the
-            wv = cute.make_rmem_tensor((NR * 16,), Int32)  # partial round loads a valid block it never uses)
-            sv = cute.make_rmem_tensor((NR * 4,), Int32)   # [round, m]: the word holding the block's scale
-            zr = cute.make_rmem_tensor((16,), Int32)
-            zp = cute.make_rmem_tensor((16,), Int32)
-            for i in cutlass.range_constexpr(NR):
-                b = lane + 32 * i if i < NF else lane % TL + 32 * i
-                for m in cutlass.range_constexpr(4):
-                    pw = p_w1 if m < 2 else p_w3
-                    ps = p_s1 if m < 2 else p_s3
-                    row = e * I + r0 + m % 2
-                    cute.autovec_copy(vec(pw, cute.assume(row * RW + 4 * b, divby=4), 4),
-                                      cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)))
-                    sv[4 * i + m] = vec(ps, (row * NB + b) // 4, 1)[0]
-            for i in cutlass.range_constexpr(NR):
-                b = lane + 32 * i if i < NF else lane % TL + 32 * i
-                # a lane past the last block adds its (valid, finite) block times a factor of 0.0: no branch
-                keep = -1 if i < NF else (lane - TL) >> 31
-                cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
-                for q in cutlass.range_constexpr(16):
-                    zp[q] = to_f16x2(zr[q])
-                for m in cutlass.range_constexpr(4):
-                    fbits = ((((sv[4 * i + m] >> (8 * ((e * I + r0 + m % 2) * NB + b) % 32)) & 0xFF) + 8) << 23) & keep
-                    acc[m] = block_fma(cute.make_tensor(wv.iterator + (4 * i + m) * 4, cute.make_layout(4)), zp,
-                                       fbits, acc[m])
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            for m in cutlass.range_constexpr(4):
-                for sh in cutlass.range_constexpr(5):
-                    acc[m] = acc[m] + cute.arch.shuffle_sync_bfly(acc[m], offset=16 >> sh)
-            if lane == 0:
-                w = vec(p_wk, k, 1)[0] * 64.0
-                a0 = w * (self.b1 * tanh(acc[0] / self.b1) * sigmoid(acc[0])) * (self.b2 * tanh(acc[2] / self.b2))
-                a1 = w * (self.b1 * tanh(acc[1] / self.b1) * sigmoid(acc[1])) * (self.b2 * tanh(acc[3] / self.b2))
-                vec(p_act, k * (I // 2) + r0 // 2, 1)[0] = pack_f16x2(a1, a0)
 
     class MoEDown:
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
@@ -241,9 +175,9 @@ def _kernel_classes():
                     tot = tot + s_red[w * R + tid]
                 vec(p_y, c * R + tid, 1)[0] = tot
 
-    class MoEUpRows:
-        """Study form of MoEUp: a CTA per (pair, R intermediate rows of W1_e and W3_e); thread b < L/32 owns block
-        b of every row (z's pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
+    class MoEUp:
+        """A CTA per (pair, R intermediate rows of W1_e and W3_e); thread b < L/32 owns block b of every row (z's
+        pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
                      rows: int):
@@ -320,7 +254,7 @@ def _kernel_classes():
                 a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
-    _KERNEL_CLS = (MoEUp, MoEDown, MoEUpRows)
+    _KERNEL_CLS = (MoEUp, MoEDown)
     return _KERNEL_CLS
 
 
@@ -391,7 +325,9 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     _tensor("idx", idx, dev, (torch.int32, torch.int64), (1, K))
     _tensor("wk", wk, dev, (torch.float32,), (1, K))
     _tensor("y", y, dev, (torch.float32,), (1, L))
-    if K * (I // 32) > 1024:
+    if K * (I // 32) > 1024 or L // 32 > 1024:
+        if L // 32 > 1024:
+            _fail("z", f"L/32 must be at most 1024 (a thread a block in the up kernel), got {L // 32}")
         _fail("idx", f"top-k x I/32 must be at most 1024 (a thread a product in the down kernel), got {K} x {I // 32}")
     step = 2 if idx.dtype == torch.int64 else 1
     key_ws = (dev.index, K, I)
@@ -406,7 +342,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
-    up_rows = UP_ROWS if UP_ROWS and I % UP_ROWS == 0 and L // 32 <= 1024 else 0
+    up_rows = UP_ROWS  # I is a multiple of 32
     key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
@@ -416,10 +352,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls, rows_cls = _kernel_classes()
-            up = (up_cls(K, I, L, E, step, b1, b2, pdl) if not up_rows else
-                  rows_cls(K, I, L, E, step, b1, b2, pdl, up_rows))
-            fns = (cute.compile(up, *up_args, stream),
+            up_cls, down_cls = _kernel_classes()
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
