@@ -15,8 +15,10 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
                              z bf16, idx int32/int64, weights_k fp32, dense experts bf16, fp8 with fp32
                              per-output-channel scales, or MXFP4
   cute                       k3lab_kernels.cute.moe_experts: one token, MXFP4 experts: two launches (w1/w3 +
-                             SiTU, then w2; no atomics), takes no knobs; refused by name otherwise
-  auto                       data/moe_defaults.json (measured), else the reference
+                             SiTU, then w2; no atomics), takes no knobs; refused by name otherwise (the op's
+                             `supports`, given the call's shape)
+  auto                       data/moe_defaults.json (measured: cute at one MXFP4 token where CuTe DSL runs, else
+                             triton), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
 CUDA-core sibling for MXFP4, batch <= 64; "grouped": the tensor-core kernel; None: the kernel's rule by format
 and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t, num_warps, num_stages, persist,
