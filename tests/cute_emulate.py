@@ -270,9 +270,9 @@ class _Buf:
     def read(self, o):
         if o < 0 or o >= self.n:
             raise EmulationError(f"out-of-bounds read of {self.name}: element {o} of {self.n}")
-        if _PDL["on"] and self.space == "g" and not _cur().waited and self.base not in _early_now():
+        if _PDL["on"] and self.space == "g" and self.base not in _PDL["early"] and not _cur().waited:
             raise EmulationError(f"read of {self.name} before griddepcontrol.wait in a PDL launch (only "
-                                 f"{len(_early_now())} declared inputs may be read before the wait)")
+                                 f"{len(_PDL['early'])} declared inputs may be read before the wait)")
         w = self.written
         if w is not None and not w[o] and STRICT_SMEM:
             raise EmulationError(f"read of never-written shared memory {self.name}[{o}]")
@@ -298,16 +298,8 @@ def _ident(v):
 
 
 # programmatic dependent launch: "on" while a use_pdl launch runs; "early": base addresses of the global
-# tensors the caller declared safe to read before griddepcontrol.wait (not written by the previous kernel); a dict
-# {kernel qualname suffix: frozenset} declares them per kernel of a multi-launch wrapper ("kernel": the running one)
-_PDL = {"on": False, "early": frozenset(), "kernel": ""}
-
-
-def _early_now():
-    e = _PDL["early"]
-    if isinstance(e, dict):
-        return next((v for k, v in e.items() if _PDL["kernel"].endswith(k)), frozenset())
-    return e
+# tensors the caller declared safe to read before griddepcontrol.wait (not written by the previous kernel)
+_PDL = {"on": False, "early": frozenset()}
 
 
 def griddepcontrol_wait():
@@ -1419,7 +1411,7 @@ class _Launch:
         origins = [(x, y, z) for z in range(0, g[2], cl[2]) for y in range(0, g[1], cl[1])
                    for x in range(0, g[0], cl[0])]
         _S.rng.shuffle(origins)
-        _PDL["on"], _PDL["kernel"] = pdl, name
+        _PDL["on"] = pdl
         try:
             for o in origins:
                 self._cluster(o, cl, nt, name, pdl)

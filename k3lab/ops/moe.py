@@ -212,8 +212,7 @@ def experts_supports(backend: str, shape: dict) -> str | None:
     """What the cute backend takes (kernels/cute/moe_experts.py): one token, MXFP4 experts (whose sizes the op's
     `_valid` already keeps to multiples of 32), top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
     and up kernels). `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B,
-    fmt, K, I: the per-GPU slice, L);
-    a key it lacks passes (the kernel checks its tensors)."""
+    fmt, K, I: the per-GPU slice, L); a key it lacks passes (the kernel checks its tensors)."""
     if backend != "cute":
         return None
     batch = shape.get("batch", shape.get("B", 1))

@@ -108,6 +108,17 @@ def _kernel_classes():
                                       has_side_effects=False, is_align_stack=False,
                                       asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
+    def ids():
+        """(thread, CTA, lane, warp) of a one-dimensional launch."""
+        tid, _, _ = cute.arch.thread_idx()
+        c, _, _ = cute.arch.block_idx()
+        return tid, c, tid % 32, tid // 32
+
+    def factor_bits(word, byte_n, keep):
+        """The block factor 2^(s - 119) as fp32 bits from the E8M0 scale s, byte byte_n % 4 of `word` (the scales
+        read four bytes at a time); `keep` 0 makes it 0.0 (an idle thread's block), -1 keeps it."""
+        return ((((word >> (8 * byte_n % 32)) & 0xFF) + 8) << 23) & keep
+
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
 
@@ -136,10 +147,7 @@ def _kernel_classes():
             NB = I // 32                 # blocks a row of w2 (and scale bytes a row)
             RW = I // 8
             W = NT // 32
-            tid, _, _ = cute.arch.thread_idx()
-            c, _, _ = cute.arch.block_idx()
-            lane = tid % 32
-            warp = tid // 32
+            tid, c, lane, warp = ids()
             smem = cutlass.utils.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(W * R), byte_alignment=16)  # [warp, row]
             q = tid % NP                 # an idle thread redoes a valid product times a factor of 0.0
@@ -160,7 +168,7 @@ def _kernel_classes():
             cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
             acc = cute.make_rmem_tensor((R,), Float32)
             for r in cutlass.range_constexpr(R):
-                fbits = ((((sv[r] >> (8 * ((e * L + c * R + r) * NB + cb) % 32)) & 0xFF) + 8) << 23) & keep
+                fbits = factor_bits(sv[r], (e * L + c * R + r) * NB + cb, keep)
                 acc[r] = block_fma(cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)), ap, fbits,
                                    Float32(0.0))
                 for sh in cutlass.range_constexpr(5):
@@ -199,10 +207,7 @@ def _kernel_classes():
             I, R, NB, NT = self.I, self.R, self.NB, self.NT
             RW = self.L // 8
             W = NT // 32
-            tid, _, _ = cute.arch.thread_idx()
-            c, _, _ = cute.arch.block_idx()
-            lane = tid % 32
-            warp = tid // 32
+            tid, c, lane, warp = ids()
             smem = cutlass.utils.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(W * 2 * R), byte_alignment=16)  # [warp, m, r]
             k = c // (I // R)
@@ -227,7 +232,7 @@ def _kernel_classes():
                 zp[q] = to_f16x2(zr[q])
             acc = cute.make_rmem_tensor((2 * R,), Float32)
             for j in cutlass.range_constexpr(2 * R):
-                fbits = ((((sv[j] >> (8 * ((e * I + r0 + j % R) * NB + b) % 32)) & 0xFF) + 8) << 23) & keep
+                fbits = factor_bits(sv[j], (e * I + r0 + j % R) * NB + b, keep)
                 acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
                                    Float32(0.0))
             if cutlass.const_expr(self.pdl):
