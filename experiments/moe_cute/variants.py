@@ -1,9 +1,8 @@
 """GPU study of the CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py, issue 14) at K3's pool (896
-experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: `DOWN_ROWS` (latent rows a CTA of the down
-kernel) and `UP_ROWS` (intermediate rows of W1 and W3 a CTA of the up kernel) of the kernel file, each pair
-checked against fp64
-by the shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton
-default of the same run.
+experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: the kernel file's module settings (`FORM`
+"split" or "fused"; `DOWN_ROWS`, latent rows a CTA of the down kernel; `UP_ROWS`, intermediate rows of W1 and W3
+an up item; `FUSED_GROUPS`, `FUSED_GRID`), each set checked against fp64 by the shared checker, then timed (graph
+replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton default of the same run.
 Run: python experiments/moe_cute/variants.py $OUT   (writes $OUT/moe_cute_variants.json, prints a table)."""
 import json
 import os
@@ -18,9 +17,12 @@ from k3lab_kernels.cute import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("moe_experts")
-# (DOWN_ROWS, UP_ROWS) values; FLAGS='[[4, 4], ...]' replaces them. The earlier runs' forms are in git history: the
-# study flags L2_W2 / EARLY_DOWN at 22b43ed, the warp-per-(pair, two rows) up kernel (UP_ROWS 0) at 2125780
-FLAGS = [(4, 4), (4, 2), (4, 8), (8, 4)] if not os.environ.get("FLAGS") else json.loads(os.environ["FLAGS"])
+# module settings a row; VARIANTS='[{"FORM": "fused", "FUSED_GROUPS": 8}, ...]' replaces them. The earlier runs' forms
+# are in git history: the study flags L2_W2 / EARLY_DOWN at 22b43ed, the warp-per-(pair, two rows) up kernel
+# (UP_ROWS 0) at 2125780
+VARIANTS = [{"FORM": "split"}, {"FORM": "fused", "FUSED_GROUPS": 4}, {"FORM": "fused", "FUSED_GROUPS": 8}] \
+    if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
+DEFAULTS = {k: getattr(M, k) for k in ("FORM", "DOWN_ROWS", "UP_ROWS", "FUSED_GROUPS", "FUSED_GRID")}
 
 rows = []
 pr = timing.probes("cuda")
@@ -32,16 +34,21 @@ for tp in (8, 16):
     n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes()))
     sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(n_sets)]
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
-    for be, flags in [("triton", None)] + [("cute", f) for f in FLAGS]:
-        if flags is not None:
-            M.DOWN_ROWS, M.UP_ROWS = flags
+    for be, flags in [("triton", None)] + [("cute", f) for f in VARIANTS]:
+        for k, v in (flags or {}).items():
+            setattr(M, k, v)
         try:
             chk = checker.check(OP, case, backend=be, inputs=sets[0])
             t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
                                  reps=REPS)
+        except Exception as e:  # a variant that fails to build or launch is a row, not the end of the run
+            print(tp, flags, "FAILED", type(e).__name__, str(e)[:300], flush=True)
+            rows.append(dict(tp=tp, variant=str(flags), error=f"{type(e).__name__}: {e}"[:1000]))
+            continue
         finally:
-            M.DOWN_ROWS, M.UP_ROWS = 4, 4
-        name = be if flags is None else f"cute down {flags[0]} up {flags[1]}"
+            for k, v in DEFAULTS.items():
+                setattr(M, k, v)
+        name = be if flags is None else "cute " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
         r = dict(tp=tp, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, samples=t.samples_us,
                  floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)
         rows.append(r)
@@ -50,7 +57,10 @@ for tp in (8, 16):
     torch.cuda.empty_cache()
 json.dump(dict(probes=pr, rows=rows, reps=REPS, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
           open(f"{OUT}/moe_cute_variants.json", "w"), indent=1)
-print("\n%3s %-24s %9s %9s %9s %8s %s" % ("TP", "variant", "us", "p10", "p90", "floor", "ok"))
+print("\n%3s %-40s %9s %9s %9s %8s %s" % ("TP", "variant", "us", "p10", "p90", "floor", "ok"))
 for r in rows:
-    print("%3d %-24s %9.2f %9.2f %9.2f %8.2f %s" % (r["tp"], r["variant"], r["median_us"], r["p10_us"], r["p90_us"],
+    if "error" in r:
+        print("%3d %-24s %s" % (r["tp"], r["variant"], r["error"][:100]))
+        continue
+    print("%3d %-40s %9.2f %9.2f %9.2f %8.2f %s" % (r["tp"], r["variant"], r["median_us"], r["p10_us"], r["p90_us"],
                                                     r["floor_us"], r["ok"]))
