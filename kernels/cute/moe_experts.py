@@ -306,6 +306,16 @@ def _kernel_classes():
             self.RPT = (self.RL + self.NRG - 1) // self.NRG
             self.SBY = fused_scale_bytes(self.RL, self.NB2)
 
+        def load_up(self, p_w1, p_w3, p_s1, p_s3, e, r0, b, wv, sv):
+            """Issue the loads of an up item: block b of rows r0 .. r0 + R - 1 of W1_e and W3_e, words and scales."""
+            RW, NB, R = self.L // 8, self.NB, self.R
+            for m in range(2):
+                for r in range(R):
+                    row = e * self.I + r0 + r
+                    cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
+                                      cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
+                    sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
+
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
@@ -332,6 +342,7 @@ def _kernel_classes():
             s_red = smem.allocate_tensor(Float32, cute.make_layout(NG * 2 * W * 2 * R), byte_alignment=16)
             s_bred = smem.allocate_tensor(Float32, cute.make_layout((self.NT // 32) * RPT), byte_alignment=16)
             s_off = smem.allocate_tensor(Int32, cute.make_layout(self.K), byte_alignment=16)
+            s_ids = smem.allocate_tensor(Int32, cute.make_layout(self.K), byte_alignment=16)
             mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
             r0b = c * RL
             nrows = RL
@@ -339,6 +350,9 @@ def _kernel_classes():
                 nrows = L - r0b
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
+            if tid < self.K:              # the K expert ids, once (one L2 round trip for the whole CTA)
+                s_ids[tid] = vec(p_idx, tid * self.idx_step, 1)[0]
+            cute.arch.sync_threads()
             # W2 rows [r0b, r0b + nrows) of every selected expert, and a 16-byte aligned span of SBY scale bytes
             # that covers theirs, land in shared memory while phase A runs
             if tid == 0:
@@ -347,7 +361,7 @@ def _kernel_classes():
                     cute.arch.mbarrier_init_fence()
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.K * (nrows * RW2 * 4 + SBY))
                     for k in cutlass.range_constexpr(self.K):
-                        e2 = vec(p_idx, k * self.idx_step, 1)[0]
+                        e2 = s_ids[k]
                         bulk_g2s(s_w2.iterator + k * RL * RW2, p_w2 + (e2 * L + r0b) * RW2, mbar, nrows * RW2 * 4)
                         a = (e2 * L + r0b) * NB2
                         a16 = a - a % 16
@@ -355,33 +369,42 @@ def _kernel_classes():
                             a16 = self.E * L * NB2 - SBY
                         s_off[k] = a - a16
                         bulk_g2s(s_s2.iterator + k * (SBY // 4), p_s2 + a16 // 4, mbar, SBY)
-            # phase A: group grp of CTA c takes the items c * NG + grp + n * G * NG, n = 0, 1, ...
+            # phase A: group grp of CTA c takes the items c * NG + grp + n * G * NG, n = 0, 1, ...; the words of
+            # item n + 1 are loaded before item n's arithmetic (two items in flight a group)
             b = gt % NB                   # a thread past the last block redoes a valid one times a factor of 0.0
             keep = (gt - NB) >> 31
             zr = cute.make_rmem_tensor((16,), Int32)
             zp = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
+            wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # the next item's words [m (w1, w3), r, word]
+            sv = cute.make_rmem_tensor((2 * R,), Int32)
+            wc = cute.make_rmem_tensor((2 * R * 4,), Int32)  # the current item's
+            sc = cute.make_rmem_tensor((2 * R,), Int32)
+            acc = cute.make_rmem_tensor((2 * R,), Float32)
+            it0 = c * NG + grp
+            step_it = self.G * NG
+            n_items = (self.NITEMS - it0 + step_it - 1) // step_it
+            if n_items > 0:
+                self.load_up(p_w1, p_w3, p_s1, p_s3, s_ids[it0 // (I // R)], (it0 % (I // R)) * R, b, wv, sv)
             for q in cutlass.range_constexpr(16):
                 zp[q] = to_f16x2(zr[q])
-            wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # [m (w1, w3), r, word]
-            sv = cute.make_rmem_tensor((2 * R,), Int32)
-            acc = cute.make_rmem_tensor((2 * R,), Float32)
-            n_items = (self.NITEMS - (c * NG + grp) + self.G * NG - 1) // (self.G * NG)
             for n in cutlass.range(n_items):
-                it = c * NG + grp + n * self.G * NG
+                it = it0 + n * step_it
                 k = it // (I // R)
                 r0 = (it % (I // R)) * R
-                e = vec(p_idx, k * self.idx_step, 1)[0]
-                for m in cutlass.range_constexpr(2):
-                    for r in cutlass.range_constexpr(R):
-                        row = e * I + r0 + r
-                        cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
-                                          cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
-                        sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
+                e = s_ids[k]
+                for q in cutlass.range_constexpr(2 * R * 4):
+                    wc[q] = wv[q]
+                for q in cutlass.range_constexpr(2 * R):
+                    sc[q] = sv[q]
+                if n + 1 < n_items:
+                    itn = it + step_it
+                    self.load_up(p_w1, p_w3, p_s1, p_s3, s_ids[itn // (I // R)], (itn % (I // R)) * R, b, wv, sv)
                 for j in cutlass.range_constexpr(2 * R):
-                    fbits = factor_bits(sv[j], (e * I + r0 + j % R) * NB + b, keep)
-                    acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
+                    fbits = factor_bits(sc[j], (e * I + r0 + j % R) * NB + b, keep)
+                    acc[j] = block_fma(cute.make_tensor(wc.iterator + j * 4, cute.make_layout(4)), zp, fbits,
                                        Float32(0.0))
+                for j in cutlass.range_constexpr(2 * R):
                     for sh in cutlass.range_constexpr(5):
                         acc[j] = acc[j] + cute.arch.shuffle_sync_bfly(acc[j], offset=16 >> sh)
                 base = (grp * 2 + n % 2) * W * 2 * R   # two buffers a group: one barrier an item
@@ -559,7 +582,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls = _kernel_classes()
+            up_cls, down_cls = _kernel_classes()[:2]
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
