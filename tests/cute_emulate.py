@@ -983,24 +983,6 @@ def atomic_add(ptr, val, *, sem=None, scope=None):
     return old
 
 
-def load(ptr, dtype, *, sem=None, scope=None, **kw):
-    """cute.arch.load of one word (the fused MoE kernel's grid barrier spins on it): the value, then a yield, so
-    that a spin loop lets the other tasks run (a spin that is never satisfied ends in the launch's TIMEOUT_S)."""
-    if not isinstance(ptr, Pointer):
-        raise EmulationError("load on a non-pointer")
-    if kw:
-        raise EmulationError(f"load options the emulator does not model: {sorted(kw)}")
-    v = ptr.buf.read(ptr.off)
-    t = _cur()
-    _S.ready.append(t)
-    _S.backend.suspend(t)
-    return v
-
-
-def fence_acq_rel_gpu():
-    return None
-
-
 def _math_div(x, y, fastmath=False, approx=False, ftz=False, full=False, rounding=None):
     """cute.math.div: the quotient (div.full.f32 and the approximate forms held exact, as exp2 and rcp are)."""
     return Float32(_div(float(x), float(y)))
@@ -1354,7 +1336,7 @@ def _bulk_g2s(dst, src, mbar, size, **kw):
     for p in (dst, src):
         if p.off < 0 or p.off + n > p.buf.n:
             raise EmulationError(f"bulk copy of {n} elements at {p.off} out of {p.buf.name} ({p.buf.n})")
-    dst.buf.arr[dst.off:dst.off + n] = np.nan if dst.buf.arr.dtype.kind == "f" else -0x5A5A5A5A
+    dst.buf.arr[dst.off:dst.off + n] = np.nan if dst.buf.arr.dtype.kind == "f" else -0x5A5A5A5A  # int: poison
     dst.buf.written[dst.off:dst.off + n] = bytes(n)
     _S.copies.append((dst, src, n, mb, nbytes))
 
@@ -1420,13 +1402,10 @@ class _Launch:
             raise EmulationError(f"grid {g} is not a multiple of the cluster {cl}")
         name = getattr(self.fn, "__qualname__", "kernel")
         pdl = bool(kw.pop("use_pdl", False))
-        coop = bool(kw.pop("cooperative", False))
-        if coop and ncl > 1:
-            raise EmulationError("a cooperative launch with clusters (the emulator runs cooperative grids of CTAs)")
         if kw:
             raise EmulationError(f"launch options the emulator does not know: {sorted(kw)}")
         rec = {"kernel": name, "grid": tuple(g), "block": nt, "cluster": tuple(cl), "use_pdl": pdl,
-               "min_blocks_per_mp": min_blocks_per_mp, "cooperative": coop}
+               "min_blocks_per_mp": min_blocks_per_mp}
         LAST.setdefault("launches", []).append(rec)
         t0 = time.perf_counter()
         origins = [(x, y, z) for z in range(0, g[2], cl[2]) for y in range(0, g[1], cl[1])
@@ -1434,30 +1413,15 @@ class _Launch:
         _S.rng.shuffle(origins)
         _PDL["on"] = pdl
         try:
-            if coop:  # every CTA resident at once: one pool of tasks (a grid-wide barrier can complete)
-                self._cluster(None, g, nt, name, pdl, origins=origins)
-            else:
-                for o in origins:
-                    self._cluster(o, cl, nt, name, pdl)
+            for o in origins:
+                self._cluster(o, cl, nt, name, pdl)
         finally:
             _PDL["on"] = False
         rec["seconds"] = round(time.perf_counter() - t0, 3)
 
-    def _cluster(self, origin, cl, nt, name, pdl=False, origins=None):
-        threads = []
-        if origins is not None:  # a cooperative grid: CTAs of clusters of one, all run together
-            for o in origins:
-                cta = _CTA(o, 0, nt, _Cluster())
-                cta.cluster.ctas.append(cta)
-                cta.cluster.total = nt
-                threads += [_Thread(i, cta) for i in range(nt)]
-            clus = types.SimpleNamespace(ctas=[t.cta for t in threads[::nt]])
-            _S.run(threads, self.fn, self.args, name)
-            if pdl and not all(t.waited for t in threads):
-                raise EmulationError(f"{name}: a PDL launch whose threads exit without griddepcontrol.wait")
-            LAST["max_smem"] = max(LAST.get("max_smem", 0), max(c.smem_top for c in clus.ctas))
-            return
+    def _cluster(self, origin, cl, nt, name, pdl=False):
         clus = _Cluster()
+        threads = []
         for dz in range(cl[2]):
             for dy in range(cl[1]):
                 for dx in range(cl[0]):
@@ -1697,8 +1661,7 @@ def _fake_modules(emu: _Emu) -> dict:
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
         mbarrier_wait=mbarrier_wait, rcp_approx=_rcp_approx, vote_ballot_sync=vote_ballot_sync,
-        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add, load=load,
-        fence_acq_rel_gpu=fence_acq_rel_gpu)
+        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
     nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,
                     LoadCacheMode=types.SimpleNamespace(ALWAYS="ca", GLOBAL="cg", STREAMING="cs", LAST_USE="lu",
@@ -1779,11 +1742,10 @@ def emulated(seed: int = 0, sms: int = 2):
             importlib.reload(m)
 
 
-def _run(call, tensors, seed, sms: int = 2):
+def _run(call, tensors, seed):
     """Register and wrap `tensors` (a dict of argument name -> tensor / KDAParams), call `call(**wrapped)` in
-    the emulated kernel modules (on a device of `sms` SMs), then write the bf16 results back into the caller's
-    tensors."""
-    with emulated(seed=seed, sms=sms) as m:
+    the emulated kernel modules, then write the bf16 results back into the caller's tensors."""
+    with emulated(seed=seed) as m:
         LAST["launches"], LAST["max_smem"], _S.switches = [], 0, 0
         wrapped = {}
         for k, v in tensors.items():

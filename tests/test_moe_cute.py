@@ -1,9 +1,7 @@
 """The CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py) on the GPU, through the component API
 (k3lab.components.moe.experts, backend "cute"): the shared checker against fp64 at K3's pool (896 experts, latent
 3584; TP8 and TP16 slices; outputs poisoned, inputs unchanged; the registry's MXFP4 tolerance), a top-k with a
-repeated id, pdl inside a pdl chain, a CUDA graph replayed on new routing, and what the backend refuses by name; each
-for both forms of the kernel file (`FORM`: two launches, or the one cooperative launch with its grid barrier, which
-also runs 200 times back to back).
+repeated id, pdl inside a pdl chain, a CUDA graph replayed on new routing, and what the backend refuses by name.
 
     python3 -m pytest -q -m gpu tests/test_moe_cute.py
 """
@@ -24,21 +22,13 @@ OP = registry.get("moe_experts")
 K3 = dict(dtype="mxfp4", batch=1, latent=3584, inter=3072, n_experts=896, top_k=16)
 
 
-@pytest.fixture(params=["split", "fused"])
-def form(request, monkeypatch):
-    from k3lab_kernels.cute import moe_experts as M
-
-    monkeypatch.setattr(M, "FORM", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("tp,routing", [(8, "uniform"), (16, "uniform"), (8, "k3_reuse30")])
-def test_k3_pool(tp, routing, form):
+def test_k3_pool(tp, routing):
     for seed in (0, 1):
         checker.require(checker.check(OP, OP.case(tp=tp, routing=routing, **K3), backend="cute", seed=seed))
 
 
-def test_repeated_id_and_pdl(form):
+def test_repeated_id_and_pdl():
     """An id twice in the token's top-k adds that expert twice (each with its weight), as the reference does; the
     same call inside a pdl chain (the up kernel launched with PDL)."""
     from k3lab_kernels.triton.pdl import pdl_chain
@@ -55,7 +45,7 @@ def test_repeated_id_and_pdl(form):
         assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
 
 
-def test_graph_capture_new_routing(form):
+def test_graph_capture_new_routing():
     case = OP.case(tp=8, routing="uniform", **K3)
     a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
     run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="cute", out=a["y"],  # noqa
@@ -70,27 +60,6 @@ def test_graph_capture_new_routing(form):
     torch.cuda.synchronize()
     want = ops_moe.ref_experts(b, case)["y"]
     assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL
-
-
-@pytest.mark.parametrize("tp", [8, 16])
-def test_fused_back_to_back(tp, monkeypatch):
-    """The one-launch form 200 times in a pdl chain on alternating inputs: each grid barrier completes (the last
-    CTA resets the count and bumps the generation), and the last result is right."""
-    from k3lab_kernels.cute import moe_experts as M
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    monkeypatch.setattr(M, "FORM", "fused")
-    case = OP.case(tp=tp, routing="uniform", **K3)
-    a, b = OP.make_inputs(case, 4, "cuda"), OP.make_inputs(case, 5, "cuda")
-    with pdl_chain(True):
-        for i in range(200):
-            d = a if i % 2 else b
-            c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=d["y"], check_values=False)
-    torch.cuda.synchronize()
-    want = ops_moe.ref_experts(a, case)["y"]
-    assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL
-    bar = M._WS[(a["y"].device.index, "bar")]
-    assert bar[0].item() == 0 and bar[2:].tolist() == [0, 0]
 
 
 def test_refused_by_name():

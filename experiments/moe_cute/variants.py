@@ -1,7 +1,7 @@
 """GPU study of the CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py, issue 14) at K3's pool (896
-experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: the kernel file's module settings (`FORM`
-"split" or "fused"; `DOWN_ROWS`, latent rows a CTA of the down kernel; `UP_ROWS`, intermediate rows of W1 and W3
-an up item; `FUSED_GROUPS`, `FUSED_GRID`), each set checked against fp64 by the shared checker, then timed (graph
+experts, latent 3584, MXFP4), TP8 and TP16 slices, uniform routing: the kernel file's module settings (`DOWN_ROWS`,
+latent rows a CTA of the down kernel; `UP_ROWS`, intermediate rows of W1 and W3 a CTA of the up kernel), each set
+checked against fp64 by the shared checker, then timed (graph
 replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton default of the same run.
 Run: python experiments/moe_cute/variants.py $OUT   (writes $OUT/moe_cute_variants.json, prints a table)."""
 import json
@@ -17,12 +17,12 @@ from k3lab_kernels.cute import moe_experts as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("moe_experts")
-# module settings a row; VARIANTS='[{"FORM": "fused", "FUSED_GROUPS": 8}, ...]' replaces them. The earlier runs' forms
-# are in git history: the study flags L2_W2 / EARLY_DOWN at 22b43ed, the warp-per-(pair, two rows) up kernel
-# (UP_ROWS 0) at 2125780
-VARIANTS = [{"FORM": "split"}, {"FORM": "fused", "FUSED_GROUPS": 4}, {"FORM": "fused", "FUSED_GROUPS": 8}] \
+# module settings a row; VARIANTS='[{"DOWN_ROWS": 4, "UP_ROWS": 2}, ...]' replaces them. The earlier runs' forms are in
+# git history: the study flags L2_W2 / EARLY_DOWN at 22b43ed, the warp-per-(pair, two rows) up kernel (UP_ROWS 0) at
+# 2125780, the one-launch form (FORM "fused", FUSED_GROUPS, FUSED_GRID) at fca14c9
+VARIANTS = [{"DOWN_ROWS": 4, "UP_ROWS": 4}, {"DOWN_ROWS": 4, "UP_ROWS": 2}, {"DOWN_ROWS": 8, "UP_ROWS": 4}] \
     if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
-DEFAULTS = {k: getattr(M, k) for k in ("FORM", "DOWN_ROWS", "UP_ROWS", "FUSED_GROUPS", "FUSED_GRID")}
+DEFAULTS = {k: getattr(M, k) for k in ("DOWN_ROWS", "UP_ROWS")}
 
 rows = []
 pr = timing.probes("cuda")

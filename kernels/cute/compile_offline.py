@@ -246,7 +246,7 @@ def _cases(only: str | None, quick: bool):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down
         # kernel's latent rows a CTA)
-        up_cls, down_cls, fused_cls = km._kernel_classes()
+        up_cls, down_cls = km._kernel_classes()
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
@@ -257,17 +257,6 @@ def _cases(only: str | None, quick: bool):
                           up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
             cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
                           dargs))
-        # MoEFused: z, idx, wk, w1, w3, s1, s3, w2, s2, act, bar, y; (..., groups, grid, up rows)
-        fargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
-                 P(i32, 16), P(i32, 16), P(i32, 16), P(f32, 4), S]
-        for K, I, L, E, step, pdl, NG, G in ((16, 384, 3584, 896, 2, False, 4, 132),
-                                             (16, 384, 3584, 896, 1, True, 4, 132),
-                                             (16, 384, 3584, 896, 2, True, 8, 132),
-                                             (16, 192, 3584, 896, 2, True, 4, 132),
-                                             (16, 192, 3584, 896, 2, True, 8, 132), (3, 128, 128, 6, 2, False, 4, 3)):
-            cases.append((f"moe fused K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" groups {NG} grid {G}",
-                          lambda K=K, I=I, L=L, E=E, st=step, p=pdl, ng=NG, g=G:
-                          fused_cls(K, I, L, E, st, 4.0, 25.0, p, ng, g, 4), fargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)

@@ -68,22 +68,6 @@ _KERNEL_CLS = None
 # (experiments/moe_cute/README.md: 4 and 4 ahead of 2, 8 and 16 at TP8 and TP16)
 DOWN_ROWS = 4
 UP_ROWS = 4
-# the launches: "split" (MoEUp, then MoEDown with PDL) or "fused" (MoEFused: one cooperative launch of FUSED_GRID
-# CTAs, None = one an SM, FUSED_GROUPS groups of L/32 threads a CTA in phase A)
-FORM = "split"
-FUSED_GROUPS = 4
-FUSED_GRID = None
-
-
-def fused_rows(L: int, grid: int) -> tuple[int, int]:
-    """(latent rows a CTA of the fused form's phase B, CTAs that have rows) for a grid of `grid` CTAs."""
-    rl = -(-L // grid)
-    return rl, -(-L // rl)
-
-
-def fused_scale_bytes(rows: int, nb2: int) -> int:
-    """Bytes of the 16-byte aligned span of w2 scales a CTA copies an expert (covers rows x nb2 at any offset)."""
-    return (rows * nb2 + 30) // 16 * 16
 
 
 def _kernel_classes():
@@ -95,7 +79,6 @@ def _kernel_classes():
     import cutlass
     from cutlass import Float32, Int32, cute
     from cutlass._mlir.dialects import llvm as _llvm
-    from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
     BLOCK = block_ptx()
@@ -124,13 +107,6 @@ def _kernel_classes():
                                                         Float32(lo).ir_value(loc=loc, ip=ip)], PACK_PTX, "=r,f,f",
                                       has_side_effects=False, is_align_stack=False,
                                       asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def bulk_g2s(dst, src, mbar, nbytes, *, loc=None, ip=None):
-        """cp.async.bulk of nbytes contiguous bytes, global -> shared, completing on mbar's transaction count."""
-        _nvvm.cp_async_bulk_shared_cluster_global(
-            dst.to_llvm_ptr(loc=loc, ip=ip), src.to_llvm_ptr(loc=loc, ip=ip), mbar.to_llvm_ptr(loc=loc, ip=ip),
-            Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
     def ids():
         """(thread, CTA, lane, warp) of a one-dimensional launch."""
@@ -283,204 +259,7 @@ def _kernel_classes():
                 a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
-    class MoEFused:
-        """One launch of G co-resident CTAs (cooperative): phase A runs the up items (MoEUp's body) in NG groups of
-        L/32 threads a CTA, while each CTA's W2 rows and their scales land in shared memory by bulk copies; a
-        grid-wide barrier; phase B runs MoEDown's products for the CTA's latent rows from shared memory."""
-
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     groups: int, grid: int, rows: int):
-            self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
-            self.NB = L // 32
-            self.GT = (self.NB + 31) // 32 * 32        # threads a group (phase A)
-            self.NG = groups
-            self.NT = self.GT * groups
-            self.G = grid
-            self.NITEMS = K * (I // rows)
-            self.RL, self.GB = fused_rows(L, grid)     # latent rows a CTA (phase B), CTAs that have rows
-            self.NB2 = I // 32
-            self.NP = K * self.NB2
-            self.NPP = (self.NP + 31) // 32 * 32       # product threads a row group (phase B)
-            self.NRG = self.NT // self.NPP
-            self.RPT = (self.RL + self.NRG - 1) // self.NRG
-            self.SBY = fused_scale_bytes(self.RL, self.NB2)
-
-        def load_up(self, p_w1, p_w3, p_s1, p_s3, e, r0, b, wv, sv):
-            """Issue the loads of an up item: block b of rows r0 .. r0 + R - 1 of W1_e and W3_e, words and scales."""
-            RW, NB, R = self.L // 8, self.NB, self.R
-            for m in range(2):
-                for r in range(R):
-                    row = e * self.I + r0 + r
-                    cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
-                                      cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
-                    sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
-
-        @cute.jit
-        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
-                     p_s2: cute.Pointer, p_act: cute.Pointer, p_bar: cute.Pointer, p_y: cute.Pointer,
-                     stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_w2, p_s2, p_act, p_bar, p_y).launch(
-                grid=[self.G, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl, cooperative=True)
-
-        @cute.kernel
-        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
-                   p_s2: cute.Pointer, p_act: cute.Pointer, p_bar: cute.Pointer, p_y: cute.Pointer):
-            I, L, R, NB, GT, NG = self.I, self.L, self.R, self.NB, self.GT, self.NG
-            RL, NB2, NP, NPP, NRG, RPT, SBY = self.RL, self.NB2, self.NP, self.NPP, self.NRG, self.RPT, self.SBY
-            RW = L // 8                   # words a row of w1 / w3
-            RW2 = I // 8                  # words a row of w2
-            W = GT // 32                  # warps a group
-            tid, c, lane, warp = ids()
-            grp = tid // GT
-            gt = tid % GT
-            smem = cutlass.utils.SmemAllocator()
-            s_w2 = smem.allocate_tensor(Int32, cute.make_layout(self.K * RL * RW2), byte_alignment=16)
-            s_s2 = smem.allocate_tensor(Int32, cute.make_layout(self.K * SBY // 4), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(NG * 2 * W * 2 * R), byte_alignment=16)
-            s_bred = smem.allocate_tensor(Float32, cute.make_layout((self.NT // 32) * RPT), byte_alignment=16)
-            s_off = smem.allocate_tensor(Int32, cute.make_layout(self.K), byte_alignment=16)
-            s_ids = smem.allocate_tensor(Int32, cute.make_layout(self.K), byte_alignment=16)
-            mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
-            r0b = c * RL
-            nrows = RL
-            if r0b + RL > L:
-                nrows = L - r0b
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
-            if tid < self.K:              # the K expert ids, once (one L2 round trip for the whole CTA)
-                s_ids[tid] = vec(p_idx, tid * self.idx_step, 1)[0]
-            cute.arch.sync_threads()
-            # W2 rows [r0b, r0b + nrows) of every selected expert, and a 16-byte aligned span of SBY scale bytes
-            # that covers theirs, land in shared memory while phase A runs
-            if tid == 0:
-                if c < self.GB:
-                    cute.arch.mbarrier_init(mbar, 1)
-                    cute.arch.mbarrier_init_fence()
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.K * (nrows * RW2 * 4 + SBY))
-                    for k in cutlass.range_constexpr(self.K):
-                        e2 = s_ids[k]
-                        bulk_g2s(s_w2.iterator + k * RL * RW2, p_w2 + (e2 * L + r0b) * RW2, mbar, nrows * RW2 * 4)
-                        a = (e2 * L + r0b) * NB2
-                        a16 = a - a % 16
-                        if a16 + SBY > self.E * L * NB2:
-                            a16 = self.E * L * NB2 - SBY
-                        s_off[k] = a - a16
-                        bulk_g2s(s_s2.iterator + k * (SBY // 4), p_s2 + a16 // 4, mbar, SBY)
-            # phase A: group grp of CTA c takes the items c * NG + grp + n * G * NG, n = 0, 1, ...; the words of
-            # item n + 1 are loaded before item n's arithmetic (two items in flight a group)
-            b = gt % NB                   # a thread past the last block redoes a valid one times a factor of 0.0
-            keep = (gt - NB) >> 31
-            zr = cute.make_rmem_tensor((16,), Int32)
-            zp = cute.make_rmem_tensor((16,), Int32)
-            cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
-            wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # the next item's words [m (w1, w3), r, word]
-            sv = cute.make_rmem_tensor((2 * R,), Int32)
-            wc = cute.make_rmem_tensor((2 * R * 4,), Int32)  # the current item's
-            sc = cute.make_rmem_tensor((2 * R,), Int32)
-            acc = cute.make_rmem_tensor((2 * R,), Float32)
-            it0 = c * NG + grp
-            step_it = self.G * NG
-            n_items = (self.NITEMS - it0 + step_it - 1) // step_it
-            if n_items > 0:
-                self.load_up(p_w1, p_w3, p_s1, p_s3, s_ids[it0 // (I // R)], (it0 % (I // R)) * R, b, wv, sv)
-            for q in cutlass.range_constexpr(16):
-                zp[q] = to_f16x2(zr[q])
-            for n in cutlass.range(n_items):
-                it = it0 + n * step_it
-                k = it // (I // R)
-                r0 = (it % (I // R)) * R
-                e = s_ids[k]
-                for q in cutlass.range_constexpr(2 * R * 4):
-                    wc[q] = wv[q]
-                for q in cutlass.range_constexpr(2 * R):
-                    sc[q] = sv[q]
-                if n + 1 < n_items:
-                    itn = it + step_it
-                    self.load_up(p_w1, p_w3, p_s1, p_s3, s_ids[itn // (I // R)], (itn % (I // R)) * R, b, wv, sv)
-                for j in cutlass.range_constexpr(2 * R):
-                    fbits = factor_bits(sc[j], (e * I + r0 + j % R) * NB + b, keep)
-                    acc[j] = block_fma(cute.make_tensor(wc.iterator + j * 4, cute.make_layout(4)), zp, fbits,
-                                       Float32(0.0))
-                for j in cutlass.range_constexpr(2 * R):
-                    for sh in cutlass.range_constexpr(5):
-                        acc[j] = acc[j] + cute.arch.shuffle_sync_bfly(acc[j], offset=16 >> sh)
-                base = (grp * 2 + n % 2) * W * 2 * R   # two buffers a group: one barrier an item
-                if lane == 0:
-                    for j in cutlass.range_constexpr(2 * R):
-                        s_red[base + (gt // 32) * 2 * R + j] = acc[j]
-                cute.arch.barrier(barrier_id=1 + grp, number_of_threads=GT)
-                if gt < R // 2:           # the pair of rows r0 + 2 gt, r0 + 2 gt + 1
-                    g0 = s_red[base + 2 * gt]
-                    g1 = s_red[base + 2 * gt + 1]
-                    u0 = s_red[base + R + 2 * gt]
-                    u1 = s_red[base + R + 2 * gt + 1]
-                    for w in cutlass.range_constexpr(1, W):
-                        g0 = g0 + s_red[base + w * 2 * R + 2 * gt]
-                        g1 = g1 + s_red[base + w * 2 * R + 2 * gt + 1]
-                        u0 = u0 + s_red[base + w * 2 * R + R + 2 * gt]
-                        u1 = u1 + s_red[base + w * 2 * R + R + 2 * gt + 1]
-                    wt = vec(p_wk, k, 1)[0] * 64.0
-                    a0 = wt * (self.b1 * tanh(g0 / self.b1) * sigmoid(g0)) * (self.b2 * tanh(u0 / self.b2))
-                    a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
-                    vec(p_act, k * (I // 2) + r0 // 2 + gt, 1)[0] = pack_f16x2(a1, a0)
-            # grid-wide barrier (every CTA is resident: a cooperative launch of at most one CTA an SM); p_bar = [count,
-            # generation]: the last CTA to arrive resets the count and bumps the generation the others spin on
-            cute.arch.sync_threads()
-            if tid == 0:
-                gen = cute.arch.load(p_bar + 1, Int32, sem="acquire", scope="gpu")
-                cute.arch.fence_acq_rel_gpu()
-                old = cute.arch.atomic_add(p_bar, Int32(1), sem="acq_rel", scope="gpu")
-                if old == self.G - 1:
-                    cute.arch.atomic_add(p_bar, Int32(-self.G), sem="relaxed", scope="gpu")
-                    cute.arch.atomic_add(p_bar + 1, Int32(1), sem="release", scope="gpu")
-                else:
-                    cur = cute.arch.load(p_bar + 1, Int32, sem="acquire", scope="gpu")
-                    while cur == gen:
-                        cur = cute.arch.load(p_bar + 1, Int32, sem="acquire", scope="gpu")
-                cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_threads()
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            # phase B: thread (rg, p) takes product p = (pair k, block cb) of the rows rg, rg + NRG, ... of the CTA
-            if c < self.GB:
-                cute.arch.mbarrier_wait(mbar, 0)
-                p = tid % NPP
-                rg = tid // NPP
-                q = p % NP                # an idle thread redoes a valid product times a factor of 0.0
-                keepb = (p - NP) >> 31
-                rlim = nrows & ((rg - NRG) >> 31)  # idle warps (rg >= NRG) take no rows
-                kb = q // NB2
-                cb = q % NB2
-                ap = cute.make_rmem_tensor((16,), Int32)
-                cute.autovec_copy(vec(p_act, cute.assume(kb * (I // 2) + 16 * cb, divby=16), 16), ap)
-                off = s_off[kb]
-                wb = cute.make_rmem_tensor((4,), Int32)
-                for j in cutlass.range_constexpr(RPT):
-                    r = rg + j * NRG
-                    tot = Float32(0.0)
-                    if r < rlim:          # uniform in a warp (NPP is whole warps)
-                        cute.autovec_copy(cute.make_tensor(s_w2.iterator + (kb * RL + r) * RW2 + 4 * cb,
-                                                           cute.make_layout(4)), wb)
-                        sb = off + r * NB2 + cb
-                        fbits = factor_bits(s_s2[kb * (SBY // 4) + sb // 4], sb, keepb)
-                        tot = block_fma(wb, ap, fbits, Float32(0.0))
-                        for sh in cutlass.range_constexpr(5):
-                            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=16 >> sh)
-                    if lane == 0:
-                        s_bred[warp * RPT + j] = tot
-                cute.arch.sync_threads()
-                if tid < nrows:
-                    rr = tid % NRG
-                    jj = tid // NRG
-                    y0 = Float32(0.0)
-                    for w in cutlass.range_constexpr(NPP // 32):
-                        y0 = y0 + s_bred[(rr * (NPP // 32) + w) * RPT + jj]
-                    vec(p_y, r0b + tid, 1)[0] = y0
-
-    _KERNEL_CLS = (MoEUp, MoEDown, MoEFused)
+    _KERNEL_CLS = (MoEUp, MoEDown)
     return _KERNEL_CLS
 
 
@@ -569,10 +348,6 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
-    if FORM not in ("split", "fused"):
-        _fail("FORM", f"(module setting) must be 'split' or 'fused', got {FORM!r}")
-    if FORM == "fused":
-        return _fused(z, idx, wk, w1, w3, w2, sw, act, y, K, I, L, E, step, b1, b2, pdl, dev, up_rows)
     key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
@@ -582,47 +357,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls = _kernel_classes()[:2]
+            up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
-    return y
-
-
-def _fused(z, idx, wk, w1, w3, w2, sw, act, y, K, I, L, E, step, b1, b2, pdl, dev, up_rows):
-    """The one-launch form (MoEFused): a grid of one CTA an SM (FUSED_GRID overrides), the barrier's two words
-    cached beside `act` (zeros; the kernel leaves them so)."""
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = FUSED_GRID or sms
-    if not isinstance(grid, int) or not 1 <= grid <= sms:
-        _fail("FUSED_GRID", f"(module setting) must be None or an int in 1..{sms} (one CTA an SM), got {grid!r}")
-    gt = (L // 32 + 31) // 32 * 32
-    npp = (K * (I // 32) + 31) // 32 * 32
-    groups = max(FUSED_GROUPS, -(-npp // gt))
-    if gt * groups > 1024:
-        _fail("idx", f"top-k x I/32 = {K} x {I // 32} needs {groups} groups of {gt} threads: more than 1024")
-    rl, _ = fused_rows(L, grid)
-    if E * L * (I // 32) < fused_scale_bytes(rl, I // 32):
-        _fail("w2", "holds fewer scale bytes than one CTA's aligned span: use FORM 'split'")
-    key_bar = (dev.index, "bar")
-    bar = _WS.get(key_bar)
-    if bar is None:
-        bar = _WS[key_bar] = torch.empty(4, dtype=torch.int32, device=dev).zero_()
-    args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16), _ptr(w3, 16),
-            _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(w2, 16), _ptr(sw[2], 16), _ptr(act, 16), _ptr(bar, 16), _ptr(y, 4)]
-    key = ("fused", K, I, L, E, step, float(b1), float(b2), pdl, dev.index, groups, grid, up_rows)
-    with torch.cuda.device(dev):
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        fn = _COMPILED.get(key)
-        if fn is None:
-            from cutlass import cute
-
-            fused_cls = _kernel_classes()[2]
-            fn = _COMPILED[key] = cute.compile(fused_cls(K, I, L, E, step, b1, b2, pdl, groups, grid, up_rows),
-                                                *args, stream)
-        fn(*args, stream)
     return y
