@@ -36,6 +36,26 @@ def test_formats_and_batches(dtype, batch, path):
     assert res.ran[-1].options["path"] == path
 
 
+@pytest.mark.parametrize("batch,routing,tp", [(3, "uniform", 1), (6, "ragged", 1), (19, "same16", 2)])
+def test_tc_path(batch, routing, tp):
+    """The MXFP4 tensor-core path on the kernel layout (`tc`): odd batches, ragged routing (an expert every token
+    chose, experts with none), a group larger than the 16-token tile (same16 at 19 tokens), a TP slice."""
+    res = _check(dtype="mxfp4", batch=batch, routing=routing, tp=tp, options=dict(path="tc"))
+    assert res.ran[-1].options["path"] == "tc"
+
+
+def test_tc_path_refusals():
+    d = OP.make_inputs(OP.case(dtype="bf16", batch=2), 0, "cpu")
+    with pytest.raises(ValueError, match="'path'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="tc")
+    d = OP.make_inputs(OP.case(dtype="mxfp4", batch=2), 0, "cpu")  # I = 32: not a multiple of 64
+    with pytest.raises(ValueError, match="'path'.*I=32"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="tc")
+    d = OP.make_inputs(OP.case(dtype="mxfp4", batch=2, tp=1), 0, "cpu")
+    with pytest.raises(ValueError, match="'block_n'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="tc", block_n=32)
+
+
 @pytest.mark.parametrize("dtype", FORMATS)
 def test_ragged_routing(dtype):
     """Expert 0 chosen by every token, 1..3 by most, 4 by none, the rest by one or none."""
@@ -310,6 +330,15 @@ def test_gpu_wait_per_expert(batch, routing, tp):
     for seed in (0, 1):
         _check(dtype="mxfp4", batch=batch, routing=routing, tp=tp, seed=seed, options=dict(path="simt", wait="expert"),
                **K3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,routing,tp", [(1, "uniform", 8), (33, "ragged", 16), (64, "uniform", 8),
+                                              (256, "uniform", 8), (8, "same16", 8)])
+def test_gpu_tc_path(batch, routing, tp):
+    """The MXFP4 tensor-core path (`tc`) at K3's pool: one token, a ragged odd batch at TP16, 64 and 256 tokens (the
+    batch-64 verify at draft depth 3), every token on the same 16 experts."""
+    _check(dtype="mxfp4", batch=batch, routing=routing, tp=tp, options=dict(path="tc"), **K3)
 
 
 @pytest.mark.gpu

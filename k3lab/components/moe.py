@@ -20,7 +20,8 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
   auto                       data/moe_defaults.json (measured: cute at one MXFP4 token where CuTe DSL runs, else
                              triton), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
-CUDA-core sibling for MXFP4, batch <= 64; "grouped": the tensor-core kernel; None: the kernel's rule by format
+CUDA-core sibling for MXFP4, batch <= 64; "grouped": the tensor-core kernel; "tc": the grouped kernel for MXFP4 on the
+simt path's decode and f16 tensor cores; None: the kernel's rule by format
 and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t, num_warps, num_stages, persist,
 maxnreg (None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program;
 maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, recorded as run), leaders (the
@@ -242,9 +243,15 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         _fail("moe", f"mxfp4 experts need I and L multiples of 32, got I={I}, L={L}")
     path = knobs["path"]
     if (path not in PATHS or (path == "gemv" and (B > GEMV_MAX_BATCH or fmt == "mxfp4"))
-            or (path == "simt" and (fmt != "mxfp4" or B > SIMT_MAX_BATCH))):
+            or (path == "simt" and (fmt != "mxfp4" or B > SIMT_MAX_BATCH))
+            or (path == "tc" and (fmt != "mxfp4" or I % 64))):
         _fail("path", f"must be None or one of {PATHS} ('gemv' for bf16 / fp8 experts and batch <= {GEMV_MAX_BATCH}, "
-                      f"'simt' for MXFP4 experts and batch <= {SIMT_MAX_BATCH}), got {path!r} at batch {B} ({fmt})")
+                      f"'simt' for MXFP4 experts and batch <= {SIMT_MAX_BATCH}, 'tc' for MXFP4 experts with I a "
+                      f"multiple of 64), got {path!r} at batch {B} ({fmt}, I={I})")
+    if path == "tc" and any(knobs[k] is not None for k in ("block_n", "block_k")) \
+            and (knobs["block_n"] not in (None, 64) or knobs["block_k"] not in (None, 32)):
+        _fail("block_n", f"and block_k are fixed on the tc path (64 rows, one 32-block a step), got "
+                         f"{knobs['block_n']!r}, {knobs['block_k']!r}")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
                            or (fmt == "mxfp4" and path == "grouped" and bn < 32)):
@@ -284,6 +291,10 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         out = torch.empty(B, L, dtype=torch.float32, device=dev)
     elif out.dtype != torch.float32 or not out.is_contiguous():
         _fail("out", f"must be a contiguous float32 tensor for the triton backend, got {out.dtype}")
+    if path == "tc":
+        ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
+        return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt="mxfp4", s1=moe.w1.scale, s3=moe.w3.scale,
+                                                        s2=moe.w2.scale, b1=float(moe.b1), b2=float(moe.b2)))
     if path == "simt":
         if (bn is not None and bn > I) or (knobs["block_l"] is not None and knobs["block_l"] > L):
             _fail("block_n", f"and block_l must not exceed I={I} and L={L} on the simt path")

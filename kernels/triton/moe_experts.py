@@ -206,6 +206,95 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                 tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
 
 
+# ---- the tensor-core path on the kernel layout (MXFP4, `tc`) -------------------------------------------------
+# The grouped kernel's programs and grouping, with the simt path's decode in front of f16 tensor cores: a 32-block's
+# four kernel-layout words decode (the same 13 integer operations a word, PTX) to 32 f16 of e2m1 * 2^-14 (exact),
+# in the order the joins below make (tile column f = 8 j + 4 a + 2 b + h holds input 2 (4 p + j) + h of the block,
+# p = a + 2 b the part, j the word, h the half); the activations are gathered in that order (`_tc_perm`) as f16 of
+# 2^6 x; each block is one K = 32 tensor-core dot (fp32 accumulation), times its factor 2^(s - 119) into the fp32
+# sum. The up rows of a program are taken in the same order within each 32-row block, so that its activations are
+# already in w2's decoded column order. Exactness: the simt path's (weights exact; z and the activations as f16 of
+# 2^6 x, exact for |x| < 1023 and above 2^-20; products and sums fp32).
+
+
+@triton.jit
+def _tc_perm(f):
+    """Input index within a 32-block of tile column f (the decoded tile's order)."""
+    j = f // 8
+    a = (f // 4) % 2
+    b = (f // 2) % 2
+    return 16 * b + 8 * a + 2 * j + f % 2
+
+
+@triton.jit
+def _tc_tile(wp, rows, cw, RW: tl.constexpr, R: tl.constexpr, INTERP: tl.constexpr):
+    """One 32-block of R rows: words [R, 4] at word column cw of rows `rows` (row stride RW words) -> [R, 32] f16."""
+    w = tl.load(wp + rows[:, None] * RW + cw + tl.arange(0, 4)[None, :])
+    d0, d1, d2, d3 = _simt_decode(w, INTERP)
+    d = tl.join(tl.join(d0, d1), tl.join(d2, d3))  # [R, 4 (j), 2 (a), 2 (b)]
+    lo = (d & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (d >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.join(lo, hi).reshape(R, 32)
+
+
+@triton.jit
+def _tc_fac(sp, rows, cb, NBR: tl.constexpr):
+    """The block factor 2^(s - 119) [R] fp32 of block cb of rows `rows` (NBR scale bytes a row)."""
+    s = tl.load(sp + rows * NBR + cb).to(tl.int32)
+    return ((s + 8) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot16(a, b, INTERP: tl.constexpr):
+    """a [M, 32] f16 @ b [32, N] f16 -> fp32 (tensor cores; the interpreter widens to fp32 first)."""
+    if INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _moe_tc_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
+                   L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                   BN: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                   INTERP: tl.constexpr):
+    """Program (n, p): w1/w3 rows n*BN.. (in the decoded order of each 32-row block) and the matching w2 columns of
+    pair p's expert, if p leads its group; BN = 64 (two w2 blocks)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
+    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
+    if leader:
+        f = tl.arange(0, BN)
+        rows = n * BN + (f // 32) * 32 + _tc_perm(f % 32)
+        kq = _tc_perm(tl.arange(0, 32))
+        w1e = w1 + e * (I * (L // 8))
+        w3e = w3 + e * (I * (L // 8))
+        w2e = w2 + e * (L * (I // 8))
+        s1e = s1 + e * (I * (L // 32))
+        s3e = s3 + e * (I * (L // 32))
+        s2e = s2 + e * (L * (I // 32))
+        for t0 in range(0, cnt, BT):
+            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
+            g = tl.zeros([BN, BT], tl.float32)
+            u = tl.zeros([BN, BT], tl.float32)
+            for cb in range(0, L // 32):
+                zt = tl.load(z + tok[None, :] * L + cb * 32 + kq[:, None], mask=ok[None, :], other=0.0)
+                zt = (zt.to(tl.float32) * 64.0).to(tl.float16)
+                g += _dot16(_tc_tile(w1e, rows, cb * 4, L // 8, BN, INTERP), zt, INTERP) * \
+                    _tc_fac(s1e, rows, cb, L // 32)[:, None]
+                u += _dot16(_tc_tile(w3e, rows, cb * 4, L // 8, BN, INTERP), zt, INTERP) * \
+                    _tc_fac(s3e, rows, cb, L // 32)[:, None]
+            act = (_situ(g, u, B1, B2) * 64.0).to(tl.float16)  # [BN, BT]: tile row f is intermediate rows[f]
+            a0, a1 = tl.split(tl.permute(tl.reshape(act, [2, 32, BT]), (1, 2, 0)))
+            for l0 in range(0, L, BL):  # y[tok] += w_t * W2[:, rows] act
+                lr = l0 + tl.arange(0, BL)
+                o = _dot16(_tc_tile(w2e, lr, n * (BN // 8), I // 8, BL, INTERP), a0, INTERP) * \
+                    _tc_fac(s2e, lr, n * (BN // 32), I // 32)[:, None]
+                o += _dot16(_tc_tile(w2e, lr, n * (BN // 8) + 4, I // 8, BL, INTERP), a1, INTERP) * \
+                    _tc_fac(s2e, lr, n * (BN // 32) + 1, I // 32)[:, None]
+                o = o * w_t[None, :]
+                tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
+
+
 # ---- the few-token path (batch <= 16): two roles in one launch -------------------------------------------
 
 @triton.jit
@@ -800,7 +889,7 @@ SIMT_TOKENS = (1, 2)
 SIMT_WAITS = ("all", "expert")  # what a simt role-B item waits for (`_moe_simt_kernel`'s PER_EXPERT)
 SIMT_LEADERS_FROM = 16  # from this batch, tickets over the leaders only (`_simt_leaders_kernel`; default_blocks)
 LEAD_BIG = 1 << 30
-PATHS = ("gemv", "grouped", "simt")
+PATHS = ("gemv", "grouped", "simt", "tc")
 
 
 def default_path(B: int, fmt: str) -> str:
@@ -848,6 +937,11 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
                     maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
                     wait="all" if B == 1 else "expert")
+    if path == "tc":  # BN is 64 (two w2 blocks); one 32-block a step of w1/w3
+        bl = 128
+        while L % bl:
+            bl //= 2
+        return dict(block_n=64, block_k=32, block_l=bl, block_t=16, num_warps=4, num_stages=3)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -998,6 +1092,12 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         nprog = na + B * K * (L // bl)
         _moe_gemv_kernel[(nprog,)](z, idx, wk, w1, w3, w2, *sc, y, act, ws, B, na, nprog, BB=GEMV_MAX_BATCH,
                                    BI=d["block_i"], INTERP=dot_f32(), **common)
+        return y
+    if path == "tc":
+        y.zero_()
+        _moe_tc_kernel[(I // 64, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K),
+                                         BB=max(16, _pow2(B)), BN=64, BL=bl, BT=block_t or d["block_t"], B1=float(b1),
+                                         B2=float(b2), INTERP=dot_f32(), num_warps=nw, num_stages=ns)
         return y
     y.zero_()
     _moe_experts_kernel[(I // bn, B * K)](
