@@ -248,10 +248,8 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         _fail("path", f"must be None or one of {PATHS} ('gemv' for bf16 / fp8 experts and batch <= {GEMV_MAX_BATCH}, "
                       f"'simt' for MXFP4 experts and batch <= {SIMT_MAX_BATCH}, 'tc' for MXFP4 experts with I a "
                       f"multiple of 64), got {path!r} at batch {B} ({fmt}, I={I})")
-    if path == "tc" and any(knobs[k] is not None for k in ("block_n", "block_k")) \
-            and (knobs["block_n"] not in (None, 64) or knobs["block_k"] not in (None, 32)):
-        _fail("block_n", f"and block_k are fixed on the tc path (64 rows, one 32-block a step), got "
-                         f"{knobs['block_n']!r}, {knobs['block_k']!r}")
+    if path == "tc" and knobs["block_n"] not in (None, 64):
+        _fail("block_n", f"is fixed on the tc path (64 rows: two w2 blocks), got {knobs['block_n']!r}")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
                            or (fmt == "mxfp4" and path == "grouped" and bn < 32)):

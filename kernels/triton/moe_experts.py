@@ -256,7 +256,7 @@ def _dot16(a, b, INTERP: tl.constexpr):
 def _moe_tc_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                    L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                    BN: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
-                   INTERP: tl.constexpr):
+                   NBK: tl.constexpr, INTERP: tl.constexpr):
     """Program (n, p): w1/w3 rows n*BN.. (in the decoded order of each 32-row block) and the matching w2 columns of
     pair p's expert, if p leads its group; BN = 64 (two w2 blocks)."""
     n = tl.program_id(0)
@@ -276,13 +276,15 @@ def _moe_tc_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
             tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
             g = tl.zeros([BN, BT], tl.float32)
             u = tl.zeros([BN, BT], tl.float32)
-            for cb in range(0, L // 32):
-                zt = tl.load(z + tok[None, :] * L + cb * 32 + kq[:, None], mask=ok[None, :], other=0.0)
-                zt = (zt.to(tl.float32) * 64.0).to(tl.float16)
-                g += _dot16(_tc_tile(w1e, rows, cb * 4, L // 8, BN, INTERP), zt, INTERP) * \
-                    _tc_fac(s1e, rows, cb, L // 32)[:, None]
-                u += _dot16(_tc_tile(w3e, rows, cb * 4, L // 8, BN, INTERP), zt, INTERP) * \
-                    _tc_fac(s3e, rows, cb, L // 32)[:, None]
+            for c0 in range(0, L // 32, NBK):  # NBK 32-blocks a step
+                for i in tl.static_range(NBK):
+                    cb = c0 + i
+                    zt = tl.load(z + tok[None, :] * L + cb * 32 + kq[:, None], mask=ok[None, :], other=0.0)
+                    zt = (zt.to(tl.float32) * 64.0).to(tl.float16)
+                    g += _dot16(_tc_tile(w1e, rows, cb * 4, L // 8, BN, INTERP), zt, INTERP) * \
+                        _tc_fac(s1e, rows, cb, L // 32)[:, None]
+                    u += _dot16(_tc_tile(w3e, rows, cb * 4, L // 8, BN, INTERP), zt, INTERP) * \
+                        _tc_fac(s3e, rows, cb, L // 32)[:, None]
             act = (_situ(g, u, B1, B2) * 64.0).to(tl.float16)  # [BN, BT]: tile row f is intermediate rows[f]
             a0, a1 = tl.split(tl.permute(tl.reshape(act, [2, 32, BT]), (1, 2, 0)))
             for l0 in range(0, L, BL):  # y[tok] += w_t * W2[:, rows] act
@@ -1097,7 +1099,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         y.zero_()
         _moe_tc_kernel[(I // 64, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K),
                                          BB=max(16, _pow2(B)), BN=64, BL=bl, BT=block_t or d["block_t"], B1=float(b1),
-                                         B2=float(b2), INTERP=dot_f32(), num_warps=nw, num_stages=ns)
+                                         B2=float(b2), NBK=bk // 32, INTERP=dot_f32(), num_warps=nw, num_stages=ns)
         return y
     y.zero_()
     _moe_experts_kernel[(I // bn, B * K)](
