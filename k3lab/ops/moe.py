@@ -255,7 +255,7 @@ register(Op(
     doc="the routed experts of one step: grouped by expert, w1/w3 + SiTU-GLU, w2 x routing weights, summed per token",
     axes=dict(batch=(1, 5), dtype=("bf16", "fp8", "mxfp4"), tp=(8,), routing=("uniform", "same16"), latent=(64,),
               inter=(256,), n_experts=(24,), top_k=(4,)),
-    option_axes={"path": {"triton": (None, "gemv", "grouped", "simt", "tc")},
+    option_axes={"path": {"triton": (None, "gemv", "grouped", "simt", "tc", "tcb")},
                  "block_n": {"triton": (None, 16, 32, 64, 128)},
                  "block_k": {"triton": (None, 64, 128, 256, 512)},
                  "block_l": {"triton": (None, 16, 32, 64, 128, 256, 512)},
