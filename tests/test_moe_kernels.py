@@ -44,6 +44,11 @@ def test_tc_path(batch, routing, tp):
     assert res.ran[-1].options["path"] == "tc"
 
 
+def test_tc_path_is_the_rule_above_64_tokens():
+    res = _check(dtype="mxfp4", batch=65, routing="uniform", tp=1, latent=64, inter=64)
+    assert res.ran[-1].options["path"] == "tc" and "rule" in res.ran[-1].notes
+
+
 def test_tc_path_refusals():
     d = OP.make_inputs(OP.case(dtype="bf16", batch=2), 0, "cpu")
     with pytest.raises(ValueError, match="'path'"):

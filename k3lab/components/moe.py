@@ -244,11 +244,11 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     path = knobs["path"]
     if (path not in PATHS or (path == "gemv" and (B > GEMV_MAX_BATCH or fmt == "mxfp4"))
             or (path == "simt" and (fmt != "mxfp4" or B > SIMT_MAX_BATCH))
-            or (path in ("tc", "tcb") and (fmt != "mxfp4" or I % 64))):
+            or (path == "tc" and (fmt != "mxfp4" or I % 64))):
         _fail("path", f"must be None or one of {PATHS} ('gemv' for bf16 / fp8 experts and batch <= {GEMV_MAX_BATCH}, "
                       f"'simt' for MXFP4 experts and batch <= {SIMT_MAX_BATCH}, 'tc' for MXFP4 experts with I a "
                       f"multiple of 64), got {path!r} at batch {B} ({fmt}, I={I})")
-    if path in ("tc", "tcb") and knobs["block_n"] not in (None, 64):
+    if path == "tc" and knobs["block_n"] not in (None, 64):
         _fail("block_n", f"is fixed on the tc path (64 rows: two w2 blocks), got {knobs['block_n']!r}")
     bn = knobs["block_n"]
     if bn is not None and (isinstance(bn, bool) or bn not in BLOCK_N_ALLOWED or I % bn
@@ -289,7 +289,7 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
         out = torch.empty(B, L, dtype=torch.float32, device=dev)
     elif out.dtype != torch.float32 or not out.is_contiguous():
         _fail("out", f"must be a contiguous float32 tensor for the triton backend, got {out.dtype}")
-    if path in ("tc", "tcb"):
+    if path == "tc":
         ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
         return dict(pos=(z, idx, wk, *ws, out), kw=dict(fmt="mxfp4", s1=moe.w1.scale, s3=moe.w3.scale,
                                                         s2=moe.w2.scale, b1=float(moe.b1), b2=float(moe.b2)))

@@ -1,5 +1,5 @@
 """Latent-MoE routed experts for decode: the token x top-k pairs grouped by expert on the device, w1/w3 with
-SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts. Three paths (`path`;
+SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts. Four paths (`path`;
 the rule `default_path` picks by weight format and batch, from the H200 sweeps in docs/NOTES_moe.md):
   grouped  one launch after zeroing y (`_moe_experts_kernel`, below): program (n, pair) runs BN intermediate rows
            of w1/w3 and the matching w2 columns of its expert; tensor-core tiles of up to 16 tokens;
@@ -14,6 +14,8 @@ the rule `default_path` picks by weight format and batch, from the H200 sweeps i
            batch 1 each pair is its own group; `leaders`: a prologue lists the groups' leaders, and the tickets
            run over them only; `wait`: a B item waits for every A item ("all") or its own expert's ("expert").
            Its section below has the details and the exactness.
+  tc       MXFP4 (the rule above 64 tokens; `_moe_tc_kernel`): the grouped kernel's programs on the simt path's
+           kernel layout and decode, one f16 tensor-core dot a 32-block times its factor; its section below.
 
     y[b] = sum_k wk[b,k] * W2_e situ(W1_e z[b], W3_e z[b]),   e = idx[b,k]        (fp32 [B, L])
     situ(g, u) = b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)                          (k3lab.ref.situ)
@@ -293,61 +295,6 @@ def _moe_tc_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                     _tc_fac(s2e, lr, n * (BN // 32), I // 32)[:, None]
                 o += _dot16(_tc_tile(w2e, lr, n * (BN // 8) + 4, I // 8, BL, INTERP), a1, INTERP) * \
                     _tc_fac(s2e, lr, n * (BN // 32) + 1, I // 32)[:, None]
-                o = o * w_t[None, :]
-                tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
-
-
-@triton.jit
-def _tc_chunk(wp, sp, rows, c0, RW: tl.constexpr, NBR: tl.constexpr, R: tl.constexpr, NBK: tl.constexpr,
-              INTERP: tl.constexpr):
-    """NBK 32-blocks from block c0 of rows `rows` (RW words, NBR scale bytes a row) -> [R, 32 NBK] bf16 of the
-    weights, exact (e2m1 * 2^-14 in f16, widened, times 2^(s - 113), to bf16: the grouped path's exactness), in the
-    decoded order: tile column f is input 32 (f // 32) + _tc_perm(f % 32) of the chunk."""
-    w = tl.load(wp + rows[:, None] * RW + c0 * 4 + tl.arange(0, 4 * NBK)[None, :])
-    d0, d1, d2, d3 = _simt_decode(w, INTERP)
-    d = tl.join(tl.join(d0, d1), tl.join(d2, d3))  # [R, 4 NBK (word), 2 (a), 2 (b)]
-    lo = (d & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (d >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    v = tl.join(lo, hi).to(tl.float32).reshape(R, NBK, 32)
-    sc = tl.load(sp + rows[:, None] * NBR + c0 + tl.arange(0, NBK)[None, :]).to(tl.int32)
-    fac = ((sc + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113)
-    return (v * fac[:, :, None]).reshape(R, 32 * NBK).to(tl.bfloat16)
-
-
-@triton.jit
-def _moe_tc2_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
-                    L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                    BN: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
-                    NBK: tl.constexpr, INTERP: tl.constexpr):
-    """The tc program with the block factors folded into bf16 weights: one dot a chunk of NBK blocks."""
-    n = tl.program_id(0)
-    p = tl.program_id(1)
-    e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
-    if leader:
-        f = tl.arange(0, BN)
-        rows = n * BN + (f // 32) * 32 + _tc_perm(f % 32)
-        fk = tl.arange(0, 32 * NBK)
-        kq = (fk // 32) * 32 + _tc_perm(fk % 32)
-        w1e = w1 + e * (I * (L // 8))
-        w3e = w3 + e * (I * (L // 8))
-        w2e = w2 + e * (L * (I // 8))
-        s1e = s1 + e * (I * (L // 32))
-        s3e = s3 + e * (I * (L // 32))
-        s2e = s2 + e * (L * (I // 32))
-        for t0 in range(0, cnt, BT):
-            tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
-            g = tl.zeros([BN, BT], tl.float32)
-            u = tl.zeros([BN, BT], tl.float32)
-            for c0 in range(0, L // 32, NBK):
-                zt = tl.load(z + tok[None, :] * L + c0 * 32 + kq[:, None], mask=ok[None, :], other=0.0)
-                g = _mm(_tc_chunk(w1e, s1e, rows, c0, L // 8, L // 32, BN, NBK, INTERP), zt, g, INTERP)
-                u = _mm(_tc_chunk(w3e, s3e, rows, c0, L // 8, L // 32, BN, NBK, INTERP), zt, u, INTERP)
-            act = _round_act(_situ(g, u, B1, B2), INTERP)  # [BN, BT]: tile row f is intermediate rows[f]
-            for l0 in range(0, L, BL):  # y[tok] += w_t * W2[:, rows] act
-                lr = l0 + tl.arange(0, BL)
-                o = tl.zeros([BL, BT], tl.float32)
-                o = _mm(_tc_chunk(w2e, s2e, lr, n * (BN // 32), I // 8, I // 32, BL, BN // 32, INTERP), act, o,
-                        INTERP)
                 o = o * w_t[None, :]
                 tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
 
@@ -946,7 +893,7 @@ SIMT_TOKENS = (1, 2)
 SIMT_WAITS = ("all", "expert")  # what a simt role-B item waits for (`_moe_simt_kernel`'s PER_EXPERT)
 SIMT_LEADERS_FROM = 16  # from this batch, tickets over the leaders only (`_simt_leaders_kernel`; default_blocks)
 LEAD_BIG = 1 << 30
-PATHS = ("gemv", "grouped", "simt", "tc", "tcb")
+PATHS = ("gemv", "grouped", "simt", "tc")
 
 
 def default_path(B: int, fmt: str) -> str:
@@ -954,11 +901,13 @@ def default_path(B: int, fmt: str) -> str:
     up to 64 tokens (batch 1 29.6 vs 77.1 us on gemv; 8 uniform 264 vs 514 and 64 uniform 1444 vs 2499 on
     grouped; it loses where many tokens share an expert: 8 same16 145 vs 92 grouped), fp8 the two-role gemv
     kernel up to 16 tokens (batch 1 36.8 vs 71.5 us, 8 same16 57.6 vs 99.0, 16 uniform 473 vs 529), bf16 never
-    (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8 same16); everything else the grouped kernel."""
+    (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8 same16); MXFP4 above 64 tokens the tc path (256 uniform
+    2335 vs 4014 us on grouped; nineteenth session, moe_tc.json.gz: it loses to simt at 8..64); everything else the
+    grouped kernel."""
     if fmt == "fp8" and B <= GEMV_MAX_BATCH:
         return "gemv"
-    if fmt == "mxfp4" and B <= SIMT_MAX_BATCH:
-        return "simt"
+    if fmt == "mxfp4":
+        return "simt" if B <= SIMT_MAX_BATCH else "tc"
     return "grouped"
 
 
@@ -994,14 +943,11 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
                     maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
                     wait="all" if B == 1 else "expert")
-    if path in ("tc", "tcb"):  # BN is 64 (two w2 blocks)
+    if path == "tc":  # BN 64 (two w2 blocks); one 32-block a step (128: 2615 against 2335 us at 256 tokens)
         bl = 128
         while L % bl:
             bl //= 2
-        bk = 32 if path == "tcb" else 128
-        while L % bk:
-            bk //= 2
-        return dict(block_n=64, block_k=bk, block_l=bl, block_t=16, num_warps=4, num_stages=3)
+        return dict(block_n=64, block_k=32, block_l=bl, block_t=16, num_warps=4, num_stages=3)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -1154,13 +1100,6 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                    BI=d["block_i"], INTERP=dot_f32(), **common)
         return y
     if path == "tc":
-        y.zero_()
-        _moe_tc2_kernel[(I // 64, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K),
-                                          BB=max(16, _pow2(B)), BN=64, BL=bl, BT=block_t or d["block_t"],
-                                          B1=float(b1), B2=float(b2), NBK=bk // 32, INTERP=dot_f32(), num_warps=nw,
-                                          num_stages=ns)
-        return y
-    if path == "tcb":
         y.zero_()
         _moe_tc_kernel[(I // 64, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K),
                                          BB=max(16, _pow2(B)), BN=64, BL=bl, BT=block_t or d["block_t"], B1=float(b1),
