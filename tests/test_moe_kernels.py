@@ -44,6 +44,14 @@ def test_tc_path(batch, routing, tp):
     assert res.ran[-1].options["path"] == "tc"
 
 
+def test_tc_path_leaders_list():
+    """The tc path over the leaders' list (`leaders=True`): the programs past the count exit, the leaders run;
+    ragged routing at an odd batch, twice (the list's buffers are reset by the prologue)."""
+    for seed in (0, 1):
+        res = _check(dtype="mxfp4", batch=7, routing="ragged", tp=1, seed=seed, options=dict(path="tc", leaders=True))
+        assert res.ran[-1].options["leaders"] is True
+
+
 def test_tc_path_is_the_rule_above_64_tokens():
     res = _check(dtype="mxfp4", batch=65, routing="uniform", tp=1, latent=64, inter=64)
     assert res.ran[-1].options["path"] == "tc" and "rule" in res.ran[-1].notes

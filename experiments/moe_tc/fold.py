@@ -6,10 +6,10 @@ each block's fp32 result by its factor 2^(s - 119): every dot's result is needed
 of a program is a chain of short dots. This form widens the decoded e2m1 * 2^-14 (f16, exact) to fp32, multiplies
 by 2^(s - 113) and rounds to bf16 (exact for s in 2..240, the grouped path's rule), so that a chunk of NBK blocks
 is one dot with no factor after it; the activations are rounded to bf16 as on the grouped path.
-sm_90 offline (Triton 3.6, `k3lab.harness.triton_compile --resources`): 255 registers and 64 bytes of stack at
-block_k 128 (the tc path: 208, none).
+sm_90 offline (Triton 3.6, compiled through `k3lab.harness.triton_compile.compile_only`): `VARIANTS` below.
 
     python experiments/moe_tc/fold.py $OUT   # H200: checks vs fp64, times beside path tc -> $OUT/moe_tc_fold.json
+    (export PYTHONPATH=$PWD first)
 """
 import json
 import sys
@@ -91,6 +91,11 @@ def fold_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1=4.0, b2=25.0, bloc
     return y
 
 
+# (block_k, num_warps) without spills on sm_90 (Triton 3.6 offline: 254 / 210 / 213 registers, no stack; block_k
+# 128 at 4 warps: 255 and 64 bytes of stack, 256 at 8 warps: 160 bytes)
+VARIANTS = ((64, 4), (128, 8), (32, 4))
+
+
 def main(out: str, reps: int = 10):
     """K3's TP8 pool, uniform routing, 64 and 256 tokens: each block_k checked against fp64 (the shared checker),
     then timed (graph replay, inputs rotated past L2) beside path tc of the same run."""
@@ -108,13 +113,13 @@ def main(out: str, reps: int = 10):
         sets = [op.make_inputs(case, 100 + i, "cuda") for i in range(max(2, timing.rotation_count(nbytes,
                                                                                                   timing.l2_bytes())))]
 
-        def fold(d, bk):
+        def fold(d, bk, nw):
             m = d["moe"]
             ws = [c_moe.kernel_layout(w) for w in (m.w1, m.w3, m.w2)]
             return fold_experts(d["z"], d["idx"], d["weights_k"], *ws, m.w1.scale, m.w3.scale, m.w2.scale, d["y"],
-                                b1=float(m.b1), b2=float(m.b2), block_k=bk)
+                                b1=float(m.b1), b2=float(m.b2), block_k=bk, num_warps=nw)
         for name, fn in [("tc", lambda d, c=case: op.call(d, c, "triton", dict(path="tc"), None))] + \
-                [(f"fold bk{bk}", lambda d, bk=bk: fold(d, bk)) for bk in (64, 128, 256)]:
+                [(f"fold bk{bk} w{nw}", lambda d, bk=bk, nw=nw: fold(d, bk, nw)) for bk, nw in VARIANTS]:
             chk = checker.check(op, case, impl=fn, inputs=sets[0])
             t = timing.bench_gpu(fn, input_sets=[(s,) for s in sets], reps=reps)
             rows.append(dict(batch=batch, variant=name, median_us=t.median_us, samples=t.samples_us, ok=chk.ok,

@@ -26,8 +26,8 @@ and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t,
 maxnreg (None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program;
 maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, recorded as run), leaders (the
 simt path: a prologue lists the groups' leaders and the tickets run over them only; None: from batch 16, recorded
-as run), wait (the simt path: a role-B item waits for "all" role-A items or only its own "expert"'s; None: the
-kernel's choice, recorded as run).
+as run; the tc path: the same list, the programs past it exit at once; None: off), wait (the simt path: a role-B
+item waits for "all" role-A items or only its own "expert"'s; None: the kernel's choice, recorded as run).
 `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it on timed or
 graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
 
@@ -276,9 +276,9 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
                            or path != "simt"):
         _fail("maxnreg", f"must be None or a multiple of 8 in 64..255 registers a thread (the simt path only), got "
                          f"{r_!r} on the {path} path")
-    if knobs["leaders"] is not None and (not isinstance(knobs["leaders"], bool) or path != "simt"):
-        _fail("leaders", f"must be None, True or False (the simt path only), got {knobs['leaders']!r} on the {path} "
-                         f"path")
+    if knobs["leaders"] is not None and (not isinstance(knobs["leaders"], bool) or path not in ("simt", "tc")):
+        _fail("leaders", f"must be None, True or False (the simt and tc paths), got {knobs['leaders']!r} on the "
+                         f"{path} path")
     if knobs["wait"] is not None and (knobs["wait"] not in SIMT_WAITS or path != "simt"):
         _fail("wait", f"must be None or one of {SIMT_WAITS} (what a role-B item of the simt path waits for), got "
                       f"{knobs['wait']!r} on the {path} path")

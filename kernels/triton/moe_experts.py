@@ -255,14 +255,30 @@ def _dot16(a, b, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _moe_tc_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
+def _moe_tc_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, lead, B,
                    L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                    BN: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
-                   NBK: tl.constexpr, INTERP: tl.constexpr):
+                   NBK: tl.constexpr, LEAD: tl.constexpr, INTERP: tl.constexpr):
     """Program (n, p): w1/w3 rows n*BN.. (in the decoded order of each 32-row block) and the matching w2 columns of
-    pair p's expert, if p leads its group; BN = 64 (two w2 blocks)."""
+    pair p's expert, if p leads its group; BN = 64 (two w2 blocks). LEAD: program (n, j) takes the j-th leader of
+    `_simt_leaders_kernel`'s list (lead[1 + j]) and exits at once past their count (lead[0]), so that the pairs
+    that lead nothing cost one load instead of the group scan."""
     n = tl.program_id(0)
     p = tl.program_id(1)
+    if LEAD:
+        if p < tl.load(lead):
+            _tc_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, n, tl.load(lead + 1 + p), L, I, K, KP, BB, BN, BL,
+                        BT, B1, B2, NBK, INTERP)
+    else:
+        _tc_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, n, p, L, I, K, KP, BB, BN, BL, BT, B1, B2, NBK, INTERP)
+
+
+@triton.jit
+def _tc_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, n, p,
+                L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                BN: tl.constexpr, BL: tl.constexpr, BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                NBK: tl.constexpr, INTERP: tl.constexpr):
+    """One program of `_moe_tc_kernel` for pair p (runs only if p leads its expert's group)."""
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
         f = tl.arange(0, BN)
@@ -1101,9 +1117,14 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
         return y
     if path == "tc":
         y.zero_()
-        _moe_tc_kernel[(I // 64, B * K)](z, idx, wk, w1, w3, w2, *sc, y, B, L=L, I=I, K=K, KP=_pow2(K),
+        lead = y  # unread unless leaders
+        if leaders:
+            first, lead = _leaders(z.device, w1.shape[0], B * K)
+            _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=False, num_warps=4)
+        _moe_tc_kernel[(I // 64, B * K)](z, idx, wk, w1, w3, w2, *sc, y, lead, B, L=L, I=I, K=K, KP=_pow2(K),
                                          BB=max(16, _pow2(B)), BN=64, BL=bl, BT=block_t or d["block_t"], B1=float(b1),
-                                         B2=float(b2), NBK=bk // 32, INTERP=dot_f32(), num_warps=nw, num_stages=ns)
+                                         B2=float(b2), NBK=bk // 32, LEAD=bool(leaders), INTERP=dot_f32(),
+                                         num_warps=nw, num_stages=ns)
         return y
     y.zero_()
     _moe_experts_kernel[(I // bn, B * K)](
