@@ -19,7 +19,7 @@ for ctx in (1024, 8192, 32768):
     case = op.case(batch=1, context=ctx)
     n = max(2, timing.rotation_count(op.nbytes(case), timing.l2_bytes()))
     sets = [op.make_inputs(case, 77 + i, "cuda") for i in range(n)]
-    med = timing.bench_gpu(lambda s: op.call(s, case, "triton", {}, None), input_sets=[(s,) for s in sets],
+    med = timing.bench_gpu(lambda s, c=case: op.call(s, c, "triton", {}, None), input_sets=[(s,) for s in sets],
                            reps=30).median_us
     for s in sets:
         op.call(s, case, "triton", {}, None)
