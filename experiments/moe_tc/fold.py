@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from k3lab_kernels.triton.mla_decode import dot_f32
-from k3lab_kernels.triton.moe_experts import (_group, _mm, _pow2, _round_act, _simt_decode, _situ, _slots, _tc_perm,
-                                              default_blocks)
+from k3lab_kernels.triton.moe_experts import (_group, _kl_ptrs, _mm, _pow2, _round_act, _simt_decode, _situ,
+                                              _slots, _tc_perm, default_blocks)
 
 
 @triton.jit
@@ -54,12 +54,7 @@ def _moe_tc2_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
         rows = n * BN + (f // 32) * 32 + _tc_perm(f % 32)
         fk = tl.arange(0, 32 * NBK)
         kq = (fk // 32) * 32 + _tc_perm(fk % 32)
-        w1e = w1 + e * (I * (L // 8))
-        w3e = w3 + e * (I * (L // 8))
-        w2e = w2 + e * (L * (I // 8))
-        s1e = s1 + e * (I * (L // 32))
-        s3e = s3 + e * (I * (L // 32))
-        s2e = s2 + e * (L * (I // 32))
+        w1e, w3e, w2e, s1e, s3e, s2e = _kl_ptrs(w1, w3, w2, s1, s3, s2, e, L, I)
         for t0 in range(0, cnt, BT):
             tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
             g = tl.zeros([BN, BT], tl.float32)

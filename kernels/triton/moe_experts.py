@@ -220,6 +220,13 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
 
 
 @triton.jit
+def _kl_ptrs(w1, w3, w2, s1, s3, s2, e, L: tl.constexpr, I: tl.constexpr):
+    """Expert e's bases in the kernel layout: words w1 / w3 [E, I, L/8], w2 [E, L, I/8]; scales as `_ptrs`."""
+    return (w1 + e * (I * (L // 8)), w3 + e * (I * (L // 8)), w2 + e * (L * (I // 8)),
+            s1 + e * (I * (L // 32)), s3 + e * (I * (L // 32)), s2 + e * (L * (I // 32)))
+
+
+@triton.jit
 def _tc_perm(f):
     """Input index within a 32-block of tile column f (the decoded tile's order)."""
     j = f // 8
@@ -284,12 +291,7 @@ def _tc_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, n, p,
         f = tl.arange(0, BN)
         rows = n * BN + (f // 32) * 32 + _tc_perm(f % 32)
         kq = _tc_perm(tl.arange(0, 32))
-        w1e = w1 + e * (I * (L // 8))
-        w3e = w3 + e * (I * (L // 8))
-        w2e = w2 + e * (L * (I // 8))
-        s1e = s1 + e * (I * (L // 32))
-        s3e = s3 + e * (I * (L // 32))
-        s2e = s2 + e * (L * (I // 32))
+        w1e, w3e, w2e, s1e, s3e, s2e = _kl_ptrs(w1, w3, w2, s1, s3, s2, e, L, I)
         for t0 in range(0, cnt, BT):
             tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
             g = tl.zeros([BN, BT], tl.float32)
