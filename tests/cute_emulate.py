@@ -983,6 +983,10 @@ def atomic_add(ptr, val, *, sem=None, scope=None):
     return old
 
 
+def fence_acq_rel_gpu():
+    """fence.acq_rel.gpu: orders nothing here (one task runs at a time; the module doc's memory-model limits)."""
+
+
 def _math_div(x, y, fastmath=False, approx=False, ftz=False, full=False, rounding=None):
     """cute.math.div: the quotient (div.full.f32 and the approximate forms held exact, as exp2 and rcp are)."""
     return Float32(_div(float(x), float(y)))
@@ -1661,7 +1665,8 @@ def _fake_modules(emu: _Emu) -> dict:
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
         mbarrier_wait=mbarrier_wait, rcp_approx=_rcp_approx, vote_ballot_sync=vote_ballot_sync,
-        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add)
+        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add,
+        fence_acq_rel_gpu=fence_acq_rel_gpu)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
     nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,
                     LoadCacheMode=types.SimpleNamespace(ALWAYS="ca", GLOBAL="cg", STREAMING="cs", LAST_USE="lu",

@@ -33,6 +33,27 @@ def test_group_tp8(group, batch):
     checker.require(checker.check(GROUP, c, backend="cute", seed=batch))
 
 
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_group_select_tp8(batch):
+    """The MoE input group with the router's selection fused (the last router CTA selects), under pdl and not: the
+    checker against fp64, then idx / weights bit-equal to the stand-alone CuTe router on the same logits."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    c = GROUP.case(preset="tp8", group="moe_in", batch=batch, wdtype="bf16", select=True)
+    for on in (False, True):
+        with pdl_chain(on):
+            checker.require(checker.check(GROUP, c, backend="cute", seed=batch + 10 * on))
+    d = GROUP.make_inputs(c, batch, "cuda")
+    outs = [d[f"y{i}"] for i in range(4)]
+    with pdl_chain(True):
+        for _ in range(3):  # the arrival counter is zero again after each call
+            trunk.proj_group(d["x"], d["w"], outs, select=trunk.Select(d["e_bias"], d["idx"], d["weights"]),
+                             backend="cute")
+    i2, w2 = torch.empty_like(d["idx"]), torch.empty_like(d["weights"])
+    trunk.router_topk(outs[0].clone(), d["e_bias"], top_k=d["idx"].shape[1], idx=i2, weights=w2, backend="cute")
+    assert torch.equal(d["idx"], i2) and torch.equal(d["weights"], w2)
+
+
 def test_refused_by_name():
     dev = "cuda"
     x = torch.zeros(1, 256, dtype=torch.bfloat16, device=dev)

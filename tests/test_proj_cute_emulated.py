@@ -17,19 +17,29 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_proj(x, w, outs, residual=None, pdl=False, seed=0):
+def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None):
+    """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection."""
     t = dict(x=x, w=w, **{f"o{i}": o for i, o in enumerate(outs)})
-    emulate._PDL["early"] = frozenset({w.data_ptr()})  # under pdl only W may be read before the wait
+    early = {w.data_ptr()}  # under pdl only W (and the router's bias) may be read before the wait
     if residual is not None:
         t["r"] = residual
-    emulate._run(lambda m, **a: m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))],
-                                                        residual=a.get("r"), pdl=pdl), t, seed)
+    if select is not None:
+        t.update(eb=select[0], idx=select[1], wk=select[2])
+        early.add(select[0].data_ptr())
+    emulate._PDL["early"] = frozenset(early)
+
+    def call(m, **a):
+        sel = None if select is None else (a["eb"], a["idx"], a["wk"], select[3])
+        m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
+                                select=sel)
+    emulate._run(call, t, seed)
 
 
-def impl(n_out, pdl=False):
+def impl(n_out, pdl=False, select=False):
     def f(d):
-        run_proj(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), pdl)
-    f.__name__ = f"emulated cute proj({n_out} outputs, pdl={pdl})"
+        sel = (d["e_bias"], d["idx"], d["weights"], 1.0) if select else None
+        run_proj(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), pdl, select=sel)
+    f.__name__ = f"emulated cute proj({n_out} outputs, pdl={pdl}, select={select})"
     return f
 
 
@@ -98,14 +108,15 @@ def test_refused_by_name():
 
 def test_supports_names_what_cute_does_not_take():
     """The registry's `supports` (which `auto` and the benchmark consult): fp8 weights, prologues, the fused
-    selection and more than 16 rows are not the cute projection's."""
+    selection above batch 4 and more than 16 rows are not the cute projection's."""
     from k3lab.ops.trunk import proj_supports
 
     assert proj_supports("cute", dict(batch=16, wdtype="bf16")) is None
     assert "bf16 weights" in proj_supports("cute", dict(batch=1, wdtype="fp8"))
     assert "1..16" in proj_supports("cute", dict(batch=17))
     assert "prologue" in proj_supports("cute", dict(batch=1, prologue="rms"))
-    assert "prologue" in proj_supports("cute", dict(batch=1, select=True))
+    assert proj_supports("cute", dict(batch=4, select=True)) is None
+    assert "selection at batch <= 4" in proj_supports("cute", dict(batch=5, select=True))
 
 
 def test_bench_skips_what_a_backend_does_not_take(monkeypatch):
@@ -120,3 +131,54 @@ def test_bench_skips_what_a_backend_does_not_take(monkeypatch):
     bf16 = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="none")
     impls, skipped = runner.implementations(PROJ, bf16, ["cute"], peers=False, only={}, gpu=False)
     assert [i.name for i in impls] == ["cute"] and not skipped
+
+
+# ---- the fused router selection (`select`) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("batch,pdl", [(1, True), (3, False)])
+def test_group_select_tiny(batch, pdl):
+    """The MoE input group with the router's selection fused (tiny: 16 experts, top 16): the checker against the
+    fp64 oracle (logits, the other outputs, idx under the tie rule, weights)."""
+    c = GROUP.case(preset="tiny", group="moe_in", batch=batch, wdtype="bf16", select=True)
+    n = len(trunk_ops._parts(c))
+    checker.require(checker.check(GROUP, c, impl=impl(n, pdl=pdl, select=True), seed=batch, device="cpu"))
+
+
+def test_select_same_as_the_router_kernel():
+    """E = 202 experts (51 router CTAs, the last one shared with the next output's rows), top 16, batch 2, pdl,
+    beside 30 more rows: idx and weights equal to the stand-alone CuTe router on the logits the projection wrote,
+    twice in a row (the arrival counter is zero again after a call), at two seeds of the CTA order."""
+    from test_router_cute_emulated import run_router
+
+    E, k, B, K = 202, 16, 2, 64
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(B, K, generator=g).to(torch.bfloat16)
+        w = (torch.randn(E + 30, K, generator=g) / K ** 0.25).to(torch.bfloat16)
+        eb = torch.randn(E, generator=g) * 0.05
+        lg = torch.full((B, E), float("nan"))
+        y1 = torch.full((B, 30), float("nan"), dtype=torch.bfloat16)
+        idx = torch.full((B, k), -7, dtype=torch.int64)
+        wk = torch.full((B, k), float("nan"))
+        run_proj(x, w, [lg, y1], pdl=True, seed=seed, select=(eb, idx, wk, 2.5))
+        want = x.double() @ w.double().T
+        assert (lg.double() - want[:, :E]).abs().max() < 1e-4 * want.abs().max()
+        i2, w2 = torch.empty_like(idx), torch.empty_like(wk)
+        run_router(lg.clone(), eb, i2, w2, top_k=k, scaling=2.5)
+        assert torch.equal(idx, i2) and torch.equal(wk, w2)
+
+
+def test_select_refused_by_name():
+    c = GROUP.case(preset="tiny", group="moe_in", batch=1, wdtype="bf16", select=True)
+    d = GROUP.make_inputs(c, 0, "cpu")
+    outs = [d[f"y{i}"] for i in range(4)]
+    sel = (d["e_bias"], d["idx"], d["weights"], 1.0)
+    x5 = torch.zeros(5, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'select' is fused at batch <= 4"):
+        run_proj(x5, d["w"], [torch.zeros(5, o.shape[1], dtype=o.dtype) for o in outs], select=sel)
+    with pytest.raises(ValueError, match="'outs\\[0\\]' must be the router's fp32 logits"):
+        run_proj(d["x"], d["w"], [outs[0].bfloat16()] + outs[1:], select=sel)
+    with pytest.raises(ValueError, match="'select.idx'"):
+        run_proj(d["x"], d["w"], outs, select=(d["e_bias"], d["idx"].int(), d["weights"], 1.0))
+    with pytest.raises(ValueError, match="'residual' is not taken with select"):
+        run_proj(d["x"], d["w"][:16], [outs[0]], residual=torch.zeros(1, 16, dtype=torch.bfloat16), select=sel)

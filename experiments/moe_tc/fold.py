@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+import k3lab  # noqa: F401 - maps kernels/ to k3lab_kernels in a checkout that is not installed
 from k3lab_kernels.triton.mla_decode import dot_f32
 from k3lab_kernels.triton.moe_experts import (_group, _kl_ptrs, _mm, _pow2, _round_act, _simt_decode, _situ,
                                               _slots, _tc_perm, default_blocks)

@@ -26,7 +26,7 @@ and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t,
 maxnreg (None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program;
 maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, recorded as run), leaders (the
 simt path: a prologue lists the groups' leaders and the tickets run over them only; None: from batch 16, recorded
-as run; the tc path: the same list, the programs past it exit at once; None: off), wait (the simt path: a role-B
+as run; the tc path: the same list, the programs past it exit at once; None: on, recorded as run), wait (the simt path: a role-B
 item waits for "all" role-A items or only its own "expert"'s; None: the kernel's choice, recorded as run).
 `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it on timed or
 graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
@@ -140,11 +140,11 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
 
             knobs["path"], rule = default_path(B, TRITON_FORMATS[moe.w1.fmt]), "the kernel's rule by format and batch"
         args = _triton_args(z, idx, weights_k, moe, out, knobs)
-        if knobs["path"] == "simt":  # the register cap and the leaders' list the kernel applies, recorded
+        if knobs["path"] in ("simt", "tc"):  # the register cap, the leaders' list, the wait the kernel applies
             from k3lab_kernels.triton.moe_experts import default_blocks
 
-            d = default_blocks(B, idx.shape[1], moe.w1.shape[1], L, "mxfp4", "simt")
-            knobs = dict(knobs, **{k: d[k] for k in ("maxnreg", "leaders", "wait") if knobs[k] is None})
+            d = default_blocks(B, idx.shape[1], moe.w1.shape[1], L, "mxfp4", knobs["path"])
+            knobs = dict(knobs, **{k: d[k] for k in ("maxnreg", "leaders", "wait") if k in d and knobs[k] is None})
         y = dispatch.kernel(OP, be)(*args["pos"], **args["kw"], **knobs)
         dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, notes=f"path {knobs['path']} ({rule})",
                         **rec)

@@ -31,7 +31,7 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   torch_compile  torch.compile of the same function (router_topk; a projection's torch.compile is cuBLAS)
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 1024)
   cute           k3lab_kernels.cute.router_topk (E <= 1024 experts) and proj_gemv (proj / proj_group:
-                 bf16 weights, batch <= 16, K a multiple of 8, no input prologue or fused selection)
+                 bf16 weights, batch <= 16, K a multiple of 8, no input prologue; the fused selection at batch <= 4)
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton only): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages (proj, proj_group);
@@ -254,6 +254,14 @@ def _check_select(select, outs, B, backend, path):
                             "run router_topk after the group")
         if path == "rows":
             _fail("path", "'rows' runs no fused selection; use 'tma', 'dot' or None")
+    if backend == "cute":
+        from k3lab_kernels.cute.proj_gemv import SELECT_MAX_BATCH as CUTE_SELECT_MAX_BATCH
+
+        if lg.dtype != torch.float32 or select.e_bias.dtype != torch.float32 or select.weights.dtype != torch.float32:
+            _fail("select", "takes fp32 logits, e_bias and weights on the cute backend")
+        if B > CUTE_SELECT_MAX_BATCH:
+            _fail("select", f"is fused at batch <= {CUTE_SELECT_MAX_BATCH} on cute (one CTA selects every row), got "
+                            f"{B}; run router_topk after the group")
 
 
 def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
@@ -300,12 +308,13 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
             _fail("path", f"'rows' takes a batch of at most {ROWS_MAX_BATCH}, got {B}; use 'dot' or None")
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
-    if be == "cute":  # bf16 weights, no prologue, no fused selection (kernels/cute/proj_gemv.py); it checks the rest
-        for name, v in (("prologue", prologue), ("x2", x2), ("select", select), ("w_scale", w_scale)):
+    if be == "cute":  # bf16 weights, no prologue (kernels/cute/proj_gemv.py); it checks the rest
+        for name, v in (("prologue", prologue), ("x2", x2), ("w_scale", w_scale)):
             if v is not None:
-                _fail(name, "is not taken by the cute projection (bf16 weights, no input prologue, no fused router "
-                            "selection: kernels/cute/proj_gemv.py); use backend 'triton'")
-        dispatch.kernel(op_name, be)(x, w, outs, residual=residual)
+                _fail(name, "is not taken by the cute projection (bf16 weights, no input prologue: "
+                            "kernels/cute/proj_gemv.py); use backend 'triton'")
+        sel = None if select is None else (select.e_bias, select.idx, select.weights, float(select.scaling))
+        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel)
     elif be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))

@@ -526,7 +526,8 @@ def _max_batch() -> int:
 def proj_supports(backend: str, shape: dict) -> str | None:
     """The batches the triton projections take (1..MAX_BATCH rows; `auto` then passes over triton to the
     reference, e.g. a verify step of more tokens); what the cute projection takes (bf16 weights, batch <= 16, no
-    input prologue or fused selection: kernels/cute/proj_gemv.py). A shape or case without a key passes."""
+    input prologue, the fused selection at batch <= 4: kernels/cute/proj_gemv.py). A shape or case without a key
+    passes."""
     if backend == "triton" and shape.get("batch", 1) > _max_batch():
         return f"x has {shape['batch']} rows; the triton projections take 1..{_max_batch()}"
     if backend == "cute":
@@ -536,8 +537,10 @@ def proj_supports(backend: str, shape: dict) -> str | None:
             return f"x has {shape['batch']} rows; the cute projection takes 1..{CB}"
         if shape.get("wdtype", "bf16") != "bf16":
             return "the cute projection takes bf16 weights only"
-        if shape.get("prologue", "none") != "none" or shape.get("select", False):
-            return "the cute projection runs no input prologue or fused selection"
+        if shape.get("prologue", "none") != "none":
+            return "the cute projection runs no input prologue"
+        if shape.get("select", False) and shape.get("batch", 1) > 4:
+            return "the cute projection fuses the selection at batch <= 4 (kernels/cute/proj_gemv.py)"
     return None
 
 

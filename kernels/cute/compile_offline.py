@@ -231,17 +231,26 @@ def _cases(only: str | None, quick: bool):
                       wargs(0)))
     if only in (None, "proj"):
         from kernels.cute import proj_gemv as kg
-        # proj's arguments: x, W, residual, six output pointers, x's row stride, six output row strides
+        # proj's arguments: x, W, residual, six output pointers, x's row stride, six output row strides; the fused
+        # selection's e_bias, idx, weights, counter and scaling
         def gargs(o_dts):
-            return [P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7 + [S]
-        for B, N, K, ends, res, pdl, o_dts in ((1, 4608, 7168, (4608,), False, False, [bf] * 6),
-                                               (1, 576, 7168, (576,), True, True, [bf] * 6),
-                                               (8, 7168, 1536, (7168,), True, False, [bf] * 6),
-                                               (16, 4608, 7168, (1536, 3072, 4608), False, False, [f32] + [bf] * 5),
-                                               (3, 64, 520, (64,), True, False, [bf] * 6)):  # a partial last step
-            name = f"proj B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
-            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl: kg._kernel_class()(B, N, K, e, r, p),
-                          gargs(o_dts)))
+            return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
+                    + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), S])
+        moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
+        for B, N, K, ends, res, pdl, o_dts, k in ((1, 4608, 7168, (4608,), False, False, [bf] * 6, 0),
+                                                  (1, 576, 7168, (576,), True, True, [bf] * 6, 0),
+                                                  (8, 7168, 1536, (7168,), True, False, [bf] * 6, 0),
+                                                  (16, 4608, 7168, (1536, 3072, 4608), False, False,
+                                                   [f32] + [bf] * 5, 0),
+                                                  (3, 64, 520, (64,), True, False, [bf] * 6, 0),  # a partial step
+                                                  (1, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16),
+                                                  (1, 6016, 7168, moe_in, False, False, [f32] + [bf] * 5, 16),
+                                                  (4, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16),
+                                                  (2, 232, 64, (202, 232), False, True, [f32] + [bf] * 5, 16)):
+            name = (f"proj B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
+                    + (f" select{k}" if k else ""))
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k: kg._kernel_class()(
+                B, N, K, e, r, p, k), gargs(o_dts)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down

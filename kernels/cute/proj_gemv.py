@@ -1,5 +1,5 @@
 """Trunk projections at small batch as one CuTe DSL kernel (the twin of kernels/triton/proj_gemv.py's GEMV paths,
-without its prologues, fp8 weights or fused router selection): y_i = x W_i^T over the row ranges of one weight.
+without its prologues or fp8 weights): y_i = x W_i^T over the row ranges of one weight.
 
     y[b, n] = sum_k x[b, k] * W[n, k]  (+ residual[b, n])        fp32 accumulation, stored in out_i's dtype
     out_i[b, n - start_i] = y[b, n]  for start_i <= n < end_i     (up to MAX_OUTPUTS outputs: a fused group)
@@ -14,6 +14,16 @@ by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row 
 warps. Outputs: each out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider
 buffer); a residual [B, N] bf16 (one output only) is added in fp32 before the store.
 
+Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
+fp32 logits [B, E] over rows 0..E-1, the grid's first RC = ceil(E / 4) CTAs): each of those CTAs, once its rows are
+stored (CTA barrier), counts itself on a per-device arrival counter (fence.acq_rel.gpu, atom.add.acq_rel.gpu);
+the last to arrive resets the counter and selects every batch row, one after another, with its four warps
+(router_topk's Selector: sigmoid, the selection-only bias, top-k, the renormalized weights; the stand-alone kernel's
+operations, order and tie rule, so idx and weights are bit-equal to it). The router's CTAs are the grid's first,
+so the selection runs while the later rows still stream; the dependent kernel (the experts, under pdl) waits for the
+whole grid, selection included. One launch fewer a MoE layer. The counter is one per device: calls with `select`
+must not run concurrently on two streams.
+
 Floor (bytes, k3lab.ops.trunk.proj_bytes): weights N*K*2 + x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the
 read bandwidth.
 
@@ -27,8 +37,12 @@ from typing import Any
 
 import torch
 
+from .router_topk import MAX_EXPERTS, MAX_TOPK, selector_class
+
 MAX_BATCH = 16
 MAX_OUTPUTS = 6
+SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
+SELECT_MIN_CTAS = 0   # with select: CTAs an SM asked of the compiler (launch bound; 0 = none: 48 registers at B = 1)
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 4        # steps a warp keeps in flight
 PRE = 4           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
@@ -55,27 +69,41 @@ def _kernel_class():
     class ProjGemvKernel:
         """One warp per output row over all of K; four rows a CTA."""
 
-        def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False):
+        def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
+                     top_k: int = 0):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
             self.B, self.N, self.K = B, N, K
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             self.residual = bool(residual)
             self.pdl = bool(pdl)
+            # the fused selection (top_k > 0): output 0 is the router's fp32 logits over E = ends[0] experts, its
+            # rows the first RC CTAs; the last of them to finish selects (router_topk's Selector, this CTA's warps)
+            self.sel = None
+            if top_k:
+                assert B <= SELECT_MAX_BATCH and not residual
+                self.sel = selector_class()(self.ends[0], top_k, _WARPS, lean=True)
+                self.top_k = top_k
+                self.RC = -(-self.ends[0] // _WARPS)
 
         @cute.jit
         def __call__(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
                      p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
                      p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
-                     s_o4: Int32, s_o5: Int32, stream: cuda.CUstream):
+                     s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
+                     p_cnt: cute.Pointer, scaling: Float32, stream: cuda.CUstream):
+            bounds = {} if self.sel is None or not SELECT_MIN_CTAS else dict(
+                max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=SELECT_MIN_CTAS)
             self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
-                        s_o5).launch(grid=[(self.N + _WARPS - 1) // _WARPS, 1, 1], block=[_THREADS, 1, 1],
-                                     stream=stream, use_pdl=self.pdl)
+                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling).launch(
+                grid=[(self.N + _WARPS - 1) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
+                use_pdl=self.pdl, **bounds)
 
         @cute.kernel
         def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
                    p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
                    p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
-                   s_o4: Int32, s_o5: Int32):
+                   s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
+                   p_cnt: cute.Pointer, scaling: Float32):
             B, N, K = self.B, self.N, self.K
             S = K // K_STEP
             tid, _, _ = cute.arch.thread_idx()
@@ -85,6 +113,8 @@ def _kernel_class():
             n = c * _WARPS + warp
             outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
             strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
+            if cutlass.const_expr(self.sel is not None):
+                s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem()
             if n < N:
                 acc = cute.make_rmem_tensor((B,), Float32)
                 acc.fill(0.0)
@@ -133,6 +163,27 @@ def _kernel_class():
                             if n >= lo:
                                 if n < self.ends[i]:
                                     vec(outs[i], b * strides[i] + n - lo, 1)[0] = y.to(outs[i].dtype)
+            if cutlass.const_expr(self.pdl and self.sel is not None):
+                if n >= N:
+                    cute.arch.griddepcontrol_wait()  # a warp past N may still select: it waits like the others
+            if cutlass.const_expr(self.sel is not None):
+                if c < self.RC:  # a CTA of router rows (CTA-uniform): count it; the last one selects every row
+                    cute.arch.sync_threads()  # the CTA's logits are stored
+                    if tid == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        old = cute.arch.atomic_add(p_cnt, Int32(1), sem="acq_rel", scope="gpu")
+                        last = Int32(0)
+                        if old == self.RC - 1:
+                            last = Int32(1)
+                            cute.arch.atomic_add(p_cnt, Int32(-self.RC), sem="relaxed", scope="gpu")  # zero again
+                        cute.arch.fence_acq_rel_gpu()
+                        s_cnt[1] = last
+                    cute.arch.sync_threads()
+                    if s_cnt[1] == 1:  # every router row's logits are visible: select row after row
+                        for b in cutlass.range_constexpr(B):
+                            self.sel.row(p_o0 + b * s_o0, p_bias, p_idx + b * self.top_k, p_wk + b * self.top_k,
+                                         scaling, s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt, tid)
+                            cute.arch.sync_threads()
 
     _KERNEL_CLS = ProjGemvKernel
     return ProjGemvKernel
@@ -157,7 +208,8 @@ def _ptr(t: torch.Tensor, align: int):
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_ptr
-    dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}[t.dtype]
+    dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.int64: cutlass.Int64,
+          torch.int32: cutlass.Int32}[t.dtype]
     return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
@@ -172,9 +224,21 @@ def _check(name, t, device, dtypes, dim=2):
         _fail(name, f"must have {dim} dims, got shape {tuple(t.shape)}")
 
 
+_COUNTERS: dict[int, torch.Tensor] = {}  # per device: the fused selection's arrival counter, zero between calls
+
+
+def _counter(dev: torch.device) -> torch.Tensor:
+    c = _COUNTERS.get(dev.index)
+    if c is None:
+        c = _COUNTERS[dev.index] = torch.empty(4, dtype=torch.int32, device=dev).zero_()
+    return c
+
+
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
-         pdl: bool | None = None) -> list:
-    """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). Returns outs."""
+         pdl: bool | None = None, select: tuple | None = None) -> list:
+    """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
+    [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
+    (module doc), B <= SELECT_MAX_BATCH. Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -210,11 +274,41 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         _check("residual", residual, dev, (torch.bfloat16,))
         if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
             _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
+    top_k, sel_args = 0, [_ptr(x, 2), _ptr(x, 2), _ptr(x, 2), _ptr(x, 2), 1.0]  # x: never read without select
+    if select is not None:
+        if not isinstance(select, (tuple, list)) or len(select) != 4:
+            _fail("select", f"must be None or (e_bias, idx, weights, scaling), got {select!r:.60}")
+        e_bias, idx, wk, scaling = select
+        E = outs[0].shape[1]
+        if not 1 <= B <= SELECT_MAX_BATCH:
+            _fail("select", f"is fused at batch <= {SELECT_MAX_BATCH} (one CTA selects every row), got {B}")
+        if outs[0].dtype != torch.float32 or E > MAX_EXPERTS:
+            _fail("outs[0]", f"must be the router's fp32 logits [B, E <= {MAX_EXPERTS}] when select is given, got "
+                             f"{outs[0].dtype} {tuple(outs[0].shape)}")
+        if residual is not None:
+            _fail("residual", "is not taken with select")
+        _check("select.e_bias", e_bias, dev, (torch.float32,), dim=1)
+        if e_bias.shape[0] != E or not e_bias.is_contiguous():
+            _fail("select.e_bias", f"must be a contiguous [{E}] fp32 tensor, got {tuple(e_bias.shape)}")
+        _check("select.idx", idx, dev, (torch.int64,))
+        top_k = idx.shape[1]
+        if idx.shape[0] != B or not 1 <= top_k <= min(E, MAX_TOPK) or not idx.is_contiguous():
+            _fail("select.idx", f"must be a contiguous [{B}, k] int64 tensor, 1 <= k <= {min(E, MAX_TOPK)}, got "
+                                f"{tuple(idx.shape)}")
+        _check("select.weights", wk, dev, (torch.float32,))
+        if tuple(wk.shape) != (B, top_k) or not wk.is_contiguous():
+            _fail("select.weights", f"must be a contiguous [{B}, {top_k}] fp32 tensor, got {tuple(wk.shape)}")
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+            _fail("select.scaling", f"must be a number, got {scaling!r}")
+        sel_args = [_ptr(e_bias, 4), _ptr(idx, 8), _ptr(wk, 4), _ptr(_counter(dev), 4), float(scaling)]
     pad = [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_ptrs = [_ptr(o, o.element_size()) for o in list(outs) + pad]
     o_str = [o.stride(0) for o in list(outs) + pad]
-    args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str]
-    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, dev.index)
+    import cutlass
+
+    args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
+            *sel_args[:4], cutlass.Float32(sel_args[4])]
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -223,7 +317,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl), *args, stream)
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k), *args,
+                              stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs

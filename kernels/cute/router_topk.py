@@ -62,22 +62,33 @@ def _pow2(n: int) -> int:
 
 
 def warps_for(E: int) -> int:
-    """Warps a CTA: 128 experts a warp (4 a thread)."""
+    """Warps a CTA of the stand-alone kernel: 128 experts a warp (4 a thread)."""
     return -(-E // 128)
 
 
+def experts_per_thread(E: int, W: int) -> int:
+    """Experts a thread holds when W warps select over E experts (4 in the stand-alone kernel; 7 in the 4-warp
+    CTA of the projection's fused form at E = 896)."""
+    return -(-E // (32 * W))
+
+
 # ---------------------------------------------------------------------------------------------
-# The kernel (built lazily so importing this module never needs cutlass)
+# The selection's device code and the kernel (built lazily so importing this module never needs cutlass)
 # ---------------------------------------------------------------------------------------------
 
+_SELECTOR_CLS = None
 _KERNEL_CLS = None
 
 
-def _kernel_class():
-    global _KERNEL_CLS
-    if _KERNEL_CLS is not None:
-        return _KERNEL_CLS
-    import cuda.bindings.driver as cuda
+def selector_class():
+    """`Selector(E, top_k, W, pdl)`: the selection of one row by a CTA of W warps (the module doc's three steps,
+    thread t holding experts t + 32 W i, i < experts_per_thread(E, W)); `smem()` allocates its shared memory in
+    the calling kernel, `row(...)` (a cute.jit device function) selects one row. Shared by this module's kernel
+    (W = warps_for(E)) and the projection's fused selection (kernels/cute/proj_gemv.py, W = 4). The result does
+    not depend on W: the keys are distinct and the top k in rank order is one list."""
+    global _SELECTOR_CLS
+    if _SELECTOR_CLS is not None:
+        return _SELECTOR_CLS
     import cutlass
     from cutlass import Float32, Int32, Int64, cute
 
@@ -112,50 +123,74 @@ def _kernel_class():
         d = cute.math.exp2(z * _NLOG2E, approx=True) + 1.0
         return cute.math.div(Float32(1.0), d, full=True)
 
-    class RouterTopkKernel:
-        """One CTA per row of logits; idx and weights written."""
-
-        def __init__(self, E: int, top_k: int, pdl: bool = False):
-            assert 1 <= top_k <= min(E, MAX_TOPK) and E <= MAX_EXPERTS, (E, top_k)
-            self.E, self.K = E, top_k
+    class Selector:
+        def __init__(self, E: int, top_k: int, W: int, pdl: bool = False, lean: bool = False):
+            assert 1 <= top_k <= min(E, MAX_TOPK) and E <= MAX_EXPERTS and W >= 1, (E, top_k, W)
+            self.E, self.K, self.W = E, top_k, W
             self.KP = _pow2(top_k)          # the butterfly's width (the Triton kernel's KP)
-            self.W = warps_for(E)
-            self.NT = 32 * self.W           # threads; thread t holds experts t + NT i, i < 4
-            self.pdl = bool(pdl)
+            self.NT = 32 * W                # threads; thread t holds experts t + NT i, i < R
+            self.R = experts_per_thread(E, W)
+            self.pdl = bool(pdl)            # wait for the kernel before between the bias and the logits
+            # lean: the rankings count in a loop of four keys a step instead of all loads at once (the stand-alone
+            # kernel's unrolled form holds up to 64 keys in registers: 136 a thread inside the projection, whose
+            # streaming wants ~40)
+            self.lean = bool(lean)
             # the weights' butterfly: lanes xor KP / 2, ..., 1 (the Triton kernel's tl.sum over KP lanes)
             self.sum_offs = tuple(self.KP >> j for j in range(1, self.KP.bit_length()))
 
-        @cute.jit
-        def __call__(self, p_logits: cute.Pointer, p_bias: cute.Pointer, p_idx: cute.Pointer,
-                     p_w: cute.Pointer, B: Int32, s_row: Int32, scaling: Float32, stream: cuda.CUstream):
-            self.kernel(p_logits, p_bias, p_idx, p_w, s_row, scaling).launch(
-                grid=[B, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
+        def smem(self):
+            """(s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt): s by expert slot, thread maxima, each warp's 32 group
+            maxima, the candidates (keys >= T; NEG past them up to 64 slots), the top k by rank, counters
+            (s_cnt[0]: candidates so far; s_cnt[1..3] free for the caller)."""
+            NT, R, W = self.NT, self.R, self.W
+            a = cutlass.utils.SmemAllocator()
+            return (a.allocate_tensor(Float32, cute.make_layout(R * NT), byte_alignment=16),
+                    a.allocate_tensor(Int64, cute.make_layout(NT), byte_alignment=16),
+                    a.allocate_tensor(Int64, cute.make_layout(32 * W), byte_alignment=16),
+                    a.allocate_tensor(Int64, cute.make_layout(max(R * NT, 64)), byte_alignment=16),
+                    a.allocate_tensor(Int64, cute.make_layout(32), byte_alignment=16),
+                    a.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16))
 
-        @cute.kernel
-        def kernel(self, p_logits: cute.Pointer, p_bias: cute.Pointer, p_idx: cute.Pointer, p_w: cute.Pointer,
-                   s_row: Int32, scaling: Float32):
-            # (Python ints: inside a dynamic if they become Int32 values, so static loops there read self.*)
-            E, K, W, NT = self.E, self.K, self.W, self.NT
-            tid, _, _ = cute.arch.thread_idx()
-            b, _, _ = cute.arch.block_idx()
+        @cute.jit
+        def count(self, ptr: cute.Pointer, off, n: cutlass.Constexpr, x: Int64, r2: cute.Tensor):
+            """count_above, or (lean) the same count four keys a loop step."""
+            res = Int32(0)
+            if cutlass.const_expr(not self.lean):
+                res = count_above(ptr, off, n, x, r2)
+            else:
+                a0 = Int32(0)
+                a1 = Int32(0)
+                for i in cutlass.range(n // 4, unroll=2):
+                    o = cute.assume(off + 4 * i, divby=2)
+                    cute.autovec_copy(vec(ptr, o, 2), r2)
+                    a0 = a0 + Int32(cutlass.select_(r2[0] > x, Int32(1), Int32(0))) + Int32(
+                        cutlass.select_(r2[1] > x, Int32(1), Int32(0)))
+                    cute.autovec_copy(vec(ptr, cute.assume(o + 2, divby=2), 2), r2)
+                    a1 = a1 + Int32(cutlass.select_(r2[0] > x, Int32(1), Int32(0))) + Int32(
+                        cutlass.select_(r2[1] > x, Int32(1), Int32(0)))
+                res = a0 + a1
+            return res
+
+        @cute.jit
+        def row(self, p_row: cute.Pointer, p_bias: cute.Pointer, p_idx: cute.Pointer, p_w: cute.Pointer,
+                scaling: Float32, s_score: cute.Tensor, s_tmax: cute.Tensor, s_sup: cute.Tensor,
+                s_cand: cute.Tensor, s_sel: cute.Tensor, s_cnt: cute.Tensor, tid: Int32):
+            """Every thread of the CTA calls it: the top k of the E logits at p_row into p_idx[0:k] (int64) and
+            their weights into p_w[0:k]; two CTA barriers inside, none after (a caller selecting another row
+            with the same shared memory syncs first)."""
+            # (Python ints read through self inside dynamic ifs: captured ints would become Int32 values there)
+            E, W, NT, R = self.E, self.W, self.NT, self.R
             lane = tid % 32
             warp = tid // 32
 
-            smem = cutlass.utils.SmemAllocator()
-            s_score = smem.allocate_tensor(Float32, cute.make_layout(4 * NT), byte_alignment=16)  # s by expert
-            s_tmax = smem.allocate_tensor(Int64, cute.make_layout(NT), byte_alignment=16)  # thread maxima
-            s_sup = smem.allocate_tensor(Int64, cute.make_layout(32 * W), byte_alignment=16)  # each warp's 32
-            s_cand = smem.allocate_tensor(Int64, cute.make_layout(4 * NT), byte_alignment=16)  # keys >= T
-            s_sel = smem.allocate_tensor(Int64, cute.make_layout(32), byte_alignment=16)  # the top k by rank
-            s_cnt = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)  # candidates so far
-
             # ---- 1. keys ----------------------------------------------------------------------------
             g_bias = cute.make_tensor(p_bias, cute.make_layout(E))
-            r_eb = cute.make_rmem_tensor((4,), Float32)
-            r_z = cute.make_rmem_tensor((4,), Float32)
-            keys = cute.make_rmem_tensor((4,), Int64)
-            def spread(g, r):  # expert tid + NT i of g into r[i] (0 past E), i < 4
-                for i in cutlass.range_constexpr(4):
+            r_eb = cute.make_rmem_tensor((R,), Float32)
+            r_z = cute.make_rmem_tensor((R,), Float32)
+            keys = cute.make_rmem_tensor((R,), Int64)
+
+            def spread(g, r):  # expert tid + NT i of g into r[i] (0 past E), i < R
+                for i in cutlass.range_constexpr(R):
                     r[i] = Float32(0.0)
                     if cutlass.const_expr(NT * (i + 1) <= E):
                         r[i] = g[tid + NT * i]
@@ -168,7 +203,7 @@ def _kernel_class():
                 # the projection before us wrote the logits: wait for it, then let the next kernel launch
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
-            spread(cute.make_tensor(p_logits + b * s_row, cute.make_layout(E)), r_z)
+            spread(cute.make_tensor(p_row, cute.make_layout(E)), r_z)
             # the candidate list reads NEG past its end up to 64 slots (the ranking's static loops)
             for j in cutlass.range_constexpr((64 + NT - 1) // NT):
                 if cutlass.const_expr(NT * (j + 1) <= 64):
@@ -178,7 +213,7 @@ def _kernel_class():
                         s_cand[tid + NT * j] = Int64(_NEG)
             if tid == 0:
                 s_cnt[0] = Int32(0)
-            for i in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(R):
                 e = tid + NT * i
                 s = sigmoid(r_z[i])
                 s_score[e] = s
@@ -189,7 +224,7 @@ def _kernel_class():
                 if cutlass.const_expr(NT * (i + 1) > E):
                     key = Int64(cutlass.select_(e < E, key, Int64(_NEG)))
                 keys[i] = key
-            s_tmax[tid] = tree_max([keys[0], keys[1], keys[2], keys[3]])
+            s_tmax[tid] = tree_max([keys[i] for i in range(R)])
             cute.arch.sync_threads()
 
             # ---- 2. the threshold (every warp the same) and the candidates --------------------------
@@ -199,17 +234,17 @@ def _kernel_class():
             s_sup[sup + lane] = gmax
             cute.arch.sync_warp()
             r2 = cute.make_rmem_tensor((2,), Int64)
-            rank = count_above(s_sup.iterator, sup, 32, gmax, r2)
+            rank = self.count(s_sup.iterator, sup, 32, gmax, r2)
             # the group maximum of rank k - 1 (group maxima are distinct keys unless NEG, an empty group's)
-            ball = cute.arch.vote_ballot_sync(rank == K - 1)
+            ball = cute.arch.vote_ballot_sync(rank == self.K - 1)
             thr = Int64(_NEG + 1)
             if ball != 0:
                 src = Int32(31) - Int32(cute.arch.clz(ball))
                 thr = imax(s_sup[sup + src], Int64(_NEG + 1))
             below = (Int32(1) << lane) - Int32(1)
-            pos = cute.make_rmem_tensor((4,), Int32)
+            pos = cute.make_rmem_tensor((R,), Int32)
             total = Int32(0)
-            for i in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(R):
                 bal = cute.arch.vote_ballot_sync(keys[i] >= thr)
                 pos[i] = total + cute.arch.popc(bal & below)
                 total = total + cute.arch.popc(bal)
@@ -217,7 +252,7 @@ def _kernel_class():
             if lane == 0:
                 base = cute.arch.atomic_add(s_cnt.iterator, total, scope="cta")
             base = cute.arch.shuffle_sync(base, 0)
-            for i in cutlass.range_constexpr(4):
+            for i in cutlass.range_constexpr(R):
                 if keys[i] >= thr:
                     s_cand[base + pos[i]] = keys[i]
             cute.arch.sync_threads()
@@ -233,8 +268,8 @@ def _kernel_class():
                         if chunks == m + 1:
                             for c in cutlass.range_constexpr(m + 1):
                                 x = s_cand[c * 32 + lane]
-                                r = count_above(s_cand.iterator, 0, 32 * (m + 1), x, r2)
-                                if r < K:
+                                r = self.count(s_cand.iterator, 0, 32 * (m + 1), x, r2)
+                                if r < self.K:
                                     s_sel[r] = x
                 else:
                     # k rounds of the warp's largest key below the last round's
@@ -250,23 +285,59 @@ def _kernel_class():
                             best = imax(best, cute.arch.shuffle_sync_bfly(best, offset=16 >> o))
                         mine = Int64(cutlass.select_(lane == rr, best, mine))
                         last = best
-                    if lane < K:
+                    if lane < self.K:
                         s_sel[lane] = mine
                 cute.arch.sync_warp()
                 sv = Float32(0.0)
                 eid = Int32(0)
-                if lane < K:
+                if lane < self.K:
                     eid = Int32(1023) - Int32(s_sel[lane] & Int64(1023))
                     sv = s_score[eid]
                 tot = sv
                 for o in cutlass.range_constexpr(len(self.sum_offs)):
                     tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=self.sum_offs[o])
                 wv = cute.math.div(sv, tot, full=True) * scaling
-                if lane < K:
-                    g_idx = cute.make_tensor(p_idx + b * self.K, cute.make_layout(self.K))
-                    g_w = cute.make_tensor(p_w + b * self.K, cute.make_layout(self.K))
+                if lane < self.K:
+                    g_idx = cute.make_tensor(p_idx, cute.make_layout(self.K))
+                    g_w = cute.make_tensor(p_w, cute.make_layout(self.K))
                     g_idx[lane] = Int64(eid)
                     g_w[lane] = wv
+
+    _SELECTOR_CLS = Selector
+    return Selector
+
+
+def _kernel_class():
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32, cute
+
+    Selector = selector_class()
+
+    class RouterTopkKernel:
+        """One CTA per row of logits; idx and weights written."""
+
+        def __init__(self, E: int, top_k: int, pdl: bool = False):
+            self.E, self.K = E, top_k
+            self.sel = Selector(E, top_k, warps_for(E), pdl)
+            self.pdl = bool(pdl)
+
+        @cute.jit
+        def __call__(self, p_logits: cute.Pointer, p_bias: cute.Pointer, p_idx: cute.Pointer,
+                     p_w: cute.Pointer, B: Int32, s_row: Int32, scaling: Float32, stream: cuda.CUstream):
+            self.kernel(p_logits, p_bias, p_idx, p_w, s_row, scaling).launch(
+                grid=[B, 1, 1], block=[self.sel.NT, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, p_logits: cute.Pointer, p_bias: cute.Pointer, p_idx: cute.Pointer, p_w: cute.Pointer,
+                   s_row: Int32, scaling: Float32):
+            tid, _, _ = cute.arch.thread_idx()
+            b, _, _ = cute.arch.block_idx()
+            s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem()
+            self.sel.row(p_logits + b * s_row, p_bias, p_idx + b * self.K, p_w + b * self.K, scaling, s_score,
+                         s_tmax, s_sup, s_cand, s_sel, s_cnt, tid)
 
     _KERNEL_CLS = RouterTopkKernel
     return RouterTopkKernel

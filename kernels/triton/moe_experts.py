@@ -961,11 +961,13 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
                     maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
                     wait="all" if B == 1 else "expert")
-    if path == "tc":  # BN 64 (two w2 blocks); one 32-block a step (128: 2615 against 2335 us at 256 tokens)
+    if path == "tc":  # BN 64 (two w2 blocks); one 32-block a step (128: 2615 against 2335 us at 256 tokens); the
+        # leaders' list (H200, twentieth session's moe_tc3.json.gz: 128 tokens 2048.0 against 2091.5 us, 256 tokens
+        # 2183.3 against 2320.5; block_l 32 with it 2633.0)
         bl = 128
         while L % bl:
             bl //= 2
-        return dict(block_n=64, block_k=32, block_l=bl, block_t=16, num_warps=4, num_stages=3)
+        return dict(block_n=64, block_k=32, block_l=bl, block_t=16, num_warps=4, num_stages=3, leaders=True)
     if path == "gemv":
         bn = min(16 if fmt == "bf16" else 32, I)
         bk = {"bf16": 256, "fp8": 512 if B == 1 else 256}[fmt]
@@ -1120,6 +1122,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
     if path == "tc":
         y.zero_()
         lead = y  # unread unless leaders
+        leaders = d["leaders"] if leaders is None else leaders
         if leaders:
             first, lead = _leaders(z.device, w1.shape[0], B * K)
             _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=False, num_warps=4)
