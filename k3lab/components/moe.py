@@ -26,10 +26,10 @@ and batch, `default_path`, recorded as run), block_n, block_k, block_l, block_t,
 maxnreg (None: the kernel's tiles for the path; persist: programs per SM on the simt path, 0 one item a program;
 maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, recorded as run), leaders (the
 simt path: a prologue lists the groups' leaders and the tickets run over them only; None: from batch 16, recorded
-as run; the tc path: the same list, the programs past it exit at once; None: on, recorded as run), wait (the simt path: a role-B
-item waits for "all" role-A items or only its own "expert"'s; None: the kernel's choice, recorded as run).
-`check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass it on timed or
-graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
+as run; the tc path: the same list, the programs past it exit at once; None: on, recorded as run), wait (the
+simt path: a role-B item waits for "all" role-A items or only its own "expert"'s; None: the kernel's choice,
+recorded as run). `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass
+it on timed or graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
 
 MXFP4 on the simt path reads the codes in the kernel's layout (k3lab.mxfp4.to_kernel_layout, the same bytes
 rearranged): `kernel_layout(w)` makes that copy of an ExpertWeight on its first use and keeps it while the
