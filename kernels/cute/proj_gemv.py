@@ -11,8 +11,10 @@ warps); warp w of CTA c owns output row n = 4 c + w over all of K: lane l reads 
 that each warp keeps UNROLL x 512 bytes of its row in flight, the first PRE steps' W loaded first (before the wait
 under pdl: the weight streams while the kernel before finishes); the batch rows' dot products are summed over the warp
 by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row projection is 144 CTAs of four
-warps. Outputs: each out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider
-buffer); a residual [B, N] bf16 (one output only) is added in fp32 before the store.
+warps. `rows` = 2 (default_rows: batch 1, >= ROWS2_MIN_N rows, no fused selection): each warp two adjacent rows, x
+loaded once for both, half the grid (a K = 7168 group of ~6k rows then fits the GPU in one wave). Outputs: each
+out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider buffer); a residual
+[B, N] bf16 (one output only) is added in fp32 before the store.
 
 Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
 fp32 logits [B, E] over rows 0..E-1, the grid's first RC = ceil(E / 4) CTAs): each of those CTAs, once its rows are
@@ -249,9 +251,16 @@ def _counter(dev: torch.device) -> torch.Tensor:
     return c
 
 
-def default_rows(B: int, N: int) -> int:
-    """Rows a warp: 1 (the measured default; 2 is a study knob until the H200 says otherwise)."""
-    return 1
+ROWS2_MIN_N = 3584  # two rows a warp from this many rows (at batch 1, no fused selection)
+
+
+def default_rows(B: int, N: int, select: bool = False) -> int:
+    """Rows a warp. Two at batch 1 from ROWS2_MIN_N rows (an even count) without the fused selection: the grid halves
+    and fits the GPU in one wave (72 registers, 7 CTAs an SM). H200, TP8, pdl, weights rotated past L2, us, one / two
+    rows a warp (twentieth session, experiments/proj_rows/h200/proj_rows.json): the KDA input group 25.20 / 23.21, the
+    MLA input group 16.15 / 14.11, kda_o with its residual 7.28 / 6.50, moe_down 15.96 / 13.88; the MoE input group
+    with the selection 22.71 / 24.65 (one row kept there). Not measured: fewer rows, other batches."""
+    return 2 if B == 1 and not select and N % 2 == 0 and N >= ROWS2_MIN_N else 1
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
@@ -295,7 +304,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
             _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
     if rows is None:
-        rows = default_rows(B, N)
+        rows = default_rows(B, N, select is not None)
     if isinstance(rows, bool) or rows not in ROWS_ALLOWED or N % rows:
         _fail("rows", f"must be one of {ROWS_ALLOWED} dividing w's {N} rows, got {rows!r}")
     top_k, sel_args = 0, [_ptr(x, 2), _ptr(x, 2), _ptr(x, 2), _ptr(x, 2), 1.0]  # x: never read without select
