@@ -587,8 +587,9 @@ def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False
         (kda_q, kda_v 9.94-9.96 / 9.45-9.49, mla_dq 9.96 / 9.46, mla_dkv 8.46 / 6.61, router 8.87 / 7.74, shared_w1
         8.64 / 7.12: one warp a row over a long K and no split-K); inside the step (notebook 06, two runs) the MLA
         input group on cute took 19.3-19.4 us against 16.4 on triton (fifteenth session's run), so the bar was 4096;
-        since the GEMV runs two rows a warp there (twentieth session: the MLA input group 14.11, moe_down 13.88, the
-        KDA input group 23.21 us) the bar is 3584 again, the MLA input group included;
+        since the GEMV preloads its weights before the pdl wait the bar is 3584 again, the MLA input group included
+        (twentieth session: 16.15 us alone; the batch-1 step with it on cute 1170.3-1170.4 us, not timed against the
+        group on triton in the same process);
       K = 4352 (the MoE output's [Wup | w2], 17 steps) loses: 18.77 / 16.94;
     and it loses from batch 4 everywhere (kda_o 12.14 / 8.00 at 4)."""
     return (n_tok <= PROJ_CUTE_MAX_TOKENS and not prologue and not select and wdtype == torch.bfloat16

@@ -11,8 +11,8 @@ warps); warp w of CTA c owns output row n = 4 c + w over all of K: lane l reads 
 that each warp keeps UNROLL x 512 bytes of its row in flight, the first PRE steps' W loaded first (before the wait
 under pdl: the weight streams while the kernel before finishes); the batch rows' dot products are summed over the warp
 by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row projection is 144 CTAs of four
-warps. `rows` = 2 (default_rows: batch 1, >= ROWS2_MIN_N rows, no fused selection): each warp two adjacent rows, x
-loaded once for both, half the grid (a K = 7168 group of ~6k rows then fits the GPU in one wave). Outputs: each
+warps. `rows` = 2 (a knob; `default_rows` says why one is the default): each warp two adjacent rows, x loaded once
+for both, half the grid (a K = 7168 group of ~6k rows then fits the GPU in one wave). Outputs: each
 out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider buffer); a residual
 [B, N] bf16 (one output only) is added in fp32 before the store.
 
@@ -251,16 +251,16 @@ def _counter(dev: torch.device) -> torch.Tensor:
     return c
 
 
-ROWS2_MIN_N = 3584  # two rows a warp from this many rows (at batch 1, no fused selection)
-
-
 def default_rows(B: int, N: int, select: bool = False) -> int:
-    """Rows a warp. Two at batch 1 from ROWS2_MIN_N rows (an even count) without the fused selection: the grid halves
-    and fits the GPU in one wave (72 registers, 7 CTAs an SM). H200, TP8, pdl, weights rotated past L2, us, one / two
-    rows a warp (twentieth session, experiments/proj_rows/h200/proj_rows.json): the KDA input group 25.20 / 23.21, the
-    MLA input group 16.15 / 14.11, kda_o with its residual 7.28 / 6.50, moe_down 15.96 / 13.88; the MoE input group
-    with the selection 22.71 / 24.65 (one row kept there). Not measured: fewer rows, other batches."""
-    return 2 if B == 1 and not select and N % 2 == 0 and N >= ROWS2_MIN_N else 1
+    """Rows a warp: one. Two rows a warp (`rows=2`: half the grid, one wave) win alone and lose inside the decode
+    step. H200, TP8, batch 1, pdl, weights rotated past L2, us, one / two rows (twentieth session,
+    experiments/proj_rows/h200/proj_rows.json): the KDA input group 25.20 / 23.21, the MLA input group 16.15 / 14.11,
+    kda_o with its residual 7.28 / 6.50, moe_down 15.96 / 13.88, the MoE input group with the selection 22.71 / 24.65.
+    The batch-1 step (notebook 06's settings, one process, two rounds each; step_ab.json): one row 1170.4 / 1170.3,
+    two rows 1181.7 / 1180.8, though the two-row kernels' own GPU time in a profiled eager step is 44 us lower: under
+    pdl the GEMV's early-launched CTAs preload their weights while the kernel before runs, and the two-row CTAs (72
+    registers) find less room beside it."""
+    return 1
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
