@@ -568,10 +568,6 @@ PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measu
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
 
-# the router's selection inside the CuTe GEMV of the MoE input group (kernels/cute/proj_gemv.py `select`) where the
-# group runs on cute (`proj_cute`) and the router on cute, at <= its SELECT_MAX_BATCH tokens (twentieth session)
-CUTE_SELECT = True
-
 
 def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
                     wdtype: torch.dtype = torch.bfloat16) -> bool:
@@ -612,7 +608,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             out_proj   the combine (merge, Wuv, gate) then Wo with the residual add
       MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
                        (moe_in), then the router's top-k (in the same launch: on triton at <= 16 tokens with the
-                       router on triton; on the CuTe GEMV at <= 4 tokens with the router on cute, `CUTE_SELECT`)
+                       router on triton; on the CuTe GEMV at <= 4 tokens with the group and the router on cute)
             moe_out    p + Wup rms(y) + w2 situ(g, u): the routed norm and up-projection and the shared experts'
                        w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], the residual
                        p in the epilogue: the layer's output. Its input [rms(y) | situ(g, u)] is written by the
@@ -788,9 +784,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         be_r = L._backend("router") or "reference"
         be_r = "reference" if be_r == "torch_compile" else be_r
 
-        from k3lab_kernels.triton.proj_gemv import SELECT_MAX_BATCH
-
         from k3lab_kernels.cute.proj_gemv import SELECT_MAX_BATCH as CUTE_SELECT_MAX_BATCH
+        from k3lab_kernels.triton.proj_gemv import SELECT_MAX_BATCH
 
         fuse_sel = be == "triton" and be_r == "triton" and N <= SELECT_MAX_BATCH and not split_router
         tp = L.view.tp
@@ -828,7 +823,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             w_ins = [w_in_moe]
             be_min = pb(w_in_moe, "moe_in", select=fuse_sel)
             # the CuTe GEMV's fused selection: the group on cute (proj_cute) and the router on cute
-            fuse_cute = CUTE_SELECT and be_min == "cute" and be_r == "cute" and N <= CUTE_SELECT_MAX_BATCH
+            fuse_cute = be_min == "cute" and be_r == "cute" and N <= CUTE_SELECT_MAX_BATCH
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [gu[:, :sI], gu[:, sI:]])

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, rows=None):
+def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None):
     """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection."""
     t = dict(x=x, w=w, **{f"o{i}": o for i, o in enumerate(outs)})
     early = {w.data_ptr()}  # under pdl only W (and the router's bias) may be read before the wait
@@ -31,7 +31,7 @@ def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, rows=Non
     def call(m, **a):
         sel = None if select is None else (a["eb"], a["idx"], a["wk"], select[3])
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
-                                select=sel, rows=rows)
+                                select=sel)
     emulate._run(call, t, seed)
 
 
@@ -183,49 +183,3 @@ def test_select_refused_by_name():
     with pytest.raises(ValueError, match="'residual' is not taken with select"):
         run_proj(d["x"], d["w"][:16], [outs[0]], residual=torch.zeros(1, 16, dtype=torch.bfloat16), select=sel)
 
-
-@pytest.mark.parametrize("K,residual,pdl", [(520, True, True), (64, False, False)])
-def test_two_rows_a_warp(K, residual, pdl):
-    """rows=2 (each warp two adjacent rows, x loaded once for both): three outputs whose edges fall inside a warp's
-    pair and a CTA, a partial last step (520), a residual (one output), pdl; against fp64."""
-    g = torch.Generator().manual_seed(K)
-    N = 14
-    x = torch.randn(3, K, generator=g).to(torch.bfloat16)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
-    want = x.double() @ w.double().T
-    if residual:
-        r = torch.randn(3, N, generator=g).to(torch.bfloat16)
-        outs = [torch.full((3, N), float("nan"), dtype=torch.bfloat16)]
-        run_proj(x, w, outs, residual=r, pdl=pdl, rows=2)
-        got, want = outs[0].double(), want + r.double()
-    else:
-        outs = [torch.full((3, n), float("nan")) for n in (3, 6, 5)]
-        run_proj(x, w, outs, pdl=pdl, rows=2)
-        got = torch.cat([o.double() for o in outs], 1)
-    assert (got - want).abs().max() < 2e-2 * want.abs().max()
-
-
-def test_two_rows_with_select():
-    """rows=2 with the fused selection: E = 202 (26 router CTAs of 8 rows), against the stand-alone router."""
-    from test_router_cute_emulated import run_router
-
-    E, k, B, K = 202, 16, 1, 64
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(B, K, generator=g).to(torch.bfloat16)
-    w = (torch.randn(E + 30, K, generator=g) / K ** 0.25).to(torch.bfloat16)
-    eb = torch.randn(E, generator=g) * 0.05
-    lg, y1 = torch.full((B, E), float("nan")), torch.full((B, 30), float("nan"), dtype=torch.bfloat16)
-    idx, wk = torch.full((B, k), -7, dtype=torch.int64), torch.full((B, k), float("nan"))
-    run_proj(x, w, [lg, y1], pdl=True, select=(eb, idx, wk, 1.0), rows=2)
-    assert (lg.double() - (x.double() @ w.double().T)[:, :E]).abs().max() < 1e-3
-    i2, w2 = torch.empty_like(idx), torch.empty_like(wk)
-    run_router(lg.clone(), eb, i2, w2, top_k=k)
-    assert torch.equal(idx, i2) and torch.equal(wk, w2)
-
-
-def test_rows_refused_by_name():
-    x, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(5, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="'rows' must be one of"):
-        run_proj(x, w, [torch.zeros(1, 5, dtype=torch.bfloat16)], rows=2)
-    with pytest.raises(ValueError, match="'rows' must be one of"):
-        run_proj(x, w, [torch.zeros(1, 5, dtype=torch.bfloat16)], rows=3)

@@ -10,6 +10,8 @@ the fused selection, the MLA input group, kda_o with its residual, moe_down. Eac
 against fp64 within 1e-2 of the largest value, the selection bit-equal to rows=1's).
 
     python experiments/proj_rows/bench.py $OUT     (PYTHONPATH=$PWD and the cute site)  ->  $OUT/proj_rows.json
+
+Runs at commit f17621a (the kernel's `rows` knob was removed after the step A/B: README.md here).
 """
 import json
 import sys

@@ -5,6 +5,8 @@ timed by `k3lab.step.time_step`: one CUDA graph of three steps), and saves one p
 GPU time and kernel list for each (`k3lab.step.profile_step`).
 
     python experiments/proj_rows/step_ab.py $OUT    (PYTHONPATH=$PWD and the cute site)  ->  $OUT/step_ab.json
+
+Runs at commit f17621a (the kernel's `rows` knob was removed after this A/B: README.md here).
 """
 import json
 import sys

@@ -237,25 +237,20 @@ def _cases(only: str | None, quick: bool):
             return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
                     + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), S])
         moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
-        kda_in = (1536, 3072, 4608, 6144, 6272, 6284)  # TP8: q, k, v, g, the decay's first factor, beta (12)
-        for B, N, K, ends, res, pdl, o_dts, k, rows in (
-                (1, 4608, 7168, (4608,), False, False, [bf] * 6, 0, 1),
-                (1, 576, 7168, (576,), True, True, [bf] * 6, 0, 1),
-                (8, 7168, 1536, (7168,), True, False, [bf] * 6, 0, 1),
-                (16, 4608, 7168, (1536, 3072, 4608), False, False, [f32] + [bf] * 5, 0, 1),
-                (3, 64, 520, (64,), True, False, [bf] * 6, 0, 1),  # a partial last step
-                (1, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16, 1),
-                (1, 6016, 7168, moe_in, False, False, [f32] + [bf] * 5, 16, 1),
-                (4, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16, 1),
-                (2, 232, 64, (202, 232), False, True, [f32] + [bf] * 5, 16, 1),
-                (1, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16, 2),  # two rows a warp
-                (1, 6284, 7168, kda_in, False, True, [bf] * 6, 0, 2),
-                (1, 7168, 1536, (7168,), True, True, [bf] * 6, 0, 2),
-                (3, 64, 520, (64,), True, False, [bf] * 6, 0, 2)):
+        for B, N, K, ends, res, pdl, o_dts, k in (
+                (1, 4608, 7168, (4608,), False, False, [bf] * 6, 0),
+                (1, 576, 7168, (576,), True, True, [bf] * 6, 0),
+                (8, 7168, 1536, (7168,), True, False, [bf] * 6, 0),
+                (16, 4608, 7168, (1536, 3072, 4608), False, False, [f32] + [bf] * 5, 0),
+                (3, 64, 520, (64,), True, False, [bf] * 6, 0),  # a partial last step
+                (1, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16),
+                (1, 6016, 7168, moe_in, False, False, [f32] + [bf] * 5, 16),
+                (4, 6016, 7168, moe_in, False, True, [f32] + [bf] * 5, 16),
+                (2, 232, 64, (202, 232), False, True, [f32] + [bf] * 5, 16)):
             name = (f"proj B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
-                    + (f" select{k}" if k else "") + (f" rows{rows}" if rows > 1 else ""))
-            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k, rows=rows: kg._kernel_class()(
-                B, N, K, e, r, p, k, rows), gargs(o_dts)))
+                    + (f" select{k}" if k else ""))
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k: kg._kernel_class()(
+                B, N, K, e, r, p, k), gargs(o_dts)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down

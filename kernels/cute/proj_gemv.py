@@ -11,10 +11,10 @@ warps); warp w of CTA c owns output row n = 4 c + w over all of K: lane l reads 
 that each warp keeps UNROLL x 512 bytes of its row in flight, the first PRE steps' W loaded first (before the wait
 under pdl: the weight streams while the kernel before finishes); the batch rows' dot products are summed over the warp
 by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row projection is 144 CTAs of four
-warps. `rows` = 2 (a knob; `default_rows` says why one is the default): each warp two adjacent rows, x loaded once
-for both, half the grid (a K = 7168 group of ~6k rows then fits the GPU in one wave). Outputs: each
-out_i [B, N_i] bf16 or fp32 with unit inner stride (any row stride: a column slice of a wider buffer); a residual
-[B, N] bf16 (one output only) is added in fp32 before the store.
+warps (two rows a warp, one wave for the wide groups, won alone and lost inside the decode step:
+docs/NOTES_trunk.md, twentieth session; code at f17621a). Outputs: each out_i [B, N_i] bf16 or fp32 with unit inner
+stride (any row stride: a column slice of a wider buffer); a residual [B, N] bf16 (one output only) is added in fp32
+before the store.
 
 Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
 fp32 logits [B, E] over rows 0..E-1, the grid's first RC = ceil(E / 4) CTAs): each of those CTAs, once its rows are
@@ -43,9 +43,7 @@ from .router_topk import MAX_EXPERTS, MAX_TOPK, selector_class
 
 MAX_BATCH = 16
 MAX_OUTPUTS = 6
-ROWS_ALLOWED = (1, 2)  # rows a warp
 SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
-SELECT_MIN_CTAS = 0   # with select: CTAs an SM asked of the compiler (launch bound; 0 = none: 48 registers at B = 1)
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 4        # steps a warp keeps in flight
 PRE = 4           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
@@ -73,11 +71,9 @@ def _kernel_class():
         """One warp per output row over all of K; four rows a CTA."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0, rows: int = 1):
+                     top_k: int = 0):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
-            assert rows in ROWS_ALLOWED and N % rows == 0, (rows, N)
             self.B, self.N, self.K = B, N, K
-            self.R = rows  # rows a warp (adjacent: the warp's first row is a multiple of R)
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             self.residual = bool(residual)
             self.pdl = bool(pdl)
@@ -88,7 +84,7 @@ def _kernel_class():
                 assert B <= SELECT_MAX_BATCH and not residual
                 self.sel = selector_class()(self.ends[0], top_k, _WARPS, lean=True)
                 self.top_k = top_k
-                self.RC = -(-self.ends[0] // (_WARPS * rows))
+                self.RC = -(-self.ends[0] // _WARPS)
 
         @cute.jit
         def __call__(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
@@ -96,12 +92,10 @@ def _kernel_class():
                      p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                      s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
                      p_cnt: cute.Pointer, scaling: Float32, stream: cuda.CUstream):
-            bounds = {} if self.sel is None or not SELECT_MIN_CTAS else dict(
-                max_number_threads=[_THREADS, 1, 1], min_blocks_per_mp=SELECT_MIN_CTAS)
             self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
                         s_o5, p_bias, p_idx, p_wk, p_cnt, scaling).launch(
-                grid=[-(-self.N // (_WARPS * self.R)), 1, 1], block=[_THREADS, 1, 1], stream=stream,
-                use_pdl=self.pdl, **bounds)
+                grid=[(self.N + _WARPS - 1) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
+                use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
@@ -115,71 +109,59 @@ def _kernel_class():
             c, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
-            R = self.R
-            n = (c * _WARPS + warp) * R  # the warp's first row
+            n = c * _WARPS + warp
             outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
             strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
             if cutlass.const_expr(self.sel is not None):
                 s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem()
             if n < N:
-                acc = cute.make_rmem_tensor((R * B,), Float32)
+                acc = cute.make_rmem_tensor((B,), Float32)
                 acc.fill(0.0)
-                wv = cute.make_rmem_tensor((R * 8,), p_w.dtype)
+                wv = cute.make_rmem_tensor((8,), p_w.dtype)
                 xv = cute.make_rmem_tensor((8,), p_x.dtype)
-                wrow = n * K + 8 * lane  # row n + r at wrow + r * K
+                wrow = n * K + 8 * lane
                 # the first PRE steps of W in registers before anything else: under pdl they load before the wait
-                # (W is no kernel's output), so the rows stream while the kernel before finishes
+                # (W is no kernel's output), so the row streams while the kernel before finishes
                 pre = min(PRE, S)
-                wpre = cute.make_rmem_tensor((max(pre, 1) * 8 * R,), p_w.dtype)
+                wpre = cute.make_rmem_tensor((max(pre, 1) * 8,), p_w.dtype)
                 for s in cutlass.range_constexpr(pre):
-                    for r in cutlass.range_constexpr(R):
-                        cute.autovec_copy(vec(p_w, cute.assume(wrow + r * K + s * K_STEP, divby=8), 8),
-                                          cute.make_tensor(wpre.iterator + (s * R + r) * 8, cute.make_layout(8)))
+                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8),
+                                      cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)))
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                     cute.arch.griddepcontrol_launch_dependents()
                 for s in cutlass.range_constexpr(pre):
                     for b in cutlass.range_constexpr(B):
                         cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
-                        for r in cutlass.range_constexpr(R):
-                            for j in cutlass.range_constexpr(8):
-                                acc[r * B + b] = acc[r * B + b] + wpre[(s * R + r) * 8 + j].to(Float32) * xv[j].to(
-                                    Float32)
+                        for j in cutlass.range_constexpr(8):
+                            acc[b] = acc[b] + wpre[s * 8 + j].to(Float32) * xv[j].to(Float32)
                 for s in cutlass.range(pre, S, unroll=UNROLL):
-                    for r in cutlass.range_constexpr(R):
-                        cute.autovec_copy(vec(p_w, cute.assume(wrow + r * K + s * K_STEP, divby=8), 8),
-                                          cute.make_tensor(wv.iterator + r * 8, cute.make_layout(8)))
+                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                     for b in cutlass.range_constexpr(B):
                         cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
-                        for r in cutlass.range_constexpr(R):
-                            for j in cutlass.range_constexpr(8):
-                                acc[r * B + b] = acc[r * B + b] + wv[r * 8 + j].to(Float32) * xv[j].to(Float32)
+                        for j in cutlass.range_constexpr(8):
+                            acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
                 if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
                     if S * K_STEP + 8 * lane < K:
-                        for r in cutlass.range_constexpr(R):
-                            cute.autovec_copy(vec(p_w, cute.assume(wrow + r * K + S * K_STEP, divby=8), 8),
-                                              cute.make_tensor(wv.iterator + r * 8, cute.make_layout(8)))
+                        cute.autovec_copy(vec(p_w, cute.assume(wrow + S * K_STEP, divby=8), 8), wv)
                         for b in cutlass.range_constexpr(B):
                             cute.autovec_copy(vec(p_x, cute.assume(b * s_x + S * K_STEP + 8 * lane, divby=8), 8),
                                               xv)
-                            for r in cutlass.range_constexpr(R):
-                                for j in cutlass.range_constexpr(8):
-                                    acc[r * B + b] = acc[r * B + b] + wv[r * 8 + j].to(Float32) * xv[j].to(Float32)
-                for q in cutlass.range_constexpr(R * B):
+                            for j in cutlass.range_constexpr(8):
+                                acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
+                for b in cutlass.range_constexpr(B):
                     for sh in cutlass.range_constexpr(5):
-                        acc[q] = acc[q] + cute.arch.shuffle_sync_bfly(acc[q], offset=16 >> sh)
-                for r in cutlass.range_constexpr(R):
-                    m = n + r
-                    for b in cutlass.range_constexpr(B):
-                        if lane == b:
-                            y = acc[r * B + b]
-                            if cutlass.const_expr(self.residual):
-                                y = y + vec(p_res, b * N + m, 1)[0].to(Float32)
-                            for i in cutlass.range_constexpr(len(self.ends)):
-                                lo = 0 if i == 0 else self.ends[i - 1]
-                                if m >= lo:
-                                    if m < self.ends[i]:
-                                        vec(outs[i], b * strides[i] + m - lo, 1)[0] = y.to(outs[i].dtype)
+                        acc[b] = acc[b] + cute.arch.shuffle_sync_bfly(acc[b], offset=16 >> sh)
+                for b in cutlass.range_constexpr(B):
+                    if lane == b:
+                        y = acc[b]
+                        if cutlass.const_expr(self.residual):
+                            y = y + vec(p_res, b * N + n, 1)[0].to(Float32)
+                        for i in cutlass.range_constexpr(len(self.ends)):
+                            lo = 0 if i == 0 else self.ends[i - 1]
+                            if n >= lo:
+                                if n < self.ends[i]:
+                                    vec(outs[i], b * strides[i] + n - lo, 1)[0] = y.to(outs[i].dtype)
             if cutlass.const_expr(self.pdl):
                 if n >= N:
                     cute.arch.griddepcontrol_wait()  # a warp past N waits too (it may still select)
@@ -251,20 +233,8 @@ def _counter(dev: torch.device) -> torch.Tensor:
     return c
 
 
-def default_rows(B: int, N: int, select: bool = False) -> int:
-    """Rows a warp: one. Two rows a warp (`rows=2`: half the grid, one wave) win alone and lose inside the decode
-    step. H200, TP8, batch 1, pdl, weights rotated past L2, us, one / two rows (twentieth session,
-    experiments/proj_rows/h200/proj_rows.json): the KDA input group 25.20 / 23.21, the MLA input group 16.15 / 14.11,
-    kda_o with its residual 7.28 / 6.50, moe_down 15.96 / 13.88, the MoE input group with the selection 22.71 / 24.65.
-    The batch-1 step (notebook 06's settings, one process, two rounds each; step_ab.json): one row 1170.4 / 1170.3,
-    two rows 1181.7 / 1180.8, though the two-row kernels' own GPU time in a profiled eager step is 44 us lower: under
-    pdl the GEMV's early-launched CTAs preload their weights while the kernel before runs, and the two-row CTAs (72
-    registers) find less room beside it."""
-    return 1
-
-
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
-         pdl: bool | None = None, select: tuple | None = None, rows: int | None = None) -> list:
+         pdl: bool | None = None, select: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. Returns outs."""
@@ -303,10 +273,6 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         _check("residual", residual, dev, (torch.bfloat16,))
         if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
             _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
-    if rows is None:
-        rows = default_rows(B, N, select is not None)
-    if isinstance(rows, bool) or rows not in ROWS_ALLOWED or N % rows:
-        _fail("rows", f"must be one of {ROWS_ALLOWED} dividing w's {N} rows, got {rows!r}")
     top_k, sel_args = 0, [_ptr(x, 2), _ptr(x, 2), _ptr(x, 2), _ptr(x, 2), 1.0]  # x: never read without select
     if select is not None:
         if not isinstance(select, (tuple, list)) or len(select) != 4:
@@ -341,7 +307,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
 
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
             *sel_args[:4], cutlass.Float32(sel_args[4])]
-    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, rows, dev.index)
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -350,7 +316,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, rows), *args,
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k), *args,
                               stream)
             _COMPILED[key] = fn
         fn(*args, stream)
