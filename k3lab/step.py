@@ -564,6 +564,7 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 
 
 PROJ_CUTE_MAX_TOKENS = 1
+MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
@@ -603,7 +604,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             decay_proj the decay's second factor fb
             out_proj   Wo with the residual add in its epilogue
       MLA   in_proj    q down, kv down, the output gate's logits from h: one proj_group (mla_in)
-            q_proj     Wuq with q_norm as its input prologue, and the absorption of Wuk (a batched matmul)
+            q_proj     Wuq with q_norm as its input prologue, and the absorption of Wuk (a batched matmul); where
+                       Wuq runs on the CuTe GEMV (proj_cute), the three in one launch (k3lab_kernels.cute.mla_query)
             kv_proj    kv_norm + the cache write (the MLA component's kernel on triton, else the reference)
             out_proj   the combine (merge, Wuv, gate) then Wo with the residual add
       MoE   moe_in     router logits (fp32), latent down, the shared experts' w1 and w3 from h2: one proj_group
@@ -640,6 +642,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     proj_cute (the switch, projections on triton): the projections `proj_cute_takes` accepts run on the CuTe DSL
     GEMV (backend "cute"); the component's record says "cute" (its one launch) or "triton+cute"."""
     from k3lab.components import glue, trunk
+    from k3lab.components import mla as mla_comp
     from k3lab.model import _nb
 
     if "proj" not in over:
@@ -660,6 +663,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         return _nb(cat_w) + N * (k_in * e + n_out * (e_out or e) + (n_out * e if residual else 0))
 
     cute_parts: set[str] = set()
+    q_one = False  # the MLA query step in one launch (below)
 
     def pb(w, part: str, prologue: bool = False, select: bool = False) -> str:
         """A projection's backend (the `proj_cute` switch), decided when the parts are built; `part` its component."""
@@ -724,6 +728,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         st = L.state
 
         be_in, be_uq, be_o = pb(w_in, "in_proj"), pb(w.w_uq, "q_proj", prologue=fuse_pro), pb(w.w_o, "out_proj")
+        # the whole query step (q_norm, Wuq, Wuk) as one CuTe launch where the GEMV takes Wuq (proj_cute)
+        q_one = be_uq == "cute" and N <= MLA_QUERY_MAX_TOKENS
 
         def in_proj():
             trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be_in)
@@ -732,6 +738,13 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         cqn = None if fuse_pro else buf(Q)
 
         def q_proj():
+            if q_one:
+                q3 = qf.view(N, H, Dn + Dr)
+                mla_comp.query(cq, w.q_norm, w.w_uq, w.w_uk, q_lat.transpose(0, 1), q3[..., Dn:], eps=float(w.eps),
+                               backend="cute")
+                b["q_lat"] = q_lat.transpose(0, 1).unflatten(0, lead3)
+                b["q_rope"] = q3[..., Dn:].view(*lead3, H, Dr)
+                return b["q_lat"], b["q_rope"]
             if fuse_pro:
                 P(cq, w.w_uq, qf, prologue=("rms", w.q_norm, float(w.eps)))
             else:
@@ -751,8 +764,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
         if pf:
             out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
-        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * ((1 if fuse_pro else 3) * Q + H * (Dn + Dr)
-                                                                     + H * (Dn + C)) * e,
+        q_act = Q + H * (Dr + C) if q_one else (1 if fuse_pro else 3) * Q + H * (Dn + Dr) + H * (Dn + C)
+        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * q_act * e,
                          2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
         kv_e = st.cache.data.element_size()
         out["kv_proj"] = (kv, _nb(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
@@ -918,7 +931,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                                                                         residual=True)
                             + (0 if fuse_pro else N * I * 3 * e),
                             2 * N * D * 3 * I)
-    single = ("in_proj", "decay_proj") + (("out_proj",) if L.kind == "kda" else ())  # one projection launch each
+    single = ("in_proj", "decay_proj") + (("out_proj",) if L.kind == "kda" else ()) + (("q_proj",) if q_one else ())
+    # (one launch each)
 
     def ran_as(name: str) -> str:
         if name in cute_parts:

@@ -6,6 +6,9 @@
            merge=False -> the partials (o [B,K,T,H,C], lse [B,K,T,H]), K = dcp * partitions.
     combine(o_parts, lse_parts, w_uv, gate, out=None, *, backend, ran=None, ...) -> [B,T,H*Dv]
         the partials merged by log-sum-exp, times Wuv per head, times sigmoid(gate): what Wo reads.
+    query(cq, q_norm, w_uq, w_uk, q_lat=None, q_rope=None, *, eps=1e-6, backend, pdl=None, ran=None)
+        the q down-projection's output [B,Q] -> (q_lat [B,H,C], q_rope [B,H,Dr]): q_norm, Wuq and the absorption
+        through Wuk (one launch on triton and cute).
     write_cache(kv, kv_norm, cache, lengths, *, eps=1e-6, backend, ran=None)
         the kv down-projection's output [B,T,C+Dr] -> [rms(c; kv_norm) | k_rope] written in place at
         positions lengths[b] .. lengths[b]+T-1 (lengths is not advanced: the caller owns it).
@@ -25,10 +28,10 @@ their heuristics.
 Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.mla):
   reference      k3lab.ref.mla in the compute dtype (fp32, fp64 for fp64 inputs)
   torch_compile  torch.compile of the same reference functions
-  triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches)
-  cute           k3lab_kernels.cute.mla_cache_write (write_cache; pdl option; the same results as triton bit
-                 for bit) and k3lab_kernels.cute.mla_combine (combine; block_r and pdl options; K3's C = 512,
-                 Dv = 128); no CuTe decode attention yet
+  triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches) / mla_query
+  cute           k3lab_kernels.cute.mla_query (query), k3lab_kernels.cute.mla_cache_write (write_cache; pdl option;
+                 the same results as triton bit for bit) and k3lab_kernels.cute.mla_combine (combine; block_r and
+                 pdl options; K3's C = 512, Dv = 128); no CuTe decode attention yet
   aiter          refused with a message (no AITER adapter yet; AITER needs ROCm)
   auto           the measured table (data/mla_defaults.json: triton, the reference where it cannot run)
 Each call takes `ran=[]` to get the record of what ran appended (op, backend asked and run, kernel,
@@ -386,6 +389,61 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
         y = out.copy_(y)
     dispatch.record(ran, kernel=kernel, options={}, **rec)
     return y
+
+
+# ---- the absorbed query step ---------------------------------------------------------------------
+
+
+def query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: torch.Tensor,
+          q_lat: torch.Tensor | None = None, q_rope: torch.Tensor | None = None, *, eps: float = 1e-6,
+          backend: str = "reference", pdl: bool | None = None, ran: list | None = None) -> tuple:
+    """The q down-projection's output cq [B, Q] -> (q_lat [B, H, C], q_rope [B, H, Dr]): rms(cq; q_norm) through Wuq
+    [H (Dn + Dr), Q], the nope part absorbed through Wuk [H, Dn, C] (k3lab.ref.mla.mla_query); q_lat / q_rope filled
+    when given (any strides with a unit inner one: views of the step's buffers). triton / cute: one launch
+    (k3lab_kernels.{triton,cute}.mla_query, bf16, batch <= 4); pdl as the other kernels (None: the enclosing
+    pdl_chain)."""
+    _refuse_aiter(backend, "mla_query")
+    _tensor("cq", cq, 2)
+    dev = cq.device
+    B, Q = cq.shape
+    _tensor("q_norm", q_norm, 1, None, dev)
+    _tensor("w_uk", w_uk, 3, None, dev)
+    H, Dn, C = w_uk.shape
+    _tensor("w_uq", w_uq, 2, None, dev)
+    if q_norm.shape[0] != Q:
+        _fail("q_norm", f"must be [{Q}] (cq's width), got {tuple(q_norm.shape)}")
+    if w_uq.shape[1] != Q or w_uq.shape[0] % H or w_uq.shape[0] // H <= Dn:
+        _fail("w_uq", f"must be [{H} (Dn {Dn} + Dr), {Q}] with Dr > 0, got {tuple(w_uq.shape)}")
+    Dr = w_uq.shape[0] // H - Dn
+    for name, t, w in (("q_lat", q_lat, C), ("q_rope", q_rope, Dr)):
+        if t is not None:
+            _tensor(name, t, 3, None, dev)
+            if tuple(t.shape) != (B, H, w):
+                _fail(name, f"must be [{B}, {H}, {w}], got {tuple(t.shape)}")
+    if pdl is not None and not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    be, _, why = dispatch.select("mla_query", backend, B=B, T=1, shape=dict(B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C))
+    rec = dict(op="mla_query", backend_requested=backend, backend=be, why=why,
+               shape=dict(B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C))
+    if be in ("triton", "cute"):
+        lat = q_lat if q_lat is not None else torch.empty(B, H, C, dtype=cq.dtype, device=dev)
+        rope = q_rope if q_rope is not None else torch.empty(B, H, Dr, dtype=cq.dtype, device=dev)
+        dispatch.kernel("mla_query", be)(cq, q_norm, w_uq, w_uk, lat, rope, eps=eps, pdl=pdl)
+        dispatch.record(ran, kernel=dispatch.kernel_path("mla_query", be), options=dict(pdl=pdl), **rec)
+        return lat, rope
+    if pdl:
+        _fail("pdl", f"pdl=True (programmatic dependent launch) needs a kernel backend (triton or cute), not {be!r}")
+    fn = ref.mla_query
+    kernel = dispatch.kernel_path("mla_query", be)
+    if be == "torch_compile":
+        fn, kernel = dispatch.compiled("mla.query", ref.mla_query), f"torch.compile({kernel})"
+    lat, rope = fn(cq, q_norm, w_uq, w_uk, eps)
+    if q_lat is not None:
+        lat = q_lat.copy_(lat)
+    if q_rope is not None:
+        rope = q_rope.copy_(rope)
+    dispatch.record(ran, kernel=kernel, options={}, **rec)
+    return lat, rope
 
 
 # ---- cache write ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Gated MLA in the registry: decode attention (split-KV + merge), the combine (merge + Wuv + gate) and
-the cache write (kv_norm + in-place write). The maths is k3lab.ref.mla; the API k3lab.components.mla;
-the kernels are named in each entry's backends table.
+"""Gated MLA in the registry: decode attention (split-KV + merge), the combine (merge + Wuv + gate), the
+cache write (kv_norm + in-place write) and the absorbed query step (q_norm + Wuq + Wuk). The maths is
+k3lab.ref.mla; the API k3lab.components.mla; the kernels are named in each entry's backends table.
 
 Axes (the default grid is small so the CPU interpreter runs it in seconds; the GPU bench passes its own):
     heads        query heads on one GPU: 12 (TP8), 6 (TP16), 16
@@ -27,6 +27,8 @@ Bytes (the one formula, `decode_bytes` / `combine_bytes` / `write_bytes`):
     combine  partials B*K*T*H*(512 + 1)*4 + Wuv H*512*128*2 + gate and out B*T*H*128*2 each (read floor).
     write    kv in B*T*576*2 + kv_norm 512*2 + rows written B*T*576*e (+ 4 a row per-token) + lengths
              (copy floor: as many bytes written as read).
+    query    Wuq H*(Dn+Dr)*Q*2 + Wuk H*Dn*C*2 + q_norm Q*2 + cq B*Q*2 + q_lat / q_rope B*H*(C+Dr)*2 (read floor):
+             6.3 MB at TP8 (12 heads, Q 1536), 1.4 us at 4.6 TB/s.
 
 Tolerances (relative norm against fp64; every input is exactly representable, fp8: the reference
 attends over the dequantized cache e4m3 * scale, so quantization is no error of the kernel):
@@ -35,6 +37,8 @@ attends over the dequantized cache e4m3 * scale, so quantization is no error of 
            ~1e-3 measured. lse 1e-5: fp32 sums over <= 128K terms, nothing rounded to bf16 (~1e-7).
     combine out 1e-2: o rounded to bf16 for the tensor-core product with the bf16 Wuv, the result rounded
            to bf16 (2^-9 each, <= 4e-3 together); ~2.5e-3 measured.
+    query  q_lat / q_rope 5e-3: exact inputs, fp32 sums; the fused kernels round only the outputs to bf16 (2^-9
+           relative each, ~1.2e-3 as a norm); the unfused reference backend also rounds rms(cq) and q_nope.
     cache write: the reference is the fp64 entry rounded once to the cache format (nearest-even, as the
            kernel does), so only a flip at a rounding boundary between fp32 and fp64 statistics can
            differ: bf16 1e-3, fp8 codes 1e-2 (one e4m3 step is 2^-3 relative); per-token scales 1e-6
@@ -52,10 +56,10 @@ C, DR, DV = 512, 64, 128
 W = C + DR
 SCALE = (128 + 64) ** -0.5
 TENSOR_SCALE = 1.0 / 16  # the fp8 per-tensor scale the inputs use (not 1, so the scale path is exercised)
-TOL = dict(o_lat=5e-3, lse=1e-5, out=1e-2, kv_cache_bf16=1e-3, kv_cache_fp8=1e-2, token_scale=1e-6)
+TOL = dict(o_lat=5e-3, lse=1e-5, out=1e-2, kv_cache_bf16=1e-3, kv_cache_fp8=1e-2, token_scale=1e-6, q=5e-3)
 WHY = ("o_lat 5e-3: fp32 scores and sums, the softmax weights rounded to bf16 for the P.C product; lse 1e-5: fp32 "
        "sums; combine 1e-2: o and the output rounded to bf16; cache write: one rounding like the fp64 reference, "
-       "bf16 1e-3, fp8 codes 1e-2 (boundary flips only), scales 1e-6")
+       "bf16 1e-3, fp8 codes 1e-2 (boundary flips only), scales 1e-6; query 5e-3: fp32 sums, outputs rounded to bf16")
 
 
 def _kv_bytes(case: Case) -> int:
@@ -102,6 +106,21 @@ def combine_bytes(case: Case) -> int:
 def combine_flops(case: Case) -> int:
     B, T, H = case["batch"], case["T"], case["heads"]
     return 2 * B * T * H * C * DV + 2 * B * _K(case) * T * H * C
+
+
+def _qdims(case: Case) -> tuple[int, int, int, int, int]:
+    return case["heads"], case.get("q_rank", 1536), case.get("nope", 128), case.get("rope", DR), case.get("latent", C)
+
+
+def query_bytes(case: Case) -> int:
+    H, Q, Dn, Dr, Cl = _qdims(case)
+    B = case["batch"]
+    return (H * (Dn + Dr) * Q + H * Dn * Cl + Q + B * Q + B * H * (Cl + Dr)) * 2
+
+
+def query_flops(case: Case) -> int:
+    H, Q, Dn, Dr, Cl = _qdims(case)
+    return 2 * case["batch"] * (H * (Dn + Dr) * Q + H * Dn * Cl)
 
 
 def write_bytes(case: Case) -> int:
@@ -206,6 +225,110 @@ def make_write(case: Case, seed: int, device: str) -> dict:
     return d
 
 
+def make_query(case: Case, seed: int, device: str) -> dict:
+    H, Q, Dn, Dr, Cl = _qdims(case)
+    B = case["batch"]
+    g = _gen(seed)
+    bf = torch.bfloat16
+    return dict(cq=(torch.randn(B, Q, generator=g) * 2).to(device, bf),
+                q_norm=(1 + 0.1 * torch.randn(Q, generator=g)).to(device, bf),
+                w_uq=(torch.randn(H * (Dn + Dr), Q, generator=g) / Q ** 0.5).to(device, bf),
+                w_uk=(torch.randn(H, Dn, Cl, generator=g) / Dn ** 0.5).to(device, bf),
+                q_lat=torch.empty(B, H, Cl, dtype=bf, device=device),
+                q_rope=torch.empty(B, H, Dr, dtype=bf, device=device))
+
+
+def ref_query(d: dict, case: Case) -> dict:
+    f64 = torch.float64
+    lat, rope = ref.mla_query(d["cq"].to(f64), d["q_norm"].to(f64), d["w_uq"].to(f64), d["w_uk"].to(f64), 1e-6)
+    return dict(q_lat=lat, q_rope=rope)
+
+
+def query_supports(backend: str, shape: dict) -> str | None:
+    """The one-launch kernels' limits (k3lab_kernels.triton.mla_query.check_args): batch <= 4, Dn and Dr multiples
+    of 8, C a power of two 32..512."""
+    if backend not in ("triton", "cute"):
+        return None
+    from k3lab_kernels.triton.mla_query import C_ALLOWED, MAX_BATCH, ROWS
+
+    B, Dn, Dr, Cl = shape.get("B", shape.get("batch", 1)), shape.get("Dn", shape.get("nope", 128)), \
+        shape.get("Dr", shape.get("rope", DR)), shape.get("C", shape.get("latent", C))
+    if B > MAX_BATCH:
+        return f"batch {B} > {MAX_BATCH} (one launch a few tokens)"
+    if Dn % ROWS or Dr % ROWS:
+        return f"Dn {Dn} and Dr {Dr} must be multiples of {ROWS}"
+    if Cl not in C_ALLOWED:
+        return f"C {Cl} not in {C_ALLOWED}"
+    return None
+
+
+def _bmm_into(q_nope: torch.Tensor, w_uk: torch.Tensor, q_lat: torch.Tensor, tmp: torch.Tensor) -> None:
+    """q_lat [B, H, C] = q_nope [B, H, Dn] @ Wuk per head by torch.bmm: straight into q_lat at batch 1 (its [H, 1, C]
+    view is contiguous), else through tmp [H, B, C] and a copy."""
+    if q_lat.shape[0] == 1 and q_lat.is_contiguous():
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
+    else:
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=tmp)
+        q_lat.copy_(tmp.transpose(0, 1))
+
+
+def query_peers(case: Case) -> list[Peer]:
+    """What the one launch replaces, on the same inputs and fp64 check (GPU only): `unfused`, the decode step's
+    composition before it (our rms_norm kernel, Wuq on our GEMV: the CuTe one where CuTe DSL runs, else Triton's,
+    then the absorption as a cuBLAS batched matmul: three launches), and `cublas` (torch: the norm's ops, F.linear,
+    torch.bmm)."""
+    if not torch.cuda.is_available():
+        return []
+
+    def split(d: dict):
+        H, Dn = d["w_uk"].shape[:2]
+        B = d["cq"].shape[0]
+        qf = torch.empty(B, d["w_uq"].shape[0], dtype=torch.bfloat16, device=d["cq"].device)
+        lat_t = torch.empty(H, B, d["w_uk"].shape[2], dtype=torch.bfloat16, device=d["cq"].device)
+        return H, Dn, qf, lat_t
+
+    def unfused(d: dict):
+        from k3lab.components import glue, trunk
+        from k3lab.switches import backend_status
+
+        H, Dn, qf, lat_t = split(d)
+        cqn = torch.empty_like(d["cq"])
+        be = "cute" if backend_status("cute")[0] else "triton"
+
+        def run():
+            glue.rms_norm(d["cq"], d["q_norm"], cqn, eps=1e-6, backend="triton")
+            trunk.proj(cqn, d["w_uq"], qf, backend=be)
+            q3 = qf.view(qf.shape[0], H, -1)
+            _bmm_into(q3[..., :Dn], d["w_uk"], d["q_lat"], lat_t)
+            d["q_rope"].copy_(q3[..., Dn:])  # (not in the step, which reads q3's rope part in place)
+        return run
+
+    def cublas(d: dict):
+        import torch.nn.functional as F
+
+        H, Dn, qf, lat_t = split(d)
+
+        def run():
+            x = d["cq"].float()
+            xn = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * d["q_norm"].float()).to(torch.bfloat16)
+            q3 = F.linear(xn, d["w_uq"]).view(xn.shape[0], H, -1)
+            _bmm_into(q3[..., :Dn], d["w_uk"], d["q_lat"], lat_t)
+            d["q_rope"].copy_(q3[..., Dn:])
+        return run
+
+    def checker_of(make, name):
+        def check(c: Case, s: dict):
+            from k3lab.harness import checker
+
+            return checker.check(c_op(c), c, impl=lambda inp: make(inp)(), impl_name=name, inputs=s)
+        return check
+
+    return [Peer("unfused", unfused, checker_of(unfused, "unfused"),
+                 note="rms_norm kernel, Wuq on our GEMV, cuBLAS bmm for Wuk (into q_lat at batch 1), and a copy of "
+                      "q_rope (the step reads it in place): four launches, three in the step"),
+            Peer("cublas", cublas, checker_of(cublas, "cublas"), note="torch: the norm's ops, F.linear, torch.bmm")]
+
+
 def _cache_of(d: dict, scale_key: str = "kv_scale"):
     """The cache object over the input dict's tensors (views: a write goes into d["kv_cache"])."""
     scale = d.get(scale_key)
@@ -252,7 +375,7 @@ def ref_write(d: dict, case: Case) -> dict:
 def tolerances(case: Case) -> dict[str, float]:
     fp8 = case.get("kv_dtype", "bf16") == "fp8"
     return dict(o_lat=TOL["o_lat"], lse=TOL["lse"], out=TOL["out"], token_scale=TOL["token_scale"],
-                kv_cache=TOL["kv_cache_fp8"] if fp8 else TOL["kv_cache_bf16"])
+                kv_cache=TOL["kv_cache_fp8"] if fp8 else TOL["kv_cache_bf16"], q_lat=TOL["q"], q_rope=TOL["q"])
 
 
 # ---- calls through the component API ----------------------------------------------------------------
@@ -276,6 +399,13 @@ def call_combine(d: dict, case: Case, backend: str, opts: dict, ran: list | None
 
     return mla.combine(d["o_parts"], d["lse_parts"], d["w_uv"], d["gate"], d["out"], backend=backend, ran=ran,
                        **opts)
+
+
+def call_query(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
+    from k3lab.components import mla
+
+    return mla.query(d["cq"], d["q_norm"], d["w_uq"], d["w_uk"], d["q_lat"], d["q_rope"], eps=1e-6, backend=backend,
+                     ran=ran, **opts)
 
 
 def call_write(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
@@ -407,4 +537,19 @@ register(Op(
               "triton": "k3lab_kernels.triton.mla_cache_write:mla_cache_write",
               "cute": "k3lab_kernels.cute.mla_cache_write:mla_cache_write"},
     valid=lambda c: _valid_cache(c) and c["context"] >= 0, test_file="tests/test_mla_triton.py",
+))
+
+register(Op(
+    name="mla_query", component="mla", policy_key="query",
+    doc="the absorbed query step: rms(cq; q_norm) through Wuq, the nope part absorbed through Wuk (one launch)",
+    axes=dict(heads=(12,), batch=(1, 2), q_rank=(1536,), nope=(128,), rope=(DR,), latent=(C,)),
+    option_axes={"pdl": {"triton": (None, False, True), "cute": (None, False, True)}}, option_defaults={"pdl": _NONE},
+    variants={"cute_pdl": ("cute", {"pdl": True})},
+    make_inputs=make_query, reference=ref_query, written=("q_lat", "q_rope"), updated=(),
+    tolerances=tolerances, tolerance_why=WHY, call=call_query,
+    nbytes=query_bytes, flops=query_flops, floor_bw="read",
+    backends={"reference": "k3lab.ref.mla:mla_query", "torch_compile": "k3lab.ref.mla:mla_query",
+              "triton": "k3lab_kernels.triton.mla_query:mla_query",
+              "cute": "k3lab_kernels.cute.mla_query:mla_query"},
+    supports=query_supports, peers=query_peers, test_file="tests/test_mla_query.py",
 ))

@@ -386,6 +386,17 @@ def absorb_q(q_nope: torch.Tensor, w: MLAWeights) -> torch.Tensor:
     return torch.einsum("...hn,hnc->...hc", q_nope, w.w_uk.to(q_nope.dtype))
 
 
+def mla_query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: torch.Tensor,
+              eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed query step after the q down-projection: cq [..., Q] -> (q_lat [..., H, C], q_rope [..., H, Dr])
+    = absorb_q of the nope part of Wuq rms(cq; q_norm), and its rope part (mla_q's last two steps, then absorb_q).
+    Each step in the inputs' dtype (fp64 for the oracle): the unfused path rounds rms(cq) and q_nope."""
+    H, Dn, _ = w_uk.shape
+    q = linear(rms_norm(cq, q_norm, eps), w_uq).unflatten(-1, (H, -1))
+    q_lat = torch.einsum("...hn,hnc->...hc", q[..., :Dn], w_uk.to(q.dtype))
+    return q_lat, q[..., Dn:]
+
+
 def mla_out(o_lat: torch.Tensor, h: torch.Tensor, w: MLAWeights) -> torch.Tensor:
     """(o_lat[j] @ Wuv[j]) * sigmoid(Wgate h)[j], then Wo. o_lat [..., H, C], h [..., D] -> [..., D]."""
     o = torch.einsum("...hc,hcv->...hv", o_lat.to(h.dtype), w.w_uv.to(h.dtype))

@@ -3,7 +3,8 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe] [--quick] [--keep DIR]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|mla_query]
+            [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
 Python 3.12 venv with `pip install typing_extensions numpy cuda-bindings torch` and the CuTe DSL
@@ -274,6 +275,18 @@ def _cases(only: str | None, quick: bool):
                                      (12, 4, 1, 64, 4, True), (12, 1, 4, 256, 4, False), (6, 8, 2, 16, 8, False)):
             cases.append((f"mla_combine H{H} K{K} T{T} rows{NR} rb{RB}" + (" pdl" if pdl else ""),
                           lambda H=H, K=K, T=T, NR=NR, RB=RB, pdl=pdl: kc._kernel_class()(H, K, T, NR, RB, pdl), cargs))
+    if only in (None, "mla_query"):
+        from kernels.cute import mla_query as kq
+        # mla_query's arguments: cq, q_norm, Wuq, Wuk, q_lat, q_rope, partials, counters; cq's row stride, q_lat's and
+        # q_rope's batch and head strides, eps; (B, H, Q, Dn, Dr, C, pdl)
+        qargs = [P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 2), P(bf, 2), P(f32, 16), P(i32, 4), i32(1536),
+                 i32(512), i32(512), i32(2304), i32(192), cutlass.Float32(1e-6), S]
+        for B, H, Q, Dn, Dr, C, pdl in ((1, 12, 1536, 128, 64, 512, True), (1, 12, 1536, 128, 64, 512, False),
+                                        (4, 12, 1536, 128, 64, 512, True), (1, 6, 1536, 128, 64, 512, True),
+                                        (3, 2, 264, 16, 8, 64, False)):
+            cases.append((f"mla_query B{B} H{H} Q{Q} C{C}" + (" pdl" if pdl else ""),
+                          lambda B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C, pdl=pdl: kq._kernel_class()(B, H, Q, Dn, Dr, C, pdl),
+                          qargs))
     return cases
 
 
@@ -286,9 +299,9 @@ def main(argv=None) -> int:
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
     if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
-                    "moe"):
-        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj or moe "
-              f"(got {only!r})")
+                    "moe", "mla_query"):
+        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, moe or "
+              f"mla_query (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)
