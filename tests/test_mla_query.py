@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import cute_emulate as emulate
-import k3lab_kernels.triton.mla_query
 from k3lab import registry
 from k3lab.components import mla
 from k3lab.harness import checker
@@ -64,11 +63,11 @@ def cute_impl(pdl=False):
 
 @pytest.mark.cute_emu
 @pytest.mark.parametrize("shape,pdl", [
-    (dict(), False),                                                   # a partial step only, one column a lane
-    (dict(batch=3, q_rank=264, latent=64, heads=3), True),              # full + partial steps, two columns a lane
-    (dict(batch=4, q_rank=1280, latent=256, nope=16, rope=16), True),  # four preloaded steps and one more, 8 a lane
-    (dict(batch=1, q_rank=256, latent=512, heads=1), False),            # sixteen columns a lane (two vectors)
-], ids=["small", "b3-q264", "b4-q1280-pdl", "c512"])
+    (dict(rope=16), False),                                             # one CTA a head (no cluster), partial step
+    (dict(batch=3, q_rank=264, latent=64, heads=3, nope=32, rope=16), True),   # clusters of 2, a padding CTA
+    (dict(batch=4, q_rank=1280, latent=256, nope=64, rope=16), True),  # clusters of 4, five steps, 8 columns a lane
+    (dict(batch=1, q_rank=256, latent=512, heads=1, nope=128, rope=64), False),  # K3's head: a cluster of 8
+], ids=["small", "b3-q264-cluster2", "b4-q1280-cluster4-pdl", "k3-head"])
 def test_cute_emulated(shape, pdl):
     _check(impl=cute_impl(pdl), seed=len(shape), **shape)
     assert emulate.LAST["launches"][-1]["use_pdl"] is pdl
@@ -76,9 +75,9 @@ def test_cute_emulated(shape, pdl):
 
 @pytest.mark.cute_emu
 def test_cute_emulated_repeats_bit_for_bit():
-    """The sums run in a fixed order and the head counters are zero again after a call: a second launch on the same
-    inputs (into other outputs, in the same emulated process, so the counters carry over) gives the same bits."""
-    d = OP.make_inputs(OP.case(**{**SMALL, "batch": 2, "heads": 3}), 5, "cpu")
+    """The sums run in a fixed order: a second launch on the same inputs (into other outputs; the emulator runs the
+    clusters and threads in another random order) gives the same bits."""
+    d = OP.make_inputs(OP.case(**{**SMALL, "batch": 2, "heads": 3, "nope": 32, "rope": 16}), 5, "cpu")
     t = {k: d[k] for k in ("cq", "q_norm", "w_uq", "w_uk", "q_lat", "q_rope")}
     t["lat2"], t["rope2"] = torch.full_like(d["q_lat"], float("nan")), torch.full_like(d["q_rope"], float("nan"))
     emulate._PDL["early"] = frozenset()
@@ -97,6 +96,8 @@ def test_refused_by_name():
     a = (d["cq"], d["q_norm"], d["w_uq"], d["w_uk"], d["q_lat"], d["q_rope"])
     with pytest.raises(BackendUnavailable, match="batch 5 > 4"):  # the registry's supports, before the kernel
         mla.query(torch.zeros(5, 40, dtype=torch.bfloat16), *a[1:4], backend="triton")
+    import k3lab_kernels.triton.mla_query  # (after k3lab: a checkout that is not installed maps kernels/ there)
+
     with pytest.raises(ValueError, match="'cq' must be \\[1..4, Q\\]"):  # the kernel's own check
         k3lab_kernels.triton.mla_query.mla_query(torch.zeros(5, 40, dtype=torch.bfloat16), *a[1:])
     with pytest.raises(BackendUnavailable, match="C 48 not in"):
@@ -117,6 +118,8 @@ def test_auto_passes_over_the_kernels_beyond_their_limits():
     assert query_supports("cute", dict(B=4, Dn=128, Dr=64, C=512)) is None
     assert "batch 5" in query_supports("triton", dict(B=5))
     assert "C 48" in query_supports("cute", dict(B=1, C=48))
+    assert "Dn 48" in query_supports("cute", dict(B=1, Dn=48)) and "Dr 8" in query_supports("cute", dict(Dr=8))
+    assert query_supports("triton", dict(B=1, Dn=48, Dr=8)) is None
     assert query_supports("reference", dict(B=64)) is None
     ran: list = []
     d = OP.make_inputs(OP.case(**{**SMALL, "batch": 1}), 0, "cpu")

@@ -246,10 +246,17 @@ def ref_query(d: dict, case: Case) -> dict:
 
 def query_supports(backend: str, shape: dict) -> str | None:
     """The one-launch kernels' limits (k3lab_kernels.triton.mla_query.check_args): batch <= 4, Dn and Dr multiples
-    of 8, C a power of two 32..512."""
+    of 8, C a power of two 32..512; cute: Dn one of 16..128 (a cluster of Dn / 16 CTAs), Dr a multiple of 16."""
     if backend not in ("triton", "cute"):
         return None
     from k3lab_kernels.triton.mla_query import C_ALLOWED, MAX_BATCH, ROWS
+
+    if backend == "cute":
+        from k3lab_kernels.cute.mla_query import DN_ALLOWED
+
+        Dn, Dr = shape.get("Dn", shape.get("nope", 128)), shape.get("Dr", shape.get("rope", DR))
+        if Dn not in DN_ALLOWED or Dr % 16:
+            return f"Dn {Dn} not in {DN_ALLOWED} or Dr {Dr} not a multiple of 16 (cute: clusters of 16-row CTAs)"
 
     B, Dn, Dr, Cl = shape.get("B", shape.get("batch", 1)), shape.get("Dn", shape.get("nope", 128)), \
         shape.get("Dr", shape.get("rope", DR)), shape.get("C", shape.get("latent", C))

@@ -277,13 +277,13 @@ def _cases(only: str | None, quick: bool):
                           lambda H=H, K=K, T=T, NR=NR, RB=RB, pdl=pdl: kc._kernel_class()(H, K, T, NR, RB, pdl), cargs))
     if only in (None, "mla_query"):
         from kernels.cute import mla_query as kq
-        # mla_query's arguments: cq, q_norm, Wuq, Wuk, q_lat, q_rope, partials, counters; cq's row stride, q_lat's and
-        # q_rope's batch and head strides, eps; (B, H, Q, Dn, Dr, C, pdl)
-        qargs = [P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 2), P(bf, 2), P(f32, 16), P(i32, 4), i32(1536),
-                 i32(512), i32(512), i32(2304), i32(192), cutlass.Float32(1e-6), S]
+        # mla_query's arguments: cq, q_norm, Wuq, Wuk, q_lat, q_rope; cq's row stride, q_lat's and q_rope's batch and
+        # head strides, eps; (B, H, Q, Dn, Dr, C, pdl)
+        qargs = [P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 2), P(bf, 2), i32(1536), i32(512), i32(512),
+                 i32(2304), i32(192), cutlass.Float32(1e-6), S]
         for B, H, Q, Dn, Dr, C, pdl in ((1, 12, 1536, 128, 64, 512, True), (1, 12, 1536, 128, 64, 512, False),
                                         (4, 12, 1536, 128, 64, 512, True), (1, 6, 1536, 128, 64, 512, True),
-                                        (3, 2, 264, 16, 8, 64, False)):
+                                        (3, 3, 264, 32, 16, 64, False)):
             cases.append((f"mla_query B{B} H{H} Q{Q} C{C}" + (" pdl" if pdl else ""),
                           lambda B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C, pdl=pdl: kq._kernel_class()(B, H, Q, Dn, Dr, C, pdl),
                           qargs))
