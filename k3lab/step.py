@@ -728,8 +728,12 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         st = L.state
 
         be_in, be_uq, be_o = pb(w_in, "in_proj"), pb(w.w_uq, "q_proj", prologue=fuse_pro), pb(w.w_o, "out_proj")
-        # the whole query step (q_norm, Wuq, Wuk) as one CuTe launch where the GEMV takes Wuq (proj_cute)
-        q_one = be_uq == "cute" and N <= MLA_QUERY_MAX_TOKENS
+        # the whole query step (q_norm, Wuq, Wuk) as one CuTe launch where the GEMV takes Wuq (proj_cute) and the
+        # kernel takes the shape (small test models' rope width of 8 does not: they keep the three launches)
+        from k3lab.ops import mla as mla_ops
+
+        q_one = (be_uq == "cute" and N <= MLA_QUERY_MAX_TOKENS
+                 and mla_ops.query_supports("cute", dict(B=N, Dn=Dn, Dr=Dr, C=C)) is None)
 
         def in_proj():
             trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be_in)

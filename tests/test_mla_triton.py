@@ -166,11 +166,11 @@ def test_cache_write_T_and_empty_history(T):
 
 def test_registry_entries():
     ops = {o.name for o in registry.ops_of("mla")}
-    assert ops == {"mla_decode", "mla_combine", "mla_cache_write"}
+    assert ops == {"mla_decode", "mla_combine", "mla_cache_write", "mla_query"}
     for op in registry.ops_of("mla"):
-        assert op.floor_bw in ("read", "copy") and op.test_file == "tests/test_mla_triton.py"
-        want = ({"reference", "torch_compile", "triton"} | ({"aiter"} if op.name == "mla_decode" else set())
-                | ({"cute"} if op.name in ("mla_cache_write", "mla_combine") else set()))
+        assert op.floor_bw in ("read", "copy")
+        assert op.test_file == ("tests/test_mla_query.py" if op.name == "mla_query" else "tests/test_mla_triton.py")
+        want = ({"reference", "torch_compile", "triton"} | ({"aiter"} if op.name == "mla_decode" else {"cute"}))
         assert set(op.backends) == want
         for case in op.cases():
             assert op.nbytes(case) > 0 and op.flops(case) > 0
@@ -188,7 +188,7 @@ def test_bench_runs_on_cpu():
     bd = runner.run("mla", grid=dict(heads=(12,), batch=(1,), context=(16,), partitions=(2,)), backends=("triton",),
                     peers=False, reps=1, log=lambda s: None)
     rows = {r.extra["op"]: r for r in bd.rows}
-    assert set(rows) == {"mla_decode", "mla_combine", "mla_cache_write"}
+    assert set(rows) == {"mla_decode", "mla_combine", "mla_cache_write", "mla_query"}
     assert all(r.error["ok"] for r in rows.values()), [r.error for r in rows.values()]
 
 

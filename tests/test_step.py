@@ -153,6 +153,12 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     st.comps[1]["in_proj"][0]()
     st.comps[1]["decay_proj"][0]()
     assert seen == [("group", "cute"), ("proj", "cute")]
+    # the tiny preset's rope width (8) is not the one-launch query kernel's (a multiple of 16): the MLA query step
+    # keeps its three launches, Wuq on the GEMV (the H200 headline's numerics section refused here, 2026-12-03)
+    mla = st.layers[3]
+    assert mla.kind == "mla" and mla.ran["q_proj"] == "triton+cute"
+    st.comps[3]["q_proj"][0]()
+    assert seen[-1] == ("proj", "cute")
     st.set_switches(FUSED)
     assert kda.ran["in_proj"] == "triton" and "proj_cute" not in st.why
     two = S.DecodeStep(_tiny(batch=2, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
@@ -644,14 +650,16 @@ def test_gpu_step_moe_switches_capture_and_match(names):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fuse", [True, False])
-def test_gpu_step_numerics_tiny(fuse):
+@pytest.mark.parametrize("fuse,proj_cute", [(True, False), (False, False), (False, True)])
+def test_gpu_step_numerics_tiny(fuse, proj_cute):
     """The fused step on the GPU against the fp64 build over 2 steps at the tiny preset (the notebook's numerics
     section), with the prologues fused and not: every layer finite and within NUMERICS_TOL. (The ninth session's
     H200 bundle showed non-finite output from the first MoE layer on; the CPU interpreter of the same code does
     not: docs/NOTES_step.md.)"""
+    if proj_cute:
+        pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) not installed")
     view = preset("tiny", batch=1, context=64, expert_dtype="mxfp4")
-    num = S.step_numerics(view, FUSED.replace(fuse_prologues=fuse), n_steps=2)
+    num = S.step_numerics(view, FUSED.replace(fuse_prologues=fuse, proj_cute=proj_cute), n_steps=2)
     errs = [e[-1] for e in num["rel_err"]]
     assert all(math.isfinite(e) and e < S.NUMERICS_TOL for e in errs), errs
 

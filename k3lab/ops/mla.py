@@ -255,8 +255,10 @@ def query_supports(backend: str, shape: dict) -> str | None:
         from k3lab_kernels.cute.mla_query import DN_ALLOWED
 
         Dn, Dr = shape.get("Dn", shape.get("nope", 128)), shape.get("Dr", shape.get("rope", DR))
-        if Dn not in DN_ALLOWED or Dr % 16:
-            return f"Dn {Dn} not in {DN_ALLOWED} or Dr {Dr} not a multiple of 16 (cute: clusters of 16-row CTAs)"
+        if Dn not in DN_ALLOWED:
+            return f"Dn {Dn} not in {DN_ALLOWED} (cute: one cluster of Dn / 16 CTAs a head)"
+        if Dr % 16:
+            return f"Dr {Dr} not a multiple of 16 (cute: 16-row CTAs)"
 
     B, Dn, Dr, Cl = shape.get("B", shape.get("batch", 1)), shape.get("Dn", shape.get("nope", 128)), \
         shape.get("Dr", shape.get("rope", DR)), shape.get("C", shape.get("latent", C))
