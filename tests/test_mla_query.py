@@ -125,6 +125,15 @@ def test_auto_passes_over_the_kernels_beyond_their_limits():
     d = OP.make_inputs(OP.case(**{**SMALL, "batch": 1}), 0, "cpu")
     mla.query(d["cq"], d["q_norm"], d["w_uq"], d["w_uk"], backend="auto", ran=ran)
     assert ran[-1].op == "mla_query" and ran[-1].backend in ("triton", "reference")
+    # data/mla_defaults.json (profiles/h200/mla_query.json.gz): cute up to batch 4, the Triton twin where CuTe DSL
+    # cannot run, the reference above batch 4
+    from k3lab import policy
+
+    assert policy.rule("mla", "query", 1)["backend"] == "cute" and policy.rule("mla", "query", 4)["backend"] == "cute"
+    assert policy.rule("mla", "query", 5)["backend"] == "reference"
+    pick = policy.choose("mla", "query", 2, 1, lambda b: b != "cute")
+    assert pick[0] == "triton" and "fallback" in pick[2]
+    assert policy.choose("mla", "query", 8, 1, lambda b: True)[0] == "reference"
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def _kernel_class():
                 d = Dn + (rc - h * self.RP) * _CTA_ROWS + _ROWS * warp
             live = h < self.H                                     # padding CTAs of the last cluster: nothing
             n = h * R + d
-            alloc = cutlass.utils.SmemAllocator()
+            alloc = cutlass.memory.SmemAllocator()
             s_part = alloc.allocate_tensor(Float32, cute.make_layout(_WARPS * B * C), byte_alignment=16)
             s_slot = alloc.allocate_tensor(Float32, cute.make_layout(NP * B * CS), byte_alignment=16)
             if cutlass.const_expr(NP > 1):
