@@ -119,7 +119,6 @@ class Layer:
         self._group_of: dict[str, str] = {}
         self._groups: dict[str, str] = {}
         self.ran: dict[str, str] = {}  # component -> backend it runs under
-        self.kda_w_fb = None  # the decay's second factor when the KDA decode applies it (the step's fused path)
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
         self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
@@ -364,7 +363,7 @@ class Layer:
             from k3lab.components import kda  # written by another engineer; imported when first run
             if self.T == 1:
                 kda.decode(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"], backend=be,
-                           tile_v=tile_v, pdl=self.switches.kda_pdl, w_fb=self.kda_w_fb)
+                           tile_v=tile_v, pdl=self.switches.kda_pdl)
             else:
                 kda.verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"],
                            state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v,

@@ -565,25 +565,6 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 
 PROJ_CUTE_MAX_TOKENS = 1
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
-KDA_FB_MAX_TOKENS = 1           # the decay's second factor inside the CuTe KDA decode (its W_fb row in registers)
-
-
-def kda_fb_in_core(L, be_fb: str, N: int, R: int, Dh: int) -> bool:
-    """Whether the KDA layer `L` runs its decay's second factor (W_fb) inside the CuTe KDA decode kernel instead of
-    a projection launch before it: where `proj_cute` puts W_fb on the CuTe GEMV (`be_fb` "cute"), at one position
-    of up to KDA_FB_MAX_TOKENS tokens, with bf16 weights and the KDA decode resolving to the cute backend for this
-    shape (rank a multiple of 8 up to 256, head_dim 128)."""
-    if be_fb != "cute" or N > KDA_FB_MAX_TOKENS or L.T != 1 or L.w.attn.w_fb.dtype != torch.bfloat16:
-        return False
-    from k3lab.components import dispatch
-    from k3lab.switches import BackendUnavailable
-
-    try:
-        be, _, _ = dispatch.select("kda_decode", L.switches.backend["kda"], B=L.B, T=1,
-                                   shape=dict(D=Dh, W=L.w.attn.params.conv_kernel, T=1, R=R))
-    except BackendUnavailable:
-        return False
-    return be == "cute"
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
@@ -664,7 +645,6 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     from k3lab.components import mla as mla_comp
     from k3lab.model import _nb
 
-    L.kda_w_fb = None  # set below where the KDA decode takes the decay's second factor (kda_fb_in_core)
     if "proj" not in over:
         return comps
     be = over["proj"]
@@ -710,13 +690,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         R = w.w_fa.shape[0]
         qkv, g, fa, beta = buf(3 * H * Dh), buf(H * Dh), buf(R), buf(H)
         b["qkv"], b["gate"], b["b"] = qkv.view(*lead, -1), g.view(*lead, -1), beta.view(*lead, -1)
+        f = buf(H * Dh)
+        b["f"] = f.view(*lead, -1)
         be_in, be_fb, be_o = pb(w_in, "in_proj"), pb(w.w_fb, "decay_proj"), pb(w.w_o, "out_proj")
-        # the decay's second factor inside the CuTe KDA kernel where the GEMV takes W_fb (proj_cute) at one token
-        # and the KDA decode runs on cute: one launch a layer fewer (kda_fb_in_core)
-        fb_core = kda_fb_in_core(L, be_fb, N, R, Dh)
-        L.kda_w_fb = w.w_fb if fb_core else None
-        f = None if fb_core else buf(H * Dh)
-        b["f"] = fa.view(*lead, -1) if fb_core else f.view(*lead, -1)
 
         def in_proj():
             trunk.proj_group(flat(b["h"]), w_in, [qkv, g, fa, beta], backend=be_in)
@@ -730,12 +706,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
         if pf:
             out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
-        if fb_core:  # kda_core reads fa and W_fb in place of f
-            core, nb_core, fl_core = comps["kda_core"]
-            out["kda_core"] = (core, nb_core + _nb(w.w_fb) + N * (R - H * Dh) * e, fl_core + 2 * N * R * H * Dh)
-        else:
-            out["decay_proj"] = (decay, mm_bytes(w.w_fb, R, H * Dh), 2 * N * R * H * Dh)
-            out["kda_core"] = comps["kda_core"]
+        out["decay_proj"] = (decay, mm_bytes(w.w_fb, R, H * Dh), 2 * N * R * H * Dh)
+        out["kda_core"] = comps["kda_core"]
         p = buf(D)
 
         def out_proj():

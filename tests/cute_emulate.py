@@ -1775,15 +1775,12 @@ def _early(params, state, conv_state):
 
 
 def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
-               w_fb=None, seed: int = 0):
+               seed: int = 0):
     """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
-    launch's order: nothing but state, conv_state, params (and w_fb, a weight) read, nothing written, before the
-    wait."""
-    _PDL["early"] = _early(params, state, conv_state) | (frozenset() if w_fb is None else {w_fb.data_ptr()})
-    t = dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out)
-    if w_fb is not None:
-        t["w_fb"] = w_fb
-    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, pdl=pdl), t, seed)
+    launch's order: nothing but state, conv_state and params read, nothing written, before the wait."""
+    _PDL["early"] = _early(params, state, conv_state)
+    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, pdl=pdl),
+         dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out), seed)
     return out
 
 

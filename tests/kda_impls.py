@@ -12,7 +12,7 @@ def _a(d):
 
 def decode(fn, **kw):
     def impl(d):
-        fn(*_a(d), **kw, **({"w_fb": d["w_fb"]} if "w_fb" in d else {}))
+        fn(*_a(d), **kw)
     impl.__name__ = f"{getattr(fn, '__module__', '')}.{fn.__name__}{kw}"
     return impl
 
@@ -31,8 +31,8 @@ def prefill(fn, case, **kw):
     return impl
 
 
-def dcase(B, H, decay_rank=0):
-    return DEC.case(heads=H, batch=B, decay_rank=decay_rank)
+def dcase(B, H):
+    return DEC.case(heads=H, batch=B)
 
 
 def vcase(B, H, T, ragged=False):

@@ -294,8 +294,6 @@ def test_layer_with_kda_pdl_names_why_the_reference_kda_layer_cannot_run():
     ("kda_decode", dict(heads=2, batch=1, D=32), "triton", dict(tile_v=8)),
     ("kda_decode", dict(heads=3, batch=3, D=16, state_dtype="bf16"), "triton", dict(tile_v=16)),
     ("kda_decode", dict(heads=2, batch=2, D=16), "reference", {}),
-    ("kda_decode", dict(heads=2, batch=2, D=16, decay_rank=8), "triton", dict(tile_v=16)),
-    ("kda_decode", dict(heads=1, batch=1, D=16, decay_rank=16), "reference", {}),
     ("kda_verify", dict(heads=2, batch=3, D=16, T=3, ragged=True), "triton", dict(tile_v=8)),
     ("kda_verify", dict(heads=1, batch=1, D=32, T=2), "triton", dict(tile_v=32)),
     ("kda_verify", dict(heads=2, batch=3, D=16, T=4, ragged=True), "reference", {}),
@@ -396,25 +394,3 @@ def test_checkpoint_auto_and_the_commit_tile_rule():
     st1, cs1 = st.clone(), cs.clone()
     kda.commit(sh1, chh, n, st1, cs1)
     assert rel(st2, st1) < 1e-5 and torch.equal(cs2, cs1)
-
-
-def test_decode_with_the_decay_factor_records_and_refuses():
-    """w_fb (the decay's second factor, `decay_rank` cases): off the cute backend it is a torch matmul before the
-    kernel, and the record says so; a wrong fa or w_fb is refused by name."""
-    from k3lab import registry
-
-    o = registry.get("kda_decode")
-    d = o.make_inputs(o.case(heads=2, batch=1, D=16, decay_rank=8), 3, DEV)
-    ran: list = []
-    kda.decode(d["qkv"], d["f"], d["b"], d["gate"], d["params"], d["state"], d["conv_state"], d["out"],
-               backend="reference", w_fb=d["w_fb"], ran=ran)
-    assert "torch matmul" in str(ran[-1].options["decay_rank"])
-    with pytest.raises(kda.KDAArgumentError, match="'f'"):
-        kda.decode(d["qkv"], d["f"][:, :4].contiguous(), d["b"], d["gate"], d["params"], d["state"],
-                   d["conv_state"], backend="reference", w_fb=d["w_fb"])
-    with pytest.raises(kda.KDAArgumentError, match="'w_fb'"):
-        kda.decode(d["qkv"], d["f"], d["b"], d["gate"], d["params"], d["state"], d["conv_state"],
-                   backend="reference", w_fb=d["w_fb"][:-1])
-    from k3lab.ops.kda import cute_supports
-
-    assert cute_supports("cute", dict(D=128, R=128)) is None and "rank" in cute_supports("cute", dict(D=128, R=12))

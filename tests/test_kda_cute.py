@@ -111,11 +111,3 @@ def test_kda_decode_pdl(B, H, tile_v):
     """Programmatic dependent launch (kda_pdl): launched while the previous kernel on the stream may still
     run; same contract as the plain launch."""
     check_decode(B, H, seed=B * 11 + H + tile_v, tile_v=tile_v, pdl=True)
-
-
-@pytest.mark.parametrize("B,tile_v,pdl", [(1, 16, True), (1, 16, False), (1, 128, True), (2, 16, True)])
-def test_kda_decode_decay_factor_in_the_kernel(B, tile_v, pdl):
-    """w_fb (K3's decay rank 128, TP8 heads): the decay's second factor in the kernel, against fp64."""
-    r = checker.require(checker.check(K.DEC, K.dcase(B, 12, decay_rank=128), seed=B + tile_v,
-                                      impl=K.decode(kda_decode, tile_v=tile_v, pdl=pdl)))
-    assert r.inputs_unchanged

@@ -52,19 +52,6 @@ def test_default_row_warps_rule():
     assert kv.default_row_warps(64, 64, 12, 4) == 4 and kv.default_row_warps(32, 8, 12, 4) == 4
 
 
-def test_decay_factor_refusals():
-    """w_fb is checked by name before anything runs: its shape, its rank (a multiple of 8 up to MAX_DECAY_RANK)."""
-    from k3lab_kernels.cute import kda_decode as kd
-    inp, p, st, cs = ref.make_kda_inputs(1, 1, 128, seed=0)
-    out = torch.empty(1, 128, dtype=torch.bfloat16)
-    fa = torch.zeros(1, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="w_fb"):
-        kd.kda_decode(inp["qkv"], fa, inp["b"], inp["gate"], p, st, cs, out, w_fb=torch.zeros(64, 16))
-    with pytest.raises(NotImplementedError, match="rank"):
-        kd.kda_decode(inp["qkv"], fa, inp["b"], inp["gate"], p, st, cs, out,
-                      w_fb=torch.zeros(128, 12, dtype=torch.bfloat16))
-
-
 def test_tile16_refuses_one_row_warp():
     with pytest.raises(ValueError, match="row_warps"):
         kv.kda_verify(*_args(), tile_v=16, row_warps=1)
@@ -81,10 +68,10 @@ def test_pdl_must_be_a_bool():
 
 
 def test_public_signatures():
-    """Only the switches users toggle: tile_v and pdl (decode, and w_fb: the decay's second factor in the kernel);
-    lengths, tile_v, row_warps, pdl and checkpoint (verify)."""
+    """Only the switches users toggle: tile_v and pdl (decode); lengths, tile_v, row_warps, pdl and checkpoint
+    (verify)."""
     from k3lab_kernels.cute import kda_decode as kd
     head = ["qkv", "f", "b", "gate", "params", "state", "conv_state", "out"]
-    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl", "w_fb"]
+    assert list(inspect.signature(kd.kda_decode).parameters) == head + ["tile_v", "pdl"]
     assert list(inspect.signature(kv.kda_verify).parameters) == head + ["state_hist", "conv_hist", "lengths",
                                                                         "tile_v", "row_warps", "pdl", "checkpoint"]

@@ -61,17 +61,6 @@ def test_decode(tile_v, B, H):
     _assert_ok(check_decode(B, H, seed=tile_v + B + H, tile_v=tile_v))
 
 
-@pytest.mark.parametrize("tile_v,B,R,pdl", [(16, 1, 16, True), (128, 2, 8, False), pytest.param(64, 1, 24, True,
-                                                                                                 marks=slow)])
-def test_decode_decay_factor_in_the_kernel(tile_v, B, R, pdl):
-    """w_fb: the decay's second factor applied in the kernel (fa W_fb^T in fp32; W_fb read before the wait under
-    pdl, which the emulator's order check allows for it only), against the fp64 reference of f = fa W_fb^T."""
-    r = checker.check(K.DEC, K.dcase(B, 1, decay_rank=R), seed=R + tile_v, device="cpu",
-                      impl=K.decode(emulate.run_decode, tile_v=tile_v, pdl=pdl))
-    _assert_ok(r)
-    assert r.inputs_unchanged
-
-
 @pytest.mark.parametrize("tile_v", [128, pytest.param(64, marks=slow), pytest.param(32, marks=slow),
                                     pytest.param(16, marks=slow)])
 def test_decode_large_grid(tile_v, large_grid):

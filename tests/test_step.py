@@ -166,36 +166,6 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     assert "proj_cute=False->True" in dict(S.toggle_list(FUSED, st.switches))
 
 
-def test_decay_factor_in_the_kda_kernel_same_output(monkeypatch):
-    """Where the CuTe KDA decode takes the decay's second factor (`kda_fb_in_core`: proj_cute's GEMV on W_fb, one
-    token, the kda backend resolving to cute; forced here, the tiny preset runs the triton KDA kernel, which is
-    handed f = fa W_fb^T in fp32) the layer has no decay_proj launch, kda_core reads fa and W_fb, and the layer's
-    KDA output and state are the two-launch layer's up to the decay input's bf16 rounding (interpreter, tiny)."""
-    from k3lab.harness.numerics import rel_norm_error
-
-    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED, device="cpu")
-    L = st.layers[1]
-    h = torch.randn(tuple(L.buf["h"].shape), generator=torch.Generator().manual_seed(3)).to(st.dtype)
-    s0, c0 = L.state.state.clone(), L.state.conv_state.clone()
-    outs = []
-    for fused in (False, True):
-        monkeypatch.setattr(S, "kda_fb_in_core", lambda *a, _f=fused: _f)
-        st.set_switches(FUSED)
-        L.state.state.copy_(s0)
-        L.state.conv_state.copy_(c0)
-        L.buf["h"].copy_(h)
-        assert ("decay_proj" in st.comps[1]) is not fused and (L.kda_w_fb is not None) is fused
-        for name in ("in_proj", "decay_proj", "kda_core"):
-            if name in st.comps[1]:
-                st.comps[1][name][0]()
-        outs.append((L.buf["o"].clone(), L.state.state.clone()))
-    (o0, S0), (o1, S1) = outs
-    assert torch.isfinite(o1).all() and rel_norm_error(o1.double(), o0.double()) < 1e-2
-    assert rel_norm_error(S1.double(), S0.double()) < 1e-2
-    monkeypatch.undo()
-    assert not S.kda_fb_in_core(L, "triton", 1, 16, 16) and not S.kda_fb_in_core(L, "cute", 2, 16, 16)
-
-
 def test_fuse_prologues_switch_same_output():
     """fuse_prologues=False (the default) runs the norms and SiTU as launches of their own (the MoE output:
     routed_norm and SiTU-GLU into the two segments of one input, then one projection over [Wup | w2]) and gives the

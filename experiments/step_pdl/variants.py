@@ -6,8 +6,7 @@ through the one timer (whole step, one CUDA graph; tp8, one AttnRes block, MXFP4
 `cute` (default): the `pdl` switch with the CuTe DSL AttnRes and router (what `auto` picks when CuTe DSL is
 installed) against the Triton ones (the router's selection then fused into the MoE input projection at <= 16
 tokens), and pdl + split_router + owned_output. `pdl`: plain launches, pdl, plain again (the first measurement,
-made without CuTe DSL). `kda`: the headline switches (pdl, proj_cute) without and with `kda_pdl`, twice.
-Writes OUT/step_variants-<set>.json (environment, switches and samples per variant) and
+made without CuTe DSL). Writes OUT/step_variants-<set>.json (environment, switches and samples per variant) and
 prints a table.
 """
 import json
@@ -31,11 +30,6 @@ SETS["cute"] = (
     ("pdl, both triton", dict(pdl=True, backend_router="triton", backend_attnres="triton")),
     ("pdl+split+owned", dict(pdl=True, split_router=True, owned_output=True)),
 )
-# `kda`: notebook 06's headline switches (pdl, proj_cute) with the CuTe KDA kernel launched plainly and with PDL
-# (`kda_pdl`), alternated twice in one build (twenty-second session)
-_HEAD = dict(pdl=True, proj_cute=True)
-SETS["kda"] = (("headline", _HEAD), ("headline+kda_pdl", dict(_HEAD, kda_pdl=True)), ("headline again", _HEAD),
-               ("headline+kda_pdl again", dict(_HEAD, kda_pdl=True)))
 
 
 def main(out: str, which: str, batches: list[int]) -> None:
@@ -58,8 +52,7 @@ def main(out: str, which: str, batches: list[int]) -> None:
             t = S.time_step(st, reps=20, warmup=3)
             rows.append(dict(batch=B, variant=name, switches=over, backends=dict(st.switches.backend),
                              median_us=t.median_us, samples_us=list(t.samples_us), kind=t.kind, err_vs_first=err,
-                             why={k: v for k, v in st.why.items() if k in ("attnres", "router", "pdl", "kda")},
-                             ran_kda=[str(L.ran.get("kda_core")) for L in st.layers if L.kind == "kda"][:1]))
+                             why={k: v for k, v in st.why.items() if k in ("attnres", "router", "pdl")}))
             print(f"B={B:3d} {name:22s} {t.median_us:9.1f} us  {t.kind}  err {err:.2e}  "
                   f"attnres={st.switches.backend['attnres']} router={st.switches.backend['router']}", flush=True)
     with open(f"{out}/step_variants-{which}.json", "w") as f:

@@ -157,45 +157,19 @@ def _sd(state):
 
 
 def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="reference", tile_v=None,
-           num_warps=None, pdl=False, w_fb=None, ran=None):
+           num_warps=None, pdl=False, ran=None):
     """One position: updates `state` (fp32/bf16) and `conv_state` (bf16) in place, writes out [B,H*D]
     bf16 and returns it. tile_v: value columns per program (triton/cute only; validated always);
     None = the whole head (D, i.e. 128 for K3) or the auto rule's. pdl (cute only): launch with
     programmatic dependent launch; the kernel directly before on the stream must not write `state` /
-    `conv_state` (see k3lab_kernels.cute.kda_decode). w_fb [H*D, R] bf16: the decay's second factor, with `f`
-    its first factor's output fa [B, R] (the decay input is fa W_fb^T): the cute kernel applies it in its own
-    launch (R a multiple of 8 up to 256); the other backends multiply first (fp32, rounded to bf16 as the
-    projection would) and record it. ran: a list to append the record of what ran to."""
-    R = 0
-    if w_fb is not None:
-        if not isinstance(w_fb, torch.Tensor) or w_fb.dim() != 2:
-            _fail("w_fb", f"expected the decay's second factor [H*D, R], got {getattr(w_fb, 'shape', w_fb)!r}")
-        R = w_fb.shape[1]
-        if not isinstance(f, torch.Tensor) or f.dim() != 2 or f.shape[1] != R:
-            _fail("f", f"with w_fb [H*D, {R}] f must be the decay's first factor's output [B, {R}], got "
-                       f"{tuple(getattr(f, 'shape', ()))}")
-        _check("w_fb", w_fb, (params.heads * params.head_dim, R), (torch.bfloat16,), qkv.device)
-        _check("f", f, (qkv.shape[0], R), (torch.bfloat16,), qkv.device)
-    f_full = f if not R else torch.empty(qkv.shape[0], w_fb.shape[0], dtype=torch.bfloat16, device=qkv.device)
-    B, _, H, D, W = _validate(qkv, f_full, b, gate, params, state, conv_state)
-    be, opts, why = dispatch.select("kda_decode", backend, B=B, T=1, shape=dict(D=D, W=W, T=1, R=R))
-    if tile_v is None and opts.get("tile_v") and opts["tile_v"] <= D:
-        tile_v = opts["tile_v"]
+    `conv_state` (see k3lab_kernels.cute.kda_decode). ran: a list to append the record of what ran to."""
+    B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
+    be, tile_v, why = _select("kda_decode", backend, B, 1, tile_v, D, W)
     _check_pdl(pdl, be)
     tile_v = _check_tile(tile_v, D, 128)
     out = _out(out, (B, H * D), qkv.device)
     rec = dict(op="kda_decode", backend_requested=backend, backend=be, why=why, shape=dict(B=B, H=H, D=D),
-               options=dict(tile_v=tile_v, state_dtype=_sd(state), pdl=pdl, decay_rank=R))
-    if R and be == "cute":
-        dispatch.kernel("kda_decode", be)(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=pdl,
-                                          w_fb=w_fb)
-        dispatch.record(ran, kernel=dispatch.kernel_path("kda_decode", be), **rec,
-                        notes="the decay's second factor in the kernel (fp32)")
-        return out
-    if R:  # the other backends: the factor as a torch matmul first (a launch of its own), kept in fp32 as the cute
-        # kernel keeps it (the kernels read f as given and widen it)
-        f = f.float() @ w_fb.float().T
-        rec["options"]["decay_rank"] = f"{R} (torch matmul before the kernel, fp32)"
+               options=dict(tile_v=tile_v, state_dtype=_sd(state), pdl=pdl))
     if be == "triton":
         from k3lab_kernels.triton.kda_decode import default_num_warps
         dispatch.kernel("kda_decode", be)(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v,

@@ -80,11 +80,6 @@ def _commit_counts(c: Case) -> list[int]:
 
 def _case_bytes(c: Case) -> int:
     sb = 4 if c.get("state_dtype", "fp32") == "fp32" else 2
-    R = c.get("decay_rank", 0)
-    if c.op == "kda_decode" and R:  # fa [B, R] and W_fb [HD, R] in place of f [B, HD]
-        HD = c["heads"] * c.get("D", 128)
-        return (kda_bytes(c["batch"], c["heads"], 1, D=c.get("D", 128), state_bytes=sb)
-                + (R * (HD + c["batch"]) - c["batch"] * HD) * 2)
     if c.op == "kda_commit":
         ck = c["checkpoint"]
         rep = sum(ref.replay_plan(n, c["T"], ck)[2] for n in _commit_counts(c))
@@ -119,16 +114,7 @@ def _args(d: dict, dtype=None) -> list:
 
 
 def make_decode(case: Case, seed: int, device: str) -> dict:
-    """decay_rank R > 0: the decay's second factor in the kernel: `f` holds its first factor's output fa [B, R]
-    and `w_fb` [HD, R] the factor (fa W_fb^T ~ N(0, 1), the scale of the plain case's f)."""
-    d = _make(case, seed, device, None)
-    R = case.get("decay_rank", 0)
-    if R:
-        g = torch.Generator().manual_seed(seed + 29)
-        B, HD = d["f"].shape
-        d["f"] = torch.randn(B, R, generator=g).to(torch.bfloat16).to(device)
-        d["w_fb"] = (torch.randn(HD, R, generator=g) * R ** -0.5).to(torch.bfloat16).to(device)
-    return d
+    return _make(case, seed, device, None)
 
 
 def make_verify(case: Case, seed: int, device: str) -> dict:
@@ -153,10 +139,7 @@ def make_prefill(case: Case, seed: int, device: str) -> dict:
 
 def ref_decode(d: dict, case: Case) -> dict:
     f64 = torch.float64
-    a = _args(d, f64)
-    if "w_fb" in d:  # f = fa W_fb^T, exactly
-        a[1] = a[1] @ d["w_fb"].to(f64).T
-    o, S, cs = ref.kda_decode(*a, d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
+    o, S, cs = ref.kda_decode(*_args(d, f64), d["params"].to(f64), d["state"].to(f64), d["conv_state"].to(f64),
                               dtype=f64, out_dtype=f64)
     return dict(out=o, state=S, conv_state=cs)
 
@@ -230,7 +213,7 @@ def call_decode(d: dict, case: Case, backend: str, opts: dict, ran: list | None 
     from k3lab.components import kda
 
     return kda.decode(*_args(d), d["params"], d["state"], d["conv_state"], d["out"], backend=backend, ran=ran,
-                      w_fb=d.get("w_fb"), **opts)
+                      **opts)
 
 
 def call_verify(d: dict, case: Case, backend: str, opts: dict, ran: list | None = None):
@@ -547,9 +530,6 @@ def cute_supports(backend: str, shape: dict) -> str | None:
         return f"the CuTe kernels need head_dim 128 (got {shape['D']})"
     if shape.get("W", 4) != 4:
         return f"the CuTe kernels need conv width 4 (got {shape['W']})"
-    R = shape.get("R", 0)
-    if R and (R % 8 or R > 256):
-        return f"the CuTe decode takes the decay's second factor at rank a multiple of 8 up to 256 (got {R})"
     return None
 
 
@@ -570,7 +550,7 @@ _TILE_DEFAULTS = {"num_warps": (None,)}
 register(Op(
     name="kda_decode", component="kda", policy_key="decode",
     doc="one position: conv update + silu + q/k l2norm + gate + beta + delta rule + gated RMSNorm",
-    axes=dict(_AXES, T=(1,), decay_rank=(0,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS,
+    axes=dict(_AXES, T=(1,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS,
     make_inputs=make_decode, reference=ref_decode, written=("out",), updated=("state", "conv_state"),
     tolerances=tolerances, tolerance_why=WHY, call=call_decode,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
@@ -578,8 +558,7 @@ register(Op(
               "torch_compile": "k3lab.components.kda:ref_decode_fp32",
               "triton": "k3lab_kernels.triton.kda_decode:kda_decode",
               "cute": "k3lab_kernels.cute.kda_decode:kda_decode"},
-    peers=lambda c: ([] if c.get("decay_rank") else fla_peers(c) + flashinfer_peer(c)) + copy_peer(c),
-    valid=lambda c: c["T"] == 1, variants=_PDL,
+    peers=lambda c: fla_peers(c) + flashinfer_peer(c) + copy_peer(c), valid=lambda c: c["T"] == 1, variants=_PDL,
     test_file="tests/test_kda_component.py", supports=cute_supports,
 ))
 

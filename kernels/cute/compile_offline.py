@@ -119,18 +119,13 @@ def _cases(only: str | None, quick: bool):
                  P(bf, 2), P(bf, 8), P(f32), P(bf, 2), P(i32, 4), S]
     if only in (None, "decode"):
         from kernels.cute import kda_decode as kd
-        dec_args = step_args[:-1] + [P(bf, 16), S]  # + p_wfb (the decay's second factor, read when rank > 0)
-        fb_args = dec_args[:1] + [P(bf, 16)] + dec_args[2:]  # fa 16-byte aligned with it
         for B in (1, 64):  # a resident grid (fast) / a larger one
             for tv in kd.TILES:
                 cases.append((f"decode B{B} tile{tv}",
-                              lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv), dec_args))
+                              lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv), step_args))
         for B, tv in ((1, 16), (64, 128)):  # programmatic dependent launch
             cases.append((f"decode B{B} tile{tv} pdl",
-                          lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv, pdl=True), dec_args))
-        for tv, pdl in ((16, True), (16, False), (128, True)):  # the decay's second factor in the kernel, rank 128
-            cases.append((f"decode B1 tile{tv} fb128" + (" pdl" if pdl else ""),
-                          lambda tv=tv, pdl=pdl: kd._kernel_class()(1, H, 1e-6, -5.0, tv, pdl=pdl, rank=128), fb_args))
+                          lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv, pdl=True), step_args))
     if only in (None, "verify"):
         from kernels.cute import kda_verify as kv
         # B = 1: one CTA per SM (preload, delay) and the batched prologue; B = 16: the batched prologue under

@@ -53,10 +53,8 @@ _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
 _RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
-# the decay's second factor in the kernel (`w_fb`): its rank, a multiple of 8 up to this (a thread holds its row)
-MAX_DECAY_RANK = 256
 
-__all__ = ["MAX_DECAY_RANK", "TILES", "cute_available", "kda_decode"]
+__all__ = ["TILES", "cute_available", "kda_decode"]
 
 
 def _resident_grid(ctas: int) -> bool:
@@ -227,12 +225,9 @@ def _kernel_class():
     class KDADecodeKernel:
         """One CTA (or a cluster of 128 / tile_v CTAs) per (b, h); state and conv_state updated in place."""
 
-        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False,
-                     rank: int = 0):
+        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False):
             assert tile_v in TILES, tile_v
-            assert rank == 0 or (rank % 8 == 0 and rank <= MAX_DECAY_RANK), rank
             self.B, self.H = B, H
-            self.RK = int(rank)         # > 0: the decay's second factor in the kernel (p_f holds fa [B, RK])
             self.eps, self.lb = float(eps), float(lower_bound)
             self.TV = tile_v            # value columns per CTA
             self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
@@ -262,14 +257,14 @@ def _kernel_class():
                      p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
                      p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                      p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
-                     p_chist: cute.Pointer, p_len: cute.Pointer, p_wfb: cute.Pointer, stream: cuda.CUstream):
+                     p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
             if cutlass.const_expr(self.NC == 1):
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
-                            p_out, p_shist, p_chist, p_len, p_wfb).launch(
+                            p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
             else:
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
-                            p_out, p_shist, p_chist, p_len, p_wfb).launch(
+                            p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H * self.NC, self.B, 1], block=[_THREADS, 1, 1],
                     cluster=[self.NC, 1, 1], stream=stream, use_pdl=self.pdl)
 
@@ -278,9 +273,8 @@ def _kernel_class():
                    p_gate: cute.Pointer, p_convw: cute.Pointer, p_alog: cute.Pointer,
                    p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                    p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
-                   p_chist: cute.Pointer, p_len: cute.Pointer, p_wfb: cute.Pointer):
-            # (p_shist, p_chist, p_len: verify's history and lengths pointers, unused at T = 1; p_wfb: the
-            # decay's second factor W_fb [H D, RK], read only when RK > 0)
+                   p_chist: cute.Pointer, p_len: cute.Pointer):
+            # (p_shist, p_chist, p_len: verify's history and lengths pointers, unused at T = 1)
             D = _D
             H = self.H
             HD = H * D
@@ -368,11 +362,6 @@ def _kernel_class():
             # output-norm weights for warp 0's 4 value columns
             r_onw_raw = cute.make_rmem_tensor((4,), p_onw.dtype)
             cute.autovec_copy(vec(p_onw, cute.assume(col0, divby=4), 4), r_onw_raw)
-            # RK > 0: row h D + c of W_fb (a weight: before the wait), for the decay input of key row c
-            wfb = None
-            if cutlass.const_expr(self.RK > 0):
-                wfb = cute.make_rmem_tensor((self.RK,), p_wfb.dtype)
-                cute.autovec_copy(vec(p_wfb, cute.assume((h * D + c) * self.RK, divby=8), self.RK), wfb)
 
             if cutlass.const_expr(self.pdl):
                 # the previous kernel on the stream produced the activations (and may read `out`): wait
@@ -383,28 +372,15 @@ def _kernel_class():
 
             # the activations now (no global load waits behind a barrier)
             qkv_g = cute.make_tensor(p_qkv, cute.make_layout(self.B * C))
+            f_g = cute.make_tensor(p_f, cute.make_layout(self.B * HD))
             b_g = cute.make_tensor(p_b, cute.make_layout(self.B * H))
             x1 = cute.make_rmem_tensor((1,), p_qkv.dtype)
             x2 = cute.make_rmem_tensor((1,), p_qkv.dtype)
+            f_r = cute.make_rmem_tensor((1,), p_f.dtype)
             b_r = cute.make_rmem_tensor((1,), p_b.dtype)
             gate_r = cute.make_rmem_tensor((4,), p_gate.dtype)
             x1[0] = qkv_g[bb * C + ch1]
-            if cutlass.const_expr(self.RK > 0):
-                # f[b, h D + c] = fa[b] . W_fb[h D + c] in fp32 (8 running sums over fa's 16-byte pieces, then
-                # a fixed tree): every thread of key row c forms it, the decay's thread uses it
-                f_r = cute.make_rmem_tensor((1,), Float32)
-                fa_c = cute.make_rmem_tensor((8,), p_f.dtype)
-                f8 = cute.make_rmem_tensor((8,), Float32)
-                f8.fill(0.0)
-                for j0 in cutlass.range_constexpr(self.RK // 8):
-                    cute.autovec_copy(vec(p_f, cute.assume(bb * self.RK + j0 * 8, divby=8), 8), fa_c)
-                    for j in cutlass.range_constexpr(8):
-                        f8[j] = f8[j] + wfb[j0 * 8 + j].to(Float32) * fa_c[j].to(Float32)
-                f_r[0] = ((f8[0] + f8[1]) + (f8[2] + f8[3])) + ((f8[4] + f8[5]) + (f8[6] + f8[7]))
-            else:
-                f_r = cute.make_rmem_tensor((1,), p_f.dtype)
-                f_g = cute.make_tensor(p_f, cute.make_layout(self.B * HD))
-                f_r[0] = f_g[bb * HD + h * D + c]
+            f_r[0] = f_g[bb * HD + h * D + c]
             b_r[0] = b_g[bb * H + h]
             cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col0, divby=4), 4), gate_r)
             if lower:
@@ -622,7 +598,7 @@ _F32 = (torch.float32,)
 _PARAM = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T, f_width=None):
+def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T):
     if tile_v not in TILES:
         raise NotImplementedError(f"kda cute: tile_v must be one of {TILES} (got {tile_v})")
     if not isinstance(qkv, torch.Tensor) or qkv.device.type != "cuda":
@@ -639,7 +615,7 @@ def _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, T, f_widt
     lead = (B,) if T is None else (B, T)
     C = 3 * H * D
     _check("qkv", qkv, lead + (C,), _BF16, dev)
-    _check("f", f, lead + (f_width or H * D,), _BF16, dev)
+    _check("f", f, lead + (H * D,), _BF16, dev)
     _check("b", b, lead + (H,), _BF16, dev)
     _check("gate", gate, lead + (H * D,), _BF16, dev)
     _check("state", state, (B, H, D, D), _F32, dev)
@@ -690,51 +666,22 @@ def _params_key(params) -> tuple:
             params.dt_bias.dtype, params.o_norm_w.dtype)
 
 
-def _decay_rank(w_fb, dev, HD: int) -> int:
-    """The rank of the in-kernel decay factor (0 without `w_fb`), its arguments checked by name."""
-    if w_fb is None:
-        return 0
-    if not isinstance(w_fb, torch.Tensor) or w_fb.dim() != 2 or w_fb.shape[0] != HD:
-        raise ValueError(f"kda cute: w_fb must be the decay's second factor [H*D={HD}, rank], got "
-                         f"{tuple(getattr(w_fb, 'shape', ()))}")
-    R = w_fb.shape[1]
-    if R % 8 or not 8 <= R <= MAX_DECAY_RANK:
-        raise NotImplementedError(f"kda cute: w_fb's rank must be a multiple of 8 in 8..{MAX_DECAY_RANK} "
-                                  f"(a thread holds its row), got {R}")
-    _check("w_fb", w_fb, (HD, R), _BF16, dev)
-    if w_fb.data_ptr() % 16:
-        raise ValueError("kda cute: w_fb must start 16-byte aligned (read 16 bytes at a time)")
-    return R
-
-
-def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
-               w_fb=None):
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
     place and writes `out` [B,H*128] bf16. Returns `out`. tile_v: value columns a CTA (TILES).
     pdl=True: programmatic dependent launch (module doc); the kernel directly before this one on the
     stream must not write this call's `state` or `conv_state` (true in a model, where the layer's input
-    projection precedes it; false for two decode steps of the same state back to back).
-    w_fb [H*D, R] bf16 (R a multiple of 8, <= MAX_DECAY_RANK): the decay's second factor applied in the kernel;
-    `f` is then its first factor's output fa [B, R] and the decay input is f = fa W_fb^T in fp32 (each thread
-    reads its row of W_fb before the wait under pdl). Costs R bf16 registers a thread: meant for a grid the GPU
-    holds at once (small batch)."""
+    projection precedes it; false for two decode steps of the same state back to back)."""
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
-    HD = params.heads * params.head_dim
-    R = _decay_rank(w_fb, getattr(qkv, "device", None), HD)
-    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None, f_width=R or None)
+    B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
-    if R and f.data_ptr() % 16:
-        raise ValueError("kda cute: f (fa with w_fb) must start 16-byte aligned (read 16 bytes at a time)")
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    if R:
-        args[1] = _ptr(f, 16)
-    args.append(_ptr(w_fb, 16) if R else args[1])  # unread without w_fb
-    key = ("decode", B, H, tile_v, pdl, R, dev.index) + _params_key(params)
+    key = ("decode", B, H, tile_v, pdl, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl, R),
+        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl),
                            args + [stream])
         fn(*args, stream)
     return out
