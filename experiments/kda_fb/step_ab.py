@@ -6,6 +6,9 @@ KDA_FB_MAX_TOKENS 1 / 0), each with the KDA kernel launched plainly and with pro
 the same input and states, and one profiled eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/kda_fb/step_ab.py $OUT    (PYTHONPATH=$PWD and the cute site)  ->  $OUT/kda_fb_step_ab.json
+
+Runs at `935b662` only (the in-kernel form, `KDA_FB_MAX_TOKENS` and `Layer.kda_w_fb` left the code after this A/B:
+README.md here); kept as it ran.
 """
 import json
 import sys
