@@ -1080,7 +1080,79 @@ def _bits_of_f16(x: float) -> int:
     return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
 
 
-_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32")
+_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.rn.bf16x2.f32")
+
+
+def _bits_of_bf16(x: float) -> int:
+    """Round to bf16, nearest even (NaN kept quiet), and return the bits."""
+    return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """prmt.b32 (default mode): byte i of the result is byte (sel >> 4 i) & 7 of the pair {b (bytes 4..7), a};
+    a selector nibble with bit 3 set replicates that byte's sign bit."""
+    pair = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (pair >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+# ---- the MLA decode's tensor-core product (kernels/cute/mla_decode.py): mma.sync m16n8k16 bf16 -> fp32 -------------
+
+_MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def _bf16_of_bits(h: int) -> float:
+    return _f32_of_bits((h & 0xFFFF) << 16)
+
+
+def _mma_m16n8k16(operands):
+    """The warp-collective MMA: lane (g = lane / 4, t = lane % 4) holds A's (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+    (g+8, 2t+8..) as four bf16 pairs, B's (k = 2t..2t+1, n = g), (k = 2t+8.., n = g) as two, C's (g, 2t..2t+1),
+    (g+8, 2t..) as four fp32; every lane gets its four D values. The products are exact in fp64 and summed with C in
+    fp64, then rounded to fp32 once (the hardware's accumulation order and intermediate widths are not modelled)."""
+    vals = []
+    for i, v in enumerate(operands):
+        if v is None:
+            raise EmulationError(f"mma operand ${i + 4} is an unset register")
+        vals.append(v)
+
+    memo: dict = {}
+
+    def compute(all_vals, lane):
+        if "d" not in memo:
+            memo["d"] = product(all_vals)
+        Dm = memo["d"]
+        g, t = lane // 4, lane % 4
+        return (Float32(_f32(Dm[g, 2 * t])), Float32(_f32(Dm[g, 2 * t + 1])), Float32(_f32(Dm[g + 8, 2 * t])),
+                Float32(_f32(Dm[g + 8, 2 * t + 1])))
+
+    def product(all_vals):
+        A = np.zeros((16, 16))
+        Bm = np.zeros((16, 8))
+        Cm = np.zeros((16, 8))
+        for ln, ops in enumerate(all_vals):
+            g, t = ln // 4, ln % 4
+            a = [int(x) & 0xFFFFFFFF for x in ops[:4]]
+            for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                A[row, col], A[row, col + 1] = _bf16_of_bits(a[r]), _bf16_of_bits(a[r] >> 16)
+            bb = [int(x) & 0xFFFFFFFF for x in ops[4:6]]
+            for r, k in enumerate((2 * t, 2 * t + 8)):
+                Bm[k, g], Bm[k + 1, g] = _bf16_of_bits(bb[r]), _bf16_of_bits(bb[r] >> 16)
+            c = [float(x) for x in ops[6:10]]
+            Cm[g, 2 * t], Cm[g, 2 * t + 1], Cm[g + 8, 2 * t], Cm[g + 8, 2 * t + 1] = c
+        return A @ Bm + Cm
+
+    return _warp_collective(tuple(vals), _MMA_BF16, compute)
+
+
+def _extractvalue(ty, container, position, **kw):
+    return container[position[0]]
 
 
 def _ptx_b32(operands, asm_string, constraints):
@@ -1144,6 +1216,10 @@ def _ptx_b32(operands, asm_string, constraints):
             regs[d] = _bits_of_f32(_fma32(_f32_of_bits(get(a[1])), _f32_of_bits(get(a[2])), _f32_of_bits(get(a[3]))))
         elif op == "cvt.rn.f16x2.f32":
             regs[d] = (_bits_of_f16(_f32_of_bits(get(a[1]))) << 16) | _bits_of_f16(_f32_of_bits(get(a[2])))
+        elif op == "cvt.rn.bf16x2.f32":
+            regs[d] = (_bits_of_bf16(_f32_of_bits(get(a[1]))) << 16) | _bits_of_bf16(_f32_of_bits(get(a[2])))
+        elif op == "prmt.b32":
+            regs[d] = _prmt(get(a[1]), get(a[2]), get(a[3]))
         else:
             raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
     out = regs["$0"]
@@ -1159,6 +1235,8 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
     Anything else raises."""
     import re
 
+    if asm_string.startswith(_MMA_BF16):
+        return _mma_m16n8k16(operands)
     if any(op in asm_string for op in _B32_OPS):
         return _ptx_b32(operands, asm_string, constraints)
 
@@ -1486,6 +1564,13 @@ def _exp2(x, fastmath=False, approx=False, ftz=False):
         return Float32(math.inf)
 
 
+def _log2(x, fastmath=False, approx=False, ftz=False):
+    x = float(x)
+    if x != x or x < 0:
+        return Float32(math.nan)
+    return Float32(-math.inf if x == 0 else math.log2(x))
+
+
 def _rcp_approx(x):
     x = float(x)
     if x == 0:
@@ -1677,10 +1762,12 @@ def _fake_modules(emu: _Emu) -> dict:
                    Layout=Layout, make_layout=make_layout, make_tensor=make_tensor, make_rmem_tensor=make_rmem_tensor,
                    autovec_copy=autovec_copy, assume=assume, arch=arch, runtime=runtime, nvgpu=nvgpu,
                    make_copy_atom=make_copy_atom, copy=copy,
-                   math=types.SimpleNamespace(exp=_exp, exp2=_exp2, rsqrt=_rsqrt, div=_math_div),
+                   math=types.SimpleNamespace(exp=_exp, exp2=_exp2, log2=_log2, rsqrt=_rsqrt, div=_math_div),
                    AddressSpace=types.SimpleNamespace(gmem="gmem", smem="smem", rmem="rmem"))
     llvm = _module("cutlass._mlir.dialects.llvm", store=_llvm_store,
-                   PointerType=types.SimpleNamespace(get=lambda space: ("ptr", space)))
+                   PointerType=types.SimpleNamespace(get=lambda space: ("ptr", space)),
+                   StructType=types.SimpleNamespace(get_literal=lambda fields: ("struct", tuple(fields))),
+                   extractvalue=_extractvalue)
     arch.fmax, llvm.inline_asm, llvm.AsmDialect = fmax, _inline_asm, _ASM_DIALECT  # the MLA cache write's
     nvvm = _module("cutlass._mlir.dialects.nvvm", mapa=lambda ty, ptr, rank, **kw: _peer(ptr, rank),
                    cp_async_bulk_shared_cluster_global=_bulk_g2s)
@@ -1702,7 +1789,7 @@ def _fake_modules(emu: _Emu) -> dict:
 # the CuTe DSL kernel modules the emulator rebinds (k3lab_kernels.cute.<name>); the first three are also
 # reachable as m.kd / m.kv / m.kp, every one as m.mod[<name>]
 _KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill", "attnres_norm", "router_topk", "mla_cache_write",
-                   "mla_combine", "proj_gemv", "moe_experts", "mla_query")
+                   "mla_combine", "proj_gemv", "moe_experts", "mla_query", "mla_decode")
 
 
 def _kernel_modules():

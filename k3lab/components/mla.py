@@ -170,6 +170,9 @@ def _cache_kind(cache) -> dict:
 
 # ---- attention -----------------------------------------------------------------------------------
 
+_KV_NAMES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
+
+
 def _pdl(pdl) -> bool:
     """pdl: None = the kernels' default (k3lab_kernels.triton.mla_decode.DEFAULT_PDL), or a bool: the split
     lets the next kernel start early and the merge / combine waits for it (programmatic dependent launch; a
@@ -189,13 +192,15 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
-           ran: list | None = None):
+           cluster: int | None = None, stages: int | None = None, ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
     are filled when given. merge=False returns the partials (triton: in a workspace reused by the next call
     of the same shape). n_positions = max(lengths) + T when the caller knows it (no host sync). The triton
-    kernel multiplies bf16 queries on tensor cores: fp32 queries are rounded to bf16 first."""
+    kernel multiplies bf16 queries on tensor cores: fp32 queries are rounded to bf16 first. Backend "cute"
+    (k3lab_kernels.cute.mla_decode: one new position, bf16, no DCP) takes `cluster` and `stages`, `partitions` as
+    clusters a sequence; the Triton knobs (block_n, ...) are Triton's."""
     _refuse_aiter(backend)
     _tensor("q_lat", q_lat, 4)
     dev = q_lat.device
@@ -208,8 +213,34 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     _attend_opts(H, partitions, pad_heads, dcp, dcp_layout)
     if not isinstance(merge, bool):
         _fail("merge", f"must be a bool, got {merge!r}")
-    be, auto_opts, why = dispatch.select("mla_decode", backend, B=B, T=T)
+    be, auto_opts, why = dispatch.select("mla_decode", backend, B=B, T=T,
+                                         shape=dict(B=B, T=T, H=H, kv_dtype=_KV_NAMES.get(getattr(cache, "dtype", None),
+                                                                                         "other"),
+                                                    dcp=dcp, pad_heads=pad_heads))
     tri = be == "triton"
+    for name, v in (("cluster", cluster), ("stages", stages)):
+        if v is not None and be != "cute":
+            _fail(name, f"is an option of backend 'cute', not {be!r}")
+    if be == "cute":
+        for name, v in (("block_n", block_n), ("block_m", block_m), ("num_warps", num_warps),
+                        ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk)):
+            if v is not None:
+                _fail(name, "is an option of backend 'triton', not 'cute'")
+        _cache(cache, B, C + q_rope.shape[-1], dev, True)
+        lengths = _lengths(lengths, B, T, cache, dev, check_values)
+        if n_positions is not None:
+            _int_opt("n_positions", n_positions, T, cache.capacity)
+        n_max = n_positions or (int(lengths.max()) + T if check_values else None)
+        kv = _kv_args(cache)
+        knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl)
+        res = dispatch.kernel("mla_decode", be)(q_lat, q_rope, kv["kv"], lengths, o_lat=out, lse=lse, scale=scale,
+                                                block_table=kv["block_table"], merge=merge, n_max=n_max, **knobs)
+        dispatch.record(ran, op="mla_decode", backend_requested=backend, backend=be, why=why,
+                        kernel=dispatch.kernel_path("mla_decode", be), options=knobs,
+                        shape=dict(B=B, T=T, H=H, C=C, capacity=cache.capacity, **_cache_kind(cache)),
+                        notes=f"partials K={res[1].shape[1] if not merge else 'merged'}"
+                              + ("" if partitions else " (automatic partitions)"))
+        return res
     if tri:
         _tensor("q_lat", q_lat, 4, TRITON_ACT_DTYPES)
         _tensor("q_rope", q_rope, 4, TRITON_ACT_DTYPES)

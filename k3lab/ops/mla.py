@@ -244,6 +244,18 @@ def ref_query(d: dict, case: Case) -> dict:
     return dict(q_lat=lat, q_rope=rope)
 
 
+def decode_supports(backend: str, shape: dict) -> str | None:
+    """The CuTe decode's limits (k3lab_kernels.cute.mla_decode.supports): T = 1, at most 16 heads, a bf16 cache, no
+    DCP; a case's axes or a call's facts (B, T, H, kv_dtype, dcp, pad_heads)."""
+    if backend != "cute":
+        return None
+    from k3lab_kernels.cute.mla_decode import supports
+
+    return supports(dict(T=shape.get("T", 1), H=shape.get("H", shape.get("heads", 12)),
+                         kv_dtype=shape.get("kv_dtype", "bf16"), dcp=shape.get("dcp", 1),
+                         pad_heads=shape.get("pad_heads", 0)))
+
+
 def query_supports(backend: str, shape: dict) -> str | None:
     """The one-launch kernels' limits (k3lab_kernels.triton.mla_query.check_args): batch <= 4, Dn and Dr multiples
     of 8, C a power of two 32..512; cute: Dn one of 16..128 (a cluster of Dn / 16 CTAs), Dr a multiple of 16."""
@@ -501,17 +513,21 @@ register(Op(
               partitions=("auto",), pad_heads=(0,), dcp=(1,), dcp_layout=("interleave",)),
     option_axes={"block_n": {"triton": (None, 16, 32, 64, 128)}, "block_m": {"triton": (None, 16, 32, 64)},
                  "num_warps": {"triton": (None, 2, 4, 8)}, "num_stages": {"triton": (None, 1, 2, 3, 4)},
-                 "pdl": {"triton": (None, False, True)}, "preload_pages": {"triton": (None, 0, 16, 64)},
-                 "host_chunk": {"triton": (None, False, True)}},
+                 "pdl": {"triton": (None, False, True), "cute": (None, False, True)},
+                 "preload_pages": {"triton": (None, 0, 16, 64)},
+                 "host_chunk": {"triton": (None, False, True)}, "cluster": {"cute": (None, 1, 2, 4, 8)},
+                 "stages": {"cute": (None, 2, 3, 4)}},
     option_defaults={"block_n": _NONE, "block_m": _NONE, "num_warps": _NONE, "num_stages": _NONE, "pdl": _NONE,
-                     "preload_pages": _NONE, "host_chunk": _NONE},
+                     "preload_pages": _NONE, "host_chunk": _NONE, "cluster": _NONE, "stages": _NONE},
+    variants={"cute_pdl": ("cute", {"pdl": True})},
     make_inputs=make_decode, reference=ref_decode, written=("o_lat", "lse"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_decode,
     nbytes=decode_bytes, flops=decode_flops, floor_bw="read",
     backends={"reference": "k3lab.ref.mla:mla_attend", "torch_compile": "k3lab.ref.mla:mla_attend",
               "triton": "k3lab_kernels.triton.mla_decode:mla_decode",
+              "cute": "k3lab_kernels.cute.mla_decode:mla_decode",
               "aiter": "k3lab_kernels.aiter.mla_decode:mla_decode"},
-    valid=_valid_decode, peers=flashinfer_peers, test_file="tests/test_mla_triton.py",
+    valid=_valid_decode, peers=flashinfer_peers, supports=decode_supports, test_file="tests/test_mla_triton.py",
 ))
 
 register(Op(

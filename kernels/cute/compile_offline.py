@@ -3,7 +3,7 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|mla_query]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|mla_query|mla_decode]
             [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
@@ -287,6 +287,17 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"mla_query B{B} H{H} Q{Q} C{C}" + (" pdl" if pdl else ""),
                           lambda B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C, pdl=pdl: kq._kernel_class()(B, H, Q, Dn, Dr, C, pdl),
                           qargs))
+    if only in (None, "mla_decode"):
+        from kernels.cute import mla_decode as kdm
+        # mla_decode's arguments: q_lat, q_rope, kv (int32 words), block table, lengths, o, lse; B, P, PL, the block
+        # table's row stride, S_max, the score scale; (H, cluster, stages, page, lengths step, pdl)
+        dargs = [P(i32, 16), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(f32, 16), P(f32, 4), i32(1), i32(16),
+                 i32(64), i32(128), i32(0), cutlass.Float32(0.1), S]
+        for H, CL, STG, page, ls, pdl in ((12, 8, 4, 64, 1, False), (12, 8, 4, 64, 2, True), (12, 4, 2, 0, 1, False),
+                                          (6, 1, 3, 16, 1, False), (16, 2, 4, 1, 2, True)):
+            cases.append((f"mla_decode H{H} cluster{CL} stages{STG} page{page}" + (" pdl" if pdl else ""),
+                          lambda H=H, CL=CL, STG=STG, page=page, ls=ls, pdl=pdl:
+                          kdm._kernel_class()(H, CL, STG, page, ls, pdl), dargs))
     return cases
 
 
@@ -299,9 +310,9 @@ def main(argv=None) -> int:
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
     if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
-                    "moe", "mla_query"):
-        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, moe or "
-              f"mla_query (got {only!r})")
+                    "moe", "mla_query", "mla_decode"):
+        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, moe, "
+              f"mla_query or mla_decode (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)

@@ -1,0 +1,134 @@
+"""The CuTe DSL MLA decode (kernels/cute/mla_decode.py) on the CPU emulator (tests/cute_emulate.py): the bulk copies
+and their mbarrier ring, the tensor-core products (mma.sync m16n8k16, emulated warp-collectively with its PTX fragment
+layouts), the online softmax and the cluster's merge in distributed shared memory, checked without a GPU through the
+shared checker (fresh inputs, outputs poisoned, the fp64 reference, inputs unchanged; the registry's o_lat / lse
+tolerances).
+
+The kernel's partials (merge=False) are merged here in fp64 (the P > 1 merge is the Triton merge kernel, tested with
+it); P = 1 writes o_lat / lse itself (the `direct` case). Shapes are small (tens of positions, clusters of 1..4) to
+keep the emulated grids short; the per-thread work does not depend on the head count (always 16 MMA rows).
+"""
+import pytest
+import torch
+
+import cute_emulate as emulate
+from k3lab import registry
+from k3lab.harness import checker
+from k3lab.ops.mla import SCALE
+
+pytestmark = pytest.mark.cute_emu
+DEC = registry.get("mla_decode")
+
+
+def run(d, *, merge=False, pdl=False, early=None, seed=0, **kw):
+    """mla_decode on the emulator with the input dict's tensors; returns what the wrapper returned."""
+    got = {}
+    emulate._PDL["early"] = frozenset(t.data_ptr() for t in (early or []))
+    args = dict(q_lat=d["q_lat"], q_rope=d["q_rope"], kv=d["kv_cache"], lengths=d["lengths"],
+                block_table=d.get("block_table"))
+    if merge:
+        args.update(o_lat=d["o_lat"], lse=d["lse"])
+    words = _words(args)
+
+    def call(m, **a):
+        for k in words:
+            a.pop(k)
+        got["r"] = m.mod["mla_decode"].mla_decode(**a, scale=SCALE, merge=merge, pdl=pdl,
+                                                  n_max=int(d["lengths"].max()) + 1, **kw)
+    emulate._run(call, dict(args, **words), seed)
+    return got["r"]
+
+
+def _words(args):
+    """The int32 views the wrapper makes (the bf16 pairs of q_lat, q_rope and the cache; int64 lengths' words),
+    registered with the emulator beside the tensors."""
+    return {f"{k}_words": v.reshape(-1).view(torch.int32) for k, v in args.items()
+            if k in ("q_lat", "q_rope", "kv", "lengths") and isinstance(v, torch.Tensor) and v.dtype != torch.int32
+            and v.is_contiguous() and v.dtype != torch.float32}
+
+
+def impl(**kw):
+    def f(d):
+        if kw.get("partitions") == 1:  # the kernel writes o_lat / lse itself
+            run(d, merge=True, **kw)
+            return
+        o, lse = run(d, **kw)
+        assert torch.isfinite(o).all(), "a partial holds NaN (an unwritten column?)"
+        lse64 = lse.double()
+        top = lse64.amax(dim=1, keepdim=True)
+        w = torch.where(torch.isinf(lse64), torch.zeros_like(lse64), torch.exp(lse64 - top))
+        d["o_lat"].copy_(((w.unsqueeze(-1) * o.double()).sum(1) / w.sum(1).unsqueeze(-1)).float())
+        d["lse"].copy_((top.squeeze(1) + torch.log(w.sum(1))).float())
+    f.__name__ = f"emulated cute mla_decode({kw})"
+    return f
+
+
+def check(seed=0, kw=None, **shape):
+    base = dict(heads=12, batch=1, context=40, T=1, page_size=64, kv_dtype="bf16", fp8_scale="tensor", ragged=False,
+                partitions="auto", pad_heads=0, dcp=1, dcp_layout="interleave")
+    c = DEC.case(**dict(base, **shape))
+    return checker.require(checker.check(DEC, c, impl=impl(**(kw or {})), seed=seed, device="cpu"))
+
+
+@pytest.mark.parametrize("shape,kw", [
+    (dict(page_size=0, context=70), dict(cluster=2, partitions=2, stages=2)),   # contiguous, 4 pieces of 18
+    (dict(page_size=16, batch=2, ragged=True, context=45, heads=5), dict(cluster=4, partitions=1, stages=2)),
+    (dict(page_size=64, context=150, heads=6), dict(cluster=1, partitions=1, stages=2)),  # 5 chunks through 2 stages
+    (dict(page_size=1, context=2, heads=3), dict(cluster=4, partitions=2, stages=3)),  # 3 positions, 8 pieces
+], ids=["contig-cl2-p2", "page16-ragged-cl4-direct", "page64-ring-cl1", "page1-short-cl4-p2"])
+def test_decode(shape, kw):
+    check(seed=len(shape), kw=kw, **shape)
+
+
+def test_pdl_reads_nothing_before_the_wait():
+    """pdl=True: every read after griddepcontrol.wait (nothing declared readable before it)."""
+    check(seed=5, kw=dict(cluster=2, partitions=1, stages=2, pdl=True), context=20)
+    assert emulate.LAST["launches"][-1]["use_pdl"] is True
+
+
+def test_grid_and_cluster():
+    d = DEC.make_inputs(DEC.case(heads=12, batch=2, context=30, T=1, page_size=16, kv_dtype="bf16",
+                                 fp8_scale="tensor", ragged=False, partitions="auto", pad_heads=0, dcp=1,
+                                 dcp_layout="interleave"), 0, "cpu")
+    run(d, cluster=2, partitions=3, stages=2)
+    launch = emulate.LAST["launches"][-1]
+    assert launch["grid"] == (2, 3, 2) and launch["block"] == 128 and launch["cluster"] == (2, 1, 1)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(cluster=3), "'cluster' must be None or one of"),
+    (dict(stages=5), "'stages' must be None or one of"),
+    (dict(partitions=0), "'partitions' must be None or an int"),
+    (dict(pdl=1), "'pdl' must be None or a bool"),
+    (dict(q_lat=torch.zeros(1, 2, 12, 512, dtype=torch.bfloat16)), "T = 2: one new position only"),
+    (dict(q_lat=torch.zeros(1, 1, 17, 512, dtype=torch.bfloat16)), "17 heads"),
+    (dict(lengths=torch.zeros(1, dtype=torch.float32)), "'lengths' must have dtype"),
+])
+def test_arguments_named(bad, match):
+    d = DEC.make_inputs(DEC.case(heads=12, batch=1, context=10, T=1, page_size=16, kv_dtype="bf16",
+                                 fp8_scale="tensor", ragged=False, partitions="auto", pad_heads=0, dcp=1,
+                                 dcp_layout="interleave"), 0, "cpu")
+    args = dict(q_lat=d["q_lat"], q_rope=d["q_rope"], kv=d["kv_cache"], lengths=d["lengths"],
+                block_table=d["block_table"])
+    kw = {k: bad.pop(k) for k in ("cluster", "stages", "partitions", "pdl") if k in bad}
+    args.update(bad)
+    words = _words(args)
+
+    def call(m, **a):
+        for k in words:
+            a.pop(k)
+        m.mod["mla_decode"].mla_decode(**a, scale=SCALE, **kw)
+    with pytest.raises(ValueError, match=match):
+        emulate._run(call, dict(args, **words), 0)
+
+
+def test_supports_names_the_limit():
+    from k3lab_kernels.cute import mla_decode as kdm
+
+    assert kdm.supports(dict(T=1, H=12)) is None
+    assert "T = 4" in kdm.supports(dict(T=4, H=12))
+    assert "fp8" in kdm.supports(dict(T=1, H=12, kv_dtype="fp8"))
+    assert "dcp = 2" in kdm.supports(dict(T=1, H=12, dcp=2))
+    assert kdm.default_partitions(1, 8192, 8, sms=132) == 16
+    assert kdm.default_partitions(1, 100, 8, sms=132) == 1
+    assert kdm.default_partitions(64, 8192, 8, sms=132) == 1
