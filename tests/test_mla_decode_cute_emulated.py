@@ -92,7 +92,7 @@ def test_grid_and_cluster():
                                  dcp_layout="interleave"), 0, "cpu")
     run(d, cluster=2, partitions=3, stages=2)
     launch = emulate.LAST["launches"][-1]
-    assert launch["grid"] == (2, 3, 2) and launch["block"] == 128 and launch["cluster"] == (2, 1, 1)
+    assert launch["grid"] == (2, 3, 2) and launch["block"] == 256 and launch["cluster"] == (2, 1, 1)
 
 
 @pytest.mark.parametrize("bad,match", [

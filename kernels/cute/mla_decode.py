@@ -9,19 +9,19 @@ rows).
 
 Layout. Grid [CL, P, B], cluster [CL, 1, 1]: CTA (r, p, b) owns piece j = p CL + r of sequence b, positions
 [j PL, (j + 1) PL) of its n = lengths[b] + 1 (PL host-sized from the longest history: ceil(n_max / (CL P))). A CTA of
-128 threads (4 warps) walks its piece in chunks of 32 positions:
+256 threads (8 warps) walks its piece in chunks of 32 positions:
   1. copy: warp 0 lane l brings row l of a chunk (1152 bytes, the page table looked up per row: contiguous, or any page
      size) into shared memory with one bulk copy (cp.async.bulk, completing on the stage's mbarrier); STAGES chunks in
      flight (a ring); rows past the piece repeat its last row (finite, masked below). Rows are 296 words apart (8 mod
      32 banks: the score loads below are conflict-free).
   2. scores on tensor cores: the 12 (or fewer) heads padded to the MMA's 16 rows; S [16, 32] = Q [16, 576] K^T with
-     mma.sync m16n8k16 bf16 -> fp32; warp w owns features 144 w .. 144 w + 143 (9 k-steps, its Q fragments loaded once
-     into 36 registers), all 32 positions; the four warps' partial S summed through shared memory. The features of a
-     k-step are permuted (lane t's k {2t, 2t+1, 2t+8, 2t+9} <-> features 4t .. 4t+3, the same for Q and K: a dot
-     product does not depend on the order) so a lane's K operand is one 8-byte load of its row.
-  3. online softmax in fp32 (exp2, scores times scale log2 e), a row's 32 scores over 8 lanes; P rounded to bf16.
+     mma.sync m16n8k16 bf16 -> fp32; warp w owns the features 144 (w % 4) .. + 143 (9 k-steps, its Q fragments loaded
+     once into 36 registers) of positions 16 (w / 4) .. + 15 (two n-tiles); the four quarters' partial S summed through
+     shared memory. The features of a k-step are permuted (lane t's k {2t, 2t+1, 2t+8, 2t+9} <-> features 4t .. 4t+3,
+     the same for Q and K: a dot product does not depend on the order) so a lane's K operand is one 8-byte load.
+  3. online softmax in fp32 (exp2, scores times scale log2 e), a row's 32 scores over 16 lanes; P rounded to bf16.
   4. o [16, 512] += P [16, 32] V [32, 512] on tensor cores (V = the rows' first 512 values): warp w owns columns
-     128 w .. 128 w + 127 (16 n-tiles, 64 fp32 accumulators), V's operand pairs built with prmt from two rows' words.
+     64 w .. 64 w + 63 (8 n-tiles, 32 fp32 accumulators), V's operand pairs built with prmt from two rows' words.
   5. after the last chunk: each CTA pushes its unnormalized o (columns of CTA r's slice 512 / CL) and its (max, sum)
      into CTA r's shared memory (st.shared::cluster), one cluster barrier, and CTA r merges the CL pieces of its slice
      (log-sum-exp weights) into partial p of sequence b: o [B, P, 1, H, 512] normalized, lse [B, P, 1, H] (natural
@@ -54,9 +54,10 @@ RS = W_ROW + 8             # words between rows in shared memory (296 = 8 mod 32
 ROW_BYTES = D * 2
 BN = 32                    # positions a chunk
 HR = 16                    # query rows: the heads padded to the MMA's M
-_THREADS = 128
+_THREADS = 256
 _WARPS = _THREADS // 32
-KS = D // 16 // _WARPS     # k-steps of 16 features a warp owns in the scores (9)
+KQ = 4                     # feature quarters of the scores (a warp owns one quarter and two n-tiles)
+KS = D // 16 // KQ         # k-steps of 16 features in a quarter (9)
 SROW = 40                  # partial-score row pitch (floats; 8 mod 32)
 PROW = 20                  # P row pitch (words; conflict-free A-operand loads)
 CLUSTERS = (1, 2, 4, 8)
@@ -79,7 +80,7 @@ __all__ = ["CLUSTERS", "STAGES_ALLOWED", "MLADecodeCuteError", "default_partitio
 def smem_bytes(cluster: int, stages: int) -> int:
     """Shared memory a CTA: the row ring, the peers' columns and (max, sum), the partial scores, P, alpha, mbarriers."""
     return (stages * BN * RS * 4 + cluster * HR * (C_LATENT // cluster) * 4 + cluster * 2 * HR * 4
-            + _WARPS * HR * SROW * 4 + HR * PROW * 4 + HR * 4 + stages * 8 + 5 * 128)
+            + KQ * HR * SROW * 4 + HR * PROW * 4 + HR * 4 + stages * 8 + 5 * 128)
 
 
 _KERNEL_CLS = None
@@ -172,21 +173,23 @@ def _kernel_class():
                    p_len: cute.Pointer, p_o: cute.Pointer, p_lse: cute.Pointer, P: Int32, PL: Int32, s_bt: Int32,
                    s_max: Int32, qk_scale: Float32):
             H, CL, STG, PAGE, SW = self.H, self.CL, self.STG, self.PAGE, self.SW
-            NCOL = SW // 8                      # merged columns a thread
+            NCOL = SW // 16                     # merged columns a thread
             tid, _, _ = cute.arch.thread_idx()
             rank, p, b = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
             g = lane // 4
             t = lane % 4
-            r8 = tid // 8                        # the softmax / merge row of this thread
-            q8 = tid % 8
+            rr = tid // 16                       # the softmax / merge row of this thread, and its sixteenth of it
+            qq = tid % 16
+            kq = warp % KQ                       # the scores: feature quarter and n-tile pair of this warp
+            npr = warp // KQ
 
             smem = cutlass.memory.SmemAllocator()
             s_kv = smem.allocate_tensor(Int32, cute.make_layout(STG * BN * RS), byte_alignment=128)
             s_rx = smem.allocate_tensor(Float32, cute.make_layout(CL * HR * SW), byte_alignment=16)
             s_ml = smem.allocate_tensor(Float32, cute.make_layout(CL * 2 * HR), byte_alignment=16)
-            s_S = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * HR * SROW), byte_alignment=16)
+            s_S = smem.allocate_tensor(Float32, cute.make_layout(KQ * HR * SROW), byte_alignment=16)
             s_P = smem.allocate_tensor(Int32, cute.make_layout(HR * PROW), byte_alignment=16)
             s_al = smem.allocate_tensor(Float32, cute.make_layout(HR), byte_alignment=16)
             mbar = smem.allocate_array(cutlass.Int64, STG, byte_alignment=8)
@@ -219,30 +222,31 @@ def _kernel_class():
                     if s < nch:
                         issue(s, rows[s], lane, s_kv, p_kv, mbar, STG)
 
-            # ---- this warp's Q fragments (rows g, g + 8; padded heads zero), features 144 w + 16 s + 4 t .. + 3 -----
-            rq = cute.make_rmem_tensor((KS * 4,), Int32)
-            rq.fill(0)
-            two = cute.make_rmem_tensor((2,), Int32)
+            # ---- this warp's Q fragments (rows g, g + 8; padded heads zero), features 144 kq + 16 s + 4 t .. + 3 ----
+            # one register pair a load (a shared temporary would serialize the loads behind each other's use)
+            rq = []
+            for s in cutlass.range_constexpr(KS * 2):
+                rq.append(cute.make_rmem_tensor((2,), Int32))
+                rq[s].fill(0)
             for s in cutlass.range_constexpr(KS):
-                f0 = warp * (KS * 16) + s * 16
+                f0 = kq * (KS * 16) + s * 16
                 for hh in cutlass.range_constexpr(2):
                     h = g + 8 * hh
                     if h < H:
                         if f0 < C_LATENT:
                             cute.autovec_copy(vec(p_q, cute.assume((b * H + h) * (C_LATENT // 2) + f0 // 2 + 2 * t,
-                                                                   divby=2), 2), two)
-                            rq[s * 4 + hh] = two[0]
-                            rq[s * 4 + 2 + hh] = two[1]
+                                                                   divby=2), 2), rq[2 * s + hh])
                         if f0 >= C_LATENT:
                             cute.autovec_copy(vec(p_qr, cute.assume((b * H + h) * (D_ROPE // 2) + (f0 - C_LATENT) // 2
-                                                                    + 2 * t, divby=2), 2), two)
-                            rq[s * 4 + hh] = two[0]
-                            rq[s * 4 + 2 + hh] = two[1]
+                                                                    + 2 * t, divby=2), 2), rq[2 * s + hh])
+            kb = []
+            for _s in cutlass.range_constexpr(KS):
+                kb.append(cute.make_rmem_tensor((2,), Int32))
 
-            ro = cute.make_rmem_tensor((64,), Float32)   # o: n-tile j's (row g, cols 2t, 2t+1), (row g + 8, ...)
+            ro = cute.make_rmem_tensor((32,), Float32)   # o: n-tile j's (row g, cols 2t, 2t+1), (row g + 8, ...)
             ro.fill(0.0)
-            rsc = cute.make_rmem_tensor((16,), Float32)  # this warp's partial scores, n-tile j of 8 positions
-            rml = cute.make_rmem_tensor((2,), Float32)   # (running max in log2 units, running sum) of row r8
+            rsc = cute.make_rmem_tensor((8,), Float32)   # this warp's partial scores: its two n-tiles of 8 positions
+            rml = cute.make_rmem_tensor((2,), Float32)   # (running max in log2 units, running sum) of row rr
             rml[0] = Float32(-float("inf"))
             rml[1] = Float32(0.0)
             sel = 0x5410 + (g % 2) * 0x2222              # prmt: the low (even g) or high halves of two words
@@ -251,51 +255,52 @@ def _kernel_class():
                 st = c % STG
                 cute.arch.mbarrier_wait(mbar + st, (c // STG) % 2)
                 base = st * (BN * RS)
-                # -- scores: rsc[j] = Q K^T over this warp's features, 8 positions an n-tile
+                # -- scores: rsc = Q K^T over this warp's feature quarter, n-tiles 2 npr, 2 npr + 1 (8 positions each)
                 rsc.fill(0.0)
-                for j in cutlass.range_constexpr(4):
-                    roff = base + (8 * j + g) * RS + warp * (KS * 8) + 2 * t
+                for jj in cutlass.range_constexpr(2):
+                    roff = base + (16 * npr + 8 * jj + g) * RS + kq * (KS * 8) + 2 * t
+                    for s in cutlass.range_constexpr(KS):  # the n-tile's 9 loads first, then its 9 products
+                        cute.autovec_copy(vec(s_kv.iterator, cute.assume(roff + 8 * s, divby=2), 2), kb[s])
                     for s in cutlass.range_constexpr(KS):
-                        cute.autovec_copy(vec(s_kv.iterator, cute.assume(roff + 8 * s, divby=2), 2), two)
-                        mma_acc(rsc, 4 * j, rq[4 * s], rq[4 * s + 1], rq[4 * s + 2], rq[4 * s + 3], two[0], two[1])
-                for j in cutlass.range_constexpr(4):
+                        mma_acc(rsc, 4 * jj, rq[2 * s][0], rq[2 * s + 1][0], rq[2 * s][1], rq[2 * s + 1][1], kb[s][0],
+                                kb[s][1])
+                for jj in cutlass.range_constexpr(2):
                     for hh in cutlass.range_constexpr(2):
-                        o = (warp * HR + g + 8 * hh) * SROW + 8 * j + 2 * t
-                        s_S[o] = rsc[4 * j + 2 * hh]
-                        s_S[o + 1] = rsc[4 * j + 2 * hh + 1]
+                        o = (kq * HR + g + 8 * hh) * SROW + 16 * npr + 8 * jj + 2 * t
+                        s_S[o] = rsc[4 * jj + 2 * hh]
+                        s_S[o + 1] = rsc[4 * jj + 2 * hh + 1]
                 cute.arch.sync_threads()
-                # -- online softmax: row r8, positions 4 q8 .. 4 q8 + 3 of the chunk
-                pos0 = start + c * BN + 4 * q8
-                sv = cute.make_rmem_tensor((4,), Float32)
+                # -- online softmax: row rr, positions 2 qq, 2 qq + 1 of the chunk
+                pos0 = start + c * BN + 2 * qq
+                sv = cute.make_rmem_tensor((2,), Float32)
                 mx = Float32(-float("inf"))
-                for e in cutlass.range_constexpr(4):
-                    o = r8 * SROW + 4 * q8 + e
+                for e in cutlass.range_constexpr(2):
+                    o = rr * SROW + 2 * qq + e
                     v = ((s_S[o] + s_S[HR * SROW + o]) + (s_S[2 * HR * SROW + o] + s_S[3 * HR * SROW + o])) * qk_scale
                     v = cutlass.select_(pos0 + e < end, v, Float32(-float("inf")))
                     sv[e] = v
                     mx = cute.arch.fmax(mx, v)
-                for sh in cutlass.range_constexpr(3):
+                for sh in cutlass.range_constexpr(4):
                     mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
                 m_old = rml[0]
                 m_new = cute.arch.fmax(m_old, mx)
                 al = cute.math.exp2(m_old - m_new, approx=True, ftz=True)
                 tot = Float32(0.0)
-                for e in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(2):
                     sv[e] = cute.math.exp2(sv[e] - m_new, approx=True, ftz=True)
                     tot = tot + sv[e]
-                for sh in cutlass.range_constexpr(3):
+                for sh in cutlass.range_constexpr(4):
                     tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1 << sh)
                 rml[1] = rml[1] * al + tot
                 rml[0] = m_new
-                s_P[r8 * PROW + 2 * q8] = pack_bf16x2(sv[1], sv[0])
-                s_P[r8 * PROW + 2 * q8 + 1] = pack_bf16x2(sv[3], sv[2])
-                if q8 == 0:
-                    s_al[r8] = al
+                s_P[rr * PROW + qq] = pack_bf16x2(sv[1], sv[0])
+                if qq == 0:
+                    s_al[rr] = al
                 cute.arch.sync_threads()
-                # -- o = alpha o + P V over this warp's 128 columns
+                # -- o = alpha o + P V over this warp's 64 columns
                 a_lo = s_al[g]
                 a_hi = s_al[g + 8]
-                for j in cutlass.range_constexpr(16):
+                for j in cutlass.range_constexpr(8):
                     ro[4 * j] = ro[4 * j] * a_lo
                     ro[4 * j + 1] = ro[4 * j + 1] * a_lo
                     ro[4 * j + 2] = ro[4 * j + 2] * a_hi
@@ -305,8 +310,8 @@ def _kernel_class():
                     pa1 = s_P[(g + 8) * PROW + 8 * ks + t]
                     pa2 = s_P[g * PROW + 8 * ks + 4 + t]
                     pa3 = s_P[(g + 8) * PROW + 8 * ks + 4 + t]
-                    r0 = base + (16 * ks + 2 * t) * RS + warp * 64 + g // 2
-                    for j in cutlass.range_constexpr(16):
+                    r0 = base + (16 * ks + 2 * t) * RS + warp * 32 + g // 2
+                    for j in cutlass.range_constexpr(8):
                         w0 = s_kv[r0 + 4 * j]
                         w1 = s_kv[r0 + RS + 4 * j]
                         w2 = s_kv[r0 + 8 * RS + 4 * j]
@@ -323,8 +328,8 @@ def _kernel_class():
             # ---- the cluster merge: o columns and (max, sum) pushed to the CTA that merges them -------------------
             if cutlass.const_expr(CL > 1):
                 cute.arch.cluster_wait()
-            for j in cutlass.range_constexpr(16):
-                col = warp * 128 + 8 * j + 2 * t
+            for j in cutlass.range_constexpr(8):
+                col = warp * 64 + 8 * j + 2 * t
                 dst = col // SW
                 for hh in cutlass.range_constexpr(2):
                     o = (rank * HR + g + 8 * hh) * SW + col % SW
@@ -333,13 +338,13 @@ def _kernel_class():
                             st_cluster_f32(s_rx.iterator + (o + e), dst, ro[4 * j + 2 * hh + e])
                         else:
                             s_rx[o + e] = ro[4 * j + 2 * hh + e]
-            if q8 == 0:
+            if qq == 0:
                 for k in cutlass.range_constexpr(CL):
                     for e in cutlass.range_constexpr(2):
                         if cutlass.const_expr(CL > 1):
-                            st_cluster_f32(s_ml.iterator + ((rank * 2 + e) * HR + r8), k, rml[e])
+                            st_cluster_f32(s_ml.iterator + ((rank * 2 + e) * HR + rr), k, rml[e])
                         else:
-                            s_ml[(rank * 2 + e) * HR + r8] = rml[e]
+                            s_ml[(rank * 2 + e) * HR + rr] = rml[e]
             if cutlass.const_expr(CL > 1):
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -347,29 +352,29 @@ def _kernel_class():
                 cute.arch.sync_threads()
             mm = Float32(-float("inf"))
             for k in cutlass.range_constexpr(CL):
-                mm = cute.arch.fmax(mm, s_ml[2 * k * HR + r8])
+                mm = cute.arch.fmax(mm, s_ml[2 * k * HR + rr])
             mref = cutlass.select_(mm == Float32(-float("inf")), Float32(0.0), mm)
             wk = cute.make_rmem_tensor((CL,), Float32)
             ll = Float32(0.0)
             for k in cutlass.range_constexpr(CL):
-                wk[k] = cute.math.exp2(s_ml[2 * k * HR + r8] - mref, approx=True, ftz=True)
-                ll = ll + wk[k] * s_ml[(2 * k + 1) * HR + r8]
+                wk[k] = cute.math.exp2(s_ml[2 * k * HR + rr] - mref, approx=True, ftz=True)
+                ll = ll + wk[k] * s_ml[(2 * k + 1) * HR + rr]
             inv = cutlass.select_(ll > Float32(0.0), Float32(1.0) / ll, Float32(0.0))
-            if r8 < H:
+            if rr < H:
                 four = cute.make_rmem_tensor((4,), Float32)
                 for v4 in cutlass.range_constexpr(NCOL // 4):
-                    cc = q8 * NCOL + 4 * v4
+                    cc = qq * NCOL + 4 * v4
                     for e in cutlass.range_constexpr(4):
                         acc = Float32(0.0)
                         for k in cutlass.range_constexpr(CL):
-                            acc = acc + wk[k] * s_rx[(k * HR + r8) * SW + cc + e]
+                            acc = acc + wk[k] * s_rx[(k * HR + rr) * SW + cc + e]
                         four[e] = acc * inv
-                    cute.autovec_copy(four, vec(p_o, cute.assume(((b * P + p) * H + r8) * C_LATENT + rank * SW + cc,
+                    cute.autovec_copy(four, vec(p_o, cute.assume(((b * P + p) * H + rr) * C_LATENT + rank * SW + cc,
                                                                  divby=4), 4))
                 if rank == 0:
-                    if q8 == 0:
+                    if qq == 0:
                         lse_g = cute.make_tensor(p_lse, cute.make_layout((b * P + p + 1) * H))
-                        lse_g[(b * P + p) * H + r8] = cutlass.select_(
+                        lse_g[(b * P + p) * H + rr] = cutlass.select_(
                             ll > Float32(0.0), (mref + cute.math.log2(ll)) * LN2, Float32(-float("inf")))
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
