@@ -1,5 +1,6 @@
 """second call: after the Q/K register fix"""
-import sys, time
+import sys
+import time
 from k3lab.bench import runner
 out = sys.argv[1]
 RUNS = [

@@ -10,10 +10,10 @@ rows).
 Layout. Grid [CL, P, B], cluster [CL, 1, 1]: CTA (r, p, b) owns piece j = p CL + r of sequence b, positions
 [j PL, (j + 1) PL) of its n = lengths[b] + 1 (PL host-sized from the longest history: ceil(n_max / (CL P))). A CTA of
 256 threads (8 warps) walks its piece in chunks of 32 positions:
-  1. copy: warp 0 lane l brings row l of a chunk (1152 bytes, the page table looked up per row: contiguous, or any page
-     size) into shared memory with one bulk copy (cp.async.bulk, completing on the stage's mbarrier); STAGES chunks in
-     flight (a ring); rows past the piece repeat its last row (finite, masked below). Rows are 296 words apart (8 mod
-     32 banks: the score loads below are conflict-free).
+  1. copy: lane l < 4 of warp w brings row 4 w + l of a chunk (1152 bytes, the page table looked up per row:
+     contiguous, or any page size) into shared memory with one bulk copy (cp.async.bulk, completing on the stage's
+     mbarrier, one arrival a warp); STAGES chunks in flight (a ring); rows past the piece repeat its last row (finite,
+     masked below). Rows are 296 words apart (8 mod 32 banks: the score loads below are conflict-free).
   2. scores on tensor cores: the 12 (or fewer) heads padded to the MMA's 16 rows; S [16, 32] = Q [16, 576] K^T with
      mma.sync m16n8k16 bf16 -> fp32; warp w owns the features 144 (w % 4) .. + 143 (9 k-steps, its Q fragments loaded
      once into 36 registers) of positions 16 (w / 4) .. + 15 (two n-tiles); the four quarters' partial S summed through
@@ -53,6 +53,7 @@ W_ROW = D // 2             # 32-bit words a cache row (bf16 pairs)
 RS = W_ROW + 8             # words between rows in shared memory (296 = 8 mod 32 banks)
 ROW_BYTES = D * 2
 BN = 32                    # positions a chunk
+RPW = 4                    # rows of a chunk each warp copies
 HR = 16                    # query rows: the heads padded to the MMA's M
 _THREADS = 256
 _WARPS = _THREADS // 32
@@ -142,14 +143,17 @@ def _kernel_class():
         return b * s_max + pos
 
     @cute.jit
-    def issue(c: Int32, row: Int32, lane: Int32, s_kv: cute.Tensor, p_kv: cute.Pointer, mbar: cute.Pointer,
-              STG: cutlass.Constexpr):
-        """Warp 0: chunk c's 32 rows into its stage (lane l: row l), completing on the stage's mbarrier."""
+    def issue(c: Int32, row: Int32, lane: Int32, warp: Int32, s_kv: cute.Tensor, p_kv: cute.Pointer,
+              mbar: cute.Pointer, STG: cutlass.Constexpr):
+        """Every warp: its RPW rows of chunk c into the chunk's stage (lane l < RPW: row RPW w + l), completing on the
+        stage's mbarrier (one arrival a warp). A warp's bulk copies issue one lane at a time (a uniform-datapath
+        loop), so the rows are spread over the warps."""
         st = c % STG
         if lane == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar + st, BN * ROW_BYTES)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar + st, RPW * ROW_BYTES)
         cute.arch.sync_warp()
-        bulk_load(s_kv.iterator + (st * BN + lane) * RS, p_kv + row * W_ROW, mbar + st, ROW_BYTES)
+        if lane < RPW:
+            bulk_load(s_kv.iterator + (st * BN + RPW * warp + lane) * RS, p_kv + row * W_ROW, mbar + st, ROW_BYTES)
 
     class MLADecodeKernel:
         """One cluster of CL CTAs a (partition, sequence) (module doc)."""
@@ -197,7 +201,7 @@ def _kernel_class():
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before the DSMEM stores
             if tid == 0:
                 for s in cutlass.range_constexpr(STG):
-                    cute.arch.mbarrier_init(mbar + s, 1)
+                    cute.arch.mbarrier_init(mbar + s, _WARPS)
                 cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if cutlass.const_expr(self.pdl):
@@ -213,14 +217,13 @@ def _kernel_class():
             last = end - 1                       # a visible position even for an empty piece (end = n_b >= 1)
 
             # ---- the first STAGES chunks' rows: page indices first, then the copies --------------------------------
-            if warp == 0:
-                rows = cute.make_rmem_tensor((STG,), Int32)
-                for s in cutlass.range_constexpr(STG):
-                    pos = start + s * BN + lane
-                    rows[s] = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                for s in cutlass.range_constexpr(STG):
-                    if s < nch:
-                        issue(s, rows[s], lane, s_kv, p_kv, mbar, STG)
+            rows = cute.make_rmem_tensor((STG,), Int32)
+            for s in cutlass.range_constexpr(STG):
+                pos = start + s * BN + RPW * warp + lane % RPW
+                rows[s] = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
+            for s in cutlass.range_constexpr(STG):
+                if s < nch:
+                    issue(s, rows[s], lane, warp, s_kv, p_kv, mbar, STG)
 
             # ---- this warp's Q fragments (rows g, g + 8; padded heads zero), features 144 kq + 16 s + 4 t .. + 3 ----
             # one register pair a load (a shared temporary would serialize the loads behind each other's use)
@@ -318,12 +321,11 @@ def _kernel_class():
                         w3 = s_kv[r0 + 9 * RS + 4 * j]
                         mma_acc(ro, 4 * j, pa0, pa1, pa2, pa3, prmt(w0, w1, sel), prmt(w2, w3, sel))
                 cute.arch.sync_threads()  # the stage and s_P are free again
-                if warp == 0:
-                    nx = c + STG
-                    if nx < nch:
-                        pos = start + nx * BN + lane
-                        issue(nx, row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE), lane, s_kv,
-                              p_kv, mbar, STG)
+                nx = c + STG
+                if nx < nch:
+                    pos = start + nx * BN + RPW * warp + lane % RPW
+                    issue(nx, row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE), lane, warp,
+                          s_kv, p_kv, mbar, STG)
 
             # ---- the cluster merge: o columns and (max, sum) pushed to the CTA that merges them -------------------
             if cutlass.const_expr(CL > 1):
