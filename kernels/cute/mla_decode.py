@@ -256,6 +256,9 @@ def _kernel_class():
 
             for c in cutlass.range(nch):
                 st = c % STG
+                # the cache row this lane copies for chunk c + STAGES: its page index loaded now, used after the chunk
+                pos = start + (c + STG) * BN + RPW * warp + lane % RPW
+                nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
                 cute.arch.mbarrier_wait(mbar + st, (c // STG) % 2)
                 base = st * (BN * RS)
                 # -- scores: rsc = Q K^T over this warp's feature quarter, n-tiles 2 npr, 2 npr + 1 (8 positions each)
@@ -321,11 +324,8 @@ def _kernel_class():
                         w3 = s_kv[r0 + 9 * RS + 4 * j]
                         mma_acc(ro, 4 * j, pa0, pa1, pa2, pa3, prmt(w0, w1, sel), prmt(w2, w3, sel))
                 cute.arch.sync_threads()  # the stage and s_P are free again
-                nx = c + STG
-                if nx < nch:
-                    pos = start + nx * BN + RPW * warp + lane % RPW
-                    issue(nx, row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE), lane, warp,
-                          s_kv, p_kv, mbar, STG)
+                if c + STG < nch:
+                    issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
 
             # ---- the cluster merge: o columns and (max, sum) pushed to the CTA that merges them -------------------
             if cutlass.const_expr(CL > 1):
