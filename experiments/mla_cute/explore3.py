@@ -25,4 +25,5 @@ for name, backends, grid in RUNS:
                       r.median_us, r.pct_of_bw, r.error["ok"] if r.error else None))
     print(f"{name}: {len(bd.rows)} rows in {time.time() - t0:.0f} s", flush=True)
 for t in table:
-    print(f"{t[0]:<18} {t[1]:>3} {t[2]!s:>6} pg{t[3]!s:<3} {t[4]!s:>5} {t[5]:<7} {t[6]:<22} {t[7]:8.2f} {t[8]:6.1f} {t[9]}")
+    print(f"{t[0]:<18} {t[1]:>3} {t[2]!s:>6} pg{t[3]!s:<3} {t[4]!s:>5} {t[5]:<7} {t[6]:<22} {t[7]:8.2f} {t[8]:6.1f}"
+          f" {t[9]}")
