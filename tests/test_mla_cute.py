@@ -135,3 +135,40 @@ def test_combine_matches_fp64(shape, pdl):
 def test_combine_block_r(block_r):
     checker.require(checker.check(COMB, COMB.case(heads=12, batch=9, T=1, partitions=4, dcp=1), backend="cute",
                                   options=dict(block_r=block_r), seed=block_r))
+
+
+# ---- the decode attention (kernels/cute/mla_decode.py) ---------------------------------------------------
+
+DEC = registry.get("mla_decode")
+
+
+def dec_case(**shape):
+    base = dict(heads=12, batch=1, context=300, T=1, page_size=64, kv_dtype="bf16", fp8_scale="tensor", ragged=False,
+                partitions="auto", pad_heads=0, dcp=1, dcp_layout="interleave")
+    return DEC.case(**dict(base, **shape))
+
+
+@pytest.mark.parametrize("shape,opts", [
+    (dict(), dict()),                                                            # auto partitions, cluster 8
+    (dict(context=8192), dict(cluster=4)),
+    (dict(context=5000, page_size=0), dict(cluster=2, stages=2)),                # contiguous cache
+    (dict(context=1000, page_size=16, batch=5, ragged=True), dict(cluster=4)),   # ragged, short sequences
+    (dict(context=200, page_size=1, heads=6), dict(cluster=1, stages=3)),        # TP16's heads, page 1
+    (dict(context=3, heads=16), dict(cluster=8, partitions=4)),                  # 4 positions over 32 pieces
+    (dict(context=4096, batch=64, ragged=True), dict(cluster=2)),
+    (dict(context=2048), dict(partitions=1, pdl=True)),                          # P = 1 writes o_lat / lse itself
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_decode_matches_fp64(shape, opts):
+    res = checker.require(checker.check(DEC, dec_case(**shape), backend="cute", options=opts, seed=len(shape)))
+    assert res.ran and res.ran[-1].backend == "cute"
+
+
+def test_decode_refuses_what_it_cannot_take():
+    from k3lab.switches import BackendUnavailable
+
+    d = DEC.make_inputs(dec_case(T=2), 0, "cuda")
+    with pytest.raises(BackendUnavailable, match="T = 2"):
+        comp.attend(d["q_lat"], d["q_rope"], om._cache_of(d), d["lengths"], scale=om.SCALE, backend="cute")
+    d = DEC.make_inputs(dec_case(kv_dtype="fp8"), 0, "cuda")
+    with pytest.raises(BackendUnavailable, match="bf16 caches only"):
+        comp.attend(d["q_lat"], d["q_rope"], om._cache_of(d), d["lengths"], scale=om.SCALE, backend="cute")
