@@ -154,9 +154,9 @@ def dec_case(**shape):
     (dict(context=5000, page_size=0), dict(cluster=2, stages=2)),                # contiguous cache
     (dict(context=1000, page_size=16, batch=5, ragged=True), dict(cluster=4)),   # ragged, short sequences
     (dict(context=200, page_size=1, heads=6), dict(cluster=1, stages=3)),        # TP16's heads, page 1
-    (dict(context=3, heads=16), dict(cluster=8, partitions=4)),                  # 4 positions over 32 pieces
+    (dict(context=3, heads=16, partitions=4), dict(cluster=8)),                  # 4 positions over 32 pieces
     (dict(context=4096, batch=64, ragged=True), dict(cluster=2)),
-    (dict(context=2048), dict(partitions=1, pdl=True)),                          # P = 1 writes o_lat / lse itself
+    (dict(context=2048, partitions=1), dict(pdl=True)),                          # P = 1 writes o_lat / lse itself
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
 def test_decode_matches_fp64(shape, opts):
     res = checker.require(checker.check(DEC, dec_case(**shape), backend="cute", options=opts, seed=len(shape)))
