@@ -1402,6 +1402,21 @@ def mbarrier_wait(ptr, phase):
         _S.block(f"mbarrier_wait(parity {p}) on mbarrier {ptr.off}")
 
 
+def mbarrier_test_wait(ptr, phase):
+    """mbarrier.test_wait.parity: whether the phase of parity `phase` has completed. False blocks this task until the
+    barrier moves (a kernel's spin loop would otherwise never let the copies land), then returns False: the loop tests
+    again."""
+    mb = _mbar(ptr)
+    p = _as_index(phase)
+    if p not in (0, 1):
+        raise EmulationError(f"mbarrier_test_wait parity {p} is not 0 or 1")
+    if mb.phase % 2 != p:
+        return True
+    mb.waiters.append(_cur())
+    _S.block(f"mbarrier_test_wait(parity {p}) on mbarrier {ptr.off}")
+    return False
+
+
 def _bulk_g2s(dst, src, mbar, size, **kw):
     """cp.async.bulk global -> shared completing on an mbarrier: poison the destination now, land later."""
     nbytes = _as_index(size)
@@ -1749,7 +1764,8 @@ def _fake_modules(emu: _Emu) -> dict:
         griddepcontrol_wait=griddepcontrol_wait, griddepcontrol_launch_dependents=griddepcontrol_launch_dependents,
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
-        mbarrier_wait=mbarrier_wait, rcp_approx=_rcp_approx, vote_ballot_sync=vote_ballot_sync,
+        mbarrier_wait=mbarrier_wait, mbarrier_test_wait=mbarrier_test_wait, rcp_approx=_rcp_approx,
+        vote_ballot_sync=vote_ballot_sync,
         shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add,
         fence_acq_rel_gpu=fence_acq_rel_gpu)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)

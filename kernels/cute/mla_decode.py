@@ -65,6 +65,7 @@ CLUSTERS = (1, 2, 4, 8)
 STAGES_ALLOWED = (2, 3, 4)
 DEFAULT_CLUSTER = 8
 DEFAULT_STAGES = 4
+SPIN = True               # chunk waits: mbarrier test_wait in a loop (False: try_wait, which may suspend the warp)
 MAX_PARTITIONS = 256
 NOMINAL_SMS = 132
 LN2 = 0.6931471805599453
@@ -158,8 +159,10 @@ def _kernel_class():
     class MLADecodeKernel:
         """One cluster of CL CTAs a (partition, sequence) (module doc)."""
 
-        def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False):
+        def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False,
+                     spin: bool = True):
             assert 1 <= H <= HR and cluster in CLUSTERS and stages in STAGES_ALLOWED and len_step in (1, 2)
+            self.spin = bool(spin)
             self.H, self.CL, self.STG, self.PAGE, self.LS = H, cluster, stages, page, len_step
             self.pdl = bool(pdl)
             self.SW = C_LATENT // cluster   # columns a CTA merges
@@ -259,7 +262,13 @@ def _kernel_class():
                 # the cache row this lane copies for chunk c + STAGES: its page index loaded now, used after the chunk
                 pos = start + (c + STG) * BN + RPW * warp + lane % RPW
                 nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                cute.arch.mbarrier_wait(mbar + st, (c // STG) % 2)
+                if cutlass.const_expr(self.spin):  # test_wait in a loop: no suspended warp to wake
+                    ph = (c // STG) % 2
+                    ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
+                    while not ok:
+                        ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
+                else:
+                    cute.arch.mbarrier_wait(mbar + st, (c // STG) % 2)
                 base = st * (BN * RS)
                 # -- scores: rsc = Q K^T over this warp's feature quarter, n-tiles 2 npr, 2 npr + 1 (8 positions each)
                 rsc.fill(0.0)
@@ -545,7 +554,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     for name, tt in (("q_lat", q_lat), ("q_rope", q_rope), ("kv", kv), ("o", o_dst)):
         if tt.data_ptr() % 16:
             _fail(name, f"base address must be 16-byte aligned (got 0x{tt.data_ptr():x})")
-    key = (H, CL, STG, page, ls, pdl, dev.index)
+    key = (H, CL, STG, page, ls, pdl, SPIN, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -557,7 +566,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl), *args, *rt, stream)
+            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl, SPIN), *args, *rt, stream)
             _COMPILED[key] = fn
         fn(*args, *rt, stream)
     if direct or not merge:
