@@ -372,6 +372,11 @@ class Pointer:
     def addr(self):
         return self.buf.base + self.off * _esize(self.dtype)
 
+    def toint(self):
+        """The address as an integer (shared memory: the CTA-local byte offset the allocator gave it, which the
+        ldmatrix model maps back to its allocation)."""
+        return self.addr()
+
     def __repr__(self):
         return f"Pointer({getattr(self.buf, 'name', '?')} + {self.off}, {self.dtype.__name__})"
 
@@ -1151,6 +1156,44 @@ def _mma_m16n8k16(operands):
     return _warp_collective(tuple(vals), _MMA_BF16, compute)
 
 
+_LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+
+
+def _smem_word(cta, addr):
+    """The 32-bit word of this CTA's shared memory at byte address addr (an Int32 allocation, 4-aligned)."""
+    for b in cta.smem:
+        if b.arr is not None and b.base <= addr < b.base + b.n * _esize(b.dtype):
+            if b.dtype is not Int32 or (addr - b.base) % 4:
+                raise EmulationError(f"ldmatrix reads {b.name} at byte {addr - b.base}: the model needs an aligned "
+                                     f"Int32 allocation")
+            return int(b.read((addr - b.base) // 4)) & 0xFFFFFFFF
+    raise EmulationError(f"ldmatrix address 0x{addr:x} is in no shared allocation of this CTA")
+
+
+def _ldmatrix_x4_trans(operands):
+    """Warp-collective ldmatrix .x4 .trans of b16: lane L gives the 16-byte-aligned row address of row L % 8 of matrix
+    L // 8; lane (g, t) gets, in word i, matrix i's (row 2t, col g) in the low half and (row 2t + 1, col g) in the high
+    half."""
+    addr = int(operands[0])
+    if addr % 16:
+        raise EmulationError(f"ldmatrix row address 0x{addr:x} is not 16-byte aligned")
+    cta = _cur().cta
+
+    def result(addrs, lane):
+        g, t = lane // 4, lane % 4
+        out = []
+        for i in range(4):
+            half = []
+            for r in (2 * t, 2 * t + 1):
+                w = _smem_word(cta, addrs[8 * i + r] + 4 * (g // 2))
+                half.append((w >> (16 * (g % 2))) & 0xFFFF)
+            v = half[0] | (half[1] << 16)
+            out.append(Int32(v - (1 << 32) if v >> 31 else v))
+        return tuple(out)
+
+    return _warp_collective(addr, _LDSM_T, result)
+
+
 def _extractvalue(ty, container, position, **kw):
     return container[position[0]]
 
@@ -1237,6 +1280,8 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
 
     if asm_string.startswith(_MMA_BF16):
         return _mma_m16n8k16(operands)
+    if asm_string.startswith(_LDSM_T):
+        return _ldmatrix_x4_trans(operands)
     if any(op in asm_string for op in _B32_OPS):
         return _ptx_b32(operands, asm_string, constraints)
 

@@ -1,10 +1,11 @@
-"""Fifth call: the chunk wait as a test_wait spin (SPIN, the default now) against try_wait (which may suspend the
+"""Fifth call (ldmatrix .trans for V in the code): the chunk wait as a test_wait spin (SPIN, the default now) against try_wait (which may suspend the
 warp: NANOSLEEP.SYNCS in the SASS), batch 1 at four contexts and batch 64 at 8K, triton beside them.
     python experiments/mla_cute/explore5.py OUT_DIR"""
 import sys
 
-import k3lab_kernels.cute.mla_decode as kdm
-from k3lab.bench import runner
+from k3lab.bench import runner  # (k3lab first: it maps kernels/ to k3lab_kernels)
+
+import k3lab_kernels.cute.mla_decode as kdm  # noqa: E402
 
 out = sys.argv[1]
 rows = []

@@ -21,7 +21,8 @@ Layout. Grid [CL, P, B], cluster [CL, 1, 1]: CTA (r, p, b) owns piece j = p CL +
      the same for Q and K: a dot product does not depend on the order) so a lane's K operand is one 8-byte load.
   3. online softmax in fp32 (exp2, scores times scale log2 e), a row's 32 scores over 16 lanes; P rounded to bf16.
   4. o [16, 512] += P [16, 32] V [32, 512] on tensor cores (V = the rows' first 512 values): warp w owns columns
-     64 w .. 64 w + 63 (8 n-tiles, 32 fp32 accumulators), V's operand pairs built with prmt from two rows' words.
+     64 w .. 64 w + 63 (8 n-tiles, 32 fp32 accumulators), V's operands by ldmatrix .trans (one x4: two n-tiles'
+     pairs).
   5. after the last chunk: each CTA pushes its unnormalized o (columns of CTA r's slice 512 / CL) and its (max, sum)
      into CTA r's shared memory (st.shared::cluster), one cluster barrier, and CTA r merges the CL pieces of its slice
      (log-sum-exp weights) into partial p of sequence b: o [B, P, 1, H, 512] normalized, lse [B, P, 1, H] (natural
@@ -73,7 +74,7 @@ LOG2E = 1.4426950408889634
 
 MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
            "{$10, $11, $12, $13};")
-PRMT_PTX = "prmt.b32 $0, $1, $2, $3;"
+LDSM_PTX = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"
 PACK_PTX = "cvt.rn.bf16x2.f32 $0, $1, $2;"   # $0 = {hi: $1, lo: $2}
 
 __all__ = ["CLUSTERS", "STAGES_ALLOWED", "MLADecodeCuteError", "default_partitions", "mla_decode", "supports"]
@@ -116,9 +117,12 @@ def _kernel_class():
         return [Float32(_llvm.extractvalue(Float32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
 
     @dsl_user_op
-    def prmt(a, b, sel, *, loc=None, ip=None):
-        return Int32(_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, sel)], PRMT_PTX,
-                          "=r,r,r,r", loc, ip))
+    def ldsm_x4_t(addr, *, loc=None, ip=None):
+        """ldmatrix .x4 .trans: four 8x8 b16 matrices whose rows start at the shared addresses of lanes 8 i .. 8 i + 7;
+        lane (g, t) gets matrix i's (row 2t, col g) and (row 2t + 1, col g) in word i."""
+        res = _asm(_llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                   LDSM_PTX, "=r,=r,=r,=r,r", loc, ip)
+        return [Int32(_llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
 
     @dsl_user_op
     def pack_bf16x2(hi, lo, *, loc=None, ip=None):
@@ -255,7 +259,7 @@ def _kernel_class():
             rml = cute.make_rmem_tensor((2,), Float32)   # (running max in log2 units, running sum) of row rr
             rml[0] = Float32(-float("inf"))
             rml[1] = Float32(0.0)
-            sel = 0x5410 + (g % 2) * 0x2222              # prmt: the low (even g) or high halves of two words
+            kv_addr = s_kv.iterator.toint()              # the ring's shared address (bytes), for ldmatrix
 
             for c in cutlass.range(nch):
                 st = c % STG
@@ -325,13 +329,14 @@ def _kernel_class():
                     pa1 = s_P[(g + 8) * PROW + 8 * ks + t]
                     pa2 = s_P[g * PROW + 8 * ks + 4 + t]
                     pa3 = s_P[(g + 8) * PROW + 8 * ks + 4 + t]
-                    r0 = base + (16 * ks + 2 * t) * RS + warp * 32 + g // 2
-                    for j in cutlass.range_constexpr(8):
-                        w0 = s_kv[r0 + 4 * j]
-                        w1 = s_kv[r0 + RS + 4 * j]
-                        w2 = s_kv[r0 + 8 * RS + 4 * j]
-                        w3 = s_kv[r0 + 9 * RS + 4 * j]
-                        mma_acc(ro, 4 * j, pa0, pa1, pa2, pa3, prmt(w0, w1, sel), prmt(w2, w3, sel))
+                    # lane l addresses row l % 8 of matrix l / 8: positions 16 ks + 8 (l / 8 % 2) + l % 8, the 8
+                    # columns of n-tile 2 jp + l / 16; the four words: (b0b1, b2b3) of n-tiles 2 jp and 2 jp + 1
+                    lrow = ((st * BN + 16 * ks + 8 * ((lane // 8) % 2) + lane % 8) * RS + warp * 32
+                            + 4 * (lane // 16)) * 4
+                    for jp in cutlass.range_constexpr(4):
+                        bw = ldsm_x4_t(kv_addr + lrow + jp * 32)
+                        mma_acc(ro, 8 * jp, pa0, pa1, pa2, pa3, bw[0], bw[1])
+                        mma_acc(ro, 8 * jp + 4, pa0, pa1, pa2, pa3, bw[2], bw[3])
                 cute.arch.sync_threads()  # the stage and s_P are free again
                 if c + STG < nch:
                     issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
