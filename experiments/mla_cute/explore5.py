@@ -1,5 +1,6 @@
-"""Fifth call (ldmatrix .trans for V in the code): the chunk wait as a test_wait spin (SPIN, the default now) against try_wait (which may suspend the
-warp: NANOSLEEP.SYNCS in the SASS), batch 1 at four contexts and batch 64 at 8K, triton beside them.
+"""Fifth call (ldmatrix .trans for V in the code): the chunk wait as a test_wait spin (SPIN, the default now) against
+try_wait (which may suspend the warp: NANOSLEEP.SYNCS in the SASS), batch 1 at four contexts and batch 64 at 8K, triton
+beside them.
     python experiments/mla_cute/explore5.py OUT_DIR"""
 import sys
 
