@@ -129,6 +129,7 @@ def test_supports_names_the_limit():
     assert "T = 4" in kdm.supports(dict(T=4, H=12))
     assert "fp8" in kdm.supports(dict(T=1, H=12, kv_dtype="fp8"))
     assert "dcp = 2" in kdm.supports(dict(T=1, H=12, dcp=2))
-    assert kdm.default_partitions(1, 8192, 8, sms=132) == 16
-    assert kdm.default_partitions(1, 100, 8, sms=132) == 1
-    assert kdm.default_partitions(64, 8192, 8, sms=132) == 1
+    assert kdm.default_cluster(1) == 4 and kdm.default_cluster(4) == 2
+    assert kdm.default_partitions(1, 8192, 4, sms=132) == 16 and kdm.default_partitions(1, 8192, 8, sms=132) == 8
+    assert kdm.default_partitions(4, 8192, 2, sms=132) == 16 and kdm.default_partitions(64, 8192, 2, sms=132) == 1
+    assert kdm.default_partitions(1, 100, 4, sms=132) == 1

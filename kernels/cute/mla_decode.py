@@ -64,7 +64,6 @@ SROW = 40                  # partial-score row pitch (floats; 8 mod 32)
 PROW = 20                  # P row pitch (words; conflict-free A-operand loads)
 CLUSTERS = (1, 2, 4, 8)
 STAGES_ALLOWED = (2, 3, 4)
-DEFAULT_CLUSTER = 8
 DEFAULT_STAGES = 4
 COPY = "async"            # how rows reach shared memory: "async" (cp.async, 16 bytes a thread) or "bulk"
 SPIN = True               # chunk waits: mbarrier test_wait in a loop (False: try_wait, which may suspend the warp)
@@ -480,13 +479,23 @@ def supports(shape: dict) -> str | None:
     return None
 
 
-def default_partitions(B: int, n_max: int, cluster: int = DEFAULT_CLUSTER, sms: int | None = None) -> int:
-    """Clusters a sequence: enough CTAs to give every SM one (one CTA an SM by shared memory), but no piece shorter
-    than one chunk of 32 positions."""
+def default_cluster(B: int) -> int:
+    """CTAs a cluster: 4 at batch 1..2, 2 above (H200, profiles/h200/mla_cute_partitions.json.gz and
+    mla_cute_batch.json.gz: cluster 4 with 16 clusters the best swept at batch 1 at 8K and 32K; at batch 4..64 cluster
+    2 ran 1.5-2x faster than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third session)."""
+    return 4 if B <= 2 else 2
+
+
+def default_partitions(B: int, n_max: int, cluster: int = 4, sms: int | None = None) -> int:
+    """Clusters a sequence: one CTA an SM (the CTA's ~196 KB of shared memory allows no second) for clusters of 1..2;
+    for clusters of 4 and 8 only half the SMs' worth, since not every SM's worth of such clusters is resident at once
+    (H200, batch 1: 33 clusters of 4 or 16 of 8 ran slower than 16 of 4 or 8 of 8 at 8K and 32K, as a second wave
+    would); and no piece shorter than one chunk of 32 positions."""
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                if torch.cuda.is_available() else NOMINAL_SMS)
-    fill = max(1, sms // (B * cluster))
+    slots = sms if cluster <= 2 else sms // 2
+    fill = max(1, slots // (B * cluster))
     enough = max(1, -(-max(1, n_max) // (cluster * BN)))
     return int(min(fill, enough, MAX_PARTITIONS))
 
@@ -562,7 +571,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         if kv.shape[0] != B:
             _fail("kv", f"a contiguous cache must be [B={B}, S_max, {D}], got {tuple(kv.shape)}")
         page, capacity = 0, kv.shape[1]
-    CL = DEFAULT_CLUSTER if cluster is None else cluster
+    CL = default_cluster(B) if cluster is None else cluster
     if isinstance(CL, bool) or CL not in CLUSTERS:
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
     STG = DEFAULT_STAGES if stages is None else stages
