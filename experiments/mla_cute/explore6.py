@@ -1,7 +1,7 @@
 """Sixth call (ldmatrix .trans for V in the code): how rows reach shared memory, A/B in one process: cp.async 16 bytes
 a thread (COPY = "async", the default now) against bulk copies a row (COPY = "bulk") waited for by a test_wait spin
-(SPIN) or by try_wait (which may suspend the warp: NANOSLEEP.SYNCS in the SASS); batch 1 at four contexts (cluster 4)
-and batch 64 at 8K (cluster 2), triton beside them.
+(SPIN) or by try_wait (which may suspend the warp: NANOSLEEP.SYNCS in the SASS); batch 1 at four contexts and batch 64
+at 8K (the automatic cluster and partitions), triton beside them.
     python experiments/mla_cute/explore6.py OUT_DIR"""
 import sys
 
@@ -13,9 +13,9 @@ out = sys.argv[1]
 rows = []
 for arm, (copy, spin) in {"async": ("async", True), "bulk_spin": ("bulk", True), "bulk_wait": ("bulk", False)}.items():
     kdm.COPY, kdm.SPIN = copy, spin
-    grid = dict(heads=(12,), batch=(1,), context=(1024, 8192, 32768, 131072), cluster=(4,), pdl=(True,))
+    grid = dict(heads=(12,), batch=(1,), context=(1024, 8192, 32768, 131072), cluster=(None,), pdl=(True,))
     for name, g in ((f"mla_cute_{arm}_b1", grid),
-                    (f"mla_cute_{arm}_b64", dict(grid, batch=(64,), context=(8192,), cluster=(2,)))):
+                    (f"mla_cute_{arm}_b64", dict(grid, batch=(64,), context=(8192,)))):
         bd = runner.run("mla", grid=g, ops=["mla_decode"], backends=("triton", "cute") if arm == "async" else ("cute",),
                         peers=False, reps=25, name=name, deadline_s=120, log=lambda s: None)
         bd.notes.append(f"k3lab_kernels.cute.mla_decode.COPY = {copy!r}, SPIN = {spin}")
