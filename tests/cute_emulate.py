@@ -221,19 +221,12 @@ class Float16:
         return Float32(_f16(x))
 
 
-class _I64(int):
-    """An Int64 value handed to inline PTX (arithmetic gives plain ints)."""
-
-    def ir_value(self, loc=None, ip=None):
-        return int(self)
-
-
 class Int64:
     width = 64
     is_float = False
 
     def __new__(cls, x):
-        return _I64(int(x))
+        return int(x)
 
 
 class Boolean:
@@ -662,7 +655,7 @@ def assume(x, divby=1):
 
 class _Thread:
     __slots__ = ("tid", "lane", "warp", "cta", "why", "done", "value", "carrived", "cwaits", "task", "abort",
-                 "exc", "waited", "cp_pending", "cp_groups")
+                 "exc", "waited")
 
     def __init__(self, tid, cta):
         self.tid, self.lane, self.cta = tid, tid % 32, cta
@@ -670,7 +663,6 @@ class _Thread:
         self.why, self.done, self.value, self.carrived, self.cwaits = None, False, None, None, 0
         self.task, self.abort, self.exc = None, False, None
         self.waited = False  # griddepcontrol.wait done (programmatic dependent launch)
-        self.cp_pending, self.cp_groups = [], []  # cp.async copies not yet committed / committed groups
 
 
 class _Warp:
@@ -1202,54 +1194,6 @@ def _ldmatrix_x4_trans(operands):
     return _warp_collective(addr, _LDSM_T, result)
 
 
-_CP_ASYNC = "cp.async.cg.shared.global"
-
-
-def _smem_at(cta, addr):
-    """(allocation, element) of this CTA's shared memory at byte address addr."""
-    for b in cta.smem:
-        if b.arr is not None and b.base <= addr < b.base + b.n * _esize(b.dtype):
-            off, rem = divmod(addr - b.base, _esize(b.dtype))
-            if rem:
-                break
-            return b, off
-    raise EmulationError(f"shared address 0x{addr:x} is in no allocation of this CTA (or not element-aligned)")
-
-
-def _cp_async(operands):
-    """cp.async.cg 16 bytes, global -> shared: the destination is poisoned now and lands at the thread's
-    cp.async.wait_group that completes its group (a read before it raises as unwritten shared memory)."""
-    dst, src = int(operands[0]), int(operands[1])
-    if dst % 16 or src % 16:
-        raise EmulationError(f"cp.async of 16 bytes from 0x{src:x} to 0x{dst:x}: both must be 16-byte aligned")
-    t = _cur()
-    db, doff = _smem_at(t.cta, dst)
-    sb, soff = _EMU.mem.find(db.dtype, src)
-    n = 16 // _esize(db.dtype)
-    if isinstance(sb, _Unmapped) or soff + n > sb.n or doff + n > db.n:
-        raise EmulationError(f"cp.async from 0x{src:x} ({getattr(sb, 'name', '?')}) to {db.name}[{doff}] out of bounds")
-    db.arr[doff:doff + n] = np.nan if db.arr.dtype.kind == "f" else -0x5A5A5A5A
-    db.written[doff:doff + n] = bytes(n)
-    t.cp_pending.append((db, doff, sb, soff, n))
-
-
-def cp_async_commit_group():
-    t = _cur()
-    t.cp_groups.append(t.cp_pending)
-    t.cp_pending = []
-
-
-def cp_async_wait_group(n):
-    """Land every committed group but the newest n (in order)."""
-    t = _cur()
-    groups = t.cp_groups
-    n = _as_index(n)
-    while len(groups) > n:
-        for db, doff, sb, soff, k in groups.pop(0):
-            for i in range(k):
-                db.write(doff + i, sb.read(soff + i))
-
-
 def _extractvalue(ty, container, position, **kw):
     return container[position[0]]
 
@@ -1338,8 +1282,6 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
         return _mma_m16n8k16(operands)
     if asm_string.startswith(_LDSM_T):
         return _ldmatrix_x4_trans(operands)
-    if asm_string.startswith(_CP_ASYNC):
-        return _cp_async(operands)
     if any(op in asm_string for op in _B32_OPS):
         return _ptx_b32(operands, asm_string, constraints)
 
@@ -1868,7 +1810,6 @@ def _fake_modules(emu: _Emu) -> dict:
         mbarrier_init_fence=mbarrier_init_fence, mbarrier_arrive=mbarrier_arrive,
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
         mbarrier_wait=mbarrier_wait, mbarrier_test_wait=mbarrier_test_wait, rcp_approx=_rcp_approx,
-        cp_async_commit_group=cp_async_commit_group, cp_async_wait_group=cp_async_wait_group,
         vote_ballot_sync=vote_ballot_sync,
         shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add,
         fence_acq_rel_gpu=fence_acq_rel_gpu)

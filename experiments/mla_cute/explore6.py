@@ -2,7 +2,7 @@
 a thread (COPY = "async", the default now) against bulk copies a row (COPY = "bulk") waited for by a test_wait spin
 (SPIN) or by try_wait (which may suspend the warp: NANOSLEEP.SYNCS in the SASS); batch 1 at four contexts and batch 64
 at 8K (the automatic cluster and partitions), triton beside them.
-    python experiments/mla_cute/explore6.py OUT_DIR"""
+    python experiments/mla_cute/explore6.py OUT_DIR     (at f4f848a only: COPY and SPIN were removed after it)"""
 import sys
 
 from k3lab.bench import runner  # (k3lab first: it maps kernels/ to k3lab_kernels)

@@ -12,8 +12,9 @@ Layout. Grid [CL, P, B], cluster [CL, 1, 1]: CTA (r, p, b) owns piece j = p CL +
 256 threads (8 warps) walks its piece in chunks of 32 positions:
   1. copy: lane l < 4 of warp w brings row 4 w + l of a chunk (1152 bytes, the page table looked up per row:
      contiguous, or any page size) into shared memory with one bulk copy (cp.async.bulk, completing on the stage's
-     mbarrier, one arrival a warp); STAGES chunks in flight (a ring); rows past the piece repeat its last row (finite,
-     masked below). Rows are 296 words apart (8 mod 32 banks: the score loads below are conflict-free).
+     mbarrier, one arrival a warp, waited for by a test_wait spin); STAGES chunks in flight (a ring); rows past the
+     piece repeat its last row (finite, masked below). Rows are 296 words apart (8 mod 32 banks: the score loads
+     below are conflict-free).
   2. scores on tensor cores: the 12 (or fewer) heads padded to the MMA's 16 rows; S [16, 32] = Q [16, 576] K^T with
      mma.sync m16n8k16 bf16 -> fp32; warp w owns the features 144 (w % 4) .. + 143 (9 k-steps, its Q fragments loaded
      once into 36 registers) of positions 16 (w / 4) .. + 15 (two n-tiles); the four quarters' partial S summed through
@@ -65,8 +66,6 @@ PROW = 20                  # P row pitch (words; conflict-free A-operand loads)
 CLUSTERS = (1, 2, 4, 8)
 STAGES_ALLOWED = (2, 3, 4)
 DEFAULT_STAGES = 4
-COPY = "async"            # how rows reach shared memory: "async" (cp.async, 16 bytes a thread) or "bulk"
-SPIN = True               # chunk waits: mbarrier test_wait in a loop (False: try_wait, which may suspend the warp)
 MAX_PARTITIONS = 256
 NOMINAL_SMS = 132
 LN2 = 0.6931471805599453
@@ -74,7 +73,6 @@ LOG2E = 1.4426950408889634
 
 MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
            "{$10, $11, $12, $13};")
-CP_ASYNC_PTX = "cp.async.cg.shared.global [$0], [$1], 16;"
 LDSM_PTX = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"
 PACK_PTX = "cvt.rn.bf16x2.f32 $0, $1, $2;"   # $0 = {hi: $1, lo: $2}
 
@@ -137,21 +135,6 @@ def _kernel_class():
             dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
             mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
-    @dsl_user_op
-    def cp_async16(dst, src, *, loc=None, ip=None):
-        """cp.async.cg of 16 bytes: global byte address src (Int64) -> shared byte address dst (Int32)."""
-        _llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip)],
-                         CP_ASYNC_PTX, "r,l", has_side_effects=True, is_align_stack=False,
-                         asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-    def cp_rows(c, row, tid, kv_addr, kv_g, STG: int):
-        """Thread i: the 9 sixteen-byte pieces (i % 8) + 8 k of row i / 8 of chunk c (a warp: 4 rows x 128 contiguous
-        bytes a piece step)."""
-        dst = kv_addr + ((c % STG) * BN + tid // 8) * (RS * 4) + (tid % 8) * 16
-        src = kv_g + cutlass.Int64(row) * ROW_BYTES + (tid % 8) * 16
-        for k in range(W_ROW // 4 // 8):  # a plain helper: a Python loop
-            cp_async16(dst + k * 128, src + k * 128)
-
     def mma_acc(acc, o, a0, a1, a2, a3, b0, b1):
         r = mma4(a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
         for i in range(4):  # a plain helper (not preprocessed): a Python loop
@@ -179,11 +162,8 @@ def _kernel_class():
     class MLADecodeKernel:
         """One cluster of CL CTAs a (partition, sequence) (module doc)."""
 
-        def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False,
-                     spin: bool = True, copy: str = "async"):
+        def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False):
             assert 1 <= H <= HR and cluster in CLUSTERS and stages in STAGES_ALLOWED and len_step in (1, 2)
-            self.spin = bool(spin)
-            self.bulk = copy == "bulk"
             self.H, self.CL, self.STG, self.PAGE, self.LS = H, cluster, stages, page, len_step
             self.pdl = bool(pdl)
             self.SW = C_LATENT // cluster   # columns a CTA merges
@@ -223,11 +203,10 @@ def _kernel_class():
             mbar = smem.allocate_array(cutlass.Int64, STG, byte_alignment=8)
             if cutlass.const_expr(CL > 1):
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before the DSMEM stores
-            if cutlass.const_expr(self.bulk):
-                if tid == 0:
-                    for s in cutlass.range_constexpr(STG):
-                        cute.arch.mbarrier_init(mbar + s, _WARPS)
-                    cute.arch.mbarrier_init_fence()
+            if tid == 0:
+                for s in cutlass.range_constexpr(STG):
+                    cute.arch.mbarrier_init(mbar + s, _WARPS)
+                cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # queries and the new row come from the kernels before
@@ -242,26 +221,14 @@ def _kernel_class():
             last = end - 1                       # a visible position even for an empty piece (end = n_b >= 1)
 
             # ---- the first chunks' rows: page indices first, then the copies ------------------------------------
-            kv_addr = s_kv.iterator.toint()              # the ring's shared address (bytes), for ldmatrix / cp.async
+            kv_addr = s_kv.iterator.toint()              # the ring's shared address (bytes), for ldmatrix
             rows = cute.make_rmem_tensor((STG,), Int32)
-            rpf = cute.make_rmem_tensor((1,), Int32)     # cp.async: the row of the next chunk to copy, a chunk early
-            if cutlass.const_expr(self.bulk):
-                for s in cutlass.range_constexpr(STG):
-                    pos = start + s * BN + RPW * warp + lane % RPW
-                    rows[s] = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                for s in cutlass.range_constexpr(STG):
-                    if s < nch:
-                        issue(s, rows[s], lane, warp, s_kv, p_kv, mbar, STG)
-            else:
-                kv_g = p_kv.toint()
-                for s in cutlass.range_constexpr(STG):
-                    pos = start + s * BN + tid // 8
-                    rows[s] = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                for s in cutlass.range_constexpr(STG - 1):
-                    if s < nch:
-                        cp_rows(s, rows[s], tid, kv_addr, kv_g, STG)
-                    cute.arch.cp_async_commit_group()
-                rpf[0] = rows[STG - 1]
+            for s in cutlass.range_constexpr(STG):
+                pos = start + s * BN + RPW * warp + lane % RPW
+                rows[s] = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
+            for s in cutlass.range_constexpr(STG):
+                if s < nch:
+                    issue(s, rows[s], lane, warp, s_kv, p_kv, mbar, STG)
 
             # ---- this warp's Q fragments (rows g, g + 8; padded heads zero), features 144 kq + 16 s + 4 t .. + 3 ----
             # one register pair a load (a shared temporary would serialize the loads behind each other's use)
@@ -293,28 +260,14 @@ def _kernel_class():
 
             for c in cutlass.range(nch):
                 st = c % STG
-                if cutlass.const_expr(self.bulk):
-                    # the cache row this lane copies for chunk c + STAGES: its page index loaded now, used after it
-                    pos = start + (c + STG) * BN + RPW * warp + lane % RPW
-                    nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                    if cutlass.const_expr(self.spin):  # test_wait in a loop: no suspended warp to wake
-                        ph = (c // STG) % 2
-                        ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
-                        while not ok:
-                            ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
-                    else:
-                        cute.arch.mbarrier_wait(mbar + st, (c // STG) % 2)
-                else:
-                    # chunk c + STAGES - 1 into the stage chunk c - 1 left (free since the last barrier); the row of
-                    # the chunk after it loaded now for the next iteration; then chunk c's group complete and visible
-                    row_nx = rpf[0]
-                    pos = start + (c + STG) * BN + tid // 8
-                    rpf[0] = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                    if c + STG - 1 < nch:
-                        cp_rows(c + STG - 1, row_nx, tid, kv_addr, kv_g, STG)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(STG - 1)
-                    cute.arch.sync_threads()
+                # the cache row this lane copies for chunk c + STAGES: its page index loaded now, used after the chunk
+                pos = start + (c + STG) * BN + RPW * warp + lane % RPW
+                nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
+                # the chunk's rows: mbarrier test_wait in a loop (try_wait compiles to a suspending NANOSLEEP.SYNCS)
+                ph = (c // STG) % 2
+                ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
+                while not ok:
+                    ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
                 base = st * (BN * RS)
                 # -- scores: rsc = Q K^T over this warp's feature quarter, n-tiles 2 npr, 2 npr + 1 (8 positions each)
                 rsc.fill(0.0)
@@ -380,9 +333,8 @@ def _kernel_class():
                         mma_acc(ro, 8 * jp, pa0, pa1, pa2, pa3, bw[0], bw[1])
                         mma_acc(ro, 8 * jp + 4, pa0, pa1, pa2, pa3, bw[2], bw[3])
                 cute.arch.sync_threads()  # the stage and s_P are free again
-                if cutlass.const_expr(self.bulk):
-                    if c + STG < nch:
-                        issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
+                if c + STG < nch:
+                    issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
 
             # ---- the cluster merge: o columns and (max, sum) pushed to the CTA that merges them -------------------
             if cutlass.const_expr(CL > 1):
@@ -612,7 +564,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     for name, tt in (("q_lat", q_lat), ("q_rope", q_rope), ("kv", kv), ("o", o_dst)):
         if tt.data_ptr() % 16:
             _fail(name, f"base address must be 16-byte aligned (got 0x{tt.data_ptr():x})")
-    key = (H, CL, STG, page, ls, pdl, SPIN, COPY, dev.index)
+    key = (H, CL, STG, page, ls, pdl, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -624,7 +576,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl, SPIN, COPY), *args, *rt, stream)
+            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl), *args, *rt, stream)
             _COMPILED[key] = fn
         fn(*args, *rt, stream)
     if direct or not merge:
