@@ -61,7 +61,7 @@ Component = tuple[Callable[[], Any], int, int]
 # (cuBLAS on a GPU), labelled "reference"
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "attnres": ("reference", "torch_compile", "triton", "cute"),  # k3lab_kernels.{triton,cute}.attnres_norm
-    "mla": ("reference", "torch_compile", "triton"),
+    "mla": ("reference", "torch_compile", "triton", "cute"),  # cute: decode (T = 1), cache write and combine
     "moe": ("reference", "torch_compile", "triton", "cute"),  # triton: moe_experts' paths; cute: one token, MXFP4
     # triton / cute: trunk.route (the projection on the trunk kernel + router_topk on that backend)
     "router": ("reference", "torch_compile", "triton", "cute"),
@@ -70,7 +70,20 @@ _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
 }  # proj on triton: the plain projections through k3lab.components.trunk.proj (Layer._lin); else torch
 # paths that exist for some layers only: (group, backend) -> (whether this layer has it, why not)
 _PATH_RULES = {("moe", "cute"): (lambda L: L.N == 1 and L.w.mlp_kind == "moe" and L.w.mlp.w1.fmt == "mxfp4",
-                                 "the CuTe experts take one token with MXFP4 experts")}
+                                 "the CuTe experts take one token with MXFP4 experts"),
+               ("mla", "cute"): (lambda L: L.kind == "mla" and _mla_cute_takes(L),
+                                 "the CuTe MLA decode takes one new position over a bf16 cache of K3's widths "
+                                 "(C = 512, Dr = 64), at most 16 heads, pad_heads 0 or 16")}
+
+
+def _mla_cute_takes(L) -> bool:
+    """Whether k3lab_kernels.cute.mla_decode takes this MLA layer's attention (k3lab.ops.mla.decode_supports)."""
+    from k3lab.ops.mla import decode_supports
+
+    w = L.w.attn
+    kv = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}.get(L.state.cache.dtype, str(L.state.cache.dtype))
+    return decode_supports("cute", dict(T=L.T, H=w.heads, C=w.kv_lora, Dr=w.rope_dim, kv_dtype=kv,
+                                        pad_heads=L.switches.pad_heads)) is None
 
 
 def _nb(*ts) -> int:
@@ -447,9 +460,10 @@ class Layer:
         into the cache at the sequences' lengths: the MLA component's kernel when the mla group runs on triton,
         else the reference (also the decode step's path, `k3lab.step._fused_parts`)."""
         w, st = self.w.attn, self.state
-        if self._backend("mla") == "triton":
+        be = self._backend("mla")
+        if be in ("triton", "cute"):  # the component's kernel of that backend (k3lab_kernels.*.mla_cache_write)
             from k3lab.components import mla as mla_comp
-            mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend="triton",
+            mla_comp.write_cache(ckv, w.kv_norm, st.cache, st.lengths, eps=float(w.eps), backend=be,
                                  check_values=False)
             return
         C = w.kv_lora
@@ -461,10 +475,11 @@ class Layer:
         sigmoid(gate logits), from buf["o_lat"]; the combine kernel on triton, else torch (also the decode
         step's path)."""
         w, b = self.w.attn, self.buf
-        if self._backend("mla") == "triton":
+        be = self._backend("mla")
+        if be in ("triton", "cute"):  # the combine kernel of that backend (k3lab_kernels.*.mla_combine)
             from k3lab.components import mla as mla_comp
             g = (gate if self.T > 1 else gate.unsqueeze(1)).contiguous()
-            y = mla_comp.combine(b["o_lat"], None, w.w_uv, g, backend="triton")
+            y = mla_comp.combine(b["o_lat"], None, w.w_uv, g, backend=be)
             return (y if self.T > 1 else y.squeeze(1)).to(self.dtype)
         o_lat = b["o_lat"] if self.T > 1 else b["o_lat"].squeeze(1)
         o = torch.einsum("...hc,hcv->...hv", o_lat.to(self.dtype), w.w_uv)

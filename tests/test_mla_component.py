@@ -225,3 +225,23 @@ def test_backends_refused_by_name():
         mla.attend(q, qr, cache, lengths, scale=0.1, backend="cuda")
     with pytest.raises(TypeError, match="ran must be a list"):
         mla.attend(q, qr, cache, lengths, scale=0.1, ran=())
+
+
+def test_layer_path_rule_of_the_cute_decode():
+    """The layer builder's mla group on `cute` (k3lab.model._PATH_RULES): K3's widths, one new position, a bf16 cache,
+    pad_heads 0 or 16; anything else is refused with the rule's reason (no silent fallback)."""
+    from types import SimpleNamespace as NS
+
+    from k3lab import model
+
+    takes, why = model._PATH_RULES[("mla", "cute")]
+
+    def layer(T=1, heads=12, C=512, Dr=64, dtype=torch.bfloat16, pad=0):
+        attn = NS(heads=heads, kv_lora=C, rope_dim=Dr)
+        return NS(kind="mla", T=T, w=NS(attn=attn), state=NS(cache=NS(dtype=dtype)), switches=NS(pad_heads=pad))
+
+    assert takes(layer()) and takes(layer(heads=6, pad=16))
+    for bad in (dict(T=4), dict(heads=20), dict(C=32, Dr=8), dict(dtype=torch.float8_e4m3fn), dict(pad=32)):
+        assert not takes(layer(**bad)), bad
+    assert "one new position" in why
+    assert not takes(NS(kind="kda"))

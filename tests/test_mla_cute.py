@@ -163,6 +163,23 @@ def test_decode_matches_fp64(shape, opts):
     assert res.ran and res.ran[-1].backend == "cute"
 
 
+def test_decode_strided_queries():
+    """The queries as the decode step hands them: q_lat a transpose of an [H, B, C] buffer, q_rope the rope slice of
+    [B, H, Dn + Dr] rows (the kernel takes batch and head strides)."""
+    c = dec_case(batch=64, context=4096, ragged=True)
+    d = DEC.make_inputs(c, 3, "cuda")
+    ref_o, ref_l = comp.attend(d["q_lat"], d["q_rope"], om._cache_of(d), d["lengths"], scale=om.SCALE,
+                               backend="cute", check_values=False, n_positions=c["context"] + 1)
+    B, _, H, C = d["q_lat"].shape
+    ql = d["q_lat"][:, 0].transpose(0, 1).contiguous()
+    qr = torch.zeros(B, H, 128 + 64, dtype=torch.bfloat16, device="cuda")
+    qr[..., 128:] = d["q_rope"][:, 0]
+    o, lse = comp.attend(ql.transpose(0, 1).unsqueeze(1), qr[..., 128:].unsqueeze(1), om._cache_of(d), d["lengths"],
+                         scale=om.SCALE, backend="cute", check_values=False, n_positions=c["context"] + 1)
+    torch.cuda.synchronize()
+    assert torch.equal(o, ref_o) and torch.equal(lse, ref_l)
+
+
 def test_decode_refuses_what_it_cannot_take():
     from k3lab.switches import BackendUnavailable
 

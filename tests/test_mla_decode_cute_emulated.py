@@ -20,15 +20,17 @@ pytestmark = pytest.mark.cute_emu
 DEC = registry.get("mla_decode")
 
 
-def run(d, *, merge=False, pdl=False, early=None, seed=0, **kw):
-    """mla_decode on the emulator with the input dict's tensors; returns what the wrapper returned."""
+def run(d, *, merge=False, pdl=False, early=None, seed=0, queries=None, **kw):
+    """mla_decode on the emulator with the input dict's tensors; returns what the wrapper returned. queries: (q_lat,
+    q_rope, the tensors they are views of) to pass strided views instead."""
     got = {}
     emulate._PDL["early"] = frozenset(t.data_ptr() for t in (early or []))
-    args = dict(q_lat=d["q_lat"], q_rope=d["q_rope"], kv=d["kv_cache"], lengths=d["lengths"],
-                block_table=d.get("block_table"))
+    q_lat, q_rope, bases = queries or (d["q_lat"], d["q_rope"], ())
+    args = dict(q_lat=q_lat, q_rope=q_rope, kv=d["kv_cache"], lengths=d["lengths"], block_table=d.get("block_table"))
     if merge:
         args.update(o_lat=d["o_lat"], lse=d["lse"])
     words = _words(args)
+    words.update({f"base{i}_words": t.reshape(-1).view(torch.int32) for i, t in enumerate(bases)})
 
     def call(m, **a):
         for k in words:
@@ -47,12 +49,24 @@ def _words(args):
             and v.is_contiguous() and v.dtype != torch.float32}
 
 
-def impl(**kw):
+def strided(d):
+    """The decode step's query views: q_lat the transpose of an [H, B, C] buffer, q_rope the rope slice of [B, H, Dn +
+    Dr] rows (Dn = 128)."""
+    B, _, H, C = d["q_lat"].shape
+    Dr = d["q_rope"].shape[-1]
+    ql = d["q_lat"][:, 0].transpose(0, 1).contiguous()          # [H, B, C]
+    qr = torch.zeros(B, H, 128 + Dr, dtype=torch.bfloat16)
+    qr[..., 128:] = d["q_rope"][:, 0]
+    return ql.transpose(0, 1).unsqueeze(1), qr[..., 128:].unsqueeze(1), (ql, qr)
+
+
+def impl(strided_q=False, **kw):
     def f(d):
+        q = strided(d) if strided_q else None
         if kw.get("partitions") == 1:  # the kernel writes o_lat / lse itself
-            run(d, merge=True, **kw)
+            run(d, merge=True, queries=q, **kw)
             return
-        o, lse = run(d, **kw)
+        o, lse = run(d, queries=q, **kw)
         assert torch.isfinite(o).all(), "a partial holds NaN (an unwritten column?)"
         lse64 = lse.double()
         top = lse64.amax(dim=1, keepdim=True)
@@ -80,6 +94,12 @@ def test_decode(shape, kw):
     check(seed=len(shape), kw=kw, **shape)
 
 
+def test_strided_queries():
+    """The queries as the decode step hands them (a transposed q_lat buffer, q_rope a slice of wider rows)."""
+    check(seed=9, kw=dict(cluster=2, partitions=1, stages=2, strided_q=True), batch=3, heads=5, context=30,
+          page_size=16)
+
+
 def test_pdl_reads_nothing_before_the_wait():
     """pdl=True: every read after griddepcontrol.wait (nothing declared readable before it)."""
     check(seed=5, kw=dict(cluster=2, partitions=1, stages=2, pdl=True), context=20)
@@ -103,6 +123,8 @@ def test_grid_and_cluster():
     (dict(q_lat=torch.zeros(1, 2, 12, 512, dtype=torch.bfloat16)), "T = 2: one new position only"),
     (dict(q_lat=torch.zeros(1, 1, 17, 512, dtype=torch.bfloat16)), "17 heads"),
     (dict(lengths=torch.zeros(1, dtype=torch.float32)), "'lengths' must have dtype"),
+    (dict(q_rope=torch.zeros(1, 12, 1, 66, dtype=torch.bfloat16)[:, :, :, 2:].transpose(1, 2)),
+     "'q_rope' must have batch and head strides that are multiples of 4"),
 ])
 def test_arguments_named(bad, match):
     d = DEC.make_inputs(DEC.case(heads=12, batch=1, context=10, T=1, page_size=16, kv_dtype="bf16",

@@ -214,9 +214,9 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     if not isinstance(merge, bool):
         _fail("merge", f"must be a bool, got {merge!r}")
     be, auto_opts, why = dispatch.select("mla_decode", backend, B=B, T=T,
-                                         shape=dict(B=B, T=T, H=H, kv_dtype=_KV_NAMES.get(getattr(cache, "dtype", None),
-                                                                                         "other"),
-                                                    dcp=dcp, pad_heads=pad_heads))
+                                         shape=dict(B=B, T=T, H=H, C=C, Dr=q_rope.shape[-1], dcp=dcp,
+                                                    kv_dtype=_KV_NAMES.get(getattr(cache, "dtype", None), "other"),
+                                                    pad_heads=pad_heads))
     tri = be == "triton"
     for name, v in (("cluster", cluster), ("stages", stages)):
         if v is not None and be != "cute":

@@ -245,14 +245,14 @@ def ref_query(d: dict, case: Case) -> dict:
 
 
 def decode_supports(backend: str, shape: dict) -> str | None:
-    """The CuTe decode's limits (k3lab_kernels.cute.mla_decode.supports): T = 1, at most 16 heads, a bf16 cache, no
-    DCP; a case's axes or a call's facts (B, T, H, kv_dtype, dcp, pad_heads)."""
+    """The CuTe decode's limits (k3lab_kernels.cute.mla_decode.supports): T = 1, at most 16 heads, C = 512, Dr = 64, a
+    bf16 cache, no DCP; a case's axes or a call's facts (B, T, H, C, Dr, kv_dtype, dcp, pad_heads)."""
     if backend != "cute":
         return None
     from k3lab_kernels.cute.mla_decode import supports
 
-    return supports(dict(T=shape.get("T", 1), H=shape.get("H", shape.get("heads", 12)),
-                         kv_dtype=shape.get("kv_dtype", "bf16"), dcp=shape.get("dcp", 1),
+    return supports(dict(T=shape.get("T", 1), H=shape.get("H", shape.get("heads", 12)), C=shape.get("C", C),
+                         Dr=shape.get("Dr", DR), kv_dtype=shape.get("kv_dtype", "bf16"), dcp=shape.get("dcp", 1),
                          pad_heads=shape.get("pad_heads", 0)))
 
 

@@ -290,9 +290,10 @@ def _cases(only: str | None, quick: bool):
     if only in (None, "mla_decode"):
         from kernels.cute import mla_decode as kdm
         # mla_decode's arguments: q_lat, q_rope, kv (int32 words), block table, lengths, o, lse; B, P, PL, the block
-        # table's row stride, S_max, the score scale; (H, cluster, stages, page, lengths step, pdl)
-        dargs = [P(i32, 16), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(f32, 16), P(f32, 4), i32(1), i32(16),
-                 i32(64), i32(128), i32(0), cutlass.Float32(0.1), S]
+        # table's row stride, S_max, the queries' batch and head strides (words), the score scale; (H, cluster, stages,
+        # page, lengths step, pdl)
+        dargs = [P(i32, 8), P(i32, 8), P(i32, 16), P(i32, 4), P(i32, 4), P(f32, 16), P(f32, 4), i32(1), i32(16),
+                 i32(64), i32(128), i32(0), i32(3072), i32(256), i32(384), i32(32), cutlass.Float32(0.1), S]
         for H, CL, STG, page, ls, pdl in ((12, 8, 4, 64, 1, False), (12, 8, 4, 64, 2, True), (12, 4, 2, 0, 1, False),
                                           (6, 1, 3, 16, 1, False), (16, 2, 4, 1, 2, True)):
             cases.append((f"mla_decode H{H} cluster{CL} stages{STG} page{page}" + (" pdl" if pdl else ""),

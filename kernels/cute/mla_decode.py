@@ -38,7 +38,8 @@ the H200). Tolerance: the Triton kernel's (bf16 operands, fp32 accumulation, P r
 Contract: mla_decode(q_lat, q_rope, kv, lengths, o_lat=None, lse=None, *, scale, block_table=None, partitions=None,
 cluster=None, stages=None, merge=True, pdl=None, n_max=None) -> (o_lat [B,1,H,512], lse [B,1,H]) fp32, or with
 merge=False the partials (o [B,P,1,H,512], lse [B,P,1,H]) in a workspace. T = 1, H <= 16, bf16 queries and cache
-(contiguous [B, S_max, 576] or a page pool [n_pages, PAGE, 576] with block_table [B, max_pages] int32), lengths [B]
+(contiguous [B, S_max, 576] or a page pool [n_pages, PAGE, 576] with block_table [B, max_pages] int32; the queries
+any batch and head strides that are multiples of 4 elements, the last dimension contiguous), lengths [B]
 int32 or int64 (positions cached before the new one; its row is already written). n_max: the longest visible history
 max(lengths) + 1 when the caller knows it (else the cache capacity). pdl=True: the kernel waits for the one before
 (griddepcontrol.wait) before any read and the merge is a PDL launch; None: the enclosing pdl_chain's setting. Refused
@@ -171,15 +172,17 @@ def _kernel_class():
         @cute.jit
         def __call__(self, p_q: cute.Pointer, p_qr: cute.Pointer, p_kv: cute.Pointer, p_bt: cute.Pointer,
                      p_len: cute.Pointer, p_o: cute.Pointer, p_lse: cute.Pointer, B: Int32, P: Int32, PL: Int32,
-                     s_bt: Int32, s_max: Int32, qk_scale: Float32, stream: cuda.CUstream):
+                     s_bt: Int32, s_max: Int32, sq_b: Int32, sq_h: Int32, sr_b: Int32, sr_h: Int32, qk_scale: Float32,
+                     stream: cuda.CUstream):
             cl = {} if self.CL == 1 else {"cluster": [self.CL, 1, 1]}
-            self.kernel(p_q, p_qr, p_kv, p_bt, p_len, p_o, p_lse, P, PL, s_bt, s_max, qk_scale).launch(
+            self.kernel(p_q, p_qr, p_kv, p_bt, p_len, p_o, p_lse, P, PL, s_bt, s_max, sq_b, sq_h, sr_b, sr_h,
+                        qk_scale).launch(
                 grid=[self.CL, P, B], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl, **cl)
 
         @cute.kernel
         def kernel(self, p_q: cute.Pointer, p_qr: cute.Pointer, p_kv: cute.Pointer, p_bt: cute.Pointer,
                    p_len: cute.Pointer, p_o: cute.Pointer, p_lse: cute.Pointer, P: Int32, PL: Int32, s_bt: Int32,
-                   s_max: Int32, qk_scale: Float32):
+                   s_max: Int32, sq_b: Int32, sq_h: Int32, sr_b: Int32, sr_h: Int32, qk_scale: Float32):
             H, CL, STG, PAGE, SW = self.H, self.CL, self.STG, self.PAGE, self.SW
             NCOL = SW // 16                     # merged columns a thread
             tid, _, _ = cute.arch.thread_idx()
@@ -242,11 +245,11 @@ def _kernel_class():
                     h = g + 8 * hh
                     if h < H:
                         if f0 < C_LATENT:
-                            cute.autovec_copy(vec(p_q, cute.assume((b * H + h) * (C_LATENT // 2) + f0 // 2 + 2 * t,
-                                                                   divby=2), 2), rq[2 * s + hh])
+                            cute.autovec_copy(vec(p_q, cute.assume(b * sq_b + h * sq_h + f0 // 2 + 2 * t, divby=2), 2),
+                                              rq[2 * s + hh])
                         if f0 >= C_LATENT:
-                            cute.autovec_copy(vec(p_qr, cute.assume((b * H + h) * (D_ROPE // 2) + (f0 - C_LATENT) // 2
-                                                                    + 2 * t, divby=2), 2), rq[2 * s + hh])
+                            cute.autovec_copy(vec(p_qr, cute.assume(b * sr_b + h * sr_h + (f0 - C_LATENT) // 2 + 2 * t,
+                                                                    divby=2), 2), rq[2 * s + hh])
             kb = []
             for _s in cutlass.range_constexpr(KS):
                 kb.append(cute.make_rmem_tensor((2,), Int32))
@@ -462,7 +465,7 @@ def workspace(device, B: int, P: int, H: int) -> tuple[torch.Tensor, torch.Tenso
     return _WS[key]
 
 
-def _tensor(name, t, device, dtypes, dim=None):
+def _tensor(name, t, device, dtypes, dim=None, contiguous=True):
     if not isinstance(t, torch.Tensor):
         _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cuda":
@@ -473,9 +476,20 @@ def _tensor(name, t, device, dtypes, dim=None):
         _fail(name, f"must have dtype in {[str(x).replace('torch.', '') for x in dtypes]}, got {t.dtype}")
     if dim is not None and t.dim() != dim:
         _fail(name, f"must have {dim} dimensions, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         _fail(name, "must be contiguous")
     return t
+
+
+def _queries(name, t, device):
+    """q_lat / q_rope: bf16 [B, 1, H, *], the last dimension contiguous, batch and head strides multiples of 4 elements
+    and the base 8-byte aligned (each lane loads 8 bytes)."""
+    _tensor(name, t, device, (torch.bfloat16,), 4, contiguous=False)
+    if t.stride(-1) != 1:
+        _fail(name, f"must have its last dimension contiguous, got strides {t.stride()}")
+    if t.stride(0) % 4 or t.stride(2) % 4 or t.data_ptr() % 8:
+        _fail(name, f"must have batch and head strides that are multiples of 4 elements and an 8-byte aligned base "
+                    f"(got strides {t.stride()}, address 0x{t.data_ptr():x})")
 
 
 def _ptr(t: torch.Tensor, dtype, align: int):
@@ -495,10 +509,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         pdl = chain_pdl(None)
     if not isinstance(pdl, bool):
         _fail("pdl", f"must be None or a bool, got {pdl!r}")
-    _tensor("q_lat", q_lat, None, (torch.bfloat16,), 4)
+    _queries("q_lat", q_lat, None)
     dev = q_lat.device
     B, T, H, C = q_lat.shape
-    _tensor("q_rope", q_rope, dev, (torch.bfloat16,), 4)
+    _queries("q_rope", q_rope, dev)
     why = supports(dict(T=T, H=H, C=C, Dr=q_rope.shape[-1]))
     if why:
         _fail("q_lat", f"shape {tuple(q_lat.shape)} / q_rope {tuple(q_rope.shape)}: {why}")
@@ -558,10 +572,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
 
     ls = 2 if lengths.dtype == torch.int64 else 1
     bt = block_table if paged else lengths
-    args = [_ptr(q_lat, cutlass.Int32, 16), _ptr(q_rope, cutlass.Int32, 16), _ptr(kv, cutlass.Int32, 16),
+    args = [_ptr(q_lat, cutlass.Int32, 8), _ptr(q_rope, cutlass.Int32, 8), _ptr(kv, cutlass.Int32, 16),
             _ptr(bt, cutlass.Int32, 4), _ptr(lengths, cutlass.Int32, 4), _ptr(o_dst, cutlass.Float32, 16),
             _ptr(l_dst, cutlass.Float32, 4)]
-    for name, tt in (("q_lat", q_lat), ("q_rope", q_rope), ("kv", kv), ("o", o_dst)):
+    for name, tt in (("kv", kv), ("o", o_dst)):
         if tt.data_ptr() % 16:
             _fail(name, f"base address must be 16-byte aligned (got 0x{tt.data_ptr():x})")
     key = (H, CL, STG, page, ls, pdl, dev.index)
@@ -571,6 +585,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         rt = [cutlass.Int32(B), cutlass.Int32(P), cutlass.Int32(PL),
               cutlass.Int32(block_table.stride(0) if paged else 0), cutlass.Int32(0 if paged else kv.shape[1]),
+              cutlass.Int32(q_lat.stride(0) // 2), cutlass.Int32(q_lat.stride(2) // 2),
+              cutlass.Int32(q_rope.stride(0) // 2), cutlass.Int32(q_rope.stride(2) // 2),
               cutlass.Float32(float(scale) * LOG2E)]
         fn = _COMPILED.get(key)
         if fn is None:
