@@ -44,6 +44,8 @@ int32 or int64 (positions cached before the new one; its row is already written)
 max(lengths) + 1 when the caller knows it (else the cache capacity). pdl=True: the kernel waits for the one before
 (griddepcontrol.wait) before any read and the merge is a PDL launch; None: the enclosing pdl_chain's setting. Refused
 with the argument named (MLADecodeCuteError). `supports(shape)` says why a shape is refused (None when it runs).
+None picks the measured shape: cluster `default_cluster(B)`, partitions `default_partitions` (clusters a sequence),
+stages 4.
 """
 from typing import Any
 
