@@ -162,8 +162,9 @@ def test_shared_memory_bound():
     stage count fits the H200's 227 KB a CTA."""
     from k3lab_kernels.cute import mla_decode as kdm
 
-    d = DEC.make_inputs(DEC.case(heads=4, batch=1, context=20, T=1, page_size=16, kv_dtype="bf16", fp8_scale="tensor",
-                                 ragged=False, partitions="auto", pad_heads=0, dcp=1, dcp_layout="interleave"), 0, "cpu")
+    c = DEC.case(heads=4, batch=1, context=20, T=1, page_size=16, kv_dtype="bf16", fp8_scale="tensor", ragged=False,
+                 partitions="auto", pad_heads=0, dcp=1, dcp_layout="interleave")
+    d = DEC.make_inputs(c, 0, "cpu")
     run(d, cluster=2, partitions=1, stages=3)
     assert 0 <= kdm.smem_bytes(2, 3) - emulate.LAST["max_smem"] <= 1024
     assert all(kdm.smem_bytes(c, s) <= 227 * 1024 for c in kdm.CLUSTERS for s in kdm.STAGES_ALLOWED)
