@@ -170,9 +170,6 @@ def _cache_kind(cache) -> dict:
 
 # ---- attention -----------------------------------------------------------------------------------
 
-_KV_NAMES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
-
-
 def _pdl(pdl) -> bool:
     """pdl: None = the kernels' default (k3lab_kernels.triton.mla_decode.DEFAULT_PDL), or a bool: the split
     lets the next kernel start early and the merge / combine waits for it (programmatic dependent launch; a
@@ -213,23 +210,28 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     _attend_opts(H, partitions, pad_heads, dcp, dcp_layout)
     if not isinstance(merge, bool):
         _fail("merge", f"must be a bool, got {merge!r}")
+    from k3lab.ops import mla as mla_ops  # the registry entry's names (imported here: it imports this module's users)
+
     be, auto_opts, why = dispatch.select("mla_decode", backend, B=B, T=T,
                                          shape=dict(B=B, T=T, H=H, C=C, Dr=q_rope.shape[-1], dcp=dcp,
-                                                    kv_dtype=_KV_NAMES.get(getattr(cache, "dtype", None), "other"),
+                                                    kv_dtype=mla_ops.kv_name(getattr(cache, "dtype", None)),
                                                     pad_heads=pad_heads))
     tri = be == "triton"
     for name, v in (("cluster", cluster), ("stages", stages)):
         if v is not None and be != "cute":
             _fail(name, f"is an option of backend 'cute', not {be!r}")
+    if tri:
+        _tensor("q_lat", q_lat, 4, TRITON_ACT_DTYPES)
+        _tensor("q_rope", q_rope, 4, TRITON_ACT_DTYPES)
+    _cache(cache, B, C + q_rope.shape[-1], dev, tri or be == "cute", kernel=be)
+    lengths = _lengths(lengths, B, T, cache, dev, check_values)
+    if n_positions is not None:
+        _int_opt("n_positions", n_positions, T, cache.capacity)
     if be == "cute":
         for name, v in (("block_n", block_n), ("block_m", block_m), ("num_warps", num_warps),
                         ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk)):
             if v is not None:
                 _fail(name, "is an option of backend 'triton', not 'cute'")
-        _cache(cache, B, C + q_rope.shape[-1], dev, True)
-        lengths = _lengths(lengths, B, T, cache, dev, check_values)
-        if n_positions is not None:
-            _int_opt("n_positions", n_positions, T, cache.capacity)
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
         kv = _kv_args(cache)
         knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl)
@@ -241,13 +243,6 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                         notes=f"partials K={res[1].shape[1] if not merge else 'merged'}"
                               + ("" if partitions else " (automatic partitions)"))
         return res
-    if tri:
-        _tensor("q_lat", q_lat, 4, TRITON_ACT_DTYPES)
-        _tensor("q_rope", q_rope, 4, TRITON_ACT_DTYPES)
-    _cache(cache, B, C + q_rope.shape[-1], dev, tri)
-    lengths = _lengths(lengths, B, T, cache, dev, check_values)
-    if n_positions is not None:
-        _int_opt("n_positions", n_positions, T, cache.capacity)
     K_shape = None
     if be == "aiter":  # k3lab_kernels.aiter.mla_decode: AITER's kernel, heads padded to 16, shards merged here
         if not merge:

@@ -244,6 +244,11 @@ def ref_query(d: dict, case: Case) -> dict:
     return dict(q_lat=lat, q_rope=rope)
 
 
+def kv_name(dtype) -> str:
+    """A cache dtype as the cases name it ("bf16", "fp8"; anything else its torch name)."""
+    return {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def decode_supports(backend: str, shape: dict) -> str | None:
     """The CuTe decode's limits (k3lab_kernels.cute.mla_decode.supports): T = 1, at most 16 heads, C = 512, Dr = 64, a
     bf16 cache, no DCP; a case's axes or a call's facts (B, T, H, C, Dr, kv_dtype, dcp, pad_heads)."""
