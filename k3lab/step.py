@@ -19,8 +19,9 @@ are not run (the 93-layer estimate adds them as an assumed cost).
 Backends come from the switch object (`k3lab.switches.Switches`), one per component group, read by the layer
 builder and the component APIs. `resolve_switches` turns `auto` into what runs: on a CPU the reference (as
 `k3lab.policy` does without a GPU); on a GPU `auto` itself where the layer hands it to a component that
-resolves it through the one dispatcher (KDA), else the first fused backend (cute, triton, aiter) the layer
-has a path for and this machine can run, else the reference. Whatever lands later in the component
+resolves it through the one dispatcher (KDA); the group's measured rule where the step or the layer calls a
+component API by backend (`OVERRIDE_OPS`; the MLA group through `mla_decode`'s rule, `RULE_OPS`); else the first
+fused backend (cute, triton, aiter) the layer has a path for and this machine can run, else the reference. Whatever lands later in the component
 modules and `k3lab.model` is picked up through the same calls; nothing here names a kernel.
 
 How time is attributed (every figure through the one timer, `k3lab.harness.timing`):
@@ -126,6 +127,9 @@ def _on_gpu(device) -> bool:
 # calls the component APIs (`_fused_parts`); a group the builder refuses is refused by name.
 OVERRIDE_OPS = {"attnres": "attnres_norm", "router": "router_topk", "moe": "moe_experts", "proj": "proj"}
 LAYER_PATHS = ("reference", "torch_compile")  # what the layer builder itself runs for those groups
+# Groups the layer builder runs on a named backend whose choice under `auto` follows a registry op's measured rule
+# (data/<component>_defaults.json) before the first fused backend with a path: the MLA group's decode decides it
+RULE_OPS = {"mla": "mla_decode"}
 
 
 def _tokens(layers) -> int:
@@ -173,6 +177,14 @@ def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple
                     comp == "proj" or _group_accepts(layers, comp, be, switches)):
                 resolved[comp], why[comp] = be, f"auto: {be}, the {OVERRIDE_OPS[comp]} rule ({rule})"
                 continue
+        if comp in RULE_OPS:
+            from k3lab.components import dispatch
+
+            L = layers[0]
+            be, _, rule = dispatch.select(RULE_OPS[comp], "auto", B=L.B, T=L.T)
+            if be not in LAYER_PATHS and _group_accepts(layers, comp, be, switches):
+                resolved[comp], why[comp] = be, f"auto: {be}, the {RULE_OPS[comp]} rule ({rule})"
+                continue
         for cand in ("auto",) + FUSED:
             if cand != "auto" and not backend_status(cand)[0]:
                 continue
@@ -184,6 +196,14 @@ def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple
         else:
             resolved[comp], why[comp] = "reference", f"auto: no fused path for {comp!r} here, the torch reference"
     return switches.replace(backend=resolved), why
+
+
+def on_one_backend(switches: Switches, backend: str) -> Switches:
+    """`switches` with every component group on `backend` (the comparison steps, the build pass on the reference);
+    `kda_pdl`, the CuTe KDA kernels' launch mode, is off unless that backend is cute (the KDA component refuses it
+    on any other by name)."""
+    return switches.replace(backend={c: backend for c in COMPONENTS},
+                            kda_pdl=switches.kda_pdl and backend == "cute")
 
 
 def _group_accepts(layers, comp: str, backend: str, switches: Switches) -> bool:
@@ -237,7 +257,7 @@ class DecodeStep:
         if not isinstance(switches, Switches):
             raise TypeError(f"step: 'switches' must be k3lab.switches.Switches, got {type(switches).__name__}")
         self.requested = switches
-        plain = Switches(**{**switches.to_dict(), "backend": {c: "reference" for c in COMPONENTS}})
+        plain = on_one_backend(switches, "reference")
         gen = gen_device or ("cuda" if _on_gpu(self.device) else "cpu")
         t0 = time.perf_counter()
         self.layers = [build_layer(view, self.cfg.layer_kind(i), seed, n_experts, device=self.device, dtype=dtype,
@@ -1309,7 +1329,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     # comparison: the same step on the reference and on torch.compile of it
     for be in compare:
         try:
-            step.set_switches(step.requested.replace(backend={c: be for c in COMPONENTS}))
+            step.set_switches(on_one_backend(step.requested, be))
             for _ in range(COMPILE_WARM_STEPS if be == "torch_compile" else 0):
                 step.run()  # compiles (and any recompiles) before the timer's own warm-up
             # eager: the reference expert loop reads the routing on the host, so a capture always fails; at batch 64
@@ -1325,7 +1345,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
         r.floor_us, r.bytes = whole.floor_us, whole.bytes
         r.extra["speedup_of_fused"] = tc.median_us / t.median_us if t.median_us else None
         b.add(r)
-        b.backends_ran[be] = f"every component on {be}"
+        b.backends_ran[be] = f"every component on {be}" + (" (kda_pdl off: a CuTe launch mode)"
+                                                           if step.requested.kda_pdl else "")
         log(f"step on {be:14s} {tc.median_us:10.1f} us ({tc.kind}); the fused step is "
             f"x{tc.median_us / t.median_us:.2f} faster")
         save()

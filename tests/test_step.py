@@ -317,6 +317,42 @@ def test_auto_resolves_to_the_reference_without_a_gpu_and_says_why():
     assert st.requested.backend["kda"] == "auto"
 
 
+def test_auto_mla_follows_the_decode_rule_not_the_first_fused_backend(monkeypatch):
+    """On a GPU `auto` for the MLA group is the mla_decode rule's backend (data/mla_defaults.json) where the layers
+    take it, not the first fused backend with a path (cute), which a layer taking both would otherwise get."""
+    from types import SimpleNamespace
+
+    from k3lab.components import dispatch
+
+    monkeypatch.setattr(S, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "cute", "reference"))
+    monkeypatch.setattr(S, "backend_status", lambda be: (True, "patched"))
+    takes = {"triton", "cute"}
+    monkeypatch.setattr(S, "_group_accepts", lambda layers, comp, be, sw: be in takes)
+    layers = [SimpleNamespace(B=1, T=1)]
+    sw = Switches(backend={c: ("auto" if c == "mla" else "reference") for c in Switches().backend})
+    rule = dispatch.select("mla_decode", "auto", B=1, T=1)[0]
+    res, why = S.resolve_switches(sw, layers, "cuda")
+    assert res.backend["mla"] == rule and "mla_decode rule" in why["mla"]
+    takes.discard(rule)  # the rule's backend refused by the layers: the first fused backend that takes the group
+    res, why = S.resolve_switches(sw, layers, "cuda")
+    assert res.backend["mla"] == next(b for b in S.FUSED if b in takes) and "first fused" in why["mla"]
+
+
+def test_comparison_steps_leave_the_cute_launch_mode_off():
+    """kda_pdl (CuTe only) with the comparison steps: the build pass and the reference / torch.compile steps run it
+    off (the first H200 headline with kda_pdl failed in the build pass), a cute step keeps it."""
+    sw = Switches(kda_pdl=True, pdl=True)
+    for be in ("reference", "torch_compile", "triton"):
+        o = S.on_one_backend(sw, be)
+        assert set(o.backend.values()) == {be} and o.kda_pdl is False and o.pdl is True
+    assert S.on_one_backend(sw, "cute").kda_pdl is True
+    st = S.DecodeStep(_tiny(), Switches(kda_pdl=False), device="cpu")
+    st.layers[0].switches = S.on_one_backend(sw, "reference")
+    st.layers[0].prepare()  # the build pass's components with kda_pdl requested: no refusal
+
+
 def test_bad_arguments_are_named():
     view = _tiny()
     with pytest.raises(S.StepError, match="'n_experts'"):

@@ -2,7 +2,7 @@
 (`auto`) and on CuTe DSL (`backend_mla = "cute"`: the CuTe decode, cache write and combine), in one process and on
 one probe: alternates the two `ROUNDS` times (each a fresh build, timed by `k3lab.step.time_step`), compares one
 step's output of each arm from the same seeded state, and saves one profiled eager step's per-component GPU time.
-Written in the twenty-third session for the next device call (not run yet).
+Written in the twenty-third session; first run in the twenty-fourth, where both arms ran cute (see ARMS).
 
     python experiments/mla_cute/step_ab.py $OUT    (PYTHONPATH=$PWD and the cute site)  ->  $OUT/mla_cute_step_ab.json
 """
@@ -17,7 +17,8 @@ from k3lab.harness import env as envmod, timing
 
 ROUNDS = 2
 P = dict(preset="tp8", batch=64, context=8192, expert_dtype="mxfp4", pdl=True)
-ARMS = {"triton": {}, "cute": {"backend_mla": "cute"}}
+ARMS = {"triton": {"backend_mla": "triton"}, "cute": {"backend_mla": "cute"}}  # named: auto picked cute in both
+# arms of the first run (the step's auto took the first fused backend with a path; it follows mla_decode's rule now)
 
 
 def main(out):
