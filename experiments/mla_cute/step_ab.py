@@ -4,7 +4,7 @@ one probe: alternates the two `ROUNDS` times (each a fresh build, timed by `k3la
 step's output of each arm from the same seeded state, and saves one profiled eager step's per-component GPU time.
 Written in the twenty-third session; first run in the twenty-fourth, where both arms ran cute (see ARMS).
 
-    python experiments/mla_cute/step_ab.py $OUT    (PYTHONPATH=$PWD and the cute site)  ->  $OUT/mla_cute_step_ab.json
+    python experiments/mla_cute/step_ab.py $OUT [--check]  (PYTHONPATH=$PWD, cute site) -> $OUT/mla_cute_step_*.json
 """
 import json
 import sys
@@ -19,6 +19,34 @@ ROUNDS = 2
 P = dict(preset="tp8", batch=64, context=8192, expert_dtype="mxfp4", pdl=True)
 ARMS = {"triton": {"backend_mla": "triton"}, "cute": {"backend_mla": "cute"}}  # named: auto picked cute in both
 # arms of the first run (the step's auto took the first fused backend with a path; it follows mla_decode's rule now)
+
+
+def check(out):
+    """One step of each arm from the same seeded state, every layer's output and the MLA layers' buffers compared
+    (the first run's outputs differed by 0.25 relative: the MoE routing flipping, or the cute glue?)."""
+    view = dashboards.view_from_params(P)
+    keep = {}
+    for arm, extra in ARMS.items():
+        st = S.DecodeStep(view, dashboards.switches_from_params(dict(P, **extra)), device="cuda")
+        torch.manual_seed(0)
+        x = torch.randn(st.x_in.shape, device="cuda").to(st.x_in.dtype)
+        layers = {}
+        for i, L in zip(st.ids, st.layers):  # every layer's output, and the MLA layers' q / o_lat / p
+            layers[i] = L
+        st.run(x)
+        torch.cuda.synchronize()
+        keep[arm] = {f"L{i:02d}.{k}": L.buf[k].float().clone() for i, L in layers.items()
+                     for k in ("x_out", "q_lat", "q_rope", "o_lat", "p", "idx") if k in L.buf
+                     and isinstance(L.buf[k], torch.Tensor)}
+        del st, layers, L
+        torch.cuda.empty_cache()
+    res = {}
+    for k, a in keep["triton"].items():
+        b = keep["cute"][k]
+        res[k] = (float((a - b).norm() / a.norm().clamp_min(1e-30)), float((a - b).abs().max()))
+        print(f"{k:14s} rel {res[k][0]:.3e} max {res[k][1]:.3e}", flush=True)
+    with open(f"{out}/mla_cute_step_check.json", "w") as f:
+        json.dump(dict(params=P, arms=ARMS, rel_max=res), f)
 
 
 def main(out):
@@ -54,4 +82,7 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
+    if "--check" in sys.argv:
+        check(sys.argv[1])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
