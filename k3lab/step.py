@@ -21,8 +21,9 @@ builder and the component APIs. `resolve_switches` turns `auto` into what runs: 
 `k3lab.policy` does without a GPU); on a GPU `auto` itself where the layer hands it to a component that
 resolves it through the one dispatcher (KDA); the group's measured rule where the step or the layer calls a
 component API by backend (`OVERRIDE_OPS`; the MLA group through `mla_decode`'s rule, `RULE_OPS`); else the first
-fused backend (cute, triton, aiter) the layer has a path for and this machine can run, else the reference. Whatever lands later in the component
-modules and `k3lab.model` is picked up through the same calls; nothing here names a kernel.
+fused backend (cute, triton, aiter) the layer has a path for and this machine can run, else the reference.
+Whatever lands later in the component modules and `k3lab.model` is picked up through the same calls; nothing here
+names a kernel.
 
 How time is attributed (every figure through the one timer, `k3lab.harness.timing`):
   * the whole step: `timing.bench` of `step.run`; on a GPU its calls are captured in ONE CUDA graph (a

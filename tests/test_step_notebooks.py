@@ -80,3 +80,30 @@ def test_draft_depth_notebook_tiny(tmp_path):
         < 1e-6
     html = (out / "07_draft_depth.html").read_text()
     assert html.count("Plotly.newPlot") >= 3 and "best at batch" in html
+
+
+def test_numerics_run_kda_pdl_off_and_say_so(tmp_path, monkeypatch):
+    """kda_pdl (a CuTe launch order) with the numerics section: the tiny stack's KDA cannot take it (the first H200
+    headline with kda_pdl lost its numerics to that refusal), so its numerics run with it off, noted in the bundle."""
+    from types import SimpleNamespace
+
+    from k3lab import step as stepmod
+    from k3lab.harness.bundle import Bundle
+
+    seen = {}
+    view = dash.view_from_params({"preset": "tiny"})
+
+    def fake_bench(v, sw, **kw):
+        return SimpleNamespace(bundle=Bundle.new("decode_step-fake", view=v, switches=sw))
+
+    def fake_numerics(v, sw, **kw):
+        seen["sw"] = sw
+        return {"layers": [0], "kinds": ["kda+moe"], "n_steps": 1, "rel_err": [[0.0]], "state_rel_err": [[0.0]],
+                "backends": {}, "device": "cpu", "view": view.to_dict()}
+
+    monkeypatch.setattr(stepmod, "bench_step", fake_bench)
+    monkeypatch.setattr(stepmod, "step_numerics", fake_numerics)
+    run = dash.run_step({"preset": "tiny", "kda_pdl": True, "numerics_steps": 1, "trace": False}, tmp_path,
+                        log=lambda s: None)
+    assert run["numerics_error"] is None and seen["sw"].kda_pdl is False
+    assert any("kda_pdl off there" in n for n in run["bundle"].notes)
