@@ -189,3 +189,31 @@ def test_decode_refuses_what_it_cannot_take():
     d = DEC.make_inputs(dec_case(kv_dtype="fp8"), 0, "cuda")
     with pytest.raises(BackendUnavailable, match="bf16 caches only"):
         comp.attend(d["q_lat"], d["q_rope"], om._cache_of(d), d["lengths"], scale=om.SCALE, backend="cute")
+
+
+def test_layer_decode_on_cute_matches_triton():
+    """The layer API (decode) on cute: the CuTe cache write, decode and combine, against the triton layer on the same
+    inputs (K3's widths at TP8: 12 heads, C 512, Dr 64; bf16 both ways, the same rounding points)."""
+    from k3lab.config import preset
+    from k3lab.ref import mla as ref
+    from k3lab.weights import make_mla_attn
+
+    view = preset("tp8", batch=3)
+    w = make_mla_attn(view, 3, 0, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ctx = 700
+    cache = ref.MLACache.empty(3, ctx + 1, w.entry_width, dtype=torch.bfloat16, device="cuda")
+    cache.write(torch.zeros(3, dtype=torch.long, device="cuda"),
+                torch.randn(3, ctx, w.entry_width, generator=g, device="cuda").bfloat16())
+    lengths = torch.tensor([ctx, 5, 0], device="cuda")
+    h = torch.randn(3, view.cfg.hidden_size, generator=g, device="cuda").bfloat16()
+    c_tri, c_cute = cache.clone(), cache.clone()
+    ran = []
+    y_tri = comp.decode(h, w, c_tri, lengths, backend="triton", partitions=None)
+    y = comp.decode(h, w, c_cute, lengths, backend="cute", partitions=None, ran=ran)
+    torch.cuda.synchronize()
+    assert [(r.op, r.backend) for r in ran] == [("mla_cache_write", "cute"), ("mla_decode", "cute"),
+                                                ("mla_combine", "cute")]
+    assert torch.equal(c_cute.data, c_tri.data)  # the two cache writes agree bit for bit (test_bit_equal_to_triton)
+    rel = float((y.float() - y_tri.float()).norm() / y_tri.float().norm())
+    assert rel < 1e-2, rel  # both round P and the combine's input to bf16, in different orders

@@ -31,9 +31,13 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   triton         k3lab_kernels.triton.mla_decode / mla_combine / mla_cache_write (bf16 or fp8 caches) / mla_query
   cute           k3lab_kernels.cute.mla_query (query), k3lab_kernels.cute.mla_cache_write (write_cache; pdl option;
                  the same results as triton bit for bit) and k3lab_kernels.cute.mla_combine (combine; block_r and
-                 pdl options; K3's C = 512, Dv = 128); no CuTe decode attention yet
-  aiter          refused with a message (no AITER adapter yet; AITER needs ROCm)
-  auto           the measured table (data/mla_defaults.json: triton, the reference where it cannot run)
+                 pdl options; K3's C = 512, Dv = 128) and k3lab_kernels.cute.mla_decode (attend: one new position,
+                 at most 16 heads, bf16 cache, no DCP; cluster / stages / partitions / pdl options); decode / verify
+                 run the three on CuTe where the decode takes the shape
+  aiter          attend through k3lab_kernels.aiter.mla_decode (AITER's kernel on ROCm, heads padded to 16, shards
+                 merged here); refused with a message on CUDA
+  auto           the measured table (data/mla_defaults.json; a rule's backend that cannot take the call's shape is
+                 passed over; the reference where nothing else runs)
 Each call takes `ran=[]` to get the record of what ran appended (op, backend asked and run, kernel,
 options, shape, why). Argument errors are MLAArgumentError (a ValueError) naming the argument. Value checks
 of `lengths` read it on the host (a device sync): pass check_values=False (and n_positions) on timed or
@@ -549,21 +553,30 @@ def verify(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tens
            backend: str = "reference", partitions: int | None = 1, pad_heads: int = 0, dcp: int = 1,
            dcp_layout: str = "interleave", ran: list | None = None) -> torch.Tensor:
     """T positions per sequence (module docstring). The projections are torch matmuls (cuBLAS on a GPU);
-    triton runs the cache write, the split attention and the combine (merge + Wuv + gate) as kernels."""
+    triton runs the cache write, the split attention and the combine (merge + Wuv + gate) as kernels, cute the
+    same three on its kernels (the decode merging its own pieces) where its decode takes the shape."""
     _refuse_aiter(backend, "the MLA layer")
     _check_layer(h, weights, cache, True)
     B, T, _ = h.shape
     lengths = _lengths(lengths, B, T, cache, h.device, True)
     _attend_opts(weights.heads, partitions, pad_heads, dcp, dcp_layout)
-    be, _, _ = dispatch.select("mla_decode", backend, B=B, T=T)
+    from k3lab.ops import mla as mla_ops  # the registry entry's names (imported here: it imports this module's users)
+
+    be, _, _ = dispatch.select("mla_decode", backend, B=B, T=T,
+                               shape=dict(B=B, T=T, H=weights.heads, C=weights.kv_lora, Dr=weights.rope_dim, dcp=dcp,
+                                          kv_dtype=mla_ops.kv_name(getattr(cache, "dtype", None)),
+                                          pad_heads=pad_heads))
     q_nope, q_rope = ref.mla_q(h, weights)
     q_lat = ref.absorb_q(q_nope, weights)
     kw = dict(partitions=partitions, pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, ran=ran)
-    if be == "triton":
+    if be in ("triton", "cute"):  # the cache write, the decode and the combine (Wuv + gate) on that backend's kernels
         ckv = linear(h, weights.w_dkv)
         gate = linear(h, weights.w_gate)  # before the attention: the combine follows the split directly (PDL)
         write_cache(ckv, weights.kv_norm, cache, lengths, eps=float(weights.eps), backend=be, ran=ran)
-        o_p, l_p = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=be, merge=False, **kw)
+        if be == "triton":  # the partials go to the combine, which merges them
+            o_p, l_p = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=be, merge=False, **kw)
+        else:  # the CuTe decode merges its pieces itself (its cluster in DSMEM, then the merge kernel)
+            o_p, l_p = attend(q_lat, q_rope, cache, lengths, scale=weights.scale, backend=be, **kw)[0], None
         y = combine(o_p, l_p, weights.w_uv, gate, backend=be, ran=ran)
         y = linear(y.to(h.dtype), weights.w_o)
     else:
