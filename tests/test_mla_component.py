@@ -59,7 +59,7 @@ def test_attend_partials_merge_to_the_result():
 
 
 def test_auto_follows_the_table():
-    """data/mla_defaults.json: triton for every op; without a GPU its fallback rule, the reference."""
+    """data/mla_defaults.json: triton for every op at batch 1; without a GPU nothing runs but the reference."""
     from k3lab import policy
 
     for key in ("decode", "combine", "cache_write"):
@@ -70,7 +70,23 @@ def test_auto_follows_the_table():
     want = "triton" if torch.cuda.is_available() else "reference"
     assert ran[0].backend == want and ran[0].backend_requested == "auto"
     if want == "reference":
-        assert "fallback" in ran[0].why
+        assert "reference" in ran[0].why
+
+
+def test_auto_decode_runs_cute_above_batch_32_where_it_takes_the_call(monkeypatch):
+    """The decode rule (profiles/h200/mla_rule_sweep.json.gz): triton to batch 32, cute for one new position above
+    it where the CuTe kernel takes the call (bf16 cache, no DCP), else triton (the next rule, or the fallback)."""
+    from k3lab.components import dispatch
+
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "cute", "reference"))
+    shape = dict(H=12, C=C, Dr=DR, dcp=1, kv_dtype="bf16", pad_heads=0)
+    for B, T, extra, want in [(1, 1, {}, "triton"), (32, 1, {}, "triton"), (33, 1, {}, "cute"), (64, 1, {}, "cute"),
+                              (64, 4, {}, "triton"), (64, 1, {"kv_dtype": "fp8"}, "triton"),
+                              (64, 1, {"dcp": 2}, "triton")]:
+        be, _, why = dispatch.select("mla_decode", "auto", B=B, T=T, shape=dict(shape, B=B, T=T, **extra))
+        assert be == want, (B, T, extra, why)
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "reference"))  # no CuTe DSL here
+    assert dispatch.select("mla_decode", "auto", B=64, T=1, shape=dict(shape, B=64, T=1))[0] == "triton"
 
 
 def test_out_buffers_are_filled():
