@@ -918,6 +918,24 @@ def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
 
 
 @app.command()
+def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only these issues (repeatable)"),
+            spec: Path | None = typer.Option(None, help="the target list (default data/targets.json)"),
+            failing: bool = typer.Option(False, "--failing", help="only the targets not met")) -> None:
+    """Every issue target read off the committed bundles (data/targets.json): the worst case of each against
+    its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand)."""
+    from k3lab import targets as tg
+
+    try:
+        res = tg.evaluate_all(tg.load_spec(spec), issues=issue or None)
+    except (tg.TargetError, OSError) as e:
+        _echo_err(f"error: {e}")
+        raise typer.Exit(2) from None
+    if failing:
+        res = [r for r in res if not r.met]
+    typer.echo(tg.markdown(res))
+
+
+@app.command()
 def digest(rev: str | None = typer.Argument(None, help="a commit; none: the working tree")) -> None:
     """The source digest a results bundle records (env.source_digest), of the working tree or a commit."""
     from k3lab.harness.env import source_digest, source_digest_of

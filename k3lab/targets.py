@@ -1,0 +1,261 @@
+"""The issues' H200 targets read off the committed bundles: `k3lab targets` (one table, every figure from a bundle
+under profiles/, nothing typed by hand).
+
+Each target is one entry of `data/targets.json`:
+
+    {"issue": 12, "case": "decode, batch 1, 8K", "target": "<= 5 us",
+     "bundle": "profiles/h200/mla_rule_sweep.json.gz",          (or a list: their rows together)
+     "where": {"op": "mla_decode", "batch": 1, "context": 8192}, (row fields, then the row's `extra`; a list = any of)
+     "ours": ["triton", "cute"],                                 (the backends whose best row a case counts)
+     "metric": "us", "op": "<=", "value": 5.0}
+
+Metrics, per case (rows grouped by `group_by`, default the row's case name; the best of `ours` in each):
+  us          the median (us)
+  pct_read    achieved / the read bandwidth of the same run (the row's pct_of_bw; its floor must be "read")
+  pct_copy    the same against the copy bandwidth
+  x_floor     the median over the row's floor
+  over_floor  the median less the row's floor (us)
+  x_peer      ours over the fastest of `peer` (a backend or a list) in the same case: below 1 = ahead
+  ratio       ours over the best of `ours` among the rows `over` selects (a `where` of its own)
+  field       a value of the best row (`field`: a dotted path, e.g. "extra.launches_per_layer",
+              "error.outputs.state.rel_norm"; with "worst_row": true the worst value over every row of `ours`)
+  speedup     the fastest of `peer` over ours: above 1 = ours faster
+  x_floor_sum the sum of the medians of the rows `names` lists over the sum of their floors
+  auto_gap    the row `auto` selects over the fastest row of its group (1.0 = the automatic choice is the best)
+Every case must pass `op value`: the table shows the worst case (and which), so "every batch" targets read as one
+line. Rows whose fp64 check failed are never counted. A missing bundle, or an entry that selects no row, is an error
+naming the entry (the test suite evaluates every entry).
+"""
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k3lab.harness.bundle import read_json
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = ROOT / "data" / "targets.json"
+METRICS = ("us", "pct_read", "pct_copy", "x_floor", "over_floor", "x_peer", "ratio", "field", "speedup", "x_floor_sum",
+           "auto_gap")
+OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+
+
+class TargetError(ValueError):
+    """A target entry that cannot be evaluated, named."""
+
+
+@dataclass
+class Result:
+    issue: int
+    case: str
+    target: str
+    measured: float
+    met: bool
+    where: str  # the worst case's name and the row(s) that decided it
+    bundle: str
+
+    def cells(self, digits: int = 3) -> list[str]:
+        v = f"{self.measured:.{digits}g}" if abs(self.measured) < 1e4 else f"{self.measured:.0f}"
+        return [f"#{self.issue}", self.case, self.target, v, "yes" if self.met else "**no**", self.where,
+                self.bundle]
+
+
+def load_spec(path: str | Path | None = None) -> list[dict[str, Any]]:
+    p = Path(path) if path is not None else SPEC
+    if not p.is_file():
+        raise TargetError(f"spec {p}: no such file (the target list is data/targets.json)")
+    d = json.loads(p.read_text())
+    entries = d["targets"] if isinstance(d, dict) else d
+    for i, e in enumerate(entries):
+        for k in ("issue", "case", "target", "bundle", "metric", "op", "value"):
+            if k not in e:
+                raise TargetError(f"{p}: entry {i} ({e.get('case', '?')!r}) lacks {k!r}")
+        if e["metric"] not in METRICS:
+            raise TargetError(f"{p}: entry {i} ({e['case']!r}): metric must be one of {METRICS}, got {e['metric']!r}")
+        if e["op"] not in OPS:
+            raise TargetError(f"{p}: entry {i} ({e['case']!r}): op must be one of {tuple(OPS)}, got {e['op']!r}")
+    return entries
+
+
+def _rows(bundles: str | list[str], root: Path) -> list[dict[str, Any]]:
+    out = []
+    for b in [bundles] if isinstance(bundles, str) else bundles:
+        p = root / b
+        if not p.exists():
+            raise TargetError(f"bundle {b} does not exist under {root}")
+        out += read_json(p)["rows"]
+    return out
+
+
+def _get(row: dict[str, Any], key: str) -> Any:
+    """A row's value by key: its own field, else its `extra`'s, else a dotted path."""
+    if "." in key:
+        cur: Any = row
+        for part in key.split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        return cur
+    if key in row:
+        return row[key]
+    return (row.get("extra") or {}).get(key)
+
+
+def _match(row: dict[str, Any], where: dict[str, Any]) -> bool:
+    for k, want in where.items():
+        if k == "name_prefix":
+            if not str(row.get("name", "")).startswith(want):
+                return False
+            continue
+        if k in ("min_bytes", "max_bytes", "max_batch", "min_batch"):
+            v = row.get("bytes") if k.endswith("bytes") else _get(row, "batch")
+            if v is None or (v < want if k.startswith("min") else v >= want if k == "max_bytes" else v > want):
+                return False
+            continue
+        v = _get(row, k)
+        if isinstance(want, list):
+            if v not in want:
+                return False
+        elif v != want:
+            return False
+    return True
+
+
+def _ok(row: dict[str, Any]) -> bool:
+    err = row.get("error")
+    return err is None or bool(err.get("ok", True))
+
+
+def _case_key(row: dict[str, Any], group_by: list[str] | None) -> str:
+    if group_by:
+        return ",".join(f"{k}={_get(row, k)}" for k in group_by)
+    x = row.get("extra") or {}
+    return str(x.get("case") or row.get("name"))
+
+
+def _best(rows: list[dict[str, Any]], require_ok: bool = True) -> dict[str, Any] | None:
+    """The fastest row; ours must have passed the fp64 check, a peer's time counts either way (FlashInfer's KDA state
+    misses our tolerance by design: its rows are timed and marked, docs/NOTES_kda.md)."""
+    rows = [r for r in rows if (_ok(r) or not require_ok) and r.get("median_us") is not None]
+    return min(rows, key=lambda r: r["median_us"]) if rows else None
+
+
+def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, Any]],
+           all_rows: list[dict[str, Any]], root: Path) -> tuple[float, str]:
+    m = e["metric"]
+    tag = f"{mine['backend']}"
+    if m == "us":
+        return mine["median_us"], tag
+    if m in ("pct_read", "pct_copy"):
+        want = "read" if m == "pct_read" else "copy"
+        if mine.get("floor_bw") != want:
+            raise TargetError(f"{e['case']!r}: the row's floor is over {mine.get('floor_bw')!r} bandwidth, "
+                              f"not {want!r}")
+        return mine["pct_of_bw"], tag
+    if m == "x_floor":
+        return mine["median_us"] / mine["floor_us"], tag
+    if m == "over_floor":
+        return mine["median_us"] - mine["floor_us"], tag
+    if m in ("x_peer", "speedup"):
+        peers = e["peer"] if isinstance(e["peer"], list) else [e["peer"]]
+        p = _best([r for r in case_rows if r["backend"] in peers], require_ok=False)
+        if p is None:
+            raise TargetError(f"{e['case']!r}: no row of peer {peers} in case {_case_key(mine, e.get('group_by'))}")
+        tag += f" vs {p['backend']} {p['median_us']:.2f}"
+        return ((mine["median_us"] / p["median_us"]) if m == "x_peer" else (p["median_us"] / mine["median_us"])), tag
+    if m == "ratio":
+        rows = _rows(e["over_bundle"], root) if "over_bundle" in e else all_rows
+        d = _best([r for r in rows if _match(r, e["over"]) and r["backend"] in e["ours"]])
+        if d is None:
+            raise TargetError(f"{e['case']!r}: `over` selects no row")
+        return mine["median_us"] / d["median_us"], tag + f" over {d['median_us']:.2f}"
+    if m == "field":
+        v = _get(mine, e["field"])
+        if v is None:
+            raise TargetError(f"{e['case']!r}: the row has no {e['field']!r}")
+        return float(v), tag
+    raise TargetError(f"{e['case']!r}: metric {m!r} is not per case")
+
+
+def evaluate(e: dict[str, Any], root: Path | None = None) -> Result:
+    """One entry -> its result: the worst case against the target."""
+    root = Path(root) if root is not None else ROOT
+    rows = _rows(e["bundle"], root)
+    sel = [r for r in rows if _match(r, e.get("where", {}))]
+    bundle = " + ".join(b.removeprefix("profiles/h200/") for b in
+                        ([e["bundle"]] if isinstance(e["bundle"], str) else e["bundle"]))
+    cmp = OPS[e["op"]]
+    m = e["metric"]
+    if m == "x_floor_sum":
+        picked = [next((r for r in sel if r["name"] == n and r["backend"] == e["ours"][0]), None) for n in e["names"]]
+        if any(p is None for p in picked):
+            raise TargetError(f"{e['case']!r}: rows {e['names']} not all in {bundle}")
+        v = sum(p["median_us"] for p in picked) / sum(p["floor_us"] for p in picked)
+        return Result(e["issue"], e["case"], e["target"], v, cmp(v, e["value"]), "+".join(e["names"]), bundle)
+    if m == "auto_gap":
+        groups: dict[str, list] = {}
+        for r in sel:
+            if r["backend"] in e["ours"] and _ok(r):
+                groups.setdefault(_case_key(r, e["group_by"]), []).append(r)
+        vals = []
+        for k, g in groups.items():
+            auto = [r for r in g if _match(r, e["auto"])]
+            if not auto:
+                raise TargetError(f"{e['case']!r}: group {k} has no row that `auto` selects")
+            vals.append((auto[0]["median_us"] / min(r["median_us"] for r in g), k))
+        return _worst(e, vals, bundle)
+    groups = {}
+    for r in sel:
+        groups.setdefault(_case_key(r, e.get("group_by")), []).append(r)
+    vals = []
+    for k, g in groups.items():
+        mine_rows = [r for r in g if r["backend"] in e["ours"]]
+        if m == "field" and e.get("worst_row"):
+            for r in mine_rows:
+                if _ok(r) or e["field"].startswith("error"):
+                    v = _get(r, e["field"])
+                    if v is not None:
+                        vals.append((float(v), f"{k} ({r['backend']})"))
+            continue
+        mine = _best(mine_rows)
+        if mine is None:
+            continue
+        v, tag = _value(e, mine, g, rows, root)
+        vals.append((v, f"{k} ({tag})"))
+    return _worst(e, vals, bundle)
+
+
+def _worst(e: dict[str, Any], vals: list[tuple[float, str]], bundle: str) -> Result:
+    if not vals:
+        raise TargetError(f"{e['case']!r}: no row of {e['ours']} selected in {bundle} by {e.get('where')}")
+    cmp = OPS[e["op"]]
+    fails = [(v, k) for v, k in vals if not (math.isfinite(v) and cmp(v, e["value"]))]
+    pool = fails or vals
+    # the worst case: the farthest from the target in its direction (the largest for <=, the smallest for >=)
+    v, k = max(pool, key=lambda t: t[0]) if e["op"] in ("<=", "<") else min(pool, key=lambda t: t[0])
+    n = f" (worst of {len(vals)})" if len(vals) > 1 else ""
+    return Result(e["issue"], e["case"], e["target"], v, not fails, _short(k) + n, bundle)
+
+
+def _short(k: str) -> str:
+    """A case name without the axes every case of a sweep shares (fp8_scale, dcp_layout, ...)."""
+    for noise in ("dcp=1,", "dcp_layout=interleave,", "fp8_scale=tensor,", "kv_dtype=bf16,", "pad_heads=0,",
+                  "page_size=64,", "ragged=False", "heads=12,", "D=128,", "state_dtype=fp32"):
+        k = k.replace(noise, "")
+    return k.replace(",]", "]").replace("[,", "[")
+
+
+def evaluate_all(spec: list[dict[str, Any]] | None = None, root: Path | None = None,
+                 issues: list[int] | None = None) -> list[Result]:
+    spec = spec if spec is not None else load_spec()
+    return [evaluate(e, root) for e in spec if not issues or e["issue"] in issues]
+
+
+def markdown(results: list[Result]) -> str:
+    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", "bundle (profiles/h200/)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in results]
+    met = sum(r.met for r in results)
+    return "\n".join(lines) + f"\n\n{met} of {len(results)} targets met.\n"

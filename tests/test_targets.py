@@ -1,0 +1,93 @@
+"""`k3lab targets`: every committed target evaluates off its bundle, and the evaluator's metrics on a made-up one."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from k3lab import targets as tg
+from k3lab.cli import app
+
+
+def test_every_committed_target_evaluates():
+    res = tg.evaluate_all()
+    assert {r.issue for r in res} >= {11, 12, 13, 14, 15, 16}
+    assert all(math.isfinite(r.measured) for r in res)
+    md = tg.markdown(res)
+    assert md.count("\n| #") == len(res) and f"of {len(res)} targets met" in md
+
+
+def _row(backend, case, median, *, floor=1.0, pct=None, bw="read", ok=True, **extra):
+    return {"name": case, "backend": backend, "median_us": median, "floor_us": floor, "pct_of_bw": pct,
+            "floor_bw": bw, "bytes": extra.pop("bytes", 1000), "error": {"ok": ok, "outputs": {"state": {
+                "rel_norm": extra.pop("state_err", 0.0)}}},
+            "extra": {"case": case, "op": "toy", **extra}}
+
+
+@pytest.fixture
+def toy(tmp_path):
+    rows = [_row("ours", "toy[b=1]", 4.0, pct=50.0, batch=1, parts="auto"),
+            _row("ours", "toy[b=1]", 3.0, pct=60.0, batch=1, parts=8),  # an option variant: the best counts
+            _row("peer", "toy[b=1]", 3.5, ok=False, batch=1),  # a peer's time counts though its check failed
+            _row("ours", "toy[b=8]", 9.0, pct=90.0, batch=8, parts="auto", state_err=2e-6),
+            _row("ours", "toy[b=8]", 1.0, pct=99.0, batch=8, parts=4, ok=False),  # ours failed: never counted
+            _row("peer", "toy[b=8]", 10.0, batch=8),
+            _row("copy", "toy[b=8]", 5.0, pct=70.0, bw="copy", batch=8)]
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(json.dumps({"rows": rows}).encode()))
+    return tmp_path
+
+
+def _e(**kw):
+    return {"issue": 1, "case": "toy", "target": "t", "bundle": "b.json.gz", "where": {"op": "toy"},
+            "ours": ["ours"], **kw}
+
+
+def test_metrics_and_the_worst_case(toy):
+    r = tg.evaluate(_e(metric="us", op="<=", value=5.0), toy)
+    assert r.measured == 9.0 and not r.met and "b=8" in r.where and "worst of 2" in r.where
+    r = tg.evaluate(_e(metric="us", op="<=", value=10.0), toy)
+    assert r.met and r.measured == 9.0
+    r = tg.evaluate(_e(metric="pct_read", op=">=", value=80.0), toy)
+    assert r.measured == 60.0 and not r.met
+    with pytest.raises(tg.TargetError, match="'copy'"):
+        tg.evaluate(_e(metric="pct_copy", op=">=", value=80.0), toy)
+    r = tg.evaluate(_e(metric="x_peer", op="<", value=1.0, peer="peer"), toy)
+    assert math.isclose(r.measured, 9.0 / 10.0) and r.met and "b=8" in r.where  # all met: the closest to failing
+    r = tg.evaluate(_e(metric="speedup", op=">=", value=1.2, peer="peer"), toy)
+    assert math.isclose(r.measured, 10.0 / 9.0) and not r.met  # both fail: the farthest
+    r = tg.evaluate(_e(metric="ratio", op="<=", value=2.0, where={"batch": 8}, over={"batch": 1}), toy)
+    assert r.measured == 3.0 and not r.met
+    r = tg.evaluate(_e(metric="auto_gap", op="<=", value=1.1, group_by=["batch"], auto={"parts": "auto"}), toy)
+    assert math.isclose(r.measured, 4.0 / 3.0) and not r.met and "batch=1" in r.where
+    r = tg.evaluate(_e(metric="field", op="<=", value=1e-6, field="error.outputs.state.rel_norm", worst_row=True),
+                    toy)
+    assert r.measured == 2e-6 and not r.met
+    r = tg.evaluate(_e(metric="x_floor_sum", op="<=", value=10.0, names=["toy[b=1]", "toy[b=8]"], where={}), toy)
+    assert r.measured == (4.0 + 9.0) / 2.0  # the first row of each name, ours
+
+
+def test_bad_entries_are_named(toy, tmp_path):
+    with pytest.raises(tg.TargetError, match="does not exist"):
+        tg.evaluate(_e(bundle="none.json.gz", metric="us", op="<=", value=1.0), toy)
+    with pytest.raises(tg.TargetError, match="no row"):
+        tg.evaluate(_e(metric="us", op="<=", value=1.0, where={"op": "other"}), toy)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"targets": [_e(metric="speed", op="<=", value=1.0)]}))
+    with pytest.raises(tg.TargetError, match="metric must be one of"):
+        tg.load_spec(spec)
+    spec.write_text(json.dumps({"targets": [{"issue": 1, "case": "x"}]}))
+    with pytest.raises(tg.TargetError, match="lacks 'target'"):
+        tg.load_spec(spec)
+    with pytest.raises(tg.TargetError, match="no such file"):
+        tg.load_spec(tmp_path / "missing.json")
+
+
+def test_cli_targets():
+    out = CliRunner().invoke(app, ["targets", "--issue", "15"])
+    assert out.exit_code == 0, out.output
+    assert "| #15 |" in out.output and "| #12 |" not in out.output
+    out = CliRunner().invoke(app, ["targets", "--spec", "/nonexistent.json"])
+    assert out.exit_code == 2 and "no such file" in out.output
