@@ -4,7 +4,8 @@ under profiles/, nothing typed by hand).
 Each target is one entry of `data/targets.json`:
 
     {"issue": 12, "case": "decode, batch 1, 8K", "target": "<= 5 us",
-     "bundle": "profiles/h200/mla_rule_sweep.json.gz",          (or a list: their rows together)
+     "bundle": "profiles/h200/mla_rule_sweep.json.gz",          (or a list: their rows together; a run.json of
+                                                                  `k3lab run` is one row, name and backend "run")
      "where": {"op": "mla_decode", "batch": 1, "context": 8192}, (row fields, then the row's `extra`; a list = any of)
      "ours": ["triton", "cute"],                                 (the backends whose best row a case counts)
      "metric": "us", "op": "<=", "value": 5.0}
@@ -87,7 +88,9 @@ def _rows(bundles: str | list[str], root: Path) -> list[dict[str, Any]]:
         p = root / b
         if not p.exists():
             raise TargetError(f"bundle {b} does not exist under {root}")
-        out += read_json(p)["rows"]
+        d = read_json(p)
+        # a bundle's rows, or a run record (`k3lab run`'s run.json) as one row named "run"
+        out += d["rows"] if "rows" in d else [dict(d, name="run", backend="run")]
     return out
 
 
@@ -138,8 +141,11 @@ def _case_key(row: dict[str, Any], group_by: list[str] | None) -> str:
 def _best(rows: list[dict[str, Any]], require_ok: bool = True) -> dict[str, Any] | None:
     """The fastest row; ours must have passed the fp64 check, a peer's time counts either way (FlashInfer's KDA state
     misses our tolerance by design: its rows are timed and marked, docs/NOTES_kda.md)."""
-    rows = [r for r in rows if (_ok(r) or not require_ok) and r.get("median_us") is not None]
-    return min(rows, key=lambda r: r["median_us"]) if rows else None
+    rows = [r for r in rows if _ok(r) or not require_ok]
+    timed = [r for r in rows if r.get("median_us") is not None]
+    if timed:
+        return min(timed, key=lambda r: r["median_us"])
+    return rows[0] if rows else None  # an untimed row (a run record) for the `field` metric
 
 
 def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, Any]],
