@@ -94,6 +94,16 @@ def test_decode(shape, kw):
     check(seed=len(shape), kw=kw, **shape)
 
 
+@pytest.mark.parametrize("shape,kw", [
+    (dict(page_size=64, context=150, heads=6), dict(cluster=1, partitions=1, stages=2)),  # 5 chunks through 2 stages
+    (dict(page_size=16, batch=2, ragged=True, context=45, heads=5), dict(cluster=2, partitions=2, stages=3)),
+    (dict(page_size=1, context=2, heads=3), dict(cluster=4, partitions=2, stages=2)),  # empty pieces (no chunk)
+], ids=["page64-ring-cl1", "page16-ragged-cl2-p2", "page1-short-cl4-p2"])
+def test_decode_pipelined(shape, kw):
+    """pipe=True (the pipelined chunk loop): the same checks, the ring reused, one-chunk and empty pieces."""
+    check(seed=11 + len(shape), kw=dict(kw, pipe=True), **shape)
+
+
 def test_strided_queries():
     """The queries as the decode step hands them (a transposed q_lat buffer, q_rope a slice of wider rows)."""
     check(seed=9, kw=dict(cluster=2, partitions=1, stages=2, strided_q=True), batch=3, heads=5, context=30,

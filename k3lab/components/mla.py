@@ -193,15 +193,17 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
-           cluster: int | None = None, stages: int | None = None, ran: list | None = None):
+           cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
+           ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
     are filled when given. merge=False returns the partials (triton: in a workspace reused by the next call
     of the same shape). n_positions = max(lengths) + T when the caller knows it (no host sync). The triton
     kernel multiplies bf16 queries on tensor cores: fp32 queries are rounded to bf16 first. Backend "cute"
-    (k3lab_kernels.cute.mla_decode: one new position, bf16, no DCP) takes `cluster` and `stages`, `partitions` as
-    clusters a sequence; the Triton knobs (block_n, ...) are Triton's."""
+    (k3lab_kernels.cute.mla_decode: one new position, bf16, no DCP) takes `cluster`, `stages` and `pipe` (the
+    pipelined chunk loop, under measurement), `partitions` as clusters a sequence; the Triton knobs (block_n, ...)
+    are Triton's."""
     _refuse_aiter(backend)
     _tensor("q_lat", q_lat, 4)
     dev = q_lat.device
@@ -221,7 +223,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                                                     kv_dtype=mla_ops.kv_name(getattr(cache, "dtype", None)),
                                                     pad_heads=pad_heads))
     tri = be == "triton"
-    for name, v in (("cluster", cluster), ("stages", stages)):
+    for name, v in (("cluster", cluster), ("stages", stages), ("pipe", pipe)):
         if v is not None and be != "cute":
             _fail(name, f"is an option of backend 'cute', not {be!r}")
     if tri:
@@ -238,7 +240,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                 _fail(name, "is an option of backend 'triton', not 'cute'")
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
         kv = _kv_args(cache)
-        knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl)
+        knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl, pipe=pipe)
         res = dispatch.kernel("mla_decode", be)(q_lat, q_rope, kv["kv"], lengths, o_lat=out, lse=lse, scale=scale,
                                                 block_table=kv["block_table"], merge=merge, n_max=n_max, **knobs)
         dispatch.record(ran, op="mla_decode", backend_requested=backend, backend=be, why=why,

@@ -30,14 +30,17 @@ Layout. Grid [CL, P, B], cluster [CL, 1, 1]: CTA (r, p, b) owns piece j = p CL +
      log; rank 0 writes it). An empty piece has (max, sum) = (-inf, 0) and weighs 0; an all-empty cluster writes
      o = 0, lse = -inf.
 With P > 1 k3lab_kernels.triton.mla_decode.merge_partials merges the P partials; P = 1 writes o_lat / lse directly.
+pipe=True (an option under measurement): the loop computes chunk c + 1's scores (even and odd k-steps in two MMA
+chains) in the same stretch of code as chunk c's P V, then the softmax of c + 1: two CTA barriers a chunk instead of
+three, and two independent MMA streams for the scheduler.
 
 Floor: the cache rows (n x 1152 bytes a sequence) at the read bandwidth, plus the partials (P B H 513 x 4 bytes written
 and read back): k3lab.ops.mla.decode_bytes counts the cache, queries and outputs (9.4 MB at 8K, batch 1: ~2.1 us on
 the H200). Tolerance: the Triton kernel's (bf16 operands, fp32 accumulation, P rounded to bf16).
 
 Contract: mla_decode(q_lat, q_rope, kv, lengths, o_lat=None, lse=None, *, scale, block_table=None, partitions=None,
-cluster=None, stages=None, merge=True, pdl=None, n_max=None) -> (o_lat [B,1,H,512], lse [B,1,H]) fp32, or with
-merge=False the partials (o [B,P,1,H,512], lse [B,P,1,H]) in a workspace. T = 1, H <= 16, bf16 queries and cache
+cluster=None, stages=None, merge=True, pdl=None, n_max=None, pipe=None) -> (o_lat [B,1,H,512], lse [B,1,H]) fp32, or
+with merge=False the partials (o [B,P,1,H,512], lse [B,P,1,H]) in a workspace. T = 1, H <= 16, bf16 queries and cache
 (contiguous [B, S_max, 576] or a page pool [n_pages, PAGE, 576] with block_table [B, max_pages] int32; the queries
 any batch and head strides that are multiples of 4 elements, the last dimension contiguous), lengths [B]
 int32 or int64 (positions cached before the new one; its row is already written). n_max: the longest visible history
@@ -69,6 +72,7 @@ PROW = 20                  # P row pitch (words; conflict-free A-operand loads)
 CLUSTERS = (1, 2, 4, 8)
 STAGES_ALLOWED = (2, 3, 4)
 DEFAULT_STAGES = 4
+DEFAULT_PIPE = False       # the pipelined chunk loop (written in the twenty-fourth session, not yet timed)
 MAX_PARTITIONS = 256
 NOMINAL_SMS = 132
 LN2 = 0.6931471805599453
@@ -162,13 +166,86 @@ def _kernel_class():
         if lane < RPW:
             bulk_load(s_kv.iterator + (st * BN + RPW * warp + lane) * RS, p_kv + row * W_ROW, mbar + st, ROW_BYTES)
 
+    def chunk_scores(rsc, kb, rq, s_kv, s_S, base, npr, kq, g, t, split: bool):
+        """This warp's partial scores of the chunk in stage offset `base` (its feature quarter kq, n-tiles 2 npr and
+        2 npr + 1) into s_S. split: even and odd k-steps accumulate apart (two MMA chains of 5 and 4 instead of one of
+        9 an n-tile), summed at the store. A plain helper (Python loops)."""
+        rsc.fill(0.0)
+        for jj in range(2):
+            roff = base + (16 * npr + 8 * jj + g) * RS + kq * (KS * 8) + 2 * t
+            for s in range(KS):  # the n-tile's 9 loads first, then its 9 products
+                cute.autovec_copy(vec(s_kv.iterator, cute.assume(roff + 8 * s, divby=2), 2), kb[s])
+            for s in range(KS):
+                o = 4 * jj + (8 if split and s % 2 else 0)
+                mma_acc(rsc, o, rq[2 * s][0], rq[2 * s + 1][0], rq[2 * s][1], rq[2 * s + 1][1], kb[s][0], kb[s][1])
+        for jj in range(2):
+            for hh in range(2):
+                o = (kq * HR + g + 8 * hh) * SROW + 16 * npr + 8 * jj + 2 * t
+                for e in range(2):
+                    v = rsc[4 * jj + 2 * hh + e]
+                    if split:
+                        v = v + rsc[8 + 4 * jj + 2 * hh + e]
+                    s_S[o + e] = v
+
+    def chunk_softmax(c, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al):
+        """The online softmax of chunk c, row rr, positions 2 qq, 2 qq + 1: the four quarters' scores summed, the
+        running (max, sum) rescaled, P (bf16 pairs) and the row's alpha to shared memory (every thread of the row
+        writes the same alpha). A plain helper."""
+        pos0 = start + c * BN + 2 * qq
+        sv = cute.make_rmem_tensor((2,), Float32)
+        mx = Float32(-float("inf"))
+        for e in range(2):
+            o = rr * SROW + 2 * qq + e
+            v = ((s_S[o] + s_S[HR * SROW + o]) + (s_S[2 * HR * SROW + o] + s_S[3 * HR * SROW + o])) * qk_scale
+            v = cutlass.select_(pos0 + e < end, v, Float32(-float("inf")))
+            sv[e] = v
+            mx = cute.arch.fmax(mx, v)
+        for sh in range(4):
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
+        m_old = rml[0]
+        m_new = cute.arch.fmax(m_old, mx)
+        al = cute.math.exp2(m_old - m_new, approx=True, ftz=True)
+        tot = Float32(0.0)
+        for e in range(2):
+            sv[e] = cute.math.exp2(sv[e] - m_new, approx=True, ftz=True)
+            tot = tot + sv[e]
+        for sh in range(4):
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1 << sh)
+        rml[1] = rml[1] * al + tot
+        rml[0] = m_new
+        s_P[rr * PROW + qq] = pack_bf16x2(sv[1], sv[0])
+        s_al[rr] = al
+
+    def chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t):
+        """o = alpha o + P V over this warp's 64 columns, V from stage st (ldmatrix .trans). A plain helper."""
+        a_lo = s_al[g]
+        a_hi = s_al[g + 8]
+        for j in range(8):
+            ro[4 * j] = ro[4 * j] * a_lo
+            ro[4 * j + 1] = ro[4 * j + 1] * a_lo
+            ro[4 * j + 2] = ro[4 * j + 2] * a_hi
+            ro[4 * j + 3] = ro[4 * j + 3] * a_hi
+        for ks in range(2):
+            pa0 = s_P[g * PROW + 8 * ks + t]
+            pa1 = s_P[(g + 8) * PROW + 8 * ks + t]
+            pa2 = s_P[g * PROW + 8 * ks + 4 + t]
+            pa3 = s_P[(g + 8) * PROW + 8 * ks + 4 + t]
+            # lane l addresses row l % 8 of matrix l / 8: positions 16 ks + 8 (l / 8 % 2) + l % 8, the 8 columns of
+            # n-tile 2 jp + l / 16; the four words: (b0b1, b2b3) of n-tiles 2 jp and 2 jp + 1
+            lrow = ((st * BN + 16 * ks + 8 * ((lane // 8) % 2) + lane % 8) * RS + warp * 32 + 4 * (lane // 16)) * 4
+            for jp in range(4):
+                bw = ldsm_x4_t(kv_addr + lrow + jp * 32)
+                mma_acc(ro, 8 * jp, pa0, pa1, pa2, pa3, bw[0], bw[1])
+                mma_acc(ro, 8 * jp + 4, pa0, pa1, pa2, pa3, bw[2], bw[3])
+
     class MLADecodeKernel:
         """One cluster of CL CTAs a (partition, sequence) (module doc)."""
 
-        def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False):
+        def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False,
+                     pipe: bool = False):
             assert 1 <= H <= HR and cluster in CLUSTERS and stages in STAGES_ALLOWED and len_step in (1, 2)
             self.H, self.CL, self.STG, self.PAGE, self.LS = H, cluster, stages, page, len_step
-            self.pdl = bool(pdl)
+            self.pdl, self.pipe = bool(pdl), bool(pipe)
             self.SW = C_LATENT // cluster   # columns a CTA merges
 
         @cute.jit
@@ -258,88 +335,63 @@ def _kernel_class():
 
             ro = cute.make_rmem_tensor((32,), Float32)   # o: n-tile j's (row g, cols 2t, 2t+1), (row g + 8, ...)
             ro.fill(0.0)
-            rsc = cute.make_rmem_tensor((8,), Float32)   # this warp's partial scores: its two n-tiles of 8 positions
+            rsc = cute.make_rmem_tensor((16,), Float32)  # this warp's partial scores: its two n-tiles of 8 positions
+            # (entries 8..15: the odd k-steps' chains under pipe)
             rml = cute.make_rmem_tensor((2,), Float32)   # (running max in log2 units, running sum) of row rr
             rml[0] = Float32(-float("inf"))
             rml[1] = Float32(0.0)
 
-            for c in cutlass.range(nch):
-                st = c % STG
-                # the cache row this lane copies for chunk c + STAGES: its page index loaded now, used after the chunk
-                pos = start + (c + STG) * BN + RPW * warp + lane % RPW
-                nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
-                # the chunk's rows: mbarrier test_wait in a loop (try_wait compiles to a suspending NANOSLEEP.SYNCS)
-                ph = (c // STG) % 2
-                ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
-                while not ok:
+            if cutlass.const_expr(not self.pipe):
+                for c in cutlass.range(nch):
+                    st = c % STG
+                    # the cache row this lane copies for chunk c + STAGES: its page index loaded now, used after
+                    pos = start + (c + STG) * BN + RPW * warp + lane % RPW
+                    nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
+                    # the chunk's rows: mbarrier test_wait in a loop (try_wait compiles to a suspending NANOSLEEP)
+                    ph = (c // STG) % 2
                     ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
-                base = st * (BN * RS)
-                # -- scores: rsc = Q K^T over this warp's feature quarter, n-tiles 2 npr, 2 npr + 1 (8 positions each)
-                rsc.fill(0.0)
-                for jj in cutlass.range_constexpr(2):
-                    roff = base + (16 * npr + 8 * jj + g) * RS + kq * (KS * 8) + 2 * t
-                    for s in cutlass.range_constexpr(KS):  # the n-tile's 9 loads first, then its 9 products
-                        cute.autovec_copy(vec(s_kv.iterator, cute.assume(roff + 8 * s, divby=2), 2), kb[s])
-                    for s in cutlass.range_constexpr(KS):
-                        mma_acc(rsc, 4 * jj, rq[2 * s][0], rq[2 * s + 1][0], rq[2 * s][1], rq[2 * s + 1][1], kb[s][0],
-                                kb[s][1])
-                for jj in cutlass.range_constexpr(2):
-                    for hh in cutlass.range_constexpr(2):
-                        o = (kq * HR + g + 8 * hh) * SROW + 16 * npr + 8 * jj + 2 * t
-                        s_S[o] = rsc[4 * jj + 2 * hh]
-                        s_S[o + 1] = rsc[4 * jj + 2 * hh + 1]
-                cute.arch.sync_threads()
-                # -- online softmax: row rr, positions 2 qq, 2 qq + 1 of the chunk
-                pos0 = start + c * BN + 2 * qq
-                sv = cute.make_rmem_tensor((2,), Float32)
-                mx = Float32(-float("inf"))
-                for e in cutlass.range_constexpr(2):
-                    o = rr * SROW + 2 * qq + e
-                    v = ((s_S[o] + s_S[HR * SROW + o]) + (s_S[2 * HR * SROW + o] + s_S[3 * HR * SROW + o])) * qk_scale
-                    v = cutlass.select_(pos0 + e < end, v, Float32(-float("inf")))
-                    sv[e] = v
-                    mx = cute.arch.fmax(mx, v)
-                for sh in cutlass.range_constexpr(4):
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
-                m_old = rml[0]
-                m_new = cute.arch.fmax(m_old, mx)
-                al = cute.math.exp2(m_old - m_new, approx=True, ftz=True)
-                tot = Float32(0.0)
-                for e in cutlass.range_constexpr(2):
-                    sv[e] = cute.math.exp2(sv[e] - m_new, approx=True, ftz=True)
-                    tot = tot + sv[e]
-                for sh in cutlass.range_constexpr(4):
-                    tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1 << sh)
-                rml[1] = rml[1] * al + tot
-                rml[0] = m_new
-                s_P[rr * PROW + qq] = pack_bf16x2(sv[1], sv[0])
-                if qq == 0:
-                    s_al[rr] = al
-                cute.arch.sync_threads()
-                # -- o = alpha o + P V over this warp's 64 columns
-                a_lo = s_al[g]
-                a_hi = s_al[g + 8]
-                for j in cutlass.range_constexpr(8):
-                    ro[4 * j] = ro[4 * j] * a_lo
-                    ro[4 * j + 1] = ro[4 * j + 1] * a_lo
-                    ro[4 * j + 2] = ro[4 * j + 2] * a_hi
-                    ro[4 * j + 3] = ro[4 * j + 3] * a_hi
-                for ks in cutlass.range_constexpr(2):
-                    pa0 = s_P[g * PROW + 8 * ks + t]
-                    pa1 = s_P[(g + 8) * PROW + 8 * ks + t]
-                    pa2 = s_P[g * PROW + 8 * ks + 4 + t]
-                    pa3 = s_P[(g + 8) * PROW + 8 * ks + 4 + t]
-                    # lane l addresses row l % 8 of matrix l / 8: positions 16 ks + 8 (l / 8 % 2) + l % 8, the 8
-                    # columns of n-tile 2 jp + l / 16; the four words: (b0b1, b2b3) of n-tiles 2 jp and 2 jp + 1
-                    lrow = ((st * BN + 16 * ks + 8 * ((lane // 8) % 2) + lane % 8) * RS + warp * 32
-                            + 4 * (lane // 16)) * 4
-                    for jp in cutlass.range_constexpr(4):
-                        bw = ldsm_x4_t(kv_addr + lrow + jp * 32)
-                        mma_acc(ro, 8 * jp, pa0, pa1, pa2, pa3, bw[0], bw[1])
-                        mma_acc(ro, 8 * jp + 4, pa0, pa1, pa2, pa3, bw[2], bw[3])
-                cute.arch.sync_threads()  # the stage and s_P are free again
-                if c + STG < nch:
-                    issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
+                    while not ok:
+                        ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
+                    chunk_scores(rsc, kb, rq, s_kv, s_S, st * (BN * RS), npr, kq, g, t, False)
+                    cute.arch.sync_threads()
+                    chunk_softmax(c, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al)
+                    cute.arch.sync_threads()
+                    chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t)
+                    cute.arch.sync_threads()  # the stage and s_P are free again
+                    if c + STG < nch:
+                        issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
+            else:
+                # pipelined: chunk c + 1's scores and chunk c's P V in one stretch of code (two independent MMA streams
+                # for the scheduler), two barriers a chunk instead of three. In the final iteration the scores are of
+                # chunk c's stage again and never used (no branch around them: one basic block for the scheduler).
+                if nch > 0:
+                    ok0 = cute.arch.mbarrier_test_wait(mbar, 0)
+                    while not ok0:
+                        ok0 = cute.arch.mbarrier_test_wait(mbar, 0)
+                    chunk_scores(rsc, kb, rq, s_kv, s_S, 0, npr, kq, g, t, True)
+                    cute.arch.sync_threads()
+                    chunk_softmax(Int32(0), start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al)
+                    cute.arch.sync_threads()
+                for c in cutlass.range(nch):
+                    st = c % STG
+                    st1 = (c + 1) % STG
+                    pos = start + (c + STG) * BN + RPW * warp + lane % RPW
+                    nrow = row_of(cutlass.select_(pos < end, pos, last), b, bt_g, s_bt, s_max, PAGE)
+                    if c + 1 < nch:
+                        ph1 = ((c + 1) // STG) % 2
+                        ok = cute.arch.mbarrier_test_wait(mbar + st1, ph1)
+                        while not ok:
+                            ok = cute.arch.mbarrier_test_wait(mbar + st1, ph1)
+                    # past the last chunk: the scores of chunk c's own stage again (written; never used)
+                    sst = cutlass.select_(c + 1 < nch, st1, st)
+                    chunk_scores(rsc, kb, rq, s_kv, s_S, sst * (BN * RS), npr, kq, g, t, True)
+                    chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t)
+                    cute.arch.sync_threads()  # chunk c + 1's scores visible; stage st, P and alpha read
+                    if c + STG < nch:
+                        issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
+                    if c + 1 < nch:
+                        chunk_softmax(c + 1, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al)
+                    cute.arch.sync_threads()  # chunk c + 1's P and alpha visible
 
             # ---- the cluster merge: o columns and (max, sum) pushed to the CTA that merges them -------------------
             if cutlass.const_expr(CL > 1):
@@ -503,8 +555,10 @@ def _ptr(t: torch.Tensor, dtype, align: int):
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor,
                o_lat: torch.Tensor | None = None, lse: torch.Tensor | None = None, *, scale: float,
                block_table: torch.Tensor | None = None, partitions: int | None = None, cluster: int | None = None,
-               stages: int | None = None, merge: bool = True, pdl: bool | None = None, n_max: int | None = None):
-    """The attention of one new position (module doc). Returns (o_lat, lse), or the partials with merge=False."""
+               stages: int | None = None, merge: bool = True, pdl: bool | None = None, n_max: int | None = None,
+               pipe: bool | None = None):
+    """The attention of one new position (module doc). Returns (o_lat, lse), or the partials with merge=False.
+    pipe (None = DEFAULT_PIPE): the pipelined chunk loop (module doc), under measurement."""
     from k3lab_kernels.triton.pdl import chain_pdl, pdl_on
 
     if pdl is None:
@@ -555,6 +609,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         _fail("partitions", f"B * partitions = {B * P} exceeds the grid's 65535")
     if not isinstance(merge, bool):
         _fail("merge", f"must be a bool, got {merge!r}")
+    pipe = DEFAULT_PIPE if pipe is None else pipe
+    if not isinstance(pipe, bool):
+        _fail("pipe", f"must be None or a bool, got {pipe!r}")
     PL = -(-n // (CL * P))
     direct = P == 1 and merge
     for name, t in (("o_lat", o_lat), ("lse", lse)):
@@ -580,7 +637,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     for name, tt in (("kv", kv), ("o", o_dst)):
         if tt.data_ptr() % 16:
             _fail(name, f"base address must be 16-byte aligned (got 0x{tt.data_ptr():x})")
-    key = (H, CL, STG, page, ls, pdl, dev.index)
+    key = (H, CL, STG, page, ls, pdl, pipe, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -594,7 +651,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl), *args, *rt, stream)
+            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl, pipe), *args, *rt, stream)
             _COMPILED[key] = fn
         fn(*args, *rt, stream)
     if direct or not merge:
