@@ -920,7 +920,8 @@ def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
 @app.command()
 def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only these issues (repeatable)"),
             spec: Path | None = typer.Option(None, help="the target list (default data/targets.json)"),
-            failing: bool = typer.Option(False, "--failing", help="only the targets not met")) -> None:
+            failing: bool = typer.Option(False, "--failing", help="only the targets not met"),
+            write: Path | None = typer.Option(None, help="write the whole page there (docs/STATUS.md)")) -> None:
     """Every issue target read off the committed bundles (data/targets.json): the worst case of each against
     its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand)."""
     from k3lab import targets as tg
@@ -930,6 +931,13 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
     except (tg.TargetError, OSError) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
+    if write is not None:
+        if issue or failing:
+            _echo_err("error: --write writes the whole page (no --issue / --failing)")
+            raise typer.Exit(2)
+        write.write_text(tg.status_page(res))
+        typer.echo(f"wrote {write}")
+        return
     if failing:
         res = [r for r in res if not r.met]
     typer.echo(tg.markdown(res))

@@ -265,3 +265,16 @@ def markdown(results: list[Result]) -> str:
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in results]
     met = sum(r.met for r in results)
     return "\n".join(lines) + f"\n\n{met} of {len(results)} targets met.\n"
+
+
+STATUS = ROOT / "docs" / "STATUS.md"
+STATUS_HEAD = ("# Where the issues' targets stand\n\n"
+               "Made by `k3lab targets --write docs/STATUS.md` from the committed bundles (`data/targets.json` lists "
+               "the targets; a test fails when this page and the bundles disagree). Each line is the worst case of "
+               "its target; the rows that decided it and the bundle are named. Figures and their context: "
+               "docs/NOTES_*.md.\n\n")
+
+
+def status_page(results: list[Result] | None = None) -> str:
+    """docs/STATUS.md's text: the header and the whole table."""
+    return STATUS_HEAD + markdown(results if results is not None else evaluate_all())

@@ -91,3 +91,10 @@ def test_cli_targets():
     assert "| #15 |" in out.output and "| #12 |" not in out.output
     out = CliRunner().invoke(app, ["targets", "--spec", "/nonexistent.json"])
     assert out.exit_code == 2 and "no such file" in out.output
+
+
+def test_status_page_matches_the_bundles():
+    """docs/STATUS.md is `k3lab targets --write docs/STATUS.md` of the committed bundles: remake it when a bundle or
+    a target changes."""
+    assert tg.STATUS.read_text() == tg.status_page(), \
+        "docs/STATUS.md is stale: run `k3lab targets --write docs/STATUS.md`"
