@@ -489,9 +489,9 @@ def supports(shape: dict) -> str | None:
 
 
 def default_cluster(B: int) -> int:
-    """CTAs a cluster: 4 at batch 1..2, 2 above (H200, profiles/h200/mla_cute_partitions.json.gz and
-    mla_cute_batch.json.gz: cluster 4 with 16 clusters the best swept at batch 1 at 8K and 32K; at batch 4..64 cluster
-    2 ran 1.5-2x faster than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third session)."""
+    """CTAs a cluster: 4 at batch 1..2, 2 above (H200, experiments/mla_cute/h200/mla_cute_partitions_r3.json.gz and
+    mla_cute_batch_r4.json.gz: cluster 4 with 16 clusters the best swept at batch 1 at 8K and 32K; at batch 4..64
+    cluster 2 ran 1.5-2x faster than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third session)."""
     return 4 if B <= 2 else 2
 
 
