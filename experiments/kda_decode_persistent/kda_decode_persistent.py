@@ -26,8 +26,9 @@ small batch (items < SMs) it leaves SMs idle and the grid kernel with column til
 (ctas, stages) = (3, 1) is the register-light form ("regless"): no state in registers, so 3 CTAs and 3
 states are in flight per SM.
 
-Measured (profiles/h200/kda_cute_exp.json.gz, check_kda.py --exp of the time, 12 heads, DRAM-cold): it does not beat
-the grid kernel. B=64: grid 31.04 us; (CTAs per SM, stages) (2, 1) 31.02, (1, 2) 32.56, (1, 3) 34.65.
+Measured (profiles/h200/kda_cute_exp.json.gz, in git history at af86fbf; check_kda.py --exp of the time, 12 heads,
+DRAM-cold): it does not beat the grid kernel.
+B=64: grid 31.04 us; (CTAs per SM, stages) (2, 1) 31.02, (1, 2) 32.56, (1, 3) 34.65.
 B=256: grid 109.42; (2, 1) 112.09. B=16: grid 10.98, (2, 1) 10.66. With one buffer set
 reused (hot_us, state warm in L2) B=64 is 28.96 us against the grid's 30.58; with the previous call's dirty
 state in L2 to write back, as in a real decode, the gain disappears. (3, 1) later ran too: 33.25 against

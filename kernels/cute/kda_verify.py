@@ -61,8 +61,8 @@ from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _RESIDENT, _THREADS, _W, _che
 
 __all__ = ["ROW_WARPS", "ROW_WARPS_ALLOWED", "default_row_warps", "kda_verify"]
 
-# row_warps per tile_v when not given (profiles/h200/kda_cute_verify_split.json.gz: 4 is the best at tile 32
-# and at tile 128 for B=64, within 2 % of the best at tile 64; docs/NOTES_kda.md)
+# row_warps per tile_v when not given (kda_cute_verify_split.json.gz, in git history at af86fbf: 4 is the best at
+# tile 32 and at tile 128 for B=64, within 2 % of the best at tile 64; docs/NOTES_kda.md)
 ROW_WARPS = {128: 4, 64: 4, 32: 4, 16: 4}
 # row_warps each tile allows (a lane holds 4 columns: at tile 16 one warp has at most 16 / (8 / WR))
 ROW_WARPS_ALLOWED = {128: (1, 2, 4, 8), 64: (1, 2, 4, 8), 32: (1, 2, 4, 8), 16: (2, 4, 8)}

@@ -212,7 +212,7 @@ def _scratch(device: torch.device, rows: int, D: int, NT: int, T: int = 1):
     return s
 
 
-# num_warps per value tile, from kernels/triton/tune_kda.py --quick on the H200 (profiles/h200/tune_kda.json.gz,
+# num_warps per value tile, from kernels/triton/tune_kda.py --quick on the H200 (tune_kda.json.gz, git history af86fbf,
 # 12 heads, D = 128, every config checked against fp64 first; tiles 8/16/32/128, the geometric mean over
 # its cases: decode B = 1 and 64, verify T = 4 and 8 at B = 1 and 8). Changed where the tuner found a clear
 # winner: decode tile 128 8 -> 4 warps (B=64 56.46 -> 33.81 us; 8 warps spills), verify tile 128 8 -> 4
