@@ -45,3 +45,24 @@ def test_tracked_tree_under_5_mib():
     files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout.split(b"\0")
     total = sum((root / f.decode()).stat().st_size for f in files if f and (root / f.decode()).is_file())
     assert total < 5 * 2**20, f"tracked files hold {total / 2**20:.2f} MiB"
+
+
+def test_evidence_cited_by_code_and_data_exists():
+    """Every profiles/ or experiments/ bundle path that code (k3lab, kernels, experiments, scripts) or data/*.json names
+    is in the tree (a retired file is cited with where it lives in git history, not by its old path)."""
+    import re
+
+    root = PROFILES.parent
+    pat = re.compile(r"(?:profiles|experiments/[a-z_]+)/h200/[A-Za-z0-9_./-]+?\.(?:json\.gz|json|log|txt\.gz|html)")
+    missing = []
+    files = [p for d in ("k3lab", "kernels", "experiments", "scripts") for p in (root / d).rglob("*.py")]
+    files += list((root / "data").glob("*.json"))
+    for f in files:
+        text = f.read_text()
+        for m in pat.finditer(text):
+            around = text[m.end():m.end() + 40]
+            if "git history" in around or "{" in m.group(0):
+                continue
+            if not (root / m.group(0)).exists():
+                missing.append(f"{f.relative_to(root)}: {m.group(0)}")
+    assert not missing, "\n".join(missing)
