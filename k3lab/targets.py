@@ -58,11 +58,12 @@ class Result:
     met: bool
     where: str  # the worst case's name and the row(s) that decided it
     bundle: str
+    date: str = ""  # when the (newest) bundle was made, YYYY-MM-DD
 
     def cells(self, digits: int = 3) -> list[str]:
         v = f"{self.measured:.{digits}g}" if abs(self.measured) < 1e4 else f"{self.measured:.0f}"
         return [f"#{self.issue}", self.case, self.target, v, "yes" if self.met else "**no**", self.where,
-                self.bundle]
+                self.bundle, self.date]
 
 
 def load_spec(path: str | Path | None = None) -> list[dict[str, Any]]:
@@ -80,6 +81,22 @@ def load_spec(path: str | Path | None = None) -> list[dict[str, Any]]:
         if e["op"] not in OPS:
             raise TargetError(f"{p}: entry {i} ({e['case']!r}): op must be one of {tuple(OPS)}, got {e['op']!r}")
     return entries
+
+
+def _date(d: dict[str, Any]) -> str:
+    """YYYY-MM-DD of a bundle (`created`) or a run record (`started`, seconds since the epoch)."""
+    if d.get("created"):
+        return str(d["created"])[:10]
+    if d.get("started"):
+        import datetime
+
+        return datetime.datetime.fromtimestamp(float(d["started"]), datetime.timezone.utc).strftime("%Y-%m-%d")
+    return ""
+
+
+def _newest(bundles: str | list[str], root: Path) -> str:
+    return max((_date(read_json(root / b)) for b in ([bundles] if isinstance(bundles, str) else bundles)),
+               default="")
 
 
 def _rows(bundles: str | list[str], root: Path) -> list[dict[str, Any]]:
@@ -186,8 +203,14 @@ def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, An
 
 
 def evaluate(e: dict[str, Any], root: Path | None = None) -> Result:
-    """One entry -> its result: the worst case against the target."""
+    """One entry -> its result: the worst case against the target, dated by its newest bundle."""
     root = Path(root) if root is not None else ROOT
+    r = _evaluate(e, root)
+    r.date = _newest(e["bundle"], root)
+    return r
+
+
+def _evaluate(e: dict[str, Any], root: Path) -> Result:
     rows = _rows(e["bundle"], root)
     sel = [r for r in rows if _match(r, e.get("where", {}))]
     bundle = " + ".join(b.removeprefix("profiles/h200/") for b in
@@ -245,12 +268,19 @@ def _worst(e: dict[str, Any], vals: list[tuple[float, str]], bundle: str) -> Res
     return Result(e["issue"], e["case"], e["target"], v, not fails, _short(k) + n, bundle)
 
 
+NOISE = {"dcp=1", "dcp_layout=interleave", "fp8_scale=tensor", "kv_dtype=bf16", "pad_heads=0", "page_size=64",
+         "ragged=False", "heads=12", "D=128", "state_dtype=fp32"}  # axes every case of those sweeps shares
+
+
 def _short(k: str) -> str:
-    """A case name without the axes every case of a sweep shares (fp8_scale, dcp_layout, ...)."""
-    for noise in ("dcp=1,", "dcp_layout=interleave,", "fp8_scale=tensor,", "kv_dtype=bf16,", "pad_heads=0,",
-                  "page_size=64,", "ragged=False", "heads=12,", "D=128,", "state_dtype=fp32"):
-        k = k.replace(noise, "")
-    return k.replace(",]", "]").replace("[,", "[")
+    """A case name without the axes every case of a sweep shares (NOISE), each [..] group filtered."""
+    out, rest = "", k
+    while "[" in rest and "]" in rest.split("[", 1)[1]:
+        head, tail = rest.split("[", 1)
+        inner, rest = tail.split("]", 1)
+        keep = [a for a in inner.split(",") if a and a not in NOISE]
+        out += head + "[" + ",".join(keep) + "]"
+    return out + rest
 
 
 def evaluate_all(spec: list[dict[str, Any]] | None = None, root: Path | None = None,
@@ -260,7 +290,7 @@ def evaluate_all(spec: list[dict[str, Any]] | None = None, root: Path | None = N
 
 
 def markdown(results: list[Result]) -> str:
-    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", "bundle (profiles/h200/)"]
+    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", "bundle (profiles/h200/)", "measured on"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in results]
     met = sum(r.met for r in results)
