@@ -168,13 +168,18 @@ def test_supports_names_the_limit():
 
 
 def test_shared_memory_bound():
-    """smem_bytes is the kernel's allocation (the emulator's count, allocator alignment aside) and every cluster and
-    stage count fits the H200's 227 KB a CTA."""
+    """smem_bytes is the kernel's allocation (the emulator's count, allocator alignment aside; the peers' columns of
+    the real heads only), every cluster and stage count fits the H200's 227 KB a CTA, and two stages at 12 (or
+    fewer) heads fit two CTAs an SM."""
     from k3lab_kernels.cute import mla_decode as kdm
 
     c = DEC.case(heads=4, batch=1, context=20, T=1, page_size=16, kv_dtype="bf16", fp8_scale="tensor", ragged=False,
                  partitions="auto", pad_heads=0, dcp=1, dcp_layout="interleave")
     d = DEC.make_inputs(c, 0, "cpu")
     run(d, cluster=2, partitions=1, stages=3)
-    assert 0 <= kdm.smem_bytes(2, 3) - emulate.LAST["max_smem"] <= 1024
+    assert 0 <= kdm.smem_bytes(2, 3, 4) - emulate.LAST["max_smem"] <= 1024
     assert all(kdm.smem_bytes(c, s) <= 227 * 1024 for c in kdm.CLUSTERS for s in kdm.STAGES_ALLOWED)
+    assert all(kdm.ctas_per_sm(c, 2, h) == 2 for c in kdm.CLUSTERS for h in (6, 12))
+    assert kdm.ctas_per_sm(4, 2, 16) == 1 and kdm.ctas_per_sm(4, 4, 12) == 1
+    one, two = (kdm.default_partitions(1, 8192, 4, sms=132, per_sm=k) for k in (1, 2))
+    assert (one, two) == (16, 33)  # clusters of 4 over half the SMs' worth of slots, doubled

@@ -86,10 +86,20 @@ PACK_PTX = "cvt.rn.bf16x2.f32 $0, $1, $2;"   # $0 = {hi: $1, lo: $2}
 __all__ = ["CLUSTERS", "STAGES_ALLOWED", "MLADecodeCuteError", "default_partitions", "mla_decode", "supports"]
 
 
-def smem_bytes(cluster: int, stages: int) -> int:
-    """Shared memory a CTA: the row ring, the peers' columns and (max, sum), the partial scores, P, alpha, mbarriers."""
-    return (stages * BN * RS * 4 + cluster * HR * (C_LATENT // cluster) * 4 + cluster * 2 * HR * 4
+def smem_bytes(cluster: int, stages: int, heads: int = HR) -> int:
+    """Shared memory a CTA: the row ring, the peers' columns of the real heads and (max, sum), the partial scores, P,
+    alpha, mbarriers."""
+    return (stages * BN * RS * 4 + heads * C_LATENT * 4 + cluster * 2 * HR * 4
             + KQ * HR * SROW * 4 + HR * PROW * 4 + HR * 4 + stages * 8 + 5 * 128)
+
+
+SMEM_PER_SM = 228 * 1024   # the H100 / H200 SM's shared memory (a CTA's reserve of 1 KB counted in ctas_per_sm)
+
+
+def ctas_per_sm(cluster: int, stages: int, heads: int = HR) -> int:
+    """CTAs an SM holds by shared memory (the kernel's 256 threads at <= 128 registers allow two): two where a CTA
+    needs at most half the SM (two stages at 12 heads: ~110 KB), else one."""
+    return 2 if 2 * (smem_bytes(cluster, stages, heads) + 1024) <= SMEM_PER_SM else 1
 
 
 _KERNEL_CLS = None
@@ -277,7 +287,7 @@ def _kernel_class():
 
             smem = cutlass.memory.SmemAllocator()
             s_kv = smem.allocate_tensor(Int32, cute.make_layout(STG * BN * RS), byte_alignment=128)
-            s_rx = smem.allocate_tensor(Float32, cute.make_layout(CL * HR * SW), byte_alignment=16)
+            s_rx = smem.allocate_tensor(Float32, cute.make_layout(CL * H * SW), byte_alignment=16)  # real heads
             s_ml = smem.allocate_tensor(Float32, cute.make_layout(CL * 2 * HR), byte_alignment=16)
             s_S = smem.allocate_tensor(Float32, cute.make_layout(KQ * HR * SROW), byte_alignment=16)
             s_P = smem.allocate_tensor(Int32, cute.make_layout(HR * PROW), byte_alignment=16)
@@ -400,12 +410,13 @@ def _kernel_class():
                 col = warp * 64 + 8 * j + 2 * t
                 dst = col // SW
                 for hh in cutlass.range_constexpr(2):
-                    o = (rank * HR + g + 8 * hh) * SW + col % SW
-                    for e in cutlass.range_constexpr(2):
-                        if cutlass.const_expr(CL > 1):
-                            st_cluster_f32(s_rx.iterator + (o + e), dst, ro[4 * j + 2 * hh + e])
-                        else:
-                            s_rx[o + e] = ro[4 * j + 2 * hh + e]
+                    o = (rank * H + g + 8 * hh) * SW + col % SW
+                    if g + 8 * hh < H:  # the padded rows' columns are never merged: not sent
+                        for e in cutlass.range_constexpr(2):
+                            if cutlass.const_expr(CL > 1):
+                                st_cluster_f32(s_rx.iterator + (o + e), dst, ro[4 * j + 2 * hh + e])
+                            else:
+                                s_rx[o + e] = ro[4 * j + 2 * hh + e]
             if qq == 0:
                 for k in cutlass.range_constexpr(CL):
                     for e in cutlass.range_constexpr(2):
@@ -435,7 +446,7 @@ def _kernel_class():
                     for e in cutlass.range_constexpr(4):
                         acc = Float32(0.0)
                         for k in cutlass.range_constexpr(CL):
-                            acc = acc + wk[k] * s_rx[(k * HR + rr) * SW + cc + e]
+                            acc = acc + wk[k] * s_rx[(k * H + rr) * SW + cc + e]
                         four[e] = acc * inv
                     cute.autovec_copy(four, vec(p_o, cute.assume(((b * P + p) * H + rr) * C_LATENT + rank * SW + cc,
                                                                  divby=4), 4))
@@ -495,15 +506,16 @@ def default_cluster(B: int) -> int:
     return 4 if B <= 2 else 2
 
 
-def default_partitions(B: int, n_max: int, cluster: int = 4, sms: int | None = None) -> int:
-    """Clusters a sequence: one CTA an SM (the CTA's ~196 KB of shared memory allows no second) for clusters of 1..2;
-    for clusters of 4 and 8 only half the SMs' worth, since not every SM's worth of such clusters is resident at once
-    (H200, batch 1: 33 clusters of 4 or 16 of 8 ran slower than 16 of 4 or 8 of 8 at 8K and 32K, as a second wave
-    would); and no piece shorter than one chunk of 32 positions."""
+def default_partitions(B: int, n_max: int, cluster: int = 4, sms: int | None = None, per_sm: int = 1) -> int:
+    """Clusters a sequence: one CTA an SM (at the default four stages a CTA's ~190 KB of shared memory allows no
+    second; `per_sm` = ctas_per_sm(...) where two fit) for clusters of 1..2; for clusters of 4 and 8 only half the SMs'
+    worth, since not every SM's worth of such clusters is resident at once (H200, batch 1: 33 clusters of 4 or 16 of 8
+    ran slower than 16 of 4 or 8 of 8 at 8K and 32K, as a second wave would); and no piece shorter than one chunk of
+    32 positions. Two CTAs an SM (two stages) double the slots: not yet timed."""
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                if torch.cuda.is_available() else NOMINAL_SMS)
-    slots = sms if cluster <= 2 else sms // 2
+    slots = per_sm * (sms if cluster <= 2 else sms // 2)
     fill = max(1, slots // (B * cluster))
     enough = max(1, -(-max(1, n_max) // (cluster * BN)))
     return int(min(fill, enough, MAX_PARTITIONS))
@@ -602,7 +614,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or not 1 <= n_max <= capacity):
         _fail("n_max", f"must be None or an int in 1..{capacity} (the cache capacity), got {n_max!r}")
     n = n_max or capacity
-    P = default_partitions(B, n, CL) if partitions is None else partitions
+    P = default_partitions(B, n, CL, per_sm=ctas_per_sm(CL, STG, H)) if partitions is None else partitions
     if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= MAX_PARTITIONS:
         _fail("partitions", f"must be None or an int in 1..{MAX_PARTITIONS} (clusters a sequence), got {partitions!r}")
     if B * P > 65535:
