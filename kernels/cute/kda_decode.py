@@ -569,13 +569,19 @@ def _cutlass_dtype(dt: torch.dtype):
     return m[dt]
 
 
-def _ptr(t: torch.Tensor, align: int = 16):
+def gmem_ptr(t: torch.Tensor, dtype, align: int):
+    """A global-memory pointer of cutlass `dtype` at t's data, `align` bytes assumed (the host side of every CuTe
+    kernel that names the element type itself; the caller checks the alignment)."""
     from cutlass import cute
     from cutlass.cute.runtime import make_ptr
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _ptr(t: torch.Tensor, align: int = 16):
     p = t.data_ptr()
     if p % align:
         raise ValueError(f"kda cute: tensor base pointer must be {align}-byte aligned (got 0x{p:x})")
-    return make_ptr(_cutlass_dtype(t.dtype), p, cute.AddressSpace.gmem, assumed_align=align)
+    return gmem_ptr(t, _cutlass_dtype(t.dtype), align)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple, device):

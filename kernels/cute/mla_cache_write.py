@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from .kda_decode import gmem_ptr as _ptr  # the one host pointer helper
+
 C_LATENT = 512
 D_ROPE = 64
 WIDTH = C_LATENT + D_ROPE
@@ -290,12 +292,6 @@ def _cutlass_dtype(dt: torch.dtype):
     m = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
          torch.int32: cutlass.Int32, torch.int64: cutlass.Int64}
     return m[dt]
-
-
-def _ptr(t: torch.Tensor, dtype, align: int):
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _tensor(name, t, device, dtypes, dim=None):

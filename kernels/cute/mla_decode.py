@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from .kda_decode import gmem_ptr as _ptr  # the one host pointer helper
+
 C_LATENT = 512
 D_ROPE = 64
 D = C_LATENT + D_ROPE
@@ -556,12 +558,6 @@ def _queries(name, t, device):
     if t.stride(0) % 4 or t.stride(2) % 4 or t.data_ptr() % 8:
         _fail(name, f"must have batch and head strides that are multiples of 4 elements and an 8-byte aligned base "
                     f"(got strides {t.stride()}, address 0x{t.data_ptr():x})")
-
-
-def _ptr(t: torch.Tensor, dtype, align: int):
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, lengths: torch.Tensor,

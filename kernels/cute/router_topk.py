@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from .kda_decode import gmem_ptr as _ptr  # the one host pointer helper
+
 MAX_EXPERTS = 1024   # the key's low word holds 1023 - id
 MAX_TOPK = 32        # the threshold is a rank among 32 group maxima
 _NEG = -(1 << 63) + 1  # a key below every expert's (the Triton kernel's)
@@ -382,12 +384,6 @@ def _validate(logits, e_bias, idx, weights, top_k, scaling, pdl):
         if tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
             _fail(name, f"must be a contiguous {dt} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
     return B, E
-
-
-def _ptr(t: torch.Tensor, dtype, align: int):
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *,
