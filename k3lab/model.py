@@ -78,11 +78,11 @@ _PATH_RULES = {("moe", "cute"): (lambda L: L.N == 1 and L.w.mlp_kind == "moe" an
 
 def _mla_cute_takes(L) -> bool:
     """Whether k3lab_kernels.cute.mla_decode takes this MLA layer's attention (k3lab.ops.mla.decode_supports)."""
-    from k3lab.ops.mla import decode_supports, kv_name
+    from k3lab.ops.mla import decode_shape, decode_supports
 
     w = L.w.attn
-    return decode_supports("cute", dict(T=L.T, H=w.heads, C=w.kv_lora, Dr=w.rope_dim,
-                                        kv_dtype=kv_name(L.state.cache.dtype), pad_heads=L.switches.pad_heads)) is None
+    return decode_supports("cute", decode_shape(L.B, L.T, w.heads, w.kv_lora, w.rope_dim, L.state.cache,
+                                                pad_heads=L.switches.pad_heads)) is None
 
 
 def _nb(*ts) -> int:

@@ -254,7 +254,7 @@ def test_layer_path_rule_of_the_cute_decode():
 
     def layer(T=1, heads=12, C=512, Dr=64, dtype=torch.bfloat16, pad=0):
         attn = NS(heads=heads, kv_lora=C, rope_dim=Dr)
-        return NS(kind="mla", T=T, w=NS(attn=attn), state=NS(cache=NS(dtype=dtype)), switches=NS(pad_heads=pad))
+        return NS(kind="mla", B=1, T=T, w=NS(attn=attn), state=NS(cache=NS(dtype=dtype)), switches=NS(pad_heads=pad))
 
     assert takes(layer()) and takes(layer(heads=6, pad=16))
     for bad in (dict(T=4), dict(heads=20), dict(C=32, Dr=8), dict(dtype=torch.float8_e4m3fn), dict(pad=32)):

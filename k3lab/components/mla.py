@@ -219,9 +219,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     from k3lab.ops import mla as mla_ops  # the registry entry's names (imported here: it imports this module's users)
 
     be, auto_opts, why = dispatch.select("mla_decode", backend, B=B, T=T,
-                                         shape=dict(B=B, T=T, H=H, C=C, Dr=q_rope.shape[-1], dcp=dcp,
-                                                    kv_dtype=mla_ops.kv_name(getattr(cache, "dtype", None)),
-                                                    pad_heads=pad_heads))
+                                         shape=mla_ops.decode_shape(B, T, H, C, q_rope.shape[-1], cache, dcp,
+                                                                    pad_heads))
     tri = be == "triton"
     for name, v in (("cluster", cluster), ("stages", stages), ("pipe", pipe)):
         if v is not None and be != "cute":
@@ -565,9 +564,8 @@ def verify(h: torch.Tensor, weights: MLAWeights, cache, lengths, out: torch.Tens
     from k3lab.ops import mla as mla_ops  # the registry entry's names (imported here: it imports this module's users)
 
     be, _, _ = dispatch.select("mla_decode", backend, B=B, T=T,
-                               shape=dict(B=B, T=T, H=weights.heads, C=weights.kv_lora, Dr=weights.rope_dim, dcp=dcp,
-                                          kv_dtype=mla_ops.kv_name(getattr(cache, "dtype", None)),
-                                          pad_heads=pad_heads))
+                               shape=mla_ops.decode_shape(B, T, weights.heads, weights.kv_lora, weights.rope_dim, cache,
+                                                          dcp, pad_heads))
     q_nope, q_rope = ref.mla_q(h, weights)
     q_lat = ref.absorb_q(q_nope, weights)
     kw = dict(partitions=partitions, pad_heads=pad_heads, dcp=dcp, dcp_layout=dcp_layout, ran=ran)

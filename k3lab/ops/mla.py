@@ -249,16 +249,20 @@ def kv_name(dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}.get(dtype, str(dtype).replace("torch.", ""))
 
 
+def decode_shape(B: int, T: int, H: int, C_: int, Dr: int, cache, dcp: int = 1, pad_heads: int = 0) -> dict:
+    """A decode call's facts as `decode_supports` (and the dispatcher's shape-aware `auto`) read them."""
+    return dict(B=B, T=T, H=H, C=C_, Dr=Dr, dcp=dcp, kv_dtype=kv_name(getattr(cache, "dtype", None)),
+                pad_heads=pad_heads)
+
+
 def decode_supports(backend: str, shape: dict) -> str | None:
-    """The CuTe decode's limits (k3lab_kernels.cute.mla_decode.supports): T = 1, at most 16 heads, C = 512, Dr = 64, a
-    bf16 cache, no DCP; a case's axes or a call's facts (B, T, H, C, Dr, kv_dtype, dcp, pad_heads)."""
+    """The CuTe decode's limits (k3lab_kernels.cute.mla_decode.supports: T = 1, at most 16 heads, C = 512, Dr = 64, a
+    bf16 cache, no DCP) for a case's axes or a call's `decode_shape`; None for the other backends."""
     if backend != "cute":
         return None
     from k3lab_kernels.cute.mla_decode import supports
 
-    return supports(dict(T=shape.get("T", 1), H=shape.get("H", shape.get("heads", 12)), C=shape.get("C", C),
-                         Dr=shape.get("Dr", DR), kv_dtype=shape.get("kv_dtype", "bf16"), dcp=shape.get("dcp", 1),
-                         pad_heads=shape.get("pad_heads", 0)))
+    return supports(shape)
 
 
 def query_supports(backend: str, shape: dict) -> str | None:
