@@ -94,21 +94,18 @@ def _date(d: dict[str, Any]) -> str:
     return ""
 
 
-def _newest(bundles: str | list[str], root: Path) -> str:
-    return max((_date(read_json(root / b)) for b in ([bundles] if isinstance(bundles, str) else bundles)),
-               default="")
-
-
-def _rows(bundles: str | list[str], root: Path) -> list[dict[str, Any]]:
-    out = []
+def _load(bundles: str | list[str], root: Path) -> tuple[list[dict[str, Any]], str]:
+    """The rows of one or more bundles (a run record, `k3lab run`'s run.json, is one row named "run") and the date
+    of the newest."""
+    out, dates = [], []
     for b in [bundles] if isinstance(bundles, str) else bundles:
         p = root / b
         if not p.exists():
             raise TargetError(f"bundle {b} does not exist under {root}")
         d = read_json(p)
-        # a bundle's rows, or a run record (`k3lab run`'s run.json) as one row named "run"
         out += d["rows"] if "rows" in d else [dict(d, name="run", backend="run")]
-    return out
+        dates.append(_date(d))
+    return out, max(dates, default="")
 
 
 def _get(row: dict[str, Any], key: str) -> Any:
@@ -189,7 +186,7 @@ def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, An
         tag += f" vs {p['backend']} {p['median_us']:.2f}"
         return ((mine["median_us"] / p["median_us"]) if m == "x_peer" else (p["median_us"] / mine["median_us"])), tag
     if m == "ratio":
-        rows = _rows(e["over_bundle"], root) if "over_bundle" in e else all_rows
+        rows = _load(e["over_bundle"], root)[0] if "over_bundle" in e else all_rows
         d = _best([r for r in rows if _match(r, e["over"]) and r["backend"] in e["ours"]])
         if d is None:
             raise TargetError(f"{e['case']!r}: `over` selects no row")
@@ -205,13 +202,13 @@ def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, An
 def evaluate(e: dict[str, Any], root: Path | None = None) -> Result:
     """One entry -> its result: the worst case against the target, dated by its newest bundle."""
     root = Path(root) if root is not None else ROOT
-    r = _evaluate(e, root)
-    r.date = _newest(e["bundle"], root)
+    rows, date = _load(e["bundle"], root)
+    r = _evaluate(e, root, rows)
+    r.date = date
     return r
 
 
-def _evaluate(e: dict[str, Any], root: Path) -> Result:
-    rows = _rows(e["bundle"], root)
+def _evaluate(e: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> Result:
     sel = [r for r in rows if _match(r, e.get("where", {}))]
     bundle = " + ".join(b.removeprefix("profiles/h200/") for b in
                         ([e["bundle"]] if isinstance(e["bundle"], str) else e["bundle"]))
