@@ -183,3 +183,13 @@ def test_shared_memory_bound():
     assert kdm.ctas_per_sm(4, 2, 16) == 1 and kdm.ctas_per_sm(4, 4, 12) == 1
     one, two = (kdm.default_partitions(1, 8192, 4, sms=132, per_sm=k) for k in (1, 2))
     assert (one, two) == (16, 33)  # clusters of 4 over half the SMs' worth of slots, doubled
+
+
+def test_default_loop_by_history():
+    """Two stages and the pipelined loop from LONG_HISTORY positions (measured at 8K and 32K), four and plain below."""
+    from k3lab_kernels.cute import mla_decode as md
+
+    assert md.default_loop(8192) == (4, False)
+    assert md.default_loop(32768) == (2, True)
+    assert md.default_loop(md.LONG_HISTORY) == (2, True)
+    assert md.ctas_per_sm(2, 2, 12) == 2 and md.ctas_per_sm(2, 4, 12) == 1

@@ -202,8 +202,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     of the same shape). n_positions = max(lengths) + T when the caller knows it (no host sync). The triton
     kernel multiplies bf16 queries on tensor cores: fp32 queries are rounded to bf16 first. Backend "cute"
     (k3lab_kernels.cute.mla_decode: one new position, bf16, no DCP) takes `cluster`, `stages` and `pipe` (the
-    pipelined chunk loop, under measurement), `partitions` as clusters a sequence; the Triton knobs (block_n, ...)
-    are Triton's."""
+    pipelined chunk loop; None: the kernel's default_loop of the history), `partitions` as clusters a sequence; the
+    Triton knobs (block_n, ...) are Triton's."""
     _refuse_aiter(backend)
     _tensor("q_lat", q_lat, 4)
     dev = q_lat.device

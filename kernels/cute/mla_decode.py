@@ -30,9 +30,9 @@ Layout. Grid [CL, P, B], cluster [CL, 1, 1]: CTA (r, p, b) owns piece j = p CL +
      log; rank 0 writes it). An empty piece has (max, sum) = (-inf, 0) and weighs 0; an all-empty cluster writes
      o = 0, lse = -inf.
 With P > 1 k3lab_kernels.triton.mla_decode.merge_partials merges the P partials; P = 1 writes o_lat / lse directly.
-pipe=True (an option under measurement): the loop computes chunk c + 1's scores (even and odd k-steps in two MMA
-chains) in the same stretch of code as chunk c's P V, then the softmax of c + 1: two CTA barriers a chunk instead of
-three, and two independent MMA streams for the scheduler.
+pipe=True (the default from 16K positions, `default_loop`): the loop computes chunk c + 1's scores (even and odd
+k-steps in two MMA chains) in the same stretch of code as chunk c's P V, then the softmax of c + 1: two CTA barriers a
+chunk instead of three, and two independent MMA streams for the scheduler.
 
 Floor: the cache rows (n x 1152 bytes a sequence) at the read bandwidth, plus the partials (P B H 513 x 4 bytes written
 and read back): k3lab.ops.mla.decode_bytes counts the cache, queries and outputs (9.4 MB at 8K, batch 1: ~2.1 us on
@@ -73,8 +73,7 @@ SROW = 40                  # partial-score row pitch (floats; 8 mod 32)
 PROW = 20                  # P row pitch (words; conflict-free A-operand loads)
 CLUSTERS = (1, 2, 4, 8)
 STAGES_ALLOWED = (2, 3, 4)
-DEFAULT_STAGES = 4
-DEFAULT_PIPE = False       # the pipelined chunk loop (written in the twenty-fourth session, not yet timed)
+LONG_HISTORY = 16384       # from here on (cache capacity or n_max) two stages and the pipelined loop: default_loop
 MAX_PARTITIONS = 256
 NOMINAL_SMS = 132
 LN2 = 0.6931471805599453
@@ -501,6 +500,14 @@ def supports(shape: dict) -> str | None:
     return None
 
 
+def default_loop(n: int) -> tuple[int, bool]:
+    """(stages, pipe) for a history of up to n positions: four stages and the plain loop below LONG_HISTORY, two
+    stages (two CTAs an SM) and the pipelined loop from it (H200, profiles/h200/mla_pipe.json.gz: batch 64 at 32K
+    579.8 against 595.2 us, batch 16 at 32K 160.2 against 163.1; at 8K the plain four-stage loop wins, 158.9 against
+    166.9 at batch 64; between 8K and 32K not measured; docs/NOTES_mla.md, twenty-fifth session)."""
+    return (2, True) if n >= LONG_HISTORY else (4, False)
+
+
 def default_cluster(B: int) -> int:
     """CTAs a cluster: 4 at batch 1..2, 2 above (H200, experiments/mla_cute/h200/mla_cute_partitions_r3.json.gz and
     mla_cute_batch_r4.json.gz: cluster 4 with 16 clusters the best swept at batch 1 at 8K and 32K; at batch 4..64
@@ -513,7 +520,7 @@ def default_partitions(B: int, n_max: int, cluster: int = 4, sms: int | None = N
     second; `per_sm` = ctas_per_sm(...) where two fit) for clusters of 1..2; for clusters of 4 and 8 only half the SMs'
     worth, since not every SM's worth of such clusters is resident at once (H200, batch 1: 33 clusters of 4 or 16 of 8
     ran slower than 16 of 4 or 8 of 8 at 8K and 32K, as a second wave would); and no piece shorter than one chunk of
-    32 positions. Two CTAs an SM (two stages) double the slots: not yet timed."""
+    32 positions. Two CTAs an SM (two stages, `default_loop` from 16K positions) double the slots."""
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
                if torch.cuda.is_available() else NOMINAL_SMS)
@@ -566,7 +573,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                stages: int | None = None, merge: bool = True, pdl: bool | None = None, n_max: int | None = None,
                pipe: bool | None = None):
     """The attention of one new position (module doc). Returns (o_lat, lse), or the partials with merge=False.
-    pipe (None = DEFAULT_PIPE): the pipelined chunk loop (module doc), under measurement."""
+    stages / pipe (None: default_loop of the history): the ring's depth and the pipelined chunk loop (module doc)."""
     from k3lab_kernels.triton.pdl import chain_pdl, pdl_on
 
     if pdl is None:
@@ -604,12 +611,12 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     CL = default_cluster(B) if cluster is None else cluster
     if isinstance(CL, bool) or CL not in CLUSTERS:
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
-    STG = DEFAULT_STAGES if stages is None else stages
-    if isinstance(STG, bool) or STG not in STAGES_ALLOWED:
-        _fail("stages", f"must be None or one of {STAGES_ALLOWED}, got {stages!r}")
     if n_max is not None and (isinstance(n_max, bool) or not isinstance(n_max, int) or not 1 <= n_max <= capacity):
         _fail("n_max", f"must be None or an int in 1..{capacity} (the cache capacity), got {n_max!r}")
     n = n_max or capacity
+    STG = default_loop(n)[0] if stages is None else stages
+    if isinstance(STG, bool) or STG not in STAGES_ALLOWED:
+        _fail("stages", f"must be None or one of {STAGES_ALLOWED}, got {stages!r}")
     P = default_partitions(B, n, CL, per_sm=ctas_per_sm(CL, STG, H)) if partitions is None else partitions
     if isinstance(P, bool) or not isinstance(P, int) or not 1 <= P <= MAX_PARTITIONS:
         _fail("partitions", f"must be None or an int in 1..{MAX_PARTITIONS} (clusters a sequence), got {partitions!r}")
@@ -617,7 +624,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         _fail("partitions", f"B * partitions = {B * P} exceeds the grid's 65535")
     if not isinstance(merge, bool):
         _fail("merge", f"must be a bool, got {merge!r}")
-    pipe = DEFAULT_PIPE if pipe is None else pipe
+    pipe = default_loop(n)[1] if pipe is None else pipe
     if not isinstance(pipe, bool):
         _fail("pipe", f"must be None or a bool, got {pipe!r}")
     PL = -(-n // (CL * P))
