@@ -204,6 +204,12 @@ class Int32(int):
     def ir_value(self, loc=None, ip=None):
         return int(self)
 
+    def bitcast(self, dtype):
+        """The low 32 bits read as an fp32 (the only bitcast of an Int32 the kernels use)."""
+        if dtype is not Float32:
+            raise EmulationError(f"Int32.bitcast to {getattr(dtype, '__name__', dtype)} is not emulated")
+        return Float32(_f32_of_bits(int(self) & 0xFFFFFFFF))
+
 
 class BFloat16:
     width = 16
@@ -1085,7 +1091,7 @@ def _bits_of_f16(x: float) -> int:
     return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
 
 
-_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.rn.bf16x2.f32")
+_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.rn.bf16x2.f32", "shl.b32")
 
 
 def _bits_of_bf16(x: float) -> int:
@@ -1110,17 +1116,20 @@ def _prmt(a: int, b: int, sel: int) -> int:
 # ---- the MLA decode's tensor-core product (kernels/cute/mla_decode.py): mma.sync m16n8k16 bf16 -> fp32 -------------
 
 _MMA_BF16 = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+_MMA_F16 = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 
 
 def _bf16_of_bits(h: int) -> float:
     return _f32_of_bits((h & 0xFFFF) << 16)
 
 
-def _mma_m16n8k16(operands):
+def _mma_m16n8k16(operands, tag=_MMA_BF16):
     """The warp-collective MMA: lane (g = lane / 4, t = lane % 4) holds A's (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
-    (g+8, 2t+8..) as four bf16 pairs, B's (k = 2t..2t+1, n = g), (k = 2t+8.., n = g) as two, C's (g, 2t..2t+1),
-    (g+8, 2t..) as four fp32; every lane gets its four D values. The products are exact in fp64 and summed with C in
-    fp64, then rounded to fp32 once (the hardware's accumulation order and intermediate widths are not modelled)."""
+    (g+8, 2t+8..) as four bf16 (tag _MMA_F16: f16, subnormals included) pairs, B's (k = 2t..2t+1, n = g),
+    (k = 2t+8.., n = g) as two, C's (g, 2t..2t+1), (g+8, 2t..) as four fp32; every lane gets its four D values. The
+    products are exact in fp64 and summed with C in fp64, then rounded to fp32 once (the hardware's accumulation order
+    and intermediate widths are not modelled)."""
+    half = _bf16_of_bits if tag == _MMA_BF16 else (lambda h: _f16_of_bits(h & 0xFFFF))
     vals = []
     for i, v in enumerate(operands):
         if v is None:
@@ -1145,15 +1154,15 @@ def _mma_m16n8k16(operands):
             g, t = ln // 4, ln % 4
             a = [int(x) & 0xFFFFFFFF for x in ops[:4]]
             for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                A[row, col], A[row, col + 1] = _bf16_of_bits(a[r]), _bf16_of_bits(a[r] >> 16)
+                A[row, col], A[row, col + 1] = half(a[r]), half(a[r] >> 16)
             bb = [int(x) & 0xFFFFFFFF for x in ops[4:6]]
             for r, k in enumerate((2 * t, 2 * t + 8)):
-                Bm[k, g], Bm[k + 1, g] = _bf16_of_bits(bb[r]), _bf16_of_bits(bb[r] >> 16)
+                Bm[k, g], Bm[k + 1, g] = half(bb[r]), half(bb[r] >> 16)
             c = [float(x) for x in ops[6:10]]
             Cm[g, 2 * t], Cm[g, 2 * t + 1], Cm[g + 8, 2 * t], Cm[g + 8, 2 * t + 1] = c
         return A @ Bm + Cm
 
-    return _warp_collective(tuple(vals), _MMA_BF16, compute)
+    return _warp_collective(tuple(vals), tag, compute)
 
 
 _LDSM_T = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
@@ -1265,10 +1274,13 @@ def _ptx_b32(operands, asm_string, constraints):
             regs[d] = _prmt(get(a[1]), get(a[2]), get(a[3]))
         else:
             raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
-    out = regs["$0"]
-    if constraints.startswith("=f"):
-        return Float32(_f32_of_bits(out))
-    return Int32(out - (1 << 32) if out >> 31 else out)
+    def result(i):
+        out = regs[f"${i}"]
+        if cons[i] == "=f":
+            return Float32(_f32_of_bits(out))
+        return Int32(out - (1 << 32) if out >> 31 else out)
+
+    return result(0) if n_out == 1 else tuple(result(i) for i in range(n_out))
 
 
 def _inline_asm(res, operands, asm_string, constraints, **kw):
@@ -1280,6 +1292,8 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
 
     if asm_string.startswith(_MMA_BF16):
         return _mma_m16n8k16(operands)
+    if asm_string.startswith(_MMA_F16):
+        return _mma_m16n8k16(operands, _MMA_F16)
     if asm_string.startswith(_LDSM_T):
         return _ldmatrix_x4_trans(operands)
     if any(op in asm_string for op in _B32_OPS):
@@ -1850,7 +1864,7 @@ def _fake_modules(emu: _Emu) -> dict:
 # the CuTe DSL kernel modules the emulator rebinds (k3lab_kernels.cute.<name>); the first three are also
 # reachable as m.kd / m.kv / m.kp, every one as m.mod[<name>]
 _KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill", "attnres_norm", "router_topk", "mla_cache_write",
-                   "mla_combine", "proj_gemv", "moe_experts", "mla_query", "mla_decode")
+                   "mla_combine", "proj_gemv", "moe_experts", "mla_query", "mla_decode", "moe_grouped")
 
 
 def _kernel_modules():

@@ -1,7 +1,8 @@
 """The CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py) on the GPU, through the component API
-(k3lab.components.moe.experts, backend "cute"): the shared checker against fp64 at K3's pool (896 experts, latent
-3584; TP8 and TP16 slices; outputs poisoned, inputs unchanged; the registry's MXFP4 tolerance), a top-k with a
-repeated id, pdl inside a pdl chain, a CUDA graph replayed on new routing, and what the backend refuses by name.
+(k3lab.components.moe.experts, backend "cute": one token, kernels/cute/moe_experts.py, and several,
+kernels/cute/moe_grouped.py): the shared checker against fp64 at K3's pool (896 experts, latent 3584; TP8 and TP16
+slices; outputs poisoned, inputs unchanged; the registry's MXFP4 tolerance), a top-k with a repeated id, pdl inside a
+pdl chain, a CUDA graph replayed on new routing, and what the backend refuses by name.
 
     python3 -m pytest -q -m gpu tests/test_moe_cute.py
 """
@@ -62,10 +63,49 @@ def test_graph_capture_new_routing():
     assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL
 
 
+@pytest.mark.parametrize("batch,tp,routing", [(2, 8, "uniform"), (8, 8, "same16"), (9, 8, "same16"),
+                                               (64, 8, "uniform"), (64, 16, "uniform"), (64, 8, "k3_reuse30"),
+                                               (1, 8, "uniform")])
+def test_grouped_k3_pool(batch, tp, routing):
+    """The grouped kernels (path "grouped"; the default above batch 1): K3's pool, groups of one to 64 members (same16
+    at 9 tokens: two member tiles of 8), TP8 and TP16, and one token through the grouped path too."""
+    case = OP.case(tp=tp, routing=routing, **dict(K3, batch=batch))
+    checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch))
+
+
+def test_grouped_repeated_id_pdl_and_graph():
+    """A token listing an expert twice, pdl inside a pdl chain, and a CUDA graph replayed on new routing."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    case = OP.case(tp=8, routing="uniform", **dict(K3, batch=16))
+    d = OP.make_inputs(case, 3, "cuda")
+    d["idx"][3, 1] = d["idx"][3, 0]
+    want = ops_moe.ref_experts(d, case)["y"]
+    for pdl in (False, True):
+        y = torch.full_like(d["y"], float("nan"))
+        with pdl_chain(pdl):
+            c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
+        torch.cuda.synchronize()
+        assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+    a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
+    run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="cute", out=a["y"],  # noqa
+                                check_values=False)
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for k in ("z", "idx", "weights_k"):
+        a[k].copy_(b[k])
+    g.replay()
+    torch.cuda.synchronize()
+    want = ops_moe.ref_experts(b, case)["y"]
+    assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL
+
+
 def test_refused_by_name():
     d = OP.make_inputs(OP.case(tp=8, routing="uniform", **dict(K3, batch=2)), 0, "cuda")
-    with pytest.raises(ValueError, match="one token"):  # the dispatcher, from the op's `supports`
-        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute")
+    with pytest.raises(ValueError, match="'z' must be one token for the cute backend's path 'token'"):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", path="token")
     d1 = OP.make_inputs(OP.case(tp=8, routing="uniform", **K3), 0, "cuda")
     with pytest.raises(ValueError, match="'block_n'"):
         c_moe.experts(d1["z"], d1["idx"], d1["weights_k"], d1["moe"], backend="cute", block_n=16)

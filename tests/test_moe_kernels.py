@@ -420,8 +420,8 @@ def test_simt_batch_one_wide_b_items():
 
 def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
     """data/moe_defaults.json: `auto` runs the CuTe DSL experts at one token with MXFP4 weights (where CuTe DSL runs)
-    and passes them over, by the op's `supports`, for another format, more tokens or too many products; the Triton
-    kernels then (the fallback rule at batch 1, the measured one above it)."""
+    and passes them over, by the op's `supports`, for another format or too many products; the Triton kernels then
+    (the fallback rule at batch 1, the measured one above it, where the grouped CuTe kernels are not the rule)."""
     from k3lab.components import dispatch
 
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
@@ -437,4 +437,5 @@ def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
     # the benchmark asks with a case of the op (full intermediate size and tp)
     assert OP.supports("cute", OP.case(batch=1, dtype="mxfp4", **K3)) is None
     assert "top-k x I/32" in OP.supports("cute", OP.case(batch=1, dtype="mxfp4", **dict(K3, top_k=96, tp=1)))
-    assert "one token" in OP.supports("cute", OP.case(batch=2, dtype="mxfp4", **K3))
+    assert OP.supports("cute", OP.case(batch=2, dtype="mxfp4", **K3)) is None  # the grouped kernels
+    assert "latent % 256" in OP.supports("cute", OP.case(batch=2, dtype="mxfp4", **dict(K3, latent=3616)))

@@ -14,9 +14,11 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
                              path), grouped by expert on the device (no host sync: capturable in a CUDA graph);
                              z bf16, idx int32/int64, weights_k fp32, dense experts bf16, fp8 with fp32
                              per-output-channel scales, or MXFP4
-  cute                       k3lab_kernels.cute.moe_experts: one token, MXFP4 experts: two launches (w1/w3 +
-                             SiTU, then w2; no atomics), takes no knobs; refused by name otherwise (the op's
-                             `supports`, given the call's shape)
+  cute                       MXFP4 experts, knob `path`: "token" (k3lab_kernels.cute.moe_experts, one token: two
+                             launches, w1/w3 + SiTU then w2, no atomics) or "grouped" (k3lab_kernels.cute.moe_grouped,
+                             several tokens: pairs grouped by expert on the device, tensor-core fragments straight from
+                             the kernel layout, w2 into y with fp32 atomics); None: token at batch 1, grouped above
+                             (recorded as run); refused by name otherwise (the op's `supports`, given the call's shape)
   auto                       data/moe_defaults.json (measured: cute at one MXFP4 token where CuTe DSL runs, else
                              triton), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
@@ -149,24 +151,36 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, notes=f"path {knobs['path']} ({rule})",
                         **rec)
         return y
-    if any(v is not None for v in knobs.values()):
+    if any(v is not None for k, v in knobs.items() if not (be == "cute" and k == "path")):
         _fail("path" if path is not None else "block_n",
-              f"and the other kernel knobs are for the triton backend; backend {be!r} takes none")
-    if be == "cute":  # one token, MXFP4 (kernels/cute/moe_experts.py; the wrapper checks the tensors by name)
+              f"and the other kernel knobs are for the triton backend; backend {be!r} takes "
+              f"{'only path' if be == 'cute' else 'none'}")
+    if be == "cute":  # MXFP4; one token (kernels/cute/moe_experts.py) or grouped (kernels/cute/moe_grouped.py)
         if {moe.w1.fmt, moe.w3.fmt, moe.w2.fmt} != {"mxfp4"}:
             _fail("moe", f"must hold MXFP4 experts for the cute backend, got {moe.w1.fmt}")
-        if B != 1:
-            _fail("z", f"must be one token for the cute backend (batch 1), got batch {B}")
+        cpath = path if path is not None else ("token" if B == 1 else "grouped")
+        if cpath not in ("token", "grouped"):
+            _fail("path", f"must be None, 'token' or 'grouped' for the cute backend, got {path!r}")
+        if cpath == "token" and B != 1:
+            _fail("z", f"must be one token for the cute backend's path 'token' (batch 1), got batch {B}")
         if out is None:
             out = torch.empty(B, L, dtype=torch.float32, device=z.device)
         elif out.dtype != torch.float32 or not out.is_contiguous():
             _fail("out", f"must be a contiguous float32 tensor for the cute backend, got {out.dtype}")
         ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
-        y = dispatch.kernel(OP, be)(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, moe.w2.scale, out,
-                                    b1=float(moe.b1), b2=float(moe.b2))
-        dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options={},
-                        notes="two launches: up (w1/w3 + SiTU, a warp per two rows), down (w2, a warp per latent row)",
-                        **rec)
+        if cpath == "token":
+            fn, kpath = dispatch.kernel(OP, be), dispatch.kernel_path(OP, be)
+            note = "path token: two launches: up (w1/w3 + SiTU), down (w2; no atomics)"
+        else:
+            from k3lab_kernels.cute.moe_grouped import moe_grouped as fn
+
+            kpath = "k3lab_kernels.cute.moe_grouped:moe_grouped"
+            note = ("path grouped: two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 "
+                    "on tensor cores, fp32 atomics into y)")
+        rule = "requested" if path is not None else "by batch: token at 1, grouped above"
+        y = fn(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, moe.w2.scale, out, b1=float(moe.b1),
+               b2=float(moe.b2))
+        dispatch.record(ran, kernel=kpath, options=dict(path=cpath), notes=f"{note} ({rule})", **rec)
         return y
     ffn = ref.glu_ffn
     kernel = dispatch.kernel_path(OP, be)

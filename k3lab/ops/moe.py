@@ -211,15 +211,14 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 
 
 def experts_supports(backend: str, shape: dict) -> str | None:
-    """What the cute backend takes (kernels/cute/moe_experts.py): one token, MXFP4 experts (whose sizes the op's
-    `_valid` already keeps to multiples of 32), top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
-    and up kernels). `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B,
-    fmt, K, I: the per-GPU slice, L); a key it lacks passes (the kernel checks its tensors)."""
+    """What the cute backend takes: MXFP4 experts (whose sizes the op's `_valid` already keeps to multiples of 32);
+    at one token (kernels/cute/moe_experts.py) top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
+    and up kernels); at more (kernels/cute/moe_grouped.py) latent % 256 == 0, I % 64 == 0 and batch x top-k <= 4096.
+    `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B, fmt, K, I: the
+    per-GPU slice, L); a key it lacks passes (the kernel checks its tensors)."""
     if backend != "cute":
         return None
     batch = shape.get("batch", shape.get("B", 1))
-    if batch != 1:
-        return f"the cute experts take one token, got batch {batch}"
     fmt = shape.get("dtype", shape.get("fmt", "mxfp4"))
     if fmt != "mxfp4":
         return f"the cute experts take MXFP4 weights only, got {fmt}"
@@ -227,6 +226,15 @@ def experts_supports(backend: str, shape: dict) -> str | None:
     inter = shape.get("I")
     if inter is None and shape.get("inter") is not None:
         inter = shape.get("inter") // shape.get("tp", 1)
+    lat = shape.get("L", shape.get("latent"))
+    if batch != 1:
+        if lat is not None and lat % 256:
+            return f"the grouped cute experts (batch > 1) need latent % 256 == 0, got {lat}"
+        if inter is not None and inter % 64:
+            return f"the grouped cute experts (batch > 1) need the per-GPU intermediate % 64 == 0, got {inter}"
+        if k is not None and batch * k > 4096:
+            return f"the grouped cute experts take batch x top-k <= 4096, got {batch} x {k}"
+        return None
     if k is not None and inter is not None and k * (inter // 32) > 1024:
         return f"the cute experts take top-k x I/32 <= 1024, got {k} x {inter // 32}"
     lat = shape.get("L", shape.get("latent"))
@@ -257,7 +265,7 @@ register(Op(
     doc="the routed experts of one step: grouped by expert, w1/w3 + SiTU-GLU, w2 x routing weights, summed per token",
     axes=dict(batch=(1, 5), dtype=("bf16", "fp8", "mxfp4"), tp=(8,), routing=("uniform", "same16"), latent=(64,),
               inter=(256,), n_experts=(24,), top_k=(4,)),
-    option_axes={"path": {"triton": (None, "gemv", "grouped", "simt", "tc")},
+    option_axes={"path": {"triton": (None, "gemv", "grouped", "simt", "tc"), "cute": (None, "token", "grouped")},
                  "block_n": {"triton": (None, 16, 32, 64, 128)},
                  "block_k": {"triton": (None, 64, 128, 256, 512)},
                  "block_l": {"triton": (None, 16, 32, 64, 128, 256, 512)},

@@ -3,7 +3,8 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|mla_query|mla_decode]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|moe_grouped|mla_query|
+             mla_decode]
             [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
@@ -267,6 +268,20 @@ def _cases(only: str | None, quick: bool):
                           up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
             cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
                           dargs))
+    if only in (None, "moe_grouped"):
+        from kernels.cute import moe_grouped as kmg
+        # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)
+        up_cls, down_cls = kmg._kernel_classes()
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
+                 P(f32, 16), S]
+        dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 16), S]
+        for Bt, K, I, L, step, pdl in ((64, 16, 384, 3584, 2, True), (8, 16, 384, 3584, 1, False),
+                                       (64, 16, 192, 3584, 2, True), (3, 3, 64, 256, 2, False)):
+            tag = f"B{Bt} K{K} I{I} L{L}" + (" pdl" if pdl else "")
+            cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl:
+                          up_cls(B_, K, I, L, st, 4.0, 25.0, p), uargs))
+            cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step: down_cls(B_, K, I, L, st),
+                          dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)
@@ -314,9 +329,9 @@ def main(argv=None) -> int:
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
     if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
-                    "moe", "mla_query", "mla_decode"):
+                    "moe", "moe_grouped", "mla_query", "mla_decode"):
         print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, moe, "
-              f"mla_query or mla_decode (got {only!r})")
+              f"moe_grouped, mla_query or mla_decode (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)

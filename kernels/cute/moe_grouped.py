@@ -1,0 +1,465 @@
+"""Latent-MoE routed experts of several tokens in CuTe DSL, MXFP4 weights on tensor cores (mma.sync m16n8k16, f16
+operands, fp32 accumulation): the token x top-k pairs grouped by expert on the device, so each chosen expert's weights
+are read once however many tokens chose it; two launches, the second accumulating into y with fp32 atomics.
+
+    act[q, i] = 2^6 wk[q] situ(W1_e z_b, W3_e z_b)[i]     pair q = b K + k, e = idx[b, k]   (f16 pairs)
+    y[b, l]   = sum over b's pairs q of  sum_i W2_e[l, i] act[q, i] 2^-6                      (fp32)
+
+Why no shared memory for the weights: the kernel layout (k3lab.mxfp4.to_kernel_layout) is the MMA's fragment layout.
+Word t of a row's 32-block decodes (k3lab_kernels.mxfp4_ptx.decode_ptx, 13 integer operations) into four f16x2 parts
+of e2m1 * 2^-14 for the block's activation pairs t, 4 + t, 8 + t, 12 + t, which are the pairs lane (g, t) of an
+m16n8k16 A fragment holds for the block's two k-steps (parts 0, 1: k-step 0; parts 2, 3: k-step 1), and likewise a
+B fragment's. So a lane loads one word a row a block straight into fragment registers; each block's two MMAs go into
+a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E8M0 scale; 2^-14 of the decode and
+2^6 of the activations undone) into the fp32 accumulators.
+
+  up    a CTA (4 warps) per (pair p, UP_ROWS = 64 intermediate rows). Every CTA zeroes its share of y. Then it lists p's
+        group: the pairs with p's expert id, ascending, by ballots over the [B K] ids (`group`); only the group's
+        leader (its first pair) goes on. Members are taken 8 at a time (the MMA's N): their z rows staged in shared
+        memory as f16 pairs of 2^6 z; warp w's MMA rows g and g + 8 are intermediate rows r0 + 16 w + 2 g and
+        + 2 g + 1 of W1_e and of W3_e, so a lane ends with both rows of one f16 pair of act; SiTU, times 2^6 wk,
+        stored into each member's act row (a member past the last of a tile of 8 redoes member 0, never stored).
+  down  a CTA per (pair p, 256 latent rows), PDL after up (it waits for up before reading anything); the same group
+        listing, the leader only. Warp w runs DOWN_TILES tiles of 16 latent rows: the members' act words are the B
+        fragments (loaded once a member tile), every block of I's W2 words straight into A fragments; each tile's
+        16 x 8 outputs added into y[b, l] with fp32 atomics (so the order of a token's terms is not fixed).
+
+Layout: z [B, L] bf16 (read as int32 pairs); idx [B, K] int32 or int64 (the low word read); wk [B, K] fp32; w1, w3
+[E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words; s1, s3 [E, I, L/32] and s2 [E, L, I/32] uint8 E8M0 scales
+(read as the stack's 32-bit words, byte n in word n // 4); y [B, L] fp32 (zeroed by up, accumulated by down); a
+workspace act [B K, I/2] int32 (cached per device and shape: make the first call outside a CUDA graph capture). Needs
+L a multiple of 256, I of 64, B K <= MAX_PAIRS.
+Exactness and tolerance: the decoded weights are exact (fp16 subnormals included) for s in 0..246; the activations
+are f16 of 2^6 z and of 2^6 wk situ (the simt path's scaling: exact for 2^-20 <= |z| < 1023); products and sums in the
+MMA's fp32; the registry's MXFP4 tolerance (k3lab.ops.moe.TOL).
+
+Floor (k3lab.ops.moe.experts_bytes): the chosen experts' codes and scales at the read bandwidth (TP8, batch 64
+uniform: ~610 experts x 2.19 MB, ~290 us on the H200). Contract: moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *,
+b1, b2, pdl=None) -> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait)
+before its first access; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. Arguments are checked by
+name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped") passes the
+kernel layout.
+"""
+from typing import Any
+
+import torch
+
+from ..mxfp4_ptx import decode_ptx
+
+_THREADS = 128
+UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
+DOWN_TILES = 4      # tiles of 16 latent rows a warp of the down kernel (a CTA: 256 rows)
+DOWN_ROWS = 4 * 16 * DOWN_TILES
+NMEM = 8            # members a tile (the MMA's N)
+UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
+MAX_PAIRS = 4096
+
+MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+               "{$10, $11, $12, $13};")
+# one kernel-layout word ($4) -> its four f16x2 parts ($0..$3)
+DECODE_PTX = "\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + decode_ptx("$4")
+                       + [f"mov.b32 ${p}, d{p};" for p in range(4)] + ["}"])
+
+__all__ = ["MAX_PAIRS", "MoEGroupedError", "moe_grouped", "supports"]
+
+_KERNEL_CLS = None
+
+
+def _kernel_classes():
+    """The two kernels' generators (built once; importing this module never needs cutlass)."""
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import Float32, Int32, cute
+    from cutlass._mlir.dialects import llvm as _llvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    from .moe_experts import PACK_PTX, TO_F16_PTX
+
+    def vec(ptr, off, n):
+        return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    def _asm(res, ops, text, cons, loc, ip):
+        return _llvm.inline_asm(res, ops, text, cons, has_side_effects=False, is_align_stack=False,
+                                asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
+        """One m16n8k16 f16 MMA with fp32 accumulation: (d0..d3) = A B + C (the PTX fragment layouts)."""
+        ops = ([Int32(x).ir_value(loc=loc, ip=ip) for x in (a0, a1, a2, a3, b0, b1)]
+               + [Float32(x).ir_value(loc=loc, ip=ip) for x in (c0, c1, c2, c3)])
+        res = _asm(_llvm.StructType.get_literal([Float32.mlir_type] * 4), ops, MMA_F16_PTX,
+                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", loc, ip)
+        return [Float32(_llvm.extractvalue(Float32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+    @dsl_user_op
+    def decode(w, *, loc=None, ip=None):
+        """A kernel-layout word -> its four f16x2 parts (e2m1 * 2^-14 of the block's pairs t, 4+t, 8+t, 12+t)."""
+        res = _asm(_llvm.StructType.get_literal([Int32.mlir_type] * 4), [Int32(w).ir_value(loc=loc, ip=ip)],
+                   DECODE_PTX, "=r,=r,=r,=r,r", loc, ip)
+        return [Int32(_llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+    @dsl_user_op
+    def to_f16x2(x, *, loc=None, ip=None):
+        return Int32(_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip)], TO_F16_PTX, "=r,r", loc, ip))
+
+    @dsl_user_op
+    def pack_f16x2(hi, lo, *, loc=None, ip=None):
+        return Int32(_asm(Int32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                          PACK_PTX, "=r,f,f", loc, ip))
+
+    def ids():
+        """(thread, CTA, lane, warp, g = lane / 4, t = lane % 4) of a one-dimensional launch."""
+        tid, _, _ = cute.arch.thread_idx()
+        c, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        return tid, c, lane, tid // 32, lane // 4, lane % 4
+
+    def fbits(w, sh):
+        return Int32((((w >> sh) & 0xFF) + 8) << 23).bitcast(Float32)
+
+    def factors(p_s, row, NB: int, j0, n: int):
+        """The block factors 2^(s - 119) (fp32) of blocks j0 .. j0 + n - 1 of a row of NB blocks (scale bytes row NB +
+        j of the stack): a 32-bit word per four blocks where NB and n are multiples of 4 (j0 is then too), else a
+        word a block."""
+        if NB % 4 == 0 and n % 4 == 0:
+            ws = [vec(p_s, (row * NB + j0) // 4 + k, 1)[0] for k in range(n // 4)]
+            return [fbits(ws[u // 4], 8 * (u % 4)) for u in range(n)]
+        return [fbits(vec(p_s, (row * NB + j0 + u) // 4, 1)[0], ((row * NB + j0 + u) % 4) * 8) for u in range(n)]
+
+    def load_step(p_w1, p_w3, p_s1, p_s3, ra, t, j0, dst, UJ: int, SW: int, NB: int, RW: int):
+        """An up step's loads into dst: the lane's words of blocks j0 .. j0 + UJ - 1 of rows ra, ra + 1 of W1 and of
+        W3, then their scale words (SW a row: one per four blocks where aligned, else one a block)."""
+        for m in range(2):
+            for h in range(2):
+                row = ra + h
+                for u in range(UJ):
+                    dst[(2 * m + h) * UJ + u] = vec(p_w1 if m == 0 else p_w3, row * RW + 4 * (j0 + u) + t, 1)[0]
+                for k in range(SW):
+                    n = (row * NB + j0) // 4 + k if SW < UJ else (row * NB + j0 + k) // 4
+                    dst[4 * UJ + (2 * m + h) * SW + k] = vec(p_s1 if m == 0 else p_s3, n, 1)[0]
+
+    def step_factors(src, m, h, ra, j0, UJ: int, SW: int, NB: int):
+        """The UJ block factors of row ra + h of matrix m (W1, W3) from a step's scale words."""
+        base = 4 * UJ + (2 * m + h) * SW
+        if SW < UJ:
+            return [fbits(src[base + u // 4], 8 * (u % 4)) for u in range(UJ)]
+        return [fbits(src[base + u], ((ra + h) * NB + j0 + u) % 4 * 8) for u in range(UJ)]
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + cute.math.exp(-x))
+
+    def tanh(x):
+        return 2.0 * sigmoid(2.0 * x) - 1.0
+
+    @cute.jit
+    def group(p_idx: cute.Pointer, e: Int32, tid: Int32, lane: Int32, warp: Int32, s_mem: cute.Tensor,
+              s_wc: cute.Tensor, N: cutlass.Constexpr, step: cutlass.Constexpr):
+        """s_mem[0 .. n) = the pairs whose id is e, ascending; s_wc[4 RND] = n (RND = rounds of 128 pairs).
+        Three barriers; every thread of the CTA takes part."""
+        RND = (N + _THREADS - 1) // _THREADS
+        hits = cute.make_rmem_tensor((RND,), Int32)
+        bals = cute.make_rmem_tensor((RND,), Int32)
+        for r in cutlass.range_constexpr(RND):
+            q = r * _THREADS + tid
+            h = Int32(0)
+            if q < N:
+                if vec(p_idx, q * step, 1)[0] == e:
+                    h = Int32(1)
+            hits[r] = h
+            b = cute.arch.vote_ballot_sync(h == 1)
+            bals[r] = b
+            if lane == 0:
+                s_wc[r * 4 + warp] = cute.arch.popc(b)
+        cute.arch.sync_threads()
+        if tid == 0:                     # counts -> exclusive offsets, the total last
+            run = Int32(0)
+            for i in cutlass.range_constexpr(RND * 4):
+                v = s_wc[i]
+                s_wc[i] = run
+                run = run + v
+            s_wc[RND * 4] = run
+        cute.arch.sync_threads()
+        below = (Int32(1) << lane) - 1
+        for r in cutlass.range_constexpr(RND):
+            if hits[r] == 1:
+                s_mem[s_wc[r * 4 + warp] + cute.arch.popc(bals[r] & below)] = r * _THREADS + tid
+        cute.arch.sync_threads()
+
+    class Up:
+        def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool):
+            self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
+            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
+            self.N = B * K
+            self.RT = I // UP_ROWS
+            self.ZP = L // 2 + 4         # words between staged z rows (4 mod 32 banks: conflict-free fragments)
+            self.RND = (self.N + _THREADS - 1) // _THREADS
+
+        @cute.jit
+        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
+                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
+                     p_y: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_y).launch(
+                grid=[self.N * self.RT, 1, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
+                   p_y: cute.Pointer):
+            K, I, L, N, RT, ZP = self.K, self.I, self.L, self.N, self.RT, self.ZP
+            NB = L // 32
+            RW = L // 8
+            L4 = L // 8                  # 4-word groups of a z row (L/2 words)
+            UJ = UP_UNROLL if NB % UP_UNROLL == 0 else 1
+            SW = UJ // 4 if NB % 4 == 0 and UJ % 4 == 0 else UJ   # scale words a row a step
+            NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
+            tid, c, lane, warp, g, t = ids()
+            smem = cutlass.utils.SmemAllocator()
+            s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
+            s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before; y may be read there
+            for i in range(c * _THREADS + tid, self.B * L, N * RT * _THREADS):
+                vec(p_y, i, 1)[0] = Float32(0.0)
+            p = c // RT
+            r0 = (c % RT) * UP_ROWS + 16 * warp
+            e = vec(p_idx, p * self.step, 1)[0]
+            group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
+            if s_mem[0] == p:            # the group's leader (CTA-uniform)
+                cnt = s_wc[self.RND * 4]
+                ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
+                for mt in range((cnt + NMEM - 1) // NMEM):
+                    tc = cnt - mt * NMEM
+                    if tc > NMEM:
+                        tc = Int32(NMEM)
+                    for i in range(tid, tc * L4, _THREADS):   # the tile's z rows as f16 pairs of 2^6 z
+                        n = i // L4
+                        w4 = i - n * L4
+                        b = s_mem[mt * NMEM + n] // K
+                        zr = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 4 * w4, divby=4), 4), zr)
+                        for u in cutlass.range_constexpr(4):
+                            zr[u] = to_f16x2(zr[u])
+                        cute.autovec_copy(zr, vec(s_z.iterator, cute.assume(n * ZP + 4 * w4, divby=4), 4))
+                    cute.arch.sync_threads()
+                    gz = g
+                    if g >= tc:
+                        gz = Int32(0)
+                    acc = cute.make_rmem_tensor((8,), Float32)   # [W1, W3] x (row a, row b) x (col 2t, 2t + 1)
+                    for u in cutlass.range_constexpr(8):
+                        acc[u] = Float32(0.0)
+                    # UJ blocks a step; step j0 + UJ's words and scale words are loaded (into nxt) before step j0
+                    # computes (on cur), so a warp keeps a step's loads in flight while it computes
+                    cur = cute.make_rmem_tensor((NW,), Int32)
+                    nxt = cute.make_rmem_tensor((NW,), Int32)
+                    load_step(p_w1, p_w3, p_s1, p_s3, ra, t, 0, cur, UJ, SW, NB, RW)
+                    for j0 in range(0, NB, UJ):
+                        # the last step loads step 0 again (unused)
+                        load_step(p_w1, p_w3, p_s1, p_s3, ra, t, (j0 + UJ) % NB, nxt, UJ, SW, NB, RW)
+                        fs = [[step_factors(cur, m, h, ra, j0, UJ, SW, NB) for h in range(2)] for m in range(2)]
+                        for u in cutlass.range_constexpr(UJ):
+                            zb = [s_z[gz * ZP + 16 * (j0 + u) + 4 * cc + t] for cc in range(4)]
+                            for m in cutlass.range_constexpr(2):
+                                da = decode(cur[(2 * m) * UJ + u])
+                                db = decode(cur[(2 * m + 1) * UJ + u])
+                                d = mma(da[0], db[0], da[1], db[1], zb[0], zb[1], 0.0, 0.0, 0.0, 0.0)
+                                d = mma(da[2], db[2], da[3], db[3], zb[2], zb[3], d[0], d[1], d[2], d[3])
+                                acc[4 * m + 0] = acc[4 * m + 0] + d[0] * fs[m][0][u]
+                                acc[4 * m + 1] = acc[4 * m + 1] + d[1] * fs[m][0][u]
+                                acc[4 * m + 2] = acc[4 * m + 2] + d[2] * fs[m][1][u]
+                                acc[4 * m + 3] = acc[4 * m + 3] + d[3] * fs[m][1][u]
+                        for u in cutlass.range_constexpr(NW):
+                            cur[u] = nxt[u]
+                    for col in cutlass.range_constexpr(2):
+                        if 2 * t + col < tc:
+                            q = s_mem[mt * NMEM + 2 * t + col]
+                            wt = vec(p_wk, q, 1)[0] * 64.0
+                            ga = acc[col]
+                            gb = acc[2 + col]
+                            ua = acc[4 + col]
+                            ub = acc[6 + col]
+                            aa = wt * (self.b1 * tanh(ga / self.b1) * sigmoid(ga)) * (self.b2 * tanh(ua / self.b2))
+                            ab = wt * (self.b1 * tanh(gb / self.b1) * sigmoid(gb)) * (self.b2 * tanh(ub / self.b2))
+                            vec(p_act, q * (I // 2) + r0 // 2 + g, 1)[0] = pack_f16x2(ab, aa)
+                    cute.arch.sync_threads()     # before the next tile's z overwrites this one's
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+
+    class Down:
+        def __init__(self, B: int, K: int, I: int, L: int, step: int):
+            self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
+            self.N = B * K
+            self.LT = L // DOWN_ROWS
+            self.RND = (self.N + _THREADS - 1) // _THREADS
+
+        @cute.jit
+        def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
+                     p_y: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.N * self.LT, 1, 1],
+                                                              block=[_THREADS, 1, 1], stream=stream, use_pdl=True)
+
+        @cute.kernel
+        def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
+                   p_y: cute.Pointer):
+            K, I, L, N = self.K, self.I, self.L, self.N
+            NB = I // 32
+            RW = I // 8
+            tid, c, lane, warp, g, t = ids()
+            smem = cutlass.utils.SmemAllocator()
+            s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
+            cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)
+            p = c // self.LT
+            l0 = (c % self.LT) * DOWN_ROWS + warp * (16 * DOWN_TILES) + g
+            e = vec(p_idx, p * self.step, 1)[0]
+            group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
+            if s_mem[0] == p:
+                cnt = s_wc[self.RND * 4]
+                for mt in range((cnt + NMEM - 1) // NMEM):
+                    tc = cnt - mt * NMEM
+                    if tc > NMEM:
+                        tc = Int32(NMEM)
+                    gz = g
+                    if g >= tc:
+                        gz = Int32(0)
+                    qz = s_mem[mt * NMEM + gz]
+                    bw = cute.make_rmem_tensor((NB * 4,), Int32)   # member gz's act pairs t, 4+t, 8+t, 12+t a block
+                    for j in cutlass.range_constexpr(NB):
+                        for cc in cutlass.range_constexpr(4):
+                            bw[4 * j + cc] = vec(p_act, qz * (I // 2) + 16 * j + 4 * cc + t, 1)[0]
+                    for tile in cutlass.range(DOWN_TILES, unroll=1):
+                        ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
+                        acc = cute.make_rmem_tensor((4,), Float32)
+                        for u in cutlass.range_constexpr(4):
+                            acc[u] = Float32(0.0)
+                        ws = [[vec(p_w2, (ra + 8 * h) * RW + 4 * j + t, 1)[0] for j in range(NB)] for h in range(2)]
+                        fs = [factors(p_s2, ra + 8 * h, NB, 0, NB) for h in range(2)]
+                        for j in cutlass.range_constexpr(NB):
+                            da = decode(ws[0][j])
+                            db = decode(ws[1][j])
+                            d = mma(da[0], db[0], da[1], db[1], bw[4 * j], bw[4 * j + 1], 0.0, 0.0, 0.0, 0.0)
+                            d = mma(da[2], db[2], da[3], db[3], bw[4 * j + 2], bw[4 * j + 3], d[0], d[1], d[2], d[3])
+                            acc[0] = acc[0] + d[0] * fs[0][j]
+                            acc[1] = acc[1] + d[1] * fs[0][j]
+                            acc[2] = acc[2] + d[2] * fs[1][j]
+                            acc[3] = acc[3] + d[3] * fs[1][j]
+                        for col in cutlass.range_constexpr(2):
+                            if 2 * t + col < tc:
+                                b = s_mem[mt * NMEM + 2 * t + col] // K
+                                cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile), acc[col])
+                                cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile + 8), acc[2 + col])
+
+    _KERNEL_CLS = (Up, Down)
+    return _KERNEL_CLS
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrapper
+# ---------------------------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Any] = {}
+_WS: dict[tuple, torch.Tensor] = {}
+
+
+class MoEGroupedError(ValueError):
+    """An argument of the grouped CuTe MoE kernels has the wrong type, shape, dtype, layout or device."""
+
+
+def _fail(name: str, msg: str):
+    raise MoEGroupedError(f"moe_grouped cute: {name!r} {msg}")
+
+
+def supports(B: int, K: int, I: int, L: int) -> str | None:
+    """Why the grouped kernels cannot take these sizes, or None."""
+    if L % DOWN_ROWS:
+        return f"the grouped cute experts need latent % {DOWN_ROWS} == 0 (a down CTA's rows), got {L}"
+    if I % UP_ROWS:
+        return f"the grouped cute experts need the per-GPU intermediate % {UP_ROWS} == 0 (an up CTA's rows), got {I}"
+    if B * K > MAX_PAIRS:
+        return f"the grouped cute experts take batch x top-k <= {MAX_PAIRS}, got {B} x {K}"
+    return None
+
+
+def _tensor(name, t, dev, dtypes, shape):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda" or (dev is not None and t.device != dev):
+        _fail(name, f"must be on the CUDA device of z, got {t.device}")
+    if t.dtype not in dtypes:
+        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        _fail(name, f"must be a contiguous tensor of shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.data_ptr() % 16:
+        _fail(name, "must start 16-byte aligned")
+
+
+def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0,
+                pdl: bool | None = None):
+    """y [B, L] fp32 = the routed experts of B tokens (module docstring). Returns y."""
+    import cutlass
+
+    from .kda_decode import gmem_ptr
+
+    if pdl is None:
+        from k3lab_kernels.triton.pdl import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    if not isinstance(z, torch.Tensor) or z.dim() != 2:
+        _fail("z", f"must be [B, L] bf16, got {getattr(z, 'shape', z)!r}")
+    dev = z.device
+    B, L = z.shape
+    _tensor("z", z, None, (torch.bfloat16,), (B, L))
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
+        _fail("w1", f"must be the kernel-layout words [E, I, L/8] int32, got {getattr(w1, 'shape', w1)!r}")
+    E, I = w1.shape[0], w1.shape[1]
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != B:
+        _fail("idx", f"must be [B={B}, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
+    K = idx.shape[1]
+    why = supports(B, K, I, L)
+    if why:
+        _fail("z", why)
+    _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8))
+    _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8))
+    _tensor("w2", w2, dev, (torch.int32,), (E, L, I // 8))
+    _tensor("s1", s1, dev, (torch.uint8,), (E, I, L // 32))
+    _tensor("s3", s3, dev, (torch.uint8,), (E, I, L // 32))
+    _tensor("s2", s2, dev, (torch.uint8,), (E, L, I // 32))
+    _tensor("idx", idx, dev, (torch.int32, torch.int64), (B, K))
+    _tensor("wk", wk, dev, (torch.float32,), (B, K))
+    _tensor("y", y, dev, (torch.float32,), (B, L))
+    for name, sc in (("s1", s1), ("s3", s3), ("s2", s2)):
+        if sc.numel() % 4:
+            _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
+    step = 2 if idx.dtype == torch.int64 else 1
+    key_ws = (dev.index, B * K, I)
+    act = _WS.get(key_ws)
+    if act is None:
+        act = _WS[key_ws] = torch.empty(B * K, I // 2, dtype=torch.int32, device=dev)
+    sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4),
+               gmem_ptr(wk, F32, 4), gmem_ptr(w1, I32, 16), gmem_ptr(w3, I32, 16), gmem_ptr(sw[0], I32, 4),
+               gmem_ptr(sw[1], I32, 4), gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
+    down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
+                 gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index)
+    with torch.cuda.device(dev):
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        fns = _COMPILED.get(key)
+        if fns is None:
+            from cutlass import cute
+
+            up_cls, down_cls = _kernel_classes()
+            fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl), *up_args, stream),
+                   cute.compile(down_cls(B, K, I, L, step), *down_args, stream))
+            _COMPILED[key] = fns
+        fns[0](*up_args, stream)
+        fns[1](*down_args, stream)
+    return y

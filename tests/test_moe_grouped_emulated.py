@@ -1,0 +1,73 @@
+"""The grouped CuTe DSL MoE experts (kernels/cute/moe_grouped.py: MXFP4 on tensor-core fragments, several tokens) on
+the CPU emulator (tests/cute_emulate.py, which models the f16 m16n8k16 MMA and the decode PTX): the kernels' logic
+without a GPU or nvidia-cutlass-dsl, through the shared checker (fresh inputs, y poisoned, the fp64 reference on the
+dequantized weights, the registry's MXFP4 tolerance). Cases: ragged routing over a small pool (experts with zero, one
+and several tokens), every token on the same experts at 9 tokens (a group of 9: two member tiles of the MMA's 8),
+int32 and int64 ids, pdl; a token that lists an expert twice; then what the wrapper refuses, by name."""
+import pytest
+import torch
+
+import cute_emulate as emulate
+from k3lab import mxfp4, registry
+from k3lab.harness import checker
+from k3lab.ops import moe as ops_moe
+
+pytestmark = pytest.mark.cute_emu
+OP = registry.get("moe_experts")
+# latent 256 (one down CTA of 256 rows), intermediate 64 (one up CTA of 64 rows)
+SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, top_k=3, routing="ragged")
+
+
+def run(z, idx, wk, moe, y, pdl=False, seed=0):
+    kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
+    t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
+    t.update({f"{k}_words": v.reshape(-1).view(torch.int32) for k, v in t.items()
+              if k in ("z", "idx", "s1", "s3", "s2") and v.dtype != torch.int32})
+    emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
+
+    def call(m, **a):
+        m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
+                                         a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
+    emulate._run(call, t, seed)
+
+
+def impl(pdl=False, idx32=False):
+    def f(d):
+        idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl)
+    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32})"
+    return f
+
+
+@pytest.mark.parametrize("pdl,idx32,shape", [
+    (True, True, SMALL),
+    (False, False, dict(SMALL, batch=9, routing="same16", n_experts=4))])
+def test_grouped(pdl, idx32, shape):
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32), seed=int(pdl), device="cpu"))
+    launches = emulate.LAST["launches"]
+    assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
+    pairs = shape["batch"] * shape["top_k"]
+    assert launches[-2]["grid"][0] == pairs * (shape["inter"] // 64)
+    assert launches[-1]["grid"][0] == pairs * (shape["latent"] // 256)
+
+
+def test_repeated_id():
+    """A token that lists an expert twice adds it twice (each time with its weight), as the reference does."""
+    case = OP.case(**SMALL)
+    d = OP.make_inputs(case, 4, "cpu")
+    d["idx"][1, 2] = d["idx"][1, 0]
+    want = ops_moe.ref_experts({k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                                for k, v in d.items()}, case)["y"]
+    y = torch.full_like(d["y"], float("nan"))
+    run(d["z"], d["idx"], d["weights_k"], d["moe"], y)
+    assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+
+
+def test_refused_by_name():
+    d = OP.make_inputs(OP.case(**SMALL), 0, "cpu")
+    with pytest.raises(ValueError, match="latent % 256"):
+        run(d["z"][:, :128].contiguous(), d["idx"], d["weights_k"], d["moe"], d["y"])
+    with pytest.raises(ValueError, match="'wk' must have dtype"):
+        run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
+    with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
