@@ -48,8 +48,7 @@ from ..mxfp4_ptx import decode_ptx
 
 _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
-DOWN_TILES = 4      # tiles of 16 latent rows a warp of the down kernel (a CTA: 256 rows)
-DOWN_ROWS = 4 * 16 * DOWN_TILES
+DOWN_TILES = 4      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 256 rows)
 NMEM = 8            # members a tile (the MMA's N)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
 MAX_PAIRS = 4096
@@ -292,7 +291,8 @@ def _kernel_classes():
         def __init__(self, B: int, K: int, I: int, L: int, step: int):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.N = B * K
-            self.LT = L // DOWN_ROWS
+            self.DR = 64 * DOWN_TILES
+            self.LT = L // self.DR
             self.RND = (self.N + _THREADS - 1) // _THREADS
 
         @cute.jit
@@ -313,7 +313,7 @@ def _kernel_classes():
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
             cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)
             p = c // self.LT
-            l0 = (c % self.LT) * DOWN_ROWS + warp * (16 * DOWN_TILES) + g
+            l0 = (c % self.LT) * self.DR + warp * (16 * DOWN_TILES) + g
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             if s_mem[0] == p:
@@ -374,8 +374,8 @@ def _fail(name: str, msg: str):
 
 def supports(B: int, K: int, I: int, L: int) -> str | None:
     """Why the grouped kernels cannot take these sizes, or None."""
-    if L % DOWN_ROWS:
-        return f"the grouped cute experts need latent % {DOWN_ROWS} == 0 (a down CTA's rows), got {L}"
+    if L % (64 * DOWN_TILES):
+        return f"the grouped cute experts need latent % {64 * DOWN_TILES} == 0 (a down CTA's rows), got {L}"
     if I % UP_ROWS:
         return f"the grouped cute experts need the per-GPU intermediate % {UP_ROWS} == 0 (an up CTA's rows), got {I}"
     if B * K > MAX_PAIRS:
@@ -447,7 +447,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                gmem_ptr(sw[1], I32, 4), gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, DOWN_TILES)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
