@@ -62,18 +62,28 @@ Component = tuple[Callable[[], Any], int, int]
 _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "attnres": ("reference", "torch_compile", "triton", "cute"),  # k3lab_kernels.{triton,cute}.attnres_norm
     "mla": ("reference", "torch_compile", "triton", "cute"),  # cute: decode (T = 1), cache write and combine
-    "moe": ("reference", "torch_compile", "triton", "cute"),  # triton: moe_experts' paths; cute: one token, MXFP4
+    "moe": ("reference", "torch_compile", "triton", "cute"),  # triton: moe_experts' paths; cute: MXFP4 (token, grouped)
     # triton / cute: trunk.route (the projection on the trunk kernel + router_topk on that backend)
     "router": ("reference", "torch_compile", "triton", "cute"),
     "kda": None,
     "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
 }  # proj on triton: the plain projections through k3lab.components.trunk.proj (Layer._lin); else torch
 # paths that exist for some layers only: (group, backend) -> (whether this layer has it, why not)
-_PATH_RULES = {("moe", "cute"): (lambda L: L.N == 1 and L.w.mlp_kind == "moe" and L.w.mlp.w1.fmt == "mxfp4",
-                                 "the CuTe experts take one token with MXFP4 experts"),
+_PATH_RULES = {("moe", "cute"): (lambda L: L.w.mlp_kind == "moe" and _moe_cute_takes(L),
+                                 "the CuTe experts take MXFP4 experts (one token, or the grouped kernels' sizes: "
+                                 "k3lab.ops.moe.experts_supports)"),
                ("mla", "cute"): (lambda L: L.kind == "mla" and _mla_cute_takes(L),
                                  "the CuTe MLA decode takes one new position over a bf16 cache of K3's widths "
                                  "(C = 512, Dr = 64), at most 16 heads, pad_heads 0 or 16")}
+
+
+def _moe_cute_takes(L) -> bool:
+    """Whether the CuTe experts take this MoE layer's tokens and pool (k3lab.ops.moe.experts_supports)."""
+    from k3lab.ops.moe import experts_supports
+
+    m = L.w.mlp
+    return experts_supports("cute", dict(B=L.N, fmt=m.w1.fmt, K=m.router.top_k, I=m.w1.shape[1],
+                                         L=m.w_down.shape[0])) is None
 
 
 def _mla_cute_takes(L) -> bool:

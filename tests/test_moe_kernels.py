@@ -430,6 +430,9 @@ def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
     be, _, why = sel(1, "fp8")
     assert be == "triton" and "MXFP4 weights only" in why
     assert sel(2, "mxfp4")[0] == "triton"
+    assert sel(8, "mxfp4")[0] == "cute" and sel(64, "mxfp4")[0] == "cute"  # the grouped kernels
+    assert sel(128, "mxfp4")[0] == "triton"
+    assert sel(64, "fp8")[0] == "triton"
     be, _, why = sel(1, "mxfp4", K=64, I=768)
     assert be == "triton" and "<= 1024" in why
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("triton", "reference"))  # no CuTe DSL
