@@ -29,14 +29,15 @@ def test_k3_pool(tp, routing):
         checker.require(checker.check(OP, OP.case(tp=tp, routing=routing, **K3), backend="cute", seed=seed))
 
 
-def test_repeated_id_and_pdl():
-    """An id twice in the token's top-k adds that expert twice (each with its weight), as the reference does; the
-    same call inside a pdl chain (the up kernel launched with PDL)."""
+@pytest.mark.parametrize("batch", [1, 16])
+def test_repeated_id_and_pdl(batch):
+    """An id twice in a token's top-k adds that expert twice (each with its weight), as the reference does; the
+    same call inside a pdl chain (the up kernel launched with PDL). Batch 1: the token kernels; 16: the grouped ones."""
     from k3lab_kernels.triton.pdl import pdl_chain
 
-    case = OP.case(tp=8, routing="uniform", **K3)
+    case = OP.case(tp=8, routing="uniform", **dict(K3, batch=batch))
     d = OP.make_inputs(case, 3, "cuda")
-    d["idx"][0, 1] = d["idx"][0, 0]
+    d["idx"][batch - 1, 1] = d["idx"][batch - 1, 0]
     want = ops_moe.ref_experts(d, case)["y"]
     for pdl in (False, True):
         y = torch.full_like(d["y"], float("nan"))
@@ -46,8 +47,9 @@ def test_repeated_id_and_pdl():
         assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
 
 
-def test_graph_capture_new_routing():
-    case = OP.case(tp=8, routing="uniform", **K3)
+@pytest.mark.parametrize("batch", [1, 16])
+def test_graph_capture_new_routing(batch):
+    case = OP.case(tp=8, routing="uniform", **dict(K3, batch=batch))
     a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
     run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="cute", out=a["y"],  # noqa
                                 check_values=False)
@@ -71,35 +73,6 @@ def test_grouped_k3_pool(batch, tp, routing):
     at 9 tokens: two member tiles of 8), TP8 and TP16, and one token through the grouped path too."""
     case = OP.case(tp=tp, routing=routing, **dict(K3, batch=batch))
     checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch))
-
-
-def test_grouped_repeated_id_pdl_and_graph():
-    """A token listing an expert twice, pdl inside a pdl chain, and a CUDA graph replayed on new routing."""
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    case = OP.case(tp=8, routing="uniform", **dict(K3, batch=16))
-    d = OP.make_inputs(case, 3, "cuda")
-    d["idx"][3, 1] = d["idx"][3, 0]
-    want = ops_moe.ref_experts(d, case)["y"]
-    for pdl in (False, True):
-        y = torch.full_like(d["y"], float("nan"))
-        with pdl_chain(pdl):
-            c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
-        torch.cuda.synchronize()
-        assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
-    a, b = OP.make_inputs(case, 1, "cuda"), OP.make_inputs(case, 2, "cuda")
-    run = lambda: c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="cute", out=a["y"],  # noqa
-                                check_values=False)
-    run()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    for k in ("z", "idx", "weights_k"):
-        a[k].copy_(b[k])
-    g.replay()
-    torch.cuda.synchronize()
-    want = ops_moe.ref_experts(b, case)["y"]
-    assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL
 
 
 def test_refused_by_name():

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 
 from ..mxfp4_ptx import decode_ptx
+from .moe_experts import MoECuteError as MoEGroupedError  # one error class for the CuTe experts' arguments
+from .moe_experts import _tensor
 
 _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
@@ -364,10 +366,6 @@ _COMPILED: dict[tuple, Any] = {}
 _WS: dict[tuple, torch.Tensor] = {}
 
 
-class MoEGroupedError(ValueError):
-    """An argument of the grouped CuTe MoE kernels has the wrong type, shape, dtype, layout or device."""
-
-
 def _fail(name: str, msg: str):
     raise MoEGroupedError(f"moe_grouped cute: {name!r} {msg}")
 
@@ -381,19 +379,6 @@ def supports(B: int, K: int, I: int, L: int) -> str | None:
     if B * K > MAX_PAIRS:
         return f"the grouped cute experts take batch x top-k <= {MAX_PAIRS}, got {B} x {K}"
     return None
-
-
-def _tensor(name, t, dev, dtypes, shape):
-    if not isinstance(t, torch.Tensor):
-        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda" or (dev is not None and t.device != dev):
-        _fail(name, f"must be on the CUDA device of z, got {t.device}")
-    if t.dtype not in dtypes:
-        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
-        _fail(name, f"must be a contiguous tensor of shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.data_ptr() % 16:
-        _fail(name, "must start 16-byte aligned")
 
 
 def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0,
