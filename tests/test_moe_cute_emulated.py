@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cute_emulate as emulate
-from k3lab import mxfp4, registry
+from k3lab import registry
 from k3lab.harness import checker
 
 pytestmark = pytest.mark.cute_emu
@@ -23,12 +23,7 @@ ODD = dict(SMALL, inter=96, n_experts=4)
 
 
 def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None):
-    kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
-    t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
-    # the int32 views the wrapper makes (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered
-    # so that the emulator finds them by address and dtype; the kernel never sees these names
-    t.update({f"{k}_words": v.reshape(-1).view(torch.int32) for k, v in t.items()
-              if k in ("z", "idx", "s1", "s3", "s2") and v.dtype != torch.int32})
+    t = emulate.moe_tensors(z, idx, wk, moe, y)
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cute_emulate as emulate
-from k3lab import mxfp4, registry
+from k3lab import registry
 from k3lab.harness import checker
 from k3lab.ops import moe as ops_moe
 
@@ -19,10 +19,7 @@ SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, to
 
 
 def run(z, idx, wk, moe, y, pdl=False, seed=0):
-    kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
-    t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
-    t.update({f"{k}_words": v.reshape(-1).view(torch.int32) for k, v in t.items()
-              if k in ("z", "idx", "s1", "s3", "s2") and v.dtype != torch.int32})
+    t = emulate.moe_tensors(z, idx, wk, moe, y)
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):

@@ -213,7 +213,8 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 def experts_supports(backend: str, shape: dict) -> str | None:
     """What the cute backend takes: MXFP4 experts (whose sizes the op's `_valid` already keeps to multiples of 32);
     at one token (kernels/cute/moe_experts.py) top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
-    and up kernels); at more (kernels/cute/moe_grouped.py) latent % 256 == 0, I % 64 == 0 and batch x top-k <= 4096.
+    and up kernels); at more, the grouped kernels' `supports` (kernels/cute/moe_grouped.py: latent % 256, I % 64, batch
+    x top-k <= 4096).
     `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B, fmt, K, I: the
     per-GPU slice, L); a key it lacks passes (the kernel checks its tensors)."""
     if backend != "cute":
@@ -227,14 +228,11 @@ def experts_supports(backend: str, shape: dict) -> str | None:
     if inter is None and shape.get("inter") is not None:
         inter = shape.get("inter") // shape.get("tp", 1)
     lat = shape.get("L", shape.get("latent"))
-    if batch != 1:
-        if lat is not None and lat % 256:
-            return f"the grouped cute experts (batch > 1) need latent % 256 == 0, got {lat}"
-        if inter is not None and inter % 64:
-            return f"the grouped cute experts (batch > 1) need the per-GPU intermediate % 64 == 0, got {inter}"
-        if k is not None and batch * k > 4096:
-            return f"the grouped cute experts take batch x top-k <= 4096, got {batch} x {k}"
-        return None
+    if batch != 1:  # the grouped kernels' own rule; a key the shape lacks passes
+        from k3lab_kernels.cute import moe_grouped as mg
+
+        return mg.supports(batch, k or 1, mg.UP_ROWS if inter is None else inter,
+                           64 * mg.DOWN_TILES if lat is None else lat)
     if k is not None and inter is not None and k * (inter // 32) > 1024:
         return f"the cute experts take top-k x I/32 <= 1024, got {k} x {inter // 32}"
     lat = shape.get("L", shape.get("latent"))

@@ -287,17 +287,41 @@ def _ptr(t: torch.Tensor, align: int):
     return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _tensor(name, t, dev, dtypes, shape):
+def _tensor(name, t, dev, dtypes, shape, fail=_fail):
     if not isinstance(t, torch.Tensor):
-        _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+        fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cuda" or (dev is not None and t.device != dev):
-        _fail(name, f"must be on the CUDA device of z, got {t.device}")
+        fail(name, f"must be on the CUDA device of z, got {t.device}")
     if t.dtype not in dtypes:
-        _fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
+        fail(name, f"must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {t.dtype}")
     if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
-        _fail(name, f"must be a contiguous tensor of shape {tuple(shape)}, got {tuple(t.shape)}")
+        fail(name, f"must be a contiguous tensor of shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.data_ptr() % 16:
-        _fail(name, "must start 16-byte aligned")
+        fail(name, "must start 16-byte aligned")
+
+
+def experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, fail=_fail) -> list[torch.Tensor]:
+    """The checks both CuTe experts' wrappers make on their tensors (z [B, L] bf16; the kernel-layout words and E8M0
+    scales of w1, w3, w2; idx [B, K]; wk; y [B, L] fp32), by name through `fail`; returns the scales as the stack's
+    32-bit words (scale byte n in word n // 4), the kernels' view of them."""
+    L = z.shape[1]
+    _tensor("z", z, None, (torch.bfloat16,), (B, L), fail)
+    E, I = w1.shape[0], w1.shape[1]
+    dev = z.device
+    _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8), fail)
+    _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8), fail)
+    _tensor("w2", w2, dev, (torch.int32,), (E, L, I // 8), fail)
+    _tensor("s1", s1, dev, (torch.uint8,), (E, I, L // 32), fail)
+    _tensor("s3", s3, dev, (torch.uint8,), (E, I, L // 32), fail)
+    _tensor("s2", s2, dev, (torch.uint8,), (E, L, I // 32), fail)
+    K = idx.shape[1]
+    _tensor("idx", idx, dev, (torch.int32, torch.int64), (B, K), fail)
+    _tensor("wk", wk, dev, (torch.float32,), (B, K), fail)
+    _tensor("y", y, dev, (torch.float32,), (B, L), fail)
+    for name, sc in (("s1", s1), ("s3", s3), ("s2", s2)):
+        if sc.numel() % 4:
+            fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
+    return [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
 
 
 def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None):
@@ -312,24 +336,15 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("z", f"must be one token [1, L] (the cute experts take batch 1), got {getattr(z, 'shape', z)!r}")
     dev = z.device
     L = z.shape[1]
-    _tensor("z", z, None, (torch.bfloat16,), (1, L))
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
         _fail("w1", f"must be the kernel-layout words [E, I, L/8] int32, got {getattr(w1, 'shape', w1)!r}")
     E, I = w1.shape[0], w1.shape[1]
     if L % 32 or I % 32:
         _fail("z", f"L and I must be multiples of 32 (MXFP4 blocks), got L={L}, I={I}")
-    _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8))
-    _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8))
-    _tensor("w2", w2, dev, (torch.int32,), (E, L, I // 8))
-    _tensor("s1", s1, dev, (torch.uint8,), (E, I, L // 32))
-    _tensor("s3", s3, dev, (torch.uint8,), (E, I, L // 32))
-    _tensor("s2", s2, dev, (torch.uint8,), (E, L, I // 32))
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
         _fail("idx", f"must be [1, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
     K = idx.shape[1]
-    _tensor("idx", idx, dev, (torch.int32, torch.int64), (1, K))
-    _tensor("wk", wk, dev, (torch.float32,), (1, K))
-    _tensor("y", y, dev, (torch.float32,), (1, L))
+    sw = experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, 1)
     if K * (I // 32) > 1024 or L // 32 > 1024:
         if L // 32 > 1024:
             _fail("z", f"L/32 must be at most 1024 (a thread a block in the up kernel), got {L // 32}")
@@ -339,10 +354,6 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     act = _WS.get(key_ws)
     if act is None:
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
-    for name, sc in (("s1", s1), ("s3", s3), ("s2", s2)):
-        if sc.numel() % 4:
-            _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
-    sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]  # scale byte n of the stack: word n // 4
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]

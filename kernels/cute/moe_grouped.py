@@ -46,7 +46,7 @@ import torch
 
 from ..mxfp4_ptx import decode_ptx
 from .moe_experts import MoECuteError as MoEGroupedError  # one error class for the CuTe experts' arguments
-from .moe_experts import _tensor
+from .moe_experts import experts_tensors
 
 _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
@@ -398,34 +398,21 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("z", f"must be [B, L] bf16, got {getattr(z, 'shape', z)!r}")
     dev = z.device
     B, L = z.shape
-    _tensor("z", z, None, (torch.bfloat16,), (B, L))
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
         _fail("w1", f"must be the kernel-layout words [E, I, L/8] int32, got {getattr(w1, 'shape', w1)!r}")
-    E, I = w1.shape[0], w1.shape[1]
+    I = w1.shape[1]
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != B:
         _fail("idx", f"must be [B={B}, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
     K = idx.shape[1]
     why = supports(B, K, I, L)
     if why:
         _fail("z", why)
-    _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8))
-    _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8))
-    _tensor("w2", w2, dev, (torch.int32,), (E, L, I // 8))
-    _tensor("s1", s1, dev, (torch.uint8,), (E, I, L // 32))
-    _tensor("s3", s3, dev, (torch.uint8,), (E, I, L // 32))
-    _tensor("s2", s2, dev, (torch.uint8,), (E, L, I // 32))
-    _tensor("idx", idx, dev, (torch.int32, torch.int64), (B, K))
-    _tensor("wk", wk, dev, (torch.float32,), (B, K))
-    _tensor("y", y, dev, (torch.float32,), (B, L))
-    for name, sc in (("s1", s1), ("s3", s3), ("s2", s2)):
-        if sc.numel() % 4:
-            _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
+    sw = experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, _fail)
     step = 2 if idx.dtype == torch.int64 else 1
     key_ws = (dev.index, B * K, I)
     act = _WS.get(key_ws)
     if act is None:
         act = _WS[key_ws] = torch.empty(B * K, I // 2, dtype=torch.int32, device=dev)
-    sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
     I32, F32 = cutlass.Int32, cutlass.Float32
     up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4),
                gmem_ptr(wk, F32, 4), gmem_ptr(w1, I32, 16), gmem_ptr(w3, I32, 16), gmem_ptr(sw[0], I32, 4),
