@@ -4,7 +4,8 @@ of L an up step; `DOWN_TILES`, tiles of 16 latent rows a warp of the down kernel
 shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton default
 of the same run.
 Run: python experiments/moe_grouped/variants.py $OUT [REPS]   (writes $OUT/moe_grouped_variants.json, prints a table;
-BATCHES='8,64' and VARIANTS='[{"UP_UNROLL": 4, "DOWN_TILES": 2}, ...]' replace the defaults)."""
+BATCHES='8,64', ROUTINGS='uniform,same16' and VARIANTS='[{"UP_UNROLL": 4, "DOWN_TILES": 2}, ...]' replace the
+defaults)."""
 import json
 import os
 import sys
@@ -21,13 +22,14 @@ OP = registry.get("moe_experts")
 VARIANTS = [{"UP_UNROLL": 8, "DOWN_TILES": 4}, {"UP_UNROLL": 4, "DOWN_TILES": 4}, {"UP_UNROLL": 8, "DOWN_TILES": 2},
             {"UP_UNROLL": 8, "DOWN_TILES": 8}] if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "8,64").split(",")]
+ROUTINGS = os.environ.get("ROUTINGS", "uniform").split(",")
 DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES")}
 
 rows = []
 pr = timing.probes("cuda")
 print("probes", pr, flush=True)
-for batch in BATCHES:
-    case = OP.case(dtype="mxfp4", batch=batch, routing="uniform", tp=8, latent=3584, inter=3072, n_experts=896,
+for batch, routing in [(b, r) for r in ROUTINGS for b in BATCHES]:
+    case = OP.case(dtype="mxfp4", batch=batch, routing=routing, tp=8, latent=3584, inter=3072, n_experts=896,
                    top_k=16)
     nbytes = OP.nbytes(case)
     n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes()))
@@ -42,24 +44,24 @@ for batch in BATCHES:
                                  reps=REPS)
         except Exception as e:  # a variant that fails to build or launch is a row, not the end of the run
             print(batch, flags, "FAILED", type(e).__name__, str(e)[:300], flush=True)
-            rows.append(dict(batch=batch, variant=str(flags), error=f"{type(e).__name__}: {e}"[:1000]))
+            rows.append(dict(batch=batch, routing=routing, variant=str(flags), error=f"{type(e).__name__}: {e}"[:1000]))
             continue
         finally:
             for k, v in DEFAULTS.items():
                 setattr(M, k, v)
         name = be if flags is None else "cute " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
-        r = dict(batch=batch, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
+        r = dict(batch=batch, routing=routing, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
                  samples=t.samples_us, floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)
         rows.append(r)
-        print(batch, name, round(t.median_us, 2), chk.ok, flush=True)
+        print(batch, routing, name, round(t.median_us, 2), chk.ok, flush=True)
     del sets
     torch.cuda.empty_cache()
 json.dump(dict(probes=pr, rows=rows, reps=REPS, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
           open(f"{OUT}/moe_grouped_variants.json", "w"), indent=1)
-print("\n%5s %-40s %9s %9s %9s %8s %s" % ("batch", "variant", "us", "p10", "p90", "floor", "ok"))
+print("\n%5s %-8s %-40s %9s %9s %9s %8s %s" % ("batch", "routing", "variant", "us", "p10", "p90", "floor", "ok"))
 for r in rows:
     if "error" in r:
-        print("%5d %-24s %s" % (r["batch"], r["variant"], r["error"][:100]))
+        print("%5d %-8s %-24s %s" % (r["batch"], r["routing"], r["variant"], r["error"][:100]))
         continue
-    print("%5d %-40s %9.2f %9.2f %9.2f %8.2f %s" % (r["batch"], r["variant"], r["median_us"], r["p10_us"], r["p90_us"],
-                                                    r["floor_us"], r["ok"]))
+    print("%5d %-8s %-40s %9.2f %9.2f %9.2f %8.2f %s" % (r["batch"], r["routing"], r["variant"], r["median_us"],
+                                                         r["p10_us"], r["p90_us"], r["floor_us"], r["ok"]))
