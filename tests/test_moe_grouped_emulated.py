@@ -3,7 +3,9 @@ the CPU emulator (tests/cute_emulate.py, which models the f16 m16n8k16 MMA and t
 without a GPU or nvidia-cutlass-dsl, through the shared checker (fresh inputs, y poisoned, the fp64 reference on the
 dequantized weights, the registry's MXFP4 tolerance). Cases: ragged routing over a small pool (experts with zero, one
 and several tokens), every token on the same experts at 9 tokens (a group of 9: two member tiles of the MMA's 8),
-int32 and int64 ids, pdl; a token that lists an expert twice; then what the wrapper refuses, by name."""
+int32 and int64 ids, pdl, both shapes of the kernels (few pairs: four warps an up tile over quarters of L, one down
+tile a warp; more pairs: a warp an up tile, DOWN_TILES a warp); a token that lists an expert twice; then what the
+wrapper refuses, by name."""
 import pytest
 import torch
 
@@ -18,34 +20,38 @@ OP = registry.get("moe_experts")
 SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, top_k=3, routing="ragged")
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
+        if not few:
+            m.mod["moe_grouped"].FEW_PAIRS = 0
         m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
                                          a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False):
+def impl(pdl=False, idx32=False, few=True):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl)
-    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32})"
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few)
+    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few})"
     return f
 
 
+@pytest.mark.parametrize("few", [True, False])
 @pytest.mark.parametrize("pdl,idx32,shape", [
     (True, True, SMALL),
     (False, False, dict(SMALL, batch=9, routing="same16", n_experts=4))])
-def test_grouped(pdl, idx32, shape):
-    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32), seed=int(pdl), device="cpu"))
+def test_grouped(pdl, idx32, shape, few):
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32, few), seed=int(pdl), device="cpu"))
     launches = emulate.LAST["launches"]
     assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
     pairs = shape["batch"] * shape["top_k"]
-    assert launches[-2]["grid"][0] == pairs * (shape["inter"] // 64)
-    assert launches[-1]["grid"][0] == pairs * (shape["latent"] // 256)
+    up_rows, down_rows = (16, 64) if few else (64, 256)  # FEW_UP_SPLIT 4, FEW_DOWN_TILES 1; else DOWN_TILES 4
+    assert launches[-2]["grid"][0] == pairs * (shape["inter"] // up_rows)
+    assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
 
 
 def test_repeated_id():

@@ -1,6 +1,8 @@
 """GPU study of the grouped CuTe DSL MoE experts (kernels/cute/moe_grouped.py, issue 14) at K3's pool (896 experts,
 latent 3584, MXFP4, TP8, uniform routing) and several batches: the kernel file's module settings (`UP_UNROLL`, blocks
-of L an up step; `DOWN_TILES`, tiles of 16 latent rows a warp of the down kernel), each set checked against fp64 by the
+of L an up step; `DOWN_TILES`, tiles of 16 latent rows a warp of the down kernel; `FEW_PAIRS`, `FEW_UP_SPLIT`,
+`FEW_DOWN_TILES`, the few-pairs shape) and the component's `path` knob ("grouped" at batch 1, where the default is
+the one-token kernels), each set checked against fp64 by the
 shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton default
 of the same run.
 Run: python experiments/moe_grouped/variants.py $OUT [REPS]   (writes $OUT/moe_grouped_variants.json, prints a table;
@@ -23,7 +25,7 @@ VARIANTS = [{"UP_UNROLL": 8, "DOWN_TILES": 4}, {"UP_UNROLL": 4, "DOWN_TILES": 4}
             {"UP_UNROLL": 8, "DOWN_TILES": 8}] if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "8,64").split(",")]
 ROUTINGS = os.environ.get("ROUTINGS", "uniform").split(",")
-DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES")}
+DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES", "FEW_PAIRS", "FEW_UP_SPLIT", "FEW_DOWN_TILES")}
 
 rows = []
 pr = timing.probes("cuda")
@@ -36,12 +38,14 @@ for batch, routing in [(b, r) for r in ROUTINGS for b in BATCHES]:
     sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(n_sets)]
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
     for be, flags in [("triton", None)] + [("cute", f) for f in VARIANTS]:
+        opts = {k: v for k, v in (flags or {}).items() if k == "path"}   # the component's knob, not a setting
         for k, v in (flags or {}).items():
-            setattr(M, k, v)
+            if k != "path":
+                setattr(M, k, v)
         try:
-            chk = checker.check(OP, case, backend=be, inputs=sets[0])
-            t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
-                                 reps=REPS)
+            chk = checker.check(OP, case, backend=be, inputs=sets[0], options=opts)
+            t = timing.bench_gpu(lambda s, c=case, b=be, o=opts: OP.call(s, c, b, o, None),
+                                 input_sets=[(s,) for s in sets], reps=REPS)
         except Exception as e:  # a variant that fails to build or launch is a row, not the end of the run
             print(batch, flags, "FAILED", type(e).__name__, str(e)[:300], flush=True)
             rows.append(dict(batch=batch, routing=routing, variant=str(flags), error=f"{type(e).__name__}: {e}"[:1000]))

@@ -1,12 +1,15 @@
 """The decode step under switch variants on the GPU, each checked against the first variant's output and timed
 through the one timer (whole step, one CUDA graph; tp8, one AttnRes block, MXFP4 pools, 8K context, `auto`).
 
-    python experiments/step_pdl/variants.py OUT [cute|pdl] [BATCH ...]
+    python experiments/step_pdl/variants.py OUT [cute|pdl|moe] [BATCH ...]
 
 `cute` (default): the `pdl` switch with the CuTe DSL AttnRes and router (what `auto` picks when CuTe DSL is
 installed) against the Triton ones (the router's selection then fused into the MoE input projection at <= 16
 tokens), and pdl + split_router + owned_output. `pdl`: plain launches, pdl, plain again (the first measurement,
-made without CuTe DSL). Writes OUT/step_variants-<set>.json (environment, switches and samples per variant) and
+made without CuTe DSL). `moe`: pdl against plain where the grouped CuTe MoE experts and the CuTe MLA decode run
+(twenty-sixth session: pdl cost 395 us at batch 64), each suspect taken out alone: the grouped experts' up launched
+plainly inside the chain (`grouped_pdl`: False, a patch of this script, not a switch), the experts on triton, the MLA
+on triton. Writes OUT/step_variants-<set>.json (environment, switches and samples per variant) and
 prints a table.
 """
 import json
@@ -30,6 +33,22 @@ SETS["cute"] = (
     ("pdl, both triton", dict(pdl=True, backend_router="triton", backend_attnres="triton")),
     ("pdl+split+owned", dict(pdl=True, split_router=True, owned_output=True)),
 )
+SETS["moe"] = (
+    ("pdl", dict(pdl=True)),
+    ("plain", {}),
+    ("pdl, grouped up plain", dict(pdl=True, grouped_pdl=False)),
+    ("pdl, moe triton", dict(pdl=True, backend_moe="triton")),
+    ("pdl, mla triton", dict(pdl=True, backend_mla="triton")),
+)
+
+
+def grouped_pdl(on: bool) -> None:
+    """The grouped CuTe experts' up launched with the chain's pdl (on, the kernel's own rule) or plainly (off)."""
+    from k3lab_kernels.cute import moe_grouped as mg
+
+    orig = getattr(mg, "_orig_moe_grouped", mg.moe_grouped)
+    mg._orig_moe_grouped = orig
+    mg.moe_grouped = orig if on else (lambda *a, **k: orig(*a, **{**k, "pdl": False}))
 
 
 def main(out: str, which: str, batches: list[int]) -> None:
@@ -41,6 +60,8 @@ def main(out: str, which: str, batches: list[int]) -> None:
         start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
         ref = None
         for name, over in SETS[which]:
+            over = dict(over)
+            grouped_pdl(over.pop("grouped_pdl", True))
             st.set_switches(AUTO.replace(**over))
             for s, (s0, c0) in zip(kda, start):
                 s.state.copy_(s0)

@@ -277,11 +277,12 @@ def _cases(only: str | None, quick: bool):
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 16), S]
         for Bt, K, I, L, step, pdl in ((64, 16, 384, 3584, 2, True), (8, 16, 384, 3584, 1, False),
                                        (64, 16, 192, 3584, 2, True), (3, 3, 64, 256, 2, False)):
-            tag = f"B{Bt} K{K} I{I} L{L}" + (" pdl" if pdl else "")
-            cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl:
-                          up_cls(B_, K, I, L, st, 4.0, 25.0, p), uargs))
-            cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step: down_cls(B_, K, I, L, st),
-                          dargs))
+            split, tiles = kmg.shape_config(Bt * K)   # the shape the wrapper picks for these pairs
+            tag = f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles}" + (" pdl" if pdl else "")
+            cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split:
+                          up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp), uargs))
+            cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, dt=tiles:
+                          down_cls(B_, K, I, L, st, dt), dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)

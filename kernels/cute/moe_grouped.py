@@ -54,6 +54,11 @@ DOWN_TILES = 4      # tiles of 16 latent rows a warp of the down kernel (a CTA: 
 NMEM = 8            # members a tile (the MMA's N)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
 MAX_PAIRS = 4096
+# Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
+# 16-row tile, each over 1/FEW_UP_SPLIT of L, summed through shared memory; down: FEW_DOWN_TILES tiles a warp.
+FEW_PAIRS = 128     # batch x top-k at most this: the few-pairs shape (batch 8 at top-16)
+FEW_UP_SPLIT = 4
+FEW_DOWN_TILES = 1
 
 MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
                "{$10, $11, $12, $13};")
@@ -190,11 +195,13 @@ def _kernel_classes():
         cute.arch.sync_threads()
 
     class Up:
-        def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool):
+        def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.N = B * K
-            self.RT = I // UP_ROWS
+            self.S = split               # warps a 16-row tile, each over L / S
+            self.ROWS = UP_ROWS // split  # rows a CTA
+            self.RT = I // self.ROWS
             self.ZP = L // 2 + 4         # words between staged z rows (4 mod 32 banks: conflict-free fragments)
             self.RND = (self.N + _THREADS - 1) // _THREADS
 
@@ -209,11 +216,12 @@ def _kernel_classes():
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                    p_y: cute.Pointer):
-            K, I, L, N, RT, ZP = self.K, self.I, self.L, self.N, self.RT, self.ZP
+            K, I, L, N, RT, ZP, S = self.K, self.I, self.L, self.N, self.RT, self.ZP, self.S
             NB = L // 32
             RW = L // 8
             L4 = L // 8                  # 4-word groups of a z row (L/2 words)
-            UJ = UP_UNROLL if NB % UP_UNROLL == 0 else 1
+            NBW = NB // S                # blocks of L a warp
+            UJ = next(u for u in (UP_UNROLL, 4, 2, 1) if NBW % u == 0)
             SW = UJ // 4 if NB % 4 == 0 and UJ % 4 == 0 else UJ   # scale words a row a step
             NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
             tid, c, lane, warp, g, t = ids()
@@ -221,12 +229,15 @@ def _kernel_classes():
             s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if S > 1 else 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before; y may be read there
             for i in range(c * _THREADS + tid, self.B * L, N * RT * _THREADS):
                 vec(p_y, i, 1)[0] = Float32(0.0)
             p = c // RT
-            r0 = (c % RT) * UP_ROWS + 16 * warp
+            kp = warp % S                # this warp's part of L: blocks jb .. jb + NBW - 1
+            jb = kp * NBW
+            r0 = (c % RT) * self.ROWS + 16 * (warp // S)
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             if s_mem[0] == p:            # the group's leader (CTA-uniform)
@@ -256,10 +267,10 @@ def _kernel_classes():
                     # computes (on cur), so a warp keeps a step's loads in flight while it computes
                     cur = cute.make_rmem_tensor((NW,), Int32)
                     nxt = cute.make_rmem_tensor((NW,), Int32)
-                    load_step(p_w1, p_w3, p_s1, p_s3, ra, t, 0, cur, UJ, SW, NB, RW)
-                    for j0 in range(0, NB, UJ):
-                        # the last step loads step 0 again (unused)
-                        load_step(p_w1, p_w3, p_s1, p_s3, ra, t, (j0 + UJ) % NB, nxt, UJ, SW, NB, RW)
+                    load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb, cur, UJ, SW, NB, RW)
+                    for j0 in range(jb, jb + NBW, UJ):
+                        # the last step loads the first again (unused)
+                        load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb + (j0 - jb + UJ) % NBW, nxt, UJ, SW, NB, RW)
                         fs = [[step_factors(cur, m, h, ra, j0, UJ, SW, NB) for h in range(2)] for m in range(2)]
                         for u in cutlass.range_constexpr(UJ):
                             zb = [s_z[gz * ZP + 16 * (j0 + u) + 4 * cc + t] for cc in range(4)]
@@ -274,26 +285,36 @@ def _kernel_classes():
                                 acc[4 * m + 3] = acc[4 * m + 3] + d[3] * fs[m][1][u]
                         for u in cutlass.range_constexpr(NW):
                             cur[u] = nxt[u]
-                    for col in cutlass.range_constexpr(2):
-                        if 2 * t + col < tc:
-                            q = s_mem[mt * NMEM + 2 * t + col]
-                            wt = vec(p_wk, q, 1)[0] * 64.0
-                            ga = acc[col]
-                            gb = acc[2 + col]
-                            ua = acc[4 + col]
-                            ub = acc[6 + col]
-                            aa = wt * (self.b1 * tanh(ga / self.b1) * sigmoid(ga)) * (self.b2 * tanh(ua / self.b2))
-                            ab = wt * (self.b1 * tanh(gb / self.b1) * sigmoid(gb)) * (self.b2 * tanh(ub / self.b2))
-                            vec(p_act, q * (I // 2) + r0 // 2 + g, 1)[0] = pack_f16x2(ab, aa)
+                    if cutlass.const_expr(S > 1):  # the tile's S parts of L summed into its first warp
+                        for u in cutlass.range_constexpr(8):
+                            s_red[(warp * 8 + u) * 32 + lane] = acc[u]
+                        cute.arch.sync_threads()
+                        if kp == 0:
+                            for k in cutlass.range_constexpr(1, S):
+                                for u in cutlass.range_constexpr(8):
+                                    acc[u] = acc[u] + s_red[((warp + k) * 8 + u) * 32 + lane]
+                    if kp == 0:                  # the tile's first warp (every warp when S = 1) stores act
+                        for col in cutlass.range_constexpr(2):
+                            if 2 * t + col < tc:
+                                q = s_mem[mt * NMEM + 2 * t + col]
+                                wt = vec(p_wk, q, 1)[0] * 64.0
+                                ga = acc[col]
+                                gb = acc[2 + col]
+                                ua = acc[4 + col]
+                                ub = acc[6 + col]
+                                aa = wt * (self.b1 * tanh(ga / self.b1) * sigmoid(ga)) * (self.b2 * tanh(ua / self.b2))
+                                ab = wt * (self.b1 * tanh(gb / self.b1) * sigmoid(gb)) * (self.b2 * tanh(ub / self.b2))
+                                vec(p_act, q * (I // 2) + r0 // 2 + g, 1)[0] = pack_f16x2(ab, aa)
                     cute.arch.sync_threads()     # before the next tile's z overwrites this one's
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
 
     class Down:
-        def __init__(self, B: int, K: int, I: int, L: int, step: int):
+        def __init__(self, B: int, K: int, I: int, L: int, step: int, tiles: int):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.N = B * K
-            self.DR = 64 * DOWN_TILES
+            self.DT = tiles              # tiles of 16 latent rows a warp
+            self.DR = 64 * tiles
             self.LT = L // self.DR
             self.RND = (self.N + _THREADS - 1) // _THREADS
 
@@ -315,7 +336,7 @@ def _kernel_classes():
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
             cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)
             p = c // self.LT
-            l0 = (c % self.LT) * self.DR + warp * (16 * DOWN_TILES) + g
+            l0 = (c % self.LT) * self.DR + warp * (16 * self.DT) + g
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             if s_mem[0] == p:
@@ -332,7 +353,7 @@ def _kernel_classes():
                     for j in cutlass.range_constexpr(NB):
                         for cc in cutlass.range_constexpr(4):
                             bw[4 * j + cc] = vec(p_act, qz * (I // 2) + 16 * j + 4 * cc + t, 1)[0]
-                    for tile in cutlass.range(DOWN_TILES, unroll=1):
+                    for tile in cutlass.range(self.DT, unroll=1):
                         ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
                         acc = cute.make_rmem_tensor((4,), Float32)
                         for u in cutlass.range_constexpr(4):
@@ -368,6 +389,12 @@ _WS: dict[tuple, torch.Tensor] = {}
 
 def _fail(name: str, msg: str):
     raise MoEGroupedError(f"moe_grouped cute: {name!r} {msg}")
+
+
+def shape_config(pairs: int) -> tuple[int, int]:
+    """(warps sharing an up tile, down tiles a warp) for `pairs` token x expert pairs: the few-pairs shape up to
+    FEW_PAIRS, else one warp a 16-row up tile over the whole of L and DOWN_TILES."""
+    return (FEW_UP_SPLIT, FEW_DOWN_TILES) if pairs <= FEW_PAIRS else (1, DOWN_TILES)
 
 
 def supports(B: int, K: int, I: int, L: int) -> str | None:
@@ -419,7 +446,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                gmem_ptr(sw[1], I32, 4), gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, DOWN_TILES)
+    split, tiles = shape_config(B * K)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -429,8 +457,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl), *up_args, stream),
-                   cute.compile(down_cls(B, K, I, L, step), *down_args, stream))
+            fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl, split), *up_args, stream),
+                   cute.compile(down_cls(B, K, I, L, step, tiles), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
