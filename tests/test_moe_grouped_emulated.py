@@ -3,8 +3,8 @@ the CPU emulator (tests/cute_emulate.py, which models the f16 m16n8k16 MMA and t
 without a GPU or nvidia-cutlass-dsl, through the shared checker (fresh inputs, y poisoned, the fp64 reference on the
 dequantized weights, the registry's MXFP4 tolerance). Cases: ragged routing over a small pool (experts with zero, one
 and several tokens), every token on the same experts at 9 tokens (a group of 9: two member tiles of the MMA's 8),
-int32 and int64 ids, pdl, both shapes of the kernels (few pairs: four warps an up tile over quarters of L, one down
-tile a warp; more pairs: a warp an up tile, DOWN_TILES a warp); a token that lists an expert twice; then what the
+int32 and int64 ids, pdl, both shapes of the kernels (few pairs: FEW_UP_SPLIT warps an up tile over parts of L,
+FEW_DOWN_TILES a warp; more pairs: a warp an up tile, DOWN_TILES a warp); a token that lists an expert twice; then what the
 wrapper refuses, by name."""
 import pytest
 import torch
@@ -25,8 +25,7 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
-        if not few:
-            m.mod["moe_grouped"].FEW_PAIRS = 0
+        m.mod["moe_grouped"].FEW_PAIRS = 10 ** 6 if few else 0
         m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
                                          a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
     emulate._run(call, t, seed)
@@ -49,7 +48,7 @@ def test_grouped(pdl, idx32, shape, few):
     launches = emulate.LAST["launches"]
     assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
     pairs = shape["batch"] * shape["top_k"]
-    up_rows, down_rows = (16, 64) if few else (64, 256)  # FEW_UP_SPLIT 4, FEW_DOWN_TILES 1; else DOWN_TILES 4
+    up_rows, down_rows = (32, 64) if few else (64, 256)  # FEW_UP_SPLIT 2, FEW_DOWN_TILES 1; else DOWN_TILES 4
     assert launches[-2]["grid"][0] == pairs * (shape["inter"] // up_rows)
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
 

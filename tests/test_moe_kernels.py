@@ -418,10 +418,10 @@ def test_simt_batch_one_wide_b_items():
     assert "path simt" in res.ran[-1].notes
 
 
-def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
-    """data/moe_defaults.json: `auto` runs the CuTe DSL experts at one token with MXFP4 weights (where CuTe DSL runs)
-    and passes them over, by the op's `supports`, for another format or too many products; the Triton kernels then
-    (the fallback rule at batch 1, the measured one above it, where the grouped CuTe kernels are not the rule)."""
+def test_auto_takes_the_cute_experts_for_mxfp4_up_to_64_tokens(monkeypatch):
+    """data/moe_defaults.json: `auto` runs the CuTe DSL experts up to 64 tokens with MXFP4 weights (where CuTe DSL
+    runs: one-token kernels at 1, grouped above) and passes them over, by the op's `supports`, for another format or
+    too many products; the Triton kernels then (the fallback rule at batch 1, the measured one above 64)."""
     from k3lab.components import dispatch
 
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
@@ -429,8 +429,7 @@ def test_auto_takes_the_cute_experts_for_one_mxfp4_token_only(monkeypatch):
     assert sel(1, "mxfp4")[0] == "cute"
     be, _, why = sel(1, "fp8")
     assert be == "triton" and "MXFP4 weights only" in why
-    assert sel(2, "mxfp4")[0] == "triton"
-    assert sel(8, "mxfp4")[0] == "cute" and sel(64, "mxfp4")[0] == "cute"  # the grouped kernels
+    assert sel(2, "mxfp4")[0] == "cute" and sel(8, "mxfp4")[0] == "cute" and sel(64, "mxfp4")[0] == "cute"  # grouped
     assert sel(128, "mxfp4")[0] == "triton"
     assert sel(64, "fp8")[0] == "triton"
     be, _, why = sel(1, "mxfp4", K=64, I=768)

@@ -19,8 +19,11 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
         memory as f16 pairs of 2^6 z; warp w's MMA rows g and g + 8 are intermediate rows r0 + 16 w + 2 g and
         + 2 g + 1 of W1_e and of W3_e, so a lane ends with both rows of one f16 pair of act; SiTU, times 2^6 wk,
         stored into each member's act row (a member past the last of a tile of 8 redoes member 0, never stored).
+        Few pairs (B K <= FEW_PAIRS): FEW_UP_SPLIT warps share a 16-row tile, warp w over part w % FEW_UP_SPLIT of
+        L, their accumulators summed through shared memory into the tile's first warp (more, smaller CTAs).
   down  a CTA per (pair p, 256 latent rows), PDL after up (it waits for up before reading anything); the same group
-        listing, the leader only. Warp w runs DOWN_TILES tiles of 16 latent rows: the members' act words are the B
+        listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16 latent rows:
+        the members' act words are the B
         fragments (loaded once a member tile), every block of I's W2 words straight into A fragments; each tile's
         16 x 8 outputs added into y[b, l] with fp32 atomics (so the order of a token's terms is not fixed).
 
@@ -36,8 +39,9 @@ MMA's fp32; the registry's MXFP4 tolerance (k3lab.ops.moe.TOL).
 Floor (k3lab.ops.moe.experts_bytes): the chosen experts' codes and scales at the read bandwidth (TP8, batch 64
 uniform: ~610 experts x 2.19 MB, ~290 us on the H200). Contract: moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *,
 b1, b2, pdl=None) -> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait)
-before its first access; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. Arguments are checked by
-name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped") passes the
+before its first access; None or False: `up` launches plainly, also inside the step's pdl chain (launched early, its
+thousands of waiting CTAs cost the batch-64 step 525 us: experiments/step_pdl, twenty-sixth session). Arguments are
+checked by name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped") passes the
 kernel layout.
 """
 from typing import Any
@@ -56,8 +60,8 @@ UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale 
 MAX_PAIRS = 4096
 # Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
 # 16-row tile, each over 1/FEW_UP_SPLIT of L, summed through shared memory; down: FEW_DOWN_TILES tiles a warp.
-FEW_PAIRS = 128     # batch x top-k at most this: the few-pairs shape (batch 8 at top-16)
-FEW_UP_SPLIT = 4
+FEW_PAIRS = 32      # batch x top-k at most this: the few-pairs shape (batch 2 at top-16)
+FEW_UP_SPLIT = 2
 FEW_DOWN_TILES = 1
 
 MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
@@ -416,9 +420,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     from .kda_decode import gmem_ptr
 
     if pdl is None:
-        from k3lab_kernels.triton.pdl import chain_pdl
-
-        pdl = chain_pdl(None)
+        pdl = False  # not the chain's setting (module docstring)
     if not isinstance(pdl, bool):
         _fail("pdl", f"must be None or a bool, got {pdl!r}")
     if not isinstance(z, torch.Tensor) or z.dim() != 2:
