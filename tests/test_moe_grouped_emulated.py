@@ -53,6 +53,12 @@ def test_grouped(pdl, idx32, shape, few):
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
 
 
+def test_more_than_one_round_of_pairs():
+    """More than 128 pairs: the group listing's second round of ids (its offsets summed across rounds)."""
+    shape = dict(SMALL, batch=48)  # 144 pairs over 8 experts: groups of ~18, three member tiles
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(), seed=5, device="cpu"))
+
+
 def test_repeated_id():
     """A token that lists an expert twice adds it twice (each time with its weight), as the reference does."""
     case = OP.case(**SMALL)

@@ -276,7 +276,8 @@ def _cases(only: str | None, quick: bool):
                  P(f32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 16), S]
         for Bt, K, I, L, step, pdl in ((64, 16, 384, 3584, 2, True), (8, 16, 384, 3584, 1, False),
-                                       (64, 16, 192, 3584, 2, True), (3, 3, 64, 256, 2, False)):
+                                       (2, 16, 384, 3584, 2, False), (64, 16, 192, 3584, 2, True),
+                                       (3, 3, 64, 256, 2, False)):
             split, tiles = kmg.shape_config(Bt * K)   # the shape the wrapper picks for these pairs
             tag = f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles}" + (" pdl" if pdl else "")
             cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split:

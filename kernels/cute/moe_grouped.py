@@ -41,8 +41,8 @@ uniform: ~610 experts x 2.19 MB, ~290 us on the H200). Contract: moe_grouped(z, 
 b1, b2, pdl=None) -> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait)
 before its first access; None or False: `up` launches plainly, also inside the step's pdl chain (launched early, its
 thousands of waiting CTAs cost the batch-64 step 525 us: experiments/step_pdl, twenty-sixth session). Arguments are
-checked by name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped") passes the
-kernel layout.
+checked by name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped")
+passes the kernel layout.
 """
 from typing import Any
 
@@ -164,38 +164,45 @@ def _kernel_classes():
     def tanh(x):
         return 2.0 * sigmoid(2.0 * x) - 1.0
 
+    def WC(RND: int) -> int:
+        """Where `group` leaves the group's size in s_wc."""
+        return 2 * RND * 4 + 1
+
     @cute.jit
     def group(p_idx: cute.Pointer, e: Int32, tid: Int32, lane: Int32, warp: Int32, s_mem: cute.Tensor,
               s_wc: cute.Tensor, N: cutlass.Constexpr, step: cutlass.Constexpr):
-        """s_mem[0 .. n) = the pairs whose id is e, ascending; s_wc[4 RND] = n (RND = rounds of 128 pairs).
-        Three barriers; every thread of the CTA takes part."""
+        """s_mem[0 .. n) = the pairs whose id is e, ascending; s_wc[WC(RND)] = n (RND = rounds of 128 pairs;
+        s_wc holds the 4 RND counts of (round, warp), then their exclusive offsets and the total). The ids are all
+        loaded before the ballots; every thread sums its own offset from the counts (no serial pass). Three barriers;
+        every thread of the CTA takes part."""
         RND = (N + _THREADS - 1) // _THREADS
-        hits = cute.make_rmem_tensor((RND,), Int32)
-        bals = cute.make_rmem_tensor((RND,), Int32)
+        C = RND * 4                      # counts at s_wc[0 .. C), offsets at s_wc[C + 1 .. 2 C], the total at 2 C + 1
+        ids_r = cute.make_rmem_tensor((RND,), Int32)
         for r in cutlass.range_constexpr(RND):
             q = r * _THREADS + tid
-            h = Int32(0)
+            ids_r[r] = Int32(-1)
             if q < N:
-                if vec(p_idx, q * step, 1)[0] == e:
-                    h = Int32(1)
-            hits[r] = h
-            b = cute.arch.vote_ballot_sync(h == 1)
+                ids_r[r] = vec(p_idx, q * step, 1)[0]
+        bals = cute.make_rmem_tensor((RND,), Int32)
+        for r in cutlass.range_constexpr(RND):
+            b = cute.arch.vote_ballot_sync(ids_r[r] == e)
             bals[r] = b
             if lane == 0:
                 s_wc[r * 4 + warp] = cute.arch.popc(b)
         cute.arch.sync_threads()
-        if tid == 0:                     # counts -> exclusive offsets, the total last
+        if tid < C:                      # thread i: the offset of count i; the last thread also the total
             run = Int32(0)
-            for i in cutlass.range_constexpr(RND * 4):
-                v = s_wc[i]
-                s_wc[i] = run
-                run = run + v
-            s_wc[RND * 4] = run
+            for i in cutlass.range_constexpr(C):
+                if i < tid:
+                    run = run + s_wc[i]
+            s_wc[C + 1 + tid] = run
+            if tid == C - 1:
+                s_wc[2 * C + 1] = run + s_wc[C - 1]
         cute.arch.sync_threads()
         below = (Int32(1) << lane) - 1
         for r in cutlass.range_constexpr(RND):
-            if hits[r] == 1:
-                s_mem[s_wc[r * 4 + warp] + cute.arch.popc(bals[r] & below)] = r * _THREADS + tid
+            if ids_r[r] == e:
+                s_mem[s_wc[C + 1 + r * 4 + warp] + cute.arch.popc(bals[r] & below)] = r * _THREADS + tid
         cute.arch.sync_threads()
 
     class Up:
@@ -232,7 +239,7 @@ def _kernel_classes():
             smem = cutlass.utils.SmemAllocator()
             s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
-            s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if S > 1 else 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before; y may be read there
@@ -245,7 +252,7 @@ def _kernel_classes():
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             if s_mem[0] == p:            # the group's leader (CTA-uniform)
-                cnt = s_wc[self.RND * 4]
+                cnt = s_wc[WC(self.RND)]
                 ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
                 for mt in range((cnt + NMEM - 1) // NMEM):
                     tc = cnt - mt * NMEM
@@ -337,14 +344,14 @@ def _kernel_classes():
             tid, c, lane, warp, g, t = ids()
             smem = cutlass.utils.SmemAllocator()
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
-            s_wc = smem.allocate_tensor(Int32, cute.make_layout(self.RND * 4 + 1), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
             cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)
             p = c // self.LT
             l0 = (c % self.LT) * self.DR + warp * (16 * self.DT) + g
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             if s_mem[0] == p:
-                cnt = s_wc[self.RND * 4]
+                cnt = s_wc[WC(self.RND)]
                 for mt in range((cnt + NMEM - 1) // NMEM):
                     tc = cnt - mt * NMEM
                     if tc > NMEM:
