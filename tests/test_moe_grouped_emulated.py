@@ -20,22 +20,24 @@ OP = registry.get("moe_experts")
 SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, top_k=3, routing="ragged")
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, down_prefetch=False):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
         m.mod["moe_grouped"].FEW_PAIRS = 10 ** 6 if few else 0
+        m.mod["moe_grouped"].DOWN_PREFETCH = down_prefetch
         m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
                                          a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, few=True):
+def impl(pdl=False, idx32=False, few=True, down_prefetch=False):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few)
-    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few})"
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few, down_prefetch=down_prefetch)
+    f.__name__ = (f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few}, "
+                  f"down_prefetch={down_prefetch})")
     return f
 
 
@@ -51,6 +53,14 @@ def test_grouped(pdl, idx32, shape, few):
     up_rows, down_rows = (32, 64) if few else (64, 256)  # FEW_UP_SPLIT 2, FEW_DOWN_TILES 1; else DOWN_TILES 4
     assert launches[-2]["grid"][0] == pairs * (shape["inter"] // up_rows)
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
+
+
+@pytest.mark.parametrize("inter", [128, 192])  # 4 and 6 blocks of W2 a row: one scale word a row, a word a block
+def test_down_prefetch(inter):
+    """DOWN_PREFETCH: each down tile's words loaded while the tile before computes (four tiles a warp)."""
+    shape = dict(SMALL, inter=inter)
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(few=False, down_prefetch=True), seed=3,
+                                  device="cpu"))
 
 
 def test_more_than_one_round_of_pairs():

@@ -57,6 +57,7 @@ UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a
 DOWN_TILES = 4      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 256 rows)
 NMEM = 8            # members a tile (the MMA's N)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
+DOWN_PREFETCH = False  # down: a tile's W2 and scale words loaded while the tile before computes
 MAX_PAIRS = 4096
 # Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
 # 16-row tile, each over 1/FEW_UP_SPLIT of L, summed through shared memory; down: FEW_DOWN_TILES tiles a warp.
@@ -150,6 +151,25 @@ def _kernel_classes():
                 for k in range(SW):
                     n = (row * NB + j0) // 4 + k if SW < UJ else (row * NB + j0 + k) // 4
                     dst[4 * UJ + (2 * m + h) * SW + k] = vec(p_s1 if m == 0 else p_s3, n, 1)[0]
+
+    def load_down(p_w2, p_s2, ra, t, dst, NB: int, RW: int):
+        """A down tile's loads into dst: the lane's W2 words of rows ra, ra + 8 (NB blocks each), then their scale
+        words (NB / 4 a row where NB % 4 == 0, else one a block)."""
+        SD = NB // 4 if NB % 4 == 0 else NB
+        for h in range(2):
+            row = ra + 8 * h
+            for j in range(NB):
+                dst[h * NB + j] = vec(p_w2, row * RW + 4 * j + t, 1)[0]
+            for k in range(SD):
+                dst[2 * NB + h * SD + k] = vec(p_s2, (row * NB) // 4 + k if SD < NB else (row * NB + k) // 4, 1)[0]
+
+    def down_factors(src, row, h, NB: int):
+        """The NB block factors of row (the tile's row h) from the scale words load_down left in src."""
+        SD = NB // 4 if NB % 4 == 0 else NB
+        base = 2 * NB + h * SD
+        if SD < NB:
+            return [fbits(src[base + j // 4], 8 * (j % 4)) for j in range(NB)]
+        return [fbits(src[base + j], ((row * NB + j) % 4) * 8) for j in range(NB)]
 
     def step_factors(src, m, h, ra, j0, UJ: int, SW: int, NB: int):
         """The UJ block factors of row ra + h of matrix m (W1, W3) from a step's scale words."""
@@ -364,13 +384,24 @@ def _kernel_classes():
                     for j in cutlass.range_constexpr(NB):
                         for cc in cutlass.range_constexpr(4):
                             bw[4 * j + cc] = vec(p_act, qz * (I // 2) + 16 * j + 4 * cc + t, 1)[0]
+                    if cutlass.const_expr(DOWN_PREFETCH):  # tile + 1's words loaded before tile computes
+                        SD = NB // 4 if NB % 4 == 0 else NB
+                        cur = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
+                        nxt = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
+                        load_down(p_w2, p_s2, e * L + l0, t, cur, NB, RW)
                     for tile in cutlass.range(self.DT, unroll=1):
                         ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
                         acc = cute.make_rmem_tensor((4,), Float32)
                         for u in cutlass.range_constexpr(4):
                             acc[u] = Float32(0.0)
-                        ws = [[vec(p_w2, (ra + 8 * h) * RW + 4 * j + t, 1)[0] for j in range(NB)] for h in range(2)]
-                        fs = [factors(p_s2, ra + 8 * h, NB, 0, NB) for h in range(2)]
+                        if cutlass.const_expr(DOWN_PREFETCH):
+                            # the last tile loads the first again (unused)
+                            load_down(p_w2, p_s2, e * L + l0 + 16 * ((tile + 1) % self.DT), t, nxt, NB, RW)
+                            ws = [[cur[h * NB + j] for j in range(NB)] for h in range(2)]
+                            fs = [down_factors(cur, ra + 8 * h, h, NB) for h in range(2)]
+                        else:
+                            ws = [[vec(p_w2, (ra + 8 * h) * RW + 4 * j + t, 1)[0] for j in range(NB)] for h in range(2)]
+                            fs = [factors(p_s2, ra + 8 * h, NB, 0, NB) for h in range(2)]
                         for j in cutlass.range_constexpr(NB):
                             da = decode(ws[0][j])
                             db = decode(ws[1][j])
@@ -380,6 +411,9 @@ def _kernel_classes():
                             acc[1] = acc[1] + d[1] * fs[0][j]
                             acc[2] = acc[2] + d[2] * fs[1][j]
                             acc[3] = acc[3] + d[3] * fs[1][j]
+                        if cutlass.const_expr(DOWN_PREFETCH):
+                            for u in cutlass.range_constexpr(2 * NB + 2 * SD):
+                                cur[u] = nxt[u]
                         for col in cutlass.range_constexpr(2):
                             if 2 * t + col < tc:
                                 b = s_mem[mt * NMEM + 2 * t + col] // K
@@ -456,7 +490,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, DOWN_PREFETCH)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
