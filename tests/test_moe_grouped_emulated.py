@@ -16,28 +16,28 @@ from k3lab.ops import moe as ops_moe
 
 pytestmark = pytest.mark.cute_emu
 OP = registry.get("moe_experts")
-# latent 256 (one down CTA of 256 rows), intermediate 64 (one up CTA of 64 rows)
+# latent 256 (four down CTAs of 64 rows in the few-pairs shape), intermediate 64 (one up CTA of 64 rows, two of 32 in
+# the few-pairs shape); the other shape's down CTA takes 64 DOWN_TILES = 512 latent rows (LARGE)
 SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, top_k=3, routing="ragged")
+LARGE = 512
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, down_prefetch=False):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
         m.mod["moe_grouped"].FEW_PAIRS = 10 ** 6 if few else 0
-        m.mod["moe_grouped"].DOWN_PREFETCH = down_prefetch
         m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
                                          a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, few=True, down_prefetch=False):
+def impl(pdl=False, idx32=False, few=True):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few, down_prefetch=down_prefetch)
-    f.__name__ = (f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few}, "
-                  f"down_prefetch={down_prefetch})")
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few)
+    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few})"
     return f
 
 
@@ -46,21 +46,15 @@ def impl(pdl=False, idx32=False, few=True, down_prefetch=False):
     (True, True, SMALL),
     (False, False, dict(SMALL, batch=9, routing="same16", n_experts=4))])
 def test_grouped(pdl, idx32, shape, few):
+    # the other shape at 2 blocks of W2 a row (a scale word a block) and at 4 (one scale word a row)
+    shape = shape if few else dict(shape, latent=LARGE, inter=64 if pdl else 128)
     checker.require(checker.check(OP, OP.case(**shape), impl=impl(pdl, idx32, few), seed=int(pdl), device="cpu"))
     launches = emulate.LAST["launches"]
     assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
     pairs = shape["batch"] * shape["top_k"]
-    up_rows, down_rows = (32, 64) if few else (64, 256)  # FEW_UP_SPLIT 2, FEW_DOWN_TILES 1; else DOWN_TILES 4
+    up_rows, down_rows = (32, 64) if few else (64, 512)  # FEW_UP_SPLIT 2, FEW_DOWN_TILES 1; else DOWN_TILES 8
     assert launches[-2]["grid"][0] == pairs * (shape["inter"] // up_rows)
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
-
-
-@pytest.mark.parametrize("inter", [128, 192])  # 4 and 6 blocks of W2 a row: one scale word a row, a word a block
-def test_down_prefetch(inter):
-    """DOWN_PREFETCH: each down tile's words loaded while the tile before computes (four tiles a warp)."""
-    shape = dict(SMALL, inter=inter)
-    checker.require(checker.check(OP, OP.case(**shape), impl=impl(few=False, down_prefetch=True), seed=3,
-                                  device="cpu"))
 
 
 def test_more_than_one_round_of_pairs():
@@ -83,8 +77,10 @@ def test_repeated_id():
 
 def test_refused_by_name():
     d = OP.make_inputs(OP.case(**SMALL), 0, "cpu")
-    with pytest.raises(ValueError, match="latent % 256"):
-        run(d["z"][:, :128].contiguous(), d["idx"], d["weights_k"], d["moe"], d["y"])
+    with pytest.raises(ValueError, match="latent % 64 "):
+        run(d["z"][:, :96].contiguous(), d["idx"], d["weights_k"], d["moe"], d["y"])
+    with pytest.raises(ValueError, match="latent % 512 "):  # 256 rows: the few-pairs shape only
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], few=False)
     with pytest.raises(ValueError, match="'wk' must have dtype"):
         run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):

@@ -21,7 +21,7 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
         stored into each member's act row (a member past the last of a tile of 8 redoes member 0, never stored).
         Few pairs (B K <= FEW_PAIRS): FEW_UP_SPLIT warps share a 16-row tile, warp w over part w % FEW_UP_SPLIT of
         L, their accumulators summed through shared memory into the tile's first warp (more, smaller CTAs).
-  down  a CTA per (pair p, 256 latent rows), PDL after up (it waits for up before reading anything); the same group
+  down  a CTA per (pair p, 64 DOWN_TILES latent rows), PDL after up (it waits for up before reading anything); the same group
         listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16 latent rows:
         the members' act words are the B
         fragments (loaded once a member tile), every block of I's W2 words straight into A fragments; each tile's
@@ -31,7 +31,7 @@ Layout: z [B, L] bf16 (read as int32 pairs); idx [B, K] int32 or int64 (the low 
 [E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words; s1, s3 [E, I, L/32] and s2 [E, L, I/32] uint8 E8M0 scales
 (read as the stack's 32-bit words, byte n in word n // 4); y [B, L] fp32 (zeroed by up, accumulated by down); a
 workspace act [B K, I/2] int32 (cached per device and shape: make the first call outside a CUDA graph capture). Needs
-L a multiple of 256, I of 64, B K <= MAX_PAIRS.
+L a multiple of 64 DOWN_TILES (64 FEW_DOWN_TILES for few pairs), I of 64, B K <= MAX_PAIRS.
 Exactness and tolerance: the decoded weights are exact (fp16 subnormals included) for s in 0..246; the activations
 are f16 of 2^6 z and of 2^6 wk situ (the simt path's scaling: exact for 2^-20 <= |z| < 1023); products and sums in the
 MMA's fp32; the registry's MXFP4 tolerance (k3lab.ops.moe.TOL).
@@ -54,10 +54,10 @@ from .moe_experts import experts_tensors
 
 _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
-DOWN_TILES = 4      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 256 rows)
+DOWN_TILES = 8      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 512 rows)
 NMEM = 8            # members a tile (the MMA's N)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
-DOWN_PREFETCH = False  # down: a tile's W2 and scale words loaded while the tile before computes
+DOWN_PREFETCH = True   # down: a tile's W2 and scale words loaded while the tile before computes
 MAX_PAIRS = 4096
 # Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
 # 16-row tile, each over 1/FEW_UP_SPLIT of L, summed through shared memory; down: FEW_DOWN_TILES tiles a warp.
@@ -443,9 +443,11 @@ def shape_config(pairs: int) -> tuple[int, int]:
 
 
 def supports(B: int, K: int, I: int, L: int) -> str | None:
-    """Why the grouped kernels cannot take these sizes, or None."""
-    if L % (64 * DOWN_TILES):
-        return f"the grouped cute experts need latent % {64 * DOWN_TILES} == 0 (a down CTA's rows), got {L}"
+    """Why the grouped kernels cannot take these sizes, or None (the CTA shapes follow the pairs: shape_config)."""
+    split, tiles = shape_config(B * K)
+    if L % (64 * tiles):
+        return (f"the grouped cute experts need latent % {64 * tiles} == 0 (a down CTA's rows at {B} x {K} pairs), "
+                f"got {L}")
     if I % UP_ROWS:
         return f"the grouped cute experts need the per-GPU intermediate % {UP_ROWS} == 0 (an up CTA's rows), got {I}"
     if B * K > MAX_PAIRS:
