@@ -152,6 +152,18 @@ def _to_kl_rows(packed: torch.Tensor) -> torch.Tensor:
     return word.reshape(rows, nb * 4)
 
 
+def quad_transpose(words: torch.Tensor) -> torch.Tensor:
+    """Kernel-layout words [..., K/8] int32 with each 16-word group (four 32-blocks of a row) transposed as a 4 x 4
+    matrix: word 4 u + t of a group (block u's word t) moves to 4 t + u, so the word t of four consecutive blocks
+    lies in 16 contiguous bytes (one vector load for the lane that owns word t: the grouped CuTe experts' up kernel,
+    kernels/cute/moe_grouped.py). Its own inverse. Needs K % 128 == 0."""
+    if words.dtype != torch.int32 or words.dim() < 1 or words.shape[-1] % 16:
+        raise ValueError(f"quad_transpose: 'words' must be int32 [..., K/8] with K % 128 == 0, got "
+                         f"{words.dtype} {tuple(words.shape)}")
+    lead, n = words.shape[:-1], words.shape[-1]
+    return words.reshape(*lead, n // 16, 4, 4).transpose(-1, -2).contiguous().reshape(*lead, n)
+
+
 def from_kernel_layout(words: torch.Tensor) -> torch.Tensor:
     """The inverse of `to_kernel_layout`: [..., K/8] int32 -> packed [..., K/2] uint8."""
     if words.dtype != torch.int32 or words.shape[-1] % 4:

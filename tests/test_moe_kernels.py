@@ -241,6 +241,15 @@ def test_kernel_layout_cache():
     assert b is not a and torch.equal(mxfp4.from_kernel_layout(b)[0, 0, 0], m.w2.data[0, 0, 0] ^ 1)
     with pytest.raises(ValueError, match="'packed'"):
         mxfp4.to_kernel_layout(torch.zeros(2, 3, dtype=torch.uint8))
+    # the grouped up kernel's copy: quad-transposed (word 4 u + t of each 16 -> 4 t + u), kept beside the plain one
+    w1 = OP.make_inputs(OP.case(batch=1, dtype="mxfp4", latent=256, inter=64, n_experts=4), 0, "cpu")["moe"].w1
+    q = c_moe.kernel_layout(w1, quad=True)
+    assert c_moe.kernel_layout(w1, quad=True) is q and q is not c_moe.kernel_layout(w1)
+    plain = c_moe.kernel_layout(w1)
+    assert torch.equal(mxfp4.quad_transpose(q), plain)  # its own inverse
+    assert torch.equal(q[..., 1], plain[..., 4]) and torch.equal(q[..., 4 + 2], plain[..., 4 * 2 + 1])
+    with pytest.raises(ValueError, match="'words'.*K % 128"):
+        mxfp4.quad_transpose(torch.zeros(2, 8, dtype=torch.int32))
 
 
 # ---- argument errors -----------------------------------------------------------------------------------

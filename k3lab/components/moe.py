@@ -167,13 +167,15 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             out = torch.empty(B, L, dtype=torch.float32, device=z.device)
         elif out.dtype != torch.float32 or not out.is_contiguous():
             _fail("out", f"must be a contiguous float32 tensor for the cute backend, got {out.dtype}")
-        ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
         if cpath == "token":
+            ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
             fn, kpath = dispatch.kernel(OP, be), dispatch.kernel_path(OP, be)
             note = "path token: two launches: up (w1/w3 + SiTU), down (w2; no atomics)"
-        else:
-            from k3lab_kernels.cute.moe_grouped import moe_grouped as fn
+        else:  # the grouped up kernel reads W1 / W3 quad-transposed (UP_VEC: one 16-byte load a lane, four blocks)
+            from k3lab_kernels.cute import moe_grouped as mg
 
+            fn = mg.moe_grouped
+            ws = (kernel_layout(moe.w1, quad=mg.UP_VEC), kernel_layout(moe.w3, quad=mg.UP_VEC), kernel_layout(moe.w2))
             kpath = "k3lab_kernels.cute.moe_grouped:moe_grouped"
             note = ("path grouped: two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 "
                     "on tensor cores, fp32 atomics into y)")
@@ -191,19 +193,22 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     return y if out is None else out.copy_(y)
 
 
-_kernel_layouts: dict[int, tuple] = {}
+_kernel_layouts: dict[tuple, tuple] = {}
 
 
-def kernel_layout(w) -> torch.Tensor:
+def kernel_layout(w, quad: bool = False) -> torch.Tensor:
     """The SIMT path's copy of an MXFP4 ExpertWeight's codes (k3lab.mxfp4.to_kernel_layout: [E, out, in/8] int32,
-    the same bytes rearranged), made on first use and kept while `w.data` lives and is not modified in place (its
-    version counter). Make the first call outside a CUDA graph capture (it converts the whole stack once)."""
+    the same bytes rearranged; quad=True: with k3lab.mxfp4.quad_transpose applied, the grouped CuTe up kernel's),
+    made on first use and kept while `w.data` lives and is not modified in place (its version counter). Make the
+    first call outside a CUDA graph capture (it converts the whole stack once)."""
     d = w.data
-    hit = _kernel_layouts.get(id(d))
+    key = (id(d), bool(quad))
+    hit = _kernel_layouts.get(key)
     if hit is not None and hit[0]() is d and hit[1] == d._version:
         return hit[2]
     k = mxfp4.to_kernel_layout(d)
-    key = id(d)
+    if quad:
+        k = mxfp4.quad_transpose(k)
     _kernel_layouts[key] = (weakref.ref(d, lambda _r, key=key: _kernel_layouts.pop(key, None)), d._version, k)
     return k
 

@@ -213,8 +213,8 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 def experts_supports(backend: str, shape: dict) -> str | None:
     """What the cute backend takes: MXFP4 experts (whose sizes the op's `_valid` already keeps to multiples of 32);
     at one token (kernels/cute/moe_experts.py) top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
-    and up kernels); at more, the grouped kernels' `supports` (kernels/cute/moe_grouped.py: latent a multiple of a down CTA's rows,
-    I % 64, batch x top-k <= 4096).
+    and up kernels); at more, the grouped kernels' `supports` (kernels/cute/moe_grouped.py: latent a multiple of a
+    down CTA's rows and of four blocks a warp's part, I % 64, batch x top-k <= 4096).
     `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B, fmt, K, I: the
     per-GPU slice, L); a key it lacks passes (the kernel checks its tensors)."""
     if backend != "cute":
