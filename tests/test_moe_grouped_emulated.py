@@ -22,14 +22,12 @@ SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, to
 LARGE = 512
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, up_members=None):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
     t = emulate.moe_tensors(z, idx, wk, moe, y, quad_up=True)  # UP_VEC, the default
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
         m.mod["moe_grouped"].FEW_PAIRS = 10 ** 6 if few else 0
-        if up_members is not None:
-            m.mod["moe_grouped"].UP_MEMBERS = up_members
         m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
                                          a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
     emulate._run(call, t, seed)
@@ -57,15 +55,6 @@ def test_grouped(pdl, idx32, shape, few):
     up_rows, down_rows = (32, 64) if few else (64, 512)  # FEW_UP_SPLIT 2, FEW_DOWN_TILES 1; else DOWN_TILES 8
     assert launches[-2]["grid"][0] == pairs * (shape["inter"] // up_rows)
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
-
-
-def test_up_tiles_of_four_members():
-    """UP_MEMBERS = 4: a group of 9 over three up tiles (4, 4, 1), the MMA's columns 4..7 unstored."""
-    case = OP.case(**dict(SMALL, batch=9, routing="same16", n_experts=4))
-
-    def f(d):
-        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], up_members=4)
-    checker.require(checker.check(OP, case, impl=f, seed=7, device="cpu"))
 
 
 def test_more_than_one_round_of_pairs():

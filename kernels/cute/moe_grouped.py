@@ -59,7 +59,6 @@ _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
 DOWN_TILES = 8      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 512 rows)
 NMEM = 8            # members a tile (the MMA's N)
-UP_MEMBERS = 8      # members an up tile (8, or 4: half the staged z, columns 4..7 of the MMA redo member 0, unstored)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
 DOWN_PREFETCH = True   # down: a tile's W2 and scale words loaded while the tile before computes
 UP_VEC = True       # up: W1 / W3 quad-transposed (k3lab.mxfp4.quad_transpose), a lane's words of 4 blocks in one load
@@ -262,7 +261,6 @@ def _kernel_classes():
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                    p_y: cute.Pointer):
             K, I, L, N, RT, ZP, S = self.K, self.I, self.L, self.N, self.RT, self.ZP, self.S
-            UM = UP_MEMBERS
             NB = L // 32
             RW = L // 8
             L4 = L // 8                  # 4-word groups of a z row (L/2 words)
@@ -272,7 +270,7 @@ def _kernel_classes():
             NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
             tid, c, lane, warp, g, t = ids()
             smem = cutlass.utils.SmemAllocator()
-            s_z = smem.allocate_tensor(Int32, cute.make_layout(UM * ZP), byte_alignment=16)
+            s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if S > 1 else 1), byte_alignment=16)
@@ -289,14 +287,14 @@ def _kernel_classes():
             if s_mem[0] == p:            # the group's leader (CTA-uniform)
                 cnt = s_wc[WC(self.RND)]
                 ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
-                for mt in range((cnt + UM - 1) // UM):
-                    tc = cnt - mt * UM
-                    if tc > UM:
-                        tc = Int32(UM)
+                for mt in range((cnt + NMEM - 1) // NMEM):
+                    tc = cnt - mt * NMEM
+                    if tc > NMEM:
+                        tc = Int32(NMEM)
                     for i in range(tid, tc * L4, _THREADS):   # the tile's z rows as f16 pairs of 2^6 z
                         n = i // L4
                         w4 = i - n * L4
-                        b = s_mem[mt * UM + n] // K
+                        b = s_mem[mt * NMEM + n] // K
                         zr = cute.make_rmem_tensor((4,), Int32)
                         cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 4 * w4, divby=4), 4), zr)
                         for u in cutlass.range_constexpr(4):
@@ -342,7 +340,7 @@ def _kernel_classes():
                     if kp == 0:                  # the tile's first warp (every warp when S = 1) stores act
                         for col in cutlass.range_constexpr(2):
                             if 2 * t + col < tc:
-                                q = s_mem[mt * UM + 2 * t + col]
+                                q = s_mem[mt * NMEM + 2 * t + col]
                                 wt = vec(p_wk, q, 1)[0] * 64.0
                                 ga = acc[col]
                                 gb = acc[2 + col]
@@ -510,8 +508,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, DOWN_PREFETCH, UP_VEC,
-           UP_MEMBERS)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, DOWN_PREFETCH, UP_VEC)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
