@@ -8,8 +8,10 @@ installed) against the Triton ones (the router's selection then fused into the M
 tokens), and pdl + split_router + owned_output. `pdl`: plain launches, pdl, plain again (the first measurement,
 made without CuTe DSL). `moe`: pdl against plain where the grouped CuTe MoE experts and the CuTe MLA decode run
 (twenty-sixth session: pdl cost 395 us at batch 64), each suspect taken out alone: the grouped experts' up launched
-plainly inside the chain (`grouped_pdl`: False, a patch of this script, not a switch), the experts on triton, the MLA
-on triton. Writes OUT/step_variants-<set>.json (environment, switches and samples per variant) and
+with the chain's pdl (`grouped_pdl`: True, a patch of this script, not a switch; the run in
+h200/step_variants_moe.json.gz was made when that was the kernel's default, so its row is "pdl, grouped up plain"
+with the patch forcing pdl=False), the experts on triton, the MLA on triton. Writes OUT/step_variants-<set>.json
+(environment, switches and samples per variant) and
 prints a table.
 """
 import json
@@ -36,19 +38,20 @@ SETS["cute"] = (
 SETS["moe"] = (
     ("pdl", dict(pdl=True)),
     ("plain", {}),
-    ("pdl, grouped up plain", dict(pdl=True, grouped_pdl=False)),
+    ("pdl, grouped up under pdl", dict(pdl=True, grouped_pdl=True)),
     ("pdl, moe triton", dict(pdl=True, backend_moe="triton")),
     ("pdl, mla triton", dict(pdl=True, backend_mla="triton")),
 )
 
 
-def grouped_pdl(on: bool) -> None:
-    """The grouped CuTe experts' up launched with the chain's pdl (on, the kernel's own rule) or plainly (off)."""
+def grouped_pdl(force: bool | None) -> None:
+    """The grouped CuTe experts' up launched by the kernel's own rule (None: plainly unless asked) or forced to
+    pdl=True / False."""
     from k3lab_kernels.cute import moe_grouped as mg
 
     orig = getattr(mg, "_orig_moe_grouped", mg.moe_grouped)
     mg._orig_moe_grouped = orig
-    mg.moe_grouped = orig if on else (lambda *a, **k: orig(*a, **{**k, "pdl": False}))
+    mg.moe_grouped = orig if force is None else (lambda *a, **k: orig(*a, **{**k, "pdl": force}))
 
 
 def main(out: str, which: str, batches: list[int]) -> None:
@@ -61,7 +64,7 @@ def main(out: str, which: str, batches: list[int]) -> None:
         ref = None
         for name, over in SETS[which]:
             over = dict(over)
-            grouped_pdl(over.pop("grouped_pdl", True))
+            grouped_pdl(over.pop("grouped_pdl", None))
             st.set_switches(AUTO.replace(**over))
             for s, (s0, c0) in zip(kda, start):
                 s.state.copy_(s0)
