@@ -125,17 +125,22 @@ def mxfp4_nbytes(shape: tuple[int, ...]) -> int:
 _KL_SHIFTS = ((9, 12), (1, 4), (4, 5), (12, -3))  # (magnitude shift, sign shift) of part p
 
 
-def to_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+def to_kernel_layout(packed: torch.Tensor, quad: bool = False) -> torch.Tensor:
     """Packed MXFP4 codes [..., K/2] uint8 (this module's layout) -> the SIMT kernel's words [..., K/8] int32
-    (converted in slices of rows, so a GPU stack of gigabytes needs little scratch)."""
+    (converted in slices of rows, so a GPU stack of gigabytes needs little scratch); quad=True: each slice also
+    quad-transposed (`quad_transpose`, K % 128 == 0), with no second full-size copy."""
     if packed.dtype != torch.uint8 or packed.dim() < 1 or packed.shape[-1] % (BLOCK // 2):
         raise ValueError(f"to_kernel_layout: 'packed' must be uint8 [..., K/2] with K % {BLOCK} == 0, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
+    if quad and packed.shape[-1] % 64:
+        raise ValueError(f"to_kernel_layout: quad=True needs 'packed' [..., K/2] with K % 128 == 0, got "
+                         f"{tuple(packed.shape)}")
     flat = packed.reshape(-1, packed.shape[-1])
     out = torch.empty(flat.shape[0], flat.shape[1] // 4, dtype=torch.int32, device=packed.device)
     step = max(1, (1 << 22) // max(1, flat.shape[1]))
     for r0 in range(0, flat.shape[0], step):
-        out[r0:r0 + step] = _to_kl_rows(flat[r0:r0 + step])
+        words = _to_kl_rows(flat[r0:r0 + step])
+        out[r0:r0 + step] = quad_transpose(words) if quad else words
     return out.reshape(*packed.shape[:-1], packed.shape[-1] // 4)
 
 

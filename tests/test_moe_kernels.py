@@ -250,6 +250,10 @@ def test_kernel_layout_cache():
     assert torch.equal(q[..., 1], plain[..., 4]) and torch.equal(q[..., 4 + 2], plain[..., 4 * 2 + 1])
     with pytest.raises(ValueError, match="'words'.*K % 128"):
         mxfp4.quad_transpose(torch.zeros(2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="quad=True.*K % 128"):
+        mxfp4.to_kernel_layout(torch.zeros(2, 32, dtype=torch.uint8), quad=True)
+    big = torch.randint(0, 256, (3, 12000, 128), dtype=torch.uint8)  # two conversion slices of 32768 rows
+    assert torch.equal(mxfp4.to_kernel_layout(big, quad=True), mxfp4.quad_transpose(mxfp4.to_kernel_layout(big)))
 
 
 # ---- argument errors -----------------------------------------------------------------------------------

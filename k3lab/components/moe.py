@@ -206,9 +206,7 @@ def kernel_layout(w, quad: bool = False) -> torch.Tensor:
     hit = _kernel_layouts.get(key)
     if hit is not None and hit[0]() is d and hit[1] == d._version:
         return hit[2]
-    k = mxfp4.to_kernel_layout(d)
-    if quad:
-        k = mxfp4.quad_transpose(k)
+    k = mxfp4.to_kernel_layout(d, quad=quad)
     _kernel_layouts[key] = (weakref.ref(d, lambda _r, key=key: _kernel_layouts.pop(key, None)), d._version, k)
     return k
 
