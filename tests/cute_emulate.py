@@ -1938,7 +1938,7 @@ def _early(params, state, conv_state):
 
 def moe_tensors(z, idx, wk, moe, y, quad_up: bool = False) -> dict:
     """The CuTe experts' arguments for `_run`: the MXFP4 weights in the kernel layout (w1 and w3 quad-transposed with
-    quad_up, as the grouped up kernel reads them under UP_VEC), their scales, and the int32 views the wrappers make
+    quad_up, as the grouped up kernel reads them), their scales, and the int32 views the wrappers make
     (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered so that the emulator finds them by
     address and dtype (the kernels never see these names)."""
     from k3lab import mxfp4

@@ -4,7 +4,7 @@ without a GPU or nvidia-cutlass-dsl, through the shared checker (fresh inputs, y
 dequantized weights, the registry's MXFP4 tolerance). Cases: ragged routing over a small pool (experts with zero, one
 and several tokens), every token on the same experts at 9 tokens (a group of 9: two member tiles of the MMA's 8),
 int32 and int64 ids, pdl, both shapes of the kernels (few pairs: FEW_UP_SPLIT warps an up tile over parts of L,
-FEW_DOWN_TILES a warp; more pairs: a warp an up tile, DOWN_TILES a warp), W1 / W3 quad-transposed (UP_VEC); a token
+FEW_DOWN_TILES a warp; more pairs: a warp an up tile, DOWN_TILES a warp), W1 / W3 quad-transposed; a token
 that lists an expert twice; then what the wrapper refuses, by name."""
 import pytest
 import torch
@@ -23,7 +23,7 @@ LARGE = 512
 
 
 def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
-    t = emulate.moe_tensors(z, idx, wk, moe, y, quad_up=True)  # UP_VEC, the default
+    t = emulate.moe_tensors(z, idx, wk, moe, y, quad_up=True)  # as the component passes them
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):

@@ -25,8 +25,7 @@ VARIANTS = [{"UP_UNROLL": 8, "DOWN_TILES": 4}, {"UP_UNROLL": 4, "DOWN_TILES": 4}
             {"UP_UNROLL": 8, "DOWN_TILES": 8}] if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "8,64").split(",")]
 ROUTINGS = os.environ.get("ROUTINGS", "uniform").split(",")
-DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES", "FEW_PAIRS", "FEW_UP_SPLIT", "FEW_DOWN_TILES",
-                                      "DOWN_PREFETCH", "UP_VEC")}
+DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES", "FEW_PAIRS", "FEW_UP_SPLIT", "FEW_DOWN_TILES")}
 
 rows = []
 pr = timing.probes("cuda")

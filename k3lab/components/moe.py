@@ -171,11 +171,11 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
             fn, kpath = dispatch.kernel(OP, be), dispatch.kernel_path(OP, be)
             note = "path token: two launches: up (w1/w3 + SiTU), down (w2; no atomics)"
-        else:  # the grouped up kernel reads W1 / W3 quad-transposed (UP_VEC: one 16-byte load a lane, four blocks)
+        else:  # the grouped up kernel reads W1 / W3 quad-transposed (one 16-byte load a lane, four blocks)
             from k3lab_kernels.cute import moe_grouped as mg
 
             fn = mg.moe_grouped
-            ws = (kernel_layout(moe.w1, quad=mg.UP_VEC), kernel_layout(moe.w3, quad=mg.UP_VEC), kernel_layout(moe.w2))
+            ws = (kernel_layout(moe.w1, quad=True), kernel_layout(moe.w3, quad=True), kernel_layout(moe.w2))
             kpath = "k3lab_kernels.cute.moe_grouped:moe_grouped"
             note = ("path grouped: two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 "
                     "on tensor cores, fp32 atomics into y)")

@@ -24,17 +24,17 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
   down  a CTA per (pair p, 64 DOWN_TILES latent rows), PDL after up (it waits for up before reading anything); the
         same group listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16
         latent rows: the members' act words are the B fragments (loaded once a member tile), every block of I's W2
-        words straight into A fragments (DOWN_PREFETCH: the next tile's words loaded while this one computes); each
+        words straight into A fragments (the next tile's words loaded while this one computes); each
         tile's 16 x 8 outputs added into y[b, l] with fp32 atomics (so the order of a token's terms is not fixed).
 
 Layout: z [B, L] bf16 (read as int32 pairs); idx [B, K] int32 or int64 (the low word read); wk [B, K] fp32; w1, w3
-[E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words, w1 and w3 quad-transposed when UP_VEC
+[E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words, w1 and w3 quad-transposed
 (k3lab.mxfp4.quad_transpose: a lane's word of four consecutive blocks in one 16-byte load; ncu at batch 64 uniform
 had the up kernel's L1 at 90 % of its throughput with a 4-byte load a lane a block, 8 rows a warp instruction); s1,
 s3 [E, I, L/32] and s2 [E, L, I/32] uint8 E8M0 scales (read as the stack's 32-bit words, byte n in word n // 4); y
 [B, L] fp32 (zeroed by up, accumulated by down); a workspace act [B K, I/2] int32 (cached per device and shape: make
 the first call outside a CUDA graph capture). Needs L a multiple of 64 DOWN_TILES (64 FEW_DOWN_TILES for few pairs)
-and, with UP_VEC, of 128 times the up split; I of 64; B K <= MAX_PAIRS.
+and of 128 times the up split; I of 64; B K <= MAX_PAIRS.
 Exactness and tolerance: the decoded weights are exact (fp16 subnormals included) for s in 0..246; the activations
 are f16 of 2^6 z and of 2^6 wk situ (the simt path's scaling: exact for 2^-20 <= |z| < 1023); products and sums in the
 MMA's fp32; the registry's MXFP4 tolerance (k3lab.ops.moe.TOL).
@@ -60,8 +60,6 @@ UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a
 DOWN_TILES = 8      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 512 rows)
 NMEM = 8            # members a tile (the MMA's N)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
-DOWN_PREFETCH = True   # down: a tile's W2 and scale words loaded while the tile before computes
-UP_VEC = True       # up: W1 / W3 quad-transposed (k3lab.mxfp4.quad_transpose), a lane's words of 4 blocks in one load
 MAX_PAIRS = 4096
 # Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
 # 16-row tile, each over 1/FEW_UP_SPLIT of L, summed through shared memory; down: FEW_DOWN_TILES tiles a warp.
@@ -133,34 +131,22 @@ def _kernel_classes():
         return tid, c, lane, tid // 32, lane // 4, lane % 4
 
     def fbits(w, sh):
+        """The block factor 2^(s - 119) (fp32) of the scale byte at bit sh of word w."""
         return Int32((((w >> sh) & 0xFF) + 8) << 23).bitcast(Float32)
-
-    def factors(p_s, row, NB: int, j0, n: int):
-        """The block factors 2^(s - 119) (fp32) of blocks j0 .. j0 + n - 1 of a row of NB blocks (scale bytes row NB +
-        j of the stack): a 32-bit word per four blocks where NB and n are multiples of 4 (j0 is then too), else a
-        word a block."""
-        if NB % 4 == 0 and n % 4 == 0:
-            ws = [vec(p_s, (row * NB + j0) // 4 + k, 1)[0] for k in range(n // 4)]
-            return [fbits(ws[u // 4], 8 * (u % 4)) for u in range(n)]
-        return [fbits(vec(p_s, (row * NB + j0 + u) // 4, 1)[0], ((row * NB + j0 + u) % 4) * 8) for u in range(n)]
 
     def load_step(p_w1, p_w3, p_s1, p_s3, ra, t, j0, dst, UJ: int, SW: int, NB: int, RW: int):
         """An up step's loads into dst: the lane's words of blocks j0 .. j0 + UJ - 1 of rows ra, ra + 1 of W1 and of
-        W3 (UP_VEC: quad-transposed words, one 16-byte load per four blocks; j0 and UJ multiples of 4), then their
-        scale words (SW a row: one per four blocks where aligned, else one a block)."""
+        W3 (quad-transposed words, one 16-byte load per four blocks; j0 and UJ multiples of 4), then their scale
+        words (SW a row: one per four blocks where aligned, else one a block)."""
         for m in range(2):
             for h in range(2):
                 row = ra + h
-                if UP_VEC:
-                    for q in range(UJ // 4):
-                        four = cute.make_rmem_tensor((4,), Int32)
-                        off = cute.assume(row * RW + 4 * (j0 + 4 * q) + 4 * t, divby=4)
-                        cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, off, 4), four)
-                        for u in range(4):
-                            dst[(2 * m + h) * UJ + 4 * q + u] = four[u]
-                else:
-                    for u in range(UJ):
-                        dst[(2 * m + h) * UJ + u] = vec(p_w1 if m == 0 else p_w3, row * RW + 4 * (j0 + u) + t, 1)[0]
+                for q in range(UJ // 4):
+                    four = cute.make_rmem_tensor((4,), Int32)
+                    off = cute.assume(row * RW + 4 * (j0 + 4 * q) + 4 * t, divby=4)
+                    cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, off, 4), four)
+                    for u in range(4):
+                        dst[(2 * m + h) * UJ + 4 * q + u] = four[u]
                 for k in range(SW):
                     n = (row * NB + j0) // 4 + k if SW < UJ else (row * NB + j0 + k) // 4
                     dst[4 * UJ + (2 * m + h) * SW + k] = vec(p_s1 if m == 0 else p_s3, n, 1)[0]
@@ -265,7 +251,7 @@ def _kernel_classes():
             RW = L // 8
             L4 = L // 8                  # 4-word groups of a z row (L/2 words)
             NBW = NB // S                # blocks of L a warp
-            UJ = next(u for u in (UP_UNROLL, 4, 2, 1) if NBW % u == 0 and (not UP_VEC or u % 4 == 0))
+            UJ = next(u for u in (UP_UNROLL, 4) if NBW % u == 0)   # supports: NBW % 4 == 0
             SW = UJ // 4 if NB % 4 == 0 and UJ % 4 == 0 else UJ   # scale words a row a step
             NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
             tid, c, lane, warp, g, t = ids()
@@ -397,24 +383,20 @@ def _kernel_classes():
                     for j in cutlass.range_constexpr(NB):
                         for cc in cutlass.range_constexpr(4):
                             bw[4 * j + cc] = vec(p_act, qz * (I // 2) + 16 * j + 4 * cc + t, 1)[0]
-                    if cutlass.const_expr(DOWN_PREFETCH):  # tile + 1's words loaded before tile computes
-                        SD = NB // 4 if NB % 4 == 0 else NB
-                        cur = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
-                        nxt = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
-                        load_down(p_w2, p_s2, e * L + l0, t, cur, NB, RW)
+                    # tile + 1's words are loaded (into nxt) before tile computes (on cur)
+                    SD = NB // 4 if NB % 4 == 0 else NB
+                    cur = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
+                    nxt = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
+                    load_down(p_w2, p_s2, e * L + l0, t, cur, NB, RW)
                     for tile in cutlass.range(self.DT, unroll=1):
                         ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
                         acc = cute.make_rmem_tensor((4,), Float32)
                         for u in cutlass.range_constexpr(4):
                             acc[u] = Float32(0.0)
-                        if cutlass.const_expr(DOWN_PREFETCH):
-                            # the last tile loads the first again (unused)
-                            load_down(p_w2, p_s2, e * L + l0 + 16 * ((tile + 1) % self.DT), t, nxt, NB, RW)
-                            ws = [[cur[h * NB + j] for j in range(NB)] for h in range(2)]
-                            fs = [down_factors(cur, ra + 8 * h, h, NB) for h in range(2)]
-                        else:
-                            ws = [[vec(p_w2, (ra + 8 * h) * RW + 4 * j + t, 1)[0] for j in range(NB)] for h in range(2)]
-                            fs = [factors(p_s2, ra + 8 * h, NB, 0, NB) for h in range(2)]
+                        # the last tile loads the first again (unused)
+                        load_down(p_w2, p_s2, e * L + l0 + 16 * ((tile + 1) % self.DT), t, nxt, NB, RW)
+                        ws = [[cur[h * NB + j] for j in range(NB)] for h in range(2)]
+                        fs = [down_factors(cur, ra + 8 * h, h, NB) for h in range(2)]
                         for j in cutlass.range_constexpr(NB):
                             da = decode(ws[0][j])
                             db = decode(ws[1][j])
@@ -424,9 +406,8 @@ def _kernel_classes():
                             acc[1] = acc[1] + d[1] * fs[0][j]
                             acc[2] = acc[2] + d[2] * fs[1][j]
                             acc[3] = acc[3] + d[3] * fs[1][j]
-                        if cutlass.const_expr(DOWN_PREFETCH):
-                            for u in cutlass.range_constexpr(2 * NB + 2 * SD):
-                                cur[u] = nxt[u]
+                        for u in cutlass.range_constexpr(2 * NB + 2 * SD):
+                            cur[u] = nxt[u]
                         for col in cutlass.range_constexpr(2):
                             if 2 * t + col < tc:
                                 b = s_mem[mt * NMEM + 2 * t + col] // K
@@ -461,9 +442,9 @@ def supports(B: int, K: int, I: int, L: int) -> str | None:
     if L % (64 * tiles):
         return (f"the grouped cute experts need latent % {64 * tiles} == 0 (a down CTA's rows at {B} x {K} pairs), "
                 f"got {L}")
-    if UP_VEC and L % (128 * split):
-        return (f"the grouped cute experts need latent % {128 * split} == 0 (UP_VEC: whole groups of four blocks a "
-                f"warp's part of L at {B} x {K} pairs), got {L}")
+    if L % (128 * split):
+        return (f"the grouped cute experts need latent % {128 * split} == 0 (whole groups of four blocks a warp's "
+                f"part of L at {B} x {K} pairs), got {L}")
     if I % UP_ROWS:
         return f"the grouped cute experts need the per-GPU intermediate % {UP_ROWS} == 0 (an up CTA's rows), got {I}"
     if B * K > MAX_PAIRS:
@@ -508,7 +489,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, DOWN_PREFETCH, UP_VEC)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
