@@ -102,3 +102,97 @@ def test_refused_by_name():
         run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
+
+
+# ---- the slice form (moe_slice): one launch, a CTA per (pair, slice of R intermediate rows), fp32 atomics ----------
+
+def run_slice(z, idx, wk, moe, y, pdl=False, seed=0, rows=16, chunk=None):
+    from k3lab import mxfp4
+
+    t = emulate.moe_tensors(z, idx, wk, moe, y)
+    t["w2s"], t["s2s"] = mxfp4.to_slice_layout(moe.w2.data, moe.w2.scale, rows)
+    t["s2s_words"] = t["s2s"].reshape(-1).view(torch.int32)
+    emulate._PDL["early"] = frozenset()  # nothing is read before the wait
+
+    def call(m, **a):
+        mod = m.mod["moe_experts"]
+        saved = mod.SLICE_CHUNK
+        if chunk:
+            mod.SLICE_CHUNK = chunk
+        try:
+            mod.moe_slice(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2s"], a["s1"], a["s3"], a["s2s"], a["y"],
+                          b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
+                          pdl=pdl)
+        finally:
+            mod.SLICE_CHUNK = saved
+    emulate._run(call, t, seed)
+
+
+def impl_slice(pdl=False, idx32=False, rows=16, chunk=None):
+    def f(d):
+        idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
+        run_slice(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows, chunk=chunk)
+    f.__name__ = f"emulated cute moe_slice(pdl={pdl}, int32 ids={idx32}, rows={rows}, chunk={chunk})"
+    return f
+
+
+# SMALL: L/32 = 4 blocks (a partial warp of block threads), I 128: 8 slices of 16 (16 CTAs of 32 sums: 5 halving
+# steps), 4 of 32 (64 sums: 5 steps, 2 sums a lane), 16 of 8 (3 steps, then 2 plain butterfly levels);
+# ODD: I 96 (three scale blocks; slices of 16 share a block); chunk 2 (several chunks in flight)
+@pytest.mark.parametrize("pdl,idx32,shape,rows,chunk", [
+    (True, True, SMALL, 16, None), (False, False, ODD, 16, 2), (False, True, SMALL, 32, None),
+    (True, False, SMALL, 8, None)])
+def test_one_token_slice(pdl, idx32, shape, rows, chunk):
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl_slice(pdl, idx32, rows, chunk), seed=int(pdl),
+                                  device="cpu"))
+    (launch,) = emulate.LAST["launches"][-1:]
+    inter = shape["inter"] // shape["tp"]
+    assert launch["use_pdl"] == pdl and launch["grid"][0] == shape["top_k"] * inter // rows
+    assert launch["block"] == -(-shape["latent"] // 32 // 32) * 32
+
+
+def test_slice_counters_left_zeroed_and_calls_repeat():
+    """Two calls in a row on new routing: each equals the reference (the tickets and the flag are reset by the last
+    CTA out, so the second call's first CTA zeroes y again)."""
+    d = OP.make_inputs(OP.case(**SMALL), 0, "cpu")
+    from k3lab import mxfp4
+
+    t = emulate.moe_tensors(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"])
+    t["w2s"], t["s2s"] = mxfp4.to_slice_layout(d["moe"].w2.data, d["moe"].w2.scale, 16)
+    t["s2s_words"] = t["s2s"].reshape(-1).view(torch.int32)
+    idx2 = d["idx"].flip(-1).contiguous()
+    t["idx2"], t["idx2_words"] = idx2, idx2.reshape(-1).view(torch.int32)
+    out = []
+
+    def call(m, **a):
+        mod = m.mod["moe_experts"]
+        for ids in (a["idx"], a["idx2"]):
+            a["y"].fill_(float("nan"))
+            mod.moe_slice(a["z"], ids, a["wk"], a["w1"], a["w3"], a["w2s"], a["s1"], a["s3"], a["s2s"], a["y"])
+            out.append(a["y"].as_subclass(torch.Tensor).clone())
+            assert mod._CNT[0].as_subclass(torch.Tensor).tolist() == [0, 0, 0, 0]
+    emulate._run(call, t, 0)
+    from k3lab.ref import moe as rm
+
+    for ids, y in zip((d["idx"], idx2), out):
+        want = rm.routed_experts(d["z"].double(), ids, d["weights_k"].double(), d["moe"], rm.glu_ffn)
+        assert torch.allclose(y.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_slice_refused_by_name():
+    from k3lab import mxfp4
+
+    d = OP.make_inputs(OP.case(**SMALL), 0, "cpu")
+    t = emulate.moe_tensors(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"])
+    t["w2s"], t["s2s"] = mxfp4.to_slice_layout(d["moe"].w2.data, d["moe"].w2.scale, 16)
+    cases = [(dict(w2s="w2"), "'w2s' must be the slice-layout words"),
+             (dict(s2s="s2"), "'s2s' must be a contiguous tensor of shape"),
+             (dict(pdl=1), "'pdl' must be None or a bool")]
+
+    def call(m, **a):
+        for swap, msg in cases:
+            kw = dict(a, **{k: a[v] for k, v in swap.items() if k != "pdl"})
+            with pytest.raises(ValueError, match=msg):
+                m.mod["moe_experts"].moe_slice(kw["z"], kw["idx"], kw["wk"], kw["w1"], kw["w3"], kw["w2s"], kw["s1"],
+                                               kw["s3"], kw["s2s"], kw["y"], pdl=swap.get("pdl"))
+    emulate._run(call, t, 0)
