@@ -148,64 +148,13 @@ def _to_kl_rows(packed: torch.Tensor) -> torch.Tensor:
     rows, nb = packed.shape[0], packed.shape[1] // (BLOCK // 2)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).to(torch.int32)  # [rows, K/2, 2]
     codes = codes.reshape(rows, nb, 4, 4, 2)  # [row, block, p, j, half]: pair q = 4p + j
-    return _place(codes).reshape(rows, nb * 4)
-
-
-def _place(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., 4 (part p), n (word j), 2 (half)] int32 -> words [..., n] int32 with part p of word j placed as
-    _KL_SHIFTS says (the same bits `to_kernel_layout` writes)."""
-    word = torch.zeros(codes.shape[:-3] + (codes.shape[-2],), dtype=torch.int32, device=codes.device)
+    word = torch.zeros(rows, nb, 4, dtype=torch.int32, device=packed.device)
     for p, (ms, ss) in enumerate(_KL_SHIFTS):
         for h in range(2):
-            c = codes[..., p, :, h]
+            c = codes[..., p, :, h]  # [row, block, j]
             sign = (c & 8) << ss if ss >= 0 else (c & 8) >> -ss
             word |= (((c & 7) << ms) | sign) << (16 * h)  # int32: bit 31 wraps to the sign, as intended
-    return word
-
-
-SLICE_ROWS = (8, 16, 32)
-
-
-def to_slice_layout(packed: torch.Tensor, scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A down-projection stack's packed codes [E, L, I/2] uint8 and E8M0 scales [E, L, I/32] -> the slice layout of
-    the one-token CuTe experts' slice form (k3lab_kernels.cute.moe_experts, `moe_slice`): words [E, I/rows, L,
-    rows/8] int32, the slice of `rows` consecutive inputs of every one of the L rows contiguous (one bulk copy), each
-    row's slice as rows/8 words whose part p of word j carries the input pair (rows/8) p + j (the kernel layout's bit
-    placement; at rows 32 the words are `to_kernel_layout`'s); scales [E, I/32, L] uint8 (the block's byte of every
-    row contiguous). Converted an expert at a time (no full-size transient)."""
-    if rows not in SLICE_ROWS:
-        raise ValueError(f"to_slice_layout: 'rows' must be one of {SLICE_ROWS}, got {rows!r}")
-    if packed.dtype != torch.uint8 or packed.dim() != 3 or (2 * packed.shape[2]) % 32:
-        raise ValueError(f"to_slice_layout: 'packed' must be uint8 [E, L, I/2] with I % 32 == 0, got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
-    E, L, I = packed.shape[0], packed.shape[1], 2 * packed.shape[2]
-    if scales.dtype != torch.uint8 or tuple(scales.shape) != (E, L, I // BLOCK):
-        raise ValueError(f"to_slice_layout: 'scales' must be uint8 {(E, L, I // BLOCK)}, got {scales.dtype} "
-                         f"{tuple(scales.shape)}")
-    nw, S = rows // 8, I // rows
-    out = torch.empty(E, S, L, nw, dtype=torch.int32, device=packed.device)
-    for e in range(E):
-        codes = torch.stack([packed[e] & 0xF, packed[e] >> 4], dim=-1).to(torch.int32)  # [L, I/2, 2]
-        codes = codes.reshape(L, S, 4, nw, 2)  # slice pair q = nw p + j
-        out[e] = _place(codes).transpose(0, 1)
-    return out, scales.transpose(1, 2).contiguous()
-
-
-def from_slice_layout(words: torch.Tensor) -> torch.Tensor:
-    """The inverse of `to_slice_layout` for the codes: [E, S, L, rows/8] int32 -> packed [E, L, I/2] uint8."""
-    if words.dtype != torch.int32 or words.dim() != 4 or words.shape[3] * 8 not in SLICE_ROWS:
-        raise ValueError(f"from_slice_layout: 'words' must be int32 [E, S, L, rows/8] with rows in {SLICE_ROWS}, "
-                         f"got {words.dtype} {tuple(words.shape)}")
-    E, S, L, nw = words.shape
-    w = words.to(torch.int64).transpose(1, 2) & 0xFFFFFFFF  # [E, L, S, nw]
-    codes = torch.zeros(E, L, S, 4, nw, 2, dtype=torch.int64, device=words.device)
-    for p, (ms, ss) in enumerate(_KL_SHIFTS):
-        for h in range(2):
-            half = w >> (16 * h)
-            sign = (half >> ss) & 8 if ss >= 0 else (half << -ss) & 8
-            codes[..., p, :, h] = ((half >> ms) & 7) | sign
-    codes = codes.reshape(E, L, S * 4 * nw, 2)
-    return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8).contiguous()
+    return word.reshape(rows, nb * 4)
 
 
 def quad_transpose(words: torch.Tensor) -> torch.Tensor:

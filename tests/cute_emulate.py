@@ -994,20 +994,6 @@ def atomic_add(ptr, val, *, sem=None, scope=None):
     return old
 
 
-def load(ptr, dtype, *, sem=None, scope=None, **kw):
-    """cute.arch.load of one word (spin loops wait on it: the one-token slice form's flag): the value, then a
-    yield, so that a spin lets the other tasks run (one never satisfied ends in the launch's TIMEOUT_S)."""
-    if not isinstance(ptr, Pointer):
-        raise EmulationError("load on a non-pointer")
-    if kw:
-        raise EmulationError(f"load options the emulator does not model: {sorted(kw)}")
-    v = ptr.buf.read(ptr.off)
-    t = _cur()
-    _S.ready.append(t)
-    _S.backend.suspend(t)
-    return v
-
-
 def fence_acq_rel_gpu():
     """fence.acq_rel.gpu: orders nothing here (one task runs at a time; the module doc's memory-model limits)."""
 
@@ -1840,7 +1826,7 @@ def _fake_modules(emu: _Emu) -> dict:
         mbarrier_wait=mbarrier_wait, mbarrier_test_wait=mbarrier_test_wait, rcp_approx=_rcp_approx,
         vote_ballot_sync=vote_ballot_sync,
         shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add,
-        fence_acq_rel_gpu=fence_acq_rel_gpu, load=load)
+        fence_acq_rel_gpu=fence_acq_rel_gpu)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
     nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,
                     LoadCacheMode=types.SimpleNamespace(ALWAYS="ca", GLOBAL="cg", STREAMING="cs", LAST_USE="lu",

@@ -75,53 +75,6 @@ def test_grouped_k3_pool(batch, tp, routing):
     checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch))
 
 
-@pytest.mark.parametrize("tp,routing,rows", [(8, "uniform", None), (16, "uniform", None), (8, "k3_reuse30", None),
-                                              (8, "uniform", 8), (8, "uniform", 32)])
-def test_slice_k3_pool(tp, routing, rows):
-    """The one-launch slice form (path "slice"): K3's pool, TP8 and TP16, its rows a CTA (the module's SLICE_ROWS, 8,
-    32); two seeds back to back (the second call's first CTA zeroes y again after the first call's reset)."""
-    from k3lab_kernels.cute import moe_experts as me
-
-    saved = me.SLICE_ROWS
-    me.SLICE_ROWS = rows or saved
-    try:
-        for seed in (0, 1):
-            checker.require(checker.check(OP, OP.case(tp=tp, routing=routing, **K3), backend="cute",
-                                          options=dict(path="slice"), seed=seed))
-    finally:
-        me.SLICE_ROWS = saved
-
-
-def test_slice_pdl_graph_new_routing():
-    """The slice form inside a pdl chain, captured in a CUDA graph and replayed 50 times on new routing (a repeated
-    id included): every replay equals fp64 (the tickets are reset by each replay's last CTA)."""
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    case = OP.case(tp=8, routing="uniform", **K3)
-    a = OP.make_inputs(case, 1, "cuda")
-
-    def run():
-        with pdl_chain(True):
-            c_moe.experts(a["z"], a["idx"], a["weights_k"], a["moe"], backend="cute", path="slice", out=a["y"],
-                          check_values=False)
-    run()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    for i in range(50):
-        a["idx"].copy_(torch.randperm(896, generator=gen, device="cuda")[:16].view(1, 16))
-        if i % 2:
-            a["idx"][0, 1] = a["idx"][0, 0]
-        a["weights_k"].copy_(torch.rand(1, 16, generator=gen, device="cuda") / 8)
-        a["z"].copy_(torch.randn(1, 3584, generator=gen, device="cuda").to(torch.bfloat16))
-        a["y"].fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        want = ops_moe.ref_experts(a, case)["y"]
-        assert float((a["y"].double() - want).norm() / want.norm()) < ops_moe.TOL, i
-
-
 def test_refused_by_name():
     d = OP.make_inputs(OP.case(tp=8, routing="uniform", **dict(K3, batch=2)), 0, "cuda")
     with pytest.raises(ValueError, match="'z' must be one token for the cute backend's path 'token'"):

@@ -13,7 +13,6 @@ import torch
 from k3lab import registry
 from k3lab.harness import checker, timing
 from k3lab_kernels.cute import moe_experts as M
-from k3lab_kernels.triton.pdl import pdl_chain
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
@@ -21,13 +20,9 @@ OP = registry.get("moe_experts")
 # module settings a row; VARIANTS='[{"DOWN_ROWS": 4, "UP_ROWS": 2}, ...]' replaces them. The earlier runs' forms are in
 # git history: the study flags L2_W2 / EARLY_DOWN at 22b43ed, the warp-per-(pair, two rows) up kernel (UP_ROWS 0) at
 # 2125780, the one-launch form (FORM "fused", FUSED_GROUPS, FUSED_GRID) at fca14c9
-# A set may also name the component's `path` ("token": two launches; "slice": the one-launch slice form, with its
-# settings SLICE_ROWS / SLICE_CHUNK) and "pdl": true (the call inside a pdl chain, as the decode step runs it).
-VARIANTS = [{"path": "token"}, {"path": "slice"}, {"path": "slice", "SLICE_ROWS": 8},
-            {"path": "slice", "SLICE_ROWS": 32}, {"path": "slice", "SLICE_CHUNK": 8},
-            {"path": "slice", "SLICE_CHUNK": 2}, {"path": "token", "pdl": True}, {"path": "slice", "pdl": True}] \
+VARIANTS = [{"DOWN_ROWS": 4, "UP_ROWS": 4}, {"DOWN_ROWS": 4, "UP_ROWS": 2}, {"DOWN_ROWS": 8, "UP_ROWS": 4}] \
     if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
-DEFAULTS = {k: getattr(M, k) for k in ("DOWN_ROWS", "UP_ROWS", "SLICE_ROWS", "SLICE_CHUNK")}
+DEFAULTS = {k: getattr(M, k) for k in ("DOWN_ROWS", "UP_ROWS")}
 
 rows = []
 pr = timing.probes("cuda")
@@ -40,19 +35,12 @@ for tp in (8, 16):
     sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(n_sets)]
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
     for be, flags in [("triton", None)] + [("cute", f) for f in VARIANTS]:
-        flags = dict(flags or {})
-        opts = {"path": flags["path"]} if "path" in flags else {}
-        chain = bool(flags.get("pdl", False))
-        for k, v in flags.items():
-            if k not in ("path", "pdl"):
-                setattr(M, k, v)
+        for k, v in (flags or {}).items():
+            setattr(M, k, v)
         try:
-            chk = checker.check(OP, case, backend=be, inputs=sets[0], options=opts)
-
-            def call(s, c=case, b=be, o=opts, ch=chain):
-                with pdl_chain(ch):
-                    OP.call(s, c, b, o, None)
-            t = timing.bench_gpu(call, input_sets=[(s,) for s in sets], reps=REPS)
+            chk = checker.check(OP, case, backend=be, inputs=sets[0])
+            t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
+                                 reps=REPS)
         except Exception as e:  # a variant that fails to build or launch is a row, not the end of the run
             print(tp, flags, "FAILED", type(e).__name__, str(e)[:300], flush=True)
             rows.append(dict(tp=tp, variant=str(flags), error=f"{type(e).__name__}: {e}"[:1000]))
@@ -60,7 +48,7 @@ for tp in (8, 16):
         finally:
             for k, v in DEFAULTS.items():
                 setattr(M, k, v)
-        name = be if be == "triton" else "cute " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
+        name = be if flags is None else "cute " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
         r = dict(tp=tp, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, samples=t.samples_us,
                  floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)
         rows.append(r)

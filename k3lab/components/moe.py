@@ -15,10 +15,7 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
                              z bf16, idx int32/int64, weights_k fp32, dense experts bf16, fp8 with fp32
                              per-output-channel scales, or MXFP4
   cute                       MXFP4 experts, knob `path`: "token" (k3lab_kernels.cute.moe_experts, one token: two
-                             launches, w1/w3 + SiTU then w2, no atomics), "slice" (its `moe_slice`, one token in one
-                             launch: a CTA per (pair, slice of intermediate rows), w2's slice into y with fp32
-                             atomics; w2 in the slice layout, `slice_layout`) or "grouped"
-                             (k3lab_kernels.cute.moe_grouped,
+                             launches, w1/w3 + SiTU then w2, no atomics) or "grouped" (k3lab_kernels.cute.moe_grouped,
                              several tokens: pairs grouped by expert on the device, tensor-core fragments straight from
                              the kernel layout, w2 into y with fp32 atomics); None: token at batch 1, grouped above
                              (recorded as run); refused by name otherwise (the op's `supports`, given the call's shape)
@@ -162,10 +159,10 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         if {moe.w1.fmt, moe.w3.fmt, moe.w2.fmt} != {"mxfp4"}:
             _fail("moe", f"must hold MXFP4 experts for the cute backend, got {moe.w1.fmt}")
         cpath = path if path is not None else ("token" if B == 1 else "grouped")
-        if cpath not in ("token", "slice", "grouped"):
-            _fail("path", f"must be None, 'token', 'slice' or 'grouped' for the cute backend, got {path!r}")
-        if cpath in ("token", "slice") and B != 1:
-            _fail("z", f"must be one token for the cute backend's path {cpath!r} (batch 1), got batch {B}")
+        if cpath not in ("token", "grouped"):
+            _fail("path", f"must be None, 'token' or 'grouped' for the cute backend, got {path!r}")
+        if cpath == "token" and B != 1:
+            _fail("z", f"must be one token for the cute backend's path 'token' (batch 1), got batch {B}")
         if out is None:
             out = torch.empty(B, L, dtype=torch.float32, device=z.device)
         elif out.dtype != torch.float32 or not out.is_contiguous():
@@ -174,14 +171,6 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))
             fn, kpath = dispatch.kernel(OP, be), dispatch.kernel_path(OP, be)
             note = "path token: two launches: up (w1/w3 + SiTU), down (w2; no atomics)"
-        elif cpath == "slice":
-            from k3lab_kernels.cute import moe_experts as me
-
-            fn, kpath = me.moe_slice, "k3lab_kernels.cute.moe_experts:moe_slice"
-            w2s, s2s = slice_layout(moe.w2, me.SLICE_ROWS)
-            ws = (kernel_layout(moe.w1), kernel_layout(moe.w3), w2s)
-            note = (f"path slice: one launch, a CTA per (pair, {me.SLICE_ROWS} intermediate rows): w1/w3 + SiTU, then "
-                    f"w2's slice, fp32 atomics into y")
         else:  # the grouped up kernel reads W1 / W3 quad-transposed (one 16-byte load a lane, four blocks)
             from k3lab_kernels.cute import moe_grouped as mg
 
@@ -191,8 +180,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             note = ("path grouped: two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 "
                     "on tensor cores, fp32 atomics into y)")
         rule = "requested" if path is not None else "by batch: token at 1, grouped above"
-        y = fn(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, s2s if cpath == "slice" else moe.w2.scale, out,
-               b1=float(moe.b1), b2=float(moe.b2))
+        y = fn(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, moe.w2.scale, out, b1=float(moe.b1),
+               b2=float(moe.b2))
         dispatch.record(ran, kernel=kpath, options=dict(path=cpath), notes=f"{note} ({rule})", **rec)
         return y
     ffn = ref.glu_ffn
@@ -218,20 +207,6 @@ def kernel_layout(w, quad: bool = False) -> torch.Tensor:
     if hit is not None and hit[0]() is d and hit[1] == d._version:
         return hit[2]
     k = mxfp4.to_kernel_layout(d, quad=quad)
-    _kernel_layouts[key] = (weakref.ref(d, lambda _r, key=key: _kernel_layouts.pop(key, None)), d._version, k)
-    return k
-
-
-def slice_layout(w, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-token slice form's copy of an MXFP4 down-projection ExpertWeight (k3lab.mxfp4.to_slice_layout: words
-    [E, I/rows, L, rows/8] int32 and scales [E, I/32, L] uint8, the same bytes rearranged), made on first use and
-    kept like `kernel_layout`'s."""
-    d = w.data
-    key = (id(d), "slice", int(rows))
-    hit = _kernel_layouts.get(key)
-    if hit is not None and hit[0]() is d and hit[1] == d._version:
-        return hit[2]
-    k = mxfp4.to_slice_layout(d, w.scale, rows)
     _kernel_layouts[key] = (weakref.ref(d, lambda _r, key=key: _kernel_layouts.pop(key, None)), d._version, k)
     return k
 

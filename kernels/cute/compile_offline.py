@@ -257,16 +257,7 @@ def _cases(only: str | None, quick: bool):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down
         # kernel's latent rows a CTA)
-        up_cls, down_cls, slice_cls = km._kernel_classes()
-        # MoESlice: z, idx, wk, w1, w3, s1, s3, w2 (slice layout), s2 (slice layout), y, counters; (..., R)
-        sargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
-                 P(i32, 16), P(f32, 4), P(i32, 16), S]
-        for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 16), (16, 384, 3584, 896, 1, True, 16),
-                                         (16, 384, 3584, 896, 2, True, 32), (16, 384, 3584, 896, 2, True, 8),
-                                         (16, 192, 3584, 896, 2, True, 16), (3, 128, 128, 6, 2, False, 16)):
-            cases.append((f"moe slice K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {R}",
-                          lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=R: slice_cls(K, I, L, E, st, 4.0, 25.0, p, r),
-                          sargs))
+        up_cls, down_cls = km._kernel_classes()
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),

@@ -41,20 +41,19 @@ from ..mxfp4_ptx import decode_ptx
 _THREADS = 128
 _WARPS = _THREADS // 32
 
-__all__ = ["MoECuteError", "block_ptx", "moe_experts", "moe_slice"]
+__all__ = ["MoECuteError", "block_ptx", "moe_experts"]
 
 
-def block_ptx(nw: int = 4) -> str:
-    """PTX of one row's nw words for one token (nw = 4: a 32-block of the kernel layout; 1, 2: the slice layout's 8
-    or 16 inputs): $0 (f32) = $(5 nw + 2) + 2^(s-119) * sum of the 8 nw products, $1..$nw the words, $(nw + 1 + nw p
-    + j) the activation pair (f16x2 of 2^6 x) that part p of word j multiplies, $(5 nw + 1) the factor's bits
-    ((s + 8) << 23), $(5 nw + 2) the fp32 accumulator in."""
+def block_ptx() -> str:
+    """PTX of one 32-block of one row for one token: $0 (f32) = $22 + 2^(s-119) * sum of the block's 32 products,
+    $1..$4 the block's four kernel-layout words, $5 + 4p + j the activation pair (f16x2 of 2^6 x) that part p of word
+    j multiplies, $21 the factor's bits ((s + 8) << 23), $22 the fp32 accumulator in."""
     lines = ["{", ".reg .b32 t, d0, d1, d2, d3, h;", ".reg .b16 lo, hi;", ".reg .f32 a, b;", "mov.b32 h, 0;"]
-    for j in range(nw):
+    for j in range(4):
         lines += decode_ptx(f"${1 + j}")
-        lines += [f"fma.rn.f16x2 h, d{p}, ${nw + 1 + nw * p + j}, h;" for p in range(4)]
+        lines += [f"fma.rn.f16x2 h, d{p}, ${5 + 4 * p + j}, h;" for p in range(4)]
     lines += ["mov.b32 {lo, hi}, h;", "cvt.f32.f16 a, lo;", "cvt.f32.f16 b, hi;", "add.f32 a, a, b;",
-              f"fma.rn.f32 $0, a, ${5 * nw + 1}, ${5 * nw + 2};", "}"]
+              "fma.rn.f32 $0, a, $21, $22;", "}"]
     return "\n".join(lines)
 
 
@@ -69,10 +68,6 @@ _KERNEL_CLS = None
 # (experiments/moe_cute/README.md: 4 and 4 ahead of 2, 8 and 16 at TP8 and TP16)
 DOWN_ROWS = 4
 UP_ROWS = 4
-# the slice form (`moe_slice`): intermediate rows a CTA (the slice layout's R: the component converts w2 for it) and
-# rows of W1 and W3 a chunk of its up phase (the next chunk's words loaded while one computes)
-SLICE_ROWS = 16
-SLICE_CHUNK = 4
 
 
 def _kernel_classes():
@@ -84,11 +79,9 @@ def _kernel_classes():
     import cutlass
     from cutlass import Float32, Int32, cute
     from cutlass._mlir.dialects import llvm as _llvm
-    from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
     BLOCK = block_ptx()
-    SLICE_PTX = {nw: block_ptx(nw) for nw in (1, 2, 4)}
 
     def vec(ptr, off, n):
         return cute.make_tensor(ptr + off, cute.make_layout(n))
@@ -114,24 +107,6 @@ def _kernel_classes():
                                                         Float32(lo).ir_value(loc=loc, ip=ip)], PACK_PTX, "=r,f,f",
                                       has_side_effects=False, is_align_stack=False,
                                       asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def slice_fma(words, pairs, fbits, acc, *, loc=None, ip=None):
-        """block_ptx(len(words)): the row's words times the activation pairs (in pair order), scaled, plus acc."""
-        nw = len(words)
-        ops = ([Int32(w).ir_value(loc=loc, ip=ip) for w in words]
-               + [Int32(pairs[q]).ir_value(loc=loc, ip=ip) for q in range(4 * nw)]
-               + [Int32(fbits).ir_value(loc=loc, ip=ip), Float32(acc).ir_value(loc=loc, ip=ip)])
-        return Float32(_llvm.inline_asm(Float32.mlir_type, ops, SLICE_PTX[nw], "=f," + "r," * (5 * nw + 1) + "f",
-                                        has_side_effects=False, is_align_stack=False,
-                                        asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def bulk_g2s(dst, src, mbar, nbytes, *, loc=None, ip=None):
-        """cp.async.bulk of nbytes contiguous bytes, global -> shared, completing on mbar's transaction count."""
-        _nvvm.cp_async_bulk_shared_cluster_global(
-            dst.to_llvm_ptr(loc=loc, ip=ip), src.to_llvm_ptr(loc=loc, ip=ip), mbar.to_llvm_ptr(loc=loc, ip=ip),
-            Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
     def ids():
         """(thread, CTA, lane, warp) of a one-dimensional launch."""
@@ -284,171 +259,7 @@ def _kernel_classes():
                 a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
-    def load_rows(p_w1, p_w3, p_s1, p_s3, row0, b, RW: int, NB: int, CH: int, wv, sv):
-        """Rows row0 .. row0 + CH - 1 of W1_e and of W3_e (row0 = e I + first row): block b's four words of each
-        (one 16-byte load) into wv [m, r, word] and the 32-bit word holding its scale byte into sv [m, r] (a plain
-        helper, not preprocessed: Python loops)."""
-        for m in range(2):
-            for r in range(CH):
-                row = row0 + r
-                cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
-                                  cute.make_tensor(wv.iterator + (m * CH + r) * 4, cute.make_layout(4)))
-                sv[m * CH + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
-
-    class MoESlice:
-        """One launch: a CTA per (pair k, slice of R intermediate rows). Up: thread b < L/32 owns block b of z and of
-        the slice's R rows of W1_e and W3_e (chunks of SLICE_CHUNK rows, the next chunk's words loaded while this
-        one computes); the 2R row sums by a transposing butterfly (one sum a lane, 31 shuffles at R 16) and shared
-        memory; SiTU times 2^6 wk into R/2 f16 pairs in shared memory. Down: the slice's W2_e words of all L rows and
-        their scale bytes, bulk-copied into shared memory when the CTA starts, times those pairs, every row's
-        partial added into y[l] with an fp32 atomic. y is zeroed by the CTA whose ticket is 0; the others add only
-        after its flag; the last CTA to finish resets the tickets (a workspace of int32 counters)."""
-
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int):
-            self.K, self.I, self.L, self.E, self.idx_step = K, I, L, E, idx_step
-            self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
-            self.R, self.NW, self.S = rows, rows // 8, I // rows
-            self.NB = L // 32
-            self.NT = (self.NB + 31) // 32 * 32
-            self.CH = min(rows, SLICE_CHUNK)
-            self.NCTA = K * self.S
-
-        @cute.jit
-        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
-                     p_s2: cute.Pointer, p_y: cute.Pointer, p_cnt: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_w2, p_s2, p_y, p_cnt).launch(
-                grid=[self.NCTA, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_w2: cute.Pointer,
-                   p_s2: cute.Pointer, p_y: cute.Pointer, p_cnt: cute.Pointer):
-            I, L, R, NW, S, NB, NT, CH = self.I, self.L, self.R, self.NW, self.S, self.NB, self.NT, self.CH
-            RW = L // 8
-            W = NT // 32
-            N2 = 2 * R                   # row sums a thread: W1 rows 0..R-1, then W3 rows
-            LOGN = N2.bit_length() - 1
-            M = min(LOGN, 5)             # halving steps of the butterfly; N2 >> M sums a lane after them
-            NCH = R // CH
-            NZ = (L + NT - 1) // NT      # rows of y (and of the down product) a thread
-            tid, c, lane, warp = ids()
-            smem = cutlass.utils.SmemAllocator()
-            s_w2 = smem.allocate_tensor(Int32, cute.make_layout(L * NW), byte_alignment=16)   # [row, word]
-            s_s2 = smem.allocate_tensor(Int32, cute.make_layout(L // 4), byte_alignment=16)   # scale bytes
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(W * N2), byte_alignment=16)  # [warp, sum]
-            s_act = smem.allocate_tensor(Int32, cute.make_layout(4 * NW), byte_alignment=16)   # R/2 f16 pairs
-            s_tk = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
-            mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
-            k = c // S
-            s = c % S
-            r0 = s * R
-            b = tid % NB                 # a thread past the last block redoes a valid one times a factor of 0.0
-            keep = (tid - NB) >> 31
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
-            e = vec(p_idx, k * self.idx_step, 1)[0]
-            if tid == 0:                 # the slice of W2_e and its scales land while the up phase runs
-                cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, L * NW * 4 + L)
-                bulk_g2s(s_w2.iterator, p_w2 + (e * S + s) * (L * NW), mbar, L * NW * 4)
-                bulk_g2s(s_s2.iterator, p_s2 + (e * (I // 32) + r0 // 32) * (L // 4), mbar, L)
-                s_tk[0] = cute.arch.atomic_add(p_cnt, Int32(1), sem="relaxed", scope="gpu")
-            wv = cute.make_rmem_tensor((2 * CH * 4,), Int32)  # the next chunk's words [m, r, word]
-            sv = cute.make_rmem_tensor((2 * CH,), Int32)
-            wc = cute.make_rmem_tensor((2 * CH * 4,), Int32)  # this chunk's
-            sc = cute.make_rmem_tensor((2 * CH,), Int32)
-            load_rows(p_w1, p_w3, p_s1, p_s3, e * I + r0, b, RW, NB, CH, wv, sv)
-            zr = cute.make_rmem_tensor((16,), Int32)
-            zp = cute.make_rmem_tensor((16,), Int32)
-            cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
-            for q in cutlass.range_constexpr(16):
-                zp[q] = to_f16x2(zr[q])
-            acc = cute.make_rmem_tensor((N2,), Float32)
-            for ch in cutlass.range_constexpr(NCH):
-                for q in cutlass.range_constexpr(2 * CH * 4):
-                    wc[q] = wv[q]
-                for q in cutlass.range_constexpr(2 * CH):
-                    sc[q] = sv[q]
-                if cutlass.const_expr(ch + 1 < NCH):
-                    load_rows(p_w1, p_w3, p_s1, p_s3, e * I + r0 + (ch + 1) * CH, b, RW, NB, CH, wv, sv)
-                for m in cutlass.range_constexpr(2):
-                    for r in cutlass.range_constexpr(CH):
-                        j = m * CH + r
-                        fbits = factor_bits(sc[j], (e * I + r0 + ch * CH + r) * NB + b, keep)
-                        acc[m * R + ch * CH + r] = block_fma(cute.make_tensor(wc.iterator + j * 4,
-                                                                              cute.make_layout(4)), zp, fbits,
-                                                             Float32(0.0))
-            # transposing butterfly: step i halves the sums a lane holds (lanes with bit 4 - i set keep the upper
-            # half), so after M steps lane l holds sums (l >> (5 - M)) (N2 >> M) + 0 .. N2 >> M, over 2^M lanes
-            for i in cutlass.range_constexpr(M):
-                o = 16 >> i
-                half = N2 >> (i + 1)
-                hi = (lane & o) != 0
-                for q in cutlass.range_constexpr(half):
-                    send = cutlass.select_(hi, acc[q], acc[q + half])
-                    kept = cutlass.select_(hi, acc[q + half], acc[q])
-                    acc[q] = kept + cute.arch.shuffle_sync_bfly(send, offset=o)
-            for i in cutlass.range_constexpr(M, 5):
-                for q in cutlass.range_constexpr(N2 >> M):
-                    acc[q] = acc[q] + cute.arch.shuffle_sync_bfly(acc[q], offset=16 >> i)
-            if lane % (32 >> M) == 0:
-                for q in cutlass.range_constexpr(N2 >> M):
-                    s_red[warp * N2 + (lane >> (5 - M)) * (N2 >> M) + q] = acc[q]
-            cute.arch.sync_threads()     # also: the mbarrier's init and the ticket, for every thread
-            if s_tk[0] == 0:             # the first CTA in zeroes y, then raises the flag
-                for i in cutlass.range(NZ):
-                    if tid + NT * i < L:
-                        vec(p_y, tid + NT * i, 1)[0] = Float32(0.0)
-                cute.arch.sync_threads()
-                if tid == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.atomic_add(p_cnt + 1, Int32(1), sem="release", scope="gpu")
-            if tid < R // 2:             # the pair of rows r0 + 2 tid, r0 + 2 tid + 1
-                g0 = s_red[2 * tid]
-                g1 = s_red[2 * tid + 1]
-                u0 = s_red[R + 2 * tid]
-                u1 = s_red[R + 2 * tid + 1]
-                for w in cutlass.range_constexpr(1, W):
-                    g0 = g0 + s_red[w * N2 + 2 * tid]
-                    g1 = g1 + s_red[w * N2 + 2 * tid + 1]
-                    u0 = u0 + s_red[w * N2 + R + 2 * tid]
-                    u1 = u1 + s_red[w * N2 + R + 2 * tid + 1]
-                wt = vec(p_wk, k, 1)[0] * 64.0
-                a0 = wt * (self.b1 * tanh(g0 / self.b1) * sigmoid(g0)) * (self.b2 * tanh(u0 / self.b2))
-                a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
-                s_act[tid] = pack_f16x2(a1, a0)
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            if tid == 0:                 # y is zeroed (acquire: the zeros before this CTA's atomics)
-                f = cute.arch.load(p_cnt + 1, Int32, sem="acquire", scope="gpu")
-                while f == 0:
-                    f = cute.arch.load(p_cnt + 1, Int32, sem="acquire", scope="gpu")
-            cute.arch.sync_threads()
-            ap = cute.make_rmem_tensor((4 * NW,), Int32)
-            for q in cutlass.range_constexpr(4 * NW):
-                ap[q] = s_act[q]
-            cute.arch.mbarrier_wait(mbar, 0)
-            wr = cute.make_rmem_tensor((NW,), Int32)
-            for i in cutlass.range_constexpr(NZ):
-                row = tid + NT * i
-                if row < L:
-                    cute.autovec_copy(vec(s_w2.iterator, cute.assume(row * NW, divby=NW), NW), wr)
-                    fb = factor_bits(s_s2[row // 4], row, -1)
-                    v = slice_fma([wr[j] for j in range(NW)], ap, fb, Float32(0.0))
-                    cute.arch.atomic_add(p_y + row, v)
-            cute.arch.sync_threads()
-            if tid == 0:                 # the last CTA out resets the tickets, the flag and this count
-                cute.arch.fence_acq_rel_gpu()
-                d = cute.arch.atomic_add(p_cnt + 2, Int32(1), sem="acq_rel", scope="gpu")
-                if d == self.NCTA - 1:
-                    cute.arch.atomic_add(p_cnt, Int32(-self.NCTA), sem="relaxed", scope="gpu")
-                    cute.arch.atomic_add(p_cnt + 1, Int32(-1), sem="relaxed", scope="gpu")
-                    cute.arch.atomic_add(p_cnt + 2, Int32(-self.NCTA), sem="relaxed", scope="gpu")
-
-    _KERNEL_CLS = (MoEUp, MoEDown, MoESlice)
+    _KERNEL_CLS = (MoEUp, MoEDown)
     return _KERNEL_CLS
 
 
@@ -557,80 +368,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls, _ = _kernel_classes()
+            up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
-    return y
-
-
-_CNT: dict[int, torch.Tensor] = {}
-
-
-def moe_slice(z, idx, wk, w1, w3, w2s, s1, s3, s2s, y, *, b1: float = 4.0, b2: float = 25.0,
-              pdl: bool | None = None):
-    """y [1, L] fp32 = the routed experts of one token in one launch (the slice form, MoESlice): w1 / w3 in the
-    kernel layout as for `moe_experts`; w2s [E, I/R, L, R/8] int32 and s2s [E, I/32, L] uint8 in the slice layout
-    (k3lab.mxfp4.to_slice_layout, R in 8 / 16 / 32 = the intermediate rows a CTA). y is accumulated with fp32 atomics
-    (the order of a row's K I/R terms is not fixed) after the first CTA in has zeroed it; a per-device workspace of
-    int32 counters (made on the first call: outside a CUDA graph capture) is left zeroed by every call, so calls
-    must not overlap on two streams. Returns y."""
-    from k3lab.mxfp4 import SLICE_ROWS
-
-    if pdl is None:
-        from k3lab_kernels.triton.pdl import chain_pdl
-
-        pdl = chain_pdl(None)
-    if not isinstance(pdl, bool):
-        _fail("pdl", f"must be None or a bool, got {pdl!r}")
-    if not isinstance(z, torch.Tensor) or z.dim() != 2 or z.shape[0] != 1:
-        _fail("z", f"must be one token [1, L] (the cute experts take batch 1), got {getattr(z, 'shape', z)!r}")
-    dev, L = z.device, z.shape[1]
-    if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
-        _fail("w1", f"must be the kernel-layout words [E, I, L/8] int32, got {getattr(w1, 'shape', w1)!r}")
-    E, I = w1.shape[0], w1.shape[1]
-    if L % 32 or I % 32:
-        _fail("z", f"L and I must be multiples of 32 (MXFP4 blocks), got L={L}, I={I}")
-    if L // 32 > 1024:
-        _fail("z", f"L/32 must be at most 1024 (a thread a block), got {L // 32}")
-    if not isinstance(w2s, torch.Tensor) or w2s.dim() != 4 or w2s.shape[3] * 8 not in SLICE_ROWS:
-        _fail("w2s", f"must be the slice-layout words [E, I/R, L, R/8] int32 with R in {SLICE_ROWS}, got "
-                     f"{getattr(w2s, 'shape', w2s)!r}")
-    R = w2s.shape[3] * 8
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
-        _fail("idx", f"must be [1, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
-    K = idx.shape[1]
-    _tensor("z", z, None, (torch.bfloat16,), (1, L))
-    _tensor("w1", w1, dev, (torch.int32,), (E, I, L // 8))
-    _tensor("w3", w3, dev, (torch.int32,), (E, I, L // 8))
-    _tensor("w2s", w2s, dev, (torch.int32,), (E, I // R, L, R // 8))
-    _tensor("s1", s1, dev, (torch.uint8,), (E, I, L // 32))
-    _tensor("s3", s3, dev, (torch.uint8,), (E, I, L // 32))
-    _tensor("s2s", s2s, dev, (torch.uint8,), (E, I // 32, L))
-    _tensor("idx", idx, dev, (torch.int32, torch.int64), (1, K))
-    _tensor("wk", wk, dev, (torch.float32,), (1, K))
-    _tensor("y", y, dev, (torch.float32,), (1, L))
-    for name, sc in (("s1", s1), ("s3", s3)):
-        if sc.numel() % 4:
-            _fail(name, f"must hold a multiple of 4 bytes (read as 32-bit words), got {sc.numel()}")
-    sw = [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2s)]
-    step = 2 if idx.dtype == torch.int64 else 1
-    cnt = _CNT.get(dev.index)
-    if cnt is None:
-        cnt = _CNT[dev.index] = torch.empty(4, dtype=torch.int32, device=dev).zero_()
-    args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16), _ptr(w3, 16),
-            _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(w2s, 16), _ptr(sw[2], 16), _ptr(y, 4), _ptr(cnt, 16)]
-    key = ("slice", K, I, L, E, step, float(b1), float(b2), pdl, dev.index, R, SLICE_CHUNK)
-    with torch.cuda.device(dev):
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        fn = _COMPILED.get(key)
-        if fn is None:
-            from cutlass import cute
-
-            fn = _COMPILED[key] = cute.compile(_kernel_classes()[2](K, I, L, E, step, b1, b2, pdl, R), *args, stream)
-        fn(*args, stream)
     return y
