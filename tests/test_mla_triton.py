@@ -225,22 +225,6 @@ def test_decode_page_rows_and_pdl(options, case):
     _check(DEC, options=options, **case)
 
 
-@pytest.mark.parametrize("options,case", [
-    (dict(swap=True), dict(context=200, page_size=64, partitions=2)),                  # preloaded page indices
-    (dict(swap=True, block_n=32), dict(context=90, page_size=16, batch=2, ragged=True, partitions=3, T=2)),
-    (dict(swap=True, block_n=16), dict(context=90, page_size=16, partitions=2, kv_dtype="fp8", fp8_scale="token",
-                                       T=4)),                                          # 64-row tile (48 real)
-    (dict(swap=True, block_n=16), dict(context=70, page_size=0, partitions=3, kv_dtype="fp8", fp8_scale="tensor",
-                                       dcp=2)),                                        # contiguous, DCP
-    (dict(swap=True), dict(context=3, partitions=16, page_size=1)),                    # most pieces empty
-])
-def test_decode_swapped_products(options, case):
-    """swap=True: the products swapped (positions and latent columns as the MMA's M, query rows as its N; the
-    partials stored through transposed addresses), at every cache kind and scale mode, T up to 4, DCP, empty
-    pieces."""
-    _check(DEC, options=options, **case)
-
-
 def test_combine_pdl():
     _check(COMB, options=dict(pdl=True), partitions=40, batch=3, heads=6)
     _check(COMB, options=dict(pdl=True), partitions=20, batch=1, heads=6)

@@ -194,7 +194,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
            cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
-           swap: bool | None = None, ran: list | None = None):
+           ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
     lse [B,T,H]): fp32 from triton, the compute dtype from the reference; `out` / `lse` (fp32, contiguous)
@@ -234,8 +234,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
         _int_opt("n_positions", n_positions, T, cache.capacity)
     if be == "cute":
         for name, v in (("block_n", block_n), ("block_m", block_m), ("num_warps", num_warps),
-                        ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk),
-                        ("swap", swap)):
+                        ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk)):
             if v is not None:
                 _fail(name, "is an option of backend 'triton', not 'cute'")
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
@@ -298,11 +297,10 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             _fail("preload_pages", f"must be None (the kernel's rule) or one of {PRELOAD_ALLOWED}, "
                                    f"got {preload_pages!r}")
         fn = dispatch.kernel("mla_decode", be)
-        for name, v in (("host_chunk", host_chunk), ("swap", swap)):
-            if v is not None and not isinstance(v, bool):
-                _fail(name, f"must be None (the kernel's default) or a bool, got {v!r}")
+        if host_chunk is not None and not isinstance(host_chunk, bool):
+            _fail("host_chunk", f"must be None (the kernel's default) or a bool, got {host_chunk!r}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, swap=swap)
+                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,

@@ -189,36 +189,6 @@ def _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MO
 
 
 @triton.jit
-def _attend_cols(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """`_attend_rows` with the products swapped (SWAP): S^T = C Q_lat^T + Kr Q_rope^T [BN, BM] and acc^T [CP, BM] +=
-    C^T P^T, so the block's positions (and the 512 latent columns) are the MMA's M and the query rows its N: a
-    64-position block is one warpgroup MMA tile (Hopper) however few the rows."""
-    if DOT_F32:
-        c = c.to(tl.float32)
-        kr = kr.to(tl.float32)
-    s = tl.dot(c, tl.trans(q)) + tl.dot(kr, tl.trans(qr))
-    if SCALE_MODE == 2:
-        s = s * tok[:, None]
-    s = s * qk_scale
-    vis = ok[:, None] & (gp[:, None] <= limit[None, :])
-    s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 0))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_use)
-    pw = tl.exp2(s - m_use[None, :])
-    l = l * alpha + tl.sum(pw, 0)
-    if SCALE_MODE == 2:
-        pw = pw * tok[:, None]
-    if DOT_F32:
-        pb = rne_bf16(pw)
-    else:
-        pb = pw.to(tl.bfloat16)
-    acc = acc * alpha[None, :] + tl.dot(tl.trans(c), pb)
-    return m_new, l, acc
-
-
-@triton.jit
 def _mla_split_kernel(
     q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part,
     qk_scale,
@@ -229,7 +199,7 @@ def _mla_split_kernel(
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    WAIT: tl.constexpr, SWAP: tl.constexpr = False,
+    WAIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -297,10 +267,7 @@ def _mla_split_kernel(
 
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
-    if SWAP:
-        acc = tl.zeros([CP, BM], tl.float32)
-    else:
-        acc = tl.zeros([BM, CP], tl.float32)
+    acc = tl.zeros([BM, CP], tl.float32)
     if NPG > 0:
         # PAGE_ROWS with the piece's page indices loaded NPG at a time before the block loop: the loop's row
         # addresses come from registers, not from a load in the loop, so the pipeliner multi-buffers the rows
@@ -321,12 +288,7 @@ def _mla_split_kernel(
                     tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
                 else:
                     tok = 0.0
-                if SWAP:
-                    m, l, acc = _attend_cols(q, qr, m, l, acc, c, kr, j, ok, limit, tok, qk_scale, SCALE_MODE,
-                                             DOT_F32)
-                else:
-                    m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, j, ok, limit, tok, qk_scale, SCALE_MODE,
-                                             DOT_F32)
+                m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, j, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
     else:
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
@@ -342,25 +304,16 @@ def _mla_split_kernel(
                 tok = tl.load(kv_scale + srow, mask=ok, other=0.0).to(tl.float32)
             else:
                 tok = 0.0
-            if SWAP:
-                m, l, acc = _attend_cols(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
-            else:
-                m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
+            m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
 
     has = l > 0.0
+    o = acc / tl.where(has, l, 1.0)[:, None]
+    if SCALE_MODE == 1:
+        o = o * ts
     lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
     k = r * P + p
     orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
-    if SWAP:  # acc^T [CP, BM]: stored through the transposed addresses
-        o = acc / tl.where(has, l, 1.0)[None, :]
-        if SCALE_MODE == 1:
-            o = o * ts
-        tl.store(o_part + orow[None, :] * C + cc[:, None], o, mask=row_ok[None, :] & c_ok[:, None])
-    else:
-        o = acc / tl.where(has, l, 1.0)[:, None]
-        if SCALE_MODE == 1:
-            o = o * ts
-        tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
+    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
     tl.store(lse_part + orow, lse, mask=row_ok)
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
@@ -436,11 +389,6 @@ def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = N
     return HR, BM, G
 
 
-DEFAULT_SWAP = False     # the products swapped (`_attend_cols`); measured against the row form per batch
-SWAP_BLOCK_N = 64        # one warpgroup MMA's M (Hopper) a block
-SWAP_NUM_STAGES = 2      # two 72 KB blocks of rows in flight (three exceed an SM's shared memory)
-
-
 def default_block_n(BM: int, B: int = 1, preload: bool = True) -> int:
     """Positions a step: 32 (16 for 64-row tiles); 64 from batch 16 where the page indices cannot be preloaded
     (the loop then keeps one buffer: larger blocks stream better; measured at batch 1 and 64: docs/NOTES_mla.md)."""
@@ -510,8 +458,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
-               preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
-               swap: bool | None = None):
+               preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
@@ -528,9 +475,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     (paged cache, page a multiple of block_n, no DCP; 0 = one index load per block in the loop; None =
     `default_preload`, from n_max = the longest visible history when the caller knows it). With n_max given
     (host_chunk None or True) the pieces are ceil(n_max / dcp / partitions) positions for every sequence, known
-    before lengths is read, so each program loads its first page indices at once. swap=True: the products swapped
-    (`_attend_cols`: positions and latent columns as the MMA's M, query rows as its N; on Hopper warpgroup MMAs of
-    64 positions), block_n 64 and num_stages 2 unless given; None: DEFAULT_SWAP."""
+    before lengths is read, so each program loads its first page indices at once."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -539,9 +484,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B)
     paged = block_table is not None
     page = kv.shape[1] if paged else 1
-    swap = DEFAULT_SWAP if swap is None else bool(swap)
-    BN = block_n or (SWAP_BLOCK_N if swap else
-                     default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0))
+    BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
     K = dcp * partitions
     dev = q_lat.device
     direct = K == 1 and merge
@@ -580,9 +523,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, SWAP=swap,
-        num_warps=num_warps or default_num_warps(BM),
-        num_stages=num_stages or (SWAP_NUM_STAGES if swap else default_num_stages(npg)),
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait,
+        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
         **launch_kw(wait),
     )
     if direct:
