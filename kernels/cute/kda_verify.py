@@ -71,7 +71,8 @@ _KERNEL_CLS = None
 
 def default_row_warps(tile_v: int, B: int, H: int, T: int) -> int:
     """row_warps when not given: ROW_WARPS[tile_v], except where the ninth session measured otherwise
-    (profiles/h200/kda_decode_fi.json.gz and kda_explore9.json.gz, 12 heads, B = 8; docs/NOTES_kda.md):
+    (profiles/h200/kda_decode_fi.json.gz and kda_explore9.json.gz (git history at a2d91e6), 12 heads, B = 8;
+    docs/NOTES_kda.md):
     tile 128 on a grid of one CTA per SM at T >= 8 takes 1 (21.24 / 21.41 against 22.10 / 22.21 us with 4);
     tile 64 on a resident grid at T = 3..4 takes 2 (13.07 against 13.59 us)."""
     ctas = B * H * (128 // tile_v)
