@@ -61,6 +61,15 @@ def test_proj_fp8_against_dequantized(name, batch):
     _check(PROJ, preset="tiny", proj=name, batch=batch, wdtype="fp8")
 
 
+@pytest.mark.parametrize("batch,residual", [(1, False), (5, True)])
+def test_proj_fp8_on_f16_mmas(batch, residual):
+    """Option f16: the e4m3 weights and x on f16 MMAs (x rounded to f16, exact for normal-range inputs)."""
+    _check(PROJ, options=dict(f16=True, path="dot"), preset="tiny", proj="kda_o", batch=batch, wdtype="fp8",
+           residual=residual)
+    with pytest.raises(ValueError, match="'f16' must be one of"):
+        _check(PROJ, options=dict(f16=1), preset="tiny", proj="kda_o", batch=batch, wdtype="fp8")
+
+
 @pytest.mark.parametrize("batch", [3, 16, 17, 40, 130])
 @pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
 def test_proj_batches_small_and_tiled(batch, wdtype):

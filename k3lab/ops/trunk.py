@@ -42,7 +42,8 @@ Tolerances (relative norm against fp64; every input is exactly representable):
       norm); the router's fp32 logits 1e-5. fp8 weights are compared against their dequantized fp64 value
       (W_fp8 * scale), so quantization is no error of the kernel. With a prologue the oracle applies it in fp64
       with no rounding; the kernel rounds its result to bf16 once (as the stand-alone op does): 2^-9 relative
-      per input entry, averaging to ~1e-3 in the output's norm, within the same 4e-3.
+      per input entry, averaging to ~1e-3 in the output's norm, within the same 4e-3. Option f16 (fp8 weights on
+      f16 MMAs) rounds x to f16 first: exact for 2^-17 <= |x| < 65520 (every normal-range input), so the same.
   router idx 0 (exact: same set and order under the tie rule; the inputs keep distinct biased scores 2^-14
       apart or exactly equal), weights 1e-5 (fp32 sigmoid and sum).
   attnres partial_out 0 (bit-exact: one rounding of the fp32 sum of two bf16 values, which is exact),
@@ -552,9 +553,9 @@ _PROJ_OPTS = dict(
                  "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128, 256)},
                  "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
-                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}},
+                 "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}, "f16": {"triton": (None, False, True)}},
     option_defaults={"path": _NONE, "block_n": _NONE, "block_k": _NONE, "split_k": _NONE, "num_warps": _NONE,
-                     "num_stages": _NONE},
+                     "num_stages": _NONE, "f16": _NONE},
 )
 
 PROJ = register(Op(

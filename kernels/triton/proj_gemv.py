@@ -69,6 +69,8 @@ from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
 
 MAX_OUTPUTS = 6
+FP8_F16 = True  # fp8 weights on the dot path as f16 MMAs (`proj(f16=...)`): 16-20 % faster than widening to bf16
+# (H200, batch 1 and 8, TP8 kda_q / kda_o / moe_down: profiles/h200/trunk_fp8.json.gz; docs/NOTES_trunk.md)
 SELECT_MAX_BATCH = 16  # the fused router selection (one program selects for every row of its batch tile)
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
 MAX_BATCH = 1024  # the batch tiles over the grid; 1024 rows cover a verify of 128 sequences x 8 positions
@@ -132,7 +134,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
-                 KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr):
+                 KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
@@ -197,12 +199,17 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                     xt = tl.load(xp + k0, mask=mok[:, None] & kok[None, :], other=0.0)
                 else:
                     xt = _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO, DOT_F32)
-            if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 values
+            if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 (/ f16) values
+                if F16:
+                    xt = xt.to(tl.float16)
                 acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
             else:
-                if FP8:
-                    wt = wt.to(tl.bfloat16)
-                acc += tl.dot(wt, tl.trans(xt))
+                if F16:  # fp8 on f16 MMAs: one cvt.rn.f16x2.e4m3x2 per two weights, x rounded to f16
+                    acc += tl.dot(wt.to(tl.float16), tl.trans(xt.to(tl.float16)))
+                else:
+                    if FP8:
+                        wt = wt.to(tl.bfloat16)  # Triton 3.6 on sm_90: e4m3x2 -> f16x2, then one cvt a weight
+                    acc += tl.dot(wt, tl.trans(xt))
     done = True
     if SPLIT > 1:
         MP = tl.num_programs(1) * BM
@@ -377,7 +384,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          prologue2: tuple | None = None, select: tuple | None = None,
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None) -> list:
+         num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
+         f16: bool | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
@@ -385,7 +393,9 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     K segments (x [M, K1], x2 [M, 2 (K - K1)]); select None or (e_bias [E] fp32, idx [M, k] int64, weights [M, k]
     fp32, k, scaling): the router selection over outs[0] (fp32 logits [M, E]) fused (module docstring). Returns
     outs. The caller validates (path "tma" with misaligned x or W is refused here: ValueError). pdl: launched with
-    programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting)."""
+    programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting). f16 (fp8 weights on the dot path;
+    None: FP8_F16): the e4m3 weights widened to f16 (one conversion per two) and x rounded to f16 for f16 MMAs
+    (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape
@@ -423,6 +433,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         ends.append(e)
         strides.append(0)
     fp8 = w.dtype == torch.float8_e4m3fn
+    f16 = fp8 and cfg["path"] == "dot" and (FP8_F16 if f16 is None else bool(f16))
     sc = w_scale if fp8 else x
     res_t = residual if residual is not None else x
     s_rm = residual.stride(0) if residual is not None else 0
@@ -458,7 +469,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl,
+        PDL=pdl, F16=f16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     return outs
 
