@@ -2,7 +2,7 @@
 one KDA and one MLA layer component by component, for each bundle given.
 
     python scripts/step_table.py profiles/h200/decode_step-tp8-b1-c8192-d0.json.gz \
-        profiles/h200/runs24/decode_step-tp8-b64-c8192-d0-mla-cute.json.gz ...
+        profiles/h200/decode_step-tp8-b64-c8192-d0.json.gz ...
 """
 from __future__ import annotations
 

@@ -326,9 +326,9 @@ def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
 
 
 def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False) -> str:
-    """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz): rows at batch 1 for at
-    most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster than dot on
-    the 22-51 MB projections at batch 1-8); dot for fp8 weights and fewer outputs (MLA kv down: 6.7 against
+    """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz, git history at ff8d02f): rows
+    at batch 1 for at most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster
+    than dot on the 22-51 MB projections at batch 1-8); dot for fp8 weights and fewer outputs (MLA kv down: 6.7 against
     7.0 us) and where the copy engine's alignment rules fail."""
     if M == 1 and N <= ROWS_MAX_N and not prologue:
         return "rows"
