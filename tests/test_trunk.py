@@ -30,6 +30,11 @@ def _check(op, backend="triton", options=None, seed=0, **shape):
     return res
 
 
+# the device the tests that build their own inputs use: the GPU where there is one (the kernels' own path), else the
+# CPU under TRITON_INTERPRET=1 (tests/conftest.py)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 # ---- projections ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ops.NAMES)
@@ -111,7 +116,7 @@ def test_proj_input_prologue(name, pro, wdtype, batch):
     res = name != "mla_uq"
     _check(PROJ, preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
     case = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
-    d = PROJ.make_inputs(case, 1, "cpu")
+    d = PROJ.make_inputs(case, 1, DEV)
     p, sec = ops.prologue_of(d, case), ops.second_of(d, case)
     fused = trunk.proj(d["x"], d["w"], w_scale=ops._scale(d), residual=d.get("residual"), prologue=p, **sec,
                        backend="triton")
@@ -129,8 +134,8 @@ def test_proj_rms_prologue_rows_in_several_round_trips():
     x = torch.randn(11, 1024, generator=g) * 2
     w = (torch.randn(48, 1024, generator=g) * 0.03).bfloat16()
     nw = (1 + 0.2 * torch.randn(1024, generator=g)).bfloat16()
-    pro = ("rms", nw, 1e-6)
-    got = trunk.proj(x, w, prologue=pro, backend="triton")
+    pro = ("rms", nw.to(DEV), 1e-6)
+    got = trunk.proj(x.to(DEV), w.to(DEV), prologue=pro, backend="triton").cpu()
     want = trunk.proj(x.double(), w, torch.empty(11, 48, dtype=torch.float64),
                       prologue=("rms", nw.double(), 1e-6))
     assert rel_norm_error(got, want) < 4e-3
@@ -198,7 +203,7 @@ def test_group_equals_parts_and_writes_where_consumers_read(group):
     """The fused launch against the same projections run one by one (our kernel, the part's rows of the
     weight), and outputs that are column slices of one wider buffer (a consumer's layout)."""
     case = GROUP.case(preset="tiny", group=group, batch=3, wdtype="bf16")
-    d = GROUP.make_inputs(case, 0, "cpu")
+    d = GROUP.make_inputs(case, 0, DEV)
     parts = ops.GROUPS[group]
     sizes = [ops.proj_shapes("tiny")[p][0] for p in parts]
     wide = torch.full((3, sum(sizes) + 7), float("nan"), dtype=torch.bfloat16)
@@ -225,7 +230,7 @@ def test_group_fused_router_selection(batch, wdtype, options):
     res = _check(GROUP, options=options, preset="tiny", group="moe_in", batch=batch, wdtype=wdtype, select=True)
     assert res.ran[-1].shape["select"] == ops.SELECT_K
     case = GROUP.case(preset="tiny", group="moe_in", batch=batch, wdtype=wdtype, select=True)
-    d = GROUP.make_inputs(case, 4, "cpu")
+    d = GROUP.make_inputs(case, 4, DEV)
     ops.call_group(d, case, "triton", dict(options))
     i2, w2 = trunk.router_topk(d["y0"], d["e_bias"], top_k=ops.SELECT_K, backend="triton")
     assert torch.equal(d["idx"], i2) and torch.equal(d["weights"], w2)
@@ -233,7 +238,7 @@ def test_group_fused_router_selection(batch, wdtype, options):
 
 def test_group_select_argument_errors():
     case = GROUP.case(preset="tiny", group="moe_in", batch=17, wdtype="bf16", select=False)
-    d = GROUP.make_inputs(case, 0, "cpu")
+    d = GROUP.make_inputs(case, 0, DEV)
     outs = [d[f"y{i}"] for i in range(4)]
     E = outs[0].shape[1]
     good = dict(e_bias=torch.zeros(E), idx=torch.empty(17, 16, dtype=torch.int64), weights=torch.empty(17, 16))
@@ -325,7 +330,7 @@ def test_attnres_batches_and_widths(batch, dim, options):
 def test_attnres_in_place_partial_and_mix_norm_triton():
     """partial_out may be the prefix itself (the layer updates p in place); mix_norm on triton = update none."""
     case = ATT.case(batch=2, n_blocks=3, update="add", dim=256)
-    d = ATT.make_inputs(case, 0, "cpu")
+    d = ATT.make_inputs(case, 0, DEV)
     want = ops.ref_attnres(d, case)
     blocks = ops.blocks_of(d)
     p = d["prefix"].clone()
