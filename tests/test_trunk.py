@@ -73,6 +73,8 @@ def test_proj_fp8_on_f16_mmas(batch, residual):
            residual=residual)
     with pytest.raises(ValueError, match="'f16' must be one of"):
         _check(PROJ, options=dict(f16=1), preset="tiny", proj="kda_o", batch=batch, wdtype="fp8")
+    with pytest.raises(ValueError, match="f16=True applies to fp8 weights on path 'dot'"):  # never silently ignored
+        _check(PROJ, options=dict(f16=True), preset="tiny", proj="kda_o", batch=batch, wdtype="bf16")
 
 
 @pytest.mark.parametrize("batch", [3, 16, 17, 40, 130])
@@ -206,14 +208,14 @@ def test_group_equals_parts_and_writes_where_consumers_read(group):
     d = GROUP.make_inputs(case, 0, DEV)
     parts = ops.GROUPS[group]
     sizes = [ops.proj_shapes("tiny")[p][0] for p in parts]
-    wide = torch.full((3, sum(sizes) + 7), float("nan"), dtype=torch.bfloat16)
+    wide = torch.full((3, sum(sizes) + 7), float("nan"), dtype=torch.bfloat16, device=DEV)
     outs, a = [], 0
     for n in sizes:
         outs.append(wide[:, a:a + n])
         a += n
     for i, p in enumerate(parts):  # the router's logits stay fp32
         if p in ops.FP32_OUT:
-            outs[i] = torch.empty(3, sizes[i], dtype=torch.float32)
+            outs[i] = torch.empty(3, sizes[i], dtype=torch.float32, device=DEV)
     ran = []
     trunk.proj_group(d["x"], d["w"], outs, backend="triton", ran=ran)
     assert ran[-1].op == "proj_group" and ran[-1].shape["outputs"] == len(parts)
@@ -241,10 +243,11 @@ def test_group_select_argument_errors():
     d = GROUP.make_inputs(case, 0, DEV)
     outs = [d[f"y{i}"] for i in range(4)]
     E = outs[0].shape[1]
-    good = dict(e_bias=torch.zeros(E), idx=torch.empty(17, 16, dtype=torch.int64), weights=torch.empty(17, 16))
-    for kw, name in ((dict(e_bias=torch.zeros(E - 1)), "'select.e_bias'"),
-                     (dict(idx=torch.empty(17, 16, dtype=torch.int32)), "'select.idx'"),
-                     (dict(weights=torch.empty(17, 8)), "'select.weights'"), ({}, "'select'")):
+    good = dict(e_bias=torch.zeros(E, device=DEV), idx=torch.empty(17, 16, dtype=torch.int64, device=DEV),
+                weights=torch.empty(17, 16, device=DEV))
+    for kw, name in ((dict(e_bias=torch.zeros(E - 1, device=DEV)), "'select.e_bias'"),
+                     (dict(idx=torch.empty(17, 16, dtype=torch.int32, device=DEV)), "'select.idx'"),
+                     (dict(weights=torch.empty(17, 8, device=DEV)), "'select.weights'"), ({}, "'select'")):
         with pytest.raises(TrunkArgumentError, match=name):  # ({}: batch 17 is above the fused selection's 16)
             trunk.proj_group(d["x"], d["w"], outs, select=trunk.Select(**{**good, **kw}), backend="triton")
     with pytest.raises(TrunkArgumentError, match="'outs\\[0\\]'"):

@@ -395,7 +395,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     outs. The caller validates (path "tma" with misaligned x or W is refused here: ValueError). pdl: launched with
     programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting). f16 (fp8 weights on the dot path;
     None: FP8_F16): the e4m3 weights widened to f16 (one conversion per two) and x rounded to f16 for f16 MMAs
-    (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16."""
+    (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16; True with bf16
+    weights or on another path is refused (ValueError)."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape
@@ -433,6 +434,9 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         ends.append(e)
         strides.append(0)
     fp8 = w.dtype == torch.float8_e4m3fn
+    if f16 and not (fp8 and cfg["path"] == "dot"):
+        raise ValueError(f"proj_gemv: f16=True applies to fp8 weights on path 'dot', got {w.dtype} weights on path "
+                         f"{cfg['path']!r}")
     f16 = fp8 and cfg["path"] == "dot" and (FP8_F16 if f16 is None else bool(f16))
     sc = w_scale if fp8 else x
     res_t = residual if residual is not None else x
