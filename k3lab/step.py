@@ -585,6 +585,9 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 
 
 PROJ_CUTE_MAX_TOKENS = 1
+# the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch (k3lab_kernels.cute.proj_gemv
+# `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
+KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
@@ -621,8 +624,11 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     backend (`over["proj"]`); the other components are the builder's (AttnRes, the KDA core, the MLA attention,
     the experts). Fused (each a `k3lab.components.trunk` call, one launch; an RMSNorm or SiTU-GLU between two
     projections runs as the second one's input prologue, `trunk.proj(..., prologue=...)`):
-      KDA   in_proj    q|k|v, g, the decay's first factor fa and beta from h: one proj_group (kda_in)
-            decay_proj the decay's second factor fb
+      KDA   in_proj    fa (the decay's first factor), q|k|v, g and beta from h: one proj_group (kda_in); where it
+                       and W_fb run on the CuTe GEMV (proj_cute, <= KDA_DECAY_CHAIN_MAX_TOKENS tokens), the
+                       decay's second factor f = W_fb fa too (the GEMV's `chain`: CTAs after the main grid wait
+                       for fa's CTAs), and decay_proj is gone
+            decay_proj the decay's second factor fb (its own launch otherwise)
             out_proj   Wo with the residual add in its epilogue
       MLA   in_proj    q down, kv down, the output gate's logits from h: one proj_group (mla_in)
             q_proj     Wuq with q_norm as its input prologue, and the absorption of Wuk (a batched matmul); where
@@ -707,16 +713,24 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     w = lw.attn
     if L.kind == "kda":
         H, Dh = w.params.heads, w.params.head_dim
-        w_in = _cat_rows([(w, "w_qkv"), (w, "w_g"), (w, "w_fa"), (w, "w_b")])
+        # fa first: its rows are the group's first CTAs, which a chained f (below) waits for
+        w_in = _cat_rows([(w, "w_fa"), (w, "w_qkv"), (w, "w_g"), (w, "w_b")])
         R = w.w_fa.shape[0]
-        qkv, g, fa, beta = buf(3 * H * Dh), buf(H * Dh), buf(R), buf(H)
+        fa, qkv, g, beta = buf(R), buf(3 * H * Dh), buf(H * Dh), buf(H)
         b["qkv"], b["gate"], b["b"] = qkv.view(*lead, -1), g.view(*lead, -1), beta.view(*lead, -1)
         f = buf(H * Dh)
         b["f"] = f.view(*lead, -1)
         be_in, be_fb, be_o = pb(w_in, "in_proj"), pb(w.w_fb, "decay_proj"), pb(w.w_o, "out_proj")
+        # f = W_fb fa in the input group's launch (one launch fewer) where both run on the CuTe GEMV
+        from k3lab_kernels.cute.proj_gemv import K_STEP, MAX_BATCH as CUTE_MAX_BATCH
+        chain = (be_in == "cute" and be_fb == "cute" and N <= min(KDA_DECAY_CHAIN_MAX_TOKENS, CUTE_MAX_BATCH)
+                 and R % 8 == 0 and R <= K_STEP)
+        if chain:
+            cute_parts.add("decay_proj")
 
         def in_proj():
-            trunk.proj_group(flat(b["h"]), w_in, [qkv, g, fa, beta], backend=be_in)
+            trunk.proj_group(flat(b["h"]), w_in, [fa, qkv, g, beta], backend=be_in,
+                             chain=(w.w_fb, f) if chain else None)
             return b["qkv"]
 
         def decay():
@@ -724,10 +738,15 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             return b["f"], b["b"]
 
         n_in = w_in.shape[0]
-        out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
+        if chain:
+            out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in) + mm_bytes(w.w_fb, R, H * Dh) - N * R * e,
+                              2 * N * (D * n_in + R * H * Dh))
+        else:
+            out["in_proj"] = (in_proj, mm_bytes(w_in, D, n_in), 2 * N * D * n_in)
         if pf:
             out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
-        out["decay_proj"] = (decay, mm_bytes(w.w_fb, R, H * Dh), 2 * N * R * H * Dh)
+        if not chain:
+            out["decay_proj"] = (decay, mm_bytes(w.w_fb, R, H * Dh), 2 * N * R * H * Dh)
         out["kda_core"] = comps["kda_core"]
         p = buf(D)
 

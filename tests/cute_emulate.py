@@ -825,6 +825,8 @@ class _Sched:
                 self.switches += 1
                 try:
                     self.backend.resume(t)
+                except _Spin:
+                    raise
                 except EmulationError as e:
                     raise type(e)(f"{name}, block {t.cta.bidx}, thread {t.tid}: {e}") from e
                 except Exception as e:
@@ -992,6 +994,33 @@ def atomic_add(ptr, val, *, sem=None, scope=None):
     old = ptr.buf.read(ptr.off)
     ptr.buf.write(ptr.off, old + val)
     return old
+
+
+class _Spin(Exception):
+    """A thread re-read one word through acquire loads SPIN_LOADS times without seeing it change: its cluster waits
+    for another (the launch loop reruns it after the others)."""
+
+
+SPIN_LOADS = 64
+_SPIN = {"key": None, "n": 0}
+
+
+def load(ptr, dtype, *, sem=None, scope=None):
+    """ld (relaxed / acquire) of one word of global or shared memory. A spin (an acquire load of a word returning
+    the same value SPIN_LOADS times in a row in one thread) raises _Spin: the launch reruns the cluster from its
+    start after the other clusters, as the GPU would run the CTA it waits for. So a kernel that spins must write
+    nothing before its spin (a rerun repeats it): proj_gemv's chain CTAs hold."""
+    if not isinstance(ptr, Pointer):
+        raise EmulationError("load from a non-pointer")
+    v = ptr.buf.read(ptr.off)
+    if sem == "acquire":
+        key = (id(_S.cur), id(ptr.buf), ptr.off, v)
+        _SPIN["n"] = _SPIN["n"] + 1 if _SPIN["key"] == key else 1
+        _SPIN["key"] = key
+        if _SPIN["n"] >= SPIN_LOADS:
+            _SPIN["key"], _SPIN["n"] = None, 0
+            raise _Spin()
+    return v
 
 
 def fence_acq_rel_gpu():
@@ -1569,8 +1598,25 @@ class _Launch:
         _S.rng.shuffle(origins)
         _PDL["on"] = pdl
         try:
+            waiting = []  # clusters that spun (see `load`): rerun once another cluster has run to completion
             for o in origins:
-                self._cluster(o, cl, nt, name, pdl)
+                try:
+                    self._cluster(o, cl, nt, name, pdl)
+                except _Spin:
+                    waiting.append(o)
+                    continue
+                while waiting:  # a completed cluster may be what the spinning ones wait for
+                    again = []
+                    for w in waiting:
+                        try:
+                            self._cluster(w, cl, nt, name, pdl)
+                        except _Spin:
+                            again.append(w)
+                    if len(again) == len(waiting):
+                        break
+                    waiting = again
+            if waiting:
+                raise Deadlock(f"{name}: clusters at {waiting} spin on a word no other cluster changes")
         finally:
             _PDL["on"] = False
         rec["seconds"] = round(time.perf_counter() - t0, 3)
@@ -1825,7 +1871,7 @@ def _fake_modules(emu: _Emu) -> dict:
         mbarrier_arrive_and_expect_tx=mbarrier_arrive_and_expect_tx, mbarrier_expect_tx=mbarrier_expect_tx,
         mbarrier_wait=mbarrier_wait, mbarrier_test_wait=mbarrier_test_wait, rcp_approx=_rcp_approx,
         vote_ballot_sync=vote_ballot_sync,
-        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add,
+        shuffle_sync=shuffle_sync, popc=popc, clz=clz, atomic_add=atomic_add, load=load,
         fence_acq_rel_gpu=fence_acq_rel_gpu)
     runtime = _module("cutlass.cute.runtime", make_ptr=emu.make_ptr)
     nvgpu = _module("cutlass.cute.nvgpu", CopyG2ROp=_CopyOp, CopyR2GOp=_CopyOp, CopyUniversalOp=_CopyOp,

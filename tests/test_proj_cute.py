@@ -66,3 +66,29 @@ def test_refused_by_name():
         trunk.proj(x, w, backend="cute", block_n=16)
     with pytest.raises(ValueError, match="'x' must be"):
         trunk.proj(torch.zeros(17, 256, dtype=torch.bfloat16, device=dev), w, backend="cute")
+
+
+@pytest.mark.parametrize("batch,pdl", [(1, True), (1, False), (3, True), (16, False)])
+def test_group_chain_tp8(batch, pdl):
+    """The KDA input group at TP8 in the step's order [fa | q|k|v | g | beta] with the decay's second factor chained
+    (f = W_fb fa: 384 chain CTAs after the group's 1571, waiting for fa's 32): every output against fp64 (the group
+    from x, f from the stored bf16 fa), NaN-poisoned first, five calls in a row (the counts return to zero), under
+    pdl inside a pdl chain and plainly."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    g = torch.Generator("cuda").manual_seed(batch)
+    D, R, HD, H = 7168, 128, 1536, 12
+    x = torch.randn(batch, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(R + 4 * HD + H, D, device="cuda", generator=g) / D ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(HD, R, device="cuda", generator=g) / R ** 0.5).to(torch.bfloat16)
+    for _ in range(5):
+        outs = [torch.full((batch, n), float("nan"), device="cuda", dtype=torch.bfloat16) for n in (R, 3 * HD, HD, H)]
+        f = torch.full((batch, HD), float("nan"), device="cuda", dtype=torch.bfloat16)
+        with pdl_chain(pdl):
+            trunk.proj_group(x, w, outs, backend="cute", chain=(w2, f))
+        torch.cuda.synchronize()
+        want = x.double() @ w.double().T
+        got = torch.cat(outs, 1).double()
+        assert ((got - want).norm() / want.norm()).item() < 4e-3
+        wf = outs[0].double() @ w2.double().T
+        assert not f.isnan().any() and ((f.double() - wf).norm() / wf.norm()).item() < 4e-3

@@ -17,9 +17,12 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None):
-    """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection."""
+def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None):
+    """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection; chain None
+    or (w2, f): the chained projection f = outs[0] w2^T."""
     t = dict(x=x, w=w, **{f"o{i}": o for i, o in enumerate(outs)})
+    if chain is not None:
+        t.update(w2=chain[0], f=chain[1])
     early = {w.data_ptr()}  # under pdl only W (and the router's bias) may be read before the wait
     if residual is not None:
         t["r"] = residual
@@ -30,8 +33,9 @@ def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None):
 
     def call(m, **a):
         sel = None if select is None else (a["eb"], a["idx"], a["wk"], select[3])
+        ch = None if chain is None else (a["w2"], a["f"])
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
-                                select=sel)
+                                select=sel, chain=ch)
     emulate._run(call, t, seed)
 
 
@@ -183,3 +187,42 @@ def test_select_refused_by_name():
     with pytest.raises(ValueError, match="'residual' is not taken with select"):
         run_proj(d["x"], d["w"][:16], [outs[0]], residual=torch.zeros(1, 16, dtype=torch.bfloat16), select=sel)
 
+
+
+# ---- the chained projection (`chain`: f = outs[0] w2^T, the KDA decay's second factor) --------------------------
+
+@pytest.mark.parametrize("B,R,NF,pdl,seed", [(1, 16, 40, True, 0), (3, 8, 12, False, 1), (2, 24, 9, True, 2)])
+def test_chain(B, R, NF, pdl, seed):
+    """A group [fa | q | b] whose first output fa [B, R] feeds f = fa w2^T [B, NF] in the same launch (chain CTAs
+    after the main grid spin on the count of fa's CTAs: the emulator reruns a spinning CTA after the others): every
+    output against fp64 of the bf16 values the kernel wrote (f from the stored fa), twice (the counts are zero again),
+    at several CTA orders."""
+    for rep in range(2):
+        g = torch.Generator().manual_seed(seed * 10 + rep)
+        K = 96
+        x = torch.randn(B, K, generator=g).to(torch.bfloat16)
+        w = (torch.randn(R + 20 + 3, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+        w2 = (torch.randn(NF, R, generator=g) / R ** 0.5).to(torch.bfloat16)
+        fa = torch.full((B, R), float("nan"), dtype=torch.bfloat16)
+        q = torch.full((B, 20), float("nan"), dtype=torch.bfloat16)
+        bb = torch.full((B, 3), float("nan"), dtype=torch.bfloat16)
+        f = torch.full((B, NF), float("nan"), dtype=torch.bfloat16)
+        run_proj(x, w, [fa, q, bb], pdl=pdl, seed=seed + rep, chain=(w2, f))
+        want = x.double() @ w.double().T
+        got = torch.cat([fa, q, bb], 1).double()
+        assert (got - want).abs().max() < 1e-2 * want.abs().max()
+        wf = fa.double() @ w2.double().T
+        assert not f.isnan().any() and (f.double() - wf).abs().max() < 1e-2 * wf.abs().max()
+
+
+def test_chain_refused_by_name():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(24, 64, dtype=torch.bfloat16)
+    fa, q = torch.zeros(1, 12, dtype=torch.bfloat16), torch.zeros(1, 12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'outs\\[0\\]' must be bf16"):
+        run_proj(x, w, [fa, q], chain=(torch.zeros(4, 12, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.bfloat16)))
+    fa, q = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'chain.w2' must be"):
+        run_proj(x, w, [fa, q], chain=(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="'chain.f' must be"):
+        run_proj(x, w, [fa, q], chain=(torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(1, 5, dtype=torch.bfloat16)))

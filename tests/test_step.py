@@ -144,15 +144,24 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     assert not takes(1, 7168, 1536, wdtype=torch.float8_e4m3fn)
     seen: list = []
     monkeypatch.setattr(trunk, "proj", lambda *a, backend, **k: seen.append(("proj", backend)))
-    monkeypatch.setattr(trunk, "proj_group", lambda *a, backend, **k: seen.append(("group", backend)))
+    monkeypatch.setattr(trunk, "proj_group", lambda *a, backend, **k: seen.append(("group", backend,
+                                                                                  k.get("chain") is not None)))
     monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)  # every tiny-preset projection counts as short
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
     kda = st.layers[1]
     assert kda.ran["in_proj"] == "cute" and kda.ran["out_proj"] == "cute" and kda.ran["moe_out"] == "triton+cute"
     assert "proj_cute" in st.why and "CuTe DSL GEMV" in st.why["proj_cute"]
     st.comps[1]["in_proj"][0]()
+    # the decay's second factor rides in the input group's launch (its `chain`), decay_proj is gone; with
+    # KDA_DECAY_CHAIN_MAX_TOKENS 0 it is its own launch on the GEMV again
+    assert "decay_proj" not in st.comps[1] and seen == [("group", "cute", True)]
+    monkeypatch.setattr(S, "KDA_DECAY_CHAIN_MAX_TOKENS", 0)
+    st.set_switches(FUSED.replace(proj_cute=True))
+    seen.clear()
+    st.comps[1]["in_proj"][0]()
     st.comps[1]["decay_proj"][0]()
-    assert seen == [("group", "cute"), ("proj", "cute")]
+    assert seen == [("group", "cute", False), ("proj", "cute")]
+    monkeypatch.setattr(S, "KDA_DECAY_CHAIN_MAX_TOKENS", 16)
     # the tiny preset's rope width (8) is not the one-launch query kernel's (a multiple of 16): the MLA query step
     # keeps its three launches, Wuq on the GEMV (the H200 headline's numerics section refused here, 2026-12-03)
     mla = st.layers[3]

@@ -286,9 +286,12 @@ def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
 
 
 def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None, x2=None,
-              prologue2=None):
+              prologue2=None, chain=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
+    if chain is not None and be not in ("cute", "reference", "torch_compile"):
+        _fail("chain", f"(f = outs[0] w2^T in the same launch) is taken by the cute backend (and the reference "
+                       f"ones), not {be!r}")
     if x2 is not None or prologue2 is not None:
         if x2 is None:
             _fail("x2", "must be given with prologue2 (the second K segment)")
@@ -314,7 +317,8 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
                 _fail(name, "is not taken by the cute projection (bf16 weights, no input prologue: "
                             "kernels/cute/proj_gemv.py); use backend 'triton'")
         sel = None if select is None else (select.e_bias, select.idx, select.weights, float(select.scaling))
-        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel)
+        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel,
+                                     **({} if chain is None else {"chain": tuple(chain)}))
     elif be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))
@@ -334,10 +338,13 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
             i, wt = topk_reference(outs[0], select.e_bias, select.idx.shape[1], float(select.scaling))
             select.idx.copy_(i)
             select.weights.copy_(wt)
+        if chain is not None:
+            chain[1].copy_(_linear_ref(outs[0], chain[0], None, None))
     dispatch.record(ran, op=op_name, backend_requested=backend, backend=be, kernel=dispatch.kernel_path(op_name, be),
                     options=opts, shape=dict(batch=B, N=w.shape[0], K=w.shape[1], wdtype=str(w.dtype).replace(
                         "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none",
-                        select=0 if select is None else select.idx.shape[1]), why=why)
+                        select=0 if select is None else select.idx.shape[1],
+                        chain=None if chain is None else tuple(chain[0].shape)), why=why)
     return outs
 
 
@@ -361,13 +368,15 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               f16: bool | None = None) -> list[torch.Tensor]:
-    """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring)."""
+               f16: bool | None = None, chain: tuple | None = None) -> list[torch.Tensor]:
+    """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
+    reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
+    launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages, f16=f16)
-    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select)
+    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain)
 
 
 def prefetch_plan(w: torch.Tensor, batch: int, budget: int, prologue: bool = False) -> dict:

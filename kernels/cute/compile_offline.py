@@ -187,7 +187,18 @@ def _cases(only: str | None, quick: bool):
                        (f"5 blocks fresh c2v8 {al}", 1, 7168, 5, "fresh", 2, 8, al),
                        (f"9 blocks none c2v8 {al}", 1, 7168, 9, "none", 2, 8, al),
                        (f"D64 9 blocks add {al}", 1, 64, 9, "add", None, None, al)]
+        # reduce "shuffle" at the auto rule's three configurations and two smaller block counts
+        combos += [("shuffle c8v8", 1, 7168, 9, "add", 8, 8, "threads shuffle"),
+                   ("shuffle c8v8 warp", 1, 7168, 9, "add", 8, 8, "warp shuffle"),
+                   ("shuffle c2v8 warp", 1, 7168, 9, "add", 2, 8, "warp shuffle"),
+                   ("shuffle c4v8 warp", 1, 7168, 9, "add", 4, 8, "warp shuffle"),
+                   ("shuffle c8v4", 1, 7168, 9, "add", 8, 4, "threads shuffle"),
+                   ("shuffle 1 block c8v8", 1, 7168, 1, "add", 8, 8, "threads shuffle"),
+                   ("shuffle 2 blocks c8v8", 1, 7168, 2, "add", 8, 8, "threads shuffle")]
         for name, Bx, D, nb, upd, c, v, al in combos:
+            red = "rows"
+            if al and al.endswith(" shuffle"):
+                al, red = al.split()[0], "shuffle"
             pdl = al == "pdl"  # the default options launched with PDL (the step's `pdl` switch)
             al = None if pdl else al
             cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
@@ -197,11 +208,12 @@ def _cases(only: str | None, quick: bool):
             # dynamic shared memory: the partials [K][thr + 4], the cluster's slots [C][K], the totals [K],
             # alpha's NS + 1 (each rounded to 16 bytes); CTAs an SM by it (228 KB, 1 KB reserved a CTA)
             K = ka.n_partials(nb)
-            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + ((nb + 2,) if al == "warp" else ()))
+            part = (thr // 32) * 32 * -(-K // 32) if red == "shuffle" else K * (thr + 4)
+            smem = sum(-(-4 * n // 16) * 16 for n in (part, cc * K, K) + ((nb + 2,) if al == "warp" else ()))
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
-                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl: ka._kernel_class()(
-                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl), pa + ints + [S]))
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl, red=red: ka._kernel_class()(
+                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl, red), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
@@ -234,10 +246,11 @@ def _cases(only: str | None, quick: bool):
     if only in (None, "proj"):
         from kernels.cute import proj_gemv as kg
         # proj's arguments: x, W, residual, six output pointers, x's row stride, six output row strides; the fused
-        # selection's e_bias, idx, weights, counter and scaling
+        # selection's e_bias, idx, weights, counter and scaling; the chained projection's w2, f and f's row stride
         def gargs(o_dts):
             return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
-                    + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), S])
+                    + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), P(bf, 16),
+                       P(bf, 2), i32(1536), S])
         moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
         for B, N, K, ends, res, pdl, o_dts, k in (
                 (1, 4608, 7168, (4608,), False, False, [bf] * 6, 0),
@@ -253,6 +266,11 @@ def _cases(only: str | None, quick: bool):
                     + (f" select{k}" if k else ""))
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k: kg._kernel_class()(
                 B, N, K, e, r, p, k), gargs(o_dts)))
+        kda_in = (128, 4736, 6272, 6284)  # TP8, fa first: fa, q|k|v, g, beta; chained: f = W_fb fa (1536 x 128)
+        for B, pdl in ((1, True), (1, False), (4, True)):
+            cases.append((f"proj B{B} N6284 K7168 outs4 chain1536x128" + (" pdl" if pdl else ""),
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 6284, 7168, kda_in, False, pdl, 0, (1536, 128)),
+                          gargs([bf] * 6)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down

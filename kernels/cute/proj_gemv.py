@@ -71,9 +71,20 @@ def _kernel_class():
         """One warp per output row over all of K; four rows a CTA."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0):
+                     top_k: int = 0, chain: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
             self.B, self.N, self.K = B, N, K
+            self.GC = (N + _WARPS - 1) // _WARPS   # the main rows' CTAs
+            # the chained projection (chain = (NF, RK)): f = W2 out_0 over RK = out_0's width, NF rows, one warp a
+            # row in NCC CTAs after the main grid, once the RCF CTAs of out_0's rows have counted themselves
+            self.chain = chain
+            self.NCC = 0
+            if chain is not None:
+                NF, RK = chain
+                assert top_k == 0 and not residual and RK == ends[0] and RK % 8 == 0 and RK <= K_STEP
+                self.NF, self.RK = NF, RK
+                self.NCC = (NF + _WARPS - 1) // _WARPS
+                self.RCF = (RK + _WARPS - 1) // _WARPS
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             self.residual = bool(residual)
             self.pdl = bool(pdl)
@@ -91,18 +102,69 @@ def _kernel_class():
                      p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
                      p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                      s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
-                     p_cnt: cute.Pointer, scaling: Float32, stream: cuda.CUstream):
+                     p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
+                     stream: cuda.CUstream):
             self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
-                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling).launch(
-                grid=[(self.N + _WARPS - 1) // _WARPS, 1, 1], block=[_THREADS, 1, 1], stream=stream,
+                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f).launch(
+                grid=[self.GC + self.NCC, 1, 1], block=[_THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl)
+
+        @cute.jit
+        def chained(self, c: Int32, tid: Int32, warp: Int32, lane: Int32, p_o0: cute.Pointer, s_o0: Int32,
+                    p_cnt: cute.Pointer, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32):
+            """The chained projection f = W2 out_0: out_0's CTAs count themselves on p_cnt[2] once their rows are
+            stored; a chain CTA's thread 0 spins on that count (acquire loads; the counted CTAs precede it in the
+            grid), then warp w forms row (c - GC) 4 + w of f for every batch row; the last chain CTA to finish
+            (p_cnt[3]) zeroes both counts for the next call."""
+            B, RK, GC, NCC, RCF = self.B, self.RK, self.GC, self.NCC, self.RCF
+            if c < RCF:
+                cute.arch.sync_threads()  # this CTA's rows of out_0 are stored
+                if tid == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.atomic_add(p_cnt + 2, Int32(1), sem="release", scope="gpu")
+            if c >= GC:
+                nf = (c - GC) * _WARPS + warp
+                live = lane * 8 < RK
+                w2v = cute.make_rmem_tensor((8,), p_w2.dtype)
+                av = cute.make_rmem_tensor((8,), p_o0.dtype)
+                w2v.fill(0.0)
+                if nf < self.NF:
+                    if live:
+                        cute.autovec_copy(vec(p_w2, cute.assume(nf * RK + 8 * lane, divby=8), 8), w2v)
+                if tid == 0:
+                    cur = cute.arch.load(p_cnt + 2, Int32, sem="acquire", scope="gpu")
+                    while cur < RCF:
+                        cur = cute.arch.load(p_cnt + 2, Int32, sem="acquire", scope="gpu")
+                    cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                acc = cute.make_rmem_tensor((B,), Float32)
+                acc.fill(0.0)
+                for b in cutlass.range_constexpr(B):
+                    av.fill(0.0)
+                    if live:
+                        cute.autovec_copy(vec(p_o0, cute.assume(b * s_o0 + 8 * lane, divby=8), 8), av)
+                    for j in cutlass.range_constexpr(8):
+                        acc[b] = acc[b] + w2v[j].to(Float32) * av[j].to(Float32)
+                for b in cutlass.range_constexpr(B):
+                    for sh in cutlass.range_constexpr(5):
+                        acc[b] = acc[b] + cute.arch.shuffle_sync_bfly(acc[b], offset=16 >> sh)
+                if nf < self.NF:
+                    for b in cutlass.range_constexpr(B):
+                        if lane == b:
+                            vec(p_f, b * s_f + nf, 1)[0] = acc[b].to(p_f.dtype)
+                cute.arch.sync_threads()
+                if tid == 0:
+                    old = cute.arch.atomic_add(p_cnt + 3, Int32(1), sem="acq_rel", scope="gpu")
+                    if old == NCC - 1:  # every chain CTA is past its spin: zero both counts
+                        cute.arch.atomic_add(p_cnt + 2, Int32(-RCF), sem="relaxed", scope="gpu")
+                        cute.arch.atomic_add(p_cnt + 3, Int32(-NCC), sem="relaxed", scope="gpu")
 
         @cute.kernel
         def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
                    p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
                    p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                    s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
-                   p_cnt: cute.Pointer, scaling: Float32):
+                   p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32):
             B, N, K = self.B, self.N, self.K
             S = K // K_STEP
             tid, _, _ = cute.arch.thread_idx()
@@ -183,6 +245,8 @@ def _kernel_class():
                             self.sel.row(p_o0 + b * s_o0, p_bias, p_idx + b * self.top_k, p_wk + b * self.top_k,
                                          scaling, s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt, tid)
                             cute.arch.sync_threads()
+            if cutlass.const_expr(self.chain is not None):
+                self.chained(c, tid, warp, lane, p_o0, s_o0, p_cnt, p_w2, p_f, s_f)
 
     _KERNEL_CLS = ProjGemvKernel
     return ProjGemvKernel
@@ -234,10 +298,11 @@ def _counter(dev: torch.device) -> torch.Tensor:
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
-         pdl: bool | None = None, select: tuple | None = None) -> list:
+         pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
-    (module doc), B <= SELECT_MAX_BATCH. Returns outs."""
+    (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
+    outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -300,14 +365,37 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
             _fail("select.scaling", f"must be a number, got {scaling!r}")
         sel_args = [_ptr(e_bias, 4), _ptr(idx, 8), _ptr(wk, 4), _ptr(_counter(dev), 4), float(scaling)]
+    chain_key, chain_args = None, [_ptr(x, 16), _ptr(x, 2), 0]  # x: never read without chain
+    if chain is not None:
+        if not isinstance(chain, (tuple, list)) or len(chain) != 2:
+            _fail("chain", f"must be None or (w2, f), got {chain!r:.60}")
+        if select is not None or residual is not None:
+            _fail("chain", "is not taken with select or residual")
+        w2, f = chain
+        R = outs[0].shape[1]
+        if outs[0].dtype != torch.bfloat16 or R % 8 or R > K_STEP:
+            _fail("outs[0]", f"must be bf16 [B, R] with R a multiple of 8 up to {K_STEP} when chain is given (the "
+                             f"chained projection's input), got {outs[0].dtype} {tuple(outs[0].shape)}")
+        if outs[0].stride(0) % 8 or outs[0].data_ptr() % 16:
+            _fail("outs[0]", "must be 16-byte aligned with a row stride of 8 elements when chain is given")
+        _check("chain.w2", w2, dev, (torch.bfloat16,))
+        if w2.shape[1] != R or not w2.is_contiguous() or w2.data_ptr() % 16:
+            _fail("chain.w2", f"must be a contiguous 16-byte aligned [NF, {R}] bf16 weight, got {tuple(w2.shape)}")
+        _check("chain.f", f, dev, (torch.bfloat16,))
+        if tuple(f.shape) != (B, w2.shape[0]) or f.stride(1) != 1:
+            _fail("chain.f", f"must be [{B}, {w2.shape[0]}] bf16 with unit inner stride, got {tuple(f.shape)}")
+        chain_key = (w2.shape[0], R)
+        chain_args = [_ptr(w2, 16), _ptr(f, 2), f.stride(0)]
+        sel_args = sel_args[:3] + [_ptr(_counter(dev), 4)] + sel_args[4:]
     pad = [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_ptrs = [_ptr(o, o.element_size()) for o in list(outs) + pad]
     o_str = [o.stride(0) for o in list(outs) + pad]
     import cutlass
 
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
-            *sel_args[:4], cutlass.Float32(sel_args[4])]
-    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, dev.index)
+            *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args]
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key,
+           dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -316,8 +404,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k), *args,
-                              stream)
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key),
+                              *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs

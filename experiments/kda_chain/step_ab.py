@@ -1,0 +1,69 @@
+"""The decode step at batch 1 (TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) in two
+arms: the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
+(`k3lab.step.KDA_DECAY_CHAIN_MAX_TOKENS` 16, the default) or as its own CuTe GEMV launch (0). One build; the arms
+alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states restored
+first); each arm's output is compared with the first arm's on the same input and states, and one profiled eager
+step per arm keeps its per-component GPU time and launches.
+
+    python experiments/kda_chain/step_ab.py $OUT    (PYTHONPATH=$PWD and the cute site)  ->  $OUT/kda_chain_step_ab.json
+"""
+import json
+import sys
+
+import torch
+
+import k3lab  # noqa: F401 - maps kernels/ to k3lab_kernels in a checkout that is not installed
+from k3lab import dashboards, step as S
+from k3lab.harness import env as envmod, timing
+from k3lab.harness.numerics import rel_norm_error
+
+ROUNDS = 3
+P = dict(preset="tp8", batch=1, context=8192, expert_dtype="mxfp4", pdl=True, proj_cute=True, kda_pdl=True)
+ARMS = (("chained", 16), ("own_launch", 0))
+
+
+def main(out):
+    pr = timing.probes()
+    view, sw = dashboards.view_from_params(P), dashboards.switches_from_params(P)
+    res = dict(probes=pr, env=envmod.fingerprint(), params=P, times={a[0]: [] for a in ARMS}, profile={}, err={})
+    st = S.DecodeStep(view, sw, device="cuda")
+    kda = [L.state for L in st.layers if L.kind == "kda"]
+    start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
+    x = torch.randn(tuple(st.x_in.shape), device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(st.dtype)
+    first = None
+    for rnd in range(ROUNDS):
+        for name, mx in ARMS:
+            S.KDA_DECAY_CHAIN_MAX_TOKENS = mx
+            st.set_switches(sw)
+            for s, (s0, c0) in zip(kda, start):
+                s.state.copy_(s0)
+                s.conv_state.copy_(c0)
+            if rnd == 0:
+                y = st.run(x).float()
+                torch.cuda.synchronize()
+                first = y if first is None else first
+                res["err"][name] = dict(vs_first=rel_norm_error(y.double(), first.double()),
+                                        finite=bool(torch.isfinite(y).all()))
+            t = S.time_step(st, reps=20, warmup=3)
+            res["times"][name].append(dict(median_us=t.median_us, samples_us=t.samples_us))
+            if rnd == 0:
+                att = S.profile_step(st)
+                res["profile"][name] = {k: {kk: vv for kk, vv in v.items() if not isinstance(vv, list)}
+                                        for k, v in att.items()}
+            print(f"round {rnd} {name:12s} {t.median_us:8.1f} us", flush=True)
+            with open(f"{out}/kda_chain_step_ab.json", "w") as f:  # after every arm: a cut run keeps what it has
+                json.dump(res, f, default=str)
+    S.KDA_DECAY_CHAIN_MAX_TOKENS = 16
+    print("\n| arm | step us (each round) | output vs the first arm |")
+    print("|---|---|---|")
+    for name, _ in ARMS:
+        print(f"| {name} | " + " / ".join(f"{x['median_us']:.1f}" for x in res["times"][name])
+              + f" | {res['err'].get(name, {}).get('vs_first', float('nan')):.2e} |")
+    for name, _ in ARMS:
+        pf = res["profile"].get(name, {})
+        l01 = {k: round(v.get("gpu_us", v.get("us", 0)), 2) for k, v in pf.items() if k.startswith("L01")}
+        print(name, "L01:", l01)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
