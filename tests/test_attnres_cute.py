@@ -139,17 +139,3 @@ def test_attnres_cute_option_errors():
         ops.call_attnres(d, case, "triton", dict(alpha="warp"))
     with pytest.raises(ValueError, match="'cluster'"):
         ops.call_attnres(d, case, "cute", dict(cluster=2))  # 448 threads of vec 8 only with alpha "warp"
-
-
-SHUFFLE = [dict(cluster=8, vec=8), dict(cluster=8, vec=8, alpha="warp"), dict(cluster=2, vec=8, alpha="warp"),
-           dict(cluster=4, vec=8, alpha="warp"), dict(cluster=8, vec=4, alpha="warp"), dict(cluster=8, vec=4),
-           dict(cluster=8, vec=2, alpha="warp"), dict(cluster=4, vec=4, alpha="warp")]
-
-
-@pytest.mark.parametrize("n_blocks,update", [(9, "add"), (0, "none"), (1, "fresh"), (2, "add"), (5, "none")])
-@pytest.mark.parametrize("opts", SHUFFLE, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
-@pytest.mark.parametrize("batch", [1, 33, 64])
-def test_attnres_cute_reduce_shuffle(batch, opts, n_blocks, update):
-    """reduce "shuffle" (the partials summed over each warp by shuffles, then over the warps) at every configuration
-    the bench sweeps, both of its forms (butterfly at 0 / 1 blocks, transpose from 2), every update."""
-    check(batch, n_blocks, update, seed=batch + n_blocks, reduce="shuffle", **opts)

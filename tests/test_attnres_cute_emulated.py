@@ -210,37 +210,3 @@ def test_auto_rule_options_fit_or_give_way(monkeypatch, dim, kept):
         assert "do not fit" not in ran[-1].why
     else:
         assert "cluster" not in seen and "vec" not in seen and "do not fit" in ran[-1].why
-
-
-# reduce "shuffle" (the partials summed by warp shuffles, then over the warps): both of its forms (the transpose
-# from 7 partials, n_blocks >= 2; the butterfly below), every update, both alphas, clusters 8 / 4 / 2, odd widths
-_SHUFFLE = [(1, 9, "add", 8, 8, None), (2, 0, "none", 8, 4, None), (1, 1, "fresh", 4, 8, "warp"),
-            (3, 2, "add", 2, 8, "warp"), (2, 5, "none", 8, 2, "threads"),
-            pytest.param(5, 9, "fresh", 2, 8, "warp", marks=pytest.mark.slow),
-            pytest.param(2, 9, "none", 4, 4, "threads", marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("batch,n_blocks,update,cluster,vec,alpha", _SHUFFLE)
-def test_reduce_shuffle(batch, n_blocks, update, cluster, vec, alpha):
-    check(batch, n_blocks, update, seed=batch + 3 * n_blocks + cluster, cluster=cluster, vec=vec, alpha=alpha,
-          reduce="shuffle")
-
-
-@pytest.mark.parametrize("dim,n_blocks", [(64, 9), (200, 3)])
-def test_reduce_shuffle_odd_width(dim, n_blocks):
-    check(2, n_blocks, "add", dim=dim, seed=dim, reduce="shuffle")
-
-
-def test_reduce_shuffle_forms():
-    """The transpose where its 31 M shuffles are fewer than the butterfly's 5 K (K = 2, 5 below: butterfly)."""
-    k = kern._kernel_class
-    assert kern.n_partials(9) == 65 and kern.n_partials(1) == 5 and kern.n_partials(2) == 9
-    with emulate.emulated() as m:
-        cls = m.mod["attnres_norm"]._kernel_class()
-        forms = {n: cls(7168, n, "add", 8, 8, 1e-6, "threads", False, "shuffle").TR for n in (0, 1, 2, 9)}
-    assert forms == {0: False, 1: False, 2: True, 9: True} and k is not None
-
-
-def test_reduce_refused_by_name():
-    with pytest.raises(ValueError, match="'reduce' must be one of"):
-        check(1, 1, "add", dim=64, reduce="tree")

@@ -216,13 +216,13 @@ def test_chain(B, R, NF, pdl, seed):
 
 
 def test_chain_refused_by_name():
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    w = torch.zeros(24, 64, dtype=torch.bfloat16)
-    fa, q = torch.zeros(1, 12, dtype=torch.bfloat16), torch.zeros(1, 12, dtype=torch.bfloat16)
+    def z(*shape):
+        return torch.zeros(*shape, dtype=torch.bfloat16)
+
+    x, w = z(1, 64), z(24, 64)
     with pytest.raises(ValueError, match="'outs\\[0\\]' must be bf16"):
-        run_proj(x, w, [fa, q], chain=(torch.zeros(4, 12, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.bfloat16)))
-    fa, q = torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.bfloat16)
+        run_proj(x, w, [z(1, 12), z(1, 12)], chain=(z(4, 12), z(1, 4)))
     with pytest.raises(ValueError, match="'chain.w2' must be"):
-        run_proj(x, w, [fa, q], chain=(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.bfloat16)))
+        run_proj(x, w, [z(1, 16), z(1, 8)], chain=(z(4, 8), z(1, 4)))
     with pytest.raises(ValueError, match="'chain.f' must be"):
-        run_proj(x, w, [fa, q], chain=(torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(1, 5, dtype=torch.bfloat16)))
+        run_proj(x, w, [z(1, 16), z(1, 8)], chain=(z(4, 16), z(1, 5)))

@@ -13,7 +13,7 @@ with the RMSNorm that follows (k3lab.ref.attnres has the maths).
 Backends: "reference" (the torch reference) and "torch_compile" (torch.compile of it, one compiled graph
 per number of sources) for all three; "triton" (k3lab_kernels.triton.attnres_norm: one launch, bf16
 sources of [B, D], B 1..64 and beyond, 0..9 blocks; options num_warps, block_d, path), "cute"
-(k3lab_kernels.cute.attnres_norm: one launch, a thread-block cluster per row; options cluster, vec, alpha, reduce; the same
+(k3lab_kernels.cute.attnres_norm: one launch, a thread-block cluster per row; options cluster, vec, alpha; the same
 bf16 / unit-stride sources) and "auto" (data/trunk_defaults.json) for mix_norm and update_mix_norm, through
 the one dispatcher (k3lab.components.dispatch.select/kernel/record). Any other backend is refused with
 BackendUnavailable. Argument errors are ValueError/TypeError naming it.
@@ -105,7 +105,7 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
                     partial_out: torch.Tensor | None = None, *, update: str = "add", eps: float = 1e-6,
                     backend: str = "reference", ran: list | None = None, num_warps: int | None = None,
                     block_d: int | None = None, path: str | None = None, cluster: int | None = None,
-                    vec: int | None = None, alpha: str | None = None, reduce: str | None = None) -> torch.Tensor:
+                    vec: int | None = None, alpha: str | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
     if update not in UPDATES:
         raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
@@ -135,8 +135,6 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
             raise ValueError(f"{COMPONENT}: {k!r} must be 1, 2, 4, 8 or None, got {v!r}")
     if alpha not in (None, "threads", "warp"):
         raise ValueError(f"{COMPONENT}: 'alpha' must be 'threads', 'warp' or None, got {alpha!r}")
-    if reduce not in (None, "rows", "shuffle"):
-        raise ValueError(f"{COMPONENT}: 'reduce' must be 'rows', 'shuffle' or None, got {reduce!r}")
     B = prefix.shape[0] if prefix.dim() == 2 else 1
     be, opts, why = dispatch.select(OP, backend, B=B)
     if path not in (None, "split", "row"):
@@ -146,7 +144,7 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
             if be != "triton":
                 raise ValueError(f"{COMPONENT}: {k!r} is a triton option; backend {be!r} takes none")
             opts = {**opts, k: v}
-    for k, v in (("cluster", cluster), ("vec", vec), ("alpha", alpha), ("reduce", reduce)):
+    for k, v in (("cluster", cluster), ("vec", vec), ("alpha", alpha)):
         if v is not None:
             if be != "cute":
                 raise ValueError(f"{COMPONENT}: {k!r} is a cute option; backend {be!r} takes none")

@@ -71,8 +71,6 @@ import torch
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
 ALPHAS = ("threads", "warp")
-REDUCES = ("rows", "shuffle")
-DEFAULT_REDUCE = "rows"
 CLUSTERS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 MAX_THREADS = 512  # a CTA's threads (shared memory: K x (threads + 4) fp32 partials, 134 KB at 512 and 9 blocks)
@@ -81,7 +79,7 @@ MAX_THREADS_VEC = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: 256}
 # alpha "warp": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without spills
 MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
 
-__all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "REDUCES", "VECS", "attnres_norm", "plan"]
+__all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "plan"]
 
 
 class AttnResCuteError(ValueError):
@@ -169,9 +167,9 @@ def _kernel_class():
         """One cluster of C CTAs per row (module doc)."""
 
         def __init__(self, D: int, n_blocks: int, update: str, cluster: int, vec_: int, eps: float,
-                     alpha: str = "threads", pdl: bool = False, reduce: str = "rows"):
+                     alpha: str = "threads", pdl: bool = False):
             assert update in UPDATES and 0 <= n_blocks <= MAX_BLOCKS and cluster in CLUSTERS and vec_ in VECS
-            assert D % (cluster * vec_) == 0 and alpha in ALPHAS and reduce in REDUCES
+            assert D % (cluster * vec_) == 0 and alpha in ALPHAS
             self.AW = alpha == "warp"              # alpha and the norm formed once by warp 0 (module doc)
             self.pdl = bool(pdl)                   # weights before griddepcontrol.wait, the sources after
             self.D, self.NB, self.U = D, n_blocks, UPDATES.index(update)
@@ -185,15 +183,7 @@ def _kernel_class():
             self.eps = float(eps)
             # (i, j) of the Gram entries in partial order, after the NS sw_i
             self.pairs = tuple((i, j) for i in range(self.NS) for j in range(i, self.NS))
-            # reduce "shuffle": the K partials summed over each warp by shuffles, then over the warps in shared
-            # memory ([NW][KP]); "transpose" halves the list at each of the 5 steps (lane L ends with the totals
-            # M L .. M L + M - 1 of the K padded to KP = 32 M: 31 M shuffles), "butterfly" sums each partial
-            # over the warp (5 K shuffles; fewer for K <= 6)
-            self.SH = reduce == "shuffle"
-            self.NW = self.T // 32
-            self.M = -(-self.K // 32)
-            self.KP = 32 * self.M
-            self.TR = 31 * self.M < 5 * self.K
+
         @cute.jit
         def __call__(self, b0: cute.Pointer, b1: cute.Pointer, b2: cute.Pointer, b3: cute.Pointer,
                      b4: cute.Pointer, b5: cute.Pointer, b6: cute.Pointer, b7: cute.Pointer, b8: cute.Pointer,
@@ -243,57 +233,6 @@ def _kernel_class():
             if lane == 0:
                 s_al[NS] = cute.math.rsqrt(ms * inv_d + self.eps)
 
-        def partial(self, k: int, x, wv):
-            """Partial k of this thread's columns (None past K): sw_k = sum s_k w for k < NS, else G of pair k - NS."""
-            V, NS = self.V, self.NS
-            if k >= self.K:
-                return None
-            if k < NS:
-                acc = x[k][0] * wv[0]
-                for e in range(1, V):
-                    acc = acc + x[k][e] * wv[e]
-                return acc
-            i, j = self.pairs[k - NS]
-            acc = x[i][0] * x[j][0]
-            for e in range(1, V):
-                acc = acc + x[i][e] * x[j][e]
-            return acc
-
-        def warp_lists(self, x, wv, lane):
-            """reduce "shuffle" (plain Python, traced inline): this warp's sums of the K partials, as the lane's
-            list: M values (transpose; lane L holds the totals M L + j) or all K (butterfly; every lane holds them)."""
-            zero = Float32(0.0)
-            if self.TR:
-                # step 1 pairs partial i with partial KP/2 + i as they are formed (half the list live at once)
-                h = self.KP // 2
-                up = (lane & 16) != 0
-                vals = []
-                for i in range(h):
-                    a = self.partial(i, x, wv)
-                    b = self.partial(h + i, x, wv)
-                    a = zero if a is None else a
-                    b = zero if b is None else b
-                    send = cutlass.select_(up, a, b)
-                    keep = cutlass.select_(up, b, a)
-                    vals.append(keep + cute.arch.shuffle_sync_bfly(send, offset=16))
-                for o in (8, 4, 2, 1):
-                    h = len(vals) // 2
-                    up = (lane & o) != 0
-                    nxt = []
-                    for i in range(h):
-                        send = cutlass.select_(up, vals[i], vals[h + i])
-                        keep = cutlass.select_(up, vals[h + i], vals[i])
-                        nxt.append(keep + cute.arch.shuffle_sync_bfly(send, offset=o))
-                    vals = nxt
-                return vals
-            vals = []
-            for k in range(self.K):
-                t = self.partial(k, x, wv)
-                for o in (16, 8, 4, 2, 1):
-                    t = t + cute.arch.shuffle_sync_bfly(t, offset=o)
-                vals.append(t)
-            return vals
-
         @cute.kernel
         def kernel(self, b0: cute.Pointer, b1: cute.Pointer, b2: cute.Pointer, b3: cute.Pointer,
                    b4: cute.Pointer, b5: cute.Pointer, b6: cute.Pointer, b7: cute.Pointer, b8: cute.Pointer,
@@ -309,10 +248,7 @@ def _kernel_class():
             active = tid < N
 
             smem = cutlass.memory.SmemAllocator()
-            if cutlass.const_expr(self.SH):  # [warp][KP]: each warp's totals
-                s_part = smem.allocate_tensor(Float32, cute.make_layout(self.NW * self.KP), byte_alignment=16)
-            else:  # [K][TP]: every thread's partials, column-wise
-                s_part = smem.allocate_tensor(Float32, cute.make_layout(K * TP), byte_alignment=16)
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(K * TP), byte_alignment=16)
             s_clu = smem.allocate_tensor(Float32, cute.make_layout(C * K), byte_alignment=16)
             s_tot = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
             if cutlass.const_expr(self.AW):  # alpha_0..alpha_{NS-1}, then 1 / rms(mix)
@@ -379,53 +315,31 @@ def _kernel_class():
             wv = []
             for e in cutlass.range_constexpr(V):
                 wv.append(r_wn[e].to(Float32) * r_wp[e].to(Float32))
-            if cutlass.const_expr(self.SH):
-                lane = tid % 32
-                warp = tid // 32
-                vals = self.warp_lists(x, wv, lane)
-                r_t = cute.make_rmem_tensor((len(vals),), Float32)
-                for j in cutlass.range_constexpr(len(vals)):
-                    r_t[j] = vals[j]
-                if cutlass.const_expr(self.TR):
-                    for j in cutlass.range_constexpr(self.M):
-                        s_part[warp * self.KP + lane * self.M + j] = r_t[j]
-                else:
-                    if lane == 0:
-                        for k in cutlass.range_constexpr(self.K):
-                            s_part[warp * self.KP + k] = r_t[k]
-            else:
-                for i in cutlass.range_constexpr(NS):
-                    acc = x[i][0] * wv[0]
-                    for e in cutlass.range_constexpr(1, V):
-                        acc = acc + x[i][e] * wv[e]
-                    s_part[i * TP + tid] = acc
-                for k in cutlass.range_constexpr(len(self.pairs)):
-                    i, j = self.pairs[k]
-                    acc = x[i][0] * x[j][0]
-                    for e in cutlass.range_constexpr(1, V):
-                        acc = acc + x[i][e] * x[j][e]
-                    s_part[(NS + k) * TP + tid] = acc
+            for i in cutlass.range_constexpr(NS):
+                acc = x[i][0] * wv[0]
+                for e in cutlass.range_constexpr(1, V):
+                    acc = acc + x[i][e] * wv[e]
+                s_part[i * TP + tid] = acc
+            for k in cutlass.range_constexpr(len(self.pairs)):
+                i, j = self.pairs[k]
+                acc = x[i][0] * x[j][0]
+                for e in cutlass.range_constexpr(1, V):
+                    acc = acc + x[i][e] * x[j][e]
+                s_part[(NS + k) * TP + tid] = acc
             cute.arch.sync_threads()
 
-            # ---- thread k < K: row k over the CTA (or the warps' totals), into every cluster CTA's slot --------
+            # ---- thread k < K: row k over the CTA, into every cluster CTA's slot [rank][k] --------------------
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_wait()
             if tid < K:
-                tot = Float32(0.0)
-                if cutlass.const_expr(self.SH):
-                    tot = s_part[tid]
-                    for w in cutlass.range_constexpr(1, self.NW):
-                        tot = tot + s_part[w * self.KP + tid]
-                else:
-                    a4 = cute.make_rmem_tensor((4,), Float32)
-                    r4 = cute.make_rmem_tensor((4,), Float32)
-                    a4.fill(0.0)
-                    for j in cutlass.range_constexpr(self.T // 4):
-                        cute.autovec_copy(vec(s_part.iterator, cute.assume(tid * self.TP + j * 4, divby=4), 4),
-                                          r4)
-                        for q in cutlass.range_constexpr(4):
-                            a4[q] = a4[q] + r4[q]
-                    tot = (a4[0] + a4[1]) + (a4[2] + a4[3])
+                a4 = cute.make_rmem_tensor((4,), Float32)
+                r4 = cute.make_rmem_tensor((4,), Float32)
+                a4.fill(0.0)
+                for j in cutlass.range_constexpr(self.T // 4):
+                    cute.autovec_copy(vec(s_part.iterator, cute.assume(tid * self.TP + j * 4, divby=4), 4), r4)
+                    for q in cutlass.range_constexpr(4):
+                        a4[q] = a4[q] + r4[q]
+                tot = (a4[0] + a4[1]) + (a4[2] + a4[3])
                 if cutlass.const_expr(self.C == 1):
                     s_tot[tid] = tot
                 else:
@@ -546,8 +460,7 @@ def _ptr(t: torch.Tensor, align: int):
 def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w_norm: torch.Tensor,
                  w_proj: torch.Tensor, norm_w: torch.Tensor, out: torch.Tensor, partial_out: torch.Tensor | None,
                  *, update: str = "none", eps: float = 1e-6, cluster: int | None = None,
-                 vec: int | None = None, alpha: str | None = None, pdl: bool | None = None,
-                 reduce: str | None = None) -> torch.Tensor:
+                 vec: int | None = None, alpha: str | None = None, pdl: bool | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module doc). Returns out."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
@@ -557,9 +470,6 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
         _fail("pdl", f"must be a bool or None, got {pdl!r}")
     if update not in UPDATES:
         _fail("update", f"must be one of {UPDATES}, got {update!r}")
-    if reduce is not None and reduce not in REDUCES:
-        _fail("reduce", f"must be one of {REDUCES} or None, got {reduce!r}")
-    red = reduce or DEFAULT_REDUCE
     if not isinstance(blocks, (list, tuple)) or len(blocks) > MAX_BLOCKS:
         _fail("blocks", f"must be a list of 0..{MAX_BLOCKS} tensors, got {type(blocks).__name__} of "
                         f"{len(blocks) if isinstance(blocks, (list, tuple)) else '?'}")
@@ -598,14 +508,14 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
     pout = partial_out if update != "none" else out
     args = bp + [_ptr(pre, a), _ptr(nw, a), _ptr(w_norm, a), _ptr(w_proj, a), _ptr(norm_w, a), po,
                  _ptr(pout, a)] + bs + [pre.stride(0), nw.stride(0), pout.stride(0), out.stride(0), B]
-    key = (len(blocks), update, D, C, V, A, float(eps), pdl, red, dev.index)
+    key = (len(blocks), update, D, C, V, A, float(eps), pdl, dev.index)
     import cuda.bindings.driver as cuda
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         fn = _COMPILED.get(key)
         if fn is None:
             from cutlass import cute
-            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A, pdl, red), *args, stream)
+            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A, pdl), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return out

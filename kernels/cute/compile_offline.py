@@ -187,18 +187,7 @@ def _cases(only: str | None, quick: bool):
                        (f"5 blocks fresh c2v8 {al}", 1, 7168, 5, "fresh", 2, 8, al),
                        (f"9 blocks none c2v8 {al}", 1, 7168, 9, "none", 2, 8, al),
                        (f"D64 9 blocks add {al}", 1, 64, 9, "add", None, None, al)]
-        # reduce "shuffle" at the auto rule's three configurations and two smaller block counts
-        combos += [("shuffle c8v8", 1, 7168, 9, "add", 8, 8, "threads shuffle"),
-                   ("shuffle c8v8 warp", 1, 7168, 9, "add", 8, 8, "warp shuffle"),
-                   ("shuffle c2v8 warp", 1, 7168, 9, "add", 2, 8, "warp shuffle"),
-                   ("shuffle c4v8 warp", 1, 7168, 9, "add", 4, 8, "warp shuffle"),
-                   ("shuffle c8v4", 1, 7168, 9, "add", 8, 4, "threads shuffle"),
-                   ("shuffle 1 block c8v8", 1, 7168, 1, "add", 8, 8, "threads shuffle"),
-                   ("shuffle 2 blocks c8v8", 1, 7168, 2, "add", 8, 8, "threads shuffle")]
         for name, Bx, D, nb, upd, c, v, al in combos:
-            red = "rows"
-            if al and al.endswith(" shuffle"):
-                al, red = al.split()[0], "shuffle"
             pdl = al == "pdl"  # the default options launched with PDL (the step's `pdl` switch)
             al = None if pdl else al
             cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
@@ -208,12 +197,11 @@ def _cases(only: str | None, quick: bool):
             # dynamic shared memory: the partials [K][thr + 4], the cluster's slots [C][K], the totals [K],
             # alpha's NS + 1 (each rounded to 16 bytes); CTAs an SM by it (228 KB, 1 KB reserved a CTA)
             K = ka.n_partials(nb)
-            part = (thr // 32) * 32 * -(-K // 32) if red == "shuffle" else K * (thr + 4)
-            smem = sum(-(-4 * n // 16) * 16 for n in (part, cc * K, K) + ((nb + 2,) if al == "warp" else ()))
+            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + ((nb + 2,) if al == "warp" else ()))
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
-                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl, red=red: ka._kernel_class()(
-                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl, red), pa + ints + [S]))
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl: ka._kernel_class()(
+                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
