@@ -102,3 +102,55 @@ def test_refused_by_name():
         run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
+
+
+# ---- the MoE output's glue in the down kernel's last CTA (`glue`) ---------------------------------------------
+
+@pytest.mark.parametrize("shape,IS,seed", [(SMALL, 48, 0), (ODD, 40, 1)])
+def test_glue_in_the_last_down_cta(shape, IS, seed):
+    """glue=(norm_w, gu, xin, eps, b1, b2): y as without it (the checker's fp64 reference), and xin = [rms(y; norm_w)
+    | situ(g, u)] against fp64 of the y the kernel wrote, bf16-rounded (4e-3 relative); twice (the counter returns
+    to zero), at two CTA orders."""
+    from k3lab.ref.situ import situ
+
+    case = OP.case(**shape)
+    for rep in range(2):
+        d = OP.make_inputs(case, seed + rep, "cpu")
+        L = d["z"].shape[1]
+        g = torch.Generator().manual_seed(seed * 7 + rep)
+        nw = (1 + 0.1 * torch.randn(L, generator=g)).to(torch.bfloat16)
+        gu = (2 * torch.randn(1, 2 * IS, generator=g)).to(torch.bfloat16)
+        xin = torch.full((1, L + IS), float("nan"), dtype=torch.bfloat16)
+        moe = d["moe"]
+        t = emulate.moe_tensors(d["z"], d["idx"], d["weights_k"], moe, d["y"])
+        t.update(nw=nw, gu=gu, xin=xin)
+        emulate._PDL["early"] = frozenset()
+
+        def call(m, **a):
+            m.mod["moe_experts"].moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
+                                             a["s2"], a["y"], glue=(a["nw"], a["gu"], a["xin"], 1e-6, 4.0, 25.0))
+        emulate._run(call, t, seed + rep)
+        want = OP.reference(d, case)["y"].double()
+        y = d["y"].double()
+        assert ((y - want).norm() / want.norm()).item() < 1e-2
+        ref_n = y * torch.rsqrt((y * y).mean(-1, keepdim=True) + 1e-6) * nw.double()
+        ref_s = situ(gu[:, :IS].double(), gu[:, IS:].double(), 4.0, 25.0)
+        got = xin.double()
+        assert not got.isnan().any()
+        assert ((got[:, :L] - ref_n).norm() / ref_n.norm()).item() < 4e-3
+        assert ((got[:, L:] - ref_s).norm() / ref_s.norm()).item() < 4e-3
+
+
+def test_glue_refused_by_name():
+    case = OP.case(**SMALL)
+    d = OP.make_inputs(case, 0, "cpu")
+    L = d["z"].shape[1]
+    t = emulate.moe_tensors(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"])
+    t.update(nw=torch.zeros(L, dtype=torch.bfloat16), gu=torch.zeros(1, 8, dtype=torch.bfloat16),
+             xin=torch.zeros(1, L + 3, dtype=torch.bfloat16))
+
+    def call(m, **a):
+        m.mod["moe_experts"].moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
+                                         a["s2"], a["y"], glue=(a["nw"], a["gu"], a["xin"], 1e-6, 4.0, 25.0))
+    with pytest.raises(ValueError, match="'glue.xin' must be"):
+        emulate._run(call, t, 0)

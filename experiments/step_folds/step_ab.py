@@ -1,11 +1,15 @@
-"""The decode step at batch 1 (TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) in two
-arms: the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
-(`k3lab.step.KDA_DECAY_CHAIN_MAX_TOKENS` 16, the default) or as its own CuTe GEMV launch (0). One build; the arms
-alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states restored
-first); each arm's output is compared with the first arm's on the same input and states, and one profiled eager
-step per arm keeps its per-component GPU time and launches.
+"""The decode step at batch 1 (TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) with one
+launch fold of `k3lab.step` on and off, arm against arm in one build:
+  kda_chain  the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
+             (KDA_DECAY_CHAIN_MAX_TOKENS 16, the default) or its own CuTe GEMV launch (0);
+  moe_glue   the MoE output's glue (routed norm + shared SiTU) by the last CTA of the CuTe one-token experts' down
+             kernel (MOE_GLUE_IN_EXPERTS True, the default) or glue.norm_glu's own launch (False).
+The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
+restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
+eager step per arm keeps its per-component GPU time and launches.
 
-    python experiments/kda_chain/step_ab.py $OUT    (PYTHONPATH=$PWD and the cute site)  ->  $OUT/kda_chain_step_ab.json
+    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue    (PYTHONPATH=$PWD and the cute site)
+        ->  $OUT/<fold>_step_ab.json
 """
 import json
 import sys
@@ -19,21 +23,26 @@ from k3lab.harness.numerics import rel_norm_error
 
 ROUNDS = 3
 P = dict(preset="tp8", batch=1, context=8192, expert_dtype="mxfp4", pdl=True, proj_cute=True, kda_pdl=True)
-ARMS = (("chained", 16), ("own_launch", 0))
+FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
+                       ("own_launch", {"KDA_DECAY_CHAIN_MAX_TOKENS": 0})),
+         "moe_glue": (("in_experts", {"MOE_GLUE_IN_EXPERTS": True}), ("own_launch", {"MOE_GLUE_IN_EXPERTS": False}))}
 
 
-def main(out):
+def main(out, fold):
+    ARMS = FOLDS[fold]
     pr = timing.probes()
     view, sw = dashboards.view_from_params(P), dashboards.switches_from_params(P)
-    res = dict(probes=pr, env=envmod.fingerprint(), params=P, times={a[0]: [] for a in ARMS}, profile={}, err={})
+    res = dict(probes=pr, env=envmod.fingerprint(), params=P, fold=fold, arms={a[0]: a[1] for a in ARMS},
+               times={a[0]: [] for a in ARMS}, profile={}, err={})
     st = S.DecodeStep(view, sw, device="cuda")
     kda = [L.state for L in st.layers if L.kind == "kda"]
     start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
     x = torch.randn(tuple(st.x_in.shape), device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(st.dtype)
     first = None
     for rnd in range(ROUNDS):
-        for name, mx in ARMS:
-            S.KDA_DECAY_CHAIN_MAX_TOKENS = mx
+        for name, consts in ARMS:
+            for k, v in consts.items():
+                setattr(S, k, v)
             st.set_switches(sw)
             for s, (s0, c0) in zip(kda, start):
                 s.state.copy_(s0)
@@ -51,9 +60,10 @@ def main(out):
                 res["profile"][name] = {k: {kk: vv for kk, vv in v.items() if not isinstance(vv, list)}
                                         for k, v in att.items()}
             print(f"round {rnd} {name:12s} {t.median_us:8.1f} us", flush=True)
-            with open(f"{out}/kda_chain_step_ab.json", "w") as f:  # after every arm: a cut run keeps what it has
+            with open(f"{out}/{fold}_step_ab.json", "w") as f:  # after every arm: a cut run keeps what it has
                 json.dump(res, f, default=str)
-    S.KDA_DECAY_CHAIN_MAX_TOKENS = 16
+    for k, v in ARMS[0][1].items():  # the defaults back
+        setattr(S, k, v)
     print("\n| arm | step us (each round) | output vs the first arm |")
     print("|---|---|---|")
     for name, _ in ARMS:
@@ -66,4 +76,6 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp")
+    if len(sys.argv) != 3 or sys.argv[2] not in FOLDS:
+        sys.exit(f"usage: step_ab.py OUT {{{'|'.join(FOLDS)}}}")
+    main(sys.argv[1], sys.argv[2])
