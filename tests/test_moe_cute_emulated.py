@@ -106,11 +106,12 @@ def test_refused_by_name():
 
 # ---- the MoE output's glue in the down kernel's last CTA (`glue`) ---------------------------------------------
 
-@pytest.mark.parametrize("shape,IS,seed", [(SMALL, 48, 0), (ODD, 40, 1)])
-def test_glue_in_the_last_down_cta(shape, IS, seed):
+@pytest.mark.parametrize("shape,IS,seed,group", [(SMALL, 48, 0, 32), (ODD, 40, 1, 32), (SMALL, 1032, 2, 3)])
+def test_glue_in_the_last_down_cta(shape, IS, seed, group):
     """glue=(norm_w, gu, xin, eps, b1, b2): y as without it (the checker's fp64 reference), and xin = [rms(y; norm_w)
-    | situ(g, u)] against fp64 of the y the kernel wrote, bf16-rounded (4e-3 relative); twice (the counter returns
-    to zero), at two CTA orders."""
+    | situ(g, u)] against fp64 of the y the kernel wrote, bf16-rounded (4e-3 relative); twice (the counts return
+    to zero), at two CTA orders; the first-level count's group at 3 CTAs (32 CTAs: 11 groups, the last of 2) and
+    1032 SiTU columns (two rounds of the 32 threads' four, the second partial)."""
     from k3lab.ref.situ import situ
 
     case = OP.case(**shape)
@@ -127,8 +128,13 @@ def test_glue_in_the_last_down_cta(shape, IS, seed):
         emulate._PDL["early"] = frozenset()
 
         def call(m, **a):
-            m.mod["moe_experts"].moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
-                                             a["s2"], a["y"], glue=(a["nw"], a["gu"], a["xin"], 1e-6, 4.0, 25.0))
+            mod = m.mod["moe_experts"]
+            saved, mod._GLUE_GROUP = mod._GLUE_GROUP, group
+            try:
+                mod.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"],
+                                a["y"], glue=(a["nw"], a["gu"], a["xin"], 1e-6, 4.0, 25.0))
+            finally:
+                mod._GLUE_GROUP = saved
         emulate._run(call, t, seed + rep)
         want = OP.reference(d, case)["y"].double()
         y = d["y"].double()

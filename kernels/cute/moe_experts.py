@@ -148,13 +148,34 @@ def _kernel_classes():
         def glue_pass(self, tid: Int32, lane: Int32, warp: Int32, p_y: cute.Pointer, p_nw: cute.Pointer,
                       p_gu: cute.Pointer, p_xin: cute.Pointer, s_red: cute.Tensor):
             """The last CTA: xin[:L] = bf16(y rsqrt(mean(y^2) + eps) w), xin[L + i] = bf16(situ(g_i, u_i)) (fp32
-            maths; norm_glu's formulas)."""
+            maths; norm_glu's formulas). Thread t holds y[4 t + 4 NT j] (16-byte loads, every load issued at once,
+            the values kept for the output) and 4 columns of g and u a round."""
             L, NT, W = self.L, self.NT, self.NT // 32
             IS, eps, gb1, gb2 = self.glue
+            NR = -(-L // (4 * NT))
+            NS = -(-IS // (4 * NT))
+            yv = cute.make_rmem_tensor((NR * 4,), Float32)
+            wv = cute.make_rmem_tensor((NR * 4,), p_nw.dtype)
+            gv = cute.make_rmem_tensor((NS * 4,), p_gu.dtype)
+            uv = cute.make_rmem_tensor((NS * 4,), p_gu.dtype)
+            yv.fill(0.0)
+            for j in cutlass.range_constexpr(NR):
+                o = 4 * tid + 4 * NT * j
+                if o < L:
+                    cute.autovec_copy(vec(p_y, cute.assume(o, divby=4), 4),
+                                      cute.make_tensor(yv.iterator + 4 * j, cute.make_layout(4)))
+                    cute.autovec_copy(vec(p_nw, cute.assume(o, divby=4), 4),
+                                      cute.make_tensor(wv.iterator + 4 * j, cute.make_layout(4)))
+            for j in cutlass.range_constexpr(NS):
+                o = 4 * tid + 4 * NT * j
+                if o < IS:
+                    cute.autovec_copy(vec(p_gu, cute.assume(o, divby=4), 4),
+                                      cute.make_tensor(gv.iterator + 4 * j, cute.make_layout(4)))
+                    cute.autovec_copy(vec(p_gu, cute.assume(IS + o, divby=4), 4),
+                                      cute.make_tensor(uv.iterator + 4 * j, cute.make_layout(4)))
             ss = Float32(0.0)
-            for j in cutlass.range(tid, L, NT):
-                v = vec(p_y, j, 1)[0]
-                ss = ss + v * v
+            for q in cutlass.range_constexpr(NR * 4):
+                ss = ss + yv[q] * yv[q]
             for sh in cutlass.range_constexpr(5):
                 ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
             if lane == 0:
@@ -164,14 +185,21 @@ def _kernel_classes():
             for w in cutlass.range_constexpr(1, W):
                 tot = tot + s_red[w]
             inv = cute.math.rsqrt(tot * (1.0 / L) + eps)
-            for j in cutlass.range(tid, L, NT):
-                v = vec(p_y, j, 1)[0] * inv * vec(p_nw, j, 1)[0].to(Float32)
-                vec(p_xin, j, 1)[0] = v.to(p_xin.dtype)
-            for i in cutlass.range(tid, IS, NT):
-                g = vec(p_gu, i, 1)[0].to(Float32)
-                u = vec(p_gu, IS + i, 1)[0].to(Float32)
-                a = (gb1 * tanh(g / gb1) * sigmoid(g)) * (gb2 * tanh(u / gb2))
-                vec(p_xin, L + i, 1)[0] = a.to(p_xin.dtype)
+            ov = cute.make_rmem_tensor((4,), p_xin.dtype)
+            for j in cutlass.range_constexpr(NR):
+                o = 4 * tid + 4 * NT * j
+                if o < L:
+                    for q in cutlass.range_constexpr(4):
+                        ov[q] = (yv[4 * j + q] * inv * wv[4 * j + q].to(Float32)).to(p_xin.dtype)
+                    cute.autovec_copy(ov, vec(p_xin, cute.assume(o, divby=4), 4))
+            for j in cutlass.range_constexpr(NS):
+                o = 4 * tid + 4 * NT * j
+                if o < IS:
+                    for q in cutlass.range_constexpr(4):
+                        g = gv[4 * j + q].to(Float32)
+                        u = uv[4 * j + q].to(Float32)
+                        ov[q] = ((gb1 * tanh(g / gb1) * sigmoid(g)) * (gb2 * tanh(u / gb2))).to(p_xin.dtype)
+                    cute.autovec_copy(ov, vec(p_xin, cute.assume(L + o, divby=4), 4))
 
         @cute.kernel
         def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
@@ -219,14 +247,24 @@ def _kernel_classes():
                 vec(p_y, c * R + tid, 1)[0] = tot
             if cutlass.const_expr(self.glue is not None):
                 # every CTA counts itself once its rows of y are stored; the last one writes the glue
+                # two levels (the count of a group of GS CTAs, then of the groups), relaxed atomics between fences
+                # (one word counted by every CTA serialized at ~20 ns an arrival with acq_rel atomics)
                 cute.arch.sync_threads()
                 if tid == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    old = cute.arch.atomic_add(p_cnt, Int32(1), sem="acq_rel", scope="gpu")
+                    GS, NG = _GLUE_GROUP, -(-self.G // _GLUE_GROUP)
+                    grp = c // GS
+                    gsize = cutlass.select_(grp == NG - 1, Int32(self.G - GS * (NG - 1)), Int32(GS))
                     last = Int32(0)
-                    if old == self.G - 1:
-                        last = Int32(1)
-                        cute.arch.atomic_add(p_cnt, Int32(-self.G), sem="relaxed", scope="gpu")  # zero again
+                    cute.arch.fence_acq_rel_gpu()
+                    old = cute.arch.atomic_add(p_cnt + _GLUE_STRIDE * (1 + grp), Int32(1), sem="relaxed",
+                                               scope="gpu")
+                    if old == gsize - 1:  # the group's last CTA counts the group
+                        cute.arch.atomic_add(p_cnt + _GLUE_STRIDE * (1 + grp), -gsize, sem="relaxed", scope="gpu")
+                        cute.arch.fence_acq_rel_gpu()
+                        old2 = cute.arch.atomic_add(p_cnt, Int32(1), sem="relaxed", scope="gpu")
+                        if old2 == NG - 1:
+                            last = Int32(1)
+                            cute.arch.atomic_add(p_cnt, Int32(-NG), sem="relaxed", scope="gpu")  # zero again
                     cute.arch.fence_acq_rel_gpu()
                     s_flag[0] = last
                 cute.arch.sync_threads()
@@ -381,7 +419,10 @@ def experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, fail=_fail) -
     return [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
 
 
-_CNT: dict[int, torch.Tensor] = {}  # per device: the glue's arrival counter, zero between calls
+_CNT: dict[int, torch.Tensor] = {}  # per device: the glue's arrival counts, zero between calls
+_GLUE_GROUP = 32    # CTAs a first-level count
+_GLUE_STRIDE = 32   # int32 words between two counts (their own 128-byte lines)
+_GLUE_COUNTS = 64   # counts held: the groups' (at most 63 groups: 2016 CTAs) and the total
 
 
 def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None,
@@ -419,10 +460,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
-    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
+    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 16)]
     glue_key = None
     if glue is None:
-        down_args += [_ptr(y, 4)] * 4  # never read: no glue
+        down_args += [_bf16_ptr(y, 8)] * 3 + [_ptr(y, 4)]  # never read: no glue
     else:
         if not isinstance(glue, (tuple, list)) or len(glue) != 6:
             _fail("glue", f"must be None or (norm_w, gu, xin, eps, b1, b2), got {glue!r:.60}")
@@ -441,9 +482,15 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                 _fail(name, f"must be a positive number, got {v!r}")
         cnt = _CNT.get(dev.index)
         if cnt is None:
-            cnt = _CNT[dev.index] = torch.empty(4, dtype=torch.int32, device=dev).zero_()
-        down_args += [_bf16_ptr(nw, 2), _bf16_ptr(gu, 2), _bf16_ptr(xin, 2), _ptr(cnt, 4)]
+            cnt = _CNT[dev.index] = torch.empty(_GLUE_STRIDE * _GLUE_COUNTS, dtype=torch.int32, device=dev).zero_()
+        down_args += [_bf16_ptr(nw, 8), _bf16_ptr(gu, 8), _bf16_ptr(xin, 8), _ptr(cnt, 4)]
         glue_key = (IS, float(g_eps), float(g_b1), float(g_b2))
+        if L % 4 or IS % 4 or L // (DOWN_ROWS if L % DOWN_ROWS == 0 else 1) > _GLUE_GROUP * (_GLUE_COUNTS - 1):
+            _fail("glue", f"needs L and IS multiples of 4 and at most {_GLUE_GROUP * (_GLUE_COUNTS - 1)} down CTAs, "
+                          f"got L={L}, IS={IS}")
+        for name, t in (("glue.norm_w", nw), ("glue.gu", gu), ("glue.xin", xin)):
+            if t.data_ptr() % 8 or (t.dim() == 2 and t.stride(0) % 4):
+                _fail(name, "must be 8-byte aligned (4 bf16 a load)")
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
     key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue_key)
