@@ -585,9 +585,6 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 
 
 PROJ_CUTE_MAX_TOKENS = 1
-# the MoE output's glue (routed norm + shared SiTU) written by the last CTA of the CuTe one-token experts' down kernel
-# (one launch fewer a MoE layer at batch 1); False: glue.norm_glu's own launch
-MOE_GLUE_IN_EXPERTS = True
 # the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch (k3lab_kernels.cute.proj_gemv
 # `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
 KDA_DECAY_CHAIN_MAX_TOKENS = 16
@@ -644,9 +641,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             moe_out    p + Wup rms(y) + w2 situ(g, u): the routed norm and up-projection and the shared experts'
                        w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], the residual
                        p in the epilogue: the layer's output. Its input [rms(y) | situ(g, u)] is written by the
-                       one glue kernel (`glue.norm_glu`: two launches in all), by the last CTA of the CuTe
-                       one-token experts' down kernel (MOE_GLUE_IN_EXPERTS, batch 1: one launch), or made by the
-                       projection's input prologues (`fuse_prologues`: one launch, measured slower)
+                       one glue kernel (`glue.norm_glu`: two launches in all), or made by the projection's input
+                       prologues (`fuse_prologues`: one launch, measured slower)
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
@@ -915,21 +911,6 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         xo = buf(D)
         xin = buf(Lat + sI)
         nb_glue = _nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e
-        # the glue [rms(y) | situ(g, u)] by the experts' last down CTA (k3lab_kernels.cute.moe_experts `glue`) where
-        # the experts run the CuTe one-token path and the output is the plain two-segment projection
-        glue_fold = (MOE_GLUE_IN_EXPERTS and N == 1 and L.ran.get("experts") == "cute" and not shared_stream
-                     and not owned_output and not fuse_pro and m.routed_norm.dtype == torch.bfloat16
-                     and gu.dtype == torch.bfloat16)
-        if glue_fold:
-            from k3lab.components import moe as moe_comp
-
-            fn_e, nb_e, fl_e = out["experts"]
-
-            def experts_glue():
-                b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend="cute", check_values=False,
-                                          glue=(m.routed_norm, gu, xin, float(m.eps), sh[0].b1, sh[0].b2))
-                return b["y"]
-            out["experts"] = (experts_glue, nb_e + nb_glue - N * Lat * 4, fl_e)
 
         def glue_in():  # [rms(y) | situ(g, u)]: the output projection's input, one launch
             glue.norm_glu(flat(b["y"]), m.routed_norm, gu, xin, eps=float(m.eps), b1=sh[0].b1, b2=sh[0].b2,
@@ -966,12 +947,11 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             be_out = pb(w_out, "moe_out")
 
             def moe_out():
-                if not glue_fold:
-                    glue_in()
+                glue_in()
                 P(xin, w_out, xo, residual=b["p"], be_=be_out)
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
-            nb_out = (0 if glue_fold else nb_glue) + mm_bytes(w_out, Lat + sI, D, residual=True)
+            nb_out = nb_glue + mm_bytes(w_out, Lat + sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
         out["moe_out"] = (moe_out, nb_out, fl_out)
     else:

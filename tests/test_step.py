@@ -175,41 +175,6 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     assert "proj_cute=False->True" in dict(S.toggle_list(FUSED, st.switches))
 
 
-def test_moe_glue_in_the_experts_down_kernel(monkeypatch):
-    """At one token with the experts on the CuTe one-token path (MXFP4), the MoE output's glue (routed norm + shared
-    SiTU) goes to the experts' down kernel (`glue=`) and moe_out is the projection alone; MOE_GLUE_IN_EXPERTS False,
-    or two tokens, keep glue.norm_glu's launch. (Wiring: the calls are captured, not run; the kernel's tests are
-    tests/test_moe_cute_emulated.py and tests/test_moe_cute.py.)"""
-    from k3lab.components import glue, moe as moe_comp, trunk
-
-    seen: list = []
-    from k3lab import model
-
-    def experts(z, *a, backend, glue=None, **k):
-        seen.append(("experts", backend, glue is not None))
-        return torch.zeros(z.shape, dtype=torch.float32)
-    monkeypatch.setattr(moe_comp, "experts", experts)
-    # the tiny preset's widths are not the CuTe kernels' (multiples of 32): the builder's rule is opened for the wiring
-    monkeypatch.setitem(model._PATH_RULES, ("moe", "cute"), (lambda L: L.w.mlp_kind == "moe", "test"))
-    sw = FUSED.replace(backend=dict(FUSED.backend, moe="cute"))
-    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), sw, device="cpu")
-    two = S.DecodeStep(_tiny(batch=2, expert_dtype="mxfp4"), sw, device="cpu")
-    seen.clear()
-    monkeypatch.setattr(glue, "norm_glu", lambda *a, **k: seen.append(("norm_glu",)))
-    monkeypatch.setattr(trunk, "proj", lambda *a, backend, **k: seen.append(("proj", backend)))
-    st.comps[1]["experts"][0]()
-    st.comps[1]["moe_out"][0]()
-    assert seen == [("experts", "cute", True), ("proj", "triton")]
-    monkeypatch.setattr(S, "MOE_GLUE_IN_EXPERTS", False)
-    st.set_switches(sw)
-    seen.clear()
-    st.comps[1]["moe_out"][0]()
-    assert seen == [("norm_glu",), ("proj", "triton")]
-    seen.clear()
-    two.comps[1]["moe_out"][0]()
-    assert seen[0] == ("norm_glu",)
-
-
 def test_fuse_prologues_switch_same_output():
     """fuse_prologues=False (the default) runs the norms and SiTU as launches of their own (the MoE output:
     routed_norm and SiTU-GLU into the two segments of one input, then one projection over [Wup | w2]) and gives the

@@ -3,7 +3,8 @@ launch fold of `k3lab.step` on and off, arm against arm in one build:
   kda_chain  the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
              (KDA_DECAY_CHAIN_MAX_TOKENS 16, the default) or its own CuTe GEMV launch (0);
   moe_glue   the MoE output's glue (routed norm + shared SiTU) by the last CTA of the CuTe one-token experts' down
-             kernel (MOE_GLUE_IN_EXPERTS True, the default) or glue.norm_glu's own launch (False).
+             kernel (MOE_GLUE_IN_EXPERTS True) or glue.norm_glu's own launch (False): measured and lost, the fold's
+             code in git history at 6659250 (this arm runs there only; profiles/h200/moe_glue_step_ab.json.gz).
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
@@ -25,7 +26,8 @@ ROUNDS = 3
 P = dict(preset="tp8", batch=1, context=8192, expert_dtype="mxfp4", pdl=True, proj_cute=True, kda_pdl=True)
 FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                        ("own_launch", {"KDA_DECAY_CHAIN_MAX_TOKENS": 0})),
-         "moe_glue": (("in_experts", {"MOE_GLUE_IN_EXPERTS": True}), ("own_launch", {"MOE_GLUE_IN_EXPERTS": False}))}
+         # (git history at 6659250: "moe_glue": in_experts MOE_GLUE_IN_EXPERTS True / own_launch False)
+         }
 
 
 def main(out, fold):

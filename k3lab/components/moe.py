@@ -96,12 +96,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-            leaders: bool | None = None, wait: str | None = None, glue: tuple | None = None,
-            ran: list | None = None) -> torch.Tensor:
-    """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given.
-    glue (the cute backend's path token; the reference backends by torch after y): (norm_w [L], gu [1, 2 IS],
-    xin [1, L + IS] bf16, eps, b1, b2): also xin = [rms(y; norm_w) | situ(gu)], the MoE output projection's input,
-    written by the down kernel's last CTA (k3lab_kernels.cute.moe_experts: glue.norm_glu's launch folded in)."""
+            leaders: bool | None = None, wait: str | None = None, ran: list | None = None) -> torch.Tensor:
+    """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
     _check_h(z, moe.w_down.shape[0], "z")
@@ -123,23 +119,6 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
                  num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
-    if glue is not None:
-        if not isinstance(glue, (tuple, list)) or len(glue) != 6:
-            _fail("glue", f"must be None or (norm_w, gu, xin, eps, b1, b2), got {type(glue).__name__}")
-        cute_token = be == "cute" and B == 1 and path in (None, "token")
-        if not cute_token and be not in ("reference", "torch_compile"):
-            _fail("glue", f"is folded into the cute backend's one-token down kernel (backend {be!r}, batch {B}, path "
-                          f"{path!r} takes none): run glue.norm_glu after the experts")
-        if not cute_token:
-            y = experts(z, idx, weights_k, moe, backend=be, out=out, check_values=check_values, ran=ran)
-            from k3lab.ref.rmsnorm import rms_norm
-            from k3lab.ref.situ import situ
-
-            nw, gu, xin, eps, gb1, gb2 = glue
-            IS = gu.shape[1] // 2
-            xin[:, :L].copy_(rms_norm(y.float(), nw.float(), float(eps)))
-            xin[:, L:].copy_(situ(gu[:, :IS].float(), gu[:, IS:].float(), gb1, gb2))
-            return y
     if be == "triton":
         from k3lab_kernels.triton.moe_experts import MAX_BATCH as KB
 
@@ -201,11 +180,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             note = ("path grouped: two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 "
                     "on tensor cores, fp32 atomics into y)")
         rule = "requested" if path is not None else "by batch: token at 1, grouped above"
-        gk = {} if glue is None else {"glue": tuple(glue)}
         y = fn(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, moe.w2.scale, out, b1=float(moe.b1),
-               b2=float(moe.b2), **gk)
-        if glue is not None:
-            note += "; the MoE output's glue (routed norm + shared SiTU) in the down kernel's last CTA"
+               b2=float(moe.b2))
         dispatch.record(ran, kernel=kpath, options=dict(path=cpath), notes=f"{note} ({rule})", **rec)
         return y
     ffn = ref.glu_ffn

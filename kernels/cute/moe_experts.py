@@ -129,82 +129,20 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: tuple | None = None):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.NP = K * (I // 32)                  # (pair, block) products a row
             self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
-            self.G = L // rows                       # CTAs
-            # glue (IS, eps, b1, b2): the last CTA to finish writes the MoE output's input [rms(y) | situ(g, u)]
-            self.glue = glue
 
         @cute.jit
         def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                     p_y: cute.Pointer, p_nw: cute.Pointer, p_gu: cute.Pointer, p_xin: cute.Pointer,
-                     p_cnt: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_idx, p_w2, p_s2, p_act, p_y, p_nw, p_gu, p_xin, p_cnt).launch(
-                grid=[self.G, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=True)
-
-        @cute.jit
-        def glue_pass(self, tid: Int32, lane: Int32, warp: Int32, p_y: cute.Pointer, p_nw: cute.Pointer,
-                      p_gu: cute.Pointer, p_xin: cute.Pointer, s_red: cute.Tensor):
-            """The last CTA: xin[:L] = bf16(y rsqrt(mean(y^2) + eps) w), xin[L + i] = bf16(situ(g_i, u_i)) (fp32
-            maths; norm_glu's formulas). Thread t holds y[4 t + 4 NT j] (16-byte loads, every load issued at once,
-            the values kept for the output) and 4 columns of g and u a round."""
-            L, NT, W = self.L, self.NT, self.NT // 32
-            IS, eps, gb1, gb2 = self.glue
-            NR = -(-L // (4 * NT))
-            NS = -(-IS // (4 * NT))
-            yv = cute.make_rmem_tensor((NR * 4,), Float32)
-            wv = cute.make_rmem_tensor((NR * 4,), p_nw.dtype)
-            gv = cute.make_rmem_tensor((NS * 4,), p_gu.dtype)
-            uv = cute.make_rmem_tensor((NS * 4,), p_gu.dtype)
-            yv.fill(0.0)
-            for j in cutlass.range_constexpr(NR):
-                o = 4 * tid + 4 * NT * j
-                if o < L:
-                    cute.autovec_copy(vec(p_y, cute.assume(o, divby=4), 4),
-                                      cute.make_tensor(yv.iterator + 4 * j, cute.make_layout(4)))
-                    cute.autovec_copy(vec(p_nw, cute.assume(o, divby=4), 4),
-                                      cute.make_tensor(wv.iterator + 4 * j, cute.make_layout(4)))
-            for j in cutlass.range_constexpr(NS):
-                o = 4 * tid + 4 * NT * j
-                if o < IS:
-                    cute.autovec_copy(vec(p_gu, cute.assume(o, divby=4), 4),
-                                      cute.make_tensor(gv.iterator + 4 * j, cute.make_layout(4)))
-                    cute.autovec_copy(vec(p_gu, cute.assume(IS + o, divby=4), 4),
-                                      cute.make_tensor(uv.iterator + 4 * j, cute.make_layout(4)))
-            ss = Float32(0.0)
-            for q in cutlass.range_constexpr(NR * 4):
-                ss = ss + yv[q] * yv[q]
-            for sh in cutlass.range_constexpr(5):
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
-            if lane == 0:
-                s_red[warp] = ss
-            cute.arch.sync_threads()
-            tot = s_red[0]
-            for w in cutlass.range_constexpr(1, W):
-                tot = tot + s_red[w]
-            inv = cute.math.rsqrt(tot * (1.0 / L) + eps)
-            ov = cute.make_rmem_tensor((4,), p_xin.dtype)
-            for j in cutlass.range_constexpr(NR):
-                o = 4 * tid + 4 * NT * j
-                if o < L:
-                    for q in cutlass.range_constexpr(4):
-                        ov[q] = (yv[4 * j + q] * inv * wv[4 * j + q].to(Float32)).to(p_xin.dtype)
-                    cute.autovec_copy(ov, vec(p_xin, cute.assume(o, divby=4), 4))
-            for j in cutlass.range_constexpr(NS):
-                o = 4 * tid + 4 * NT * j
-                if o < IS:
-                    for q in cutlass.range_constexpr(4):
-                        g = gv[4 * j + q].to(Float32)
-                        u = uv[4 * j + q].to(Float32)
-                        ov[q] = ((gb1 * tanh(g / gb1) * sigmoid(g)) * (gb2 * tanh(u / gb2))).to(p_xin.dtype)
-                    cute.autovec_copy(ov, vec(p_xin, cute.assume(L + o, divby=4), 4))
+                     p_y: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.L // self.R, 1, 1], block=[self.NT, 1, 1],
+                                                              stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                   p_y: cute.Pointer, p_nw: cute.Pointer, p_gu: cute.Pointer, p_xin: cute.Pointer,
-                   p_cnt: cute.Pointer):
+                   p_y: cute.Pointer):
             I, L, R, NP, NT = self.I, self.L, self.R, self.NP, self.NT
             NB = I // 32                 # blocks a row of w2 (and scale bytes a row)
             RW = I // 8
@@ -212,7 +150,6 @@ def _kernel_classes():
             tid, c, lane, warp = ids()
             smem = cutlass.utils.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(W * R), byte_alignment=16)  # [warp, row]
-            s_flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
             q = tid % NP                 # an idle thread redoes a valid product times a factor of 0.0
             keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
             k = q // NB
@@ -245,31 +182,6 @@ def _kernel_classes():
                 for w in cutlass.range_constexpr(1, W):
                     tot = tot + s_red[w * R + tid]
                 vec(p_y, c * R + tid, 1)[0] = tot
-            if cutlass.const_expr(self.glue is not None):
-                # every CTA counts itself once its rows of y are stored; the last one writes the glue
-                # two levels (the count of a group of GS CTAs, then of the groups), relaxed atomics between fences
-                # (one word counted by every CTA serialized at ~20 ns an arrival with acq_rel atomics)
-                cute.arch.sync_threads()
-                if tid == 0:
-                    GS, NG = _GLUE_GROUP, -(-self.G // _GLUE_GROUP)
-                    grp = c // GS
-                    gsize = cutlass.select_(grp == NG - 1, Int32(self.G - GS * (NG - 1)), Int32(GS))
-                    last = Int32(0)
-                    cute.arch.fence_acq_rel_gpu()
-                    old = cute.arch.atomic_add(p_cnt + _GLUE_STRIDE * (1 + grp), Int32(1), sem="relaxed",
-                                               scope="gpu")
-                    if old == gsize - 1:  # the group's last CTA counts the group
-                        cute.arch.atomic_add(p_cnt + _GLUE_STRIDE * (1 + grp), -gsize, sem="relaxed", scope="gpu")
-                        cute.arch.fence_acq_rel_gpu()
-                        old2 = cute.arch.atomic_add(p_cnt, Int32(1), sem="relaxed", scope="gpu")
-                        if old2 == NG - 1:
-                            last = Int32(1)
-                            cute.arch.atomic_add(p_cnt, Int32(-NG), sem="relaxed", scope="gpu")  # zero again
-                    cute.arch.fence_acq_rel_gpu()
-                    s_flag[0] = last
-                cute.arch.sync_threads()
-                if s_flag[0] == 1:
-                    self.glue_pass(tid, lane, warp, p_y, p_nw, p_gu, p_xin, s_red)
 
     class MoEUp:
         """A CTA per (pair, R intermediate rows of W1_e and W3_e); thread b < L/32 owns block b of every row (z's
@@ -375,13 +287,6 @@ def _ptr(t: torch.Tensor, align: int):
     return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _bf16_ptr(t: torch.Tensor, align: int):
-    import cutlass
-    from cutlass import cute
-    from cutlass.cute.runtime import make_ptr
-    return make_ptr(cutlass.BFloat16, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
 def _tensor(name, t, dev, dtypes, shape, fail=_fail):
     if not isinstance(t, torch.Tensor):
         fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
@@ -419,17 +324,8 @@ def experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, fail=_fail) -
     return [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
 
 
-_CNT: dict[int, torch.Tensor] = {}  # per device: the glue's arrival counts, zero between calls
-_GLUE_GROUP = 32    # CTAs a first-level count
-_GLUE_STRIDE = 32   # int32 words between two counts (their own 128-byte lines)
-_GLUE_COUNTS = 64   # counts held: the groups' (at most 63 groups: 2016 CTAs) and the total
-
-
-def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None,
-                glue: tuple | None = None):
-    """y [1, L] fp32 = the routed experts of one token (module docstring). Returns y. glue None or (norm_w [L] bf16,
-    gu [1, 2 IS] bf16, xin [1, L + IS] bf16, eps, b1, b2): the last down CTA also writes xin = [rms(y; norm_w) |
-    situ(gu[:, :IS], gu[:, IS:])] (the MoE output projection's input; glue.norm_glu's launch folded in)."""
+def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None):
+    """y [1, L] fp32 = the routed experts of one token (module docstring). Returns y."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -460,40 +356,10 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
-    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 16)]
-    glue_key = None
-    if glue is None:
-        down_args += [_bf16_ptr(y, 8)] * 3 + [_ptr(y, 4)]  # never read: no glue
-    else:
-        if not isinstance(glue, (tuple, list)) or len(glue) != 6:
-            _fail("glue", f"must be None or (norm_w, gu, xin, eps, b1, b2), got {glue!r:.60}")
-        nw, gu, xin, g_eps, g_b1, g_b2 = glue
-        if not isinstance(gu, torch.Tensor) or gu.dim() != 2 or gu.shape[0] != 1 or gu.shape[1] % 2:
-            _fail("glue.gu", f"must be [1, 2 IS] bf16, got {getattr(gu, 'shape', gu)!r}")
-        IS = gu.shape[1] // 2
-        _tensor("glue.norm_w", nw, dev, (torch.bfloat16,), (L,))
-        _tensor("glue.gu", gu, dev, (torch.bfloat16,), (1, 2 * IS))
-        if not isinstance(xin, torch.Tensor) or xin.dtype != torch.bfloat16 or tuple(xin.shape) != (1, L + IS) \
-                or xin.device != dev or xin.stride(1) != 1:
-            _fail("glue.xin", f"must be a bf16 [1, {L + IS}] tensor with unit inner stride on {dev}, got "
-                              f"{getattr(xin, 'dtype', None)} {tuple(getattr(xin, 'shape', ()))}")
-        for name, v in (("glue.eps", g_eps), ("glue.b1", g_b1), ("glue.b2", g_b2)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                _fail(name, f"must be a positive number, got {v!r}")
-        cnt = _CNT.get(dev.index)
-        if cnt is None:
-            cnt = _CNT[dev.index] = torch.empty(_GLUE_STRIDE * _GLUE_COUNTS, dtype=torch.int32, device=dev).zero_()
-        down_args += [_bf16_ptr(nw, 8), _bf16_ptr(gu, 8), _bf16_ptr(xin, 8), _ptr(cnt, 4)]
-        glue_key = (IS, float(g_eps), float(g_b1), float(g_b2))
-        if L % 4 or IS % 4 or L // (DOWN_ROWS if L % DOWN_ROWS == 0 else 1) > _GLUE_GROUP * (_GLUE_COUNTS - 1):
-            _fail("glue", f"needs L and IS multiples of 4 and at most {_GLUE_GROUP * (_GLUE_COUNTS - 1)} down CTAs, "
-                          f"got L={L}, IS={IS}")
-        for name, t in (("glue.norm_w", nw), ("glue.gu", gu), ("glue.xin", xin)):
-            if t.data_ptr() % 8 or (t.dim() == 2 and t.stride(0) % 4):
-                _fail(name, "must be 8-byte aligned (4 bf16 a load)")
+    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue_key)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -504,7 +370,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
 
             up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, rows, glue_key), *down_args, stream))
+                   cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
