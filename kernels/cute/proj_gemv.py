@@ -26,6 +26,16 @@ so the selection runs while the later rows still stream; the dependent kernel (t
 whole grid, selection included. One launch fewer a MoE layer. The counter is one per device: calls with `select`
 must not run concurrently on two streams.
 
+Chained projection (`chain`, the KDA input group: f = W_fb fa): output 0 (bf16 [B, R], R <= K_STEP a multiple of 8)
+also feeds f = out_0 W2^T [B, NF] in the same launch. Output 0's rows are the grid's first RCF = ceil(R / 4) CTAs;
+each counts itself on counter word 2 once its rows are stored (fence.acq_rel.gpu, a release add). NCC = ceil(NF / 4)
+chain CTAs after the main grid load their W2 rows (one warp a row of f, R / 8 lanes, the rest zeros), then thread 0
+spins on that count (acquire loads) while the other warps wait at a barrier, and every warp forms its row for every
+batch row from the stored (bf16) output 0, so f is the value the two-launch path computes; the last chain CTA (word 3)
+zeroes both words. Correct whatever order the CTAs start in as long as the counted CTAs make progress, which they do
+when the whole grid is resident (the KDA group at TP8: 1,571 + 384 CTAs of four warps) or when CTAs start in index
+order. One pair of counter words a device: calls with `chain` must not run concurrently on two streams.
+
 Floor (bytes, k3lab.ops.trunk.proj_bytes): weights N*K*2 + x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the
 read bandwidth.
 
