@@ -22,7 +22,7 @@ OP = registry.get("moe_experts")
 # 2125780, the one-launch form (FORM "fused", FUSED_GROUPS, FUSED_GRID) at fca14c9
 VARIANTS = [{"DOWN_ROWS": 4, "UP_ROWS": 4}, {"DOWN_ROWS": 4, "UP_ROWS": 2}, {"DOWN_ROWS": 8, "UP_ROWS": 4}] \
     if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
-DEFAULTS = {k: getattr(M, k) for k in ("DOWN_ROWS", "UP_ROWS", "UP_MIN_CTAS")}
+DEFAULTS = {k: getattr(M, k) for k in ("DOWN_ROWS", "UP_ROWS")}
 
 rows = []
 pr = timing.probes("cuda")

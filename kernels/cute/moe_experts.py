@@ -68,7 +68,6 @@ _KERNEL_CLS = None
 # (experiments/moe_cute/README.md: 4 and 4 ahead of 2, 8 and 16 at TP8 and TP16)
 DOWN_ROWS = 4
 UP_ROWS = 4
-UP_MIN_CTAS = 0  # > 0: the up kernel compiled for this many CTAs an SM (a register bound); 0: none
 
 
 def _kernel_classes():
@@ -200,8 +199,7 @@ def _kernel_classes():
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                      stream: cuda.CUstream):
             self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
-                grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl,
-                **({} if not UP_MIN_CTAS else dict(max_number_threads=[self.NT, 1, 1], min_blocks_per_mp=UP_MIN_CTAS)))
+                grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -361,7 +359,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, UP_MIN_CTAS)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
