@@ -725,8 +725,6 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         from k3lab_kernels.cute.proj_gemv import K_STEP, MAX_BATCH as CUTE_MAX_BATCH
         chain = (be_in == "cute" and be_fb == "cute" and N <= min(KDA_DECAY_CHAIN_MAX_TOKENS, CUTE_MAX_BATCH)
                  and R % 8 == 0 and R <= K_STEP)
-        if chain:
-            cute_parts.add("decay_proj")
 
         def in_proj():
             trunk.proj_group(flat(b["h"]), w_in, [fa, qkv, g, beta], backend=be_in,
