@@ -170,7 +170,7 @@ def _prologue_ref(x: torch.Tensor, prologue) -> torch.Tensor:
     return y if dt == torch.float64 else y.to(torch.bfloat16)
 
 
-def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | None = None):
+def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | None = None, glu: bool = False):
     _tensor("x", x, 2)
     dev = x.device
     if not x.is_floating_point():
@@ -209,9 +209,10 @@ def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | 
         _tensor(name, o, 2, OUT_DTYPES if triton else None, dev)
         if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
             _fail(name, f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides {o.stride()}")
-        total += o.shape[1]
+        total += o.shape[1] * (2 if glu and i == len(outs) - 1 else 1)  # the GLU output: two rows a column
     if total != N:
-        _fail("outs" if group else "out", f"widths must add up to w's {N} rows, got {total}")
+        _fail("outs" if group else "out", f"widths must add up to w's {N} rows"
+                                          f"{' (the GLU output counting twice)' if glu else ''}, got {total}")
     if residual is not None:
         if len(outs) != 1:
             _fail("residual", "is an epilogue of a single projection (proj), not of a group")
@@ -266,19 +267,23 @@ def _check_select(select, outs, B, backend, path):
 
 def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
     """Two K segments (proj's x2): x [B, K1] through ('rms', weight [K1], eps), x2 = [g | u] [B, 2 K2] through
-    ('situ', b1, b2), w [N, K1 + K2]. Returns K1."""
+    ('situ', b1, b2) (or, prologue2 None, x2 [B, K2] as it is: cute and the reference backends), w [N, K1 + K2].
+    Returns K1."""
     _tensor("x", x, 2)
-    _tensor("x2", x2, 2, (torch.bfloat16,) if backend == "triton" else None, x.device)
+    _tensor("x2", x2, 2, (torch.bfloat16,) if backend in ("triton", "cute") else None, x.device)
     K1 = x.shape[1]
-    if prologue is None or prologue[0] != "rms" or prologue2 is None or prologue2[0] != "situ":
-        _fail("prologue2", "two segments take prologue=('rms', weight, eps) for x and prologue2=('situ', b1, b2) for "
-                           f"x2, got {prologue!r} and {prologue2!r}")
+    if prologue is None or prologue[0] != "rms" or (prologue2 is not None and prologue2[0] != "situ"):
+        _fail("prologue2", "two segments take prologue=('rms', weight, eps) for x and prologue2=('situ', b1, b2) (or "
+                           f"None: x2 as it is) for x2, got {prologue!r} and {prologue2!r}")
     _check_prologue(prologue, x, w, backend, K=K1)
     _check_prologue(prologue2, x, w, backend, arg="prologue2")
-    if x2.shape[0] != x.shape[0] or x2.shape[1] % 2 or x2.stride(1) != 1:
-        _fail("x2", f"must be [{x.shape[0]}, 2 K2] = [g | u] with unit inner stride, got {tuple(x2.shape)}")
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != K1 + x2.shape[1] // 2:
-        _fail("w", f"must be [N, {K1 + x2.shape[1] // 2}] = [W1 | W2] (x's {K1} + x2's {x2.shape[1] // 2} columns), "
+    half = 2 if prologue2 is not None else 1
+    if x2.shape[0] != x.shape[0] or x2.shape[1] % half or x2.stride(1) != 1:
+        _fail("x2", f"must be [{x.shape[0]}, {'2 K2] = [g | u]' if half == 2 else 'K2]'} with unit inner stride, got "
+                    f"{tuple(x2.shape)}")
+    K2 = x2.shape[1] // half
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != K1 + K2:
+        _fail("w", f"must be [N, {K1 + K2}] = [W1 | W2] (x's {K1} + x2's {K2} columns), "
                    f"got {tuple(getattr(w, 'shape', ()))}")
     if backend == "triton" and K1 % 16:
         _fail("x", f"must have a width that is a multiple of 16 (a K tile never straddles the segments), got {K1}")
@@ -286,21 +291,29 @@ def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
 
 
 def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None, x2=None,
-              prologue2=None, chain=None):
+              prologue2=None, chain=None, glu=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
-    if chain is not None and be not in ("cute", "reference", "torch_compile"):
-        _fail("chain", f"(f = outs[0] w2^T in the same launch) is taken by the cute backend (and the reference "
-                       f"ones), not {be!r}")
+    for name, v, what in (("chain", chain, "f = outs[0] w2^T in the same launch"),
+                          ("glu", glu, "the last output as situ over pairs of rows")):
+        if v is not None and be not in ("cute", "reference", "torch_compile"):
+            _fail(name, f"({what}) is taken by the cute backend (and the reference ones), not {be!r}")
+    if glu is not None:
+        if (not isinstance(glu, (tuple, list)) or len(glu) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in glu)):
+            _fail("glu", f"must be None or (b1, b2), two positive numbers, got {glu!r:.60}")
+    if x2 is not None and prologue2 is None and be not in ("cute", "reference", "torch_compile"):
+        _fail("prologue2", f"must be ('situ', b1, b2) on {be!r}; x2 as it is (no prologue) is taken by the cute "
+                           f"backend (and the reference ones)")
     if x2 is not None or prologue2 is not None:
         if x2 is None:
             _fail("x2", "must be given with prologue2 (the second K segment)")
         _check_second(x, x2, w, prologue, prologue2, be)
-        pro = "rms+situ"
-        _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
+        pro = "rms+situ" if prologue2 is not None else "rms+x2"
+        _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", "rms+situ", glu is not None)
     else:
         pro = _check_prologue(prologue, x, w, be)
-        _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro)
+        _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro, glu is not None)
     _check_select(select, outs, B, be, opts.get("path"))
     if pro is not None and opts.get("path") == "rows":
         _fail("path", "'rows' runs no input prologue; use 'tma', 'dot' or None")
@@ -311,14 +324,19 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
             _fail("path", f"'rows' takes a batch of at most {ROWS_MAX_BATCH}, got {B}; use 'dot' or None")
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
-    if be == "cute":  # bf16 weights, no prologue (kernels/cute/proj_gemv.py); it checks the rest
-        for name, v in (("prologue", prologue), ("x2", x2), ("w_scale", w_scale)):
+    if be == "cute":  # bf16 weights; an input prologue only as the rms segment before x2 (kernels/cute/proj_gemv.py)
+        rms = None
+        if pro == "rms+x2":
+            rms, x = (x, prologue[1], float(prologue[2])), x2
+        for name, v in (("prologue", None if rms else prologue), ("x2", None if rms else x2), ("w_scale", w_scale)):
             if v is not None:
-                _fail(name, "is not taken by the cute projection (bf16 weights, no input prologue: "
-                            "kernels/cute/proj_gemv.py); use backend 'triton'")
+                _fail(name, "is not taken by the cute projection (bf16 weights; an input prologue only as "
+                            "('rms', weight, eps) on x before a plain x2: kernels/cute/proj_gemv.py); use backend "
+                            "'triton'")
         sel = None if select is None else (select.e_bias, select.idx, select.weights, float(select.scaling))
-        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel,
-                                     **({} if chain is None else {"chain": tuple(chain)}))
+        extra = {k: v for k, v in (("chain", None if chain is None else tuple(chain)), ("rms", rms),
+                                   ("glu", None if glu is None else tuple(glu))) if v is not None}
+        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel, **extra)
     elif be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))
@@ -331,7 +349,15 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
             xin = torch.cat([xin, _prologue_ref(x2, prologue2).to(xin.dtype)], 1)
         y = _linear_ref(xin, w, w_scale, residual)
         a = 0
-        for o in outs:
+        for i, o in enumerate(outs):
+            if glu is not None and i == len(outs) - 1:  # pairs (g_i, u_i), each a stored (rounded) output first
+                from k3lab.ref.situ import situ
+
+                gi = o.shape[1]
+                gu = y[:, a:a + 2 * gi]
+                gu = gu if gu.dtype == torch.float64 else gu.to(torch.bfloat16).float()
+                o.copy_(situ(gu[:, :gi], gu[:, gi:], float(glu[0]), float(glu[1])))
+                continue
             o.copy_(y[:, a:a + o.shape[1]])
             a += o.shape[1]
         if select is not None:
@@ -344,7 +370,8 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
                     options=opts, shape=dict(batch=B, N=w.shape[0], K=w.shape[1], wdtype=str(w.dtype).replace(
                         "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none",
                         select=0 if select is None else select.idx.shape[1],
-                        chain=None if chain is None else tuple(chain[0].shape)), why=why)
+                        chain=None if chain is None else tuple(chain[0].shape),
+                        glu=None if glu is None else tuple(glu)), why=why)
     return outs
 
 
@@ -368,15 +395,18 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               f16: bool | None = None, chain: tuple | None = None) -> list[torch.Tensor]:
+               f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
     reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
-    launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors)."""
+    launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors). glu (cute
+    and the reference backends): (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u]
+    (each rounded to bf16 first, as a stored projection output; fp64 for the oracle; I even on cute)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages, f16=f16)
-    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain)
+    return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain,
+                     glu=glu)
 
 
 def prefetch_plan(w: torch.Tensor, batch: int, budget: int, prologue: bool = False) -> dict:

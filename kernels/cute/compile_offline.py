@@ -238,7 +238,7 @@ def _cases(only: str | None, quick: bool):
         def gargs(o_dts):
             return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
                     + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), P(bf, 16),
-                       P(bf, 2), i32(1536), S])
+                       P(bf, 2), i32(1536), P(f32, 16), i32(3584), P(bf, 16), cutlass.Float32(1e-6), S])
         moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
         for B, N, K, ends, res, pdl, o_dts, k in (
                 (1, 4608, 7168, (4608,), False, False, [bf] * 6, 0),
@@ -258,6 +258,14 @@ def _cases(only: str | None, quick: bool):
         for B, pdl in ((1, True), (1, False), (4, True)):
             cases.append((f"proj B{B} N6284 K7168 outs4 chain1536x128" + (" pdl" if pdl else ""),
                           lambda B=B, pdl=pdl: kg._kernel_class()(B, 6284, 7168, kda_in, False, pdl, 0, (1536, 128)),
+                          gargs([bf] * 6)))
+        # the MoE output's glue folded: moe_in's shared rows [w1 | w3] stored as situ (glu), moe_out's rms segment
+        for B, pdl in ((1, True), (1, False), (4, True)):
+            cases.append((f"proj B{B} N6016 K7168 outs3 select16 glu" + (" pdl" if pdl else ""),
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 6016, 7168, (896, 4480, 6016), False, pdl, 16,
+                                                                  None, 0, (4.0, 25.0)), gargs([f32] + [bf] * 5)))
+            cases.append((f"proj B{B} N7168 K4352 residual rms3584" + (" pdl" if pdl else ""),
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 7168, 4352, (7168,), True, pdl, 0, None, 3584),
                           gargs([bf] * 6)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km

@@ -81,9 +81,19 @@ def _kernel_class():
         """One warp per output row over all of K; four rows a CTA."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0, chain: tuple | None = None):
+                     top_k: int = 0, chain: tuple | None = None, rms_k: int = 0, glu: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
             self.B, self.N, self.K = B, N, K
+            self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
+            # the rms segment (rms_k > 0): columns [0, rms_k) of W read y (fp32) through its RMSNorm, the rest x
+            assert rms_k % K_STEP == 0 and 0 <= rms_k < K
+            self.rms_k = rms_k
+            # the GLU output (glu = (b1, b2)): the last output's 2 I W rows are [g (I rows) | u (I rows)], stored as
+            # situ(g_i, u_i); a CTA takes g_i, g_i+1, u_i, u_i+1 (i even), so I is even
+            self.glu = glu
+            if glu is not None:
+                self.glo = self.ends[-2] if len(ends) > 1 else 0
+                assert self.glo % _WARPS == 0 and (N - self.glo) % _WARPS == 0 and chain is None and B <= 16
             self.GC = (N + _WARPS - 1) // _WARPS   # the main rows' CTAs
             # the chained projection (chain = (NF, RK)): f = W2 out_0 over RK = out_0's width, NF rows, one warp a
             # row in NCC CTAs after the main grid, once the RCF CTAs of out_0's rows have counted themselves
@@ -95,7 +105,6 @@ def _kernel_class():
                 self.NF, self.RK = NF, RK
                 self.NCC = (NF + _WARPS - 1) // _WARPS
                 self.RCF = (RK + _WARPS - 1) // _WARPS
-            self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             self.residual = bool(residual)
             self.pdl = bool(pdl)
             # the fused selection (top_k > 0): output 0 is the router's fp32 logits over E = ends[0] experts, its
@@ -113,9 +122,9 @@ def _kernel_class():
                      p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                      s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
                      p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
-                     stream: cuda.CUstream):
+                     p_y: cute.Pointer, s_y: Int32, p_gam: cute.Pointer, eps: Float32, stream: cuda.CUstream):
             self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
-                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f).launch(
+                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f, p_y, s_y, p_gam, eps).launch(
                 grid=[self.GC + self.NCC, 1, 1], block=[_THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
@@ -169,12 +178,34 @@ def _kernel_class():
                         cute.arch.atomic_add(p_cnt + 2, Int32(-RCF), sem="relaxed", scope="gpu")
                         cute.arch.atomic_add(p_cnt + 3, Int32(-NCC), sem="relaxed", scope="gpu")
 
+        @cute.jit
+        def rms_step(self, wv, s, lane, p_y, s_y, p_gam, yv, gv, wg, acc0, ssq):
+            """One 256-column step of the rms segment: acc0[b] += sum_j w_j gamma_j y[b, j], ssq[b] += y[b, j]^2."""
+            cute.autovec_copy(vec(p_gam, cute.assume(s * K_STEP + 8 * lane, divby=8), 8), gv)
+            for j in cutlass.range_constexpr(8):
+                wg[j] = wv[j].to(Float32) * gv[j].to(Float32)
+            for b in cutlass.range_constexpr(self.B):
+                cute.autovec_copy(vec(p_y, cute.assume(b * s_y + s * K_STEP + 8 * lane, divby=8), 8), yv)
+                for j in cutlass.range_constexpr(8):
+                    acc0[b] = acc0[b] + wg[j] * yv[j]
+                    ssq[b] = ssq[b] + yv[j] * yv[j]
+
+        @cute.jit
+        def glu_store(self, g: Float32, u: Float32, po: cute.Pointer, off: Int32):
+            """po[off] = b1 tanh(g / b1) sigmoid(g) * b2 tanh(u / b2) in fp32 (tanh(x) = 2 sigmoid(2x) - 1)."""
+            b1, b2 = self.glu
+            sg = 1.0 / (1.0 + cute.math.exp(-g))
+            t1 = 2.0 / (1.0 + cute.math.exp(g * (-2.0 / b1))) - 1.0
+            t2 = 2.0 / (1.0 + cute.math.exp(u * (-2.0 / b2))) - 1.0
+            vec(po, off, 1)[0] = ((b1 * t1 * sg) * (b2 * t2)).to(po.dtype)
+
         @cute.kernel
         def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
                    p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
                    p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                    s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
-                   p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32):
+                   p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
+                   p_y: cute.Pointer, s_y: Int32, p_gam: cute.Pointer, eps: Float32):
             B, N, K = self.B, self.N, self.K
             S = K // K_STEP
             tid, _, _ = cute.arch.thread_idx()
@@ -182,13 +213,29 @@ def _kernel_class():
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             lane = tid % 32
             n = c * _WARPS + warp
+            if cutlass.const_expr(self.glu is not None):  # a GLU CTA j: rows g_2j, g_2j+1 (warps 0, 1), u_2j, u_2j+1
+                GI = (N - self.glo) // 2
+                n = cutlass.select_(c * _WARPS >= self.glo,
+                                    self.glo + 2 * (c - self.glo // _WARPS) + warp % 2 + (warp // 2) * GI, n)
             outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
             strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
+            smem = cutlass.utils.SmemAllocator()  # one allocator: the selection's buffers, then the GLU exchange
             if cutlass.const_expr(self.sel is not None):
-                s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem()
+                s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem(smem)
+            if cutlass.const_expr(self.glu is not None):
+                s_glu = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * B), byte_alignment=16)
+            S0 = self.rms_k // K_STEP    # steps of the rms segment (y through its RMSNorm); x's columns follow
             if n < N:
                 acc = cute.make_rmem_tensor((B,), Float32)
                 acc.fill(0.0)
+                if cutlass.const_expr(S0 > 0):
+                    acc0 = cute.make_rmem_tensor((B,), Float32)   # sum over the rms segment of w gamma y
+                    ssq = cute.make_rmem_tensor((B,), Float32)    # sum of y^2 (this lane's columns)
+                    acc0.fill(0.0)
+                    ssq.fill(0.0)
+                    yv = cute.make_rmem_tensor((8,), Float32)
+                    gv = cute.make_rmem_tensor((8,), p_gam.dtype)
+                    wg = cute.make_rmem_tensor((8,), Float32)
                 wv = cute.make_rmem_tensor((8,), p_w.dtype)
                 xv = cute.make_rmem_tensor((8,), p_x.dtype)
                 wrow = n * K + 8 * lane
@@ -203,37 +250,65 @@ def _kernel_class():
                     cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                     cute.arch.griddepcontrol_launch_dependents()
                 for s in cutlass.range_constexpr(pre):
-                    for b in cutlass.range_constexpr(B):
-                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
-                        for j in cutlass.range_constexpr(8):
-                            acc[b] = acc[b] + wpre[s * 8 + j].to(Float32) * xv[j].to(Float32)
-                for s in cutlass.range(pre, S, unroll=UNROLL):
+                    if cutlass.const_expr(s < S0):
+                        self.rms_step(cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)), s, lane, p_y,
+                                      s_y, p_gam, yv, gv, wg, acc0, ssq)
+                    else:
+                        for b in cutlass.range_constexpr(B):
+                            cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP - self.rms_k + 8 * lane,
+                                                                   divby=8), 8), xv)
+                            for j in cutlass.range_constexpr(8):
+                                acc[b] = acc[b] + wpre[s * 8 + j].to(Float32) * xv[j].to(Float32)
+                if cutlass.const_expr(S0 > pre):
+                    for s in cutlass.range(pre, S0, unroll=UNROLL):
+                        cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
+                        self.rms_step(wv, s, lane, p_y, s_y, p_gam, yv, gv, wg, acc0, ssq)
+                for s in cutlass.range(max(pre, S0), S, unroll=UNROLL):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                     for b in cutlass.range_constexpr(B):
-                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
+                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP - self.rms_k + 8 * lane,
+                                                               divby=8), 8), xv)
                         for j in cutlass.range_constexpr(8):
                             acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
                 if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
                     if S * K_STEP + 8 * lane < K:
                         cute.autovec_copy(vec(p_w, cute.assume(wrow + S * K_STEP, divby=8), 8), wv)
                         for b in cutlass.range_constexpr(B):
-                            cute.autovec_copy(vec(p_x, cute.assume(b * s_x + S * K_STEP + 8 * lane, divby=8), 8),
-                                              xv)
+                            cute.autovec_copy(vec(p_x, cute.assume(b * s_x + S * K_STEP - self.rms_k + 8 * lane,
+                                                                   divby=8), 8), xv)
                             for j in cutlass.range_constexpr(8):
                                 acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
                 for b in cutlass.range_constexpr(B):
                     for sh in cutlass.range_constexpr(5):
                         acc[b] = acc[b] + cute.arch.shuffle_sync_bfly(acc[b], offset=16 >> sh)
+                if cutlass.const_expr(S0 > 0):  # y's RMSNorm factor applied to its segment's sum
+                    for b in cutlass.range_constexpr(B):
+                        for sh in cutlass.range_constexpr(5):
+                            acc0[b] = acc0[b] + cute.arch.shuffle_sync_bfly(acc0[b], offset=16 >> sh)
+                            ssq[b] = ssq[b] + cute.arch.shuffle_sync_bfly(ssq[b], offset=16 >> sh)
+                        acc[b] = acc[b] + acc0[b] * cute.math.rsqrt(ssq[b] / Float32(self.rms_k) + eps)
                 for b in cutlass.range_constexpr(B):
                     if lane == b:
                         y = acc[b]
                         if cutlass.const_expr(self.residual):
                             y = y + vec(p_res, b * N + n, 1)[0].to(Float32)
-                        for i in cutlass.range_constexpr(len(self.ends)):
+                        n_plain = len(self.ends) - (0 if self.glu is None else 1)
+                        for i in cutlass.range_constexpr(n_plain):
                             lo = 0 if i == 0 else self.ends[i - 1]
                             if n >= lo:
                                 if n < self.ends[i]:
                                     vec(outs[i], b * strides[i] + n - lo, 1)[0] = y.to(outs[i].dtype)
+                        if cutlass.const_expr(self.glu is not None):
+                            if n >= self.glo:  # g or u of the GLU output, rounded as a stored bf16 value
+                                s_glu[warp * B + b] = y.to(cutlass.BFloat16).to(Float32)
+            if cutlass.const_expr(self.glu is not None):
+                if c * _WARPS >= self.glo:  # CTA-uniform: this CTA's rows are g_i, g_i+1, u_i, u_i+1 (i = 2j)
+                    cute.arch.sync_threads()
+                    if tid < 2 * B:
+                        gpr = tid // B
+                        gb = tid % B
+                        self.glu_store(s_glu[gpr * B + gb], s_glu[(2 + gpr) * B + gb], outs[len(self.ends) - 1],
+                                       gb * strides[len(self.ends) - 1] + (c * _WARPS - self.glo) // 2 + gpr)
             if cutlass.const_expr(self.pdl):
                 if n >= N:
                     cute.arch.griddepcontrol_wait()  # a warp past N waits too (it may still select)
@@ -308,11 +383,15 @@ def _counter(dev: torch.device) -> torch.Tensor:
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
-         pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None) -> list:
+         pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None, rms: tuple | None = None,
+         glu: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
-    outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). Returns outs."""
+    outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). rms None or (y [B, K0] fp32, gamma [K0] bf16,
+    eps): W's first K0 columns (a multiple of K_STEP) multiply rms(y; gamma), its other columns x [B, K - K0] (module
+    doc). glu None or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows
+    starting at a multiple of 4). Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -327,9 +406,26 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
                    f"aligned base, got {tuple(x.shape)} strides {x.stride()}")
     _check("w", w, dev, (torch.bfloat16,))
     N = w.shape[0]
+    K0, rms_args = 0, [_ptr(x, 16), 0, _ptr(x, 16), 0.0]  # x: never read as y or gamma without rms
+    if rms is not None:
+        if not isinstance(rms, (tuple, list)) or len(rms) != 3:
+            _fail("rms", f"must be None or (y, gamma, eps), got {rms!r:.60}")
+        y, gam, eps = rms
+        _check("rms.y", y, dev, (torch.float32,))
+        K0 = y.shape[1]
+        if y.shape[0] != B or K0 < K_STEP or K0 % K_STEP or y.stride(1) != 1 or y.stride(0) % 4 or y.data_ptr() % 16:
+            _fail("rms.y", f"must be fp32 [{B}, K0] with K0 a multiple of {K_STEP}, unit inner stride, a row stride of "
+                           f"4 elements and a 16-byte aligned base, got {tuple(y.shape)} strides {y.stride()}")
+        _check("rms.gamma", gam, dev, (torch.bfloat16,), dim=1)
+        if gam.shape[0] != K0 or not gam.is_contiguous() or gam.data_ptr() % 16:
+            _fail("rms.gamma", f"must be a contiguous 16-byte aligned [{K0}] bf16 weight, got {tuple(gam.shape)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            _fail("rms.eps", f"must be a positive number, got {eps!r}")
+        rms_args = [_ptr(y, 16), y.stride(0), _ptr(gam, 16), float(eps)]
+    K += K0
     if w.shape[1] != K or K % 8 or not w.is_contiguous() or w.data_ptr() % 16:
-        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] bf16 weight (x's K, a multiple of 8), got "
-                   f"{tuple(w.shape)}")
+        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] bf16 weight (x's K"
+                   f"{' plus rms.y' if K0 else ''}, a multiple of 8), got {tuple(w.shape)}")
     if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
         _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
     ends, total = [], 0
@@ -338,10 +434,23 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
             _fail(f"outs[{i}]", f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides "
                                 f"{o.stride()}")
-        total += o.shape[1]
+        total += o.shape[1] * (2 if glu is not None and i == len(outs) - 1 else 1)
         ends.append(total)
     if total != N:
-        _fail("outs", f"widths must add up to w's {N} rows, got {total}")
+        _fail("outs", f"widths must add up to w's {N} rows{' (the GLU output counting twice)' if glu else ''}, got "
+                      f"{total}")
+    glu_key = None
+    if glu is not None:
+        if (not isinstance(glu, (tuple, list)) or len(glu) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in glu)):
+            _fail("glu", f"must be None or (b1, b2), two positive numbers, got {glu!r:.60}")
+        lo = ends[-2] if len(ends) > 1 else 0
+        if lo % _WARPS or (N - lo) % _WARPS:
+            _fail("outs", f"the GLU output's rows must start at a multiple of {_WARPS} and number a multiple of "
+                          f"{_WARPS} (whole CTAs: its width even), got rows {lo}..{N}")
+        if chain is not None:
+            _fail("glu", "is not taken with chain")
+        glu_key = (float(glu[0]), float(glu[1]))
     if residual is not None:
         if len(outs) != 1:
             _fail("residual", "is an epilogue of a single projection, not of a group")
@@ -403,9 +512,9 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     import cutlass
 
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
-            *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args]
-    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key,
-           dev.index)
+            *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, *rms_args[:3], cutlass.Float32(rms_args[3])]
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, K0,
+           glu_key, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -414,8 +523,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key),
-                              *args, stream)
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key, K0,
+                                              glu_key), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs

@@ -140,12 +140,14 @@ def selector_class():
             # the weights' butterfly: lanes xor KP / 2, ..., 1 (the Triton kernel's tl.sum over KP lanes)
             self.sum_offs = tuple(self.KP >> j for j in range(1, self.KP.bit_length()))
 
-        def smem(self):
+        def smem(self, a=None):
             """(s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt): s by expert slot, thread maxima, each warp's 32 group
             maxima, the candidates (keys >= T; NEG past them up to 64 slots), the top k by rank, counters
-            (s_cnt[0]: candidates so far; s_cnt[1..3] free for the caller)."""
+            (s_cnt[0]: candidates so far; s_cnt[1..3] free for the caller). `a`: the caller's SmemAllocator, so that
+            the caller's own buffers follow these (a new allocator otherwise)."""
             NT, R, W = self.NT, self.R, self.W
-            a = cutlass.utils.SmemAllocator()
+            if a is None:
+                a = cutlass.utils.SmemAllocator()
             return (a.allocate_tensor(Float32, cute.make_layout(R * NT), byte_alignment=16),
                     a.allocate_tensor(Int64, cute.make_layout(NT), byte_alignment=16),
                     a.allocate_tensor(Int64, cute.make_layout(32 * W), byte_alignment=16),
