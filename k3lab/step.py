@@ -589,9 +589,28 @@ PROJ_CUTE_MAX_TOKENS = 1
 # `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
 KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
+# the MoE output's glue folded into the CuTe launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
+MOE_GLUE_FOLD_MAX_TOKENS = 16
+MOE_GLUE_FOLD_OUT = "triton"    # moe_out's kernel under the fold: "triton" (two K segments) or "cute" (rms segment)
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
+
+
+def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
+                  be_experts: str | None) -> bool:
+    """Whether the MoE output's glue (glue.norm_glu: the routed norm of y and the shared experts' SiTU, a launch of
+    its own) folds into the launches around it: the MoE input group on the CuTe GEMV (k3lab_kernels.cute.proj_gemv)
+    stores situ(g, u) as its GLU output (its shared rows [w1 | w3] from row `sh_row0`, a multiple of 4; s_inter
+    even), and moe_out reads y (fp32: the experts on triton or cute) through the rms prologue of its first K segment
+    and a_sh as it is (MOE_GLUE_FOLD_OUT: the Triton kernel's two segments, or the CuTe GEMV's rms segment: lat a
+    multiple of its 256-column step, routed_norm bf16): one launch fewer a MoE layer, at most
+    MOE_GLUE_FOLD_MAX_TOKENS tokens."""
+    from k3lab_kernels.cute.proj_gemv import K_STEP, MAX_BATCH as CUTE_MAX_BATCH
+
+    return (be_in == "cute" and n_tok <= min(MOE_GLUE_FOLD_MAX_TOKENS, CUTE_MAX_BATCH) and s_inter % 2 == 0
+            and sh_row0 % 4 == 0 and be_experts in ("triton", "cute") and lat % 16 == 0
+            and (MOE_GLUE_FOLD_OUT != "cute" or (lat % K_STEP == 0 and norm_w.dtype == torch.bfloat16)))
 
 
 def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
@@ -691,6 +710,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
 
     cute_parts: set[str] = set()
     q_one = False  # the MLA query step in one launch (below)
+    fold = False  # the MoE output's glue folded into moe_in's and moe_out's CuTe launches (below)
 
     def pb(w, part: str, prologue: bool = False, select: bool = False) -> str:
         """A projection's backend (the `proj_cute` switch), decided when the parts are built; `part` its component."""
@@ -830,6 +850,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
         sI = sum(s.w1.shape[0] for s in sh)
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
+        a_sh = buf(sI)  # situ(g, u) where the glue is folded (moe_glue_fold)
         # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i is one projection over two K segments
         w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
         b["z"] = z
@@ -879,14 +900,19 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             be_min = pb(w_in_moe, "moe_in", select=fuse_sel)
             # the CuTe GEMV's fused selection: the group on cute (proj_cute) and the router on cute
             fuse_cute = be_min == "cute" and be_r == "cute" and N <= CUTE_SELECT_MAX_BATCH
+            # the glue folded into the two CuTe launches (moe_glue_fold): the shared SiTU as the group's GLU output,
+            # the routed norm as moe_out's rms segment
+            fold = not (shared_stream or owned_output or fuse_pro) and moe_glue_fold(
+                N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
 
             def moe_in():
-                outs = [logits, z] + ([] if shared_stream else [gu[:, :sI], gu[:, sI:]])
+                outs = [logits, z] + ([] if shared_stream else [a_sh] if fold else [gu[:, :sI], gu[:, sI:]])
+                glu = (sh[0].b1, sh[0].b2) if fold else None
                 if fuse_sel or fuse_cute:  # the top-k in the group's launch
                     trunk.proj_group(flat(b["h2"]), w_in_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
-                                     backend=be_min)
+                                     backend=be_min, glu=glu)
                 else:
-                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be_min)
+                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be_min, glu=glu)
                     topk()
                 b["idx"], b["wk"] = idx, wk
                 return idx, wk
@@ -941,6 +967,18 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 return b["x_out"]
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
+        elif fold:  # one launch: Wup rms(y) (y fp32 through the rms prologue) + w2 a_sh + p
+            be_fo = "cute" if MOE_GLUE_FOLD_OUT == "cute" else be
+            if be_fo == "cute":
+                cute_parts.add("moe_out")
+
+            def moe_out():
+                trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
+                           prologue=("rms", m.routed_norm, float(m.eps)), x2=a_sh, backend=be_fo)
+                b["x_out"] = xo.view(*lead, D)
+                return b["x_out"]
+            nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, sI, D, residual=True)
+            fl_out = 2 * N * (Lat + sI) * D
         else:  # two launches: the glue into the two segments of one input, then one projection over [Wup | w2]
             be_out = pb(w_out, "moe_out")
 
@@ -973,7 +1011,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                                                                         residual=True)
                             + (0 if fuse_pro else N * I * 3 * e),
                             2 * N * D * 3 * I)
-    single = ("in_proj", "decay_proj") + (("out_proj",) if L.kind == "kda" else ()) + (("q_proj",) if q_one else ())
+    single = (("in_proj", "decay_proj") + (("out_proj",) if L.kind == "kda" else ()) + (("q_proj",) if q_one else ())
+              + (("moe_out",) if fold and MOE_GLUE_FOLD_OUT == "cute" else ()))
     # (one launch each)
 
     def ran_as(name: str) -> str:

@@ -92,3 +92,62 @@ def test_group_chain_tp8(batch, pdl):
         assert ((got - want).norm() / want.norm()).item() < 4e-3
         wf = outs[0].double() @ w2.double().T
         assert not f.isnan().any() and ((f.double() - wf).norm() / wf.norm()).item() < 4e-3
+
+
+@pytest.mark.parametrize("batch,pdl", [(1, True), (1, False), (4, True)])
+def test_group_glu_select_tp8(batch, pdl):
+    """The MoE input group at TP8 with the glue folded (k3lab.step.moe_glue_fold): [router logits fp32 (896) | z
+    (3584) | situ(g, u) (768: W's last 1536 rows [w1 | w3])] with the router's selection fused, three calls in a
+    row, NaN-poisoned first: logits and z against fp64, the GLU output against situ of the fp64 g and u (their bf16
+    rounding within the tolerance), idx / weights equal to the stand-alone CuTe router on the same logits."""
+    from k3lab.ref.situ import situ
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    g = torch.Generator("cuda").manual_seed(batch)
+    D, E, Lat, sI, k = 7168, 896, 3584, 768, 16
+    x = torch.randn(batch, D, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(E + Lat + 2 * sI, D, device="cuda", generator=g) / D ** 0.5 * 2).to(torch.bfloat16)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.01
+    want = x.double() @ w.double().T
+    for _ in range(3):
+        outs = [torch.full((batch, E), float("nan"), device="cuda"),
+                torch.full((batch, Lat), float("nan"), device="cuda", dtype=torch.bfloat16),
+                torch.full((batch, sI), float("nan"), device="cuda", dtype=torch.bfloat16)]
+        idx = torch.full((batch, k), -1, device="cuda", dtype=torch.int64)
+        wk = torch.full((batch, k), float("nan"), device="cuda")
+        with pdl_chain(pdl):
+            trunk.proj_group(x, w, outs, select=trunk.Select(bias, idx, wk), glu=(4.0, 25.0), backend="cute")
+        torch.cuda.synchronize()
+        for o, ref in ((outs[0], want[:, :E]), (outs[1], want[:, E:E + Lat])):
+            assert ((o.double() - ref).norm() / ref.norm()).item() < 4e-3
+        a = situ(want[:, E + Lat:E + Lat + sI], want[:, E + Lat + sI:])
+        assert not outs[2].isnan().any() and ((outs[2].double() - a).norm() / a.norm()).item() < 1e-2
+        i2, w2 = torch.empty_like(idx), torch.empty_like(wk)
+        trunk.router_topk(outs[0].clone(), bias, top_k=k, idx=i2, weights=w2, backend="cute")
+        assert torch.equal(idx, i2) and torch.equal(wk, w2)
+
+
+@pytest.mark.parametrize("backend", ["cute", "triton"])
+@pytest.mark.parametrize("batch,pdl", [(1, True), (1, False), (3, True)])
+def test_moe_out_rms_segment_tp8(backend, batch, pdl):
+    """The MoE output at TP8 with the glue folded: p + [Wup | w2_shared] [rms(y; routed_norm) | a] with y fp32 [B,
+    3584] through the rms prologue of the first segment and a [B, 768] as it is, on the CuTe GEMV's rms segment and
+    the Triton kernel's two segments, NaN-poisoned, against the fp64 oracle (tolerance: the bf16 output, 4e-3)."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    g = torch.Generator("cuda").manual_seed(batch + 7)
+    D, Lat, sI = 7168, 3584, 768
+    y = torch.randn(batch, Lat, device="cuda", generator=g) * 0.3
+    nw = (1 + 0.1 * torch.randn(Lat, device="cuda", generator=g)).to(torch.bfloat16)
+    a = torch.randn(batch, sI, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(D, Lat + sI, device="cuda", generator=g) / (Lat + sI) ** 0.5).to(torch.bfloat16)
+    p = torch.randn(batch, D, device="cuda", generator=g).to(torch.bfloat16)
+    yd = y.double()
+    xn = yd * torch.rsqrt(yd.pow(2).mean(1, keepdim=True) + 1e-6) * nw.double()
+    want = torch.cat([xn, a.double()], 1) @ w.double().T + p.double()
+    for _ in range(2):
+        out = torch.full((batch, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        with pdl_chain(pdl):
+            trunk.proj(y, w, out, residual=p, prologue=("rms", nw, 1e-6), x2=a, backend=backend)
+        torch.cuda.synchronize()
+        assert ((out.double() - want).norm() / want.norm()).item() < 4e-3

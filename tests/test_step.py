@@ -175,6 +175,51 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     assert "proj_cute=False->True" in dict(S.toggle_list(FUSED, st.switches))
 
 
+def test_moe_glue_fold_same_output(monkeypatch):
+    """With the MoE input group on the CuTe GEMV (proj_cute) the MoE output's glue folds into the launches around it
+    (`moe_glue_fold`): the group stores situ(g, u) as its GLU output and moe_out reads y through the rms prologue of
+    its first segment and that output as it is, one launch fewer; MOE_GLUE_FOLD_MAX_TOKENS 0 keeps glue.norm_glu.
+    Both compositions (the projections run by their reference forms here, the calls recorded) give the same layer
+    output up to bf16 rounding (CPU, tiny)."""
+    from k3lab.components import trunk
+    from k3lab.harness.numerics import rel_norm_error
+
+    seen: list = []
+    real_p, real_g = trunk.proj, trunk.proj_group
+
+    def proj(*a, backend, **k):
+        seen.append(("proj", backend, k.get("x2") is not None and k.get("prologue2") is None))
+        return real_p(*a, backend="reference", **k)
+
+    def group(*a, backend, **k):
+        seen.append(("group", backend, k.get("glu")))
+        return real_g(*a, backend="reference", **k)
+    monkeypatch.setattr(trunk, "proj", proj)
+    monkeypatch.setattr(trunk, "proj_group", group)
+    monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)
+    monkeypatch.setattr(S, "PROJ_CUTE_MIN_OUTPUTS", 1)
+    sw = FUSED.replace(proj_cute=True, backend={**FUSED.backend, "router": "cute"})  # the selection on the GEMV too
+    st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), sw, device="cpu")
+    L = st.layers[1]
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(L.buf["y"].shape, generator=g)
+    outs = []
+    for on in (16, 0):
+        monkeypatch.setattr(S, "MOE_GLUE_FOLD_MAX_TOKENS", on)
+        st.set_switches(sw)
+        seen.clear()
+        st.comps[1]["moe_in"][0]()
+        L.buf["y"].copy_(y)
+        outs.append(st.comps[1]["moe_out"][0]().clone())
+        if on:
+            m = L.w.mlp
+            assert seen[0][:2] == ("group", "cute") and seen[0][2] == (m.shared[0].b1, m.shared[0].b2)
+            assert seen[1:] == [("proj", "triton", True)] and L.ran["moe_out"] == "triton"
+        else:
+            assert seen[0] == ("group", "cute", None) and len(seen) == 2 and seen[1][::2] == ("proj", False)
+    assert rel_norm_error(outs[0], outs[1]) < 1e-2
+
+
 def test_fuse_prologues_switch_same_output():
     """fuse_prologues=False (the default) runs the norms and SiTU as launches of their own (the MoE output:
     routed_norm and SiTU-GLU into the two segments of one input, then one projection over [Wup | w2]) and gives the

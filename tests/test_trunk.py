@@ -143,6 +143,39 @@ def test_proj_rms_prologue_rows_in_several_round_trips():
     assert rel_norm_error(got, want) < 4e-3
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_proj_rms_segment_then_plain_x2(batch):
+    """Two K segments with x2 as it is (prologue2 None: the MoE output where the input group already stored the
+    shared SiTU, k3lab.step.moe_glue_fold): rms(y; weight) over the first 32 columns (y fp32), x2 bf16 over the last
+    16, the residual, on triton (interpreter) against the fp64 oracle; the group's GLU output on the reference
+    backend against situ of its rounded rows."""
+    g = torch.Generator().manual_seed(batch)
+    y = torch.randn(batch, 32, generator=g) * 3
+    nw = (1 + 0.2 * torch.randn(32, generator=g)).bfloat16()
+    x2 = torch.randn(batch, 16, generator=g).bfloat16()
+    w = (torch.randn(24, 48, generator=g) * 0.1).bfloat16()
+    r = torch.randn(batch, 24, generator=g).bfloat16()
+    got = trunk.proj(y.to(DEV), w.to(DEV), residual=r.to(DEV), prologue=("rms", nw.to(DEV), 1e-6), x2=x2.to(DEV),
+                     backend="triton").cpu()
+    want = trunk.proj(y.double(), w, torch.empty(batch, 24, dtype=torch.float64), residual=r.double(),
+                      prologue=("rms", nw.double(), 1e-6), x2=x2.double())
+    yn = y.double() * torch.rsqrt(y.double().pow(2).mean(1, keepdim=True) + 1e-6) * nw.double()
+    assert rel_norm_error(want, torch.cat([yn, x2.double()], 1) @ w.double().T + r.double()) < 1e-12
+    assert rel_norm_error(got, want) < 4e-3
+    outs = [torch.empty(batch, 8), torch.empty(batch, 8, dtype=torch.bfloat16)]
+    trunk.proj_group(x2, w[:24, :16].contiguous(), outs, glu=(4.0, 25.0))
+    full = (x2.float() @ w[:24, :16].float().T)
+    gu = full[:, 8:].bfloat16().float()
+    from k3lab.ref.situ import situ
+
+    assert rel_norm_error(outs[1].float(), situ(gu[:, :8], gu[:, 8:])) < 1e-2
+    with pytest.raises(TrunkArgumentError, match="'glu'"):
+        trunk.proj_group(x2.to(DEV), w[:24, :16].contiguous().to(DEV), [o.to(DEV) for o in outs], glu=(4.0, 25.0),
+                         backend="triton")
+    with pytest.raises(TrunkArgumentError, match="widths must add up"):
+        trunk.proj_group(x2, w[:24, :16].contiguous(), [outs[0], outs[1][:, :4]], glu=(4.0, 25.0))
+
+
 @pytest.mark.parametrize("kw,name", [
     (dict(prologue=("gelu", 1.0, 2.0)), "'prologue'"),
     (dict(prologue=("situ", 4.0, -1.0)), "'prologue'"),

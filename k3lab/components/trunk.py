@@ -267,7 +267,7 @@ def _check_select(select, outs, B, backend, path):
 
 def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
     """Two K segments (proj's x2): x [B, K1] through ('rms', weight [K1], eps), x2 = [g | u] [B, 2 K2] through
-    ('situ', b1, b2) (or, prologue2 None, x2 [B, K2] as it is: cute and the reference backends), w [N, K1 + K2].
+    ('situ', b1, b2) (or, prologue2 None, x2 [B, K2] as it is), w [N, K1 + K2].
     Returns K1."""
     _tensor("x", x, 2)
     _tensor("x2", x2, 2, (torch.bfloat16,) if backend in ("triton", "cute") else None, x.device)
@@ -302,9 +302,6 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         if (not isinstance(glu, (tuple, list)) or len(glu) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in glu)):
             _fail("glu", f"must be None or (b1, b2), two positive numbers, got {glu!r:.60}")
-    if x2 is not None and prologue2 is None and be not in ("cute", "reference", "torch_compile"):
-        _fail("prologue2", f"must be ('situ', b1, b2) on {be!r}; x2 as it is (no prologue) is taken by the cute "
-                           f"backend (and the reference ones)")
     if x2 is not None or prologue2 is not None:
         if x2 is None:
             _fail("x2", "must be given with prologue2 (the second K segment)")

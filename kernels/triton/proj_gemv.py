@@ -44,7 +44,8 @@ stand-alone kernel rounds them, before the MMA:
     MLA q_norm before Wuq.
   * two input segments (`x2`, `prologue2`): W = [W1 | W2] along K, out = rms(x) W1^T + situ(x2) W2^T: the MoE's
     routed norm + Wup and the shared experts' w2 summed in one launch (the columns below K1 = x's width come
-    from x through the rms prologue, the rest from x2 = [g | u] through SiTU; K1 a multiple of the K tile).
+    from x through the rms prologue, the rest from x2 = [g | u] through SiTU; K1 a multiple of the K tile);
+    prologue2 None: x2 [M, K - K1] as it is (the shared SiTU already applied by the MoE input group's GLU output).
 With a prologue x is read through pointers (the copy engine cannot transform), W still through the copy engine.
 
 Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
@@ -115,13 +116,14 @@ def _x_in(x, pw, m, mok, kc, kok, s_xm, K, inv, b1, b2, PRO: tl.constexpr, RNE: 
 
 @triton.jit
 def _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO: tl.constexpr, RNE: tl.constexpr):
-    """The input tile at columns k0 + kk for PRO 1 / 2 (x through its prologue) and 3 (columns below K1 from x
-    through the rms prologue, the others from x2 through SiTU; a tile lies in one segment)."""
-    if PRO == 3:
+    """The input tile at columns k0 + kk for PRO 1 / 2 (x through its prologue), 3 (columns below K1 from x
+    through the rms prologue, the others from x2 through SiTU; a tile lies in one segment) and 4 (as 3, x2 as it
+    is)."""
+    if PRO >= 3:
         if k0 < K1:
             v = _x_in(x, pw, m, mok, k0 + kk, kok & (k0 + kk < K1), s_xm, K1, inv, b1, b2, 2, RNE)
         else:
-            v = _x_in(x2, pw, m, mok, k0 - K1 + kk, kok, s_x2m, K - K1, inv, b1, b2, 1, RNE)
+            v = _x_in(x2, pw, m, mok, k0 - K1 + kk, kok, s_x2m, K - K1, inv, b1, b2, 1 if PRO == 3 else 0, RNE)
     else:
         v = _x_in(x, pw, m, mok, k0 + kk, kok, s_xm, K, inv, b1, b2, PRO, RNE)
     return v
@@ -137,7 +139,8 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
-    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
+    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1), 4 the RMSNorm segment and x2
+    as it is (module docstring; b1, b2,
     eps, the norm weight pw). TOPK > 0:
     the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt).
     PDL: launched with programmatic dependent launch (waits at the top: an L2 prefetch of the program's W slice
@@ -155,7 +158,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     pdl_enter(PDL)
     inv = tl.zeros((BM,), dtype=tl.float32)
     if PRO >= 2:  # the valid rows' sums of squares over all of x first, RR whole rows a round trip (one wide load)
-        KX = K1 if PRO == 3 else K
+        KX = K1 if PRO >= 3 else K
         cx = tl.arange(0, KXP)
         rr = tl.arange(0, RR)
         ss = tl.zeros((BM,), dtype=tl.float32)
@@ -407,14 +410,15 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     elif pro == 2:
         pw, eps = prologue[1], float(prologue[2])
     if x2 is not None:
-        if pro != 2 or prologue2 is None or prologue2[0] != "situ":
-            raise ValueError("proj_gemv: two segments take prologue ('rms', ...) and prologue2 ('situ', ...)")
-        pro, K1 = 3, x.shape[1]
-        b1, b2 = float(prologue2[1]), float(prologue2[2])
+        if pro != 2 or (prologue2 is not None and prologue2[0] != "situ"):
+            raise ValueError("proj_gemv: two segments take prologue ('rms', ...) and prologue2 ('situ', ...) or None")
+        pro, K1 = (3 if prologue2 is not None else 4), x.shape[1]
+        if prologue2 is not None:
+            b1, b2 = float(prologue2[1]), float(prologue2[2])
     aligned = tma_ok(x, w) if pro == 0 else tma_ok(w, w)  # with a prologue x is read through pointers
     if path == "tma" and not aligned:
         raise ValueError("proj_gemv: path 'tma' needs 16-byte aligned x, W and row strides; use 'dot' or None")
-    if pro == 3:  # a K tile must not straddle the two segments
+    if pro >= 3:  # a K tile must not straddle the two segments
         block_k = block_k or 128
         while K1 % block_k:
             block_k //= 2
