@@ -589,28 +589,28 @@ PROJ_CUTE_MAX_TOKENS = 1
 # `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
 KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
-# the MoE output's glue folded into the CuTe launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
-MOE_GLUE_FOLD_MAX_TOKENS = 16
-MOE_GLUE_FOLD_OUT = "triton"    # moe_out's kernel under the fold: "triton" (two K segments) or "cute" (rms segment)
+# the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
+MOE_GLUE_FOLD_MAX_TOKENS = 1
+MOE_GLUE_FOLD_OUT = "triton"    # moe_out's kernel under the fold: "triton" or "cute" (both take the rmsp prologue)
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
 
-
-def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
+def moe_glue_fold(n_tok: int, be_in: str, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
                   be_experts: str | None) -> bool:
     """Whether the MoE output's glue (glue.norm_glu: the routed norm of y and the shared experts' SiTU, a launch of
-    its own) folds into the launches around it: the MoE input group on the CuTe GEMV (k3lab_kernels.cute.proj_gemv)
-    stores situ(g, u) as its GLU output (its shared rows [w1 | w3] from row `sh_row0`, a multiple of 4; s_inter
-    even), and moe_out reads y (fp32: the experts on triton or cute) through the rms prologue of its first K segment
-    and a_sh as it is (MOE_GLUE_FOLD_OUT: the Triton kernel's two segments, or the CuTe GEMV's rms segment: lat a
-    multiple of its 256-column step, routed_norm bf16): one launch fewer a MoE layer, at most
-    MOE_GLUE_FOLD_MAX_TOKENS tokens."""
-    from k3lab_kernels.cute.proj_gemv import K_STEP, MAX_BATCH as CUTE_MAX_BATCH
-
-    return (be_in == "cute" and n_tok <= min(MOE_GLUE_FOLD_MAX_TOKENS, CUTE_MAX_BATCH) and s_inter % 2 == 0
-            and sh_row0 % 4 == 0 and be_experts in ("triton", "cute") and lat % 16 == 0
-            and (MOE_GLUE_FOLD_OUT != "cute" or (lat % K_STEP == 0 and norm_w.dtype == torch.bfloat16)))
+    its own) folds into the launches around it (one launch fewer a MoE layer):
+      moe_in   the group on the CuTe GEMV (k3lab_kernels.cute.proj_gemv) stores situ(g, u) as its GLU output (its
+               shared rows [w1 | w3] from row `sh_row0`, a multiple of 4; s_inter even) into the second segment of
+               moe_out's input;
+      experts  the one-token CuTe experts' down kernel (or the reference backends, by torch) also writes bf16(y
+               routed_norm) into its first segment and a partial sum of y^2 a CTA (`glue`);
+      moe_out  reads that input with the "rmsp" prologue: the first segment's sum times the norm's factor from the
+               partials (MOE_GLUE_FOLD_OUT: the Triton kernel or the CuTe GEMV).
+    One token (the CuTe experts' path "token"), at most MOE_GLUE_FOLD_MAX_TOKENS, routed_norm bf16."""
+    return (be_in == "cute" and n_tok == 1 and n_tok <= MOE_GLUE_FOLD_MAX_TOKENS and s_inter % 2 == 0
+            and sh_row0 % 4 == 0 and be_experts in ("cute", "reference", "torch_compile")
+            and norm_w.dtype == torch.bfloat16)
 
 
 def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
@@ -689,6 +689,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     GEMV (backend "cute"); the component's record says "cute" (its one launch) or "triton+cute"."""
     from k3lab.components import glue, trunk
     from k3lab.components import mla as mla_comp
+    from k3lab.components import moe as moe_comp
     from k3lab.model import _nb
 
     if "proj" not in over:
@@ -850,7 +851,11 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         w_moe = _cat_rows([(r, "w"), (m, "w_down")] + [(s, "w1") for s in sh] + [(s, "w3") for s in sh])
         sI = sum(s.w1.shape[0] for s in sh)
         logits, z, gu = buf(E, torch.float32), buf(Lat), buf(2 * sI)
-        a_sh = buf(sI)  # situ(g, u) where the glue is folded (moe_glue_fold)
+        xin = buf(Lat + sI)  # moe_out's input [rms(y) | situ(g, u)] (or, folded, [bf16(y gamma) | situ(g, u)])
+        a_sh = xin[:, Lat:]  # the folded glue's GLU output (moe_glue_fold)
+        from k3lab_kernels.cute.moe_experts import glue_partials
+
+        ssp = torch.zeros(N, glue_partials(Lat), dtype=torch.float32, device=dev)  # the folded norm's partials
         # [Wup | w2_1 | w2_2] [D, Lat + sI]: Wup rms(y) + sum_i w2_i a_i is one projection over two K segments
         w_out = _cat_rows([(m, "w_up")] + [(s, "w2") for s in sh], dim=1)
         b["z"] = z
@@ -903,7 +908,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             # the glue folded into the two CuTe launches (moe_glue_fold): the shared SiTU as the group's GLU output,
             # the routed norm as moe_out's rms segment
             fold = not (shared_stream or owned_output or fuse_pro) and moe_glue_fold(
-                N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
+                N, be_min, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [a_sh] if fold else [gu[:, :sI], gu[:, sI:]])
@@ -933,7 +938,6 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             out["experts"] = _beside((fn_e, nb_e + mm_bytes(w_sh13, D, 2 * sI), fl_e + 2 * N * D * 2 * sI), shared_up,
                                      dev)
         xo = buf(D)
-        xin = buf(Lat + sI)
         nb_glue = _nb(m.routed_norm) + N * Lat * (4 + e) + N * sI * 3 * e
 
         def glue_in():  # [rms(y) | situ(g, u)]: the output projection's input, one launch
@@ -967,17 +971,25 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 return b["x_out"]
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
-        elif fold:  # one launch: Wup rms(y) (y fp32 through the rms prologue) + w2 a_sh + p
+        elif fold:  # experts write [bf16(y gamma) | .] and the partials; one launch: [Wup | w2] xin (rmsp) + p
             be_fo = "cute" if MOE_GLUE_FOLD_OUT == "cute" else be
             if be_fo == "cute":
                 cute_parts.add("moe_out")
+            be_e = L.ran["experts"]
+            fn_e, nb_e, fl_e = out["experts"]
+
+            def experts():
+                b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, check_values=False,
+                                          glue=(m.routed_norm, xin[:, :Lat], ssp))
+                return b["y"]
+            out["experts"] = (experts, nb_e + _nb(m.routed_norm) + N * Lat * e + ssp.numel() * 4, fl_e)
 
             def moe_out():
-                trunk.proj(flat(b["y"]), w_out, xo, residual=flat(b["p"]).contiguous(),
-                           prologue=("rms", m.routed_norm, float(m.eps)), x2=a_sh, backend=be_fo)
+                trunk.proj(xin, w_out, xo, residual=flat(b["p"]).contiguous(),
+                           prologue=("rmsp", ssp, Lat, float(m.eps)), backend=be_fo)
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
-            nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, sI, D, residual=True)
+            nb_out = ssp.numel() * 4 + mm_bytes(w_out, Lat + sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
         else:  # two launches: the glue into the two segments of one input, then one projection over [Wup | w2]
             be_out = pb(w_out, "moe_out")

@@ -47,6 +47,31 @@ def test_repeated_id_and_pdl(batch):
         assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_glue_outputs_tp8(pdl):
+    """The down kernel's `glue` (k3lab.step.moe_glue_fold) at K3's TP8 pool: yg equal to bf16(y routed_norm) of the y
+    it wrote, the 896 partials equal to y^2 summed over each CTA's four rows (within fp32 rounding), y within the
+    MXFP4 tolerance of fp64, NaN-poisoned first, under pdl and not."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    case = OP.case(tp=8, routing="uniform", **K3)
+    d = OP.make_inputs(case, 5, "cuda")
+    want = ops_moe.ref_experts(d, case)["y"]
+    L = d["z"].shape[1]
+    gam = (1 + 0.1 * torch.randn(L, device="cuda", generator=torch.Generator("cuda").manual_seed(1))).bfloat16()
+    y = torch.full_like(d["y"], float("nan"))
+    yg = torch.full((1, L + 768), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :L]
+    ssp = torch.full((1, L // 4), float("nan"), device="cuda")
+    with pdl_chain(pdl):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False,
+                      glue=(gam, yg, ssp))
+    torch.cuda.synchronize()
+    assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+    assert torch.equal(yg, (y * gam.float()).to(torch.bfloat16))
+    ref = (y.double() ** 2).view(-1, 4).sum(1)
+    assert float(((ssp.double().view(-1) - ref).abs() / ref.clamp_min(1e-30)).max()) < 1e-6
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_graph_capture_new_routing(batch):
     case = OP.case(tp=8, routing="uniform", **dict(K3, batch=batch))

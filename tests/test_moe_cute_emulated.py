@@ -22,8 +22,10 @@ ROUNDS = dict(SMALL, latent=1152, inter=384)
 ODD = dict(SMALL, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
+    if glue is not None:
+        t.update(gam=glue[0], yg=glue[1], ssp=glue[2])
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
@@ -34,7 +36,7 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None):
         try:
             mod.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                             b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
-                            pdl=pdl)
+                            pdl=pdl, glue=None if glue is None else (a["gam"], a["yg"], a["ssp"]))
         finally:
             mod.DOWN_ROWS, mod.UP_ROWS = saved
     emulate._run(call, t, seed)
@@ -65,6 +67,24 @@ def test_one_token(pdl, idx32, shape, rows):
     inter = shape["inter"] // shape["tp"]
     assert launches[-2]["block"] == -(-shape["latent"] // 32 // 32) * 32
     assert launches[-2]["grid"][0] == shape["top_k"] * inter // (rows or 4)
+
+
+def test_glue_outputs():
+    """With `glue` the down kernel also writes yg = bf16(y gamma) and one partial sum of y^2 a CTA (the MoE output's
+    routed norm folded, k3lab.step.moe_glue_fold): yg equal to y (as written) times gamma rounded once, the partials
+    equal to each CTA's rows' squares summed (fp32, a shuffle tree: within 1e-6); y itself is the checked output of
+    test_one_token (the option adds stores after it)."""
+    c = OP.case(**SMALL)
+    d = OP.make_inputs(c, 3, "cpu")
+    L = d["z"].shape[1]
+    gam = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
+    yg = torch.full((1, L + 8), float("nan"), dtype=torch.bfloat16)[:, :L]  # a column slice of a wider buffer
+    ssp = torch.full((1, L // 4), float("nan"))
+    y1 = torch.full_like(d["y"], float("nan"))
+    run(d["z"], d["idx"], d["weights_k"], d["moe"], y1, seed=2, glue=(gam, yg, ssp))
+    assert torch.isfinite(y1).all() and torch.equal(yg, (y1 * gam.float()).to(torch.bfloat16))
+    want = (y1.double() ** 2).view(-1, 4).sum(1)
+    assert ((ssp.double().view(-1) - want).abs() <= 1e-6 * want + 1e-30).all()
 
 
 def test_block_ptx_matches_the_simt_twin():

@@ -129,10 +129,11 @@ def test_group_glu_select_tp8(batch, pdl):
 
 @pytest.mark.parametrize("backend", ["cute", "triton"])
 @pytest.mark.parametrize("batch,pdl", [(1, True), (1, False), (3, True)])
-def test_moe_out_rms_segment_tp8(backend, batch, pdl):
-    """The MoE output at TP8 with the glue folded: p + [Wup | w2_shared] [rms(y; routed_norm) | a] with y fp32 [B,
-    3584] through the rms prologue of the first segment and a [B, 768] as it is, on the CuTe GEMV's rms segment and
-    the Triton kernel's two segments, NaN-poisoned, against the fp64 oracle (tolerance: the bf16 output, 4e-3)."""
+def test_moe_out_rmsp_tp8(backend, batch, pdl):
+    """The MoE output at TP8 with the glue folded: p + [Wup | w2_shared] x, x = [bf16(y routed_norm) (3584) | a
+    (768)], the first segment's sum times rsqrt(sum of 896 partial sums of y^2 / 3584 + eps) (the "rmsp" prologue), on
+    the CuTe GEMV and the Triton kernel, NaN-poisoned, twice, against the fp64 oracle of the unrounded norm
+    (tolerance: bf16 inputs and output, 4e-3)."""
     from k3lab_kernels.triton.pdl import pdl_chain
 
     g = torch.Generator("cuda").manual_seed(batch + 7)
@@ -140,6 +141,8 @@ def test_moe_out_rms_segment_tp8(backend, batch, pdl):
     y = torch.randn(batch, Lat, device="cuda", generator=g) * 0.3
     nw = (1 + 0.1 * torch.randn(Lat, device="cuda", generator=g)).to(torch.bfloat16)
     a = torch.randn(batch, sI, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.cat([(y * nw.float()).to(torch.bfloat16), a], 1)
+    ssp = (y * y).view(batch, 896, 4).sum(2).contiguous()
     w = (torch.randn(D, Lat + sI, device="cuda", generator=g) / (Lat + sI) ** 0.5).to(torch.bfloat16)
     p = torch.randn(batch, D, device="cuda", generator=g).to(torch.bfloat16)
     yd = y.double()
@@ -148,6 +151,6 @@ def test_moe_out_rms_segment_tp8(backend, batch, pdl):
     for _ in range(2):
         out = torch.full((batch, D), float("nan"), device="cuda", dtype=torch.bfloat16)
         with pdl_chain(pdl):
-            trunk.proj(y, w, out, residual=p, prologue=("rms", nw, 1e-6), x2=a, backend=backend)
+            trunk.proj(x, w, out, residual=p, prologue=("rmsp", ssp, Lat, 1e-6), backend=backend)
         torch.cuda.synchronize()
         assert ((out.double() - want).norm() / want.norm()).item() < 4e-3

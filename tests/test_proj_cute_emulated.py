@@ -17,15 +17,15 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None, rms=None, glu=None):
+def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None, rmsp=None, glu=None):
     """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection; chain None
-    or (w2, f): the chained projection f = outs[0] w2^T; rms None or (y, gamma, eps): the rms segment; glu None or
-    (b1, b2): the last output as situ over row pairs."""
+    or (w2, f): the chained projection f = outs[0] w2^T; rmsp None or (ssp, k0, eps): the rms-scaled segment; glu
+    None or (b1, b2): the last output as situ(g, u) over its [g | u] rows."""
     t = dict(x=x, w=w, **{f"o{i}": o for i, o in enumerate(outs)})
     if chain is not None:
         t.update(w2=chain[0], f=chain[1])
-    if rms is not None:
-        t.update(y=rms[0], gam=rms[1])
+    if rmsp is not None:
+        t.update(ssp=rmsp[0])
     early = {w.data_ptr()}  # under pdl only W (and the router's bias) may be read before the wait
     if residual is not None:
         t["r"] = residual
@@ -37,9 +37,9 @@ def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=No
     def call(m, **a):
         sel = None if select is None else (a["eb"], a["idx"], a["wk"], select[3])
         ch = None if chain is None else (a["w2"], a["f"])
-        rm = None if rms is None else (a["y"], a["gam"], rms[2])
+        rm = None if rmsp is None else (a["ssp"], rmsp[1], rmsp[2])
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
-                                select=sel, chain=ch, rms=rm, glu=glu)
+                                select=sel, chain=ch, rmsp=rm, glu=glu)
     emulate._run(call, t, seed)
 
 
@@ -239,23 +239,21 @@ def _situ64(g, u, b1=4.0, b2=25.0):
 
 
 @pytest.mark.parametrize("batch,pdl,k2", [(1, True, 264), (3, False, 512)])
-def test_rms_segment(batch, pdl, k2):
-    """out = [rms(y; gamma) | x] W^T + residual, y fp32 over W's first K0 = 768 columns (three steps: one in the loop
-    after the four preloaded ones... here 3 < PRE, and K0 + k2 = 1032 runs a partial last step at k2 = 264), the
-    factor 1/rms applied to the segment's sum: against fp64 of the unrounded normed y (tolerance: fp32 sums and one
-    bf16 output rounding, 1e-2 of the largest output)."""
+def test_rms_scaled_segment(batch, pdl, k2):
+    """out = [x0 rsqrt(sum_p ssp / K0 + eps) | x1] W^T + residual, K0 = 768 (three steps, within the four preloaded)
+    and k2 = 264 (a partial last step) or 512, ssp 37 partials a row (two rounds of lanes, the second partial):
+    against fp64 of the unrounded scaling (tolerance: fp32 sums and one bf16 output rounding, 1e-2)."""
     g = torch.Generator().manual_seed(batch)
     K0 = 768
-    y = torch.randn(batch, K0, generator=g) * 3.0
-    gam = (1.0 + 0.1 * torch.randn(K0, generator=g)).to(torch.bfloat16)
-    x = torch.randn(batch, k2, generator=g).to(torch.bfloat16)
+    x = torch.randn(batch, K0 + k2, generator=g).to(torch.bfloat16)
+    ssp = torch.rand(batch, 37, generator=g) * 40
     w = (torch.randn(8, K0 + k2, generator=g) / (K0 + k2) ** 0.5).to(torch.bfloat16)
     r = torch.randn(batch, 8, generator=g).to(torch.bfloat16)
     out = torch.full((batch, 8), float("nan"), dtype=torch.bfloat16)
-    run_proj(x, w, [out], residual=r, pdl=pdl, rms=(y, gam, 1e-6))
-    yd = y.double()
-    yn = yd * torch.rsqrt((yd * yd).mean(1, keepdim=True) + 1e-6) * gam.double()
-    want = torch.cat([yn, x.double()], 1) @ w.double().T + r.double()
+    run_proj(x, w, [out], residual=r, pdl=pdl, rmsp=(ssp, K0, 1e-6))
+    inv = torch.rsqrt(ssp.double().sum(1, keepdim=True) / K0 + 1e-6)
+    xd = x.double()
+    want = torch.cat([xd[:, :K0] * inv, xd[:, K0:]], 1) @ w.double().T + r.double()
     assert (out.double() - want).abs().max() < 1e-2 * want.abs().max()
 
 
@@ -279,18 +277,17 @@ def test_glu_output(batch):
 
 
 def test_glue_refused_by_name():
-    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    x = torch.zeros(1, 512, dtype=torch.bfloat16)
     w = torch.zeros(8, 512, dtype=torch.bfloat16)
     o = torch.zeros(1, 8, dtype=torch.bfloat16)
-    y = torch.zeros(1, 256)
-    with pytest.raises(ValueError, match="'rms.y' must be fp32"):
-        run_proj(x, w, [o], rms=(y[:, :200].contiguous(), torch.zeros(200, dtype=torch.bfloat16), 1e-6))
-    with pytest.raises(ValueError, match="'rms.eps' must be a positive"):
-        run_proj(x, w, [o], rms=(y, torch.zeros(256, dtype=torch.bfloat16), 0.0))
-    with pytest.raises(ValueError, match="'w' must be a contiguous"):
-        run_proj(x, w[:, :256].contiguous(), [o], rms=(y, torch.zeros(256, dtype=torch.bfloat16), 1e-6))
+    ssp = torch.zeros(1, 5)
+    with pytest.raises(ValueError, match="'rmsp.k0' must be a multiple of 256"):
+        run_proj(x, w, [o], rmsp=(ssp, 200, 1e-6))
+    with pytest.raises(ValueError, match="'rmsp.eps' must be a positive"):
+        run_proj(x, w, [o], rmsp=(ssp, 256, 0.0))
+    with pytest.raises(ValueError, match="'rmsp.ssp' must be a contiguous fp32"):
+        run_proj(x, w, [o], rmsp=(torch.zeros(2, 5), 256, 1e-6))
     with pytest.raises(ValueError, match="GLU output's rows must start"):
-        run_proj(x, w[:, :256].contiguous(), [torch.zeros(1, 2), torch.zeros(1, 3, dtype=torch.bfloat16)],
-                 glu=(4.0, 25.0))
+        run_proj(x, w, [torch.zeros(1, 2), torch.zeros(1, 3, dtype=torch.bfloat16)], glu=(4.0, 25.0))
     with pytest.raises(ValueError, match="'glu' must be None or"):
-        run_proj(x, w[:, :256].contiguous(), [torch.zeros(1, 4, dtype=torch.bfloat16)], glu=(4.0,))
+        run_proj(x, w, [torch.zeros(1, 4, dtype=torch.bfloat16)], glu=(4.0,))

@@ -176,10 +176,11 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
 
 
 def test_moe_glue_fold_same_output(monkeypatch):
-    """With the MoE input group on the CuTe GEMV (proj_cute) the MoE output's glue folds into the launches around it
-    (`moe_glue_fold`): the group stores situ(g, u) as its GLU output and moe_out reads y through the rms prologue of
-    its first segment and that output as it is, one launch fewer; MOE_GLUE_FOLD_MAX_TOKENS 0 keeps glue.norm_glu.
-    Both compositions (the projections run by their reference forms here, the calls recorded) give the same layer
+    """With the MoE input group on the CuTe GEMV (proj_cute) at one token the MoE output's glue folds into the
+    launches around it (`moe_glue_fold`): the group stores situ(g, u) as its GLU output, the experts write
+    bf16(y routed_norm) and the partial sums of y^2 (`glue`), and moe_out reads that input through the "rmsp"
+    prologue, one launch fewer; MOE_GLUE_FOLD_MAX_TOKENS 0 keeps glue.norm_glu. Both compositions (the projections
+    run by their reference forms here, the calls recorded; the experts on the reference backend) give the same layer
     output up to bf16 rounding (CPU, tiny)."""
     from k3lab.components import trunk
     from k3lab.harness.numerics import rel_norm_error
@@ -188,7 +189,7 @@ def test_moe_glue_fold_same_output(monkeypatch):
     real_p, real_g = trunk.proj, trunk.proj_group
 
     def proj(*a, backend, **k):
-        seen.append(("proj", backend, k.get("x2") is not None and k.get("prologue2") is None))
+        seen.append(("proj", backend, (k.get("prologue") or ("none",))[0]))
         return real_p(*a, backend="reference", **k)
 
     def group(*a, backend, **k):
@@ -198,25 +199,29 @@ def test_moe_glue_fold_same_output(monkeypatch):
     monkeypatch.setattr(trunk, "proj_group", group)
     monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)
     monkeypatch.setattr(S, "PROJ_CUTE_MIN_OUTPUTS", 1)
-    sw = FUSED.replace(proj_cute=True, backend={**FUSED.backend, "router": "cute"})  # the selection on the GEMV too
+    # the selection on the GEMV too (router cute), the experts by the reference (their glue by torch)
+    sw = FUSED.replace(proj_cute=True, backend={**FUSED.backend, "router": "cute", "moe": "reference"})
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), sw, device="cpu")
     L = st.layers[1]
     g = torch.Generator().manual_seed(7)
-    y = torch.randn(L.buf["y"].shape, generator=g)
+    h2 = torch.randn(L.buf["h2"].shape, generator=g).to(L.buf["h2"].dtype)
+    p = torch.randn(L.buf["h2"].shape, generator=g).to(L.buf["h2"].dtype)
     outs = []
-    for on in (16, 0):
+    for on in (1, 0):
         monkeypatch.setattr(S, "MOE_GLUE_FOLD_MAX_TOKENS", on)
         st.set_switches(sw)
         seen.clear()
-        st.comps[1]["moe_in"][0]()
-        L.buf["y"].copy_(y)
-        outs.append(st.comps[1]["moe_out"][0]().clone())
+        L.buf["h2"].copy_(h2)
+        L.buf["p"] = p.clone()
+        for name in ("moe_in", "experts", "moe_out"):
+            st.comps[1][name][0]()
+        outs.append(L.buf["x_out"].clone())
+        m = L.w.mlp
         if on:
-            m = L.w.mlp
-            assert seen[0][:2] == ("group", "cute") and seen[0][2] == (m.shared[0].b1, m.shared[0].b2)
-            assert seen[1:] == [("proj", "triton", True)] and L.ran["moe_out"] == "triton"
+            assert seen == [("group", "cute", (m.shared[0].b1, m.shared[0].b2)), ("proj", "triton", "rmsp")]
+            assert L.ran["moe_out"] == "triton"
         else:
-            assert seen[0] == ("group", "cute", None) and len(seen) == 2 and seen[1][::2] == ("proj", False)
+            assert seen[0] == ("group", "cute", None) and len(seen) == 2 and seen[1][::2] == ("proj", "none")
     assert rel_norm_error(outs[0], outs[1]) < 1e-2
 
 

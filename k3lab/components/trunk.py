@@ -125,16 +125,35 @@ def _linear_ref(x, w, w_scale, residual):
     return y if residual is None else y + residual.to(dt)
 
 
-PROLOGUES = ("situ", "rms")
+PROLOGUES = ("situ", "rms", "rmsp")
 
 
 def _check_prologue(prologue, x, w, backend, arg: str = "prologue", K: int | None = None) -> str | None:
-    """The input prologue (module docstring): None, ("situ", b1, b2) or ("rms", weight [K], eps); K: the width
-    the prologue's output has (w's K, or x's for the first of two segments)."""
+    """The input prologue (module docstring): None, ("situ", b1, b2), ("rms", weight [K], eps) or ("rmsp", ssp
+    [B, P] fp32, k1, eps) (x's first k1 columns times rsqrt(sum_p ssp[b, p] / k1 + eps): the norm's weight already
+    applied and its sum of squares given as P partials, k3lab.step.moe_glue_fold); K: the width the prologue's
+    output has (w's K, or x's for the first of two segments)."""
     if prologue is None:
         return None
-    if not isinstance(prologue, tuple) or not prologue or prologue[0] not in PROLOGUES or len(prologue) != 3:
-        _fail(arg, f"must be None, ('situ', b1, b2) or ('rms', weight, eps), got {prologue!r}")
+    if (not isinstance(prologue, tuple) or not prologue or prologue[0] not in PROLOGUES
+            or len(prologue) != (4 if prologue[0] == "rmsp" else 3)):
+        _fail(arg, f"must be None, ('situ', b1, b2), ('rms', weight, eps) or ('rmsp', ssp, k1, eps), got "
+                   f"{prologue!r:.80}")
+    if prologue[0] == "rmsp":
+        _, ssp, k1, eps = prologue
+        B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else None
+        if (not isinstance(ssp, torch.Tensor) or ssp.dim() != 2 or ssp.shape[0] != B or not ssp.is_contiguous()
+                or ssp.dtype not in (torch.float32, torch.float64)):
+            _fail(arg, f"the partial sums of squares must be a contiguous fp32 [{B}, P] tensor, got "
+                       f"{getattr(ssp, 'dtype', type(ssp).__name__)} {tuple(getattr(ssp, 'shape', ()))}")
+        if isinstance(x, torch.Tensor) and ssp.device != x.device:
+            _fail(arg, f"the partial sums must be on {x.device} (x's device), got {ssp.device}")
+        Kx = x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+        if isinstance(k1, bool) or not isinstance(k1, int) or not 1 <= k1 <= Kx:
+            _fail(arg, f"k1 (the scaled columns) must be an int in 1..{Kx}, got {k1!r}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            _fail(arg, f"the rms eps must be a positive number, got {eps!r}")
+        return "rmsp"
     kind, a, b = prologue
     if kind == "situ":
         for name, v in (("b1", a), ("b2", b)):
@@ -164,6 +183,11 @@ def _prologue_ref(x: torch.Tensor, prologue) -> torch.Tensor:
     from k3lab.ref.situ import situ
 
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if prologue[0] == "rmsp":
+        _, ssp, k1, eps = prologue
+        inv = torch.rsqrt(ssp.to(dt).sum(1, keepdim=True) / k1 + eps)
+        y = torch.cat([x[:, :k1].to(dt) * inv, x[:, k1:].to(dt)], 1)
+        return y if dt == torch.float64 else y.to(torch.bfloat16)
     K = x.shape[1] // 2 if prologue[0] == "situ" else x.shape[1]
     y = (situ(x[:, :K].to(dt), x[:, K:].to(dt), prologue[1], prologue[2]) if prologue[0] == "situ"
          else rms_norm(x.to(dt), prologue[1].to(dt), float(prologue[2]), out_dtype=dt))
@@ -267,23 +291,19 @@ def _check_select(select, outs, B, backend, path):
 
 def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
     """Two K segments (proj's x2): x [B, K1] through ('rms', weight [K1], eps), x2 = [g | u] [B, 2 K2] through
-    ('situ', b1, b2) (or, prologue2 None, x2 [B, K2] as it is), w [N, K1 + K2].
-    Returns K1."""
+    ('situ', b1, b2), w [N, K1 + K2]. Returns K1."""
     _tensor("x", x, 2)
-    _tensor("x2", x2, 2, (torch.bfloat16,) if backend in ("triton", "cute") else None, x.device)
+    _tensor("x2", x2, 2, (torch.bfloat16,) if backend == "triton" else None, x.device)
     K1 = x.shape[1]
-    if prologue is None or prologue[0] != "rms" or (prologue2 is not None and prologue2[0] != "situ"):
-        _fail("prologue2", "two segments take prologue=('rms', weight, eps) for x and prologue2=('situ', b1, b2) (or "
-                           f"None: x2 as it is) for x2, got {prologue!r} and {prologue2!r}")
+    if prologue is None or prologue[0] != "rms" or prologue2 is None or prologue2[0] != "situ":
+        _fail("prologue2", "two segments take prologue=('rms', weight, eps) for x and prologue2=('situ', b1, b2) for "
+                           f"x2, got {prologue!r:.80} and {prologue2!r}")
     _check_prologue(prologue, x, w, backend, K=K1)
     _check_prologue(prologue2, x, w, backend, arg="prologue2")
-    half = 2 if prologue2 is not None else 1
-    if x2.shape[0] != x.shape[0] or x2.shape[1] % half or x2.stride(1) != 1:
-        _fail("x2", f"must be [{x.shape[0]}, {'2 K2] = [g | u]' if half == 2 else 'K2]'} with unit inner stride, got "
-                    f"{tuple(x2.shape)}")
-    K2 = x2.shape[1] // half
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != K1 + K2:
-        _fail("w", f"must be [N, {K1 + K2}] = [W1 | W2] (x's {K1} + x2's {K2} columns), "
+    if x2.shape[0] != x.shape[0] or x2.shape[1] % 2 or x2.stride(1) != 1:
+        _fail("x2", f"must be [{x.shape[0]}, 2 K2] = [g | u] with unit inner stride, got {tuple(x2.shape)}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != K1 + x2.shape[1] // 2:
+        _fail("w", f"must be [N, {K1 + x2.shape[1] // 2}] = [W1 | W2] (x's {K1} + x2's {x2.shape[1] // 2} columns), "
                    f"got {tuple(getattr(w, 'shape', ()))}")
     if backend == "triton" and K1 % 16:
         _fail("x", f"must have a width that is a multiple of 16 (a K tile never straddles the segments), got {K1}")
@@ -306,7 +326,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         if x2 is None:
             _fail("x2", "must be given with prologue2 (the second K segment)")
         _check_second(x, x2, w, prologue, prologue2, be)
-        pro = "rms+situ" if prologue2 is not None else "rms+x2"
+        pro = "rms+situ"
         _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", "rms+situ", glu is not None)
     else:
         pro = _check_prologue(prologue, x, w, be)
@@ -322,16 +342,15 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
     if be == "cute":  # bf16 weights; an input prologue only as the rms segment before x2 (kernels/cute/proj_gemv.py)
-        rms = None
-        if pro == "rms+x2":
-            rms, x = (x, prologue[1], float(prologue[2])), x2
-        for name, v in (("prologue", None if rms else prologue), ("x2", None if rms else x2), ("w_scale", w_scale)):
+        rmsp = None
+        if pro == "rmsp":
+            rmsp = (prologue[1], int(prologue[2]), float(prologue[3]))
+        for name, v in (("prologue", None if rmsp else prologue), ("x2", x2), ("w_scale", w_scale)):
             if v is not None:
                 _fail(name, "is not taken by the cute projection (bf16 weights; an input prologue only as "
-                            "('rms', weight, eps) on x before a plain x2: kernels/cute/proj_gemv.py); use backend "
-                            "'triton'")
+                            "('rmsp', ssp, k1, eps): kernels/cute/proj_gemv.py); use backend 'triton'")
         sel = None if select is None else (select.e_bias, select.idx, select.weights, float(select.scaling))
-        extra = {k: v for k, v in (("chain", None if chain is None else tuple(chain)), ("rms", rms),
+        extra = {k: v for k, v in (("chain", None if chain is None else tuple(chain)), ("rmsp", rmsp),
                                    ("glu", None if glu is None else tuple(glu))) if v is not None}
         dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel, **extra)
     elif be == "triton":

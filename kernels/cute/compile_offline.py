@@ -238,7 +238,7 @@ def _cases(only: str | None, quick: bool):
         def gargs(o_dts):
             return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
                     + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), P(bf, 16),
-                       P(bf, 2), i32(1536), P(f32, 16), i32(3584), P(bf, 16), cutlass.Float32(1e-6), S])
+                       P(bf, 2), i32(1536), P(f32, 4), cutlass.Float32(1e-6), S])
         moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
         for B, N, K, ends, res, pdl, o_dts, k in (
                 (1, 4608, 7168, (4608,), False, False, [bf] * 6, 0),
@@ -263,17 +263,17 @@ def _cases(only: str | None, quick: bool):
         for B, pdl in ((1, True), (1, False), (4, True)):
             cases.append((f"proj B{B} N6016 K7168 outs3 select16 glu" + (" pdl" if pdl else ""),
                           lambda B=B, pdl=pdl: kg._kernel_class()(B, 6016, 7168, (896, 4480, 6016), False, pdl, 16,
-                                                                  None, 0, (4.0, 25.0)), gargs([f32] + [bf] * 5)))
-            cases.append((f"proj B{B} N7168 K4352 residual rms3584" + (" pdl" if pdl else ""),
-                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 7168, 4352, (7168,), True, pdl, 0, None, 3584),
-                          gargs([bf] * 6)))
+                                                                  None, None, (4.0, 25.0)), gargs([f32] + [bf] * 5)))
+            cases.append((f"proj B{B} N7168 K4352 residual rmsp3584x896" + (" pdl" if pdl else ""),
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 7168, 4352, (7168,), True, pdl, 0, None,
+                                                                  (3584, 896)), gargs([bf] * 6)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
-        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y; (K, I, L, E, idx step, ...; the down
-        # kernel's latent rows a CTA)
+        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
+        # step, ...; the down kernel's latent rows a CTA)
         up_cls, down_cls = km._kernel_classes()
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
-        dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), S]
+        dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), P(bf, 2), P(bf, 2), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
                                          (16, 384, 3584, 896, 2, False, 8), (16, 192, 3584, 896, 2, False, 4),
                                          (3, 128, 128, 6, 2, False, 4)):
@@ -282,6 +282,8 @@ def _cases(only: str | None, quick: bool):
                           up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
             cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
                           dargs))
+        # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
+        cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)

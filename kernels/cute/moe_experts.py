@@ -14,7 +14,9 @@ two launches, no atomics, no tickets, y written (not accumulated).
         a factor of 0.0.
   down  a CTA per R = DOWN_ROWS latent rows; thread p < K * I/32 owns the (pair, block) product p of every row: its
         32 activations loaded once, the rows' W2_e words and scales; per row a shuffle sum, then across warps in
-        shared memory; a PDL launch after `up` (it waits for up's activations before reading anything).
+        shared memory; a PDL launch after `up` (it waits for up's activations before reading anything). With
+        `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one partial a CTA): the MoE output's
+        routed norm folded (k3lab.step.moe_glue_fold).
   (git history: a warp per (pair, two rows) and a warp per latent row, whose every warp re-read z or all of act,
   lost by 1.9-3 us at TP8; experiments/moe_cute/README.md.)
 
@@ -129,20 +131,23 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.NP = K * (I // 32)                  # (pair, block) products a row
             self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
+            self.glue = bool(glue)                   # also yg = bf16(y gamma) and the CTA's sum of y^2
+            assert rows <= 32
 
         @cute.jit
         def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                     p_y: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.L // self.R, 1, 1], block=[self.NT, 1, 1],
-                                                              stream=stream, use_pdl=True)
+                     p_y: cute.Pointer, p_gam: cute.Pointer, p_yg: cute.Pointer, p_ssp: cute.Pointer,
+                     stream: cuda.CUstream):
+            self.kernel(p_idx, p_w2, p_s2, p_act, p_y, p_gam, p_yg, p_ssp).launch(
+                grid=[self.L // self.R, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                   p_y: cute.Pointer):
+                   p_y: cute.Pointer, p_gam: cute.Pointer, p_yg: cute.Pointer, p_ssp: cute.Pointer):
             I, L, R, NP, NT = self.I, self.L, self.R, self.NP, self.NT
             NB = I // 32                 # blocks a row of w2 (and scale bytes a row)
             RW = I // 8
@@ -177,11 +182,22 @@ def _kernel_classes():
                 for r in cutlass.range_constexpr(R):
                     s_red[warp * R + r] = acc[r]
             cute.arch.sync_threads()
-            if tid < R:
-                tot = s_red[tid]
+            if tid < 32:                 # warp 0: lane r < R sums row r over the warps
+                rr = tid % R
+                tot = s_red[rr]
                 for w in cutlass.range_constexpr(1, W):
-                    tot = tot + s_red[w * R + tid]
-                vec(p_y, c * R + tid, 1)[0] = tot
+                    tot = tot + s_red[w * R + rr]
+                if tid < R:
+                    vec(p_y, c * R + tid, 1)[0] = tot
+                    if cutlass.const_expr(self.glue):
+                        vec(p_yg, c * R + tid, 1)[0] = (tot * vec(p_gam, c * R + tid, 1)[0].to(Float32)).to(
+                            cutlass.BFloat16)
+                if cutlass.const_expr(self.glue):  # this CTA's share of sum(y^2): the routed norm's statistic
+                    sq = cutlass.select_(tid < R, tot * tot, Float32(0.0))
+                    for sh in cutlass.range_constexpr(5):
+                        sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=16 >> sh)
+                    if tid == 0:
+                        vec(p_ssp, c, 1)[0] = sq
 
     class MoEUp:
         """A CTA per (pair, R intermediate rows of W1_e and W3_e); thread b < L/32 owns block b of every row (z's
@@ -283,7 +299,7 @@ def _ptr(t: torch.Tensor, align: int):
     import cutlass
     from cutlass import cute
     from cutlass.cute.runtime import make_ptr
-    dt = {torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}[t.dtype]
+    dt = {torch.float32: cutlass.Float32, torch.int32: cutlass.Int32, torch.bfloat16: cutlass.BFloat16}[t.dtype]
     return make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
@@ -324,8 +340,17 @@ def experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, fail=_fail) -
     return [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
 
 
-def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None):
-    """y [1, L] fp32 = the routed experts of one token (module docstring). Returns y."""
+def glue_partials(L: int) -> int:
+    """How many partial sums of y^2 the down kernel writes with `glue` (one a CTA: L / DOWN_ROWS)."""
+    return L // (DOWN_ROWS if L % DOWN_ROWS == 0 else 1)
+
+
+def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None,
+                glue: tuple | None = None):
+    """y [1, L] fp32 = the routed experts of one token (module docstring). glue None or (gamma [L] bf16, yg [1, L]
+    bf16 (any row stride), ssp [1, glue_partials(L)] fp32): the down kernel also writes yg = bf16(y * gamma) and
+    ssp[0, c] = the sum of y^2 over CTA c's rows (the routed norm's statistic, finished by its consumer: the MoE
+    output's projection, k3lab.step.moe_glue_fold). Returns y."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -350,16 +375,29 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             _fail("z", f"L/32 must be at most 1024 (a thread a block in the up kernel), got {L // 32}")
         _fail("idx", f"top-k x I/32 must be at most 1024 (a thread a product in the down kernel), got {K} x {I // 32}")
     step = 2 if idx.dtype == torch.int64 else 1
+    glue_args = [_ptr(y, 4), _ptr(y, 4), _ptr(y, 4)]  # y: never read or written as these without glue
+    if glue is not None:
+        if not isinstance(glue, (tuple, list)) or len(glue) != 3:
+            _fail("glue", f"must be None or (gamma, yg, ssp), got {glue!r:.60}")
+        gam, yg, ssp = glue
+        for name, t, dt, shape in (("glue.gamma", gam, torch.bfloat16, (L,)), ("glue.yg", yg, torch.bfloat16, (1, L)),
+                                   ("glue.ssp", ssp, torch.float32, (1, glue_partials(L)))):
+            if not isinstance(t, torch.Tensor) or t.device != dev or t.dtype != dt or tuple(t.shape) != shape:
+                _fail(name, f"must be a {str(dt)[6:]} tensor {shape} on {dev}, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if t.stride(-1) != 1:
+                _fail(name, "must have unit inner stride")
+        glue_args = [_ptr(gam, 2), _ptr(yg, 2), _ptr(ssp, 4)]
     key_ws = (dev.index, K, I)
     act = _WS.get(key_ws)
     if act is None:
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
-    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4)]
+    down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -370,7 +408,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
 
             up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, rows), *down_args, stream))
+                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)

@@ -36,6 +36,13 @@ zeroes both words. Correct whatever order the CTAs start in as long as the count
 when the whole grid is resident (the KDA group at TP8: 1,571 + 384 CTAs of four warps) or when CTAs start in index
 order. One pair of counter words a device: calls with `chain` must not run concurrently on two streams.
 
+The MoE output's glue folded (k3lab.step.moe_glue_fold): `glu` = (b1, b2) stores the last output as situ(g, u) over
+W's last 2 I rows [g | u] (the MoE input group's shared w1 / w3: a CTA takes g_i, g_i+1, u_i, u_i+1 and exchanges
+them through shared memory; g and u rounded to bf16 first, as the stand-alone glue reads them); `rmsp` = (ssp, K0,
+eps) multiplies the sum over x's first K0 columns by rsqrt(sum_p ssp[b, p] / K0 + eps) (the MoE output's input
+[bf16(y gamma) | situ(g, u)], the routed norm's factor from the P partial sums of y^2 the experts' down kernel wrote;
+each warp sums the P partials of its batch rows).
+
 Floor (bytes, k3lab.ops.trunk.proj_bytes): weights N*K*2 + x B*K*2 + outputs B*N*e_out (+ residual B*N*2), at the
 read bandwidth.
 
@@ -81,13 +88,14 @@ def _kernel_class():
         """One warp per output row over all of K; four rows a CTA."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0, chain: tuple | None = None, rms_k: int = 0, glu: tuple | None = None):
+                     top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
             self.B, self.N, self.K = B, N, K
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
-            # the rms segment (rms_k > 0): columns [0, rms_k) of W read y (fp32) through its RMSNorm, the rest x
-            assert rms_k % K_STEP == 0 and 0 <= rms_k < K
-            self.rms_k = rms_k
+            # the rms-scaled segment (rms = (K0, P)): the sum over x's first K0 columns times rsqrt(sum of the row's
+            # P partial sums of squares / K0 + eps); the rest as it is
+            self.rms_k, self.NPART = rms if rms is not None else (0, 0)
+            assert self.rms_k % K_STEP == 0 and 0 <= self.rms_k <= K
             # the GLU output (glu = (b1, b2)): the last output's 2 I W rows are [g (I rows) | u (I rows)], stored as
             # situ(g_i, u_i); a CTA takes g_i, g_i+1, u_i, u_i+1 (i even), so I is even
             self.glu = glu
@@ -122,9 +130,9 @@ def _kernel_class():
                      p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                      s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
                      p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
-                     p_y: cute.Pointer, s_y: Int32, p_gam: cute.Pointer, eps: Float32, stream: cuda.CUstream):
+                     p_ssp: cute.Pointer, eps: Float32, stream: cuda.CUstream):
             self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
-                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f, p_y, s_y, p_gam, eps).launch(
+                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f, p_ssp, eps).launch(
                 grid=[self.GC + self.NCC, 1, 1], block=[_THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
@@ -179,16 +187,12 @@ def _kernel_class():
                         cute.arch.atomic_add(p_cnt + 3, Int32(-NCC), sem="relaxed", scope="gpu")
 
         @cute.jit
-        def rms_step(self, wv, s, lane, p_y, s_y, p_gam, yv, gv, wg, acc0, ssq):
-            """One 256-column step of the rms segment: acc0[b] += sum_j w_j gamma_j y[b, j], ssq[b] += y[b, j]^2."""
-            cute.autovec_copy(vec(p_gam, cute.assume(s * K_STEP + 8 * lane, divby=8), 8), gv)
-            for j in cutlass.range_constexpr(8):
-                wg[j] = wv[j].to(Float32) * gv[j].to(Float32)
+        def step(self, wv, s, lane, p_x, s_x, xv, acc):
+            """One 256-column step: acc[b] += sum_j w_j x[b, 256 s + 8 lane + j] over the batch rows."""
             for b in cutlass.range_constexpr(self.B):
-                cute.autovec_copy(vec(p_y, cute.assume(b * s_y + s * K_STEP + 8 * lane, divby=8), 8), yv)
+                cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
                 for j in cutlass.range_constexpr(8):
-                    acc0[b] = acc0[b] + wg[j] * yv[j]
-                    ssq[b] = ssq[b] + yv[j] * yv[j]
+                    acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
 
         @cute.jit
         def glu_store(self, g: Float32, u: Float32, po: cute.Pointer, off: Int32):
@@ -205,7 +209,7 @@ def _kernel_class():
                    p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                    s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
                    p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
-                   p_y: cute.Pointer, s_y: Int32, p_gam: cute.Pointer, eps: Float32):
+                   p_ssp: cute.Pointer, eps: Float32):
             B, N, K = self.B, self.N, self.K
             S = K // K_STEP
             tid, _, _ = cute.arch.thread_idx()
@@ -224,18 +228,14 @@ def _kernel_class():
                 s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem(smem)
             if cutlass.const_expr(self.glu is not None):
                 s_glu = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * B), byte_alignment=16)
-            S0 = self.rms_k // K_STEP    # steps of the rms segment (y through its RMSNorm); x's columns follow
+            S0 = self.rms_k // K_STEP    # steps of the rms-scaled segment (acc0), then the plain one (acc)
             if n < N:
                 acc = cute.make_rmem_tensor((B,), Float32)
                 acc.fill(0.0)
+                acc0 = acc
                 if cutlass.const_expr(S0 > 0):
-                    acc0 = cute.make_rmem_tensor((B,), Float32)   # sum over the rms segment of w gamma y
-                    ssq = cute.make_rmem_tensor((B,), Float32)    # sum of y^2 (this lane's columns)
+                    acc0 = cute.make_rmem_tensor((B,), Float32)
                     acc0.fill(0.0)
-                    ssq.fill(0.0)
-                    yv = cute.make_rmem_tensor((8,), Float32)
-                    gv = cute.make_rmem_tensor((8,), p_gam.dtype)
-                    wg = cute.make_rmem_tensor((8,), Float32)
                 wv = cute.make_rmem_tensor((8,), p_w.dtype)
                 xv = cute.make_rmem_tensor((8,), p_x.dtype)
                 wrow = n * K + 8 * lane
@@ -250,43 +250,32 @@ def _kernel_class():
                     cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                     cute.arch.griddepcontrol_launch_dependents()
                 for s in cutlass.range_constexpr(pre):
-                    if cutlass.const_expr(s < S0):
-                        self.rms_step(cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)), s, lane, p_y,
-                                      s_y, p_gam, yv, gv, wg, acc0, ssq)
-                    else:
-                        for b in cutlass.range_constexpr(B):
-                            cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP - self.rms_k + 8 * lane,
-                                                                   divby=8), 8), xv)
-                            for j in cutlass.range_constexpr(8):
-                                acc[b] = acc[b] + wpre[s * 8 + j].to(Float32) * xv[j].to(Float32)
+                    self.step(cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)), s, lane, p_x, s_x, xv,
+                              acc0 if s < S0 else acc)
                 if cutlass.const_expr(S0 > pre):
                     for s in cutlass.range(pre, S0, unroll=UNROLL):
                         cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
-                        self.rms_step(wv, s, lane, p_y, s_y, p_gam, yv, gv, wg, acc0, ssq)
+                        self.step(wv, s, lane, p_x, s_x, xv, acc0)
                 for s in cutlass.range(max(pre, S0), S, unroll=UNROLL):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
-                    for b in cutlass.range_constexpr(B):
-                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP - self.rms_k + 8 * lane,
-                                                               divby=8), 8), xv)
-                        for j in cutlass.range_constexpr(8):
-                            acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
+                    self.step(wv, s, lane, p_x, s_x, xv, acc)
                 if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
                     if S * K_STEP + 8 * lane < K:
                         cute.autovec_copy(vec(p_w, cute.assume(wrow + S * K_STEP, divby=8), 8), wv)
-                        for b in cutlass.range_constexpr(B):
-                            cute.autovec_copy(vec(p_x, cute.assume(b * s_x + S * K_STEP - self.rms_k + 8 * lane,
-                                                                   divby=8), 8), xv)
-                            for j in cutlass.range_constexpr(8):
-                                acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
+                        self.step(wv, S, lane, p_x, s_x, xv, acc0 if S < S0 else acc)
                 for b in cutlass.range_constexpr(B):
                     for sh in cutlass.range_constexpr(5):
                         acc[b] = acc[b] + cute.arch.shuffle_sync_bfly(acc[b], offset=16 >> sh)
-                if cutlass.const_expr(S0 > 0):  # y's RMSNorm factor applied to its segment's sum
+                if cutlass.const_expr(S0 > 0):  # the segment's sum times its rms factor, from the row's partials
                     for b in cutlass.range_constexpr(B):
+                        ss = Float32(0.0)
+                        for i in cutlass.range_constexpr((self.NPART + 31) // 32):
+                            if i * 32 + lane < self.NPART:
+                                ss = ss + vec(p_ssp, b * self.NPART + i * 32 + lane, 1)[0]
                         for sh in cutlass.range_constexpr(5):
                             acc0[b] = acc0[b] + cute.arch.shuffle_sync_bfly(acc0[b], offset=16 >> sh)
-                            ssq[b] = ssq[b] + cute.arch.shuffle_sync_bfly(ssq[b], offset=16 >> sh)
-                        acc[b] = acc[b] + acc0[b] * cute.math.rsqrt(ssq[b] / Float32(self.rms_k) + eps)
+                            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
+                        acc[b] = acc[b] + acc0[b] * cute.math.rsqrt(ss / Float32(self.rms_k) + eps)
                 for b in cutlass.range_constexpr(B):
                     if lane == b:
                         y = acc[b]
@@ -383,15 +372,15 @@ def _counter(dev: torch.device) -> torch.Tensor:
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
-         pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None, rms: tuple | None = None,
+         pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None, rmsp: tuple | None = None,
          glu: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
-    outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). rms None or (y [B, K0] fp32, gamma [K0] bf16,
-    eps): W's first K0 columns (a multiple of K_STEP) multiply rms(y; gamma), its other columns x [B, K - K0] (module
-    doc). glu None or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows
-    starting at a multiple of 4). Returns outs."""
+    outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). rmsp None or (ssp [B, P] fp32, K0, eps): the sum
+    over x's first K0 columns (a multiple of K_STEP) times rsqrt(sum_p ssp[b, p] / K0 + eps) (module doc). glu None
+    or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
+    multiple of 4). Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -406,26 +395,24 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
                    f"aligned base, got {tuple(x.shape)} strides {x.stride()}")
     _check("w", w, dev, (torch.bfloat16,))
     N = w.shape[0]
-    K0, rms_args = 0, [_ptr(x, 16), 0, _ptr(x, 16), 0.0]  # x: never read as y or gamma without rms
-    if rms is not None:
-        if not isinstance(rms, (tuple, list)) or len(rms) != 3:
-            _fail("rms", f"must be None or (y, gamma, eps), got {rms!r:.60}")
-        y, gam, eps = rms
-        _check("rms.y", y, dev, (torch.float32,))
-        K0 = y.shape[1]
-        if y.shape[0] != B or K0 < K_STEP or K0 % K_STEP or y.stride(1) != 1 or y.stride(0) % 4 or y.data_ptr() % 16:
-            _fail("rms.y", f"must be fp32 [{B}, K0] with K0 a multiple of {K_STEP}, unit inner stride, a row stride of "
-                           f"4 elements and a 16-byte aligned base, got {tuple(y.shape)} strides {y.stride()}")
-        _check("rms.gamma", gam, dev, (torch.bfloat16,), dim=1)
-        if gam.shape[0] != K0 or not gam.is_contiguous() or gam.data_ptr() % 16:
-            _fail("rms.gamma", f"must be a contiguous 16-byte aligned [{K0}] bf16 weight, got {tuple(gam.shape)}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            _fail("rms.eps", f"must be a positive number, got {eps!r}")
-        rms_args = [_ptr(y, 16), y.stride(0), _ptr(gam, 16), float(eps)]
-    K += K0
     if w.shape[1] != K or K % 8 or not w.is_contiguous() or w.data_ptr() % 16:
-        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] bf16 weight (x's K"
-                   f"{' plus rms.y' if K0 else ''}, a multiple of 8), got {tuple(w.shape)}")
+        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] bf16 weight (x's K, a multiple of 8), got "
+                   f"{tuple(w.shape)}")
+    rms_key, rms_args = None, [_ptr(x, 4), 0.0]  # x: never read as the partials without rmsp
+    if rmsp is not None:
+        if not isinstance(rmsp, (tuple, list)) or len(rmsp) != 3:
+            _fail("rmsp", f"must be None or (ssp, k0, eps), got {rmsp!r:.60}")
+        ssp, K0, eps = rmsp
+        if isinstance(K0, bool) or not isinstance(K0, int) or not K_STEP <= K0 <= K or K0 % K_STEP:
+            _fail("rmsp.k0", f"must be a multiple of {K_STEP} in {K_STEP}..{K} (whole steps of x's columns), got "
+                             f"{K0!r}")
+        _check("rmsp.ssp", ssp, dev, (torch.float32,))
+        if ssp.shape[0] != B or not ssp.is_contiguous() or ssp.shape[1] < 1:
+            _fail("rmsp.ssp", f"must be a contiguous fp32 [{B}, P] tensor (P partial sums of squares a row), got "
+                              f"{tuple(ssp.shape)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            _fail("rmsp.eps", f"must be a positive number, got {eps!r}")
+        rms_key, rms_args = (K0, ssp.shape[1]), [_ptr(ssp, 4), float(eps)]
     if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
         _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
     ends, total = [], 0
@@ -512,8 +499,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     import cutlass
 
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
-            *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, *rms_args[:3], cutlass.Float32(rms_args[3])]
-    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, K0,
+            *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0], cutlass.Float32(rms_args[1])]
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, rms_key,
            glu_key, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
@@ -523,8 +510,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key, K0,
-                                              glu_key), *args, stream)
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key,
+                                              rms_key, glu_key), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
