@@ -6,8 +6,10 @@ launch fold of `k3lab.step` on and off, arm against arm in one build:
              kernel (MOE_GLUE_IN_EXPERTS True) or glue.norm_glu's own launch (False): measured and lost, the fold's
              code in git history at 6659250 (this arm runs there only; profiles/h200/moe_glue_step_ab.json.gz).
   moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold): the shared SiTU as
-             the MoE input group's GLU output, the routed norm as moe_out's rms prologue, moe_out on the Triton
-             kernel's two segments or the CuTe GEMV's rms segment (MOE_GLUE_FOLD_OUT), or glue.norm_glu's launch.
+             the MoE input group's GLU output, bf16(y routed_norm) and the partial sums of y^2 by the experts' down
+             kernel, moe_out through the rmsp prologue on the Triton kernel or the CuTe GEMV (MOE_GLUE_FOLD_OUT), or
+             glue.norm_glu's launch (MOE_GLUE_FOLD_MAX_TOKENS 0). (Its first form, moe_out reading y fp32 through an
+             rms segment / a pre-pass: code at babf477, profiles/h200/moe_glue_fold_v1_step_ab.json.gz.)
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
@@ -30,8 +32,8 @@ P = dict(preset="tp8", batch=1, context=8192, expert_dtype="mxfp4", pdl=True, pr
 FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                        ("own_launch", {"KDA_DECAY_CHAIN_MAX_TOKENS": 0})),
          # (git history at 6659250: "moe_glue": in_experts MOE_GLUE_IN_EXPERTS True / own_launch False)
-         "moe_glue_fold": (("fold_triton", {"MOE_GLUE_FOLD_MAX_TOKENS": 16, "MOE_GLUE_FOLD_OUT": "triton"}),
-                           ("fold_cute", {"MOE_GLUE_FOLD_MAX_TOKENS": 16, "MOE_GLUE_FOLD_OUT": "cute"}),
+         "moe_glue_fold": (("fold_triton", {"MOE_GLUE_FOLD_MAX_TOKENS": 1, "MOE_GLUE_FOLD_OUT": "triton"}),
+                           ("fold_cute", {"MOE_GLUE_FOLD_MAX_TOKENS": 1, "MOE_GLUE_FOLD_OUT": "cute"}),
                            ("own_launch", {"MOE_GLUE_FOLD_MAX_TOKENS": 0, "MOE_GLUE_FOLD_OUT": "triton"})),
          }
 
