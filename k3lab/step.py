@@ -591,7 +591,6 @@ KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
 # the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
 MOE_GLUE_FOLD_MAX_TOKENS = 1
-MOE_GLUE_FOLD_OUT = "triton"    # moe_out's kernel under the fold: "triton" or "cute" (both take the rmsp prologue)
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
@@ -605,9 +604,12 @@ def moe_glue_fold(n_tok: int, be_in: str, s_inter: int, sh_row0: int, norm_w: to
                moe_out's input;
       experts  the one-token CuTe experts' down kernel (or the reference backends, by torch) also writes bf16(y
                routed_norm) into its first segment and a partial sum of y^2 a CTA (`glue`);
-      moe_out  reads that input with the "rmsp" prologue: the first segment's sum times the norm's factor from the
-               partials (MOE_GLUE_FOLD_OUT: the Triton kernel or the CuTe GEMV).
-    One token (the CuTe experts' path "token"), at most MOE_GLUE_FOLD_MAX_TOKENS, routed_norm bf16."""
+      moe_out  reads that input on the CuTe GEMV with the "rmsp" prologue: the first segment's sum times the norm's
+               factor from the partials.
+    One token (the CuTe experts' path "token"), at most MOE_GLUE_FOLD_MAX_TOKENS, routed_norm bf16. H200, the batch-1
+    headline step (experiments/step_folds/step_ab.py moe_glue_fold, docs/NOTES_step.md twenty-ninth session): one
+    launch and ~15 us a step fewer; moe_out on the Triton kernel's rmsp prologue (x through pointers, not TMA) lost
+    by ~40 us, and reading y fp32 (an rms segment, or a pre-pass over y in every program) lost too (git history)."""
     return (be_in == "cute" and n_tok == 1 and n_tok <= MOE_GLUE_FOLD_MAX_TOKENS and s_inter % 2 == 0
             and sh_row0 % 4 == 0 and be_experts in ("cute", "reference", "torch_compile")
             and norm_w.dtype == torch.bfloat16)
@@ -972,9 +974,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             nb_out = _nb(m.routed_norm) + N * Lat * 4 + mm_bytes(w_out, 2 * sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
         elif fold:  # experts write [bf16(y gamma) | .] and the partials; one launch: [Wup | w2] xin (rmsp) + p
-            be_fo = "cute" if MOE_GLUE_FOLD_OUT == "cute" else be
-            if be_fo == "cute":
-                cute_parts.add("moe_out")
+            cute_parts.add("moe_out")
             be_e = L.ran["experts"]
             fn_e, nb_e, fl_e = out["experts"]
 
@@ -986,7 +986,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
 
             def moe_out():
                 trunk.proj(xin, w_out, xo, residual=flat(b["p"]).contiguous(),
-                           prologue=("rmsp", ssp, Lat, float(m.eps)), backend=be_fo)
+                           prologue=("rmsp", ssp, Lat, float(m.eps)), backend="cute")
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             nb_out = ssp.numel() * 4 + mm_bytes(w_out, Lat + sI, D, residual=True)
@@ -1024,7 +1024,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                             + (0 if fuse_pro else N * I * 3 * e),
                             2 * N * D * 3 * I)
     single = (("in_proj", "decay_proj") + (("out_proj",) if L.kind == "kda" else ()) + (("q_proj",) if q_one else ())
-              + (("moe_out",) if fold and MOE_GLUE_FOLD_OUT == "cute" else ()))
+              + (("moe_out",) if fold else ()))
     # (one launch each)
 
     def ran_as(name: str) -> str:

@@ -127,12 +127,12 @@ def test_group_glu_select_tp8(batch, pdl):
         assert torch.equal(idx, i2) and torch.equal(wk, w2)
 
 
-@pytest.mark.parametrize("backend", ["cute", "triton"])
+@pytest.mark.parametrize("backend", ["cute"])
 @pytest.mark.parametrize("batch,pdl", [(1, True), (1, False), (3, True)])
 def test_moe_out_rmsp_tp8(backend, batch, pdl):
     """The MoE output at TP8 with the glue folded: p + [Wup | w2_shared] x, x = [bf16(y routed_norm) (3584) | a
     (768)], the first segment's sum times rsqrt(sum of 896 partial sums of y^2 / 3584 + eps) (the "rmsp" prologue), on
-    the CuTe GEMV and the Triton kernel, NaN-poisoned, twice, against the fp64 oracle of the unrounded norm
+    the CuTe GEMV, NaN-poisoned, twice, against the fp64 oracle of the unrounded norm
     (tolerance: bf16 inputs and output, 4e-3)."""
     from k3lab_kernels.triton.pdl import pdl_chain
 

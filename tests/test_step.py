@@ -218,8 +218,8 @@ def test_moe_glue_fold_same_output(monkeypatch):
         outs.append(L.buf["x_out"].clone())
         m = L.w.mlp
         if on:
-            assert seen == [("group", "cute", (m.shared[0].b1, m.shared[0].b2)), ("proj", "triton", "rmsp")]
-            assert L.ran["moe_out"] == "triton"
+            assert seen == [("group", "cute", (m.shared[0].b1, m.shared[0].b2)), ("proj", "cute", "rmsp")]
+            assert L.ran["moe_out"] == "cute"
         else:
             assert seen[0] == ("group", "cute", None) and len(seen) == 2 and seen[1][::2] == ("proj", "none")
     assert rel_norm_error(outs[0], outs[1]) < 1e-2

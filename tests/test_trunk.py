@@ -146,9 +146,10 @@ def test_proj_rms_prologue_rows_in_several_round_trips():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_proj_rmsp_prologue_and_glu_output(batch):
     """The MoE output with its glue folded (k3lab.step.moe_glue_fold): x = [bf16(y gamma) | a] whose first 32 columns
-    are scaled by rsqrt(sum of 7 partial sums of squares / 32 + eps) (the "rmsp" prologue), with the residual, on
-    triton (interpreter) against the fp64 oracle; the group's GLU output on the reference backend against situ of
-    its rounded rows; what triton refuses by name."""
+    are scaled by rsqrt(sum of 7 partial sums of squares / 32 + eps) (the "rmsp" prologue), with the residual: the
+    reference backend against the fp64 oracle (the cute kernel's twins: tests/test_proj_cute_emulated.py and, on the
+    GPU, tests/test_proj_cute.py); the group's GLU output on the reference backend against situ of its rounded rows;
+    what triton refuses by name."""
     g = torch.Generator().manual_seed(batch)
     y = torch.randn(batch, 32, generator=g) * 3
     nw = (1 + 0.2 * torch.randn(32, generator=g)).bfloat16()
@@ -159,7 +160,9 @@ def test_proj_rmsp_prologue_and_glu_output(batch):
     w = (torch.randn(24, 48, generator=g) * 0.1).bfloat16()
     r = torch.randn(batch, 24, generator=g).bfloat16()
     pro = ("rmsp", ssp.to(DEV), 32, 1e-6)
-    got = trunk.proj(x.to(DEV), w.to(DEV), residual=r.to(DEV), prologue=pro, backend="triton").cpu()
+    got = trunk.proj(x, w, residual=r, prologue=("rmsp", ssp, 32, 1e-6))
+    with pytest.raises(TrunkArgumentError, match="'prologue'.*cute backend"):
+        trunk.proj(x.to(DEV), w.to(DEV), residual=r.to(DEV), prologue=pro, backend="triton")
     want = trunk.proj(x.double(), w, torch.empty(batch, 24, dtype=torch.float64), residual=r.double(),
                       prologue=("rmsp", ssp.double(), 32, 1e-6))
     yn = y.double() * torch.rsqrt(y.double().pow(2).mean(1, keepdim=True) + 1e-6) * nw.double()

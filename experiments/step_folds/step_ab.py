@@ -5,11 +5,12 @@ launch fold of `k3lab.step` on and off, arm against arm in one build:
   moe_glue   the MoE output's glue (routed norm + shared SiTU) by the last CTA of the CuTe one-token experts' down
              kernel (MOE_GLUE_IN_EXPERTS True) or glue.norm_glu's own launch (False): measured and lost, the fold's
              code in git history at 6659250 (this arm runs there only; profiles/h200/moe_glue_step_ab.json.gz).
-  moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold): the shared SiTU as
-             the MoE input group's GLU output, bf16(y routed_norm) and the partial sums of y^2 by the experts' down
-             kernel, moe_out through the rmsp prologue on the Triton kernel or the CuTe GEMV (MOE_GLUE_FOLD_OUT), or
-             glue.norm_glu's launch (MOE_GLUE_FOLD_MAX_TOKENS 0). (Its first form, moe_out reading y fp32 through an
-             rms segment / a pre-pass: code at babf477, profiles/h200/moe_glue_fold_v1_step_ab.json.gz.)
+  moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold, MOE_GLUE_FOLD_MAX_TOKENS
+             1, the default): the shared SiTU as the MoE input group's GLU output, bf16(y routed_norm) and the partial
+             sums of y^2 by the experts' down kernel, moe_out on the CuTe GEMV through its rmsp prologue; or
+             glue.norm_glu's launch (0). (The first form, moe_out reading y fp32 through an rms segment or a Triton
+             pre-pass: code at babf477, profiles/h200/moe_glue_fold_v1_step_ab.json.gz; the second form's moe_out on
+             the Triton kernel's rmsp prologue, arm fold_triton: code at 9f789eb, moe_glue_fold_v2_step_ab.json.gz.)
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
@@ -32,9 +33,8 @@ P = dict(preset="tp8", batch=1, context=8192, expert_dtype="mxfp4", pdl=True, pr
 FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                        ("own_launch", {"KDA_DECAY_CHAIN_MAX_TOKENS": 0})),
          # (git history at 6659250: "moe_glue": in_experts MOE_GLUE_IN_EXPERTS True / own_launch False)
-         "moe_glue_fold": (("fold_triton", {"MOE_GLUE_FOLD_MAX_TOKENS": 1, "MOE_GLUE_FOLD_OUT": "triton"}),
-                           ("fold_cute", {"MOE_GLUE_FOLD_MAX_TOKENS": 1, "MOE_GLUE_FOLD_OUT": "cute"}),
-                           ("own_launch", {"MOE_GLUE_FOLD_MAX_TOKENS": 0, "MOE_GLUE_FOLD_OUT": "triton"})),
+         "moe_glue_fold": (("folded", {"MOE_GLUE_FOLD_MAX_TOKENS": 1}),
+                           ("own_launch", {"MOE_GLUE_FOLD_MAX_TOKENS": 0})),
          }
 
 
@@ -48,7 +48,7 @@ def main(out, fold):
     kda = [L.state for L in st.layers if L.kind == "kda"]
     start = [(s.state.clone(), s.conv_state.clone()) for s in kda]
     x = torch.randn(tuple(st.x_in.shape), device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(st.dtype)
-    first = None
+    first, first_layers = None, None
     for rnd in range(ROUNDS):
         for name, consts in ARMS:
             for k, v in consts.items():
@@ -61,8 +61,13 @@ def main(out, fold):
                 y = st.run(x).float()
                 torch.cuda.synchronize()
                 first = y if first is None else first
+                # each layer's output against the first arm's: where a difference starts (a layer's inputs are
+                # equal across arms only up to the first layer that differs; routing amplifies what follows)
+                layers = [L.buf["x_out"].double().clone() for L in st.layers]
+                first_layers = layers if first_layers is None else first_layers
                 res["err"][name] = dict(vs_first=rel_norm_error(y.double(), first.double()),
-                                        finite=bool(torch.isfinite(y).all()))
+                                        finite=bool(torch.isfinite(y).all()),
+                                        layers_vs_first=[rel_norm_error(a, b) for a, b in zip(layers, first_layers)])
             t = S.time_step(st, reps=20, warmup=3)
             res["times"][name].append(dict(median_us=t.median_us, samples_us=t.samples_us))
             if rnd == 0:
@@ -80,8 +85,11 @@ def main(out, fold):
         print(f"| {name} | " + " / ".join(f"{x['median_us']:.1f}" for x in res["times"][name])
               + f" | {res['err'].get(name, {}).get('vs_first', float('nan')):.2e} |")
     for name, _ in ARMS:
+        print(name, "layers vs the first arm:", " ".join(f"{v:.1e}" for v in res["err"][name]["layers_vs_first"]))
+    for name, _ in ARMS:
         pf = res["profile"].get(name, {})
-        l01 = {k: round(v.get("gpu_us", v.get("us", 0)), 2) for k, v in pf.items() if k.startswith("L01")}
+        l01 = {k.split(".")[-1]: (v["launches"], round(v["kernel_us"], 2))
+               for k, v in pf.items() if k.startswith("L01")}
         print(name, "L01:", l01)
 
 

@@ -332,6 +332,10 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         pro = _check_prologue(prologue, x, w, be)
         _check_proj(x, w, w_scale, outs, residual, be, op_name == "proj_group", pro, glu is not None)
     _check_select(select, outs, B, be, opts.get("path"))
+    if pro == "rmsp" and be not in ("cute", "reference", "torch_compile"):
+        _fail("prologue", f"('rmsp', ...) is taken by the cute backend (and the reference ones), not {be!r}: the "
+                          "Triton kernel's form (x through pointers) lost inside the decode step (git history at "
+                          "9f789eb)")
     if pro is not None and opts.get("path") == "rows":
         _fail("path", "'rows' runs no input prologue; use 'tma', 'dot' or None")
     if opts.get("path") == "rows":

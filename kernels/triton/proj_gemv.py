@@ -45,9 +45,6 @@ stand-alone kernel rounds them, before the MMA:
   * two input segments (`x2`, `prologue2`): W = [W1 | W2] along K, out = rms(x) W1^T + situ(x2) W2^T: the MoE's
     routed norm + Wup and the shared experts' w2 summed in one launch (the columns below K1 = x's width come
     from x through the rms prologue, the rest from x2 = [g | u] through SiTU; K1 a multiple of the K tile).
-  * ("rmsp", ssp [M, P] fp32, K1, eps): x's first K1 columns times rsqrt(sum_p ssp[m, p] / K1 + eps), the rest as
-    they are: the MoE output's input [bf16(y gamma) | situ(g, u)] when the experts' down kernel wrote y gamma and
-    the partial sums of y^2 (k3lab.step.moe_glue_fold; the factor from P partials, not a pre-pass over x).
 With a prologue x is read through pointers (the copy engine cannot transform), W still through the copy engine.
 
 Fused router selection (`select`, batch <= SELECT_MAX_BATCH; the MoE input group, whose output 0 is the router's
@@ -109,8 +106,6 @@ def _x_in(x, pw, m, mok, kc, kok, s_xm, K, inv, b1, b2, PRO: tl.constexpr, RNE: 
         v = situ(v.to(tl.float32), tl.load(p + K, mask=msk, other=0.0).to(tl.float32), b1, b2)
     if PRO == 2:
         v = v.to(tl.float32) * inv[:, None] * tl.load(pw + kc, mask=kok, other=0.0).to(tl.float32)[None, :]
-    if PRO == 5:  # the first K columns scaled by the rms factor (gamma already applied), the rest as they are
-        v = v.to(tl.float32) * tl.where((kc < K)[None, :], inv[:, None], 1.0)
     if PRO != 0:
         if RNE:
             v = rne_bf16(v)
@@ -120,15 +115,13 @@ def _x_in(x, pw, m, mok, kc, kok, s_xm, K, inv, b1, b2, PRO: tl.constexpr, RNE: 
 
 @triton.jit
 def _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO: tl.constexpr, RNE: tl.constexpr):
-    """The input tile at columns k0 + kk for PRO 1 / 2 / 5 (x through its prologue) and 3 (columns below K1 from x
+    """The input tile at columns k0 + kk for PRO 1 / 2 (x through its prologue) and 3 (columns below K1 from x
     through the rms prologue, the others from x2 through SiTU; a tile lies in one segment)."""
     if PRO == 3:
         if k0 < K1:
             v = _x_in(x, pw, m, mok, k0 + kk, kok & (k0 + kk < K1), s_xm, K1, inv, b1, b2, 2, RNE)
         else:
             v = _x_in(x2, pw, m, mok, k0 - K1 + kk, kok, s_x2m, K - K1, inv, b1, b2, 1, RNE)
-    elif PRO == 5:
-        v = _x_in(x, pw, m, mok, k0 + kk, kok, s_xm, K1, inv, b1, b2, PRO, RNE)
     else:
         v = _x_in(x, pw, m, mok, k0 + kk, kok, s_xm, K, inv, b1, b2, PRO, RNE)
     return v
@@ -137,15 +130,14 @@ def _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO:
 @triton.jit
 def _proj_kernel(x, w, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
-                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, x2, s_x2m, K1, rbias, ridx, rwts, rcnt, rscale, npart,
+                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, x2, s_x2m, K1, rbias, ridx, rwts, rcnt, rscale,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                  KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
-    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1), 5 x's first K1 columns times
-    the rms factor of npart partial sums of squares (pw) (module docstring; b1, b2,
+    pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
     eps, the norm weight pw). TOPK > 0:
     the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt).
     PDL: launched with programmatic dependent launch (waits at the top: an L2 prefetch of the program's W slice
@@ -162,12 +154,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     kk = tl.arange(0, BK)
     pdl_enter(PDL)
     inv = tl.zeros((BM,), dtype=tl.float32)
-    if PRO == 5:  # the rms factor from the npart partial sums of squares a row (pw [M, npart]) over K1 columns
-        cp = tl.arange(0, KXP)
-        sp = tl.load(pw + m[:, None].to(tl.int64) * npart + cp[None, :], mask=mok[:, None] & (cp < npart)[None, :],
-                     other=0.0)
-        inv = 1.0 / tl.sqrt(tl.sum(sp, axis=1) / K1 + eps)
-    if PRO >= 2 and PRO <= 3:  # the valid rows' sums of squares over all of x first, RR whole rows a round trip
+    if PRO >= 2:  # the valid rows' sums of squares over all of x first, RR whole rows a round trip (one wide load)
         KX = K1 if PRO == 3 else K
         cx = tl.arange(0, KXP)
         rr = tl.arange(0, RR)
@@ -413,15 +400,12 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape
-    pro = 0 if prologue is None else {"situ": 1, "rms": 2, "rmsp": 5}[prologue[0]]
-    pw, b1, b2, eps, K1, npart = x, 0.0, 0.0, 0.0, K, 0
+    pro = 0 if prologue is None else {"situ": 1, "rms": 2}[prologue[0]]
+    pw, b1, b2, eps, K1 = x, 0.0, 0.0, 0.0, K
     if pro == 1:
         b1, b2 = float(prologue[1]), float(prologue[2])
     elif pro == 2:
         pw, eps = prologue[1], float(prologue[2])
-    elif pro == 5:
-        pw, K1, eps = prologue[1], int(prologue[2]), float(prologue[3])
-        npart = pw.shape[1]
     if x2 is not None:
         if pro != 2 or prologue2 is None or prologue2[0] != "situ":
             raise ValueError("proj_gemv: two segments take prologue ('rms', ...) and prologue2 ('situ', ...)")
@@ -474,8 +458,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if select is not None:
         rb, ri, rw, rk, rs = select[0], select[1], select[2], int(select[3]), float(select[4])
         rc = cnt[gn * gm:]  # the selection's counters after the split-K ones
-    # the rms pre-pass: one load of RR whole rows (<= 8192 values) a round trip; PRO 5: the partials of a row
-    kxp = _pow2(npart) if pro == 5 else _pow2(K1) if pro >= 2 else 1
+    kxp = _pow2(K1) if pro >= 2 else 1  # the rms pre-pass: one load of RR whole rows (<= 8192 values) a round trip
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -486,8 +469,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
         xa, wa, sc, res_t, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
-        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, npart,
-        NSEG=len(outs),
+        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, NSEG=len(outs),
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
