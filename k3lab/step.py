@@ -591,11 +591,12 @@ KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
 # the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
 MOE_GLUE_FOLD_MAX_TOKENS = 1
+MOE_GLUE_FOLD_ALIGN = 256       # the latent width a multiple of this: the CuTe GEMV's rmsp takes whole 256-column steps
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
 
-def moe_glue_fold(n_tok: int, be_in: str, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
+def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
                   be_experts: str | None) -> bool:
     """Whether the MoE output's glue (glue.norm_glu: the routed norm of y and the shared experts' SiTU, a launch of
     its own) folds into the launches around it (one launch fewer a MoE layer):
@@ -606,13 +607,13 @@ def moe_glue_fold(n_tok: int, be_in: str, s_inter: int, sh_row0: int, norm_w: to
                routed_norm) into its first segment and a partial sum of y^2 a CTA (`glue`);
       moe_out  reads that input on the CuTe GEMV with the "rmsp" prologue: the first segment's sum times the norm's
                factor from the partials.
-    One token (the CuTe experts' path "token"), at most MOE_GLUE_FOLD_MAX_TOKENS, routed_norm bf16. H200, the batch-1
-    headline step (experiments/step_folds/step_ab.py moe_glue_fold, docs/NOTES_step.md twenty-ninth session): one
-    launch and ~15 us a step fewer; moe_out on the Triton kernel's rmsp prologue (x through pointers, not TMA) lost
-    by ~40 us, and reading y fp32 (an rms segment, or a pre-pass over y in every program) lost too (git history)."""
+    One token (the CuTe experts' path "token"), at most MOE_GLUE_FOLD_MAX_TOKENS, routed_norm bf16, the latent width
+    `lat` a multiple of MOE_GLUE_FOLD_ALIGN (K3's 3584; not the tiny preset's, whose step keeps the glue). Measured on
+    the batch-1 headline step: experiments/step_folds/step_ab.py moe_glue_fold and docs/NOTES_step.md (twenty-ninth
+    session), with the forms that lost (moe_out on the Triton kernel's rmsp prologue; reading y fp32 in moe_out)."""
     return (be_in == "cute" and n_tok == 1 and n_tok <= MOE_GLUE_FOLD_MAX_TOKENS and s_inter % 2 == 0
             and sh_row0 % 4 == 0 and be_experts in ("cute", "reference", "torch_compile")
-            and norm_w.dtype == torch.bfloat16)
+            and norm_w.dtype == torch.bfloat16 and lat % MOE_GLUE_FOLD_ALIGN == 0)
 
 
 def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
@@ -910,7 +911,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             # the glue folded into the two CuTe launches (moe_glue_fold): the shared SiTU as the group's GLU output,
             # the routed norm as moe_out's rms segment
             fold = not (shared_stream or owned_output or fuse_pro) and moe_glue_fold(
-                N, be_min, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
+                N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [a_sh] if fold else [gu[:, :sI], gu[:, sI:]])

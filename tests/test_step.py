@@ -199,6 +199,7 @@ def test_moe_glue_fold_same_output(monkeypatch):
     monkeypatch.setattr(trunk, "proj_group", group)
     monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)
     monkeypatch.setattr(S, "PROJ_CUTE_MIN_OUTPUTS", 1)
+    monkeypatch.setattr(S, "MOE_GLUE_FOLD_ALIGN", 1)  # the tiny latent (the GEMV itself takes whole 256-column steps)
     # the selection on the GEMV too (router cute), the experts by the reference (their glue by torch)
     sw = FUSED.replace(proj_cute=True, backend={**FUSED.backend, "router": "cute", "moe": "reference"})
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), sw, device="cpu")
