@@ -1758,12 +1758,6 @@ class _Mem:
                 if rem:
                     break
                 return buf, off
-        if _TORCH_DT.get(torch.int32) is dtype:  # 32-bit words of a bf16 / f16 tensor the kernel only reads (a view
-            for start, nbytes, t, _, _ in list(self.entries):  # of the host memory: written shadows are not seen)
-                if (start <= addr < start + nbytes and t.dtype in (torch.bfloat16, torch.float16)
-                        and t.numel() % 2 == 0 and start % 4 == 0):
-                    self.register(t.reshape(-1).view(torch.int32))
-                    return self.find(dtype, addr)
         return _Unmapped(f"{dtype.__name__} at 0x{addr:x}"), 0
 
     def refresh(self):

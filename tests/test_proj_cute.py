@@ -154,30 +154,3 @@ def test_moe_out_rmsp_tp8(backend, batch, pdl):
             trunk.proj(x, w, out, residual=p, prologue=("rmsp", ssp, Lat, 1e-6), backend=backend)
         torch.cuda.synchronize()
         assert ((out.double() - want).norm() / want.norm()).item() < 4e-3
-
-
-@pytest.fixture
-def mma_form(monkeypatch):
-    """The GEMV's tensor-core form as the module's default (k3lab_kernels.cute.proj_gemv.FORM)."""
-    from k3lab_kernels.cute import proj_gemv as pg
-
-    monkeypatch.setattr(pg, "FORM", "mma")
-
-
-@pytest.mark.parametrize("name,batch,residual", [("kda_q", 1, False), ("mla_dkv", 8, False), ("kda_o", 1, True),
-                                                 ("moe_router", 3, False), ("kda_fb", 1, False)])
-def test_mma_form_proj_tp8(mma_form, name, batch, residual):
-    c = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype="bf16", residual=residual, prologue="none")
-    checker.require(checker.check(PROJ, c, backend="cute", seed=batch))
-
-
-@pytest.mark.parametrize("batch", [1, 4])
-def test_mma_form_step_groups_tp8(mma_form, batch):
-    """The tensor-core form under the decode step's three fused forms at TP8: the KDA input group with its chain,
-    the MoE input group with the selection and the GLU output, the MoE output through rmsp (the tests above, run with
-    FORM "mma")."""
-    test_group_chain_tp8(batch, True)
-    test_group_glu_select_tp8(batch, True)
-    test_moe_out_rmsp_tp8("cute", min(batch, 3), True)
-    c = GROUP.case(preset="tp8", group="mla_in", batch=batch, wdtype="bf16", select=False)
-    checker.require(checker.check(GROUP, c, backend="cute", seed=batch))

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None, rmsp=None, glu=None, form=None):
+def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None, rmsp=None, glu=None):
     """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection; chain None
     or (w2, f): the chained projection f = outs[0] w2^T; rmsp None or (ssp, k0, eps): the rms-scaled segment; glu
     None or (b1, b2): the last output as situ(g, u) over its [g | u] rows."""
@@ -39,15 +39,15 @@ def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=No
         ch = None if chain is None else (a["w2"], a["f"])
         rm = None if rmsp is None else (a["ssp"], rmsp[1], rmsp[2])
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
-                                select=sel, chain=ch, rmsp=rm, glu=glu, form=form)
+                                select=sel, chain=ch, rmsp=rm, glu=glu)
     emulate._run(call, t, seed)
 
 
-def impl(n_out, pdl=False, select=False, form=None):
+def impl(n_out, pdl=False, select=False):
     def f(d):
         sel = (d["e_bias"], d["idx"], d["weights"], 1.0) if select else None
-        run_proj(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), pdl, select=sel, form=form)
-    f.__name__ = f"emulated cute proj({n_out} outputs, pdl={pdl}, select={select}, form={form})"
+        run_proj(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), pdl, select=sel)
+    f.__name__ = f"emulated cute proj({n_out} outputs, pdl={pdl}, select={select})"
     return f
 
 
@@ -291,69 +291,3 @@ def test_glue_refused_by_name():
         run_proj(x, w, [torch.zeros(1, 2), torch.zeros(1, 3, dtype=torch.bfloat16)], glu=(4.0, 25.0))
     with pytest.raises(ValueError, match="'glu' must be None or"):
         run_proj(x, w, [torch.zeros(1, 4, dtype=torch.bfloat16)], glu=(4.0,))
-
-
-# ---- the tensor-core form (`form` "mma": 16 rows a CTA, K in quarters over the warps, m16n8k16 MMAs) -----------
-
-@pytest.mark.parametrize("batch,pdl,n,K", [(1, True, 40, 512), (3, False, 16, 96), (8, True, 20, 1088)])
-def test_mma_form(batch, pdl, n, K):
-    """Rows in CTAs of 16 (40: a partial last CTA whose rows past N load row N - 1 and store nothing), K in steps of
-    32 over four warps (96: three steps, one warp idle; 1088: 34, warps of 9 / 9 / 9 / 7 with the preloaded four),
-    batch 1 / 3 / 8 (the MMA's columns past the batch dropped), a residual, against fp64."""
-    g = torch.Generator().manual_seed(20 + batch)
-    x = torch.randn(batch, K, generator=g).to(torch.bfloat16)
-    w = (torch.randn(n, K, generator=g) / K ** 0.5).to(torch.bfloat16)
-    r = torch.randn(batch, n, generator=g).to(torch.bfloat16)
-    out = torch.full((batch, n), float("nan"), dtype=torch.float32)
-    run_proj(x, w, [out], residual=r, pdl=pdl, form="mma")
-    want = x.double() @ w.double().T + r.double()
-    assert (out.double() - want).abs().max() < 1e-4 * want.abs().max()
-    assert emulate.LAST["launches"][-1]["grid"][0] == -(-n // 16)
-
-
-def test_mma_form_group_select_glu_rmsp():
-    """The tensor-core form with what the decode step asks of it: the tiny MoE input group with the fused selection
-    through the shared checker; a [logits fp32 (16) | z (16) | situ (8 pairs)] group with the GLU output; the rms-scaled
-    segment (K0 = 256 of 512) with a residual."""
-    c = GROUP.case(preset="tiny", group="moe_in", batch=2, wdtype="bf16", select=True)
-    n = len(trunk_ops._parts(c))
-    checker.require(checker.check(GROUP, c, impl=impl(n, pdl=True, select=True, form="mma"), seed=4, device="cpu"))
-    g = torch.Generator().manual_seed(31)
-    x = torch.randn(2, 512, generator=g).to(torch.bfloat16)
-    w = (torch.randn(48, 512, generator=g) / 512 ** 0.5 * 3).to(torch.bfloat16)
-    outs = [torch.full((2, 16), float("nan")), torch.full((2, 16), float("nan"), dtype=torch.bfloat16),
-            torch.full((2, 8), float("nan"), dtype=torch.bfloat16)]
-    run_proj(x, w, outs, pdl=True, glu=(4.0, 25.0), form="mma")
-    full = x.double() @ w.double().T
-    assert (outs[0].double() - full[:, :16]).abs().max() < 1e-4 * full.abs().max()
-    gu = full[:, 32:].to(torch.bfloat16).double()
-    want = _situ64(gu[:, :8], gu[:, 8:])
-    assert (outs[2].double() - want).abs().max() < 1e-2 * want.abs().max()
-    ssp = torch.rand(2, 37, generator=g) * 40
-    r = torch.randn(2, 48, generator=g).to(torch.bfloat16)
-    out = torch.full((2, 48), float("nan"), dtype=torch.bfloat16)
-    run_proj(x, w, [out], residual=r, rmsp=(ssp, 256, 1e-6), form="mma")
-    inv = torch.rsqrt(ssp.double().sum(1, keepdim=True) / 256 + 1e-6)
-    want = torch.cat([x.double()[:, :256] * inv, x.double()[:, 256:]], 1) @ w.double().T + r.double()
-    assert (out.double() - want).abs().max() < 1e-2 * want.abs().max()
-
-
-def test_mma_form_chain_and_refusals():
-    """The chained projection behind tensor-core rows (out_0 = 32 rows: two CTAs counted before the chain CTAs
-    form f = out_0 w2^T), against fp64; what the form refuses by name (batch 9, K not a multiple of 32)."""
-    g = torch.Generator().manual_seed(41)
-    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
-    w = (torch.randn(48, 256, generator=g) / 16).to(torch.bfloat16)
-    w2 = (torch.randn(12, 32, generator=g) / 6).to(torch.bfloat16)
-    outs = [torch.full((1, 32), float("nan"), dtype=torch.bfloat16), torch.full((1, 16), float("nan"))]
-    f = torch.full((1, 12), float("nan"), dtype=torch.bfloat16)
-    run_proj(x, w, outs, pdl=True, chain=(w2, f), form="mma")
-    full = x.double() @ w.double().T
-    assert (outs[1].double() - full[:, 32:]).abs().max() < 1e-4 * full.abs().max()
-    wf = outs[0].double() @ w2.double().T
-    assert (f.double() - wf).abs().max() < 1e-2 * wf.abs().max()
-    with pytest.raises(ValueError, match="'form' 'mma' takes batch <= 8"):
-        run_proj(torch.zeros(9, 256, dtype=torch.bfloat16), w, [torch.zeros(9, 48, dtype=torch.bfloat16)], form="mma")
-    with pytest.raises(ValueError, match="'form' 'mma' takes K a multiple of 32"):
-        run_proj(torch.zeros(1, 264, dtype=torch.bfloat16), torch.zeros(4, 264, dtype=torch.bfloat16),
-                 [torch.zeros(1, 4, dtype=torch.bfloat16)], form="mma")

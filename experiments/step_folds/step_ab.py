@@ -5,8 +5,9 @@ launch fold of `k3lab.step` on and off, arm against arm in one build:
   moe_glue   the MoE output's glue (routed norm + shared SiTU) by the last CTA of the CuTe one-token experts' down
              kernel (MOE_GLUE_IN_EXPERTS True) or glue.norm_glu's own launch (False): measured and lost, the fold's
              code in git history at 6659250 (this arm runs there only; profiles/h200/moe_glue_step_ab.json.gz).
-  proj_form  the CuTe GEMV's form (k3lab_kernels.cute.proj_gemv.FORM): one warp a row ("simt") or tensor-core rows
-             ("mma": 16 rows a CTA, K in quarters over its warps, m16n8k16 MMAs).
+  proj_form  the CuTe GEMV's form: one warp a row ("simt") or tensor-core rows ("mma": 16 rows a CTA, K in quarters
+             over its warps, m16n8k16 MMAs): measured and lost, the form's code in git history at af4128e (this arm
+             runs there only; profiles/h200/proj_form_step_ab.json.gz).
   moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold, MOE_GLUE_FOLD_MAX_TOKENS
              1, the default): the shared SiTU as the MoE input group's GLU output, bf16(y routed_norm) and the partial
              sums of y^2 by the experts' down kernel, moe_out on the CuTe GEMV through its rmsp prologue; or
@@ -17,7 +18,7 @@ The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.s
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
-    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue_fold|proj_form
+    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue_fold
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -38,8 +39,7 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # (git history at 6659250: "moe_glue": in_experts MOE_GLUE_IN_EXPERTS True / own_launch False)
          "moe_glue_fold": (("folded", {"MOE_GLUE_FOLD_MAX_TOKENS": 1}),
                            ("own_launch", {"MOE_GLUE_FOLD_MAX_TOKENS": 0})),
-         "proj_form": (("simt", {"k3lab_kernels.cute.proj_gemv:FORM": "simt"}),
-                       ("mma", {"k3lab_kernels.cute.proj_gemv:FORM": "mma"})),
+         # (git history at af4128e: "proj_form": simt / mma, k3lab_kernels.cute.proj_gemv:FORM)
          }
 
 

@@ -235,9 +235,8 @@ def _cases(only: str | None, quick: bool):
         from kernels.cute import proj_gemv as kg
         # proj's arguments: x, W, residual, six output pointers, x's row stride, six output row strides; the fused
         # selection's e_bias, idx, weights, counter and scaling; the chained projection's w2, f and f's row stride
-        def gargs(o_dts, words=False):  # words: x and W as 32-bit words (the tensor-core form's operands)
-            xw = i32 if words else bf
-            return ([P(xw, 16), P(xw, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
+        def gargs(o_dts):
+            return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
                     + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), P(bf, 16),
                        P(bf, 2), i32(1536), P(f32, 4), cutlass.Float32(1e-6), S])
         moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
@@ -253,33 +252,21 @@ def _cases(only: str | None, quick: bool):
                 (2, 232, 64, (202, 232), False, True, [f32] + [bf] * 5, 16)):
             name = (f"proj B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
                     + (f" select{k}" if k else ""))
-            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k: kg._kernel_class()[0](
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k: kg._kernel_class()(
                 B, N, K, e, r, p, k), gargs(o_dts)))
         kda_in = (128, 4736, 6272, 6284)  # TP8, fa first: fa, q|k|v, g, beta; chained: f = W_fb fa (1536 x 128)
         for B, pdl in ((1, True), (1, False), (4, True)):
             cases.append((f"proj B{B} N6284 K7168 outs4 chain1536x128" + (" pdl" if pdl else ""),
-                          lambda B=B, pdl=pdl: kg._kernel_class()[0](B, 6284, 7168, kda_in, False, pdl, 0, (1536, 128)),
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 6284, 7168, kda_in, False, pdl, 0, (1536, 128)),
                           gargs([bf] * 6)))
         # the MoE output's glue folded: moe_in's shared rows [w1 | w3] stored as situ (glu), moe_out's rms segment
         for B, pdl in ((1, True), (1, False), (4, True)):
             cases.append((f"proj B{B} N6016 K7168 outs3 select16 glu" + (" pdl" if pdl else ""),
-                          lambda B=B, pdl=pdl: kg._kernel_class()[0](B, 6016, 7168, (896, 4480, 6016), False, pdl, 16,
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 6016, 7168, (896, 4480, 6016), False, pdl, 16,
                                                                   None, None, (4.0, 25.0)), gargs([f32] + [bf] * 5)))
             cases.append((f"proj B{B} N7168 K4352 residual rmsp3584x896" + (" pdl" if pdl else ""),
-                          lambda B=B, pdl=pdl: kg._kernel_class()[0](B, 7168, 4352, (7168,), True, pdl, 0, None,
+                          lambda B=B, pdl=pdl: kg._kernel_class()(B, 7168, 4352, (7168,), True, pdl, 0, None,
                                                                   (3584, 896)), gargs([bf] * 6)))
-        # the tensor-core form (kg._kernel_class()[1]): the step's projections at one token, and batch 8
-        for B, N, K, ends, res, pdl, k, chain, rms, glu, o_dts in (
-                (1, 6284, 7168, kda_in, False, True, 0, (1536, 128), None, None, [bf] * 6),
-                (1, 6016, 7168, (896, 4480, 6016), False, True, 16, None, None, (4.0, 25.0), [f32] + [bf] * 5),
-                (1, 7168, 4352, (7168,), True, True, 0, None, (3584, 896), None, [bf] * 6),
-                (1, 7168, 1536, (7168,), True, True, 0, None, None, None, [bf] * 6),
-                (8, 4608, 7168, (4608,), False, False, 0, None, None, None, [bf] * 6)):
-            name = (f"proj mma B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
-                    + (f" select{k}" if k else "") + (" chain" if chain else "") + (" rmsp" if rms else "")
-                    + (" glu" if glu else ""))
-            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k, ch=chain, rm=rms, gl=glu:
-                          kg._kernel_class()[1](B, N, K, e, r, p, k, ch, rm, gl), gargs(o_dts, True)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx

@@ -60,12 +60,6 @@ from .router_topk import MAX_EXPERTS, MAX_TOPK, selector_class
 
 MAX_BATCH = 16
 MAX_OUTPUTS = 6
-MMA_ROWS = 16     # the tensor-core form: output rows a CTA (the MMA's M)
-MMA_K = 32        # its step: columns a warp reads a step (two k16 MMAs)
-MMA_MAX_BATCH = 8  # its batch columns (the MMA's N)
-FORM = "simt"     # the default form: "simt" (one warp a row) or "mma" (where it takes the call: batch <= 8, K % 32)
-MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-           "{$10, $11, $12, $13};")
 SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 4        # steps a warp keeps in flight
@@ -86,8 +80,6 @@ def _kernel_class():
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, Int32, cute
-    from cutlass._mlir.dialects import llvm as _llvm
-    from cutlass.cutlass_dsl import dsl_user_op
 
     def vec(ptr, off, n):
         return cute.make_tensor(ptr + off, cute.make_layout(n))
@@ -95,14 +87,10 @@ def _kernel_class():
     class ProjGemvKernel:
         """One warp per output row over all of K; four rows a CTA."""
 
-        RPC = _WARPS  # output rows a CTA (one a warp)
-
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
                      top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
-            RPC = self.RPC
             self.B, self.N, self.K = B, N, K
-            self.unroll, self.pre = UNROLL, PRE       # the module's settings when built (part of the compile key)
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             # the rms-scaled segment (rms = (K0, P)): the sum over x's first K0 columns times rsqrt(sum of the row's
             # P partial sums of squares / K0 + eps); the rest as it is
@@ -113,8 +101,8 @@ def _kernel_class():
             self.glu = glu
             if glu is not None:
                 self.glo = self.ends[-2] if len(ends) > 1 else 0
-                assert self.glo % RPC == 0 and (N - self.glo) % RPC == 0 and chain is None and B <= 16
-            self.GC = (N + RPC - 1) // RPC   # the main rows' CTAs
+                assert self.glo % _WARPS == 0 and (N - self.glo) % _WARPS == 0 and chain is None and B <= 16
+            self.GC = (N + _WARPS - 1) // _WARPS   # the main rows' CTAs
             # the chained projection (chain = (NF, RK)): f = W2 out_0 over RK = out_0's width, NF rows, one warp a
             # row in NCC CTAs after the main grid, once the RCF CTAs of out_0's rows have counted themselves
             self.chain = chain
@@ -124,7 +112,7 @@ def _kernel_class():
                 assert top_k == 0 and not residual and RK == ends[0] and RK % 8 == 0 and RK <= K_STEP
                 self.NF, self.RK = NF, RK
                 self.NCC = (NF + _WARPS - 1) // _WARPS
-                self.RCF = (RK + RPC - 1) // RPC
+                self.RCF = (RK + _WARPS - 1) // _WARPS
             self.residual = bool(residual)
             self.pdl = bool(pdl)
             # the fused selection (top_k > 0): output 0 is the router's fp32 logits over E = ends[0] experts, its
@@ -134,7 +122,7 @@ def _kernel_class():
                 assert B <= SELECT_MAX_BATCH and not residual
                 self.sel = selector_class()(self.ends[0], top_k, _WARPS, lean=True)
                 self.top_k = top_k
-                self.RC = -(-self.ends[0] // RPC)
+                self.RC = -(-self.ends[0] // _WARPS)
 
         @cute.jit
         def __call__(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
@@ -253,7 +241,7 @@ def _kernel_class():
                 wrow = n * K + 8 * lane
                 # the first PRE steps of W in registers before anything else: under pdl they load before the wait
                 # (W is no kernel's output), so the row streams while the kernel before finishes
-                pre = min(self.pre, S)
+                pre = min(PRE, S)
                 wpre = cute.make_rmem_tensor((max(pre, 1) * 8,), p_w.dtype)
                 for s in cutlass.range_constexpr(pre):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8),
@@ -265,10 +253,10 @@ def _kernel_class():
                     self.step(cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)), s, lane, p_x, s_x, xv,
                               acc0 if s < S0 else acc)
                 if cutlass.const_expr(S0 > pre):
-                    for s in cutlass.range(pre, S0, unroll=self.unroll):
+                    for s in cutlass.range(pre, S0, unroll=UNROLL):
                         cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                         self.step(wv, s, lane, p_x, s_x, xv, acc0)
-                for s in cutlass.range(max(pre, S0), S, unroll=self.unroll):
+                for s in cutlass.range(max(pre, S0), S, unroll=UNROLL):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                     self.step(wv, s, lane, p_x, s_x, xv, acc)
                 if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
@@ -334,206 +322,8 @@ def _kernel_class():
             if cutlass.const_expr(self.chain is not None):
                 self.chained(c, tid, warp, lane, p_o0, s_o0, p_cnt, p_w2, p_f, s_f)
 
-    @dsl_user_op
-    def mma4(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, *, loc=None, ip=None):
-        """One m16n8k16 bf16 MMA with fp32 accumulation: (d0..d3) = A B + C (the PTX fragment layouts)."""
-        ops = ([Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
-               + [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)])
-        res = _llvm.inline_asm(_llvm.StructType.get_literal([Float32.mlir_type] * 4), ops, MMA_PTX,
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-                               asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-        return [Float32(_llvm.extractvalue(Float32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-    class ProjMmaKernel(ProjGemvKernel):
-        """The tensor-core form (module doc, `form` "mma"): a CTA's four warps own 16 output rows, each warp a quarter
-        of K; lane (g, t) loads 16 bytes of rows g and g + 8 and of batch row min(g, B - 1) of x at columns
-        32 s + 8 t .. + 7 of step s, two m16n8k16 MMAs a step (a k-step's features permuted alike for W and x); the
-        warps' partial sums meet in shared memory."""
-
-        RPC = MMA_ROWS
-
-        def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
-            assert B <= MMA_MAX_BATCH and K % MMA_K == 0
-            super().__init__(B, N, K, ends, residual, pdl, top_k, chain, rms, glu)
-            assert self.rms_k % MMA_K == 0
-
-        @cute.jit
-        def load_w(self, p_w, r0, r1, s, t, wa):
-            """W's words of step s for lane (g, t): rows r0 and r1, columns 32 s + 8 t .. + 7 (wa [8] int32)."""
-            col = s * MMA_K + 8 * t
-            cute.autovec_copy(vec(p_w, cute.assume((r0 * self.K + col) // 2, divby=4), 4),
-                              cute.make_tensor(wa.iterator, cute.make_layout(4)))
-            cute.autovec_copy(vec(p_w, cute.assume((r1 * self.K + col) // 2, divby=4), 4),
-                              cute.make_tensor(wa.iterator + 4, cute.make_layout(4)))
-
-        @cute.jit
-        def mma_step(self, wa, s, t, xrow, p_x, s_x, xa, acc):
-            """x's words of step s (batch row xrow) and the step's two MMAs into acc (rows g, g + 8 x batch columns
-            2t, 2t + 1): logical k-pairs (2t, 2t + 1) / (2t + 8, 2t + 9) are words 0 / 1 of lane t's 8 columns, then
-            words 2 / 3, alike for W and x."""
-            cute.autovec_copy(vec(p_x, cute.assume((xrow * s_x + s * MMA_K + 8 * t) // 2, divby=4), 4), xa)
-            r = mma4(wa[0], wa[4], wa[1], wa[5], xa[0], xa[1], acc[0], acc[1], acc[2], acc[3])
-            r = mma4(wa[2], wa[6], wa[3], wa[7], xa[2], xa[3], r[0], r[1], r[2], r[3])
-            for i in cutlass.range_constexpr(4):
-                acc[i] = r[i]
-
-        @cute.jit
-        def mma_steps(self, lo, hi, r0, r1, xrow, t, p_w, p_x, s_x, wa, xa, acc):
-            """Steps lo .. hi - 1 into acc."""
-            for s in cutlass.range(lo, hi, unroll=self.unroll):
-                self.load_w(p_w, r0, r1, s, t, wa)
-                self.mma_step(wa, s, t, xrow, p_x, s_x, xa, acc)
-
-        @cute.kernel
-        def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_res: cute.Pointer, p_o0: cute.Pointer,
-                   p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer, p_o4: cute.Pointer,
-                   p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
-                   s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
-                   p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
-                   p_ssp: cute.Pointer, eps: Float32):
-            B, N, K, R = self.B, self.N, self.K, MMA_ROWS
-            S = K // MMA_K                  # steps of 32 columns
-            SW = (S + _WARPS - 1) // _WARPS  # steps a warp (its quarter of K)
-            S0 = self.rms_k // MMA_K        # steps of the rms-scaled segment
-            tid, _, _ = cute.arch.thread_idx()
-            c, _, _ = cute.arch.block_idx()
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            lane = tid % 32
-            g = lane // 4
-            t = lane % 4
-            outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
-            strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
-            smem = cutlass.utils.SmemAllocator()
-            if cutlass.const_expr(self.sel is not None):
-                s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem(smem)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * 2 * R * 8), byte_alignment=16)
-            s_y = smem.allocate_tensor(Float32, cute.make_layout(R * 8 + 8), byte_alignment=16)  # y, then factors
-            if c < self.GC:
-                # this CTA's 16 rows: 16 c .. 16 c + 15, or (a GLU CTA j) g rows glo + 8 j + i and u rows + GI
-                rl = c * R + g
-                rh = rl + 8
-                if cutlass.const_expr(self.glu is not None):
-                    GI = (N - self.glo) // 2
-                    isg = c * R >= self.glo
-                    rl = cutlass.select_(isg, self.glo + 8 * (c - self.glo // R) + g, rl)
-                    rh = cutlass.select_(isg, rl + GI, rh)
-                r0 = cutlass.select_(rl < N, rl, N - 1)   # rows past N load row N - 1 (their outputs are dropped)
-                r1 = cutlass.select_(rh < N, rh, N - 1)
-                xrow = cutlass.select_(g < B, g, B - 1)   # batch columns past B: any finite x (dropped)
-                lo = warp * SW
-                hi = cutlass.select_(lo + SW < S, lo + SW, S)
-                acc = cute.make_rmem_tensor((4,), Float32)
-                acc0 = cute.make_rmem_tensor((4,), Float32)
-                acc.fill(0.0)
-                acc0.fill(0.0)
-                wa = cute.make_rmem_tensor((8,), Int32)
-                xa = cute.make_rmem_tensor((4,), Int32)
-                # the warp's first PRE steps of W before anything else (under pdl before the wait: W is no kernel's
-                # output); a warp with fewer steps loads a valid step it will not use
-                P = min(self.pre, SW)
-                wpre = cute.make_rmem_tensor((max(P, 1) * 8,), Int32)
-                for j in cutlass.range_constexpr(P):
-                    self.load_w(p_w, r0, r1, cutlass.select_(lo + j < S, lo + j, S - 1), t,
-                                cute.make_tensor(wpre.iterator + 8 * j, cute.make_layout(8)))
-                if cutlass.const_expr(self.pdl):
-                    cute.arch.griddepcontrol_wait()  # x (and the residual, the partials) come from the kernel before
-                    cute.arch.griddepcontrol_launch_dependents()
-                for j in cutlass.range_constexpr(P):
-                    if lo + j < hi:  # warp-uniform
-                        wj = cute.make_tensor(wpre.iterator + 8 * j, cute.make_layout(8))
-                        if cutlass.const_expr(S0 > 0):
-                            if lo + j < S0:
-                                self.mma_step(wj, lo + j, t, xrow, p_x, s_x, xa, acc0)
-                            else:
-                                self.mma_step(wj, lo + j, t, xrow, p_x, s_x, xa, acc)
-                        else:
-                            self.mma_step(wj, lo + j, t, xrow, p_x, s_x, xa, acc)
-                lo2 = lo + P
-                if cutlass.const_expr(S0 > 0):
-                    self.mma_steps(lo2, cutlass.select_(hi < S0, hi, S0), r0, r1, xrow, t, p_w, p_x, s_x, wa, xa,
-                                   acc0)
-                    self.mma_steps(cutlass.select_(lo2 > S0, lo2, S0), hi, r0, r1, xrow, t, p_w, p_x, s_x, wa, xa,
-                                   acc)
-                else:
-                    self.mma_steps(lo2, hi, r0, r1, xrow, t, p_w, p_x, s_x, wa, xa, acc)
-                # the warps' partial sums: s_red[warp][segment][row][column]
-                base = warp * 2 * R * 8
-                for i in cutlass.range_constexpr(4):
-                    rr = g + 8 * (i // 2)
-                    cc = 2 * t + i % 2
-                    s_red[base + rr * 8 + cc] = acc[i]
-                    s_red[base + R * 8 + rr * 8 + cc] = acc0[i]
-                if cutlass.const_expr(S0 > 0):  # the rms factor of batch row b = warp, warp + 4 from its partials
-                    for bb in cutlass.range_constexpr((B + _WARPS - 1) // _WARPS):
-                        fb = warp + _WARPS * bb
-                        if fb < B:
-                            ss = Float32(0.0)
-                            for i in cutlass.range_constexpr((self.NPART + 31) // 32):
-                                if i * 32 + lane < self.NPART:
-                                    ss = ss + vec(p_ssp, fb * self.NPART + i * 32 + lane, 1)[0]
-                            for sh in cutlass.range_constexpr(5):
-                                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
-                            if lane == 0:
-                                s_y[R * 8 + fb] = cute.math.rsqrt(ss / Float32(self.rms_k) + eps)
-                cute.arch.sync_threads()
-                if tid < R * B:  # thread (row tid % 16, batch row tid // 16): the row's value
-                    rr = tid % R
-                    eb = tid // R
-                    y = s_red[rr * 8 + eb]
-                    for w in cutlass.range_constexpr(1, _WARPS):
-                        y = y + s_red[w * 2 * R * 8 + rr * 8 + eb]
-                    if cutlass.const_expr(S0 > 0):
-                        y0 = s_red[R * 8 + rr * 8 + eb]
-                        for w in cutlass.range_constexpr(1, _WARPS):
-                            y0 = y0 + s_red[w * 2 * R * 8 + R * 8 + rr * 8 + eb]
-                        y = y + y0 * s_y[R * 8 + eb]
-                    n = c * R + rr
-                    if n < N:
-                        if cutlass.const_expr(self.residual):
-                            y = y + vec(p_res, eb * N + n, 1)[0].to(Float32)
-                        n_plain = len(self.ends) - (0 if self.glu is None else 1)
-                        for i in cutlass.range_constexpr(n_plain):
-                            lo_i = 0 if i == 0 else self.ends[i - 1]
-                            if n >= lo_i:
-                                if n < self.ends[i]:
-                                    vec(outs[i], eb * strides[i] + n - lo_i, 1)[0] = y.to(outs[i].dtype)
-                    if cutlass.const_expr(self.glu is not None):
-                        s_y[rr * 8 + eb] = y.to(cutlass.BFloat16).to(Float32)
-                if cutlass.const_expr(self.glu is not None):
-                    if c * R >= self.glo:  # CTA-uniform: g rows 0..7, u rows 8..15 of this CTA's index range
-                        cute.arch.sync_threads()
-                        if tid < 8 * B:
-                            gi = tid % 8
-                            gb = tid // 8
-                            self.glu_store(s_y[gi * 8 + gb], s_y[(gi + 8) * 8 + gb], outs[len(self.ends) - 1],
-                                           gb * strides[len(self.ends) - 1] + 8 * (c - self.glo // R) + gi)
-            else:
-                if cutlass.const_expr(self.pdl):
-                    cute.arch.griddepcontrol_wait()  # the chain CTAs
-            if cutlass.const_expr(self.sel is not None):
-                if c < self.RC:  # a CTA of router rows (CTA-uniform): count it; the last one selects every row
-                    cute.arch.sync_threads()  # the CTA's logits are stored
-                    if tid == 0:
-                        cute.arch.fence_acq_rel_gpu()
-                        old = cute.arch.atomic_add(p_cnt, Int32(1), sem="acq_rel", scope="gpu")
-                        last = Int32(0)
-                        if old == self.RC - 1:
-                            last = Int32(1)
-                            cute.arch.atomic_add(p_cnt, Int32(-self.RC), sem="relaxed", scope="gpu")  # zero again
-                        cute.arch.fence_acq_rel_gpu()
-                        s_cnt[1] = last
-                    cute.arch.sync_threads()
-                    if s_cnt[1] == 1:  # every router row's logits are visible: select row after row
-                        for b in cutlass.range_constexpr(B):
-                            self.sel.row(p_o0 + b * s_o0, p_bias, p_idx + b * self.top_k, p_wk + b * self.top_k,
-                                         scaling, s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt, tid)
-                            cute.arch.sync_threads()
-            if cutlass.const_expr(self.chain is not None):
-                self.chained(c, tid, warp, lane, p_o0, s_o0, p_cnt, p_w2, p_f, s_f)
-
-    _KERNEL_CLS = (ProjGemvKernel, ProjMmaKernel)
-    return _KERNEL_CLS
+    _KERNEL_CLS = ProjGemvKernel
+    return ProjGemvKernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,16 +373,14 @@ def _counter(dev: torch.device) -> torch.Tensor:
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
          pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None, rmsp: tuple | None = None,
-         glu: tuple | None = None, form: str | None = None) -> list:
+         glu: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
     outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). rmsp None or (ssp [B, P] fp32, K0, eps): the sum
     over x's first K0 columns (a multiple of K_STEP) times rsqrt(sum_p ssp[b, p] / K0 + eps) (module doc). glu None
     or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
-    multiple of 4). form None (the module's FORM), "simt" or "mma" (module doc): "mma" takes batch <= 8 and K a
-    multiple of 32 (and a GLU output's rows in whole 16-row CTAs); None with FORM "mma" runs it where it takes the call
-    and "simt" elsewhere, an explicit "mma" it cannot take is refused by name. Returns outs."""
+    multiple of 4). Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -638,25 +426,15 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     if total != N:
         _fail("outs", f"widths must add up to w's {N} rows{' (the GLU output counting twice)' if glu else ''}, got "
                       f"{total}")
-    if form not in (None, "simt", "mma"):
-        _fail("form", f"must be None, 'simt' or 'mma', got {form!r}")
-    lo = ends[-2] if glu is not None and len(ends) > 1 else 0
-    why_not = ("batch <= 8" if B > MMA_MAX_BATCH else f"K a multiple of {MMA_K}" if K % MMA_K
-               else f"the GLU rows in whole {MMA_ROWS}-row CTAs" if glu is not None and (lo % MMA_ROWS
-                                                                                       or (N - lo) % MMA_ROWS)
-               else None)
-    if form == "mma" and why_not:
-        _fail("form", f"'mma' takes {why_not}; got batch {B}, K {K}")
-    mma = (form or FORM) == "mma" and why_not is None
-    rpc = MMA_ROWS if mma else _WARPS
     glu_key = None
     if glu is not None:
         if (not isinstance(glu, (tuple, list)) or len(glu) != 2
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in glu)):
             _fail("glu", f"must be None or (b1, b2), two positive numbers, got {glu!r:.60}")
-        if lo % rpc or (N - lo) % rpc:
-            _fail("outs", f"the GLU output's rows must start at a multiple of {rpc} and number a multiple of "
-                          f"{rpc} (whole CTAs: its width even), got rows {lo}..{N}")
+        lo = ends[-2] if len(ends) > 1 else 0
+        if lo % _WARPS or (N - lo) % _WARPS:
+            _fail("outs", f"the GLU output's rows must start at a multiple of {_WARPS} and number a multiple of "
+                          f"{_WARPS} (whole CTAs: its width even), got rows {lo}..{N}")
         if chain is not None:
             _fail("glu", "is not taken with chain")
         glu_key = (float(glu[0]), float(glu[1]))
@@ -720,11 +498,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     o_str = [o.stride(0) for o in list(outs) + pad]
     import cutlass
 
-    px, pw = (_ptr(x.view(torch.int32), 16), _ptr(w.view(torch.int32), 16)) if mma else (_ptr(x, 16), _ptr(w, 16))
-    args = [px, pw, _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
+    args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
             *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0], cutlass.Float32(rms_args[1])]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, rms_key,
-           glu_key, UNROLL, PRE, mma, dev.index)
+           glu_key, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -733,8 +510,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()[int(mma)](B, N, K, tuple(ends), residual is not None, pdl, top_k,
-                                                        chain_key, rms_key, glu_key), *args, stream)
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key,
+                                              rms_key, glu_key), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
