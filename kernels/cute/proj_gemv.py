@@ -91,6 +91,7 @@ def _kernel_class():
                      top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
             self.B, self.N, self.K = B, N, K
+            self.unroll, self.pre = UNROLL, PRE       # the module's settings when built (part of the compile key)
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             # the rms-scaled segment (rms = (K0, P)): the sum over x's first K0 columns times rsqrt(sum of the row's
             # P partial sums of squares / K0 + eps); the rest as it is
@@ -241,7 +242,7 @@ def _kernel_class():
                 wrow = n * K + 8 * lane
                 # the first PRE steps of W in registers before anything else: under pdl they load before the wait
                 # (W is no kernel's output), so the row streams while the kernel before finishes
-                pre = min(PRE, S)
+                pre = min(self.pre, S)
                 wpre = cute.make_rmem_tensor((max(pre, 1) * 8,), p_w.dtype)
                 for s in cutlass.range_constexpr(pre):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8),
@@ -253,10 +254,10 @@ def _kernel_class():
                     self.step(cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)), s, lane, p_x, s_x, xv,
                               acc0 if s < S0 else acc)
                 if cutlass.const_expr(S0 > pre):
-                    for s in cutlass.range(pre, S0, unroll=UNROLL):
+                    for s in cutlass.range(pre, S0, unroll=self.unroll):
                         cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                         self.step(wv, s, lane, p_x, s_x, xv, acc0)
-                for s in cutlass.range(max(pre, S0), S, unroll=UNROLL):
+                for s in cutlass.range(max(pre, S0), S, unroll=self.unroll):
                     cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
                     self.step(wv, s, lane, p_x, s_x, xv, acc)
                 if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
@@ -501,7 +502,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
             *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0], cutlass.Float32(rms_args[1])]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, rms_key,
-           glu_key, dev.index)
+           glu_key, UNROLL, PRE, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
