@@ -664,7 +664,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                        w2 (their w2 side by side) as ONE projection over two K segments, [Wup | w2], the residual
                        p in the epilogue: the layer's output. Its input [rms(y) | situ(g, u)] is written by the
                        one glue kernel (`glue.norm_glu`: two launches in all), or made by the projection's input
-                       prologues (`fuse_prologues`: one launch, measured slower)
+                       prologues (`fuse_prologues`: one launch, measured slower); at one token with the groups on
+                       the CuTe GEMV the glue folds into the launches around it (`moe_glue_fold`: moe_in's GLU
+                       output, the experts' bf16(y routed_norm) and partial sums of y^2, moe_out's rmsp prologue)
       dense MLP        [w1; w3] in one projection, then w2 with SiTU-GLU as its prologue and the residual.
     The weights a group reads are concatenated once and the layer's tensors re-pointed at views of it. Bytes: the
     weights, the activations in and out (the floors' formula of the builder, `Layer._mm`, per launch).
