@@ -62,8 +62,8 @@ MAX_BATCH = 16
 MAX_OUTPUTS = 6
 SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
-UNROLL = 4        # steps a warp keeps in flight
-PRE = 4           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
+UNROLL = 8        # steps a warp keeps in flight (4 / 4 before: the batch-1 step 30-40 us slower, docs/NOTES_trunk.md)
+PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
 _THREADS = 128
 _WARPS = _THREADS // 32
 
