@@ -8,8 +8,10 @@ launch fold of `k3lab.step` on and off, arm against arm in one build:
   proj_form  the CuTe GEMV's form: one warp a row ("simt") or tensor-core rows ("mma": 16 rows a CTA, K in quarters
              over its warps, m16n8k16 MMAs): measured and lost, the form's code in git history at af4128e (this arm
              runs there only; profiles/h200/proj_form_step_ab.json.gz).
-  proj_unroll  the CuTe GEMV's steps in flight (UNROLL) and preloaded before the pdl wait (PRE): 4 / 4 (the
-             default), 8 / 4, 8 / 8.
+  proj_unroll  the CuTe GEMV's steps in flight (UNROLL) and preloaded before the pdl wait (PRE): 4 / 4, 8 / 4, 8 / 8
+             (8 / 8 won and is the default: profiles/h200/proj_unroll_step_ab.json.gz).
+  proj_short the GEMV's short inputs (K <= 2048: the output projections, W_fb) back at 4 / 4 (SHORT_K 2048) or
+             at the default 8 / 8 (built, not yet run).
   moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold, MOE_GLUE_FOLD_MAX_TOKENS
              1, the default): the shared SiTU as the MoE input group's GLU output, bf16(y routed_norm) and the partial
              sums of y^2 by the experts' down kernel, moe_out on the CuTe GEMV through its rmsp prologue; or
@@ -20,7 +22,7 @@ The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.s
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
-    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue_fold|proj_unroll
+    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue_fold|proj_unroll|proj_short
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -45,6 +47,8 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "proj_unroll": (("u4p4", {"k3lab_kernels.cute.proj_gemv:UNROLL": 4, "k3lab_kernels.cute.proj_gemv:PRE": 4}),
                          ("u8p4", {"k3lab_kernels.cute.proj_gemv:UNROLL": 8, "k3lab_kernels.cute.proj_gemv:PRE": 4}),
                          ("u8p8", {"k3lab_kernels.cute.proj_gemv:UNROLL": 8, "k3lab_kernels.cute.proj_gemv:PRE": 8})),
+         "proj_short": (("all_8", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 0}),
+                        ("short_4", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 2048})),
          }
 
 

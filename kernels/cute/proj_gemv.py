@@ -64,6 +64,9 @@ SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one afte
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 8        # steps a warp keeps in flight (4 / 4 before: the batch-1 step 30-40 us slower, docs/NOTES_trunk.md)
 PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
+SHORT_K = 0       # inputs up to this long take UNROLL_SHORT / PRE_SHORT instead (0: none; not yet measured)
+UNROLL_SHORT = 4
+PRE_SHORT = 4
 _THREADS = 128
 _WARPS = _THREADS // 32
 
@@ -91,7 +94,8 @@ def _kernel_class():
                      top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
             self.B, self.N, self.K = B, N, K
-            self.unroll, self.pre = UNROLL, PRE       # the module's settings when built (part of the compile key)
+            # the module's settings when built (part of the compile key)
+            self.unroll, self.pre = (UNROLL_SHORT, PRE_SHORT) if K <= SHORT_K else (UNROLL, PRE)
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             # the rms-scaled segment (rms = (K0, P)): the sum over x's first K0 columns times rsqrt(sum of the row's
             # P partial sums of squares / K0 + eps); the rest as it is
@@ -502,7 +506,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
             *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0], cutlass.Float32(rms_args[1])]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, rms_key,
-           glu_key, UNROLL, PRE, dev.index)
+           glu_key, UNROLL, PRE, SHORT_K, UNROLL_SHORT, PRE_SHORT, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
