@@ -122,3 +122,45 @@ def test_refused_by_name():
         run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
+
+
+def test_ready_words_after_the_fused_selection():
+    """The experts' `up` started before the kernel before it ends (`ready`): the MoE input group's fused selection
+    raises the ready word once idx / weights are out (`signal`), `up` reads idx, wk and its weights after that word and
+    before its griddepcontrol.wait (the emulator's PDL check allows those reads: the word orders them), z after it;
+    the last `up` CTA zeroes both words, so a second call in a row runs the same way. y against the reference experts on
+    the selected idx / weights."""
+    from k3lab.components import moe as c_moe
+
+    c = OP.case(**SMALL)
+    d = OP.make_inputs(c, 6, "cpu")
+    moe, z = d["moe"], d["z"]
+    g = torch.Generator().manual_seed(3)
+    E, k = moe.router.n_experts, SMALL["top_k"]
+    h = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    wr = torch.randn(E, 64, generator=g).to(torch.bfloat16)
+    bias = torch.zeros(E)
+    logits = torch.full((1, E), float("nan"))
+    idx = torch.zeros(1, k, dtype=torch.int64)
+    wk = torch.zeros(1, k)
+    y = torch.full_like(d["y"], float("nan"))
+    t = emulate.moe_tensors(z, idx, wk, moe, y)
+    t.update(h=h, wr=wr, bias=bias, logits=logits)
+    words = []
+
+    def call(m, **a):
+        pg, me = m.mod["proj_gemv"], m.mod["moe_experts"]
+        dev = a["h"].device
+        early = {a[n].data_ptr() for n in ("wr", "bias", "idx", "wk", "w1", "w3", "s1", "s3")}
+        emulate._PDL["early"] = frozenset(early | {pg._counter(dev).data_ptr()})
+        for _ in range(2):
+            pg.proj(a["h"], a["wr"], [a["logits"]], select=(a["bias"], a["idx"], a["wk"], 1.0), pdl=True, signal=True)
+            rw = emulate._dev(pg.ready_words(dev))  # as the device tensor it is on the GPU
+            words.append(rw.tolist())
+            me.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
+                           pdl=True, ready=rw)
+            words.append(rw.tolist())
+    emulate._run(call, t, 0)
+    assert words == [[1, 0], [0, 0], [1, 0], [0, 0]]
+    want = c_moe.experts(z.double(), idx, wk.double(), moe, backend="reference")
+    assert float((y.double() - want).norm() / want.norm()) < 1e-2

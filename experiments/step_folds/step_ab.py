@@ -10,6 +10,8 @@ launch fold of `k3lab.step` on and off, arm against arm in one build:
              runs there only; profiles/h200/proj_form_step_ab.json.gz).
   proj_unroll  the CuTe GEMV's steps in flight (UNROLL) and preloaded before the pdl wait (PRE): 4 / 4, 8 / 4, 8 / 8
              (8 / 8 won and is the default: profiles/h200/proj_unroll_step_ab.json.gz).
+  moe_early  the one-token experts' up kernel reading idx and its expert rows once the MoE input group's selection
+             raised its ready word, before its pdl wait (MOE_EARLY_EXPERTS; built, not run), or after the wait.
   proj_short the GEMV's short inputs (K <= 2048: the output projections, W_fb) back at 4 / 4 (SHORT_K 2048) or
              at the default 8 / 8 (built, not yet run).
   moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold, MOE_GLUE_FOLD_MAX_TOKENS
@@ -22,7 +24,7 @@ The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.s
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
-    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue_fold|proj_unroll|proj_short
+    python experiments/step_folds/step_ab.py $OUT kda_chain|moe_glue_fold|proj_unroll|proj_short|moe_early
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -47,6 +49,7 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "proj_unroll": (("u4p4", {"k3lab_kernels.cute.proj_gemv:UNROLL": 4, "k3lab_kernels.cute.proj_gemv:PRE": 4}),
                          ("u8p4", {"k3lab_kernels.cute.proj_gemv:UNROLL": 8, "k3lab_kernels.cute.proj_gemv:PRE": 4}),
                          ("u8p8", {"k3lab_kernels.cute.proj_gemv:UNROLL": 8, "k3lab_kernels.cute.proj_gemv:PRE": 8})),
+         "moe_early": (("waits", {"MOE_EARLY_EXPERTS": False}), ("early", {"MOE_EARLY_EXPERTS": True})),
          "proj_short": (("all_8", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 0}),
                         ("short_4", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 2048})),
          }
