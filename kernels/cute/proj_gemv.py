@@ -402,7 +402,9 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     over x's first K0 columns (a multiple of K_STEP) times rsqrt(sum_p ssp[b, p] / K0 + eps) (module doc). glu None
     or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
     multiple of 4). signal (with select): the selecting CTA raises ready_words(dev)[0] once idx and weights are
-    stored, for a consumer that starts before this kernel ends (the experts' `ready`). Returns outs."""
+    stored, for a consumer that starts before this kernel ends (the experts' `ready`); each signalled call must be
+    followed by exactly one consumer launch, which zeroes the words (a raised word left behind would let a later
+    consumer read stale ids). Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
