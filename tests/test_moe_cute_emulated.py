@@ -124,6 +124,7 @@ def test_refused_by_name():
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
 
 
+@pytest.mark.slow  # ~25 s on the emulator (CI's 10 minutes); the path is off by default (k3lab.step.MOE_EARLY_EXPERTS)
 def test_ready_words_after_the_fused_selection():
     """The experts' `up` started before the kernel before it ends (`ready`): the MoE input group's fused selection
     raises the ready word once idx / weights are out (`signal`), `up` reads idx, wk and its weights after that word and
