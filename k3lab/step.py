@@ -914,8 +914,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             be_min = pb(w_in_moe, "moe_in", select=fuse_sel)
             # the CuTe GEMV's fused selection: the group on cute (proj_cute) and the router on cute
             fuse_cute = be_min == "cute" and be_r == "cute" and N <= CUTE_SELECT_MAX_BATCH
-            # the glue folded into the two CuTe launches (moe_glue_fold): the shared SiTU as the group's GLU output,
-            # the routed norm as moe_out's rms segment
+            # the glue folded (moe_glue_fold): the shared SiTU as the group's GLU output, the routed norm's inputs
+            # from the experts' down kernel, moe_out's rmsp prologue
             fold = not (shared_stream or owned_output or fuse_pro) and moe_glue_fold(
                 N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
             # the experts' up kernel announced by the selection's ready word (MOE_EARLY_EXPERTS)

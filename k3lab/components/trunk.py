@@ -347,7 +347,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
             _fail("path", f"'rows' takes a batch of at most {ROWS_MAX_BATCH}, got {B}; use 'dot' or None")
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
-    if be == "cute":  # bf16 weights; an input prologue only as the rms segment before x2 (kernels/cute/proj_gemv.py)
+    if be == "cute":  # bf16 weights; the one input prologue it takes is rmsp (kernels/cute/proj_gemv.py)
         rmsp = None
         if pro == "rmsp":
             rmsp = (prologue[1], int(prologue[2]), float(prologue[3]))
@@ -373,7 +373,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         y = _linear_ref(xin, w, w_scale, residual)
         a = 0
         for i, o in enumerate(outs):
-            if glu is not None and i == len(outs) - 1:  # pairs (g_i, u_i), each a stored (rounded) output first
+            if glu is not None and i == len(outs) - 1:  # rows [g | u], each a stored (rounded) output first
                 from k3lab.ref.situ import situ
 
                 gi = o.shape[1]
@@ -394,7 +394,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
                         "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none",
                         select=0 if select is None else select.idx.shape[1],
                         chain=None if chain is None else tuple(chain[0].shape),
-                        glu=None if glu is None else tuple(glu)), why=why)
+                        glu=None if glu is None else tuple(glu), signal=bool(signal)), why=why)
     return outs
 
 
