@@ -64,9 +64,9 @@ SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one afte
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 8        # steps a warp keeps in flight (4 / 4 before: the batch-1 step 30-40 us slower, docs/NOTES_trunk.md)
 PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
-SHORT_K = 0       # inputs up to this long take UNROLL_SHORT / PRE_SHORT instead (0: none; not yet measured)
-UNROLL_SHORT = 4
-PRE_SHORT = 4
+SHORT_K = 2048    # inputs up to this long take UNROLL_SHORT / PRE_SHORT instead (0: none)
+UNROLL_SHORT = 4  # (the batch-1 step 16 us faster than at 8 / 8 with the output projections' K 1536: docs/NOTES_trunk.md)
+PRE_SHORT = 2
 _THREADS = 128
 _WARPS = _THREADS // 32
 
