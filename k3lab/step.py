@@ -592,10 +592,6 @@ MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.
 # the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
 MOE_GLUE_FOLD_MAX_TOKENS = 1
 MOE_GLUE_FOLD_ALIGN = 256       # the latent width a multiple of this: the CuTe GEMV's rmsp takes whole 256-column steps
-# the one-token experts' up kernel reading idx and its weights once the fused selection raised its ready word, before
-# its pdl wait (k3lab_kernels.cute.moe_experts `ready`): off until the H200 says (experiments/step_folds/step_ab.py
-# moe_early, built, not run)
-MOE_EARLY_EXPERTS = False
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
@@ -720,7 +716,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
 
     cute_parts: set[str] = set()
     q_one = False  # the MLA query step in one launch (below)
-    fold = early = False  # the MoE output's glue folded; the experts after the selection's ready word (below)
+    fold = False  # the MoE output's glue folded into moe_in's and moe_out's CuTe launches (below)
 
     def pb(w, part: str, prologue: bool = False, select: bool = False) -> str:
         """A projection's backend (the `proj_cute` switch), decided when the parts are built; `part` its component."""
@@ -918,16 +914,13 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             # from the experts' down kernel, moe_out's rmsp prologue
             fold = not (shared_stream or owned_output or fuse_pro) and moe_glue_fold(
                 N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
-            # the experts' up kernel announced by the selection's ready word (MOE_EARLY_EXPERTS)
-            early = (MOE_EARLY_EXPERTS and fuse_cute and N == 1 and L.ran.get("experts") == "cute"
-                     and not shared_stream)
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [a_sh] if fold else [gu[:, :sI], gu[:, sI:]])
                 glu = (sh[0].b1, sh[0].b2) if fold else None
                 if fuse_sel or fuse_cute:  # the top-k in the group's launch
                     trunk.proj_group(flat(b["h2"]), w_in_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
-                                     backend=be_min, glu=glu, signal=early)
+                                     backend=be_min, glu=glu)
                 else:
                     trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be_min, glu=glu)
                     topk()
@@ -985,6 +978,14 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             fl_out = 2 * N * (Lat + sI) * D
         elif fold:  # experts write [bf16(y gamma) | .] and the partials; one launch: [Wup | w2] xin (rmsp) + p
             cute_parts.add("moe_out")
+            be_e = L.ran["experts"]
+            fn_e, nb_e, fl_e = out["experts"]
+
+            def experts():
+                b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, check_values=False,
+                                          glue=(m.routed_norm, xin[:, :Lat], ssp))
+                return b["y"]
+            out["experts"] = (experts, nb_e + _nb(m.routed_norm) + N * Lat * e + ssp.numel() * 4, fl_e)
 
             def moe_out():
                 trunk.proj(xin, w_out, xo, residual=flat(b["p"]).contiguous(),
@@ -1004,20 +1005,6 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             nb_out = nb_glue + mm_bytes(w_out, Lat + sI, D, residual=True)
             fl_out = 2 * N * (Lat + sI) * D
         out["moe_out"] = (moe_out, nb_out, fl_out)
-        if fold or early:  # the experts with the folded glue's outputs and / or after the selection's ready word
-            be_e = L.ran["experts"]
-            fn_e, nb_e, fl_e = out["experts"]
-            from k3lab_kernels.cute.proj_gemv import ready_words
-
-            kw_e = dict(glue=(m.routed_norm, xin[:, :Lat], ssp)) if fold else {}
-            if early:
-                kw_e["ready"] = ready_words(dev)
-
-            def experts():
-                b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, check_values=False, **kw_e)
-                return b["y"]
-            out["experts"] = (experts, nb_e + ((_nb(m.routed_norm) + N * Lat * e + ssp.numel() * 4) if fold else 0),
-                              fl_e)
     else:
         w13 = _cat_rows([(m, "w1"), (m, "w3")])
         I = m.w1.shape[0]

@@ -107,34 +107,3 @@ def test_refused_by_name():
     d1 = OP.make_inputs(OP.case(tp=8, routing="uniform", **K3), 0, "cuda")
     with pytest.raises(ValueError, match="'block_n'"):
         c_moe.experts(d1["z"], d1["idx"], d1["weights_k"], d1["moe"], backend="cute", block_n=16)
-
-
-@pytest.mark.parametrize("pdl", [True, False])
-def test_ready_words_after_the_fused_selection_tp8(pdl):
-    """The experts' `up` after the MoE input group's ready word (k3lab.step.MOE_EARLY_EXPERTS): the TP8 router
-    (896 experts, top 16) selected inside the CuTe GEMV with `signal`, then the one-token experts with `ready` reading
-    idx and their rows before the pdl wait, three calls in a row: y within the MXFP4 tolerance of the reference experts
-    on the selected idx / weights, and both ready words zero after each call."""
-    from k3lab.components import trunk
-    from k3lab_kernels.cute.proj_gemv import ready_words
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    case = OP.case(tp=8, routing="uniform", **K3)
-    d = OP.make_inputs(case, 7, "cuda")
-    g = torch.Generator("cuda").manual_seed(2)
-    h = torch.randn(1, 7168, device="cuda", generator=g).to(torch.bfloat16)
-    wr = (torch.randn(896, 7168, device="cuda", generator=g) / 7168 ** 0.5).to(torch.bfloat16)
-    bias = torch.zeros(896, device="cuda")
-    logits = torch.empty(1, 896, device="cuda")
-    idx = torch.zeros(1, 16, dtype=torch.int64, device="cuda")
-    wk = torch.zeros(1, 16, device="cuda")
-    rw = ready_words(h.device)
-    for _ in range(3):
-        y = torch.full_like(d["y"], float("nan"))
-        with pdl_chain(pdl):
-            trunk.proj_group(h, wr, [logits], select=trunk.Select(bias, idx, wk), signal=True, backend="cute")
-            c_moe.experts(d["z"], idx, wk, d["moe"], backend="cute", out=y, check_values=False, ready=rw)
-        torch.cuda.synchronize()
-        assert rw.tolist() == [0, 0]
-        want = c_moe.experts(d["z"].double(), idx, wk.double(), d["moe"], backend="reference")
-        assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL

@@ -1,35 +1,27 @@
 """The decode step at batch 1 (TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) with one
-launch fold of `k3lab.step` on and off, arm against arm in one build:
+launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm against arm in one build:
   kda_chain  the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
              (KDA_DECAY_CHAIN_MAX_TOKENS 16, the default) or its own CuTe GEMV launch (0);
-  moe_glue   the MoE output's glue (routed norm + shared SiTU) by the last CTA of the CuTe one-token experts' down
-             kernel (MOE_GLUE_IN_EXPERTS True) or glue.norm_glu's own launch (False): measured and lost, the fold's
-             code in git history at 6659250 (this arm runs there only; profiles/h200/moe_glue_step_ab.json.gz, retired: git history at 89b2c36).
-  proj_form  the CuTe GEMV's form: one warp a row ("simt") or tensor-core rows ("mma": 16 rows a CTA, K in quarters
-             over its warps, m16n8k16 MMAs): measured and lost, the form's code in git history at af4128e (this arm
-             runs there only; profiles/h200/proj_form_step_ab.json.gz, retired: git history at 89b2c36).
+  moe_glue_fold  the MoE output's glue folded into the launches around it (k3lab.step.moe_glue_fold,
+             MOE_GLUE_FOLD_MAX_TOKENS 1, the default): the shared SiTU as the MoE input group's GLU output, bf16(y
+             routed_norm) and the partial sums of y^2 by the experts' down kernel, moe_out on the CuTe GEMV through its
+             rmsp prologue; or glue.norm_glu's launch (0);
   proj_unroll  the CuTe GEMV's steps in flight (UNROLL) and preloaded before the pdl wait (PRE): 4 / 4, 8 / 4, 8 / 8
-             (8 / 8 won and is the default: profiles/h200/proj_unroll_step_ab.json.gz).
-  moe_early  the one-token experts' up kernel reading idx and its expert rows once the MoE input group's selection
-             raised its ready word, before its pdl wait (MOE_EARLY_EXPERTS; built, not run), or after the wait.
-  proj_short the GEMV's short inputs (K <= 2048: the output projections, W_fb) back at 4 / 4 (SHORT_K 2048) or
-             at the default 8 / 8 (built, not yet run).
-  early_short  moe_early and proj_short alone and together, four arms in one build.
-  short_k    UNROLL_SHORT / PRE_SHORT for the inputs up to 2048 long: 4/4, 2/2, 3/3, 4/2, 6/6 (= the long inputs' 8/8
-             at K 1536: six steps).
+             (8 / 8 won and is the default: profiles/h200/proj_unroll_step_ab.json.gz);
+  proj_short the GEMV's short inputs (K <= 2048: the output projections, W_fb) at 4 / 4 (SHORT_K 2048) or at the
+             long inputs' 8 / 8 (SHORT_K 0);
+  short_k    UNROLL_SHORT / PRE_SHORT for the inputs up to 2048 long: 4/4, 2/2, 3/3, 4/2, 6/6 (6 / 6 = the long
+             inputs' 8 / 8 at K 1536, six steps; 4 / 2 won and is the default: profiles/h200/short_k_step_ab.json.gz);
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
-  moe_glue_fold  the same glue folded into the launches around it (k3lab.step.moe_glue_fold, MOE_GLUE_FOLD_MAX_TOKENS
-             1, the default): the shared SiTU as the MoE input group's GLU output, bf16(y routed_norm) and the partial
-             sums of y^2 by the experts' down kernel, moe_out on the CuTe GEMV through its rmsp prologue; or
-             glue.norm_glu's launch (0). (The first form, moe_out reading y fp32 through an rms segment or a Triton
-             pre-pass: code at babf477, profiles/h200/moe_glue_fold_v1_step_ab.json.gz (git history at 89b2c36); the second form's moe_out on
-             the Triton kernel's rmsp prologue, arm fold_triton: code at 9f789eb, moe_glue_fold_v2_step_ab.json.gz, git history at 89b2c36.)
+Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
+the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
+babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        moe_early, early_short, short_k, mla_parts)
+        short_k, mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -54,13 +46,8 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "proj_unroll": (("u4p4", {"k3lab_kernels.cute.proj_gemv:UNROLL": 4, "k3lab_kernels.cute.proj_gemv:PRE": 4}),
                          ("u8p4", {"k3lab_kernels.cute.proj_gemv:UNROLL": 8, "k3lab_kernels.cute.proj_gemv:PRE": 4}),
                          ("u8p8", {"k3lab_kernels.cute.proj_gemv:UNROLL": 8, "k3lab_kernels.cute.proj_gemv:PRE": 8})),
-         "moe_early": (("waits", {"MOE_EARLY_EXPERTS": False}), ("early", {"MOE_EARLY_EXPERTS": True})),
          "proj_short": (("all_8", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 0}),
                         ("short_4", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 2048})),
-         # both built-and-off settings of the twenty-ninth session, alone and together, in one build
-         "early_short": tuple((n, {"MOE_EARLY_EXPERTS": e, "k3lab_kernels.cute.proj_gemv:SHORT_K": k})
-                              for n, e, k in (("base", False, 0), ("early", True, 0), ("short_4", False, 2048),
-                                              ("early_short_4", True, 2048))),
          # the short inputs' steps in flight / preloaded (SHORT_K 2048: the output projections, K 1536)
          "short_k": tuple((f"u{u}p{q}", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 2048,
                                          "k3lab_kernels.cute.proj_gemv:UNROLL_SHORT": u,

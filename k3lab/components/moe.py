@@ -97,14 +97,12 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
             leaders: bool | None = None, wait: str | None = None, ran: list | None = None,
-            glue: tuple | None = None, ready: torch.Tensor | None = None) -> torch.Tensor:
+            glue: tuple | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given.
     glue (the cute backend's one-token path, and the reference backends by torch after y): (gamma [L] bf16, yg
     [1, L] bf16, ssp [1, P] fp32): also yg = bf16(y * gamma) and ssp[0, c] = the sum of y^2 over rows c L/P ..
     (c + 1) L/P - 1 (P = k3lab_kernels.cute.moe_experts.glue_partials(L)): the MoE output's routed norm folded into
-    the launches around it (k3lab.step.moe_glue_fold). ready (the cute backend's one-token path): the fused
-    selection's ready words (k3lab_kernels.cute.proj_gemv.ready_words; the group before launched with select and
-    signal): `up` reads idx, the weights and its expert rows once the word is raised, before its pdl wait."""
+    the launches around it (k3lab.step.moe_glue_fold)."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
     _check_h(z, moe.w_down.shape[0], "z")
@@ -122,9 +120,6 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B, shape=dict(B=B, fmt=moe.w1.fmt, K=idx.shape[1],
                                                                       I=moe.w1.shape[1], L=L))
-    if ready is not None and (be != "cute" or B != 1 or path not in (None, "token")):
-        _fail("ready", f"(idx announced by the selection's ready word) is taken by the cute backend's one-token path, "
-                       f"got backend {be!r}, batch {B}, path {path!r}")
     if glue is not None and (be not in ("cute", "reference", "torch_compile") or B != 1
                              or (be == "cute" and path not in (None, "token"))):
         _fail("glue", f"(yg and the partial sums of y^2 beside y) is taken by the cute backend's one-token path and "
@@ -195,8 +190,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
                     "on tensor cores, fp32 atomics into y)")
         rule = "requested" if path is not None else "by batch: token at 1, grouped above"
         y = fn(z, idx, weights_k, *ws, moe.w1.scale, moe.w3.scale, moe.w2.scale, out, b1=float(moe.b1),
-               b2=float(moe.b2), **({} if glue is None else {"glue": tuple(glue)}),
-               **({} if ready is None else {"ready": ready}))
+               b2=float(moe.b2), **({} if glue is None else {"glue": tuple(glue)}))
         dispatch.record(ran, kernel=kpath, options=dict(path=cpath), notes=f"{note} ({rule})", **rec)
         return y
     ffn = ref.glu_ffn

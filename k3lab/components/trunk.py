@@ -311,11 +311,9 @@ def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
 
 
 def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None, x2=None,
-              prologue2=None, chain=None, glu=None, signal=False):
+              prologue2=None, chain=None, glu=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
-    if signal and be != "cute":
-        _fail("signal", f"(the selection's ready word) is raised by the cute backend only, not {be!r}")
     for name, v, what in (("chain", chain, "f = outs[0] w2^T in the same launch"),
                           ("glu", glu, "the last output as situ over pairs of rows")):
         if v is not None and be not in ("cute", "reference", "torch_compile"):
@@ -357,8 +355,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
                             "('rmsp', ssp, k1, eps): kernels/cute/proj_gemv.py); use backend 'triton'")
         sel = None if select is None else (select.e_bias, select.idx, select.weights, float(select.scaling))
         extra = {k: v for k, v in (("chain", None if chain is None else tuple(chain)), ("rmsp", rmsp),
-                                   ("glu", None if glu is None else tuple(glu)), ("signal", signal or None))
-                 if v is not None}
+                                   ("glu", None if glu is None else tuple(glu))) if v is not None}
         dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel, **extra)
     elif be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
@@ -394,7 +391,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
                         "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none",
                         select=0 if select is None else select.idx.shape[1],
                         chain=None if chain is None else tuple(chain[0].shape),
-                        glu=None if glu is None else tuple(glu), signal=bool(signal)), why=why)
+                        glu=None if glu is None else tuple(glu)), why=why)
     return outs
 
 
@@ -418,23 +415,18 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None,
-               signal: bool = False) -> list[torch.Tensor]:
+               f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
     reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
     launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors). glu (cute
     and the reference backends): (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u]
-    (each rounded to bf16 first, as a stored projection output; fp64 for the oracle; I even on cute). signal (cute,
-    with select): the selecting CTA raises k3lab_kernels.cute.proj_gemv.ready_words once idx and weights are out (for
-    the experts' `ready`; the reference backends have nothing to raise)."""
+    (each rounded to bf16 first, as a stored projection output; fp64 for the oracle; I even on cute)."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
                  num_stages=num_stages, f16=f16)
-    if not isinstance(signal, bool) or (signal and select is None):
-        _fail("signal", f"must be a bool, True only with select (the selection raises the ready word), got {signal!r}")
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain,
-                     glu=glu, signal=signal)
+                     glu=glu)
 
 
 def prefetch_plan(w: torch.Tensor, batch: int, budget: int, prologue: bool = False) -> dict:

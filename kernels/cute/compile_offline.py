@@ -260,9 +260,6 @@ def _cases(only: str | None, quick: bool):
                           lambda B=B, pdl=pdl: kg._kernel_class()(B, 6284, 7168, kda_in, False, pdl, 0, (1536, 128)),
                           gargs([bf] * 6)))
         # the MoE output's glue folded: moe_in's shared rows [w1 | w3] stored as situ (glu), moe_out's rms segment
-        cases.append(("proj B1 N6016 K7168 outs3 select16 glu signal pdl",
-                      lambda: kg._kernel_class()(1, 6016, 7168, (896, 4480, 6016), False, True, 16, None, None,
-                                                 (4.0, 25.0), True), gargs([f32] + [bf] * 5)))
         for B, pdl in ((1, True), (1, False), (4, True)):
             cases.append((f"proj B{B} N6016 K7168 outs3 select16 glu" + (" pdl" if pdl else ""),
                           lambda B=B, pdl=pdl: kg._kernel_class()(B, 6016, 7168, (896, 4480, 6016), False, pdl, 16,
@@ -275,8 +272,7 @@ def _cases(only: str | None, quick: bool):
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
         # step, ...; the down kernel's latent rows a CTA)
         up_cls, down_cls = km._kernel_classes()
-        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
-                 P(i32, 4), S]
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), P(bf, 2), P(bf, 2), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
                                          (16, 384, 3584, 896, 2, False, 8), (16, 192, 3584, 896, 2, False, 4),
@@ -288,9 +284,6 @@ def _cases(only: str | None, quick: bool):
                           dargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
         cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
-        # `up` after the fused selection's ready word (idx and its weights before the pdl wait, z after it)
-        cases.append(("moe up K16 I384 L3584 pdl rows 4 ready", lambda: up_cls(16, 384, 3584, 896, 2, 4.0, 25.0, True,
-                                                                             4, True), uargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)

@@ -204,25 +204,22 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int, ready: bool = False):
+                     rows: int):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
             self.NT = (self.NB + 31) // 32 * 32
-            self.ready = bool(ready)   # idx / wk announced by a ready word (the fused selection's `signal`)
-            self.GRID = K * (I // rows)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     p_rdy: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_rdy).launch(
-                grid=[self.GRID, 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
+                     stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
+                grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                   p_rdy: cute.Pointer):
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
             I, R, NB, NT = self.I, self.R, self.NB, self.NT
             RW = self.L // 8
             W = NT // 32
@@ -233,17 +230,7 @@ def _kernel_classes():
             r0 = (c % (I // R)) * R
             b = tid % NB                 # a thread past the last block redoes a valid one times a factor of 0.0
             keep = (tid - NB) >> 31
-            if cutlass.const_expr(self.ready):
-                # idx and wk are out once the selecting CTA of the kernel before raised p_rdy[0] (it may still run:
-                # under pdl this CTA starts while the rest of that grid streams); the last CTA past here zeroes
-                # both words for the next call
-                if tid == 0:
-                    cur = cute.arch.load(p_rdy, Int32, sem="acquire", scope="gpu")
-                    while cur < 1:
-                        cur = cute.arch.load(p_rdy, Int32, sem="acquire", scope="gpu")
-                    cute.arch.fence_acq_rel_gpu()
-                cute.arch.sync_threads()
-            elif cutlass.const_expr(self.pdl):
+            if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
             e = vec(p_idx, k * self.idx_step, 1)[0]
             wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # [m (w1, w3), r, word]
@@ -254,14 +241,6 @@ def _kernel_classes():
                     cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
                                       cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
                     sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
-            if cutlass.const_expr(self.ready):
-                if cutlass.const_expr(self.pdl):
-                    cute.arch.griddepcontrol_wait()  # z: the whole kernel before (its latent rows)
-                if tid == 0:  # this CTA is past its spin: count it; the last zeroes both words (writes after the wait)
-                    old = cute.arch.atomic_add(p_rdy + 1, Int32(1), sem="acq_rel", scope="gpu")
-                    if old == self.GRID - 1:
-                        cute.arch.atomic_add(p_rdy, Int32(-1), sem="relaxed", scope="gpu")
-                        cute.arch.atomic_add(p_rdy + 1, Int32(-self.GRID), sem="relaxed", scope="gpu")
             zr = cute.make_rmem_tensor((16,), Int32)
             zp = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
@@ -367,13 +346,11 @@ def glue_partials(L: int) -> int:
 
 
 def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0, pdl: bool | None = None,
-                glue: tuple | None = None, ready: torch.Tensor | None = None):
+                glue: tuple | None = None):
     """y [1, L] fp32 = the routed experts of one token (module docstring). glue None or (gamma [L] bf16, yg [1, L]
     bf16 (any row stride), ssp [1, glue_partials(L)] fp32): the down kernel also writes yg = bf16(y * gamma) and
     ssp[0, c] = the sum of y^2 over CTA c's rows (the routed norm's statistic, finished by its consumer: the MoE
-    output's projection, k3lab.step.moe_glue_fold). ready None or the fused selection's two ready words
-    (k3lab_kernels.cute.proj_gemv.ready_words, the kernel before launched with select and signal): `up` reads idx,
-    wk and its weights once word 0 is raised, before its griddepcontrol.wait (which it keeps for z). Returns y."""
+    output's projection, k3lab.step.moe_glue_fold). Returns y."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -415,17 +392,12 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     act = _WS.get(key_ws)
     if act is None:
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
-    if ready is not None and (not isinstance(ready, torch.Tensor) or ready.dtype != torch.int32
-                              or tuple(ready.shape) != (2,) or ready.device != dev or not ready.is_contiguous()):
-        _fail("ready", f"must be None or the two int32 ready words on {dev} (proj_gemv.ready_words), got "
-                       f"{getattr(ready, 'dtype', type(ready).__name__)} {tuple(getattr(ready, 'shape', ()))}")
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
-               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16),
-               _ptr(ready if ready is not None else act, 4)]
+               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None, ready is not None)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -435,7 +407,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, ready is not None), *up_args, stream),
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)

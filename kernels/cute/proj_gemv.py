@@ -65,7 +65,7 @@ K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
 UNROLL = 8        # steps a warp keeps in flight (4 / 4 before: the batch-1 step 30-40 us slower, docs/NOTES_trunk.md)
 PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
 SHORT_K = 2048    # inputs up to this long take UNROLL_SHORT / PRE_SHORT instead (0: none)
-UNROLL_SHORT = 4  # (the batch-1 step 16 us faster than at 8 / 8 with the output projections' K 1536: docs/NOTES_trunk.md)
+UNROLL_SHORT = 4  # (the batch-1 step 16 us faster than at 8 / 8: the output projections' K 1536; docs/NOTES_trunk.md)
 PRE_SHORT = 2
 _THREADS = 128
 _WARPS = _THREADS // 32
@@ -91,11 +91,8 @@ def _kernel_class():
         """One warp per output row over all of K; four rows a CTA."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None,
-                     signal: bool = False):
+                     top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
             assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
-            self.signal = bool(signal)  # the selecting CTA raises counter word READY_WORD once idx / weights are out
-            assert top_k or not signal
             self.B, self.N, self.K = B, N, K
             # the module's settings when built (part of the compile key)
             self.unroll, self.pre = (UNROLL_SHORT, PRE_SHORT) if K <= SHORT_K else (UNROLL, PRE)
@@ -327,10 +324,6 @@ def _kernel_class():
                             self.sel.row(p_o0 + b * s_o0, p_bias, p_idx + b * self.top_k, p_wk + b * self.top_k,
                                          scaling, s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt, tid)
                             cute.arch.sync_threads()
-                        if cutlass.const_expr(self.signal):  # idx and weights are out: raise the ready word
-                            if tid == 0:
-                                cute.arch.fence_acq_rel_gpu()
-                                cute.arch.atomic_add(p_cnt + READY_WORD, Int32(1), sem="release", scope="gpu")
             if cutlass.const_expr(self.chain is not None):
                 self.chained(c, tid, warp, lane, p_o0, s_o0, p_cnt, p_w2, p_f, s_f)
 
@@ -376,35 +369,23 @@ def _check(name, t, device, dtypes, dim=2):
 _COUNTERS: dict[int, torch.Tensor] = {}  # per device: the fused selection's arrival counter, zero between calls
 
 
-READY_WORD = 4  # the counter word the fused selection raises with `signal` (the experts' `up` spins on it)
-
-
 def _counter(dev: torch.device) -> torch.Tensor:
     c = _COUNTERS.get(dev.index)
     if c is None:
-        c = _COUNTERS[dev.index] = torch.empty(8, dtype=torch.int32, device=dev).zero_()
+        c = _COUNTERS[dev.index] = torch.empty(4, dtype=torch.int32, device=dev).zero_()
     return c
-
-
-def ready_words(dev: torch.device) -> torch.Tensor:
-    """The two counter words the fused selection's `signal` and its consumer share (words READY_WORD, +1: raised
-    once idx / weights are out; the consumer's arrivals, its last CTA zeroing both)."""
-    return _counter(dev)[READY_WORD:READY_WORD + 2]
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
          pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None, rmsp: tuple | None = None,
-         glu: tuple | None = None, signal: bool = False) -> list:
+         glu: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
     outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). rmsp None or (ssp [B, P] fp32, K0, eps): the sum
     over x's first K0 columns (a multiple of K_STEP) times rsqrt(sum_p ssp[b, p] / K0 + eps) (module doc). glu None
     or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
-    multiple of 4). signal (with select): the selecting CTA raises ready_words(dev)[0] once idx and weights are
-    stored, for a consumer that starts before this kernel ends (the experts' `ready`); each signalled call must be
-    followed by exactly one consumer launch, which zeroes the words (a raised word left behind would let a later
-    consumer read stale ids). Returns outs."""
+    multiple of 4). Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -495,10 +476,6 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
             _fail("select.scaling", f"must be a number, got {scaling!r}")
         sel_args = [_ptr(e_bias, 4), _ptr(idx, 8), _ptr(wk, 4), _ptr(_counter(dev), 4), float(scaling)]
-    if not isinstance(signal, bool):
-        _fail("signal", f"must be a bool, got {signal!r}")
-    if signal and select is None:
-        _fail("signal", "raises the ready word of the fused selection: give select too")
     chain_key, chain_args = None, [_ptr(x, 16), _ptr(x, 2), 0]  # x: never read without chain
     if chain is not None:
         if not isinstance(chain, (tuple, list)) or len(chain) != 2:
@@ -529,7 +506,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
             *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0], cutlass.Float32(rms_args[1])]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, rms_key,
-           glu_key, UNROLL, PRE, SHORT_K, UNROLL_SHORT, PRE_SHORT, bool(signal), dev.index)
+           glu_key, UNROLL, PRE, SHORT_K, UNROLL_SHORT, PRE_SHORT, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -539,7 +516,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key,
-                                              rms_key, glu_key, bool(signal)), *args, stream)
+                                              rms_key, glu_key), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
