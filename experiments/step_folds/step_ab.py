@@ -12,6 +12,9 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              long inputs' 8 / 8 (SHORT_K 0);
   short_k    UNROLL_SHORT / PRE_SHORT for the inputs up to 2048 long: 4/4, 2/2, 3/3, 4/2, 6/6 (6 / 6 = the long
              inputs' 8 / 8 at K 1536, six steps; 4 / 2 won and is the default: profiles/h200/short_k_step_ab.json.gz);
+  mid_k      moe_out (K 3968) at the short inputs' UNROLL / PRE (SHORT_K 4096) or the long inputs' (2048);
+  long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8, 8/12, 12/12, 6/6, 8/6;
+  down_early the one-token experts' down kernel reading idx, its W2 words and scales before its pdl wait or after;
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
@@ -21,7 +24,7 @@ restored first); each arm's output is compared with the first arm's on the same 
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mla_parts)
+        short_k, mid_k, long_k, down_early, mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -53,6 +56,16 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                                          "k3lab_kernels.cute.proj_gemv:UNROLL_SHORT": u,
                                          "k3lab_kernels.cute.proj_gemv:PRE_SHORT": q})
                           for u, q in ((4, 4), (2, 2), (3, 3), (4, 2), (6, 6))),
+         # moe_out (K 3968) with the short inputs' 4 / 2 (SHORT_K 4096) or the long inputs' 8 / 8 (SHORT_K 2048)
+         "mid_k": (("k2048", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 2048}),
+                   ("k4096", {"k3lab_kernels.cute.proj_gemv:SHORT_K": 4096})),
+         # the long inputs' (K > SHORT_K) steps in flight / preloaded
+         "long_k": tuple((f"u{u}p{q}", {"k3lab_kernels.cute.proj_gemv:UNROLL": u,
+                                        "k3lab_kernels.cute.proj_gemv:PRE": q})
+                         for u, q in ((8, 8), (8, 12), (12, 12), (6, 6), (8, 6))),
+         # the one-token experts' down kernel reading idx, its W2 words and scales before its pdl wait (DOWN_EARLY)
+         "down_early": (("waits", {"k3lab_kernels.cute.moe_experts:DOWN_EARLY": False}),
+                        ("early", {"k3lab_kernels.cute.moe_experts:DOWN_EARLY": True})),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }
