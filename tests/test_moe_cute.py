@@ -47,39 +47,6 @@ def test_repeated_id_and_pdl(batch):
         assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
 
 
-@pytest.mark.parametrize("tp", [8, 16])
-def test_down_early_k3_pool(tp, monkeypatch):
-    """DOWN_EARLY (the down kernel's ids, W2 words and scales read before its griddepcontrol.wait) at K3's pool:
-    the checker against fp64; then ten rounds in one pdl chain as the decode step runs them, the router's selection
-    inside the CuTe GEMV writing idx / weights right before the experts, each round's y within the MXFP4 tolerance
-    of fp64 on that round's ids (a read of idx before its writer completed would show as wrong experts)."""
-    from k3lab.components import trunk
-    from k3lab_kernels.cute import moe_experts as km
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    monkeypatch.setattr(km, "DOWN_EARLY", True)
-    case = OP.case(tp=tp, routing="uniform", **K3)
-    checker.require(checker.check(OP, case, backend="cute", seed=4))
-    d = OP.make_inputs(case, 6, "cuda")
-    g = torch.Generator("cuda").manual_seed(7)
-    hs = [torch.randn(1, 7168, device="cuda", generator=g).to(torch.bfloat16) for _ in range(10)]
-    wr = (torch.randn(896, 7168, device="cuda", generator=g) / 7168 ** 0.5).to(torch.bfloat16)
-    bias, logits = torch.zeros(896, device="cuda"), torch.empty(1, 896, device="cuda")
-    idx, wk = torch.zeros(1, 16, dtype=torch.int64, device="cuda"), torch.zeros(1, 16, device="cuda")
-    ys, sel = [], []
-    with pdl_chain(True):
-        for h in hs:
-            trunk.proj_group(h, wr, [logits], select=trunk.Select(bias, idx, wk), backend="cute")
-            ys.append(c_moe.experts(d["z"], idx, wk, d["moe"], backend="cute",
-                                    out=torch.full_like(d["y"], float("nan")), check_values=False))
-            sel.append((idx.clone(), wk.clone()))
-    torch.cuda.synchronize()
-    assert len({tuple(i.view(-1).tolist()) for i, _ in sel}) > 1  # the rounds chose different experts
-    for y, (i, w) in zip(ys, sel):
-        want = c_moe.experts(d["z"].double(), i, w.double(), d["moe"], backend="reference")
-        assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
-
-
 @pytest.mark.parametrize("pdl", [False, True])
 def test_glue_outputs_tp8(pdl):
     """The down kernel's `glue` (k3lab.step.moe_glue_fold) at K3's TP8 pool: yg equal to bf16(y routed_norm) of the y

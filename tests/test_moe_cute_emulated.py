@@ -22,17 +22,15 @@ ROUNDS = dict(SMALL, latent=1152, inter=384)
 ODD = dict(SMALL, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, down_early=False):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     if glue is not None:
         t.update(gam=glue[0], yg=glue[1], ssp=glue[2])
-    # up reads nothing before its wait; down (DOWN_EARLY) its ids, W2 words and scales
-    emulate._PDL["early"] = frozenset(t[n].data_ptr() for n in (("idx", "w2", "s2") if down_early else ()))
+    emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
         mod = m.mod["moe_experts"]
-        saved = mod.DOWN_ROWS, mod.UP_ROWS, mod.DOWN_EARLY
-        mod.DOWN_EARLY = down_early
+        saved = mod.DOWN_ROWS, mod.UP_ROWS
         if rows:  # both kernels' rows a CTA
             mod.DOWN_ROWS, mod.UP_ROWS = rows, rows
         try:
@@ -40,16 +38,15 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, down_early=
                             b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
                             pdl=pdl, glue=None if glue is None else (a["gam"], a["yg"], a["ssp"]))
         finally:
-            mod.DOWN_ROWS, mod.UP_ROWS, mod.DOWN_EARLY = saved
+            mod.DOWN_ROWS, mod.UP_ROWS = saved
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, rows=None, down_early=False):
+def impl(pdl=False, idx32=False, rows=None):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows, down_early=down_early)
-    f.__name__ = (f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, rows a CTA={rows}, "
-                  f"down_early={down_early})")
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows)
+    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, rows a CTA={rows})"
     return f
 
 
@@ -70,14 +67,6 @@ def test_one_token(pdl, idx32, shape, rows):
     inter = shape["inter"] // shape["tp"]
     assert launches[-2]["block"] == -(-shape["latent"] // 32 // 32) * 32
     assert launches[-2]["grid"][0] == shape["top_k"] * inter // (rows or 4)
-
-
-@pytest.mark.parametrize("pdl", [True, False])
-def test_down_reads_its_weights_before_the_wait(pdl):
-    """DOWN_EARLY: the down kernel reads idx, its W2 words and scales before griddepcontrol.wait (the emulator
-    refuses any other read there: act comes after it), with `up` launched with and without pdl; the same checked
-    result (the ODD pool: w2 rows straddling scale words)."""
-    checker.require(checker.check(OP, OP.case(**ODD), impl=impl(pdl, down_early=True), seed=3, device="cpu"))
 
 
 def test_glue_outputs():

@@ -14,17 +14,17 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              inputs' 8 / 8 at K 1536, six steps; 4 / 2 won and is the default: profiles/h200/short_k_step_ab.json.gz);
   mid_k      moe_out (K 3968) at the short inputs' UNROLL / PRE (SHORT_K 4096) or the long inputs' (2048);
   long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8, 8/12, 12/12, 6/6, 8/6;
-  down_early the one-token experts' down kernel reading idx, its W2 words and scales before its pdl wait or after;
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
-babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36.
+babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
+kernel reading its ids, W2 words and scales before its pdl wait) at 79364b5.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mid_k, long_k, down_early, mla_parts)
+        short_k, mid_k, long_k, mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -63,9 +63,6 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "long_k": tuple((f"u{u}p{q}", {"k3lab_kernels.cute.proj_gemv:UNROLL": u,
                                         "k3lab_kernels.cute.proj_gemv:PRE": q})
                          for u, q in ((8, 8), (8, 12), (12, 12), (6, 6), (8, 6))),
-         # the one-token experts' down kernel reading idx, its W2 words and scales before its pdl wait (DOWN_EARLY)
-         "down_early": (("waits", {"k3lab_kernels.cute.moe_experts:DOWN_EARLY": False}),
-                        ("early", {"k3lab_kernels.cute.moe_experts:DOWN_EARLY": True})),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

@@ -14,9 +14,7 @@ two launches, no atomics, no tickets, y written (not accumulated).
         a factor of 0.0.
   down  a CTA per R = DOWN_ROWS latent rows; thread p < K * I/32 owns the (pair, block) product p of every row: its
         32 activations loaded once, the rows' W2_e words and scales; per row a shuffle sum, then across warps in
-        shared memory; a PDL launch after `up` (it waits for up's activations before reading anything; with
-        DOWN_EARLY it reads idx, its W2 words and scales first, then waits for act: `up` lets it launch only after
-        up's own griddepcontrol.wait, so the kernel that wrote idx has completed by then). With
+        shared memory; a PDL launch after `up` (it waits for up's activations before reading anything). With
         `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one partial a CTA): the MoE output's
         routed norm folded (k3lab.step.moe_glue_fold).
   (git history: a warp per (pair, two rows) and a warp per latent row, whose every warp re-read z or all of act,
@@ -72,9 +70,6 @@ _KERNEL_CLS = None
 # (experiments/moe_cute/README.md: 4 and 4 ahead of 2, 8 and 16 at TP8 and TP16)
 DOWN_ROWS = 4
 UP_ROWS = 4
-# the down kernel reads idx, its W2 words and scales before griddepcontrol.wait, act after it (False: everything
-# after it); safe because `up` lets it launch only after up's own wait, so the kernel that wrote idx has completed
-DOWN_EARLY = False
 
 
 def _kernel_classes():
@@ -136,10 +131,8 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False,
-                     early: bool = False):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            self.early = bool(early)                 # idx, W2 and its scales before the wait (DOWN_EARLY)
             self.NP = K * (I // 32)                  # (pair, block) products a row
             self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
             self.glue = bool(glue)                   # also yg = bf16(y gamma) and the CTA's sum of y^2
@@ -166,9 +159,8 @@ def _kernel_classes():
             keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
             k = q // NB
             cb = q % NB
-            if cutlass.const_expr(not self.early):
-                cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
+            cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
             wv = cute.make_rmem_tensor((R * 4,), Int32)
             sv = cute.make_rmem_tensor((R,), Int32)
@@ -177,9 +169,6 @@ def _kernel_classes():
                 cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
                                   cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)))
                 sv[r] = vec(p_s2, (row * NB + cb) // 4, 1)[0]
-            if cutlass.const_expr(self.early):
-                cute.arch.griddepcontrol_wait()  # the activations of MoEUp
-                cute.arch.griddepcontrol_launch_dependents()
             ap = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
             acc = cute.make_rmem_tensor((R,), Float32)
@@ -408,8 +397,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS  # I is a multiple of 32
-    early = bool(DOWN_EARLY)
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None, early)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -420,7 +408,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
 
             up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None, early), *down_args, stream))
+                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
