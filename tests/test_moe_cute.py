@@ -50,8 +50,9 @@ def test_repeated_id_and_pdl(batch):
 @pytest.mark.parametrize("pdl", [False, True])
 def test_glue_outputs_tp8(pdl):
     """The down kernel's `glue` (k3lab.step.moe_glue_fold) at K3's TP8 pool: yg equal to bf16(y routed_norm) of the y
-    it wrote, the 896 partials equal to y^2 summed over each CTA's four rows (within fp32 rounding), y within the
+    it wrote, the partials (glue_partials) equal to y^2 summed over each CTA's rows (within fp32 rounding), y within the
     MXFP4 tolerance of fp64, NaN-poisoned first, under pdl and not."""
+    from k3lab_kernels.cute.moe_experts import glue_partials
     from k3lab_kernels.triton.pdl import pdl_chain
 
     case = OP.case(tp=8, routing="uniform", **K3)
@@ -61,14 +62,15 @@ def test_glue_outputs_tp8(pdl):
     gam = (1 + 0.1 * torch.randn(L, device="cuda", generator=torch.Generator("cuda").manual_seed(1))).bfloat16()
     y = torch.full_like(d["y"], float("nan"))
     yg = torch.full((1, L + 768), float("nan"), device="cuda", dtype=torch.bfloat16)[:, :L]
-    ssp = torch.full((1, L // 4), float("nan"), device="cuda")
+    P = glue_partials(L)
+    ssp = torch.full((1, P), float("nan"), device="cuda")
     with pdl_chain(pdl):
         c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False,
                       glue=(gam, yg, ssp))
     torch.cuda.synchronize()
     assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
     assert torch.equal(yg, (y * gam.float()).to(torch.bfloat16))
-    ref = (y.double() ** 2).view(-1, 4).sum(1)
+    ref = (y.double() ** 2).view(P, -1).sum(1)
     assert float(((ssp.double().view(-1) - ref).abs() / ref.clamp_min(1e-30)).max()) < 1e-6
 
 

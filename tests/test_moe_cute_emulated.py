@@ -63,10 +63,14 @@ def test_one_token(pdl, idx32, shape, rows):
     launches = emulate.LAST["launches"]
     assert [x["use_pdl"] for x in launches[-2:]] == [pdl, True]  # down always waits for up's activations
     nt = -(-shape["top_k"] * shape["inter"] // shape["tp"] // 32 // 32) * 32
-    assert launches[-1]["block"] == nt and launches[-1]["grid"][0] == shape["latent"] // (rows or 4)
+    from k3lab_kernels.cute import moe_experts as km
+
+    down = rows or (km.DOWN_ROWS if shape["latent"] % km.DOWN_ROWS == 0 else 1)
+    assert launches[-1]["block"] == nt and launches[-1]["grid"][0] == shape["latent"] // down
     inter = shape["inter"] // shape["tp"]
     assert launches[-2]["block"] == -(-shape["latent"] // 32 // 32) * 32
-    assert launches[-2]["grid"][0] == shape["top_k"] * inter // (rows or 4)
+    up = rows or (km.UP_ROWS if inter % km.UP_ROWS == 0 else 4)
+    assert launches[-2]["grid"][0] == shape["top_k"] * inter // up
 
 
 def test_glue_outputs():
@@ -79,11 +83,14 @@ def test_glue_outputs():
     L = d["z"].shape[1]
     gam = (1 + 0.1 * torch.randn(L, generator=torch.Generator().manual_seed(2))).to(torch.bfloat16)
     yg = torch.full((1, L + 8), float("nan"), dtype=torch.bfloat16)[:, :L]  # a column slice of a wider buffer
-    ssp = torch.full((1, L // 4), float("nan"))
+    from k3lab_kernels.cute.moe_experts import glue_partials
+
+    P = glue_partials(L)
+    ssp = torch.full((1, P), float("nan"))
     y1 = torch.full_like(d["y"], float("nan"))
     run(d["z"], d["idx"], d["weights_k"], d["moe"], y1, seed=2, glue=(gam, yg, ssp))
     assert torch.isfinite(y1).all() and torch.equal(yg, (y1 * gam.float()).to(torch.bfloat16))
-    want = (y1.double() ** 2).view(-1, 4).sum(1)
+    want = (y1.double() ** 2).view(P, -1).sum(1)
     assert ((ssp.double().view(-1) - want).abs() <= 1e-6 * want + 1e-30).all()
 
 

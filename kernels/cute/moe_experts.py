@@ -66,10 +66,12 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
-# rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel
-# (experiments/moe_cute/README.md: 4 and 4 ahead of 2, 8 and 16 at TP8 and TP16)
-DOWN_ROWS = 4
-UP_ROWS = 4
+# rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel. Alone
+# (experiments/moe_cute/README.md) 4 and 4 were ahead of 2, 8 and 16 at TP8 and TP16; inside the batch-1 decode step
+# (pdl, the glue folded) 6 / 8 took 1069.7-1079.9 us against 1079.2-1082.5 at 4 / 4 (docs/NOTES_moe.md, thirtieth
+# session). A shape they do not divide takes 4 (up) or 1 (down).
+DOWN_ROWS = 8
+UP_ROWS = 6
 
 
 def _kernel_classes():
@@ -396,7 +398,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
-    up_rows = UP_ROWS  # I is a multiple of 32
+    up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
     key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
