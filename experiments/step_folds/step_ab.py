@@ -7,7 +7,7 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              routed_norm) and the partial sums of y^2 by the experts' down kernel, moe_out on the CuTe GEMV through its
              rmsp prologue; or glue.norm_glu's launch (0);
   proj_unroll  the CuTe GEMV's steps in flight (UNROLL) and preloaded before the pdl wait (PRE): 4 / 4, 8 / 4, 8 / 8
-             (8 / 8 won and is the default: profiles/h200/proj_unroll_step_ab.json.gz);
+             (8 / 8 won and is the default: profiles/h200/proj_unroll_step_ab.json.gz, git history at 720c776);
   proj_short the GEMV's short inputs (K <= 2048: the output projections, W_fb) at 4 / 4 (SHORT_K 2048) or at the
              long inputs' 8 / 8 (SHORT_K 0);
   short_k    UNROLL_SHORT / PRE_SHORT for the inputs up to 2048 long: 4/4, 2/2, 3/3, 4/2, 6/6 (6 / 6 = the long
