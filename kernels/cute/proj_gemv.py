@@ -9,7 +9,8 @@ multiple of 8 (a last partial step of 256 columns is masked by lane); B = 1..MAX
 warps); warp w of CTA c owns output row n = 4 c + w over all of K: lane l reads columns 256 s + 8 l .. + 7 of step s
 (one 16-byte load of W and one of each batch row of x, the x rows from L1 / L2), the steps unrolled UNROLL deep so
 that each warp keeps UNROLL x 512 bytes of its row in flight, the first PRE steps' W loaded first (before the wait
-under pdl: the weight streams while the kernel before finishes); the batch rows' dot products are summed over the warp
+under pdl: the weight streams while the kernel before finishes; inputs of K <= SHORT_K take UNROLL_SHORT / PRE_SHORT,
+fewer registers so more of their CTAs are resident); the batch rows' dot products are summed over the warp
 by shuffles and lane b stores row b. No split-K and no shared memory: a 576-row projection is 144 CTAs of four
 warps (two rows a warp, one wave for the wide groups, won alone and lost inside the decode step:
 docs/NOTES_trunk.md, twentieth session; code at f17621a). Outputs: each out_i [B, N_i] bf16 or fp32 with unit inner
