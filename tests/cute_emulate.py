@@ -1095,6 +1095,11 @@ _PTX_F32 = {"mul.rn.f32": lambda a, b: _f32(a * b), "add.rn.f32": lambda a, b: _
             "div.full.f32": lambda a, b: _f32(_div(a, b)), "sqrt.approx.ftz.f32": _sqrt_approx_ftz}
 
 
+def _e4m3_value(code: int) -> float:
+    """The value of a float8_e4m3fn code (NaN for 0x7F / 0xFF)."""
+    return float(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item())
+
+
 def _e4m3(x: float) -> int:
     """cvt.rn.satfinite.e4m3: the float8_e4m3fn code of x (nearest even, saturated to +-448; NaN 0x7F)."""
     if x != x:
@@ -1120,7 +1125,8 @@ def _bits_of_f16(x: float) -> int:
     return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
 
 
-_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.rn.bf16x2.f32", "shl.b32")
+_B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.rn.bf16x2.f32", "shl.b32",
+            "cvt.rn.f16x2.e4m3x2")
 
 
 def _bits_of_bf16(x: float) -> int:
@@ -1266,7 +1272,7 @@ def _ptx_b32(operands, asm_string, constraints):
         s = " ".join(stmt.split()).strip("{} ")
         if not s or s.startswith(".reg "):
             continue
-        m = re.fullmatch(r"mov\.b32 \{ ?(\w+), (\w+) ?\}, (\w+)", s)
+        m = re.fullmatch(r"mov\.b32 \{ ?(\w+), (\w+) ?\}, ([\w$]+)", s)
         if m:
             v = get(m[3])
             regs[m[1]], regs[m[2]] = v & 0xFFFF, v >> 16
@@ -1289,6 +1295,9 @@ def _ptx_b32(operands, asm_string, constraints):
         elif op == "fma.rn.f16x2":
             x, y, z = get(a[1]), get(a[2]), get(a[3])
             regs[d] = fma16(x & 0xFFFF, y & 0xFFFF, z & 0xFFFF) | (fma16(x >> 16, y >> 16, z >> 16) << 16)
+        elif op == "cvt.rn.f16x2.e4m3x2":  # a .b16 pair of codes: the upper byte to the upper half (exact)
+            v = get(a[1])
+            regs[d] = _bits_of_f16(_e4m3_value(v & 0xFF)) | (_bits_of_f16(_e4m3_value((v >> 8) & 0xFF)) << 16)
         elif op == "cvt.f32.f16":
             regs[d] = _bits_of_f32(_f16_of_bits(get(a[1])))
         elif op == "add.f32":

@@ -33,6 +33,32 @@ def test_group_tp8(group, batch):
     checker.require(checker.check(GROUP, c, backend="cute", seed=batch))
 
 
+@pytest.mark.parametrize("name,batch,residual", [("kda_q", 1, False), ("kda_o", 4, True), ("moe_down", 1, False),
+                                                 ("kda_fb", 3, False)])
+def test_proj_fp8_tp8(name, batch, residual):
+    """fp8 weights (e4m3, one fp32 scale a row) against W_e4m3 * scale in fp64, then the same call inside a pdl chain
+    (the weight's words before the wait) equal to the plain launch's output."""
+    from k3lab.components import trunk
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    c = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype="fp8", residual=residual, prologue="none")
+    checker.require(checker.check(PROJ, c, backend="cute", seed=batch))
+    d = PROJ.make_inputs(c, 9, "cuda")
+    ys = []
+    for pdl in (False, True):
+        y = torch.full_like(d["y0"], float("nan"))
+        with pdl_chain(pdl):
+            trunk.proj(d["x"], d["w"], y, w_scale=d["w_scale"], residual=d.get("residual"), backend="cute")
+        ys.append(y)
+    torch.cuda.synchronize()
+    assert torch.equal(ys[0], ys[1])
+
+
+def test_group_fp8_tp8():
+    c = GROUP.case(preset="tp8", group="mla_in", batch=2, wdtype="fp8", select=False)
+    checker.require(checker.check(GROUP, c, backend="cute", seed=2))
+
+
 @pytest.mark.parametrize("batch", [1, 2, 4])
 def test_group_select_tp8(batch):
     """The MoE input group with the router's selection fused (the last router CTA selects), under pdl and not: the
@@ -60,8 +86,8 @@ def test_refused_by_name():
     w = torch.zeros(4, 256, dtype=torch.bfloat16, device=dev)
     with pytest.raises(ValueError, match="'prologue'"):
         trunk.proj(x, w, backend="cute", prologue=("rms", torch.ones(256, device=dev), 1e-6))
-    with pytest.raises(ValueError, match="'w_scale'|'w' must have dtype"):
-        trunk.proj(x, w.to(torch.float8_e4m3fn), backend="cute", w_scale=torch.ones(4, device=dev))
+    with pytest.raises(ValueError, match="'w_scale'"):  # a scale without fp8 weights
+        trunk.proj(x, w, backend="cute", w_scale=torch.ones(4, device=dev))
     with pytest.raises(ValueError, match="'block_n'"):
         trunk.proj(x, w, backend="cute", block_n=16)
     with pytest.raises(ValueError, match="'x' must be"):

@@ -17,11 +17,14 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None, rmsp=None, glu=None):
+def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=None, rmsp=None, glu=None,
+             w_scale=None):
     """proj on the emulator; select None or (e_bias, idx, weights, scaling): the fused router selection; chain None
     or (w2, f): the chained projection f = outs[0] w2^T; rmsp None or (ssp, k0, eps): the rms-scaled segment; glu
-    None or (b1, b2): the last output as situ(g, u) over its [g | u] rows."""
+    None or (b1, b2): the last output as situ(g, u) over its [g | u] rows; w_scale: fp8 weights' row scales."""
     t = dict(x=x, w=w, **{f"o{i}": o for i, o in enumerate(outs)})
+    if w_scale is not None:
+        t["ws"] = w_scale
     if chain is not None:
         t.update(w2=chain[0], f=chain[1])
     if rmsp is not None:
@@ -39,14 +42,15 @@ def run_proj(x, w, outs, residual=None, pdl=False, seed=0, select=None, chain=No
         ch = None if chain is None else (a["w2"], a["f"])
         rm = None if rmsp is None else (a["ssp"], rmsp[1], rmsp[2])
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
-                                select=sel, chain=ch, rmsp=rm, glu=glu)
+                                select=sel, chain=ch, rmsp=rm, glu=glu, w_scale=a.get("ws"))
     emulate._run(call, t, seed)
 
 
 def impl(n_out, pdl=False, select=False):
     def f(d):
         sel = (d["e_bias"], d["idx"], d["weights"], 1.0) if select else None
-        run_proj(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), pdl, select=sel)
+        ws = d["w_scale"] if d["w"].dtype == torch.float8_e4m3fn else None
+        run_proj(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), pdl, select=sel, w_scale=ws)
     f.__name__ = f"emulated cute proj({n_out} outputs, pdl={pdl}, select={select})"
     return f
 
@@ -55,6 +59,37 @@ def impl(n_out, pdl=False, select=False):
 def test_proj_tiny(name, batch, residual):
     c = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype="bf16", residual=residual, prologue="none")
     checker.require(checker.check(PROJ, c, impl=impl(1), seed=batch, device="cpu"))
+
+
+@pytest.mark.parametrize("name,batch,residual,pdl", [("kda_b", 3, True, True), ("moe_router", 1, False, False)])
+def test_proj_tiny_fp8(name, batch, residual, pdl):
+    """e4m3 weights with one fp32 scale a row (the tiny preset's K = 64: one partial 512-column step, four lanes
+    loading), against W_e4m3 * scale in fp64 through the checker; under pdl the weight's words before the wait."""
+    c = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype="fp8", residual=residual, prologue="none")
+    checker.require(checker.check(PROJ, c, impl=impl(1, pdl=pdl), seed=batch, device="cpu"))
+
+
+def test_group_tiny_fp8():
+    """The MLA input group with fp8 weights: three outputs of one e4m3 weight, each row its own scale."""
+    c = GROUP.case(preset="tiny", group="mla_in", batch=2, wdtype="fp8", select=False)
+    checker.require(checker.check(GROUP, c, impl=impl(len(trunk_ops._parts(c)), pdl=True), seed=2, device="cpu"))
+
+
+@pytest.mark.parametrize("K", [1024, 1040])
+def test_fp8_full_and_partial_steps(K):
+    """Two full 512-column fp8 steps (1024), and two plus a partial one (1040: lane 0 past the full steps loads);
+    every e4m3 code value and both signs in the weight (codes drawn uniformly, NaNs 0x7F / 0xFF left out), a scale a
+    row; exact products summed in fp32 against fp64."""
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(2, K, generator=g).to(torch.bfloat16)
+    codes = torch.randint(0, 256, (6, K), generator=g, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0x3F
+    w = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    sc = torch.rand(6, generator=g) + 0.5
+    out = torch.full((2, 6), float("nan"), dtype=torch.float32)
+    run_proj(x, w, [out], w_scale=sc)
+    want = (x.double() @ w.double().T) * sc.double()
+    assert (out.double() - want).abs().max() < 1e-5 * want.abs().max()
 
 
 def test_group_tiny():
@@ -102,6 +137,15 @@ def test_refused_by_name():
     d = PROJ.make_inputs(c, 0, "cpu")
     with pytest.raises(ValueError, match="'w' must have dtype"):
         run_proj(d["x"], d["w"].float(), [d["y0"]])
+    with pytest.raises(ValueError, match="'w_scale' is taken with fp8 weights only"):
+        run_proj(d["x"], d["w"], [d["y0"]], w_scale=torch.ones(d["w"].shape[0]))
+    w8 = d["w"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="'w_scale' must be a torch.Tensor"):
+        run_proj(d["x"], w8, [d["y0"]])
+    with pytest.raises(ValueError, match="'w_scale' must be a contiguous"):
+        run_proj(d["x"], w8, [d["y0"]], w_scale=torch.ones(w8.shape[0] + 1))
+    with pytest.raises(ValueError, match="'glu' is not taken with fp8 weights"):
+        run_proj(d["x"], w8, [d["y0"]], w_scale=torch.ones(w8.shape[0]), glu=(4.0, 25.0))
     with pytest.raises(ValueError, match="'x' must be"):
         run_proj(torch.zeros(17, 64, dtype=torch.bfloat16), d["w"], [torch.zeros(17, 4, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match="'outs' widths must add up"):
@@ -115,12 +159,13 @@ def test_refused_by_name():
 
 
 def test_supports_names_what_cute_does_not_take():
-    """The registry's `supports` (which `auto` and the benchmark consult): fp8 weights, prologues, the fused
-    selection above batch 4 and more than 16 rows are not the cute projection's."""
+    """The registry's `supports` (which `auto` and the benchmark consult): prologues, the fused selection above batch
+    4 or with fp8 weights, and more than 16 rows are not the cute projection's."""
     from k3lab.ops.trunk import proj_supports
 
     assert proj_supports("cute", dict(batch=16, wdtype="bf16")) is None
-    assert "bf16 weights" in proj_supports("cute", dict(batch=1, wdtype="fp8"))
+    assert proj_supports("cute", dict(batch=1, wdtype="fp8")) is None
+    assert "bf16 weights only" in proj_supports("cute", dict(batch=1, wdtype="fp8", select=True))
     assert "1..16" in proj_supports("cute", dict(batch=17))
     assert "prologue" in proj_supports("cute", dict(batch=1, prologue="rms"))
     assert proj_supports("cute", dict(batch=4, select=True)) is None
@@ -128,14 +173,14 @@ def test_supports_names_what_cute_does_not_take():
 
 
 def test_bench_skips_what_a_backend_does_not_take(monkeypatch):
-    """The benchmark asks `supports` per case: an fp8 case lists cute as skipped, with the reason, instead of timing a
-    refusal; a bf16 case keeps it."""
+    """The benchmark asks `supports` per case: a case with a prologue lists cute as skipped, with the reason, instead
+    of timing a refusal; a bf16 case keeps it."""
     from k3lab.bench import runner
 
     monkeypatch.setattr(runner, "backend_status", lambda be: (True, ""))
-    fp8 = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="fp8", residual=False, prologue="none")
-    impls, skipped = runner.implementations(PROJ, fp8, ["cute"], peers=False, only={}, gpu=False)
-    assert not impls and "bf16 weights" in skipped["cute"]
+    pro = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="rms")
+    impls, skipped = runner.implementations(PROJ, pro, ["cute"], peers=False, only={}, gpu=False)
+    assert not impls and "prologue" in skipped["cute"]
     bf16 = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="none")
     impls, skipped = runner.implementations(PROJ, bf16, ["cute"], peers=False, only={}, gpu=False)
     assert [i.name for i in impls] == ["cute"] and not skipped

@@ -345,17 +345,19 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
             _fail("path", f"'rows' takes a batch of at most {ROWS_MAX_BATCH}, got {B}; use 'dot' or None")
         if opts.get("split_k", 1) != 1:
             _fail("split_k", "applies to path 'dot' only (the rows path splits no K)")
-    if be == "cute":  # bf16 weights; the one input prologue it takes is rmsp (kernels/cute/proj_gemv.py)
+    if be == "cute":  # bf16 or fp8 weights; the one input prologue it takes is rmsp (kernels/cute/proj_gemv.py)
         rmsp = None
         if pro == "rmsp":
             rmsp = (prologue[1], int(prologue[2]), float(prologue[3]))
-        for name, v in (("prologue", None if rmsp else prologue), ("x2", x2), ("w_scale", w_scale)):
+        for name, v in (("prologue", None if rmsp else prologue), ("x2", x2)):
             if v is not None:
-                _fail(name, "is not taken by the cute projection (bf16 weights; an input prologue only as "
-                            "('rmsp', ssp, k1, eps): kernels/cute/proj_gemv.py); use backend 'triton'")
+                _fail(name, "is not taken by the cute projection (an input prologue only as ('rmsp', ssp, k1, eps): "
+                            "kernels/cute/proj_gemv.py); use backend 'triton'")
         sel = None if select is None else (select.e_bias, select.idx, select.weights, float(select.scaling))
         extra = {k: v for k, v in (("chain", None if chain is None else tuple(chain)), ("rmsp", rmsp),
                                    ("glu", None if glu is None else tuple(glu))) if v is not None}
+        if w_scale is not None:
+            extra["w_scale"] = w_scale
         dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel, **extra)
     elif be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],

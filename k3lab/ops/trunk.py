@@ -526,9 +526,9 @@ def _max_batch() -> int:
 
 def proj_supports(backend: str, shape: dict) -> str | None:
     """The batches the triton projections take (1..MAX_BATCH rows; `auto` then passes over triton to the
-    reference, e.g. a verify step of more tokens); what the cute projection takes (bf16 weights, batch <= 16, no
-    input prologue, the fused selection at batch <= 4: kernels/cute/proj_gemv.py). A shape or case without a key
-    passes."""
+    reference, e.g. a verify step of more tokens); what the cute projection takes (bf16 or fp8 weights, batch <= 16,
+    no input prologue, the fused selection at batch <= 4 with bf16 weights: kernels/cute/proj_gemv.py). A shape or
+    case without a key passes."""
     if backend == "triton" and shape.get("batch", 1) > _max_batch():
         return f"x has {shape['batch']} rows; the triton projections take 1..{_max_batch()}"
     if backend == "cute":
@@ -536,8 +536,10 @@ def proj_supports(backend: str, shape: dict) -> str | None:
 
         if shape.get("batch", 1) > CB:
             return f"x has {shape['batch']} rows; the cute projection takes 1..{CB}"
-        if shape.get("wdtype", "bf16") != "bf16":
-            return "the cute projection takes bf16 weights only"
+        if shape.get("wdtype", "bf16") not in ("bf16", "fp8"):
+            return "the cute projection takes bf16 or fp8 weights"
+        if shape.get("wdtype", "bf16") == "fp8" and shape.get("select", False):
+            return "the cute projection fuses the selection with bf16 weights only"
         if shape.get("prologue", "none") != "none":
             return "the cute projection runs no input prologue"
         if shape.get("select", False) and shape.get("batch", 1) > 4:

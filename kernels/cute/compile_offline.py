@@ -234,11 +234,13 @@ def _cases(only: str | None, quick: bool):
     if only in (None, "proj"):
         from kernels.cute import proj_gemv as kg
         # proj's arguments: x, W, residual, six output pointers, x's row stride, six output row strides; the fused
-        # selection's e_bias, idx, weights, counter and scaling; the chained projection's w2, f and f's row stride
-        def gargs(o_dts):
-            return ([P(bf, 16), P(bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7
-                    + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0), P(bf, 16),
-                       P(bf, 2), i32(1536), P(f32, 4), cutlass.Float32(1e-6), S])
+        # selection's e_bias, idx, weights, counter and scaling; the chained projection's w2, f and f's row stride;
+        # rmsp's partials and eps; fp8 weights' row scales (W as int32 words of four e4m3 codes)
+        def gargs(o_dts, fp8=False):
+            return ([P(bf, 16), P(i32 if fp8 else bf, 16), P(bf, 2)] + [P(dt, dt.width // 8) for dt in o_dts]
+                    + [i32(7168)] * 7 + [P(f32, 4), P(cutlass.Int64, 8), P(f32, 4), P(i32, 4), cutlass.Float32(1.0),
+                                         P(bf, 16), P(bf, 2), i32(1536), P(f32, 4), cutlass.Float32(1e-6),
+                                         P(f32, 4) if fp8 else P(bf, 4), S])
         moe_in = (896, 4480, 5248, 6016)  # TP8: router, latent down, shared w1, shared w3
         for B, N, K, ends, res, pdl, o_dts, k in (
                 (1, 4608, 7168, (4608,), False, False, [bf] * 6, 0),
@@ -254,6 +256,17 @@ def _cases(only: str | None, quick: bool):
                     + (f" select{k}" if k else ""))
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, k=k: kg._kernel_class()(
                 B, N, K, e, r, p, k), gargs(o_dts)))
+        # fp8 weights: kda_q, kda_o with the residual (K 1536: three 512-column steps), moe_down, the MLA input group,
+        # a partial last step (K 528)
+        for B, N, K, ends, res, pdl, o_dts in (
+                (1, 1536, 7168, (1536,), False, True, [bf] * 6),
+                (4, 7168, 1536, (7168,), True, True, [bf] * 6),
+                (1, 3584, 7168, (3584,), False, False, [bf] * 6),
+                (2, 3648, 7168, (1536, 2112, 3648), False, True, [bf, f32] + [bf] * 4),
+                (3, 64, 528, (64,), True, False, [bf] * 6)):
+            name = f"proj fp8 B{B} N{N} K{K} outs{len(ends)}" + (" residual" if res else "") + (" pdl" if pdl else "")
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl: kg._kernel_class()(
+                B, N, K, e, r, p, 0, None, None, None, True), gargs(o_dts, fp8=True)))
         kda_in = (128, 4736, 6272, 6284)  # TP8, fa first: fa, q|k|v, g, beta; chained: f = W_fb fa (1536 x 128)
         for B, pdl in ((1, True), (1, False), (4, True)):
             cases.append((f"proj B{B} N6284 K7168 outs4 chain1536x128" + (" pdl" if pdl else ""),

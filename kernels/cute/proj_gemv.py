@@ -1,8 +1,13 @@
 """Trunk projections at small batch as one CuTe DSL kernel (the twin of kernels/triton/proj_gemv.py's GEMV paths,
-without its prologues or fp8 weights): y_i = x W_i^T over the row ranges of one weight.
+without its Triton prologues): y_i = x W_i^T over the row ranges of one weight, bf16 or fp8 weights.
 
-    y[b, n] = sum_k x[b, k] * W[n, k]  (+ residual[b, n])        fp32 accumulation, stored in out_i's dtype
+    y[b, n] = sum_k x[b, k] * W[n, k] (* scale[n])  (+ residual[b, n])   fp32 accumulation, stored in out_i's dtype
     out_i[b, n - start_i] = y[b, n]  for start_i <= n < end_i     (up to MAX_OUTPUTS outputs: a fused group)
+
+fp8 weights (float8_e4m3fn, one fp32 scale a row: the Triton kernels' scheme, W_true[n, :] = W[n, :] scale[n]): a
+lane's 16 bytes of a step are 16 columns (a step 512 columns), each word of four codes widened to fp32 exactly (two
+cvt.rn.f16x2.e4m3x2, then the halves), the row's scale times the fp32 sum before the residual; plain outputs and the
+residual only (not with select, chain, rmsp or glu). Not yet timed on a GPU (thirtieth session).
 
 Layout. x [B, K] bf16 (unit stride along K, a row stride of 8 elements), W [N, K] bf16 contiguous (nn.Linear), K a
 multiple of 8 (a last partial step of 256 columns is masked by lane); B = 1..MAX_BATCH. A CTA of 128 threads (4
@@ -62,7 +67,7 @@ from .router_topk import MAX_EXPERTS, MAX_TOPK, selector_class
 MAX_BATCH = 16
 MAX_OUTPUTS = 6
 SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
-K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16)
+K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16; fp8 weights: 2 K_STEP, 32 lanes x 16 e4m3)
 UNROLL = 8        # steps a warp keeps in flight (4 / 4 before: the batch-1 step 30-40 us slower, docs/NOTES_trunk.md)
 PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
 SHORT_K = 2048    # inputs up to this long take UNROLL_SHORT / PRE_SHORT instead (0: none)
@@ -70,6 +75,12 @@ UNROLL_SHORT = 4  # (the batch-1 step 16 us faster than at 8 / 8: the output pro
 PRE_SHORT = 2
 _THREADS = 128
 _WARPS = _THREADS // 32
+# four e4m3 codes (a 32-bit word, byte 0 the lowest column) -> four fp32: two cvt.rn.f16x2.e4m3x2 (each .b16 source's
+# upper byte to the upper half), then each half widened; exact (every e4m3 value is an f16 value)
+E4M3_PTX = "\n".join(["{", ".reg .b16 lo, hi, a0, a1, a2, a3;", ".reg .b32 h0, h1;", "mov.b32 {lo, hi}, $4;",
+                       "cvt.rn.f16x2.e4m3x2 h0, lo;", "cvt.rn.f16x2.e4m3x2 h1, hi;", "mov.b32 {a0, a1}, h0;",
+                       "mov.b32 {a2, a3}, h1;", "cvt.f32.f16 $0, a0;", "cvt.f32.f16 $1, a1;", "cvt.f32.f16 $2, a2;",
+                       "cvt.f32.f16 $3, a3;", "}"])
 
 __all__ = ["K_STEP", "MAX_BATCH", "MAX_OUTPUTS", "proj"]
 
@@ -84,19 +95,36 @@ def _kernel_class():
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, Int32, cute
+    from cutlass._mlir.dialects import llvm as _llvm
+    from cutlass.cutlass_dsl import dsl_user_op
 
     def vec(ptr, off, n):
         return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    @dsl_user_op
+    def e4m3_word(w, *, loc=None, ip=None):
+        """Four e4m3 codes (bytes 0..3 of a 32-bit word, byte 0 the lowest column) -> their four fp32 values."""
+        res = _llvm.inline_asm(_llvm.StructType.get_literal([Float32.mlir_type] * 4),
+                               [Int32(w).ir_value(loc=loc, ip=ip)], E4M3_PTX, "=f,=f,=f,=f,r",
+                               has_side_effects=False, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT,
+                               loc=loc, ip=ip)
+        return [Float32(_llvm.extractvalue(Float32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(4)]
 
     class ProjGemvKernel:
         """One warp per output row over all of K; four rows a CTA."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool = False,
-                     top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None):
-            assert 1 <= B <= MAX_BATCH and K % 8 == 0 and 1 <= len(ends) <= MAX_OUTPUTS and ends[-1] == N
+                     top_k: int = 0, chain: tuple | None = None, rms: tuple | None = None, glu: tuple | None = None,
+                     fp8: bool = False):
+            assert 1 <= B <= MAX_BATCH and K % (16 if fp8 else 8) == 0 and 1 <= len(ends) <= MAX_OUTPUTS
+            assert ends[-1] == N and not (fp8 and (top_k or chain is not None or rms is not None or glu is not None))
             self.B, self.N, self.K = B, N, K
-            # the module's settings when built (part of the compile key)
-            self.unroll, self.pre = (UNROLL_SHORT, PRE_SHORT) if K <= SHORT_K else (UNROLL, PRE)
+            # fp8 weights (e4m3 codes, one fp32 scale a row): a lane's 16 bytes of a step are 16 columns, not 8
+            self.fp8 = bool(fp8)
+            self.KS = 2 * K_STEP if fp8 else K_STEP  # columns a warp reads a step
+            # the module's settings when built (part of the compile key); short: a row of at most SHORT_K bf16 bytes
+            short = K * (1 if fp8 else 2) <= 2 * SHORT_K
+            self.unroll, self.pre = (UNROLL_SHORT, PRE_SHORT) if short else (UNROLL, PRE)
             self.ends = tuple(int(e) for e in ends)   # the outputs' row ranges: [ends[i-1], ends[i])
             # the rms-scaled segment (rms = (K0, P)): the sum over x's first K0 columns times rsqrt(sum of the row's
             # P partial sums of squares / K0 + eps); the rest as it is
@@ -136,9 +164,9 @@ def _kernel_class():
                      p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                      s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
                      p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
-                     p_ssp: cute.Pointer, eps: Float32, stream: cuda.CUstream):
+                     p_ssp: cute.Pointer, eps: Float32, p_scale: cute.Pointer, stream: cuda.CUstream):
             self.kernel(p_x, p_w, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3, s_o4,
-                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f, p_ssp, eps).launch(
+                        s_o5, p_bias, p_idx, p_wk, p_cnt, scaling, p_w2, p_f, s_f, p_ssp, eps, p_scale).launch(
                 grid=[self.GC + self.NCC, 1, 1], block=[_THREADS, 1, 1], stream=stream,
                 use_pdl=self.pdl)
 
@@ -194,11 +222,25 @@ def _kernel_class():
 
         @cute.jit
         def step(self, wv, s, lane, p_x, s_x, xv, acc):
-            """One 256-column step: acc[b] += sum_j w_j x[b, 256 s + 8 lane + j] over the batch rows."""
-            for b in cutlass.range_constexpr(self.B):
-                cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
-                for j in cutlass.range_constexpr(8):
-                    acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
+            """One step: acc[b] += sum_j w_j x[b, KS s + e lane + j] over the batch rows (bf16: KS 256, e = 8 weights
+            in wv; fp8: KS 512, e = 16 columns, wv four words of four e4m3 codes, xv 16 wide)."""
+            if cutlass.const_expr(self.fp8):
+                wf = cute.make_rmem_tensor((16,), Float32)
+                for j in cutlass.range_constexpr(4):
+                    f = e4m3_word(wv[j])
+                    for i in cutlass.range_constexpr(4):
+                        wf[4 * j + i] = f[i]
+                for b in cutlass.range_constexpr(self.B):
+                    for h in cutlass.range_constexpr(2):
+                        cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * self.KS + 16 * lane + 8 * h, divby=8), 8),
+                                          cute.make_tensor(xv.iterator + 8 * h, cute.make_layout(8)))
+                    for j in cutlass.range_constexpr(16):
+                        acc[b] = acc[b] + wf[j] * xv[j].to(Float32)
+            else:
+                for b in cutlass.range_constexpr(self.B):
+                    cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
+                    for j in cutlass.range_constexpr(8):
+                        acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
 
         @cute.jit
         def glu_store(self, g: Float32, u: Float32, po: cute.Pointer, off: Int32):
@@ -215,9 +257,13 @@ def _kernel_class():
                    p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32, s_o3: Int32,
                    s_o4: Int32, s_o5: Int32, p_bias: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer,
                    p_cnt: cute.Pointer, scaling: Float32, p_w2: cute.Pointer, p_f: cute.Pointer, s_f: Int32,
-                   p_ssp: cute.Pointer, eps: Float32):
+                   p_ssp: cute.Pointer, eps: Float32, p_scale: cute.Pointer):
             B, N, K = self.B, self.N, self.K
-            S = K // K_STEP
+            KS = self.KS
+            S = K // KS                  # whole steps
+            EW = 4 if self.fp8 else 8    # W elements a lane loads a step (int32 words of four codes, or bf16)
+            WS = KS // 4 if self.fp8 else KS  # W elements a step advances along a row
+            LE = KS // 32                # columns a lane covers a step
             tid, _, _ = cute.arch.thread_idx()
             c, _, _ = cute.arch.block_idx()
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -242,32 +288,32 @@ def _kernel_class():
                 if cutlass.const_expr(S0 > 0):
                     acc0 = cute.make_rmem_tensor((B,), Float32)
                     acc0.fill(0.0)
-                wv = cute.make_rmem_tensor((8,), p_w.dtype)
-                xv = cute.make_rmem_tensor((8,), p_x.dtype)
-                wrow = n * K + 8 * lane
+                wv = cute.make_rmem_tensor((EW,), p_w.dtype)
+                xv = cute.make_rmem_tensor((LE,), p_x.dtype)
+                wrow = n * (K // 4 if self.fp8 else K) + EW * lane
                 # the first PRE steps of W in registers before anything else: under pdl they load before the wait
                 # (W is no kernel's output), so the row streams while the kernel before finishes
                 pre = min(self.pre, S)
-                wpre = cute.make_rmem_tensor((max(pre, 1) * 8,), p_w.dtype)
+                wpre = cute.make_rmem_tensor((max(pre, 1) * EW,), p_w.dtype)
                 for s in cutlass.range_constexpr(pre):
-                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8),
-                                      cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)))
+                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * WS, divby=EW), EW),
+                                      cute.make_tensor(wpre.iterator + s * EW, cute.make_layout(EW)))
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                     cute.arch.griddepcontrol_launch_dependents()
                 for s in cutlass.range_constexpr(pre):
-                    self.step(cute.make_tensor(wpre.iterator + s * 8, cute.make_layout(8)), s, lane, p_x, s_x, xv,
+                    self.step(cute.make_tensor(wpre.iterator + s * EW, cute.make_layout(EW)), s, lane, p_x, s_x, xv,
                               acc0 if s < S0 else acc)
                 if cutlass.const_expr(S0 > pre):
                     for s in cutlass.range(pre, S0, unroll=self.unroll):
-                        cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
+                        cute.autovec_copy(vec(p_w, cute.assume(wrow + s * WS, divby=EW), EW), wv)
                         self.step(wv, s, lane, p_x, s_x, xv, acc0)
                 for s in cutlass.range(max(pre, S0), S, unroll=self.unroll):
-                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * K_STEP, divby=8), 8), wv)
+                    cute.autovec_copy(vec(p_w, cute.assume(wrow + s * WS, divby=EW), EW), wv)
                     self.step(wv, s, lane, p_x, s_x, xv, acc)
-                if cutlass.const_expr(K % K_STEP != 0):  # the last, partial step: lanes past K load nothing
-                    if S * K_STEP + 8 * lane < K:
-                        cute.autovec_copy(vec(p_w, cute.assume(wrow + S * K_STEP, divby=8), 8), wv)
+                if cutlass.const_expr(K % KS != 0):  # the last, partial step: lanes past K load nothing
+                    if S * KS + LE * lane < K:
+                        cute.autovec_copy(vec(p_w, cute.assume(wrow + S * WS, divby=EW), EW), wv)
                         self.step(wv, S, lane, p_x, s_x, xv, acc0 if S < S0 else acc)
                 for b in cutlass.range_constexpr(B):
                     for sh in cutlass.range_constexpr(5):
@@ -285,6 +331,8 @@ def _kernel_class():
                 for b in cutlass.range_constexpr(B):
                     if lane == b:
                         y = acc[b]
+                        if cutlass.const_expr(self.fp8):  # the row's scale: W_true[n, :] = W_e4m3[n, :] scale[n]
+                            y = y * vec(p_scale, n, 1)[0]
                         if cutlass.const_expr(self.residual):
                             y = y + vec(p_res, b * N + n, 1)[0].to(Float32)
                         n_plain = len(self.ends) - (0 if self.glu is None else 1)
@@ -377,16 +425,17 @@ def _counter(dev: torch.device) -> torch.Tensor:
     return c
 
 
-def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor | None = None,
-         pdl: bool | None = None, select: tuple | None = None, chain: tuple | None = None, rmsp: tuple | None = None,
-         glu: tuple | None = None) -> list:
+def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, pdl: bool | None = None, select: tuple | None = None,
+         chain: tuple | None = None, rmsp: tuple | None = None, glu: tuple | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
     outs[0] bf16 [B, R], R <= K_STEP a multiple of 8 (module doc). rmsp None or (ssp [B, P] fp32, K0, eps): the sum
     over x's first K0 columns (a multiple of K_STEP) times rsqrt(sum_p ssp[b, p] / K0 + eps) (module doc). glu None
     or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
-    multiple of 4). Returns outs."""
+    multiple of 4). w float8_e4m3fn [N, K] (K a multiple of 16) with w_scale [N] fp32 (W_true[n, :] = w[n, :]
+    w_scale[n], applied to the fp32 sum): the plain outputs and the residual only. Returns outs."""
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 
@@ -399,11 +448,25 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     if not 1 <= B <= MAX_BATCH or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         _fail("x", f"must be [1..{MAX_BATCH}, K] with unit stride along K, a row stride of 8 elements and a 16-byte "
                    f"aligned base, got {tuple(x.shape)} strides {x.stride()}")
-    _check("w", w, dev, (torch.bfloat16,))
+    _check("w", w, dev, (torch.bfloat16, torch.float8_e4m3fn))
     N = w.shape[0]
-    if w.shape[1] != K or K % 8 or not w.is_contiguous() or w.data_ptr() % 16:
-        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] bf16 weight (x's K, a multiple of 8), got "
-                   f"{tuple(w.shape)}")
+    fp8 = w.dtype == torch.float8_e4m3fn
+    kq = 16 if fp8 else 8
+    if w.shape[1] != K or K % kq or not w.is_contiguous() or w.data_ptr() % 16:
+        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] {'fp8' if fp8 else 'bf16'} weight (x's K, a "
+                   f"multiple of {kq}), got {tuple(w.shape)}")
+    scale_arg = _ptr(x, 4)  # x: never read as the scales without fp8 weights
+    if fp8:
+        for name, v in (("select", select), ("chain", chain), ("rmsp", rmsp), ("glu", glu)):
+            if v is not None:
+                _fail(name, "is not taken with fp8 weights (the plain outputs and the residual are)")
+        _check("w_scale", w_scale, dev, (torch.float32,), dim=1)
+        if w_scale.shape[0] != N or not w_scale.is_contiguous():
+            _fail("w_scale", f"must be a contiguous [{N}] fp32 tensor (one scale a row of w), got "
+                             f"{tuple(w_scale.shape)}")
+        scale_arg = _ptr(w_scale, 4)
+    elif w_scale is not None:
+        _fail("w_scale", "is taken with fp8 weights only (one fp32 scale a row); these are bf16")
     rms_key, rms_args = None, [_ptr(x, 4), 0.0]  # x: never read as the partials without rmsp
     if rmsp is not None:
         if not isinstance(rmsp, (tuple, list)) or len(rmsp) != 3:
@@ -504,10 +567,11 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
     o_str = [o.stride(0) for o in list(outs) + pad]
     import cutlass
 
-    args = [_ptr(x, 16), _ptr(w, 16), _ptr(residual if residual is not None else x, 2), *o_ptrs, x.stride(0), *o_str,
-            *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0], cutlass.Float32(rms_args[1])]
+    args = [_ptr(x, 16), _ptr(w.view(torch.int32) if fp8 else w, 16), _ptr(residual if residual is not None else x, 2),
+            *o_ptrs, x.stride(0), *o_str, *sel_args[:4], cutlass.Float32(sel_args[4]), *chain_args, rms_args[0],
+            cutlass.Float32(rms_args[1]), scale_arg]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, top_k, chain_key, rms_key,
-           glu_key, UNROLL, PRE, SHORT_K, UNROLL_SHORT, PRE_SHORT, dev.index)
+           glu_key, fp8, UNROLL, PRE, SHORT_K, UNROLL_SHORT, PRE_SHORT, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -517,7 +581,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, residual: torch.Tensor
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, top_k, chain_key,
-                                              rms_key, glu_key), *args, stream)
+                                              rms_key, glu_key, fp8), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
