@@ -23,6 +23,8 @@ Metrics, per case (rows grouped by `group_by`, default the row's case name; the 
   speedup     the fastest of `peer` over ours: above 1 = ours faster
   x_floor_sum the sum of the medians of the rows `names` lists over the sum of their floors
   auto_gap    the row `auto` selects over the fastest row of its group (1.0 = the automatic choice is the best)
+With "context_peer" (a backend, e.g. "stream": one kernel reading the same bytes) a pct_read, pct_copy, x_floor or
+over_floor case also names that peer's value in the same case, for context only (it never decides the target).
 Every case must pass `op value`: the table shows the worst case (and which), so "every batch" targets read as one
 line. Rows whose fp64 check failed are never counted. A missing bundle, or an entry that selects no row, is an error
 naming the entry (the test suite evaluates every entry).
@@ -164,6 +166,18 @@ def _best(rows: list[dict[str, Any]], require_ok: bool = True) -> dict[str, Any]
 
 def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, Any]],
            all_rows: list[dict[str, Any]], root: Path) -> tuple[float, str]:
+    v, tag = _value_of(e, mine, case_rows, all_rows, root)
+    cp = e.get("context_peer")
+    if cp is not None and e["metric"] in ("pct_read", "pct_copy", "x_floor", "over_floor"):
+        p = _best([r for r in case_rows if r["backend"] == cp], require_ok=False)
+        pv = None if p is None else _value_of(e, p, case_rows, all_rows, root)[0]
+        if pv is not None:
+            tag += f"; {cp} {pv:.3g}"
+    return v, tag
+
+
+def _value_of(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, Any]],
+              all_rows: list[dict[str, Any]], root: Path) -> tuple[float, str]:
     m = e["metric"]
     tag = f"{mine['backend']}"
     if m == "us":

@@ -69,6 +69,18 @@ def test_metrics_and_the_worst_case(toy):
     assert r.measured == (4.0 + 9.0) / 2.0  # the first row of each name, ours
 
 
+def test_context_peer_is_named_and_never_decides(toy):
+    """context_peer: the named backend's value in the worst case's line, beside ours; the verdict is ours alone."""
+    r = tg.evaluate(_e(metric="over_floor", op="<=", value=1.0, context_peer="copy"), toy)
+    assert r.measured == 8.0 and not r.met and "b=8" in r.where and "copy 4" in r.where
+    r = tg.evaluate(_e(metric="over_floor", op="<=", value=2.5, context_peer="copy"), toy)
+    assert r.measured == 8.0 and not r.met  # the peer's 4 over does not change the verdict
+    r = tg.evaluate(_e(metric="over_floor", op="<=", value=9.0, context_peer="copy", where={"batch": 1}), toy)
+    assert r.met and "copy" not in r.where  # no row of it in that case
+    with pytest.raises(tg.TargetError, match="'copy' bandwidth"):  # a peer on another floor is no context
+        tg.evaluate(_e(metric="pct_read", op=">=", value=80.0, context_peer="copy"), toy)
+
+
 def test_bad_entries_are_named(toy, tmp_path):
     with pytest.raises(tg.TargetError, match="does not exist"):
         tg.evaluate(_e(bundle="none.json.gz", metric="us", op="<=", value=1.0), toy)
