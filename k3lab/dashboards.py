@@ -394,6 +394,62 @@ def error_figure(bundle):
     return fig
 
 
+_GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def timeline_figure(trace_path: str | Path | None, layer: int | None = None):
+    """The saved trace's GPU work as bars on a time axis, one row a CUDA stream (so the `shared_expert_stream`
+    switch's side stream shows beside the main one), each kernel coloured by the component range it ran under
+    ("L03.mla.attn" -> attn); `layer`: only the kernels under that layer's ranges. None when there is no trace; a
+    figure saying so when the trace holds no GPU kernels (a CPU run)."""
+    import gzip
+
+    import plotly.graph_objects as go
+
+    if not trace_path or not Path(trace_path).exists():
+        return None
+    p = Path(trace_path)
+    text = gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text()
+    events = json.loads(text).get("traceEvents", [])
+    work = [e for e in events if e.get("cat") in _GPU_WORK and "ts" in e and "dur" in e]
+    ranges = [e for e in events if e.get("cat") == "gpu_user_annotation" and "ts" in e and "dur" in e]
+    if layer is not None:
+        ranges = [r for r in ranges if str(r.get("name", "")).startswith(f"L{layer:02d}.")]
+    fig = go.Figure()
+    if not work:
+        fig.update_layout(title="timeline: no GPU kernels in the trace (a CPU run)", height=200,
+                          template="plotly_white")
+        return fig
+
+    def owner(e):
+        """The innermost component range holding the kernel's start (None: outside every range kept)."""
+        inside = [r for r in ranges if r["ts"] <= e["ts"] <= r["ts"] + r["dur"]]
+        return min(inside, key=lambda r: r["dur"])["name"] if inside else None
+
+    rows = [(e, owner(e)) for e in work]
+    if layer is not None:
+        rows = [(e, o) for e, o in rows if o is not None]
+    if not rows:
+        fig.update_layout(title=f"timeline: no kernels under layer {layer}'s ranges", height=200,
+                          template="plotly_white")
+        return fig
+    t0 = min(e["ts"] for e, _ in rows)
+    streams = sorted({e.get("tid") for e, _ in rows}, key=str)
+    comps = list(dict.fromkeys((o or "(outside a range)").split(".")[-1] for _, o in rows))
+    for k, comp in enumerate(comps):
+        sel = [(e, o) for e, o in rows if (o or "(outside a range)").split(".")[-1] == comp]
+        fig.add_bar(name=comp, orientation="h", base=[e["ts"] - t0 for e, _ in sel], x=[e["dur"] for e, _ in sel],
+                    y=[f"stream {e.get('tid')}" for e, _ in sel], marker_color=_COLORS[k % len(_COLORS)],
+                    hovertext=[f"{o or ''}<br>{str(e.get('name', ''))[:90]}<br>{e['dur']:.2f} us" for e, o in sel],
+                    hoverinfo="text")
+    where = f"layer {layer}" if layer is not None else "the step"
+    fig.update_layout(barmode="overlay", title=f"timeline of {where}: GPU work by stream (one profiled eager step)",
+                      xaxis_title="us from the first kernel", height=180 + 60 * len(streams),
+                      template="plotly_white", legend=dict(font=dict(size=10)))
+    fig.update_yaxes(categoryorder="array", categoryarray=[f"stream {t}" for t in streams])
+    return fig
+
+
 def step_figures(bundle) -> list:
     """Every figure of the step notebook that the bundle has data for."""
     figs = [layer_figure(bundle), launches_figure(bundle), toggles_figure(bundle), gap_figure(bundle),

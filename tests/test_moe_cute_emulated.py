@@ -55,7 +55,7 @@ def impl(pdl=False, idx32=False, rows=None):
 # of W1 and W3 (ODD at 8 rows for both, ROUNDS at 2 for both)
 @pytest.mark.parametrize("pdl,idx32,shape,rows", [
     (True, True, SMALL, None), (False, False, ODD, 8),
-    (False, True, ODD, None),  # the default rows a CTA on a shape they divide (I 96: UP_ROWS 6; latent 128: DOWN_ROWS 8)
+    (False, True, ODD, None),  # the default rows a CTA on a shape they divide (I 96: UP_ROWS 6; L 128: DOWN_ROWS 8)
     pytest.param(False, True, SMALL, None, marks=pytest.mark.slow),  # CI's 10 minutes: pdl and int64 ids run above
     pytest.param(True, False, ROUNDS, 2, marks=pytest.mark.slow)])  # ~1 min
 def test_one_token(pdl, idx32, shape, rows):

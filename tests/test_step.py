@@ -594,6 +594,30 @@ def test_save_trace_keeps_ranges_and_caps_kernels(tmp_path):
     assert next(e for e in d if e.get("name") == "k3lab")["args"]["events_left_out"] == 40
 
 
+def test_timeline_figure_one_row_a_stream(tmp_path):
+    """The saved trace drawn as bars by stream: two streams (the shared-expert side stream beside the main one), each
+    kernel under its innermost GPU range's component; `layer` keeps one layer's kernels; a CPU trace says it has no
+    GPU kernels; no trace, no figure."""
+    from k3lab import dashboards as dash
+
+    ev = [{"cat": "gpu_user_annotation", "name": "L01.kda.moe_in", "ts": 100, "dur": 30, "ph": "X", "tid": 7},
+          {"cat": "gpu_user_annotation", "name": "L01.kda.experts", "ts": 131, "dur": 20, "ph": "X", "tid": 7},
+          {"cat": "gpu_user_annotation", "name": "L02.kda.in_proj", "ts": 160, "dur": 20, "ph": "X", "tid": 7},
+          {"cat": "kernel", "name": "gemv", "ts": 101, "dur": 20, "ph": "X", "tid": 7},
+          {"cat": "kernel", "name": "shared_w13", "ts": 105, "dur": 10, "ph": "X", "tid": 9},
+          {"cat": "kernel", "name": "experts_up", "ts": 132, "dur": 10, "ph": "X", "tid": 7},
+          {"cat": "kernel", "name": "in_gemv", "ts": 161, "dur": 15, "ph": "X", "tid": 7}]
+    p = S.save_trace(ev, tmp_path / "t.json.gz")
+    f = dash.timeline_figure(p, layer=1)
+    assert [t.name for t in f.data] == ["moe_in", "experts"]
+    assert sorted(set(y for t in f.data for y in t.y)) == ["stream 7", "stream 9"]
+    assert sum(len(t.x) for t in f.data) == 3 and list(f.data[0].base) == [0, 4]  # us from the first kernel
+    assert sum(len(t.x) for t in dash.timeline_figure(p).data) == 4
+    cpu = S.save_trace([{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3, "ph": "X"}], tmp_path / "c.json")
+    assert "no GPU kernels" in dash.timeline_figure(cpu).layout.title.text
+    assert dash.timeline_figure(None) is None and dash.timeline_figure(tmp_path / "missing.json") is None
+
+
 def test_numerics_verify_path_commits_and_stays_finite():
     num = S.step_numerics(_tiny(batch=2, draft_depth=1), Switches(), n_steps=2, device="cpu")
     assert num["n_steps"] == 2 and len(num["rel_err"]) == 8
