@@ -2055,18 +2055,24 @@ def launch(fn, *args, grid=(1, 1, 1), block=(256, 1, 1), cluster=None, seed: int
 
 
 def run_attnres(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, update: str = "none",
-                eps: float = 1e-6, seed: int = 0, **opts):
+                eps: float = 1e-6, seed: int = 0, early: bool = False, declare: bool = True, **opts):
     """attnres_norm (kernels/cute/attnres_norm.py) on the emulator: the same arguments as CPU tensors (blocks a
     list, new / partial_out None for update "none"), opts its options (cluster, vec, alpha, pdl). Returns `out`.
-    pdl=True also checks that only the three weight vectors are read before griddepcontrol.wait."""
-    _PDL["early"] = frozenset(t.data_ptr() for t in (w_norm, w_proj, norm_w))
+    pdl=True also checks that only the three weight vectors are read before griddepcontrol.wait; early=True runs
+    the module's EARLY setting, the blocks and the prefix declared readable there too (declare=False: not)."""
+    old = list(blocks) + [prefix] if early and declare else []
+    _PDL["early"] = frozenset(t.data_ptr() for t in (w_norm, w_proj, norm_w, *old))
     blocks = list(blocks)
     named = {f"block{i}": b for i, b in enumerate(blocks)}
 
     def call(m, **a):
-        m.mod["attnres_norm"].attnres_norm([a[f"block{i}"] for i in range(len(blocks))], a["prefix"], a["new"],
-                                           a["w_norm"], a["w_proj"], a["norm_w"], a["out"], a["partial_out"],
-                                           update=update, eps=eps, **opts)
+        mod = m.mod["attnres_norm"]
+        saved, mod.EARLY = mod.EARLY, early
+        try:
+            mod.attnres_norm([a[f"block{i}"] for i in range(len(blocks))], a["prefix"], a["new"], a["w_norm"],
+                             a["w_proj"], a["norm_w"], a["out"], a["partial_out"], update=update, eps=eps, **opts)
+        finally:
+            mod.EARLY = saved
 
     _run(call, dict(named, prefix=prefix, new=new, w_norm=w_norm, w_proj=w_proj, norm_w=norm_w, out=out,
                     partial_out=partial_out), seed)

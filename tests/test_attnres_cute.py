@@ -103,6 +103,39 @@ def test_attnres_cute_partial_bits_match_triton(batch, update):
     assert ((a - b).norm() / b.norm()).item() < 4e-3
 
 
+@pytest.mark.parametrize("update", ["add", "none", "fresh"])
+def test_attnres_cute_early_in_a_pdl_chain(update, monkeypatch):
+    """EARLY (the blocks and the prefix read before griddepcontrol.wait) inside a pdl chain where the kernel just
+    before rewrites `new` each round (a CuTe GEMV, as out_proj does in the step): every round's out and partial_out
+    equal the plain launch's on the same inputs, bit for bit."""
+    from k3lab.components import trunk
+    from k3lab_kernels.cute import attnres_norm as ka
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    case = OP.case(batch=1, n_blocks=9, update=update, dim=7168)
+    d = OP.make_inputs(case, 4, "cuda")
+    g = torch.Generator("cuda").manual_seed(5)
+    w = (torch.randn(7168, 1536, device="cuda", generator=g) / 40).to(torch.bfloat16)
+    xs = [torch.randn(1, 1536, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4)]
+    # the GEMV's output: `new` (add / fresh), a scratch row with update "none" (its mix reads no new)
+    tgt = d["new"] if update != "none" else torch.empty(1, 7168, dtype=torch.bfloat16, device="cuda")
+    runs = {}
+    for early in (False, True):
+        monkeypatch.setattr(ka, "EARLY", early)
+        outs = []
+        with pdl_chain(True):
+            for x in xs:
+                trunk.proj(x, w, tgt, backend="cute")
+                d["out"].fill_(float("nan"))
+                d["partial_out"].fill_(float("nan"))
+                ops.call_attnres(d, case, "cute", {})
+                outs.append((d["out"].clone(), d["partial_out"].clone()))
+        runs[early] = outs
+    torch.cuda.synchronize()
+    for (o0, p0), (o1, p1) in zip(runs[False], runs[True]):
+        assert torch.isfinite(o1.float()).all() and torch.equal(o0, o1) and torch.equal(p0, p1)
+
+
 def test_attnres_cute_strided_rows_and_in_place():
     """Blocks as views of one [B, n, D] buffer (row stride n D), the partial updated in place, out strided."""
     B, n, D = 5, 9, 7168

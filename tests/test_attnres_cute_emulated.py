@@ -59,6 +59,19 @@ def test_pdl(update):
     assert emulate.LAST["launches"][-1]["use_pdl"]
 
 
+@pytest.mark.parametrize("n_blocks,update", [(9, "add"), (9, "none"), (1, "fresh"), (0, "add")])
+def test_pdl_early(n_blocks, update):
+    """EARLY under pdl: the blocks and the prefix read, and the blocks' partial sums formed, before
+    griddepcontrol.wait, `new` after it; the same checked result. Without the blocks and prefix declared readable
+    there the emulator refuses the launch (the early reads are real)."""
+    check(2, n_blocks, update, seed=13 + n_blocks, pdl=True, early=True)
+    if n_blocks or update != "fresh":
+        case = OP.case(batch=2, n_blocks=n_blocks, update=update, dim=7168)
+        d = OP.make_inputs(case, 1, "cpu")
+        with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
+            impl(case, pdl=True, early=True, declare=False)(d)
+
+
 @pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 8), (4, 4), (4, 8)])
 def test_options(cluster, vec):
     """Every (cluster, vec) the kernel takes at D = 7168 (cluster 8 vec 8: 112 of 128 threads own columns)."""

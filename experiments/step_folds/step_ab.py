@@ -16,6 +16,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8, 8/12, 12/12, 6/6, 8/6;
   expert_rows  the one-token experts' rows a CTA, up / down: 4/4, 2/4, 6/4, 4/2, 4/8 (expert_rows2: 4/4, 4/8, 6/8;
              expert_rows3, not run yet: 6/8, 6/16, 8/8, 8/16);
+  attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
+             pdl wait, or after it (EARLY; built, not run);
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
@@ -26,7 +28,7 @@ restored first); each arm's output is compared with the first arm's on the same 
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, mla_parts)
+        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -75,6 +77,9 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "expert_rows3": tuple((f"up{u}_down{d}", {"k3lab_kernels.cute.moe_experts:UP_ROWS": u,
                                                    "k3lab_kernels.cute.moe_experts:DOWN_ROWS": d})
                                for u, d in ((6, 8), (6, 16), (8, 8), (8, 16))),
+         # the CuTe AttnRes reading the blocks and the prefix before its pdl wait (EARLY; built, not run)
+         "attnres_early": (("waits", {"k3lab_kernels.cute.attnres_norm:EARLY": False}),
+                           ("early", {"k3lab_kernels.cute.attnres_norm:EARLY": True})),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

@@ -58,7 +58,9 @@ values):
 
 pdl (None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting, the decode step's `pdl` switch):
 launched with programmatic dependent launch, each CTA loads the three weight vectors, waits for the previous
-kernel (griddepcontrol.wait: it wrote the sources), lets the next one launch, then loads the sources.
+kernel (griddepcontrol.wait: it wrote the sources), lets the next one launch, then loads the sources. With the
+module setting EARLY (off) the blocks and the prefix load before the wait too and the blocks' partial sums are formed
+there; only `new` waits (its precondition: below, at EARLY).
 
 blocks: 0..MAX_BLOCKS bf16 [B, D] (each its own row stride, unit stride along D); prefix [B, D] (unused for
 "fresh"); new [B, D] (None for "none"); partial_out [B, D] for "add" / "fresh" (may be prefix itself); out
@@ -78,6 +80,12 @@ MAX_THREADS = 512  # a CTA's threads (shared memory: K x (threads + 4) fp32 part
 MAX_THREADS_VEC = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: 256}
 # alpha "warp": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without spills
 MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
+# under pdl, also read the blocks and the prefix before griddepcontrol.wait and form the blocks' partial sums there
+# (only `new` after it). Valid where neither was written by the kernel launched just before: in the decode step's pdl
+# chain they are written two or more kernels back, and every kernel of the chain lets the next launch only after its
+# own wait, so those writers have completed. Off until the H200 says (experiments/step_folds/step_ab.py attnres_early;
+# built after the thirtieth session's device time).
+EARLY = False
 
 __all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "plan"]
 
@@ -167,11 +175,12 @@ def _kernel_class():
         """One cluster of C CTAs per row (module doc)."""
 
         def __init__(self, D: int, n_blocks: int, update: str, cluster: int, vec_: int, eps: float,
-                     alpha: str = "threads", pdl: bool = False):
+                     alpha: str = "threads", pdl: bool = False, early: bool = False):
             assert update in UPDATES and 0 <= n_blocks <= MAX_BLOCKS and cluster in CLUSTERS and vec_ in VECS
             assert D % (cluster * vec_) == 0 and alpha in ALPHAS
             self.AW = alpha == "warp"              # alpha and the norm formed once by warp 0 (module doc)
             self.pdl = bool(pdl)                   # weights before griddepcontrol.wait, the sources after
+            self.early = bool(early) and self.pdl  # EARLY: the blocks and the prefix before the wait too
             self.D, self.NB, self.U = D, n_blocks, UPDATES.index(update)
             self.NS = n_blocks + 1                 # sources of the mix: the blocks, then p
             self.K = n_partials(n_blocks)          # partial sums per thread
@@ -196,6 +205,45 @@ def _kernel_class():
             self.kernel(b0, b1, b2, b3, b4, b5, b6, b7, b8, p_pre, p_new, p_wn, p_wp, p_nw, p_out, p_po,
                         t0, t1, t2, t3, t4, t5, t6, t7, t8, s_pre, s_new, s_po, s_out).launch(
                 grid=[self.C, B, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.pdl, **cluster)
+
+        def load_old(self, bptr, o_blk, p_pre, o_pre, r_src, r_p, r_a):
+            """The sources no kernel of the step has just written: the blocks, and the prefix ("none": p itself;
+            "add": the term new is added to)."""
+            for i in range(self.NB):
+                cute.autovec_copy(vec(bptr[i], o_blk[i], self.V), r_src[i])
+            if self.U == 0:
+                cute.autovec_copy(vec(p_pre, o_pre, self.V), r_p)
+            if self.U == 1:
+                cute.autovec_copy(vec(p_pre, o_pre, self.V), r_a)
+
+        def floats(self, srcs, n):
+            """The first n sources' columns as fp32, a list a source."""
+            return [[srcs[i][e].to(Float32) for e in range(self.V)] for i in range(n)]
+
+        def weights(self, r_wn, r_wp):
+            return [r_wn[e].to(Float32) * r_wp[e].to(Float32) for e in range(self.V)]
+
+        def partials(self, x, wv, s_part, tid, blocks_only):
+            """sw_i and G_ij of the thread's columns into s_part: every one (blocks_only None), those of the blocks
+            alone (True: i, j < NB), or those with p (False: i or j == NB)."""
+            NB, NS, TP = self.NB, self.NS, self.TP
+
+            def want(*ij):
+                return blocks_only is None or (max(ij) < NB) == blocks_only
+
+            for i in range(NS):
+                if want(i):
+                    acc = x[i][0] * wv[0]
+                    for e in range(1, self.V):
+                        acc = acc + x[i][e] * wv[e]
+                    s_part[i * TP + tid] = acc
+            for k in range(len(self.pairs)):
+                i, j = self.pairs[k]
+                if want(i, j):
+                    acc = x[i][0] * x[j][0]
+                    for e in range(1, self.V):
+                        acc = acc + x[i][e] * x[j][e]
+                    s_part[(NS + k) * TP + tid] = acc
 
         @cute.jit
         def alpha_warp(self, s_tot, s_al, lane: Int32):
@@ -286,17 +334,21 @@ def _kernel_class():
                 cute.autovec_copy(vec(p_wn, col, self.V), r_wn)
                 cute.autovec_copy(vec(p_wp, col, self.V), r_wp)
                 cute.autovec_copy(vec(p_nw, col, self.V), r_nw)
+                if cutlass.const_expr(self.early):  # EARLY: the blocks and the prefix too (module doc)
+                    self.load_old(bptr, o_blk, p_pre, o_pre, r_src, r_p, r_a)
+            wv = []
+            x = []
+            if cutlass.const_expr(self.early):  # the blocks' partials while the kernel before ends
+                wv = self.weights(r_wn, r_wp)
+                x = self.floats(r_src, NB)
+                self.partials(x, wv, s_part, tid, True)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
             if active:
-                for i in cutlass.range_constexpr(self.NB):
-                    cute.autovec_copy(vec(bptr[i], o_blk[i], self.V), r_src[i])
-                if cutlass.const_expr(self.U == 0):
-                    cute.autovec_copy(vec(p_pre, o_pre, self.V), r_p)
-                else:
-                    if cutlass.const_expr(self.U == 1):
-                        cute.autovec_copy(vec(p_pre, o_pre, self.V), r_a)
+                if cutlass.const_expr(not self.early):
+                    self.load_old(bptr, o_blk, p_pre, o_pre, r_src, r_p, r_a)
+                if cutlass.const_expr(self.U != 0):
                     cute.autovec_copy(vec(p_new, o_new, self.V), r_p)
                 # the partial update: p = bf16(prefix + new) (one rounding) or new, written for add / fresh
                 if cutlass.const_expr(self.U == 1):
@@ -306,26 +358,13 @@ def _kernel_class():
                     cute.autovec_copy(r_p, vec(p_po, o_po, self.V))
 
             # ---- the thread's partial sums: sw_i = sum s_i w, G_ij = sum s_i s_j over its columns -------------
-            x = []
-            for i in cutlass.range_constexpr(NS):
-                xi = []
-                for e in cutlass.range_constexpr(V):
-                    xi.append(r_src[i][e].to(Float32))
-                x.append(xi)
-            wv = []
-            for e in cutlass.range_constexpr(V):
-                wv.append(r_wn[e].to(Float32) * r_wp[e].to(Float32))
-            for i in cutlass.range_constexpr(NS):
-                acc = x[i][0] * wv[0]
-                for e in cutlass.range_constexpr(1, V):
-                    acc = acc + x[i][e] * wv[e]
-                s_part[i * TP + tid] = acc
-            for k in cutlass.range_constexpr(len(self.pairs)):
-                i, j = self.pairs[k]
-                acc = x[i][0] * x[j][0]
-                for e in cutlass.range_constexpr(1, V):
-                    acc = acc + x[i][e] * x[j][e]
-                s_part[(NS + k) * TP + tid] = acc
+            if cutlass.const_expr(self.early):  # the blocks' were formed before the wait: p's now
+                x = x + self.floats(r_src[NB:], 1)
+                self.partials(x, wv, s_part, tid, False)
+            else:
+                x = self.floats(r_src, NS)
+                wv = self.weights(r_wn, r_wp)
+                self.partials(x, wv, s_part, tid, None)
             cute.arch.sync_threads()
 
             # ---- thread k < K: row k over the CTA, into every cluster CTA's slot [rank][k] --------------------
@@ -508,14 +547,15 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
     pout = partial_out if update != "none" else out
     args = bp + [_ptr(pre, a), _ptr(nw, a), _ptr(w_norm, a), _ptr(w_proj, a), _ptr(norm_w, a), po,
                  _ptr(pout, a)] + bs + [pre.stride(0), nw.stride(0), pout.stride(0), out.stride(0), B]
-    key = (len(blocks), update, D, C, V, A, float(eps), pdl, dev.index)
+    early = bool(EARLY) and pdl
+    key = (len(blocks), update, D, C, V, A, float(eps), pdl, early, dev.index)
     import cuda.bindings.driver as cuda
     with torch.cuda.device(dev):
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         fn = _COMPILED.get(key)
         if fn is None:
             from cutlass import cute
-            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A, pdl), *args, stream)
+            fn = cute.compile(_kernel_class()(D, len(blocks), update, C, V, eps, A, pdl, early), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return out

@@ -167,7 +167,9 @@ def _cases(only: str | None, quick: bool):
         # the pointer order of attnres_norm.attnres_norm: 9 blocks, prefix, new, w_norm, w_proj, norm_w, out,
         # partial_out; then 9 block strides, the prefix / new / partial_out / out strides and the batch
         combos = [("B1", 1, 7168, 9, "add", None, None, None), ("B64", 64, 7168, 9, "add", None, None, None),
-                  ("B1 pdl", 1, 7168, 9, "add", None, None, "pdl")]
+                  ("B1 pdl", 1, 7168, 9, "add", None, None, "pdl"),
+                  ("B1 pdl early", 1, 7168, 9, "add", None, None, "pdl early"),
+                  ("B1 pdl early none", 1, 7168, 9, "none", None, None, "pdl early")]
         for al in ka.ALPHAS:
             for c in ka.CLUSTERS:
                 for v in ka.VECS:
@@ -188,7 +190,8 @@ def _cases(only: str | None, quick: bool):
                        (f"9 blocks none c2v8 {al}", 1, 7168, 9, "none", 2, 8, al),
                        (f"D64 9 blocks add {al}", 1, 64, 9, "add", None, None, al)]
         for name, Bx, D, nb, upd, c, v, al in combos:
-            pdl = al == "pdl"  # the default options launched with PDL (the step's `pdl` switch)
+            pdl = al in ("pdl", "pdl early")  # the default options launched with PDL (the step's `pdl` switch)
+            early = al == "pdl early"  # ... and the module's EARLY: the blocks and the prefix before the wait
             al = None if pdl else al
             cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
             pa = [P(bf, 2 * vv)] * 16
@@ -200,8 +203,8 @@ def _cases(only: str | None, quick: bool):
             smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + ((nb + 2,) if al == "warp" else ()))
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
-                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl: ka._kernel_class()(
-                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl), pa + ints + [S]))
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl, early=early: ka._kernel_class()(
+                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl, early), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
