@@ -394,24 +394,19 @@ def error_figure(bundle):
     return fig
 
 
-_GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
 def timeline_figure(trace_path: str | Path | None, layer: int | None = None):
     """The saved trace's GPU work as bars on a time axis, one row a CUDA stream (so the `shared_expert_stream`
     switch's side stream shows beside the main one), each kernel coloured by the component range it ran under
     ("L03.mla.attn" -> attn); `layer`: only the kernels under that layer's ranges. None when there is no trace; a
     figure saying so when the trace holds no GPU kernels (a CPU run)."""
-    import gzip
-
     import plotly.graph_objects as go
+
+    from k3lab import step as stepmod
 
     if not trace_path or not Path(trace_path).exists():
         return None
-    p = Path(trace_path)
-    text = gzip.open(p, "rt").read() if p.suffix == ".gz" else p.read_text()
-    events = json.loads(text).get("traceEvents", [])
-    work = [e for e in events if e.get("cat") in _GPU_WORK and "ts" in e and "dur" in e]
+    events = stepmod.trace_events(trace_path)
+    work = [e for e in events if e.get("cat") in stepmod.GPU_WORK and "ts" in e and "dur" in e]
     ranges = [e for e in events if e.get("cat") == "gpu_user_annotation" and "ts" in e and "dur" in e]
     if layer is not None:
         ranges = [r for r in ranges if str(r.get("name", "")).startswith(f"L{layer:02d}.")]

@@ -1055,8 +1055,13 @@ def _why_failed(e: BaseException, limit: int = 900) -> str:
 
 # ---- profiling: launches and kernel attribution ------------------------------------------------------
 
-def _trace_events(path: Path) -> list[dict]:
-    d = json.loads(path.read_text())
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace categories of work on the GPU
+
+
+def trace_events(path: str | Path) -> list[dict]:
+    """A Chrome trace's events: the profiler's raw export or a trace `save_trace` wrote (gzip when it ends in .gz)."""
+    path = Path(path)
+    d = json.loads(gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text())
     return d.get("traceEvents", d) if isinstance(d, dict) else d
 
 
@@ -1067,7 +1072,7 @@ def attribute(events: list[dict], prefix: str = "L") -> dict[str, dict[str, Any]
     the top-level aten ops inside each range (kind "cpu-ops")."""
     ranges = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix)
               and "dur" in e]
-    dev = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    dev = [e for e in events if e.get("cat") in GPU_WORK]
     out: dict[str, dict[str, Any]] = {}
     for r in ranges:
         out.setdefault(r["name"], {"launches": 0, "kernel_us": 0.0, "kernels": {}, "kind": "gpu" if dev else
@@ -1139,7 +1144,7 @@ def profile_step(step: DecodeStep, trace_path: str | Path | None = None) -> dict
     with tempfile.TemporaryDirectory() as td:
         raw = Path(td) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        events = _trace_events(raw)
+        events = trace_events(raw)
     att = attribute(events)
     if trace_path is not None:
         save_trace(events, trace_path)
@@ -1154,7 +1159,7 @@ def save_trace(events: list[dict], path: str | Path, max_events: int = TRACE_MAX
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = [e for e in events if e.get("ph") == "M"]
     rng = [e for e in events if e.get("cat") in ("user_annotation", "gpu_user_annotation")]
-    work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    work = [e for e in events if e.get("cat") in GPU_WORK]
     if not work:  # CPU run: the ops instead
         work = [e for e in events if e.get("cat") == "cpu_op"]
     work.sort(key=lambda e: e.get("ts", 0))
@@ -1163,7 +1168,7 @@ def save_trace(events: list[dict], path: str | Path, max_events: int = TRACE_MAX
     for e in keep:
         if e.get("cat") == "cpu_op":
             e.pop("args", None)
-        elif isinstance(e.get("args"), dict) and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+        elif isinstance(e.get("args"), dict) and e.get("cat") in GPU_WORK:
             e["args"] = {k: v for k, v in e["args"].items() if k in TRACE_KERNEL_ARGS}
     keep.append({"ph": "M", "name": "k3lab", "pid": 0, "tid": 0,
                  "args": {"events_left_out": left, "kept": min(len(work), max_events)}})

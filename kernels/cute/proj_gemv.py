@@ -238,7 +238,7 @@ def _kernel_class():
                         acc[b] = acc[b] + wf[j] * xv[j].to(Float32)
             else:
                 for b in cutlass.range_constexpr(self.B):
-                    cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * K_STEP + 8 * lane, divby=8), 8), xv)
+                    cute.autovec_copy(vec(p_x, cute.assume(b * s_x + s * self.KS + 8 * lane, divby=8), 8), xv)
                     for j in cutlass.range_constexpr(8):
                         acc[b] = acc[b] + wv[j].to(Float32) * xv[j].to(Float32)
 
