@@ -59,7 +59,7 @@ values):
 pdl (None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting, the decode step's `pdl` switch):
 launched with programmatic dependent launch, each CTA loads the three weight vectors, waits for the previous
 kernel (griddepcontrol.wait: it wrote the sources), lets the next one launch, then loads the sources. With the
-module setting EARLY (off) the blocks and the prefix load before the wait too and the blocks' partial sums are formed
+module setting EARLY (on) the blocks and the prefix load before the wait too and the blocks' partial sums are formed
 there; only `new` waits (its precondition: below, at EARLY).
 
 blocks: 0..MAX_BLOCKS bf16 [B, D] (each its own row stride, unit stride along D); prefix [B, D] (unused for
@@ -83,9 +83,9 @@ MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_T
 # under pdl, also read the blocks and the prefix before griddepcontrol.wait and form the blocks' partial sums there
 # (only `new` after it). Valid where neither was written by the kernel launched just before: in the decode step's pdl
 # chain they are written two or more kernels back, and every kernel of the chain lets the next launch only after its
-# own wait, so those writers have completed. Off until the H200 says (experiments/step_folds/step_ab.py attnres_early;
-# built after the thirtieth session's device time).
-EARLY = False
+# own wait, so those writers have completed. In the batch-1 step 1073.0-1074.1 -> 1055.7-1060.8 us, outputs
+# bit-identical (docs/NOTES_step.md, thirty-first session); without pdl it changes nothing.
+EARLY = True
 
 __all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "plan"]
 
