@@ -15,9 +15,11 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   mid_k      moe_out (K 3968) at the short inputs' UNROLL / PRE (SHORT_K 4096) or the long inputs' (2048);
   long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8, 8/12, 12/12, 6/6, 8/6;
   expert_rows  the one-token experts' rows a CTA, up / down: 4/4, 2/4, 6/4, 4/2, 4/8 (expert_rows2: 4/4, 4/8, 6/8;
-             expert_rows3, not run yet: 6/8, 6/16, 8/8, 8/16);
+             expert_rows3: 6/8, 6/16, 8/8, 8/16; 6 / 8 kept);
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
-             pdl wait, or after it (EARLY; built, not run);
+             pdl wait, or after it (EARLY; early kept: profiles/h200/attnres_early_step_ab.json.gz);
+  mla_early  the MLA split kernel's rows requested into L2 before its pdl wait (mla_decode.EARLY_L2) x the cache
+             write before the query step (MLA_KV_FIRST);
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
@@ -28,7 +30,8 @@ restored first); each arm's output is compared with the first arm's on the same 
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts)
+        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_early,
+        mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -77,9 +80,14 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "expert_rows3": tuple((f"up{u}_down{d}", {"k3lab_kernels.cute.moe_experts:UP_ROWS": u,
                                                    "k3lab_kernels.cute.moe_experts:DOWN_ROWS": d})
                                for u, d in ((6, 8), (6, 16), (8, 8), (8, 16))),
-         # the CuTe AttnRes reading the blocks and the prefix before its pdl wait (EARLY; built, not run)
+         # the CuTe AttnRes reading the blocks and the prefix before its pdl wait (EARLY, kept)
          "attnres_early": (("waits", {"k3lab_kernels.cute.attnres_norm:EARLY": False}),
                            ("early", {"k3lab_kernels.cute.attnres_norm:EARLY": True})),
+         # the MLA split's rows requested into L2 before its pdl wait (EARLY_L2), and the cache write before the
+         # query step (MLA_KV_FIRST) so that the split starts while the query step runs (thirty-first session)
+         "mla_early": tuple((f"{'kv' if kv else 'q'}first_{'l2' if l2 else 'plain'}",
+                             {"MLA_KV_FIRST": kv, "k3lab_kernels.triton.mla_decode:EARLY_L2": l2})
+                            for kv, l2 in ((False, False), (True, True), (False, True), (True, False))),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }
