@@ -589,10 +589,6 @@ PROJ_CUTE_MAX_TOKENS = 1
 # `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
 KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
-# the MLA layer's cache write (kv_proj) before the query step (q_proj), so the attention's split kernel starts (under
-# pdl) while the query step runs and its rows' L2 prefetch (k3lab_kernels.triton.mla_decode.EARLY_L2) overlaps it
-# rather than the short cache write; the two read only in_proj's outputs, so either order gives the same values
-MLA_KV_FIRST = True
 # the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
 MOE_GLUE_FOLD_MAX_TOKENS = 1
 MOE_GLUE_FOLD_ALIGN = 256       # the latent width a multiple of this: the CuTe GEMV's rmsp takes whole 256-column steps
@@ -837,11 +833,10 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         if pf:
             out["attnres_attn"] = _prefetching(out["attnres_attn"], w_in, N, budget)
         q_act = Q + H * (Dr + C) if q_one else (1 if fuse_pro else 3) * Q + H * (Dn + Dr) + H * (Dn + C)
+        out["q_proj"] = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * q_act * e,
+                         2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
         kv_e = st.cache.data.element_size()
-        q_part = (q_proj, _nb(w.q_norm, w.w_uq, w.w_uk) + N * q_act * e, 2 * N * (Q * H * (Dn + Dr) + H * Dn * C))
-        kv_part = (kv, _nb(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
-        for part in (("kv_proj", "q_proj") if MLA_KV_FIRST else ("q_proj", "kv_proj")):
-            out[part] = kv_part if part == "kv_proj" else q_part
+        out["kv_proj"] = (kv, _nb(w.kv_norm) + N * (C + Dr) * (e + kv_e), 0)
         out["attn"] = comps["attn"]
         p = buf(D)
 

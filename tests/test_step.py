@@ -115,7 +115,7 @@ def test_fused_wiring_routes_every_group_to_its_kernel():
     kda, mla = st.layers[1], st.layers[3]
     assert list(st.comps[1]) == ["attnres_attn", "in_proj", "decay_proj", "kda_core", "out_proj", "attnres_mlp",
                                  "moe_in", "experts", "moe_out"]
-    assert list(st.comps[3])[:6] == ["attnres_attn", "in_proj", "kv_proj", "q_proj", "attn", "out_proj"]  # MLA_KV_FIRST
+    assert list(st.comps[3])[:6] == ["attnres_attn", "in_proj", "q_proj", "kv_proj", "attn", "out_proj"]
     assert set(kda.ran.values()) == {"triton"} and set(mla.ran.values()) == {"triton"}
     assert list(st.comps[0])[-1] == "dense_mlp" and st.layers[0].ran["dense_mlp"] == "triton"
     # the fused groups read one weight; the layer's own tensors are views of it (no second copy)

@@ -91,13 +91,6 @@ DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this ma
 PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
-# the split program's whole piece of cache rows requested into L2 (cp.async.bulk.prefetch.L2, sm_90+) when it starts,
-# before its pdl wait: the rows stream while the kernels before it finish, and its own loads then hit L2 (contiguous
-# cache without DCP, or paged with the page indices preloaded; `l2_piece_mode`). A prefetch never changes a value (L2
-# is the point of coherence: a row written after it is read as written). Module setting, read at each launch.
-EARLY_L2 = True
-EARLY_L2_MAX_BYTES = 16 << 20  # ... where the call's visible rows (batch x n_max) fit this share of the 50 MB L2
-PF_SLICES = 128  # the contiguous piece's bytes are requested in this many slices, one a thread (4 warps)
 
 
 def dot_f32() -> bool:
@@ -167,32 +160,6 @@ def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr
 
 
 @triton.jit
-def _prefetch_piece(kv, block_table, b, s_kvb, s_btb, lo, hi, first, ROWB: tl.constexpr, ESZ: tl.constexpr,
-                    PAGE: tl.constexpr, NPG: tl.constexpr, PF: tl.constexpr):
-    """Request the cache rows [lo, hi) of sequence b into L2 (PF 1: contiguous cache, one range cut into PF_SLICES
-    slices; PF 2: paged with the piece's first NPG page indices in `first`, one range a page) without loading them
-    (cp.async.bulk.prefetch.L2: 16-byte aligned ranges, sizes multiples of 16: ROWB is). Returns a 0 the caller
-    consumes so the requests are kept."""
-    if PF == 1:
-        e = tl.arange(0, 128)
-        total = (hi - lo) * (ROWB // 16)  # 16-byte units of the piece
-        per = (total + 127) // 128
-        u0 = e * per
-        nb = tl.maximum(tl.minimum(per, total - u0), 0) * 16
-        addr = kv + (b.to(tl.int64) * s_kvb + lo) * (ROWB // ESZ) + u0.to(tl.int64) * (16 // ESZ)
-    else:
-        pp = tl.arange(0, NPG)
-        r0 = tl.maximum(lo, (lo // PAGE + pp) * PAGE)
-        r1 = tl.minimum(hi, (lo // PAGE + pp + 1) * PAGE)
-        nb = tl.maximum(r1 - r0, 0) * ROWB
-        addr = kv + (first.to(tl.int64) * PAGE + r0 % PAGE) * (ROWB // ESZ)
-    r = tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                                  "=r,l,r", [addr, nb], dtype=tl.int32, is_pure=False, pack=1)
-    return tl.sum(r, 0)
-
-
-@triton.jit
 def _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE: tl.constexpr,
                  DOT_F32: tl.constexpr):
     """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
@@ -232,7 +199,7 @@ def _mla_split_kernel(
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    WAIT: tl.constexpr, PF: tl.constexpr = 0, ESZ: tl.constexpr = 2,
+    WAIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -285,12 +252,6 @@ def _mla_split_kernel(
         r_ok = rr < DRP
     else:
         r_ok = rr < DR
-    pf = 0
-    if PF > 0:  # EARLY_L2: the piece's rows into L2 before the wait (and before the query)
-        if PF == 1:
-            pf = _prefetch_piece(kv, block_table, b, s_kvb, s_btb, lo, hi, 0, W * ESZ, ESZ, PAGE, NPG, PF)
-        else:
-            pf = _prefetch_piece(kv, block_table, b, s_kvb, s_btb, lo, hi, first, W * ESZ, ESZ, PAGE, NPG, PF)
     if WAIT:  # launched with PDL (pdl_chain): lengths and the page indices above, the query and rows after the wait
         tl.extra.cuda.gdc_wait()
     q = tl.load(q_lat + b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + cc[None, :],
@@ -354,8 +315,6 @@ def _mla_split_kernel(
     orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
     tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
     tl.store(lse_part + orow, lse, mask=row_ok)
-    if PF > 0:  # never true (pf is 0): keeps the prefetch requests alive
-        tl.store(lse_part + orow, lse, mask=row_ok & (pf != 0))
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -481,22 +440,6 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
 _WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def l2_piece_mode(kv: torch.Tensor, paged: bool, dcp: int, npg: int, rows: int) -> int:
-    """EARLY_L2's form for this launch: 1 contiguous cache without DCP, 2 paged with the page indices preloaded
-    (NPG > 0), 0 otherwise: off the GPU (the interpreter has no inline PTX), below sm_90 (no bulk prefetch), with a
-    cache base not 16-byte aligned, or where the rows the call may read (`rows`: batch x the longest history, or the
-    cache's capacity) take more than EARLY_L2_MAX_BYTES."""
-    if not EARLY_L2 or dot_f32() or not kv.is_cuda or kv.data_ptr() % 16:
-        return 0
-    if rows * kv.shape[-1] * kv.element_size() > EARLY_L2_MAX_BYTES:
-        return 0
-    if torch.version.hip is not None or torch.cuda.get_device_capability(kv.device)[0] < 9:
-        return 0
-    if not paged:
-        return 1 if dcp == 1 else 0
-    return 2 if npg > 0 else 0
-
-
 def workspace(device, B: int, K: int, T: int, H: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The partials' buffers (o [B,K,T,H,C] fp32, lse [B,K,T,H] fp32), allocated once per shape and device
     and reused (call once before a CUDA-graph capture; concurrent calls of one shape on two streams would
@@ -571,7 +514,6 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     shard = -(-int(n_max or 1) // dcp)  # positions one shard holds at most
     piece = -(-shard // partitions)
     chunk = -(-piece // BN) * BN if hc else 0
-    pf = l2_piece_mode(kv, paged, dcp, npg, B * int(n_max) if n_max else kv.numel() // W)
     grid = (G * partitions * dcp, B)
     _mla_split_kernel[grid](
         q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
@@ -581,7 +523,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, PF=pf, ESZ=kv.element_size(),
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait,
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
         **launch_kw(wait),
     )
