@@ -91,7 +91,6 @@ DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this ma
 PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
-CONTIG_STAGES = 2  # num_stages for a contiguous cache (the decode step's); module setting, read at each launch
 
 
 def dot_f32() -> bool:
@@ -406,12 +405,9 @@ def default_preload(n_max: int, K: int, BN: int) -> int:
     return DEFAULT_PRELOAD_PAGES if blocks >= PRELOAD_MIN_BLOCKS else 0
 
 
-def default_num_stages(npg: int, paged: bool = True) -> int:
-    """3 with preloaded page indices (two blocks of rows in flight); CONTIG_STAGES for a contiguous cache (no
-    index load in the loop either); 2 otherwise (behind a page-index load in the loop the pipeliner keeps one
-    buffer at any num_stages)."""
-    if not paged:
-        return CONTIG_STAGES
+def default_num_stages(npg: int) -> int:
+    """3 with preloaded page indices (two blocks of rows in flight); 2 otherwise (behind a page-index load in
+    the loop the pipeliner keeps one buffer at any num_stages)."""
     return 3 if npg else 2
 
 
@@ -528,7 +524,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
         PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait,
-        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg, paged),
+        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
         **launch_kw(wait),
     )
     if direct:
