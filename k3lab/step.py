@@ -622,7 +622,8 @@ def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False
     of the triton kernels: one token, bf16 weights, no input prologue or fused router selection, and either a short
     input (K <= PROJ_CUTE_SHORT_K) or >= PROJ_CUTE_MIN_OUTPUTS outputs over K a multiple of 1024 (whole rounds of the
     GEMV's four 256-column steps). From the H200 at TP8, cute against triton at batch 1, us (weights rotated past L2;
-    seventeenth session: profiles/h200/proj_cute.json.gz, proj_group_cute.json.gz, proj_cute_b1.json.gz):
+    seventeenth session: profiles/h200/proj_cute.json.gz, proj_group_cute.json.gz, proj_cute_b1.json.gz (git history
+    at b20ad25)):
       K <= 2048 wins: mla_uq (K 1536, 2304 outputs) 4.07 / 6.02, kda_fb 1.55 / 2.15, kda_o and mla_o (7168 outputs)
         7.76 / 7.89-7.90, with the residual 8.02-8.04 / 8.38-8.40;
       K = 7168 wins from 3584 outputs alone: the KDA input group 22.89 / 25.26, the MLA input group (3648) 15.29 /
