@@ -300,7 +300,7 @@ def mla_query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: 
     args = [_ptr(cq, 16), _ptr(q_norm, 16), _ptr(w_uq, 16), _ptr(w_uk, 16), _ptr(q_lat, 2), _ptr(q_rope, 2),
             cq.stride(0), q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
             cutlass.Float32(float(eps))]
-    key = (B, H, Q, Dn, Dr, C, pdl, dev.index)
+    key = (B, H, Q, Dn, Dr, C, pdl, UNROLL, PRE, dev.index)  # module settings in the key: an A/B recompiles
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
