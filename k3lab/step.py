@@ -589,7 +589,6 @@ PROJ_CUTE_MAX_TOKENS = 1
 # `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
 KDA_DECAY_CHAIN_MAX_TOKENS = 16
 MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.mla_query.MAX_BATCH)
-MLA_CACHE_EARLY = False         # the MLA cache write's work before its pdl wait (kv(), below)
 # the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
 MOE_GLUE_FOLD_MAX_TOKENS = 1
 MOE_GLUE_FOLD_ALIGN = 256       # the latent width a multiple of this: the CuTe GEMV's rmsp takes whole 256-column steps
@@ -827,12 +826,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             return b["q_lat"], b["q_rope"]
 
         def kv():
-            # the cache write's input comes from in_proj, two launches back (q_proj between): under pdl it may run
-            # before its wait (MLA_CACHE_EARLY, k3lab_kernels.triton.pdl.inputs_settled)
-            from k3lab_kernels.triton.pdl import inputs_settled
-
-            with inputs_settled(MLA_CACHE_EARLY):
-                L.mla_write_cache(ckv.view(*lead3, C + Dr))
+            L.mla_write_cache(ckv.view(*lead3, C + Dr))
             return ckv
 
         n_in = w_in.shape[0]

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16, rne_e4m3
-from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter, settled
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
                             s_ib, s_it, s_cb, s_sb, s_btb,
                             C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr,
                             W: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr,
-                            RNE: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr = False):
+                            RNE: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // T
     t = pid % T
@@ -49,8 +49,7 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
     else:
         row = b.to(tl.int64) * s_cb + pos
     dst = cache + row * W
-    if not LATE:
-        pdl_enter(PDL)  # the weight, the length and the page index above (never written in a step), then the input
+    pdl_enter(PDL)  # the weight, the length and the page index above (never written in a step), then the input
     src = kv_in + b.to(tl.int64) * s_ib + t * s_it
     x = tl.load(src + cc, mask=cm, other=0.0).to(tl.float32)
     xr = tl.load(src + C + rr, mask=rm, other=0.0).to(tl.float32)
@@ -79,8 +78,6 @@ def _mla_cache_write_kernel(kv_in, norm_w, cache, scale, block_table, lengths, e
         tl.store(dst + cc, qy.to(tl.float8e4nv), mask=cm)
         tl.store(dst + C + rr, qr.to(tl.float8e4nv), mask=rm)
 
-    if LATE:  # inputs_settled: everything above ran before the wait; waiting here keeps the chain transitive
-        pdl_enter(PDL)
 
 def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor, lengths: torch.Tensor, *,
                     eps: float = 1e-6, scale: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
@@ -90,8 +87,7 @@ def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor
     per-tensor, or per-token [B,S_max] / [n_pages, PAGE] fp32, written); lengths [B] int32/int64. In place;
     the caller validates (positions inside the capacity). pdl: launched with programmatic dependent launch
     (None: the enclosing pdl.pdl_chain's setting; the lengths and the block table are read before the
-    wait: the caller does not change them in the kernel before). Inside pdl.inputs_settled (the decode step, where
-    the input comes from the projection two kernels back) the whole write runs before the wait, which ends it."""
+    wait: the caller does not change them in the kernel before)."""
     pdl = chain_pdl(pdl)
     B, T, W = kv.shape
     C = kv_norm.shape[0]
@@ -104,4 +100,4 @@ def mla_cache_write(kv: torch.Tensor, kv_norm: torch.Tensor, cache: torch.Tensor
         kv.stride(0), kv.stride(1), 0 if paged else cache.shape[1], scale.stride(0) if mode == 2 and not paged else 0,
         block_table.stride(0) if paged else 0,
         C=C, DR=W - C, CP=_pow2(C), DRP=_pow2(W - C), W=W, PAGED=paged, PAGE=cache.shape[1] if paged else 1,
-        SCALE_MODE=mode, RNE=dot_f32(), PDL=pdl, LATE=pdl and settled(), num_warps=num_warps, **launch_kw(pdl))
+        SCALE_MODE=mode, RNE=dot_f32(), PDL=pdl, num_warps=num_warps, **launch_kw(pdl))

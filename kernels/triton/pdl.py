@@ -51,27 +51,6 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-_SETTLED = contextvars.ContextVar("k3lab_pdl_settled", default=False)
-
-
-@contextlib.contextmanager
-def inputs_settled(on: bool = True):
-    """Inside (and inside a pdl_chain): the caller guarantees that the activations the next k3lab kernel reads were
-    written two or more kernels back and that the kernel directly before reads nothing that kernel writes, so a
-    kernel that supports it (mla_cache_write) does all its work before its wait and waits only at its end (the wait
-    stays, so its completion still implies its predecessor's)."""
-    tok = _SETTLED.set(bool(on))
-    try:
-        yield
-    finally:
-        _SETTLED.reset(tok)
-
-
-def settled() -> bool:
-    """Whether the enclosing `inputs_settled` holds and PDL is on (pdl_on)."""
-    return _SETTLED.get() and chain_pdl(None)
-
-
 def launch_kw(pdl: bool) -> dict:
     """The launch option of a kernel that waits on its predecessor with gdc_wait (PDL)."""
     return {"launch_pdl": True} if pdl_on(pdl) else {}
