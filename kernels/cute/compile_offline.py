@@ -291,15 +291,17 @@ def _cases(only: str | None, quick: bool):
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), P(bf, 2), P(bf, 2), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
+                                         (16, 384, 3584, 896, 1, True, 6),  # the step's: UP_ROWS 6, pdl
                                          (16, 384, 3584, 896, 2, False, 8), (16, 192, 3584, 896, 2, False, 4),
                                          (3, 128, 128, 6, 2, False, 4)):
             tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {R}"
             cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=R:
-                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
-            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
-                          dargs))
+                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r, km.L2_ROWS), uargs))
+            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R:
+                          down_cls(K, I, L, E, st, r, False, km.L2_ROWS), dargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
-        cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
+        cases.append(("moe down K16 I384 L3584 rows 4 glue",
+                      lambda: down_cls(16, 384, 3584, 896, 2, 4, True, km.L2_ROWS), dargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)
