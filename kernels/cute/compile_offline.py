@@ -296,12 +296,11 @@ def _cases(only: str | None, quick: bool):
                                          (3, 128, 128, 6, 2, False, 4)):
             tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {R}"
             cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=R:
-                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r, km.L2_ROWS), uargs))
-            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R:
-                          down_cls(K, I, L, E, st, r, False, km.L2_ROWS), dargs))
+                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
+            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
+                          dargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
-        cases.append(("moe down K16 I384 L3584 rows 4 glue",
-                      lambda: down_cls(16, 384, 3584, 896, 2, 4, True, km.L2_ROWS), dargs))
+        cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)

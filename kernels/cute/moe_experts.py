@@ -72,12 +72,6 @@ _KERNEL_CLS = None
 # session). A shape they do not divide takes 4 (up) or 1 (down).
 DOWN_ROWS = 8
 UP_ROWS = 6
-# each CTA requests the rows it reads into L2 at its start (cp.async.bulk.prefetch.L2: up, after reading its expert id,
-# the R rows of W1 and of W3 and their scales, four ranges; down, before its pdl wait, each pair's R rows of W2 and
-# their scales): ptxas issues only the first few of a thread's 16-byte row loads up front and the rest as registers
-# free up (offline SASS, UP_ROWS 6: 4 of 12 before the first product), so without it a CTA's rows reach DRAM in
-# several dependent rounds. Only where the ranges are 16-byte aligned (the K3 pool's shapes are).
-L2_ROWS = True
 
 
 def _kernel_classes():
@@ -129,14 +123,6 @@ def _kernel_classes():
         read four bytes at a time); `keep` 0 makes it 0.0 (an idle thread's block), -1 keeps it."""
         return ((((word >> (8 * byte_n % 32)) & 0xFF) + 8) << 23) & keep
 
-    @dsl_user_op
-    def prefetch_l2(ptr, nbytes, *, loc=None, ip=None):
-        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global address."""
-        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-                                Int32(nbytes).ir_value(loc=loc, ip=ip)],
-                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
 
@@ -147,11 +133,8 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False,
-                     l2: bool = False):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            # L2_ROWS where every pair's scale range starts 16-byte aligned (the word ranges always do: I/2 bytes a row)
-            self.l2 = bool(l2) and (L * (I // 32)) % 16 == 0 and (rows * (I // 32)) % 16 == 0
             self.NP = K * (I // 32)                  # (pair, block) products a row
             self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
             self.glue = bool(glue)                   # also yg = bf16(y gamma) and the CTA's sum of y^2
@@ -178,14 +161,6 @@ def _kernel_classes():
             keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
             k = q // NB
             cb = q % NB
-            if cutlass.const_expr(self.l2):  # L2_ROWS: pair k's R rows of W2 and their scales, by its block-0 thread;
-                # idx is read before the wait: its writer ran before MoEUp, which let this kernel launch only after
-                # its own wait
-                if tid < NP:
-                    if cb == 0:
-                        e0 = vec(p_idx, k * self.idx_step, 1)[0]
-                        prefetch_l2(p_w2 + (e0 * L + c * R) * RW, R * RW * 4)
-                        prefetch_l2(p_s2 + (e0 * L + c * R) * NB // 4, R * NB)
             cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
             cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
@@ -231,10 +206,8 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int, l2: bool = False):
+                     rows: int):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            # L2_ROWS where the scale ranges start 16-byte aligned (the word ranges always do: L/2 bytes a row)
-            self.l2 = bool(l2) and (L // 32) % 16 == 0
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
             self.NT = (self.NB + 31) // 32 * 32
@@ -262,15 +235,6 @@ def _kernel_classes():
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
             e = vec(p_idx, k * self.idx_step, 1)[0]
-            if cutlass.const_expr(self.l2):  # L2_ROWS: the CTA's rows of W1 and W3 and their scales, four ranges
-                if tid == 0:
-                    prefetch_l2(p_w1 + (e * I + r0) * RW, R * RW * 4)
-                if tid == 1:
-                    prefetch_l2(p_w3 + (e * I + r0) * RW, R * RW * 4)
-                if tid == 2:
-                    prefetch_l2(p_s1 + (e * I + r0) * NB // 4, R * NB)
-                if tid == 3:
-                    prefetch_l2(p_s3 + (e * I + r0) * NB // 4, R * NB)
             wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # [m (w1, w3), r, word]
             sv = cute.make_rmem_tensor((2 * R,), Int32)
             for m in cutlass.range_constexpr(2):
@@ -435,7 +399,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None, bool(L2_ROWS))
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -445,9 +409,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, bool(L2_ROWS)), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None, bool(L2_ROWS)), *down_args,
-                                stream))
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
+                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
