@@ -22,7 +22,7 @@ ROUNDS = dict(SMALL, latent=1152, inter=384)
 ODD = dict(SMALL, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, up_bulk=None):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     if glue is not None:
         t.update(gam=glue[0], yg=glue[1], ssp=glue[2])
@@ -30,19 +30,16 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, up_bulk=Non
 
     def call(m, **a):
         mod = m.mod["moe_experts"]
-        saved = mod.DOWN_ROWS, mod.UP_ROWS, mod.UP_BULK
+        saved = mod.DOWN_ROWS, mod.UP_ROWS
         if rows:  # both kernels' rows a CTA
             mod.DOWN_ROWS, mod.UP_ROWS = rows, rows
-        if up_bulk is not None:  # (set here: the emulator reloads the kernel modules, resetting their settings)
-            mod.UP_BULK = up_bulk
         try:
             mod.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                             b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
                             pdl=pdl, glue=None if glue is None else (a["gam"], a["yg"], a["ssp"]))
         finally:
-            mod.DOWN_ROWS, mod.UP_ROWS, mod.UP_BULK = saved
+            mod.DOWN_ROWS, mod.UP_ROWS = saved
     emulate._run(call, t, seed)
-    return t
 
 
 def impl(pdl=False, idx32=False, rows=None):
@@ -75,33 +72,6 @@ def test_one_token(pdl, idx32, shape, rows):
     assert launches[-2]["block"] == -(-shape["latent"] // 32 // 32) * 32
     up = rows or (km.UP_ROWS if inter % km.UP_ROWS == 0 else 4)
     assert launches[-2]["grid"][0] == shape["top_k"] * inter // up
-
-
-# UP_BULK on: 16 scale bytes a row of w1 / w3 (latent 512), so the up kernel's rows come by bulk copies
-BULK = dict(SMALL, latent=512, inter=64)
-
-
-def test_up_bulk_copies_match_the_register_loads():
-    """UP_BULK: the up kernel's rows of W1 and W3 and their scales by four bulk copies into shared memory on one
-    mbarrier (the emulator lands them late and poisons the destination until then) checked against fp64 with pdl,
-    and bit-equal to the per-thread register loads on the same inputs."""
-    from k3lab_kernels.cute import moe_experts as km
-
-    assert km.UP_BULK and (BULK["latent"] // 32) % 16 == 0
-    seen = {}
-
-    def f(d):
-        seen["d"] = d
-        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=True, seed=4)
-        seen["smem"] = emulate.LAST["max_smem"]
-    checker.require(checker.check(OP, OP.case(**BULK), impl=f, seed=4, device="cpu"))
-    d = seen["d"]
-    y_bulk = d["y"].clone()
-    y = torch.full_like(d["y"], float("nan"))
-    run(d["z"], d["idx"], d["weights_k"], d["moe"], y, pdl=True, seed=4, up_bulk=False)
-    assert torch.equal(y, y_bulk)
-    # the bulk form's shared rows: 2 R rows of L/2 bytes (R = 4: UP_ROWS 6 does not divide 64), beyond the other's
-    assert seen["smem"] >= 2 * 4 * BULK["latent"] // 2 > emulate.LAST["max_smem"]
 
 
 def test_glue_outputs():

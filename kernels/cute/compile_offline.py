@@ -296,7 +296,7 @@ def _cases(only: str | None, quick: bool):
                                          (3, 128, 128, 6, 2, False, 4)):
             tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {R}"
             cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=R:
-                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r, km.UP_BULK), uargs))
+                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
             cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
                           dargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA

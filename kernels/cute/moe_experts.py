@@ -72,11 +72,6 @@ _KERNEL_CLS = None
 # session). A shape they do not divide takes 4 (up) or 1 (down).
 DOWN_ROWS = 8
 UP_ROWS = 6
-# the up kernel's rows of W1 and W3 and their scales fetched with four bulk copies into shared memory (one mbarrier)
-# by thread 0 once the expert id is read, instead of each thread's 16-byte register loads: ptxas issues only 4 of a
-# thread's 12 row loads up front at UP_ROWS 6 (offline SASS) and the rest as registers free up, so a CTA's rows reach
-# DRAM in several dependent rounds. Only where the scale ranges are 16-byte aligned (L/32 a multiple of 16: K3's 112).
-UP_BULK = True
 
 
 def _kernel_classes():
@@ -127,15 +122,6 @@ def _kernel_classes():
         """The block factor 2^(s - 119) as fp32 bits from the E8M0 scale s, byte byte_n % 4 of `word` (the scales
         read four bytes at a time); `keep` 0 makes it 0.0 (an idle thread's block), -1 keeps it."""
         return ((((word >> (8 * byte_n % 32)) & 0xFF) + 8) << 23) & keep
-
-    from cutlass._mlir.dialects import nvvm as _nvvm
-
-    @dsl_user_op
-    def bulk_load(dst_smem, src_gmem, mbar, nbytes: int, *, loc=None, ip=None):
-        """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes of nbytes contiguous bytes."""
-        _nvvm.cp_async_bulk_shared_cluster_global(
-            dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
-            mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
     def sigmoid(x):
         return 1.0 / (1.0 + cute.math.exp(-x))
@@ -220,9 +206,8 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int, bulk: bool = False):
+                     rows: int):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            self.bulk = bool(bulk) and (L // 32) % 16 == 0  # UP_BULK where the scale ranges are 16-byte aligned
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
             self.NT = (self.NB + 31) // 32 * 32
@@ -247,50 +232,25 @@ def _kernel_classes():
             r0 = (c % (I // R)) * R
             b = tid % NB                 # a thread past the last block redoes a valid one times a factor of 0.0
             keep = (tid - NB) >> 31
-            SW = R * NB // 4             # scale words of R rows (UP_BULK)
-            if cutlass.const_expr(self.bulk):  # [m, r, word] rows and [m, scale word] in shared memory, one mbarrier
-                s_w = smem.allocate_tensor(Int32, cute.make_layout(2 * R * RW), byte_alignment=128)
-                s_s = smem.allocate_tensor(Int32, cute.make_layout(2 * SW), byte_alignment=16)
-                mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
-                if tid == 0:
-                    cute.arch.mbarrier_init(mbar, 1)
-                    cute.arch.mbarrier_init_fence()
-                cute.arch.sync_threads()
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
             e = vec(p_idx, k * self.idx_step, 1)[0]
             wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # [m (w1, w3), r, word]
             sv = cute.make_rmem_tensor((2 * R,), Int32)
-            if cutlass.const_expr(self.bulk):
-                if tid == 0:  # the R rows of W1 and of W3 are contiguous, as are their scale bytes
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * R * (RW + NB // 4) * 4)
-                    bulk_load(s_w.iterator, p_w1 + (e * I + r0) * RW, mbar, R * RW * 4)
-                    bulk_load(s_w.iterator + R * RW, p_w3 + (e * I + r0) * RW, mbar, R * RW * 4)
-                    bulk_load(s_s.iterator, p_s1 + (e * I + r0) * NB // 4, mbar, R * NB)
-                    bulk_load(s_s.iterator + SW, p_s3 + (e * I + r0) * NB // 4, mbar, R * NB)
-            else:
-                for m in cutlass.range_constexpr(2):
-                    for r in cutlass.range_constexpr(R):
-                        row = e * I + r0 + r
-                        cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
-                                          cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
-                        sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
+            for m in cutlass.range_constexpr(2):
+                for r in cutlass.range_constexpr(R):
+                    row = e * I + r0 + r
+                    cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
+                                      cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
+                    sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
             zr = cute.make_rmem_tensor((16,), Int32)
             zp = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
             for q in cutlass.range_constexpr(16):
                 zp[q] = to_f16x2(zr[q])
-            if cutlass.const_expr(self.bulk):  # the copies landed: each thread's words and scale words from shared
-                ok = cute.arch.mbarrier_test_wait(mbar, 0)
-                while not ok:
-                    ok = cute.arch.mbarrier_test_wait(mbar, 0)
-                for j in cutlass.range_constexpr(2 * R):
-                    cute.autovec_copy(cute.make_tensor(s_w.iterator + j * RW + 4 * b, cute.make_layout(4)),
-                                      cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)))
-                    sv[j] = s_s[(j // R) * SW + ((j % R) * NB + b) // 4]
             acc = cute.make_rmem_tensor((2 * R,), Float32)
             for j in cutlass.range_constexpr(2 * R):
-                fbits = factor_bits(sv[j], (e * I + r0 + j % R) * NB + b, keep)  # (byte % 4: the same in shared)
+                fbits = factor_bits(sv[j], (e * I + r0 + j % R) * NB + b, keep)
                 acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
                                    Float32(0.0))
             if cutlass.const_expr(self.pdl):
@@ -439,7 +399,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None, bool(UP_BULK))
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -449,7 +409,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, bool(UP_BULK)), *up_args, stream),
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
