@@ -18,6 +18,7 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              expert_rows3: 6/8, 6/16, 8/8, 8/16; 6 / 8 kept);
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
              pdl wait, or after it (EARLY; early kept: profiles/h200/attnres_early_step_ab.json.gz);
+  up_min_ctas  the one-token experts' up kernel with no register bound (0) or 8 CTAs an SM (UP_MIN_CTAS);
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
@@ -34,7 +35,7 @@ restored first); each arm's output is compared with the first arm's on the same 
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts)
+        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, up_min_ctas, mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -86,6 +87,8 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # the CuTe AttnRes reading the blocks and the prefix before its pdl wait (EARLY, kept)
          "attnres_early": (("waits", {"k3lab_kernels.cute.attnres_norm:EARLY": False}),
                            ("early", {"k3lab_kernels.cute.attnres_norm:EARLY": True})),
+         # the one-token experts' up kernel bounded to 8 CTAs an SM (one wave of 1,024 at 64 registers) or not (66)
+         "up_min_ctas": tuple((f"min{n}", {"k3lab_kernels.cute.moe_experts:UP_MIN_CTAS": n}) for n in (0, 8)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }
