@@ -18,7 +18,6 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              expert_rows3: 6/8, 6/16, 8/8, 8/16; 6 / 8 kept);
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
              pdl wait, or after it (EARLY; early kept: profiles/h200/attnres_early_step_ab.json.gz);
-  up_min_ctas  the one-token experts' up kernel with no register bound (0) or 8 CTAs an SM (UP_MIN_CTAS);
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
@@ -29,13 +28,14 @@ num_stages 2 / 3 / 4 on the step's contiguous cache, CONTIG_STAGES) and mla_merg
 64) at 727ca60, mla_small (the MLA cache write's work before its pdl wait, MLA_CACHE_EARLY; the query step's
 UNROLL / PRE 4/4, 6/6, 4/2, 2/2) at 2dcd8a4, l2_rows (the one-token experts' CTAs requesting their
 rows into L2 at their start, moe_experts.L2_ROWS) at e84efea, up_bulk (the up kernel's rows by four bulk copies
-into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44.
+into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas (the up kernel bounded to 8
+CTAs an SM, UP_MIN_CTAS) at 58394f6.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, up_min_ctas, mla_parts)
+        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -87,8 +87,6 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # the CuTe AttnRes reading the blocks and the prefix before its pdl wait (EARLY, kept)
          "attnres_early": (("waits", {"k3lab_kernels.cute.attnres_norm:EARLY": False}),
                            ("early", {"k3lab_kernels.cute.attnres_norm:EARLY": True})),
-         # the one-token experts' up kernel bounded to 8 CTAs an SM (one wave of 1,024 at 64 registers) or not (66)
-         "up_min_ctas": tuple((f"min{n}", {"k3lab_kernels.cute.moe_experts:UP_MIN_CTAS": n}) for n in (0, 8)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

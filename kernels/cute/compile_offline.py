@@ -299,9 +299,6 @@ def _cases(only: str | None, quick: bool):
                           up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
             cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
                           dargs))
-        # the step's up kernel bounded to 8 CTAs an SM (UP_MIN_CTAS): one wave of its 1,024 CTAs at 64 registers
-        cases.append(("moe up K16 I384 L3584 pdl rows 6 min8",
-                      lambda: up_cls(16, 384, 3584, 896, 1, 4.0, 25.0, True, 6, 8), uargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
         cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
     if only in (None, "moe_grouped"):

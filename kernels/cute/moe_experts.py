@@ -72,10 +72,6 @@ _KERNEL_CLS = None
 # session). A shape they do not divide takes 4 (up) or 1 (down).
 DOWN_ROWS = 8
 UP_ROWS = 6
-# the up kernel compiled for this many CTAs an SM (a register bound through the launch bounds; 0: none). At UP_ROWS 6
-# (1,024 CTAs at TP8) ptxas gives it 66 registers, 7 CTAs an SM: 924 resident, the last 100 a second wave; bounded to
-# 8 it takes 64 (one 8-byte spill) and the grid is one wave (offline sm_90a).
-UP_MIN_CTAS = 8
 
 
 def _kernel_classes():
@@ -210,9 +206,8 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int, min_ctas: int = 0):
+                     rows: int):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            self.min_ctas = int(min_ctas)  # UP_MIN_CTAS
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
             self.NT = (self.NB + 31) // 32 * 32
@@ -222,9 +217,7 @@ def _kernel_classes():
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                      stream: cuda.CUstream):
             self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
-                grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl,
-                **({} if not self.min_ctas else dict(max_number_threads=[self.NT, 1, 1],
-                                                     min_blocks_per_mp=self.min_ctas)))
+                grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -406,7 +399,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None, int(UP_MIN_CTAS))
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -416,7 +409,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, int(UP_MIN_CTAS)), *up_args, stream),
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
