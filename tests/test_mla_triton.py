@@ -75,10 +75,20 @@ def test_decode_dcp_one_cached_position():
     _check(DEC, dcp=4, context=1, partitions="auto")
 
 
-@pytest.mark.parametrize("options", [dict(block_n=64), dict(block_m=16), dict(block_n=16, num_warps=8, num_stages=3)])
+@pytest.mark.parametrize("options", [dict(block_n=64), dict(block_m=16), dict(block_n=16, num_warps=8, num_stages=3),
+                                     dict(ksplit=4), dict(ksplit=2, block_n=16)])
 def test_decode_kernel_options(options):
-    """block_m=16 at 12 heads x T=2 splits the rows into two groups (each reads the cache)."""
+    """block_m=16 at 12 heads x T=2 splits the rows into two groups (each reads the cache); ksplit cuts the latent
+    columns into pieces (independent score products, acc and the stored partial in pieces)."""
     _check(DEC, options=options, T=2, context=33, partitions=2, page_size=16)
+
+
+@pytest.mark.parametrize("ksplit,page_size,fp8_scale", [(4, 0, "tensor"), (2, 0, "token"), (4, 64, None)])
+def test_decode_ksplit_cache_kinds(ksplit, page_size, fp8_scale):
+    """The latent pieces on the contiguous cache (the step's), fp8 with either scale, and preloaded page indices."""
+    kv = dict(kv_dtype="fp8", fp8_scale=fp8_scale) if fp8_scale else {}
+    _check(DEC, options=dict(ksplit=ksplit), context=70 if page_size == 64 else 45, batch=2, ragged=True,
+           partitions=2, page_size=page_size, **kv)
 
 
 def test_decode_reference_backends_agree():
@@ -240,6 +250,15 @@ def test_preload_and_block_n_rules():
     assert kern.default_preload(8193, 4, 32) == 16
     assert kern.default_block_n(16, 64) == 32 and kern.default_block_n(16, 64, preload=False) == 64
     assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
+
+
+def test_ksplit_rule():
+    """Four latent pieces for 16-row tiles, except on preloaded page indices with <= 2 blocks a piece (batch 1 / 8K
+    / page 64); one for the verify's larger tiles."""
+    from k3lab_kernels.triton import mla_decode as kern
+
+    assert kern.default_ksplit(0, 2) == 4 and kern.default_ksplit(16, 8) == 4  # contiguous 8K; paged 32K
+    assert kern.default_ksplit(16, 2) == 1 and kern.default_ksplit(0, 8, BM=64) == 1
 
 
 def test_block_m_rule():

@@ -20,6 +20,8 @@ SMALL = dict(dtype="mxfp4", batch=1, tp=1, latent=128, inter=128, n_experts=6, t
 ROUNDS = dict(SMALL, latent=1152, inter=384)
 # intermediate 96: three scale bytes a w2 row (rows straddle 32-bit words, as TP16's 192 does with six)
 ODD = dict(SMALL, inter=96, n_experts=4)
+# latent 512: 16 blocks a row, so the up kernel runs UP_HALVES groups of 16 threads (one warp, split at lane 16)
+HALF = dict(SMALL, latent=512, inter=96, n_experts=4)
 
 
 def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None):
@@ -56,6 +58,7 @@ def impl(pdl=False, idx32=False, rows=None):
 @pytest.mark.parametrize("pdl,idx32,shape,rows", [
     (True, True, SMALL, None), (False, False, ODD, 8),
     (False, True, ODD, None),  # the default rows a CTA on a shape they divide (I 96: UP_ROWS 6; L 128: DOWN_ROWS 8)
+    (True, True, HALF, None),  # the up kernel's two thread groups (UP_HALVES), each 3 rows of W1 and of W3
     pytest.param(False, True, SMALL, None, marks=pytest.mark.slow),  # CI's 10 minutes: pdl and int64 ids run above
     pytest.param(True, False, ROUNDS, 2, marks=pytest.mark.slow)])  # ~1 min
 def test_one_token(pdl, idx32, shape, rows):
@@ -69,8 +72,10 @@ def test_one_token(pdl, idx32, shape, rows):
     down = rows or (km.DOWN_ROWS if shape["latent"] % km.DOWN_ROWS == 0 else 1)
     assert launches[-1]["block"] == nt and launches[-1]["grid"][0] == shape["latent"] // down
     inter = shape["inter"] // shape["tp"]
-    assert launches[-2]["block"] == -(-shape["latent"] // 32 // 32) * 32
     up = rows or (km.UP_ROWS if inter % km.UP_ROWS == 0 else 4)
+    nb = shape["latent"] // 32
+    halves = km.UP_HALVES if nb % 16 == 0 and up % km.UP_HALVES == 0 else 1
+    assert launches[-2]["block"] == -(-halves * nb // 32) * 32
     assert launches[-2]["grid"][0] == shape["top_k"] * inter // up
 
 

@@ -21,7 +21,8 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
     fn = kernel or md._mla_split_kernel
     sig, consts = {}, {}
     defaults = dict(C=512, DR=64, CP=512, DRP=64, W=576, HR=12, BM=16, BN=32, PAGED=True, PAGE=64, SCALE_MODE=0,
-                    CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, HOST_CHUNK=True, PDL=False)
+                    CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, HOST_CHUNK=True, PDL=False, WAIT=False,
+                    KS=1)
     defaults.update(over)
     for name in fn.arg_names:
         p = fn.params[fn.arg_names.index(name)]

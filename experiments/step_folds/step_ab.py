@@ -11,7 +11,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   proj_short the GEMV's short inputs (K <= 2048: the output projections, W_fb) at 4 / 4 (SHORT_K 2048) or at the
              long inputs' 8 / 8 (SHORT_K 0);
   short_k    UNROLL_SHORT / PRE_SHORT for the inputs up to 2048 long: 4/4, 2/2, 3/3, 4/2, 6/6 (6 / 6 = the long
-             inputs' 8 / 8 at K 1536, six steps; 4 / 2 won and is the default: profiles/h200/short_k_step_ab.json.gz);
+             inputs' 8 / 8 at K 1536, six steps; 4 / 2 won and is the default:
+             profiles/h200/short_k_step_ab.json.gz (retired for room, git history at 93364f5));
   mid_k      moe_out (K 3968) at the short inputs' UNROLL / PRE (SHORT_K 4096) or the long inputs' (2048);
   long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8, 8/12, 12/12, 6/6, 8/6;
   expert_rows  the one-token experts' rows a CTA, up / down: 4/4, 2/4, 6/4, 4/2, 4/8 (expert_rows2: 4/4, 4/8, 6/8;
@@ -35,7 +36,8 @@ restored first); each arm's output is compared with the first arm's on the same 
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
-        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts)
+        short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
+        rscatter, mla_ksplit)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -87,6 +89,16 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # the CuTe AttnRes reading the blocks and the prefix before its pdl wait (EARLY, kept)
          "attnres_early": (("waits", {"k3lab_kernels.cute.attnres_norm:EARLY": False}),
                            ("early", {"k3lab_kernels.cute.attnres_norm:EARLY": True})),
+         # the up kernel's thread groups (UP_HALVES: 2 groups of L/32 threads, no idle lane) x its rows a CTA
+         "up_halves": tuple((f"h{h}_r{r}", {"k3lab_kernels.cute.moe_experts:UP_HALVES": h,
+                                            "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
+                            for h, r in ((1, 6), (2, 12), (2, 8), (2, 6))),
+         # the experts' row sums by a reduce-scatter (RSCATTER) or a butterfly per row, x the up kernel's rows a CTA
+         "rscatter": tuple((f"rs{int(rs)}_r{r}", {"k3lab_kernels.cute.moe_experts:RSCATTER": rs,
+                                                  "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
+                           for rs, r in ((False, 12), (True, 12), (True, 16))),
+         # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
+         "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

@@ -193,6 +193,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
+           ksplit: int | None = None,
            cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
            ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
@@ -234,7 +235,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
         _int_opt("n_positions", n_positions, T, cache.capacity)
     if be == "cute":
         for name, v in (("block_n", block_n), ("block_m", block_m), ("num_warps", num_warps),
-                        ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk)):
+                        ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk),
+                        ("ksplit", ksplit)):
             if v is not None:
                 _fail(name, "is an option of backend 'triton', not 'cute'")
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
@@ -299,8 +301,10 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
         fn = dispatch.kernel("mla_decode", be)
         if host_chunk is not None and not isinstance(host_chunk, bool):
             _fail("host_chunk", f"must be None (the kernel's default) or a bool, got {host_chunk!r}")
+        if ksplit is not None and (isinstance(ksplit, bool) or ksplit not in (1, 2, 4)):
+            _fail("ksplit", f"must be None (the kernel's default) or one of (1, 2, 4), got {ksplit!r}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk)
+                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,

@@ -301,6 +301,10 @@ def _cases(only: str | None, quick: bool):
                           dargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
         cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
+        for R in (6, 8, 12, 16):  # the up kernel's two thread groups (UP_HALVES 2) at the step's shape, TP8 and TP16
+            for I in (384, 192):
+                cases.append((f"moe up K16 I{I} L3584 pdl rows {R} halves 2", lambda R=R, I=I:
+                              up_cls(16, I, 3584, 896, 1, 4.0, 25.0, True, R, 2), uargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)

@@ -71,7 +71,13 @@ _KERNEL_CLS = None
 # (pdl, the glue folded) 6 / 8 took 1069.7-1079.9 us against 1079.2-1082.5 at 4 / 4 (docs/NOTES_moe.md, thirtieth
 # session). A shape they do not divide takes 4 (up) or 1 (down).
 DOWN_ROWS = 8
-UP_ROWS = 6
+UP_ROWS = 12
+# thread groups of L/32 an up CTA (2: two groups of 112 threads at K3's latent, each R/2 rows of W1 and of W3, so no
+# thread of the CTA's 7 warps is idle, where one group of 4 warps leaves 16 idle lanes redoing a block times 0.0);
+# 1 where L/32 is not a multiple of 16 or UP_ROWS is not a multiple of it
+UP_HALVES = 2
+# the row sums' shuffles as a reduce-scatter (both kernels; see seg_reduce) or a full butterfly per row
+RSCATTER = True
 
 
 def _kernel_classes():
@@ -129,6 +135,30 @@ def _kernel_classes():
     def tanh(x):
         return 2.0 * sigmoid(2.0 * x) - 1.0
 
+    def seg_reduce(acc, n, seg, lane):
+        """Sum acc[0..n) over the `seg` lanes (32 or 16) of this thread's shuffle segment. RSCATTER: a reduce-scatter
+        (while the count is even a butterfly step hands half the values to the partner lane and keeps the other half:
+        15 shuffles for 12 values over 16 lanes instead of 48), else a full butterfly per value. Returns (start, cur,
+        plain): this lane holds the sums of values start .. start + cur - 1 in acc[0..cur), and the lanes with
+        lane & plain == 0 are the ones to store them (the others of a full butterfly step hold the same sums)."""
+        cur, start, plain = n, Int32(0), 0
+        for sh in range(5 if seg == 32 else 4):
+            o = (seg // 2) >> sh
+            if RSCATTER and cur % 2 == 0:  # a plain function (not preprocessed): Python loops unroll
+                half = cur // 2
+                hi = (lane & o) != 0
+                for i in range(half):
+                    a, bb = acc[i], acc[half + i]
+                    acc[i] = cutlass.select_(hi, bb, a) + cute.arch.shuffle_sync_bfly(cutlass.select_(hi, a, bb),
+                                                                                      offset=o)
+                start = start + cutlass.select_(hi, Int32(half), Int32(0))
+                cur = half
+            else:
+                for i in range(cur):
+                    acc[i] = acc[i] + cute.arch.shuffle_sync_bfly(acc[i], offset=o)
+                plain = plain | o
+        return start, cur, plain
+
     class MoEDown:
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
@@ -178,11 +208,10 @@ def _kernel_classes():
                 fbits = factor_bits(sv[r], (e * L + c * R + r) * NB + cb, keep)
                 acc[r] = block_fma(cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)), ap, fbits,
                                    Float32(0.0))
-                for sh in cutlass.range_constexpr(5):
-                    acc[r] = acc[r] + cute.arch.shuffle_sync_bfly(acc[r], offset=16 >> sh)
-            if lane == 0:
-                for r in cutlass.range_constexpr(R):
-                    s_red[warp * R + r] = acc[r]
+            start, cur, plain = seg_reduce(acc, R, 32, lane)
+            if (lane & plain) == 0:
+                for i in cutlass.range_constexpr(cur):
+                    s_red[warp * R + start + i] = acc[i]
             cute.arch.sync_threads()
             if tid < 32:                 # warp 0: lane r < R sums row r over the warps
                 rr = tid % R
@@ -206,11 +235,14 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int):
+                     rows: int, halves: int = 1):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
-            self.NT = (self.NB + 31) // 32 * 32
+            self.H = int(halves)                     # thread groups of NB a CTA, each R / H rows of W1 and of W3
+            assert self.H in (1, 2) and rows % self.H == 0 and (self.H == 1 or self.NB % 16 == 0)
+            self.NT = (self.H * self.NB + 31) // 32 * 32
+            self.SEG = 32 if self.H == 1 else 16     # lanes a shuffle segment (a group of NB is whole segments)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -222,59 +254,62 @@ def _kernel_classes():
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
-            I, R, NB, NT = self.I, self.R, self.NB, self.NT
+            I, R, NB, NT, H, SEG = self.I, self.R, self.NB, self.NT, self.H, self.SEG
+            RH = R // H                  # rows of W1 (and of W3) a thread
+            NSEG = NT // SEG
+            SPH = NSEG if H == 1 else NB // SEG  # segments a group's rows are summed over
             RW = self.L // 8
-            W = NT // 32
             tid, c, lane, warp = ids()
             smem = cutlass.utils.SmemAllocator()
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(W * 2 * R), byte_alignment=16)  # [warp, m, r]
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(NSEG * 2 * RH), byte_alignment=16)  # [seg, m, r]
             k = c // (I // R)
             r0 = (c % (I // R)) * R
-            b = tid % NB                 # a thread past the last block redoes a valid one times a factor of 0.0
-            keep = (tid - NB) >> 31
+            qt = tid % (H * NB)          # a thread past the last block redoes a valid one times a factor of 0.0
+            b = qt % NB
+            hr = r0 + (qt // NB) * RH    # this thread's group's first row
+            keep = (tid - H * NB) >> 31
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
             e = vec(p_idx, k * self.idx_step, 1)[0]
-            wv = cute.make_rmem_tensor((2 * R * 4,), Int32)  # [m (w1, w3), r, word]
-            sv = cute.make_rmem_tensor((2 * R,), Int32)
+            wv = cute.make_rmem_tensor((2 * RH * 4,), Int32)  # [m (w1, w3), r, word]
+            sv = cute.make_rmem_tensor((2 * RH,), Int32)
             for m in cutlass.range_constexpr(2):
-                for r in cutlass.range_constexpr(R):
-                    row = e * I + r0 + r
+                for r in cutlass.range_constexpr(RH):
+                    row = e * I + hr + r
                     cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
-                                      cute.make_tensor(wv.iterator + (m * R + r) * 4, cute.make_layout(4)))
-                    sv[m * R + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
+                                      cute.make_tensor(wv.iterator + (m * RH + r) * 4, cute.make_layout(4)))
+                    sv[m * RH + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
             zr = cute.make_rmem_tensor((16,), Int32)
             zp = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
             for q in cutlass.range_constexpr(16):
                 zp[q] = to_f16x2(zr[q])
-            acc = cute.make_rmem_tensor((2 * R,), Float32)
-            for j in cutlass.range_constexpr(2 * R):
-                fbits = factor_bits(sv[j], (e * I + r0 + j % R) * NB + b, keep)
+            acc = cute.make_rmem_tensor((2 * RH,), Float32)
+            for j in cutlass.range_constexpr(2 * RH):
+                fbits = factor_bits(sv[j], (e * I + hr + j % RH) * NB + b, keep)
                 acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
                                    Float32(0.0))
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
-            for j in cutlass.range_constexpr(2 * R):
-                for sh in cutlass.range_constexpr(5):
-                    acc[j] = acc[j] + cute.arch.shuffle_sync_bfly(acc[j], offset=16 >> sh)
-            if lane == 0:
-                for j in cutlass.range_constexpr(2 * R):
-                    s_red[warp * 2 * R + j] = acc[j]
+            start, cur, plain = seg_reduce(acc, 2 * RH, SEG, lane)
+            if (lane & plain) == 0:
+                for i in cutlass.range_constexpr(cur):
+                    s_red[(tid // SEG) * 2 * RH + start + i] = acc[i]
             cute.arch.sync_threads()
-            if tid < R // 2:             # the pair of rows r0 + 2 tid, r0 + 2 tid + 1
-                g0 = s_red[2 * tid]
-                g1 = s_red[2 * tid + 1]
-                u0 = s_red[R + 2 * tid]
-                u1 = s_red[R + 2 * tid + 1]
-                for w in cutlass.range_constexpr(1, W):
-                    g0 = g0 + s_red[w * 2 * R + 2 * tid]
-                    g1 = g1 + s_red[w * 2 * R + 2 * tid + 1]
-                    u0 = u0 + s_red[w * 2 * R + R + 2 * tid]
-                    u1 = u1 + s_red[w * 2 * R + R + 2 * tid + 1]
+            if tid < R // 2:             # the pair of rows r0 + 2 tid, r0 + 2 tid + 1 (row rho: group rho // RH)
+                g = cute.make_rmem_tensor((2,), Float32)
+                u = cute.make_rmem_tensor((2,), Float32)
+                for i in cutlass.range_constexpr(2):
+                    rho = 2 * tid + i
+                    base = (rho // RH) * SPH * 2 * RH + rho % RH
+                    g[i] = s_red[base]
+                    u[i] = s_red[base + RH]
+                    for w in cutlass.range_constexpr(1, SPH):
+                        g[i] = g[i] + s_red[base + w * 2 * RH]
+                        u[i] = u[i] + s_red[base + w * 2 * RH + RH]
                 wt = vec(p_wk, k, 1)[0] * 64.0
-                a0 = wt * (self.b1 * tanh(g0 / self.b1) * sigmoid(g0)) * (self.b2 * tanh(u0 / self.b2))
-                a1 = wt * (self.b1 * tanh(g1 / self.b1) * sigmoid(g1)) * (self.b2 * tanh(u1 / self.b2))
+                a0 = wt * (self.b1 * tanh(g[0] / self.b1) * sigmoid(g[0])) * (self.b2 * tanh(u[0] / self.b2))
+                a1 = wt * (self.b1 * tanh(g[1] / self.b1) * sigmoid(g[1])) * (self.b2 * tanh(u[1] / self.b2))
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
     _KERNEL_CLS = (MoEUp, MoEDown)
@@ -399,7 +434,9 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, glue is not None)
+    halves = UP_HALVES if (L // 32) % 16 == 0 and up_rows % UP_HALVES == 0 else 1
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, RSCATTER,
+           glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -409,7 +446,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows), *up_args, stream),
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, halves), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)

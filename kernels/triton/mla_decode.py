@@ -91,6 +91,11 @@ DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this ma
 PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
+# the latent columns' pieces a block (1, 2 or 4): the scores as independent products of the pieces (and the rope's),
+# so the MMAs of a block run as KS chains of 32 / KS (+ 4) instead of one of 36 (where C is a power of two
+# divisible by 16 KS; else 1). None: `default_ksplit` (4, except 1 on preloaded page indices with at most two
+# blocks a piece, where 4 measured slower: docs/NOTES_mla.md, thirty-second session).
+DEFAULT_KSPLIT = None
 
 
 def dot_f32() -> bool:
@@ -138,8 +143,9 @@ def _pow2(n: int) -> int:
 def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok, lo, pg_lo,
               C: tl.constexpr, CP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
               BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr):
-    """The cache rows of the block of positions [start, start + BN) of a piece ending at `hi`: (c [BN, C]
-    bf16, kr [BN, Dr] bf16, row [BN] int64). Positions >= hi are never read."""
+    """The cache rows of the block of positions [start, start + BN) of a piece ending at `hi`: (row pointers
+    [BN, 1] (the latent columns are loaded by _attend_rows), kr [BN, Dr] bf16, row [BN] int64). Positions >= hi
+    are never read."""
     j = start + tl.arange(0, BN)
     ok = j < hi
     gp = pos0 + j * pstride
@@ -154,20 +160,53 @@ def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr
     else:
         row = b.to(tl.int64) * s_kvb + gp
     base = kv + row[:, None] * W
-    c = tl.load(base + cc[None, :], mask=_mask2(ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
     kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
-    return c, kr, row
+    return base, kr, row
 
 
 @triton.jit
-def _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+def _opaque(x):
+    """x through an inline-asm move: a tl.dot result the compiler cannot fold into the next dot's accumulator (so
+    the pieces' products stay independent chains of MMAs)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, ok, limit, tok, qk_scale,
+                 SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, CW: tl.constexpr,
+                 C: tl.constexpr, CP: tl.constexpr):
     """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
-    online softmax (exp2), acc += P C."""
+    online softmax (exp2), acc += P C. The block's latent columns are loaded here from `base` (row pointers
+    [BN, 1]) in KS pieces of CW: with KS > 1 the scores are the sum of KS + 1 independent products (the latent
+    pieces' and the rope's), KS short chains of MMAs instead of one of (C + Dr) / 16, and q / acc come in the
+    same pieces (a1..a3, q1..q3 unused below KS)."""
+    cw = tl.arange(0, CW)
+    c0 = tl.load(base + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
     if DOT_F32:
-        c = c.to(tl.float32)
+        c0 = c0.to(tl.float32)
         kr = kr.to(tl.float32)
-    s = tl.dot(q, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+    if KS == 1:
+        s = tl.dot(q0, tl.trans(c0)) + tl.dot(qr, tl.trans(kr))
+    else:
+        c1 = tl.load(base + CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+        if DOT_F32:
+            c1 = c1.to(tl.float32)
+        if KS == 4:
+            c2 = tl.load(base + 2 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+            c3 = tl.load(base + 3 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+            if DOT_F32:
+                c2 = c2.to(tl.float32)
+                c3 = c3.to(tl.float32)
+        if DOT_F32:  # the interpreter has no inline asm (and nothing to fold)
+            s = tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1))
+            if KS == 4:
+                s = s + tl.dot(q2, tl.trans(c2)) + tl.dot(q3, tl.trans(c3))
+            s = s + tl.dot(qr, tl.trans(kr))
+        else:
+            s = _opaque(tl.dot(q0, tl.trans(c0))) + _opaque(tl.dot(q1, tl.trans(c1)))
+            if KS == 4:
+                s = s + (_opaque(tl.dot(q2, tl.trans(c2))) + _opaque(tl.dot(q3, tl.trans(c3))))
+            s = s + _opaque(tl.dot(qr, tl.trans(kr)))
     if SCALE_MODE == 2:
         s = s * tok[None, :]
     s = s * qk_scale
@@ -184,8 +223,22 @@ def _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MO
         pb = rne_bf16(pw)
     else:
         pb = pw.to(tl.bfloat16)
-    acc = acc * alpha[:, None] + tl.dot(pb, c)
-    return m_new, l, acc
+    a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
+    if KS >= 2:
+        a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
+    if KS == 4:
+        a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
+        a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
+    return m_new, l, a0, a1, a2, a3
+
+
+@triton.jit
+def _normed(a, den, ts, SCALE_MODE: tl.constexpr):
+    """The partial's output columns: acc / l (times the per-tensor scale)."""
+    o = a / den[:, None]
+    if SCALE_MODE == 1:
+        o = o * ts
+    return o
 
 
 @triton.jit
@@ -199,7 +252,7 @@ def _mla_split_kernel(
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    WAIT: tl.constexpr,
+    WAIT: tl.constexpr, KS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -254,20 +307,48 @@ def _mla_split_kernel(
         r_ok = rr < DR
     if WAIT:  # launched with PDL (pdl_chain): lengths and the page indices above, the query and rows after the wait
         tl.extra.cuda.gdc_wait()
-    q = tl.load(q_lat + b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh + cc[None, :],
-                mask=_mask2(row_ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
+    CW: tl.constexpr = CP // KS  # the latent columns in KS pieces (KS > 1 only where C = CP)
+    cw = tl.arange(0, CW)
+    qrow = q_lat + b * s_qb + t[:, None] * s_qt + h[:, None] * s_qh
+    if KS == 1:
+        q0 = tl.load(qrow + cc[None, :], mask=_mask2(row_ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
+        q1 = 0.0
+        q2 = 0.0
+        q3 = 0.0
+    else:
+        q0 = tl.load(qrow + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
+        q1 = tl.load(qrow + CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
+        q2 = 0.0
+        q3 = 0.0
+        if KS == 4:
+            q2 = tl.load(qrow + 2 * CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
+            q3 = tl.load(qrow + 3 * CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
     qr = tl.load(q_rope + b * s_rb + t[:, None] * s_rt + h[:, None] * s_rh + rr[None, :],
                  mask=_mask2(row_ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
     if DOT_F32:  # the interpreter: the same bf16 values, multiplied in fp32 (see `dot_f32`)
-        q = q.to(tl.float32)
+        q0 = q0.to(tl.float32)
         qr = qr.to(tl.float32)
+        if KS >= 2:
+            q1 = q1.to(tl.float32)
+        if KS == 4:
+            q2 = q2.to(tl.float32)
+            q3 = q3.to(tl.float32)
+    ts = 1.0
     if SCALE_MODE == 1:
         ts = tl.load(kv_scale).to(tl.float32)
         qk_scale = qk_scale * ts
 
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, CP], tl.float32)
+    a0 = tl.zeros([BM, CW], tl.float32)
+    a1 = 0.0
+    a2 = 0.0
+    a3 = 0.0
+    if KS >= 2:
+        a1 = tl.zeros([BM, CW], tl.float32)
+    if KS == 4:
+        a2 = tl.zeros([BM, CW], tl.float32)
+        a3 = tl.zeros([BM, CW], tl.float32)
     if NPG > 0:
         # PAGE_ROWS with the piece's page indices loaded NPG at a time before the block loop: the loop's row
         # addresses come from registers, not from a load in the loop, so the pipeliner multi-buffers the rows
@@ -282,20 +363,21 @@ def _mla_split_kernel(
                 page = tl.sum(tl.where(pp == start // PAGE - pg0, pages, 0))
                 row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
                 base = kv + row[:, None] * W
-                c = tl.load(base + cc[None, :], mask=_mask2(ok, c_ok, CP == C), other=0.0).to(tl.bfloat16)
                 kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
                 if SCALE_MODE == 2:
                     tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
                 else:
                     tok = 0.0
-                m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, j, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
+                m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
+                                                    _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
+                                                    SCALE_MODE, DOT_F32, KS, CW, C, CP)
     else:
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             ok = j < hi
             gp = pos0 + j * pstride
-            c, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok,
-                                   lo, pg_lo, C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
+            base, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok,
+                                      r_ok, lo, pg_lo, C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
             if SCALE_MODE == 2:
                 if PAGED:
                     srow = row
@@ -304,16 +386,24 @@ def _mla_split_kernel(
                 tok = tl.load(kv_scale + srow, mask=ok, other=0.0).to(tl.float32)
             else:
                 tok = 0.0
-            m, l, acc = _attend_rows(q, qr, m, l, acc, c, kr, gp, ok, limit, tok, qk_scale, SCALE_MODE, DOT_F32)
+            m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
+                                                _mask2(ok, c_ok, CP == C), kr, gp, ok, limit, tok, qk_scale,
+                                                SCALE_MODE, DOT_F32, KS, CW, C, CP)
 
     has = l > 0.0
-    o = acc / tl.where(has, l, 1.0)[:, None]
-    if SCALE_MODE == 1:
-        o = o * ts
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453, float("-inf"))
+    den = tl.where(has, l, 1.0)
+    lse = tl.where(has, (m + tl.log2(den)) * 0.6931471805599453, float("-inf"))
     k = r * P + p
     orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
-    tl.store(o_part + orow[:, None] * C + cc[None, :], o, mask=_mask2(row_ok, c_ok, CP == C))
+    optr = o_part + orow[:, None] * C
+    if KS == 1:
+        tl.store(optr + cc[None, :], _normed(a0, den, ts, SCALE_MODE), mask=_mask2(row_ok, c_ok, CP == C))
+    else:
+        tl.store(optr + cw[None, :], _normed(a0, den, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + CW + cw[None, :], _normed(a1, den, ts, SCALE_MODE), mask=row_ok[:, None])
+        if KS == 4:
+            tl.store(optr + 2 * CW + cw[None, :], _normed(a2, den, ts, SCALE_MODE), mask=row_ok[:, None])
+            tl.store(optr + 3 * CW + cw[None, :], _normed(a3, den, ts, SCALE_MODE), mask=row_ok[:, None])
     tl.store(lse_part + orow, lse, mask=row_ok)
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
@@ -411,6 +501,14 @@ def default_num_stages(npg: int) -> int:
     return 3 if npg else 2
 
 
+def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
+    """The latent columns' pieces for 16-row tiles (one new position at <= 16 heads): 4 (the step's contiguous cache
+    at batch 1 / 8K, 1.3 us a layer faster; paged at batch 1 / 32K and batch 16 / 64 1-2 % faster), 1 with preloaded
+    page indices and at most two blocks a piece (batch 1 / 8K / page 64: 10.70 us against 11.23 at 4). Larger tiles
+    (the verify's) keep 1: not measured."""
+    return 1 if BM != 16 or (npg and blocks <= 2) else 4
+
+
 def default_num_warps(BM: int) -> int:
     return 4 if BM <= 32 else 8
 
@@ -458,7 +556,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                merge: bool = True, block_n: int | None = None, block_m: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
-               preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None):
+               preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
+               ksplit: int | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
@@ -475,7 +574,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     (paged cache, page a multiple of block_n, no DCP; 0 = one index load per block in the loop; None =
     `default_preload`, from n_max = the longest visible history when the caller knows it). With n_max given
     (host_chunk None or True) the pieces are ceil(n_max / dcp / partitions) positions for every sequence, known
-    before lengths is read, so each program loads its first page indices at once."""
+    before lengths is read, so each program loads its first page indices at once. ksplit: the latent columns'
+    pieces (DEFAULT_KSPLIT, else `default_ksplit`, when None; 1 where C is not a power of two divisible by 16
+    ksplit)."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -514,6 +615,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     shard = -(-int(n_max or 1) // dcp)  # positions one shard holds at most
     piece = -(-shard // partitions)
     chunk = -(-piece // BN) * BN if hc else 0
+    ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM)
+    assert ks in (1, 2, 4)
+    if _pow2(C) != C or C % (16 * ks):
+        ks = 1
     grid = (G * partitions * dcp, B)
     _mla_split_kernel[grid](
         q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
@@ -523,7 +628,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait,
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks,
         num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
         **launch_kw(wait),
     )

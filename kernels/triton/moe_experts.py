@@ -942,7 +942,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     / 1%, batch 16 / 32 / 64 gain 1 / 3 / 5%, twelfth session); a role-B item waits for its own expert's role-A
     items from batch 2 (`wait` "expert"; H200 us, all / expert: batch 2 47.5 / 40.0, 4 76.6 / 70.4, 8 136.8 / 131.0,
     16 247.5 / 241.5, 32 432.1 / 423.3, 64 764.8 / 763.0; batch 1 20.4 / 22.7, so "all" there: its last experts'
-    few w2 items would run alone at the end; seventeenth session's moe_wait.json.gz).
+    few w2 items would run alone at the end; seventeenth session's moe_wait.json.gz (retired for room, git history
+    at 93364f5)).
     gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
     MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
