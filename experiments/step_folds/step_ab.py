@@ -37,7 +37,7 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        rscatter, mla_ksplit)
+        rscatter, mla_ksplit, mla_bn)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -99,6 +99,10 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                            for rs, r in ((False, 12), (True, 12), (True, 16))),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
+         # the MLA split's positions a step on the step's contiguous cache (64: one block a piece at 8K) x ksplit
+         "mla_bn": tuple((f"bn{bn}_ks{k}", {"k3lab_kernels.triton.mla_decode:UNPAGED_BLOCK_N": bn,
+                                            "k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k})
+                         for bn, k in ((32, 4), (64, 4), (64, 1))),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

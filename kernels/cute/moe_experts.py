@@ -4,19 +4,21 @@ two launches, no atomics, no tickets, y written (not accumulated).
     act[k, i] = 2^6 wk[k] situ(W1_e z, W3_e z)[i]      e = idx[0, k], k < K (the top-k); f16, the 2^6 undone by
     y[0, l]   = sum_k wk[k] sum_i W2_e[l, i] situ_k[i]    the block factor 2^(s - 119) of the decoded e2m1 * 2^-14
 
-  up    a CTA per (pair k, R = UP_ROWS intermediate rows of W1_e and of W3_e); thread j < L/32 owns the 32-block j
-        of all 2R rows (one 16-byte load of four kernel-layout words a row, and the row's E8M0 scale byte), z's 16
-        bf16 pairs of its block converted once to f16 of 2^6 z; each block's 32 products in f16x2 FMAs (the simt
-        path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no table), the block sum
-        times 2^(s - 119) into fp32; the 2R row sums reduced by shuffles, then across warps in shared memory; R/2
-        threads store two rows' activations each as one f16x2 word (2^6 wk situ, the simt path's scaling, exact for
-        |wk situ| < 1023). A thread past the last block (L/32 rounded up to whole warps) redoes a valid block times
-        a factor of 0.0.
+  up    a CTA per (pair k, R = UP_ROWS intermediate rows of W1_e and of W3_e) in UP_HALVES groups of L/32 threads
+        (two groups of 112 at K3's latent: 7 warps, no idle lane); thread j of group g owns the 32-block j of the
+        group's R/2 rows of W1 and of W3 (one 16-byte load of four kernel-layout words a row, and the row's E8M0
+        scale byte), z's 16 bf16 pairs of its block converted once to f16 of 2^6 z; each block's 32 products in
+        f16x2 FMAs (the simt path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no
+        table), the block sum times 2^(s - 119) into fp32; the row sums reduced over a shuffle segment (32 lanes, or
+        16 with two groups: a group is whole segments) by a reduce-scatter (RSCATTER), then across segments in
+        shared memory; R/2 threads store two rows' activations each as one f16x2 word (2^6 wk situ, the simt
+        path's scaling, exact for |wk situ| < 1023). A thread past the last block (one group of L/32 rounded up to
+        whole warps) redoes a valid block times a factor of 0.0.
   down  a CTA per R = DOWN_ROWS latent rows; thread p < K * I/32 owns the (pair, block) product p of every row: its
         32 activations loaded once, the rows' W2_e words and scales; per row a shuffle sum, then across warps in
-        shared memory; a PDL launch after `up` (it waits for up's activations before reading anything). With
-        `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one partial a CTA): the MoE output's
-        routed norm folded (k3lab.step.moe_glue_fold).
+        shared memory (the reduce-scatter too); a PDL launch after `up` (it waits for up's activations before
+        reading anything). With `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one partial a
+        CTA): the MoE output's routed norm folded (k3lab.step.moe_glue_fold).
   (git history: a warp per (pair, two rows) and a warp per latent row, whose every warp re-read z or all of act,
   lost by 1.9-3 us at TP8; experiments/moe_cute/README.md.)
 
@@ -69,14 +71,17 @@ _KERNEL_CLS = None
 # rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel. Alone
 # (experiments/moe_cute/README.md) 4 and 4 were ahead of 2, 8 and 16 at TP8 and TP16; inside the batch-1 decode step
 # (pdl, the glue folded) 6 / 8 took 1069.7-1079.9 us against 1079.2-1082.5 at 4 / 4 (docs/NOTES_moe.md, thirtieth
-# session). A shape they do not divide takes 4 (up) or 1 (down).
+# session); with the up kernel's two thread groups 12 rows (six a thread of W1 and of W3, as 6 had with one group)
+# beat 6 and 8 (thirty-second session). A shape they do not divide takes 4 (up) or 1 (down).
 DOWN_ROWS = 8
 UP_ROWS = 12
 # thread groups of L/32 an up CTA (2: two groups of 112 threads at K3's latent, each R/2 rows of W1 and of W3, so no
-# thread of the CTA's 7 warps is idle, where one group of 4 warps leaves 16 idle lanes redoing a block times 0.0);
-# 1 where L/32 is not a multiple of 16 or UP_ROWS is not a multiple of it
+# thread of the CTA's 7 warps is idle, where one group of 4 warps leaves 16 idle lanes redoing a block times 0.0:
+# 12 % fewer instructions, the step 1043.5-1051.4 us against 1054.7-1061.2; docs/NOTES_moe.md thirty-second
+# session); 1 where L/32 is not a multiple of 16 or UP_ROWS is not a multiple of it
 UP_HALVES = 2
-# the row sums' shuffles as a reduce-scatter (both kernels; see seg_reduce) or a full butterfly per row
+# the row sums' shuffles as a reduce-scatter (both kernels; see seg_reduce: the same tree of additions, bit-identical)
+# or a full butterfly per row (the step 1038.3-1047.6 against 1043.2-1051.2 us)
 RSCATTER = True
 
 

@@ -28,7 +28,10 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     (576 in fp8) loaded as a [BN, C] and a [BN, Dr] tile (16-byte vectors: the row stride 576 is a
     constexpr), used for BOTH products: S = Q_lat C^T + Q_rope Kr^T (fp32, tensor cores), online softmax
     in fp32 (exp2), acc += P C (P rounded to bf16 for the tensor-core product, acc fp32). The loads stay
-    inside the visible range (masked), so garbage past a sequence (other pages, NaN) is never read.
+    inside the visible range (masked), so garbage past a sequence (other pages, NaN) is never read. The latent
+    columns come in KS pieces (`default_ksplit`: 4 for one new position): the scores are then the sum of KS + 1
+    independent products, KS short chains of MMAs instead of one of 36 dependent ones, and q and acc are kept in
+    the same pieces.
   * Pipelining: with the page index loaded inside the block loop Triton's pipeliner keeps ONE buffer of rows
     (the next block's copy waits for the index). Where a block lies in one page (page % BN == 0, no DCP) and
     a piece has >= 4 blocks, the piece's page indices are loaded NPG = 64 at a time before the block loop
@@ -91,6 +94,8 @@ DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this ma
 PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
+# positions a step below batch 16 where no page index is preloaded (the step's contiguous cache): 32 or 64
+UNPAGED_BLOCK_N = 32
 # the latent columns' pieces a block (1, 2 or 4): the scores as independent products of the pieces (and the rope's),
 # so the MMAs of a block run as KS chains of 32 / KS (+ 4) instead of one of 36 (where C is a power of two
 # divisible by 16 KS; else 1). None: `default_ksplit` (4, except 1 on preloaded page indices with at most two
@@ -484,7 +489,9 @@ def default_block_n(BM: int, B: int = 1, preload: bool = True) -> int:
     (the loop then keeps one buffer: larger blocks stream better; measured at batch 1 and 64: docs/NOTES_mla.md)."""
     if BM > 32:
         return 16
-    return 64 if B >= 16 and not preload else 32
+    if not preload:
+        return 64 if B >= 16 else UNPAGED_BLOCK_N
+    return 32
 
 
 def default_preload(n_max: int, K: int, BN: int) -> int:
