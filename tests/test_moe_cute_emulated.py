@@ -24,7 +24,7 @@ ODD = dict(SMALL, inter=96, n_experts=4)
 HALF = dict(SMALL, latent=512, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, settings=None):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     if glue is not None:
         t.update(gam=glue[0], yg=glue[1], ssp=glue[2])
@@ -33,23 +33,38 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None):
     def call(m, **a):
         mod = m.mod["moe_experts"]
         saved = mod.DOWN_ROWS, mod.UP_ROWS
+        old = {k: getattr(mod, k) for k in (settings or {})}
         if rows:  # both kernels' rows a CTA
             mod.DOWN_ROWS, mod.UP_ROWS = rows, rows
+        for k, v in (settings or {}).items():  # module settings, set inside the run (the emulator reloads the module)
+            setattr(mod, k, v)
         try:
             mod.moe_experts(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                             b1=moe.shared[0].b1 if moe.shared else 4.0, b2=moe.shared[0].b2 if moe.shared else 25.0,
                             pdl=pdl, glue=None if glue is None else (a["gam"], a["yg"], a["ssp"]))
         finally:
             mod.DOWN_ROWS, mod.UP_ROWS = saved
+            for k, v in old.items():
+                setattr(mod, k, v)
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, rows=None):
+def impl(pdl=False, idx32=False, rows=None, settings=None):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows)
-    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, rows a CTA={rows})"
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows, settings=settings)
+    f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, rows a CTA={rows}, {settings})"
     return f
+
+
+def test_row_prefetch():
+    """ROW_PREFETCH: every thread requests its rows' lines into L1 after reading its expert id; the result is the
+    plain kernels' (checked against fp64), and every prefetched address is one of a chosen expert's 16-byte row
+    pieces (up: W1 / W3 of the CTA's rows, down: W2)."""
+    emulate.PREFETCHED.clear()
+    checker.require(checker.check(OP, OP.case(**HALF), impl=impl(True, True, settings=dict(ROW_PREFETCH=True)),
+                                  seed=3, device="cpu"))
+    assert emulate.PREFETCHED and all(a % 16 == 0 for a in emulate.PREFETCHED)
 
 
 # the down kernel's CTA: K * I/32 product threads rounded up to whole warps (SMALL: 12 of 32, ODD: 9; ROUNDS: 36 of

@@ -37,7 +37,7 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        rscatter, mla_ksplit, mla_bn)
+        rscatter, mla_ksplit, mla_bn, row_prefetch)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -97,6 +97,9 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "rscatter": tuple((f"rs{int(rs)}_r{r}", {"k3lab_kernels.cute.moe_experts:RSCATTER": rs,
                                                   "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
                            for rs, r in ((False, 12), (True, 12), (True, 16))),
+         # the one-token experts' threads requesting their rows' lines into L1 after the expert id (ROW_PREFETCH)
+         "row_prefetch": (("plain", {"k3lab_kernels.cute.moe_experts:ROW_PREFETCH": False}),
+                          ("l1", {"k3lab_kernels.cute.moe_experts:ROW_PREFETCH": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
          # the MLA split's positions a step on the step's contiguous cache (64: one block a piece at 8K) x ksplit
