@@ -102,10 +102,8 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                           ("l1", {"k3lab_kernels.cute.moe_experts:ROW_PREFETCH": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
-         # the MLA split's positions a step on the step's contiguous cache (64: one block a piece at 8K) x ksplit
-         "mla_bn": tuple((f"bn{bn}_ks{k}", {"k3lab_kernels.triton.mla_decode:UNPAGED_BLOCK_N": bn,
-                                            "k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k})
-                         for bn, k in ((32, 4), (64, 4), (64, 1))),
+         # the MLA split's positions a step on the step's contiguous cache (64: one block a piece at 8K)
+         "mla_bn": tuple((f"bn{bn}", {"k3lab_kernels.triton.mla_decode:UNPAGED_BLOCK_N": bn}) for bn in (32, 64)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }
