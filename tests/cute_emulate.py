@@ -378,10 +378,10 @@ class Pointer:
     def addr(self):
         return self.buf.base + self.off * _esize(self.dtype)
 
-    def toint(self, loc=None, ip=None):
+    def toint(self):
         """The address as an integer (shared memory: the CTA-local byte offset the allocator gave it, which the
         ldmatrix model maps back to its allocation)."""
-        return Int32(self.addr())
+        return self.addr()
 
     def __repr__(self):
         return f"Pointer({getattr(self.buf, 'name', '?')} + {self.off}, {self.dtype.__name__})"
@@ -1321,16 +1321,6 @@ def _ptx_b32(operands, asm_string, constraints):
     return result(0) if n_out == 1 else tuple(result(i) for i in range(n_out))
 
 
-_PREFETCH_L1 = "prefetch.global.L1 [$0];"
-PREFETCHED: list = []  # the addresses of every emulated L1 prefetch; tests clear it and read it
-
-
-def _prefetch_l1(operands):
-    """prefetch.global.L1: no data moves; the address is recorded in PREFETCHED."""
-    PREFETCHED.append(int(operands[0]))
-    return None
-
-
 def _inline_asm(res, operands, asm_string, constraints, **kw):
     """llvm.inline_asm of the PTX forms the kernels emit: `OP $0, $1, ...;` for OP in _PTX_F32 ("f" operands),
     a `{ .reg .b16 ...; cvt.rn.satfinite.e4m3x2.f32 d, $a, $b; ...; mov.b32 $0, {lo, hi}; }` packing of
@@ -1338,8 +1328,6 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
     Anything else raises."""
     import re
 
-    if asm_string.startswith(_PREFETCH_L1):
-        return _prefetch_l1(operands)
     if asm_string.startswith(_MMA_BF16):
         return _mma_m16n8k16(operands)
     if asm_string.startswith(_MMA_F16):

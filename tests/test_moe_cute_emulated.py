@@ -57,15 +57,6 @@ def impl(pdl=False, idx32=False, rows=None, settings=None):
     return f
 
 
-def test_row_prefetch():
-    """ROW_PREFETCH: every thread requests its rows' lines into L1 after reading its expert id; the result is the
-    plain kernels' (checked against fp64), and every prefetched address is one of a chosen expert's 16-byte row
-    pieces (up: W1 / W3 of the CTA's rows, down: W2)."""
-    emulate.PREFETCHED.clear()
-    checker.require(checker.check(OP, OP.case(**HALF), impl=impl(True, True, settings=dict(ROW_PREFETCH=True)),
-                                  seed=3, device="cpu"))
-    assert emulate.PREFETCHED and all(a % 16 == 0 for a in emulate.PREFETCHED)
-
 
 # the down kernel's CTA: K * I/32 product threads rounded up to whole warps (SMALL: 12 of 32, ODD: 9; ROUNDS: 36 of
 # 64), DOWN_ROWS latent rows; the up kernel's: L/32 block threads (SMALL: 4 of 32; ROUNDS: 36 of 64), UP_ROWS rows

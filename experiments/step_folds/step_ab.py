@@ -19,7 +19,13 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              expert_rows3: 6/8, 6/16, 8/8, 8/16; 6 / 8 kept);
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
              pdl wait, or after it (EARLY; early kept: profiles/h200/attnres_early_step_ab.json.gz);
-  mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch).
+  mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch);
+  up_halves  the one-token experts' up kernel in one or two thread groups of L/32 (UP_HALVES) x UP_ROWS: 1/6, 2/12,
+             2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
+  rscatter   the experts' row sums by butterflies or a reduce-scatter (RSCATTER) x UP_ROWS 12 / 16 (the
+             reduce-scatter at 12 kept: profiles/h200/rscatter_step_ab.json.gz);
+  mla_ksplit the MLA split's latent columns in 1 / 2 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
+             cache: profiles/h200/mla_ksplit_step_ab.json.gz).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -30,14 +36,16 @@ num_stages 2 / 3 / 4 on the step's contiguous cache, CONTIG_STAGES) and mla_merg
 UNROLL / PRE 4/4, 6/6, 4/2, 2/2) at 2dcd8a4, l2_rows (the one-token experts' CTAs requesting their
 rows into L2 at their start, moe_experts.L2_ROWS) at e84efea, up_bulk (the up kernel's rows by four bulk copies
 into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas (the up kernel bounded to 8
-CTAs an SM, UP_MIN_CTAS) at 58394f6.
+CTAs an SM, UP_MIN_CTAS) at 58394f6, row_prefetch (the one-token experts' threads requesting their rows' lines
+into L1 after the expert id, moe_experts.ROW_PREFETCH) and mla_bn (the MLA split's 64 positions a step on the
+contiguous cache, mla_decode.UNPAGED_BLOCK_N) at f6c577b.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        rscatter, mla_ksplit, mla_bn, row_prefetch)
+        rscatter, mla_ksplit)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -97,13 +105,8 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "rscatter": tuple((f"rs{int(rs)}_r{r}", {"k3lab_kernels.cute.moe_experts:RSCATTER": rs,
                                                   "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
                            for rs, r in ((False, 12), (True, 12), (True, 16))),
-         # the one-token experts' threads requesting their rows' lines into L1 after the expert id (ROW_PREFETCH)
-         "row_prefetch": (("plain", {"k3lab_kernels.cute.moe_experts:ROW_PREFETCH": False}),
-                          ("l1", {"k3lab_kernels.cute.moe_experts:ROW_PREFETCH": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
-         # the MLA split's positions a step on the step's contiguous cache (64: one block a piece at 8K)
-         "mla_bn": tuple((f"bn{bn}", {"k3lab_kernels.triton.mla_decode:UNPAGED_BLOCK_N": bn}) for bn in (32, 64)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

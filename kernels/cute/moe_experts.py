@@ -83,10 +83,6 @@ UP_HALVES = 2
 # the row sums' shuffles as a reduce-scatter (both kernels; see seg_reduce: the same tree of additions, bit-identical)
 # or a full butterfly per row (the step 1038.3-1047.6 against 1043.2-1051.2 us)
 RSCATTER = True
-# each thread requests its rows' lines into L1 (prefetch.global.L1) right after reading its expert id: ptxas issues
-# only the first few of a thread's 16-byte row loads up front and the rest as registers free up (up: 4 of 12), so
-# without it a CTA's rows reach DRAM in several dependent rounds
-ROW_PREFETCH = True
 
 
 def _kernel_classes():
@@ -113,13 +109,6 @@ def _kernel_classes():
         return Float32(_llvm.inline_asm(Float32.mlir_type, ops, BLOCK, "=f," + "r," * 21 + "f",
                                         has_side_effects=False, is_align_stack=False,
                                         asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def prefetch_l1(ptr, *, loc=None, ip=None):
-        """prefetch.global.L1 of the line holding a global address (no register, nothing waits for it)."""
-        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)], "prefetch.global.L1 [$0];", "l",
-                         has_side_effects=True, is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc,
-                         ip=ip)
 
     @dsl_user_op
     def to_f16x2(x, *, loc=None, ip=None):
@@ -210,9 +199,6 @@ def _kernel_classes():
             cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
             cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
-            if cutlass.const_expr(ROW_PREFETCH):
-                for r in cutlass.range_constexpr(R):
-                    prefetch_l1(p_w2 + (e * L + c * R + r) * RW + 4 * cb)
             wv = cute.make_rmem_tensor((R * 4,), Int32)
             sv = cute.make_rmem_tensor((R,), Int32)
             for r in cutlass.range_constexpr(R):
@@ -290,10 +276,6 @@ def _kernel_classes():
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
             e = vec(p_idx, k * self.idx_step, 1)[0]
-            if cutlass.const_expr(ROW_PREFETCH):  # every row's line requested into L1 before the loads ptxas defers
-                for m in cutlass.range_constexpr(2):
-                    for r in cutlass.range_constexpr(RH):
-                        prefetch_l1((p_w1 if m == 0 else p_w3) + (e * I + hr + r) * RW + 4 * b)
             wv = cute.make_rmem_tensor((2 * RH * 4,), Int32)  # [m (w1, w3), r, word]
             sv = cute.make_rmem_tensor((2 * RH,), Int32)
             for m in cutlass.range_constexpr(2):
@@ -459,7 +441,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
     halves = UP_HALVES if (L // 32) % 16 == 0 and up_rows % UP_HALVES == 0 else 1
     key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, RSCATTER,
-           ROW_PREFETCH, glue is not None)
+           glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 

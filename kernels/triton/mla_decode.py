@@ -94,8 +94,6 @@ DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this ma
 PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
-# positions a step below batch 16 where no page index is preloaded (the step's contiguous cache): 32 or 64
-UNPAGED_BLOCK_N = 32
 # the latent columns' pieces a block (1, 2 or 4): the scores as independent products of the pieces (and the rope's),
 # so the MMAs of a block run as KS chains of 32 / KS (+ 4) instead of one of 36 (where C is a power of two
 # divisible by 16 KS; else 1). None: `default_ksplit` (4, except 1 on preloaded page indices with at most two
@@ -489,9 +487,7 @@ def default_block_n(BM: int, B: int = 1, preload: bool = True) -> int:
     (the loop then keeps one buffer: larger blocks stream better; measured at batch 1 and 64: docs/NOTES_mla.md)."""
     if BM > 32:
         return 16
-    if not preload:
-        return 64 if B >= 16 else UNPAGED_BLOCK_N
-    return 32
+    return 64 if B >= 16 and not preload else 32
 
 
 def default_preload(n_max: int, K: int, BN: int) -> int:
