@@ -378,10 +378,10 @@ class Pointer:
     def addr(self):
         return self.buf.base + self.off * _esize(self.dtype)
 
-    def toint(self):
+    def toint(self, loc=None, ip=None):
         """The address as an integer (shared memory: the CTA-local byte offset the allocator gave it, which the
         ldmatrix model maps back to its allocation)."""
-        return self.addr()
+        return Int32(self.addr())
 
     def __repr__(self):
         return f"Pointer({getattr(self.buf, 'name', '?')} + {self.off}, {self.dtype.__name__})"
@@ -1321,6 +1321,21 @@ def _ptx_b32(operands, asm_string, constraints):
     return result(0) if n_out == 1 else tuple(result(i) for i in range(n_out))
 
 
+_PREFETCH_L2 = "cp.async.bulk.prefetch.L2.global [$0], $1;"
+PREFETCHED: list = []  # (address, bytes) of every emulated L2 bulk prefetch; tests clear it and read it
+
+
+def _prefetch_l2(operands):
+    """cp.async.bulk.prefetch.L2: no data moves; the PTX rules are checked (a 16-byte aligned address, a size that
+    is a positive multiple of 16) and the range recorded in PREFETCHED."""
+    addr, n = int(operands[0]), int(operands[1])
+    if addr % 16 or n <= 0 or n % 16:
+        raise EmulationError(f"cp.async.bulk.prefetch.L2 of {n} bytes at {addr:#x}: the address must be 16-byte "
+                             f"aligned and the size a positive multiple of 16")
+    PREFETCHED.append((addr, n))
+    return None
+
+
 def _inline_asm(res, operands, asm_string, constraints, **kw):
     """llvm.inline_asm of the PTX forms the kernels emit: `OP $0, $1, ...;` for OP in _PTX_F32 ("f" operands),
     a `{ .reg .b16 ...; cvt.rn.satfinite.e4m3x2.f32 d, $a, $b; ...; mov.b32 $0, {lo, hi}; }` packing of
@@ -1328,6 +1343,8 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
     Anything else raises."""
     import re
 
+    if asm_string.startswith(_PREFETCH_L2):
+        return _prefetch_l2(operands)
     if asm_string.startswith(_MMA_BF16):
         return _mma_m16n8k16(operands)
     if asm_string.startswith(_MMA_F16):

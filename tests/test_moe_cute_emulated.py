@@ -47,6 +47,7 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, settings=No
             for k, v in old.items():
                 setattr(mod, k, v)
     emulate._run(call, t, seed)
+    return t
 
 
 def impl(pdl=False, idx32=False, rows=None, settings=None):
@@ -55,6 +56,33 @@ def impl(pdl=False, idx32=False, rows=None, settings=None):
         run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, rows=rows, settings=settings)
     f.__name__ = f"emulated cute moe_experts(pdl={pdl}, int32 ids={idx32}, rows a CTA={rows}, {settings})"
     return f
+
+
+def test_w2_tail_prefetches_the_chosen_experts_w2():
+    """W2_TAIL: each up CTA, once its rows are read, requests its slice of the pair's W2 rows and their scales into L2;
+    every request is 16-byte aligned and sized (the PTX rule), and together they are exactly each pair's expert's W2
+    words and scales (an expert chosen twice: twice), with pdl and the output still checked against fp64."""
+    from k3lab_kernels.cute import moe_experts as km
+
+    seen = {}
+
+    def f(d):
+        emulate.PREFETCHED.clear()
+        seen.update(d=d, t=run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=True, seed=4,
+                               settings=dict(W2_TAIL=True)))
+    checker.require(checker.check(OP, OP.case(**HALF), impl=f, seed=4, device="cpu"))
+    d, t = seen["d"], seen["t"]
+    I, L = t["w1"].shape[1], d["z"].shape[1]
+    ru = km.UP_ROWS if I % km.UP_ROWS == 0 else 4
+    assert km.w2_tail_ok(I, L, ru)
+    S = L // (I // ru)
+    w2, s2 = t["w2"].data_ptr(), t["s2"].data_ptr()
+    want = []
+    for e in d["idx"][0].tolist():
+        for j in range(I // ru):
+            row = e * L + j * S
+            want += [(w2 + row * I // 2, S * I // 2), (s2 + row * I // 32, S * I // 32)]
+    assert sorted(emulate.PREFETCHED) == sorted(want)
 
 
 

@@ -25,7 +25,9 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   rscatter   the experts' row sums by butterflies or a reduce-scatter (RSCATTER) x UP_ROWS 12 / 16 (the
              reduce-scatter at 12 kept: profiles/h200/rscatter_step_ab.json.gz);
   mla_ksplit the MLA split's latent columns in 1 / 2 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
-             cache: profiles/h200/mla_ksplit_step_ab.json.gz).
+             cache: profiles/h200/mla_ksplit_step_ab.json.gz);
+  w2_tail    each one-token up CTA requesting its share of the pair's W2 rows into L2 once its own rows are read
+             (moe_experts.W2_TAIL; not measured yet).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -45,7 +47,7 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        rscatter, mla_ksplit)
+        rscatter, mla_ksplit, w2_tail)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -105,6 +107,9 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "rscatter": tuple((f"rs{int(rs)}_r{r}", {"k3lab_kernels.cute.moe_experts:RSCATTER": rs,
                                                   "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
                            for rs, r in ((False, 12), (True, 12), (True, 16))),
+         # each up CTA requesting its share of the pair's W2 into L2 once its own rows are read (W2_TAIL)
+         "w2_tail": (("plain", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False}),
+                     ("tail", {"k3lab_kernels.cute.moe_experts:W2_TAIL": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)

@@ -285,10 +285,11 @@ def _cases(only: str | None, quick: bool):
                                                                   (3584, 896)), gargs([bf] * 6)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
-        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
+        # MoEUp: z, idx, wk, w1, w3, s1, s3, act, w2, s2; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
         # step, ...; the down kernel's latent rows a CTA)
         up_cls, down_cls = km._kernel_classes()
-        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
+                 P(i32, 16), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), P(bf, 2), P(bf, 2), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
                                          (16, 384, 3584, 896, 1, True, 6),  # the step's: UP_ROWS 6, pdl
@@ -305,6 +306,9 @@ def _cases(only: str | None, quick: bool):
             for I in (384, 192):
                 cases.append((f"moe up K16 I{I} L3584 pdl rows {R} halves 2", lambda R=R, I=I:
                               up_cls(16, I, 3584, 896, 1, 4.0, 25.0, True, R, 2), uargs))
+        for I in (384, 192):  # W2_TAIL: the pair's W2 slice into L2 once the CTA's rows are read
+            cases.append((f"moe up K16 I{I} L3584 pdl rows 12 halves 2 w2tail", lambda I=I:
+                          up_cls(16, I, 3584, 896, 1, 4.0, 25.0, True, 12, 2, True), uargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)

@@ -83,6 +83,20 @@ UP_HALVES = 2
 # the row sums' shuffles as a reduce-scatter (both kernels; see seg_reduce: the same tree of additions, bit-identical)
 # or a full butterfly per row (the step 1038.3-1047.6 against 1043.2-1051.2 us)
 RSCATTER = True
+# each up CTA, once its own rows are read, requests its share of the pair's W2 rows (and their scales) into L2 (one
+# bulk prefetch each), so the down kernel, which can start only once up's CTAs leave the SMs, finds them there; up's
+# tail and the launch between overlap the W2 stream. Where the slices are 16-byte aligned (w2_tail_ok). To be
+# measured (step_ab.py w2_tail).
+W2_TAIL = False
+
+
+def w2_tail_ok(I: int, L: int, rows: int) -> bool:
+    """W2_TAIL's slices (L / (I / rows) rows of W2 a CTA, their words and scale bytes) start and end 16-byte aligned."""
+    nc = I // rows
+    if I % rows or L % nc:
+        return False
+    S, nb = L // nc, I // 32
+    return (L * nb) % 16 == 0 and (S * nb) % 16 == 0
 
 
 def _kernel_classes():
@@ -109,6 +123,14 @@ def _kernel_classes():
         return Float32(_llvm.inline_asm(Float32.mlir_type, ops, BLOCK, "=f," + "r," * 21 + "f",
                                         has_side_effects=False, is_align_stack=False,
                                         asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+    @dsl_user_op
+    def prefetch_l2(ptr, nbytes, *, loc=None, ip=None):
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global address."""
+        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                                Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
     @dsl_user_op
     def to_f16x2(x, *, loc=None, ip=None):
@@ -240,7 +262,7 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int, halves: int = 1):
+                     rows: int, halves: int = 1, w2_tail: bool = False):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
@@ -248,17 +270,19 @@ def _kernel_classes():
             assert self.H in (1, 2) and rows % self.H == 0 and (self.H == 1 or self.NB % 16 == 0)
             self.NT = (self.H * self.NB + 31) // 32 * 32
             self.SEG = 32 if self.H == 1 else 16     # lanes a shuffle segment (a group of NB is whole segments)
+            self.w2_tail = bool(w2_tail) and w2_tail_ok(I, L, rows)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
+                     p_w2: cute.Pointer, p_s2: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_w2, p_s2).launch(
                 grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
+                   p_w2: cute.Pointer, p_s2: cute.Pointer):
             I, R, NB, NT, H, SEG = self.I, self.R, self.NB, self.NT, self.H, self.SEG
             RH = R // H                  # rows of W1 (and of W3) a thread
             NSEG = NT // SEG
@@ -301,6 +325,13 @@ def _kernel_classes():
                 for i in cutlass.range_constexpr(cur):
                     s_red[(tid // SEG) * 2 * RH + start + i] = acc[i]
             cute.arch.sync_threads()
+            if cutlass.const_expr(self.w2_tail):  # W2_TAIL: this CTA's share of the pair's W2 rows into L2, its own
+                if tid == 0:                      # rows all read: one slice of L / (I / R) rows and their scales
+                    NC = I // R
+                    S = self.L // NC
+                    w2row = e * self.L + (c % NC) * S
+                    prefetch_l2(p_w2 + w2row * (I // 8), S * (I // 2))
+                    prefetch_l2(p_s2 + w2row * (I // 32) // 4, S * (I // 32))
             if tid < R // 2:             # the pair of rows r0 + 2 tid, r0 + 2 tid + 1 (row rho: group rho // RH)
                 g = cute.make_rmem_tensor((2,), Float32)
                 u = cute.make_rmem_tensor((2,), Float32)
@@ -435,12 +466,13 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     if act is None:
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
-               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
+               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16), _ptr(w2, 16), _ptr(sw[2], 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
     halves = UP_HALVES if (L // 32) % 16 == 0 and up_rows % UP_HALVES == 0 else 1
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, RSCATTER,
+    w2_tail = bool(W2_TAIL) and w2_tail_ok(I, L, up_rows)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, RSCATTER, w2_tail,
            glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
@@ -451,7 +483,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, halves), *up_args, stream),
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, halves, w2_tail), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
