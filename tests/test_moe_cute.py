@@ -29,6 +29,26 @@ def test_k3_pool(tp, routing):
         checker.require(checker.check(OP, OP.case(tp=tp, routing=routing, **K3), backend="cute", seed=seed))
 
 
+@pytest.mark.parametrize("tp", [8, 16])
+def test_w2_tail(tp, monkeypatch):
+    """W2_TAIL (each up CTA requesting its slice of the pair's W2 into L2 once its rows are read) at K3's pool: the
+    same checked result, inside a pdl chain too."""
+    from k3lab_kernels.cute import moe_experts as km
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    monkeypatch.setattr(km, "W2_TAIL", True)
+    assert km.w2_tail_ok(3072 // tp, 3584, km.UP_ROWS)
+    checker.require(checker.check(OP, OP.case(tp=tp, routing="uniform", **K3), backend="cute", seed=5))
+    case = OP.case(tp=tp, routing="k3_reuse30", **K3)
+    d = OP.make_inputs(case, 6, "cuda")
+    want = ops_moe.ref_experts(d, case)["y"]
+    y = torch.full_like(d["y"], float("nan"))
+    with pdl_chain(True):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
+    torch.cuda.synchronize()
+    assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_repeated_id_and_pdl(batch):
     """An id twice in a token's top-k adds that expert twice (each with its weight), as the reference does; the
