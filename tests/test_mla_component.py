@@ -191,6 +191,9 @@ def test_attend_argument_errors():
         ("'num_warps'", lambda: mla.attend(q, qr, cache, lengths, num_warps=3, **kw)),
         ("'preload_pages'", lambda: mla.attend(q, qr, cache, lengths, preload_pages=8, **kw)),
         ("'host_chunk'", lambda: mla.attend(q, qr, cache, lengths, host_chunk=1, **kw)),
+        ("'ksplit'", lambda: mla.attend(q, qr, cache, lengths, ksplit=2, **kw)),
+        ("'ksplit'", lambda: mla.attend(q[..., :96], qr, ref.MLACache(cache.data[..., 416:].contiguous()), lengths,
+                                        ksplit=4, **kw)),
     ]
     for name, fn in cases:
         with pytest.raises(MLAArgumentError, match=name):

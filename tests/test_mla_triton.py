@@ -76,14 +76,14 @@ def test_decode_dcp_one_cached_position():
 
 
 @pytest.mark.parametrize("options", [dict(block_n=64), dict(block_m=16), dict(block_n=16, num_warps=8, num_stages=3),
-                                     dict(ksplit=4), dict(ksplit=2, block_n=16)])
+                                     dict(ksplit=4), dict(ksplit=4, block_n=16)])
 def test_decode_kernel_options(options):
     """block_m=16 at 12 heads x T=2 splits the rows into two groups (each reads the cache); ksplit cuts the latent
     columns into pieces (independent score products, acc and the stored partial in pieces)."""
     _check(DEC, options=options, T=2, context=33, partitions=2, page_size=16)
 
 
-@pytest.mark.parametrize("ksplit,page_size,fp8_scale", [(4, 0, "tensor"), (2, 0, "token"), (4, 64, None)])
+@pytest.mark.parametrize("ksplit,page_size,fp8_scale", [(4, 0, "tensor"), (4, 0, "token"), (4, 64, None)])
 def test_decode_ksplit_cache_kinds(ksplit, page_size, fp8_scale):
     """The latent pieces on the contiguous cache (the step's), fp8 with either scale, and preloaded page indices."""
     kv = dict(kv_dtype="fp8", fp8_scale=fp8_scale) if fp8_scale else {}
@@ -259,6 +259,7 @@ def test_ksplit_rule():
 
     assert kern.default_ksplit(0, 2) == 4 and kern.default_ksplit(16, 8) == 4  # contiguous 8K; paged 32K
     assert kern.default_ksplit(16, 2) == 1 and kern.default_ksplit(0, 8, BM=64) == 1
+    assert kern.ksplit_takes(512) and not kern.ksplit_takes(96) and not kern.ksplit_takes(32)
 
 
 def test_block_m_rule():

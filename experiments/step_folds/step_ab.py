@@ -22,10 +22,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch);
   up_halves  the one-token experts' up kernel in one or two thread groups of L/32 (UP_HALVES) x UP_ROWS: 1/6, 2/12,
              2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
-  rscatter   the experts' row sums by butterflies or a reduce-scatter (RSCATTER) x UP_ROWS 12 / 16 (the
-             reduce-scatter at 12 kept: profiles/h200/rscatter_step_ab.json.gz);
-  mla_ksplit the MLA split's latent columns in 1 / 2 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
-             cache: profiles/h200/mla_ksplit_step_ab.json.gz);
+  mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
+             cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
   w2_tail    each one-token up CTA requesting its share of the pair's W2 rows into L2 once its own rows are read
              (moe_experts.W2_TAIL; not measured yet).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
@@ -40,14 +38,16 @@ rows into L2 at their start, moe_experts.L2_ROWS) at e84efea, up_bulk (the up ke
 into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas (the up kernel bounded to 8
 CTAs an SM, UP_MIN_CTAS) at 58394f6, row_prefetch (the one-token experts' threads requesting their rows' lines
 into L1 after the expert id, moe_experts.ROW_PREFETCH) and mla_bn (the MLA split's 64 positions a step on the
-contiguous cache, mla_decode.UNPAGED_BLOCK_N) at f6c577b.
+contiguous cache, mla_decode.UNPAGED_BLOCK_N) at f6c577b, rscatter (the experts' row sums by a butterfly per row
+against the reduce-scatter, moe_experts.RSCATTER; profiles/h200/rscatter_step_ab.json.gz) and mla_ksplit's 2 pieces
+at 5acb748.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        rscatter, mla_ksplit, w2_tail)
+        mla_ksplit, w2_tail)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -103,15 +103,11 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "up_halves": tuple((f"h{h}_r{r}", {"k3lab_kernels.cute.moe_experts:UP_HALVES": h,
                                             "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
                             for h, r in ((1, 6), (2, 12), (2, 8), (2, 6))),
-         # the experts' row sums by a reduce-scatter (RSCATTER) or a butterfly per row, x the up kernel's rows a CTA
-         "rscatter": tuple((f"rs{int(rs)}_r{r}", {"k3lab_kernels.cute.moe_experts:RSCATTER": rs,
-                                                  "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
-                           for rs, r in ((False, 12), (True, 12), (True, 16))),
          # each up CTA requesting its share of the pair's W2 into L2 once its own rows are read (W2_TAIL)
          "w2_tail": (("plain", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False}),
                      ("tail", {"k3lab_kernels.cute.moe_experts:W2_TAIL": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
-         "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 2, 4)),
+         "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 4)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          }

@@ -301,8 +301,12 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
         fn = dispatch.kernel("mla_decode", be)
         if host_chunk is not None and not isinstance(host_chunk, bool):
             _fail("host_chunk", f"must be None (the kernel's default) or a bool, got {host_chunk!r}")
-        if ksplit is not None and (isinstance(ksplit, bool) or ksplit not in (1, 2, 4)):
-            _fail("ksplit", f"must be None (the kernel's default) or one of (1, 2, 4), got {ksplit!r}")
+        from k3lab_kernels.triton.mla_decode import KSPLIT_ALLOWED, ksplit_takes
+
+        if ksplit is not None and (isinstance(ksplit, bool) or ksplit not in KSPLIT_ALLOWED):
+            _fail("ksplit", f"must be None (the kernel's default) or one of {KSPLIT_ALLOWED}, got {ksplit!r}")
+        if ksplit == 4 and not ksplit_takes(C):
+            _fail("ksplit", f"4 needs a latent width that is a power of two and a multiple of 64, got C={C}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                      pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()

@@ -524,7 +524,7 @@ register(Op(
                  "num_warps": {"triton": (None, 2, 4, 8)}, "num_stages": {"triton": (None, 1, 2, 3, 4)},
                  "pdl": {"triton": (None, False, True), "cute": (None, False, True)},
                  "preload_pages": {"triton": (None, 0, 16, 64)},
-                 "host_chunk": {"triton": (None, False, True)}, "ksplit": {"triton": (None, 1, 2, 4)},
+                 "host_chunk": {"triton": (None, False, True)}, "ksplit": {"triton": (None, 1, 4)},
                  "cluster": {"cute": (None, 1, 2, 4, 8)},
                  "stages": {"cute": (None, 2, 3, 4)}, "pipe": {"cute": (None, False, True)}},
     option_defaults={"block_n": _NONE, "block_m": _NONE, "num_warps": _NONE, "num_stages": _NONE, "pdl": _NONE,

@@ -10,7 +10,7 @@ two launches, no atomics, no tickets, y written (not accumulated).
         scale byte), z's 16 bf16 pairs of its block converted once to f16 of 2^6 z; each block's 32 products in
         f16x2 FMAs (the simt path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no
         table), the block sum times 2^(s - 119) into fp32; the row sums reduced over a shuffle segment (32 lanes, or
-        16 with two groups: a group is whole segments) by a reduce-scatter (RSCATTER), then across segments in
+        16 with two groups: a group is whole segments) by a reduce-scatter (seg_reduce), then across segments in
         shared memory; R/2 threads store two rows' activations each as one f16x2 word (2^6 wk situ, the simt
         path's scaling, exact for |wk situ| < 1023). A thread past the last block (one group of L/32 rounded up to
         whole warps) redoes a valid block times a factor of 0.0.
@@ -80,9 +80,6 @@ UP_ROWS = 12
 # 12 % fewer instructions, the step 1043.5-1051.4 us against 1054.7-1061.2; docs/NOTES_moe.md thirty-second
 # session); 1 where L/32 is not a multiple of 16 or UP_ROWS is not a multiple of it
 UP_HALVES = 2
-# the row sums' shuffles as a reduce-scatter (both kernels; see seg_reduce: the same tree of additions, bit-identical)
-# or a full butterfly per row (the step 1038.3-1047.6 against 1043.2-1051.2 us)
-RSCATTER = True
 # each up CTA, once its own rows are read, requests its share of the pair's W2 rows (and their scales) into L2 (one
 # bulk prefetch each), so the down kernel, which can start only once up's CTAs leave the SMs, finds them there; up's
 # tail and the launch between overlap the W2 stream. Where the slices are 16-byte aligned (w2_tail_ok). To be
@@ -163,15 +160,17 @@ def _kernel_classes():
         return 2.0 * sigmoid(2.0 * x) - 1.0
 
     def seg_reduce(acc, n, seg, lane):
-        """Sum acc[0..n) over the `seg` lanes (32 or 16) of this thread's shuffle segment. RSCATTER: a reduce-scatter
-        (while the count is even a butterfly step hands half the values to the partner lane and keeps the other half:
-        15 shuffles for 12 values over 16 lanes instead of 48), else a full butterfly per value. Returns (start, cur,
-        plain): this lane holds the sums of values start .. start + cur - 1 in acc[0..cur), and the lanes with
-        lane & plain == 0 are the ones to store them (the others of a full butterfly step hold the same sums)."""
+        """Sum acc[0..n) over the `seg` lanes (32 or 16) of this thread's shuffle segment by a reduce-scatter: while
+        the count is even a butterfly step hands half the values to the partner lane and keeps the other half (15
+        shuffles for 12 values over 16 lanes instead of 48; the same tree of additions as a butterfly per value, so
+        bit-identical to it; the step 1038.3-1047.6 us against 1043.2-1051.2, docs/NOTES_moe.md thirty-second
+        session), then full butterflies. Returns (start, cur, plain): this lane holds the sums of values start ..
+        start + cur - 1 in acc[0..cur), and the lanes with lane & plain == 0 are the ones to store them (the others
+        of a full butterfly step hold the same sums)."""
         cur, start, plain = n, Int32(0), 0
         for sh in range(5 if seg == 32 else 4):
             o = (seg // 2) >> sh
-            if RSCATTER and cur % 2 == 0:  # a plain function (not preprocessed): Python loops unroll
+            if cur % 2 == 0:  # a plain function (not preprocessed): Python loops unroll
                 half = cur // 2
                 hi = (lane & o) != 0
                 for i in range(half):
@@ -472,7 +471,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
     halves = UP_HALVES if (L // 32) % 16 == 0 and up_rows % UP_HALVES == 0 else 1
     w2_tail = bool(W2_TAIL) and w2_tail_ok(I, L, up_rows)
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, RSCATTER, w2_tail,
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, w2_tail,
            glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda

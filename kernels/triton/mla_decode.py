@@ -94,10 +94,10 @@ DEFAULT_PRELOAD_PAGES = 16  # page indices loaded before the block loop, this ma
 PRELOAD_MIN_BLOCKS = 2  # ... when a piece has at least this many blocks (one block a piece: the plain loop wins)
 DEFAULT_HOST_CHUNK = True  # pieces sized on the host from n_max when the caller gives it (see mla_decode)
 MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
-# the latent columns' pieces a block (1, 2 or 4): the scores as independent products of the pieces (and the rope's),
-# so the MMAs of a block run as KS chains of 32 / KS (+ 4) instead of one of 36 (where C is a power of two
-# divisible by 16 KS; else 1). None: `default_ksplit` (4, except 1 on preloaded page indices with at most two
-# blocks a piece, where 4 measured slower: docs/NOTES_mla.md, thirty-second session).
+# the latent columns' pieces a block (1 or 4; 2 measured no faster than 1: docs/NOTES_mla.md): the scores as
+# independent products of the pieces (and the rope's), so the MMAs of a block run as four chains of 8 (+ 4) instead of
+# one of 36 (where C is a power of two divisible by 64; else 1). None: `default_ksplit` (4, except 1 on preloaded
+# page indices with at most two blocks a piece, where 4 measured slower: docs/NOTES_mla.md, thirty-second session).
 DEFAULT_KSPLIT = None
 
 
@@ -182,7 +182,7 @@ def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, 
     online softmax (exp2), acc += P C. The block's latent columns are loaded here from `base` (row pointers
     [BN, 1]) in KS pieces of CW: with KS > 1 the scores are the sum of KS + 1 independent products (the latent
     pieces' and the rope's), KS short chains of MMAs instead of one of (C + Dr) / 16, and q / acc come in the
-    same pieces (a1..a3, q1..q3 unused below KS)."""
+    same pieces (a1..a3, q1..q3 unused at KS = 1)."""
     cw = tl.arange(0, CW)
     c0 = tl.load(base + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
     if DOT_F32:
@@ -192,24 +192,18 @@ def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, 
         s = tl.dot(q0, tl.trans(c0)) + tl.dot(qr, tl.trans(kr))
     else:
         c1 = tl.load(base + CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-        if DOT_F32:
+        c2 = tl.load(base + 2 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+        c3 = tl.load(base + 3 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+        if DOT_F32:  # the interpreter: fp32 products of the same values, no inline asm (and nothing to fold)
             c1 = c1.to(tl.float32)
-        if KS == 4:
-            c2 = tl.load(base + 2 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-            c3 = tl.load(base + 3 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-            if DOT_F32:
-                c2 = c2.to(tl.float32)
-                c3 = c3.to(tl.float32)
-        if DOT_F32:  # the interpreter has no inline asm (and nothing to fold)
-            s = tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1))
-            if KS == 4:
-                s = s + tl.dot(q2, tl.trans(c2)) + tl.dot(q3, tl.trans(c3))
-            s = s + tl.dot(qr, tl.trans(kr))
+            c2 = c2.to(tl.float32)
+            c3 = c3.to(tl.float32)
+            s = (tl.dot(q0, tl.trans(c0)) + tl.dot(q1, tl.trans(c1)) + tl.dot(q2, tl.trans(c2))
+                 + tl.dot(q3, tl.trans(c3)) + tl.dot(qr, tl.trans(kr)))
         else:
-            s = _opaque(tl.dot(q0, tl.trans(c0))) + _opaque(tl.dot(q1, tl.trans(c1)))
-            if KS == 4:
-                s = s + (_opaque(tl.dot(q2, tl.trans(c2))) + _opaque(tl.dot(q3, tl.trans(c3))))
-            s = s + _opaque(tl.dot(qr, tl.trans(kr)))
+            s = ((_opaque(tl.dot(q0, tl.trans(c0))) + _opaque(tl.dot(q1, tl.trans(c1))))
+                 + (_opaque(tl.dot(q2, tl.trans(c2))) + _opaque(tl.dot(q3, tl.trans(c3))))
+                 + _opaque(tl.dot(qr, tl.trans(kr))))
     if SCALE_MODE == 2:
         s = s * tok[None, :]
     s = s * qk_scale
@@ -227,9 +221,8 @@ def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, 
     else:
         pb = pw.to(tl.bfloat16)
     a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
-    if KS >= 2:
-        a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
     if KS == 4:
+        a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
         a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
         a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
     return m_new, l, a0, a1, a2, a3
@@ -321,19 +314,15 @@ def _mla_split_kernel(
     else:
         q0 = tl.load(qrow + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
         q1 = tl.load(qrow + CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
-        q2 = 0.0
-        q3 = 0.0
-        if KS == 4:
-            q2 = tl.load(qrow + 2 * CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
-            q3 = tl.load(qrow + 3 * CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
+        q2 = tl.load(qrow + 2 * CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
+        q3 = tl.load(qrow + 3 * CW + cw[None, :], mask=row_ok[:, None], other=0.0).to(tl.bfloat16)
     qr = tl.load(q_rope + b * s_rb + t[:, None] * s_rt + h[:, None] * s_rh + rr[None, :],
                  mask=_mask2(row_ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
     if DOT_F32:  # the interpreter: the same bf16 values, multiplied in fp32 (see `dot_f32`)
         q0 = q0.to(tl.float32)
         qr = qr.to(tl.float32)
-        if KS >= 2:
-            q1 = q1.to(tl.float32)
         if KS == 4:
+            q1 = q1.to(tl.float32)
             q2 = q2.to(tl.float32)
             q3 = q3.to(tl.float32)
     ts = 1.0
@@ -347,9 +336,8 @@ def _mla_split_kernel(
     a1 = 0.0
     a2 = 0.0
     a3 = 0.0
-    if KS >= 2:
-        a1 = tl.zeros([BM, CW], tl.float32)
     if KS == 4:
+        a1 = tl.zeros([BM, CW], tl.float32)
         a2 = tl.zeros([BM, CW], tl.float32)
         a3 = tl.zeros([BM, CW], tl.float32)
     if NPG > 0:
@@ -404,9 +392,8 @@ def _mla_split_kernel(
     else:
         tl.store(optr + cw[None, :], _normed(a0, den, ts, SCALE_MODE), mask=row_ok[:, None])
         tl.store(optr + CW + cw[None, :], _normed(a1, den, ts, SCALE_MODE), mask=row_ok[:, None])
-        if KS == 4:
-            tl.store(optr + 2 * CW + cw[None, :], _normed(a2, den, ts, SCALE_MODE), mask=row_ok[:, None])
-            tl.store(optr + 3 * CW + cw[None, :], _normed(a3, den, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + 2 * CW + cw[None, :], _normed(a2, den, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + 3 * CW + cw[None, :], _normed(a3, den, ts, SCALE_MODE), mask=row_ok[:, None])
     tl.store(lse_part + orow, lse, mask=row_ok)
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
@@ -504,6 +491,14 @@ def default_num_stages(npg: int) -> int:
     return 3 if npg else 2
 
 
+KSPLIT_ALLOWED = (1, 4)
+
+
+def ksplit_takes(C: int) -> bool:
+    """Whether C latent columns can run in four pieces (a power of two, 16-wide pieces)."""
+    return _pow2(C) == C and C % 64 == 0
+
+
 def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
     """The latent columns' pieces for 16-row tiles (one new position at <= 16 heads): 4 (the step's contiguous cache
     at batch 1 / 8K, 1.3 us a layer faster; paged at batch 1 / 32K and batch 16 / 64 1-2 % faster), 1 with preloaded
@@ -578,8 +573,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     `default_preload`, from n_max = the longest visible history when the caller knows it). With n_max given
     (host_chunk None or True) the pieces are ceil(n_max / dcp / partitions) positions for every sequence, known
     before lengths is read, so each program loads its first page indices at once. ksplit: the latent columns'
-    pieces (DEFAULT_KSPLIT, else `default_ksplit`, when None; 1 where C is not a power of two divisible by 16
-    ksplit)."""
+    pieces, 1 or 4 (DEFAULT_KSPLIT, else `default_ksplit`, when None; 4 only where `ksplit_takes(C)`: the rule's
+    4 elsewhere runs one piece, an explicit 4 there is refused by the component)."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -619,8 +614,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     piece = -(-shard // partitions)
     chunk = -(-piece // BN) * BN if hc else 0
     ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM)
-    assert ks in (1, 2, 4)
-    if _pow2(C) != C or C % (16 * ks):
+    assert ks in KSPLIT_ALLOWED and (ksplit in (None, 1) or ksplit_takes(C)), "the caller validates ksplit"
+    if not ksplit_takes(C):  # the rule's (or DEFAULT_KSPLIT's) 4 where the widths do not allow it: one piece
         ks = 1
     grid = (G * partitions * dcp, B)
     _mla_split_kernel[grid](
