@@ -869,6 +869,10 @@ def bench(component: str = typer.Argument(..., help="a registered component (k3l
     except (registry.RegistryError, typer.BadParameter) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
+    if not bd.rows:  # an empty bundle would read as a run: say why nothing ran instead
+        why = "; ".join(f"{b}: {w}" for b, w in bd.backends_skipped.items()) or "no implementation took a case"
+        _echo_err(f"error: bench {component}: no row ran, nothing saved ({why})")
+        raise typer.Exit(1)
     path = bd.save(out)
     typer.echo(f"bundle -> {path}")
     try:
@@ -896,6 +900,9 @@ def check(component: str = typer.Argument(..., help="a registered component, e.g
     except (registry.RegistryError, typer.BadParameter, ValueError) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
+    if not res:  # every backend skipped (their reasons printed above): nothing was checked, which is no pass
+        _echo_err(f"error: check {component}: no check ran")
+        raise typer.Exit(1)
     bad = [r for r in res if not r.ok]
     typer.echo(f"{len(res) - len(bad)} of {len(res)} checks passed")
     if bad:

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FLOOR_BWS = ("read", "copy")
+# axes that are sizes of at least one wherever an op has them (a batch, head count or width of 0 is no case of any
+# op; a context or block count of 0 is, so those stay with each op's own `valid`)
+POSITIVE_AXES = ("batch", "T", "heads", "dim", "inter", "latent", "n_experts", "experts", "top_k")
 
 
 class RegistryError(ValueError):
@@ -100,7 +103,8 @@ class Op:
     option_axes: dict[str, dict[str, tuple]] = field(default_factory=dict)  # option -> {backend: allowed values}
     option_defaults: dict[str, tuple] = field(default_factory=dict)  # option -> values swept when the grid is silent
     peers: Callable[[Case], list[Peer]] = lambda case: []
-    valid: Callable[[Case], bool] = lambda case: True  # a grid point that is no case of this op (T=1 verify)
+    # a grid point that is no case of this op (T=1 verify); the POSITIVE_AXES rule is added to it
+    valid: Callable[[Case], bool] = lambda case: True
     tolerance_why: str = ""
     variants: dict[str, tuple[str, dict]] = field(default_factory=dict)  # row name -> (backend, extra options)
     in_sweep: bool = True  # `k3lab bench COMPONENT` runs it unless --ops names others
@@ -114,6 +118,8 @@ class Op:
         for be, path in self.backends.items():
             if ":" not in path:
                 raise RegistryError(f"op {self.name}: backend {be!r} path must be 'module:function', got {path!r}")
+        own, sizes = self.valid, tuple(k for k in POSITIVE_AXES if k in self.axes)
+        self.valid = lambda case: all(isinstance(case[k], int) and case[k] >= 1 for k in sizes) and own(case)
 
     def case(self, **shape: Any) -> Case:
         """A Case from keyword axes; missing axes take the first value of the op's default grid."""

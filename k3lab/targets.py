@@ -297,6 +297,8 @@ def _short(k: str) -> str:
 def evaluate_all(spec: list[dict[str, Any]] | None = None, root: Path | None = None,
                  issues: list[int] | None = None) -> list[Result]:
     spec = spec if spec is not None else load_spec()
+    if issues and (none := sorted(set(issues) - {e["issue"] for e in spec})):
+        raise TargetError(f"issues {none} have no targets; issues with targets: {sorted({e['issue'] for e in spec})}")
     return [evaluate(e, root) for e in spec if not issues or e["issue"] in issues]
 
 

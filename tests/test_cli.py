@@ -340,3 +340,36 @@ def test_bool_parameters_take_python_and_json_spellings():
         cli.check_params(nb, {"peers": "no"})
     with pytest.raises(cli.RunFailed, match="'peers' expects true or false"):
         cli.check_params(nb, {"peers": 1})
+
+
+@pytest.mark.parametrize("args, code, says", [
+    (["bench", "mla", "--grid", "batch=0"], 2, "grid batch=[0] gives no valid case"),
+    (["bench", "kda", "--grid", "heads=0"], 2, "heads is a size: at least 1"),
+    (["check", "moe", "--grid", "batch=abc"], 2, "grid batch=['abc']: expected int values"),
+    (["bench", "mla", "--backends", "tritn"], 2, "unknown backend 'tritn' in --backends"),
+    (["check", "mla", "--ops", "nosuch"], 2, "unknown ops ['nosuch']"),
+    (["check", "mla", "--grid", "contxt=5"], 2, "unknown grid names ['contxt']"),
+    (["targets", "--issue", "99"], 2, "issues [99] have no targets"),
+])
+def test_bench_check_targets_refuse_what_would_run_nothing(args, code, says):
+    """A grid value no op takes, an unknown backend or op, or an issue without targets is refused by name up front
+    (before the probes), never an empty bundle, a traceback or an empty table."""
+    out = runner.invoke(cli.app, args)
+    assert out.exit_code == code, out.output
+    assert says in out.output and "Traceback" not in out.output
+
+
+def test_nothing_ran_is_no_success(tmp_path, monkeypatch):
+    """Every backend skipped (Triton without a GPU or the interpreter, no CuTe DSL here): `bench` saves no empty
+    bundle and `check` reports no pass; both say why and exit 1."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("Triton runs on a GPU: this is the machine without one")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = runner.invoke(cli.app, ["bench", "mla", "--ops", "mla_query", "--backends", "triton", "--no-peers",
+                                  "--no-variants", "--grid", "batch=1", "--out", str(tmp_path)])
+    assert out.exit_code == 1 and "no row ran, nothing saved" in out.output and "TRITON_INTERPRET" in out.output
+    assert not list(tmp_path.rglob("*.json"))
+    out = runner.invoke(cli.app, ["check", "mla", "--ops", "mla_query", "--backends", "triton"])
+    assert out.exit_code == 1 and "no check ran" in out.output

@@ -23,7 +23,7 @@ from k3lab import policy, registry
 from k3lab.harness import checker, roofline, timing
 from k3lab.harness.bundle import Bundle, Row
 from k3lab.registry import Case, Op
-from k3lab.switches import Switches, backend_status
+from k3lab.switches import BACKENDS, Switches, backend_status
 
 
 @dataclass
@@ -83,6 +83,51 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
     return impls, skipped
 
 
+def _kind(v: Any) -> str:
+    """The JSON kind of a grid value: bool, int, float, str or null (a bool is not an int here)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    return "float" if isinstance(v, float) else type(v).__name__
+
+
+def grid_cases(what: str, op_list: list[Op], grid: dict[str, tuple], backends: Iterable[str]) -> dict[str, list[Case]]:
+    """Each op's cases of `grid` (axis values) after refusing, by name, what would otherwise run nothing silently:
+    an unknown backend, an axis value of another kind than the op's own values (batch=abc), and an axis value that
+    gives no valid case of any op (batch=0: each op's `valid` rule leaves such points out)."""
+    for be in backends:
+        if be not in BACKENDS:
+            raise registry.RegistryError(f"{what}: unknown backend {be!r} in --backends; allowed: {BACKENDS}")
+    for k, vals in grid.items():
+        kinds = {_kind(v) for o in op_list if k in o.axes for v in o.axes[k]}
+        if not kinds:
+            continue
+        ok = kinds | ({"int"} if "float" in kinds else set())
+        wrong = [v for v in vals if _kind(v) not in ok]
+        if wrong:
+            ex = sorted({v for o in op_list if k in o.axes for v in o.axes[k]}, key=repr)
+            raise registry.RegistryError(f"{what}: grid {k}={wrong!r}: expected {' or '.join(sorted(kinds))} values "
+                                         f"(the ops' own values: {ex})")
+    out, seen = {}, {k: [] for k in grid}
+    for op in op_list:
+        out[op.name] = op.cases({k: v for k, v in grid.items() if k in op.axes})
+        for c in out[op.name]:
+            for k in seen:
+                if k in op.axes:
+                    seen[k].append(c[k])
+    for k, vals in grid.items():
+        if any(k in o.axes for o in op_list) and (none := [v for v in vals if v not in seen[k]]):
+            size = (f"{k} is a size: at least 1 (k3lab.registry.POSITIVE_AXES); " if k in registry.POSITIVE_AXES
+                    and any(isinstance(v, int) and v < 1 for v in none) else "")
+            raise registry.RegistryError(f"{what}: grid {k}={none!r} gives no valid case of "
+                                         f"{[o.name for o in op_list if k in o.axes]} (with the other axes given): "
+                                         f"{size}each op's `valid` rule is in k3lab/ops/{op_list[0].component}.py")
+    return out
+
+
 def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterable[str] | None = None,
         backends: Iterable[str] = ("triton", "cute"), peers: bool = True, reps: int = 50, hot: bool = False,
         device: str | None = None, deadline_s: float | None = None, kernels: bool = True,
@@ -115,6 +160,7 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
             raise registry.RegistryError(
                 f"bench {component}: grid {k}={wrong!r} is not a value any backend takes; allowed: "
                 f"{sorted(allowed, key=repr)} (values parse as JSON: true/false, null, numbers)")
+    cases = grid_cases(f"bench {component}", op_list, grid, backends)
     pr = timing.probes(device)
     log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us"
         + ("" if gpu else " (cpu-smoke)"))
@@ -129,9 +175,12 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     not_run: list[str] = []
     for op in op_list:
         only = {k: v for k, v in grid.items() if k in op.option_axes}
-        for case in op.cases({k: v for k, v in grid.items() if k in op.axes}):
+        for case in cases[op.name]:
             impls, skipped = implementations(op, case, backends, peers=peers, only=only, variants=variants, gpu=gpu)
             impls = [i for i in impls if i.name not in skip]
+            for be, why in skipped.items():
+                if be not in bd.backends_skipped:
+                    log(f"{op.name}: {be} skipped ({why})")
             bd.backends_skipped.update(skipped)
             if not impls:
                 continue
@@ -213,6 +262,13 @@ def check_all(component: str, *, grid: dict[str, Iterable] | None = None, ops: I
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     grid = {k: tuple(v) for k, v in (grid or {}).items()}
     op_list = [o for o in registry.ops_of(component) if (o.name in set(ops) if ops else o.in_sweep)]
+    if ops and (unknown := sorted(set(ops) - {o.name for o in op_list})):
+        raise registry.RegistryError(f"check {component}: unknown ops {unknown}; "
+                                     f"{component} has {[o.name for o in registry.ops_of(component)]}")
+    known = set().union(*(set(o.axes) | set(o.option_axes) for o in op_list))
+    if bad := sorted(set(grid) - known):
+        raise registry.RegistryError(f"check {component}: unknown grid names {bad}; axes and options: {sorted(known)}")
+    cases = grid_cases(f"check {component}", op_list, grid, backends)
     results = []
     for op in op_list:
         only = {k: v for k, v in grid.items() if k in op.option_axes}
@@ -221,7 +277,7 @@ def check_all(component: str, *, grid: dict[str, Iterable] | None = None, ops: I
             if not ok or be not in op.backends:
                 log(f"{op.name}: {be} skipped ({why if not ok else 'no kernel'})")
                 continue
-            for case in op.cases({k: v for k, v in grid.items() if k in op.axes}):
+            for case in cases[op.name]:
                 for opts in op.options(be, only):
                     for seed in seeds:
                         try:

@@ -34,7 +34,9 @@ UPDATES = ("none", "add", "fresh")
 MAX_BLOCKS = 9
 
 
-def _check(blocks, partial, w_norm, w_proj, norm_w=None) -> None:
+def _check(blocks, partial, w_norm, w_proj, norm_w=None, eps: float = 1e-6) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        raise ValueError(f"{COMPONENT}: 'eps' must be a positive finite number, got {eps!r}")
     if not isinstance(partial, torch.Tensor) or partial.dim() < 1 or not partial.is_floating_point():
         raise ValueError(f"{COMPONENT}: 'partial' must be a floating tensor [..., D], got "
                          f"{getattr(partial, 'shape', type(partial).__name__)}")
@@ -58,7 +60,8 @@ def _check(blocks, partial, w_norm, w_proj, norm_w=None) -> None:
 def mix(blocks: Sequence[torch.Tensor], partial: torch.Tensor, w_norm: torch.Tensor, w_proj: torch.Tensor, *,
         eps: float = 1e-6, backend: str = "reference") -> torch.Tensor:
     """sum_i softmax(score)_i s_i over B + [p], in float32 (float64 if the inputs are)."""
-    _check(blocks, partial, w_norm, w_proj)
+    _check(blocks, partial, w_norm, w_proj, eps=eps)
+    eps = float(eps)
     fn = resolve_backend(COMPONENT, backend, ref.attnres, "mix")
     return fn(list(blocks), partial, w_norm, w_proj, eps)
 
@@ -71,7 +74,8 @@ def mix_norm(blocks: Sequence[torch.Tensor], partial: torch.Tensor, w_norm: torc
              norm_w: torch.Tensor, out: torch.Tensor | None = None, *, eps: float = 1e-6,
              backend: str = "reference", ran: list | None = None) -> torch.Tensor:
     """rms(mix; norm_w) in partial's dtype: the mix never leaves the compute dtype before the norm."""
-    _check(blocks, partial, w_norm, w_proj, norm_w)
+    _check(blocks, partial, w_norm, w_proj, norm_w, eps)
+    eps = float(eps)
     if out is not None and (out.shape != partial.shape or out.dtype != partial.dtype):
         raise ValueError(f"{COMPONENT}: 'out' must be {tuple(partial.shape)} {partial.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
@@ -109,7 +113,8 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
     """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
     if update not in UPDATES:
         raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
-    _check(blocks, prefix, w_norm, w_proj, norm_w)
+    _check(blocks, prefix, w_norm, w_proj, norm_w, eps)
+    eps = float(eps)
     if len(blocks) > MAX_BLOCKS:
         raise ValueError(f"{COMPONENT}: 'blocks' must hold 0..{MAX_BLOCKS} tensors (K3 at decode), got {len(blocks)}")
     if update == "none":

@@ -157,7 +157,8 @@ def write_out(component: str, y: torch.Tensor, out: torch.Tensor | None) -> torc
     """Return `y`, or copy it into `out` (same shape) and return `out`."""
     if out is None:
         return y
-    if out.shape != y.shape:
-        raise ValueError(f"{component}: 'out' must have shape {tuple(y.shape)}, got {tuple(out.shape)}")
+    if out.shape != y.shape or not out.is_floating_point():
+        raise ValueError(f"{component}: 'out' must be a floating tensor of shape {tuple(y.shape)}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     out.copy_(y)
     return out

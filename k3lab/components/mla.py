@@ -98,6 +98,13 @@ def _tensor(name, t, dim=None, dtypes=None, device=None):
     return t
 
 
+def _floating(name, t):
+    """An output the caller passes: a floating dtype on every backend (the reference writes any float dtype; an
+    integer buffer would truncate the results silently)."""
+    if not t.is_floating_point():
+        _fail(name, f"must be a floating tensor, got {t.dtype}")
+
+
 def _cache(cache, batch: int, width: int, device, triton: bool, kernel: str = "triton"):
     """triton: the kernels' layout checks too (kernel: the backend named in their messages)."""
     if not isinstance(cache, CACHES):
@@ -154,6 +161,7 @@ def _attend_opts(H: int, partitions, pad_heads, dcp, dcp_layout) -> None:
 
 def _out(name, t, shape, dtypes, device):
     _tensor(name, t, len(shape), dtypes, device)
+    _floating(name, t)
     if tuple(t.shape) != tuple(shape):
         _fail(name, f"must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if not t.is_contiguous():
@@ -442,6 +450,8 @@ def query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: torc
     (k3lab_kernels.{triton,cute}.mla_query, bf16, batch <= 4); pdl as the other kernels (None: the enclosing
     pdl_chain)."""
     _refuse_aiter(backend, "mla_query")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        _fail("eps", f"must be a positive finite number, got {eps!r}")
     _tensor("cq", cq, 2)
     dev = cq.device
     B, Q = cq.shape
@@ -457,6 +467,7 @@ def query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: torc
     for name, t, w in (("q_lat", q_lat, C), ("q_rope", q_rope, Dr)):
         if t is not None:
             _tensor(name, t, 3, None, dev)
+            _floating(name, t)
             if tuple(t.shape) != (B, H, w):
                 _fail(name, f"must be [{B}, {H}, {w}], got {tuple(t.shape)}")
     if pdl is not None and not isinstance(pdl, bool):
@@ -467,7 +478,7 @@ def query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: torc
     if be in ("triton", "cute"):
         lat = q_lat if q_lat is not None else torch.empty(B, H, C, dtype=cq.dtype, device=dev)
         rope = q_rope if q_rope is not None else torch.empty(B, H, Dr, dtype=cq.dtype, device=dev)
-        dispatch.kernel("mla_query", be)(cq, q_norm, w_uq, w_uk, lat, rope, eps=eps, pdl=pdl)
+        dispatch.kernel("mla_query", be)(cq, q_norm, w_uq, w_uk, lat, rope, eps=float(eps), pdl=pdl)
         dispatch.record(ran, kernel=dispatch.kernel_path("mla_query", be), options=dict(pdl=pdl), **rec)
         return lat, rope
     if pdl:
@@ -476,7 +487,7 @@ def query(cq: torch.Tensor, q_norm: torch.Tensor, w_uq: torch.Tensor, w_uk: torc
     kernel = dispatch.kernel_path("mla_query", be)
     if be == "torch_compile":
         fn, kernel = dispatch.compiled("mla.query", ref.mla_query), f"torch.compile({kernel})"
-    lat, rope = fn(cq, q_norm, w_uq, w_uk, eps)
+    lat, rope = fn(cq, q_norm, w_uq, w_uk, float(eps))
     if q_lat is not None:
         lat = q_lat.copy_(lat)
     if q_rope is not None:
@@ -518,8 +529,8 @@ def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps:
                     f"width {W}, C = {C}")
     _cache(cache, B, W, dev, kern, be)
     lengths = _lengths(lengths, B, T, cache, dev, check_values)
-    if not isinstance(eps, float) or eps <= 0:
-        _fail("eps", f"must be a positive float, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        _fail("eps", f"must be a positive finite number, got {eps!r}")
     rec = dict(op="mla_cache_write", backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, T=T, W=W, **_cache_kind(cache)))
     if kern:
@@ -533,15 +544,15 @@ def write_cache(kv: torch.Tensor, kv_norm: torch.Tensor, cache, lengths, *, eps:
             opts = dict(pdl=bool(pdl))
         elif kv.stride(-1) != 1:
             kv = kv.contiguous()
-        fn(kv, kv_norm.contiguous(), kw["kv"], lengths, eps=eps, scale=kw["kv_scale"], block_table=kw["block_table"],
-           **opts)
+        fn(kv, kv_norm.contiguous(), kw["kv"], lengths, eps=float(eps), scale=kw["kv_scale"],
+           block_table=kw["block_table"], **opts)
         dispatch.record(ran, kernel=dispatch.kernel_path("mla_cache_write", be), options=opts, **rec)
         return
     kernel = dispatch.kernel_path("mla_cache_write", be)
     entry = ref.mla_cache_entry
     if be == "torch_compile":  # the entry's maths compiled; the scatter into the cache stays eager
         entry, kernel = dispatch.compiled("mla.cache_entry", ref.mla_cache_entry), f"torch.compile({kernel})"
-    cache.write(lengths, entry(kv, kv_norm, eps))
+    cache.write(lengths, entry(kv, kv_norm, float(eps)))
     dispatch.record(ran, kernel=kernel, options={}, **rec)
 
 

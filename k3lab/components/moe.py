@@ -109,6 +109,9 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     if not isinstance(idx, torch.Tensor) or not isinstance(weights_k, torch.Tensor):
         raise TypeError(f"{COMPONENT}: 'idx' and 'weights_k' must be tensors, got {type(idx).__name__} and "
                         f"{type(weights_k).__name__}")
+    if idx.dtype not in (torch.int32, torch.int64) or not weights_k.is_floating_point():
+        raise TypeError(f"{COMPONENT}: 'idx' must be int32/int64 and 'weights_k' floating, got {idx.dtype} and "
+                        f"{weights_k.dtype}")
     if idx.shape != weights_k.shape or idx.shape[0] != z.shape[0] or idx.dim() != 2:
         raise ValueError(f"{COMPONENT}: 'idx' and 'weights_k' must both be [{z.shape[0]}, k], got "
                          f"{tuple(idx.shape)} and {tuple(weights_k.shape)}")
@@ -116,8 +119,9 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         raise ValueError(f"{COMPONENT}: 'idx' must hold expert ids in 0..{moe.router.n_experts - 1}")
     B, L = z.shape
     if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (B, L)
-                            or out.device != z.device):
-        _fail("out", f"must be a tensor [{B}, {L}] on {z.device}, got {tuple(getattr(out, 'shape', ()))}")
+                            or out.device != z.device or not out.is_floating_point()):
+        _fail("out", f"must be a floating tensor [{B}, {L}] on {z.device}, got "
+                     f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
     be, auto_opts, why = dispatch.select(OP, backend, B=B, shape=dict(B=B, fmt=moe.w1.fmt, K=idx.shape[1],
                                                                       I=moe.w1.shape[1], L=L))
     if glue is not None and (be not in ("cute", "reference", "torch_compile") or B != 1

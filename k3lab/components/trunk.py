@@ -231,6 +231,8 @@ def _check_proj(x, w, w_scale, outs, residual, backend, group: bool, pro: str | 
     for i, o in enumerate(outs):
         name = f"outs[{i}]" if group else "out"
         _tensor(name, o, 2, OUT_DTYPES if triton else None, dev)
+        if not o.is_floating_point():
+            _fail(name, f"must be a floating tensor, got {o.dtype}")
         if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
             _fail(name, f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides {o.stride()}")
         total += o.shape[1] * (2 if glu and i == len(outs) - 1 else 1)  # the GLU output: two rows a column
@@ -508,6 +510,8 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
         _fail("logits", f"must be floating [B, E], got {logits.dtype}")
     B, E = logits.shape
     dev = logits.device
+    if B < 1:
+        _fail("logits", f"must have at least one row, got shape {tuple(logits.shape)}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(E, 32):
         _fail("top_k", f"must be an int in 1..{min(E, 32)} (at most the {E} experts and 32), got {top_k!r}")
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):

@@ -140,6 +140,8 @@ class MLACache:
     def __post_init__(self) -> None:
         if self.data.dim() != 3:
             raise ValueError(f"MLACache.data must be [B, S_max, width], got shape {tuple(self.data.shape)}")
+        if not self.data.is_floating_point():
+            raise ValueError(f"MLACache.data must be a floating tensor (bf16, fp8 e4m3, ...), got {self.data.dtype}")
         if self.is_fp8 and self.scale is None:
             raise ValueError("MLACache: an fp8 cache needs a scale (0-d per-tensor or [B, S_max] per-token)")
 
@@ -238,6 +240,9 @@ class PagedMLACache:
     def __post_init__(self) -> None:
         if self.pool.dim() != 3:
             raise ValueError(f"PagedMLACache.pool must be [n_pages, page_size, width], got {tuple(self.pool.shape)}")
+        if not self.pool.is_floating_point():
+            raise ValueError(f"PagedMLACache.pool must be a floating tensor (bf16, fp8 e4m3, ...), got "
+                             f"{self.pool.dtype}")
         if self.block_table.dim() != 2 or self.block_table.dtype != torch.int32:
             raise ValueError(f"PagedMLACache.block_table must be [B, max_pages] int32, got "
                              f"{tuple(self.block_table.shape)} {self.block_table.dtype}")
