@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,12 +178,16 @@ class GpuView:
     expert_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
+        for name in ("tp", "dcp", "batch", "context", "draft_depth"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ConfigError(f"{name} must be an int, got {v!r} ({type(v).__name__})")
         h = self.cfg.num_attention_heads
-        if not isinstance(self.tp, int) or self.tp < 1 or h % self.tp:
+        if self.tp < 1 or h % self.tp:
             raise ConfigError(f"tp={self.tp} must divide num_attention_heads={h}")
         if self.cfg.moe_intermediate_size % self.tp:
             raise ConfigError(f"tp={self.tp} must divide moe_intermediate_size={self.cfg.moe_intermediate_size}")
-        if not isinstance(self.dcp, int) or self.dcp < 1:
+        if self.dcp < 1:
             raise ConfigError(f"dcp must be a positive int, got {self.dcp}")
         if self.batch < 1:
             raise ConfigError(f"batch must be >= 1, got {self.batch}")

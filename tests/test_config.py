@@ -128,3 +128,11 @@ def test_from_params():
     with pytest.raises(SwitchError, match="'mla_partitions'"):
         Switches.from_params({"mla_partitions": 3})
     assert set(BACKENDS) >= {"reference", "torch_compile"}
+
+
+@pytest.mark.parametrize("name, value", [("batch", "abc"), ("batch", 2.5), ("batch", True), ("context", 1.5),
+                                         ("draft_depth", "1"), ("dcp", True)])
+def test_view_sizes_must_be_ints(name, value):
+    """A size of another type is refused by name (before: a TypeError naming nothing, or a float batch accepted)."""
+    with pytest.raises(ConfigError, match=f"{name} must be an int"):
+        GpuView(k3_full(), tp=8, **{name: value})
