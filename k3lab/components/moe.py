@@ -109,9 +109,10 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     if not isinstance(idx, torch.Tensor) or not isinstance(weights_k, torch.Tensor):
         raise TypeError(f"{COMPONENT}: 'idx' and 'weights_k' must be tensors, got {type(idx).__name__} and "
                         f"{type(weights_k).__name__}")
-    if idx.dtype not in (torch.int32, torch.int64) or not weights_k.is_floating_point():
-        raise TypeError(f"{COMPONENT}: 'idx' must be int32/int64 and 'weights_k' floating, got {idx.dtype} and "
-                        f"{weights_k.dtype}")
+    if idx.dtype not in (torch.int32, torch.int64):
+        _fail("idx", f"must hold int32/int64 expert ids, got {idx.dtype}")
+    if not weights_k.is_floating_point():
+        _fail("weights_k", f"must be floating, got {weights_k.dtype}")
     if idx.shape != weights_k.shape or idx.shape[0] != z.shape[0] or idx.dim() != 2:
         raise ValueError(f"{COMPONENT}: 'idx' and 'weights_k' must both be [{z.shape[0]}, k], got "
                          f"{tuple(idx.shape)} and {tuple(weights_k.shape)}")
