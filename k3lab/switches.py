@@ -222,7 +222,3 @@ def require_backend(backend: str) -> None:
     ok, why = backend_status(backend)
     if not ok:
         raise BackendUnavailable(f"backend {backend!r} cannot run here: {why}")
-
-
-def available_backends() -> list[str]:
-    return [b for b in BACKENDS if backend_status(b)[0]]

@@ -70,8 +70,7 @@ Conversions (all in `__init__`, outside any timed region)
 - lengths are the number of valid positions INCLUDING the new one (k3lab.ref.mla's `lengths` counts the
   positions before this step: pass lengths + 1 after writing the new entry).
 - Queries are read in place (an in-place update of q_lat / q_rope is seen by the next call or graph
-  replay) unless `pad_heads` asks for more heads; then they are copied into zero-padded buffers
-  (`set_query` refreshes them).
+  replay) unless `pad_heads` asks for more heads; then they are copied into zero-padded buffers once.
 - `result()` returns (o_lat [B, H, 512] in q's dtype, lse [B, H] float32 natural log or None), padded
   heads dropped, copies.
 
@@ -438,11 +437,6 @@ class FlashInferMLADecode:
         pool, table = from_contiguous(cache, lengths, page_size, seed=seed)
         return cls(q_lat, q_rope, pool, None, table, lengths, scale, **kw)
 
-    def set_query(self, q_lat: torch.Tensor, q_rope: torch.Tensor) -> None:
-        """Copy new queries into the buffers the plan (and any captured graph) reads."""
-        self.q_nope[:, : self.H].copy_(q_lat)
-        self.q_pe[:, : self.H].copy_(q_rope)
-
     def __call__(self) -> torch.Tensor:
         """The run alone: one launch into the preallocated out / lse."""
         self.wrapper.run(query=(self.q_nope, self.q_pe), kv_cache=(self.ckv, self.kpe), out=self.out, lse=self.lse,
@@ -454,8 +448,3 @@ class FlashInferMLADecode:
         return to_ours(self.out, self.lse, self.H, self.lse_mode)
 
     ours = result
-
-    def describe(self) -> str:
-        pad = f", heads padded {self.H}->{self.Hp}" if self.Hp != self.H else ""
-        return (f"FlashInfer 0.7.2 BatchMLAPagedAttentionWrapper {self.backend}, page {self.page_size}{pad}, "
-                f"lse {self.lse_mode}{', cuda-graph plan' if self.use_cuda_graph else ''}")

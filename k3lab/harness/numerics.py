@@ -84,10 +84,6 @@ def rel_norm_error(out: Any, ref: Any) -> float:
     return error_stats(out, ref).rel_norm
 
 
-def max_abs_error(out: Any, ref: Any) -> float:
-    return error_stats(out, ref).max_abs
-
-
 def check(out: Any, ref: Any, tol: float) -> ErrorStats:
     """error_stats that raises AssertionError when NaN/inf appear or rel_norm > tol."""
     e = error_stats(out, ref, tol)

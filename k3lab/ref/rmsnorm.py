@@ -30,8 +30,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     if weight is not None:
         y = y * weight.to(dt)
     return y.to(out_dtype or x.dtype)
-
-
-def rms_norm_weightless(x: torch.Tensor, eps: float = 1e-6, *, out_dtype: torch.dtype | None = None):
-    """rms(x; 1)."""
-    return rms_norm(x, None, eps, out_dtype=out_dtype)
