@@ -6,8 +6,9 @@ by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
     {"decode": [{"max_batch": 1, "backend": "cute", "tile_v": 16}, ..., {"max_batch": null, ...}],
      "fallback": {"decode": [... rules for when the first choice cannot run here ...]}}
 
-The first rule with batch <= max_batch and T <= max_T matches (null or absent: any). Every key of a rule
-besides max_batch, max_T and backend is an option of the op (tile_v, ...). `choose` walks the rules, then
+The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list) matches
+only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts' CuTe rules
+are MXFP4's). Every key of a rule besides max_batch, max_T, fmt and backend is an option of the op (tile_v, ...). `choose` walks the rules, then
 the fallback rules, taking the first whose backend can run here; without a GPU it is the reference.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-RULE_KEYS = ("max_batch", "max_T", "backend")
+RULE_KEYS = ("max_batch", "max_T", "fmt", "backend")
 _tables: dict[str, dict] = {}
 
 
@@ -34,9 +35,13 @@ def table(component: str) -> dict:
     return _tables[component]
 
 
-def matches(rule: dict, B: int, T: int = 1) -> bool:
+def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
+    """Batch and T within the rule's bounds, and the call's weight format (shape["fmt"]) one of the rule's `fmt` when
+    it names any (a call whose shape says no format is not filtered)."""
+    fmt = (shape or {}).get("fmt")
     return ((rule.get("max_batch") is None or B <= rule["max_batch"])
-            and (rule.get("max_T") is None or T <= rule["max_T"]))
+            and (rule.get("max_T") is None or T <= rule["max_T"])
+            and (rule.get("fmt") is None or fmt is None or fmt in rule["fmt"]))
 
 
 def options_of(rule: dict) -> dict[str, Any]:
@@ -48,11 +53,13 @@ def rule(component: str, key: str, B: int, T: int = 1) -> dict | None:
     return next((r for r in table(component).get(key, []) if matches(r, B, T)), None)
 
 
-def choose(component: str, key: str, B: int, T: int, can_run: Callable[[str], bool]) -> tuple[str, dict, str]:
-    """(backend, options, why) that `auto` runs. `can_run(backend)` says whether a backend runs here."""
+def choose(component: str, key: str, B: int, T: int, can_run: Callable[[str], bool],
+           shape: dict | None = None) -> tuple[str, dict, str]:
+    """(backend, options, why) that `auto` runs. `can_run(backend)` says whether a backend runs here; `shape` the
+    call's facts a rule may filter on (its weight format)."""
     t = table(component)
     for src, rules in (("measured", t.get(key, [])), ("fallback", t.get("fallback", {}).get(key, []))):
-        r = next((r for r in rules if matches(r, B, T)), None)
+        r = next((r for r in rules if matches(r, B, T, shape)), None)
         if r is not None and can_run(r["backend"]):
             return r["backend"], options_of(r), f"{src} rule of data/{component}_defaults.json: {r}"
     return "reference", {}, "no measured rule can run here: the torch reference"

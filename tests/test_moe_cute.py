@@ -1,5 +1,5 @@
-"""The CuTe DSL MoE experts of one token (kernels/cute/moe_experts.py) on the GPU, through the component API
-(k3lab.components.moe.experts, backend "cute": one token, kernels/cute/moe_experts.py, and several,
+"""The CuTe DSL MoE experts on the GPU, through the component API (k3lab.components.moe.experts, backend "cute": one
+token, kernels/cute/moe_experts.py (MXFP4) and kernels/cute/moe_dense.py (bf16, fp8), and several,
 kernels/cute/moe_grouped.py): the shared checker against fp64 at K3's pool (896 experts, latent 3584; TP8 and TP16
 slices; outputs poisoned, inputs unchanged; the registry's MXFP4 tolerance), a top-k with a repeated id, pdl inside a
 pdl chain, a CUDA graph replayed on new routing, and what the backend refuses by name.
@@ -47,6 +47,28 @@ def test_w2_tail(tp, monkeypatch):
         c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
     torch.cuda.synchronize()
     assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+
+
+@pytest.mark.parametrize("dtype,tp", [("bf16", 8), ("fp8", 8), ("bf16", 16), ("fp8", 16)])
+def test_dense_k3_pool(dtype, tp):
+    """bf16 and fp8 experts of one token (kernels/cute/moe_dense.py) at K3's pool, through the component: the checker
+    against fp64 (k3_reuse30 routing at seed 1), a repeated id, and the call inside a pdl chain."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    for seed, routing in ((0, "uniform"), (1, "k3_reuse30")):
+        checker.require(checker.check(OP, OP.case(**dict(K3, dtype=dtype, tp=tp, routing=routing)), backend="cute",
+                                      seed=seed))
+    case = OP.case(**dict(K3, dtype=dtype, tp=tp))
+    d = OP.make_inputs(case, 3, "cuda")
+    d["idx"][0, 1] = d["idx"][0, 0]
+    want = ops_moe.ref_experts(d, case)["y"]
+    ran = []
+    y = torch.full_like(d["y"], float("nan"))
+    with pdl_chain(True):
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False, ran=ran)
+    torch.cuda.synchronize()
+    assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
+    assert ran[-1].kernel == "k3lab_kernels.cute.moe_dense:moe_experts_dense"
 
 
 @pytest.mark.parametrize("batch", [1, 16])

@@ -440,8 +440,8 @@ def test_auto_takes_the_cute_experts_for_mxfp4_up_to_64_tokens(monkeypatch):
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
     sel = lambda B, fmt, K=16, I=384: dispatch.select("moe_experts", "auto", B=B, shape=dict(B=B, fmt=fmt, K=K, I=I))  # noqa
     assert sel(1, "mxfp4")[0] == "cute"
-    be, _, why = sel(1, "fp8")
-    assert be == "triton" and "MXFP4 weights only" in why
+    be, _, why = sel(1, "fp8")  # the CuTe rules are MXFP4's (fmt): fp8 / bf16 take the Triton rule
+    assert be == "triton" and "measured rule" in why and sel(1, "dense")[0] == "triton"
     assert sel(2, "mxfp4")[0] == "cute" and sel(8, "mxfp4")[0] == "cute" and sel(64, "mxfp4")[0] == "cute"  # grouped
     assert sel(128, "mxfp4")[0] == "triton"
     assert sel(64, "fp8")[0] == "triton"

@@ -94,7 +94,7 @@ def select(op_name: str, backend: str, *, B: int, T: int = 1,
                 skipped.append(f"{b}: {no}")
             return no is None
 
-        be, opts, why = policy.choose(op.component, op.policy_key, B, T, runs)
+        be, opts, why = policy.choose(op.component, op.policy_key, B, T, runs, shape)
         if skipped:
             why += f" (passed over for this shape: {'; '.join(skipped)})"
         return be, opts, why

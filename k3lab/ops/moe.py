@@ -211,9 +211,11 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 
 
 def experts_supports(backend: str, shape: dict) -> str | None:
-    """What the cute backend takes: MXFP4 experts (whose sizes the op's `_valid` already keeps to multiples of 32);
-    at one token (kernels/cute/moe_experts.py) top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down
-    and up kernels); at more, the grouped kernels' `supports` (kernels/cute/moe_grouped.py: latent a multiple of a
+    """What the cute backend takes: bf16 and fp8 experts at one token (kernels/cute/moe_dense.py: a thread a
+    16-byte chunk of a row, so latent / CW <= 1024 and top-k x I / CW <= 1024, CW = 8 bf16 or 16 fp8 columns);
+    MXFP4 experts (whose sizes the op's `_valid` already keeps to multiples of 32) at one token
+    (kernels/cute/moe_experts.py) top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down and up
+    kernels); at more, the grouped kernels' `supports` (kernels/cute/moe_grouped.py: latent a multiple of a
     down CTA's rows and of four blocks a warp's part, I % 64, batch x top-k <= 4096).
     `shape` is a case of the op (batch, dtype, top_k, inter, tp, latent) or the component's call (B, fmt, K, I: the
     per-GPU slice, L); a key it lacks passes (the kernel checks its tensors)."""
@@ -221,13 +223,22 @@ def experts_supports(backend: str, shape: dict) -> str | None:
         return None
     batch = shape.get("batch", shape.get("B", 1))
     fmt = shape.get("dtype", shape.get("fmt", "mxfp4"))
-    if fmt != "mxfp4":
-        return f"the cute experts take MXFP4 weights only, got {fmt}"
     k = shape.get("top_k", shape.get("K"))
     inter = shape.get("I")
     if inter is None and shape.get("inter") is not None:
         inter = shape.get("inter") // shape.get("tp", 1)
     lat = shape.get("L", shape.get("latent"))
+    if fmt != "mxfp4":  # bf16 / fp8: one token (kernels/cute/moe_dense.py), a thread a 16-byte chunk
+        if batch != 1:
+            return f"the cute experts take {fmt} weights at one token only (kernels/cute/moe_dense.py), got batch " \
+                   f"{batch}"
+        cw = 16 if fmt == "fp8" else 8
+        if lat is not None and (lat % cw or lat // cw > 1024):
+            return f"the cute {fmt} experts take a latent that is a multiple of {cw} and at most {1024 * cw}, got {lat}"
+        if inter is not None and k is not None and (inter % cw or k * (inter // cw) > 1024):
+            return (f"the cute {fmt} experts take I a multiple of {cw} with top-k x I/{cw} <= 1024, got {k} x "
+                    f"{inter}")
+        return None
     if batch != 1:  # the grouped kernels' own rule; a key the shape lacks passes
         from k3lab_kernels.cute import moe_grouped as mg
 

@@ -3,8 +3,8 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|moe_grouped|mla_query|
-             mla_decode]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|moe_grouped|moe_dense|
+             mla_query|mla_decode]
             [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
@@ -325,6 +325,24 @@ def _cases(only: str | None, quick: bool):
                           up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp), uargs))
             cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, dt=tiles:
                           down_cls(B_, K, I, L, st, dt), dargs))
+    if only in (None, "moe_dense"):
+        from kernels.cute import moe_dense as kmd
+        # DenseUp: z, idx, wk, w1, w3, s1, s3, act; DenseDown: idx, w2, s2, act, y; bf16 weights as BFloat16, fp8 as
+        # int32 words; (K, I, L, E, idx step, ...)
+        up_cls, down_cls = kmd._kernel_classes()
+        for fp8 in (False, True):
+            w = i32 if fp8 else bf
+            uargs = [P(bf, 16), P(i32, 4), P(f32, 4), P(w, 16), P(w, 16), P(f32, 4), P(f32, 4), P(f32, 16), S]
+            dargs = [P(i32, 4), P(w, 16), P(f32, 4), P(f32, 16), P(f32, 4), S]
+            for K, I, L, E, step, pdl, ru, rd in ((16, 384, 3584, 896, 2, True, kmd.UP_ROWS, kmd.DOWN_ROWS),
+                                                  (16, 192, 3584, 896, 1, False, kmd.UP_ROWS, kmd.DOWN_ROWS),
+                                                  (16, 384, 3584, 896, 2, True, 8, 8),
+                                                  (3, 128, 128, 6, 2, False, 1, 1)):
+                tag = f"{'fp8' if fp8 else 'bf16'} K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {ru}x{rd}"
+                cases.append((f"moe_dense up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=ru, f=fp8:
+                              up_cls(K, I, L, E, st, 4.0, 25.0, p, r, f), uargs))
+                cases.append((f"moe_dense down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=rd, f=fp8:
+                              down_cls(K, I, L, E, st, r, f), dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)
@@ -372,9 +390,9 @@ def main(argv=None) -> int:
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
     if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
-                    "moe", "moe_grouped", "mla_query", "mla_decode"):
+                    "moe", "moe_grouped", "moe_dense", "mla_query", "mla_decode"):
         print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, moe, "
-              f"moe_grouped, mla_query or mla_decode (got {only!r})")
+              f"moe_grouped, moe_dense, mla_query or mla_decode (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)

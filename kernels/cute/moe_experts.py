@@ -36,6 +36,7 @@ read bandwidth, ~7.5 us on the H200. Contract: moe_experts(z, idx, wk, w1, w3, w
 read; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. Arguments are checked by name
 (MoECuteError); the component (k3lab.components.moe.experts, backend "cute") passes the kernel layout.
 """
+import types
 from typing import Any
 
 import torch
@@ -68,6 +69,9 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
+# the device helpers the kernels below are written with (vec, ids, seg_reduce, sigmoid, tanh), for the one-token
+# dense experts (kernels/cute/moe_dense.py): set by _kernel_classes()
+DEVICE_OPS = None
 # rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel. Alone
 # (experiments/moe_cute/README.md) 4 and 4 were ahead of 2, 8 and 16 at TP8 and TP16; inside the batch-1 decode step
 # (pdl, the glue folded) 6 / 8 took 1069.7-1079.9 us against 1079.2-1082.5 at 4 / 4 (docs/NOTES_moe.md, thirtieth
@@ -98,7 +102,7 @@ def w2_tail_ok(I: int, L: int, rows: int) -> bool:
 
 def _kernel_classes():
     """The two kernels' generators (built once; importing this module never needs cutlass)."""
-    global _KERNEL_CLS
+    global _KERNEL_CLS, DEVICE_OPS
     if _KERNEL_CLS is not None:
         return _KERNEL_CLS
     import cuda.bindings.driver as cuda
@@ -348,6 +352,7 @@ def _kernel_classes():
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
     _KERNEL_CLS = (MoEUp, MoEDown)
+    DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, seg_reduce=seg_reduce, sigmoid=sigmoid, tanh=tanh)
     return _KERNEL_CLS
 
 

@@ -85,11 +85,14 @@ E4M3_PTX = "\n".join(["{", ".reg .b16 lo, hi, a0, a1, a2, a3;", ".reg .b32 h0, h
 __all__ = ["K_STEP", "MAX_BATCH", "MAX_OUTPUTS", "proj"]
 
 _KERNEL_CLS = None
+# the e4m3 widening the fp8 path is written with, for the one-token dense experts (kernels/cute/moe_dense.py): set by
+# _kernel_class()
+E4M3_WORD = None
 
 
 def _kernel_class():
     """The GEMV generator (built once; importing this module never needs cutlass)."""
-    global _KERNEL_CLS
+    global _KERNEL_CLS, E4M3_WORD
     if _KERNEL_CLS is not None:
         return _KERNEL_CLS
     import cuda.bindings.driver as cuda
@@ -377,6 +380,7 @@ def _kernel_class():
                 self.chained(c, tid, warp, lane, p_o0, s_o0, p_cnt, p_w2, p_f, s_f)
 
     _KERNEL_CLS = ProjGemvKernel
+    E4M3_WORD = e4m3_word
     return ProjGemvKernel
 
 
