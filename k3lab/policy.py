@@ -6,10 +6,11 @@ by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
     {"decode": [{"max_batch": 1, "backend": "cute", "tile_v": 16}, ..., {"max_batch": null, ...}],
      "fallback": {"decode": [... rules for when the first choice cannot run here ...]}}
 
-The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list) matches
-only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts' CuTe rules
-are MXFP4's). Every key of a rule besides max_batch, max_T, fmt and backend is an option of the op (tile_v, ...). `choose` walks the rules, then
-the fallback rules, taking the first whose backend can run here; without a GPU it is the reference.
+The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list)
+matches only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts'
+CuTe rules are MXFP4's). Every key of a rule besides max_batch, max_T, fmt and backend is an option of the op (tile_v,
+...). `choose` walks the rules, then the fallback rules, taking the first whose backend can run here; without a GPU it
+is the reference.
 """
 from __future__ import annotations
 

@@ -597,13 +597,13 @@ PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and
 
 
 def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
-                  be_experts: str | None) -> bool:
+                  be_experts: str | None, experts_fmt: str = "mxfp4") -> bool:
     """Whether the MoE output's glue (glue.norm_glu: the routed norm of y and the shared experts' SiTU, a launch of
     its own) folds into the launches around it (one launch fewer a MoE layer):
       moe_in   the group on the CuTe GEMV (k3lab_kernels.cute.proj_gemv) stores situ(g, u) as its GLU output (its
                shared rows [w1 | w3] from row `sh_row0`, a multiple of 4; s_inter even) into the second segment of
                moe_out's input;
-      experts  the one-token CuTe experts' down kernel (or the reference backends, by torch) also writes bf16(y
+      experts  the one-token CuTe MXFP4 experts' down kernel (or the reference backends, by torch) also writes bf16(y
                routed_norm) into its first segment and a partial sum of y^2 a CTA (`glue`);
       moe_out  reads that input on the CuTe GEMV with the "rmsp" prologue: the first segment's sum times the norm's
                factor from the partials.
@@ -612,7 +612,8 @@ def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, 
     the batch-1 headline step: experiments/step_folds/step_ab.py moe_glue_fold and docs/NOTES_step.md (twenty-ninth
     session), with the forms that lost (moe_out on the Triton kernel's rmsp prologue; reading y fp32 in moe_out)."""
     return (be_in == "cute" and n_tok == 1 and n_tok <= MOE_GLUE_FOLD_MAX_TOKENS and s_inter % 2 == 0
-            and sh_row0 % 4 == 0 and be_experts in ("cute", "reference", "torch_compile")
+            and sh_row0 % 4 == 0 and (be_experts in ("reference", "torch_compile")
+                                      or (be_experts == "cute" and experts_fmt == "mxfp4"))
             and norm_w.dtype == torch.bfloat16 and lat % MOE_GLUE_FOLD_ALIGN == 0)
 
 
@@ -914,7 +915,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             # the glue folded (moe_glue_fold): the shared SiTU as the group's GLU output, the routed norm's inputs
             # from the experts' down kernel, moe_out's rmsp prologue
             fold = not (shared_stream or owned_output or fuse_pro) and moe_glue_fold(
-                N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"))
+                N, be_min, Lat, sI, E + Lat, m.routed_norm, L.ran.get("experts"), m.w1.fmt)
 
             def moe_in():
                 outs = [logits, z] + ([] if shared_stream else [a_sh] if fold else [gu[:, :sI], gu[:, sI:]])

@@ -428,8 +428,11 @@ def test_bad_arguments_are_named():
         st.run(torch.zeros(3, 3))
     with pytest.raises(S.StepError, match="'kda_state_dtype'"):
         st.set_switches(Switches(kda_state_dtype="bf16"))
-    with pytest.raises(BackendUnavailable, match="for 'moe'.*_PATH_RULES"):  # the CuTe experts take one token
-        st.set_switches(Switches(backend={"moe": "cute"}))
+    two = S.DecodeStep(_tiny(batch=2), device="cpu")
+    with pytest.raises(BackendUnavailable, match="for 'moe'.*_PATH_RULES"):  # CuTe takes bf16 experts at one token
+        two.set_switches(Switches(backend={"moe": "cute"}))
+    st.set_switches(Switches(backend={"moe": "cute"}))  # bf16 at one token: a path (kernels/cute/moe_dense.py)
+    st.set_switches(Switches())
     one = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), device="cpu")
     one.set_switches(Switches(backend={"moe": "cute"}))  # a path at one token, refused where it runs:
     moe_layer = next(i for i, L in enumerate(one.layers) if L.w.mlp_kind == "moe")

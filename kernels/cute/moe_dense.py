@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .moe_experts import MoECuteError, _fail, _ptr, _tensor
+from .moe_experts import MoECuteError, _fail, _ptr, _tensor, one_token
 
 __all__ = ["MoECuteError", "moe_experts_dense"]
 
@@ -239,14 +239,7 @@ def rows_of(I: int, L: int) -> tuple[int, int]:
 def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0,
                       pdl: bool | None = None):
     """y [1, L] fp32 = the routed experts of one token, bf16 or fp8 weights (module docstring). Returns y."""
-    if pdl is None:
-        from k3lab_kernels.triton.pdl import chain_pdl
-
-        pdl = chain_pdl(None)
-    if not isinstance(pdl, bool):
-        _fail("pdl", f"must be None or a bool, got {pdl!r}")
-    if not isinstance(z, torch.Tensor) or z.dim() != 2 or z.shape[0] != 1:
-        _fail("z", f"must be one token [1, L] (the cute experts take batch 1), got {getattr(z, 'shape', z)!r}")
+    pdl = one_token(z, pdl)
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.dtype not in DTYPES:
         _fail("w1", f"must be the experts' [E, I, L] bf16 or float8_e4m3fn weights, got "
                     f"{getattr(w1, 'dtype', type(w1).__name__)} {tuple(getattr(w1, 'shape', ()))}")

@@ -417,6 +417,20 @@ def experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, fail=_fail) -
     return [sc.reshape(-1).view(torch.int32) for sc in (s1, s3, s2)]
 
 
+def one_token(z, pdl) -> bool:
+    """The one-token wrappers' first checks: pdl resolved (None: the enclosing pdl_chain's setting) and z one token
+    [1, L]; returns pdl."""
+    if pdl is None:
+        from k3lab_kernels.triton.pdl import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    if not isinstance(z, torch.Tensor) or z.dim() != 2 or z.shape[0] != 1:
+        _fail("z", f"must be one token [1, L] (the cute experts take batch 1), got {getattr(z, 'shape', z)!r}")
+    return pdl
+
+
 def glue_partials(L: int) -> int:
     """How many partial sums of y^2 the down kernel writes with `glue` (one a CTA: L / DOWN_ROWS)."""
     return L // (DOWN_ROWS if L % DOWN_ROWS == 0 else 1)
@@ -428,14 +442,7 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     bf16 (any row stride), ssp [1, glue_partials(L)] fp32): the down kernel also writes yg = bf16(y * gamma) and
     ssp[0, c] = the sum of y^2 over CTA c's rows (the routed norm's statistic, finished by its consumer: the MoE
     output's projection, k3lab.step.moe_glue_fold). Returns y."""
-    if pdl is None:
-        from k3lab_kernels.triton.pdl import chain_pdl
-
-        pdl = chain_pdl(None)
-    if not isinstance(pdl, bool):
-        _fail("pdl", f"must be None or a bool, got {pdl!r}")
-    if not isinstance(z, torch.Tensor) or z.dim() != 2 or z.shape[0] != 1:
-        _fail("z", f"must be one token [1, L] (the cute experts take batch 1), got {getattr(z, 'shape', z)!r}")
+    pdl = one_token(z, pdl)
     dev = z.device
     L = z.shape[1]
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3:
