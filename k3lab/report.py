@@ -206,6 +206,25 @@ ENV_KEYS = ("gpu", "sm_count", "driver", "cuda", "hip", "torch", "triton", "cutl
             "platform", "hostname", "commit", "dirty", "source_digest", "time")
 
 
+def param_values(value: Any, name: str, *, ints: bool | str = False) -> list:
+    """A notebook's list parameter as a list: a comma-separated string ("1,8,64", the parameters cells' form), a list
+    given as JSON (`-p batches '[1, 8]'`) or one value (`-p batches 8`). ints=True: every value an integer (a digit
+    string counts), else a ValueError naming the parameter; ints="auto": digit strings become ints, the rest stay."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out: list = []
+    for v in items:
+        parts = [p.strip() for p in v.split(",")] if isinstance(v, str) else [v]
+        for p in parts:
+            if isinstance(p, str) and not p:
+                continue
+            if ints and isinstance(p, str) and p.lstrip("-").isdigit():
+                p = int(p)
+            if ints is True and (isinstance(p, bool) or not isinstance(p, int)):
+                raise ValueError(f"parameter {name!r}: expected integers (a list or comma-separated), got {value!r}")
+            out.append(p if ints or not isinstance(p, (int, float)) else str(p))
+    return out
+
+
 def _cell(v: Any) -> str:
     if isinstance(v, (dict, list)):
         v = json.dumps(v)

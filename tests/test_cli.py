@@ -373,3 +373,16 @@ def test_nothing_ran_is_no_success(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.json"))
     out = runner.invoke(cli.app, ["check", "mla", "--ops", "mla_query", "--backends", "triton"])
     assert out.exit_code == 1 and "no check ran" in out.output
+
+
+def test_notebook_list_parameters_take_strings_lists_and_one_value():
+    """A list parameter of the notebooks (`batches`, ...) as its parameters cell writes it ("1,8"), as JSON (`-p batches
+    '[1, 8]'`, which used to split into '[1' and '8]') or one value; a non-integer where integers are due names it."""
+    from k3lab.report import param_values
+
+    assert param_values("1, 8,64", "batches", ints=True) == [1, 8, 64] == param_values([1, 8, 64], "batches", ints=True)
+    assert param_values(8, "batches", ints=True) == [8]
+    assert param_values("auto,64", "partitions", ints="auto") == ["auto", 64]
+    assert param_values(["triton", "cute"], "backends") == ["triton", "cute"] == param_values("triton,cute", "b")
+    with pytest.raises(ValueError, match="parameter 'batches': expected integers"):
+        param_values("[0]", "batches", ints=True)
