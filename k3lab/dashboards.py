@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from k3lab.report import param_values
 from k3lab.switches import ALLOWED, BACKENDS, COMPONENTS, NOT_WIRED, Switches
 
 SWITCH_PARAMS = tuple(ALLOWED)
@@ -70,19 +71,14 @@ def _toggles(v: Any) -> bool | tuple[str, ...]:
     return tuple(str(x) for x in _list(v, "toggles"))
 
 
-def _list(v: Any, name: str) -> list:
-    if isinstance(v, (list, tuple)):
-        return list(v)
-    if isinstance(v, int):
-        return [v]
-    if isinstance(v, str):
-        out = []
-        for x in v.split(","):
-            x = x.strip()
-            if x:
-                out.append(int(x) if x.lstrip("-").isdigit() else x)
-        return out
-    raise DashboardError(f"parameter {name!r} must be a list or a comma-separated string, got {v!r}")
+def _list(v: Any, name: str, ints: bool | str = "auto") -> list:
+    """A list parameter (k3lab.report.param_values: a comma string, a list or one int); errors are DashboardErrors."""
+    if not isinstance(v, (list, tuple, str, int)) or isinstance(v, bool):
+        raise DashboardError(f"parameter {name!r} must be a list or a comma-separated string, got {v!r}")
+    try:
+        return param_values(v, name, ints=ints)
+    except ValueError as e:
+        raise DashboardError(str(e)) from None
 
 
 def _n_experts(v: Any) -> int | None:
@@ -525,8 +521,8 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
 
     sw = switches_from_params(p)
     curves = [acceptance.load(c) for c in _list(p.get("curves", "agentx_fixed,al6_at7"), "curves")]
-    batches = [int(b) for b in _list(p.get("batches", "1"), "batches")]
-    depths = [int(d) for d in _list(p.get("depths", "0,1,2,3,4"), "depths")]
+    batches = _list(p.get("batches", "1"), "batches", ints=True)
+    depths = _list(p.get("depths", "0,1,2,3,4"), "depths", ints=True)
     draft_us = float(p.get("draft_us_per_token", 0.0))
     recs = []
     bundle = None

@@ -17,26 +17,13 @@ from typing import Any
 import pandas as pd
 import torch
 
+from k3lab.report import param_values
+
 COLUMNS = ["heads", "batch", "T", "tile_v", "case", "impl", "kind", "mode", "median_us", "floor_us", "floor_bw",
            "tbps", "pct_bw", "launches", "out_err", "state_err", "ok"]
 # (label, batch, T, goal) at 12 heads: the KDA issue's targets
 TARGETS = [("T=1 B=1 us", 1, 1, "<= 4.0 us"), ("T=1 B=64 TB/s", 64, 1, ">= 3.6 TB/s"),
            ("T=4 B=1 us", 1, 4, "<= 6.0 us")]
-
-
-def ints(s: Any) -> tuple[int, ...]:
-    """"1,2,4" (or 4, or [1, 2]) -> (1, 2, 4); a value that is not an integer is refused by name."""
-    items = s if isinstance(s, (list, tuple)) else str(s).split(",")
-    out = []
-    for x in items:
-        x = str(x).strip()
-        if not x:
-            continue
-        try:
-            out.append(int(x))
-        except ValueError:
-            raise ValueError(f"expected comma-separated integers, got {s!r}") from None
-    return tuple(out)
 
 
 def sweep_bundle(*, bundle: str = "", sweep: bool = True, heads: Any = "6,12", batches: Any = "1,64",
@@ -59,8 +46,9 @@ def sweep_bundle(*, bundle: str = "", sweep: bool = True, heads: Any = "6,12", b
         bd.config = {"bench": "kda", "sweep": False}
     else:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        grid = dict(heads=ints(heads), batch=ints(batches), T=ints(Ts), tile_v=ints(tiles), D=(int(D),))
-        bd = runner.run("kda", grid=grid, backends=[b for b in str(backends).split(",") if b], peers=peers,
+        grid = dict(heads=param_values(heads, "heads", ints=True), batch=param_values(batches, "batches", ints=True),
+                    T=param_values(Ts, "Ts", ints=True), tile_v=param_values(tiles, "tiles", ints=True), D=(int(D),))
+        bd = runner.run("kda", grid=grid, backends=param_values(backends, "backends"), peers=peers,
                         reps=reps, device=device, deadline_s=deadline_s or None, log=lambda s: None,
                         variants={"cute_pdl": ("cute", {"pdl": True})},
                         name="kda_sweep" if device == "cuda" else "kda_sweep-cpu")
