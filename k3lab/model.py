@@ -71,7 +71,8 @@ _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
 # paths that exist for some layers only: (group, backend) -> (whether this layer has it, why not)
 _PATH_RULES = {("moe", "cute"): (lambda L: L.w.mlp_kind == "moe" and _moe_cute_takes(L),
                                  "the CuTe experts take MXFP4 experts (one token, or the grouped kernels' sizes) "
-                                 "and bf16 / fp8 experts at one token (k3lab.ops.moe.experts_supports)"),
+                                 "and bf16 / fp8 experts (one token, or the grouped twins' sizes: "
+                                 "k3lab.ops.moe.experts_supports)"),
                ("mla", "cute"): (lambda L: L.kind == "mla" and _mla_cute_takes(L),
                                  "the CuTe MLA decode takes one new position over a bf16 cache of K3's widths "
                                  "(C = 512, Dr = 64), at most 16 heads, pad_heads 0 or 16")}

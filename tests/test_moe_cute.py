@@ -71,6 +71,17 @@ def test_dense_k3_pool(dtype, tp):
     assert ran[-1].kernel == "k3lab_kernels.cute.moe_dense:moe_experts_dense"
 
 
+@pytest.mark.parametrize("dtype,batch,routing", [("bf16", 8, "uniform"), ("fp8", 8, "same16"), ("bf16", 64, "uniform"),
+                                                  ("fp8", 16, "k3_reuse30")])
+def test_dense_grouped_k3_pool(dtype, batch, routing):
+    """The grouped bf16 / fp8 twins (kernels/cute/moe_dense.py, tensor cores on the stored weights) at K3's TP8 pool:
+    the checker against fp64, and the record names the kernel."""
+    case = OP.case(**dict(K3, dtype=dtype, tp=8, batch=batch, routing=routing))
+    res = checker.check(OP, case, backend="cute", seed=batch)
+    checker.require(res)
+    assert res.ran[-1].kernel == "k3lab_kernels.cute.moe_dense:moe_grouped_dense"
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_repeated_id_and_pdl(batch):
     """An id twice in a token's top-k adds that expert twice (each with its weight), as the reference does; the

@@ -87,11 +87,22 @@ def test_wrapper_refuses_by_name():
             mod.moe_experts_dense(emulate._dev(torch.zeros(2, 128, dtype=torch.bfloat16)), *args[1:])
         with pytest.raises(md.MoECuteError, match="'pdl'"):
             mod.moe_experts_dense(*args, pdl="yes")
+        with pytest.raises(md.MoECuteError, match="latent a multiple of 256"):  # the grouped twins' sizes
+            mod.moe_grouped_dense(*args)
+    case = OP.case(dtype="bf16", batch=2, **GSMALL)
+    d = OP.make_inputs(case, 0, "cpu")
+    m = d["moe"]
+    with emulate.emulated() as em:
+        args = [emulate._dev(x) for x in (d["z"], d["idx"], d["weights_k"], m.w1.data, m.w3.data, m.w2.data)]
+        with pytest.raises(md.MoECuteError, match="'s1'"):  # a row scale with bf16 weights
+            em.mod["moe_dense"].moe_grouped_dense(*args, emulate._dev(torch.ones(4, 64)), None, None,
+                                                  emulate._dev(d["y"]))
 
 
 def test_component_routes_and_refuses(monkeypatch):
-    """The op's `supports` lets cute take bf16 / fp8 at one token only (and within a CTA's threads); the component
-    refuses the grouped path and the glue for them, by name, before any kernel (CuTe DSL taken as present)."""
+    """The op's `supports` lets cute take bf16 / fp8 at one token within a CTA's threads and at more where the grouped
+    twins' sizes fit; the component refuses an unknown path and the glue for them, by name, before any kernel (CuTe
+    DSL taken as present)."""
     from k3lab.components import dispatch, moe as c_moe
 
     monkeypatch.setattr(dispatch, "require_backend", lambda backend: None)
@@ -99,12 +110,48 @@ def test_component_routes_and_refuses(monkeypatch):
 
     assert experts_supports("cute", dict(batch=1, dtype="fp8", top_k=16, inter=3072, tp=8, latent=3584)) is None
     assert experts_supports("cute", dict(batch=1, dtype="bf16", top_k=16, inter=3072, tp=8, latent=3584)) is None
-    assert "one token" in experts_supports("cute", dict(batch=2, dtype="bf16"))
+    assert experts_supports("cute", dict(batch=64, dtype="fp8", top_k=16, inter=3072, tp=8, latent=3584)) is None
+    assert "latent a multiple of 256" in experts_supports("cute", dict(batch=2, dtype="bf16", latent=128))
     assert "top-k x I/8" in experts_supports("cute", dict(batch=1, dtype="bf16", top_k=16, inter=3072, tp=1))
     d = OP.make_inputs(OP.case(dtype="bf16", **SMALL), 0, "cpu")
     with pytest.raises(c_moe.MoEArgumentError, match="'path'"):
-        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", path="grouped")
+        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", path="fused")
     ssp = torch.zeros(1, 16)
     with pytest.raises(c_moe.MoEArgumentError, match="'glue'"):
         c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute",
                       glue=(torch.ones(128, dtype=torch.bfloat16), torch.zeros(1, 128, dtype=torch.bfloat16), ssp))
+
+
+# the grouped twins (several tokens, tensor cores): latent 256 (one down CTA of 4 tiles a warp), I 64 (two up CTAs of
+# 32 rows; fp8: one 64-column chunk), 4 experts for 3 tokens x top 3 (groups of one, two and three pairs)
+GSMALL = dict(tp=1, latent=256, inter=64, n_experts=4, top_k=3, routing="uniform")
+
+
+def run_grouped(d, pdl=False, idx32=False, seed=0):
+    moe = d["moe"]
+    fp8 = moe.w1.fmt == "fp8"
+    t = dict(z=d["z"], idx=d["idx"].to(torch.int32) if idx32 else d["idx"], wk=d["weights_k"], y=d["y"],
+             w1=moe.w1.data, w3=moe.w3.data, w2=moe.w2.data)
+    if fp8:
+        t.update(s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
+    t.update({f"{k}_words": t[k].reshape(-1).view(torch.int32) for k in ("z", "idx", "w1", "w3", "w2")
+              if t[k].dtype != torch.int32 and not (k.startswith("w") and fp8)})
+    emulate._PDL["early"] = frozenset()
+
+    def call(m, **a):
+        m.mod["moe_dense"].moe_grouped_dense(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a.get("s1"),
+                                             a.get("s3"), a.get("s2"), a["y"], b1=moe.b1, b2=moe.b2, pdl=pdl)
+    emulate._run(call, t, seed)
+
+
+@pytest.mark.parametrize("dtype,batch,routing,kw", [
+    ("bf16", 3, "uniform", dict(pdl=True, idx32=True)), ("fp8", 3, "uniform", dict()),
+    ("bf16", 9, "same16", dict()),   # every token the same experts: groups of 9 pairs, two member tiles
+])
+def test_grouped_dense(dtype, batch, routing, kw):
+    case = OP.case(dtype=dtype, batch=batch, **dict(GSMALL, routing=routing))
+
+    def f(d):
+        run_grouped(d, **kw)
+    f.__name__ = f"emulated cute moe_grouped_dense({kw})"
+    checker.require(checker.check(OP, case, impl=f, seed=2, device="cpu"))

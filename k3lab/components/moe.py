@@ -18,9 +18,9 @@ BackendUnavailable. `experts` goes through the one dispatcher (op "moe_experts",
                              launches, w1/w3 + SiTU then w2, no atomics) or "grouped" (k3lab_kernels.cute.moe_grouped,
                              several tokens: pairs grouped by expert on the device, tensor-core fragments straight from
                              the kernel layout, w2 into y with fp32 atomics); None: token at batch 1, grouped above
-                             (recorded as run); bf16 / fp8 experts at one token (k3lab_kernels.cute.moe_dense, path
-                             "token": the same two launches, fp32 products); refused by name otherwise (the op's
-                             `supports`, given the call's shape)
+                             (recorded as run); bf16 / fp8 experts likewise (k3lab_kernels.cute.moe_dense: "token",
+                             the same two launches with fp32 products; "grouped", tensor cores on the stored weights);
+                             refused by name otherwise (the op's `supports`, given the call's shape)
   auto                       data/moe_defaults.json (measured: cute for MXFP4 up to 64 tokens where CuTe DSL runs,
                              its rules limited to that format; else triton), else the reference
 The triton knobs: `path` ("gemv": the few-token two-role kernel for bf16 / fp8, batch <= 16; "simt": its
@@ -186,22 +186,22 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             out = torch.empty(B, L, dtype=torch.float32, device=z.device)
         elif out.dtype != torch.float32 or not out.is_contiguous():
             _fail("out", f"must be a contiguous float32 tensor for the cute backend, got {out.dtype}")
-        if dense and cpath != "token":
-            _fail("path", f"must be None or 'token' for the cute backend's {TRITON_FORMATS[moe.w1.fmt]} experts (one "
-                          f"token; the grouped kernel is MXFP4's), got {path!r} at batch {B}")
         if dense and glue is not None:
             _fail("glue", "is taken by the cute backend's MXFP4 one-token path only")
         if dense:
             from k3lab_kernels.cute import moe_dense as md
 
             fp8 = moe.w1.fmt == "fp8"
-            y = md.moe_experts_dense(z, idx, weights_k, moe.w1.data, moe.w3.data, moe.w2.data,
-                                     *((moe.w1.scale, moe.w3.scale, moe.w2.scale) if fp8 else (None, None, None)), out,
-                                     b1=float(moe.b1), b2=float(moe.b2))
-            rule = "requested" if path is not None else "by batch: token at 1"
-            dispatch.record(ran, kernel="k3lab_kernels.cute.moe_dense:moe_experts_dense", options=dict(path="token"),
-                            notes=f"path token ({TRITON_FORMATS[moe.w1.fmt]}): two launches: up (w1/w3 + SiTU), down "
-                                  f"(w2; no atomics) ({rule})", **rec)
+            fn = md.moe_experts_dense if cpath == "token" else md.moe_grouped_dense
+            y = fn(z, idx, weights_k, moe.w1.data, moe.w3.data, moe.w2.data,
+                   *((moe.w1.scale, moe.w3.scale, moe.w2.scale) if fp8 else (None, None, None)), out,
+                   b1=float(moe.b1), b2=float(moe.b2))
+            rule = "requested" if path is not None else "by batch: token at 1, grouped above"
+            note = ("two launches: up (w1/w3 + SiTU), down (w2; no atomics)" if cpath == "token" else
+                    "two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 on tensor "
+                    "cores, fp32 atomics into y)")
+            dispatch.record(ran, kernel=f"k3lab_kernels.cute.moe_dense:{fn.__name__}", options=dict(path=cpath),
+                            notes=f"path {cpath} ({TRITON_FORMATS[moe.w1.fmt]}): {note} ({rule})", **rec)
             return y
         if cpath == "token":
             ws = tuple(kernel_layout(w) for w in (moe.w1, moe.w3, moe.w2))

@@ -211,8 +211,9 @@ def cublas_loop_peer(case: Case) -> list[Peer]:
 
 
 def experts_supports(backend: str, shape: dict) -> str | None:
-    """What the cute backend takes: bf16 and fp8 experts at one token (kernels/cute/moe_dense.py: a thread a
-    16-byte chunk of a row, so latent / CW <= 1024 and top-k x I / CW <= 1024, CW = 8 bf16 or 16 fp8 columns);
+    """What the cute backend takes: bf16 and fp8 experts (kernels/cute/moe_dense.py) at one token (a thread a
+    16-byte chunk of a row, so latent / CW <= 1024 and top-k x I / CW <= 1024, CW = 8 bf16 or 16 fp8 columns) and at
+    more (the grouped twins' `grouped_supports`);
     MXFP4 experts (whose sizes the op's `_valid` already keeps to multiples of 32) at one token
     (kernels/cute/moe_experts.py) top-k x I/32 <= 1024 and latent/32 <= 1024 (threads a CTA of its down and up
     kernels); at more, the grouped kernels' `supports` (kernels/cute/moe_grouped.py: latent a multiple of a
@@ -228,10 +229,12 @@ def experts_supports(backend: str, shape: dict) -> str | None:
     if inter is None and shape.get("inter") is not None:
         inter = shape.get("inter") // shape.get("tp", 1)
     lat = shape.get("L", shape.get("latent"))
-    if fmt != "mxfp4":  # bf16 / fp8: one token (kernels/cute/moe_dense.py), a thread a 16-byte chunk
+    if fmt != "mxfp4":  # bf16 / fp8 (kernels/cute/moe_dense.py): one token, a thread a 16-byte chunk; or grouped
         if batch != 1:
-            return f"the cute experts take {fmt} weights at one token only (kernels/cute/moe_dense.py), got batch " \
-                   f"{batch}"
+            from k3lab_kernels.cute import moe_dense as md
+
+            return md.grouped_supports(batch, k or 1, md.GROUP_ROWS * 4 if inter is None else inter,
+                                       64 * md.GROUP_DOWN_TILES if lat is None else lat, fmt == "fp8")
         cw = 16 if fmt == "fp8" else 8
         if lat is not None and (lat % cw or lat // cw > 1024):
             return f"the cute {fmt} experts take a latent that is a multiple of {cw} and at most {1024 * cw}, got {lat}"

@@ -343,6 +343,20 @@ def _cases(only: str | None, quick: bool):
                               up_cls(K, I, L, E, st, 4.0, 25.0, p, r, f), uargs))
                 cases.append((f"moe_dense down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=rd, f=fp8:
                               down_cls(K, I, L, E, st, r, f), dargs))
+    if only in (None, "moe_dense"):  # grouped: Up z, idx, wk, w1, w3, s1, s3, act, y; Down idx, w2, s2, act, y
+        from kernels.cute import moe_dense as kmd
+        gup, gdown = kmd._grouped_classes()
+        for fp8 in (False, True):
+            uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(f32, 4), P(f32, 4), P(i32, 16),
+                     P(f32, 16), S]
+            dargs = [P(i32, 4), P(i32, 16), P(f32, 4), P(i32, 16), P(f32, 16), S]
+            for Bt, K, I, L, step, pdl in ((64, 16, 384, 3584, 2, False), (8, 16, 384, 3584, 1, True),
+                                           (16, 16, 192, 3584, 2, False), (3, 3, 64, 256, 2, False)):
+                tag = f"{'fp8' if fp8 else 'bf16'} B{Bt} K{K} I{I} L{L}" + (" pdl" if pdl else "")
+                cases.append((f"moe_dense grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, f=fp8:
+                              gup(B_, K, I, L, st, 4.0, 25.0, p, f), uargs))
+                cases.append((f"moe_dense grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, f=fp8:
+                              gdown(B_, K, I, L, st, f, kmd.GROUP_DOWN_TILES), dargs))
     if only in (None, "mla_combine"):
         from kernels.cute import mla_combine as kc
         # mla_combine's arguments: o partials, lse, Wuv, gate, out; (H, K, T, rows, rows a CTA, pdl)

@@ -47,6 +47,7 @@ thousands of waiting CTAs cost the batch-64 step 525 us: experiments/step_pdl, t
 checked by name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped")
 passes the kernel layout.
 """
+import types
 from typing import Any
 
 import torch
@@ -76,11 +77,14 @@ DECODE_PTX = "\n".join(["{", ".reg .b32 t, d0, d1, d2, d3;"] + decode_ptx("$4")
 __all__ = ["MAX_PAIRS", "MoEGroupedError", "moe_grouped", "supports"]
 
 _KERNEL_CLS = None
+# the device helpers the kernels below are written with, for the grouped bf16 / fp8 twins (kernels/cute/moe_dense.py):
+# set by _kernel_classes()
+DEVICE_OPS = None
 
 
 def _kernel_classes():
     """The two kernels' generators (built once; importing this module never needs cutlass)."""
-    global _KERNEL_CLS
+    global _KERNEL_CLS, DEVICE_OPS
     if _KERNEL_CLS is not None:
         return _KERNEL_CLS
     import cuda.bindings.driver as cuda
@@ -415,6 +419,8 @@ def _kernel_classes():
                                 cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile + 8), acc[2 + col])
 
     _KERNEL_CLS = (Up, Down)
+    DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, group=group, WC=WC, mma=mma, to_f16x2=to_f16x2, asm=_asm,
+                                       sigmoid=sigmoid, tanh=tanh)
     return _KERNEL_CLS
 
 
