@@ -29,9 +29,10 @@ Exactness: bf16 and e4m3 weights and z are exact in fp32; every product and sum 
 reference's, within the registry's tolerance for the format).
 
 Several tokens (moe_grouped_dense): up, a CTA (4 warps) per (pair, GROUP_ROWS = 32 intermediate rows), the group's
-leader only (moe_grouped's ballot listing), members 8 at a time (the MMA's N) with their z rows staged in shared
-memory; warp w's MMA rows g and g + 8 are row r0 + 8 w + g of W1 and of W3, so a lane holds g and u of one row for
-SiTU; CHAINS independent accumulator chains over the k-steps; act stored as bf16 pairs (fp8: f16 of 2^6 act) by the
+leader only (moe_grouped's ballot listing), members 8 at a time (the MMA's N), each lane reading its member's z
+columns from L1 / L2 (no staging: no shared memory but the listing's); warp w's MMA rows g and g + 8 are row r0 + 8 w
++ g of W1 and of W3, so a lane holds g and u of one row for SiTU; UP_UNROLL chunks' loads issued before their MMAs;
+CHAINS independent accumulator chains over the k-steps; act stored as bf16 pairs (fp8: f16 of 2^6 act) by the
 even rows' lanes (the odd row's value by a shuffle). Down (PDL after up), a CTA per (pair, 64 GROUP_DOWN_TILES latent
 rows), the leader only, the members' act as B fragments, W2 straight into A fragments, fp32 atomics into y (zeroed
 by up). Needs I a multiple of 32 (fp8: 64), L of 256, B K <= MAX_PAIRS. Tolerance: the registry's (act rounded to
@@ -243,6 +244,7 @@ def _kernel_classes():
 GROUP_ROWS = 32         # intermediate rows an up CTA (4 warps x 8: MMA rows g / g + 8 = W1 / W3 row g of the warp)
 GROUP_DOWN_TILES = 4    # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 x tiles latent rows)
 CHAINS = 4              # independent MMA accumulator chains a warp (k-steps taken round-robin, summed at the end)
+UP_UNROLL = 4           # chunks of L an up step: their weight and z loads issued before their MMAs
 MAX_PAIRS = 4096
 # one m16n8k16 MMA with fp32 accumulation on bf16 / f16 operands (PTX fragment layouts)
 MMA_PTX = {dt: (f"mma.sync.aligned.m16n8k16.row.col.f32.{dt}.{dt}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
@@ -323,7 +325,8 @@ def _grouped_classes():
             self.N = B * K
             self.RT = I // GROUP_ROWS
             self.CW = 16 if self.fp8 else 8
-            self.ZP = L // 2 + 4         # words between staged z rows (4 mod 32 banks)
+            self.NCH = L // (4 * self.CW)            # chunks of 4 CW columns
+            self.UNR = next(u for u in (UP_UNROLL, 2, 1) if self.NCH % u == 0)
             self.RND = (self.N + THREADS - 1) // THREADS
 
         @cute.jit
@@ -337,16 +340,14 @@ def _grouped_classes():
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                    p_y: cute.Pointer):
-            K, I, L, N, RT, ZP, CW = self.K, self.I, self.L, self.N, self.RT, self.ZP, self.CW
+            K, I, L, N, RT, CW, NCH, UNR = self.K, self.I, self.L, self.N, self.RT, self.CW, self.NCH, self.UNR
             fp8 = self.fp8
             mma, pack = MMA["f16" if fp8 else "bf16"], PACK["f16" if fp8 else "bf16"]
             RWW = L * (1 if fp8 else 2) // 4   # words a weight row
-            NCH = L // (4 * CW)          # chunks of 4 CW columns
             KS = CW // 4                 # k-steps a chunk
-            L4 = L // 8                  # 4-word groups of a z row (L / 2 words)
+            ZW = CW // 2                 # z words a chunk a lane
             tid, c, lane, warp, g, t = ids()
             smem = cutlass.utils.SmemAllocator()
-            s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
@@ -364,45 +365,43 @@ def _grouped_classes():
                     tc = cnt - mt * NMEM
                     if tc > NMEM:
                         tc = Int32(NMEM)
-                    for i in range(tid, tc * L4, THREADS):   # the tile's z rows (bf16 pairs, or f16 of 2^6 z)
-                        n = i // L4
-                        w4 = i - n * L4
-                        b = s_mem[mt * NMEM + n] // K
-                        zr = cute.make_rmem_tensor((4,), Int32)
-                        cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 4 * w4, divby=4), 4), zr)
-                        if cutlass.const_expr(fp8):
-                            for u in cutlass.range_constexpr(4):
-                                zr[u] = to_f16x2(zr[u])
-                        cute.autovec_copy(zr, vec(s_z.iterator, cute.assume(n * ZP + 4 * w4, divby=4), 4))
-                    cute.arch.sync_threads()
                     gz = g
                     if g >= tc:
                         gz = Int32(0)
+                    zrow = (s_mem[mt * NMEM + gz] // K) * (L // 2)   # member gz's z row (words), from L1 / L2
                     acc = cute.make_rmem_tensor((4 * CHAINS,), Float32)
                     for u in cutlass.range_constexpr(4 * CHAINS):
                         acc[u] = Float32(0.0)
-                    for ch in range(NCH):
-                        col0 = 4 * CW * ch + CW * t          # this lane's columns of the chunk
-                        wv = cute.make_rmem_tensor((8,), Int32)
-                        for m in cutlass.range_constexpr(2):
-                            cute.autovec_copy(vec(p_w1 if m == 0 else p_w3,
-                                                  cute.assume(row * RWW + col0 * (1 if fp8 else 2) // 4, divby=4), 4),
-                                              cute.make_tensor(wv.iterator + 4 * m, cute.make_layout(4)))
-                        for s in cutlass.range_constexpr(KS):
-                            pa = a_pairs(fp8, wv, 0, s)
-                            pb = a_pairs(fp8, wv, 4, s)
-                            zb = gz * ZP + (col0 + 4 * s) // 2
-                            k0 = 4 * (s % CHAINS)
-                            d = mma(pa[0], pb[0], pa[1], pb[1], s_z[zb], s_z[zb + 1],
-                                    acc[k0], acc[k0 + 1], acc[k0 + 2], acc[k0 + 3])
-                            for u in cutlass.range_constexpr(4):
-                                acc[k0 + u] = d[u]
+                    for c0 in range(0, NCH, UNR):  # UNR chunks: every load issued, then the MMAs
+                        wv = cute.make_rmem_tensor((UNR * 8,), Int32)
+                        zv = cute.make_rmem_tensor((UNR * ZW,), Int32)
+                        for u in cutlass.range_constexpr(UNR):
+                            col0 = 4 * CW * (c0 + u) + CW * t    # this lane's columns of the chunk
+                            for m in cutlass.range_constexpr(2):
+                                off = cute.assume(row * RWW + col0 * (1 if fp8 else 2) // 4, divby=4)
+                                cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, off, 4),
+                                                  cute.make_tensor(wv.iterator + 8 * u + 4 * m, cute.make_layout(4)))
+                            for h in cutlass.range_constexpr(ZW // 4):
+                                cute.autovec_copy(vec(p_z, cute.assume(zrow + col0 // 2 + 4 * h, divby=4), 4),
+                                                  cute.make_tensor(zv.iterator + ZW * u + 4 * h, cute.make_layout(4)))
+                        for u in cutlass.range_constexpr(UNR):
+                            for s in cutlass.range_constexpr(KS):
+                                pa = a_pairs(fp8, wv, 8 * u, s)
+                                pb = a_pairs(fp8, wv, 8 * u + 4, s)
+                                zb0, zb1 = zv[ZW * u + 2 * s], zv[ZW * u + 2 * s + 1]
+                                if cutlass.const_expr(fp8):  # f16 of 2^6 z (moe_grouped's scaling)
+                                    zb0, zb1 = to_f16x2(zb0), to_f16x2(zb1)
+                                k0 = 4 * ((u * KS + s) % CHAINS)
+                                d = mma(pa[0], pb[0], pa[1], pb[1], zb0, zb1,
+                                        acc[k0], acc[k0 + 1], acc[k0 + 2], acc[k0 + 3])
+                                for v in cutlass.range_constexpr(4):
+                                    acc[k0 + v] = d[v]
                     for k in cutlass.range_constexpr(1, CHAINS):
                         for u in cutlass.range_constexpr(4):
                             acc[u] = acc[u] + acc[4 * k + u]
                     # acc: W1 row x members 2t, 2t + 1, then W3 row x the same
                     f1, f3 = Float32(1.0), Float32(1.0)
-                    if cutlass.const_expr(fp8):  # the rows' scales, and 2^-6 of the staged z
+                    if cutlass.const_expr(fp8):  # the rows' scales, and 2^-6 of z's f16
                         f1 = vec(p_s1, row, 1)[0] * 0.015625
                         f3 = vec(p_s3, row, 1)[0] * 0.015625
                     # act of rows r0 + g (this lane) and r0 + g + 1 (lane ^ 4) as one word a member, stored by the
@@ -422,7 +421,6 @@ def _grouped_classes():
                         o = cute.arch.shuffle_sync_bfly(a, offset=4)
                         if ok and g % 2 == 0:
                             vec(p_act, q * (I // 2) + (r0 + g) // 2, 1)[0] = pack(o, a)
-                    cute.arch.sync_threads()     # before the next tile's z overwrites this one's
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
 
@@ -676,7 +674,7 @@ def moe_grouped_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
                words[0], words[1], scales[0], scales[1], gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), words[2], scales[2], gmem_ptr(act, I32, 16),
                  gmem_ptr(y, F32, 16)]
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, fp8, GROUP_DOWN_TILES, CHAINS)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, fp8, GROUP_DOWN_TILES, CHAINS, UP_UNROLL)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
