@@ -19,15 +19,23 @@ SMALL = dict(batch=1, tp=1, latent=128, inter=128, n_experts=6, top_k=3, routing
 WIDE = dict(SMALL, latent=1152, inter=96, n_experts=4)
 
 
-def run(d, pdl=False, idx32=False, rows=None, seed=0):
+def tensors(d, idx32, words=("idx",)) -> dict:
+    """The kernels' arguments for the emulator: the stored weights (and fp8 row scales), the int32 views the wrappers
+    make of `words`, registered so that the emulator finds them by address and dtype."""
     moe = d["moe"]
-    fp8 = moe.w1.fmt == "fp8"
     t = dict(z=d["z"], idx=d["idx"].to(torch.int32) if idx32 else d["idx"], wk=d["weights_k"], y=d["y"],
              w1=moe.w1.data, w3=moe.w3.data, w2=moe.w2.data)
-    if fp8:
+    if moe.w1.fmt == "fp8":
         t.update(s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
-    t.update({f"{k}_words": t[k].reshape(-1).view(torch.int32) for k in ("idx",) if t[k].dtype != torch.int32})
+    t.update({f"{k}_words": t[k].reshape(-1).view(torch.int32) for k in words
+              if t[k].dtype not in (torch.int32, torch.float8_e4m3fn)})
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
+    return t
+
+
+def run(d, pdl=False, idx32=False, rows=None, seed=0):
+    moe = d["moe"]
+    t = tensors(d, idx32)
 
     def call(m, **a):
         mod = m.mod["moe_dense"]
@@ -129,14 +137,7 @@ GSMALL = dict(tp=1, latent=256, inter=64, n_experts=4, top_k=3, routing="uniform
 
 def run_grouped(d, pdl=False, idx32=False, seed=0):
     moe = d["moe"]
-    fp8 = moe.w1.fmt == "fp8"
-    t = dict(z=d["z"], idx=d["idx"].to(torch.int32) if idx32 else d["idx"], wk=d["weights_k"], y=d["y"],
-             w1=moe.w1.data, w3=moe.w3.data, w2=moe.w2.data)
-    if fp8:
-        t.update(s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
-    t.update({f"{k}_words": t[k].reshape(-1).view(torch.int32) for k in ("z", "idx", "w1", "w3", "w2")
-              if t[k].dtype != torch.int32 and not (k.startswith("w") and fp8)})
-    emulate._PDL["early"] = frozenset()
+    t = tensors(d, idx32, ("z", "idx", "w1", "w3", "w2"))
 
     def call(m, **a):
         m.mod["moe_dense"].moe_grouped_dense(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a.get("s1"),

@@ -310,6 +310,24 @@ def _grouped_classes():
                   E4M3_F16_PTX, "=r,=r,r", loc, ip)
         return [Int32(_llvm.extractvalue(Int32.mlir_type, res, [i], loc=loc, ip=ip)) for i in range(2)]
 
+    def member_tile(cnt, mt, g):
+        """(members in tile mt, this lane's member: g, or member 0 past the last, whose results are discarded)."""
+        r = cnt - mt * NMEM
+        tc = cutlass.select_(r > NMEM, Int32(NMEM), r)
+        return tc, cutlass.select_(g >= tc, Int32(0), g)
+
+    def chain_mma(mma, acc, k0, pa, pb, b0, b1):
+        """acc[k0 .. k0 + 4) += the m16n8k16 product of A pairs pa (row g), pb (row g + 8) and B words b0, b1."""
+        d = mma(pa[0], pb[0], pa[1], pb[1], b0, b1, acc[k0], acc[k0 + 1], acc[k0 + 2], acc[k0 + 3])
+        for v in range(4):
+            acc[k0 + v] = d[v]
+
+    def chains_sum(acc):
+        """acc[0 .. 4) = the sum of the CHAINS accumulator fragments."""
+        for k in range(1, CHAINS):
+            for u in range(4):
+                acc[u] = acc[u] + acc[4 * k + u]
+
     def a_pairs(fp8, w, base, s):
         """Register pairs 0 and 1 of k-step s from a row's 16-byte chunk w[base .. base + 4) (module doc)."""
         if fp8:
@@ -362,12 +380,7 @@ def _grouped_classes():
                 cnt = s_wc[WC(self.RND)]
                 row = e * I + r0 + g     # W1 row (MMA row g) and W3 row (MMA row g + 8)
                 for mt in range((cnt + NMEM - 1) // NMEM):
-                    tc = cnt - mt * NMEM
-                    if tc > NMEM:
-                        tc = Int32(NMEM)
-                    gz = g
-                    if g >= tc:
-                        gz = Int32(0)
+                    tc, gz = member_tile(cnt, mt, g)
                     zrow = (s_mem[mt * NMEM + gz] // K) * (L // 2)   # member gz's z row (words), from L1 / L2
                     acc = cute.make_rmem_tensor((4 * CHAINS,), Float32)
                     for u in cutlass.range_constexpr(4 * CHAINS):
@@ -391,14 +404,8 @@ def _grouped_classes():
                                 zb0, zb1 = zv[ZW * u + 2 * s], zv[ZW * u + 2 * s + 1]
                                 if cutlass.const_expr(fp8):  # f16 of 2^6 z (moe_grouped's scaling)
                                     zb0, zb1 = to_f16x2(zb0), to_f16x2(zb1)
-                                k0 = 4 * ((u * KS + s) % CHAINS)
-                                d = mma(pa[0], pb[0], pa[1], pb[1], zb0, zb1,
-                                        acc[k0], acc[k0 + 1], acc[k0 + 2], acc[k0 + 3])
-                                for v in cutlass.range_constexpr(4):
-                                    acc[k0 + v] = d[v]
-                    for k in cutlass.range_constexpr(1, CHAINS):
-                        for u in cutlass.range_constexpr(4):
-                            acc[u] = acc[u] + acc[4 * k + u]
+                                chain_mma(mma, acc, 4 * ((u * KS + s) % CHAINS), pa, pb, zb0, zb1)
+                    chains_sum(acc)
                     # acc: W1 row x members 2t, 2t + 1, then W3 row x the same
                     f1, f3 = Float32(1.0), Float32(1.0)
                     if cutlass.const_expr(fp8):  # the rows' scales, and 2^-6 of z's f16
@@ -464,12 +471,7 @@ def _grouped_classes():
             if s_mem[0] == p:
                 cnt = s_wc[WC(self.RND)]
                 for mt in range((cnt + NMEM - 1) // NMEM):
-                    tc = cnt - mt * NMEM
-                    if tc > NMEM:
-                        tc = Int32(NMEM)
-                    gz = g
-                    if g >= tc:
-                        gz = Int32(0)
+                    tc, gz = member_tile(cnt, mt, g)
                     qz = s_mem[mt * NMEM + gz]
                     bw = cute.make_rmem_tensor((NCH * CW // 2,), Int32)   # member gz's act: CW / 2 words a chunk
                     for ch in cutlass.range_constexpr(NCH):
@@ -494,14 +496,8 @@ def _grouped_classes():
                                 pa = a_pairs(fp8, wv, 0, s)
                                 pb = a_pairs(fp8, wv, 4, s)
                                 bb = ch * (CW // 2) + 2 * s
-                                k0 = 4 * ((ch * KS + s) % CHAINS)
-                                d = mma(pa[0], pb[0], pa[1], pb[1], bw[bb], bw[bb + 1],
-                                        acc[k0], acc[k0 + 1], acc[k0 + 2], acc[k0 + 3])
-                                for u in cutlass.range_constexpr(4):
-                                    acc[k0 + u] = d[u]
-                        for k in cutlass.range_constexpr(1, CHAINS):
-                            for u in cutlass.range_constexpr(4):
-                                acc[u] = acc[u] + acc[4 * k + u]
+                                chain_mma(mma, acc, 4 * ((ch * KS + s) % CHAINS), pa, pb, bw[bb], bw[bb + 1])
+                        chains_sum(acc)
                         fa, fb = Float32(1.0), Float32(1.0)
                         if cutlass.const_expr(fp8):  # the rows' scales, and 2^-6 of the staged act
                             fa = vec(p_s2, ra, 1)[0] * 0.015625
@@ -531,37 +527,49 @@ def rows_of(I: int, L: int) -> tuple[int, int]:
     return (UP_ROWS if I % UP_ROWS == 0 else 1), (DOWN_ROWS if L % DOWN_ROWS == 0 else 1)
 
 
+def _first(w1):
+    """w1 checked as the experts' stored weights; (E, I, fp8)."""
+    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.dtype not in DTYPES:
+        _fail("w1", f"must be the experts' [E, I, L] bf16 or float8_e4m3fn weights, got "
+                    f"{getattr(w1, 'dtype', type(w1).__name__)} {tuple(getattr(w1, 'shape', ()))}")
+    return w1.shape[0], w1.shape[1], w1.dtype == torch.float8_e4m3fn
+
+
+def _check_all(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, K: int):
+    """Both wrappers' tensor checks, by name: z [B, L] bf16, the stored weights of one format, the fp8 row scales
+    (None with bf16), ids, routing weights and y."""
+    dev, L = z.device, z.shape[1]
+    E, I = w1.shape[0], w1.shape[1]
+    _tensor("z", z, None, (torch.bfloat16,), (B, L))
+    _tensor("w1", w1, dev, (w1.dtype,), (E, I, L))
+    _tensor("w3", w3, dev, (w1.dtype,), (E, I, L))
+    _tensor("w2", w2, dev, (w1.dtype,), (E, L, I))
+    _tensor("idx", idx, dev, (torch.int32, torch.int64), (B, K))
+    _tensor("wk", wk, dev, (torch.float32,), (B, K))
+    _tensor("y", y, dev, (torch.float32,), (B, L))
+    if w1.dtype == torch.float8_e4m3fn:
+        _tensor("s1", s1, dev, (torch.float32,), (E, I))
+        _tensor("s3", s3, dev, (torch.float32,), (E, I))
+        _tensor("s2", s2, dev, (torch.float32,), (E, L))
+    else:
+        for name, sc in (("s1", s1), ("s3", s3), ("s2", s2)):
+            if sc is not None:
+                _fail(name, "is the fp8 weights' row scale; these weights are bf16 (pass None)")
+
+
 def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0,
                       pdl: bool | None = None):
     """y [1, L] fp32 = the routed experts of one token, bf16 or fp8 weights (module docstring). Returns y."""
     pdl = one_token(z, pdl)
-    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.dtype not in DTYPES:
-        _fail("w1", f"must be the experts' [E, I, L] bf16 or float8_e4m3fn weights, got "
-                    f"{getattr(w1, 'dtype', type(w1).__name__)} {tuple(getattr(w1, 'shape', ()))}")
+    E, I, fp8 = _first(w1)
     dev, L = z.device, z.shape[1]
-    E, I = w1.shape[0], w1.shape[1]
-    fp8 = w1.dtype == torch.float8_e4m3fn
     cw = 16 if fp8 else 8
     if L % cw or I % cw:
         _fail("z", f"L and I must be multiples of {cw} (16-byte chunks of {w1.dtype} rows), got L={L}, I={I}")
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != 1:
         _fail("idx", f"must be [1, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
     K = idx.shape[1]
-    _tensor("z", z, None, (torch.bfloat16,), (1, L))
-    _tensor("w1", w1, dev, (w1.dtype,), (E, I, L))
-    _tensor("w3", w3, dev, (w1.dtype,), (E, I, L))
-    _tensor("w2", w2, dev, (w1.dtype,), (E, L, I))
-    _tensor("idx", idx, dev, (torch.int32, torch.int64), (1, K))
-    _tensor("wk", wk, dev, (torch.float32,), (1, K))
-    _tensor("y", y, dev, (torch.float32,), (1, L))
-    if fp8:
-        _tensor("s1", s1, dev, (torch.float32,), (E, I))
-        _tensor("s3", s3, dev, (torch.float32,), (E, I))
-        _tensor("s2", s2, dev, (torch.float32,), (E, L))
-    else:
-        for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
-            if s is not None:
-                _fail(name, "is the fp8 weights' row scale; these weights are bf16 (pass None)")
+    _check_all(z, idx, wk, w1, w3, w2, s1, s3, s2, y, 1, K)
     if L // cw > 1024:
         _fail("z", f"L / {cw} must be at most 1024 (a thread a chunk in the up kernel), got {L // cw}")
     if K * (I // cw) > 1024:
@@ -634,33 +642,15 @@ def moe_grouped_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
         _fail("pdl", f"must be None or a bool, got {pdl!r}")
     if not isinstance(z, torch.Tensor) or z.dim() != 2:
         _fail("z", f"must be [B, L] bf16, got {getattr(z, 'shape', z)!r}")
-    if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.dtype not in DTYPES:
-        _fail("w1", f"must be the experts' [E, I, L] bf16 or float8_e4m3fn weights, got "
-                    f"{getattr(w1, 'dtype', type(w1).__name__)} {tuple(getattr(w1, 'shape', ()))}")
+    E, I, fp8 = _first(w1)
     dev, (B, L) = z.device, z.shape
-    E, I = w1.shape[0], w1.shape[1]
-    fp8 = w1.dtype == torch.float8_e4m3fn
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != B:
         _fail("idx", f"must be [B={B}, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
     K = idx.shape[1]
     why = grouped_supports(B, K, I, L, fp8)
     if why:
         _fail("z", why)
-    _tensor("z", z, None, (torch.bfloat16,), (B, L))
-    _tensor("w1", w1, dev, (w1.dtype,), (E, I, L))
-    _tensor("w3", w3, dev, (w1.dtype,), (E, I, L))
-    _tensor("w2", w2, dev, (w1.dtype,), (E, L, I))
-    _tensor("idx", idx, dev, (torch.int32, torch.int64), (B, K))
-    _tensor("wk", wk, dev, (torch.float32,), (B, K))
-    _tensor("y", y, dev, (torch.float32,), (B, L))
-    if fp8:
-        _tensor("s1", s1, dev, (torch.float32,), (E, I))
-        _tensor("s3", s3, dev, (torch.float32,), (E, I))
-        _tensor("s2", s2, dev, (torch.float32,), (E, L))
-    else:
-        for name, s in (("s1", s1), ("s3", s3), ("s2", s2)):
-            if s is not None:
-                _fail(name, "is the fp8 weights' row scale; these weights are bf16 (pass None)")
+    _check_all(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, K)
     step = 2 if idx.dtype == torch.int64 else 1
     N = B * K
     key_ws = (dev.index, N, I, fp8)
