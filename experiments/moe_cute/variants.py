@@ -30,13 +30,16 @@ VARIANTS = [{"DOWN_ROWS": 4, "UP_ROWS": 4}, {"DOWN_ROWS": 4, "UP_ROWS": 2}, {"DO
     if not os.environ.get("VARIANTS") else json.loads(os.environ["VARIANTS"])
 if KERNEL == "moe_dense" and not os.environ.get("VARIANTS"):
     VARIANTS = [{"UP_ROWS": u, "DOWN_ROWS": d} for u, d in ((4, 4), (2, 2), (8, 8), (4, 2), (2, 4))]
-DEFAULTS = {k: getattr(M, k) for k in ("DOWN_ROWS", "UP_ROWS")}
+DEFAULTS = {k: getattr(M, k) for k in sorted({k for f in VARIANTS for k in f})}
+# BATCHES="8,64" (KERNEL=moe_dense): the grouped twins at those batches (TP8 only), their settings (UP_UNROLL, CHAINS,
+# GROUP_DOWN_TILES) as the variants
+BATCHES = [int(b) for b in os.environ.get("BATCHES", "1").split(",")]
 
 rows = []
 pr = timing.probes("cuda")
 print("probes", pr, flush=True)
-for dtype, tp in [(d, t) for d in DTYPES for t in (8, 16)]:
-    case = OP.case(dtype=dtype, batch=1, routing="uniform", tp=tp, latent=3584, inter=3072, n_experts=896,
+for dtype, tp, batch in [(d, t, b) for d in DTYPES for b in BATCHES for t in ((8, 16) if b == 1 else (8,))]:
+    case = OP.case(dtype=dtype, batch=batch, routing="uniform", tp=tp, latent=3584, inter=3072, n_experts=896,
                    top_k=16)
     nbytes = OP.nbytes(case)
     n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes()))
@@ -50,25 +53,28 @@ for dtype, tp in [(d, t) for d in DTYPES for t in (8, 16)]:
             t = timing.bench_gpu(lambda s, c=case, b=be: OP.call(s, c, b, {}, None), input_sets=[(s,) for s in sets],
                                  reps=REPS)
         except Exception as e:  # a variant that fails to build or launch is a row, not the end of the run
-            print(dtype, tp, flags, "FAILED", type(e).__name__, str(e)[:300], flush=True)
-            rows.append(dict(dtype=dtype, tp=tp, variant=str(flags), error=f"{type(e).__name__}: {e}"[:1000]))
+            print(dtype, tp, batch, flags, "FAILED", type(e).__name__, str(e)[:300], flush=True)
+            rows.append(dict(dtype=dtype, tp=tp, batch=batch, variant=str(flags),
+                             error=f"{type(e).__name__}: {e}"[:1000]))
             continue
         finally:
             for k, v in DEFAULTS.items():
                 setattr(M, k, v)
         name = be if flags is None else "cute " + " ".join(f"{k.lower()}={v}" for k, v in flags.items())
-        r = dict(dtype=dtype, tp=tp, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
+        r = dict(dtype=dtype, tp=tp, batch=batch, variant=name, median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us,
                  samples=t.samples_us, floor_us=floor_us, ok=chk.ok, failures=chk.failures[:3], sets=n_sets)
         rows.append(r)
-        print(dtype, tp, name, round(t.median_us, 2), chk.ok, flush=True)
+        print(dtype, tp, batch, name, round(t.median_us, 2), chk.ok, flush=True)
     del sets
     torch.cuda.empty_cache()
 json.dump(dict(probes=pr, rows=rows, reps=REPS, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
           open(f"{OUT}/{'moe_cute' if KERNEL == 'moe_experts' else 'moe_dense'}_variants.json", "w"), indent=1)
-print("\n%-6s %3s %-40s %9s %9s %9s %8s %s" % ("dtype", "TP", "variant", "us", "p10", "p90", "floor", "ok"))
+print("\n%-6s %3s %5s %-40s %9s %9s %9s %8s %s" % ("dtype", "TP", "batch", "variant", "us", "p10", "p90", "floor",
+                                                  "ok"))
 for r in rows:
     if "error" in r:
-        print("%-6s %3d %-24s %s" % (r["dtype"], r["tp"], r["variant"], r["error"][:100]))
+        print("%-6s %3d %5d %-24s %s" % (r["dtype"], r["tp"], r["batch"], r["variant"], r["error"][:100]))
         continue
-    print("%-6s %3d %-40s %9.2f %9.2f %9.2f %8.2f %s" % (r["dtype"], r["tp"], r["variant"], r["median_us"], r["p10_us"],
-                                                          r["p90_us"], r["floor_us"], r["ok"]))
+    print("%-6s %3d %5d %-40s %9.2f %9.2f %9.2f %8.2f %s" % (r["dtype"], r["tp"], r["batch"], r["variant"],
+                                                              r["median_us"], r["p10_us"], r["p90_us"], r["floor_us"],
+                                                              r["ok"]))
