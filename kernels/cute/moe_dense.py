@@ -246,9 +246,9 @@ GROUP_DOWN_TILES = 4    # tiles of 16 latent rows a warp of the down kernel (a C
 CHAINS = 4              # independent MMA accumulator chains a warp (k-steps taken round-robin, summed at the end)
 UP_UNROLL = 4           # chunks of L an up step: their weight and z loads issued before their MMAs
 MAX_PAIRS = 4096
-# one m16n8k16 MMA with fp32 accumulation on bf16 / f16 operands (PTX fragment layouts)
-MMA_PTX = {dt: (f"mma.sync.aligned.m16n8k16.row.col.f32.{dt}.{dt}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
-                "{$8, $9}, {$10, $11, $12, $13};") for dt in ("bf16", "f16")}
+# one m16n8k16 MMA with fp32 accumulation on bf16 operands (PTX fragment layouts; the f16 one is moe_grouped's)
+MMA_PTX = {"bf16": ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                    "{$8, $9}, {$10, $11, $12, $13};")}
 # a word of four e4m3 codes (byte 0 the lowest column) -> two f16x2 words: columns 0, 1 and 2, 3 (exact)
 # two fp32 -> one bf16x2 / f16x2 word ($2 in the low half)
 PACK_PTX = {"bf16": "cvt.rn.bf16x2.f32 $0, $1, $2;", "f16": "cvt.rn.f16x2.f32 $0, $1, $2;"}
@@ -301,7 +301,7 @@ def _grouped_classes():
             return Int32(asm(Int32.mlir_type, ops_, PACK_PTX[dt], "=r,f,f", loc, ip))
         return pack
 
-    MMA = {"bf16": mma_fn("bf16"), "f16": mma_fn("f16")}
+    MMA = {"bf16": mma_fn("bf16"), "f16": ops.mma}  # f16: moe_grouped's own
     PACK = {"bf16": pack_fn("bf16"), "f16": pack_fn("f16")}
 
     @dsl_user_op

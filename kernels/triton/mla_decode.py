@@ -143,8 +143,8 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok, r_ok, lo, pg_lo,
-              C: tl.constexpr, CP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
+def _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, rr, r_ok, lo, pg_lo,
+              C: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
               BN: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr):
     """The cache rows of the block of positions [start, start + BN) of a piece ending at `hi`: (row pointers
     [BN, 1] (the latent columns are loaded by _attend_rows), kr [BN, Dr] bf16, row [BN] int64). Positions >= hi
@@ -176,8 +176,7 @@ def _opaque(x):
 
 @triton.jit
 def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, ok, limit, tok, qk_scale,
-                 SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, CW: tl.constexpr,
-                 C: tl.constexpr, CP: tl.constexpr):
+                 SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, CW: tl.constexpr):
     """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
     online softmax (exp2), acc += P C. The block's latent columns are loaded here from `base` (row pointers
     [BN, 1]) in KS pieces of CW: with KS > 1 the scores are the sum of KS + 1 independent products (the latent
@@ -361,14 +360,14 @@ def _mla_split_kernel(
                     tok = 0.0
                 m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
                                                     _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
-                                                    SCALE_MODE, DOT_F32, KS, CW, C, CP)
+                                                    SCALE_MODE, DOT_F32, KS, CW)
     else:
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             ok = j < hi
             gp = pos0 + j * pstride
-            base, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, cc, rr, c_ok,
-                                      r_ok, lo, pg_lo, C, CP, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
+            base, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, pos0, pstride, rr, r_ok, lo, pg_lo,
+                                      C, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
             if SCALE_MODE == 2:
                 if PAGED:
                     srow = row
@@ -379,7 +378,7 @@ def _mla_split_kernel(
                 tok = 0.0
             m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
                                                 _mask2(ok, c_ok, CP == C), kr, gp, ok, limit, tok, qk_scale,
-                                                SCALE_MODE, DOT_F32, KS, CW, C, CP)
+                                                SCALE_MODE, DOT_F32, KS, CW)
 
     has = l > 0.0
     den = tl.where(has, l, 1.0)
