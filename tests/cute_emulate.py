@@ -1936,7 +1936,8 @@ def _fake_modules(emu: _Emu) -> dict:
 # the CuTe DSL kernel modules the emulator rebinds (k3lab_kernels.cute.<name>); the first three are also
 # reachable as m.kd / m.kv / m.kp, every one as m.mod[<name>]
 _KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill", "attnres_norm", "router_topk", "mla_cache_write",
-                   "mla_combine", "proj_gemv", "moe_experts", "mla_query", "mla_decode", "moe_grouped", "moe_dense")
+                   "mla_combine", "proj_gemv", "moe_experts", "mla_query", "mla_decode", "moe_grouped", "moe_dense",
+                   "proj_mma")
 
 
 def _kernel_modules():

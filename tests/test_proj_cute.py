@@ -54,6 +54,37 @@ def test_proj_fp8_tp8(name, batch, residual):
     assert torch.equal(ys[0], ys[1])
 
 
+@pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("name,batch,residual", [("kda_q", 2, False), ("kda_o", 8, True), ("moe_down", 16, False),
+                                                 ("mla_dkv", 9, False), ("kda_b", 4, False), ("kda_fb", 3, False)])
+def test_proj_mma_tp8(wdtype, name, batch, residual):
+    """Path "mma" (kernels/cute/proj_mma.py: tensor cores, K split over a cluster) against fp64 at K3's TP8 shapes, its
+    automatic cluster; then inside a pdl chain (the first round of weights before the wait) bit-equal to the plain
+    launch, and every cluster size equal to within fp32 summation order."""
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    c = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype=wdtype, residual=residual, prologue="none")
+    checker.require(checker.check(PROJ, c, backend="cute", options=dict(path="mma"), seed=batch))
+    d = PROJ.make_inputs(c, 9, "cuda")
+    ws = d["w_scale"] if wdtype == "fp8" else None
+    ys = []
+    for pdl, cl in ((False, None), (True, None), (False, 1), (False, 2), (False, 8)):
+        y = torch.full_like(d["y0"], float("nan"))
+        with pdl_chain(pdl):
+            trunk.proj(d["x"], d["w"], y, w_scale=ws, residual=d.get("residual"), backend="cute", path="mma",
+                       cluster=cl)
+        ys.append(y.float())
+    torch.cuda.synchronize()
+    assert torch.equal(ys[0], ys[1])
+    for y in ys[2:]:
+        assert (y - ys[0]).abs().max() <= 1e-2 * ys[0].abs().max()
+
+
+def test_group_mma_tp8():
+    c = GROUP.case(preset="tp8", group="mla_in", batch=8, wdtype="fp8", select=False)
+    checker.require(checker.check(GROUP, c, backend="cute", options=dict(path="mma"), seed=8))
+
+
 def test_group_fp8_tp8():
     c = GROUP.case(preset="tp8", group="mla_in", batch=2, wdtype="fp8", select=False)
     checker.require(checker.check(GROUP, c, backend="cute", seed=2))

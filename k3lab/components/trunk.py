@@ -31,11 +31,14 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
   torch_compile  torch.compile of the same function (router_topk; a projection's torch.compile is cuBLAS)
   triton         k3lab_kernels.triton.proj_gemv / router_topk (bf16 activations; batch <= 1024)
   cute           k3lab_kernels.cute.router_topk (E <= 1024 experts) and proj_gemv (proj / proj_group:
-                 bf16 weights, batch <= 16, K a multiple of 8, no input prologue; the fused selection at batch <= 4)
+                 bf16 or fp8 weights, batch <= 16, K a multiple of 8, no input prologue but rmsp; the fused selection
+                 at batch <= 4); path "mma": kernels/cute/proj_mma.py (tensor cores for a few tokens, K a
+                 multiple of 32 bf16 / 64 fp8, the plain outputs and the residual; cluster: its split of K)
   auto           data/trunk_defaults.json, else the reference
-Knobs (triton only): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
+Knobs (triton): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages (proj, proj_group);
-num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); None = the kernel's measured default.
+num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); (cute) path (None / "gemv": one warp a row;
+"mma": tensor cores, not yet measured) and cluster (proj, proj_group); None = the kernel's measured default.
 Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
@@ -312,6 +315,18 @@ def _check_second(x, x2, w, prologue, prologue2, backend) -> int:
     return K1
 
 
+def _cute_ran(opts: dict, x: torch.Tensor, w: torch.Tensor) -> dict:
+    """The cute projection's options as they ran, for the record: path None is the GEMV; path "mma" with cluster
+    None took kernels/cute/proj_mma.py's cluster_for on this device."""
+    ran = {**opts, "path": opts.get("path") or "gemv"}
+    if ran["path"] == "mma" and ran.get("cluster") is None and x.device.type == "cuda":
+        from k3lab_kernels.cute.proj_mma import cluster_for
+
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        ran["cluster"] = cluster_for(w.shape[0], w.shape[1], w.dtype == torch.float8_e4m3fn, sms)
+    return ran
+
+
 def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None, x2=None,
               prologue2=None, chain=None, glu=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
@@ -360,7 +375,8 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
                                    ("glu", None if glu is None else tuple(glu))) if v is not None}
         if w_scale is not None:
             extra["w_scale"] = w_scale
-        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel, **extra)
+        dispatch.kernel(op_name, be)(x, w, outs, residual=residual, select=sel, **extra, **opts)
+        opts = _cute_ran(opts, x, w)
     elif be == "triton":
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))
@@ -403,13 +419,14 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
          residual: torch.Tensor | None = None, prologue: tuple | None = None, x2: torch.Tensor | None = None,
          prologue2: tuple | None = None, backend: str = "reference", ran: list | None = None, path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
-         num_warps: int | None = None, num_stages: int | None = None, f16: bool | None = None) -> torch.Tensor:
+         num_warps: int | None = None, num_stages: int | None = None, f16: bool | None = None,
+         cluster: int | None = None) -> torch.Tensor:
     """out = pro(x) W^T (+ residual), or [pro(x) | pro2(x2)] W^T with two K segments (module docstring). f16
     (triton, fp8 weights on the dot path): f16 MMAs instead of bf16 (k3lab_kernels.triton.proj_gemv.proj)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16)
+                 num_stages=num_stages, f16=f16, cluster=cluster)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue, x2=x2,
                      prologue2=prologue2)[0]
 
@@ -419,7 +436,8 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                path: str | None = None,
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
-               f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None) -> list[torch.Tensor]:
+               f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None,
+               cluster: int | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
     reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
     launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors). glu (cute
@@ -428,7 +446,7 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16)
+                 num_stages=num_stages, f16=f16, cluster=cluster)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain,
                      glu=glu)
 

@@ -3,8 +3,8 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|moe|moe_grouped|moe_dense|
-             mla_query|mla_decode]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|proj_mma|moe|moe_grouped|
+             moe_dense|mla_query|mla_decode]
             [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
@@ -283,6 +283,29 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"proj B{B} N7168 K4352 residual rmsp3584x896" + (" pdl" if pdl else ""),
                           lambda B=B, pdl=pdl: kg._kernel_class()(B, 7168, 4352, (7168,), True, pdl, 0, None,
                                                                   (3584, 896)), gargs([bf] * 6)))
+    if only in (None, "proj_mma"):
+        from kernels.cute import proj_mma as kq
+        # x and W as int32 words, the row scales (fp8; else an unread output pointer), the residual, six outputs,
+        # x's row stride and six output row strides
+        def qargs(o_dts, fp8):
+            return ([P(i32, 16), P(i32, 16), P(f32, 4) if fp8 else P(o_dts[0], 4), P(bf, 2)]
+                    + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7 + [S])
+        for B, N, K, ends, res, pdl, fp8, C, o_dts in (
+                (2, 1536, 7168, (1536,), False, True, False, 4, [bf] * 6),      # TP8 kda_q
+                (8, 1536, 7168, (1536,), False, True, False, 4, [bf] * 6),
+                (16, 1536, 7168, (1536,), False, True, False, 4, [bf] * 6),
+                (4, 1536, 7168, (1536,), False, True, True, 4, [bf] * 6),
+                (8, 1536, 7168, (1536,), False, True, True, 4, [bf] * 6),
+                (16, 1536, 7168, (1536,), False, False, True, 4, [bf] * 6),
+                (8, 3584, 7168, (3584,), False, True, True, 2, [bf] * 6),       # TP8 moe_down
+                (8, 7168, 1536, (7168,), True, True, False, 1, [bf] * 6),       # TP8 kda_o with the residual
+                (8, 7168, 1536, (7168,), True, True, True, 1, [bf] * 6),
+                (8, 576, 7168, (576,), False, True, True, 8, [bf] * 6),         # TP8 mla_dkv
+                (8, 3648, 7168, (1536, 2112, 3648), False, True, True, 2, [bf, f32] + [bf] * 4)):  # the MLA group
+            name = (f"proj_mma {'fp8' if fp8 else 'bf16'} B{B} N{N} K{K} C{C} outs{len(ends)}"
+                    + (" residual" if res else "") + (" pdl" if pdl else ""))
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C: kq._kernel_class()(
+                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS), qargs(o_dts, fp8)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act, w2, s2; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
@@ -404,9 +427,9 @@ def main(argv=None) -> int:
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
     if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
-                    "moe", "moe_grouped", "moe_dense", "mla_query", "mla_decode"):
-        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, moe, "
-              f"moe_grouped, moe_dense, mla_query or mla_decode (got {only!r})")
+                    "proj_mma", "moe", "moe_grouped", "moe_dense", "mla_query", "mla_decode"):
+        print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, proj_mma, "
+              f"moe, moe_grouped, moe_dense, mla_query or mla_decode (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)

@@ -256,6 +256,9 @@ E4M3_F16_PTX = "\n".join(["{", ".reg .b16 lo, hi;", "mov.b32 {lo, hi}, $2;", "cv
                           "cvt.rn.f16x2.e4m3x2 $1, hi;", "}"])
 
 _GROUPED_CLS = None
+# the fragment helpers the grouped kernels are written with (mma by operand type, e4m3_f16, a_pairs), for the
+# few-token tensor-core projection (kernels/cute/proj_mma.py): set by _grouped_classes()
+MMA_OPS = None
 
 
 def _grouped_classes():
@@ -267,7 +270,7 @@ def _grouped_classes():
     first two) of the weight rows and of the activations alike. A lane's 16-byte load of a row (CW columns) is then
     CW / 4 k-steps of A registers: bf16 pairs as stored, fp8 words widened by cvt.rn.f16x2.e4m3x2 (f16 MMAs, the
     activations as f16 of 2^6 x, moe_grouped's scaling: exact for 2^-20 <= |x| < 1023)."""
-    global _GROUPED_CLS
+    global _GROUPED_CLS, MMA_OPS
     if _GROUPED_CLS is not None:
         return _GROUPED_CLS
     import cuda.bindings.driver as cuda
@@ -508,6 +511,9 @@ def _grouped_classes():
                                 cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile), acc[col] * fa)
                                 cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile + 8), acc[2 + col] * fb)
 
+    import types
+
+    MMA_OPS = types.SimpleNamespace(mma=MMA, e4m3_f16=e4m3_f16, a_pairs=a_pairs, asm=asm)
     _GROUPED_CLS = (GroupedUp, GroupedDown)
     return _GROUPED_CLS
 

@@ -66,6 +66,7 @@ from .router_topk import MAX_EXPERTS, MAX_TOPK, selector_class
 
 MAX_BATCH = 16
 MAX_OUTPUTS = 6
+PATHS = (None, "gemv", "mma")  # "mma": the few-token tensor-core kernel, kernels/cute/proj_mma.py
 SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16; fp8 weights: 2 K_STEP, 32 lanes x 16 e4m3)
 UNROLL = 8        # steps a warp keeps in flight (4 / 4 before: the batch-1 step 30-40 us slower, docs/NOTES_trunk.md)
@@ -431,7 +432,8 @@ def _counter(dev: torch.device) -> torch.Tensor:
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, pdl: bool | None = None, select: tuple | None = None,
-         chain: tuple | None = None, rmsp: tuple | None = None, glu: tuple | None = None) -> list:
+         chain: tuple | None = None, rmsp: tuple | None = None, glu: tuple | None = None, path: str | None = None,
+         cluster: int | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
@@ -439,7 +441,20 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor 
     over x's first K0 columns (a multiple of K_STEP) times rsqrt(sum_p ssp[b, p] / K0 + eps) (module doc). glu None
     or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
     multiple of 4). w float8_e4m3fn [N, K] (K a multiple of 16) with w_scale [N] fp32 (W_true[n, :] = w[n, :]
-    w_scale[n], applied to the fp32 sum): the plain outputs and the residual only. Returns outs."""
+    w_scale[n], applied to the fp32 sum): the plain outputs and the residual only. path None / "gemv": this
+    kernel; "mma": kernels/cute/proj_mma.py (tensor cores, the plain outputs and the residual only; cluster: its
+    split of K, None its own choice). Returns outs."""
+    if path not in PATHS:
+        _fail("path", f"must be one of {PATHS}, got {path!r}")
+    if path == "mma":
+        for name, v in (("select", select), ("chain", chain), ("rmsp", rmsp), ("glu", glu)):
+            if v is not None:
+                _fail(name, "is not taken by path 'mma' (the plain outputs and the residual are); use path 'gemv'")
+        from .proj_mma import proj_mma
+
+        return proj_mma(x, w, outs, residual=residual, w_scale=w_scale, pdl=pdl, cluster=cluster)
+    if cluster is not None:
+        _fail("cluster", "is an option of path 'mma' (the GEMV splits no K); pass None")
     if pdl is None:
         from k3lab_kernels.triton.pdl import chain_pdl
 

@@ -1,0 +1,340 @@
+"""Trunk projections of a few tokens on tensor cores, straight from the stored weights (CuTe DSL): path "mma" of the
+cute projection (kernels/cute/proj_gemv.py's `proj(..., path="mma")`), for the batches where the GEMV's fp32 FMAs,
+one a weight and token, become the cost (its fp8 form 1.3-3.0x slower than Triton from batch 4: docs/NOTES_trunk.md,
+thirty-first session).
+
+    y[b, n] = sum_k x[b, k] W[n, k] (* scale[n])  (+ residual[b, n])   fp32 accumulation, stored in out_i's dtype
+    out_i[b, n - start_i] = y[b, n]  for start_i <= n < end_i          (up to MAX_OUTPUTS outputs: a fused group)
+
+Fragments without a copy (kernels/cute/moe_dense.py's grouped kernels): the m16n8k16 MMA's lane (g, t) holds k = 2t,
+2t+1, 2t+8, 2t+9 of A rows g, g + 8 and of B column g; a dot product does not care which column a k is, so k-step s
+of a chunk of 4 CW columns takes lane t's columns CW t + 4 s .. + 3 of the weight rows and of x alike. One 16-byte
+load of a weight row (CW = 8 bf16 or 16 e4m3 columns) is CW / 4 k-steps of A registers: bf16 pairs as stored on bf16
+MMAs; e4m3 words widened by cvt.rn.f16x2.e4m3x2 on f16 MMAs, x then rounded to f16 (exact for 2^-17 <= |x| < 65520,
+the Triton fp8 path's `f16` range). B is x's row 8 j + g for n-tile j < NT = ceil(B / 8) (a lane past the batch
+reads row 0; those columns are never stored).
+
+Grid [C, ceil(N / 16)]: a tile of 16 output rows (MMA rows g, g + 8 = rows 16 m + g, + 8; rows past N re-read row
+N - 1 and are not stored) is one cluster of C CTAs of four warps, and the tile's NCH = K / (4 CW) chunks are cut into
+4 C contiguous ranges, one a warp (rank r, warp w: range 4 r + w). A warp takes its range in rounds of UNROLL chunks
+(the weights' loads of a round issued before its MMAs, the round's MMAs over CHAINS independent accumulators; the
+last round's chunks past the range re-read the range's last chunk with x zeroed, so every round has UNROLL loads in
+flight).
+The warps' fragments meet in shared memory (thread i sums element i over the warps in order), the cluster's at rank
+0 through distributed shared memory (one cluster barrier; rank 0 adds the ranks in order): deterministic, no atomics,
+no workspace. Rank 0's threads apply the row scale (fp8) and the residual and store. C (`cluster`, None: the smallest
+of CLUSTERS giving at least two CTAs an SM, at most one warp a chunk). pdl: a warp loads its first round's weights,
+then waits (griddepcontrol.wait) before it reads x or the residual.
+
+Layout: x [B, K] bf16, unit stride along K, a row stride of 8 elements, 16-byte aligned; W [N, K] bf16 or
+float8_e4m3fn (one fp32 scale a row, w_scale [N]) contiguous, K a multiple of 4 CW (32 bf16, 64 fp8 columns);
+outputs [B, N_i] bf16 or fp32 with unit inner stride (any row stride); a residual [B, N] bf16 contiguous (one output).
+
+Floor (k3lab.ops.trunk.proj_bytes): the weights N K e (+ 4 N scale bytes) + x + outputs (+ residual) at the read
+bandwidth. Not yet timed on a GPU (thirty-fourth session: built and checked on the CPU emulator; offline SASS).
+
+Contract: proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None) -> outs on torch's current
+stream, CUDA-graph safe once a shape has compiled; pdl None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's.
+"""
+from typing import Any
+
+import torch
+
+from .proj_gemv import MAX_OUTPUTS, _check, _fail
+
+MAX_BATCH = 16
+UNROLL = 4        # chunks a warp's round: their loads issued before their MMAs
+CHAINS = 2        # independent accumulator chains a warp and n-tile (k-steps taken round-robin, summed at the end)
+CLUSTERS = (1, 2, 4, 8)
+_WARPS = 4
+_THREADS = 32 * _WARPS
+# a word of two bf16 (the low half the lower column) -> the same two values as f16x2 (round to nearest even)
+BF16_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "shl.b32 a, $1, 16;", "and.b32 b, $1, 0xFFFF0000;",
+                          "cvt.rn.f16x2.f32 $0, b, a;", "}"])
+
+__all__ = ["CLUSTERS", "MAX_BATCH", "cluster_for", "proj_mma"]
+
+_KERNEL_CLS = None
+
+
+def _kernel_class():
+    """The kernel's generator (built once; importing this module never needs cutlass)."""
+    global _KERNEL_CLS
+    if _KERNEL_CLS is not None:
+        return _KERNEL_CLS
+    import cuda.bindings.driver as cuda
+    import cutlass
+    from cutlass import Float32, Int32, cute
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    from . import kda_decode, moe_dense as md
+
+    md._grouped_classes()
+    mo = md.MMA_OPS
+    st_cluster_f32 = kda_decode._dsl().st_cluster_f32
+
+    def vec(ptr, off, n):
+        return cute.make_tensor(ptr + off, cute.make_layout(n))
+
+    @dsl_user_op
+    def bf16_f16(w, *, loc=None, ip=None):
+        return Int32(mo.asm(Int32.mlir_type, [Int32(w).ir_value(loc=loc, ip=ip)], BF16_F16_PTX, "=r,r", loc, ip))
+
+    class ProjMma:
+        """A cluster of C CTAs (four warps each) per tile of 16 output rows, split along K."""
+
+        def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool, fp8: bool, C: int,
+                     unroll: int, chains: int):
+            self.B, self.N, self.K, self.ends = B, N, K, tuple(int(e) for e in ends)
+            self.residual, self.pdl, self.fp8, self.C = bool(residual), bool(pdl), bool(fp8), C
+            self.CW = 16 if self.fp8 else 8          # columns a lane's 16-byte load of a row
+            self.NCH = K // (4 * self.CW)            # chunks of 4 CW columns a row
+            self.NT = (B + 7) // 8                   # n-tiles of 8 tokens
+            self.T = (N + 15) // 16                  # tiles of 16 output rows
+            self.RW = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
+            self.NE = 128 * self.NT                  # fragment elements a tile: 4 a lane and n-tile
+            self.UNR, self.CH = unroll, chains
+            assert 1 <= B <= MAX_BATCH and K % (4 * self.CW) == 0 and C in CLUSTERS
+            assert 1 <= len(self.ends) <= MAX_OUTPUTS and self.ends[-1] == N
+
+        @cute.jit
+        def __call__(self, p_x: cute.Pointer, p_w: cute.Pointer, p_scale: cute.Pointer, p_res: cute.Pointer,
+                     p_o0: cute.Pointer, p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer,
+                     p_o4: cute.Pointer, p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32,
+                     s_o3: Int32, s_o4: Int32, s_o5: Int32, stream: cuda.CUstream):
+            cluster = {} if self.C == 1 else {"cluster": [self.C, 1, 1]}
+            self.kernel(p_x, p_w, p_scale, p_res, p_o0, p_o1, p_o2, p_o3, p_o4, p_o5, s_x, s_o0, s_o1, s_o2, s_o3,
+                        s_o4, s_o5).launch(grid=[self.C, self.T, 1], block=[_THREADS, 1, 1], stream=stream,
+                                           use_pdl=self.pdl, **cluster)
+
+        def load_w(self, p_w, wv, u, ra, rb, c, t):
+            """Chunk c of rows ra (MMA row g) and rb (g + 8): this lane's 16 bytes of each into wv[8 u ..]."""
+            for h in range(2):
+                off = cute.assume((ra if h == 0 else rb) * self.RW + 16 * c + 4 * t, divby=4)
+                cute.autovec_copy(vec(p_w, off, 4), cute.make_tensor(wv.iterator + 8 * u + 4 * h, cute.make_layout(4)))
+
+        def load_x(self, p_x, xv, u, xrow, c, t, valid):
+            """Chunk c of each n-tile's x row (words from xrow[j]): this lane's CW columns into xv (CW / 2 words an
+            n-tile and chunk), zeros where not `valid` (a round's chunk past the warp's range: its MMAs add 0)."""
+            XW = self.CW // 2
+            for j in range(self.NT):
+                base = (u * self.NT + j) * XW
+                for h in range(XW // 4):
+                    off = cute.assume(xrow[j] + (2 * self.CW) * c + XW * t + 4 * h, divby=4)
+                    cute.autovec_copy(vec(p_x, off, 4), cute.make_tensor(xv.iterator + base + 4 * h,
+                                                                         cute.make_layout(4)))
+                for k in range(XW):
+                    xv[base + k] = cutlass.select_(valid, xv[base + k], Int32(0))
+
+        def round_mma(self, wv, xv, acc, n_chunks):
+            """The MMAs of n_chunks loaded chunks: k-step s of chunk u into chain (u KS + s) % CHAINS. (The helpers are
+            plain Python, unrolled when traced: the DSL's preprocessor reads only the kernel's own body.)"""
+            KS, XW, NT = self.CW // 4, self.CW // 2, self.NT
+            mma = mo.mma["f16" if self.fp8 else "bf16"]
+            for u in range(n_chunks):
+                for s in range(KS):
+                    pa = mo.a_pairs(self.fp8, wv, 8 * u, s)
+                    pb = mo.a_pairs(self.fp8, wv, 8 * u + 4, s)
+                    for j in range(NT):
+                        b0 = xv[(u * NT + j) * XW + 2 * s]
+                        b1 = xv[(u * NT + j) * XW + 2 * s + 1]
+                        if self.fp8:
+                            b0, b1 = bf16_f16(b0), bf16_f16(b1)
+                        k0 = 4 * (j * self.CH + (u * KS + s) % self.CH)
+                        d = mma(pa[0], pb[0], pa[1], pb[1], b0, b1, acc[k0], acc[k0 + 1], acc[k0 + 2], acc[k0 + 3])
+                        for v in range(4):
+                            acc[k0 + v] = d[v]
+
+        @cute.kernel
+        def kernel(self, p_x: cute.Pointer, p_w: cute.Pointer, p_scale: cute.Pointer, p_res: cute.Pointer,
+                   p_o0: cute.Pointer, p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer,
+                   p_o4: cute.Pointer, p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32,
+                   s_o3: Int32, s_o4: Int32, s_o5: Int32):
+            B, N, C, NT, NE, UNR = self.B, self.N, self.C, self.NT, self.NE, self.UNR
+            tid, _, _ = cute.arch.thread_idx()
+            rank, m, _ = cute.arch.block_idx()  # grid x = the cluster: the CTA's rank in it; y = the tile
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tid % 32
+            g = lane // 4
+            t = lane % 4
+            smem = cutlass.utils.SmemAllocator()
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * NE), byte_alignment=16)
+            s_clu = smem.allocate_tensor(Float32, cute.make_layout(max(C - 1, 1) * NE), byte_alignment=16)
+            if cutlass.const_expr(C > 1):
+                cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before DSMEM stores
+            q = rank * _WARPS + warp
+            lo = q * self.NCH // (C * _WARPS)    # this warp's chunks [lo, hi)
+            hi = (q + 1) * self.NCH // (C * _WARPS)
+            nround = (hi - lo + UNR - 1) // UNR  # rounds of UNR chunks; the last one's chunks past hi add 0
+            ra = 16 * m + g                      # MMA rows g and g + 8; past N: row N - 1, never stored
+            rb = ra + 8
+            ra = cutlass.select_(ra < N, ra, Int32(N - 1))
+            rb = cutlass.select_(rb < N, rb, Int32(N - 1))
+            xrow = []                            # n-tile j's x row 8 j + g in words (past the batch: row 0)
+            for j in cutlass.range_constexpr(NT):
+                tok = 8 * j + g
+                xrow.append(cutlass.select_(tok < B, tok, Int32(0)) * (s_x // 2))
+            acc = cute.make_rmem_tensor((4 * NT * self.CH,), Float32)
+            acc.fill(0.0)
+            wv = cute.make_rmem_tensor((8 * UNR,), Int32)
+            xv = cute.make_rmem_tensor((UNR * NT * (self.CW // 2),), Int32)
+            last = hi - 1                        # a round's chunks past the range re-read the last one
+            if cutlass.const_expr(self.pdl):
+                if nround > 0:                   # the first round's weights before the wait: W is no kernel's output
+                    for u in cutlass.range_constexpr(UNR):
+                        self.load_w(p_w, wv, u, ra, rb, cutlass.select_(lo + u < hi, lo + u, last), t)
+                cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
+                cute.arch.griddepcontrol_launch_dependents()
+            for i in cutlass.range(nround, unroll=1):
+                c0 = lo + i * UNR
+                if cutlass.const_expr(self.pdl):
+                    if i > 0:
+                        for u in cutlass.range_constexpr(UNR):
+                            self.load_w(p_w, wv, u, ra, rb, cutlass.select_(c0 + u < hi, c0 + u, last), t)
+                else:
+                    for u in cutlass.range_constexpr(UNR):
+                        self.load_w(p_w, wv, u, ra, rb, cutlass.select_(c0 + u < hi, c0 + u, last), t)
+                for u in cutlass.range_constexpr(UNR):
+                    self.load_x(p_x, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last), t, c0 + u < hi)
+                self.round_mma(wv, xv, acc, UNR)
+            # the chains summed; fragment element (4 j + v) 32 + lane into this warp's slot
+            for j in cutlass.range_constexpr(NT):
+                for v in cutlass.range_constexpr(4):
+                    a = acc[4 * j * self.CH + v]
+                    for k in cutlass.range_constexpr(1, self.CH):
+                        a = a + acc[4 * (j * self.CH + k) + v]
+                    s_red[warp * NE + (4 * j + v) * 32 + lane] = a
+            cute.arch.sync_threads()
+            tot = cute.make_rmem_tensor((NT,), Float32)  # thread tid: element tid + 128 j (n-tile j, v = warp)
+            for j in cutlass.range_constexpr(NT):
+                a = s_red[128 * j + tid]
+                for w in cutlass.range_constexpr(1, _WARPS):
+                    a = a + s_red[w * NE + 128 * j + tid]
+                tot[j] = a
+            if cutlass.const_expr(C > 1):
+                cute.arch.cluster_wait()         # every peer has started
+                if rank > 0:
+                    for j in cutlass.range_constexpr(NT):
+                        st_cluster_f32(s_clu.iterator + ((rank - 1) * NE + 128 * j + tid), 0, tot[j])
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            if rank == 0:
+                outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
+                strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
+                row = 16 * m + g + 8 * (warp // 2)
+                for j in cutlass.range_constexpr(NT):
+                    y = tot[j]
+                    for r in cutlass.range_constexpr(1, C):
+                        y = y + s_clu[(r - 1) * NE + 128 * j + tid]
+                    b = 8 * j + 2 * t + warp % 2
+                    if row < N:
+                        if b < B:
+                            if cutlass.const_expr(self.fp8):  # W_true[n, :] = W_e4m3[n, :] scale[n]
+                                y = y * vec(p_scale, row, 1)[0]
+                            if cutlass.const_expr(self.residual):
+                                y = y + vec(p_res, b * N + row, 1)[0].to(Float32)
+                            for i in cutlass.range_constexpr(len(self.ends)):
+                                lo_i = 0 if i == 0 else self.ends[i - 1]
+                                if row >= lo_i:
+                                    if row < self.ends[i]:
+                                        vec(outs[i], b * strides[i] + row - lo_i, 1)[0] = y.to(outs[i].dtype)
+
+    _KERNEL_CLS = ProjMma
+    return _KERNEL_CLS
+
+
+# ---------------------------------------------------------------------------------------------
+# Host wrapper
+# ---------------------------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+def cluster_for(N: int, K: int, fp8: bool, sms: int) -> int:
+    """The automatic cluster size: the smallest of CLUSTERS whose CTAs (ceil(N / 16) tiles each) fill every SM
+    twice, with at least one chunk a warp; else the largest that keeps a chunk a warp (1 when even one CTA's four
+    warps outnumber the chunks: the warps past them add nothing)."""
+    nch = K // (64 if fp8 else 32)
+    fits = [c for c in CLUSTERS if c == 1 or 4 * c <= nch]
+    return next((c for c in fits if (N + 15) // 16 * c >= 2 * sms), fits[-1])
+
+
+def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None):
+    """outs[i] = x W_i^T (* w_scale) (+ residual) over the row ranges of w on tensor cores (module doc). Returns outs.
+    Arguments are checked by name (ProjGemvError)."""
+    import cutlass
+
+    from .kda_decode import gmem_ptr
+
+    if pdl is None:
+        from k3lab_kernels.triton.pdl import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    _check("x", x, None, (torch.bfloat16,))
+    dev = x.device
+    B, K = x.shape
+    if not 1 <= B <= MAX_BATCH or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        _fail("x", f"must be [1..{MAX_BATCH}, K] with unit stride along K, a row stride of 8 elements and a 16-byte "
+                   f"aligned base (path 'mma'), got {tuple(x.shape)} strides {x.stride()}")
+    _check("w", w, dev, (torch.bfloat16, torch.float8_e4m3fn))
+    N = w.shape[0]
+    fp8 = w.dtype == torch.float8_e4m3fn
+    kq = 64 if fp8 else 32
+    if w.shape[1] != K or K % kq or not w.is_contiguous() or w.data_ptr() % 16:
+        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] {'fp8' if fp8 else 'bf16'} weight whose K (x's) is "
+                   f"a multiple of {kq} for path 'mma' (whole chunks of four lanes' 16 bytes), got {tuple(w.shape)}; "
+                   f"path 'gemv' takes K a multiple of {16 if fp8 else 8}")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if cluster is None:
+        cluster = cluster_for(N, K, fp8, sms)
+    elif isinstance(cluster, bool) or cluster not in CLUSTERS:
+        _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
+    if fp8:
+        _check("w_scale", w_scale, dev, (torch.float32,), dim=1)
+        if w_scale.shape[0] != N or not w_scale.is_contiguous():
+            _fail("w_scale", f"must be a contiguous [{N}] fp32 tensor (one scale a row of w), got "
+                             f"{tuple(w_scale.shape)}")
+    elif w_scale is not None:
+        _fail("w_scale", "is taken with fp8 weights only (one fp32 scale a row); these are bf16")
+    if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
+        _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
+    ends, total = [], 0
+    for i, o in enumerate(outs):
+        _check(f"outs[{i}]", o, dev, (torch.bfloat16, torch.float32))
+        if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
+            _fail(f"outs[{i}]", f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides "
+                                f"{o.stride()}")
+        total += o.shape[1]
+        ends.append(total)
+    if total != N:
+        _fail("outs", f"widths must add up to w's {N} rows, got {total}")
+    if residual is not None:
+        if len(outs) != 1:
+            _fail("residual", "is an epilogue of a single projection, not of a group")
+        _check("residual", residual, dev, (torch.bfloat16,))
+        if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
+            _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
+    pad = list(outs) + [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
+    o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
+    I32, F32 = cutlass.Int32, cutlass.Float32
+    args = [gmem_ptr(x.view(torch.int32), I32, 16), gmem_ptr(w.view(torch.int32), I32, 16),
+            gmem_ptr(w_scale if fp8 else outs[0], F32 if fp8 else o_dt[outs[0].dtype], 4),  # not read without fp8
+            gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
+            *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, UNROLL, CHAINS,
+           dev.index)
+    with torch.cuda.device(dev):
+        import cuda.bindings.driver as cuda
+
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        fn = _COMPILED.get(key)
+        if fn is None:
+            from cutlass import cute
+
+            fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, fp8, cluster, UNROLL,
+                                              CHAINS), *args, stream)
+            _COMPILED[key] = fn
+        fn(*args, stream)
+    return outs

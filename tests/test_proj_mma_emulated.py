@@ -1,0 +1,185 @@
+"""The few-token tensor-core projection (kernels/cute/proj_mma.py, path "mma" of the cute projection) on the CPU
+emulator (tests/cute_emulate.py): through the shared checker (k3lab.harness.checker: fresh inputs, outputs poisoned,
+the fp64 reference, inputs unchanged, the registry's tolerances) at the `tiny` preset, then at widths with several
+rounds a warp and a remainder, every cluster size, one and two n-tiles, a partial row tile, fp8 weights over every
+e4m3 code, and what it refuses, by name.
+
+Tolerance of the direct checks: fp32 outputs against fp64 within 1e-5 of the largest value (bf16 and e4m3 products
+are exact on the MMAs, fp32 sums; fp8's x is rounded to f16, exact for these normal-range bf16 inputs).
+"""
+import pytest
+import torch
+
+import cute_emulate as emulate
+from k3lab import registry
+from k3lab.components import trunk
+from k3lab.harness import checker
+from k3lab.ops import trunk as trunk_ops
+
+pytestmark = pytest.mark.cute_emu
+PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
+
+
+def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, early=None, seed=0, sms=2):
+    """proj(..., path="mma") on the emulator, with the int32 views the wrapper makes registered (x's bf16 pairs, a
+    bf16 weight's pairs). early: the tensors a PDL launch may read before its wait (default: w)."""
+    t = dict(x=x, w=w, x_words=x.reshape(-1).view(torch.int32), **{f"o{i}": o for i, o in enumerate(outs)})
+    if w.dtype == torch.bfloat16:
+        t["w_words"] = w.reshape(-1).view(torch.int32)
+    if w_scale is not None:
+        t["ws"] = w_scale
+    if residual is not None:
+        t["r"] = residual
+    emulate._PDL["early"] = frozenset({w.data_ptr()} if early is None else early)
+
+    def call(m, **a):
+        m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
+                                w_scale=a.get("ws"), path="mma", cluster=cluster)
+    with emulate.emulated(seed=seed, sms=sms):
+        emulate._run(call, t, seed)
+
+
+def impl(n_out, pdl=False, cluster=None):
+    def f(d):
+        ws = d["w_scale"] if d["w"].dtype == torch.float8_e4m3fn else None
+        run_mma(d["x"], d["w"], [d[f"y{i}"] for i in range(n_out)], d.get("residual"), ws, pdl, cluster)
+    f.__name__ = f"emulated cute proj path mma ({n_out} outputs, pdl={pdl}, cluster={cluster})"
+    return f
+
+
+@pytest.mark.parametrize("name,batch,wdtype,residual,pdl", [
+    ("kda_q", 3, "bf16", True, True),      # K 64: two bf16 chunks, warps 2 and 3 idle
+    ("mla_dkv", 1, "bf16", False, False),  # N 40: a partial second tile
+    ("kda_b", 9, "fp8", False, True),      # N 4: one partial tile; two n-tiles
+    ("moe_router", 16, "fp8", True, False),
+])
+def test_proj_tiny(name, batch, wdtype, residual, pdl):
+    c = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype=wdtype, residual=residual, prologue="none")
+    checker.require(checker.check(PROJ, c, impl=impl(1, pdl=pdl), seed=batch, device="cpu"))
+
+
+@pytest.mark.parametrize("wdtype,batch", [("bf16", 2), ("fp8", 12)])
+def test_group_tiny(wdtype, batch):
+    """The MLA input group: three outputs (fp32 and bf16) of one weight, a tile straddling two of them."""
+    c = GROUP.case(preset="tiny", group="mla_in", batch=batch, wdtype=wdtype, select=False)
+    checker.require(checker.check(GROUP, c, impl=impl(len(trunk_ops._parts(c)), pdl=True), seed=batch, device="cpu"))
+
+
+def _weights(N, K, fp8, g):
+    if fp8:  # every e4m3 code and both signs (the NaNs 0x7F / 0xFF left out), a scale a row
+        codes = torch.randint(0, 256, (N, K), generator=g, dtype=torch.int32)
+        codes[(codes & 0x7F) == 0x7F] = 0x3F
+        w = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+        sc = torch.rand(N, generator=g) + 0.5
+        return w, sc, w.double() * sc.double()[:, None]
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    return w, None, w.double()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("B,N,chunks,cluster", [
+    (16, 40, 23, 1),   # four warps of 5-6 chunks: one full round of four and a remainder
+    (5, 24, 37, 2),    # eight warps of 4-5 chunks
+    (9, 17, 50, 4),    # sixteen warps of 3-4 chunks: remainders only
+    (1, 16, 72, 8),    # thirty-two warps of 2-3 chunks
+])
+def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster):
+    g = torch.Generator().manual_seed(B * 1000 + chunks)
+    K = chunks * (64 if fp8 else 32)
+    x = torch.randn(B, K, generator=g).to(torch.bfloat16)
+    w, sc, wd = _weights(N, K, fp8, g)
+    out = torch.full((B, N), float("nan"), dtype=torch.float32)
+    run_mma(x, w, [out], w_scale=sc, cluster=cluster, pdl=cluster % 2 == 0)
+    want = x.double() @ wd.T
+    assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert emulate.LAST["launches"][-1]["cluster"] == (cluster, 1, 1)
+
+
+def test_strided_x_residual_and_bf16_output():
+    """x a column slice of a wider buffer (row stride 8 more than K), the residual added in fp32 before the bf16
+    rounding: equal to the rounded fp64 result within one bf16 step."""
+    g = torch.Generator().manual_seed(7)
+    B, N, K = 6, 32, 256
+    buf = torch.randn(B, K + 8, generator=g).to(torch.bfloat16)
+    x = buf[:, :K]
+    w, _, wd = _weights(N, K, False, g)
+    r = torch.randn(B, N, generator=g).to(torch.bfloat16)
+    out = torch.full((B, N), float("nan"), dtype=torch.bfloat16)
+    t = dict(buf=buf, buf_words=buf.reshape(-1).view(torch.int32), w=w, w_words=w.reshape(-1).view(torch.int32),
+             o0=out, r=r)
+    emulate._PDL["early"] = frozenset({w.data_ptr()})
+    emulate._run(lambda m, **a: m.mod["proj_gemv"].proj(emulate._dev(a["buf"][:, :K]), a["w"], [a["o0"]],
+                                                        residual=a["r"], path="mma", pdl=False), t, 0)
+    want = x.double() @ wd.T + r.double()
+    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def test_pdl_reads_only_the_weight_before_the_wait():
+    """Under pdl a warp's first round of W loads before griddepcontrol.wait (W is no kernel's output); the emulator
+    refuses the same launch when W is not declared readable early (the check is live)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 512, generator=g).to(torch.bfloat16)
+    w, _, wd = _weights(16, 512, False, g)
+    out = torch.full((2, 16), float("nan"), dtype=torch.float32)
+    run_mma(x, w, [out], pdl=True, cluster=1)
+    want = x.double() @ wd.T
+    assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
+        run_mma(x, w, [out], pdl=True, cluster=1, early=frozenset())
+
+
+def test_cluster_for_fills_the_sms_with_whole_chunks():
+    """The automatic split: at K3's TP8 shapes on 132 SMs at least two CTAs an SM where the chunks allow, never
+    more warps than chunks; one CTA where four warps already outnumber them."""
+    from k3lab_kernels.cute.proj_mma import CLUSTERS, cluster_for
+
+    for N, K in ((1536, 7168), (7168, 1536), (3584, 7168), (576, 7168), (12, 7168), (7168, 384), (1536, 128)):
+        for fp8 in (False, True):
+            c = cluster_for(N, K, fp8, 132)
+            nch = K // (64 if fp8 else 32)
+            assert c in CLUSTERS and (c == 1 or 4 * c <= nch)
+            if (N + 15) // 16 * c < 264:
+                assert c == max(x for x in CLUSTERS if x == 1 or 4 * x <= nch)
+    assert cluster_for(1536, 7168, False, 132) == 4 and cluster_for(7168, 1536, True, 132) == 1
+
+
+def test_refused_by_name():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    w, _, _ = _weights(16, 64, False, g)
+    out = torch.zeros(2, 16)
+    with pytest.raises(ValueError, match="'w' must be a contiguous .* multiple of 32 for path 'mma'"):
+        run_mma(x[:, :48], w[:, :48].contiguous(), [out])
+    w8 = w.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="'w' .* multiple of 64 for path 'mma'"):
+        run_mma(x[:, :32].contiguous(), w8[:, :32].contiguous(), [out], w_scale=torch.ones(16))
+    with pytest.raises(ValueError, match="'cluster' must be None or one of"):
+        run_mma(x, w, [out], cluster=3)
+    with pytest.raises(ValueError, match="'x' must be \\[1..16, K\\]"):
+        run_mma(torch.zeros(17, 64, dtype=torch.bfloat16), w, [torch.zeros(17, 16)])
+    with pytest.raises(ValueError, match="'residual' is an epilogue of a single projection"):
+        run_mma(x, w, [out[:, :8], out[:, 8:]], residual=torch.zeros(2, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="'w_scale' is taken with fp8 weights only"):
+        run_mma(x, w, [out], w_scale=torch.ones(16))
+
+    def proj(**kw):
+        t = dict(x=x, w=w, o0=out)
+        emulate._run(lambda m, **a: m.mod["proj_gemv"].proj(a["x"], a["w"], [a["o0"]], **kw), t, 0)
+    with pytest.raises(ValueError, match="'path' must be one of"):
+        proj(path="wide")
+    with pytest.raises(ValueError, match="'cluster' is an option of path 'mma'"):
+        proj(cluster=2)
+    with pytest.raises(ValueError, match="'glu' is not taken by path 'mma'"):
+        proj(path="mma", glu=(4.0, 25.0))
+
+
+def test_component_options_by_backend():
+    """The component validates path and cluster against the registry per backend before any kernel runs."""
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(trunk.TrunkArgumentError, match="'cluster' is a cute kernel option; backend 'triton'"):
+        trunk.proj(x, w, backend="triton", cluster=2)
+    with pytest.raises(trunk.TrunkArgumentError, match="'path' must be one of"):
+        trunk.proj(x, w, backend="triton", path="mma")
+    assert set(PROJ.option_axes["path"]["cute"]) == {None, "gemv", "mma"}
+    assert set(GROUP.option_axes["cluster"]["cute"]) == {None, 1, 2, 4, 8}
