@@ -2,7 +2,7 @@
 emulator (tests/cute_emulate.py): through the shared checker (k3lab.harness.checker: fresh inputs, outputs poisoned,
 the fp64 reference, inputs unchanged, the registry's tolerances) at the `tiny` preset, then at widths with several
 rounds a warp and a remainder, every cluster size, one and two n-tiles, a partial row tile, fp8 weights over every
-e4m3 code, and what it refuses, by name.
+e4m3 code, the module's settings (UNROLL, CHAINS, X_AHEAD), and what it refuses, by name.
 
 Tolerance of the direct checks: fp32 outputs against fp64 within 1e-5 of the largest value (bf16 and e4m3 products
 are exact on the MMAs, fp32 sums; fp8's x is rounded to f16, exact for these normal-range bf16 inputs).
@@ -20,9 +20,11 @@ pytestmark = pytest.mark.cute_emu
 PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
-def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, early=None, seed=0, sms=2):
+def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, early=None, seed=0, sms=2,
+            settings=None):
     """proj(..., path="mma") on the emulator, with the int32 views the wrapper makes registered (x's bf16 pairs, a
-    bf16 weight's pairs). early: the tensors a PDL launch may read before its wait (default: w)."""
+    bf16 weight's pairs). early: the tensors a PDL launch may read before its wait (default: w); settings: module
+    settings of proj_mma for this call (e.g. {"X_AHEAD": True})."""
     t = dict(x=x, w=w, x_words=x.reshape(-1).view(torch.int32), **{f"o{i}": o for i, o in enumerate(outs)})
     if w.dtype == torch.bfloat16:
         t["w_words"] = w.reshape(-1).view(torch.int32)
@@ -33,6 +35,8 @@ def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, ea
     emulate._PDL["early"] = frozenset({w.data_ptr()} if early is None else early)
 
     def call(m, **a):
+        for k, v in (settings or {}).items():
+            setattr(m.mod["proj_mma"], k, v)
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
                                 w_scale=a.get("ws"), path="mma", cluster=cluster)
     with emulate.emulated(seed=seed, sms=sms):
@@ -76,20 +80,26 @@ def _weights(N, K, fp8, g):
     return w, None, w.double()
 
 
+_AHEAD, _U2 = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("B,N,chunks,cluster", [
-    (16, 40, 23, 1),   # four warps of 5-6 chunks: one full round of four and a remainder
-    (5, 24, 37, 2),    # eight warps of 4-5 chunks
-    (9, 17, 50, 4),    # sixteen warps of 3-4 chunks: remainders only
-    (1, 16, 72, 8),    # thirty-two warps of 2-3 chunks
-])
-def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster):
+@pytest.mark.parametrize("B,N,chunks,cluster,settings", [
+    (16, 40, 23, 1, {}),      # four warps of 5-6 chunks: a full round of four, then one past the range
+    (5, 24, 37, 2, {}),       # eight warps of 4-5 chunks
+    (9, 17, 50, 4, {}),       # sixteen warps of 3-4 chunks: one round, partly past the range
+    (1, 16, 72, 8, {}),       # thirty-two warps of 2-3 chunks
+    (16, 40, 23, 1, _AHEAD),  # the next round's x loaded during this one
+    (9, 17, 50, 4, _AHEAD),
+    (5, 24, 37, 2, _U2),      # rounds of two chunks, one accumulator chain
+], ids=lambda v: "-".join(f"{k.lower()}{x}" for k, x in v.items()) if isinstance(v, dict) else None)
+def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, settings):
     g = torch.Generator().manual_seed(B * 1000 + chunks)
     K = chunks * (64 if fp8 else 32)
     x = torch.randn(B, K, generator=g).to(torch.bfloat16)
     w, sc, wd = _weights(N, K, fp8, g)
     out = torch.full((B, N), float("nan"), dtype=torch.float32)
-    run_mma(x, w, [out], w_scale=sc, cluster=cluster, pdl=cluster % 2 == 0)
+    run_mma(x, w, [out], w_scale=sc, cluster=cluster, pdl=cluster % 2 == 0, settings=settings)
     want = x.double() @ wd.T
     assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
     assert emulate.LAST["launches"][-1]["cluster"] == (cluster, 1, 1)

@@ -305,7 +305,11 @@ def _cases(only: str | None, quick: bool):
             name = (f"proj_mma {'fp8' if fp8 else 'bf16'} B{B} N{N} K{K} C{C} outs{len(ends)}"
                     + (" residual" if res else "") + (" pdl" if pdl else ""))
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C: kq._kernel_class()(
-                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS), qargs(o_dts, fp8)))
+                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, kq.X_AHEAD), qargs(o_dts, fp8)))
+            if len(ends) == 1 and K == 7168:  # the next round's x loaded during this one (X_AHEAD)
+                cases.append((name + " x_ahead", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C:
+                              kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, True),
+                              qargs(o_dts, fp8)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act, w2, s2; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx

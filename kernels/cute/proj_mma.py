@@ -46,6 +46,10 @@ MAX_BATCH = 16
 UNROLL = 4        # chunks a warp's round: their loads issued before their MMAs
 CHAINS = 2        # independent accumulator chains a warp and n-tile (k-steps taken round-robin, summed at the end)
 CLUSTERS = (1, 2, 4, 8)
+# x of the next round loaded during this one (its words carried to the next iteration): without it ptxas issues a
+# round's x loads next to their MMAs, a chain of L2 round trips a round after the weights' DRAM one (offline SASS);
+# not yet measured, so off
+X_AHEAD = False
 _WARPS = 4
 _THREADS = 32 * _WARPS
 # a word of two bf16 (the low half the lower column) -> the same two values as f16x2 (round to nearest even)
@@ -84,7 +88,7 @@ def _kernel_class():
         """A cluster of C CTAs (four warps each) per tile of 16 output rows, split along K."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool, fp8: bool, C: int,
-                     unroll: int, chains: int):
+                     unroll: int, chains: int, x_ahead: bool = False):
             self.B, self.N, self.K, self.ends = B, N, K, tuple(int(e) for e in ends)
             self.residual, self.pdl, self.fp8, self.C = bool(residual), bool(pdl), bool(fp8), C
             self.CW = 16 if self.fp8 else 8          # columns a lane's 16-byte load of a row
@@ -93,7 +97,7 @@ def _kernel_class():
             self.T = (N + 15) // 16                  # tiles of 16 output rows
             self.RW = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
             self.NE = 128 * self.NT                  # fragment elements a tile: 4 a lane and n-tile
-            self.UNR, self.CH = unroll, chains
+            self.UNR, self.CH, self.x_ahead = unroll, chains, bool(x_ahead)
             assert 1 <= B <= MAX_BATCH and K % (4 * self.CW) == 0 and C in CLUSTERS
             assert 1 <= len(self.ends) <= MAX_OUTPUTS and self.ends[-1] == N
 
@@ -185,6 +189,12 @@ def _kernel_class():
                         self.load_w(p_w, wv, u, ra, rb, cutlass.select_(lo + u < hi, lo + u, last), t)
                 cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                 cute.arch.griddepcontrol_launch_dependents()
+            xn = xv
+            if cutlass.const_expr(self.x_ahead):  # the first round's x
+                xn = cute.make_rmem_tensor((UNR * NT * (self.CW // 2),), Int32)
+                if nround > 0:
+                    for u in cutlass.range_constexpr(UNR):
+                        self.load_x(p_x, xn, u, xrow, cutlass.select_(lo + u < hi, lo + u, last), t, lo + u < hi)
             for i in cutlass.range(nround, unroll=1):
                 c0 = lo + i * UNR
                 if cutlass.const_expr(self.pdl):
@@ -194,8 +204,15 @@ def _kernel_class():
                 else:
                     for u in cutlass.range_constexpr(UNR):
                         self.load_w(p_w, wv, u, ra, rb, cutlass.select_(c0 + u < hi, c0 + u, last), t)
-                for u in cutlass.range_constexpr(UNR):
-                    self.load_x(p_x, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last), t, c0 + u < hi)
+                if cutlass.const_expr(self.x_ahead):  # this round's x came with the last; the next round's now
+                    for k in cutlass.range_constexpr(UNR * NT * (self.CW // 2)):
+                        xv[k] = xn[k]
+                    for u in cutlass.range_constexpr(UNR):
+                        c1 = c0 + UNR + u
+                        self.load_x(p_x, xn, u, xrow, cutlass.select_(c1 < hi, c1, last), t, c1 < hi)
+                else:
+                    for u in cutlass.range_constexpr(UNR):
+                        self.load_x(p_x, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last), t, c0 + u < hi)
                 self.round_mma(wv, xv, acc, UNR)
             # the chains summed; fragment element (4 j + v) 32 + lane into this warp's slot
             for j in cutlass.range_constexpr(NT):
@@ -324,7 +341,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None)
             gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
             *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, UNROLL, CHAINS,
-           dev.index)
+           X_AHEAD, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -334,7 +351,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None)
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, fp8, cluster, UNROLL,
-                                              CHAINS), *args, stream)
+                                              CHAINS, X_AHEAD), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
