@@ -420,6 +420,58 @@ def _check(name, t, device, dtypes, dim=2):
         _fail(name, f"must have {dim} dims, got shape {tuple(t.shape)}")
 
 
+def check_args(x, w, w_scale, outs, residual, pdl, *, kq: tuple, path: str = "", glu: bool = False):
+    """The arguments both cute projection paths take, checked by name: pdl (None: the enclosing pdl_chain's), x, w
+    (K a multiple of kq[0] for bf16, kq[1] for fp8), w_scale, outs (the GLU output counting twice) and the residual.
+    Returns (pdl, B, K, N, fp8, ends: the outputs' row ends)."""
+    if pdl is None:
+        from k3lab_kernels.triton.pdl import chain_pdl
+
+        pdl = chain_pdl(None)
+    if not isinstance(pdl, bool):
+        _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    _check("x", x, None, (torch.bfloat16,))
+    dev = x.device
+    B, K = x.shape
+    if not 1 <= B <= MAX_BATCH or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        _fail("x", f"must be [1..{MAX_BATCH}, K] with unit stride along K, a row stride of 8 elements and a 16-byte "
+                   f"aligned base{path}, got {tuple(x.shape)} strides {x.stride()}")
+    _check("w", w, dev, (torch.bfloat16, torch.float8_e4m3fn))
+    N = w.shape[0]
+    fp8 = w.dtype == torch.float8_e4m3fn
+    k = kq[1] if fp8 else kq[0]
+    if w.shape[1] != K or K % k or not w.is_contiguous() or w.data_ptr() % 16:
+        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] {'fp8' if fp8 else 'bf16'} weight (x's K, a "
+                   f"multiple of {k}{path}), got {tuple(w.shape)}")
+    if fp8:
+        _check("w_scale", w_scale, dev, (torch.float32,), dim=1)
+        if w_scale.shape[0] != N or not w_scale.is_contiguous():
+            _fail("w_scale", f"must be a contiguous [{N}] fp32 tensor (one scale a row of w), got "
+                             f"{tuple(w_scale.shape)}")
+    elif w_scale is not None:
+        _fail("w_scale", "is taken with fp8 weights only (one fp32 scale a row); these are bf16")
+    if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
+        _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
+    ends, total = [], 0
+    for i, o in enumerate(outs):
+        _check(f"outs[{i}]", o, dev, (torch.bfloat16, torch.float32))
+        if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
+            _fail(f"outs[{i}]", f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides "
+                                f"{o.stride()}")
+        total += o.shape[1] * (2 if glu and i == len(outs) - 1 else 1)
+        ends.append(total)
+    if total != N:
+        _fail("outs", f"widths must add up to w's {N} rows{' (the GLU output counting twice)' if glu else ''}, got "
+                      f"{total}")
+    if residual is not None:
+        if len(outs) != 1:
+            _fail("residual", "is an epilogue of a single projection, not of a group")
+        _check("residual", residual, dev, (torch.bfloat16,))
+        if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
+            _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
+    return pdl, B, K, N, fp8, ends
+
+
 _COUNTERS: dict[int, torch.Tensor] = {}  # per device: the fused selection's arrival counter, zero between calls
 
 
@@ -455,37 +507,13 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor 
         return proj_mma(x, w, outs, residual=residual, w_scale=w_scale, pdl=pdl, cluster=cluster)
     if cluster is not None:
         _fail("cluster", "is an option of path 'mma' (the GEMV splits no K); pass None")
-    if pdl is None:
-        from k3lab_kernels.triton.pdl import chain_pdl
-
-        pdl = chain_pdl(None)
-    if not isinstance(pdl, bool):
-        _fail("pdl", f"must be None or a bool, got {pdl!r}")
-    _check("x", x, None, (torch.bfloat16,))
-    dev = x.device
-    B, K = x.shape
-    if not 1 <= B <= MAX_BATCH or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        _fail("x", f"must be [1..{MAX_BATCH}, K] with unit stride along K, a row stride of 8 elements and a 16-byte "
-                   f"aligned base, got {tuple(x.shape)} strides {x.stride()}")
-    _check("w", w, dev, (torch.bfloat16, torch.float8_e4m3fn))
-    N = w.shape[0]
-    fp8 = w.dtype == torch.float8_e4m3fn
-    kq = 16 if fp8 else 8
-    if w.shape[1] != K or K % kq or not w.is_contiguous() or w.data_ptr() % 16:
-        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] {'fp8' if fp8 else 'bf16'} weight (x's K, a "
-                   f"multiple of {kq}), got {tuple(w.shape)}")
-    scale_arg = _ptr(x, 4)  # x: never read as the scales without fp8 weights
-    if fp8:
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:
         for name, v in (("select", select), ("chain", chain), ("rmsp", rmsp), ("glu", glu)):
             if v is not None:
                 _fail(name, "is not taken with fp8 weights (the plain outputs and the residual are)")
-        _check("w_scale", w_scale, dev, (torch.float32,), dim=1)
-        if w_scale.shape[0] != N or not w_scale.is_contiguous():
-            _fail("w_scale", f"must be a contiguous [{N}] fp32 tensor (one scale a row of w), got "
-                             f"{tuple(w_scale.shape)}")
-        scale_arg = _ptr(w_scale, 4)
-    elif w_scale is not None:
-        _fail("w_scale", "is taken with fp8 weights only (one fp32 scale a row); these are bf16")
+    pdl, B, K, N, fp8, ends = check_args(x, w, w_scale, outs, residual, pdl, kq=(8, 16), glu=glu is not None)
+    dev = x.device
+    scale_arg = _ptr(w_scale, 4) if fp8 else _ptr(x, 4)  # x: never read as the scales without fp8 weights
     rms_key, rms_args = None, [_ptr(x, 4), 0.0]  # x: never read as the partials without rmsp
     if rmsp is not None:
         if not isinstance(rmsp, (tuple, list)) or len(rmsp) != 3:
@@ -501,19 +529,6 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor 
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             _fail("rmsp.eps", f"must be a positive number, got {eps!r}")
         rms_key, rms_args = (K0, ssp.shape[1]), [_ptr(ssp, 4), float(eps)]
-    if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
-        _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
-    ends, total = [], 0
-    for i, o in enumerate(outs):
-        _check(f"outs[{i}]", o, dev, (torch.bfloat16, torch.float32))
-        if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
-            _fail(f"outs[{i}]", f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides "
-                                f"{o.stride()}")
-        total += o.shape[1] * (2 if glu is not None and i == len(outs) - 1 else 1)
-        ends.append(total)
-    if total != N:
-        _fail("outs", f"widths must add up to w's {N} rows{' (the GLU output counting twice)' if glu else ''}, got "
-                      f"{total}")
     glu_key = None
     if glu is not None:
         if (not isinstance(glu, (tuple, list)) or len(glu) != 2
@@ -526,12 +541,6 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor 
         if chain is not None:
             _fail("glu", "is not taken with chain")
         glu_key = (float(glu[0]), float(glu[1]))
-    if residual is not None:
-        if len(outs) != 1:
-            _fail("residual", "is an epilogue of a single projection, not of a group")
-        _check("residual", residual, dev, (torch.bfloat16,))
-        if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
-            _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
     top_k, sel_args = 0, [_ptr(x, 2), _ptr(x, 2), _ptr(x, 2), _ptr(x, 2), 1.0]  # x: never read without select
     if select is not None:
         if not isinstance(select, (tuple, list)) or len(select) != 4:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .proj_gemv import MAX_OUTPUTS, _check, _fail
+from .proj_gemv import MAX_OUTPUTS, _fail, check_args
 
 MAX_BATCH = 16
 UNROLL = 4        # chunks a warp's round: their loads issued before their MMAs
@@ -283,56 +283,13 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None)
 
     from .kda_decode import gmem_ptr
 
-    if pdl is None:
-        from k3lab_kernels.triton.pdl import chain_pdl
-
-        pdl = chain_pdl(None)
-    if not isinstance(pdl, bool):
-        _fail("pdl", f"must be None or a bool, got {pdl!r}")
-    _check("x", x, None, (torch.bfloat16,))
+    pdl, B, K, N, fp8, ends = check_args(x, w, w_scale, outs, residual, pdl, kq=(32, 64), path=" for path 'mma'")
     dev = x.device
-    B, K = x.shape
-    if not 1 <= B <= MAX_BATCH or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        _fail("x", f"must be [1..{MAX_BATCH}, K] with unit stride along K, a row stride of 8 elements and a 16-byte "
-                   f"aligned base (path 'mma'), got {tuple(x.shape)} strides {x.stride()}")
-    _check("w", w, dev, (torch.bfloat16, torch.float8_e4m3fn))
-    N = w.shape[0]
-    fp8 = w.dtype == torch.float8_e4m3fn
-    kq = 64 if fp8 else 32
-    if w.shape[1] != K or K % kq or not w.is_contiguous() or w.data_ptr() % 16:
-        _fail("w", f"must be a contiguous 16-byte aligned [N, {K}] {'fp8' if fp8 else 'bf16'} weight whose K (x's) is "
-                   f"a multiple of {kq} for path 'mma' (whole chunks of four lanes' 16 bytes), got {tuple(w.shape)}; "
-                   f"path 'gemv' takes K a multiple of {16 if fp8 else 8}")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if cluster is None:
         cluster = cluster_for(N, K, fp8, sms)
     elif isinstance(cluster, bool) or cluster not in CLUSTERS:
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
-    if fp8:
-        _check("w_scale", w_scale, dev, (torch.float32,), dim=1)
-        if w_scale.shape[0] != N or not w_scale.is_contiguous():
-            _fail("w_scale", f"must be a contiguous [{N}] fp32 tensor (one scale a row of w), got "
-                             f"{tuple(w_scale.shape)}")
-    elif w_scale is not None:
-        _fail("w_scale", "is taken with fp8 weights only (one fp32 scale a row); these are bf16")
-    if not isinstance(outs, (list, tuple)) or not 1 <= len(outs) <= MAX_OUTPUTS:
-        _fail("outs", f"must be a list of 1..{MAX_OUTPUTS} tensors, got {outs!r:.60}")
-    ends, total = [], 0
-    for i, o in enumerate(outs):
-        _check(f"outs[{i}]", o, dev, (torch.bfloat16, torch.float32))
-        if o.shape[0] != B or o.shape[1] < 1 or o.stride(1) != 1:
-            _fail(f"outs[{i}]", f"must be [{B}, N_i >= 1] with unit inner stride, got {tuple(o.shape)} strides "
-                                f"{o.stride()}")
-        total += o.shape[1]
-        ends.append(total)
-    if total != N:
-        _fail("outs", f"widths must add up to w's {N} rows, got {total}")
-    if residual is not None:
-        if len(outs) != 1:
-            _fail("residual", "is an epilogue of a single projection, not of a group")
-        _check("residual", residual, dev, (torch.bfloat16,))
-        if tuple(residual.shape) != (B, N) or not residual.is_contiguous():
-            _fail("residual", f"must be a contiguous [{B}, {N}] bf16 tensor, got {tuple(residual.shape)}")
     pad = list(outs) + [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
     I32, F32 = cutlass.Int32, cutlass.Float32
