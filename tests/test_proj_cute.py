@@ -59,8 +59,8 @@ def test_proj_fp8_tp8(name, batch, residual):
                                                  ("mla_dkv", 9, False), ("kda_b", 4, False), ("kda_fb", 3, False)])
 def test_proj_mma_tp8(wdtype, name, batch, residual):
     """Path "mma" (kernels/cute/proj_mma.py: tensor cores, K split over a cluster) against fp64 at K3's TP8 shapes, its
-    automatic cluster; then inside a pdl chain (the first round of weights before the wait) bit-equal to the plain
-    launch, and every cluster size equal to within fp32 summation order."""
+    automatic tile and cluster; then inside a pdl chain (the first round of weights before the wait) bit-equal to the
+    plain launch, and other tiles and cluster sizes equal to within fp32 summation order."""
     from k3lab_kernels.triton.pdl import pdl_chain
 
     c = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype=wdtype, residual=residual, prologue="none")
@@ -68,11 +68,11 @@ def test_proj_mma_tp8(wdtype, name, batch, residual):
     d = PROJ.make_inputs(c, 9, "cuda")
     ws = d["w_scale"] if wdtype == "fp8" else None
     ys = []
-    for pdl, cl in ((False, None), (True, None), (False, 1), (False, 2), (False, 8)):
+    for pdl, cl, tm in ((False, None, None), (True, None, None), (False, 1, 16), (False, 2, 64), (False, 8, 32)):
         y = torch.full_like(d["y0"], float("nan"))
         with pdl_chain(pdl):
             trunk.proj(d["x"], d["w"], y, w_scale=ws, residual=d.get("residual"), backend="cute", path="mma",
-                       cluster=cl)
+                       cluster=cl, tile_m=tm)
         ys.append(y.float())
     torch.cuda.synchronize()
     assert torch.equal(ys[0], ys[1])

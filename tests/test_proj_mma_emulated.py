@@ -2,7 +2,7 @@
 emulator (tests/cute_emulate.py): through the shared checker (k3lab.harness.checker: fresh inputs, outputs poisoned,
 the fp64 reference, inputs unchanged, the registry's tolerances) at the `tiny` preset, then at widths with several
 rounds a warp and a remainder, every cluster size, one and two n-tiles, a partial row tile, fp8 weights over every
-e4m3 code, the module's settings (UNROLL, CHAINS, X_AHEAD), and what it refuses, by name.
+e4m3 code, the row tiles (tile_m) and the module's settings (UNROLL, CHAINS, X_AHEAD), and what it refuses, by name.
 
 Tolerance of the direct checks: fp32 outputs against fp64 within 1e-5 of the largest value (bf16 and e4m3 products
 are exact on the MMAs, fp32 sums; fp8's x is rounded to f16, exact for these normal-range bf16 inputs).
@@ -21,7 +21,7 @@ PROJ, GROUP = registry.get("proj"), registry.get("proj_group")
 
 
 def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, early=None, seed=0, sms=2,
-            settings=None):
+            settings=None, tile_m=None):
     """proj(..., path="mma") on the emulator, with the int32 views the wrapper makes registered (x's bf16 pairs, a
     bf16 weight's pairs). early: the tensors a PDL launch may read before its wait (default: w); settings: module
     settings of proj_mma for this call (e.g. {"X_AHEAD": True})."""
@@ -38,7 +38,7 @@ def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, ea
         for k, v in (settings or {}).items():
             setattr(m.mod["proj_mma"], k, v)
         m.mod["proj_gemv"].proj(a["x"], a["w"], [a[f"o{i}"] for i in range(len(outs))], residual=a.get("r"), pdl=pdl,
-                                w_scale=a.get("ws"), path="mma", cluster=cluster)
+                                w_scale=a.get("ws"), path="mma", cluster=cluster, tile_m=tile_m)
     with emulate.emulated(seed=seed, sms=sms):
         emulate._run(call, t, seed)
 
@@ -84,25 +84,26 @@ _AHEAD, _U2 = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("B,N,chunks,cluster,settings", [
-    (16, 40, 23, 1, {}),      # four warps of 5-6 chunks: a full round of four, then one past the range
-    (5, 24, 37, 2, {}),       # eight warps of 4-5 chunks
-    (9, 17, 50, 4, {}),       # sixteen warps of 3-4 chunks: one round, partly past the range
-    (1, 16, 72, 8, {}),       # thirty-two warps of 2-3 chunks
-    (16, 40, 23, 1, _AHEAD),  # the next round's x loaded during this one
-    (9, 17, 50, 4, _AHEAD),
-    (5, 24, 37, 2, _U2),      # rounds of two chunks, one accumulator chain
+@pytest.mark.parametrize("B,N,chunks,cluster,tile_m,settings", [
+    (16, 40, 23, 1, 16, {}),      # four K parts of 5-6 chunks: a full round of four, then one past the range
+    (5, 24, 37, 2, 32, {}),       # two row groups, four K parts of 9-10 chunks
+    (9, 17, 50, 4, 16, {}),       # sixteen K parts of 3-4 chunks: one round, partly past the range
+    (1, 40, 72, 8, 64, {}),       # four row groups (the last past N), eight K parts of 9 chunks
+    (16, 40, 23, 1, 32, _AHEAD),  # the next round's x loaded during this one
+    (9, 17, 50, 4, 64, _AHEAD),
+    (5, 24, 37, 2, 16, _U2),      # rounds of two chunks, one accumulator chain
 ], ids=lambda v: "-".join(f"{k.lower()}{x}" for k, x in v.items()) if isinstance(v, dict) else None)
-def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, settings):
+def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, tile_m, settings):
     g = torch.Generator().manual_seed(B * 1000 + chunks)
     K = chunks * (64 if fp8 else 32)
     x = torch.randn(B, K, generator=g).to(torch.bfloat16)
     w, sc, wd = _weights(N, K, fp8, g)
     out = torch.full((B, N), float("nan"), dtype=torch.float32)
-    run_mma(x, w, [out], w_scale=sc, cluster=cluster, pdl=cluster % 2 == 0, settings=settings)
+    run_mma(x, w, [out], w_scale=sc, cluster=cluster, pdl=cluster % 2 == 0, settings=settings, tile_m=tile_m)
     want = x.double() @ wd.T
     assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
     assert emulate.LAST["launches"][-1]["cluster"] == (cluster, 1, 1)
+    assert emulate.LAST["launches"][-1]["grid"] == (cluster, (N + tile_m - 1) // tile_m, 1)
 
 
 def test_strided_x_residual_and_bf16_output():
@@ -138,19 +139,26 @@ def test_pdl_reads_only_the_weight_before_the_wait():
         run_mma(x, w, [out], pdl=True, cluster=1, early=frozenset())
 
 
-def test_cluster_for_fills_the_sms_with_whole_chunks():
-    """The automatic split: at K3's TP8 shapes on 132 SMs at least two CTAs an SM where the chunks allow, never
-    more warps than chunks; one CTA where four warps already outnumber them."""
-    from k3lab_kernels.cute.proj_mma import CLUSTERS, cluster_for
+def test_plan_fills_the_sms_with_whole_chunks():
+    """The automatic (tile_m, cluster): at K3's TP8 shapes on 132 SMs at least two CTAs an SM where the chunks allow
+    (the largest tile first: more warps on the same x columns), never more K parts than chunks but in a cluster of
+    one; where no choice gives two an SM, the most CTAs. A value given is kept."""
+    from k3lab_kernels.cute.proj_mma import CLUSTERS, TILES_M, plan
 
     for N, K in ((1536, 7168), (7168, 1536), (3584, 7168), (576, 7168), (12, 7168), (7168, 384), (1536, 128)):
         for fp8 in (False, True):
-            c = cluster_for(N, K, fp8, 132)
+            tm, c = plan(N, K, fp8, 132)
             nch = K // (64 if fp8 else 32)
-            assert c in CLUSTERS and (c == 1 or 4 * c <= nch)
-            if (N + 15) // 16 * c < 264:
-                assert c == max(x for x in CLUSTERS if x == 1 or 4 * x <= nch)
-    assert cluster_for(1536, 7168, False, 132) == 4 and cluster_for(7168, 1536, True, 132) == 1
+            assert tm in TILES_M and c in CLUSTERS and (c == 1 or 64 // tm * c <= nch)
+            ctas = (N + tm - 1) // tm * c
+            if ctas < 264:  # then nothing reaches two an SM
+                assert all((N + t - 1) // t * k <= ctas for t in TILES_M for k in CLUSTERS
+                           if k == 1 or 64 // t * k <= nch)
+    assert plan(1536, 7168, False, 132) == (32, 8)   # kda_q: 48 tiles of 32 rows, eight CTAs each
+    assert plan(3584, 7168, True, 132) == (64, 8)    # moe_down
+    assert plan(7168, 1536, False, 132) == (64, 4)   # kda_o
+    assert plan(576, 7168, False, 132) == (16, 8)    # mla_dkv
+    assert plan(576, 7168, False, 132, tile_m=64) == (64, 8) and plan(576, 7168, False, 132, cluster=2) == (16, 2)
 
 
 def test_refused_by_name():
@@ -165,6 +173,8 @@ def test_refused_by_name():
         run_mma(x[:, :32].contiguous(), w8[:, :32].contiguous(), [out], w_scale=torch.ones(16))
     with pytest.raises(ValueError, match="'cluster' must be None or one of"):
         run_mma(x, w, [out], cluster=3)
+    with pytest.raises(ValueError, match="'tile_m' must be None or one of"):
+        run_mma(x, w, [out], tile_m=48)
     with pytest.raises(ValueError, match="'x' must be \\[1..16, K\\]"):
         run_mma(torch.zeros(17, 64, dtype=torch.bfloat16), w, [torch.zeros(17, 16)])
     with pytest.raises(ValueError, match="'residual' is an epilogue of a single projection"):
@@ -179,6 +189,8 @@ def test_refused_by_name():
         proj(path="wide")
     with pytest.raises(ValueError, match="'cluster' is an option of path 'mma'"):
         proj(cluster=2)
+    with pytest.raises(ValueError, match="'tile_m' is an option of path 'mma'"):
+        proj(tile_m=32)
     with pytest.raises(ValueError, match="'glu' is not taken by path 'mma'"):
         proj(path="mma", glu=(4.0, 25.0))
 
@@ -193,3 +205,4 @@ def test_component_options_by_backend():
         trunk.proj(x, w, backend="triton", path="mma")
     assert set(PROJ.option_axes["path"]["cute"]) == {None, "gemv", "mma"}
     assert set(GROUP.option_axes["cluster"]["cute"]) == {None, 1, 2, 4, 8}
+    assert set(GROUP.option_axes["tile_m"]["cute"]) == {None, 16, 32, 64}

@@ -1,9 +1,10 @@
 """GPU study of the few-token tensor-core projection (kernels/cute/proj_mma.py, path "mma" of the cute projection;
 issue 13) at K3's TP8 shapes: its module settings (UNROLL chunks a round, CHAINS accumulator chains, X_AHEAD the next
-round's x loaded during this one) and cluster sizes, each set checked against fp64 by the shared checker, then timed
-(graph replay, inputs rotated past L2, k3lab.harness.timing) beside Triton's default and the cute GEMV of the same run.
+round's x loaded during this one), row tiles and cluster sizes, each set checked against fp64 by the shared checker,
+then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside Triton's default and the cute GEMV of
+the same run.
 Run: python experiments/proj_mma/variants.py $OUT [REPS]   (writes $OUT/proj_mma_variants.json, prints a table)
-     VARIANTS='[{"X_AHEAD": true}, {"UNROLL": 2}]' CLUSTERS=null,4,8 BATCHES=4,8 PROJS=kda_q,moe_down WDTYPES=fp8 ..."""
+     VARIANTS='[{"X_AHEAD": true}]' CLUSTERS=null,4,8 TILES=null,16,64 BATCHES=4,8 PROJS=kda_q WDTYPES=fp8 ..."""
 import importlib
 import json
 import os
@@ -20,6 +21,7 @@ REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("proj")
 VARIANTS = json.loads(os.environ.get("VARIANTS", '[{}, {"X_AHEAD": true}, {"UNROLL": 2}, {"CHAINS": 1}]'))
 CLUSTERS = [None if c == "null" else int(c) for c in os.environ.get("CLUSTERS", "null").split(",")]
+TILES = [None if c == "null" else int(c) for c in os.environ.get("TILES", "null").split(",")]
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "2,4,8,16").split(",")]
 PROJS = os.environ.get("PROJS", "kda_q,kda_o,moe_down,mla_dkv").split(",")
 WDTYPES = os.environ.get("WDTYPES", "bf16,fp8").split(",")
@@ -35,7 +37,8 @@ for wdtype, proj, batch in [(w, p, b) for w in WDTYPES for p in PROJS for b in B
     sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(n_sets)]
     floor_us = nbytes / (pr["read_tbps"] * 1e12) * 1e6
     arms = [("triton", {}, None), ("cute", {"path": "gemv"}, None)]
-    arms += [("cute", {"path": "mma", "cluster": c}, f) for f in VARIANTS for c in CLUSTERS]
+    arms += [("cute", {"path": "mma", "cluster": c, "tile_m": tm}, f) for f in VARIANTS for c in CLUSTERS
+             for tm in TILES]
     for be, opts, flags in arms:
         for k, v in (flags or {}).items():
             setattr(M, k, v)

@@ -290,25 +290,26 @@ def _cases(only: str | None, quick: bool):
         def qargs(o_dts, fp8):
             return ([P(i32, 16), P(i32, 16), P(f32, 4) if fp8 else P(o_dts[0], 4), P(bf, 2)]
                     + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7 + [S])
-        for B, N, K, ends, res, pdl, fp8, C, o_dts in (
-                (2, 1536, 7168, (1536,), False, True, False, 4, [bf] * 6),      # TP8 kda_q
-                (8, 1536, 7168, (1536,), False, True, False, 4, [bf] * 6),
-                (16, 1536, 7168, (1536,), False, True, False, 4, [bf] * 6),
-                (4, 1536, 7168, (1536,), False, True, True, 4, [bf] * 6),
-                (8, 1536, 7168, (1536,), False, True, True, 4, [bf] * 6),
-                (16, 1536, 7168, (1536,), False, False, True, 4, [bf] * 6),
-                (8, 3584, 7168, (3584,), False, True, True, 2, [bf] * 6),       # TP8 moe_down
-                (8, 7168, 1536, (7168,), True, True, False, 1, [bf] * 6),       # TP8 kda_o with the residual
-                (8, 7168, 1536, (7168,), True, True, True, 1, [bf] * 6),
-                (8, 576, 7168, (576,), False, True, True, 8, [bf] * 6),         # TP8 mla_dkv
-                (8, 3648, 7168, (1536, 2112, 3648), False, True, True, 2, [bf, f32] + [bf] * 4)):  # the MLA group
-            name = (f"proj_mma {'fp8' if fp8 else 'bf16'} B{B} N{N} K{K} C{C} outs{len(ends)}"
+        # (the plan's tile_m and cluster at 132 SMs: kda_q 32 / 8, moe_down 64 / 8, kda_o 64 / 4, mla_dkv 16 / 8)
+        for B, N, K, ends, res, pdl, fp8, C, TM, o_dts in (
+                (2, 1536, 7168, (1536,), False, True, False, 8, 32, [bf] * 6),      # TP8 kda_q
+                (8, 1536, 7168, (1536,), False, True, False, 8, 32, [bf] * 6),
+                (16, 1536, 7168, (1536,), False, True, False, 8, 32, [bf] * 6),
+                (4, 1536, 7168, (1536,), False, True, True, 8, 32, [bf] * 6),
+                (8, 1536, 7168, (1536,), False, True, True, 8, 32, [bf] * 6),
+                (16, 1536, 7168, (1536,), False, False, True, 8, 32, [bf] * 6),
+                (8, 3584, 7168, (3584,), False, True, True, 8, 64, [bf] * 6),       # TP8 moe_down
+                (8, 7168, 1536, (7168,), True, True, False, 4, 64, [bf] * 6),       # TP8 kda_o with the residual
+                (8, 7168, 1536, (7168,), True, True, True, 4, 64, [bf] * 6),
+                (8, 576, 7168, (576,), False, True, True, 8, 16, [bf] * 6),         # TP8 mla_dkv
+                (8, 3648, 7168, (1536, 2112, 3648), False, True, True, 8, 64, [bf, f32] + [bf] * 4)):  # MLA group
+            name = (f"proj_mma {'fp8' if fp8 else 'bf16'} B{B} N{N} K{K} C{C} M{TM} outs{len(ends)}"
                     + (" residual" if res else "") + (" pdl" if pdl else ""))
-            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C: kq._kernel_class()(
-                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, kq.X_AHEAD), qargs(o_dts, fp8)))
+            cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM: kq._kernel_class()(
+                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, kq.X_AHEAD, tm), qargs(o_dts, fp8)))
             if len(ends) == 1 and K == 7168:  # the next round's x loaded during this one (X_AHEAD)
-                cases.append((name + " x_ahead", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C:
-                              kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, True),
+                cases.append((name + " x_ahead", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
+                              kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, True, tm),
                               qargs(o_dts, fp8)))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km

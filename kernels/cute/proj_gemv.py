@@ -485,7 +485,7 @@ def _counter(dev: torch.device) -> torch.Tensor:
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, pdl: bool | None = None, select: tuple | None = None,
          chain: tuple | None = None, rmsp: tuple | None = None, glu: tuple | None = None, path: str | None = None,
-         cluster: int | None = None) -> list:
+         cluster: int | None = None, tile_m: int | None = None) -> list:
     """outs[i] = x W_i^T (+ residual) over the row ranges of w (module doc). select None or (e_bias [E] fp32, idx
     [B, k] int64, weights [B, k] fp32, scaling): the router's selection over outs[0] (fp32 logits [B, E]) fused
     (module doc), B <= SELECT_MAX_BATCH. chain None or (w2 [NF, R] bf16, f [B, NF] bf16): also f = outs[0] w2^T,
@@ -494,8 +494,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor 
     or (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u] (I even, the rows starting at a
     multiple of 4). w float8_e4m3fn [N, K] (K a multiple of 16) with w_scale [N] fp32 (W_true[n, :] = w[n, :]
     w_scale[n], applied to the fp32 sum): the plain outputs and the residual only. path None / "gemv": this
-    kernel; "mma": kernels/cute/proj_mma.py (tensor cores, the plain outputs and the residual only; cluster: its
-    split of K, None its own choice). Returns outs."""
+    kernel; "mma": kernels/cute/proj_mma.py (tensor cores, the plain outputs and the residual only; cluster and
+    tile_m: its split of K and rows a CTA, None its own choice). Returns outs."""
     if path not in PATHS:
         _fail("path", f"must be one of {PATHS}, got {path!r}")
     if path == "mma":
@@ -504,9 +504,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list, *, w_scale: torch.Tensor 
                 _fail(name, "is not taken by path 'mma' (the plain outputs and the residual are); use path 'gemv'")
         from .proj_mma import proj_mma
 
-        return proj_mma(x, w, outs, residual=residual, w_scale=w_scale, pdl=pdl, cluster=cluster)
-    if cluster is not None:
-        _fail("cluster", "is an option of path 'mma' (the GEMV splits no K); pass None")
+        return proj_mma(x, w, outs, residual=residual, w_scale=w_scale, pdl=pdl, cluster=cluster, tile_m=tile_m)
+    for name, v in (("cluster", cluster), ("tile_m", tile_m)):
+        if v is not None:
+            _fail(name, "is an option of path 'mma' (the GEMV splits no K, one warp a row); pass None")
     if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:
         for name, v in (("select", select), ("chain", chain), ("rmsp", rmsp), ("glu", glu)):
             if v is not None:

@@ -14,17 +14,18 @@ MMAs; e4m3 words widened by cvt.rn.f16x2.e4m3x2 on f16 MMAs, x then rounded to f
 the Triton fp8 path's `f16` range). B is x's row 8 j + g for n-tile j < NT = ceil(B / 8) (a lane past the batch
 reads row 0; those columns are never stored).
 
-Grid [C, ceil(N / 16)]: a tile of 16 output rows (MMA rows g, g + 8 = rows 16 m + g, + 8; rows past N re-read row
-N - 1 and are not stored) is one cluster of C CTAs of four warps, and the tile's NCH = K / (4 CW) chunks are cut into
-4 C contiguous ranges, one a warp (rank r, warp w: range 4 r + w). A warp takes its range in rounds of UNROLL chunks
-(the weights' loads of a round issued before its MMAs, the round's MMAs over CHAINS independent accumulators; the
-last round's chunks past the range re-read the range's last chunk with x zeroed, so every round has UNROLL loads in
-flight).
-The warps' fragments meet in shared memory (thread i sums element i over the warps in order), the cluster's at rank
-0 through distributed shared memory (one cluster barrier; rank 0 adds the ranks in order): deterministic, no atomics,
-no workspace. Rank 0's threads apply the row scale (fp8) and the residual and store. C (`cluster`, None: the smallest
-of CLUSTERS giving at least two CTAs an SM, at most one warp a chunk). pdl: a warp loads its first round's weights,
-then waits (griddepcontrol.wait) before it reads x or the residual.
+Grid [C, ceil(N / tile_m)]: a tile of tile_m = 16 RG output rows is one cluster of C CTAs of four warps; warp w
+takes row group w % RG (MMA rows g, g + 8 = rows 16 (m RG + w % RG) + g, + 8; rows past N re-read row N - 1 and are
+not stored) and K part w // RG of its CTA, so the RG warps of a part read the same x columns (L1 hits after the
+first) and the tile's NCH = K / (4 CW) chunks are cut into C KW contiguous ranges (KW = 4 / RG; rank r, part p:
+range KW r + p). A warp takes its range in rounds of UNROLL chunks (the weights' loads of a round issued before its
+MMAs, the round's MMAs over CHAINS independent accumulators; the last round's chunks past the range re-read the
+range's last chunk with x zeroed, so every round has UNROLL loads in flight). The warps' fragments meet in shared
+memory (thread i sums element i over its row group's KW warps in order), the cluster's at rank 0 through distributed
+shared memory (one cluster barrier; rank 0 adds the ranks in order): deterministic, no atomics, no workspace. Rank
+0's threads apply the row scale (fp8) and the residual and store. tile_m and C (`tile_m`, `cluster`; None: `plan`,
+the largest tile with the smallest cluster giving MIN_CTAS_PER_SM CTAs an SM). pdl: a warp loads its first round's
+weights, then waits (griddepcontrol.wait) before it reads x or the residual.
 
 Layout: x [B, K] bf16, unit stride along K, a row stride of 8 elements, 16-byte aligned; W [N, K] bf16 or
 float8_e4m3fn (one fp32 scale a row, w_scale [N]) contiguous, K a multiple of 4 CW (32 bf16, 64 fp8 columns);
@@ -33,8 +34,8 @@ outputs [B, N_i] bf16 or fp32 with unit inner stride (any row stride); a residua
 Floor (k3lab.ops.trunk.proj_bytes): the weights N K e (+ 4 N scale bytes) + x + outputs (+ residual) at the read
 bandwidth. Not yet timed on a GPU (thirty-fourth session: built and checked on the CPU emulator; offline SASS).
 
-Contract: proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None) -> outs on torch's current
-stream, CUDA-graph safe once a shape has compiled; pdl None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's.
+Contract: proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None, tile_m=None) -> outs on
+torch's current stream, CUDA-graph safe once a shape has compiled; pdl None: the enclosing pdl_chain's setting.
 """
 from typing import Any
 
@@ -46,6 +47,8 @@ MAX_BATCH = 16
 UNROLL = 4        # chunks a warp's round: their loads issued before their MMAs
 CHAINS = 2        # independent accumulator chains a warp and n-tile (k-steps taken round-robin, summed at the end)
 CLUSTERS = (1, 2, 4, 8)
+TILES_M = (16, 32, 64)  # output rows a CTA: its four warps over 1, 2 or 4 row groups of 16 (the rest split K)
+MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CTAs an SM where the chunks allow
 # x of the next round loaded during this one (its words carried to the next iteration): without it ptxas issues a
 # round's x loads next to their MMAs, a chain of L2 round trips a round after the weights' DRAM one (offline SASS);
 # not yet measured, so off
@@ -56,7 +59,7 @@ _THREADS = 32 * _WARPS
 BF16_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "shl.b32 a, $1, 16;", "and.b32 b, $1, 0xFFFF0000;",
                           "cvt.rn.f16x2.f32 $0, b, a;", "}"])
 
-__all__ = ["CLUSTERS", "MAX_BATCH", "cluster_for", "proj_mma"]
+__all__ = ["CLUSTERS", "MAX_BATCH", "TILES_M", "plan", "proj_mma"]
 
 _KERNEL_CLS = None
 
@@ -88,17 +91,19 @@ def _kernel_class():
         """A cluster of C CTAs (four warps each) per tile of 16 output rows, split along K."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool, fp8: bool, C: int,
-                     unroll: int, chains: int, x_ahead: bool = False):
+                     unroll: int, chains: int, x_ahead: bool = False, tile_m: int = 16):
             self.B, self.N, self.K, self.ends = B, N, K, tuple(int(e) for e in ends)
             self.residual, self.pdl, self.fp8, self.C = bool(residual), bool(pdl), bool(fp8), C
             self.CW = 16 if self.fp8 else 8          # columns a lane's 16-byte load of a row
             self.NCH = K // (4 * self.CW)            # chunks of 4 CW columns a row
             self.NT = (B + 7) // 8                   # n-tiles of 8 tokens
-            self.T = (N + 15) // 16                  # tiles of 16 output rows
-            self.RW = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
+            self.RG = tile_m // 16                   # row groups of 16 a CTA (warp w: row group w % RG)
+            self.KW = _WARPS // self.RG              # K parts a CTA (warp w: part w // RG)
+            self.T = (N + tile_m - 1) // tile_m      # tiles of tile_m output rows
+            self.WR = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
             self.NE = 128 * self.NT                  # fragment elements a tile: 4 a lane and n-tile
             self.UNR, self.CH, self.x_ahead = unroll, chains, bool(x_ahead)
-            assert 1 <= B <= MAX_BATCH and K % (4 * self.CW) == 0 and C in CLUSTERS
+            assert 1 <= B <= MAX_BATCH and K % (4 * self.CW) == 0 and C in CLUSTERS and tile_m in TILES_M
             assert 1 <= len(self.ends) <= MAX_OUTPUTS and self.ends[-1] == N
 
         @cute.jit
@@ -114,7 +119,7 @@ def _kernel_class():
         def load_w(self, p_w, wv, u, ra, rb, c, t):
             """Chunk c of rows ra (MMA row g) and rb (g + 8): this lane's 16 bytes of each into wv[8 u ..]."""
             for h in range(2):
-                off = cute.assume((ra if h == 0 else rb) * self.RW + 16 * c + 4 * t, divby=4)
+                off = cute.assume((ra if h == 0 else rb) * self.WR + 16 * c + 4 * t, divby=4)
                 cute.autovec_copy(vec(p_w, off, 4), cute.make_tensor(wv.iterator + 8 * u + 4 * h, cute.make_layout(4)))
 
         def load_x(self, p_x, xv, u, xrow, c, t, valid):
@@ -154,7 +159,7 @@ def _kernel_class():
                    p_o0: cute.Pointer, p_o1: cute.Pointer, p_o2: cute.Pointer, p_o3: cute.Pointer,
                    p_o4: cute.Pointer, p_o5: cute.Pointer, s_x: Int32, s_o0: Int32, s_o1: Int32, s_o2: Int32,
                    s_o3: Int32, s_o4: Int32, s_o5: Int32):
-            B, N, C, NT, NE, UNR = self.B, self.N, self.C, self.NT, self.NE, self.UNR
+            B, N, C, NT, NE, UNR, RG, KW = self.B, self.N, self.C, self.NT, self.NE, self.UNR, self.RG, self.KW
             tid, _, _ = cute.arch.thread_idx()
             rank, m, _ = cute.arch.block_idx()  # grid x = the cluster: the CTA's rank in it; y = the tile
             warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -163,14 +168,15 @@ def _kernel_class():
             t = lane % 4
             smem = cutlass.utils.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * NE), byte_alignment=16)
-            s_clu = smem.allocate_tensor(Float32, cute.make_layout(max(C - 1, 1) * NE), byte_alignment=16)
+            s_clu = smem.allocate_tensor(Float32, cute.make_layout(max(C - 1, 1) * RG * NE), byte_alignment=16)
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before DSMEM stores
-            q = rank * _WARPS + warp
-            lo = q * self.NCH // (C * _WARPS)    # this warp's chunks [lo, hi)
-            hi = (q + 1) * self.NCH // (C * _WARPS)
+            rg = warp % RG                       # this warp's row group, and its K part among the cluster's C KW
+            q = rank * KW + warp // RG
+            lo = q * self.NCH // (C * KW)        # this warp's chunks [lo, hi)
+            hi = (q + 1) * self.NCH // (C * KW)
             nround = (hi - lo + UNR - 1) // UNR  # rounds of UNR chunks; the last one's chunks past hi add 0
-            ra = 16 * m + g                      # MMA rows g and g + 8; past N: row N - 1, never stored
+            ra = 16 * (m * RG + rg) + g          # MMA rows g and g + 8; past N: row N - 1, never stored
             rb = ra + 8
             ra = cutlass.select_(ra < N, ra, Int32(N - 1))
             rb = cutlass.select_(rb < N, rb, Int32(N - 1))
@@ -222,27 +228,30 @@ def _kernel_class():
                         a = a + acc[4 * (j * self.CH + k) + v]
                     s_red[warp * NE + (4 * j + v) * 32 + lane] = a
             cute.arch.sync_threads()
-            tot = cute.make_rmem_tensor((NT,), Float32)  # thread tid: element tid + 128 j (n-tile j, v = warp)
-            for j in cutlass.range_constexpr(NT):
-                a = s_red[128 * j + tid]
-                for w in cutlass.range_constexpr(1, _WARPS):
-                    a = a + s_red[w * NE + 128 * j + tid]
-                tot[j] = a
+            # thread tid: element tid + 128 i of the CTA, i = rg NT + j (row group rg, n-tile j; v = warp), summed
+            # over the KW warps of its row group in order
+            tot = cute.make_rmem_tensor((RG * NT,), Float32)
+            for i in cutlass.range_constexpr(RG * NT):
+                a = s_red[(i // NT) * NE + 128 * (i % NT) + tid]
+                for kw in cutlass.range_constexpr(1, KW):
+                    a = a + s_red[(kw * RG + i // NT) * NE + 128 * (i % NT) + tid]
+                tot[i] = a
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_wait()         # every peer has started
                 if rank > 0:
-                    for j in cutlass.range_constexpr(NT):
-                        st_cluster_f32(s_clu.iterator + ((rank - 1) * NE + 128 * j + tid), 0, tot[j])
+                    for i in cutlass.range_constexpr(RG * NT):
+                        st_cluster_f32(s_clu.iterator + (((rank - 1) * RG * NT + i) * 128 + tid), 0, tot[i])
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
             if rank == 0:
                 outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
                 strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
-                row = 16 * m + g + 8 * (warp // 2)
-                for j in cutlass.range_constexpr(NT):
-                    y = tot[j]
+                for i in cutlass.range_constexpr(RG * NT):
+                    j = i % NT
+                    row = 16 * (m * RG + i // NT) + g + 8 * (warp // 2)
+                    y = tot[i]
                     for r in cutlass.range_constexpr(1, C):
-                        y = y + s_clu[(r - 1) * NE + 128 * j + tid]
+                        y = y + s_clu[((r - 1) * RG * NT + i) * 128 + tid]
                     b = 8 * j + 2 * t + warp % 2
                     if row < N:
                         if b < B:
@@ -250,11 +259,11 @@ def _kernel_class():
                                 y = y * vec(p_scale, row, 1)[0]
                             if cutlass.const_expr(self.residual):
                                 y = y + vec(p_res, b * N + row, 1)[0].to(Float32)
-                            for i in cutlass.range_constexpr(len(self.ends)):
-                                lo_i = 0 if i == 0 else self.ends[i - 1]
-                                if row >= lo_i:
-                                    if row < self.ends[i]:
-                                        vec(outs[i], b * strides[i] + row - lo_i, 1)[0] = y.to(outs[i].dtype)
+                            for o in cutlass.range_constexpr(len(self.ends)):
+                                lo_o = 0 if o == 0 else self.ends[o - 1]
+                                if row >= lo_o:
+                                    if row < self.ends[o]:
+                                        vec(outs[o], b * strides[o] + row - lo_o, 1)[0] = y.to(outs[o].dtype)
 
     _KERNEL_CLS = ProjMma
     return _KERNEL_CLS
@@ -267,16 +276,24 @@ def _kernel_class():
 _COMPILED: dict[tuple, Any] = {}
 
 
-def cluster_for(N: int, K: int, fp8: bool, sms: int) -> int:
-    """The automatic cluster size: the smallest of CLUSTERS whose CTAs (ceil(N / 16) tiles each) fill every SM
-    twice, with at least one chunk a warp; else the largest that keeps a chunk a warp (1 when even one CTA's four
-    warps outnumber the chunks: the warps past them add nothing)."""
+def plan(N: int, K: int, fp8: bool, sms: int, tile_m: int | None = None, cluster: int | None = None) -> tuple:
+    """(tile_m, cluster) for a call, None chosen: the largest tile (the most warps reading the same x columns from
+    L1) with the smallest cluster that gives MIN_CTAS_PER_SM CTAs an SM with a chunk a warp; where none does, the
+    most CTAs (ties: the larger tile, the smaller cluster). A cluster of one always fits (warps past the chunks add
+    nothing)."""
     nch = K // (64 if fp8 else 32)
-    fits = [c for c in CLUSTERS if c == 1 or 4 * c <= nch]
-    return next((c for c in fits if (N + 15) // 16 * c >= 2 * sms), fits[-1])
+    cands = [(tm, c) for tm in (TILES_M[::-1] if tile_m is None else (tile_m,))
+             for c in (CLUSTERS if cluster is None else (cluster,)) if c == 1 or 4 // (tm // 16) * c <= nch]
+    if not cands:  # both given: take them as they are
+        return tile_m, cluster
+    ctas = {tc: (N + tc[0] - 1) // tc[0] * tc[1] for tc in cands}
+    enough = [tc for tc in cands if ctas[tc] >= MIN_CTAS_PER_SM * sms]
+    if enough:
+        return enough[0]
+    return max(cands, key=lambda tc: (ctas[tc], tc[0], -tc[1]))
 
 
-def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None):
+def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None, tile_m=None):
     """outs[i] = x W_i^T (* w_scale) (+ residual) over the row ranges of w on tensor cores (module doc). Returns outs.
     Arguments are checked by name (ProjGemvError)."""
     import cutlass
@@ -285,11 +302,11 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None)
 
     pdl, B, K, N, fp8, ends = check_args(x, w, w_scale, outs, residual, pdl, kq=(32, 64), path=" for path 'mma'")
     dev = x.device
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    if cluster is None:
-        cluster = cluster_for(N, K, fp8, sms)
-    elif isinstance(cluster, bool) or cluster not in CLUSTERS:
+    if cluster is not None and (isinstance(cluster, bool) or cluster not in CLUSTERS):
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
+    if tile_m is not None and (isinstance(tile_m, bool) or tile_m not in TILES_M):
+        _fail("tile_m", f"must be None or one of {TILES_M}, got {tile_m!r}")
+    tile_m, cluster = plan(N, K, fp8, torch.cuda.get_device_properties(dev).multi_processor_count, tile_m, cluster)
     pad = list(outs) + [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
     I32, F32 = cutlass.Int32, cutlass.Float32
@@ -297,8 +314,8 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None)
             gmem_ptr(w_scale if fp8 else outs[0], F32 if fp8 else o_dt[outs[0].dtype], 4),  # not read without fp8
             gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
             *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
-    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, UNROLL, CHAINS,
-           X_AHEAD, dev.index)
+    key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, tile_m,
+           UNROLL, CHAINS, X_AHEAD, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -308,7 +325,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None)
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, fp8, cluster, UNROLL,
-                                              CHAINS, X_AHEAD), *args, stream)
+                                              CHAINS, X_AHEAD, tile_m), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
