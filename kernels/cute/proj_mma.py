@@ -274,6 +274,7 @@ def _kernel_class():
 # ---------------------------------------------------------------------------------------------
 
 _COMPILED: dict[tuple, Any] = {}
+_SMS: dict[int, int] = {}  # per device index: its SM count (for plan)
 
 
 def plan(N: int, K: int, fp8: bool, sms: int, tile_m: int | None = None, cluster: int | None = None) -> tuple:
@@ -306,7 +307,10 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
     if tile_m is not None and (isinstance(tile_m, bool) or tile_m not in TILES_M):
         _fail("tile_m", f"must be None or one of {TILES_M}, got {tile_m!r}")
-    tile_m, cluster = plan(N, K, fp8, torch.cuda.get_device_properties(dev).multi_processor_count, tile_m, cluster)
+    sms = _SMS.get(dev.index)
+    if sms is None:
+        sms = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    tile_m, cluster = plan(N, K, fp8, sms, tile_m, cluster)
     pad = list(outs) + [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
     I32, F32 = cutlass.Int32, cutlass.Float32
