@@ -31,7 +31,8 @@ from typing import Any
 
 import typer
 
-from k3lab.report import PROFILES_DIR
+from k3lab.report import PROFILES_DIR, parse_value
+from k3lab.report import split_values as _split_values
 
 # JupyterLab's dependencies bring rfc3987-syntax, which jsonschema imports when present (for a URI format
 # check nbformat never asks for) and which builds a grammar at import: ~3 s on every `k3lab` command that
@@ -49,13 +50,6 @@ class RunFailed(Exception):
     def __init__(self, message: str, run_dir: Path | None = None):
         super().__init__(message)
         self.run_dir = run_dir
-
-
-def parse_value(s: str) -> Any:
-    try:
-        return json.loads(s)
-    except (json.JSONDecodeError, ValueError):
-        return s
 
 
 def param_hash(params: dict[str, Any]) -> str:
@@ -676,25 +670,6 @@ def sweep(ctx: typer.Context, target: Path = typer.Argument(..., help="a plan (.
     if failed or n_reg:
         typer.echo(f"{len(failed)} failed run(s), {n_reg} regression(s)")
         raise typer.Exit(1)
-
-
-def _split_values(s: str) -> list[str]:
-    """Split on commas outside brackets/quotes, so NAME=[1,2],[3] works."""
-    out, depth, cur, quote = [], 0, "", False
-    for ch in s:
-        if ch == '"':
-            quote = not quote
-        if not quote and ch in "[{":
-            depth += 1
-        elif not quote and ch in "]}":
-            depth -= 1
-        if ch == "," and depth == 0 and not quote:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    out.append(cur)
-    return [v.strip() for v in out if v.strip()]
 
 
 @app.command()

@@ -206,6 +206,52 @@ ENV_KEYS = ("gpu", "sm_count", "driver", "cuda", "hip", "torch", "triton", "cutl
             "platform", "hostname", "commit", "dirty", "source_digest", "time")
 
 
+def parse_value(s: str) -> Any:
+    """A command-line or parameter value: JSON when it parses ("3", "true", "null", "[1, 2]"), else the string."""
+    try:
+        return json.loads(s)
+    except (json.JSONDecodeError, ValueError):
+        return s
+
+
+def split_values(s: str) -> list[str]:
+    """Split on commas outside brackets/quotes, so NAME=[1,2],[3] works."""
+    out, depth, cur, quote = [], 0, "", False
+    for ch in s:
+        if ch == '"':
+            quote = not quote
+        if not quote and ch in "[{":
+            depth += 1
+        elif not quote and ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0 and not quote:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [v.strip() for v in out if v.strip()]
+
+
+def option_grid(value: Any, name: str) -> dict[str, tuple]:
+    """A notebook's grid of kernel options (what `k3lab bench --grid NAME=v1,v2` takes) as a dict: "" (none), a dict
+    given as JSON (`-p options '{"path": [null, "mma"]}'`) or "NAME=v1,v2; NAME2=v3" (values parsed as JSON when
+    they parse: null, true, 8). Anything else is a ValueError naming the parameter."""
+    if isinstance(value, dict):
+        return {str(k): tuple(v) if isinstance(v, (list, tuple)) else (v,) for k, v in value.items()}
+    if not isinstance(value, str):
+        raise ValueError(f"parameter {name!r}: expected 'NAME=v1,v2; NAME2=v3' or a dict, got {value!r}")
+    out: dict[str, tuple] = {}
+    for item in (i.strip() for i in value.split(";")):
+        if not item:
+            continue
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ValueError(f"parameter {name!r}: expected 'NAME=v1,v2; NAME2=v3', got {item!r}")
+        k, vals = item.split("=", 1)
+        out[k.strip()] = tuple(parse_value(v) for v in split_values(vals))
+    return out
+
+
 def param_values(value: Any, name: str, *, ints: bool | str = False) -> list:
     """A notebook's list parameter as a list: a comma-separated string ("1,8,64", the parameters cells' form), a list
     given as JSON (`-p batches '[1, 8]'`) or one value (`-p batches 8`). ints=True: every value an integer (a digit

@@ -375,6 +375,20 @@ def test_nothing_ran_is_no_success(tmp_path, monkeypatch):
     assert out.exit_code == 1 and "no check ran" in out.output
 
 
+def test_notebook_option_grid_parameter():
+    """The trunk notebook's `options` (kernel options as a bench grid): "" none, "NAME=v1,v2; NAME2=v3" with values
+    parsed as the CLI's --grid parses them, or a dict given as JSON; a malformed item names the parameter."""
+    from k3lab.report import option_grid
+
+    assert option_grid("", "options") == {} == option_grid(" ; ", "options")
+    assert option_grid("path=null,mma; tile_m=16,64", "options") == {"path": (None, "mma"), "tile_m": (16, 64)}
+    assert option_grid({"path": [None, "mma"], "cluster": 8}, "options") == {"path": (None, "mma"), "cluster": (8,)}
+    with pytest.raises(ValueError, match="parameter 'options': expected 'NAME=v1,v2"):
+        option_grid("path", "options")
+    with pytest.raises(ValueError, match="parameter 'options'"):
+        option_grid(3, "options")
+
+
 def test_notebook_list_parameters_take_strings_lists_and_one_value():
     """A list parameter of the notebooks (`batches`, ...) as its parameters cell writes it ("1,8"), as JSON (`-p batches
     '[1, 8]'`, which used to split into '[1' and '8]') or one value; a non-integer where integers are due names it."""
