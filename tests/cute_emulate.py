@@ -1937,7 +1937,7 @@ def _fake_modules(emu: _Emu) -> dict:
 # reachable as m.kd / m.kv / m.kp, every one as m.mod[<name>]
 _KERNEL_MODULES = ("kda_decode", "kda_verify", "kda_prefill", "attnres_norm", "router_topk", "mla_cache_write",
                    "mla_combine", "proj_gemv", "moe_experts", "mla_query", "mla_decode", "moe_grouped", "moe_dense",
-                   "proj_mma")
+                   "proj_mma", "l2_prefetch")
 
 
 def _kernel_modules():

@@ -211,3 +211,19 @@ def test_moe_out_rmsp_tp8(backend, batch, pdl):
             trunk.proj(x, w, out, residual=p, prologue=("rmsp", ssp, Lat, 1e-6), backend=backend)
         torch.cuda.synchronize()
         assert ((out.double() - want).norm() / want.norm()).item() < 4e-3
+
+
+@pytest.mark.parametrize("wdtype,batch,budget", [("bf16", 1, 1 << 24), ("fp8", 3, 1 << 20), ("bf16", 64, 1 << 30)])
+def test_l2_prefetch_cute(wdtype, batch, budget):
+    """The `prefetch` switch's CuTe kernel (kernels/cute/l2_prefetch.py): its record of TP8 kda_in's plan against the
+    reference's lines through the checker, then a real prefetch (one bulk hint a range) on a side stream, its plan
+    the Triton twin's."""
+    op = registry.get("l2_prefetch")
+    c = op.case(preset="tp8", group="kda_in", batch=batch, wdtype=wdtype, budget=budget)
+    checker.require(checker.check(op, c, backend="cute", seed=batch))
+    d = op.make_inputs(c, 1, "cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        plan = trunk.prefetch_l2(d["w"], batch, budget=budget, backend="cute")
+    torch.cuda.synchronize()
+    assert plan == trunk.prefetch_plan(d["w"], batch, budget) and plan["lines"] > 0

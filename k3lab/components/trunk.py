@@ -25,6 +25,7 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
         the `prefetch` switch: pull into L2 the first columns of every split-K range that proj(x [batch, K], w)
         will stream, at most `budget` bytes (launch it on a side stream during a phase that moves few bytes).
         Nothing is computed; record (int64 [lines]) takes each line's first element index instead (tests).
+        backend "cute" (kernels/cute/l2_prefetch.py): the same lines as one bulk prefetch a contiguous range.
 
 Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.ops.trunk):
   reference      torch in fp32 (fp64 for fp64 inputs); for proj/proj_group a matmul of the dequantized weight
@@ -499,7 +500,7 @@ def prefetch_l2(w: torch.Tensor, batch: int, *, budget: int, prologue: bool = Fa
         _tensor("record", record, 1, (torch.int64,), w.device)
         if record.numel() < plan["lines"]:
             _fail("record", f"must hold at least {plan['lines']} entries (the lines), got {record.numel()}")
-    if be == "triton" and plan["lines"]:
+    if be in ("triton", "cute") and plan["lines"]:  # the same plan: a hint a line, or one bulk hint a range (cute)
         dispatch.kernel("l2_prefetch", be)(w, plan["ksplit"], plan["span"], record=record)
     elif record is not None and plan["lines"]:
         record[:plan["lines"]].copy_(prefetch_lines(*w.shape, plan["ksplit"], plan["span"], w.element_size()))

@@ -663,7 +663,7 @@ PREFETCH = register(Op(
     tolerances=lambda c: dict(rec=0.0), tolerance_why="the record of the lines covered: exact indices",
     call=call_prefetch, nbytes=lambda c: 0, flops=lambda c: 0, floor_bw="read",
     backends={"reference": "k3lab.components.trunk:prefetch_lines",
-              "triton": "k3lab_kernels.triton.l2_prefetch:prefetch"},
+              "triton": "k3lab_kernels.triton.l2_prefetch:prefetch", "cute": "k3lab_kernels.cute.l2_prefetch:prefetch"},
     valid=lambda c: c["group"] in GROUPS and c["budget"] >= 0 and 1 <= c["batch"] <= _max_batch(),
     test_file="tests/test_trunk.py",
 ))

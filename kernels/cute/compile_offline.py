@@ -3,8 +3,8 @@ stack and local memory (spills), read off the cubin with cuobjdump.
 
     PYTHONPATH=<CuTe DSL site>:<CuTe DSL site>/nvidia_cutlass_dsl/dsl_packages \\
         python kernels/cute/compile_offline.py
-            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|proj_mma|moe|moe_grouped|
-             moe_dense|mla_query|mla_decode]
+            [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|proj_mma|l2_prefetch|moe|
+             moe_grouped|moe_dense|mla_query|mla_decode]
             [--quick] [--keep DIR]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
@@ -311,6 +311,15 @@ def _cases(only: str | None, quick: bool):
                 cases.append((name + " x_ahead", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
                               kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, True, tm),
                               qargs(o_dts, fp8)))
+    if only in (None, "l2_prefetch"):
+        from kernels.cute import l2_prefetch as kl
+        # W's int32 words, the record's int32 words; TP8 kda_in's weight (6284 x 7168) at the plan's dot-path
+        # split (1792 columns) and a 512-column span, bf16 and fp8, prefetching and recording
+        for esize in (2, 1):
+            for rec in (False, True):
+                cases.append((f"l2_prefetch N6284 K7168 ksplit1792 span512 e{esize}" + (" record" if rec else ""),
+                              lambda e=esize, r=rec: kl._kernel_class()(6284, 7168, 1792, 512, e, r),
+                              [P(i32, 16), P(i32, 8), S]))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act, w2, s2; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
@@ -432,9 +441,9 @@ def main(argv=None) -> int:
         elif a.startswith("--only="):
             only = a.split("=", 1)[1]
     if only not in (None, "prefill", "decode", "verify", "attnres", "router", "mla_cache_write", "mla_combine", "proj",
-                    "proj_mma", "moe", "moe_grouped", "moe_dense", "mla_query", "mla_decode"):
+                    "proj_mma", "l2_prefetch", "moe", "moe_grouped", "moe_dense", "mla_query", "mla_decode"):
         print(f"--only must be prefill, decode, verify, attnres, router, mla_cache_write, mla_combine, proj, proj_mma, "
-              f"moe, moe_grouped, moe_dense, mla_query or mla_decode (got {only!r})")
+              f"l2_prefetch, moe, moe_grouped, moe_dense, mla_query or mla_decode (got {only!r})")
         return 2
     quick = "--quick" in argv
     keep = None  # --keep DIR: copy each configuration's cubin to DIR/<name>.cubin (to diff SASS across commits)

@@ -69,8 +69,9 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
-# the device helpers the kernels below are written with (vec, ids, seg_reduce, sigmoid, tanh), for the one-token
-# dense experts (kernels/cute/moe_dense.py): set by _kernel_classes()
+# the device helpers the kernels below are written with (vec, ids, seg_reduce, sigmoid, tanh, prefetch_l2), for the
+# one-token dense experts (kernels/cute/moe_dense.py) and the L2 prefetch (kernels/cute/l2_prefetch.py): set by
+# _kernel_classes()
 DEVICE_OPS = None
 # rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel. Alone
 # (experiments/moe_cute/README.md) 4 and 4 were ahead of 2, 8 and 16 at TP8 and TP16; inside the batch-1 decode step
@@ -352,7 +353,8 @@ def _kernel_classes():
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
     _KERNEL_CLS = (MoEUp, MoEDown)
-    DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, seg_reduce=seg_reduce, sigmoid=sigmoid, tanh=tanh)
+    DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, seg_reduce=seg_reduce, sigmoid=sigmoid, tanh=tanh,
+                                       prefetch_l2=prefetch_l2)
     return _KERNEL_CLS
 
 
