@@ -285,10 +285,10 @@ def _cases(only: str | None, quick: bool):
                                                                   (3584, 896)), gargs([bf] * 6)))
     if only in (None, "proj_mma"):
         from kernels.cute import proj_mma as kq
-        # x and W as int32 words, the row scales (fp8; else an unread output pointer), the residual, six outputs,
+        # x and W as int32 words, the row scales (fp8; else x's, unread), the residual, six outputs,
         # x's row stride and six output row strides
         def qargs(o_dts, fp8):
-            return ([P(i32, 16), P(i32, 16), P(f32, 4) if fp8 else P(o_dts[0], 4), P(bf, 2)]
+            return ([P(i32, 16), P(i32, 16), P(f32, 4), P(bf, 2)]
                     + [P(dt, dt.width // 8) for dt in o_dts] + [i32(7168)] * 7 + [S])
         # (the plan's tile_m and cluster at 132 SMs: kda_q 32 / 8, moe_down 64 / 8, kda_o 64 / 4, mla_dkv 16 / 8)
         for B, N, K, ends, res, pdl, fp8, C, TM, o_dts in (

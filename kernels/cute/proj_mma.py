@@ -315,7 +315,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
     o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
     I32, F32 = cutlass.Int32, cutlass.Float32
     args = [gmem_ptr(x.view(torch.int32), I32, 16), gmem_ptr(w.view(torch.int32), I32, 16),
-            gmem_ptr(w_scale if fp8 else outs[0], F32 if fp8 else o_dt[outs[0].dtype], 4),  # not read without fp8
+            gmem_ptr(w_scale if fp8 else x, F32, 4),  # x: never read as the scales without fp8 weights
             gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
             *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, tile_m,
