@@ -11,6 +11,9 @@
 #                                              FlashInfer's fused decode (no fla: .gpu/base does not fit beside),
 #                                              then $EXTRA (a command line) if set
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
+#   STEP=pending carry [".gpu/cute"]           the kernels built without a device: PART=1 their GPU tests and the
+#                                              dense experts' bench, PART=2 the projections' path "mma", PART=3
+#                                              their settings (one call each)
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
@@ -72,6 +75,32 @@ mla)
   $B --backends triton --no-peers --ops mla_combine --name mla_combine --grid heads=12 --grid batch=1,64 \
      --grid partitions=1,4,33,132,264 --deadline 40 2>&1 | tail -n 3
   pack mla ;;
-*) echo "STEP must be cute, bench, fi, layer or mla" >&2; exit 2 ;;
+pending)
+  # the kernels built without a device (docs/NOTES_moe.md, NOTES_trunk.md, thirty-third and thirty-fourth sessions),
+  # in parts that each fit one call: PART=1 their GPU tests and the dense experts' bench, PART=2 the projections'
+  # path "mma" benches, PART=3 the settings (experiments/*/variants.py); bundles under $OUT/pending/<gpu>/
+  unpack cute; install
+  mkdir -p "$OUT/pending"
+  B="$K bench --out $OUT/pending --no-variants --skip torch_compile,reference --reps ${REPS:-20}"
+  case "${PART:-1}" in
+  1)
+    timeout 240 python3 -m pytest -q -m gpu tests/test_moe_cute.py tests/test_proj_cute.py \
+      -k "dense or w2_tail or mma or l2_prefetch" 2>&1 | tee "$OUT/pending/pytest_gpu.log" | tail -n 6
+    timeout 300 $B moe --ops moe_experts --backends triton,cute --name moe_dense --deadline 260 \
+      --grid dtype=bf16,fp8 --grid batch=1,8,16,64 --grid tp=8 --grid routing=uniform,same16 --grid latent=3584 \
+      --grid inter=3072 --grid n_experts=896 --grid top_k=16 2>&1 | tail -n 30 ;;
+  2)
+    timeout 330 $B trunk --ops proj --backends triton,cute --name proj_mma --deadline 300 --grid preset=tp8 \
+      --grid batch=1,2,4,8,16 --grid wdtype=bf16,fp8 --grid proj=kda_q,kda_o,moe_down,mla_dkv --grid path=null,mma \
+      2>&1 | tail -n 30
+    timeout 200 $B trunk --ops proj_group --backends triton,cute --name proj_group_mma --deadline 180 \
+      --grid preset=tp8 --grid batch=1,4,8 --grid group=kda_in,mla_in,moe_in --grid path=null,mma 2>&1 | tail -n 20 ;;
+  3)
+    CLUSTERS=null,2,8 TILES=null,16,64 BATCHES=4,8 timeout 280 python3 experiments/proj_mma/variants.py "$OUT/pending" \
+      2>&1 | tail -n 40
+    KERNEL=moe_dense timeout 280 python3 experiments/moe_cute/variants.py "$OUT/pending" 2>&1 | tail -n 25 ;;
+  esac
+  pack pending ;;
+*) echo "STEP must be cute, bench, fi, layer, mla or pending" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
