@@ -59,8 +59,9 @@ def test_proj_fp8_tp8(name, batch, residual):
                                                  ("mla_dkv", 9, False), ("kda_b", 4, False), ("kda_fb", 3, False)])
 def test_proj_mma_tp8(wdtype, name, batch, residual):
     """Path "mma" (kernels/cute/proj_mma.py: tensor cores, K split over a cluster) against fp64 at K3's TP8 shapes, its
-    automatic tile and cluster; then inside a pdl chain (the first round of weights before the wait) bit-equal to the
-    plain launch, and other tiles and cluster sizes equal to within fp32 summation order."""
+    automatic tile and cluster; then inside a pdl chain (the first round of weights before the wait), with x loaded a
+    round ahead (X_AHEAD) and staged in shared memory (X_SMEM) bit-equal to the plain launch, and other tiles and
+    cluster sizes equal to within fp32 summation order."""
     from k3lab_kernels.triton.pdl import pdl_chain
 
     c = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype=wdtype, residual=residual, prologue="none")
@@ -74,9 +75,19 @@ def test_proj_mma_tp8(wdtype, name, batch, residual):
             trunk.proj(d["x"], d["w"], y, w_scale=ws, residual=d.get("residual"), backend="cute", path="mma",
                        cluster=cl, tile_m=tm)
         ys.append(y.float())
+    from k3lab_kernels.cute import proj_mma as pm
+
+    for k in ("X_AHEAD", "X_SMEM"):  # where x comes from and when: the same products in the same order
+        setattr(pm, k, True)
+        try:
+            y = torch.full_like(d["y0"], float("nan"))
+            trunk.proj(d["x"], d["w"], y, w_scale=ws, residual=d.get("residual"), backend="cute", path="mma")
+            ys.insert(2, y.float())
+        finally:
+            setattr(pm, k, False)
     torch.cuda.synchronize()
-    assert torch.equal(ys[0], ys[1])
-    for y in ys[2:]:
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]) and torch.equal(ys[0], ys[3])
+    for y in ys[4:]:
         assert (y - ys[0]).abs().max() <= 1e-2 * ys[0].abs().max()
 
 

@@ -2,7 +2,8 @@
 emulator (tests/cute_emulate.py): through the shared checker (k3lab.harness.checker: fresh inputs, outputs poisoned,
 the fp64 reference, inputs unchanged, the registry's tolerances) at the `tiny` preset, then at widths with several
 rounds a warp and a remainder, every cluster size, one and two n-tiles, a partial row tile, fp8 weights over every
-e4m3 code, the row tiles (tile_m) and the module's settings (UNROLL, CHAINS, X_AHEAD), and what it refuses, by name.
+e4m3 code, the row tiles (tile_m) and the module's settings (UNROLL, CHAINS, X_AHEAD, X_SMEM), and what it refuses,
+by name.
 
 Tolerance of the direct checks: fp32 outputs against fp64 within 1e-5 of the largest value (bf16 and e4m3 products
 are exact on the MMAs, fp32 sums; fp8's x is rounded to f16, exact for these normal-range bf16 inputs).
@@ -80,7 +81,7 @@ def _weights(N, K, fp8, g):
     return w, None, w.double()
 
 
-_AHEAD, _U2 = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}
+_AHEAD, _U2, _SMEM = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}, {"X_SMEM": True}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -92,6 +93,8 @@ _AHEAD, _U2 = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}
     (16, 40, 23, 1, 32, _AHEAD),  # the next round's x loaded during this one
     (9, 17, 50, 4, 64, _AHEAD),
     (5, 24, 37, 2, 16, _U2),      # rounds of two chunks, one accumulator chain
+    (16, 40, 23, 2, 32, _SMEM),   # x staged in shared memory by bulk copies (the CTAs' ranges of 11 and 12 chunks)
+    (3, 17, 50, 8, 64, _SMEM),
 ], ids=lambda v: "-".join(f"{k.lower()}{x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, tile_m, settings):
     g = torch.Generator().manual_seed(B * 1000 + chunks)
@@ -125,18 +128,20 @@ def test_strided_x_residual_and_bf16_output():
     assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
-def test_pdl_reads_only_the_weight_before_the_wait():
-    """Under pdl a warp's first round of W loads before griddepcontrol.wait (W is no kernel's output); the emulator
-    refuses the same launch when W is not declared readable early (the check is live)."""
+@pytest.mark.parametrize("settings", [{}, _SMEM], ids=["global", "x_smem"])
+def test_pdl_reads_only_the_weight_before_the_wait(settings):
+    """Under pdl a warp's first round of W loads before griddepcontrol.wait (W is no kernel's output), and x (its
+    bulk copies with X_SMEM) only after; the emulator refuses the same launch when W is not declared readable early
+    (the check is live)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 512, generator=g).to(torch.bfloat16)
     w, _, wd = _weights(16, 512, False, g)
     out = torch.full((2, 16), float("nan"), dtype=torch.float32)
-    run_mma(x, w, [out], pdl=True, cluster=1)
+    run_mma(x, w, [out], pdl=True, cluster=1, settings=settings)
     want = x.double() @ wd.T
     assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
     with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
-        run_mma(x, w, [out], pdl=True, cluster=1, early=frozenset())
+        run_mma(x, w, [out], pdl=True, cluster=1, early=frozenset(), settings=settings)
 
 
 def test_plan_fills_the_sms_with_whole_chunks():

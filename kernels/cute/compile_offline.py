@@ -307,9 +307,12 @@ def _cases(only: str | None, quick: bool):
                     + (" residual" if res else "") + (" pdl" if pdl else ""))
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM: kq._kernel_class()(
                 B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, kq.X_AHEAD, tm), qargs(o_dts, fp8)))
-            if len(ends) == 1 and K == 7168:  # the next round's x loaded during this one (X_AHEAD)
+            if len(ends) == 1 and K == 7168:  # the next round's x loaded during this one (X_AHEAD); x staged (X_SMEM)
                 cases.append((name + " x_ahead", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
                               kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, True, tm),
+                              qargs(o_dts, fp8)))
+                cases.append((name + " x_smem", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
+                              kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, False, tm, True),
                               qargs(o_dts, fp8)))
     if only in (None, "l2_prefetch"):
         from kernels.cute import l2_prefetch as kl

@@ -53,6 +53,10 @@ MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CT
 # round's x loads next to their MMAs, a chain of L2 round trips a round after the weights' DRAM one (offline SASS);
 # not yet measured, so off
 X_AHEAD = False
+# x's columns of the CTA's K range staged in shared memory by one bulk copy a token row (one mbarrier), read from
+# there by every warp: x's loads no longer wait on L2 round trips in the rounds (the alternative to X_AHEAD); not yet
+# measured, so off
+X_SMEM = False
 _WARPS = 4
 _THREADS = 32 * _WARPS
 # a word of two bf16 (the low half the lower column) -> the same two values as f16x2 (round to nearest even)
@@ -72,6 +76,7 @@ def _kernel_class():
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, Int32, cute
+    from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
     from . import kda_decode, moe_dense as md
@@ -84,6 +89,13 @@ def _kernel_class():
         return cute.make_tensor(ptr + off, cute.make_layout(n))
 
     @dsl_user_op
+    def bulk_load(dst_smem, src_gmem, mbar, nbytes, *, loc=None, ip=None):
+        """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes of nbytes contiguous bytes."""
+        _nvvm.cp_async_bulk_shared_cluster_global(
+            dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
+            mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+
+    @dsl_user_op
     def bf16_f16(w, *, loc=None, ip=None):
         return Int32(mo.asm(Int32.mlir_type, [Int32(w).ir_value(loc=loc, ip=ip)], BF16_F16_PTX, "=r,r", loc, ip))
 
@@ -91,7 +103,7 @@ def _kernel_class():
         """A cluster of C CTAs (four warps each) per tile of 16 output rows, split along K."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool, fp8: bool, C: int,
-                     unroll: int, chains: int, x_ahead: bool = False, tile_m: int = 16):
+                     unroll: int, chains: int, x_ahead: bool = False, tile_m: int = 16, x_smem: bool = False):
             self.B, self.N, self.K, self.ends = B, N, K, tuple(int(e) for e in ends)
             self.residual, self.pdl, self.fp8, self.C = bool(residual), bool(pdl), bool(fp8), C
             self.CW = 16 if self.fp8 else 8          # columns a lane's 16-byte load of a row
@@ -102,7 +114,10 @@ def _kernel_class():
             self.T = (N + tile_m - 1) // tile_m      # tiles of tile_m output rows
             self.WR = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
             self.NE = 128 * self.NT                  # fragment elements a tile: 4 a lane and n-tile
-            self.UNR, self.CH, self.x_ahead = unroll, chains, bool(x_ahead)
+            self.UNR, self.CH, self.x_ahead, self.x_smem = unroll, chains, bool(x_ahead), bool(x_smem)
+            # X_SMEM: a staged token row's words (the CTA's at most ceil(NCH / C) chunks, 2 CW words each), padded by
+            # 16 words so that rows g and g + 1 fall in different bank halves
+            self.XS = -(-self.NCH // C) * 2 * self.CW + 16
             assert 1 <= B <= MAX_BATCH and K % (4 * self.CW) == 0 and C in CLUSTERS and tile_m in TILES_M
             assert 1 <= len(self.ends) <= MAX_OUTPUTS and self.ends[-1] == N
 
@@ -123,8 +138,9 @@ def _kernel_class():
                 cute.autovec_copy(vec(p_w, off, 4), cute.make_tensor(wv.iterator + 8 * u + 4 * h, cute.make_layout(4)))
 
         def load_x(self, p_x, xv, u, xrow, c, t, valid):
-            """Chunk c of each n-tile's x row (words from xrow[j]): this lane's CW columns into xv (CW / 2 words an
-            n-tile and chunk), zeros where not `valid` (a round's chunk past the warp's range: its MMAs add 0)."""
+            """Chunk c of each n-tile's x row (words from xrow[j] of p_x: global memory, or the staged rows with c
+            counted from the CTA's first chunk): this lane's CW columns into xv (CW / 2 words an n-tile and chunk),
+            zeros where not `valid` (a round's chunk past the warp's range: its MMAs add 0)."""
             XW = self.CW // 2
             for j in range(self.NT):
                 base = (u * self.NT + j) * XW
@@ -169,6 +185,13 @@ def _kernel_class():
             smem = cutlass.utils.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * NE), byte_alignment=16)
             s_clu = smem.allocate_tensor(Float32, cute.make_layout(max(C - 1, 1) * RG * NE), byte_alignment=16)
+            if cutlass.const_expr(self.x_smem):
+                s_xs = smem.allocate_tensor(Int32, cute.make_layout(B * self.XS), byte_alignment=128)  # x staged
+                mbar = smem.allocate_array(cutlass.Int64, 1, byte_alignment=8)
+                if tid == 0:
+                    cute.arch.mbarrier_init(mbar, 1)
+                    cute.arch.mbarrier_init_fence()
+                cute.arch.sync_threads()
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before DSMEM stores
             rg = warp % RG                       # this warp's row group, and its K part among the cluster's C KW
@@ -183,7 +206,7 @@ def _kernel_class():
             xrow = []                            # n-tile j's x row 8 j + g in words (past the batch: row 0)
             for j in cutlass.range_constexpr(NT):
                 tok = 8 * j + g
-                xrow.append(cutlass.select_(tok < B, tok, Int32(0)) * (s_x // 2))
+                xrow.append(cutlass.select_(tok < B, tok, Int32(0)) * (self.XS if self.x_smem else s_x // 2))
             acc = cute.make_rmem_tensor((4 * NT * self.CH,), Float32)
             acc.fill(0.0)
             wv = cute.make_rmem_tensor((8 * UNR,), Int32)
@@ -195,12 +218,27 @@ def _kernel_class():
                         self.load_w(p_w, wv, u, ra, rb, cutlass.select_(lo + u < hi, lo + u, last), t)
                 cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                 cute.arch.griddepcontrol_launch_dependents()
+            xsrc, xoff = p_x, Int32(0)           # where x's chunks are read, and the chunk they count from
+            if cutlass.const_expr(self.x_smem):  # the CTA's chunks [c_lo, c_hi) of every token row, one bulk copy each
+                c_lo = rank * self.NCH // C
+                nb = (rank + 1) * self.NCH // C * (8 * self.CW) - c_lo * (8 * self.CW)
+                if tid == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.B * nb)
+                    if nb > 0:
+                        for bb in cutlass.range_constexpr(self.B):
+                            bulk_load(s_xs.iterator + bb * self.XS, p_x + (bb * (s_x // 2) + c_lo * 2 * self.CW), mbar,
+                                      nb)
+                ok = cute.arch.mbarrier_test_wait(mbar, 0)
+                while not ok:
+                    ok = cute.arch.mbarrier_test_wait(mbar, 0)
+                xsrc, xoff = s_xs.iterator, c_lo
             xn = xv
             if cutlass.const_expr(self.x_ahead):  # the first round's x
                 xn = cute.make_rmem_tensor((UNR * NT * (self.CW // 2),), Int32)
                 if nround > 0:
                     for u in cutlass.range_constexpr(UNR):
-                        self.load_x(p_x, xn, u, xrow, cutlass.select_(lo + u < hi, lo + u, last), t, lo + u < hi)
+                        self.load_x(xsrc, xn, u, xrow, cutlass.select_(lo + u < hi, lo + u, last) - xoff, t,
+                                    lo + u < hi)
             for i in cutlass.range(nround, unroll=1):
                 c0 = lo + i * UNR
                 if cutlass.const_expr(self.pdl):
@@ -215,10 +253,11 @@ def _kernel_class():
                         xv[k] = xn[k]
                     for u in cutlass.range_constexpr(UNR):
                         c1 = c0 + UNR + u
-                        self.load_x(p_x, xn, u, xrow, cutlass.select_(c1 < hi, c1, last), t, c1 < hi)
+                        self.load_x(xsrc, xn, u, xrow, cutlass.select_(c1 < hi, c1, last) - xoff, t, c1 < hi)
                 else:
                     for u in cutlass.range_constexpr(UNR):
-                        self.load_x(p_x, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last), t, c0 + u < hi)
+                        self.load_x(xsrc, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last) - xoff, t,
+                                    c0 + u < hi)
                 self.round_mma(wv, xv, acc, UNR)
             # the chains summed; fragment element (4 j + v) 32 + lane into this warp's slot
             for j in cutlass.range_constexpr(NT):
@@ -319,7 +358,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
             gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
             *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, tile_m,
-           UNROLL, CHAINS, X_AHEAD, dev.index)
+           UNROLL, CHAINS, X_AHEAD, X_SMEM, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -329,7 +368,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, fp8, cluster, UNROLL,
-                                              CHAINS, X_AHEAD, tile_m), *args, stream)
+                                              CHAINS, X_AHEAD, tile_m, X_SMEM), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
