@@ -224,7 +224,7 @@ def test_moe_out_rmsp_tp8(backend, batch, pdl):
         assert ((out.double() - want).norm() / want.norm()).item() < 4e-3
 
 
-@pytest.mark.parametrize("wdtype,batch,budget", [("bf16", 1, 1 << 24), ("fp8", 3, 1 << 20), ("bf16", 64, 1 << 30)])
+@pytest.mark.parametrize("wdtype,batch,budget", [("bf16", 1, 1 << 24), ("fp8", 3, 1 << 24), ("bf16", 64, 1 << 30)])
 def test_l2_prefetch_cute(wdtype, batch, budget):
     """The `prefetch` switch's CuTe kernel (kernels/cute/l2_prefetch.py): its record of TP8 kda_in's plan against the
     reference's lines through the checker, then a real prefetch (one bulk hint a range) on a side stream, its plan
