@@ -341,7 +341,9 @@ class DecodeStep:
         elif sw.proj_cute:
             why["proj_cute"] = (f"on: the projections of <= {PROJ_CUTE_MAX_TOKENS} token with bf16 weights, no input "
                                 f"prologue or fused selection, K <= {PROJ_CUTE_SHORT_K} or >= {PROJ_CUTE_MIN_OUTPUTS} "
-                                f"outputs over K a multiple of 1024, on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)")
+                                f"outputs over K a multiple of 1024, on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)"
+                                + (f"; those of 2..{PROJ_MMA_MAX_TOKENS} tokens without a prologue or fused selection "
+                                   f"on its tensor-core path (proj_mma_takes)" if PROJ_MMA_MAX_TOKENS >= 2 else ""))
         if sw.prefetch and over.get("proj") != "triton":
             why["prefetch"] = "on, but no effect: the projections are not on triton (nothing prefetches)"
         elif sw.prefetch:
@@ -593,6 +595,9 @@ MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.
 MOE_GLUE_FOLD_MAX_TOKENS = 1
 MOE_GLUE_FOLD_ALIGN = 256       # the latent width a multiple of this: the CuTe GEMV's rmsp takes whole 256-column steps
 PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
+# the `proj_cute` switch's projections of 2..this many tokens on the CuTe tensor-core path (k3lab_kernels.cute.proj_mma,
+# `proj_mma_takes`); 0: off, the default until measured inside the step (experiments/step_folds/step_ab.py proj_mma)
+PROJ_MMA_MAX_TOKENS = 0
 PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
 
@@ -615,6 +620,24 @@ def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, 
             and sh_row0 % 4 == 0 and (be_experts in ("reference", "torch_compile")
                                       or (be_experts == "cute" and experts_fmt == "mxfp4"))
             and norm_w.dtype == torch.bfloat16 and lat % MOE_GLUE_FOLD_ALIGN == 0)
+
+
+def proj_mma_takes(n_tok: int, k_in: int, *, prologue: bool = False, select: bool = False,
+                   wdtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the `proj_cute` switch runs a step projection of several tokens on the CuTe tensor-core path (path
+    "mma": 2..PROJ_MMA_MAX_TOKENS tokens, bf16 or fp8 weights, K a multiple of 32 / 64, no input prologue or fused
+    selection; the fused folds of one token, chain, GLU output and rmsp, stay the GEMV's). Off (0) until measured."""
+    return (2 <= n_tok <= PROJ_MMA_MAX_TOKENS and not prologue and not select
+            and wdtype in (torch.bfloat16, torch.float8_e4m3fn)
+            and k_in % (64 if wdtype == torch.float8_e4m3fn else 32) == 0)
+
+
+MMA = "cute:mma"  # a part's backend when proj_mma_takes it: backend "cute", path "mma"
+
+
+def proj_backend(be: str) -> dict:
+    """The trunk call's backend keywords for a part's backend string (MMA: the cute backend's path "mma")."""
+    return dict(backend="cute", path="mma") if be == MMA else dict(backend=be)
 
 
 def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
@@ -726,11 +749,15 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                                                              select=select, wdtype=w.dtype):
             cute_parts.add(part)
             return "cute"
+        if proj_cute and be == "triton" and proj_mma_takes(N, w.shape[1], prologue=prologue, select=select,
+                                                           wdtype=w.dtype):
+            cute_parts.add(part)
+            return MMA
         return be
 
     def P(x, w, out=None, residual=None, prologue=None, be_=None):
         r = None if residual is None else flat(residual).contiguous()
-        return trunk.proj(flat(x).contiguous(), w, out, residual=r, prologue=prologue, backend=be_ or be)
+        return trunk.proj(flat(x).contiguous(), w, out, residual=r, prologue=prologue, **proj_backend(be_ or be))
 
     fused = ("in_proj", "decay_proj", "out_proj", "q_proj", "kv_proj", "moe_in", "moe_out", "dense_mlp")
     out: OrderedDict[str, Any] = OrderedDict()
@@ -755,7 +782,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                  and R % 8 == 0 and R <= K_STEP)
 
         def in_proj():
-            trunk.proj_group(flat(b["h"]), w_in, [fa, qkv, g, beta], backend=be_in,
+            trunk.proj_group(flat(b["h"]), w_in, [fa, qkv, g, beta], **proj_backend(be_in),
                              chain=(w.w_fb, f) if chain else None)
             return b["qkv"]
 
@@ -802,7 +829,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                  and mla_ops.query_supports("cute", dict(B=N, Dn=Dn, Dr=Dr, C=C)) is None)
 
         def in_proj():
-            trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], backend=be_in)
+            trunk.proj_group(flat(b["h"]), w_in, [cq, ckv, gl], **proj_backend(be_in))
             return cq
 
         cqn = None if fuse_pro else buf(Q)
@@ -893,7 +920,7 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
             def shares(qs):
                 for q in qs:
                     outs = [logits[:, ce[q]], z[:, cl[q]]] + ([gu[:, :sI], gu[:, sI:]] if q == 0 and sh0 else [])
-                    trunk.proj_group(flat(b["h2"]), w_rank[q], outs, backend=be_rank[q])
+                    trunk.proj_group(flat(b["h2"]), w_rank[q], outs, **proj_backend(be_rank[q]))
 
             if ranks == "one":
                 if "h2" in b:
@@ -922,9 +949,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
                 glu = (sh[0].b1, sh[0].b2) if fold else None
                 if fuse_sel or fuse_cute:  # the top-k in the group's launch
                     trunk.proj_group(flat(b["h2"]), w_in_moe, outs, select=trunk.Select(bias, idx, wk, r.scaling),
-                                     backend=be_min, glu=glu)
+                                     **proj_backend(be_min), glu=glu)
                 else:
-                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, backend=be_min, glu=glu)
+                    trunk.proj_group(flat(b["h2"]), w_in_moe, outs, **proj_backend(be_min), glu=glu)
                     topk()
                 b["idx"], b["wk"] = idx, wk
                 return idx, wk
@@ -960,9 +987,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
 
             def moe_out():
                 glue_in()
-                trunk.proj(xin[:, Lat:], w_sh2, xo, residual=flat(b["p"]).contiguous(), backend=be_sh2)
+                trunk.proj(xin[:, Lat:], w_sh2, xo, residual=flat(b["p"]).contiguous(), **proj_backend(be_sh2))
                 for q in qs:
-                    trunk.proj(xin[:, :Lat], w_up[q], xo[:, cd[q]], residual=xo[:, cd[q]], backend=be_up[q])
+                    trunk.proj(xin[:, :Lat], w_up[q], xo[:, cd[q]], residual=xo[:, cd[q]], **proj_backend(be_up[q]))
                 b["x_out"] = xo.view(*lead, D)
                 return b["x_out"]
             d_own = sum(w_up[q].shape[0] for q in qs)

@@ -175,6 +175,38 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     assert "proj_cute=False->True" in dict(S.toggle_list(FUSED, st.switches))
 
 
+def test_proj_mma_routes_the_few_token_projections(monkeypatch):
+    """PROJ_MMA_MAX_TOKENS (0, off, until measured inside the step): with `proj_cute` at 2..N tokens the projections
+    `proj_mma_takes` accepts go to the cute backend's tensor-core path (path "mma"), none of the one-token folds
+    (chain, GLU output, rmsp) with them; at one token the GEMV rule is unchanged. (Wiring: the calls are captured.)"""
+    from k3lab.components import trunk
+
+    takes = S.proj_mma_takes
+    monkeypatch.setattr(S, "PROJ_MMA_MAX_TOKENS", 16)
+    assert takes(2, 7168) and takes(16, 1536) and takes(8, 7168, wdtype=torch.float8_e4m3fn)
+    assert not takes(1, 7168) and not takes(17, 7168) and not takes(4, 7168, prologue=True)
+    assert not takes(4, 7168, select=True) and not takes(4, 96, wdtype=torch.float8_e4m3fn)
+    assert not takes(4, 40) and not takes(4, 64, wdtype=torch.float32)
+    assert S.proj_backend(S.MMA) == dict(backend="cute", path="mma")
+    assert S.proj_backend("triton") == {"backend": "triton"}
+    seen: list = []
+    monkeypatch.setattr(trunk, "proj", lambda *a, backend, path=None, **k: seen.append(("proj", backend, path)))
+    monkeypatch.setattr(trunk, "proj_group", lambda *a, backend, path=None, **k: seen.append(
+        ("group", backend, path, k.get("chain") is not None, k.get("glu") is not None)))
+    st = S.DecodeStep(_tiny(batch=2, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
+    kda = st.layers[1]
+    assert kda.ran["in_proj"] == "cute" and kda.ran["out_proj"] == "cute"
+    assert "proj_mma_takes" in st.why["proj_cute"]
+    st.comps[1]["in_proj"][0]()
+    st.comps[1]["decay_proj"][0]()  # no chain: its own launch, on triton here (the tiny preset's K 8 is no 32)
+    st.comps[1]["out_proj"][0]()
+    assert seen == [("group", "cute", "mma", False, False), ("proj", "triton", None), ("proj", "cute", "mma")]
+    monkeypatch.setattr(S, "PROJ_MMA_MAX_TOKENS", 0)
+    st.set_switches(FUSED)
+    st.set_switches(FUSED.replace(proj_cute=True))
+    assert set(st.layers[1].ran.values()) == {"triton"}
+
+
 def test_moe_glue_fold_same_output(monkeypatch):
     """With the MoE input group on the CuTe GEMV (proj_cute) at one token the MoE output's glue folds into the
     launches around it (`moe_glue_fold`): the group stores situ(g, u) as its GLU output, the experts write

@@ -1,4 +1,4 @@
-"""The decode step at batch 1 (TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) with one
+"""The decode step at batch 1 (BATCH; TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) with one
 launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm against arm in one build:
   kda_chain  the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
              (KDA_DECAY_CHAIN_MAX_TOKENS 16, the default) or its own CuTe GEMV launch (0);
@@ -25,7 +25,10 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
              cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
   w2_tail    each one-token up CTA requesting its share of the pair's W2 rows into L2 once its own rows are read
-             (moe_experts.W2_TAIL; not measured yet).
+             (moe_experts.W2_TAIL; not measured yet);
+  proj_mma   (BATCH=2..16) the `proj_cute` switch's projections of several tokens on Triton (PROJ_MMA_MAX_TOKENS 0,
+             the default) or on the CuTe tensor-core path (16), its x staged in shared memory or not (proj_mma.X_SMEM;
+             not measured yet).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -47,11 +50,12 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, w2_tail)
+        mla_ksplit, w2_tail, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
 import json
+import os
 import sys
 
 import torch
@@ -62,7 +66,8 @@ from k3lab.harness import env as envmod, timing
 from k3lab.harness.numerics import rel_norm_error
 
 ROUNDS = 3
-P = dict(preset="tp8", batch=1, context=8192, expert_dtype="mxfp4", pdl=True, proj_cute=True, kda_pdl=True)
+P = dict(preset="tp8", batch=int(os.environ.get("BATCH", "1")), context=8192, expert_dtype="mxfp4", pdl=True,
+         proj_cute=True, kda_pdl=True)
 FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                        ("own_launch", {"KDA_DECAY_CHAIN_MAX_TOKENS": 0})),
          # (git history at 6659250: "moe_glue": in_experts MOE_GLUE_IN_EXPERTS True / own_launch False)
@@ -110,6 +115,10 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 4)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
+         # (BATCH=2..16) the several-token projections on Triton or on the CuTe tensor-core path
+         "proj_mma": (("triton", {"PROJ_MMA_MAX_TOKENS": 0}),
+                      ("mma", {"PROJ_MMA_MAX_TOKENS": 16, "k3lab_kernels.cute.proj_mma:X_SMEM": False}),
+                      ("mma_smem", {"PROJ_MMA_MAX_TOKENS": 16, "k3lab_kernels.cute.proj_mma:X_SMEM": True})),
          }
 
 
