@@ -92,7 +92,8 @@ class Switches:
     # predecessor's results, reading only weights and never-written tensors before; k3lab_kernels.triton.pdl)
     pdl: bool = False
     # the step (projections on triton): the one-token projections with many outputs and no input prologue or fused
-    # router selection through the CuTe DSL GEMV (kernels/cute/proj_gemv.py; k3lab.step.proj_cute_takes says which)
+    # router selection through the CuTe DSL GEMV (kernels/cute/proj_gemv.py; k3lab.step.proj_cute_takes says which);
+    # with k3lab.step.PROJ_MMA_MAX_TOKENS >= 2 (0 until measured) also those of several tokens on its tensor-core path
     proj_cute: bool = False
 
     def __post_init__(self) -> None:
