@@ -95,6 +95,7 @@ _AHEAD, _U2, _SMEM = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}, {"X_SMEM": T
     (5, 24, 37, 2, 16, _U2),      # rounds of two chunks, one accumulator chain
     (16, 40, 23, 2, 32, _SMEM),   # x staged in shared memory by bulk copies (the CTAs' ranges of 11 and 12 chunks)
     (3, 17, 50, 8, 64, _SMEM),
+    (2, 16, 4, 8, 16, _SMEM),     # four chunks over eight CTAs: half of them stage and add nothing
 ], ids=lambda v: "-".join(f"{k.lower()}{x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, tile_m, settings):
     g = torch.Generator().manual_seed(B * 1000 + chunks)
