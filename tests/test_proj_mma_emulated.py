@@ -81,21 +81,22 @@ def _weights(N, K, fp8, g):
     return w, None, w.double()
 
 
-_AHEAD, _U2, _SMEM = {"X_AHEAD": True}, {"UNROLL": 2, "CHAINS": 1}, {"X_SMEM": True}
+# X_SMEM is the default: the global-memory form (and X_AHEAD, its alternative) named
+_AHEAD, _U2, _GLOBAL = {"X_AHEAD": True, "X_SMEM": False}, {"UNROLL": 2, "CHAINS": 1}, {"X_SMEM": False}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("B,N,chunks,cluster,tile_m,settings", [
-    (16, 40, 23, 1, 16, {}),      # four K parts of 5-6 chunks: a full round of four, then one past the range
-    (5, 24, 37, 2, 32, {}),       # two row groups, four K parts of 9-10 chunks
-    (9, 17, 50, 4, 16, {}),       # sixteen K parts of 3-4 chunks: one round, partly past the range
-    (1, 40, 72, 8, 64, {}),       # four row groups (the last past N), eight K parts of 9 chunks
-    (16, 40, 23, 1, 32, _AHEAD),  # the next round's x loaded during this one
+    (16, 40, 23, 1, 16, {}),        # four K parts of 5-6 chunks: a full round of four, then one past the range
+    (5, 24, 37, 2, 32, {}),         # two row groups, four K parts of 9-10 chunks
+    (9, 17, 50, 4, 16, {}),         # sixteen K parts of 3-4 chunks: one round, partly past the range
+    (1, 40, 72, 8, 64, {}),         # four row groups (the last past N), eight K parts of 9 chunks
+    (2, 16, 4, 8, 16, {}),          # four chunks over eight CTAs: half of them stage and add nothing
+    (16, 40, 23, 2, 32, _GLOBAL),   # x read from global memory in the rounds
+    (9, 17, 50, 4, 16, _GLOBAL),
+    (16, 40, 23, 1, 32, _AHEAD),    # ... the next round's x loaded during this one
     (9, 17, 50, 4, 64, _AHEAD),
-    (5, 24, 37, 2, 16, _U2),      # rounds of two chunks, one accumulator chain
-    (16, 40, 23, 2, 32, _SMEM),   # x staged in shared memory by bulk copies (the CTAs' ranges of 11 and 12 chunks)
-    (3, 17, 50, 8, 64, _SMEM),
-    (2, 16, 4, 8, 16, _SMEM),     # four chunks over eight CTAs: half of them stage and add nothing
+    (5, 24, 37, 2, 16, _U2),        # rounds of two chunks, one accumulator chain
 ], ids=lambda v: "-".join(f"{k.lower()}{x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, tile_m, settings):
     g = torch.Generator().manual_seed(B * 1000 + chunks)
@@ -129,11 +130,11 @@ def test_strided_x_residual_and_bf16_output():
     assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
-@pytest.mark.parametrize("settings", [{}, _SMEM], ids=["global", "x_smem"])
+@pytest.mark.parametrize("settings", [{}, _GLOBAL], ids=["x_smem", "global"])
 def test_pdl_reads_only_the_weight_before_the_wait(settings):
     """Under pdl a warp's first round of W loads before griddepcontrol.wait (W is no kernel's output), and x (its
-    bulk copies with X_SMEM) only after; the emulator refuses the same launch when W is not declared readable early
-    (the check is live)."""
+    bulk copies into shared memory, or its loads in the rounds) only after; the emulator refuses the same launch when
+    W is not declared readable early (the check is live)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 512, generator=g).to(torch.bfloat16)
     w, _, wd = _weights(16, 512, False, g)

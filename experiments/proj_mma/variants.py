@@ -19,8 +19,8 @@ M = importlib.import_module("k3lab_kernels.cute.proj_mma")
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("proj")
-VARIANTS = json.loads(os.environ.get("VARIANTS", '[{}, {"X_AHEAD": true}, {"X_SMEM": true}, {"UNROLL": 2}, '
-                                                '{"CHAINS": 1}]'))
+VARIANTS = json.loads(os.environ.get("VARIANTS", '[{}, {"X_SMEM": false}, {"X_SMEM": false, "X_AHEAD": true}, '
+                                                '{"UNROLL": 2}, {"CHAINS": 1}]'))
 CLUSTERS = [None if c == "null" else int(c) for c in os.environ.get("CLUSTERS", "null").split(",")]
 TILES = [None if c == "null" else int(c) for c in os.environ.get("TILES", "null").split(",")]
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "2,4,8,16").split(",")]

@@ -20,7 +20,8 @@ not stored) and K part w // RG of its CTA, so the RG warps of a part read the sa
 first) and the tile's NCH = K / (4 CW) chunks are cut into C KW contiguous ranges (KW = 4 / RG; rank r, part p:
 range KW r + p). A warp takes its range in rounds of UNROLL chunks (the weights' loads of a round issued before its
 MMAs, the round's MMAs over CHAINS independent accumulators; the last round's chunks past the range re-read the
-range's last chunk with x zeroed, so every round has UNROLL loads in flight). The warps' fragments meet in shared
+range's last chunk with x zeroed, so every round has UNROLL loads in flight; x itself staged in shared memory first,
+X_SMEM). The warps' fragments meet in shared
 memory (thread i sums element i over its row group's KW warps in order), the cluster's at rank 0 through distributed
 shared memory (one cluster barrier; rank 0 adds the ranks in order): deterministic, no atomics, no workspace. Rank
 0's threads apply the row scale (fp8) and the residual and store. tile_m and C (`tile_m`, `cluster`; None: `plan`,
@@ -49,14 +50,15 @@ CHAINS = 2        # independent accumulator chains a warp and n-tile (k-steps ta
 CLUSTERS = (1, 2, 4, 8)
 TILES_M = (16, 32, 64)  # output rows a CTA: its four warps over 1, 2 or 4 row groups of 16 (the rest split K)
 MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CTAs an SM where the chunks allow
-# x of the next round loaded during this one (its words carried to the next iteration): without it ptxas issues a
-# round's x loads next to their MMAs, a chain of L2 round trips a round after the weights' DRAM one (offline SASS);
-# not yet measured, so off
+# (X_SMEM off) x of the next round loaded during this one (its words carried to the next iteration): without it
+# ptxas issues a round's x loads next to their MMAs, a chain of L2 round trips a round after the weights' DRAM one
+# (offline SASS); not yet measured, so off
 X_AHEAD = False
 # x's columns of the CTA's K range staged in shared memory by one bulk copy a token row (one mbarrier), read from
-# there by every warp: x's loads no longer wait on L2 round trips in the rounds (the alternative to X_AHEAD); not yet
-# measured, so off
-X_SMEM = False
+# there by every warp: x's loads no longer wait on L2 round trips in the rounds. On: the path is unmeasured as a whole,
+# and this form is the cleaner one in the offline SASS (the weights' loads of a round together, x by LDS, 72 registers
+# at fp8 / 8 tokens against 80); off reads x from global memory in the rounds (the alternative the sweeps time)
+X_SMEM = True
 _WARPS = 4
 _THREADS = 32 * _WARPS
 # a word of two bf16 (the low half the lower column) -> the same two values as f16x2 (round to nearest even)
