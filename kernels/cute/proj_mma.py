@@ -20,11 +20,12 @@ not stored) and K part w // RG of its CTA, so the RG warps of a part read the sa
 first) and the tile's NCH = K / (4 CW) chunks are cut into C KW contiguous ranges (KW = 4 / RG; rank r, part p:
 range KW r + p). A warp takes its range in rounds of UNROLL chunks (the weights' loads of a round issued before its
 MMAs, the round's MMAs over CHAINS independent accumulators; the last round's chunks past the range re-read the
-range's last chunk with x zeroed, so every round has UNROLL loads in flight; x itself staged in shared memory first,
-X_SMEM). The warps' fragments meet in shared
-memory (thread i sums element i over its row group's KW warps in order), the cluster's at rank 0 through distributed
-shared memory (one cluster barrier; rank 0 adds the ranks in order): deterministic, no atomics, no workspace. Rank
-0's threads apply the row scale (fp8) and the residual and store. tile_m and C (`tile_m`, `cluster`; None: `plan`,
+range's last chunk with x zeroed, so every round has UNROLL loads in flight). x (X_SMEM, the default): after the pdl
+wait one thread bulk-copies the CTA's columns of every token row into shared memory (one mbarrier) while the first
+round's weights stream, and the rounds read it with LDS. The warps' fragments meet in shared memory (thread i sums
+element i over its row group's KW warps in order), the cluster's at rank 0 through distributed shared memory (one
+cluster barrier; rank 0 adds the ranks in order): deterministic, no atomics, no workspace. Rank 0's threads apply the
+row scale (fp8) and the residual and store. tile_m and C (`tile_m`, `cluster`; None: `plan`,
 the largest tile with the smallest cluster giving MIN_CTAS_PER_SM CTAs an SM). pdl: a warp loads its first round's
 weights, then waits (griddepcontrol.wait) before it reads x or the residual.
 
