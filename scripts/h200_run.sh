@@ -96,8 +96,8 @@ pending)
     timeout 200 $B trunk --ops proj_group --backends triton,cute --name proj_group_mma --deadline 180 \
       --grid preset=tp8 --grid batch=1,4,8 --grid group=kda_in,mla_in,moe_in --grid path=null,mma 2>&1 | tail -n 20 ;;
   3)
-    CLUSTERS=null,2,8 TILES=null,16,64 BATCHES=4,8 timeout 280 python3 experiments/proj_mma/variants.py "$OUT/pending" \
-      2>&1 | tail -n 40
+    PROJS=kda_q,moe_down WDTYPES=bf16,fp8 BATCHES=8 TILES=null,16,64 timeout 280 \
+      python3 experiments/proj_mma/variants.py "$OUT/pending" 2>&1 | tail -n 40
     KERNEL=moe_dense timeout 280 python3 experiments/moe_cute/variants.py "$OUT/pending" 2>&1 | tail -n 25 ;;
   esac
   pack pending ;;
