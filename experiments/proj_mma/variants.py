@@ -63,8 +63,9 @@ for wdtype, proj, batch in [(w, p, b) for w in WDTYPES for p in PROJS for b in B
         print(wdtype, proj, batch, name, round(t.median_us, 2), chk.ok, flush=True)
     del sets
     torch.cuda.empty_cache()
-json.dump(dict(probes=pr, rows=rows, reps=REPS, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
-          open(f"{OUT}/proj_mma_variants.json", "w"), indent=1)
+    # after every case: a run cut short by its call's limit keeps what it measured
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    json.dump(dict(probes=pr, rows=rows, reps=REPS, env=env), open(f"{OUT}/proj_mma_variants.json", "w"), indent=1)
 print("\n%-5s %-9s %5s %-44s %9s %9s %8s %s" % ("w", "proj", "batch", "variant", "us", "p90", "floor", "ok"))
 for r in rows:
     if "error" in r:
