@@ -67,8 +67,10 @@ for dtype, tp, batch in [(d, t, b) for d in DTYPES for b in BATCHES for t in ((8
         print(dtype, tp, batch, name, round(t.median_us, 2), chk.ok, flush=True)
     del sets
     torch.cuda.empty_cache()
-json.dump(dict(probes=pr, rows=rows, reps=REPS, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
-          open(f"{OUT}/{'moe_cute' if KERNEL == 'moe_experts' else 'moe_dense'}_variants.json", "w"), indent=1)
+    # after every case: a run cut short by its call's limit keeps what it measured
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    json.dump(dict(probes=pr, rows=rows, reps=REPS, env=env),
+              open(f"{OUT}/{'moe_cute' if KERNEL == 'moe_experts' else 'moe_dense'}_variants.json", "w"), indent=1)
 print("\n%-6s %3s %5s %-40s %9s %9s %9s %8s %s" % ("dtype", "TP", "batch", "variant", "us", "p10", "p90", "floor",
                                                   "ok"))
 for r in rows:
