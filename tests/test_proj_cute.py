@@ -60,7 +60,7 @@ def test_proj_fp8_tp8(name, batch, residual):
 def test_proj_mma_tp8(wdtype, name, batch, residual):
     """Path "mma" (kernels/cute/proj_mma.py: tensor cores, K split over a cluster) against fp64 at K3's TP8 shapes, its
     automatic tile and cluster; then inside a pdl chain (the first round of weights before the wait), with x loaded a
-    round ahead (X_AHEAD) and read from global memory or staged (X_SMEM flipped) bit-equal to the plain launch, and
+    from global memory or staged (X_SMEM flipped, with and without pdl) bit-equal to the plain launch, and
     other tiles and cluster sizes equal to within fp32 summation order."""
     from k3lab_kernels.triton.pdl import pdl_chain
 
@@ -77,15 +77,16 @@ def test_proj_mma_tp8(wdtype, name, batch, residual):
         ys.append(y.float())
     from k3lab_kernels.cute import proj_mma as pm
 
-    for k, v in (("X_AHEAD", True), ("X_SMEM", not pm.X_SMEM)):  # where x comes from and when: the same products
-        old = getattr(pm, k)                                          # in the same order
-        setattr(pm, k, v)
+    staged = pm.X_SMEM
+    for pdl in (False, True):  # where x comes from: the same products in the same order
+        pm.X_SMEM = not staged
         try:
             y = torch.full_like(d["y0"], float("nan"))
-            trunk.proj(d["x"], d["w"], y, w_scale=ws, residual=d.get("residual"), backend="cute", path="mma")
+            with pdl_chain(pdl):
+                trunk.proj(d["x"], d["w"], y, w_scale=ws, residual=d.get("residual"), backend="cute", path="mma")
             ys.insert(2, y.float())
         finally:
-            setattr(pm, k, old)
+            pm.X_SMEM = staged
     torch.cuda.synchronize()
     assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]) and torch.equal(ys[0], ys[3])
     for y in ys[4:]:

@@ -2,7 +2,7 @@
 emulator (tests/cute_emulate.py): through the shared checker (k3lab.harness.checker: fresh inputs, outputs poisoned,
 the fp64 reference, inputs unchanged, the registry's tolerances) at the `tiny` preset, then at widths with several
 rounds a warp and a remainder, every cluster size, one and two n-tiles, a partial row tile, fp8 weights over every
-e4m3 code, the row tiles (tile_m) and the module's settings (UNROLL, CHAINS, X_AHEAD, X_SMEM), and what it refuses,
+e4m3 code, the row tiles (tile_m) and the module's settings (UNROLL, CHAINS, X_SMEM), and what it refuses,
 by name.
 
 Tolerance of the direct checks: fp32 outputs against fp64 within 1e-5 of the largest value (bf16 and e4m3 products
@@ -25,7 +25,7 @@ def run_mma(x, w, outs, residual=None, w_scale=None, pdl=False, cluster=None, ea
             settings=None, tile_m=None):
     """proj(..., path="mma") on the emulator, with the int32 views the wrapper makes registered (x's bf16 pairs, a
     bf16 weight's pairs). early: the tensors a PDL launch may read before its wait (default: w); settings: module
-    settings of proj_mma for this call (e.g. {"X_AHEAD": True})."""
+    settings of proj_mma for this call (e.g. {"X_SMEM": False})."""
     t = dict(x=x, w=w, x_words=x.reshape(-1).view(torch.int32), **{f"o{i}": o for i, o in enumerate(outs)})
     if w.dtype == torch.bfloat16:
         t["w_words"] = w.reshape(-1).view(torch.int32)
@@ -81,8 +81,8 @@ def _weights(N, K, fp8, g):
     return w, None, w.double()
 
 
-# X_SMEM is the default: the global-memory form (and X_AHEAD, its alternative) named
-_AHEAD, _U2, _GLOBAL = {"X_AHEAD": True, "X_SMEM": False}, {"UNROLL": 2, "CHAINS": 1}, {"X_SMEM": False}
+# X_SMEM is the default: the global-memory form named
+_U2, _GLOBAL = {"UNROLL": 2, "CHAINS": 1}, {"X_SMEM": False}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -94,8 +94,8 @@ _AHEAD, _U2, _GLOBAL = {"X_AHEAD": True, "X_SMEM": False}, {"UNROLL": 2, "CHAINS
     (2, 16, 4, 8, 16, {}),          # four chunks over eight CTAs: half of them stage and add nothing
     (16, 40, 23, 2, 32, _GLOBAL),   # x read from global memory in the rounds
     (9, 17, 50, 4, 16, _GLOBAL),
-    (16, 40, 23, 1, 32, _AHEAD),    # ... the next round's x loaded during this one
-    (9, 17, 50, 4, 64, _AHEAD),
+    (16, 40, 23, 1, 32, _GLOBAL),
+    (9, 17, 50, 4, 64, _GLOBAL),
     (5, 24, 37, 2, 16, _U2),        # rounds of two chunks, one accumulator chain
 ], ids=lambda v: "-".join(f"{k.lower()}{x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_rounds_remainders_and_clusters(fp8, B, N, chunks, cluster, tile_m, settings):

@@ -1,10 +1,10 @@
 """GPU study of the few-token tensor-core projection (kernels/cute/proj_mma.py, path "mma" of the cute projection;
-issue 13) at K3's TP8 shapes: its module settings (UNROLL chunks a round, CHAINS accumulator chains, X_AHEAD the next
-round's x loaded during this one, X_SMEM x staged in shared memory), row tiles and cluster sizes, each set checked
+issue 13) at K3's TP8 shapes: its module settings (UNROLL chunks a round, CHAINS accumulator chains, X_SMEM x staged in
+shared memory), row tiles and cluster sizes, each set checked
 against fp64 by the shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside
 Triton's default and the cute GEMV of the same run.
 Run: python experiments/proj_mma/variants.py $OUT [REPS]   (writes $OUT/proj_mma_variants.json, prints a table)
-     VARIANTS='[{"X_AHEAD": true}]' CLUSTERS=null,4,8 TILES=null,16,64 BATCHES=4,8 PROJS=kda_q WDTYPES=fp8 ..."""
+     VARIANTS='[{"X_SMEM": false}]' CLUSTERS=null,4,8 TILES=null,16,64 BATCHES=4,8 PROJS=kda_q WDTYPES=fp8 ..."""
 import importlib
 import json
 import os
@@ -19,8 +19,7 @@ M = importlib.import_module("k3lab_kernels.cute.proj_mma")
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 OP = registry.get("proj")
-VARIANTS = json.loads(os.environ.get("VARIANTS", '[{}, {"X_SMEM": false}, {"X_SMEM": false, "X_AHEAD": true}, '
-                                                '{"UNROLL": 2}, {"CHAINS": 1}]'))
+VARIANTS = json.loads(os.environ.get("VARIANTS", '[{}, {"X_SMEM": false}, {"UNROLL": 2}, {"CHAINS": 1}]'))
 CLUSTERS = [None if c == "null" else int(c) for c in os.environ.get("CLUSTERS", "null").split(",")]
 TILES = [None if c == "null" else int(c) for c in os.environ.get("TILES", "null").split(",")]
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "2,4,8,16").split(",")]

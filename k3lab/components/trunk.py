@@ -322,11 +322,10 @@ def _cute_ran(opts: dict, x: torch.Tensor, w: torch.Tensor) -> dict:
     cluster None took kernels/cute/proj_mma.py's plan on this device."""
     ran = {**opts, "path": opts.get("path") or "gemv"}
     if ran["path"] == "mma" and x.device.type == "cuda":
-        from k3lab_kernels.cute.proj_mma import plan
+        from k3lab_kernels.cute.proj_mma import plan, sm_count
 
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        ran["tile_m"], ran["cluster"] = plan(w.shape[0], w.shape[1], w.dtype == torch.float8_e4m3fn, sms,
-                                             ran.get("tile_m"), ran.get("cluster"))
+        ran["tile_m"], ran["cluster"] = plan(w.shape[0], w.shape[1], w.dtype == torch.float8_e4m3fn,
+                                             sm_count(x.device), ran.get("tile_m"), ran.get("cluster"))
     return ran
 
 

@@ -306,13 +306,11 @@ def _cases(only: str | None, quick: bool):
             name = (f"proj_mma {'fp8' if fp8 else 'bf16'} B{B} N{N} K{K} C{C} M{TM} outs{len(ends)}"
                     + (" residual" if res else "") + (" pdl" if pdl else ""))
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM: kq._kernel_class()(
-                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, kq.X_AHEAD, tm, kq.X_SMEM), qargs(o_dts, fp8)))
-            if len(ends) == 1 and K == 7168:  # x from global memory in the rounds, and a round ahead (X_AHEAD)
-                for xa in (False, True):
-                    cases.append((name + (" x_global_ahead" if xa else " x_global"),
-                                  lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM, xa=xa:
-                                  kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, xa, tm, False),
-                                  qargs(o_dts, fp8)))
+                B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, tm, kq.X_SMEM), qargs(o_dts, fp8)))
+            if len(ends) == 1 and K == 7168:  # x from global memory in the rounds (X_SMEM off)
+                cases.append((name + " x_global", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
+                              kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, tm, False),
+                              qargs(o_dts, fp8)))
     if only in (None, "l2_prefetch"):
         from kernels.cute import l2_prefetch as kl
         # W's int32 words, the record's int32 words; TP8 kda_in's weight (6284 x 7168) at the plan's dot-path

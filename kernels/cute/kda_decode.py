@@ -204,8 +204,17 @@ def _dsl():
             for i in cutlass.range_constexpr(3):
                 win2[i] = win2[i + 1]
 
+    @dsl_user_op
+    def bulk_load(dst_smem, src_gmem, mbar, nbytes, *, loc=None, ip=None):
+        """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes of nbytes contiguous bytes (global ->
+        this CTA's shared memory, completing on `mbar`; the MLA decode's and the few-token projection's)."""
+        _nvvm.cp_async_bulk_shared_cluster_global(
+            dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
+            mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+
     _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
                            sigmoid=sigmoid, expf=expf, rsqrtf=rsqrtf, vec=vec, st_cluster_f32=st_cluster_f32,
+                           bulk_load=bulk_load,
                            warp_sum=warp_sum,
                            prologue_position=prologue_position, position_norms=position_norms)
     return _DSL

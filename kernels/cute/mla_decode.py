@@ -115,9 +115,8 @@ def _kernel_class():
 
     d = kda_decode._dsl()
     cuda, cutlass, Float32, Int32, cute = d.cuda, d.cutlass, d.Float32, d.Int32, d.cute
-    vec, st_cluster_f32 = d.vec, d.st_cluster_f32
+    vec, st_cluster_f32, bulk_load = d.vec, d.st_cluster_f32, d.bulk_load
     from cutlass._mlir.dialects import llvm as _llvm
-    from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
     def _asm(res, ops, text, cons, loc, ip):
@@ -145,13 +144,6 @@ def _kernel_class():
     def pack_bf16x2(hi, lo, *, loc=None, ip=None):
         return Int32(_asm(Int32.mlir_type, [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
                           PACK_PTX, "=r,f,f", loc, ip))
-
-    @dsl_user_op
-    def bulk_load(dst_smem, src_gmem, mbar, nbytes: int, *, loc=None, ip=None):
-        """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes of nbytes contiguous bytes."""
-        _nvvm.cp_async_bulk_shared_cluster_global(
-            dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
-            mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
     def mma_acc(acc, o, a0, a1, a2, a3, b0, b1):
         r = mma4(a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])

@@ -51,10 +51,6 @@ CHAINS = 2        # independent accumulator chains a warp and n-tile (k-steps ta
 CLUSTERS = (1, 2, 4, 8)
 TILES_M = (16, 32, 64)  # output rows a CTA: its four warps over 1, 2 or 4 row groups of 16 (the rest split K)
 MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CTAs an SM where the chunks allow
-# (X_SMEM off) x of the next round loaded during this one (its words carried to the next iteration): without it
-# ptxas issues a round's x loads next to their MMAs, a chain of L2 round trips a round after the weights' DRAM one
-# (offline SASS); not yet measured, so off
-X_AHEAD = False
 # x's columns of the CTA's K range staged in shared memory by one bulk copy a token row (one mbarrier), read from
 # there by every warp: x's loads no longer wait on L2 round trips in the rounds. On: the path is unmeasured as a whole,
 # and this form is the cleaner one in the offline SASS (the weights' loads of a round together, x by LDS, 72 registers
@@ -66,7 +62,7 @@ _THREADS = 32 * _WARPS
 BF16_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "shl.b32 a, $1, 16;", "and.b32 b, $1, 0xFFFF0000;",
                           "cvt.rn.f16x2.f32 $0, b, a;", "}"])
 
-__all__ = ["CLUSTERS", "MAX_BATCH", "TILES_M", "plan", "proj_mma"]
+__all__ = ["CLUSTERS", "MAX_BATCH", "TILES_M", "plan", "proj_mma", "sm_count"]
 
 _KERNEL_CLS = None
 
@@ -79,24 +75,16 @@ def _kernel_class():
     import cuda.bindings.driver as cuda
     import cutlass
     from cutlass import Float32, Int32, cute
-    from cutlass._mlir.dialects import nvvm as _nvvm
     from cutlass.cutlass_dsl import dsl_user_op
 
     from . import kda_decode, moe_dense as md
 
     md._grouped_classes()
     mo = md.MMA_OPS
-    st_cluster_f32 = kda_decode._dsl().st_cluster_f32
+    st_cluster_f32, bulk_load = kda_decode._dsl().st_cluster_f32, kda_decode._dsl().bulk_load
 
     def vec(ptr, off, n):
         return cute.make_tensor(ptr + off, cute.make_layout(n))
-
-    @dsl_user_op
-    def bulk_load(dst_smem, src_gmem, mbar, nbytes, *, loc=None, ip=None):
-        """cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes of nbytes contiguous bytes."""
-        _nvvm.cp_async_bulk_shared_cluster_global(
-            dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
-            mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
     @dsl_user_op
     def bf16_f16(w, *, loc=None, ip=None):
@@ -106,7 +94,7 @@ def _kernel_class():
         """A cluster of C CTAs (four warps each) per tile of 16 output rows, split along K."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool, fp8: bool, C: int,
-                     unroll: int, chains: int, x_ahead: bool = False, tile_m: int = 16, x_smem: bool = False):
+                     unroll: int, chains: int, tile_m: int = 16, x_smem: bool = False):
             self.B, self.N, self.K, self.ends = B, N, K, tuple(int(e) for e in ends)
             self.residual, self.pdl, self.fp8, self.C = bool(residual), bool(pdl), bool(fp8), C
             self.CW = 16 if self.fp8 else 8          # columns a lane's 16-byte load of a row
@@ -117,7 +105,7 @@ def _kernel_class():
             self.T = (N + tile_m - 1) // tile_m      # tiles of tile_m output rows
             self.WR = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
             self.NE = 128 * self.NT                  # fragment elements a tile: 4 a lane and n-tile
-            self.UNR, self.CH, self.x_ahead, self.x_smem = unroll, chains, bool(x_ahead), bool(x_smem)
+            self.UNR, self.CH, self.x_smem = unroll, chains, bool(x_smem)
             # X_SMEM: a staged token row's words (the CTA's at most ceil(NCH / C) chunks, 2 CW words each), padded by
             # 16 words so that rows g and g + 1 fall in different bank halves
             self.XS = -(-self.NCH // C) * 2 * self.CW + 16
@@ -235,13 +223,6 @@ def _kernel_class():
                 while not ok:
                     ok = cute.arch.mbarrier_test_wait(mbar, 0)
                 xsrc, xoff = s_xs.iterator, c_lo
-            xn = xv
-            if cutlass.const_expr(self.x_ahead):  # the first round's x
-                xn = cute.make_rmem_tensor((UNR * NT * (self.CW // 2),), Int32)
-                if nround > 0:
-                    for u in cutlass.range_constexpr(UNR):
-                        self.load_x(xsrc, xn, u, xrow, cutlass.select_(lo + u < hi, lo + u, last) - xoff, t,
-                                    lo + u < hi)
             for i in cutlass.range(nround, unroll=1):
                 c0 = lo + i * UNR
                 if cutlass.const_expr(self.pdl):
@@ -251,16 +232,9 @@ def _kernel_class():
                 else:
                     for u in cutlass.range_constexpr(UNR):
                         self.load_w(p_w, wv, u, ra, rb, cutlass.select_(c0 + u < hi, c0 + u, last), t)
-                if cutlass.const_expr(self.x_ahead):  # this round's x came with the last; the next round's now
-                    for k in cutlass.range_constexpr(UNR * NT * (self.CW // 2)):
-                        xv[k] = xn[k]
-                    for u in cutlass.range_constexpr(UNR):
-                        c1 = c0 + UNR + u
-                        self.load_x(xsrc, xn, u, xrow, cutlass.select_(c1 < hi, c1, last) - xoff, t, c1 < hi)
-                else:
-                    for u in cutlass.range_constexpr(UNR):
-                        self.load_x(xsrc, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last) - xoff, t,
-                                    c0 + u < hi)
+                for u in cutlass.range_constexpr(UNR):
+                    self.load_x(xsrc, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last) - xoff, t,
+                                c0 + u < hi)
                 self.round_mma(wv, xv, acc, UNR)
             # the chains summed; fragment element (4 j + v) 32 + lane into this warp's slot
             for j in cutlass.range_constexpr(NT):
@@ -319,6 +293,15 @@ _COMPILED: dict[tuple, Any] = {}
 _SMS: dict[int, int] = {}  # per device index: its SM count (for plan)
 
 
+def sm_count(dev: torch.device) -> int:
+    """The device's SM count, asked once a device (what `plan` sizes the grid by; the component's record asks it
+    too)."""
+    n = _SMS.get(dev.index)
+    if n is None:
+        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return n
+
+
 def plan(N: int, K: int, fp8: bool, sms: int, tile_m: int | None = None, cluster: int | None = None) -> tuple:
     """(tile_m, cluster) for a call, None chosen: the largest tile (the most warps reading the same x columns from
     L1) with the smallest cluster that gives MIN_CTAS_PER_SM CTAs an SM with a chunk a warp; where none does, the
@@ -349,10 +332,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
     if tile_m is not None and (isinstance(tile_m, bool) or tile_m not in TILES_M):
         _fail("tile_m", f"must be None or one of {TILES_M}, got {tile_m!r}")
-    sms = _SMS.get(dev.index)
-    if sms is None:
-        sms = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-    tile_m, cluster = plan(N, K, fp8, sms, tile_m, cluster)
+    tile_m, cluster = plan(N, K, fp8, sm_count(dev), tile_m, cluster)
     pad = list(outs) + [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
     I32, F32 = cutlass.Int32, cutlass.Float32
@@ -361,7 +341,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
             gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
             *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, tile_m,
-           UNROLL, CHAINS, X_AHEAD, X_SMEM, dev.index)
+           UNROLL, CHAINS, X_SMEM, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -371,7 +351,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, fp8, cluster, UNROLL,
-                                              CHAINS, X_AHEAD, tile_m, X_SMEM), *args, stream)
+                                              CHAINS, tile_m, X_SMEM), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
