@@ -212,9 +212,18 @@ def _dsl():
             dst_smem.to_llvm_ptr(loc=loc, ip=ip), src_gmem.to_llvm_ptr(loc=loc, ip=ip),
             mbar.to_llvm_ptr(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
+    @dsl_user_op
+    def prefetch_l2(ptr, nbytes, *, loc=None, ip=None):
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global address (the MoE
+        experts' W2 tail and the `prefetch` switch's CuTe kernel)."""
+        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                                Int32(nbytes).ir_value(loc=loc, ip=ip)],
+                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
     _DSL = SimpleNamespace(cuda=cuda, cutlass=cutlass, Float32=Float32, Int32=Int32, cute=cute,
                            sigmoid=sigmoid, expf=expf, rsqrtf=rsqrtf, vec=vec, st_cluster_f32=st_cluster_f32,
-                           bulk_load=bulk_load,
+                           bulk_load=bulk_load, prefetch_l2=prefetch_l2,
                            warp_sum=warp_sum,
                            prologue_position=prologue_position, position_norms=position_norms)
     return _DSL

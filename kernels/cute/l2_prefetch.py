@@ -36,10 +36,9 @@ def _kernel_class():
     import cutlass
     from cutlass import Int32, cute
 
-    from . import moe_experts as mx
+    from . import kda_decode
 
-    mx._kernel_classes()
-    prefetch_l2 = mx.DEVICE_OPS.prefetch_l2
+    prefetch_l2 = kda_decode._dsl().prefetch_l2
 
     class L2Prefetch:
         """One thread a range (module doc)."""

@@ -69,9 +69,8 @@ TO_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "mad.lo.u32 a, $1, 65536, 0x0300
 PACK_PTX = "cvt.rn.f16x2.f32 $0, $1, $2;"
 
 _KERNEL_CLS = None
-# the device helpers the kernels below are written with (vec, ids, seg_reduce, sigmoid, tanh, prefetch_l2), for the
-# one-token dense experts (kernels/cute/moe_dense.py) and the L2 prefetch (kernels/cute/l2_prefetch.py): set by
-# _kernel_classes()
+# the device helpers the kernels below are written with (vec, ids, seg_reduce, sigmoid, tanh), for the one-token
+# dense experts (kernels/cute/moe_dense.py): set by _kernel_classes()
 DEVICE_OPS = None
 # rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel. Alone
 # (experiments/moe_cute/README.md) 4 and 4 were ahead of 2, 8 and 16 at TP8 and TP16; inside the batch-1 decode step
@@ -112,6 +111,10 @@ def _kernel_classes():
     from cutlass._mlir.dialects import llvm as _llvm
     from cutlass.cutlass_dsl import dsl_user_op
 
+    from . import kda_decode
+
+    prefetch_l2 = kda_decode._dsl().prefetch_l2
+
     BLOCK = block_ptx()
 
     def vec(ptr, off, n):
@@ -125,14 +128,6 @@ def _kernel_classes():
         return Float32(_llvm.inline_asm(Float32.mlir_type, ops, BLOCK, "=f," + "r," * 21 + "f",
                                         has_side_effects=False, is_align_stack=False,
                                         asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-    @dsl_user_op
-    def prefetch_l2(ptr, nbytes, *, loc=None, ip=None):
-        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global address."""
-        _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-                                Int32(nbytes).ir_value(loc=loc, ip=ip)],
-                         "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
-                         is_align_stack=False, asm_dialect=_llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
     @dsl_user_op
     def to_f16x2(x, *, loc=None, ip=None):
@@ -353,8 +348,7 @@ def _kernel_classes():
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
 
     _KERNEL_CLS = (MoEUp, MoEDown)
-    DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, seg_reduce=seg_reduce, sigmoid=sigmoid, tanh=tanh,
-                                       prefetch_l2=prefetch_l2)
+    DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, seg_reduce=seg_reduce, sigmoid=sigmoid, tanh=tanh)
     return _KERNEL_CLS
 
 
