@@ -13,7 +13,8 @@
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
 #   STEP=pending carry [".gpu/cute"]           the kernels built without a device: PART=1 their GPU tests and the
 #                                              dense experts' bench, PART=2 the projections' path "mma", PART=3
-#                                              their settings (one call each)
+#                                              their settings, PART=4 the grouped experts' shared groups (one call
+#                                              each)
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
@@ -99,6 +100,16 @@ pending)
     PROJS=kda_q,moe_down WDTYPES=bf16,fp8 BATCHES=8 TILES=null,16,64 timeout 280 \
       python3 experiments/proj_mma/variants.py "$OUT/pending" 2>&1 | tail -n 40
     KERNEL=moe_dense timeout 280 python3 experiments/moe_cute/variants.py "$OUT/pending" 2>&1 | tail -n 25 ;;
+  4)
+    # the grouped MXFP4 experts' shared groups (thirty-fifth session): GPU tests, the settings, the target's sweep
+    timeout 150 python3 -m pytest -q -m gpu tests/test_moe_cute.py -k grouped 2>&1 \
+      | tee "$OUT/pending/pytest_gpu_grouped.log" | tail -n 4
+    BATCHES=8,64 ROUTINGS=same16,uniform VARIANTS='[{}, {"UP_SHARE": 1, "DOWN_SHARE": 1}, {"UP_SHARE": 2},
+      {"DOWN_SHARE": 8}, {"SHARE_FROM": 2}]' timeout 200 python3 experiments/moe_grouped/variants.py "$OUT/pending" 10 \
+      2>&1 | tail -n 25
+    timeout 200 $B moe --ops moe_experts --backends triton,cute --name moe_grouped_share --deadline 180 --no-peers \
+      --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 --grid tp=8 --grid routing=uniform,same16 --grid latent=3584 \
+      --grid inter=3072 --grid n_experts=896 --grid top_k=16 2>&1 | tail -n 30 ;;
   esac
   pack pending ;;
 *) echo "STEP must be cute, bench, fi, layer, mla or pending" >&2; exit 2 ;;

@@ -147,10 +147,11 @@ def test_graph_capture_new_routing(batch):
 
 @pytest.mark.parametrize("batch,tp,routing", [(2, 8, "uniform"), (8, 8, "same16"), (9, 8, "same16"),
                                                (64, 8, "uniform"), (64, 16, "uniform"), (64, 8, "k3_reuse30"),
-                                               (1, 8, "uniform")])
+                                               (64, 8, "same16"), (1, 8, "uniform")])
 def test_grouped_k3_pool(batch, tp, routing):
     """The grouped kernels (path "grouped"; the default above batch 1): K3's pool, groups of one to 64 members (same16
-    at 9 tokens: two member tiles of 8), TP8 and TP16, and one token through the grouped path too."""
+    at 9 tokens: two member tiles of 8; at 8, 9 and 64 the groups share their work among their members' CTAs, at 64
+    over eight member tiles), TP8 and TP16, and one token through the grouped path too."""
     case = OP.case(tp=tp, routing=routing, **dict(K3, batch=batch))
     checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch))
 

@@ -4,7 +4,9 @@ without a GPU or nvidia-cutlass-dsl, through the shared checker (fresh inputs, y
 dequantized weights, the registry's MXFP4 tolerance). Cases: ragged routing over a small pool (experts with zero, one
 and several tokens), every token on the same experts at 9 tokens (a group of 9: two member tiles of the MMA's 8),
 int32 and int64 ids, pdl, both shapes of the kernels (few pairs: FEW_UP_SPLIT warps an up tile over parts of L,
-FEW_DOWN_TILES a warp; more pairs: a warp an up tile, DOWN_TILES a warp), W1 / W3 quad-transposed; a token
+FEW_DOWN_TILES a warp; more pairs: a warp an up tile, DOWN_TILES a warp; there the groups of 9 share their work among
+their members' CTAs: up in 2 shares of the row block, down in 4 of a warp's tiles, two member tiles), W1 / W3
+quad-transposed; a token
 that lists an expert twice; then what the wrapper refuses, by name."""
 import pytest
 import torch

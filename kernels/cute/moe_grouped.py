@@ -21,11 +21,17 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
         stored into each member's act row (a member past the last of a tile of 8 redoes member 0, never stored).
         Few pairs (B K <= FEW_PAIRS): FEW_UP_SPLIT warps share a 16-row tile, warp w over part w % FEW_UP_SPLIT of
         L, their accumulators summed through shared memory into the tile's first warp (more, smaller CTAs).
+        Few groups (a group of at least SHARE_FROM members, e.g. every token on the same 16 experts): the members'
+        CTAs, which would exit, share the leader's units (member tile, share of the block's 16-row tiles): h <=
+        UP_SHARE shares, a unit's tiles 4 / h, each over h warps' parts of L summed as above; member of rank r runs
+        units r, r + count, ... (at batch 8 on 16 experts: 16 x 6 x 4 busy CTAs instead of 16 x 6 leaders).
   down  a CTA per (pair p, 64 DOWN_TILES latent rows), PDL after up (it waits for up before reading anything); the
         same group listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16
         latent rows: the members' act words are the B fragments (loaded once a member tile), every block of I's W2
         words straight into A fragments (the next tile's words loaded while this one computes); each
         tile's 16 x 8 outputs added into y[b, l] with fp32 atomics (so the order of a token's terms is not fixed).
+        A group of at least SHARE_FROM members shares likewise: h <= DOWN_SHARE shares of each warp's tiles (tiles
+        r', r' + h, ...), and its member tiles, over its members' CTAs. Registers held to 128 (DOWN_CTAS_PER_SM).
 
 Layout: z [B, L] bf16 (read as int32 pairs); idx [B, K] int32 or int64 (the low word read); wk [B, K] fp32; w1, w3
 [E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words, w1 and w3 quad-transposed
@@ -67,6 +73,14 @@ MAX_PAIRS = 4096
 FEW_PAIRS = 32      # batch x top-k at most this: the few-pairs shape (batch 2 at top-16)
 FEW_UP_SPLIT = 2
 FEW_DOWN_TILES = 1
+# Few groups (every token on the same experts): a group of at least SHARE_FROM members shares its leader's work among
+# its members' CTAs, which would otherwise exit: up, UP_SHARE CTAs at most split a row block's 16-row tiles (their
+# warps splitting L among the more of them per tile); down, DOWN_SHARE CTAs at most split each warp's tiles; and the
+# member tiles of a group of more than 8 go to different CTAs. 1 turns a kernel's sharing off.
+UP_SHARE = 4
+DOWN_SHARE = 4
+SHARE_FROM = 4
+DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
 
 MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
                "{$10, $11, $12, $13};")
@@ -229,15 +243,19 @@ def _kernel_classes():
         cute.arch.sync_threads()
 
     class Up:
-        def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int):
+        def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
+                     share: int, share_from: int):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.N = B * K
-            self.S = split               # warps a 16-row tile, each over L / S
+            self.S = split               # warps a 16-row tile, each over a part of L (times a shared group's h)
             self.ROWS = UP_ROWS // split  # rows a CTA
             self.RT = I // self.ROWS
             self.ZP = L // 2 + 4         # words between staged z rows (4 mod 32 banks: conflict-free fragments)
             self.RND = (self.N + _THREADS - 1) // _THREADS
+            self.UJ = up_unroll(L // 32, split)
+            self.H = share               # most CTAs sharing a group's row block (1: the leader runs it alone)
+            self.FROM = share_from       # a group's members from which it shares
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -250,104 +268,134 @@ def _kernel_classes():
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                    p_y: cute.Pointer):
-            K, I, L, N, RT, ZP, S = self.K, self.I, self.L, self.N, self.RT, self.ZP, self.S
+            K, I, L, N, RT, ZP = self.K, self.I, self.L, self.N, self.RT, self.ZP
             NB = L // 32
             RW = L // 8
             L4 = L // 8                  # 4-word groups of a z row (L/2 words)
-            NBW = NB // S                # blocks of L a warp
-            UJ = next(u for u in (UP_UNROLL, 4) if NBW % u == 0)   # supports: NBW % 4 == 0
+            UJ = self.UJ                 # blocks of L a step (up_unroll)
+            NG = NB // UJ                # steps over the whole of L; a warp's part is a run of them
             SW = UJ // 4 if NB % 4 == 0 and UJ % 4 == 0 else UJ   # scale words a row a step
             NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
             tid, c, lane, warp, g, t = ids()
             smem = cutlass.utils.SmemAllocator()
             s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
-            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if S > 1 else 1), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 2), byte_alignment=16)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if self.S * self.H > 1 else 1),
+                                         byte_alignment=16)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before; y may be read there
             for i in range(c * _THREADS + tid, self.B * L, N * RT * _THREADS):
                 vec(p_y, i, 1)[0] = Float32(0.0)
             p = c // RT
-            kp = warp % S                # this warp's part of L: blocks jb .. jb + NBW - 1
-            jb = kp * NBW
-            r0 = (c % RT) * self.ROWS + 16 * (warp // S)
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
-            if s_mem[0] == p:            # the group's leader (CTA-uniform)
-                cnt = s_wc[WC(self.RND)]
-                ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
-                for mt in range((cnt + NMEM - 1) // NMEM):
-                    tc = cnt - mt * NMEM
-                    if tc > NMEM:
-                        tc = Int32(NMEM)
-                    for i in range(tid, tc * L4, _THREADS):   # the tile's z rows as f16 pairs of 2^6 z
-                        n = i // L4
-                        w4 = i - n * L4
-                        b = s_mem[mt * NMEM + n] // K
-                        zr = cute.make_rmem_tensor((4,), Int32)
-                        cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 4 * w4, divby=4), 4), zr)
-                        for u in cutlass.range_constexpr(4):
-                            zr[u] = to_f16x2(zr[u])
-                        cute.autovec_copy(zr, vec(s_z.iterator, cute.assume(n * ZP + 4 * w4, divby=4), 4))
+            cnt = s_wc[WC(self.RND)]
+            n_mt = (cnt + NMEM - 1) // NMEM
+            # the units of this row block: (member tile, share of the block's tiles); the leader runs them all, or,
+            # for a group of at least FROM members, h shares (h <= H, a power of two) and member `rank` runs units
+            # rank, rank + cnt, ...
+            h = Int32(1)
+            first = Int32(0)
+            stride = Int32(1)
+            n_units = n_mt
+            if s_mem[0] != p:
+                first = n_units          # a member that is not the leader runs nothing...
+            if cutlass.const_expr(self.H > 1):
+                if cnt >= self.FROM:     # ...unless the group shares its work
+                    per = cnt // n_mt    # >= 4 for cnt >= 4, so every unit has a member
+                    for k in cutlass.range_constexpr(1, self.H.bit_length()):
+                        if per >= (1 << k):
+                            h = Int32(1 << k)
+                    for i in range(tid, cnt, _THREADS):
+                        if s_mem[i] == p:
+                            s_wc[WC(self.RND) + 1] = i
                     cute.arch.sync_threads()
-                    gz = g
-                    if g >= tc:
-                        gz = Int32(0)
-                    acc = cute.make_rmem_tensor((8,), Float32)   # [W1, W3] x (row a, row b) x (col 2t, 2t + 1)
-                    for u in cutlass.range_constexpr(8):
-                        acc[u] = Float32(0.0)
-                    # UJ blocks a step; step j0 + UJ's words and scale words are loaded (into nxt) before step j0
-                    # computes (on cur), so a warp keeps a step's loads in flight while it computes
-                    cur = cute.make_rmem_tensor((NW,), Int32)
-                    nxt = cute.make_rmem_tensor((NW,), Int32)
-                    load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb, cur, UJ, SW, NB, RW)
-                    for j0 in range(jb, jb + NBW, UJ):
-                        # the last step loads the first again (unused)
-                        load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb + (j0 - jb + UJ) % NBW, nxt, UJ, SW, NB, RW)
-                        fs = [[step_factors(cur, m, h, ra, j0, UJ, SW, NB) for h in range(2)] for m in range(2)]
-                        for u in cutlass.range_constexpr(UJ):
-                            zb = [s_z[gz * ZP + 16 * (j0 + u) + 4 * cc + t] for cc in range(4)]
-                            for m in cutlass.range_constexpr(2):
-                                da = decode(cur[(2 * m) * UJ + u])
-                                db = decode(cur[(2 * m + 1) * UJ + u])
-                                d = mma(da[0], db[0], da[1], db[1], zb[0], zb[1], 0.0, 0.0, 0.0, 0.0)
-                                d = mma(da[2], db[2], da[3], db[3], zb[2], zb[3], d[0], d[1], d[2], d[3])
-                                acc[4 * m + 0] = acc[4 * m + 0] + d[0] * fs[m][0][u]
-                                acc[4 * m + 1] = acc[4 * m + 1] + d[1] * fs[m][0][u]
-                                acc[4 * m + 2] = acc[4 * m + 2] + d[2] * fs[m][1][u]
-                                acc[4 * m + 3] = acc[4 * m + 3] + d[3] * fs[m][1][u]
-                        for u in cutlass.range_constexpr(NW):
-                            cur[u] = nxt[u]
-                    if cutlass.const_expr(S > 1):  # the tile's S parts of L summed into its first warp
+                    first = s_wc[WC(self.RND) + 1]
+                    stride = cnt
+                    n_units = n_mt * h
+            S = self.S * h               # warps a tile (CTA-uniform)
+            kp = warp % S                # this warp's part of L: steps kp NG / S .. (kp + 1) NG / S - 1
+            jb = (kp * NG) // S * UJ
+            je = ((kp + 1) * NG) // S * UJ
+            for unit in range(first, n_units, stride):
+                mt = unit // h
+                rr = unit - mt * h
+                r0 = (c % RT) * self.ROWS + 16 * (rr * (4 // S) + warp // S)
+                ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
+                tc = cnt - mt * NMEM
+                if tc > NMEM:
+                    tc = Int32(NMEM)
+                for i in range(tid, tc * L4, _THREADS):   # the tile's z rows as f16 pairs of 2^6 z
+                    n = i // L4
+                    w4 = i - n * L4
+                    b = s_mem[mt * NMEM + n] // K
+                    zr = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 4 * w4, divby=4), 4), zr)
+                    for u in cutlass.range_constexpr(4):
+                        zr[u] = to_f16x2(zr[u])
+                    cute.autovec_copy(zr, vec(s_z.iterator, cute.assume(n * ZP + 4 * w4, divby=4), 4))
+                cute.arch.sync_threads()
+                gz = g
+                if g >= tc:
+                    gz = Int32(0)
+                acc = cute.make_rmem_tensor((8,), Float32)   # [W1, W3] x (row a, row b) x (col 2t, 2t + 1)
+                for u in cutlass.range_constexpr(8):
+                    acc[u] = Float32(0.0)
+                # UJ blocks a step; step j0 + UJ's words and scale words are loaded (into nxt) before step j0
+                # computes (on cur), so a warp keeps a step's loads in flight while it computes
+                cur = cute.make_rmem_tensor((NW,), Int32)
+                nxt = cute.make_rmem_tensor((NW,), Int32)
+                load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb, cur, UJ, SW, NB, RW)
+                for j0 in range(jb, je, UJ):
+                    # the last step loads the first again (unused)
+                    load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb + (j0 - jb + UJ) % (je - jb), nxt, UJ, SW, NB, RW)
+                    fs = [[step_factors(cur, m, hh, ra, j0, UJ, SW, NB) for hh in range(2)] for m in range(2)]
+                    for u in cutlass.range_constexpr(UJ):
+                        zb = [s_z[gz * ZP + 16 * (j0 + u) + 4 * cc + t] for cc in range(4)]
+                        for m in cutlass.range_constexpr(2):
+                            da = decode(cur[(2 * m) * UJ + u])
+                            db = decode(cur[(2 * m + 1) * UJ + u])
+                            d = mma(da[0], db[0], da[1], db[1], zb[0], zb[1], 0.0, 0.0, 0.0, 0.0)
+                            d = mma(da[2], db[2], da[3], db[3], zb[2], zb[3], d[0], d[1], d[2], d[3])
+                            acc[4 * m + 0] = acc[4 * m + 0] + d[0] * fs[m][0][u]
+                            acc[4 * m + 1] = acc[4 * m + 1] + d[1] * fs[m][0][u]
+                            acc[4 * m + 2] = acc[4 * m + 2] + d[2] * fs[m][1][u]
+                            acc[4 * m + 3] = acc[4 * m + 3] + d[3] * fs[m][1][u]
+                    for u in cutlass.range_constexpr(NW):
+                        cur[u] = nxt[u]
+                if cutlass.const_expr(self.S * self.H > 1):
+                    if S > 1:            # the tile's S parts of L summed into its first warp
                         for u in cutlass.range_constexpr(8):
                             s_red[(warp * 8 + u) * 32 + lane] = acc[u]
                         cute.arch.sync_threads()
                         if kp == 0:
-                            for k in cutlass.range_constexpr(1, S):
+                            for k in range(1, S):
                                 for u in cutlass.range_constexpr(8):
                                     acc[u] = acc[u] + s_red[((warp + k) * 8 + u) * 32 + lane]
-                    if kp == 0:                  # the tile's first warp (every warp when S = 1) stores act
-                        for col in cutlass.range_constexpr(2):
-                            if 2 * t + col < tc:
-                                q = s_mem[mt * NMEM + 2 * t + col]
-                                wt = vec(p_wk, q, 1)[0] * 64.0
-                                ga = acc[col]
-                                gb = acc[2 + col]
-                                ua = acc[4 + col]
-                                ub = acc[6 + col]
-                                aa = wt * (self.b1 * tanh(ga / self.b1) * sigmoid(ga)) * (self.b2 * tanh(ua / self.b2))
-                                ab = wt * (self.b1 * tanh(gb / self.b1) * sigmoid(gb)) * (self.b2 * tanh(ub / self.b2))
-                                vec(p_act, q * (I // 2) + r0 // 2 + g, 1)[0] = pack_f16x2(ab, aa)
-                    cute.arch.sync_threads()     # before the next tile's z overwrites this one's
+                if kp == 0:              # the tile's first warp (every warp when S = 1) stores act
+                    for col in cutlass.range_constexpr(2):
+                        if 2 * t + col < tc:
+                            q = s_mem[mt * NMEM + 2 * t + col]
+                            wt = vec(p_wk, q, 1)[0] * 64.0
+                            ga = acc[col]
+                            gb = acc[2 + col]
+                            ua = acc[4 + col]
+                            ub = acc[6 + col]
+                            aa = wt * (self.b1 * tanh(ga / self.b1) * sigmoid(ga)) * (self.b2 * tanh(ua / self.b2))
+                            ab = wt * (self.b1 * tanh(gb / self.b1) * sigmoid(gb)) * (self.b2 * tanh(ub / self.b2))
+                            vec(p_act, q * (I // 2) + r0 // 2 + g, 1)[0] = pack_f16x2(ab, aa)
+                cute.arch.sync_threads()     # before the next unit's z (and sums) overwrite this one's
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
 
     class Down:
-        def __init__(self, B: int, K: int, I: int, L: int, step: int, tiles: int):
+        def __init__(self, B: int, K: int, I: int, L: int, step: int, tiles: int, share: int, share_from: int):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.N = B * K
             self.DT = tiles              # tiles of 16 latent rows a warp
+            self.H = share               # most CTAs sharing a group's tiles (a power of two dividing DT)
+            self.FROM = share_from
             self.DR = 64 * tiles
             self.LT = L // self.DR
             self.RND = (self.N + _THREADS - 1) // _THREADS
@@ -355,8 +403,9 @@ def _kernel_classes():
         @cute.jit
         def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
                      p_y: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.N * self.LT, 1, 1],
-                                                              block=[_THREADS, 1, 1], stream=stream, use_pdl=True)
+            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(
+                grid=[self.N * self.LT, 1, 1], block=[_THREADS, 1, 1], max_number_threads=[_THREADS, 1, 1],
+                min_blocks_per_mp=DOWN_CTAS_PER_SM if self.DT > 1 else 0, stream=stream, use_pdl=True)
 
         @cute.kernel
         def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
@@ -367,56 +416,82 @@ def _kernel_classes():
             tid, c, lane, warp, g, t = ids()
             smem = cutlass.utils.SmemAllocator()
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
-            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 2), byte_alignment=16)
             cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)
             p = c // self.LT
             l0 = (c % self.LT) * self.DR + warp * (16 * self.DT) + g
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
-            if s_mem[0] == p:
-                cnt = s_wc[WC(self.RND)]
-                for mt in range((cnt + NMEM - 1) // NMEM):
-                    tc = cnt - mt * NMEM
-                    if tc > NMEM:
-                        tc = Int32(NMEM)
-                    gz = g
-                    if g >= tc:
-                        gz = Int32(0)
-                    qz = s_mem[mt * NMEM + gz]
-                    bw = cute.make_rmem_tensor((NB * 4,), Int32)   # member gz's act pairs t, 4+t, 8+t, 12+t a block
+            cnt = s_wc[WC(self.RND)]
+            n_mt = (cnt + NMEM - 1) // NMEM
+            # units (member tile, share of a warp's tiles) as in up: the leader alone, or h shares of a group of at
+            # least FROM members, member `rank` running units rank, rank + cnt, ...
+            h = Int32(1)
+            first = Int32(0)
+            stride = Int32(1)
+            n_units = n_mt
+            if s_mem[0] != p:
+                first = n_units
+            if cutlass.const_expr(self.H > 1):
+                if cnt >= self.FROM:
+                    per = cnt // n_mt
+                    for k in cutlass.range_constexpr(1, self.H.bit_length()):
+                        if per >= (1 << k):
+                            h = Int32(1 << k)
+                    for i in range(tid, cnt, _THREADS):
+                        if s_mem[i] == p:
+                            s_wc[WC(self.RND) + 1] = i
+                    cute.arch.sync_threads()
+                    first = s_wc[WC(self.RND) + 1]
+                    stride = cnt
+                    n_units = n_mt * h
+            SD = NB // 4 if NB % 4 == 0 else NB
+            for unit in range(first, n_units, stride):
+                mt = unit // h
+                rr = unit - mt * h       # this unit's tiles of each warp: rr, rr + h, ...
+                tc = cnt - mt * NMEM
+                if tc > NMEM:
+                    tc = Int32(NMEM)
+                gz = g
+                if g >= tc:
+                    gz = Int32(0)
+                qz = s_mem[mt * NMEM + gz]
+                bw = cute.make_rmem_tensor((NB * 4,), Int32)   # member gz's act pairs t, 4+t, 8+t, 12+t a block
+                for j in cutlass.range_constexpr(NB):
+                    for cc in cutlass.range_constexpr(4):
+                        bw[4 * j + cc] = vec(p_act, qz * (I // 2) + 16 * j + 4 * cc + t, 1)[0]
+                # the next tile's words are loaded (into nxt) before a tile computes (on cur)
+                cur = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
+                nxt = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
+                load_down(p_w2, p_s2, e * L + l0 + 16 * rr, t, cur, NB, RW)
+                for it in cutlass.range(self.DT // h, unroll=1):
+                    tile = rr + it * h
+                    ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
+                    acc = cute.make_rmem_tensor((4,), Float32)
+                    for u in cutlass.range_constexpr(4):
+                        acc[u] = Float32(0.0)
+                    nt = tile + h                # the last tile loads the first again (unused)
+                    if nt >= self.DT:
+                        nt = rr
+                    load_down(p_w2, p_s2, e * L + l0 + 16 * nt, t, nxt, NB, RW)
+                    ws = [[cur[hh * NB + j] for j in range(NB)] for hh in range(2)]
+                    fs = [down_factors(cur, ra + 8 * hh, hh, NB) for hh in range(2)]
                     for j in cutlass.range_constexpr(NB):
-                        for cc in cutlass.range_constexpr(4):
-                            bw[4 * j + cc] = vec(p_act, qz * (I // 2) + 16 * j + 4 * cc + t, 1)[0]
-                    # tile + 1's words are loaded (into nxt) before tile computes (on cur)
-                    SD = NB // 4 if NB % 4 == 0 else NB
-                    cur = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
-                    nxt = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
-                    load_down(p_w2, p_s2, e * L + l0, t, cur, NB, RW)
-                    for tile in cutlass.range(self.DT, unroll=1):
-                        ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
-                        acc = cute.make_rmem_tensor((4,), Float32)
-                        for u in cutlass.range_constexpr(4):
-                            acc[u] = Float32(0.0)
-                        # the last tile loads the first again (unused)
-                        load_down(p_w2, p_s2, e * L + l0 + 16 * ((tile + 1) % self.DT), t, nxt, NB, RW)
-                        ws = [[cur[h * NB + j] for j in range(NB)] for h in range(2)]
-                        fs = [down_factors(cur, ra + 8 * h, h, NB) for h in range(2)]
-                        for j in cutlass.range_constexpr(NB):
-                            da = decode(ws[0][j])
-                            db = decode(ws[1][j])
-                            d = mma(da[0], db[0], da[1], db[1], bw[4 * j], bw[4 * j + 1], 0.0, 0.0, 0.0, 0.0)
-                            d = mma(da[2], db[2], da[3], db[3], bw[4 * j + 2], bw[4 * j + 3], d[0], d[1], d[2], d[3])
-                            acc[0] = acc[0] + d[0] * fs[0][j]
-                            acc[1] = acc[1] + d[1] * fs[0][j]
-                            acc[2] = acc[2] + d[2] * fs[1][j]
-                            acc[3] = acc[3] + d[3] * fs[1][j]
-                        for u in cutlass.range_constexpr(2 * NB + 2 * SD):
-                            cur[u] = nxt[u]
-                        for col in cutlass.range_constexpr(2):
-                            if 2 * t + col < tc:
-                                b = s_mem[mt * NMEM + 2 * t + col] // K
-                                cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile), acc[col])
-                                cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile + 8), acc[2 + col])
+                        da = decode(ws[0][j])
+                        db = decode(ws[1][j])
+                        d = mma(da[0], db[0], da[1], db[1], bw[4 * j], bw[4 * j + 1], 0.0, 0.0, 0.0, 0.0)
+                        d = mma(da[2], db[2], da[3], db[3], bw[4 * j + 2], bw[4 * j + 3], d[0], d[1], d[2], d[3])
+                        acc[0] = acc[0] + d[0] * fs[0][j]
+                        acc[1] = acc[1] + d[1] * fs[0][j]
+                        acc[2] = acc[2] + d[2] * fs[1][j]
+                        acc[3] = acc[3] + d[3] * fs[1][j]
+                    for u in cutlass.range_constexpr(2 * NB + 2 * SD):
+                        cur[u] = nxt[u]
+                    for col in cutlass.range_constexpr(2):
+                        if 2 * t + col < tc:
+                            b = s_mem[mt * NMEM + 2 * t + col] // K
+                            cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile), acc[col])
+                            cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile + 8), acc[2 + col])
 
     _KERNEL_CLS = (Up, Down)
     DEVICE_OPS = types.SimpleNamespace(vec=vec, ids=ids, group=group, WC=WC, mma=mma, to_f16x2=to_f16x2, asm=_asm,
@@ -440,6 +515,24 @@ def shape_config(pairs: int) -> tuple[int, int]:
     """(warps sharing an up tile, down tiles a warp) for `pairs` token x expert pairs: the few-pairs shape up to
     FEW_PAIRS, else one warp a 16-row up tile over the whole of L and DOWN_TILES."""
     return (FEW_UP_SPLIT, FEW_DOWN_TILES) if pairs <= FEW_PAIRS else (1, DOWN_TILES)
+
+
+def up_unroll(nb: int, split: int) -> int:
+    """Blocks of L an up step: UP_UNROLL where each of `split` warps gets whole steps of it, else 4."""
+    return UP_UNROLL if nb % UP_UNROLL == 0 and nb // UP_UNROLL >= split else 4
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def share_config(L: int, split: int, tiles: int) -> tuple[int, int]:
+    """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE in the shape
+    of a warp a tile (split 1), so that a tile's warps (at most 4) each get a step of L; DOWN_SHARE dividing
+    `tiles`; each a power of two."""
+    nb = L // 32
+    up = 1 if split > 1 else _pow2_at_most(min(UP_SHARE, 4, nb // up_unroll(nb, 1)))
+    return up, _pow2_at_most(min(DOWN_SHARE, tiles))
 
 
 def supports(B: int, K: int, I: int, L: int) -> str | None:
@@ -495,7 +588,9 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
-    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles)
+    up_share, down_share = share_config(L, split, tiles)
+    key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
+           SHARE_FROM)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -505,8 +600,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl, split), *up_args, stream),
-                   cute.compile(down_cls(B, K, I, L, step, tiles), *down_args, stream))
+            fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM), *up_args, stream),
+                   cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
