@@ -13,8 +13,8 @@
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
 #   STEP=pending carry [".gpu/cute"]           the kernels built without a device: PART=1 their GPU tests and the
 #                                              dense experts' bench, PART=2 the projections' path "mma", PART=3
-#                                              their settings, PART=4 the grouped experts' shared groups (one call
-#                                              each)
+#                                              their settings, PART=4 the grouped experts' shared groups, PART=5
+#                                              the projections' tiles at batch 32 / 64 (one call each)
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
@@ -110,6 +110,12 @@ pending)
     timeout 200 $B moe --ops moe_experts --backends triton,cute --name moe_grouped_share --deadline 180 --no-peers \
       --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 --grid tp=8 --grid routing=uniform,same16 --grid latent=3584 \
       --grid inter=3072 --grid n_experts=896 --grid top_k=16 2>&1 | tail -n 30 ;;
+  5)
+    # the Triton projections' tiles at batch 32 / 64, where cuBLAS leads by 2-28 % (the defaults were explored at
+    # batch 1 and 8 only: docs/NOTES_trunk.md); a winning set becomes proj_gemv.config's rule above SMALL_BATCH
+    timeout 420 $B trunk --ops proj --backends triton --name proj_large_tiles --deadline 390 --grid preset=tp8 \
+      --grid batch=32,64 --grid wdtype=bf16 --grid proj=kda_q,shared_w1,mla_dkv,moe_router,kda_o \
+      --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
   esac
   pack pending ;;
 *) echo "STEP must be cute, bench, fi, layer, mla or pending" >&2; exit 2 ;;
