@@ -41,7 +41,9 @@ s3 [E, I, L/32] and s2 [E, L, I/32] uint8 E8M0 scales (read as the stack's 32-bi
 [B, L] fp32 (zeroed by up, accumulated by down); a workspace act [B K, I/2] int32 (cached per device and shape: make
 the first call outside a CUDA graph capture). Needs L a multiple of 64 DOWN_TILES (64 FEW_DOWN_TILES for few pairs)
 and of 128 times the up split; I of 64; B K <= MAX_PAIRS.
-Exactness and tolerance: the decoded weights are exact (fp16 subnormals included) for s in 0..246; the activations
+Exactness and tolerance: the decoded weights are exact (fp16 subnormals included) for s in 0..246 (up forms a step's
+block factors from scale words with 8 added to each byte once, `fexp`: two operations a factor where `fbits` takes
+three); the activations
 are f16 of 2^6 z and of 2^6 wk situ (the simt path's scaling: exact for 2^-20 <= |z| < 1023); products and sums in the
 MMA's fp32; the registry's MXFP4 tolerance (k3lab.ops.moe.TOL).
 
@@ -152,6 +154,17 @@ def _kernel_classes():
         """The block factor 2^(s - 119) (fp32) of the scale byte at bit sh of word w."""
         return Int32((((w >> sh) & 0xFF) + 8) << 23).bitcast(Float32)
 
+    def biased(w):
+        """A scale word with 8 added to each of its four bytes (no carry for s <= 247; s >= 247 is already out of
+        the factor's range, module docstring)."""
+        return w + 0x08080808
+
+    def fexp(wb, k: int):
+        """The block factor 2^(s - 119) of byte k of a biased scale word: its byte moved into the exponent field in
+        one shift and one mask (two operations where fbits takes three)."""
+        sh = 23 - 8 * k
+        return Int32(((wb << sh) if sh > 0 else (wb >> -sh)) & 0x7F800000).bitcast(Float32)
+
     def load_step(p_w1, p_w3, p_s1, p_s3, ra, t, j0, dst, UJ: int, SW: int, NB: int, RW: int):
         """An up step's loads into dst: the lane's words of blocks j0 .. j0 + UJ - 1 of rows ra, ra + 1 of W1 and of
         W3 (quad-transposed words, one 16-byte load per four blocks; j0 and UJ multiples of 4), then their scale
@@ -192,7 +205,8 @@ def _kernel_classes():
         """The UJ block factors of row ra + h of matrix m (W1, W3) from a step's scale words."""
         base = 4 * UJ + (2 * m + h) * SW
         if SW < UJ:
-            return [fbits(src[base + u // 4], 8 * (u % 4)) for u in range(UJ)]
+            ws = [biased(src[base + k]) for k in range(SW)]
+            return [fexp(ws[u // 4], u % 4) for u in range(UJ)]
         return [fbits(src[base + u], ((ra + h) * NB + j0 + u) % 4 * 8) for u in range(UJ)]
 
     def sigmoid(x):
