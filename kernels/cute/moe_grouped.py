@@ -265,7 +265,9 @@ def _kernel_classes():
             self.S = split               # warps a 16-row tile, each over a part of L (times a shared group's h)
             self.ROWS = UP_ROWS // split  # rows a CTA
             self.RT = I // self.ROWS
-            self.ZP = L // 2 + 4         # words between staged z rows (4 mod 32 banks: conflict-free fragments)
+            # words between staged z rows, 16 mod 32 banks: a quarter warp's 16-byte fragment reads (members g, g + 1,
+            # lanes t 0..3) then cover the 32 banks once
+            self.ZP = L // 2 + (16 - L // 2) % 32
             self.RND = (self.N + _THREADS - 1) // _THREADS
             self.UJ = up_unroll(L // 32, split)
             self.H = share               # most CTAs sharing a group's row block (1: the leader runs it alone)
@@ -285,7 +287,7 @@ def _kernel_classes():
             K, I, L, N, RT, ZP = self.K, self.I, self.L, self.N, self.RT, self.ZP
             NB = L // 32
             RW = L // 8
-            L4 = L // 8                  # 4-word groups of a z row (L/2 words)
+            L16 = L // 32                # 16-word blocks of a z row (L/2 words)
             UJ = self.UJ                 # blocks of L a step (up_unroll)
             NG = NB // UJ                # steps over the whole of L; a warp's part is a run of them
             SW = UJ // 4 if NB % 4 == 0 and UJ % 4 == 0 else UJ   # scale words a row a step
@@ -340,15 +342,18 @@ def _kernel_classes():
                 tc = cnt - mt * NMEM
                 if tc > NMEM:
                     tc = Int32(NMEM)
-                for i in range(tid, tc * L4, _THREADS):   # the tile's z rows as f16 pairs of 2^6 z
-                    n = i // L4
-                    w4 = i - n * L4
+                # the tile's z rows as f16 pairs of 2^6 z, each 32-block's 16 pairs stored lane-major: pair 4 cc + t
+                # at 4 t + cc, so lane t's four B-fragment pairs of a block are one 16-byte read
+                for i in range(tid, tc * L16, _THREADS):
+                    n = i // L16
+                    j = i - n * L16
                     b = s_mem[mt * NMEM + n] // K
-                    zr = cute.make_rmem_tensor((4,), Int32)
-                    cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 4 * w4, divby=4), 4), zr)
-                    for u in cutlass.range_constexpr(4):
-                        zr[u] = to_f16x2(zr[u])
-                    cute.autovec_copy(zr, vec(s_z.iterator, cute.assume(n * ZP + 4 * w4, divby=4), 4))
+                    zr = cute.make_rmem_tensor((16,), Int32)
+                    cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 16 * j, divby=4), 16), zr)
+                    zt = cute.make_rmem_tensor((16,), Int32)
+                    for u in cutlass.range_constexpr(16):
+                        zt[4 * (u % 4) + u // 4] = to_f16x2(zr[u])
+                    cute.autovec_copy(zt, vec(s_z.iterator, cute.assume(n * ZP + 16 * j, divby=4), 16))
                 cute.arch.sync_threads()
                 gz = g
                 if g >= tc:
@@ -366,7 +371,9 @@ def _kernel_classes():
                     load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb + (j0 - jb + UJ) % (je - jb), nxt, UJ, SW, NB, RW)
                     fs = [[step_factors(cur, m, hh, ra, j0, UJ, SW, NB) for hh in range(2)] for m in range(2)]
                     for u in cutlass.range_constexpr(UJ):
-                        zb = [s_z[gz * ZP + 16 * (j0 + u) + 4 * cc + t] for cc in range(4)]
+                        zb = cute.make_rmem_tensor((4,), Int32)
+                        cute.autovec_copy(vec(s_z.iterator, cute.assume(gz * ZP + 16 * (j0 + u) + 4 * t, divby=4), 4),
+                                          zb)
                         for m in cutlass.range_constexpr(2):
                             da = decode(cur[(2 * m) * UJ + u])
                             db = decode(cur[(2 * m + 1) * UJ + u])
