@@ -105,7 +105,7 @@ pending)
     timeout 150 python3 -m pytest -q -m gpu tests/test_moe_cute.py -k grouped 2>&1 \
       | tee "$OUT/pending/pytest_gpu_grouped.log" | tail -n 4
     BATCHES=8,64 ROUTINGS=same16,uniform VARIANTS='[{}, {"UP_SHARE": 1, "DOWN_SHARE": 1}, {"UP_SHARE": 2},
-      {"DOWN_SHARE": 8}, {"SHARE_FROM": 2}]' timeout 200 python3 experiments/moe_grouped/variants.py "$OUT/pending" 10 \
+      {"DOWN_SHARE": 8}, {"SHARE_FROM": 2}, {"UP_MEMBERS": 4}]' timeout 200 python3 experiments/moe_grouped/variants.py "$OUT/pending" 10 \
       2>&1 | tail -n 25
     timeout 200 $B moe --ops moe_experts --backends triton,cute --name moe_grouped_share --deadline 180 --no-peers \
       --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 --grid tp=8 --grid routing=uniform,same16 --grid latent=3584 \

@@ -24,22 +24,25 @@ SMALL = dict(dtype="mxfp4", batch=3, tp=1, latent=256, inter=64, n_experts=8, to
 LARGE = 512
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
     t = emulate.moe_tensors(z, idx, wk, moe, y, quad_up=True)  # as the component passes them
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
-        m.mod["moe_grouped"].FEW_PAIRS = 10 ** 6 if few else 0
-        m.mod["moe_grouped"].moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
+        mod = m.mod["moe_grouped"]
+        mod.FEW_PAIRS = 10 ** 6 if few else 0
+        for k, v in {"UP_MEMBERS": 8, **(settings or {})}.items():
+            setattr(mod, k, v)
+        mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
                                          a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
     emulate._run(call, t, seed)
 
 
-def impl(pdl=False, idx32=False, few=True):
+def impl(pdl=False, idx32=False, few=True, settings=None):
     def f(d):
         idx = d["idx"].to(torch.int32) if idx32 else d["idx"]
-        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few)
-    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few})"
+        run(d["z"], idx, d["weights_k"], d["moe"], d["y"], pdl=pdl, few=few, settings=settings)
+    f.__name__ = f"emulated cute moe_grouped(pdl={pdl}, int32 ids={idx32}, few-pairs shape={few}, {settings or {}})"
     return f
 
 
@@ -57,6 +60,14 @@ def test_grouped(pdl, idx32, shape, few):
     up_rows, down_rows = (32, 64) if few else (64, 512)  # FEW_UP_SPLIT 2, FEW_DOWN_TILES 1; else DOWN_TILES 8
     assert launches[-2]["grid"][0] == pairs * (shape["inter"] // up_rows)
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
+
+
+def test_up_members_4():
+    """UP_MEMBERS 4 (half the staged z): the groups of 9 in three member tiles of 4 (the MMA's other four columns
+    repeat member 0, never stored), shared among the members' CTAs."""
+    shape = dict(SMALL, batch=9, routing="same16", n_experts=4, latent=LARGE, inter=64)
+    checker.require(checker.check(OP, OP.case(**shape), impl=impl(few=False, settings={"UP_MEMBERS": 4}), seed=3,
+                                  device="cpu"))
 
 
 def test_more_than_one_round_of_pairs():

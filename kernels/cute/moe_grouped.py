@@ -68,6 +68,8 @@ _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
 DOWN_TILES = 8      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 512 rows)
 NMEM = 8            # members a tile (the MMA's N)
+UP_MEMBERS = 8      # members an up unit stages (8 or 4: 4 halves the staged z, 58 -> 29 KB, so that four up CTAs
+                    # fit an SM's shared memory; a member tile's columns past them repeat member 0, never stored)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
 MAX_PAIRS = 4096
 # Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
@@ -258,7 +260,7 @@ def _kernel_classes():
 
     class Up:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
-                     share: int, share_from: int):
+                     share: int, share_from: int, members: int = NMEM):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.N = B * K
@@ -270,6 +272,7 @@ def _kernel_classes():
             self.ZP = L // 2 + (16 - L // 2) % 32
             self.RND = (self.N + _THREADS - 1) // _THREADS
             self.UJ = up_unroll(L // 32, split)
+            self.NM = members            # members a member tile (the MMA's N is 8; 4: half the staged z)
             self.H = share               # most CTAs sharing a group's row block (1: the leader runs it alone)
             self.FROM = share_from       # a group's members from which it shares
 
@@ -294,7 +297,7 @@ def _kernel_classes():
             NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
             tid, c, lane, warp, g, t = ids()
             smem = cutlass.utils.SmemAllocator()
-            s_z = smem.allocate_tensor(Int32, cute.make_layout(NMEM * ZP), byte_alignment=16)
+            s_z = smem.allocate_tensor(Int32, cute.make_layout(self.NM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 2), byte_alignment=16)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if self.S * self.H > 1 else 1),
@@ -307,7 +310,7 @@ def _kernel_classes():
             e = vec(p_idx, p * self.step, 1)[0]
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             cnt = s_wc[WC(self.RND)]
-            n_mt = (cnt + NMEM - 1) // NMEM
+            n_mt = (cnt + self.NM - 1) // self.NM
             # the units of this row block: (member tile, share of the block's tiles); the leader runs them all, or,
             # for a group of at least FROM members, h shares (h <= H, a power of two) and member `rank` runs units
             # rank, rank + cnt, ...
@@ -319,7 +322,7 @@ def _kernel_classes():
                 first = n_units          # a member that is not the leader runs nothing...
             if cutlass.const_expr(self.H > 1):
                 if cnt >= self.FROM:     # ...unless the group shares its work
-                    per = cnt // n_mt    # >= 4 for cnt >= 4, so every unit has a member
+                    per = cnt // n_mt    # h <= per: every unit has a member to run it
                     for k in cutlass.range_constexpr(1, self.H.bit_length()):
                         if per >= (1 << k):
                             h = Int32(1 << k)
@@ -339,15 +342,15 @@ def _kernel_classes():
                 rr = unit - mt * h
                 r0 = (c % RT) * self.ROWS + 16 * (rr * (4 // S) + warp // S)
                 ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
-                tc = cnt - mt * NMEM
-                if tc > NMEM:
-                    tc = Int32(NMEM)
+                tc = cnt - mt * self.NM
+                if tc > self.NM:
+                    tc = Int32(self.NM)
                 # the tile's z rows as f16 pairs of 2^6 z, each 32-block's 16 pairs stored lane-major: pair 4 cc + t
                 # at 4 t + cc, so lane t's four B-fragment pairs of a block are one 16-byte read
                 for i in range(tid, tc * L16, _THREADS):
                     n = i // L16
                     j = i - n * L16
-                    b = s_mem[mt * NMEM + n] // K
+                    b = s_mem[mt * self.NM + n] // K
                     zr = cute.make_rmem_tensor((16,), Int32)
                     cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 16 * j, divby=4), 16), zr)
                     zt = cute.make_rmem_tensor((16,), Int32)
@@ -397,7 +400,7 @@ def _kernel_classes():
                 if kp == 0:              # the tile's first warp (every warp when S = 1) stores act
                     for col in cutlass.range_constexpr(2):
                         if 2 * t + col < tc:
-                            q = s_mem[mt * NMEM + 2 * t + col]
+                            q = s_mem[mt * self.NM + 2 * t + col]
                             wt = vec(p_wk, q, 1)[0] * 64.0
                             ga = acc[col]
                             gb = acc[2 + col]
@@ -610,8 +613,10 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
     up_share, down_share = share_config(L, split, tiles)
+    if UP_MEMBERS not in (4, 8):
+        _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM)
+           SHARE_FROM, UP_MEMBERS)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -621,7 +626,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM), *up_args, stream),
+            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS)
+            fns = (cute.compile(up, *up_args, stream),
                    cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
