@@ -552,11 +552,14 @@ def _pow2_at_most(n: int) -> int:
 
 def share_config(L: int, split: int, tiles: int) -> tuple[int, int]:
     """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE in the shape
-    of a warp a tile (split 1), so that a tile's warps (at most 4) each get a step of L; DOWN_SHARE dividing
-    `tiles`; each a power of two."""
+    of a warp a tile (split 1), so that a tile's warps (at most 4) each get a step of L; DOWN_SHARE, a power of
+    two dividing `tiles`."""
     nb = L // 32
     up = 1 if split > 1 else _pow2_at_most(min(UP_SHARE, 4, nb // up_unroll(nb, 1)))
-    return up, _pow2_at_most(min(DOWN_SHARE, tiles))
+    down = _pow2_at_most(min(DOWN_SHARE, tiles))
+    while tiles % down:  # every share the same count of each warp's tiles
+        down //= 2
+    return up, down
 
 
 def supports(B: int, K: int, I: int, L: int) -> str | None:
