@@ -2009,16 +2009,18 @@ def _early(params, state, conv_state):
     return frozenset(t.data_ptr() for t in ts)
 
 
-def moe_tensors(z, idx, wk, moe, y, quad_up: bool = False) -> dict:
+def moe_tensors(z, idx, wk, moe, y, quad_up: bool = False, quad_down: bool = False) -> dict:
     """The CuTe experts' arguments for `_run`: the MXFP4 weights in the kernel layout (w1 and w3 quad-transposed with
-    quad_up, as the grouped up kernel reads them), their scales, and the int32 views the wrappers make
-    (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered so that the emulator finds them by
-    address and dtype (the kernels never see these names)."""
+    quad_up, as the grouped up kernel reads them; w2 with quad_down, the down kernel's w2_quad), their scales, and the
+    int32 views the wrappers make (z's bf16 pairs, idx's words, the scales' bytes four at a time), registered so
+    that the emulator finds them by address and dtype (the kernels never see these names)."""
     from k3lab import mxfp4
 
     kl = {n: mxfp4.to_kernel_layout(getattr(moe, n).data) for n in ("w1", "w3", "w2")}
     if quad_up:
         kl["w1"], kl["w3"] = mxfp4.quad_transpose(kl["w1"]), mxfp4.quad_transpose(kl["w3"])
+    if quad_down:
+        kl["w2"] = mxfp4.quad_transpose(kl["w2"])
     t = dict(z=z, idx=idx, wk=wk, y=y, **kl, s1=moe.w1.scale, s3=moe.w3.scale, s2=moe.w2.scale)
     t.update({f"{k}_words": v.reshape(-1).view(torch.int32) for k, v in t.items()
               if k in ("z", "idx", "s1", "s3", "s2") and v.dtype != torch.int32})

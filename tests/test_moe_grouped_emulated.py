@@ -25,7 +25,8 @@ LARGE = 512
 
 
 def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
-    t = emulate.moe_tensors(z, idx, wk, moe, y, quad_up=True)  # as the component passes them
+    quad2 = moe.w2.data.shape[-1] % 64 == 0  # W2 quad-transposed where I % 128 == 0, as the component passes it
+    t = emulate.moe_tensors(z, idx, wk, moe, y, quad_up=True, quad_down=quad2)
     emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
 
     def call(m, **a):
@@ -33,8 +34,8 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
         mod.FEW_PAIRS = 10 ** 6 if few else 0
         for k, v in {"UP_MEMBERS": 8, **(settings or {})}.items():
             setattr(mod, k, v)
-        mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"],
-                                         a["s2"], a["y"], b1=float(moe.b1), b2=float(moe.b2), pdl=pdl)
+        mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
+                        b1=float(moe.b1), b2=float(moe.b2), pdl=pdl, w2_quad=quad2)
     emulate._run(call, t, seed)
 
 
@@ -96,6 +97,11 @@ def test_refused_by_name():
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], few=False)
     with pytest.raises(ValueError, match="'wk' must have dtype"):
         run(d["z"], d["idx"], d["weights_k"].double(), d["moe"], d["y"])
+    with pytest.raises(ValueError, match="'w2_quad' needs the intermediate a multiple of 128"):  # I = 64
+        t = emulate.moe_tensors(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], quad_up=True)
+        emulate._run(lambda m, **a: m.mod["moe_grouped"].moe_grouped(
+            a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"], w2_quad=True),
+            t, 0)
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
 

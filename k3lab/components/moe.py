@@ -42,6 +42,7 @@ codes). Make the first call, or `prepare(moe)`, outside a CUDA graph capture.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -210,8 +211,9 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         else:  # the grouped up kernel reads W1 / W3 quad-transposed (one 16-byte load a lane, four blocks)
             from k3lab_kernels.cute import moe_grouped as mg
 
-            fn = mg.moe_grouped
-            ws = (kernel_layout(moe.w1, quad=True), kernel_layout(moe.w3, quad=True), kernel_layout(moe.w2))
+            quad2 = moe.w2.data.shape[-1] % 64 == 0  # I % 128: W2 quad-transposed too (16-byte loads in down)
+            fn = functools.partial(mg.moe_grouped, w2_quad=quad2)
+            ws = (kernel_layout(moe.w1, quad=True), kernel_layout(moe.w3, quad=True), kernel_layout(moe.w2, quad=quad2))
             kpath = "k3lab_kernels.cute.moe_grouped:moe_grouped"
             note = ("path grouped: two launches: up (pairs grouped by expert, w1/w3 on tensor cores + SiTU), down (w2 "
                     "on tensor cores, fp32 atomics into y)")

@@ -34,7 +34,8 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
         r', r' + h, ...), and its member tiles, over its members' CTAs. Registers held to 128 (DOWN_CTAS_PER_SM).
 
 Layout: z [B, L] bf16 (read as int32 pairs); idx [B, K] int32 or int64 (the low word read); wk [B, K] fp32; w1, w3
-[E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words, w1 and w3 quad-transposed
+[E, I, L/8] and w2 [E, L, I/8] int32 kernel-layout words, w1 and w3 quad-transposed (w2 too with w2_quad, where
+I % 128 == 0: a down lane's words of four blocks in one 16-byte load where it made four 4-byte loads)
 (k3lab.mxfp4.quad_transpose: a lane's word of four consecutive blocks in one 16-byte load; ncu at batch 64 uniform
 had the up kernel's L1 at 90 % of its throughput with a 4-byte load a lane a block, 8 rows a warp instruction); s1,
 s3 [E, I, L/32] and s2 [E, L, I/32] uint8 E8M0 scales (read as the stack's 32-bit words, byte n in word n // 4); y
@@ -49,11 +50,11 @@ MMA's fp32; the registry's MXFP4 tolerance (k3lab.ops.moe.TOL).
 
 Floor (k3lab.ops.moe.experts_bytes): the chosen experts' codes and scales at the read bandwidth (TP8, batch 64
 uniform: ~610 experts x 2.19 MB, ~290 us on the H200). Contract: moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *,
-b1, b2, pdl=None) -> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait)
-before its first access; None or False: `up` launches plainly, also inside the step's pdl chain (launched early, its
-thousands of waiting CTAs cost the batch-64 step 525 us: experiments/step_pdl, twenty-sixth session). Arguments are
-checked by name (MoEGroupedError); the component (k3lab.components.moe.experts, backend "cute", path "grouped")
-passes the kernel layout.
+b1, b2, pdl=None, w2_quad=False) -> y on torch's current stream; pdl=True: `up` waits for the kernel before
+(griddepcontrol.wait) before its first access; None or False: `up` launches plainly, also inside the step's pdl
+chain (launched early, its thousands of waiting CTAs cost the batch-64 step 525 us: experiments/step_pdl,
+twenty-sixth session). Arguments are checked by name (MoEGroupedError); the component (k3lab.components.moe.experts,
+backend "cute", path "grouped") passes the kernel layout, W2 quad-transposed where I % 128 == 0.
 """
 import types
 from typing import Any
@@ -184,14 +185,22 @@ def _kernel_classes():
                     n = (row * NB + j0) // 4 + k if SW < UJ else (row * NB + j0 + k) // 4
                     dst[4 * UJ + (2 * m + h) * SW + k] = vec(p_s1 if m == 0 else p_s3, n, 1)[0]
 
-    def load_down(p_w2, p_s2, ra, t, dst, NB: int, RW: int):
-        """A down tile's loads into dst: the lane's W2 words of rows ra, ra + 8 (NB blocks each), then their scale
-        words (NB / 4 a row where NB % 4 == 0, else one a block)."""
+    def load_down(p_w2, p_s2, ra, t, dst, NB: int, RW: int, QUAD: bool = False):
+        """A down tile's loads into dst: the lane's W2 words of rows ra, ra + 8 (NB blocks each; QUAD: W2
+        quad-transposed, four blocks' words in one 16-byte load), then their scale words (NB / 4 a row where
+        NB % 4 == 0, else one a block)."""
         SD = NB // 4 if NB % 4 == 0 else NB
         for h in range(2):
             row = ra + 8 * h
-            for j in range(NB):
-                dst[h * NB + j] = vec(p_w2, row * RW + 4 * j + t, 1)[0]
+            if QUAD:
+                for q in range(NB // 4):
+                    four = cute.make_rmem_tensor((4,), Int32)
+                    cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 16 * q + 4 * t, divby=4), 4), four)
+                    for u in range(4):
+                        dst[h * NB + 4 * q + u] = four[u]
+            else:
+                for j in range(NB):
+                    dst[h * NB + j] = vec(p_w2, row * RW + 4 * j + t, 1)[0]
             for k in range(SD):
                 dst[2 * NB + h * SD + k] = vec(p_s2, (row * NB) // 4 + k if SD < NB else (row * NB + k) // 4, 1)[0]
 
@@ -414,9 +423,11 @@ def _kernel_classes():
                 cute.arch.griddepcontrol_launch_dependents()
 
     class Down:
-        def __init__(self, B: int, K: int, I: int, L: int, step: int, tiles: int, share: int, share_from: int):
+        def __init__(self, B: int, K: int, I: int, L: int, step: int, tiles: int, share: int, share_from: int,
+                     quad: bool = False):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.N = B * K
+            self.QUAD = bool(quad)       # W2 quad-transposed (I / 32 % 4 == 0)
             self.DT = tiles              # tiles of 16 latent rows a warp
             self.H = share               # most CTAs sharing a group's tiles (a power of two dividing DT)
             self.FROM = share_from
@@ -487,7 +498,7 @@ def _kernel_classes():
                 # the next tile's words are loaded (into nxt) before a tile computes (on cur)
                 cur = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
                 nxt = cute.make_rmem_tensor((2 * NB + 2 * SD,), Int32)
-                load_down(p_w2, p_s2, e * L + l0 + 16 * rr, t, cur, NB, RW)
+                load_down(p_w2, p_s2, e * L + l0 + 16 * rr, t, cur, NB, RW, self.QUAD)
                 for it in cutlass.range(self.DT // h, unroll=1):
                     tile = rr + it * h
                     ra = e * L + l0 + 16 * tile  # MMA rows g (ra) and g + 8 (ra + 8)
@@ -497,7 +508,7 @@ def _kernel_classes():
                     nt = tile + h                # the last tile loads the first again (unused)
                     if nt >= self.DT:
                         nt = rr
-                    load_down(p_w2, p_s2, e * L + l0 + 16 * nt, t, nxt, NB, RW)
+                    load_down(p_w2, p_s2, e * L + l0 + 16 * nt, t, nxt, NB, RW, self.QUAD)
                     ws = [[cur[hh * NB + j] for j in range(NB)] for hh in range(2)]
                     fs = [down_factors(cur, ra + 8 * hh, hh, NB) for hh in range(2)]
                     for j in cutlass.range_constexpr(NB):
@@ -579,7 +590,7 @@ def supports(B: int, K: int, I: int, L: int) -> str | None:
 
 
 def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0,
-                pdl: bool | None = None):
+                pdl: bool | None = None, w2_quad: bool = False):
     """y [B, L] fp32 = the routed experts of B tokens (module docstring). Returns y."""
     import cutlass
 
@@ -589,6 +600,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         pdl = False  # not the chain's setting (module docstring)
     if not isinstance(pdl, bool):
         _fail("pdl", f"must be None or a bool, got {pdl!r}")
+    if not isinstance(w2_quad, bool):
+        _fail("w2_quad", f"must be a bool, got {w2_quad!r}")
     if not isinstance(z, torch.Tensor) or z.dim() != 2:
         _fail("z", f"must be [B, L] bf16, got {getattr(z, 'shape', z)!r}")
     dev = z.device
@@ -602,6 +615,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     why = supports(B, K, I, L)
     if why:
         _fail("z", why)
+    if w2_quad and (I // 32) % 4:
+        _fail("w2_quad", f"needs the intermediate a multiple of 128 (whole groups of four blocks a W2 row), got {I}")
     sw = experts_tensors(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, _fail)
     step = 2 if idx.dtype == torch.int64 else 1
     key_ws = (dev.index, B * K, I)
@@ -619,7 +634,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     if UP_MEMBERS not in (4, 8):
         _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS)
+           SHARE_FROM, UP_MEMBERS, w2_quad)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -631,7 +646,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             up_cls, down_cls = _kernel_classes()
             up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS)
             fns = (cute.compile(up, *up_args, stream),
-                   cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM), *down_args, stream))
+                   cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM, w2_quad), *down_args,
+                                stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
