@@ -267,6 +267,35 @@ def _kernel_classes():
                 s_mem[s_wc[C + 1 + r * 4 + warp] + cute.arch.popc(bals[r] & below)] = r * _THREADS + tid
         cute.arch.sync_threads()
 
+    @cute.jit
+    def share_units(p: Int32, cnt: Int32, n_mt: Int32, tid: Int32, s_mem: cute.Tensor, s_wc: cute.Tensor,
+                    slot: cutlass.Constexpr, LOGH: cutlass.Constexpr, FROM: cutlass.Constexpr):
+        """The units a CTA of pair p runs, (h, first, stride, count): units are (member tile, share), h shares a
+        member tile; the leader runs all n_mt (h = 1), or, for a group of at least FROM members (H = 2^LOGH > 1),
+        member `rank` runs units rank, rank + cnt, ... of n_mt h, h <= H the largest power of two <= cnt / n_mt
+        (every unit has a member); a member that is not the leader runs none. The rank goes through s_wc[slot]
+        (one CTA barrier, shared groups only)."""
+        h = Int32(1)
+        first = Int32(0)
+        stride = Int32(1)
+        n_units = n_mt
+        if s_mem[0] != p:
+            first = n_units
+        if cutlass.const_expr(LOGH > 0):
+            if cnt >= FROM:
+                per = cnt // n_mt
+                for k in cutlass.range_constexpr(1, LOGH + 1):
+                    if per >= (1 << k):
+                        h = Int32(1 << k)
+                for i in range(tid, cnt, _THREADS):
+                    if s_mem[i] == p:
+                        s_wc[slot] = i
+                cute.arch.sync_threads()
+                first = s_wc[slot]
+                stride = cnt
+                n_units = n_mt * h
+        return h, first, stride, n_units
+
     class Up:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
                      share: int, share_from: int, members: int = NMEM):
@@ -320,28 +349,9 @@ def _kernel_classes():
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             cnt = s_wc[WC(self.RND)]
             n_mt = (cnt + self.NM - 1) // self.NM
-            # the units of this row block: (member tile, share of the block's tiles); the leader runs them all, or,
-            # for a group of at least FROM members, h shares (h <= H, a power of two) and member `rank` runs units
-            # rank, rank + cnt, ...
-            h = Int32(1)
-            first = Int32(0)
-            stride = Int32(1)
-            n_units = n_mt
-            if s_mem[0] != p:
-                first = n_units          # a member that is not the leader runs nothing...
-            if cutlass.const_expr(self.H > 1):
-                if cnt >= self.FROM:     # ...unless the group shares its work
-                    per = cnt // n_mt    # h <= per: every unit has a member to run it
-                    for k in cutlass.range_constexpr(1, self.H.bit_length()):
-                        if per >= (1 << k):
-                            h = Int32(1 << k)
-                    for i in range(tid, cnt, _THREADS):
-                        if s_mem[i] == p:
-                            s_wc[WC(self.RND) + 1] = i
-                    cute.arch.sync_threads()
-                    first = s_wc[WC(self.RND) + 1]
-                    stride = cnt
-                    n_units = n_mt * h
+            # the units of this row block: (member tile, share of the block's 16-row tiles)
+            h, first, stride, n_units = share_units(p, cnt, n_mt, tid, s_mem, s_wc, WC(self.RND) + 1,
+                                                    self.H.bit_length() - 1, self.FROM)
             S = self.S * h               # warps a tile (CTA-uniform)
             kp = warp % S                # this warp's part of L: steps kp NG / S .. (kp + 1) NG / S - 1
             jb = (kp * NG) // S * UJ
@@ -459,27 +469,9 @@ def _kernel_classes():
             group(p_idx, e, tid, lane, warp, s_mem, s_wc, N, self.step)
             cnt = s_wc[WC(self.RND)]
             n_mt = (cnt + NMEM - 1) // NMEM
-            # units (member tile, share of a warp's tiles) as in up: the leader alone, or h shares of a group of at
-            # least FROM members, member `rank` running units rank, rank + cnt, ...
-            h = Int32(1)
-            first = Int32(0)
-            stride = Int32(1)
-            n_units = n_mt
-            if s_mem[0] != p:
-                first = n_units
-            if cutlass.const_expr(self.H > 1):
-                if cnt >= self.FROM:
-                    per = cnt // n_mt
-                    for k in cutlass.range_constexpr(1, self.H.bit_length()):
-                        if per >= (1 << k):
-                            h = Int32(1 << k)
-                    for i in range(tid, cnt, _THREADS):
-                        if s_mem[i] == p:
-                            s_wc[WC(self.RND) + 1] = i
-                    cute.arch.sync_threads()
-                    first = s_wc[WC(self.RND) + 1]
-                    stride = cnt
-                    n_units = n_mt * h
+            # the units of this CTA's rows: (member tile, share of each warp's tiles)
+            h, first, stride, n_units = share_units(p, cnt, n_mt, tid, s_mem, s_wc, WC(self.RND) + 1,
+                                                    self.H.bit_length() - 1, self.FROM)
             SD = NB // 4 if NB % 4 == 0 else NB
             for unit in range(first, n_units, stride):
                 mt = unit // h
