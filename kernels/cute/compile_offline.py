@@ -5,7 +5,7 @@ stack and local memory (spills), read off the cubin with cuobjdump.
         python kernels/cute/compile_offline.py
             [--only prefill|decode|verify|attnres|router|mla_cache_write|mla_combine|proj|proj_mma|l2_prefetch|moe|
              moe_grouped|moe_dense|mla_query|mla_decode]
-            [--quick] [--keep DIR]
+            [--quick] [--keep DIR] [--loops]
 
 The Python needs nvidia-cutlass-dsl, cuda-bindings, numpy and torch (a CPU build is enough): e.g. a
 Python 3.12 venv with `pip install typing_extensions numpy cuda-bindings torch` and the CuTe DSL
@@ -24,7 +24,8 @@ dynamic shared memory and the CTAs an SM by shared memory and by registers; rout
 mla_cache_write.py for every cache format (bf16, fp8 per-tensor, fp8 per-token) x contiguous / paged 1, 16,
 64 x pdl, plus int64 lengths, fp32 kv and the "tree" sum order. --quick: the largest
 and smallest configuration of each prefill kernel only. --keep DIR: each configuration's cubin as
-DIR/<name>.cubin (to diff SASS across commits). Exit status 1 if any compile failed or any kernel uses local
+DIR/<name>.cubin (to diff SASS across commits). --loops: under each configuration, its loops of 40 or more
+instructions (`loop_mix`: instructions an iteration a warp and the most frequent opcodes). Exit status 1 if any compile failed or any kernel uses local
 memory.
 """
 import glob
@@ -71,6 +72,41 @@ def _usage(cubin: str, tool: str | None) -> str:
             keep = [w for w in line.split() if w.split(":")[0] in ("REG", "STACK", "SHARED", "LOCAL")]
             return " ".join(keep)
     return "(no resource line)"
+
+
+def loop_mix(sass: str, min_instructions: int = 40) -> list[dict]:
+    """The loops of a kernel's SASS (cuobjdump -sass text): each backward branch and the code from its target to it,
+    as dict(start, end (byte offsets), instructions, mix: opcode -> count, most first), for loops of at least
+    `min_instructions`, innermost (shortest) first. What a loop costs a warp an iteration, without a GPU: the
+    decode's share of an MXFP4 step, moves a double buffer leaves, loads an iteration (docs/NOTES_moe.md)."""
+    import re
+    ins = []  # (offset, opcode, branch target or None)
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if m:
+            t = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", m.group(3) + m.group(4))
+            ins.append((int(m.group(1), 16), m.group(3), int(t.group(1), 16) if t else None))
+    loops = []
+    for i, (off, op, tgt) in enumerate(ins):
+        if op.startswith("BRA") and tgt is not None and tgt < off:
+            body = [o for a, o, _ in ins if tgt <= a <= off]
+            if len(body) >= min_instructions:
+                mix: dict[str, int] = {}
+                for o in body:
+                    mix[o] = mix.get(o, 0) + 1
+                loops.append(dict(start=tgt, end=off, instructions=len(body),
+                                  mix=dict(sorted(mix.items(), key=lambda kv: -kv[1]))))
+    return sorted(loops, key=lambda d: d["instructions"])
+
+
+def _loops(cubin: str, tool: str | None, top: int = 8) -> str:
+    """One line a loop of the cubin's SASS (loop_mix): instructions an iteration and its `top` opcodes."""
+    if tool is None:
+        return "    (no cuobjdump found)"
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
+    return "\n".join(f"    loop {d['start']:#x}-{d['end']:#x}: {d['instructions']} instructions; "
+                     + ", ".join(f"{k} {v}" for k, v in list(d["mix"].items())[:top])
+                     for d in loop_mix(sass)) or "    (no loop of 40 or more instructions)"
 
 
 def _cases(only: str | None, quick: bool):
@@ -496,6 +532,8 @@ def main(argv=None) -> int:
             thr = int(name.split(" thr")[1].split()[0])
             use += f" by-reg{65536 // (-(-thr // 32) * (-(-reg * 32 // 256) * 256))}"
         print(f"{name:<44} {use}", flush=True)
+        if "--loops" in argv and len(new) == 1:
+            print(_loops(new[0], tool), flush=True)
     print(f"{'ALL COMPILED, NO LOCAL MEMORY' if not bad else f'{bad} PROBLEM(S)'}  [{time.time() - t0:.0f}s]")
     return 1 if bad else 0
 
