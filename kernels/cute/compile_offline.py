@@ -25,8 +25,8 @@ mla_cache_write.py for every cache format (bf16, fp8 per-tensor, fp8 per-token) 
 64 x pdl, plus int64 lengths, fp32 kv and the "tree" sum order. --quick: the largest
 and smallest configuration of each prefill kernel only. --keep DIR: each configuration's cubin as
 DIR/<name>.cubin (to diff SASS across commits). --loops: under each configuration, its loops of 40 or more
-instructions (`loop_mix`: instructions an iteration a warp and the most frequent opcodes). Exit status 1 if any compile failed or any kernel uses local
-memory.
+instructions (`loop_mix`: instructions an iteration a warp and the most frequent opcodes). Exit status 1 if any
+compile failed or any kernel uses local memory.
 """
 import glob
 import os
@@ -87,7 +87,7 @@ def loop_mix(sass: str, min_instructions: int = 40) -> list[dict]:
             t = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", m.group(3) + m.group(4))
             ins.append((int(m.group(1), 16), m.group(3), int(t.group(1), 16) if t else None))
     loops = []
-    for i, (off, op, tgt) in enumerate(ins):
+    for off, op, tgt in ins:
         if op.startswith("BRA") and tgt is not None and tgt < off:
             body = [o for a, o, _ in ins if tgt <= a <= off]
             if len(body) >= min_instructions:
