@@ -24,11 +24,13 @@ ODD = dict(SMALL, inter=96, n_experts=4)
 HALF = dict(SMALL, latent=512, inter=96, n_experts=4)
 
 
-def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, settings=None):
+def run(z, idx, wk, moe, y, pdl=False, seed=0, rows=None, glue=None, settings=None, early=()):
     t = emulate.moe_tensors(z, idx, wk, moe, y)
     if glue is not None:
         t.update(gam=glue[0], yg=glue[1], ssp=glue[2])
-    emulate._PDL["early"] = frozenset()  # neither kernel reads anything before its wait
+    # the tensors a kernel may read before its griddepcontrol.wait (none by default; DOWN_OVERLAP: down's ids, W2
+    # words and scales)
+    emulate._PDL["early"] = frozenset(t[n].data_ptr() for n in early)
 
     def call(m, **a):
         mod = m.mod["moe_experts"]
@@ -84,6 +86,21 @@ def test_w2_tail_prefetches_the_chosen_experts_w2():
             want += [(w2 + row * I // 2, S * I // 2), (s2 + row * I // 32, S * I // 32)]
     assert sorted(emulate.PREFETCHED) == sorted(want)
 
+
+
+def test_down_overlap_reads_ids_and_w2_before_its_wait():
+    """DOWN_OVERLAP: up lets down launch right after its own wait, and down reads idx, its W2 words and scales
+    before its wait (the emulator's PDL rule allows exactly those), act after it; the output against fp64. With none
+    of them declared the same run is refused, so the early reads do happen."""
+    overlap = dict(DOWN_OVERLAP=True)
+
+    def f(d):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=True, seed=5, settings=overlap,
+            early=("idx", "w2", "s2"))
+    checker.require(checker.check(OP, OP.case(**SMALL), impl=f, seed=5, device="cpu"))
+    d = OP.make_inputs(OP.case(**SMALL), 5, "cpu")
+    with pytest.raises(emulate.EmulationError, match="before griddepcontrol.wait"):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=True, seed=5, settings=overlap)
 
 
 # the down kernel's CTA: K * I/32 product threads rounded up to whole warps (SMALL: 12 of 32, ODD: 9; ROUNDS: 36 of

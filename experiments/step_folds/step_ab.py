@@ -24,7 +24,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
              cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
-  w2_tail    each one-token up CTA requesting its share of the pair's W2 rows into L2 once its own rows are read
+  w2_tail    each one-token up CTA requesting its share of the pair's W2 rows into L2 once its own rows are read,
+             or (arm overlap, DOWN_OVERLAP) down launched right after up's wait and reading its W2 before its own
              (moe_experts.W2_TAIL; not measured yet);
   proj_mma   (BATCH=2..16) the `proj_cute` switch's projections of several tokens on Triton (PROJ_MMA_MAX_TOKENS 0,
              the default) or on the CuTe tensor-core path (16), its x staged in shared memory or not (proj_mma.X_SMEM;
@@ -109,8 +110,13 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                                             "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
                             for h, r in ((1, 6), (2, 12), (2, 8), (2, 6))),
          # each up CTA requesting its share of the pair's W2 into L2 once its own rows are read (W2_TAIL)
-         "w2_tail": (("plain", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False}),
-                     ("tail", {"k3lab_kernels.cute.moe_experts:W2_TAIL": True})),
+         # or down launched right after up's wait, reading its W2 before its own wait (DOWN_OVERLAP)
+         "w2_tail": (("plain", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False,
+                                "k3lab_kernels.cute.moe_experts:DOWN_OVERLAP": False}),
+                     ("tail", {"k3lab_kernels.cute.moe_experts:W2_TAIL": True,
+                               "k3lab_kernels.cute.moe_experts:DOWN_OVERLAP": False}),
+                     ("overlap", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False,
+                                  "k3lab_kernels.cute.moe_experts:DOWN_OVERLAP": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 4)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
