@@ -382,6 +382,12 @@ def _cases(only: str | None, quick: bool):
         for I in (384, 192):  # W2_TAIL: the pair's W2 slice into L2 once the CTA's rows are read
             cases.append((f"moe up K16 I{I} L3584 pdl rows 12 halves 2 w2tail", lambda I=I:
                           up_cls(16, I, 3584, 896, 1, 4.0, 25.0, True, 12, 2, True), uargs))
+        # DOWN_OVERLAP: up's trigger right after its wait; down's ids, W2 and scales before its wait (glue too)
+        cases.append(("moe up K16 I384 L3584 pdl rows 12 halves 2 overlap",
+                      lambda: up_cls(16, 384, 3584, 896, 1, 4.0, 25.0, True, 12, 2, False, True), uargs))
+        for glue in (False, True):
+            cases.append((f"moe down K16 I384 L3584 rows 8 overlap{' glue' if glue else ''}",
+                          lambda g=glue: down_cls(16, 384, 3584, 896, 1, 8, g, True), dargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)
