@@ -86,7 +86,7 @@ pending)
   case "${PART:-1}" in
   1)
     timeout 240 python3 -m pytest -q -m gpu tests/test_moe_cute.py tests/test_proj_cute.py \
-      -k "dense or w2_tail or mma or l2_prefetch" 2>&1 | tee "$OUT/pending/pytest_gpu.log" | tail -n 6
+      -k "dense or w2_tail or overlap or mma or l2_prefetch" 2>&1 | tee "$OUT/pending/pytest_gpu.log" | tail -n 6
     timeout 300 $B moe --ops moe_experts --backends triton,cute --name moe_dense --deadline 260 \
       --grid dtype=bf16,fp8 --grid batch=1,8,16,64 --grid tp=8 --grid routing=uniform,same16 --grid latent=3584 \
       --grid inter=3072 --grid n_experts=896 --grid top_k=16 2>&1 | tail -n 30 ;;
