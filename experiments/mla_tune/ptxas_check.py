@@ -1,6 +1,9 @@
 """Compile the MLA split kernel for sm_90a here (no GPU) and print ptxas's registers / spills, and whether the
-block loop was software-pipelined (async copies or TMA in the TTGIR). Usage:
-    python experiments/mla_tune/ptxas_check.py [KEY=VALUE ...]   (constexpr overrides, e.g. BN=64 VARIANT=1)"""
+block loop was software-pipelined (async copies or TMA in the TTGIR); LOOPS=1 also prints each loop of the SASS
+(instructions an iteration a warp and its opcodes: kernels/cute/compile_offline.py's loop_mix). Usage:
+    [LOOPS=1] python experiments/mla_tune/ptxas_check.py [KEY=VALUE ...]   (constexpr overrides, e.g. BN=64 KS=4;
+    num_warps=, num_stages=, kernel=)
+With the device's Triton (3.6) rather than this machine's: PYTHONPATH=<a pip --target of triton==3.6.0>:$PWD."""
 from __future__ import annotations
 
 import os
@@ -67,7 +70,19 @@ if __name__ == "__main__":
     nw = over.pop("num_warps", 4)
     ns = over.pop("num_stages", 2)
     kern = getattr(md, over.pop("kernel", "_mla_split_kernel"))
-    res, ttgir, _ = compile_split(kern, nw, ns, **over)
+    res, ttgir, ptx = compile_split(kern, nw, ns, **over)
     print(res)
+    if os.environ.get("LOOPS"):
+        from k3lab_kernels.cute.compile_offline import loop_mix
+        nv = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin")
+        with tempfile.TemporaryDirectory() as tmp:
+            open(os.path.join(tmp, "k.ptx"), "w").write(ptx)
+            subprocess.run([os.path.join(nv, "ptxas"), "-arch=sm_90a", os.path.join(tmp, "k.ptx"), "-o",
+                            os.path.join(tmp, "k.cubin")], check=True)
+            sass = subprocess.run([os.path.join(nv, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True).stdout
+        for d in loop_mix(sass):
+            print(f"  loop {d['start']:#x}-{d['end']:#x}: {d['instructions']} instructions; "
+                  + ", ".join(f"{k} {v}" for k, v in list(d["mix"].items())[:10]))
     if os.environ.get("DUMP"):
         open(os.environ["DUMP"], "w").write(ttgir)
