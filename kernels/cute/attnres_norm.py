@@ -370,15 +370,20 @@ def _kernel_class():
             # ---- thread k < K: row k over the CTA, into every cluster CTA's slot [rank][k] --------------------
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_wait()
-            if tid < K:
-                a4 = cute.make_rmem_tensor((4,), Float32)
+            if tid < K:  # in 4 chains, or 16 from 256 threads (448 partials: 28 dependent adds each, not 112)
+                NA = 16 if self.T >= 256 else 4
+                acs = cute.make_rmem_tensor((NA,), Float32)
                 r4 = cute.make_rmem_tensor((4,), Float32)
-                a4.fill(0.0)
+                acs.fill(0.0)
                 for j in cutlass.range_constexpr(self.T // 4):
                     cute.autovec_copy(vec(s_part.iterator, cute.assume(tid * self.TP + j * 4, divby=4), 4), r4)
                     for q in cutlass.range_constexpr(4):
-                        a4[q] = a4[q] + r4[q]
-                tot = (a4[0] + a4[1]) + (a4[2] + a4[3])
+                        acs[(j % (NA // 4)) * 4 + q] = acs[(j % (NA // 4)) * 4 + q] + r4[q]
+                if cutlass.const_expr(NA == 16):  # a fixed tree: the same order in every CTA
+                    for w in (8, 4):
+                        for q in cutlass.range_constexpr(w):
+                            acs[q] = acs[q] + acs[q + w]
+                tot = (acs[0] + acs[1]) + (acs[2] + acs[3])
                 if cutlass.const_expr(self.C == 1):
                     s_tot[tid] = tot
                 else:
