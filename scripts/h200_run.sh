@@ -14,7 +14,8 @@
 #   STEP=pending carry [".gpu/cute"]           the kernels built without a device: PART=1 their GPU tests and the
 #                                              dense experts' bench, PART=2 the projections' path "mma", PART=3
 #                                              their settings, PART=4 the grouped experts' shared groups, PART=5
-#                                              the projections' tiles at batch 32 / 64 (one call each)
+#                                              the projections' tiles at batch 32 / 64, PART=6 the AttnRes (one call
+#                                              each)
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
@@ -116,6 +117,11 @@ pending)
     timeout 420 $B trunk --ops proj --backends triton --name proj_large_tiles --deadline 390 --grid preset=tp8 \
       --grid batch=32,64 --grid wdtype=bf16 --grid proj=kda_q,shared_w1,mla_dkv,moe_router,kda_o \
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
+  6)
+    # the CuTe AttnRes with 16 summing chains at 448 threads (thirty-fifth session): the rule's options by batch
+    # beside fla, as the committed attnres_cute_large bundle ran them
+    timeout 300 $B trunk --ops attnres_norm --backends cute --name attnres_chains --deadline 280 --grid batch=1,8,16,32,64 \
+      --grid n_blocks=9 --grid update=add --grid dim=7168 2>&1 | tail -n 20 ;;
   esac
   pack pending ;;
 *) echo "STEP must be cute, bench, fi, layer, mla or pending" >&2; exit 2 ;;
