@@ -15,10 +15,12 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
 
   up    a CTA (4 warps) per (pair p, UP_ROWS = 64 intermediate rows). Every CTA zeroes its share of y. Then it lists p's
         group: the pairs with p's expert id, ascending, by ballots over the [B K] ids (`group`); only the group's
-        leader (its first pair) goes on. Members are taken 8 at a time (the MMA's N): their z rows staged in shared
-        memory as f16 pairs of 2^6 z; warp w's MMA rows g and g + 8 are intermediate rows r0 + 16 w + 2 g and
+        leader (its first pair) goes on. Members are taken UP_MEMBERS (8, the MMA's N, or 4) at a time: their z rows
+        staged in shared memory as f16 pairs of 2^6 z, each 32-block's 16 pairs lane-major (a lane's B fragment of a
+        block one 16-byte read); warp w's MMA rows g and g + 8 are intermediate rows r0 + 16 w + 2 g and
         + 2 g + 1 of W1_e and of W3_e, so a lane ends with both rows of one f16 pair of act; SiTU, times 2^6 wk,
-        stored into each member's act row (a member past the last of a tile of 8 redoes member 0, never stored).
+        stored into each member's act row (an MMA column past the tile's last member redoes member 0, never
+        stored). The block factors come from scale words biased once (`fexp`).
         Few pairs (B K <= FEW_PAIRS): FEW_UP_SPLIT warps share a 16-row tile, warp w over part w % FEW_UP_SPLIT of
         L, their accumulators summed through shared memory into the tile's first warp (more, smaller CTAs).
         Few groups (a group of at least SHARE_FROM members, e.g. every token on the same 16 experts): the members'
@@ -28,7 +30,8 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
   down  a CTA per (pair p, 64 DOWN_TILES latent rows), PDL after up (it waits for up before reading anything); the
         same group listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16
         latent rows: the members' act words are the B fragments (loaded once a member tile), every block of I's W2
-        words straight into A fragments (the next tile's words loaded while this one computes); each
+        words straight into A fragments (16-byte loads of four blocks with w2_quad; the next tile's words loaded
+        while this one computes); each
         tile's 16 x 8 outputs added into y[b, l] with fp32 atomics (so the order of a token's terms is not fixed).
         A group of at least SHARE_FROM members shares likewise: h <= DOWN_SHARE shares of each warp's tiles (tiles
         r', r' + h, ...), and its member tiles, over its members' CTAs. Registers held to 128 (DOWN_CTAS_PER_SM).
