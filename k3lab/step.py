@@ -313,9 +313,9 @@ class DecodeStep:
         if _on_gpu(self.device) and sw.backend["moe"] in ("triton", "cute", "auto"):
             from k3lab.components import moe as moe_comp
 
-            for L in self.layers:  # the MXFP4 kernel layout made now, not inside a captured (timed) step
-                if L.w.mlp_kind == "moe":
-                    moe_comp.prepare(L.w.mlp)
+            for L in self.layers:  # the MXFP4 kernel layouts this step's experts read, made now, not inside a
+                if L.w.mlp_kind == "moe":  # captured (timed) step
+                    moe_comp.prepare(L.w.mlp, tokens=n_tok, backend=sw.backend["moe"])
         if sw.owned_output and sw.fuse_prologues and over.get("proj") == "triton":
             why["fuse_prologues"] = (why.get("fuse_prologues", "") + "; not in moe_out: owned_output runs its glue "
                                      "launch and two projections there").lstrip("; ")

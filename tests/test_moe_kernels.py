@@ -454,3 +454,28 @@ def test_auto_takes_the_cute_experts_for_mxfp4_up_to_64_tokens(monkeypatch):
     assert "top-k x I/32" in OP.supports("cute", OP.case(batch=1, dtype="mxfp4", **dict(K3, top_k=96, tp=1)))
     assert OP.supports("cute", OP.case(batch=2, dtype="mxfp4", **K3)) is None  # the grouped kernels
     assert "latent % 64 " in OP.supports("cute", OP.case(batch=2, dtype="mxfp4", **dict(K3, latent=3616)))
+
+
+def test_prepare_makes_only_what_the_call_reads(monkeypatch):
+    """`prepare(moe, tokens, backend)`: the kernel layouts the experts' call at that many tokens reads, by the backend
+    the dispatcher resolves: plain for triton and cute at one token, W1 / W3 quad-transposed and W2 plain or quad
+    (I % 128) for cute's grouped kernels, none for the reference; bad token counts refused by name."""
+    moe = OP.make_inputs(OP.case(dtype="mxfp4", batch=2, tp=1, latent=256, inter=128, n_experts=4, top_k=2), 0,
+                         "cpu")["moe"]
+    I = moe.w1.shape[1]
+
+    def made(be, tokens):
+        c_moe._kernel_layouts.clear()
+        monkeypatch.setattr(c_moe.dispatch, "select", lambda *a, **k: (be, {}, "test"))
+        c_moe.prepare(moe, tokens=tokens, backend=be)
+        names = {id(w.data): n for n, w in (("w1", moe.w1), ("w3", moe.w3), ("w2", moe.w2))}
+        return sorted((names[key[0]], key[1]) for key in c_moe._kernel_layouts)
+
+    plain = [("w1", False), ("w2", False), ("w3", False)]
+    assert made("triton", 64) == plain
+    assert made("cute", 1) == plain
+    assert made("cute", 8) == [("w1", True), ("w2", I % 128 == 0), ("w3", True)]
+    assert made("reference", 8) == []
+    with pytest.raises(ValueError, match="'tokens'"):
+        c_moe.prepare(moe, tokens=0)
+    c_moe._kernel_layouts.clear()

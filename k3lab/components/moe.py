@@ -255,12 +255,29 @@ def kernel_layout(w, quad: bool = False) -> torch.Tensor:
     return k
 
 
-def prepare(moe: MoEWeights) -> None:
-    """Make the triton backend's per-format copies ahead of time (the MXFP4 kernel layout of w1, w3, w2), e.g.
-    before capturing a CUDA graph; a no-op for bf16 / fp8 experts."""
+def prepare(moe: MoEWeights, tokens: int | None = None, backend: str = "auto") -> None:
+    """Make the kernels' per-format copies of MXFP4 experts ahead of time, e.g. before capturing a CUDA graph (a
+    no-op for bf16 / fp8 experts). tokens None: the plain kernel layout of w1, w3, w2 (the triton backend's and the
+    one-token CuTe kernels'). tokens given: only what `experts` at that many tokens on `backend` (resolved as the
+    call resolves it) reads: the plain layout (triton; cute at one token), or W1 / W3 quad-transposed and W2 plain
+    or quad-transposed (cute's grouped kernels, `moe_grouped`), so a step of many tokens keeps no unused copy (at TP8
+    each full copy of a layer stack's codes is ~22 GB over 12 MoE layers)."""
     if not isinstance(moe, MoEWeights):
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
-    if moe.w1.fmt == "mxfp4":
+    if moe.w1.fmt != "mxfp4":
+        return
+    if tokens is None:
+        for w in (moe.w1, moe.w3, moe.w2):
+            kernel_layout(w)
+        return
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        _fail("tokens", f"must be None or a positive int, got {tokens!r}")
+    be, _, _ = dispatch.select(OP, backend, B=tokens, shape=dict(B=tokens, fmt=moe.w1.fmt, K=moe.router.top_k,
+                                                                  I=moe.w1.shape[1], L=moe.w1.shape[2]))
+    if be == "cute" and tokens > 1:
+        quad2 = moe.w2.data.shape[-1] % 64 == 0  # as experts() passes it
+        kernel_layout(moe.w1, quad=True), kernel_layout(moe.w3, quad=True), kernel_layout(moe.w2, quad=quad2)
+    elif be in ("cute", "triton"):
         for w in (moe.w1, moe.w3, moe.w2):
             kernel_layout(w)
 
