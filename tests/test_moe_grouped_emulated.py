@@ -32,7 +32,7 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
     def call(m, **a):
         mod = m.mod["moe_grouped"]
         mod.FEW_PAIRS = 10 ** 6 if few else 0
-        for k, v in {"UP_MEMBERS": 8, **(settings or {})}.items():
+        for k, v in {"UP_MEMBERS": 8, "SHARE_FROM": 4, **(settings or {})}.items():  # the defaults, then the case's
             setattr(mod, k, v)
         mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                         b1=float(moe.b1), b2=float(moe.b2), pdl=pdl, w2_quad=quad2)
@@ -102,6 +102,8 @@ def test_refused_by_name():
         emulate._run(lambda m, **a: m.mod["moe_grouped"].moe_grouped(
             a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"], w2_quad=True),
             t, 0)
+    with pytest.raises(ValueError, match="'SHARE_FROM' .* must be a positive int"):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], settings={"SHARE_FROM": 0})
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
 

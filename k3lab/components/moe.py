@@ -211,7 +211,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         else:  # the grouped up kernel reads W1 / W3 quad-transposed (one 16-byte load a lane, four blocks)
             from k3lab_kernels.cute import moe_grouped as mg
 
-            quad2 = moe.w2.data.shape[-1] % 64 == 0  # I % 128: W2 quad-transposed too (16-byte loads in down)
+            quad2 = _w2_quad(moe)
             fn = functools.partial(mg.moe_grouped, w2_quad=quad2)
             ws = (kernel_layout(moe.w1, quad=True), kernel_layout(moe.w3, quad=True), kernel_layout(moe.w2, quad=quad2))
             kpath = "k3lab_kernels.cute.moe_grouped:moe_grouped"
@@ -238,6 +238,12 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
 
 
 _kernel_layouts: dict[tuple, tuple] = {}
+
+
+def _w2_quad(moe: MoEWeights) -> bool:
+    """Whether the grouped CuTe kernels read W2 quad-transposed: where I % 128 == 0 (its packed rows I / 2 bytes),
+    whole groups of four blocks a row (16-byte loads in the down kernel)."""
+    return moe.w2.data.shape[-1] % 64 == 0
 
 
 def kernel_layout(w, quad: bool = False) -> torch.Tensor:
@@ -275,8 +281,8 @@ def prepare(moe: MoEWeights, tokens: int | None = None, backend: str = "auto") -
     be, _, _ = dispatch.select(OP, backend, B=tokens, shape=dict(B=tokens, fmt=moe.w1.fmt, K=moe.router.top_k,
                                                                   I=moe.w1.shape[1], L=moe.w1.shape[2]))
     if be == "cute" and tokens > 1:
-        quad2 = moe.w2.data.shape[-1] % 64 == 0  # as experts() passes it
-        kernel_layout(moe.w1, quad=True), kernel_layout(moe.w3, quad=True), kernel_layout(moe.w2, quad=quad2)
+        for w, quad in ((moe.w1, True), (moe.w3, True), (moe.w2, _w2_quad(moe))):
+            kernel_layout(w, quad=quad)
     elif be in ("cute", "triton"):
         for w in (moe.w1, moe.w3, moe.w2):
             kernel_layout(w)

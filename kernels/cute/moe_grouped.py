@@ -84,7 +84,8 @@ FEW_DOWN_TILES = 1
 # Few groups (every token on the same experts): a group of at least SHARE_FROM members shares its leader's work among
 # its members' CTAs, which would otherwise exit: up, UP_SHARE CTAs at most split a row block's 16-row tiles (their
 # warps splitting L among the more of them per tile); down, DOWN_SHARE CTAs at most split each warp's tiles; and the
-# member tiles of a group of more than 8 go to different CTAs. 1 turns a kernel's sharing off.
+# member tiles of a group larger than one tile (UP_MEMBERS up, 8 down) go to different CTAs. 1 turns a kernel's
+# sharing off.
 UP_SHARE = 4
 DOWN_SHARE = 4
 SHARE_FROM = 4
@@ -628,8 +629,11 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     up_share, down_share = share_config(L, split, tiles)
     if UP_MEMBERS not in (4, 8):
         _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
+    if isinstance(SHARE_FROM, bool) or not isinstance(SHARE_FROM, int) or SHARE_FROM < 1:
+        _fail("SHARE_FROM", f"(module setting) must be a positive int, got {SHARE_FROM!r}")
+    # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS, w2_quad)
+           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
