@@ -43,10 +43,13 @@ def test_attnres_cute_options(batch, cluster, vec):
 
 LARGE = [dict(alpha="warp", cluster=8, vec=8), dict(alpha="warp", cluster=4, vec=8),
          dict(alpha="warp", cluster=2, vec=8), dict(alpha="warp", cluster=8, vec=4), dict(alpha="warp")]
+# alpha "twopass" (two exchanges: the scores' sums, then the mix's): the same checks as "warp"
+TWOPASS = [dict(alpha="twopass", cluster=2, vec=8), dict(alpha="twopass", cluster=4, vec=8),
+           dict(alpha="twopass", cluster=8, vec=8), dict(alpha="twopass")]
 
 
 @pytest.mark.parametrize("update", ops.UPDATES)
-@pytest.mark.parametrize("opts", LARGE, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("opts", LARGE + TWOPASS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("batch", [32, 64, 33, 1])
 def test_attnres_cute_alpha_warp(batch, opts, update):
     """The large-batch options (alpha "warp") against fp64 at batch 32 / 64 (and odd 33, 1), every update."""
@@ -54,13 +57,13 @@ def test_attnres_cute_alpha_warp(batch, opts, update):
 
 
 @pytest.mark.parametrize("n_blocks", [0, 1, 5])
-@pytest.mark.parametrize("opts", LARGE[:3], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("opts", LARGE[:3] + TWOPASS[:1], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 def test_attnres_cute_alpha_warp_blocks(opts, n_blocks):
     check(5, n_blocks, "add", seed=n_blocks, **opts)
 
 
 @pytest.mark.parametrize("update", ["add", "fresh"])
-@pytest.mark.parametrize("opts", LARGE, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("opts", LARGE + TWOPASS[:1], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("batch", [32, 64])
 def test_attnres_cute_alpha_warp_partial_bits_match_triton(batch, opts, update):
     """The large-batch options: the stored partial bit-equal to the triton backend's, out within 4e-3 of it."""

@@ -6,7 +6,8 @@ partial_out poisoned with NaN, the fp64 reference; partial_out bit-exact, out < 
 emulator's entry point as the implementation and CPU tensors: D = 7168 (the model's) at batch 1 and 2, 0 / 1 / 9
 blocks and every update mode, every (cluster, vec) the kernel takes at D = 7168, odd widths (clusters of 1 and
 4, vec 1, idle threads), the in-place partial, and the argument errors by name; alpha "warp" (the large-batch
-option) at batch 1, 3 and 5 with cluster 8 / 4 / 2 and vec 8, 0 / 1 / 9 blocks, every update mode.
+option) at batch 1, 3 and 5 with cluster 8 / 4 / 2 and vec 8, 0 / 1 / 9 blocks, every update mode; alpha "twopass"
+likewise, with odd widths and under pdl with the early reads.
 """
 import pytest
 import torch
@@ -126,6 +127,45 @@ def test_alpha_pairs():
     valid = [(c, v) for c in kern.CLUSTERS for v in kern.VECS if _plans(c, v, "warp")]
     assert sorted(valid) == [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
     assert kern.plan(64, 7168, 9) == kern.plan(64, 7168, 9, alpha="warp") == (8, 4)  # the defaults unchanged
+
+
+# alpha "twopass": the scores' sums (2 NS partials a thread) in one exchange, warp 0's alpha, then the mix's sum of
+# squares in a second (a butterfly a warp, the warps in order, one more cluster barrier)
+_TWOPASS = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
+            for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 2, 8), (2, 8, 4)]) for j, n in enumerate((0, 1, 9))
+            for u in _UPD]
+
+
+@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _TWOPASS)
+def test_alpha_twopass(batch, cluster, vec, n_blocks, update):
+    """alpha "twopass" at cluster 8 / 4 / 2 with vec 8 and cluster 8 vec 4 (128 / 224 / 448 / 224 threads: 4 / 8 /
+    16 / 8 lanes a partial row at 9 blocks), odd batches, 0 / 1 / 9 blocks."""
+    check(batch, n_blocks, update, seed=batch * 5 + n_blocks + len(update), cluster=cluster, vec=vec,
+          alpha="twopass")
+    got = emulate.LAST["launches"][-1]
+    assert got["grid"] == (cluster, batch, 1) and got["block"] == kern.threads(7168, n_blocks, cluster, vec, "twopass")
+
+
+@pytest.mark.parametrize("dim,n_blocks,update", [(64, 9, "add"), (200, 5, "fresh"), (1, 0, "none")])
+def test_alpha_twopass_odd_widths(dim, n_blocks, update):
+    """"twopass" where few threads own columns (one lane a row at 32 threads), vec 1, no cluster at all."""
+    check(3, n_blocks, update, dim=dim, seed=dim + 1, alpha="twopass")
+
+
+@pytest.mark.parametrize("n_blocks,update", [(9, "add"), (1, "fresh")])
+def test_alpha_twopass_pdl_early(n_blocks, update):
+    check(2, n_blocks, update, seed=17 + n_blocks, cluster=2, vec=8, alpha="twopass", pdl=True, early=True)
+
+
+def test_row_lanes():
+    """The lanes a partial row under "twopass": 448 / 224 / 128 threads at 9 blocks (20 rows) take 16 / 8 / 4."""
+    assert [kern.row_lanes(t, 20) for t in (448, 224, 128, 32)] == [16, 8, 4, 1]
+    assert kern.n_partials(9, "twopass") == 20 and kern.n_partials(9) == 65
+    for T in range(32, 513, 32):
+        for K in (2, 4, 12, 20):
+            if K <= T:
+                L = kern.row_lanes(T, K)
+                assert L * K <= T and T % (4 * L) == 0
 
 
 def _plans(c, v, alpha):

@@ -31,14 +31,22 @@ NS (NS + 1) / 2 values (65 at 9 blocks, 2 at none):
      sum mix^2 = sum_i alpha_i t_i (butterfly), alpha and 1 / rms into shared memory; one more CTA barrier, and
      every thread reads NS + 1 values. "threads" holds the K totals in registers beside the NS x vec sources
      (at 9 blocks about NS vec + K + 18 registers); "warp" never does (registers below, under Options).
+alpha "twopass" trades the Gram matrix for a second exchange (for large batches, where the SM's issue rate and not
+the exchange's latency bounds the kernel): K = 2 NS partials (sw_i and sum s_i^2), each partial row summed by L lanes
+(`row_lanes`: 16 at 448 threads) joined by a butterfly, one cluster exchange, warp 0 forms alpha; every thread then
+mixes its columns (kept in registers), their sum of squares goes through a butterfly a warp, the warps' sums in order
+and a second cluster exchange (thread r < C stores into CTA r's slot [rank]; every CTA sums the slots in rank order).
+Offline at cluster 2 vec 8 (448 threads): 896 SASS instructions a thread against 1,968 with the Gram matrix, 124
+registers, 36 KB of shared memory instead of 118; cluster 8 vec 4: 720 against 1,336, 66 registers (four CTAs an SM).
 A first relaxed cluster arrive at entry, waited for before step 2, keeps the DSMEM stores behind every peer's
 start. Numerics: alpha^T G alpha equals sum mix^2 up to the fp32 rounding of the partial sums (the Triton
 split path's argument; checked against fp64 with the output tolerance 4e-3).
 
 Options: cluster (1, 2, 4, 8; None: the largest that fits D, 8 at D = 7168, at every batch: unmeasured), vec
 (1, 2, 4, 8; None: the widest the alignment allows that fills whole warps, else the widest) and alpha
-("threads", "warp"; None = "threads": step 4 above). D = 7168 takes cluster 8 with vec 2 / 4 / 8 (448 / 224 / 128
-threads a CTA) and cluster 4 with vec 4 / 8 (448 / 224), and with alpha "warp" also cluster 2 vec 8 (448).
+("threads", "warp", "twopass"; None = "threads": step 4 above; "twopass" takes the thread caps of "warp").
+D = 7168 takes cluster 8 with vec 2 / 4 / 8 (448 / 224 / 128 threads a CTA) and cluster 4 with vec 4 / 8 (448 /
+224), and with alpha "warp" or "twopass" also cluster 2 vec 8 (448).
 Registers at 9 blocks (sm_90a): 104 / 123 / 168 at vec 2 / 4 / 8 with "threads", so there vec 8 is capped at 256
 threads (MAX_THREADS_VEC: cluster 2 vec 8, 448 threads, spilled); 69 / 71 / 126 with "warp" (128 at cluster 2
 vec 8, no spills: MAX_THREADS_VEC_WARP). Refused with the argument named: D not a multiple of cluster * vec, more
@@ -72,13 +80,14 @@ import torch
 
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
-ALPHAS = ("threads", "warp")
+ALPHAS = ("threads", "warp", "twopass")
 CLUSTERS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 MAX_THREADS = 512  # a CTA's threads (shared memory: K x (threads + 4) fp32 partials, 134 KB at 512 and 9 blocks)
 # vec 8 takes 168 registers a thread at 9 blocks (compile_offline --only attnres): at most 256 threads (448 spill)
 MAX_THREADS_VEC = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: 256}
-# alpha "warp": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without spills
+# alpha "warp" / "twopass": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without
+# spills
 MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
 # under pdl, also read the blocks and the prefix before griddepcontrol.wait and form the blocks' partial sums there
 # (only `new` after it). Valid where neither was written by the kernel launched just before: in the decode step's pdl
@@ -98,14 +107,21 @@ def _ceil(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def n_partials(n_blocks: int) -> int:
-    """K: the per-thread partial sums of a row (sw_i and the Gram matrix's upper triangle over NS sources)."""
+def n_partials(n_blocks: int, alpha: str | None = None) -> int:
+    """K: the per-thread partial sums of a row exchanged at once: sw_i and the Gram matrix's upper triangle over NS
+    sources, or (alpha "twopass") sw_i and sum s_i^2 only."""
     ns = n_blocks + 1
-    return ns + ns * (ns + 1) // 2
+    return 2 * ns if alpha == "twopass" else ns + ns * (ns + 1) // 2
 
 
-def threads(D: int, n_blocks: int, cluster: int, vec: int) -> int:
-    return max(_ceil(D // (cluster * vec), 32), _ceil(n_partials(n_blocks), 32))
+def threads(D: int, n_blocks: int, cluster: int, vec: int, alpha: str | None = None) -> int:
+    return max(_ceil(D // (cluster * vec), 32), _ceil(n_partials(n_blocks, alpha), 32))
+
+
+def row_lanes(T: int, K: int) -> int:
+    """alpha "twopass": the lanes that sum one of the K partial rows of a CTA of T threads (a power of two <= 16
+    dividing T / 4, L * K <= T): each reads T / L of the row's entries, 4 at a time, and a butterfly joins them."""
+    return next(L for L in (16, 8, 4, 2, 1) if L * K <= T and T % (4 * L) == 0)
 
 
 def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | None = None,
@@ -115,7 +131,7 @@ def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | N
     threads a CTA vec 8 may take."""
     if alpha is not None and alpha not in ALPHAS:
         raise AttnResCuteError(f"attnres cute: 'alpha' must be one of {ALPHAS} or None, got {alpha!r}")
-    caps = MAX_THREADS_VEC_WARP if alpha == "warp" else MAX_THREADS_VEC
+    caps = MAX_THREADS_VEC if alpha in (None, "threads") else MAX_THREADS_VEC_WARP
     if cluster is not None and (isinstance(cluster, bool) or cluster not in CLUSTERS):
         raise AttnResCuteError(f"attnres cute: 'cluster' must be one of {CLUSTERS} or None, got {cluster!r}")
     if vec is not None and (isinstance(vec, bool) or vec not in VECS):
@@ -179,15 +195,20 @@ def _kernel_class():
             assert update in UPDATES and 0 <= n_blocks <= MAX_BLOCKS and cluster in CLUSTERS and vec_ in VECS
             assert D % (cluster * vec_) == 0 and alpha in ALPHAS
             self.AW = alpha == "warp"              # alpha and the norm formed once by warp 0 (module doc)
+            self.TW = alpha == "twopass"           # two exchanges: the scores' sums, then the mix's (module doc)
             self.pdl = bool(pdl)                   # weights before griddepcontrol.wait, the sources after
             self.early = bool(early) and self.pdl  # EARLY: the blocks and the prefix before the wait too
             self.D, self.NB, self.U = D, n_blocks, UPDATES.index(update)
             self.NS = n_blocks + 1                 # sources of the mix: the blocks, then p
-            self.K = n_partials(n_blocks)          # partial sums per thread
+            self.K = n_partials(n_blocks, alpha)   # partial sums per thread (exchanged at once)
             self.C, self.V = cluster, vec_
             self.W = D // cluster                  # columns a CTA
             self.N = self.W // vec_                # threads that own columns
-            self.T = threads(D, n_blocks, cluster, vec_)
+            self.T = threads(D, n_blocks, cluster, vec_, alpha)
+            self.NW = self.T // 32
+            self.L = row_lanes(self.T, self.K)     # "twopass": lanes a partial row
+            self.LOGL = self.L.bit_length() - 1
+            self.NR = _ceil(self.L * self.K, 32)   # "twopass": the threads (whole warps) summing the rows
             self.TP = self.T + 4                   # row pitch of the partials (16-byte rows, no bank conflicts)
             self.eps = float(eps)
             # (i, j) of the Gram entries in partial order, after the NS sw_i
@@ -231,6 +252,17 @@ def _kernel_class():
             def want(*ij):
                 return blocks_only is None or (max(ij) < NB) == blocks_only
 
+            if self.TW:  # sw_i at row i, sum s_i^2 at row NS + i
+                for i in range(NS):
+                    if want(i):
+                        acc = x[i][0] * wv[0]
+                        sq = x[i][0] * x[i][0]
+                        for e in range(1, self.V):
+                            acc = acc + x[i][e] * wv[e]
+                            sq = sq + x[i][e] * x[i][e]
+                        s_part[i * TP + tid] = acc
+                        s_part[(NS + i) * TP + tid] = sq
+                return
             for i in range(NS):
                 if want(i):
                     acc = x[i][0] * wv[0]
@@ -281,6 +313,26 @@ def _kernel_class():
             if lane == 0:
                 s_al[NS] = cute.math.rsqrt(ms * inv_d + self.eps)
 
+        @cute.jit
+        def alpha_scores(self, s_tot, s_al, lane: Int32):
+            """Warp 0 (alpha "twopass"): alpha from the totals sw_i, sum s_i^2 into s_al (32 lanes call it)."""
+            NS = self.NS
+            live = lane < NS
+            sc = Float32(-3.0e38)
+            if live:
+                sc = s_tot[lane] * cute.math.rsqrt(s_tot[NS + lane] * (1.0 / self.D) + self.eps)
+            m = sc
+            for sh in cutlass.range_constexpr(5):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> sh))
+            ex = Float32(0.0)
+            if live:
+                ex = cute.math.exp(sc - m)
+            den = ex
+            for sh in cutlass.range_constexpr(5):
+                den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> sh)
+            if live:
+                s_al[lane] = ex / den
+
         @cute.kernel
         def kernel(self, b0: cute.Pointer, b1: cute.Pointer, b2: cute.Pointer, b3: cute.Pointer,
                    b4: cute.Pointer, b5: cute.Pointer, b6: cute.Pointer, b7: cute.Pointer, b8: cute.Pointer,
@@ -299,8 +351,11 @@ def _kernel_class():
             s_part = smem.allocate_tensor(Float32, cute.make_layout(K * TP), byte_alignment=16)
             s_clu = smem.allocate_tensor(Float32, cute.make_layout(C * K), byte_alignment=16)
             s_tot = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
-            if cutlass.const_expr(self.AW):  # alpha_0..alpha_{NS-1}, then 1 / rms(mix)
+            if cutlass.const_expr(self.AW or self.TW):  # alpha_0..alpha_{NS-1}, then 1 / rms(mix)
                 s_al = smem.allocate_tensor(Float32, cute.make_layout(NS + 1), byte_alignment=16)
+            if cutlass.const_expr(self.TW):  # the warps' sums of mix^2, then the cluster's [C]
+                s_ws = smem.allocate_tensor(Float32, cute.make_layout(self.NW), byte_alignment=16)
+                s_clu2 = smem.allocate_tensor(Float32, cute.make_layout(C), byte_alignment=16)
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_arrive_relaxed()  # the peers' shared memory must exist before DSMEM stores
 
@@ -370,25 +425,51 @@ def _kernel_class():
             # ---- thread k < K: row k over the CTA, into every cluster CTA's slot [rank][k] --------------------
             if cutlass.const_expr(C > 1):
                 cute.arch.cluster_wait()
-            if tid < K:  # in 4 chains, or 16 from 256 threads (448 partials: 28 dependent adds each, not 112)
-                NA = 16 if self.T >= 256 else 4
-                acs = cute.make_rmem_tensor((NA,), Float32)
-                r4 = cute.make_rmem_tensor((4,), Float32)
-                acs.fill(0.0)
-                for j in cutlass.range_constexpr(self.T // 4):
-                    cute.autovec_copy(vec(s_part.iterator, cute.assume(tid * self.TP + j * 4, divby=4), 4), r4)
-                    for q in cutlass.range_constexpr(4):
-                        acs[(j % (NA // 4)) * 4 + q] = acs[(j % (NA // 4)) * 4 + q] + r4[q]
-                if cutlass.const_expr(NA == 16):  # a fixed tree: the same order in every CTA
-                    for w in (8, 4):
-                        for q in cutlass.range_constexpr(w):
-                            acs[q] = acs[q] + acs[q + w]
-                tot = (acs[0] + acs[1]) + (acs[2] + acs[3])
-                if cutlass.const_expr(self.C == 1):
-                    s_tot[tid] = tot
-                else:
-                    for r in cutlass.range_constexpr(self.C):
-                        st_cluster_f32(s_clu.iterator + (rank * self.K + tid), r, tot)
+            if cutlass.const_expr(self.TW):
+                # L lanes a row (row k = tid / L): lane j sums entries (c L + j) * 4 .. + 3 of row k in 4 chains, a
+                # butterfly over the L lanes joins them (the same bits in every lane); lane 0 of the row stores
+                if tid < self.NR:
+                    k = tid // self.L
+                    j = tid % self.L
+                    acq = cute.make_rmem_tensor((4,), Float32)
+                    rq = cute.make_rmem_tensor((4,), Float32)
+                    acq.fill(0.0)
+                    if k < self.K:
+                        for c in cutlass.range_constexpr(self.T // (4 * self.L)):
+                            cute.autovec_copy(vec(s_part.iterator, cute.assume(k * self.TP + (c * self.L + j) * 4,
+                                                                               divby=4), 4), rq)
+                            for q in cutlass.range_constexpr(4):
+                                acq[q] = acq[q] + rq[q]
+                    tq = (acq[0] + acq[1]) + (acq[2] + acq[3])
+                    for sh in cutlass.range_constexpr(self.LOGL):
+                        tq = tq + cute.arch.shuffle_sync_bfly(tq, offset=self.L >> (sh + 1))
+                    if k < self.K:
+                        if j == 0:
+                            if cutlass.const_expr(self.C == 1):
+                                s_tot[k] = tq
+                            else:
+                                for r in cutlass.range_constexpr(self.C):
+                                    st_cluster_f32(s_clu.iterator + (rank * self.K + k), r, tq)
+            else:
+                if tid < K:  # in 4 chains, or 16 from 256 threads (448 partials: 28 dependent adds each, not 112)
+                    NA = 16 if self.T >= 256 else 4
+                    acs = cute.make_rmem_tensor((NA,), Float32)
+                    r4 = cute.make_rmem_tensor((4,), Float32)
+                    acs.fill(0.0)
+                    for j in cutlass.range_constexpr(self.T // 4):
+                        cute.autovec_copy(vec(s_part.iterator, cute.assume(tid * self.TP + j * 4, divby=4), 4), r4)
+                        for q in cutlass.range_constexpr(4):
+                            acs[(j % (NA // 4)) * 4 + q] = acs[(j % (NA // 4)) * 4 + q] + r4[q]
+                    if cutlass.const_expr(NA == 16):  # a fixed tree: the same order in every CTA
+                        for w in (8, 4):
+                            for q in cutlass.range_constexpr(w):
+                                acs[q] = acs[q] + acs[q + w]
+                    tot = (acs[0] + acs[1]) + (acs[2] + acs[3])
+                    if cutlass.const_expr(self.C == 1):
+                        s_tot[tid] = tot
+                    else:
+                        for r in cutlass.range_constexpr(self.C):
+                            st_cluster_f32(s_clu.iterator + (rank * self.K + tid), r, tot)
             if cutlass.const_expr(self.C > 1):
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
@@ -402,7 +483,48 @@ def _kernel_class():
             # ---- alpha, the norm of the mix, and this thread's columns of out ----------------------------------
             inv_d = 1.0 / self.D
             alpha = []
-            if cutlass.const_expr(self.AW):
+            r_out = cute.make_rmem_tensor((V,), p_out.dtype)
+            if cutlass.const_expr(self.TW):
+                # warp 0 forms alpha; every thread its columns of the mix and their sum of squares, a butterfly a
+                # warp, the warps' sums in order (thread r < C: into slot [rank] of cluster CTA r; one more cluster
+                # barrier), the cluster's slots in rank order: the same norm in every CTA of the row
+                if tid < 32:
+                    self.alpha_scores(s_tot, s_al, tid)
+                cute.arch.sync_threads()
+                for i in cutlass.range_constexpr(NS):
+                    alpha.append(s_al[i])
+                mixv = []
+                ss = Float32(0.0)
+                for e in cutlass.range_constexpr(V):
+                    mx = alpha[0] * x[0][e]
+                    for i in cutlass.range_constexpr(1, NS):
+                        mx = mx + alpha[i] * x[i][e]
+                    mixv.append(mx)
+                    ss = ss + mx * mx
+                for sh in cutlass.range_constexpr(5):
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
+                if tid % 32 == 0:
+                    s_ws[tid // 32] = ss
+                cute.arch.sync_threads()
+                if cutlass.const_expr(self.C == 1):
+                    tw = s_ws[0]
+                    for w in cutlass.range_constexpr(1, self.NW):
+                        tw = tw + s_ws[w]
+                else:
+                    if tid < self.C:
+                        tc = s_ws[0]
+                        for w in cutlass.range_constexpr(1, self.NW):
+                            tc = tc + s_ws[w]
+                        st_cluster_f32(s_clu2.iterator + rank, tid, tc)
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+                    tw = s_clu2[0]
+                    for r in cutlass.range_constexpr(1, self.C):
+                        tw = tw + s_clu2[r]
+                inv2 = cute.math.rsqrt(tw * inv_d + self.eps)
+                for e in cutlass.range_constexpr(V):
+                    r_out[e] = (mixv[e] * inv2 * r_nw[e].to(Float32)).to(p_out.dtype)
+            elif cutlass.const_expr(self.AW):
                 # warp 0 alone: lane i < NS forms score_i and alpha_i (softmax by butterfly max and sum), then
                 # t_i = sum_j alpha_j G_ij (G read at runtime offsets) and ms = sum_i alpha_i t_i (butterfly);
                 # alpha and 1 / rms into shared memory; every thread reads NS + 1 values (the K totals are
@@ -438,12 +560,12 @@ def _kernel_class():
                     else:
                         ms = ms + 2.0 * alpha[i] * alpha[j] * g[(i, j)]
                 inv = cute.math.rsqrt(ms * inv_d + self.eps)
-            r_out = cute.make_rmem_tensor((V,), p_out.dtype)
-            for e in cutlass.range_constexpr(V):
-                mix = alpha[0] * x[0][e]
-                for i in cutlass.range_constexpr(1, NS):
-                    mix = mix + alpha[i] * x[i][e]
-                r_out[e] = (mix * inv * r_nw[e].to(Float32)).to(p_out.dtype)
+            if cutlass.const_expr(not self.TW):
+                for e in cutlass.range_constexpr(V):
+                    mix = alpha[0] * x[0][e]
+                    for i in cutlass.range_constexpr(1, NS):
+                        mix = mix + alpha[i] * x[i][e]
+                    r_out[e] = (mix * inv * r_nw[e].to(Float32)).to(p_out.dtype)
             if active:
                 cute.autovec_copy(r_out, vec(p_out, o_out, self.V))
 

@@ -219,7 +219,7 @@ def _cases(only: str | None, quick: bool):
                    ("5 blocks fresh", 1, 7168, 5, "fresh", None, None, None),
                    ("D64 9 blocks add", 1, 64, 9, "add", None, None, None),
                    ("D64 1 block none", 1, 64, 1, "none", None, None, None)]
-        for al in ("warp",):  # the large-batch option's other shapes
+        for al in ("warp", "twopass"):  # the large-batch options' other shapes
             combos += [(f"0 blocks none c8v8 {al}", 1, 7168, 0, "none", 8, 8, al),
                        (f"1 block add c4v8 {al}", 1, 7168, 1, "add", 4, 8, al),
                        (f"5 blocks fresh c2v8 {al}", 1, 7168, 5, "fresh", 2, 8, al),
@@ -232,11 +232,12 @@ def _cases(only: str | None, quick: bool):
             cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
             pa = [P(bf, 2 * vv)] * 16
             ints = [D] * 9 + [D] * 4 + [Bx]
-            thr = ka.threads(D, nb, cc, vv)
+            thr = ka.threads(D, nb, cc, vv, al)
             # dynamic shared memory: the partials [K][thr + 4], the cluster's slots [C][K], the totals [K],
             # alpha's NS + 1 (each rounded to 16 bytes); CTAs an SM by it (228 KB, 1 KB reserved a CTA)
-            K = ka.n_partials(nb)
-            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + ((nb + 2,) if al == "warp" else ()))
+            K = ka.n_partials(nb, al)
+            extra = ((nb + 2,) if al in ("warp", "twopass") else ()) + ((thr // 32, cc) if al == "twopass" else ())
+            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + extra)
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
                           lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl, early=early: ka._kernel_class()(
