@@ -433,18 +433,22 @@ def test_simt_batch_one_wide_b_items():
 
 def test_auto_takes_the_cute_experts_for_mxfp4_up_to_64_tokens(monkeypatch):
     """data/moe_defaults.json: `auto` runs the CuTe DSL experts up to 64 tokens with MXFP4 weights (where CuTe DSL
-    runs: one-token kernels at 1, grouped above) and passes them over, by the op's `supports`, for another format or
-    too many products; the Triton kernels then (the fallback rule at batch 1, the measured one above 64)."""
+    runs: one-token kernels at 1, grouped above), at one token for bf16 / fp8 and from 17 to 64 for fp8, and passes
+    them over, by the op's `supports`, for too many products; the Triton kernels then (the fallback rule at batch 1,
+    the measured one above 64)."""
     from k3lab.components import dispatch
 
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
     sel = lambda B, fmt, K=16, I=384: dispatch.select("moe_experts", "auto", B=B, shape=dict(B=B, fmt=fmt, K=K, I=I))  # noqa
     assert sel(1, "mxfp4")[0] == "cute"
-    be, _, why = sel(1, "fp8")  # the CuTe rules are MXFP4's (fmt): fp8 / bf16 take the Triton rule
-    assert be == "triton" and "measured rule" in why and sel(1, "dense")[0] == "triton"
+    # bf16 / fp8 (the dense CuTe kernels, thirty-sixth session's moe_dense bundle): cute at one token, triton at 2..16,
+    # cute for fp8 above 16; a format no rule names takes the Triton rule
+    assert sel(1, "fp8")[0] == "cute" and sel(1, "bf16")[0] == "cute" and sel(1, "dense")[0] == "triton"
+    be, _, why = sel(8, "fp8")
+    assert be == "triton" and "measured rule" in why and sel(16, "bf16")[0] == "triton"
     assert sel(2, "mxfp4")[0] == "cute" and sel(8, "mxfp4")[0] == "cute" and sel(64, "mxfp4")[0] == "cute"  # grouped
-    assert sel(128, "mxfp4")[0] == "triton"
-    assert sel(64, "fp8")[0] == "triton"
+    assert sel(128, "mxfp4")[0] == "triton" and sel(128, "fp8")[0] == "triton"
+    assert sel(64, "fp8")[0] == "cute" and sel(64, "bf16")[0] == "triton"
     be, _, why = sel(1, "mxfp4", K=64, I=768)
     assert be == "triton" and "<= 1024" in why
     monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("triton", "reference"))  # no CuTe DSL

@@ -168,6 +168,23 @@ def test_plan_fills_the_sms_with_whole_chunks():
     assert plan(576, 7168, False, 132, tile_m=64) == (64, 8) and plan(576, 7168, False, 132, cluster=2) == (16, 2)
 
 
+def test_plan_fits_shared_memory():
+    """x staged for 16 tokens of K = 7168 bf16 in a cluster of one needs 235528 bytes (the H200 refused that launch,
+    thirty-sixth session): the plan never chooses a (tile_m, cluster) past SMEM_LIMIT, and a given one is refused by
+    name before any launch."""
+    from k3lab_kernels.cute.proj_mma import SMEM_LIMIT, plan, smem_bytes
+
+    assert smem_bytes(16, 7168, False, 16, 1) == 235528 > SMEM_LIMIT
+    assert smem_bytes(16, 7168, False, 16, 1, x_smem=False) < SMEM_LIMIT
+    for B in (1, 8, 9, 16):
+        for N, K in ((3584, 7168), (12, 7168), (7168, 1536)):
+            for fp8 in (False, True):
+                for tm in (None, 16):
+                    t, c = plan(N, K, fp8, 132, tile_m=tm, B=B)
+                    assert smem_bytes(B, K, fp8, t, c) <= SMEM_LIMIT
+    assert plan(12, 7168, False, 132, tile_m=16, B=16)[1] >= 2
+
+
 def test_refused_by_name():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 64, generator=g).to(torch.bfloat16)

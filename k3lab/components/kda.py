@@ -210,10 +210,10 @@ def _check_lengths(lengths, B, T, dev, check_values):
 
 
 # The `auto` checkpoint (H200, 12 heads, fp32 state; docs/NOTES_kda.md, fourteenth session): the c that gave the
-# shortest verify + commit at T = 8 with sequence b accepting 1 + b mod T (profiles/h200/kda_ckpt.json.gz,
-# kda_commit_tiles.json.gz): c = 4 from batch 8 (B = 8 / 16 / 64: 23.9 / 43.0 / 127.6 us a cycle against 28.5 /
-# 55.4 / 172.2 at c = 1); batch 1 keeps every state (11.8 us against 12.2 at c = 4). T < 8 and batches 2..7: c = 1
-# (their commits were not measured).
+# shortest verify + commit at T = 8 with sequence b accepting 1 + b mod T (profiles/h200/kda_ckpt.json.gz (git history
+# at dca2865) and kda_commit_tiles.json.gz, both retired for room): c = 4 from batch 8 (B = 8 / 16 / 64: 23.9 / 43.0
+# / 127.6 us a cycle against 28.5 / 55.4 / 172.2 at c = 1); batch 1 keeps every state (11.8 us against 12.2 at c = 4).
+# T < 8 and batches 2..7: c = 1 (their commits were not measured).
 AUTO_CHECKPOINT = ((8, 8, 4),)  # (min T, min batch, c)
 
 

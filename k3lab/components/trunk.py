@@ -325,7 +325,8 @@ def _cute_ran(opts: dict, x: torch.Tensor, w: torch.Tensor) -> dict:
         from k3lab_kernels.cute.proj_mma import plan, sm_count
 
         ran["tile_m"], ran["cluster"] = plan(w.shape[0], w.shape[1], w.dtype == torch.float8_e4m3fn,
-                                             sm_count(x.device), ran.get("tile_m"), ran.get("cluster"))
+                                             sm_count(x.device), ran.get("tile_m"), ran.get("cluster"),
+                                             x.shape[0] if x.dim() == 2 else 1)
     return ran
 
 

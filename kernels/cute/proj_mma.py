@@ -58,6 +58,8 @@ MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CT
 X_SMEM = True
 _WARPS = 4
 _THREADS = 32 * _WARPS
+SMEM_LIMIT = 232448  # a CTA's shared memory on sm_90 (227 KB): x staged for 16 tokens of K = 7168 in a cluster of one
+                     # needs 235528 bytes (the H200 refused that launch: docs/NOTES_trunk.md, thirty-sixth session)
 # a word of two bf16 (the low half the lower column) -> the same two values as f16x2 (round to nearest even)
 BF16_F16_PTX = "\n".join(["{", ".reg .b32 a, b;", "shl.b32 a, $1, 16;", "and.b32 b, $1, 0xFFFF0000;",
                           "cvt.rn.f16x2.f32 $0, b, a;", "}"])
@@ -302,14 +304,34 @@ def sm_count(dev: torch.device) -> int:
     return n
 
 
-def plan(N: int, K: int, fp8: bool, sms: int, tile_m: int | None = None, cluster: int | None = None) -> tuple:
-    """(tile_m, cluster) for a call, None chosen: the largest tile (the most warps reading the same x columns from
-    L1) with the smallest cluster that gives MIN_CTAS_PER_SM CTAs an SM with a chunk a warp; where none does, the
-    most CTAs (ties: the larger tile, the smaller cluster). A cluster of one always fits (warps past the chunks add
-    nothing)."""
+def smem_bytes(B: int, K: int, fp8: bool, tile_m: int, cluster: int, x_smem: bool | None = None) -> int:
+    """A CTA's shared memory (the kernel's allocations in order, each aligned): the warps' fragments, the cluster's
+    slots and (X_SMEM) x's columns of the CTA's K range for every token row, then its mbarrier."""
+    x_smem = X_SMEM if x_smem is None else x_smem
+    cw = 16 if fp8 else 8
+    ne = 128 * ((B + 7) // 8)
+
+    def at(off, a):
+        return -(-off // a) * a
+
+    off = at(0, 16) + 4 * _WARPS * ne
+    off = at(off, 16) + 4 * max(cluster - 1, 1) * (tile_m // 16) * ne
+    if x_smem:
+        off = at(off, 128) + 4 * B * (-(-(K // (4 * cw)) // cluster) * 2 * cw + 16)
+        off = at(off, 8) + 8
+    return off
+
+
+def plan(N: int, K: int, fp8: bool, sms: int, tile_m: int | None = None, cluster: int | None = None,
+         B: int = 1) -> tuple:
+    """(tile_m, cluster) for a call of B tokens, None chosen: the largest tile (the most warps reading the same x
+    columns from L1) with the smallest cluster that gives MIN_CTAS_PER_SM CTAs an SM with a chunk a warp; where none
+    does, the most CTAs (ties: the larger tile, the smaller cluster). A cluster of one always fits the chunks (warps
+    past them add nothing); every choice fits a CTA's shared memory (SMEM_LIMIT: x staged for B tokens)."""
     nch = K // (64 if fp8 else 32)
     cands = [(tm, c) for tm in (TILES_M[::-1] if tile_m is None else (tile_m,))
-             for c in (CLUSTERS if cluster is None else (cluster,)) if c == 1 or 4 // (tm // 16) * c <= nch]
+             for c in (CLUSTERS if cluster is None else (cluster,)) if (c == 1 or 4 // (tm // 16) * c <= nch)
+             and smem_bytes(B, K, fp8, tm, c) <= SMEM_LIMIT]
     if not cands:  # both given: take them as they are
         return tile_m, cluster
     ctas = {tc: (N + tc[0] - 1) // tc[0] * tc[1] for tc in cands}
@@ -332,7 +354,11 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
         _fail("cluster", f"must be None or one of {CLUSTERS}, got {cluster!r}")
     if tile_m is not None and (isinstance(tile_m, bool) or tile_m not in TILES_M):
         _fail("tile_m", f"must be None or one of {TILES_M}, got {tile_m!r}")
-    tile_m, cluster = plan(N, K, fp8, sm_count(dev), tile_m, cluster)
+    tile_m, cluster = plan(N, K, fp8, sm_count(dev), tile_m, cluster, B)
+    need = smem_bytes(B, K, fp8, tile_m, cluster)
+    if need > SMEM_LIMIT:
+        _fail("cluster", f"={cluster} with tile_m={tile_m} stages x for {B} tokens of K={K} in {need} bytes of shared "
+                         f"memory, more than a CTA's {SMEM_LIMIT}: take a larger cluster (or None)")
     pad = list(outs) + [outs[0]] * (MAX_OUTPUTS - len(outs))  # pointers past the outputs given: never written
     o_dt = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
     I32, F32 = cutlass.Int32, cutlass.Float32

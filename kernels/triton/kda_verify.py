@@ -267,8 +267,9 @@ def _kda_replay_kernel(
 
 def default_commit_tile(B: int, checkpoint: int) -> int:
     """The replay's value tile: the fastest of 8..128 on the H200 at B = 1 / 8 / 16 / 64 and c = 2 / 4 / 8
-    (docs/NOTES_kda.md, fourteenth session; profiles/h200/kda_commit_tiles.json.gz): 16 at batch <= 2, 32 to
-    batch 16, then 64 (c <= 4) or 128 (longer replays). The old fixed 8 was 1.3-2.7x slower from batch 8."""
+    (docs/NOTES_kda.md, fourteenth session; profiles/h200/kda_commit_tiles.json.gz, git history at dca2865): 16 at
+    batch <= 2, 32 to batch 16, then 64 (c <= 4) or 128 (longer replays). The old fixed 8 was 1.3-2.7x slower from
+    batch 8."""
     if B <= 2:
         return 16
     if B <= 16:
