@@ -401,7 +401,7 @@ def _cases(only: str | None, quick: bool):
                                        (3, 3, 64, 256, 2, False)):
             split, tiles = kmg.shape_config(Bt * K)   # the shape the wrapper picks for these pairs
             shares = [kmg.share_config(L, split, tiles) + (kmg.NMEM,)]
-            if Bt == 8:
+            if Bt == 8 or (Bt == 64 and I == 384):
                 shares.append((1, 1, kmg.NMEM))           # sharing off
             if Bt == 64 and I == 384:
                 shares.append(shares[0][:2] + (4,))       # UP_MEMBERS 4

@@ -34,7 +34,8 @@ float8_e4m3fn (one fp32 scale a row, w_scale [N]) contiguous, K a multiple of 4 
 outputs [B, N_i] bf16 or fp32 with unit inner stride (any row stride); a residual [B, N] bf16 contiguous (one output).
 
 Floor (k3lab.ops.trunk.proj_bytes): the weights N K e (+ 4 N scale bytes) + x + outputs (+ residual) at the read
-bandwidth. Not yet timed on a GPU (thirty-fourth session: built and checked on the CPU emulator; offline SASS).
+bandwidth. Measured against the GEMV, Triton and cuBLAS in docs/NOTES_trunk.md (thirty-sixth session): ahead only with
+fp8 weights at few outputs (mla_dkv); not in the `auto` rule.
 
 Contract: proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None, tile_m=None) -> outs on
 torch's current stream, CUDA-graph safe once a shape has compiled; pdl None: the enclosing pdl_chain's setting.
