@@ -317,6 +317,12 @@ def _kernel_classes():
             self.NM = members            # members a member tile (the MMA's N is 8; 4: half the staged z)
             self.H = share               # most CTAs sharing a group's row block (1: the leader runs it alone)
             self.FROM = share_from       # a group's members from which it shares
+            # a shared group's sums of S parts of L go through the staged z's words (after a barrier; at least 4 x
+            # 272 words at L >= 512, which sharing needs): a separate 4 KB would take three CTAs an SM past 196 KB of
+            # shared memory, leaving L1 28 KB where 60 KB were (the carveout's next step); the few-pairs shape (no
+            # sharing) keeps its own buffer
+            self.RED_Z = share > 1
+            assert not self.RED_Z or members * self.ZP >= _THREADS * 8
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -342,8 +348,8 @@ def _kernel_classes():
             s_z = smem.allocate_tensor(Int32, cute.make_layout(self.NM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 2), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(_THREADS * 8 if self.S * self.H > 1 else 1),
-                                         byte_alignment=16)
+            s_red = smem.allocate_tensor(Float32, cute.make_layout(
+                _THREADS * 8 if self.S * self.H > 1 and not self.RED_Z else 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before; y may be read there
             for i in range(c * _THREADS + tid, self.B * L, N * RT * _THREADS):
@@ -413,13 +419,21 @@ def _kernel_classes():
                         cur[u] = nxt[u]
                 if cutlass.const_expr(self.S * self.H > 1):
                     if S > 1:            # the tile's S parts of L summed into its first warp
-                        for u in cutlass.range_constexpr(8):
-                            s_red[(warp * 8 + u) * 32 + lane] = acc[u]
+                        if cutlass.const_expr(self.RED_Z):  # through z's words: every warp done reading them first
+                            cute.arch.sync_threads()
+                            for u in cutlass.range_constexpr(8):
+                                s_z[(warp * 8 + u) * 32 + lane] = acc[u].bitcast(Int32)
+                        else:
+                            for u in cutlass.range_constexpr(8):
+                                s_red[(warp * 8 + u) * 32 + lane] = acc[u]
                         cute.arch.sync_threads()
                         if kp == 0:
                             for k in range(1, S):
                                 for u in cutlass.range_constexpr(8):
-                                    acc[u] = acc[u] + s_red[((warp + k) * 8 + u) * 32 + lane]
+                                    if cutlass.const_expr(self.RED_Z):
+                                        acc[u] = acc[u] + Int32(s_z[((warp + k) * 8 + u) * 32 + lane]).bitcast(Float32)
+                                    else:
+                                        acc[u] = acc[u] + s_red[((warp + k) * 8 + u) * 32 + lane]
                 if kp == 0:              # the tile's first warp (every warp when S = 1) stores act
                     for col in cutlass.range_constexpr(2):
                         if 2 * t + col < tc:
