@@ -112,7 +112,8 @@ def test_share_config():
     """The shares a kernel is compiled for: powers of two; up's only where a warp a tile runs (split 1) and each of
     a tile's warps gets a step of L; down's dividing the warp's tiles (else a share would skip tiles)."""
     from k3lab_kernels.cute import moe_grouped as mg  # the host module imports without nvidia-cutlass-dsl
-    assert mg.share_config(3584, 1, 8) == (4, 4)
+    assert mg.share_config(3584, 1, 8) == (4, 4) == mg.share_config(3584, 1, 8, 8 * 16)
+    assert mg.share_config(3584, 1, 8, 16 * 16) == (2, 4)   # up shares of 2 from batch 16 (measured, module doc)
     assert mg.share_config(3584, 2, 1) == (1, 1)     # the few-pairs shape
     assert mg.share_config(256, 1, 8)[0] == 1        # one step of 8 blocks over L: nothing to split
     for tiles in range(1, 17):

@@ -28,7 +28,8 @@ VARIANTS = [{"UP_UNROLL": 8, "DOWN_TILES": 4}, {"UP_UNROLL": 4, "DOWN_TILES": 4}
 BATCHES = [int(b) for b in os.environ.get("BATCHES", "8,64").split(",")]
 ROUTINGS = os.environ.get("ROUTINGS", "uniform").split(",")
 DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES", "FEW_PAIRS", "FEW_UP_SPLIT", "FEW_DOWN_TILES",
-                                       "UP_SHARE", "DOWN_SHARE", "SHARE_FROM", "DOWN_CTAS_PER_SM", "UP_MEMBERS")}
+                                       "UP_SHARE", "UP_SHARE_LARGE", "SHARE_LARGE_PAIRS", "DOWN_SHARE", "SHARE_FROM",
+                                       "DOWN_CTAS_PER_SM", "UP_MEMBERS")}
 
 rows = []
 

@@ -400,7 +400,7 @@ def _cases(only: str | None, quick: bool):
                                        (2, 16, 384, 3584, 2, False), (64, 16, 192, 3584, 2, True),
                                        (3, 3, 64, 256, 2, False)):
             split, tiles = kmg.shape_config(Bt * K)   # the shape the wrapper picks for these pairs
-            shares = [kmg.share_config(L, split, tiles) + (kmg.NMEM,)]
+            shares = [kmg.share_config(L, split, tiles, Bt * K) + (kmg.NMEM,)]
             if Bt == 8 or (Bt == 64 and I == 384):
                 shares.append((1, 1, kmg.NMEM))           # sharing off
             if Bt == 64 and I == 384:

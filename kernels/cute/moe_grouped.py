@@ -87,6 +87,8 @@ FEW_DOWN_TILES = 1
 # member tiles of a group larger than one tile (UP_MEMBERS up, 8 down) go to different CTAs. 1 turns a kernel's
 # sharing off.
 UP_SHARE = 4
+UP_SHARE_LARGE = 2     # UP_SHARE above SHARE_LARGE_PAIRS pairs (batch 16 and up at top-16)
+SHARE_LARGE_PAIRS = 128
 DOWN_SHARE = 4
 SHARE_FROM = 4
 DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
@@ -571,12 +573,15 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def share_config(L: int, split: int, tiles: int) -> tuple[int, int]:
-    """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE in the shape
-    of a warp a tile (split 1), so that a tile's warps (at most 4) each get a step of L; DOWN_SHARE, a power of
-    two dividing `tiles`."""
+def share_config(L: int, split: int, tiles: int, pairs: int = 0) -> tuple[int, int]:
+    """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE (UP_SHARE_LARGE
+    above SHARE_LARGE_PAIRS pairs) in the shape of a warp a tile (split 1), so that a tile's warps (at most 4) each get
+    a step of L; DOWN_SHARE, a power of two dividing `tiles`. H200 (docs/NOTES_moe.md, thirty-sixth session): up
+    shares of 4 at batch 8 (same16 29.4 against 33.0 us with 2), of 2 from 16 (same16 40.1 / 73.6 / 145.9 against 50.1
+    / 91.7 / 180.4 us at 16 / 32 / 64; uniform within 2 %, 2 ahead)."""
     nb = L // 32
-    up = 1 if split > 1 else _pow2_at_most(min(UP_SHARE, 4, nb // up_unroll(nb, 1)))
+    cap = UP_SHARE_LARGE if pairs > SHARE_LARGE_PAIRS else UP_SHARE
+    up = 1 if split > 1 else _pow2_at_most(min(cap, 4, nb // up_unroll(nb, 1)))
     down = _pow2_at_most(min(DOWN_SHARE, tiles))
     while tiles % down:  # every share the same count of each warp's tiles
         down //= 2
@@ -640,7 +645,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
-    up_share, down_share = share_config(L, split, tiles)
+    up_share, down_share = share_config(L, split, tiles, B * K)
     if UP_MEMBERS not in (4, 8):
         _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     if isinstance(SHARE_FROM, bool) or not isinstance(SHARE_FROM, int) or SHARE_FROM < 1:
