@@ -78,7 +78,7 @@ class Switches:
     prefetch: bool = False  # the step: an L2 prefetch of the next input group's weight beside each AttnRes
     # the step (projections on triton), up to 16 tokens: the RMSNorms and SiTU-GLU as the projections' input prologues
     # (the MoE output one launch); False (default: the fused forms measured slower at batch 1..16,
-    # profiles/h200/trunk_prologue.json.gz): each its own launch before the projection
+    # profiles/h200/trunk_prologue.json.gz, git history at cec0131): each its own launch before the projection
     fuse_prologues: bool = False
     # the step (projections on triton): the shared experts' w1/w3 on a side stream beside the routed experts
     shared_expert_stream: bool = False

@@ -494,9 +494,10 @@ def supports(shape: dict) -> str | None:
 
 def default_loop(n: int) -> tuple[int, bool]:
     """(stages, pipe) for a history of up to n positions: four stages and the plain loop below LONG_HISTORY, two
-    stages (two CTAs an SM) and the pipelined loop from it (H200, profiles/h200/mla_pipe.json.gz: batch 64 at 32K
-    579.8 against 595.2 us, batch 16 at 32K 160.2 against 163.1; at 8K the plain four-stage loop wins, 158.9 against
-    166.9 at batch 64; between 8K and 32K not measured; docs/NOTES_mla.md, twenty-fifth session)."""
+    stages (two CTAs an SM) and the pipelined loop from it (H200, profiles/h200/mla_pipe.json.gz (git history at
+    cec0131): batch 64 at 32K 579.8 against 595.2 us, batch 16 at 32K 160.2 against 163.1; at 8K the plain four-stage
+    loop wins, 158.9 against 166.9 at batch 64; between 8K and 32K not measured; docs/NOTES_mla.md, twenty-fifth
+    session)."""
     return (2, True) if n >= LONG_HISTORY else (4, False)
 
 
