@@ -278,6 +278,21 @@ def _kernel_class():
                     s_part[(NS + k) * TP + tid] = acc
 
         @cute.jit
+        def warp_softmax(self, sc: Float32, lane: Int32) -> Float32:
+            """Lane i < NS: the softmax weight of score sc among the NS lanes' (butterfly max and sum; the other
+            lanes pass -3e38 and get 0)."""
+            m = sc
+            for sh in cutlass.range_constexpr(5):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> sh))
+            ex = Float32(0.0)
+            if lane < self.NS:
+                ex = cute.math.exp(sc - m)
+            den = ex
+            for sh in cutlass.range_constexpr(5):
+                den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> sh)
+            return ex / den
+
+        @cute.jit
         def alpha_warp(self, s_tot, s_al, lane: Int32):
             """Warp 0 (alpha "warp"): alpha and 1 / rms(mix) from the K totals into s_al (32 lanes call it)."""
             NS = self.NS
@@ -288,16 +303,7 @@ def _kernel_class():
             if live:
                 gii = NS + li * NS - (li * (li - 1)) // 2  # G_ii's slot (row li of the triangle starts there)
                 sc = s_tot[li] * cute.math.rsqrt(s_tot[gii] * inv_d + self.eps)
-            m = sc
-            for sh in cutlass.range_constexpr(5):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> sh))
-            ex = Float32(0.0)
-            if live:
-                ex = cute.math.exp(sc - m)
-            den = ex
-            for sh in cutlass.range_constexpr(5):
-                den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> sh)
-            a = ex / den
+            a = self.warp_softmax(sc, lane)
             if live:
                 s_al[li] = a
             cute.arch.sync_warp()
@@ -321,17 +327,9 @@ def _kernel_class():
             sc = Float32(-3.0e38)
             if live:
                 sc = s_tot[lane] * cute.math.rsqrt(s_tot[NS + lane] * (1.0 / self.D) + self.eps)
-            m = sc
-            for sh in cutlass.range_constexpr(5):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=16 >> sh))
-            ex = Float32(0.0)
+            a = self.warp_softmax(sc, lane)
             if live:
-                ex = cute.math.exp(sc - m)
-            den = ex
-            for sh in cutlass.range_constexpr(5):
-                den = den + cute.arch.shuffle_sync_bfly(den, offset=16 >> sh)
-            if live:
-                s_al[lane] = ex / den
+                s_al[lane] = a
 
         @cute.kernel
         def kernel(self, b0: cute.Pointer, b1: cute.Pointer, b2: cute.Pointer, b3: cute.Pointer,
