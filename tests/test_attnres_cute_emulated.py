@@ -41,7 +41,7 @@ def check(batch, n_blocks, update, dim=7168, seed=0, **opts):
 @pytest.mark.parametrize("update", ["none", "add", "fresh"])
 @pytest.mark.parametrize("n_blocks", [0, 1, 9])
 def test_blocks_and_updates(n_blocks, update):
-    """D = 7168 at the default options (cluster 8, vec 4: 224 threads a CTA), batch 2 (two clusters)."""
+    """D = 7168 at the default options (alpha twopass, cluster 8, vec 4: 224 threads a CTA), batch 2 (two clusters)."""
     check(2, n_blocks, update, seed=n_blocks * 3 + len(update))
     launch = emulate.LAST["launches"][-1]
     assert launch["cluster"] == (8, 1, 1) and launch["grid"] == (8, 2, 1) and launch["block"] == 224
@@ -85,7 +85,7 @@ def test_options_cover_every_valid_pair():
     for c in kern.CLUSTERS:
         for v in kern.VECS:
             try:
-                kern.plan(1, 7168, 9, c, v)
+                kern.plan(1, 7168, 9, c, v, alpha="threads")
                 valid.append((c, v))
             except ValueError:
                 pass
@@ -177,7 +177,8 @@ def _plans(c, v, alpha):
 
 
 @pytest.mark.parametrize("batch,dim,n_blocks,update,launch", [
-    (2, 64, 9, "add", ((8, 2, 1), 96)),     # the tiny preset's D: one thread of a CTA owns columns
+    (2, 64, 9, "add", ((8, 2, 1), 32)),     # the tiny preset's D: one thread of a CTA owns columns (twopass: 20
+                                            # partials a thread, one warp)
     (1, 200, 5, "fresh", ((8, 1, 1), 32)),  # vec 1 (25 columns a CTA)
     (3, 100, 1, "add", ((4, 3, 1), 32)),    # a cluster of 4 (100 is no multiple of 8)
     (2, 1, 0, "none", ((1, 2, 1), 32)),     # no cluster at all
@@ -209,7 +210,8 @@ def _args(B=1, D=7168, n=1):
 
 
 @pytest.mark.parametrize("change,name", [
-    (dict(cluster=3), "cluster"), (dict(vec=16), "vec"), (dict(cluster=1), "cluster"), (dict(cluster=2), "cluster"),
+    (dict(cluster=3), "cluster"), (dict(vec=16), "vec"), (dict(cluster=1), "cluster"),
+    (dict(cluster=2, alpha="threads"), "cluster"),
     (dict(update="sum"), "update"), (dict(eps=0.0), "eps"), (dict(alpha="fast"), "alpha"),
     (dict(alpha="warp", cluster=1), "cluster"),
 ])

@@ -44,7 +44,8 @@ split path's argument; checked against fp64 with the output tolerance 4e-3).
 
 Options: cluster (1, 2, 4, 8; None: the largest that fits D, 8 at D = 7168, at every batch: unmeasured), vec
 (1, 2, 4, 8; None: the widest the alignment allows that fills whole warps, else the widest) and alpha
-("threads", "warp", "twopass"; None = "threads": step 4 above; "twopass" takes the thread caps of "warp").
+("threads", "warp", "twopass"; None = "twopass", the fastest at every batch measured on the H200: docs/NOTES_trunk.md,
+thirty-sixth session; "twopass" takes the thread caps of "warp").
 D = 7168 takes cluster 8 with vec 2 / 4 / 8 (448 / 224 / 128 threads a CTA) and cluster 4 with vec 4 / 8 (448 /
 224), and with alpha "warp" or "twopass" also cluster 2 vec 8 (448).
 Registers at 9 blocks (sm_90a): 104 / 123 / 168 at vec 2 / 4 / 8 with "threads", so there vec 8 is capped at 256
@@ -109,7 +110,7 @@ def _ceil(x: int, m: int) -> int:
 
 def n_partials(n_blocks: int, alpha: str | None = None) -> int:
     """K: the per-thread partial sums of a row exchanged at once: sw_i and the Gram matrix's upper triangle over NS
-    sources, or (alpha "twopass") sw_i and sum s_i^2 only."""
+    sources (alpha "threads", "warp"; also None here), or (alpha "twopass") sw_i and sum s_i^2 only."""
     ns = n_blocks + 1
     return 2 * ns if alpha == "twopass" else ns + ns * (ns + 1) // 2
 
@@ -127,11 +128,11 @@ def row_lanes(T: int, K: int) -> int:
 def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | None = None,
          align: int = 16, alpha: str | None = None) -> tuple[int, int]:
     """(cluster, vec) for a call: the given values checked, None chosen (module doc). `align`: the bytes every
-    source / output pointer and row stride is a multiple of (bounds vec); `alpha` (None = "threads") sets the
+    source / output pointer and row stride is a multiple of (bounds vec); `alpha` (None = "twopass") sets the
     threads a CTA vec 8 may take."""
     if alpha is not None and alpha not in ALPHAS:
         raise AttnResCuteError(f"attnres cute: 'alpha' must be one of {ALPHAS} or None, got {alpha!r}")
-    caps = MAX_THREADS_VEC if alpha in (None, "threads") else MAX_THREADS_VEC_WARP
+    caps = MAX_THREADS_VEC if alpha == "threads" else MAX_THREADS_VEC_WARP
     if cluster is not None and (isinstance(cluster, bool) or cluster not in CLUSTERS):
         raise AttnResCuteError(f"attnres cute: 'cluster' must be one of {CLUSTERS} or None, got {cluster!r}")
     if vec is not None and (isinstance(vec, bool) or vec not in VECS):
@@ -164,7 +165,7 @@ def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | N
     if W // vec > caps[vec]:
         raise AttnResCuteError(f"attnres cute: 'cluster'={cluster} with vec={vec} needs {W // vec} threads a CTA "
                                f"at D={D} (at most {caps[vec]} at vec {vec} with alpha "
-                               f"{alpha or 'threads'!r}): take another cluster or vec")
+                               f"{alpha or 'twopass'!r}): take another cluster or vec")
     return cluster, vec
 
 
@@ -660,7 +661,7 @@ def attnres_norm(blocks: list, prefix: torch.Tensor, new: torch.Tensor | None, w
     used.append(out)
     al = _align(used + [w_norm, w_proj, norm_w], used)
     C, V = plan(B, D, len(blocks), cluster, vec, al, alpha)
-    A = alpha or "threads"
+    A = alpha or "twopass"
     if B == 0:
         return out
     a = 2 * V

@@ -228,7 +228,7 @@ def _cases(only: str | None, quick: bool):
         for name, Bx, D, nb, upd, c, v, al in combos:
             pdl = al in ("pdl", "pdl early")  # the default options launched with PDL (the step's `pdl` switch)
             early = al == "pdl early"  # ... and the module's EARLY: the blocks and the prefix before the wait
-            al = None if pdl else al
+            al = (None if pdl else al) or "twopass"  # None: the kernel's default
             cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
             pa = [P(bf, 2 * vv)] * 16
             ints = [D] * 9 + [D] * 4 + [Bx]
@@ -241,7 +241,7 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
                           lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl, early=early: ka._kernel_class()(
-                              D, nb, upd, cc, vv, 1e-6, al or "threads", pdl, early), pa + ints + [S]))
+                              D, nb, upd, cc, vv, 1e-6, al, pdl, early), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
