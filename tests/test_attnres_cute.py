@@ -164,7 +164,7 @@ def test_attnres_cute_option_errors():
     case = OP.case(batch=1, n_blocks=1, update="add", dim=7168)
     d = OP.make_inputs(case, 0, "cuda")
     with pytest.raises(ValueError, match="'cluster'"):
-        ops.call_attnres(d, case, "cute", dict(cluster=2))
+        ops.call_attnres(d, case, "cute", dict(cluster=1))  # 7168 columns of one CTA: 896 threads even at vec 8
     with pytest.raises(ValueError, match="'vec'"):
         ops.call_attnres(d, case, "triton", dict(vec=4))
     with pytest.raises(ValueError, match="'num_warps'"):
@@ -174,4 +174,4 @@ def test_attnres_cute_option_errors():
     with pytest.raises(ValueError, match="'alpha'"):
         ops.call_attnres(d, case, "triton", dict(alpha="warp"))
     with pytest.raises(ValueError, match="'cluster'"):
-        ops.call_attnres(d, case, "cute", dict(cluster=2))  # 448 threads of vec 8 only with alpha "warp"
+        ops.call_attnres(d, case, "cute", dict(cluster=2, alpha="threads"))  # 448 threads of vec 8: not with "threads"
