@@ -29,52 +29,6 @@ def test_k3_pool(tp, routing):
         checker.require(checker.check(OP, OP.case(tp=tp, routing=routing, **K3), backend="cute", seed=seed))
 
 
-@pytest.mark.parametrize("tp", [8, 16])
-def test_w2_tail(tp, monkeypatch):
-    """W2_TAIL (each up CTA requesting its slice of the pair's W2 into L2 once its rows are read) at K3's pool: the
-    same checked result, inside a pdl chain too."""
-    from k3lab_kernels.cute import moe_experts as km
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    monkeypatch.setattr(km, "W2_TAIL", True)
-    assert km.w2_tail_ok(3072 // tp, 3584, km.UP_ROWS)
-    checker.require(checker.check(OP, OP.case(tp=tp, routing="uniform", **K3), backend="cute", seed=5))
-    case = OP.case(tp=tp, routing="k3_reuse30", **K3)
-    d = OP.make_inputs(case, 6, "cuda")
-    want = ops_moe.ref_experts(d, case)["y"]
-    y = torch.full_like(d["y"], float("nan"))
-    with pdl_chain(True):
-        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
-    torch.cuda.synchronize()
-    assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
-
-
-@pytest.mark.parametrize("tp", [8, 16])
-def test_down_overlap(tp, monkeypatch):
-    """DOWN_OVERLAP (up lets down launch right after its own wait; down reads idx, W2 and its scales before its wait)
-    at K3's pool: the checked result alone, and ten calls in a row inside a pdl chain on new routing each time (a
-    down reading a stale id or an unwritten act would show)."""
-    from k3lab_kernels.cute import moe_experts as km
-    from k3lab_kernels.triton.pdl import pdl_chain
-
-    monkeypatch.setattr(km, "DOWN_OVERLAP", True)
-    checker.require(checker.check(OP, OP.case(tp=tp, routing="uniform", **K3), backend="cute", seed=7))
-    case = OP.case(tp=tp, routing="uniform", **K3)
-    d = OP.make_inputs(case, 20, "cuda")
-    y = torch.full_like(d["y"], float("nan"))
-    g = torch.Generator(device="cuda").manual_seed(21)
-    E, K = d["moe"].w1.data.shape[0], d["idx"].shape[1]
-    with pdl_chain(True):
-        for _ in range(10):  # new ids, weights and z written into the same buffers before each call
-            d["idx"].copy_(torch.randperm(E, device="cuda", generator=g)[:K].view(1, K))
-            d["weights_k"].copy_(torch.rand(1, K, device="cuda", generator=g))
-            d["z"].copy_(torch.randn(d["z"].shape, device="cuda", generator=g).to(d["z"].dtype))
-            c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="cute", out=y, check_values=False)
-    torch.cuda.synchronize()
-    want = ops_moe.ref_experts(d, case)["y"]
-    assert float((y.double() - want).norm() / want.norm()) < ops_moe.TOL
-
-
 @pytest.mark.parametrize("dtype,tp", [("bf16", 8), ("fp8", 8), ("bf16", 16), ("fp8", 16)])
 def test_dense_k3_pool(dtype, tp):
     """bf16 and fp8 experts of one token (kernels/cute/moe_dense.py) at K3's pool, through the component: the checker

@@ -24,34 +24,32 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
              cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
-  w2_tail    each one-token up CTA requesting its share of the pair's W2 rows into L2 once its own rows are read,
-             or (arm overlap, DOWN_OVERLAP) down launched right after up's wait and reading its W2 before its own
-             (moe_experts.W2_TAIL; not measured yet);
   proj_mma   (BATCH=2..16) the `proj_cute` switch's projections of several tokens on Triton (PROJ_MMA_MAX_TOKENS 0,
              the default) or on the CuTe tensor-core path (16), its x staged in shared memory or not (proj_mma.X_SMEM;
              not measured yet).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
-kernel reading its ids, W2 words and scales before its pdl wait) at 79364b5, mla_early (the MLA split's rows
-requested into L2 before its pdl wait x the cache write before the query step) at 2410a29, mla_stages (the split's
-num_stages 2 / 3 / 4 on the step's contiguous cache, CONTIG_STAGES) and mla_merge (the merge's MERGE_BLOCK_C 32 / 16 /
-64) at 727ca60, mla_small (the MLA cache write's work before its pdl wait, MLA_CACHE_EARLY; the query step's
-UNROLL / PRE 4/4, 6/6, 4/2, 2/2) at 2dcd8a4, l2_rows (the one-token experts' CTAs requesting their
-rows into L2 at their start, moe_experts.L2_ROWS) at e84efea, up_bulk (the up kernel's rows by four bulk copies
-into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas (the up kernel bounded to 8
-CTAs an SM, UP_MIN_CTAS) at 58394f6, row_prefetch (the one-token experts' threads requesting their rows' lines
-into L1 after the expert id, moe_experts.ROW_PREFETCH) and mla_bn (the MLA split's 64 positions a step on the
-contiguous cache, mla_decode.UNPAGED_BLOCK_N) at f6c577b, rscatter (the experts' row sums by a butterfly per row
-against the reduce-scatter, moe_experts.RSCATTER; profiles/h200/rscatter_step_ab.json.gz) and mla_ksplit's 2 pieces
-at 5acb748.
+kernel reading its ids, W2 words and scales before its pdl wait) at 79364b5, mla_early (the MLA split's rows requested
+into L2 before its pdl wait x the cache write before the query step) at 2410a29, mla_stages (the split's num_stages 2
+/ 3 / 4 on the step's contiguous cache, CONTIG_STAGES) and mla_merge (the merge's MERGE_BLOCK_C 32 / 16 / 64) at
+727ca60, mla_small (the MLA cache write's work before its pdl wait, MLA_CACHE_EARLY; the query step's UNROLL / PRE
+4/4, 6/6, 4/2, 2/2) at 2dcd8a4, l2_rows (the one-token experts' CTAs requesting their rows into L2 at their start,
+moe_experts.L2_ROWS) at e84efea, w2_tail (each one-token up CTA requesting its share of the pair's W2 rows into L2
+once its rows are read, W2_TAIL, or down launched right after up's wait reading its W2 before its own, DOWN_OVERLAP: a
+tie, profiles/h100-80gb-hbm3/w2_tail_step_ab.json.gz) at 251d172, up_bulk (the up kernel's rows by four bulk copies
+into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas (the up kernel bounded to 8 CTAs an
+SM, UP_MIN_CTAS) at 58394f6, row_prefetch (the one-token experts' threads requesting their rows' lines into L1 after
+the expert id, moe_experts.ROW_PREFETCH) and mla_bn (the MLA split's 64 positions a step on the contiguous cache,
+mla_decode.UNPAGED_BLOCK_N) at f6c577b, rscatter (the experts' row sums by a butterfly per row against the
+reduce-scatter, moe_experts.RSCATTER; profiles/h200/rscatter_step_ab.json.gz) and mla_ksplit's 2 pieces at 5acb748.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, w2_tail, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma)
+        mla_ksplit, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -109,14 +107,6 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "up_halves": tuple((f"h{h}_r{r}", {"k3lab_kernels.cute.moe_experts:UP_HALVES": h,
                                             "k3lab_kernels.cute.moe_experts:UP_ROWS": r})
                             for h, r in ((1, 6), (2, 12), (2, 8), (2, 6))),
-         # each up CTA requesting its share of the pair's W2 into L2 once its own rows are read (W2_TAIL)
-         # or down launched right after up's wait, reading its W2 before its own wait (DOWN_OVERLAP)
-         "w2_tail": (("plain", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False,
-                                "k3lab_kernels.cute.moe_experts:DOWN_OVERLAP": False}),
-                     ("tail", {"k3lab_kernels.cute.moe_experts:W2_TAIL": True,
-                               "k3lab_kernels.cute.moe_experts:DOWN_OVERLAP": False}),
-                     ("overlap", {"k3lab_kernels.cute.moe_experts:W2_TAIL": False,
-                                  "k3lab_kernels.cute.moe_experts:DOWN_OVERLAP": True})),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 4)),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)

@@ -17,11 +17,13 @@ two launches, no atomics, no tickets, y written (not accumulated).
   down  a CTA per R = DOWN_ROWS latent rows; thread p < K * I/32 owns the (pair, block) product p of every row: its
         32 activations loaded once, the rows' W2_e words and scales; per row a shuffle sum, then across warps in
         shared memory (the reduce-scatter too); a PDL launch after `up` (it waits for up's activations before
-        reading anything; with DOWN_OVERLAP it reads idx, its W2 words and scales first, and `up` lets it launch
-        right after up's own wait). With `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one
+        reading anything). With `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one
         partial a CTA): the MoE output's routed norm folded (k3lab.step.moe_glue_fold).
   (git history: a warp per (pair, two rows) and a warp per latent row, whose every warp re-read z or all of act,
-  lost by 1.9-3 us at TP8; experiments/moe_cute/README.md.)
+  lost by 1.9-3 us at TP8; experiments/moe_cute/README.md. W2_TAIL, each up CTA requesting its share of the pair's
+  W2 into L2 once its rows were read, and DOWN_OVERLAP, down launched right after up's wait and reading its W2
+  before its own, tied with the plain kernels in the batch-1 step: docs/NOTES_moe.md, thirty-seventh session; git
+  history at 251d172.)
 
 Layout: z [1, L] bf16 (read as int32 pairs); idx [1, K] int32 or int64 (the low word read); wk [1, K] fp32; w1, w3
 [E, I, L/8] and w2 [E, L, I/8] int32 words of k3lab.mxfp4.to_kernel_layout; their E8M0 scales [E, out, in/32] uint8
@@ -85,29 +87,6 @@ UP_ROWS = 12
 # 12 % fewer instructions, the step 1043.5-1051.4 us against 1054.7-1061.2; docs/NOTES_moe.md thirty-second
 # session); 1 where L/32 is not a multiple of 16 or UP_ROWS is not a multiple of it
 UP_HALVES = 2
-# each up CTA, once its own rows are read, requests its share of the pair's W2 rows (and their scales) into L2 (one
-# bulk prefetch each), so the down kernel, which can start only once up's CTAs leave the SMs, finds them there; up's
-# tail and the launch between overlap the W2 stream. Where the slices are 16-byte aligned (w2_tail_ok). To be
-# measured (step_ab.py w2_tail).
-W2_TAIL = False
-# the same window another way: `up` (under pdl) lets `down` launch right after its own griddepcontrol.wait instead of
-# after its products, and `down` reads idx, its W2 words and scales before its griddepcontrol.wait, act after it.
-# down's CTAs then take the SMs up's earliest CTAs leave and stream their W2 while up's last CTAs finish. Safe: down
-# launches only after every up CTA passed its wait, so the kernel that wrote idx has completed; W2 is never written.
-# (The thirtieth session's DOWN_EARLY, the early reads alone behind up's late trigger, moved nothing: git history at
-# 79364b5.) To be measured (step_ab.py w2_tail, arm "overlap").
-DOWN_OVERLAP = False
-
-
-def w2_tail_ok(I: int, L: int, rows: int) -> bool:
-    """W2_TAIL's slices (L / (I / rows) rows of W2 a CTA, their words and scale bytes) start and end 16-byte aligned."""
-    nc = I // rows
-    if I % rows or L % nc:
-        return False
-    S, nb = L // nc, I // 32
-    return (L * nb) % 16 == 0 and (S * nb) % 16 == 0
-
-
 def _kernel_classes():
     """The two kernels' generators (built once; importing this module never needs cutlass)."""
     global _KERNEL_CLS, DEVICE_OPS
@@ -118,10 +97,6 @@ def _kernel_classes():
     from cutlass import Float32, Int32, cute
     from cutlass._mlir.dialects import llvm as _llvm
     from cutlass.cutlass_dsl import dsl_user_op
-
-    from . import kda_decode
-
-    prefetch_l2 = kda_decode._dsl().prefetch_l2
 
     BLOCK = block_ptx()
 
@@ -197,10 +172,8 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I/32 owns the (pair k, block cb) product of every row (its 32
         activations loaded once, the R rows' words and scales of W2_e); a PDL launch after MoEUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False,
-                     early: bool = False):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, glue: bool = False):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
-            self.early = bool(early)                 # idx, W2 and its scales before the wait (DOWN_OVERLAP)
             self.NP = K * (I // 32)                  # (pair, block) products a row
             self.NT = (self.NP + 31) // 32 * 32      # threads: a thread past the last product is idle
             self.glue = bool(glue)                   # also yg = bf16(y gamma) and the CTA's sum of y^2
@@ -227,9 +200,8 @@ def _kernel_classes():
             keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
             k = q // NB
             cb = q % NB
-            if cutlass.const_expr(not self.early):
-                cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # the activations of MoEUp (and idx, from before it)
+            cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
             wv = cute.make_rmem_tensor((R * 4,), Int32)
             sv = cute.make_rmem_tensor((R,), Int32)
@@ -238,9 +210,6 @@ def _kernel_classes():
                 cute.autovec_copy(vec(p_w2, cute.assume(row * RW + 4 * cb, divby=4), 4),
                                   cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)))
                 sv[r] = vec(p_s2, (row * NB + cb) // 4, 1)[0]
-            if cutlass.const_expr(self.early):
-                cute.arch.griddepcontrol_wait()  # the activations of MoEUp
-                cute.arch.griddepcontrol_launch_dependents()
             ap = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_act, cute.assume(k * (I // 2) + 16 * cb, divby=16), 16), ap)
             acc = cute.make_rmem_tensor((R,), Float32)
@@ -275,7 +244,7 @@ def _kernel_classes():
         pairs converted once), the 2R row sums reduced by shuffles and shared memory."""
 
         def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, b1: float, b2: float, pdl: bool,
-                     rows: int, halves: int = 1, w2_tail: bool = False, early_trigger: bool = False):
+                     rows: int, halves: int = 1):
             self.K, self.I, self.L, self.E, self.idx_step, self.R = K, I, L, E, idx_step, rows
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.NB = L // 32
@@ -283,20 +252,17 @@ def _kernel_classes():
             assert self.H in (1, 2) and rows % self.H == 0 and (self.H == 1 or self.NB % 16 == 0)
             self.NT = (self.H * self.NB + 31) // 32 * 32
             self.SEG = 32 if self.H == 1 else 16     # lanes a shuffle segment (a group of NB is whole segments)
-            self.w2_tail = bool(w2_tail) and w2_tail_ok(I, L, rows)
-            self.early_trigger = bool(early_trigger)  # (pdl) down may launch right after this kernel's wait
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     p_w2: cute.Pointer, p_s2: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_w2, p_s2).launch(
+                     stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
                 grid=[self.K * (self.I // self.R), 1, 1], block=[self.NT, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                   p_w2: cute.Pointer, p_s2: cute.Pointer):
+                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
             I, R, NB, NT, H, SEG = self.I, self.R, self.NB, self.NT, self.H, self.SEG
             RH = R // H                  # rows of W1 (and of W3) a thread
             NSEG = NT // SEG
@@ -313,8 +279,6 @@ def _kernel_classes():
             keep = (tid - H * NB) >> 31
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
-                if cutlass.const_expr(self.early_trigger):
-                    cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
             wv = cute.make_rmem_tensor((2 * RH * 4,), Int32)  # [m (w1, w3), r, word]
             sv = cute.make_rmem_tensor((2 * RH,), Int32)
@@ -334,20 +298,13 @@ def _kernel_classes():
                 fbits = factor_bits(sv[j], (e * I + hr + j % RH) * NB + b, keep)
                 acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
                                    Float32(0.0))
-            if cutlass.const_expr(self.pdl and not self.early_trigger):
+            if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
             start, cur, plain = seg_reduce(acc, 2 * RH, SEG, lane)
             if (lane & plain) == 0:
                 for i in cutlass.range_constexpr(cur):
                     s_red[(tid // SEG) * 2 * RH + start + i] = acc[i]
             cute.arch.sync_threads()
-            if cutlass.const_expr(self.w2_tail):  # W2_TAIL: this CTA's share of the pair's W2 rows into L2, its own
-                if tid == 0:                      # rows all read: one slice of L / (I / R) rows and their scales
-                    NC = I // R
-                    S = self.L // NC
-                    w2row = e * self.L + (c % NC) * S
-                    prefetch_l2(p_w2 + w2row * (I // 8), S * (I // 2))
-                    prefetch_l2(p_s2 + w2row * (I // 32) // 4, S * (I // 32))
             if tid < R // 2:             # the pair of rows r0 + 2 tid, r0 + 2 tid + 1 (row rho: group rho // RH)
                 g = cute.make_rmem_tensor((2,), Float32)
                 u = cute.make_rmem_tensor((2,), Float32)
@@ -490,15 +447,12 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     if act is None:
         act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)
     up_args = [_ptr(z.view(torch.int32), 16), _ptr(idx.view(torch.int32), 4), _ptr(wk, 4), _ptr(w1, 16),
-               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16), _ptr(w2, 16), _ptr(sw[2], 16)]
+               _ptr(w3, 16), _ptr(sw[0], 4), _ptr(sw[1], 4), _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), _ptr(w2, 16), _ptr(sw[2], 4), _ptr(act, 16), _ptr(y, 4), *glue_args]
     rows = DOWN_ROWS if L % DOWN_ROWS == 0 else 1
     up_rows = UP_ROWS if I % UP_ROWS == 0 else 4  # I is a multiple of 32
     halves = UP_HALVES if (L // 32) % 16 == 0 and up_rows % UP_HALVES == 0 else 1
-    w2_tail = bool(W2_TAIL) and w2_tail_ok(I, L, up_rows)
-    overlap = bool(DOWN_OVERLAP)
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, w2_tail,
-           glue is not None, overlap)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, rows, up_rows, halves, glue is not None)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -508,9 +462,8 @@ def moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, halves, w2_tail, overlap), *up_args,
-                                stream),
-                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None, overlap), *down_args, stream))
+            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, halves), *up_args, stream),
+                   cute.compile(down_cls(K, I, L, E, step, rows, glue is not None), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
