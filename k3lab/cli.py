@@ -903,16 +903,24 @@ def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
 def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only these issues (repeatable)"),
             spec: Path | None = typer.Option(None, help="the target list (default data/targets.json)"),
             failing: bool = typer.Option(False, "--failing", help="only the targets not met"),
-            write: Path | None = typer.Option(None, help="write the whole page there (docs/STATUS.md)")) -> None:
+            write: Path | None = typer.Option(None, help="write the whole page there (docs/STATUS.md)"),
+            profiles: Path | None = typer.Option(None, help="read the bundles of these names from this directory "
+                                                 "instead (another GPU's, e.g. profiles/h100-80gb-hbm3); a target "
+                                                 "whose bundle is not there is listed as not measured")) -> None:
     """Every issue target read off the committed bundles (data/targets.json): the worst case of each against
     its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand)."""
     from k3lab import targets as tg
 
+    where = "profiles/h200/" if profiles is None else f"{profiles}/"
     try:
-        res = tg.evaluate_all(tg.load_spec(spec), issues=issue or None)
+        res = tg.evaluate_all(tg.load_spec(spec), issues=issue or None,
+                              profiles=None if profiles is None else profiles.resolve())
     except (tg.TargetError, OSError) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
+    if write is not None and profiles is not None:
+        _echo_err("error: --write writes the page of the committed H200 bundles (no --profiles)")
+        raise typer.Exit(2)
     if write is not None:
         if issue or failing:
             _echo_err("error: --write writes the whole page (no --issue / --failing)")
@@ -922,7 +930,7 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
         return
     if failing:
         res = [r for r in res if not r.met]
-    typer.echo(tg.markdown(res))
+    typer.echo(tg.markdown(res, where))
 
 
 @app.command()

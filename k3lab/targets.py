@@ -26,8 +26,12 @@ Metrics, per case (rows grouped by `group_by`, default the row's case name; the 
 With "context_peer" (a backend, e.g. "stream": one kernel reading the same bytes) a pct_read, pct_copy, x_floor or
 over_floor case also names that peer's value in the same case, for context only (it never decides the target).
 Every case must pass `op value`: the table shows the worst case (and which), so "every batch" targets read as one
-line. Rows whose fp64 check failed are never counted. A missing bundle, or an entry that selects no row, is an error
-naming the entry (the test suite evaluates every entry).
+line. With `profiles` (`k3lab targets --profiles DIR`) the same targets are read off another directory of bundles of
+the same names (another GPU's: `k3lab bench ... --name NAME`); a target whose bundle is not there is listed as not
+measured, not an error. The targets are the issues' H200 figures: on another GPU the ratios (% of its own read
+bandwidth, ours over a peer of the same run) carry over, the absolute microseconds only roughly. Rows whose fp64
+check failed are never counted. A missing bundle, or an entry that selects no row, is an error naming the entry (the
+test suite evaluates every entry).
 """
 from __future__ import annotations
 
@@ -61,8 +65,11 @@ class Result:
     where: str  # the worst case's name and the row(s) that decided it
     bundle: str
     date: str = ""  # when the (newest) bundle was made, YYYY-MM-DD
+    measured_here: bool = True  # False: its bundle is not in the directory read (`profiles`)
 
     def cells(self, digits: int = 3) -> list[str]:
+        if not self.measured_here:
+            return [f"#{self.issue}", self.case, self.target, "-", "not measured", self.where, self.bundle, ""]
         v = f"{self.measured:.{digits}g}" if abs(self.measured) < 1e4 else f"{self.measured:.0f}"
         return [f"#{self.issue}", self.case, self.target, v, "yes" if self.met else "**no**", self.where,
                 self.bundle, self.date]
@@ -213,9 +220,31 @@ def _value_of(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str,
     raise TargetError(f"{e['case']!r}: metric {m!r} is not per case")
 
 
-def evaluate(e: dict[str, Any], root: Path | None = None) -> Result:
-    """One entry -> its result: the worst case against the target, dated by its newest bundle."""
+def _names(b: str | list[str]) -> list[str]:
+    return [Path(x).name for x in ([b] if isinstance(b, str) else b)]
+
+
+def on_profiles(e: dict[str, Any], profiles: str | Path) -> dict[str, Any]:
+    """The entry with its bundles (and `over_bundle`) taken from the directory `profiles` by name."""
+    e2 = dict(e, _moved=True)  # (the table then names the bundles alone)
+    for k in ("bundle", "over_bundle"):
+        if k in e:
+            moved = [str(Path(profiles) / n) for n in _names(e[k])]
+            e2[k] = moved[0] if isinstance(e[k], str) else moved
+    return e2
+
+
+def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path | None = None) -> Result:
+    """One entry -> its result: the worst case against the target, dated by its newest bundle. With `profiles` its
+    bundles are read from that directory by name, and one that is not there makes a not-measured result."""
     root = Path(root) if root is not None else ROOT
+    if profiles is not None:
+        e = on_profiles(e, profiles)
+        paths = [b for k in ("bundle", "over_bundle") if k in e for b in ([e[k]] if isinstance(e[k], str) else e[k])]
+        missing = [Path(b).name for b in paths if not (root / b).exists()]
+        if missing:
+            return Result(e["issue"], e["case"], e["target"], math.nan, False, f"no {', '.join(missing)} there",
+                          " + ".join(_names(e["bundle"])), measured_here=False)
     rows, date = _load(e["bundle"], root)
     r = _evaluate(e, root, rows)
     r.date = date
@@ -224,8 +253,9 @@ def evaluate(e: dict[str, Any], root: Path | None = None) -> Result:
 
 def _evaluate(e: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> Result:
     sel = [r for r in rows if _match(r, e.get("where", {}))]
-    bundle = " + ".join(b.removeprefix("profiles/h200/") for b in
-                        ([e["bundle"]] if isinstance(e["bundle"], str) else e["bundle"]))
+    bundle = " + ".join(_names(e["bundle"]) if e.get("_moved") else
+                        [b.removeprefix("profiles/h200/") for b in ([e["bundle"]] if isinstance(e["bundle"], str)
+                                                                     else e["bundle"])])
     cmp = OPS[e["op"]]
     m = e["metric"]
     if m == "x_floor_sum":
@@ -295,19 +325,24 @@ def _short(k: str) -> str:
 
 
 def evaluate_all(spec: list[dict[str, Any]] | None = None, root: Path | None = None,
-                 issues: list[int] | None = None) -> list[Result]:
+                 issues: list[int] | None = None, profiles: str | Path | None = None) -> list[Result]:
     spec = spec if spec is not None else load_spec()
     if issues and (none := sorted(set(issues) - {e["issue"] for e in spec})):
         raise TargetError(f"issues {none} have no targets; issues with targets: {sorted({e['issue'] for e in spec})}")
-    return [evaluate(e, root) for e in spec if not issues or e["issue"] in issues]
+    if profiles is not None and not (Path(root or ROOT) / profiles).is_dir():
+        raise TargetError(f"profiles {profiles}: no such directory (a directory of bundles, e.g. profiles/<gpu>)")
+    return [evaluate(e, root, profiles) for e in spec if not issues or e["issue"] in issues]
 
 
-def markdown(results: list[Result]) -> str:
-    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", "bundle (profiles/h200/)", "measured on"]
+def markdown(results: list[Result], where: str = "profiles/h200/") -> str:
+    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", f"bundle ({where})", "measured on"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in results]
-    met = sum(r.met for r in results)
-    return "\n".join(lines) + f"\n\n{met} of {len(results)} targets met.\n"
+    here = [r for r in results if r.measured_here]
+    met = sum(r.met for r in here)
+    gone = len(results) - len(here)
+    return "\n".join(lines) + f"\n\n{met} of {len(here)} targets met" + (
+        f" ({gone} not measured there).\n" if gone else ".\n")
 
 
 STATUS = ROOT / "docs" / "STATUS.md"

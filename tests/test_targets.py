@@ -110,3 +110,29 @@ def test_status_page_matches_the_bundles():
     a target changes."""
     assert tg.STATUS.read_text() == tg.status_page(), \
         "docs/STATUS.md is stale: run `k3lab targets --write docs/STATUS.md`"
+
+
+def test_profiles_reads_another_directory_by_name(toy, tmp_path):
+    """--profiles: the entries' bundles (by name, wherever the entry's path points) read from another directory; a
+    bundle that is not there gives a not-measured line, never an error, and the summary counts the measured only."""
+    other = tmp_path / "gpu2"
+    other.mkdir()
+    (other / "b.json.gz").write_bytes((toy / "b.json.gz").read_bytes())
+    e = _e(bundle="profiles/h200/b.json.gz", metric="us", op="<=", value=10.0)
+    r = tg.evaluate(e, tmp_path, profiles="gpu2")
+    assert r.measured_here and r.met and r.measured == 9.0 and r.bundle == "b.json.gz"
+    gone = tg.evaluate(_e(bundle=["profiles/h200/b.json.gz", "profiles/h200/c.json.gz"], metric="us", op="<=",
+                          value=1.0), tmp_path, profiles="gpu2")
+    assert not gone.measured_here and "no c.json.gz there" in gone.where
+    md = tg.markdown([r, gone], "gpu2/")
+    assert "| - | not measured |" in md and "bundle (gpu2/)" in md and "1 of 1 targets met (1 not measured there)" in md
+    with pytest.raises(tg.TargetError, match="no such directory"):
+        tg.evaluate_all([e], tmp_path, profiles="gpu3")
+
+
+def test_cli_targets_profiles():
+    out = CliRunner().invoke(app, ["targets", "--issue", "14", "--profiles", "profiles/h100-80gb-hbm3"])
+    assert out.exit_code == 0, out.output
+    assert "not measured" in out.output and "bundle (profiles/h100-80gb-hbm3/)" in out.output
+    out = CliRunner().invoke(app, ["targets", "--profiles", "profiles/h100-80gb-hbm3", "--write", "/tmp/x.md"])
+    assert out.exit_code == 2 and "no --profiles" in out.output
