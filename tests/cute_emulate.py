@@ -2077,7 +2077,7 @@ def launch(fn, *args, grid=(1, 1, 1), block=(256, 1, 1), cluster=None, seed: int
 def run_attnres(blocks, prefix, new, w_norm, w_proj, norm_w, out, partial_out, update: str = "none",
                 eps: float = 1e-6, seed: int = 0, early: bool = False, declare: bool = True, **opts):
     """attnres_norm (kernels/cute/attnres_norm.py) on the emulator: the same arguments as CPU tensors (blocks a
-    list, new / partial_out None for update "none"), opts its options (cluster, vec, pdl). Returns `out`.
+    list, new / partial_out None for update "none"), opts its options (cluster, vec, alpha, pdl). Returns `out`.
     pdl=True also checks that only the three weight vectors are read before griddepcontrol.wait; early=True runs
     the module's EARLY setting, the blocks and the prefix declared readable there too (declare=False: not)."""
     old = list(blocks) + [prefix] if early and declare else []

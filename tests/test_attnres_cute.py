@@ -5,8 +5,8 @@ Needs nvidia-cutlass-dsl and a CUDA GPU of compute capability >= 9.0; skipped cl
 (k3lab.harness.checker) runs `attnres.update_mix_norm` on fresh random inputs with out and partial_out poisoned:
 partial_out bit-exact, out relative-norm error < 4e-3, inputs unchanged (tolerances: k3lab/ops/trunk.py). Then
 the partial sum's bits against the triton backend, every (cluster, vec) the kernel takes at D = 7168, strided
-rows, the in-place partial and mix_norm; the large-batch options (cluster 8 / 4 / 2 with vec 8, cluster 8 vec 4) at
-batch 32, 33, 64 against fp64 and the partial's bits against triton.
+rows, the in-place partial and mix_norm; the large-batch options (alpha "warp" with cluster 8 / 4 / 2, vec 8 or 4)
+at batch 32, 33, 64 against fp64 and the partial's bits against triton.
 """
 import pytest
 import torch
@@ -35,33 +35,37 @@ def test_attnres_cute_matches_fp64(batch, n_blocks, update):
     check(batch, n_blocks, update, seed=batch * 10 + n_blocks)
 
 
-@pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 4), (8, 8), (4, 4), (4, 8), (2, 8)])
+@pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 4), (8, 8), (4, 4), (4, 8)])
 @pytest.mark.parametrize("batch", [1, 64])
 def test_attnres_cute_options(batch, cluster, vec):
     check(batch, 9, "add", seed=cluster * vec, cluster=cluster, vec=vec)
 
 
-LARGE = [dict(cluster=2, vec=8), dict(cluster=4, vec=8), dict(cluster=8, vec=8), dict(cluster=8, vec=4), dict()]
+LARGE = [dict(alpha="warp", cluster=8, vec=8), dict(alpha="warp", cluster=4, vec=8),
+         dict(alpha="warp", cluster=2, vec=8), dict(alpha="warp", cluster=8, vec=4), dict(alpha="warp")]
+# alpha "twopass" (two exchanges: the scores' sums, then the mix's): the same checks as "warp"
+TWOPASS = [dict(alpha="twopass", cluster=2, vec=8), dict(alpha="twopass", cluster=4, vec=8),
+           dict(alpha="twopass", cluster=8, vec=8), dict(alpha="twopass")]
 
 
 @pytest.mark.parametrize("update", ops.UPDATES)
-@pytest.mark.parametrize("opts", LARGE, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("opts", LARGE + TWOPASS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("batch", [32, 64, 33, 1])
-def test_attnres_cute_large(batch, opts, update):
-    """The large-batch options against fp64 at batch 32 / 64 (and odd 33, 1), every update."""
+def test_attnres_cute_alpha_warp(batch, opts, update):
+    """The large-batch options (alpha "warp") against fp64 at batch 32 / 64 (and odd 33, 1), every update."""
     check(batch, 9, update, seed=batch + len(update), **opts)
 
 
 @pytest.mark.parametrize("n_blocks", [0, 1, 5])
-@pytest.mark.parametrize("opts", LARGE[:3], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
-def test_attnres_cute_large_blocks(opts, n_blocks):
+@pytest.mark.parametrize("opts", LARGE[:3] + TWOPASS[:1], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+def test_attnres_cute_alpha_warp_blocks(opts, n_blocks):
     check(5, n_blocks, "add", seed=n_blocks, **opts)
 
 
 @pytest.mark.parametrize("update", ["add", "fresh"])
-@pytest.mark.parametrize("opts", LARGE, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("opts", LARGE + TWOPASS[:1], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("batch", [32, 64])
-def test_attnres_cute_large_partial_bits_match_triton(batch, opts, update):
+def test_attnres_cute_alpha_warp_partial_bits_match_triton(batch, opts, update):
     """The large-batch options: the stored partial bit-equal to the triton backend's, out within 4e-3 of it."""
     case = OP.case(batch=batch, n_blocks=9, update=update, dim=7168)
     d = OP.make_inputs(case, 5, "cuda")
@@ -165,7 +169,9 @@ def test_attnres_cute_option_errors():
         ops.call_attnres(d, case, "triton", dict(vec=4))
     with pytest.raises(ValueError, match="'num_warps'"):
         ops.call_attnres(d, case, "cute", dict(num_warps=4))
-    with pytest.raises(TypeError, match="'alpha'"):  # the retired option (twopass is the kernel's only form)
-        ops.call_attnres(d, case, "cute", dict(alpha="twopass"))
+    with pytest.raises(ValueError, match="'alpha'"):
+        ops.call_attnres(d, case, "cute", dict(alpha="fast"))
+    with pytest.raises(ValueError, match="'alpha'"):
+        ops.call_attnres(d, case, "triton", dict(alpha="warp"))
     with pytest.raises(ValueError, match="'cluster'"):
-        ops.call_attnres(d, case, "cute", dict(cluster=1, vec=8))  # 896 threads a CTA
+        ops.call_attnres(d, case, "cute", dict(cluster=2, alpha="threads"))  # 448 threads of vec 8: not with "threads"

@@ -5,8 +5,9 @@ The checks are the shared checker's (k3lab.harness.checker: fresh inputs of the 
 partial_out poisoned with NaN, the fp64 reference; partial_out bit-exact, out < 4e-3, inputs unchanged), with the
 emulator's entry point as the implementation and CPU tensors: D = 7168 (the model's) at batch 1 and 2, 0 / 1 / 9
 blocks and every update mode, every (cluster, vec) the kernel takes at D = 7168, odd widths (clusters of 1 and
-4, vec 1, idle threads), the in-place partial, and the argument errors by name; the large-batch options (cluster 8 /
-4 / 2 with vec 8) at batch 1, 3 and 5, 0 / 1 / 9 blocks, every update mode, and under pdl with the early reads.
+4, vec 1, idle threads), the in-place partial, and the argument errors by name; alpha "warp" (the large-batch
+option) at batch 1, 3 and 5 with cluster 8 / 4 / 2 and vec 8, 0 / 1 / 9 blocks, every update mode; alpha "twopass"
+likewise, with odd widths and under pdl with the early reads.
 """
 import pytest
 import torch
@@ -40,7 +41,7 @@ def check(batch, n_blocks, update, dim=7168, seed=0, **opts):
 @pytest.mark.parametrize("update", ["none", "add", "fresh"])
 @pytest.mark.parametrize("n_blocks", [0, 1, 9])
 def test_blocks_and_updates(n_blocks, update):
-    """D = 7168 at the default options (cluster 8, vec 4: 224 threads a CTA), batch 2 (two clusters)."""
+    """D = 7168 at the default options (alpha twopass, cluster 8, vec 4: 224 threads a CTA), batch 2 (two clusters)."""
     check(2, n_blocks, update, seed=n_blocks * 3 + len(update))
     launch = emulate.LAST["launches"][-1]
     assert launch["cluster"] == (8, 1, 1) and launch["grid"] == (8, 2, 1) and launch["block"] == 224
@@ -72,10 +73,9 @@ def test_pdl_early(n_blocks, update):
             impl(case, pdl=True, early=True, declare=False)(d)
 
 
-@pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 8), (4, 4), (4, 8), (2, 8)])
+@pytest.mark.parametrize("cluster,vec", [(8, 2), (8, 8), (4, 4), (4, 8)])
 def test_options(cluster, vec):
-    """Every (cluster, vec) the kernel takes at D = 7168 (cluster 8 vec 8: 112 of 128 threads own columns; cluster 2
-    vec 8: 448 threads)."""
+    """Every (cluster, vec) the kernel takes at D = 7168 (cluster 8 vec 8: 112 of 128 threads own columns)."""
     check(1, 9, "add", seed=cluster + vec, cluster=cluster, vec=vec)
     assert emulate.LAST["launches"][-1]["cluster"] == (cluster, 1, 1)
 
@@ -85,41 +85,82 @@ def test_options_cover_every_valid_pair():
     for c in kern.CLUSTERS:
         for v in kern.VECS:
             try:
-                kern.plan(1, 7168, 9, c, v)
+                kern.plan(1, 7168, 9, c, v, alpha="threads")
                 valid.append((c, v))
             except ValueError:
                 pass
-    assert sorted(valid) == [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
-    assert kern.plan(64, 7168, 9) == (8, 4)  # the kernel's own choice
+    assert sorted(valid) == [(4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
 
 
 # every (batch, cluster, vec) x n_blocks x update under `-m slow`; by default a Latin square of them (each config
-# at every block count and each update at every block count and config once: 12 of the 36, for CI time)
+# at every block count and each update at every block count and config once: 9 of the 27, for CI time)
 _UPD = ("none", "add", "fresh")
-_LARGE = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
-          for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 2, 8), (2, 8, 4)]) for j, n in enumerate((0, 1, 9))
-          for u in _UPD]
+_ALPHA_WARP = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
+               for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 2, 8)]) for j, n in enumerate((0, 1, 9))
+               for u in _UPD]
 
 
-@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _LARGE)
-def test_large_batch_options(batch, cluster, vec, n_blocks, update):
-    """Cluster 8 / 4 / 2 with vec 8 and cluster 8 vec 4 (128 / 224 / 448 / 224 threads: 4 / 8 / 16 / 8 lanes a partial
-    row at 9 blocks), odd batches, 0 / 1 / 9 blocks."""
-    check(batch, n_blocks, update, seed=batch * 5 + n_blocks + len(update), cluster=cluster, vec=vec)
+@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _ALPHA_WARP)
+def test_alpha_warp(batch, cluster, vec, n_blocks, update):
+    """alpha "warp" (warp 0 forms alpha and the norm, one more CTA barrier) at the large-batch configurations:
+    cluster 8 / 4 / 2 with vec 8 (128 / 224 / 448 threads a CTA; cluster 2 only with "warp"), odd batches."""
+    check(batch, n_blocks, update, seed=batch * 7 + n_blocks + len(update), cluster=cluster, vec=vec, alpha="warp")
     got = emulate.LAST["launches"][-1]
     assert got["grid"] == (cluster, batch, 1) and got["block"] == kern.threads(7168, n_blocks, cluster, vec)
-    assert got["block"] == {(8, 8): 128, (4, 8): 224, (2, 8): 448, (8, 4): 224}[(cluster, vec)]
+    assert got["block"] == {8: 128, 4: 224, 2: 448}[cluster]
+
+
+def test_alpha_warp_default_options():
+    """alpha "warp" with cluster / vec None: the default choice (cluster 8, vec 4), batch 3."""
+    check(3, 9, "add", seed=31, alpha="warp")
+    got = emulate.LAST["launches"][-1]
+    assert got["grid"] == (8, 3, 1) and got["block"] == 224
+
+
+def test_alpha_warp_odd_width():
+    """alpha "warp" where NS exceeds a vec's threads' work: D = 64 (one thread of a CTA owns columns)."""
+    check(3, 9, "fresh", dim=64, seed=64, alpha="warp")
+
+
+def test_alpha_pairs():
+    """alpha "warp" allows vec 8 up to 512 threads a CTA: cluster 2 vec 8 at D = 7168 (448 threads)."""
+    valid = [(c, v) for c in kern.CLUSTERS for v in kern.VECS if _plans(c, v, "warp")]
+    assert sorted(valid) == [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
+    assert kern.plan(64, 7168, 9) == kern.plan(64, 7168, 9, alpha="warp") == (8, 4)  # the defaults unchanged
+
+
+# alpha "twopass": the scores' sums (2 NS partials a thread) in one exchange, warp 0's alpha, then the mix's sum of
+# squares in a second (a butterfly a warp, the warps in order, one more cluster barrier)
+_TWOPASS = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
+            for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 2, 8), (2, 8, 4)]) for j, n in enumerate((0, 1, 9))
+            for u in _UPD]
+
+
+@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _TWOPASS)
+def test_alpha_twopass(batch, cluster, vec, n_blocks, update):
+    """alpha "twopass" at cluster 8 / 4 / 2 with vec 8 and cluster 8 vec 4 (128 / 224 / 448 / 224 threads: 4 / 8 /
+    16 / 8 lanes a partial row at 9 blocks), odd batches, 0 / 1 / 9 blocks."""
+    check(batch, n_blocks, update, seed=batch * 5 + n_blocks + len(update), cluster=cluster, vec=vec,
+          alpha="twopass")
+    got = emulate.LAST["launches"][-1]
+    assert got["grid"] == (cluster, batch, 1) and got["block"] == kern.threads(7168, n_blocks, cluster, vec, "twopass")
+
+
+@pytest.mark.parametrize("dim,n_blocks,update", [(64, 9, "add"), (200, 5, "fresh"), (1, 0, "none")])
+def test_alpha_twopass_odd_widths(dim, n_blocks, update):
+    """"twopass" where few threads own columns (one lane a row at 32 threads), vec 1, no cluster at all."""
+    check(3, n_blocks, update, dim=dim, seed=dim + 1, alpha="twopass")
 
 
 @pytest.mark.parametrize("n_blocks,update", [(9, "add"), (1, "fresh")])
-def test_cluster2_pdl_early(n_blocks, update):
-    check(2, n_blocks, update, seed=17 + n_blocks, cluster=2, vec=8, pdl=True, early=True)
+def test_alpha_twopass_pdl_early(n_blocks, update):
+    check(2, n_blocks, update, seed=17 + n_blocks, cluster=2, vec=8, alpha="twopass", pdl=True, early=True)
 
 
 def test_row_lanes():
-    """The lanes a partial row: 448 / 224 / 128 threads at 9 blocks (20 rows) take 16 / 8 / 4."""
+    """The lanes a partial row under "twopass": 448 / 224 / 128 threads at 9 blocks (20 rows) take 16 / 8 / 4."""
     assert [kern.row_lanes(t, 20) for t in (448, 224, 128, 32)] == [16, 8, 4, 1]
-    assert kern.n_partials(9) == 20 and kern.n_partials(0) == 2
+    assert kern.n_partials(9, "twopass") == 20 and kern.n_partials(9) == 65
     for T in range(32, 513, 32):
         for K in (2, 4, 12, 20):
             if K <= T:
@@ -127,9 +168,17 @@ def test_row_lanes():
                 assert L * K <= T and T % (4 * L) == 0
 
 
+def _plans(c, v, alpha):
+    try:
+        kern.plan(1, 7168, 9, c, v, alpha=alpha)
+        return True
+    except ValueError:
+        return False
+
+
 @pytest.mark.parametrize("batch,dim,n_blocks,update,launch", [
-    (2, 64, 9, "add", ((8, 2, 1), 32)),     # the tiny preset's D: one thread of a CTA owns columns (20 partials
-                                            # a thread, one warp, one lane a row)
+    (2, 64, 9, "add", ((8, 2, 1), 32)),     # the tiny preset's D: one thread of a CTA owns columns (twopass: 20
+                                            # partials a thread, one warp)
     (1, 200, 5, "fresh", ((8, 1, 1), 32)),  # vec 1 (25 columns a CTA)
     (3, 100, 1, "add", ((4, 3, 1), 32)),    # a cluster of 4 (100 is no multiple of 8)
     (2, 1, 0, "none", ((1, 2, 1), 32)),     # no cluster at all
@@ -162,13 +211,24 @@ def _args(B=1, D=7168, n=1):
 
 @pytest.mark.parametrize("change,name", [
     (dict(cluster=3), "cluster"), (dict(vec=16), "vec"), (dict(cluster=1), "cluster"),
-    (dict(cluster=1, vec=8), "cluster"), (dict(update="sum"), "update"), (dict(eps=0.0), "eps"),
+    (dict(cluster=2, alpha="threads"), "cluster"),
+    (dict(update="sum"), "update"), (dict(eps=0.0), "eps"), (dict(alpha="fast"), "alpha"),
+    (dict(alpha="warp", cluster=1), "cluster"),
 ])
 def test_argument_errors(change, name):
     a = dict(_args(), update="add")
     a.update(change)
     with pytest.raises(ValueError, match=repr(name)):
         emulate.run_attnres(**a)
+
+
+def test_component_refuses_alpha_by_name():
+    """The component API checks `alpha` before it dispatches (no GPU needed to refuse it)."""
+    from k3lab.components import attnres
+    a = _args()
+    with pytest.raises(ValueError, match="'alpha'"):
+        attnres.update_mix_norm(a["blocks"], a["prefix"], a["new"], a["w_norm"], a["w_proj"], a["norm_w"],
+                                update="add", backend="cute", alpha="fast")
 
 
 def test_tensor_errors_name_the_argument():
@@ -186,12 +246,12 @@ def test_tensor_errors_name_the_argument():
 
 @pytest.mark.parametrize("dim,kept", [(256, True), (40, False)])
 def test_auto_rule_options_fit_or_give_way(monkeypatch, dim, kept):
-    """`auto`'s AttnRes rule names cluster / vec (measured at dim 7168): a dim they fit keeps them, one
+    """`auto`'s AttnRes rule names cluster / vec / alpha (measured at dim 7168): a dim they fit keeps them, one
     they do not (a small test model) runs the kernel's own choice, and the record's `why` says so."""
     from k3lab.components import attnres, dispatch
 
     seen = {}
-    monkeypatch.setattr(dispatch, "select", lambda op, be, B: ("cute", {"cluster": 2, "vec": 8},
+    monkeypatch.setattr(dispatch, "select", lambda op, be, B: ("cute", {"cluster": 2, "vec": 8, "alpha": "warp"},
                                                               "measured rule"))
     monkeypatch.setattr(dispatch, "kernel", lambda op, be: (lambda *a, **kw: seen.update(kw)))
     g = torch.Generator().manual_seed(0)
@@ -201,7 +261,7 @@ def test_auto_rule_options_fit_or_give_way(monkeypatch, dim, kept):
     ran = []
     attnres.update_mix_norm(blocks, prefix, None, w, w, w, update="none", backend="auto", ran=ran)
     if kept:
-        assert seen["cluster"] == 2 and seen["vec"] == 8
+        assert seen["cluster"] == 2 and seen["vec"] == 8 and seen["alpha"] == "warp"
         assert "do not fit" not in ran[-1].why
     else:
         assert "cluster" not in seen and "vec" not in seen and "do not fit" in ran[-1].why

@@ -13,7 +13,7 @@ with the RMSNorm that follows (k3lab.ref.attnres has the maths).
 Backends: "reference" (the torch reference) and "torch_compile" (torch.compile of it, one compiled graph
 per number of sources) for all three; "triton" (k3lab_kernels.triton.attnres_norm: one launch, bf16
 sources of [B, D], B 1..64 and beyond, 0..9 blocks; options num_warps, block_d, path), "cute"
-(k3lab_kernels.cute.attnres_norm: one launch, a thread-block cluster per row; options cluster, vec; the same
+(k3lab_kernels.cute.attnres_norm: one launch, a thread-block cluster per row; options cluster, vec, alpha; the same
 bf16 / unit-stride sources) and "auto" (data/trunk_defaults.json) for mix_norm and update_mix_norm, through
 the one dispatcher (k3lab.components.dispatch.select/kernel/record). Any other backend is refused with
 BackendUnavailable. Argument errors are ValueError/TypeError naming it.
@@ -109,7 +109,7 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
                     partial_out: torch.Tensor | None = None, *, update: str = "add", eps: float = 1e-6,
                     backend: str = "reference", ran: list | None = None, num_warps: int | None = None,
                     block_d: int | None = None, path: str | None = None, cluster: int | None = None,
-                    vec: int | None = None) -> torch.Tensor:
+                    vec: int | None = None, alpha: str | None = None) -> torch.Tensor:
     """The partial update + mix + RMSNorm of one layer side (module docstring). Returns out."""
     if update not in UPDATES:
         raise ValueError(f"{COMPONENT}: 'update' must be one of {UPDATES}, got {update!r}")
@@ -138,6 +138,8 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
     for k, v in (("cluster", cluster), ("vec", vec)):  # the cute kernel's options (registry values)
         if isinstance(v, bool) or v not in (None, 1, 2, 4, 8):
             raise ValueError(f"{COMPONENT}: {k!r} must be 1, 2, 4, 8 or None, got {v!r}")
+    if alpha not in (None, "threads", "warp", "twopass"):
+        raise ValueError(f"{COMPONENT}: 'alpha' must be 'threads', 'warp', 'twopass' or None, got {alpha!r}")
     B = prefix.shape[0] if prefix.dim() == 2 else 1
     be, opts, why = dispatch.select(OP, backend, B=B)
     if path not in (None, "split", "row"):
@@ -147,19 +149,19 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
             if be != "triton":
                 raise ValueError(f"{COMPONENT}: {k!r} is a triton option; backend {be!r} takes none")
             opts = {**opts, k: v}
-    for k, v in (("cluster", cluster), ("vec", vec)):
+    for k, v in (("cluster", cluster), ("vec", vec), ("alpha", alpha)):
         if v is not None:
             if be != "cute":
                 raise ValueError(f"{COMPONENT}: {k!r} is a cute option; backend {be!r} takes none")
             opts = {**opts, k: v}
-    if be == "cute" and backend == "auto" and any(k in opts for k in ("cluster", "vec")):
+    if be == "cute" and backend == "auto" and any(k in opts for k in ("cluster", "vec", "alpha")):
         # the auto rule's options were measured at K3's dim (7168); a dim they do not fit (a small test model)
         # takes the kernel's own choice, and the record says so
         from k3lab_kernels.cute.attnres_norm import AttnResCuteError, plan
         try:
-            plan(B, prefix.shape[-1], len(blocks), opts.get("cluster"), opts.get("vec"))
+            plan(B, prefix.shape[-1], len(blocks), opts.get("cluster"), opts.get("vec"), alpha=opts.get("alpha"))
         except AttnResCuteError as e:
-            dropped = {k: opts.pop(k) for k in ("cluster", "vec") if k in opts}
+            dropped = {k: opts.pop(k) for k in ("cluster", "vec", "alpha") if k in opts}
             why += f"; the rule's options {dropped} do not fit this call ({e}): the kernel's own choice"
     if out is None:
         out = torch.empty_like(prefix)
