@@ -101,11 +101,20 @@ def _nb(*ts) -> int:
 
 
 def _mix(blocks, x, vecs, eps, be):
-    """AttnRes + RMSNorm of `x` over `blocks`; the triton kernel takes rows [N, D]: [B, T, D] runs flattened."""
-    if be in ("triton", "cute") and x.dim() > 2:
+    """AttnRes + RMSNorm of `x` over `blocks`; the triton / cute kernels take rows [N, D]: [B, T, D] runs flattened.
+    A fused backend that the `auto` rule for these rows names too runs through `auto`, so that the rule's measured
+    options (the CuTe kernel's cluster / vec / alpha by batch: data/trunk_defaults.json) apply and the component's
+    record says which rule ran; the step resolves the group's `auto` to that backend (k3lab.step.resolve_switches),
+    and a backend named without options would otherwise take the kernel's own choice."""
+    if be in ("triton", "cute"):
+        from k3lab.components import dispatch
+
         D = x.shape[-1]
-        y = mix_norm([t.reshape(-1, D) for t in blocks], x.reshape(-1, D), *vecs, eps=eps, backend=be)
-        return y.view(x.shape)
+        if dispatch.select("attnres_norm", "auto", B=x.numel() // D)[0] == be:
+            be = "auto"
+        if x.dim() > 2:
+            y = mix_norm([t.reshape(-1, D) for t in blocks], x.reshape(-1, D), *vecs, eps=eps, backend=be)
+            return y.view(x.shape)
     return mix_norm(blocks, x, *vecs, eps=eps, backend=be)
 
 

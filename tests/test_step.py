@@ -877,3 +877,23 @@ def test_verify_token_counts_keep_the_fused_projections():
     assert ok, why
     ok, why = S._override_ok("proj", "triton", trunk.MAX_BATCH + 1)
     assert not ok and str(trunk.MAX_BATCH) in why
+
+
+def test_layer_attnres_takes_the_auto_rules_options(monkeypatch):
+    """The step resolves the AttnRes group's `auto` to the rule's backend (cute); the layer then calls the component
+    through `auto` when the rule for its rows names that backend, so the rule's options (cluster / vec / alpha by
+    batch) reach the kernel (they once did not: the step ran the kernel's own choice under a record naming the
+    rule); a backend the rule does not name runs as asked, and [B, T, D] rows are flattened for the kernels."""
+    from k3lab import model
+    from k3lab.components import dispatch
+
+    calls = []
+    monkeypatch.setattr(model, "mix_norm", lambda blocks, x, *v, eps, backend: calls.append((backend, x.shape)) or x)
+    monkeypatch.setattr(dispatch, "select", lambda op, be, B, T=1, shape=None: (
+        "cute", {"cluster": 2, "vec": 8}, "rule") if op == "attnres_norm" and be == "auto" else (be, {}, "asked"))
+    x = torch.zeros(3, 1, 64)
+    vecs = (torch.ones(64),) * 3
+    model._mix([x], x, vecs, 1e-6, "cute")
+    model._mix([x], x, vecs, 1e-6, "triton")
+    model._mix([x], x[:, 0], vecs, 1e-6, "reference")
+    assert calls == [("auto", (3, 64)), ("triton", (3, 64)), ("reference", (3, 64))]

@@ -24,6 +24,10 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
              cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
+  attnres_form  the CuTe AttnRes's form and shape inside the step: the rule of data/trunk_defaults.json, alpha
+             threads at cluster 8 vec 4 (what the thirty-second session's H200 headline ran: 1.65 us a call against
+             2.63 for twopass in the thirty-seventh's H100 step) and vec 8, twopass at cluster 8 vec 4 and cluster 2
+             vec 8 (an arm's "policy:COMPONENT.KEY" replaces that op's rules of the auto table; not measured yet);
   proj_mma   (BATCH=2..16) the `proj_cute` switch's projections of several tokens on Triton (PROJ_MMA_MAX_TOKENS 0,
              the default) or on the CuTe tensor-core path (16), its x staged in shared memory or not (proj_mma.X_SMEM;
              not measured yet).
@@ -49,7 +53,7 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma)
+        mla_ksplit, attnres_form, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -60,7 +64,7 @@ import sys
 import torch
 
 import k3lab  # noqa: F401 - maps kernels/ to k3lab_kernels in a checkout that is not installed
-from k3lab import dashboards, step as S
+from k3lab import dashboards, policy, step as S
 from k3lab.harness import env as envmod, timing
 from k3lab.harness.numerics import rel_norm_error
 
@@ -109,6 +113,11 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                             for h, r in ((1, 6), (2, 12), (2, 8), (2, 6))),
          # the MLA split's latent columns in KS pieces (independent chains of score MMAs)
          "mla_ksplit": tuple((f"ks{k}", {"k3lab_kernels.triton.mla_decode:DEFAULT_KSPLIT": k}) for k in (1, 4)),
+         # the CuTe AttnRes's rule replaced by one form and shape at every batch (the first arm: the table's rules)
+         "attnres_form": (("rule", {"policy:trunk.attnres_norm": list(policy.table("trunk")["attnres_norm"])}),)
+         + tuple((f"{a}_c{c}v{v}", {"policy:trunk.attnres_norm": [dict(max_batch=None, backend="cute", cluster=c,
+                                                                          vec=v, alpha=a)]})
+                 for a, c, v in (("threads", 8, 4), ("threads", 8, 8), ("twopass", 8, 4), ("twopass", 2, 8))),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
          # (BATCH=2..16) the several-token projections on Triton or on the CuTe tensor-core path
@@ -119,8 +128,12 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
 
 
 def _set(key, value):
-    """An arm's setting: a name of k3lab.step, or "module:NAME" of another module (a kernel's module setting)."""
-    if ":" in key:
+    """An arm's setting: a name of k3lab.step, "module:NAME" of another module (a kernel's module setting), or
+    "policy:COMPONENT.KEY" (that op's rules of the auto table, k3lab.policy, read when the step's graph is captured)."""
+    if key.startswith("policy:"):
+        comp, op = key[len("policy:"):].split(".")
+        policy.table(comp)[op] = value
+    elif ":" in key:
         import importlib
 
         mod, name = key.split(":")
