@@ -100,7 +100,7 @@ def _nb(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _mix(blocks, x, vecs, eps, be):
+def _mix(blocks, x, vecs, eps, be, ran=None):
     """AttnRes + RMSNorm of `x` over `blocks`; the triton / cute kernels take rows [N, D]: [B, T, D] runs flattened.
     A fused backend that the `auto` rule for these rows names too runs through `auto`, so that the rule's measured
     options (the CuTe kernel's cluster / vec / alpha by batch: data/trunk_defaults.json) apply and the component's
@@ -113,9 +113,9 @@ def _mix(blocks, x, vecs, eps, be):
         if dispatch.select("attnres_norm", "auto", B=x.numel() // D)[0] == be:
             be = "auto"
         if x.dim() > 2:
-            y = mix_norm([t.reshape(-1, D) for t in blocks], x.reshape(-1, D), *vecs, eps=eps, backend=be)
+            y = mix_norm([t.reshape(-1, D) for t in blocks], x.reshape(-1, D), *vecs, eps=eps, backend=be, ran=ran)
             return y.view(x.shape)
-    return mix_norm(blocks, x, *vecs, eps=eps, backend=be)
+    return mix_norm(blocks, x, *vecs, eps=eps, backend=be, ran=ran)
 
 
 def _default_index(view: GpuView, kind: str) -> int:
@@ -151,6 +151,9 @@ class Layer:
         self._group_of: dict[str, str] = {}
         self._groups: dict[str, str] = {}
         self.ran: dict[str, str] = {}  # component -> backend it runs under
+        # component -> the component API's record of its last call (k3lab.components.dispatch.Ran as a dict:
+        # backend, kernel, options, why), where the layer keeps one (the AttnRes)
+        self.records: dict[str, dict[str, Any]] = {}
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
         self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
@@ -315,6 +318,11 @@ class Layer:
         y = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w, residual=r, backend="triton")
         return y.view(*x.shape[:-1], w.shape[0])
 
+    def _keep(self, name: str, rec: list) -> None:
+        """The last record a component call appended (what ran: backend, kernel, options), kept by name."""
+        if rec:
+            self.records[name] = rec[-1].to_dict()
+
     def _attnres(self, which: str) -> Component:
         lw, b = self.w, self.buf
         D = self.view.cfg.hidden_size
@@ -327,7 +335,9 @@ class Layer:
             def fn():
                 # with no blocks the spec skips the mix; a softmax over the single source x is 1, so the
                 # fused call computes the same rms(x; input_norm)
-                b["h"] = _mix(b["blocks"], b["x"], vecs, eps, be)
+                rec = []
+                b["h"] = _mix(b["blocks"], b["x"], vecs, eps, be, rec)
+                self._keep(name, rec)
                 b["blocks_mlp"] = b["blocks"] + [b["x"]] if self.block_start else b["blocks"]
                 return b["h"]
             n_src = self.n_blocks + 1
@@ -335,7 +345,9 @@ class Layer:
             vecs = (lw.mlp_res_norm, lw.mlp_res_proj, lw.post_attn_norm)
 
             def fn():
-                b["h2"] = _mix(b["blocks_mlp"], b["p"], vecs, eps, be)
+                rec = []
+                b["h2"] = _mix(b["blocks_mlp"], b["p"], vecs, eps, be, rec)
+                self._keep(name, rec)
                 return b["h2"]
             n_src = self.n_blocks + (1 if self.block_start else 0) + 1
         return fn, _nb(*vecs) + self.N * D * self.e * (n_src + 1), 6 * self.N * D * n_src

@@ -1251,6 +1251,15 @@ def time_step(step: DecodeStep, *, reps: int, warmup: int, min_calls: int = 3, g
                   min_calls=min_calls, graph=graph)
 
 
+def _ran_record(L, name: str) -> dict[str, Any]:
+    """What the component API recorded for the layer's last call of `name` (its kernel and options, and the rule
+    or request behind them), for the component's row; {} where the layer keeps no record."""
+    r = getattr(L, "records", {}).get(name)
+    if not r:
+        return {}
+    return {"ran_kernel": r.get("kernel"), "ran_options": r.get("options") or {}, "ran_why": r.get("why")}
+
+
 def _floor_us(rec: dict, pr: dict) -> float:
     return roofline.floor_from_probes(rec["bytes"], rec["flops"], pr, rec["floor_bw"]).floor_us
 
@@ -1343,7 +1352,7 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                                   layer=c["layer"], kind_attn=c["kind"], mlp=c["mlp"], part=c["part"],
                                   bytes_from=c["bytes_from"],
                                   component=c["name"], ran=c["backend"], input_sets_layers=len(sets),
-                                  kernel_names=len(c["kernels"]))
+                                  kernel_names=len(c["kernels"]), **_ran_record(step.layers[i], c["name"]))
             row.launches = c["launches"]
             b.add(row)
     # per layer

@@ -888,7 +888,8 @@ def test_layer_attnres_takes_the_auto_rules_options(monkeypatch):
     from k3lab.components import dispatch
 
     calls = []
-    monkeypatch.setattr(model, "mix_norm", lambda blocks, x, *v, eps, backend: calls.append((backend, x.shape)) or x)
+    monkeypatch.setattr(model, "mix_norm",
+                        lambda blocks, x, *v, eps, backend, ran=None: calls.append((backend, x.shape)) or x)
     monkeypatch.setattr(dispatch, "select", lambda op, be, B, T=1, shape=None: (
         "cute", {"cluster": 2, "vec": 8}, "rule") if op == "attnres_norm" and be == "auto" else (be, {}, "asked"))
     x = torch.zeros(3, 1, 64)
@@ -897,3 +898,15 @@ def test_layer_attnres_takes_the_auto_rules_options(monkeypatch):
     model._mix([x], x, vecs, 1e-6, "triton")
     model._mix([x], x[:, 0], vecs, 1e-6, "reference")
     assert calls == [("auto", (3, 64)), ("triton", (3, 64)), ("reference", (3, 64))]
+
+
+def test_step_rows_carry_the_attnres_record():
+    """Each AttnRes component's row says what the component API ran for it (kernel, options, the rule or request):
+    the layer keeps the last call's record; on the CPU the reference, requested."""
+    st = S.DecodeStep(_tiny(batch=1), FUSED.replace(backend_attnres="reference"), device="cpu")
+    st.run()
+    L = st.layers[1]
+    for name in ("attnres_attn", "attnres_mlp"):
+        r = S._ran_record(L, name)
+        assert r["ran_kernel"] == "k3lab.ref.attnres:attnres_norm" and r["ran_options"] == {}, r
+    assert S._ran_record(L, "experts") == {}
