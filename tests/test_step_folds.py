@@ -1,12 +1,14 @@
 """The decode step's A/B folds (experiments/step_folds/step_ab.py) name only settings that exist: a device call that
 sets a removed knob would fail after minutes of setup (every arm's "module:NAME" or k3lab.step name is an attribute
-now, and every "switch:NAME" value one the switch allows)."""
+now, every "switch:NAME" value one the switch allows, and every "policy:COMPONENT.OP" rule list an op's backends and
+options)."""
 import importlib
 import importlib.util
 from pathlib import Path
 
 import pytest
 
+from k3lab import policy, registry
 from k3lab.switches import ALLOWED
 
 PATH = Path(__file__).resolve().parent.parent / "experiments" / "step_folds" / "step_ab.py"
@@ -28,6 +30,15 @@ def test_fold_arms_name_existing_settings(fold, arms):
         for key, value in settings.items():
             if key.startswith("switch:"):
                 assert value in ALLOWED[key[7:]], f"{fold}/{name}: {key}={value!r} not allowed"
+            elif key.startswith("policy:"):  # an op's rules of the auto table: the op has rules, each one valid
+                comp, op = key[7:].split(".")
+                assert op in policy.table(comp), f"{fold}/{name}: data/{comp}_defaults.json has no {op!r}"
+                for r in value:
+                    be, opts = r["backend"], policy.options_of(r)
+                    assert be in registry.get(op).backends, f"{fold}/{name}: {be!r} runs no {op}"
+                    for k, v in opts.items():
+                        allowed = registry.get(op).option_axes.get(k, {}).get(be)
+                        assert allowed is not None and v in allowed, f"{fold}/{name}: {op} option {k}={v!r}"
             elif ":" in key:
                 mod, attr = key.split(":")
                 assert hasattr(importlib.import_module(mod), attr), f"{fold}/{name}: {key} does not exist"
