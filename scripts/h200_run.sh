@@ -16,6 +16,8 @@
 #                                              their settings, PART=4 the grouped experts' shared groups, PART=5
 #                                              the projections' tiles at batch 32 / 64, PART=6 the AttnRes (one call
 #                                              each)
+#   STEP=ab     carry [".gpu/cute"] (PART=3: and ".gpu/fi")  the thirty-seventh session's A/B queue (PART=1..3,
+#                                              docs/NOTES_step.md)
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
@@ -127,6 +129,35 @@ pending)
       2>&1 | tail -n 50 ;;
   esac
   pack pending ;;
-*) echo "STEP must be cute, bench, fi, layer, mla or pending" >&2; exit 2 ;;
+ab)
+  # the thirty-seventh session's queue (docs/NOTES_step.md), one call a part, `.gpu/cute` carried (PART=3 also
+  # `.gpu/fi`): PART=1 the AttnRes form inside the batch-1 step, the grouped experts' L2 requests (GPU test, then the
+  # variants); PART=2 the same AttnRes A/B at batch 64; PART=3 the one-token experts' GPU tests, KDA's decode beside
+  # FlashInfer, the AttnRes hot in L2
+  unpack cute; [ "${PART:-1}" = 3 ] && unpack fi; install
+  mkdir -p "$OUT/ab"
+  case "${PART:-1}" in
+  1)
+    timeout 200 python3 experiments/step_folds/step_ab.py "$OUT/ab" attnres_form 2>&1 | tail -n 16
+    timeout 90 python3 -m pytest -q -m gpu tests/test_moe_cute.py -k grouped_l2 2>&1 | tee "$OUT/ab/pytest_gpu_l2.log" \
+      | tail -n 3
+    BATCHES=8,16,64 ROUTINGS=uniform,same16 VARIANTS='[{}, {"UP_L2": true}, {"DOWN_L2": true}, {"UP_L2": true,
+      "DOWN_L2": true}, {"UP_MEMBERS": 4}]' timeout 240 python3 experiments/moe_grouped/variants.py "$OUT/ab" 10 \
+      2>&1 | tail -n 36 ;;
+  2)
+    BATCH=64 timeout 540 python3 experiments/step_folds/step_ab.py "$OUT/ab" attnres_form 2>&1 | tail -n 16 ;;
+  3)
+    timeout 120 python3 -m pytest -q -m gpu tests/test_moe_cute.py -k test_k3_pool 2>&1 \
+      | tee "$OUT/ab/pytest_gpu_token.log" | tail -n 3
+    $K probes | tee "$OUT/ab/probes.json"
+    timeout 240 $K bench kda --ops kda_decode --backends cute,triton --grid heads=12 --grid batch=1,2,4,8,16,32,64 \
+      --grid tile_v=16,128 --reps 30 --deadline 220 --skip torch_compile --name kda_decode_fi --out "$OUT/ab" 2>&1 \
+      | tail -n 30
+    timeout 150 $K bench trunk --ops attnres_norm --backends cute --hot --grid batch=1,8,64 --grid n_blocks=9 \
+      --grid update=add --grid dim=7168 --grid alpha=threads,twopass --grid cluster=8 --grid vec=4,8 --no-peers \
+      --no-variants --reps 30 --deadline 130 --name attnres_hot --out "$OUT/ab" 2>&1 | tail -n 14 ;;
+  esac
+  pack ab ;;
+*) echo "STEP must be cute, bench, fi, layer, mla, pending or ab" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
