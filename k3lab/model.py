@@ -152,7 +152,7 @@ class Layer:
         self._groups: dict[str, str] = {}
         self.ran: dict[str, str] = {}  # component -> backend it runs under
         # component -> the component API's record of its last call (k3lab.components.dispatch.Ran as a dict:
-        # backend, kernel, options, why), where the layer keeps one (the AttnRes)
+        # backend, kernel, options, why), where the layer keeps one (the AttnRes, KDA core, MLA attention, experts)
         self.records: dict[str, dict[str, Any]] = {}
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
@@ -405,13 +405,15 @@ class Layer:
                 b["o"].copy_(o)
                 return b["o"]
             from k3lab.components import kda  # written by another engineer; imported when first run
+            rec = []
             if self.T == 1:
                 kda.decode(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"], backend=be,
-                           tile_v=tile_v, pdl=self.switches.kda_pdl)
+                           tile_v=tile_v, pdl=self.switches.kda_pdl, ran=rec)
             else:
                 kda.verify(b["qkv"], b["f"], b["b"], b["gate"], p, st.state, st.conv_state, b["o"],
                            state_hist=b["state_hist"], conv_hist=b["conv_hist"], backend=be, tile_v=tile_v,
-                           pdl=self.switches.kda_pdl, checkpoint=ck)
+                           pdl=self.switches.kda_pdl, checkpoint=ck, ran=rec)
+            self._keep("kda_core", rec)
             return b["o"]
         from k3lab.ops.kda import kda_bytes, kda_flops  # the registry's one formula
         c["kda_core"] = (core, kda_bytes(self.B, H, self.T, D=Dh, W=W, state_bytes=st.state.element_size(),
@@ -461,9 +463,11 @@ class Layer:
             # the gate to it. The cache holds lengths + T positions exactly (alloc_state), so n_positions is its
             # capacity: no host sync, graph-capturable.
             parts = None if sw.mla_partitions == "auto" else sw.mla_partitions  # None: the kernel's choice
+            rec = []
             b["o_lat"], _ = mla_comp.attend(b["q_lat"], b["q_rope"], st.cache, st.lengths, scale=w.scale,
                                             backend=be, partitions=parts, pad_heads=sw.pad_heads,
-                                            n_positions=st.cache.capacity, check_values=False)
+                                            n_positions=st.cache.capacity, check_values=False, ran=rec)
+            self._keep("attn", rec)
             return b["o_lat"]
         S = int(st.lengths.max()) + self.T
         Hp = max(H, sw.pad_heads)
@@ -547,7 +551,9 @@ class Layer:
 
         def experts():
             kw = dict(check_values=False) if be_e in ("triton", "cute") else {}  # no host sync in a captured step
-            b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, **kw)
+            rec = []
+            b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, ran=rec, **kw)
+            self._keep("experts", rec)
             return b["y"]
         n_used = int(torch.unique(b["idx"]).numel()) if "idx" in b else min(E, self.N * k)
         I_loc = m.w1.shape[1]

@@ -900,13 +900,21 @@ def test_layer_attnres_takes_the_auto_rules_options(monkeypatch):
     assert calls == [("auto", (3, 64)), ("triton", (3, 64)), ("reference", (3, 64))]
 
 
-def test_step_rows_carry_the_attnres_record():
-    """Each AttnRes component's row says what the component API ran for it (kernel, options, the rule or request):
-    the layer keeps the last call's record; on the CPU the reference, requested."""
+def test_step_rows_carry_the_component_records():
+    """The AttnRes, KDA core, MLA attention and experts rows say what the component API ran for them (kernel,
+    options, the rule or request): the layer keeps each one's last record; a component the step composes itself
+    (the fused projections) keeps none."""
     st = S.DecodeStep(_tiny(batch=1), FUSED.replace(backend_attnres="reference"), device="cpu")
     st.run()
-    L = st.layers[1]
-    for name in ("attnres_attn", "attnres_mlp"):
-        r = S._ran_record(L, name)
-        assert r["ran_kernel"] == "k3lab.ref.attnres:attnres_norm" and r["ran_options"] == {}, r
-    assert S._ran_record(L, "experts") == {}
+    seen = set()
+    for L in st.layers:
+        for name in ("attnres_attn", "attnres_mlp"):
+            r = S._ran_record(L, name)
+            assert r["ran_kernel"] == "k3lab.ref.attnres:attnres_norm" and r["ran_options"] == {}, r
+        for name in ("kda_core", "attn", "experts"):
+            r = S._ran_record(L, name)
+            if r:
+                seen.add(name)
+                assert r["ran_kernel"] and r["ran_why"], (name, r)
+        assert S._ran_record(L, "in_proj") == {}
+    assert seen == {"kda_core", "attn", "experts"}, seen
