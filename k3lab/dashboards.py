@@ -215,15 +215,27 @@ def summary_html(bundle) -> str:
     return "<table>" + "".join(cells) + "</table>"
 
 
+def _ran_cell(x: dict[str, Any]) -> str:
+    """A component row's record of what ran: the backend, and where the component API kept one its kernel, the
+    options that were set (None ones left out) and the rule or request behind them."""
+    out = _html.escape(str(x.get("ran")))
+    if x.get("ran_kernel"):
+        opts = ", ".join(f"{k}={v}" for k, v in (x.get("ran_options") or {}).items() if v is not None)
+        out += (f"<br><small>{_html.escape(str(x['ran_kernel']))}" + (f" ({_html.escape(opts)})" if opts else "")
+                + f"<br>{_html.escape(str(x.get('ran_why') or ''))[:160]}</small>")
+    return out
+
+
 def kernels_html(bundle, layer: int) -> str:
-    """The kernels of one layer's components (from the profiled step: launches, kernel names and counts)."""
+    """The kernels of one layer's components (from the profiled step: launches, kernel names and counts), and what
+    the component API recorded for each call it made (kernel, options, rule)."""
     rows = [r for r in component_rows(bundle) if r.extra.get("layer") == layer]
     if not rows:
         return f"<p>no component rows for layer {layer}</p>"
     body = []
     for r in rows:
         ks = "<br>".join(f"{_html.escape(k['name'])} x{k['count']}" for k in r.kernels) or "(CPU run: no kernels)"
-        body.append(f"<tr><td>{_html.escape(r.name)}</td><td>{_html.escape(str(r.extra.get('ran')))}</td>"
+        body.append(f"<tr><td>{_html.escape(r.name)}</td><td style='text-align:left'>{_ran_cell(r.extra)}</td>"
                     f"<td>{r.launches}</td><td>{r.median_us:.2f}</td><td>{(r.floor_us or 0):.2f}</td>"
                     f"<td style='text-align:left'>{ks}</td></tr>")
     return ("<table><tr><th>component</th><th>ran</th><th>launches</th><th>us</th><th>floor us</th>"

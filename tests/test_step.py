@@ -918,3 +918,16 @@ def test_step_rows_carry_the_component_records():
                 assert r["ran_kernel"] and r["ran_why"], (name, r)
         assert S._ran_record(L, "in_proj") == {}
     assert seen == {"kda_core", "attn", "experts"}, seen
+
+
+def test_kernels_table_shows_the_component_records():
+    """The step notebook's kernels table: a row with a component record shows its kernel, the options set (None ones
+    left out) and the rule; a row without one shows the backend alone; everything escaped."""
+    from k3lab import dashboards as dash
+
+    cell = dash._ran_cell({"ran": "cute", "ran_kernel": "k3lab_kernels.cute.attnres_norm:attnres_norm",
+                           "ran_options": {"cluster": 8, "vec": 4, "alpha": "twopass", "pdl": None},
+                           "ran_why": "measured rule of data/trunk_defaults.json: {'max_batch': 8} <x>"})
+    assert cell.startswith("cute<br>") and "cluster=8, vec=4, alpha=twopass" in cell and "pdl" not in cell
+    assert "&lt;x&gt;" in cell and "<x>" not in cell
+    assert dash._ran_cell({"ran": "triton"}) == "triton"
