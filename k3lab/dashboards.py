@@ -351,8 +351,19 @@ def toggles_figure(bundle):
             deltas.append(r.median_us - f.median_us)
             texts.append(f"{r.median_us:.0f} us")
     fig = go.Figure()
-    fig.add_bar(x=deltas, y=labels, orientation="h", text=texts,
+    fig.add_bar(x=deltas, y=labels, orientation="h", text=texts, name="timed",
                 marker_color=["#e45756" if d > 0 else "#54a24b" for d in deltas])
+    # a toggle whose exchange one GPU cannot time (split_router's all-gathers): the change with it at its assumed
+    # latency, beside the timed bar
+    ax, ay, at = [], [], []
+    for r in bundle.rows:
+        if r.name.startswith("toggle:") and r.extra.get("assumed_exchange_us") is not None:
+            ax.append(r.median_us - f.median_us + r.extra["assumed_exchange_us"])
+            ay.append(r.name[len("toggle:"):])
+            at.append(f"with {r.extra['assumed_exchange_us']:+.0f} us of exchange, assumed")
+    if ax:
+        fig.add_scatter(x=ax, y=ay, mode="markers+text", text=at, textposition="middle right", name="with the "
+                        "untimed exchange (assumed)", marker=dict(symbol="diamond-open", size=12, color="#4c78a8"))
     fig.update_layout(title=f"each switch alone: change to the step of {f.median_us:.0f} us (positive = slower "
                             f"without it) [{_kind_label([f])}]", xaxis_title="us per step vs the step as switched",
                       height=max(300, 40 * len(labels) + 120), template="plotly_white", margin=dict(l=260))

@@ -88,6 +88,9 @@ NUMERICS_TOL = 0.25  # per-layer medians summed vs the whole step: |sum / whole 
 K3_COUNTS = {"kda": 69, "mla": 24, "moe": 92, "dense": 1}  # layer types of the full model (K3_SPEC section 1)
 ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; K3_SPEC section 6: symmetric-memory one-shot 11-14 us (2 x H200)
 ALLREDUCES_PER_LAYER = 2  # the attention output and the MLP output are partial sums under TP
+# split_router's exchange (each rank's router logits and latent-down shares gathered, one all-gather a MoE layer):
+# not timed on one GPU; assumed at the one-shot all-reduce's latency (a few KB a token either way)
+ALLGATHER_ASSUMED_US = ALLREDUCE_ASSUMED_US
 MAX_KERNELS_A_ROW = 8  # kernel names kept per component row (the bundle stays small); the trace has them all
 TRACE_MAX_EVENTS = 4000  # kernels kept in a saved trace (every range is kept): a report stays small
 TRACE_KERNEL_ARGS = ("correlation", "grid", "block", "registers per thread", "stream")  # kernel args kept
@@ -1433,9 +1436,12 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                 log(f"toggle {tlabel}: not run ({type(e).__name__})")
                 continue
             r = Row.from_timing(f"toggle:{tlabel}", label, tt, base_us=t.median_us,
-                                delta_us=tt.median_us - t.median_us, switches=sw.to_dict())
+                                delta_us=tt.median_us - t.median_us, switches=sw.to_dict(),
+                                **untimed_exchange(tlabel, step))
             b.add(r)
-            log(f"toggle {tlabel:40s} {tt.median_us:10.1f} us ({tt.median_us - t.median_us:+.1f})")
+            ex = r.extra.get("assumed_exchange_us")
+            log(f"toggle {tlabel:40s} {tt.median_us:10.1f} us ({tt.median_us - t.median_us:+.1f})"
+                + (f"; {ex:+.1f} us of untimed exchange (assumed)" if ex is not None else ""))
             save()
         skipped = sorted(NOT_WIRED)
         b.notes.append(f"switches not toggled (declared, not wired yet): {skipped}")
@@ -1473,6 +1479,21 @@ TOGGLE_NAMES = tuple(c for c in COMPONENTS if c != "dense") + (
     "pad_heads", "kda_tile_v", "mla_partitions", "prefetch", "fuse_prologues", "split_router", "owned_output",
     "shared_expert_stream", "kda_pdl", "pdl", "kda_checkpoint", "proj_cute")  # what toggle_list can change (each
 # label starts with one of them)
+
+
+def untimed_exchange(tlabel: str, step: DecodeStep, each_us: float = ALLGATHER_ASSUMED_US) -> dict[str, Any]:
+    """What a toggle leaves untimed on one GPU, for its row: split_router adds an all-gather a MoE layer (the ranks'
+    router logits and latent shares) that one GPU cannot run, so the row carries that exchange at an ASSUMED latency
+    (`assumed_exchange_us`, signed like the toggle: turning it on adds the exchange, off removes it; the toggles
+    figure draws the change with it beside the timed one). {} for the other toggles (owned_output's coordinates ride
+    the all-reduce the step already assumes)."""
+    name, _, flip = tlabel.partition("=")
+    if name != "split_router":
+        return {}
+    n = sum(L.w.mlp_kind == "moe" for L in step.layers)
+    sign = 1 if flip.endswith("True") else -1
+    return {"untimed": f"{n} all-gathers of the router logits and latent shares (one a MoE layer): not timed on one "
+                       f"GPU, ASSUMED {each_us:g} us each", "assumed_exchange_us": sign * n * each_us}
 
 
 def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False) -> list[tuple[str, Switches]]:

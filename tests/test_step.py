@@ -931,3 +931,28 @@ def test_kernels_table_shows_the_component_records():
     assert cell.startswith("cute<br>") and "cluster=8, vec=4, alpha=twopass" in cell and "pdl" not in cell
     assert "&lt;x&gt;" in cell and "<x>" not in cell
     assert dash._ran_cell({"ran": "triton"}) == "triton"
+
+
+def test_split_router_toggle_carries_its_untimed_exchange():
+    """split_router's all-gathers (one a MoE layer) are not timed on one GPU: its toggle row carries them at the
+    assumed latency, signed by the direction of the toggle, and the toggles figure draws the change with them beside
+    the timed bar; other toggles carry nothing."""
+    from k3lab import dashboards as dash
+    from k3lab.harness.bundle import Bundle, Row
+
+    st = S.DecodeStep(_tiny(batch=1), Switches(), device="cpu")
+    n = sum(L.w.mlp_kind == "moe" for L in st.layers)
+    assert n >= 1
+    on = S.untimed_exchange("split_router=False->True", st, each_us=10.0)
+    off = S.untimed_exchange("split_router=True->False", st, each_us=10.0)
+    assert on["assumed_exchange_us"] == 10.0 * n == -off["assumed_exchange_us"] and "ASSUMED" in on["untimed"]
+    assert S.untimed_exchange("owned_output=False->True", st) == {} == S.untimed_exchange("pdl=True->False", st)
+
+    def row(name, us, **x):
+        return Row(name=name, backend="fused", kind="gpu-graph", median_us=us, p10_us=us, p90_us=us, extra=x)
+    b = Bundle(name="t", env={}, config={}, switches={},
+               rows=[row("step", 100.0), row("toggle:split_router=False->True", 90.0, **on),
+                     row("toggle:pdl=True->False", 110.0)])
+    fig = dash.toggles_figure(b)
+    assert list(fig.data[0].x) == [-10.0, 10.0]
+    assert list(fig.data[1].x) == [-10.0 + 10.0 * n] and list(fig.data[1].y) == ["split_router=False->True"]
