@@ -905,16 +905,20 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
             failing: bool = typer.Option(False, "--failing", help="only the targets not met"),
             write: Path | None = typer.Option(None, help="write the whole page there (docs/STATUS.md)"),
             profiles: Path | None = typer.Option(None, help="read the bundles of these names from this directory "
-                                                 "instead (another GPU's, e.g. profiles/h100-80gb-hbm3); a target "
-                                                 "whose bundle is not there is listed as not measured")) -> None:
+                                                 "instead (another GPU's, e.g. profiles/h100-80gb-hbm3, or its "
+                                                 "name alone); a target whose bundle is not there is listed as not "
+                                                 "measured")) -> None:
     """Every issue target read off the committed bundles (data/targets.json): the worst case of each against
     its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand)."""
     from k3lab import targets as tg
 
+    profiles_dir = None if profiles is None else profiles.resolve()
+    if profiles is not None and not profiles.is_dir() and (tg.ROOT / "profiles" / profiles).is_dir():
+        profiles_dir = tg.ROOT / "profiles" / profiles  # a GPU's name: its directory under the checkout's profiles/
+        profiles = Path("profiles") / profiles
     where = "profiles/h200/" if profiles is None else f"{profiles}/"
     try:
-        res = tg.evaluate_all(tg.load_spec(spec), issues=issue or None,
-                              profiles=None if profiles is None else profiles.resolve())
+        res = tg.evaluate_all(tg.load_spec(spec), issues=issue or None, profiles=profiles_dir)
     except (tg.TargetError, OSError) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None

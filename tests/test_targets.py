@@ -134,5 +134,7 @@ def test_cli_targets_profiles():
     out = CliRunner().invoke(app, ["targets", "--issue", "14", "--profiles", "profiles/h100-80gb-hbm3"])
     assert out.exit_code == 0, out.output
     assert "not measured" in out.output and "bundle (profiles/h100-80gb-hbm3/)" in out.output
+    out = CliRunner().invoke(app, ["targets", "--issue", "14", "--profiles", "h100-80gb-hbm3"])  # a GPU's name
+    assert out.exit_code == 0 and "bundle (profiles/h100-80gb-hbm3/)" in out.output, out.output
     out = CliRunner().invoke(app, ["targets", "--profiles", "profiles/h100-80gb-hbm3", "--write", "/tmp/x.md"])
     assert out.exit_code == 2 and "no --profiles" in out.output
