@@ -765,6 +765,14 @@ def test_gpu_step_tp8_small_pool(tmp_path):
     assert b.switches["backend"]["kda"] == "auto" and b.switches["backend"]["mla"] in ("triton", "cute")
     ev = json.loads(gzip.open(tmp_path / "t.json.gz", "rt").read())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in ev)
+    # the AttnRes rows say the rule's options ran (the layer calls the component through auto: k3lab.model._mix)
+    from k3lab import policy
+    rule = policy.rule("trunk", "attnres_norm", 1)
+    attn = [r for r in b.rows if str(r.extra.get("component", "")).startswith("attnres") and r.backend == "fused"]
+    assert attn and all(r.extra.get("ran_kernel") for r in attn)
+    for r in attn:
+        if r.extra.get("ran") == rule["backend"]:
+            assert r.extra["ran_options"] == policy.options_of(rule) and "rule" in r.extra["ran_why"], r.extra
 
 
 _MOE_SWITCHES = ("split_router", "owned_output", "shared_expert_stream")
