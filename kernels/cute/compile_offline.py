@@ -17,8 +17,8 @@ every kernel builds for the chip and how many registers it takes, not that it is
 for the sequential pass, and the grouped summary / scan / out kernels); decode: every tile on a resident
 grid and a larger one, and pdl; verify: every tile with its default row warps at three batch sizes (the
 shape's choices differ), every row_warps, T 2 and 8, ragged, pdl, checkpoints 2-8 (a failure prints and the script
-goes on); attnres: attnres_norm.py at D = 7168, 9 blocks "add", every (cluster, vec) the kernel takes there,
-plus 0 / 1 / 5 blocks and every update mode at clusters 8 / 4 / 2 and the tiny preset's D = 64, each with its
+goes on); attnres: attnres_norm.py at D = 7168, 9 blocks "add", every (cluster, vec, alpha) the kernel takes
+there, plus 0 blocks "none", 5 blocks "fresh" and the tiny preset's D = 64 (with alpha "twopass" too), each with its
 dynamic shared memory and the CTAs an SM by shared memory and by registers; router: router_topk.py at E = 896 with k 16
 (the model's), 1, 7 and 32, E = 200 (padding threads) and 1024, each with and without pdl; mla_cache_write:
 mla_cache_write.py for every cache format (bf16, fp8 per-tensor, fp8 per-token) x contiguous / paged 1, 16,
@@ -206,37 +206,42 @@ def _cases(only: str | None, quick: bool):
                   ("B1 pdl", 1, 7168, 9, "add", None, None, "pdl"),
                   ("B1 pdl early", 1, 7168, 9, "add", None, None, "pdl early"),
                   ("B1 pdl early none", 1, 7168, 9, "none", None, None, "pdl early")]
-        for c in ka.CLUSTERS:
-            for v in ka.VECS:
-                try:
-                    ka.plan(64, 7168, 9, c, v)
-                except ValueError:
-                    continue
-                combos.append((f"cluster{c} vec{v}", 1, 7168, 9, "add", c, v, None))
+        for al in ka.ALPHAS:
+            for c in ka.CLUSTERS:
+                for v in ka.VECS:
+                    try:
+                        ka.plan(64, 7168, 9, c, v, alpha=al)
+                    except ValueError:
+                        continue
+                    combos.append((f"cluster{c} vec{v}" + (f" {al}" if al != "threads" else ""), 1, 7168, 9, "add",
+                                   c, v, al))
         combos += [("0 blocks none", 1, 7168, 0, "none", None, None, None),
                    ("5 blocks fresh", 1, 7168, 5, "fresh", None, None, None),
                    ("D64 9 blocks add", 1, 64, 9, "add", None, None, None),
-                   ("D64 1 block none", 1, 64, 1, "none", None, None, None),
-                   ("0 blocks none c8v8", 1, 7168, 0, "none", 8, 8, None),
-                   ("1 block add c4v8", 1, 7168, 1, "add", 4, 8, None),
-                   ("5 blocks fresh c2v8", 1, 7168, 5, "fresh", 2, 8, None),
-                   ("9 blocks none c2v8", 1, 7168, 9, "none", 2, 8, None)]
-        for name, Bx, D, nb, upd, c, v, launch in combos:
-            pdl = launch in ("pdl", "pdl early")  # launched with PDL (the step's `pdl` switch)
-            early = launch == "pdl early"  # ... and the module's EARLY: the blocks and the prefix before the wait
-            cc, vv = ka.plan(Bx, D, nb, c, v)
+                   ("D64 1 block none", 1, 64, 1, "none", None, None, None)]
+        combos += [("0 blocks none c8v8 twopass", 1, 7168, 0, "none", 8, 8, "twopass"),  # large-batch shapes
+                   ("1 block add c4v8 twopass", 1, 7168, 1, "add", 4, 8, "twopass"),
+                   ("5 blocks fresh c2v8 twopass", 1, 7168, 5, "fresh", 2, 8, "twopass"),
+                   ("9 blocks none c2v8 twopass", 1, 7168, 9, "none", 2, 8, "twopass"),
+                   ("D64 9 blocks add twopass", 1, 64, 9, "add", None, None, "twopass")]
+        for name, Bx, D, nb, upd, c, v, al in combos:
+            pdl = al in ("pdl", "pdl early")  # the default options launched with PDL (the step's `pdl` switch)
+            early = al == "pdl early"  # ... and the module's EARLY: the blocks and the prefix before the wait
+            al = (None if pdl else al) or "twopass"  # None: the kernel's default
+            cc, vv = ka.plan(Bx, D, nb, c, v, alpha=al)
             pa = [P(bf, 2 * vv)] * 16
             ints = [D] * 9 + [D] * 4 + [Bx]
-            thr = ka.threads(D, nb, cc, vv)
-            # dynamic shared memory: the partials [K][thr + 4], the cluster's slots [C][K], the totals [K], alpha's
-            # NS, the warps' sums and the second exchange's [C] (each rounded to 16 bytes); CTAs an SM by it (228 KB,
-            # 1 KB reserved a CTA)
-            K = ka.n_partials(nb)
-            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K, nb + 1, thr // 32, cc))
+            thr = ka.threads(D, nb, cc, vv, al)
+            # dynamic shared memory: the partials [K][thr + 4], the cluster's slots [C][K], the totals [K], and
+            # with twopass alpha's NS, the warps' sums and the second exchange's [C] (each rounded to 16 bytes); CTAs
+            # an SM by it (228 KB, 1 KB reserved a CTA)
+            K = ka.n_partials(nb, al)
+            extra = (nb + 1, thr // 32, cc) if al == "twopass" else ()
+            smem = sum(-(-4 * n // 16) * 16 for n in (K * (thr + 4), cc * K, K) + extra)
             cases.append((f"attnres {name} (cluster{cc} vec{vv} thr{thr} dsmem{smem} by-smem"
                           f"{min(32, 233472 // (smem + 1024), 2048 // thr)})",
-                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, pdl=pdl, early=early: ka._kernel_class()(
-                              D, nb, upd, cc, vv, 1e-6, pdl, early), pa + ints + [S]))
+                          lambda D=D, nb=nb, upd=upd, cc=cc, vv=vv, al=al, pdl=pdl, early=early: ka._kernel_class()(
+                              D, nb, upd, cc, vv, 1e-6, al, pdl, early), pa + ints + [S]))
     if only in (None, "router"):
         from kernels.cute import router_topk as kr
         # router_topk's arguments: logits, e_bias, idx (int64), weights; batch, logits row stride, scaling
