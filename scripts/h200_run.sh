@@ -120,12 +120,12 @@ pending)
       --grid batch=32,64 --grid wdtype=bf16 --grid proj=kda_q,shared_w1,mla_dkv,moe_router,kda_o \
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
   6)
-    # the CuTe AttnRes: its GPU tests, then the options by batch beside fla: alpha "warp" (16 summing chains at 448
-    # threads, thirty-fifth session) and "twopass" (thirty-sixth) at clusters 2 / 4 / 8, vec 4 / 8
-    timeout 150 python3 -m pytest -q -m gpu tests/test_attnres_cute.py -k "alpha_warp" 2>&1 \
+    # the CuTe AttnRes: its GPU tests, then the options by batch beside fla: alpha "twopass" (thirty-sixth
+    # session) at clusters 2 / 4 / 8, vec 4 / 8
+    timeout 150 python3 -m pytest -q -m gpu tests/test_attnres_cute.py -k "large" 2>&1 \
       | tee "$OUT/pending/pytest_gpu_attnres.log" | tail -n 4
     timeout 300 $B trunk --ops attnres_norm --backends cute --name attnres_twopass --deadline 280 --grid batch=1,16,32,64 \
-      --grid n_blocks=9 --grid update=add --grid dim=7168 --grid alpha=warp,twopass --grid cluster=2,4,8 --grid vec=4,8 \
+      --grid n_blocks=9 --grid update=add --grid dim=7168 --grid alpha=twopass --grid cluster=2,4,8 --grid vec=4,8 \
       2>&1 | tail -n 50 ;;
   esac
   pack pending ;;

@@ -32,9 +32,9 @@ CI_BUDGET_SLOW = (
     "test_kda_cute_emulated.py::test_verify_large_grid[32-4-2-1-3-True]",  # test_verify_checkpoint_large_grid stays
     "test_kda_cute_emulated.py::test_verify[32-4-1-1-4-False]",  # [16-2-1-1-2-False] stays
     "test_kda_cute_emulated.py::test_verify[64-8-2-1-2-True]",
-    "test_attnres_cute_emulated.py::test_alpha_warp[5-2-8-9-add]",  # alpha_warp_default_options and odd widths stay
-    "test_attnres_cute_emulated.py::test_alpha_warp[3-4-8-9-none]",
-    "test_attnres_cute_emulated.py::test_alpha_warp[5-2-8-1-none]",
+    "test_attnres_cute_emulated.py::test_alpha_threads_large[5-8-4-9-add]",  # default options, odd widths stay
+    "test_attnres_cute_emulated.py::test_alpha_threads_large[3-4-8-9-none]",
+    "test_attnres_cute_emulated.py::test_alpha_threads_large[5-8-4-1-none]",
     "test_attnres_cute_emulated.py::test_blocks_and_updates[9-fresh]",  # [9-add] and 0 / 1 blocks stay
     "test_attnres_cute_emulated.py::test_blocks_and_updates[9-none]",
     "test_attnres_cute_emulated.py::test_pdl[fresh]",  # [add] stays

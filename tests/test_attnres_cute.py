@@ -5,8 +5,8 @@ Needs nvidia-cutlass-dsl and a CUDA GPU of compute capability >= 9.0; skipped cl
 (k3lab.harness.checker) runs `attnres.update_mix_norm` on fresh random inputs with out and partial_out poisoned:
 partial_out bit-exact, out relative-norm error < 4e-3, inputs unchanged (tolerances: k3lab/ops/trunk.py). Then
 the partial sum's bits against the triton backend, every (cluster, vec) the kernel takes at D = 7168, strided
-rows, the in-place partial and mix_norm; the large-batch options (alpha "warp" with cluster 8 / 4 / 2, vec 8 or 4)
-at batch 32, 33, 64 against fp64 and the partial's bits against triton.
+rows, the in-place partial and mix_norm; the large-batch options (alpha "threads" with cluster 8 / 4 and vec 8 or
+4, "twopass" with cluster 8 / 4 / 2) at batch 32, 33, 64 against fp64 and the partial's bits against triton.
 """
 import pytest
 import torch
@@ -41,9 +41,9 @@ def test_attnres_cute_options(batch, cluster, vec):
     check(batch, 9, "add", seed=cluster * vec, cluster=cluster, vec=vec)
 
 
-LARGE = [dict(alpha="warp", cluster=8, vec=8), dict(alpha="warp", cluster=4, vec=8),
-         dict(alpha="warp", cluster=2, vec=8), dict(alpha="warp", cluster=8, vec=4), dict(alpha="warp")]
-# alpha "twopass" (two exchanges: the scores' sums, then the mix's): the same checks as "warp"
+LARGE = [dict(alpha="threads", cluster=8, vec=8), dict(alpha="threads", cluster=4, vec=8),
+         dict(alpha="threads", cluster=8, vec=4), dict(alpha="threads")]
+# alpha "twopass" (two exchanges: the scores' sums, then the mix's): the same checks as "threads"
 TWOPASS = [dict(alpha="twopass", cluster=2, vec=8), dict(alpha="twopass", cluster=4, vec=8),
            dict(alpha="twopass", cluster=8, vec=8), dict(alpha="twopass")]
 
@@ -51,21 +51,21 @@ TWOPASS = [dict(alpha="twopass", cluster=2, vec=8), dict(alpha="twopass", cluste
 @pytest.mark.parametrize("update", ops.UPDATES)
 @pytest.mark.parametrize("opts", LARGE + TWOPASS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("batch", [32, 64, 33, 1])
-def test_attnres_cute_alpha_warp(batch, opts, update):
-    """The large-batch options (alpha "warp") against fp64 at batch 32 / 64 (and odd 33, 1), every update."""
+def test_attnres_cute_large(batch, opts, update):
+    """The large-batch options (both forms) against fp64 at batch 32 / 64 (and odd 33, 1), every update."""
     check(batch, 9, update, seed=batch + len(update), **opts)
 
 
 @pytest.mark.parametrize("n_blocks", [0, 1, 5])
 @pytest.mark.parametrize("opts", LARGE[:3] + TWOPASS[:1], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
-def test_attnres_cute_alpha_warp_blocks(opts, n_blocks):
+def test_attnres_cute_large_blocks(opts, n_blocks):
     check(5, n_blocks, "add", seed=n_blocks, **opts)
 
 
 @pytest.mark.parametrize("update", ["add", "fresh"])
 @pytest.mark.parametrize("opts", LARGE + TWOPASS[:1], ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
 @pytest.mark.parametrize("batch", [32, 64])
-def test_attnres_cute_alpha_warp_partial_bits_match_triton(batch, opts, update):
+def test_attnres_cute_large_partial_bits_match_triton(batch, opts, update):
     """The large-batch options: the stored partial bit-equal to the triton backend's, out within 4e-3 of it."""
     case = OP.case(batch=batch, n_blocks=9, update=update, dim=7168)
     d = OP.make_inputs(case, 5, "cuda")
@@ -172,6 +172,8 @@ def test_attnres_cute_option_errors():
     with pytest.raises(ValueError, match="'alpha'"):
         ops.call_attnres(d, case, "cute", dict(alpha="fast"))
     with pytest.raises(ValueError, match="'alpha'"):
-        ops.call_attnres(d, case, "triton", dict(alpha="warp"))
+        ops.call_attnres(d, case, "triton", dict(alpha="threads"))
+    with pytest.raises(ValueError, match="'alpha'"):
+        ops.call_attnres(d, case, "cute", dict(alpha="warp"))  # retired (git history)
     with pytest.raises(ValueError, match="'cluster'"):
         ops.call_attnres(d, case, "cute", dict(cluster=2, alpha="threads"))  # 448 threads of vec 8: not with "threads"

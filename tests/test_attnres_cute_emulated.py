@@ -5,9 +5,9 @@ The checks are the shared checker's (k3lab.harness.checker: fresh inputs of the 
 partial_out poisoned with NaN, the fp64 reference; partial_out bit-exact, out < 4e-3, inputs unchanged), with the
 emulator's entry point as the implementation and CPU tensors: D = 7168 (the model's) at batch 1 and 2, 0 / 1 / 9
 blocks and every update mode, every (cluster, vec) the kernel takes at D = 7168, odd widths (clusters of 1 and
-4, vec 1, idle threads), the in-place partial, and the argument errors by name; alpha "warp" (the large-batch
-option) at batch 1, 3 and 5 with cluster 8 / 4 / 2 and vec 8, 0 / 1 / 9 blocks, every update mode; alpha "twopass"
-likewise, with odd widths and under pdl with the early reads.
+4, vec 1, idle threads), the in-place partial, and the argument errors by name; alpha "threads" at the
+large-batch shapes it takes (batch 1, 3 and 5 with cluster 8 / 4 and vec 8, cluster 8 vec 4), 0 / 1 / 9 blocks, every
+update mode; alpha "twopass" likewise (cluster 2 vec 8 too), with odd widths and under pdl with the early reads.
 """
 import pytest
 import torch
@@ -95,38 +95,43 @@ def test_options_cover_every_valid_pair():
 # every (batch, cluster, vec) x n_blocks x update under `-m slow`; by default a Latin square of them (each config
 # at every block count and each update at every block count and config once: 9 of the 27, for CI time)
 _UPD = ("none", "add", "fresh")
-_ALPHA_WARP = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
-               for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 2, 8)]) for j, n in enumerate((0, 1, 9))
-               for u in _UPD]
+_ALPHA_THREADS = [pytest.param(b, c, v, n, u, marks=() if u == _UPD[(i + j) % 3] else pytest.mark.slow)
+                  for i, (b, c, v) in enumerate([(1, 8, 8), (3, 4, 8), (5, 8, 4)]) for j, n in enumerate((0, 1, 9))
+                  for u in _UPD]
 
 
-@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _ALPHA_WARP)
-def test_alpha_warp(batch, cluster, vec, n_blocks, update):
-    """alpha "warp" (warp 0 forms alpha and the norm, one more CTA barrier) at the large-batch configurations:
-    cluster 8 / 4 / 2 with vec 8 (128 / 224 / 448 threads a CTA; cluster 2 only with "warp"), odd batches."""
-    check(batch, n_blocks, update, seed=batch * 7 + n_blocks + len(update), cluster=cluster, vec=vec, alpha="warp")
+@pytest.mark.parametrize("batch,cluster,vec,n_blocks,update", _ALPHA_THREADS)
+def test_alpha_threads_large(batch, cluster, vec, n_blocks, update):
+    """alpha "threads" (the Gram matrix in one exchange, every thread forming alpha and the norm) at the
+    large-batch shapes it takes: cluster 8 / 4 with vec 8 and cluster 8 vec 4 (128 / 224 / 224 threads a CTA; vec 8
+    is capped at 256 threads there), odd batches."""
+    check(batch, n_blocks, update, seed=batch * 7 + n_blocks + len(update), cluster=cluster, vec=vec, alpha="threads")
     got = emulate.LAST["launches"][-1]
     assert got["grid"] == (cluster, batch, 1) and got["block"] == kern.threads(7168, n_blocks, cluster, vec)
-    assert got["block"] == {8: 128, 4: 224, 2: 448}[cluster]
+    assert got["block"] == {(8, 8): 128, (4, 8): 224, (8, 4): 224}[(cluster, vec)]
 
 
-def test_alpha_warp_default_options():
-    """alpha "warp" with cluster / vec None: the default choice (cluster 8, vec 4), batch 3."""
-    check(3, 9, "add", seed=31, alpha="warp")
+def test_alpha_threads_default_options():
+    """alpha "threads" with cluster / vec None: the default choice (cluster 8, vec 4), batch 3."""
+    check(3, 9, "add", seed=31, alpha="threads")
     got = emulate.LAST["launches"][-1]
     assert got["grid"] == (8, 3, 1) and got["block"] == 224
 
 
-def test_alpha_warp_odd_width():
-    """alpha "warp" where NS exceeds a vec's threads' work: D = 64 (one thread of a CTA owns columns)."""
-    check(3, 9, "fresh", dim=64, seed=64, alpha="warp")
+def test_alpha_threads_odd_width():
+    """alpha "threads" where NS exceeds a vec's threads' work: D = 64 (one thread of a CTA owns columns)."""
+    check(3, 9, "fresh", dim=64, seed=64, alpha="threads")
 
 
 def test_alpha_pairs():
-    """alpha "warp" allows vec 8 up to 512 threads a CTA: cluster 2 vec 8 at D = 7168 (448 threads)."""
-    valid = [(c, v) for c in kern.CLUSTERS for v in kern.VECS if _plans(c, v, "warp")]
+    """alpha "twopass" (and None) allows vec 8 up to 512 threads a CTA: cluster 2 vec 8 at D = 7168 (448 threads),
+    which "threads" refuses; "warp" (retired) is refused by name."""
+    valid = [(c, v) for c in kern.CLUSTERS for v in kern.VECS if _plans(c, v, "twopass")]
     assert sorted(valid) == [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4), (8, 8)]
-    assert kern.plan(64, 7168, 9) == kern.plan(64, 7168, 9, alpha="warp") == (8, 4)  # the defaults unchanged
+    assert [(c, v) for c, v in valid if not _plans(c, v, "threads")] == [(2, 8)]
+    assert kern.plan(64, 7168, 9) == kern.plan(64, 7168, 9, alpha="twopass") == (8, 4)  # the defaults unchanged
+    with pytest.raises(ValueError, match="'alpha'"):
+        kern.plan(64, 7168, 9, alpha="warp")
 
 
 # alpha "twopass": the scores' sums (2 NS partials a thread) in one exchange, warp 0's alpha, then the mix's sum of
@@ -213,7 +218,7 @@ def _args(B=1, D=7168, n=1):
     (dict(cluster=3), "cluster"), (dict(vec=16), "vec"), (dict(cluster=1), "cluster"),
     (dict(cluster=2, alpha="threads"), "cluster"),
     (dict(update="sum"), "update"), (dict(eps=0.0), "eps"), (dict(alpha="fast"), "alpha"),
-    (dict(alpha="warp", cluster=1), "cluster"),
+    (dict(alpha="twopass", cluster=1), "cluster"), (dict(alpha="warp"), "alpha"),
 ])
 def test_argument_errors(change, name):
     a = dict(_args(), update="add")
@@ -251,7 +256,7 @@ def test_auto_rule_options_fit_or_give_way(monkeypatch, dim, kept):
     from k3lab.components import attnres, dispatch
 
     seen = {}
-    monkeypatch.setattr(dispatch, "select", lambda op, be, B: ("cute", {"cluster": 2, "vec": 8, "alpha": "warp"},
+    monkeypatch.setattr(dispatch, "select", lambda op, be, B: ("cute", {"cluster": 2, "vec": 8, "alpha": "twopass"},
                                                               "measured rule"))
     monkeypatch.setattr(dispatch, "kernel", lambda op, be: (lambda *a, **kw: seen.update(kw)))
     g = torch.Generator().manual_seed(0)
@@ -261,7 +266,7 @@ def test_auto_rule_options_fit_or_give_way(monkeypatch, dim, kept):
     ran = []
     attnres.update_mix_norm(blocks, prefix, None, w, w, w, update="none", backend="auto", ran=ran)
     if kept:
-        assert seen["cluster"] == 2 and seen["vec"] == 8 and seen["alpha"] == "warp"
+        assert seen["cluster"] == 2 and seen["vec"] == 8 and seen["alpha"] == "twopass"
         assert "do not fit" not in ran[-1].why
     else:
         assert "cluster" not in seen and "vec" not in seen and "do not fit" in ran[-1].why

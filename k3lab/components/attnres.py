@@ -138,8 +138,8 @@ def update_mix_norm(blocks: Sequence[torch.Tensor], prefix: torch.Tensor, new: t
     for k, v in (("cluster", cluster), ("vec", vec)):  # the cute kernel's options (registry values)
         if isinstance(v, bool) or v not in (None, 1, 2, 4, 8):
             raise ValueError(f"{COMPONENT}: {k!r} must be 1, 2, 4, 8 or None, got {v!r}")
-    if alpha not in (None, "threads", "warp", "twopass"):
-        raise ValueError(f"{COMPONENT}: 'alpha' must be 'threads', 'warp', 'twopass' or None, got {alpha!r}")
+    if alpha not in (None, "threads", "twopass"):
+        raise ValueError(f"{COMPONENT}: 'alpha' must be 'threads', 'twopass' or None, got {alpha!r}")
     B = prefix.shape[0] if prefix.dim() == 2 else 1
     be, opts, why = dispatch.select(OP, backend, B=B)
     if path not in (None, "split", "row"):

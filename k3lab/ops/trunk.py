@@ -616,7 +616,7 @@ ATTNRES = register(Op(
     option_axes={"num_warps": {"triton": (None, 1, 2, 4, 8, 16)}, "block_d": {"triton": (None, 128, 256, 512, 1024)},
                  "path": {"triton": (None, "split", "row")},
                  "cluster": {"cute": (None, 1, 2, 4, 8)}, "vec": {"cute": (None, 1, 2, 4, 8)},
-                 "alpha": {"cute": (None, "threads", "warp", "twopass")}},
+                 "alpha": {"cute": (None, "threads", "twopass")}},
     option_defaults={"num_warps": _NONE, "block_d": _NONE, "path": _NONE, "cluster": _NONE, "vec": _NONE,
                      "alpha": _NONE},
     make_inputs=make_attnres, reference=ref_attnres, written=("out", "partial_out"), updated=(),

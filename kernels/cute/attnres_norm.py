@@ -26,11 +26,10 @@ NS (NS + 1) / 2 values (65 at 9 blocks, 2 at none):
   3. thread k < K sums the cluster's slots in rank order: every CTA of a row gets the same fp32 totals and so
      the same alpha and norm (deterministic); CTA barrier;
   4. every thread reads the K totals, forms alpha and 1 / rms(mix), and writes its columns of out from the
-     sources still in its registers (alpha "threads"); or (alpha "warp") warp 0 alone forms them: lane i < NS
-     the score and alpha_i (butterfly max and sum), t_i = sum_j alpha_j G_ij (G read at runtime offsets) and
-     sum mix^2 = sum_i alpha_i t_i (butterfly), alpha and 1 / rms into shared memory; one more CTA barrier, and
-     every thread reads NS + 1 values. "threads" holds the K totals in registers beside the NS x vec sources
-     (at 9 blocks about NS vec + K + 18 registers); "warp" never does (registers below, under Options).
+     sources still in its registers (alpha "threads": the K totals held in registers beside the NS x vec
+     sources, at 9 blocks about NS vec + K + 18 registers). (git history at 9add8c8: alpha "warp", warp 0 alone
+     forming alpha and the norm from the Gram totals, slower than "twopass" at every batch measured on the H200:
+     docs/NOTES_trunk.md, thirty-sixth session.)
 alpha "twopass" trades the Gram matrix for a second exchange (for large batches, where the SM's issue rate and not
 the exchange's latency bounds the kernel): K = 2 NS partials (sw_i and sum s_i^2), each partial row summed by L lanes
 (`row_lanes`: 16 at 448 threads) joined by a butterfly, one cluster exchange, warp 0 forms alpha; every thread then
@@ -44,13 +43,14 @@ split path's argument; checked against fp64 with the output tolerance 4e-3).
 
 Options: cluster (1, 2, 4, 8; None: the largest that fits D, 8 at D = 7168, at every batch: unmeasured), vec
 (1, 2, 4, 8; None: the widest the alignment allows that fills whole warps, else the widest) and alpha
-("threads", "warp", "twopass"; None = "twopass", the fastest at every batch measured on the H200: docs/NOTES_trunk.md,
-thirty-sixth session; "twopass" takes the thread caps of "warp").
+("threads", "twopass"; None = "twopass", the fastest at every batch measured alone on the H200: docs/NOTES_trunk.md,
+thirty-sixth session; inside the decode step "threads" may lead: the thirty-seventh session's A/B fold
+`attnres_form` decides).
 D = 7168 takes cluster 8 with vec 2 / 4 / 8 (448 / 224 / 128 threads a CTA) and cluster 4 with vec 4 / 8 (448 /
-224), and with alpha "warp" or "twopass" also cluster 2 vec 8 (448).
+224), and with alpha "twopass" also cluster 2 vec 8 (448).
 Registers at 9 blocks (sm_90a): 104 / 123 / 168 at vec 2 / 4 / 8 with "threads", so there vec 8 is capped at 256
-threads (MAX_THREADS_VEC: cluster 2 vec 8, 448 threads, spilled); 69 / 71 / 126 with "warp" (128 at cluster 2
-vec 8, no spills: MAX_THREADS_VEC_WARP). Refused with the argument named: D not a multiple of cluster * vec, more
+threads (MAX_THREADS_VEC: cluster 2 vec 8, 448 threads, spilled); 124-126 at vec 8 with "twopass" (no spills at
+448 threads: MAX_THREADS_VEC_TWOPASS). Refused with the argument named: D not a multiple of cluster * vec, more
 threads a CTA than allowed (cluster 1 at D = 7168, cluster 2 with "threads"), a vec the pointers or row strides
 do not align to, an alpha not in ALPHAS.
 
@@ -81,15 +81,14 @@ import torch
 
 MAX_BLOCKS = 9
 UPDATES = ("none", "add", "fresh")
-ALPHAS = ("threads", "warp", "twopass")
+ALPHAS = ("threads", "twopass")
 CLUSTERS = (1, 2, 4, 8)
 VECS = (1, 2, 4, 8)
 MAX_THREADS = 512  # a CTA's threads (shared memory: K x (threads + 4) fp32 partials, 134 KB at 512 and 9 blocks)
 # vec 8 takes 168 registers a thread at 9 blocks (compile_offline --only attnres): at most 256 threads (448 spill)
 MAX_THREADS_VEC = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: 256}
-# alpha "warp" / "twopass": 126-128 registers at vec 8 (no K totals in registers), so 448 threads compile without
-# spills
-MAX_THREADS_VEC_WARP = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
+# alpha "twopass": 124-126 registers at vec 8 (no K totals in registers), so 448 threads compile without spills
+MAX_THREADS_VEC_TWOPASS = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MAX_THREADS}
 # under pdl, also read the blocks and the prefix before griddepcontrol.wait and form the blocks' partial sums there
 # (only `new` after it). Valid where neither was written by the kernel launched just before: in the decode step's pdl
 # chain they are written two or more kernels back, and every kernel of the chain lets the next launch only after its
@@ -110,7 +109,7 @@ def _ceil(x: int, m: int) -> int:
 
 def n_partials(n_blocks: int, alpha: str | None = None) -> int:
     """K: the per-thread partial sums of a row exchanged at once: sw_i and the Gram matrix's upper triangle over NS
-    sources (alpha "threads", "warp"; also None here), or (alpha "twopass") sw_i and sum s_i^2 only."""
+    sources (alpha "threads"; also None here), or (alpha "twopass") sw_i and sum s_i^2 only."""
     ns = n_blocks + 1
     return 2 * ns if alpha == "twopass" else ns + ns * (ns + 1) // 2
 
@@ -132,7 +131,7 @@ def plan(B: int, D: int, n_blocks: int, cluster: int | None = None, vec: int | N
     threads a CTA vec 8 may take."""
     if alpha is not None and alpha not in ALPHAS:
         raise AttnResCuteError(f"attnres cute: 'alpha' must be one of {ALPHAS} or None, got {alpha!r}")
-    caps = MAX_THREADS_VEC if alpha == "threads" else MAX_THREADS_VEC_WARP
+    caps = MAX_THREADS_VEC if alpha == "threads" else MAX_THREADS_VEC_TWOPASS
     if cluster is not None and (isinstance(cluster, bool) or cluster not in CLUSTERS):
         raise AttnResCuteError(f"attnres cute: 'cluster' must be one of {CLUSTERS} or None, got {cluster!r}")
     if vec is not None and (isinstance(vec, bool) or vec not in VECS):
@@ -195,7 +194,6 @@ def _kernel_class():
                      alpha: str = "threads", pdl: bool = False, early: bool = False):
             assert update in UPDATES and 0 <= n_blocks <= MAX_BLOCKS and cluster in CLUSTERS and vec_ in VECS
             assert D % (cluster * vec_) == 0 and alpha in ALPHAS
-            self.AW = alpha == "warp"              # alpha and the norm formed once by warp 0 (module doc)
             self.TW = alpha == "twopass"           # two exchanges: the scores' sums, then the mix's (module doc)
             self.pdl = bool(pdl)                   # weights before griddepcontrol.wait, the sources after
             self.early = bool(early) and self.pdl  # EARLY: the blocks and the prefix before the wait too
@@ -294,33 +292,6 @@ def _kernel_class():
             return ex / den
 
         @cute.jit
-        def alpha_warp(self, s_tot, s_al, lane: Int32):
-            """Warp 0 (alpha "warp"): alpha and 1 / rms(mix) from the K totals into s_al (32 lanes call it)."""
-            NS = self.NS
-            inv_d = 1.0 / self.D
-            live = lane < NS  # lane i < NS: source i; the other lanes add 0 to every sum
-            li = lane
-            sc = Float32(-3.0e38)
-            if live:
-                gii = NS + li * NS - (li * (li - 1)) // 2  # G_ii's slot (row li of the triangle starts there)
-                sc = s_tot[li] * cute.math.rsqrt(s_tot[gii] * inv_d + self.eps)
-            a = self.warp_softmax(sc, lane)
-            if live:
-                s_al[li] = a
-            cute.arch.sync_warp()
-            t = Float32(0.0)
-            if live:
-                for j in cutlass.range_constexpr(NS):
-                    lo = cutlass.select_(li < j, li, Int32(j))  # G_ij = G_ji: the slot of (min, max)
-                    hi = cutlass.select_(li < j, Int32(j), li)
-                    t = t + s_al[j] * s_tot[NS + lo * NS - (lo * (lo - 1)) // 2 + (hi - lo)]
-            ms = a * t
-            for sh in cutlass.range_constexpr(5):
-                ms = ms + cute.arch.shuffle_sync_bfly(ms, offset=16 >> sh)
-            if lane == 0:
-                s_al[NS] = cute.math.rsqrt(ms * inv_d + self.eps)
-
-        @cute.jit
         def alpha_scores(self, s_tot, s_al, lane: Int32):
             """Warp 0 (alpha "twopass"): alpha from the totals sw_i, sum s_i^2 into s_al (32 lanes call it)."""
             NS = self.NS
@@ -350,8 +321,8 @@ def _kernel_class():
             s_part = smem.allocate_tensor(Float32, cute.make_layout(K * TP), byte_alignment=16)
             s_clu = smem.allocate_tensor(Float32, cute.make_layout(C * K), byte_alignment=16)
             s_tot = smem.allocate_tensor(Float32, cute.make_layout(K), byte_alignment=16)
-            if cutlass.const_expr(self.AW or self.TW):  # alpha_0..alpha_{NS-1}, then 1 / rms(mix)
-                s_al = smem.allocate_tensor(Float32, cute.make_layout(NS + 1), byte_alignment=16)
+            if cutlass.const_expr(self.TW):  # alpha_0..alpha_{NS-1}
+                s_al = smem.allocate_tensor(Float32, cute.make_layout(NS), byte_alignment=16)
             if cutlass.const_expr(self.TW):  # the warps' sums of mix^2, then the cluster's [C]
                 s_ws = smem.allocate_tensor(Float32, cute.make_layout(self.NW), byte_alignment=16)
                 s_clu2 = smem.allocate_tensor(Float32, cute.make_layout(C), byte_alignment=16)
@@ -523,17 +494,6 @@ def _kernel_class():
                 inv2 = cute.math.rsqrt(tw * inv_d + self.eps)
                 for e in cutlass.range_constexpr(V):
                     r_out[e] = (mixv[e] * inv2 * r_nw[e].to(Float32)).to(p_out.dtype)
-            elif cutlass.const_expr(self.AW):
-                # warp 0 alone: lane i < NS forms score_i and alpha_i (softmax by butterfly max and sum), then
-                # t_i = sum_j alpha_j G_ij (G read at runtime offsets) and ms = sum_i alpha_i t_i (butterfly);
-                # alpha and 1 / rms into shared memory; every thread reads NS + 1 values (the K totals are
-                # never held in registers beside the sources)
-                if tid < 32:
-                    self.alpha_warp(s_tot, s_al, tid)
-                cute.arch.sync_threads()
-                for i in cutlass.range_constexpr(NS):
-                    alpha.append(s_al[i])
-                inv = s_al[NS]
             else:
                 g = {}
                 for k in cutlass.range_constexpr(len(self.pairs)):
