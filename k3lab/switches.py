@@ -30,7 +30,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "kda_prefill_grouped": (False, True),
     "kda_pdl": (False, True),
     "kda_checkpoint": ("auto", 1, 2, 4, 8),
-    "mla_partitions": (1, 2, 4, 8, 16, 32, 64, "auto"),
+    "mla_partitions": (*range(1, 65), "auto"),  # any count of split-KV pieces 1..64 (issue 12)
     "moe_tile_n": (16, 32, 64, 128, 256),
     "prefetch": (False, True),
     "fuse_prologues": (False, True),
@@ -49,6 +49,15 @@ NOT_WIRED = {
     "kda_prefill_grouped": "a prefill step in the model (the kda.prefill API takes grouped= directly)",
 }
 VIEW_SETTINGS = ("dcp", "draft_depth", "kv_dtype", "expert_dtype")  # owned by k3lab.config.GpuView
+
+
+def describe(allowed: tuple[Any, ...]) -> str:
+    """A switch's allowed values as an error message shows them: a run of consecutive ints as 'lo..hi'."""
+    ints = [a for a in allowed if isinstance(a, int) and not isinstance(a, bool)]
+    if len(ints) > 8 and ints == list(range(ints[0], ints[-1] + 1)):
+        rest = [a for a in allowed if a not in ints or isinstance(a, bool)]
+        return f"an int in {ints[0]}..{ints[-1]}" + "".join(f" or {a!r}" for a in rest)
+    return str(allowed)
 
 
 class SwitchError(ValueError):
@@ -116,9 +125,9 @@ class Switches:
             if isinstance(allowed[0], bool):
                 ok = isinstance(v, bool)
             else:
-                ok = not isinstance(v, bool) and v in allowed
+                ok = any(type(v) is type(a) and v == a for a in allowed)  # 2.0 is not the int 2
             if not ok:
-                raise SwitchError(f"switch {name!r} = {v!r} is not allowed; allowed values: {allowed}")
+                raise SwitchError(f"switch {name!r} = {v!r} is not allowed; allowed values: {describe(allowed)}")
         default = Switches.__dataclass_fields__
         for name, what in NOT_WIRED.items():
             v = getattr(self, name)

@@ -41,7 +41,8 @@ def _pages(tmp_path_factory) -> list[tuple[Path, bool]]:
     pages = [(Path(r["report"]), True) for r in meta["runs"]] + [(run["dir"] / "index.html", False)]
     bundle = next(Path(b) for r in meta["runs"] for b in r["bundles"] if Path(b).name == "mla_sweep-cpu.json")
     pages.append((bundle_report(load(bundle), run["dir"] / "bundle_report.html"), True))
-    pages += [(p, True) for p in sorted(PROFILES.glob("*/*.html"))]
+    # every committed report, folders below a GPU's included (profiles/h200/ses31/...); profiles/runs/ is local
+    pages += [(p, True) for p in sorted(PROFILES.rglob("*.html")) if p.relative_to(PROFILES).parts[0] != "runs"]
     return pages
 
 

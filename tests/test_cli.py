@@ -90,6 +90,33 @@ def test_sweep_checks_everything_before_the_first_run(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_sweep_and_run_check_the_shared_parameters_values_up_front(tmp_path):
+    """A grid value the GPU view or the switches refuse (`--grid preset=bogus`, a tile the KDA kernels do not have,
+    a backend that does not exist) stops the sweep before its first run, naming the parameter; so does an
+    int-list parameter that is not one."""
+    nbs = Path(__file__).resolve().parent.parent / "notebooks"
+    layer, step = nbs / "01_decode_layer.ipynb", nbs / "06_decode_step.ipynb"
+    for grid, msg in [("preset=tiny,bogus", "preset must be one of"), ("batch=1,0", "batch must be >= 1"),
+                      ("kda_tile_v=16,7", "switch 'kda_tile_v' = 7"), ("kv_dtype=fp4", "kv_dtype must be one of"),
+                      ("mla_partitions=3,65", "an int in 1..64 or 'auto'")]:
+        r = runner.invoke(cli.app, ["sweep", str(layer), "--grid", grid, "--out", str(tmp_path / "o")])
+        assert r.exit_code == 2 and msg in r.output, (grid, r.output)
+    r = runner.invoke(cli.app, ["sweep", str(step), "--grid", "backend_kda=cute,cuda", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "'backend[kda]' = 'cuda'" in r.output, r.output
+    r = runner.invoke(cli.app, ["sweep", str(nbs / "02_kda.ipynb"), "--grid", 'batches="1,2","1,x"', "--out",
+                                str(tmp_path / "o")])
+    assert r.exit_code == 2 and "'batches' expects a comma-separated list of ints" in r.output, r.output
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(cli.RunFailed, match="'batches' expects a comma-separated list of ints"):
+        cli.check_params(nbs / "02_kda.ipynb", {"batches": "1,x"})
+    with pytest.raises(cli.RunFailed, match="expert_dtype must be one of"):
+        cli.check_params(nbs / "07_draft_depth.ipynb", {"expert_dtype": "int4"})
+    assert cli.check_params(step, {"backend": "triton", "backend_kda": ""}) == {"backend": "triton", "backend_kda": ""}
+    assert cli.check_params(layer, {"preset": "tp8", "batch": 64, "mla_partitions": 12})["mla_partitions"] == 12
+    r = runner.invoke(cli.app, ["run", str(layer), "-p", "preset", "nonsense", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 1 and "preset must be one of" in r.output and not (tmp_path / "r").exists()
+
+
 _BENCH_NB = """import json, os, statistics
 def row(name, kind, samples):
     s = sorted(samples)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from k3lab.config import DATA_DIR, ConfigError, GpuView, K3Config, k3_full, k3_tiny, preset
-from k3lab.switches import ALLOWED, BACKENDS, COMPONENTS, SwitchError, Switches
+from k3lab.switches import ALLOWED, BACKENDS, COMPONENTS, SwitchError, Switches, describe
 
 
 def test_full_config_from_data_file():
@@ -106,7 +106,14 @@ def test_invalid_switch_values_name_switch_and_allowed(name):
     bad = "nope" if not isinstance(ALLOWED[name][0], str) else 12345
     with pytest.raises(SwitchError) as e:
         Switches(**{name: bad})
-    assert repr(name) in str(e.value) and str(ALLOWED[name]) in str(e.value)
+    assert repr(name) in str(e.value) and describe(ALLOWED[name]) in str(e.value)
+
+
+def test_mla_partitions_takes_any_count_in_1_to_64():
+    assert [Switches(mla_partitions=p).mla_partitions for p in (1, 3, 12, 64)] == [1, 3, 12, 64]
+    for bad in (0, 65, 2.0, "4"):
+        with pytest.raises(SwitchError, match=r"'mla_partitions' = .* an int in 1\.\.64 or 'auto'"):
+            Switches(mla_partitions=bad)
 
 
 def test_switch_bool_is_not_an_int_and_backends():
@@ -125,8 +132,9 @@ def test_from_params():
                               "batch": 4, "notebook_title": "x"})
     assert s.backend["kda"] == "reference" and s.backend["mla"] == "torch_compile"
     assert s.pad_heads == 16 and not hasattr(s, "dcp")  # dcp is the view's (k3lab.config.GpuView)
+    assert Switches.from_params({"mla_partitions": 3}).mla_partitions == 3
     with pytest.raises(SwitchError, match="'mla_partitions'"):
-        Switches.from_params({"mla_partitions": 3})
+        Switches.from_params({"mla_partitions": 100})
     assert set(BACKENDS) >= {"reference", "torch_compile"}
 
 
