@@ -608,10 +608,21 @@ AUTO_EXPERTS = 64
 
 
 def auto_n_experts(view: GpuView) -> int:
-    """n_experts="auto": the whole pool when its bf16 slice is <= 2 GiB, else the first 64 experts (the
-    per-GPU K3 pool is ~7.4 GB at TP8; a float64 CPU twin of it would be 30 GB)."""
+    """n_experts="auto": the whole pool when one layer's slice of it, as stored, is <= 2 GiB, else the first 64
+    experts. Stored: bf16 2 bytes a value (a float64 CPU twin holds the values dense: the bf16 pool is ~7.4 GB at
+    TP8, its twin 30 GB), fp8 1 byte + a scale a row, MXFP4 codes and E8M0 scales (k3lab.mxfp4.mxfp4_nbytes; the
+    twins of both keep the codes and dequantize only the chosen experts). So at TP8 MXFP4 builds all 896 experts
+    (1.97 GB; issue 14's "the full 896-expert pool of one layer"), fp8 and bf16 64."""
+    from k3lab.mxfp4 import mxfp4_nbytes
+
     cfg = view.cfg
-    per_expert = 3 * cfg.moe_latent_size * view.expert_inter * 2
+    Lat, inter = cfg.moe_latent_size, view.expert_inter
+    if view.expert_dtype == "mxfp4":
+        per_expert = 2 * mxfp4_nbytes((inter, Lat)) + mxfp4_nbytes((Lat, inter))
+    elif view.expert_dtype == "fp8":
+        per_expert = 3 * Lat * inter + 4 * (2 * inter + Lat)
+    else:
+        per_expert = 3 * Lat * inter * 2
     if cfg.n_routed_experts * per_expert <= AUTO_EXPERT_POOL_BYTES:
         return cfg.n_routed_experts
     return max(cfg.num_experts_per_tok, min(cfg.n_routed_experts, AUTO_EXPERTS))

@@ -62,7 +62,9 @@ fi)
 layer)
   unpack base; install
   for B in ${LAYER_BATCHES-1 64}; do
+    # LAYER_EXPERT_DTYPE=mxfp4: the MoE rows on the whole 896-expert pool of one layer (issue 14)
     $K run notebooks/01_decode_layer.ipynb -p preset tp8 -p batch $B -p context 8192 \
+       -p expert_dtype ${LAYER_EXPERT_DTYPE:-bf16} \
        -p backends reference,torch_compile,triton -p reps 10 --out "$OUT/layer_b$B" 2>&1 | tail -n 4
     pack layer_b$B
   done ;;
@@ -133,7 +135,7 @@ ab)
   # the thirty-seventh session's queue (docs/NOTES_step.md), one call a part, `.gpu/cute` carried (PART=3 also
   # `.gpu/fi`): PART=1 the AttnRes form inside the batch-1 step, the grouped experts' L2 requests (GPU test, then the
   # variants); PART=2 the same AttnRes A/B at batch 64; PART=3 the one-token experts' GPU tests, KDA's decode beside
-  # FlashInfer, the AttnRes hot in L2
+  # FlashInfer, the AttnRes hot in L2; PART=4 the dense one-token experts' rows a CTA
   unpack cute; [ "${PART:-1}" = 3 ] && unpack fi; install
   mkdir -p "$OUT/ab"
   case "${PART:-1}" in
@@ -156,6 +158,9 @@ ab)
     timeout 150 $K bench trunk --ops attnres_norm --backends cute --hot --grid batch=1,8,64 --grid n_blocks=9 \
       --grid update=add --grid dim=7168 --grid alpha=threads,twopass --grid cluster=8 --grid vec=4,8 --no-peers \
       --no-variants --reps 30 --deadline 130 --name attnres_hot --out "$OUT/ab" 2>&1 | tail -n 14 ;;
+  4)
+    # the dense one-token experts' rows a CTA (UP_ROWS / DOWN_ROWS, never swept on a GPU): bf16 and fp8 at TP8 / TP16
+    KERNEL=moe_dense timeout 540 python3 experiments/moe_cute/variants.py "$OUT/ab" 20 2>&1 | tail -n 26 ;;
   esac
   pack ab ;;
 *) echo "STEP must be cute, bench, fi, layer, mla, pending or ab" >&2; exit 2 ;;

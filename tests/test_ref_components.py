@@ -148,3 +148,21 @@ def test_build_layer_tp8_byte_counts():
     assert 84e6 < sum(comps[n][1] for n in ("q_proj", "kv_proj", "gate_proj", "out_proj")) < 86e6
     assert w_bytes > 200e6
     assert lay.n_experts == 16
+
+
+def test_auto_experts_keep_the_pool_as_stored_under_2_gib():
+    """n_experts="auto" counts a layer's pool as stored: at TP8 all 896 experts in MXFP4 (1.97 GB; issue 14: the
+    layer notebook's MoE rows on the full pool), 64 in bf16 (7.4 GB) and fp8 (3.7 GB); TP16 fp8 fits (1.85 GB)."""
+    from k3lab.mxfp4 import mxfp4_nbytes
+    from k3lab.model import AUTO_EXPERT_POOL_BYTES, auto_n_experts
+
+    got = {(tp, d): auto_n_experts(preset(tp, expert_dtype=d)) for tp in ("tp8", "tp16") for d in ("bf16", "fp8",
+                                                                                                     "mxfp4")}
+    assert got == {("tp8", "bf16"): 64, ("tp8", "fp8"): 64, ("tp8", "mxfp4"): 896, ("tp16", "bf16"): 64,
+                   ("tp16", "fp8"): 896, ("tp16", "mxfp4"): 896}
+    v = preset("tp8", expert_dtype="mxfp4")
+    pool = 896 * (2 * mxfp4_nbytes((v.expert_inter, 3584)) + mxfp4_nbytes((3584, v.expert_inter)))
+    assert 1.9e9 < pool <= AUTO_EXPERT_POOL_BYTES
+    tiny = preset("tiny", expert_dtype="mxfp4")
+    lay = build_layer(tiny, "kda")
+    assert lay.n_experts == tiny.cfg.n_routed_experts and lay.w.mlp.w1.fmt == "mxfp4"

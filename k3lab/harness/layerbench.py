@@ -41,13 +41,17 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                  tol: dict[str, float] | None = None, n_experts: int | str | None = "auto",
                  log: Callable[[str], None] = print) -> Bundle:
     """n_experts: routed experts built per MoE layer (see k3lab.model.build_layer; "auto" keeps a
-    layer's expert pool under 2 GiB, so 64 of 896 at TP8). The count built is recorded in the notes:
-    with fewer than the model's experts the router moves fewer bytes than the real one."""
+    layer's expert pool under 2 GiB as stored: at TP8 all 896 in MXFP4 (`view.expert_dtype`), 64 in bf16 / fp8).
+    The count built is recorded in the notes: with fewer than the model's experts the router moves fewer bytes
+    than the real one. On a GPU a pool of more than AUTO_EXPERTS experts is drawn on the GPU (the reference twin's
+    too, so both hold the same values; drawing 896 experts on the CPU takes minutes), and the notes say so."""
     switches = switches or Switches()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
-    from k3lab.model import build_layer
+    from k3lab.model import AUTO_EXPERTS, auto_n_experts, build_layer
     tol = {**DEFAULT_TOL, **(tol or {})}
+    n_built = auto_n_experts(view) if n_experts == "auto" else (n_experts or view.cfg.n_routed_experts)
+    gen = "cuda" if on_gpu and n_built > AUTO_EXPERTS else "cpu"
     name = name or f"decode_layer-b{view.batch}-c{view.context}-tp{view.tp}"
     b = Bundle.new(name, view=view, switches=switches)
     b.notes.append("layers from k3lab.model")
@@ -58,6 +62,9 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
         f"TB/s, launch floor {b.launch_floor_us:.2f} us")
     if not on_gpu:
         b.notes.append("CPU run: times are cpu-smoke wall clock, floors use a host memcpy; not GPU figures")
+    if gen != "cpu":
+        b.notes.append(f"weights drawn on {gen} ({n_built} routed experts a MoE layer, {view.expert_dtype}): the same "
+                       f"values for the layer and its fp64 twin, not those a CPU run draws")
 
     for be in parse_backends(backends):
         ok, why = backend_status(be)
@@ -69,9 +76,9 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
         for kind in kinds:
             try:
                 ref_layer = build_layer(view, kind, seed, backend="reference", device="cpu",
-                                   dtype=torch.float64, switches=switches, n_experts=n_experts)
+                                        dtype=torch.float64, switches=switches, n_experts=n_experts, gen_device=gen)
                 test_layer = build_layer(view, kind, seed, backend=be, device=device, switches=switches,
-                                    n_experts=n_experts)
+                                         n_experts=n_experts, gen_device=gen)
                 note = (f"{kind}: {getattr(test_layer, 'n_experts', '?')} of {view.cfg.n_routed_experts} routed "
                         f"experts built")
                 if note not in b.notes:
@@ -97,8 +104,8 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                     # a PDL launch may read its state while the previous call still writes it: never
                     # replay one layer copy back to back (k3lab_kernels.cute.kda_decode, pdl)
                     n = max(n, 2)
-                sets += [build_layer(view, kind, seed + 1000 * i, backend=be, device=device,
-                                switches=switches) for i in range(1, n)]
+                sets += [build_layer(view, kind, seed + 1000 * i, backend=be, device=device, switches=switches,
+                                     n_experts=n_experts, gen_device=gen) for i in range(1, n)]
             set_comps = [s.components() if s is not test_layer else comps for s in sets]
             for cname, (fn, nbytes, flops) in comps.items():
                 fns = [(sc[cname][0],) for sc in set_comps]
