@@ -15,7 +15,7 @@ Curves live in `data/acceptance/<name>.json` with the form, its parameters, the 
 they were fitted to and the fit residual (largest |committed - target| over the targets).
 
 Shipped curves (`write_defaults` regenerates them):
-    agentx_fixed  geometric, fitted so that 3 drafts commit 3.00 tokens a cycle and 4 commit 3.36 (K3_SPEC
+    agentx_fixed  geometric, fitted so that 3 drafts commit 3.00 tokens a cycle and 4 commit 3.36 (docs/MODEL.md
                   section 4, the AgentX fixed acceptance: 4 drafts pay only if the cycle grows < 12%)
     al6_at7       constant, acceptance length 6 at 7 drafts (committed(7) = 6, the 16 x GB300 figure)
 
@@ -134,10 +134,10 @@ def fit_geometric(t1: tuple[int, float], t2: tuple[int, float], name: str = "geo
 
 def default_curves() -> list[Curve]:
     a = fit_geometric((3, 3.00), (4, 3.36), name="agentx_fixed")
-    a.note = ("K3_SPEC section 4: 3 drafts commit 3.00 tokens a cycle and 4 commit 3.36 under the AgentX fixed "
+    a.note = ("docs/MODEL.md, Switches: 3 drafts commit 3.00 tokens a cycle and 4 commit 3.36 under the AgentX fixed "
               "acceptance")
     b = fit_constant(7, 6.0, name="al6_at7")
-    b.note = "K3_SPEC section 4: acceptance length 6 (tokens committed a cycle) at 7 drafts"
+    b.note = "docs/MODEL.md, Switches: acceptance length 6 (tokens committed a cycle) at 7 drafts"
     return [a, b]
 
 

@@ -1,6 +1,7 @@
 """K3 model configuration, presets, and the per-GPU view (TP / DCP / batch / context / dtypes).
 
-`K3Config` holds every field of K3_SPEC section 1. It loads from a Hugging Face style `config.json`
+`K3Config` holds every field of the model configuration (docs/MODEL.md, The stack). It loads from a Hugging Face
+style `config.json`
 (fields may sit under `text_config`); unknown fields are kept in `extra` and ignored. `GpuView`
 is what one GPU sees: heads and expert slices after tensor parallelism, the MLA history share
 under decode context parallelism, and the batch / context / draft depth / dtypes of a run.

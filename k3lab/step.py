@@ -85,8 +85,8 @@ SUM_TOL = 0.25
 # (2^-8 a rounding, a dozen roundings a layer) through a random stack, and a router that picks another expert in
 # bf16 than in fp64 (near-tied scores) moves that layer's error to ~0.2 on the tiny preset (measured, 8 layers).
 NUMERICS_TOL = 0.25  # per-layer medians summed vs the whole step: |sum / whole - 1| <= this
-K3_COUNTS = {"kda": 69, "mla": 24, "moe": 92, "dense": 1}  # layer types of the full model (K3_SPEC section 1)
-ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; K3_SPEC section 6: symmetric-memory one-shot 11-14 us (2 x H200)
+K3_COUNTS = {"kda": 69, "mla": 24, "moe": 92, "dense": 1}  # layer types of the full model (docs/MODEL.md, The stack)
+ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; docs/MODEL.md, Switches: symmetric-memory one-shot 11-14 us (2 x H200)
 ALLREDUCES_PER_LAYER = 2  # the attention output and the MLP output are partial sums under TP
 # split_router's exchange (each rank's router logits and latent-down shares gathered, one all-gather a MoE layer):
 # not timed on one GPU; assumed at the one-shot all-reduce's latency (a few KB a token either way)

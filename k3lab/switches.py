@@ -1,4 +1,4 @@
-"""One typed, serializable object for every switch of K3_SPEC section 4.
+"""One typed, serializable object for every switch of docs/MODEL.md, Switches.
 
 Notebook parameters map onto `Switches` one to one (`Switches.from_params`). An invalid value is
 refused with a message naming the switch and its allowed values. A switch whose component has not

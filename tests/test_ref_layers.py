@@ -145,7 +145,7 @@ def test_tp8_layer_byte_counts_match_the_spec():
     kda = make_kda_attn(view, 1)
     mla = make_mla_attn(view, 3)
     assert kda.w_qkv.shape == (3 * 1536, 7168) and kda.w_o.shape == (7168, 1536)
-    assert 110e6 < nbytes(kda) < 114e6  # K3_SPEC: about 112 MB
+    assert 110e6 < nbytes(kda) < 114e6  # docs/MODEL.md: about 112 MB
     assert 83e6 < nbytes(mla) < 86e6  # about 84 MB
     assert 29e6 < nbytes(mla.w_dq) + nbytes(mla.w_dkv) < 31e6  # 30 MB of q and kv down
 

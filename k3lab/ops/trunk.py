@@ -3,7 +3,7 @@ selection and AttnRes + RMSNorm. The maths: k3lab.ref (situ.linear, router, attn
 k3lab.components.trunk and k3lab.components.attnres; the kernels are named in each entry's backends table.
 
 Axes (the default grid is small so the CPU interpreter runs it in seconds; the GPU bench passes its own):
-  proj        preset "tp8" | "tp16" | "tiny" (the per-GPU shapes of K3_SPEC section 3, `proj_shapes`), proj (the
+  proj        preset "tp8" | "tp16" | "tiny" (the per-GPU shapes, `proj_shapes`; docs/MODEL.md), proj (the
               name of a projection of `proj_shapes`), batch 1..256, wdtype "bf16" | "fp8" (e4m3, one fp32 scale per
               output channel), residual (the output projection's epilogue: out = residual + x W^T), prologue
               "none" | "situ" (x = [g | u] [B, 2K], the projection reads situ(g, u): shared_w2) | "rms" (x [B, K],
@@ -80,7 +80,7 @@ WHY = ("proj 4e-3: exact products, fp32 sums, one bf16 rounding of the output (f
 
 @functools.cache
 def proj_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """{projection name: (N out, K in)} one GPU computes at `preset` (K3_SPEC sections 2 and 3): the KDA input
+    """{projection name: (N out, K in)} one GPU computes at `preset` (docs/MODEL.md, One GPU's share): the KDA input
     projections q, k, v, g, the decay's first factor fa and beta, its fb and output o; MLA q/kv down, gate,
     q up and output; the MoE router, latent down/up and the shared experts' w1, w3 (both experts' slices
     stacked) and w2. The MLA down-projections, the router and the latent projections are whole on every rank."""

@@ -6,7 +6,7 @@ KDA attention (h = the normed layer input; k3lab.ref.kda does the core):
     o   = kda_decode(qkv, f, b, gate, ...)  ;  out = Wo o
 MLA attention: k3lab.ref.mla.mla_decode. MLP: k3lab.ref.dense (layer 0) or k3lab.ref.moe.
 
-AttnRes loop for layer L, exactly as K3_SPEC section 2 (B = block list, p = the running partial):
+AttnRes loop for layer L, exactly as docs/MODEL.md, The stack (B = block list, p = the running partial):
     prefix = x
     if B: x = attnres(B, prefix; attn_res_norm, attn_res_proj)
     if L % block_size == 0: B.append(prefix); p = None      # a new block starts

@@ -31,7 +31,7 @@ float64 for the oracle); o_lat is cast back to h's dtype for Wuv.
 
 fp8 cache (kv_dtype "fp8"): float8_e4m3fn entries with a float32 scale, dequantized as e4m3 * scale.
 Default is a PER-TENSOR static scale (one per layer cache, 1.0 unless given: the vLLM fp8 KV
-convention, and what keeps the cache at exactly 576 bytes a position as K3_SPEC section 3 counts it);
+convention, and what keeps the cache at exactly 576 bytes a position as docs/MODEL.md, One GPU's share counts it);
 a PER-TOKEN scale (amax / 448 of each 576-value entry, stored [B, S_max] float32, +4 bytes a position)
 is available with fp8_scale="token". Values beyond 448 * scale saturate. Quantization rounds to nearest
 (ties to even) once, from the compute dtype: `fp8_quantize`.

@@ -3,7 +3,7 @@
     rms(x; w) = x / sqrt(mean(x^2) + eps) * w          # over the last dim; w = 1 for the weightless form
 
 The statistics are taken in `compute_dtype(x)`: float64 stays float64, anything narrower is lifted to
-float32 (the "mixing maths in fp32" rule of K3_SPEC section 2). The result is cast to `out_dtype`
+float32 (the "mixing maths in fp32" rule of docs/MODEL.md, The stack). The result is cast to `out_dtype`
 (default: x's dtype).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """AttnRes + RMSNorm in one Triton launch: the partial-sum update, the softmax mix over the block list
-and the partial, and the RMSNorm of the mix (k3lab.ref.attnres, K3_SPEC section 2).
+and the partial, and the RMSNorm of the mix (k3lab.ref.attnres, docs/MODEL.md, The stack).
 
     p      = prefix                        update "none"   (the attention side: x is the partial)
            = bf16(prefix + a)              update "add"    (p = prefix + a; written to partial_out)

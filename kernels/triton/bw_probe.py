@@ -4,7 +4,7 @@ Fuses: nothing. Each program loads one ROWS x COLS tile of contiguous bf16 value
 thread has ROWS * COLS / (32 * num_warps) values, 16-byte vectors, in flight at once), evict-first since
 the data is touched once, and writes one fp32 partial sum. Layout: x flat [N] bf16, N a multiple of
 ROWS * COLS; part [N / (ROWS * COLS)] fp32. Bytes: N * 2 read, the partial sums written (nothing).
-Floor: N * 2 / read bandwidth; K3_SPEC section 6 quotes ~4.6 TB/s for such a read on the H200.
+Floor: N * 2 / read bandwidth; docs/MODEL.md, Switches quotes ~4.6 TB/s for such a read on the H200.
 `CONFIGS` are the tile shapes k3lab.harness.timing.measure_read_bandwidth tries; it keeps the fastest.
 """
 from __future__ import annotations
