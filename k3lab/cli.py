@@ -341,8 +341,9 @@ def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
                 raise RunFailed(f"parameter {k!r} expects true or false (default {dv!r}), got {v!r}")
         if k in PATH_PARAMS and isinstance(v, str) and v and not Path(v).is_absolute():
             out[k] = str(Path(v).resolve())
-        if isinstance(dv, str) and _INT_LIST.fullmatch(dv) and not (
-                (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and _INT_LIST.fullmatch(v))):
+        if isinstance(dv, str) and _INT_LIST.fullmatch(dv) and not all(
+                (isinstance(x, int) and not isinstance(x, bool)) or (isinstance(x, str) and _INT_LIST.fullmatch(x))
+                for x in (v if isinstance(v, list) and v else [v])):
             raise RunFailed(f"parameter {k!r} expects a comma-separated list of ints like {dv!r}, got {v!r}")
     check_values(known, out)
     return out
@@ -352,10 +353,11 @@ _INT_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*")
 
 
 def check_values(known: dict[str, Any], params: dict[str, Any]) -> None:
-    """The values of the parameters every notebook shares, checked before anything runs: the GPU view's
-    (preset, batch, context, draft_depth, kv_dtype, dcp, expert_dtype: k3lab.config.preset validates them) and the
-    switches' (k3lab.switches.Switches), each with the notebook's defaults for the ones not given. A bad value
-    raises RunFailed naming the parameter, so `k3lab sweep` refuses a grid before its first run."""
+    """The values of the parameters the view notebooks (those with a `preset`: the layer, step and draft-depth
+    notebooks) share, checked before anything runs: the GPU view's (preset, batch, context, draft_depth, kv_dtype,
+    dcp, expert_dtype: k3lab.config.preset validates them) and the switches' (k3lab.switches.Switches), each with
+    the notebook's defaults for the ones not given. A bad value raises RunFailed naming the parameter, so `k3lab
+    sweep` refuses a grid before its first run."""
     from k3lab.config import ConfigError, preset
     from k3lab.dashboards import BACKEND_PARAMS, SWITCH_PARAMS, VIEW_PARAMS
     from k3lab.switches import COMPONENTS, SwitchError, Switches
@@ -368,6 +370,8 @@ def check_values(known: dict[str, Any], params: dict[str, Any]) -> None:
             preset(merged["preset"], **kw)
         except (ConfigError, TypeError, ValueError) as e:
             raise RunFailed(f"bad parameter value ({given}): {e}") from None
+    if "preset" not in known:  # a benchmark notebook: its lists (pad_heads "0,16") are grids, not switches
+        return
     sw = {k: merged[k] for k in SWITCH_PARAMS if k in merged}
     backends = {k: merged[k] for k in ("backend",) + BACKEND_PARAMS if k in merged and merged[k] != ""}
     if sw or backends:

@@ -415,9 +415,12 @@ def sweep_frame(bundle: Any):
     return pd.DataFrame(recs)
 
 
-def sweep_figures(bundle: Any, x: str, *, facet: str | None = None, impls: Any = None) -> list[Any]:
+def sweep_figures(bundle: Any, x: str, *, facet: str | None = None, impls: Any = None,
+                  split: tuple[str, ...] = ()) -> list[Any]:
     """Line plots of a bench bundle: median us and % of the floor's bandwidth against axis `x`, one line per
-    implementation (its best option at each point), one panel per value of `facet`."""
+    implementation (its best option at each point), one panel per value of `facet`. `split`: case axes that get a
+    line each where the bundle holds more than one value of them (e.g. an MLA sweep over page size, cache dtype,
+    head padding and DCP: "triton page_size=16 kv_dtype=fp8"), so different cases never share a line's best."""
     import plotly.express as px
 
     df = sweep_frame(bundle)
@@ -425,9 +428,13 @@ def sweep_figures(bundle: Any, x: str, *, facet: str | None = None, impls: Any =
         return []
     if impls is not None:
         df = df[df.impl.isin(list(impls))]
-    keys = [c for c in ("impl", x, facet) if c]
+    varied = [c for c in split if c in df and df[c].nunique(dropna=False) > 1]
+    df = df.assign(line=df.impl.astype(str))
+    for c in varied:
+        df["line"] = df.line + f" {c}=" + df[c].astype(str)
+    keys = [c for c in ("line", x, facet) if c]
     best = df.sort_values("median_us").groupby(keys, as_index=False).first()
-    kw = dict(color="impl", markers=True, facet_col=facet) if facet else dict(color="impl", markers=True)
+    kw = dict(color="line", markers=True, facet_col=facet) if facet else dict(color="line", markers=True)
     figs = [px.line(best, x=x, y="median_us", log_x=True, log_y=True, title=f"{bundle.name}: median per call (us)",
                     **kw),
             px.line(best, x=x, y="pct_of_bw", log_x=True, title=f"{bundle.name}: bytes / time, % of the floor's "

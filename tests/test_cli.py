@@ -109,6 +109,9 @@ def test_sweep_and_run_check_the_shared_parameters_values_up_front(tmp_path):
     assert not (tmp_path / "o").exists()
     with pytest.raises(cli.RunFailed, match="'batches' expects a comma-separated list of ints"):
         cli.check_params(nbs / "02_kda.ipynb", {"batches": "1,x"})
+    assert cli.check_params(nbs / "02_kda.ipynb", {"batches": [1, 8]}) == {"batches": [1, 8]}  # -p batches '[1, 8]'
+    mla = {"pad_heads": "0,16", "page_size": "1,16,64", "dcp": [1, 4]}  # the MLA notebook's lists are grids
+    assert cli.check_params(nbs / "03_mla.ipynb", mla) == mla
     with pytest.raises(cli.RunFailed, match="expert_dtype must be one of"):
         cli.check_params(nbs / "07_draft_depth.ipynb", {"expert_dtype": "int4"})
     assert cli.check_params(step, {"backend": "triton", "backend_kda": ""}) == {"backend": "triton", "backend_kda": ""}
@@ -333,7 +336,7 @@ def test_parameters_read_whatever_their_comments_say():
     line parser drops it, ours does not; `-p n_experts 8` on the layer notebook is accepted."""
     nbs = Path(__file__).resolve().parent.parent / "notebooks"
     known = cli.notebook_parameters(nbs / "03_mla.ipynb")
-    assert known["page_size"] == 64 and known["deadline_s"] == 0 and known["heads"] == "12"
+    assert known["page_size"] == "64" and known["deadline_s"] == 0 and known["heads"] == "12"
     assert cli.check_params(nbs / "03_mla.ipynb", {"page_size": 0}) == {"page_size": 0}
     assert cli.check_params(nbs / "01_decode_layer.ipynb", {"n_experts": 8}) == {"n_experts": 8}
     with pytest.raises(cli.RunFailed, match="'batch' expects a number"):

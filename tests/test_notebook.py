@@ -93,3 +93,27 @@ def test_torch_compile_compiles_outside_the_timed_region():
     assert len(marks) % 2 == 0 and len(marks) >= 2 * 3 * len(rows)
     inside = [(a, z) for a, z in zip(marks[0::2], marks[1::2]) if z != a]
     assert not inside, f"{len(inside)} timed samples included a torch.compile"
+
+
+def test_mla_notebook_sweeps_page_size_dtype_padding_and_dcp(tmp_path):
+    """notebooks/03_mla takes lists for the cache's page size and dtype, head padding and DCP N (issue 12's sweep),
+    runs the Triton kernels (interpreter) on every combination, each row checked against fp64, and draws one line a
+    combination, never one line's best over different cases."""
+    import os
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3lab.cli", "run", str(ROOT / "notebooks" / "03_mla.ipynb"), "-p", "heads", "4",
+           "-p", "batches", "1", "-p", "contexts", "40", "-p", "page_size", "0,16", "-p", "kv_dtype", "bf16,fp8",
+           "-p", "pad_heads", "0,16", "-p", "dcp", "1,2", "-p", "backends", "triton", "-p", "peers", "false",
+           "-p", "reps", "2", "-p", "dcp_context", "0", "--out", str(out), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    (bpath,) = find_bundles(out)
+    b = load(bpath)
+    combos = {(r.extra["page_size"], r.extra["kv_dtype"], r.extra["pad_heads"], r.extra["dcp"]) for r in b.rows
+              if r.backend == "triton"}
+    assert combos == {(p, d, h, n) for p in (0, 16) for d in ("bf16", "fp8") for h in (0, 16) for n in (1, 2)}
+    assert all(r.error["ok"] for r in b.rows), [(r.name, r.error) for r in b.rows if not r.error["ok"]]
+    html = (out / "03_mla.html").read_text()
+    assert "triton page_size=16 kv_dtype=fp8 pad_heads=16 dcp=2" in html
