@@ -166,3 +166,20 @@ def test_auto_experts_keep_the_pool_as_stored_under_2_gib():
     tiny = preset("tiny", expert_dtype="mxfp4")
     lay = build_layer(tiny, "kda")
     assert lay.n_experts == tiny.cfg.n_routed_experts and lay.w.mlp.w1.fmt == "mxfp4"
+
+
+def test_auto_reads_the_experts_format_as_the_rules_name_it():
+    """The component passes the experts' format to the measured rules as "bf16" / "fp8" / "mxfp4": a bf16 pool
+    (stored as "dense") reaches the rule measured for it (CuTe's one-token kernel at batch 1, Triton at 2..16)
+    instead of falling through to the catch-all Triton rule."""
+    from k3lab import policy
+
+    for d in ("bf16", "fp8", "mxfp4"):
+        m = make_moe(preset("tiny", expert_dtype=d), 1, 0)
+        fmt = c_moe.weight_format(m.w1)
+        assert fmt == d
+        rule = policy.choose("moe", "experts", 1, 1, lambda b: True, {"fmt": fmt})
+        assert rule[0] == "cute" and d in str(rule[2]), (d, rule)
+    m = make_moe(preset("tiny", expert_dtype="bf16"), 1, 0)
+    assert "'fmt': ['bf16'" in policy.choose("moe", "experts", 8, 1, lambda b: True,
+                                             {"fmt": c_moe.weight_format(m.w1)})[2]

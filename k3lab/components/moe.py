@@ -94,6 +94,14 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference")
     return idx, w
 
 
+
+def weight_format(w) -> str:
+    """The experts' weight format as the measured rules (data/moe_defaults.json, `fmt`) and the registry's cases
+    name it: "bf16", "fp8" or "mxfp4" (an ExpertWeight's dense storage is "dense": passed on as that, the bf16
+    rules never matched a bf16 pool and `auto` ran Triton where the rule says the CuTe one-token kernel)."""
+    return "bf16" if w.fmt == "dense" else w.fmt
+
+
 def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: MoEWeights, *,
             backend: str = "reference", out: torch.Tensor | None = None, check_values: bool = True,
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -126,8 +134,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
                             or out.device != z.device or not out.is_floating_point()):
         _fail("out", f"must be a floating tensor [{B}, {L}] on {z.device}, got "
                      f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
-    be, auto_opts, why = dispatch.select(OP, backend, B=B, shape=dict(B=B, fmt=moe.w1.fmt, K=idx.shape[1],
-                                                                      I=moe.w1.shape[1], L=L))
+    be, auto_opts, why = dispatch.select(OP, backend, B=B, shape=dict(B=B, fmt=weight_format(moe.w1),
+                                                                      K=idx.shape[1], I=moe.w1.shape[1], L=L))
     if glue is not None and (be not in ("cute", "reference", "torch_compile") or B != 1
                              or (be == "cute" and path not in (None, "token"))):
         _fail("glue", f"(yg and the partial sums of y^2 beside y) is taken by the cute backend's one-token path and "
@@ -135,7 +143,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
                  num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
-               shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1], fmt=moe.w1.fmt))
+               shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1],
+                          fmt=weight_format(moe.w1)))
     if be == "triton":
         from k3lab_kernels.triton.moe_experts import MAX_BATCH as KB
 
@@ -278,8 +287,9 @@ def prepare(moe: MoEWeights, tokens: int | None = None, backend: str = "auto") -
         return
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         _fail("tokens", f"must be None or a positive int, got {tokens!r}")
-    be, _, _ = dispatch.select(OP, backend, B=tokens, shape=dict(B=tokens, fmt=moe.w1.fmt, K=moe.router.top_k,
-                                                                  I=moe.w1.shape[1], L=moe.w1.shape[2]))
+    be, _, _ = dispatch.select(OP, backend, B=tokens, shape=dict(B=tokens, fmt=weight_format(moe.w1),
+                                                                  K=moe.router.top_k, I=moe.w1.shape[1],
+                                                                  L=moe.w1.shape[2]))
     if be == "cute" and tokens > 1:
         for w, quad in ((moe.w1, True), (moe.w3, True), (moe.w2, _w2_quad(moe))):
             kernel_layout(w, quad=quad)
