@@ -117,3 +117,18 @@ def test_mla_notebook_sweeps_page_size_dtype_padding_and_dcp(tmp_path):
     assert all(r.error["ok"] for r in b.rows), [(r.name, r.error) for r in b.rows if not r.error["ok"]]
     html = (out / "03_mla.html").read_text()
     assert "triton page_size=16 kv_dtype=fp8 pad_heads=16 dcp=2" in html
+
+
+def test_moe_notebook_tiny_shows_traffic_and_choice(tmp_path):
+    """notebooks/05_moe on the CPU grid: the traffic figures, the traces' statistics, the sweep and the table of auto's
+    choice beside the fastest measured (k3lab.studies.moe_choice)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3lab.cli", "run", str(ROOT / "notebooks" / "05_moe.ipynb"), "-p", "k3_sizes",
+           "false", "-p", "batches", "1,4", "-p", "dtypes", "bf16,mxfp4", "-p", "routings", "uniform,same16",
+           "-p", "backends", "reference", "-p", "reps", "2", "-p", "peers", "false", "--out", str(out), "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    html = (out / "05_moe.html").read_text()
+    assert "tokens a touched expert serves" in html and "kernel over the fastest measured" in html
+    (bpath,) = find_bundles(out)
+    assert all(r.error["ok"] for r in load(bpath).rows)
