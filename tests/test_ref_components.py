@@ -183,3 +183,17 @@ def test_auto_reads_the_experts_format_as_the_rules_name_it():
     m = make_moe(preset("tiny", expert_dtype="bf16"), 1, 0)
     assert "'fmt': ['bf16'" in policy.choose("moe", "experts", 8, 1, lambda b: True,
                                              {"fmt": c_moe.weight_format(m.w1)})[2]
+
+
+def test_fused_experts_refuse_mxfp4_scales_they_cannot_decode_exactly():
+    """The fused MXFP4 kernels decode E8M0 scales 2..240 exactly (c_moe.EXACT_SCALES); weights outside are refused by
+    name (prepare, and experts with check_values on the triton / cute backends), never decoded wrong."""
+    m = make_moe(preset("tiny", expert_dtype="mxfp4"), 1, 0)
+    c_moe.check_scales(m)  # drawn weights sit well inside
+    c_moe.prepare(m)
+    lo, hi = c_moe.EXACT_SCALES
+    for bad in (lo - 1, hi + 1):
+        m.w2.scale[0, 0, 0] = bad  # an in-place change: the remembered check no longer holds
+        with pytest.raises(c_moe.MoEArgumentError, match=rf"'moe' w2's MXFP4 scales must be E8M0 exponents in "
+                                                         rf"{lo}\.\.{hi} .*got .*{bad}"):
+            c_moe.prepare(m)

@@ -142,6 +142,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
                       f"the reference backends at batch 1, got backend {be!r}, batch {B}, path {path!r}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
                  num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
+    if check_values and be in ("triton", "cute") and moe.w1.fmt == "mxfp4":
+        check_scales(moe)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
                shape=dict(B=B, L=L, K=idx.shape[1], E=moe.router.n_experts, I=moe.w1.shape[1],
                           fmt=weight_format(moe.w1)))
@@ -255,6 +257,31 @@ def _w2_quad(moe: MoEWeights) -> bool:
     return moe.w2.data.shape[-1] % 64 == 0
 
 
+# the E8M0 scales every fused MXFP4 kernel decodes exactly (the strictest: the Triton grouped path's fp16 bit pattern
+# times 2^(s - 113), kernels/triton/moe_experts.py; the SIMT and CuTe decodes take 0..246)
+EXACT_SCALES = (2, 240)
+_scales_ok: dict[int, tuple] = {}
+
+
+def check_scales(moe: MoEWeights) -> None:
+    """Refuse MXFP4 experts whose E8M0 scales leave EXACT_SCALES (weights below 2^-125 or above 6 x 2^113): the fused
+    kernels would decode them inexactly, so the triton and cute backends take no such weights (the reference does).
+    One device reduction a weight, remembered while its scales live unmodified; `experts` runs it when check_values
+    is on, `prepare` always (before a CUDA graph capture)."""
+    lo, hi = EXACT_SCALES
+    for name in ("w1", "w3", "w2"):
+        sc = getattr(moe, name).scale
+        key = id(sc)
+        hit = _scales_ok.get(key)
+        if hit is not None and hit[0]() is sc and hit[1] == sc._version:
+            continue
+        s_min, s_max = (int(v) for v in torch.aminmax(sc))
+        if s_min < lo or s_max > hi:
+            _fail("moe", f"{name}'s MXFP4 scales must be E8M0 exponents in {lo}..{hi} for the fused kernels' exact "
+                         f"decode, got {s_min}..{s_max} (the reference backend takes any)")
+        _scales_ok[key] = (weakref.ref(sc, lambda _r, key=key: _scales_ok.pop(key, None)), sc._version)
+
+
 def kernel_layout(w, quad: bool = False) -> torch.Tensor:
     """The SIMT path's copy of an MXFP4 ExpertWeight's codes (k3lab.mxfp4.to_kernel_layout: [E, out, in/8] int32,
     the same bytes rearranged; quad=True: with k3lab.mxfp4.quad_transpose applied, the grouped CuTe up kernel's),
@@ -281,6 +308,7 @@ def prepare(moe: MoEWeights, tokens: int | None = None, backend: str = "auto") -
         raise TypeError(f"{COMPONENT}: 'moe' must be k3lab.ref.moe.MoEWeights, got {type(moe).__name__}")
     if moe.w1.fmt != "mxfp4":
         return
+    check_scales(moe)
     if tokens is None:
         for w in (moe.w1, moe.w3, moe.w2):
             kernel_layout(w)
