@@ -28,7 +28,7 @@ BACKEND_PARAMS = tuple(f"backend_{c}" for c in COMPONENTS)
 VIEW_PARAMS = ("preset", "batch", "context", "draft_depth", "kv_dtype", "expert_dtype")
 STEP_PARAMS = VIEW_PARAMS + ("block", "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + (
     "compare", "compare_reps", "toggles", "components", "reps", "warmup", "allreduce_us", "numerics_steps",
-    "numerics_preset", "nsight_layer", "kernels_layer", "panel", "profile", "trace", "seed")
+    "numerics_preset", "nsight_layer", "kernels_layer", "panel", "profile", "trace", "seed", "bundle")
 DEPTH_PARAMS = ("preset", "context", "kv_dtype", "expert_dtype", "batches", "depths", "curves", "draft_us_per_token",
                 "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + ("components", "reps", "warmup", "seed")
 STEP_TARGETS = {"x_floor": 1.3, "speedup_vs_compile": 1.5, "launches_per_layer": 10}
@@ -138,6 +138,38 @@ def run_step(p: dict[str, Any], out_dir: str | Path, log: Callable[[str], None] 
     path = b.save(out_dir)
     return {"bundle": b, "result": res, "bundle_path": path, "trace_path": trace, "numerics": num,
             "numerics_error": num_err, "view": view, "switches": sw}
+
+
+def load_step(bundle_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """The step notebook's re-plot mode (its `bundle` parameter): a saved step bundle instead of a run, so the
+    dashboards of a GPU run can be drawn anywhere. The bundle is never changed: it is copied byte for byte into
+    `out_dir` beside the report (so `k3lab publish` finds it), and so is its trace when one lies beside it
+    (trace-<bundle name>.json.gz, the name `run_step` saves it under), which the report then links. Returns the
+    keys of `run_step` (no result, view or switches: nothing ran)."""
+    import shutil
+
+    from k3lab.harness.bundle import load
+
+    src = Path(bundle_path)
+    b = load(src)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copies = {}
+    for f in (src, src.parent / f"trace-{b.name}.json.gz"):
+        if f.is_file():
+            copies[f] = out_dir / f.name
+            if copies[f].resolve() != f.resolve():
+                shutil.copyfile(f, copies[f])
+    trace = copies.get(src.parent / f"trace-{b.name}.json.gz")
+    return {"bundle": b, "result": None, "bundle_path": copies[src], "trace_path": trace, "numerics": None,
+            "numerics_error": None, "view": None, "switches": None}
+
+
+def saved_nsight(bundle) -> dict[str, Any]:
+    """The nsight-python record a step bundle holds (`record_nsight`), or why there is none."""
+    res = (bundle.config.get("step") or {}).get("nsight")
+    return res or {"ok": False, "message": "the bundle holds no nsight-python record (its run collected none)",
+                   "rows": []}
 
 
 # ---- tables of a bundle --------------------------------------------------------------------------------
@@ -331,6 +363,9 @@ def launches_figure(bundle):
     return fig
 
 
+COMPARE_IN_TOGGLES = 20  # the reference / torch.compile bars join the toggles' only within this many x their widest
+
+
 def toggles_figure(bundle):
     """Each switch toggled alone, and the whole step on the reference / torch.compile: the change to the step."""
     import plotly.graph_objects as go
@@ -339,17 +374,25 @@ def toggles_figure(bundle):
     if f is None:
         return None
     labels, deltas, texts = [], [], []
-    for be in ("reference", "torch_compile"):
-        r = _row(bundle, "step", be)
-        if r is not None:
-            labels.append(f"every component on {be}")
-            deltas.append(r.median_us - f.median_us)
-            texts.append(f"{r.median_us:.0f} us")
     for r in bundle.rows:
         if r.name.startswith("toggle:"):
             labels.append(r.name[len("toggle:"):])
             deltas.append(r.median_us - f.median_us)
             texts.append(f"{r.median_us:.0f} us")
+    # the whole step on the reference / torch.compile, unless it would dwarf the switches' changes (a fused GPU step
+    # against its reference: 400x; the summary table has those ratios)
+    widest = max((abs(d) for d in deltas), default=0.0)
+    left_out = []
+    for be in ("reference", "torch_compile"):
+        r = _row(bundle, "step", be)
+        if r is None:
+            continue
+        if deltas and abs(r.median_us - f.median_us) > COMPARE_IN_TOGGLES * widest:
+            left_out.append(f"{be} {r.median_us / f.median_us:.0f}x")
+            continue
+        labels.insert(0, f"every component on {be}")
+        deltas.insert(0, r.median_us - f.median_us)
+        texts.insert(0, f"{r.median_us:.0f} us")
     fig = go.Figure()
     fig.add_bar(x=deltas, y=labels, orientation="h", text=texts, name="timed",
                 marker_color=["#e45756" if d > 0 else "#54a24b" for d in deltas])
@@ -365,7 +408,10 @@ def toggles_figure(bundle):
         fig.add_scatter(x=ax, y=ay, mode="markers+text", text=at, textposition="middle right", name="with the "
                         "untimed exchange (assumed)", marker=dict(symbol="diamond-open", size=12, color="#4c78a8"))
     fig.update_layout(title=f"each switch alone: change to the step of {f.median_us:.0f} us (positive = slower "
-                            f"without it) [{_kind_label([f])}]", xaxis_title="us per step vs the step as switched",
+                            f"without it) [{_kind_label([f])}]"
+                            + (f"<br><sup>the whole step on {', '.join(left_out)} the fused step: off this scale, "
+                               f"in the summary table</sup>" if left_out else ""),
+                      xaxis_title="us per step vs the step as switched",
                       height=max(300, 40 * len(labels) + 120), template="plotly_white", margin=dict(l=260))
     return fig
 

@@ -964,3 +964,20 @@ def test_split_router_toggle_carries_its_untimed_exchange():
     fig = dash.toggles_figure(b)
     assert list(fig.data[0].x) == [-10.0, 10.0]
     assert list(fig.data[1].x) == [-10.0 + 10.0 * n] and list(fig.data[1].y) == ["split_router=False->True"]
+
+
+def test_toggles_figure_keeps_the_switches_on_their_own_scale():
+    """The whole step on the reference / torch.compile joins the toggles figure only when it does not dwarf the
+    switches' changes (a fused GPU step's reference is ~400x it): otherwise the title names the ratio."""
+    from k3lab import dashboards as dash
+    from k3lab.harness.bundle import Bundle, Row
+
+    def row(name, us, be="fused"):
+        return Row(name=name, backend=be, kind="gpu-graph", median_us=us, p10_us=us, p90_us=us, extra={})
+    big = Bundle(name="t", env={}, config={}, switches={},
+                 rows=[row("step", 1000.0), row("step", 400000.0, "reference"), row("toggle:pdl=True->False", 1100.0)])
+    fig = dash.toggles_figure(big)
+    assert list(fig.data[0].y) == ["pdl=True->False"] and "reference 400x" in fig.layout.title.text
+    near = Bundle(name="t", env={}, config={}, switches={},
+                  rows=[row("step", 1000.0), row("step", 1500.0, "reference"), row("toggle:pdl=True->False", 1100.0)])
+    assert list(dash.toggles_figure(near).data[0].y) == ["every component on reference", "pdl=True->False"]

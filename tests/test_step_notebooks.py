@@ -107,3 +107,21 @@ def test_numerics_run_kda_pdl_off_and_say_so(tmp_path, monkeypatch):
                         log=lambda s: None)
     assert run["numerics_error"] is None and seen["sw"].kda_pdl is False
     assert any("kda_pdl off there" in n for n in run["bundle"].notes)
+
+
+def test_step_notebook_replots_a_saved_step_bundle(tmp_path):
+    """`-p bundle` draws the dashboards of a saved step bundle (here the committed H200 batch-1 headline) without
+    running anything: its figures, its trace linked beside the report (copied with the bundle into the run
+    folder, so `k3lab publish` finds both), the bundle's own environment; the input is never changed."""
+    src = ROOT / "profiles" / "h200" / "decode_step-tp8-b1-c8192-d0.json.gz"
+    before = src.read_bytes()
+    out = tmp_path / "replot"
+    r = _run(NB06, out, "-p", "bundle", str(src.relative_to(ROOT)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert src.read_bytes() == before and (out / src.name).read_bytes() == before
+    html = (out / "06_decode_step.html").read_text()
+    assert html.count("Plotly.newPlot") >= 5 and "NVIDIA H200" in html
+    assert 'href="trace-decode_step-tp8-b1-c8192-d0.json.gz"' in html
+    assert (out / "trace-decode_step-tp8-b1-c8192-d0.json.gz").is_file()
+    assert "the bundle holds no nsight-python record" in html  # its run (scripts/step_run.py) collected none
+    assert json.loads((out / "run.json").read_text())["bundles"] == [src.name]

@@ -920,8 +920,8 @@ def default_path(B: int, fmt: str) -> str:
     grouped; it loses where many tokens share an expert: 8 same16 145 vs 92 grouped), fp8 the two-role gemv
     kernel up to 16 tokens (batch 1 36.8 vs 71.5 us, 8 same16 57.6 vs 99.0, 16 uniform 473 vs 529), bf16 never
     (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8 same16); MXFP4 above 64 tokens the tc path (256 uniform
-    2335 vs 4014 us on grouped; nineteenth session, moe_tc.json.gz: it loses to simt at 8..64); everything else the
-    grouped kernel."""
+    2335 vs 4014 us on grouped; nineteenth session, moe_tc.json.gz, retired: git history at b82bd1c; it loses to
+    simt at 8..64); everything else the grouped kernel."""
     if fmt == "fp8" and B <= GEMV_MAX_BATCH:
         return "gemv"
     if fmt == "mxfp4":
@@ -963,8 +963,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
                     maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
                     wait="all" if B == 1 else "expert")
     if path == "tc":  # BN 64 (two w2 blocks); one 32-block a step (128: 2615 against 2335 us at 256 tokens); the
-        # leaders' list (H200, twentieth session's moe_tc3.json.gz: 128 tokens 2048.0 against 2091.5 us, 256 tokens
-        # 2183.3 against 2320.5; block_l 32 with it 2633.0)
+        # leaders' list (H200, twentieth session's moe_tc3.json.gz, git history at b82bd1c: 128 tokens 2048.0 against
+        # 2091.5 us, 256 tokens 2183.3 against 2320.5; block_l 32 with it 2633.0)
         bl = 128
         while L % bl:
             bl //= 2
