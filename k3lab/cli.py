@@ -217,8 +217,12 @@ def notebook_parameters(notebook: Path) -> dict[str, Any]:
 
     import nbformat
 
-    with _Captured():  # nbformat's notes on old notebooks (cells without ids) are not the user's business
-        nb = nbformat.read(str(notebook), as_version=4)
+    try:
+        with _Captured():  # nbformat's notes on old notebooks (cells without ids) are not the user's business
+            nb = nbformat.read(str(notebook), as_version=4)
+    except Exception as e:  # noqa: BLE001 - not JSON, not a notebook, unreadable: said by name, no traceback
+        raise RunFailed(f"{notebook} is not a Jupyter notebook nbformat can read ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
     if not cells:
         return {}
@@ -263,6 +267,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     params = check_params(notebook, params)
     run_dir = Path(out).resolve() if out else (PROFILES_DIR / "runs" / run_id(notebook, params))
     run_dir.mkdir(parents=True, exist_ok=True)
+    before = {p: p.stat().st_mtime_ns for p in find_bundles(run_dir)}  # a reused folder's older bundles
     params = {**params, "out_dir": str(run_dir)}
     out_nb = run_dir / notebook.name
     html = run_dir / f"{notebook.stem}.html"
@@ -288,12 +293,24 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     if cap.messages:
         meta["warnings"] = cap.messages
     bundles, envs = [], []
+    stale = [p for p in find_bundles(run_dir) if before.get(p) == p.stat().st_mtime_ns]
+    if stale:  # left by an earlier run into the same folder: not this run's results
+        meta["stale_bundles"] = [str(p.relative_to(run_dir)) for p in stale]
     for p in find_bundles(run_dir):
+        if p in stale:
+            continue
         try:
-            envs.append(load(p).env)
-            bundles.append(str(p.relative_to(run_dir)))
+            bd = load(p)
         except BundleError as e:
             error = error or f"bundle {p} is invalid: {e}"
+            continue
+        envs.append(bd.env)
+        bundles.append(str(p.relative_to(run_dir)))
+        if not bd.rows and bd.config.get("rows_expected", True) and not error:  # every case skipped or refused
+            why = "; ".join([f"{k}: {v}" for k, v in bd.backends_skipped.items()][:3]
+                            or [n.splitlines()[0] for n in bd.notes[-1:]])
+            error = (f"notebook {notebook.name} measured nothing: its bundle {p.name} holds no rows"
+                     + (f" ({why[:600]})" if why else ""))
     if out_nb.exists():
         try:
             shown = {k: v for k, v in params.items() if k != "out_dir"}
@@ -399,6 +416,9 @@ def _params_from_args(args: list[str]) -> dict[str, Any]:
         if a in ("-p", "--param"):
             if i + 2 >= len(args):
                 raise typer.BadParameter(f"{a} needs NAME VALUE")
+            if args[i + 1] in out:
+                raise typer.BadParameter(f"parameter {args[i + 1]!r} given twice (-p {args[i + 1]} ... -p "
+                                         f"{args[i + 1]} ...): give it once")
             out[args[i + 1]] = parse_value(args[i + 2])
             i += 3
         else:
@@ -606,15 +626,27 @@ def sweep(ctx: typer.Context, target: Path = typer.Argument(..., help="a plan (.
                 if "=" not in g:
                     raise PlanError(f"--grid {g!r}: expected NAME=v1,v2,...")
                 k, vals = g.split("=", 1)
-                axes[k.strip()] = [parse_value(v) for v in _split_values(vals)]
+                vs = [parse_value(v) for v in _split_values(vals) if v.strip()]
+                if not vs:
+                    raise PlanError(f"--grid {g!r}: no values (expected NAME=v1,v2,...)")
+                if k.strip() in axes:
+                    raise PlanError(f"--grid {k.strip()!r} given twice")
+                axes[k.strip()] = vs
+            fixed = _params_from_args(ctx.args)
+            both = sorted(set(fixed) & set(axes))
+            if both:
+                raise PlanError(f"{both} both fixed (-p) and on the grid: give each parameter one way")
             plan = {"name": target.stem, "baselines": PROFILES_DIR, "threshold": None,
-                    "runs": [(target.resolve(), _params_from_args(ctx.args), axes)]}
+                    "runs": [(target.resolve(), fixed, axes)]}
     except (PlanError, typer.BadParameter) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
     if baselines is not None:
         plan["baselines"] = baselines.resolve()
     if threshold is not None:
+        if not threshold >= 0:
+            _echo_err(f"error: --threshold must be a relative slowdown >= 0 (0.05 = 5 %), got {threshold}")
+            raise typer.Exit(2)
         plan["threshold"] = threshold
     jobs = []
     try:  # every combination's parameters checked before the first run
@@ -672,6 +704,9 @@ def sweep(ctx: typer.Context, target: Path = typer.Argument(..., help="a plan (.
                 g["cpu_smoke"] = sum(r["kind"] == "cpu-smoke" for r in c.rows)
                 g["regressions"] = [{k: r[k] for k in ("name", "backend", "ratio", "threshold", "why")}
                                     for r in c.regressions]
+                if not c.rows and bd.config.get("rows_expected", True):  # nothing was checked: no pass
+                    g["regressions"] = [{"name": "(every row)", "backend": "-", "ratio": None, "threshold": None,
+                                         "why": f"no row in common with the baseline ({len(c.only_a)} rows there)"}]
                 smoke += g["cpu_smoke"]
                 if g["cpu_smoke"]:
                     g["note"] = f"{g['cpu_smoke']} cpu-smoke rows shown, never gated on time"
@@ -723,6 +758,9 @@ def compare(a: Path = typer.Argument(..., help="baseline bundle (JSON or run dir
 
     from k3lab.harness.bundle import BundleError, load
 
+    if threshold is not None and not threshold >= 0:
+        _echo_err(f"error: --threshold must be a relative slowdown >= 0 (0.05 = 5 %), got {threshold}")
+        raise typer.Exit(2)
     try:
         ba, bb = load(a), load(b)
     except BundleError as e:
@@ -748,6 +786,12 @@ def compare(a: Path = typer.Argument(..., help="baseline bundle (JSON or run dir
     smoke = sum(r["kind"] == "cpu-smoke" for r in c.rows)
     if smoke:
         typer.echo(f"cpu-smoke: {smoke} rows shown, never gated on time")
+    if not c.rows and bb.config.get("rows_expected", True):  # e.g. a new bundle that measured nothing: no pass
+        typer.echo(f"nothing compared: B shares no row with A ({len(c.only_a)} rows only in A, {len(c.only_b)} only "
+                   f"in B)")
+        raise typer.Exit(1)
+    if c.only_a:
+        typer.echo(f"note: {len(c.only_a)} of A's rows are missing from B (not compared)")
     if c.has_regressions:
         typer.echo(f"{len(c.regressions)} regression(s)")
         raise typer.Exit(1)
@@ -814,6 +858,13 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
         except BundleError as e:
             _echo_err(f"error: {e}")
             raise typer.Exit(2) from None
+        if not bd.rows and bd.config.get("rows_expected", True):
+            _echo_err(f"error: {p.name} holds no rows (its run measured nothing): nothing to publish")
+            raise typer.Exit(2)
+        if gpu is not None and gpu != bd.gpu_slug:
+            _echo_err(f"error: {p.name} was measured on {bd.gpu_slug!r} ({bd.env.get('gpu')}), not {gpu!r}: evidence "
+                      f"goes under the device that made it (leave --gpu out)")
+            raise typer.Exit(2)
         dest = Path(profiles) / (gpu or bd.gpu_slug)
         dest.mkdir(parents=True, exist_ok=True)
         stem = safe_name(bd.name)

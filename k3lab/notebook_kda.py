@@ -43,7 +43,7 @@ def sweep_bundle(*, bundle: str = "", sweep: bool = True, heads: Any = "6,12", b
         pr = timing.probes(dev)
         bd = Bundle.new("kda_drift" if dev == "cuda" else "kda_drift-cpu", copy_tbps=pr["copy_tbps"],
                         read_tbps=pr["read_tbps"], launch_floor_us=pr["launch_us"])
-        bd.config = {"bench": "kda", "sweep": False}
+        bd.config = {"bench": "kda", "sweep": False, "rows_expected": False}  # the drift study: notes, no rows
     else:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         grid = dict(heads=param_values(heads, "heads", ints=True), batch=param_values(batches, "batches", ints=True),

@@ -211,6 +211,7 @@ def test_publish_copies_and_relinks(tmp_path):
 
     run = tmp_path / "runs" / "r1"
     b = _bundle()
+    b.env = {**b.env, "gpu": "NVIDIA H200", "gpu_slug": "h200"}  # a stand-in: made on that device
     b.save(run)
     report.bundle_report(b, run / "01.html")
     profiles = tmp_path / "profiles"
@@ -223,6 +224,12 @@ def test_publish_copies_and_relinks(tmp_path):
     assert f'src="../assets/{js.name}"' in html
     assert json.loads((profiles / "h200" / "t-bundle.json").read_text())["name"] == "t-bundle"
     assert runner.invoke(cli.app, ["publish", str(tmp_path / "empty")]).exit_code == 2
+    r = runner.invoke(cli.app, ["publish", str(run), "--gpu", "x", "--profiles", str(profiles)])
+    assert r.exit_code == 2 and "measured on 'h200'" in r.output  # evidence stays under the device that made it
+    b.rows, b.name = [], "t-empty"
+    b.save(tmp_path / "runs" / "r2")
+    r = runner.invoke(cli.app, ["publish", str(tmp_path / "runs" / "r2"), "--profiles", str(profiles)])
+    assert r.exit_code == 2 and "holds no rows" in r.output
 
 
 def test_defaults_table_is_the_one_the_committed_sweeps_give(tmp_path):
@@ -430,3 +437,65 @@ def test_notebook_list_parameters_take_strings_lists_and_one_value():
     assert param_values(["triton", "cute"], "backends") == ["triton", "cute"] == param_values("triton,cute", "b")
     with pytest.raises(ValueError, match="parameter 'batches': expected integers"):
         param_values("[0]", "batches", ints=True)
+
+
+_EMPTY_NB = """from k3lab.harness.bundle import Bundle
+b = Bundle.new("t-empty")
+b.backends_skipped = {"triton": "no GPU here"}
+b.config = {"rows_expected": bool(x)}
+b.save(out_dir)
+"""
+
+
+def test_a_run_that_measured_nothing_fails_and_says_why(tmp_path):
+    """A notebook whose bundle holds no rows (every backend skipped, every case refused) is a failed run naming the
+    reasons, unless the bundle says it holds a study without rows (rows_expected False: the KDA drift study)."""
+    nb = _nb(tmp_path / "e.ipynb", _EMPTY_NB)
+    r = runner.invoke(cli.app, ["run", str(nb), "--out", str(tmp_path / "a"), "-q"])
+    assert r.exit_code == 1 and "measured nothing" in r.output and "triton: no GPU here" in r.output
+    r = runner.invoke(cli.app, ["run", str(nb), "-p", "x", "0", "--out", str(tmp_path / "b"), "-q"])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_reused_run_folder_keeps_only_this_runs_bundles(tmp_path):
+    body = ("import json, os\nos.makedirs(os.path.join(out_dir, 'cpu'), exist_ok=True)\n"
+            "json.dump(dict(schema_version=1, name=f't-{x}', env={'gpu_slug': 'cpu'}, config={}, switches={},\n"
+            "               backends_ran={'reference': 'cpu'},\n"
+            "               rows=[dict(name='r', backend='reference', kind='cpu-smoke', median_us=1.0, p10_us=1.0,\n"
+            "                          p90_us=1.0, samples_us=[1.0])]),\n"
+            "          open(os.path.join(out_dir, 'cpu', f't-{x}.json'), 'w'))\n")
+    nb = _nb(tmp_path / "w.ipynb", body)
+    out = tmp_path / "run"
+    assert runner.invoke(cli.app, ["run", str(nb), "-p", "x", "1", "--out", str(out), "-q"]).exit_code == 0
+    assert runner.invoke(cli.app, ["run", str(nb), "-p", "x", "2", "--out", str(out), "-q"]).exit_code == 0
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["bundles"] == ["cpu/t-2.json"] and meta["stale_bundles"] == ["cpu/t-1.json"]
+
+
+def test_compare_and_sweep_refuse_what_would_check_nothing(tmp_path):
+    """compare: a new bundle sharing no row with the baseline is no pass (exit 1), a negative threshold is refused
+    (exit 2, no traceback); sweep: the threshold is checked before any run; a file that is not a notebook is named."""
+    from test_harness import _bundle
+
+    a = _bundle()
+    a.save(tmp_path / "a")
+    b = _bundle()
+    b.rows = []
+    b.name = a.name
+    b.save(tmp_path / "b")
+    r = runner.invoke(cli.app, ["compare", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert r.exit_code == 1 and "nothing compared" in r.output
+    r = runner.invoke(cli.app, ["compare", str(tmp_path / "a"), str(tmp_path / "a"), "--threshold", "-1"])
+    assert r.exit_code == 2 and "--threshold must be" in r.output and "Traceback" not in r.output
+    nb = _nb(tmp_path / "s.ipynb", "pass")
+    r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=1", "--threshold", "-1", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--threshold must be" in r.output and not (tmp_path / "o").exists()
+    for args in (["run", "README.md"], ["sweep", "README.md", "--grid", "a=1"]):
+        r = runner.invoke(cli.app, args)
+        assert r.exit_code in (1, 2) and "is not a Jupyter notebook" in r.output and "Traceback" not in r.output
+    r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "no values" in r.output
+    r = runner.invoke(cli.app, ["sweep", str(nb), "--grid", "x=1", "-p", "x", "2", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "both fixed (-p) and on the grid" in r.output
+    with pytest.raises(typer.BadParameter, match="given twice"):
+        cli._params_from_args(["-p", "a", "1", "-p", "a", "2"])

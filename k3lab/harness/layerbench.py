@@ -48,7 +48,13 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
     switches = switches or Switches()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.startswith("cuda")
+    from k3lab.config import ConfigError
     from k3lab.model import AUTO_EXPERTS, auto_n_experts, build_layer
+    lo, hi = view.cfg.num_experts_per_tok, view.cfg.n_routed_experts
+    if n_experts not in ("auto", None) and (isinstance(n_experts, bool) or not isinstance(n_experts, int)
+                                            or not lo <= n_experts <= hi):
+        raise ConfigError(f"n_experts must be 'auto', None (the whole pool) or an int in {lo}..{hi} (top-k .. the "
+                          f"pool), got {n_experts!r}")
     tol = {**DEFAULT_TOL, **(tol or {})}
     n_built = auto_n_experts(view) if n_experts == "auto" else (n_experts or view.cfg.n_routed_experts)
     gen = "cuda" if on_gpu and n_built > AUTO_EXPERTS else "cpu"
