@@ -366,6 +366,8 @@ def check_params(notebook: Path, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# parameters whose value is one of a few names (the notebooks' comments say which)
+CHOICES = {"numerics_preset": ("tiny", "same")}
 _INT_LIST = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*")
 
 
@@ -381,6 +383,9 @@ def check_values(known: dict[str, Any], params: dict[str, Any]) -> None:
 
     merged = {**{k: v for k, v in known.items() if k != "out_dir"}, **params}
     given = ", ".join(f"{k}={params[k]!r}" for k in params)
+    for k, allowed in CHOICES.items():
+        if k in known and merged.get(k) not in allowed:
+            raise RunFailed(f"parameter {k!r} must be one of {allowed}, got {merged.get(k)!r}")
     if "preset" in known:
         kw = {k: merged[k] for k in VIEW_PARAMS[1:] + ("dcp",) if k in merged}
         try:
@@ -806,6 +811,13 @@ def env() -> None:
     typer.echo(json.dumps(fingerprint(), indent=1))
 
 
+def _error_gist(error: str) -> str:
+    """What a failed run's error says, without the cell-locating preamble: the exception line when there is one."""
+    first = error.splitlines()[0]
+    m = re.search(r"execution count \d+: (.*)$", first)
+    return (m.group(1) if m else first)[:200]
+
+
 @app.command()
 def runs(prune: bool = typer.Option(False, "--prune-failed", help="delete the failed runs"),
          root: Path = typer.Option(PROFILES_DIR / "runs", help="where `k3lab run` puts its runs")) -> None:
@@ -820,7 +832,8 @@ def runs(prune: bool = typer.Option(False, "--prune-failed", help="delete the fa
             continue
         meta = json.loads(meta_p.read_text())
         st = meta.get("status", "?")
-        typer.echo(f"{st:7s} {meta.get('seconds', '?'):>8} s  {d.name}  {(meta.get('error') or '')[:100]}")
+        typer.echo(f"{st:7s} {meta.get('seconds', '?'):>8} s  {d.name}  {Path(meta.get('notebook') or '?').name}"
+                   + (f"\n        {_error_gist(meta['error'])}" if meta.get("error") else ""))
         if st == "failed":
             failed.append(d)
     if prune:

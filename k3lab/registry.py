@@ -33,7 +33,7 @@ from typing import Any
 FLOOR_BWS = ("read", "copy")
 # axes that are sizes of at least one wherever an op has them (a batch, head count or width of 0 is no case of any
 # op; a context or block count of 0 is, so those stay with each op's own `valid`)
-POSITIVE_AXES = ("batch", "T", "heads", "dim", "inter", "latent", "n_experts", "experts", "top_k")
+POSITIVE_AXES = ("batch", "T", "heads", "dim", "inter", "latent", "n_experts", "experts", "top_k", "tp", "D")
 
 
 class RegistryError(ValueError):
@@ -105,6 +105,8 @@ class Op:
     peers: Callable[[Case], list[Peer]] = lambda case: []
     # a grid point that is no case of this op (T=1 verify); the POSITIVE_AXES rule is added to it
     valid: Callable[[Case], bool] = lambda case: True
+    # kinds an axis takes beyond those of its default values ({"partitions": ("int",)} where the default is "auto")
+    axis_kinds: dict[str, tuple[str, ...]] = field(default_factory=dict)
     tolerance_why: str = ""
     variants: dict[str, tuple[str, dict]] = field(default_factory=dict)  # row name -> (backend, extra options)
     in_sweep: bool = True  # `k3lab bench COMPONENT` runs it unless --ops names others

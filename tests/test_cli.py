@@ -387,6 +387,16 @@ def test_bool_parameters_take_python_and_json_spellings():
     (["check", "mla", "--ops", "nosuch"], 2, "unknown ops ['nosuch']"),
     (["check", "mla", "--grid", "contxt=5"], 2, "unknown grid names ['contxt']"),
     (["targets", "--issue", "99"], 2, "issues [99] have no targets"),
+    # the value no op takes is named, wherever it sits in the grid; a combination is named as one
+    (["check", "kda", "--backends", "reference", "--grid", "heads=2", "--grid", "T=9", "--grid", "D=16"], 2,
+     "grid T=[9] gives no valid case"),
+    (["check", "moe", "--grid", "n_experts=4", "--grid", "top_k=8"], 2, "the grid's combination gives no valid case"),
+    (["check", "mla", "--ops", "mla_decode", "--grid", "heads=2", "--grid", "kv_dtype=fp16"], 2,
+     "grid kv_dtype=['fp16'] gives no valid case"),
+    (["check", "moe", "--grid", "tp=0"], 2, "tp is a size: at least 1"),
+    (["check", "kda", "--grid", "state_dtype=fp64"], 2, "grid state_dtype=['fp64'] gives no valid case"),
+    (["bench", "kda", "--grid", "batch=1", "--reps", "0"], 2, "reps must be an int >= 1"),
+    (["bench", "kda", "--grid", "batch=1", "--deadline", "-1"], 2, "deadline must be None or >= 0"),
 ])
 def test_bench_check_targets_refuse_what_would_run_nothing(args, code, says):
     """A grid value no op takes, an unknown backend or op, or an issue without targets is refused by name up front
@@ -499,3 +509,20 @@ def test_compare_and_sweep_refuse_what_would_check_nothing(tmp_path):
     assert r.exit_code == 2 and "both fixed (-p) and on the grid" in r.output
     with pytest.raises(typer.BadParameter, match="given twice"):
         cli._params_from_args(["-p", "a", "1", "-p", "a", "2"])
+
+
+def test_mla_partitions_take_ints_on_the_grid_and_the_runs_list_names_the_error(tmp_path):
+    r = runner.invoke(cli.app, ["check", "mla", "--ops", "mla_decode", "--backends", "reference", "--grid",
+                                "partitions=4", "--grid", "heads=2", "--grid", "batch=1", "--grid", "context=40"])
+    assert r.exit_code == 0 and "partitions=4" in r.output, r.output
+    step = Path(__file__).resolve().parent.parent / "notebooks" / "06_decode_step.ipynb"
+    with pytest.raises(cli.RunFailed, match="'numerics_preset' must be one of"):
+        cli.check_params(step, {"numerics_preset": "nope"})
+    d = tmp_path / "r1"
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps({"status": "failed", "seconds": 1.0, "notebook": "/x/05_moe.ipynb",
+                                            "error": "notebook 05_moe.ipynb failed in cell 2 of the notebook "
+                                                     "(executed cell 3, papermill adds one), execution count 3: "
+                                                     "RegistryError: grid tp=[0] gives no valid case"}))
+    r = runner.invoke(cli.app, ["runs", "--root", str(tmp_path)])
+    assert "05_moe.ipynb" in r.output and "RegistryError: grid tp=[0]" in r.output

@@ -103,6 +103,7 @@ def grid_cases(what: str, op_list: list[Op], grid: dict[str, tuple], backends: I
             raise registry.RegistryError(f"{what}: unknown backend {be!r} in --backends; allowed: {BACKENDS}")
     for k, vals in grid.items():
         kinds = {_kind(v) for o in op_list if k in o.axes for v in o.axes[k]}
+        kinds |= {x for o in op_list if k in o.axes for x in o.axis_kinds.get(k, ())}
         if not kinds:
             continue
         ok = kinds | ({"int"} if "float" in kinds else set())
@@ -118,13 +119,24 @@ def grid_cases(what: str, op_list: list[Op], grid: dict[str, tuple], backends: I
             for k in seen:
                 if k in op.axes:
                     seen[k].append(c[k])
-    for k, vals in grid.items():
-        if any(k in o.axes for o in op_list) and (none := [v for v in vals if v not in seen[k]]):
+    missing = {k: [v for v in vals if v not in seen[k]] for k, vals in grid.items()
+               if any(k in o.axes for o in op_list)}
+    if any(missing.values()):
+        # blame the values that no op takes even with every other axis at its default; only where each value is
+        # fine alone is it the combination
+        alone = {k: [v for v in none if not any(o.cases({k: (v,)}) for o in op_list if k in o.axes)]
+                 for k, none in missing.items() if none}
+        k, none = next(((k, vs) for k, vs in alone.items() if vs), (None, None))
+        rule = f"each op's `valid` rule is in k3lab/ops/{op_list[0].component}.py"
+        if k is not None:
             size = (f"{k} is a size: at least 1 (k3lab.registry.POSITIVE_AXES); " if k in registry.POSITIVE_AXES
                     and any(isinstance(v, int) and v < 1 for v in none) else "")
             raise registry.RegistryError(f"{what}: grid {k}={none!r} gives no valid case of "
-                                         f"{[o.name for o in op_list if k in o.axes]} (with the other axes given): "
-                                         f"{size}each op's `valid` rule is in k3lab/ops/{op_list[0].component}.py")
+                                         f"{[o.name for o in op_list if k in o.axes]}, whatever the other axes: "
+                                         f"{size}{rule}")
+        combo = {k: vs for k, vs in missing.items() if vs}
+        raise registry.RegistryError(f"{what}: the grid's combination gives no valid case for {combo} (each value is "
+                                     f"valid with the other axes at their defaults): {rule}")
     return out
 
 
@@ -136,6 +148,12 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     """The sweep of `component` (every registered op, or `ops`) over `grid` (axis or option name ->
     values; axes not given take each op's defaults). `skip`: peer names left out (e.g. "torch_compile", whose
     builds cost tens of seconds a case). Returns the bundle (not yet saved)."""
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise registry.RegistryError(f"bench {component}: reps must be an int >= 1 (timed samples a case), got "
+                                     f"{reps!r}")
+    if deadline_s is not None and (isinstance(deadline_s, bool) or not deadline_s >= 0):
+        raise registry.RegistryError(f"bench {component}: deadline must be None or >= 0 seconds (0: none), got "
+                                     f"{deadline_s!r}")
     skip = set(skip)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.device(device).type == "cuda"

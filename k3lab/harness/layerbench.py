@@ -35,6 +35,22 @@ def parse_backends(backends: str | Sequence[str]) -> list[str]:
     return [b for b in backends if b]
 
 
+def bundle_name(preset: str, view) -> str:
+    """The layer notebook's bundle name: preset, batch and context, then every view setting away from its default
+    (draft depth, fp8 cache, DCP, expert format), so two different layer configurations never share a name (sweeps
+    and `k3lab compare` match baselines by name)."""
+    name = f"decode_layer-{preset}-b{view.batch}-c{view.context}"
+    if view.draft_depth:
+        name += f"-d{view.draft_depth}"
+    if view.kv_dtype != "bf16":
+        name += f"-kv{view.kv_dtype}"
+    if view.dcp != 1:
+        name += f"-dcp{view.dcp}"
+    if view.expert_dtype != "bf16":
+        name += f"-{view.expert_dtype}"
+    return name
+
+
 def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str | Sequence[str] = "reference",
                  switches: Switches | None = None, seed: int = 0, reps: int = 20, warmup: int = 3,
                  name: str | None = None, device: str | None = None, kernels: bool = True,
@@ -55,6 +71,9 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                                             or not lo <= n_experts <= hi):
         raise ConfigError(f"n_experts must be 'auto', None (the whole pool) or an int in {lo}..{hi} (top-k .. the "
                           f"pool), got {n_experts!r}")
+    for arg, v, least in (("reps", reps, 1), ("warmup", warmup, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ConfigError(f"{arg} must be an int >= {least}, got {v!r}")
     tol = {**DEFAULT_TOL, **(tol or {})}
     n_built = auto_n_experts(view) if n_experts == "auto" else (n_experts or view.cfg.n_routed_experts)
     gen = "cuda" if on_gpu and n_built > AUTO_EXPERTS else "cpu"

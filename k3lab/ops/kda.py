@@ -540,6 +540,11 @@ def _cute_supports_verify(backend: str, shape: dict) -> str | None:
 
 
 _AXES = dict(heads=HEADS, batch=BATCHES, D=(128,), state_dtype=("fp32",))
+
+
+def _known(c: Case) -> bool:
+    """The state dtype is one the ops know (fp32 or bf16: STATE_TOL)."""
+    return c.get("state_dtype", "fp32") in STATE_TOL
 _PDL = {"cute_pdl": ("cute", {"pdl": True})}  # the kda_pdl switch, timed at the auto rule's tile
 # num_warps (Triton): None = the tuned default (k3lab_kernels.triton.kda_decode.default_num_warps); the Triton
 # tuner is `k3lab bench kda --backends triton --grid num_warps=1,2,4,8,16`
@@ -558,7 +563,8 @@ register(Op(
               "torch_compile": "k3lab.components.kda:ref_decode_fp32",
               "triton": "k3lab_kernels.triton.kda_decode:kda_decode",
               "cute": "k3lab_kernels.cute.kda_decode:kda_decode"},
-    peers=lambda c: fla_peers(c) + flashinfer_peer(c) + copy_peer(c), valid=lambda c: c["T"] == 1, variants=_PDL,
+    peers=lambda c: fla_peers(c) + flashinfer_peer(c) + copy_peer(c), valid=lambda c: c["T"] == 1 and _known(c),
+    variants=_PDL,
     test_file="tests/test_kda_component.py", supports=cute_supports,
 ))
 
@@ -576,7 +582,7 @@ register(Op(
               "triton": "k3lab_kernels.triton.kda_verify:kda_verify",
               "cute": "k3lab_kernels.cute.kda_verify:kda_verify"},
     peers=lambda c: fla_peers(c) + flashinfer_mt_peer(c),
-    valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"], variants=_PDL,
+    valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"] and _known(c), variants=_PDL,
     test_file="tests/test_kda_component.py", supports=_cute_supports_verify,
 ))
 
@@ -591,7 +597,7 @@ register(Op(
     tolerances=tolerances, tolerance_why=WHY, call=call_commit,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
     backends={"reference": "k3lab.ref.kda:kda_commit", "triton": "k3lab_kernels.triton.kda_verify:commit"},
-    valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"] and (c["accepted"] == "each"
+    valid=lambda c: 2 <= c["T"] <= 8 and c["checkpoint"] <= c["T"] and _known(c) and (c["accepted"] == "each"
                                                                           or 1 <= c["accepted"] <= c["T"]),
     test_file="tests/test_kda_triton.py", in_sweep=False,
 ))
@@ -609,5 +615,5 @@ register(Op(
               "torch_compile": "k3lab.ref.kda:kda_prefill_chunked",
               "triton": "k3lab_kernels.triton.kda_prefill:kda_prefill",
               "cute": "k3lab_kernels.cute.kda_prefill:kda_prefill"},
-    test_file="tests/test_kda_component.py", in_sweep=False, supports=cute_supports,
+    test_file="tests/test_kda_component.py", in_sweep=False, supports=cute_supports, valid=_known,
 ))

@@ -501,7 +501,8 @@ def c_op(case: Case) -> Op:
 # ---- the entries --------------------------------------------------------------------------------------
 
 def _valid_cache(c: Case) -> bool:
-    return ((c.get("kv_dtype", "bf16") == "fp8" or c.get("fp8_scale", "tensor") == "tensor")
+    return (c.get("kv_dtype", "bf16") in ("bf16", "fp8") and c.get("fp8_scale", "tensor") in ("tensor", "token")
+            and (c.get("kv_dtype", "bf16") == "fp8" or c.get("fp8_scale", "tensor") == "tensor")
             and c.get("page_size", 0) in (0, 1, 16, 64) and c["T"] >= 1 and c["batch"] >= 1)
 
 
@@ -516,7 +517,7 @@ _CACHE_AXES = dict(page_size=(64,), kv_dtype=("bf16",), fp8_scale=("tensor",))
 _NONE = (None,)
 
 register(Op(
-    name="mla_decode", component="mla", policy_key="decode",
+    name="mla_decode", component="mla", policy_key="decode", axis_kinds={"partitions": ("int",)},
     doc="absorbed MLA attention over the latent cache: split-KV partials of all heads per piece, merged by lse",
     axes=dict(heads=(12,), batch=(1, 4), context=(256,), T=(1,), **_CACHE_AXES, ragged=(False,),
               partitions=("auto",), pad_heads=(0,), dcp=(1,), dcp_layout=("interleave",)),

@@ -257,7 +257,7 @@ def experts_supports(backend: str, shape: dict) -> str | None:
 
 def _valid(c: Case) -> bool:
     r, E, K = c["routing"], c["n_experts"], c["top_k"]
-    if c["inter"] % c["tp"] or c["latent"] % 32 or not 1 <= K <= E or c["batch"] < 1:
+    if c["dtype"] not in FORMAT or c["inter"] % c["tp"] or c["latent"] % 32 or not 1 <= K <= E or c["batch"] < 1:
         return False
     if c["dtype"] == "mxfp4" and inter_of(c) % 32:
         return False

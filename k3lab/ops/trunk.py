@@ -52,6 +52,7 @@ Tolerances (relative norm against fp64; every input is exactly representable):
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -425,9 +426,10 @@ def proj_peers(case: Case) -> list[Peer]:
         return lambda: stream_sum(flat, part, cfg)
 
     out = [Peer("cublas", cublas, checker_of(cublas, "cublas"),
-                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}"),
-           Peer("stream", stream, None, note="the read probe's streaming sum over the same weight bytes (no "
-                "product, nothing checked): how fast this harness reads these bytes at all")]
+                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}")]
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # a Triton kernel: a GPU or the
+        out.append(Peer("stream", stream, None, note="the read probe's streaming sum over the same weight bytes (no "
+                        "product, nothing checked): how fast this harness reads these bytes at all"))  # interpreter
     if case.get("prologue", "none") != "none":
         def unfused(d: dict):
             from k3lab.components import glue, trunk

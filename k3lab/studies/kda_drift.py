@@ -22,6 +22,9 @@ def drift_study(steps: int = 2000, *, B: int = 1, H: int = 12, D: int = 128, bac
     from k3lab.components import dispatch
     from k3lab.components import kda as comp
 
+    for arg, v, least in (("steps", steps, 1), ("every", every, 1), ("B", B, 1), ("H", H, 1), ("D", D, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"drift_study: {arg!r} must be an int >= {least}, got {v!r}")
     be, opts, _ = dispatch.select("kda_decode", backend, B=B)
     tile_v = tile_v or min(opts.get("tile_v") or 128, D)
     if device is None:
