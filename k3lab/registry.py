@@ -105,6 +105,9 @@ class Op:
     peers: Callable[[Case], list[Peer]] = lambda case: []
     # a grid point that is no case of this op (T=1 verify); the POSITIVE_AXES rule is added to it
     valid: Callable[[Case], bool] = lambda case: True
+    # (case, option combination) -> whether the combination fits the case (KDA's tile_v divides D): the bench and the
+    # checker take only combinations that fit, so a small test head never fails on a tile wider than itself
+    option_valid: Callable[[Case, dict], bool] = lambda case, opts: True
     # kinds an axis takes beyond those of its default values ({"partitions": ("int",)} where the default is "auto")
     axis_kinds: dict[str, tuple[str, ...]] = field(default_factory=dict)
     tolerance_why: str = ""
@@ -142,9 +145,11 @@ class Op:
                 out.append(c)
         return out
 
-    def options(self, backend: str, only: dict[str, Iterable] | None = None) -> list[dict[str, Any]]:
+    def options(self, backend: str, only: dict[str, Iterable] | None = None,
+                case: Case | None = None) -> list[dict[str, Any]]:
         """Every option combination `backend` takes: an option named in `only` takes those of its values the
-        backend allows; one not named takes `option_defaults` (or every allowed value)."""
+        backend allows; one not named takes `option_defaults` (or every allowed value). With `case`: only the
+        combinations that fit it (`option_valid`)."""
         only = only or {}
         names, values = [], []
         for opt, per_be in self.option_axes.items():
@@ -157,7 +162,8 @@ class Op:
                 vals = self.option_defaults[opt]
             names.append(opt)
             values.append(vals)
-        return [dict(zip(names, vs)) for vs in itertools.product(*values)]
+        combos = [dict(zip(names, vs)) for vs in itertools.product(*values)]
+        return combos if case is None else [o for o in combos if self.option_valid(case, o)]
 
     def kernel(self, backend: str) -> Callable:
         """The kernel function the backends table names (imported on first use)."""

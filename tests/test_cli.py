@@ -394,6 +394,7 @@ def test_bool_parameters_take_python_and_json_spellings():
     (["check", "mla", "--ops", "mla_decode", "--grid", "heads=2", "--grid", "kv_dtype=fp16"], 2,
      "grid kv_dtype=['fp16'] gives no valid case"),
     (["check", "moe", "--grid", "tp=0"], 2, "tp is a size: at least 1"),
+    (["check", "kda", "--backends", "reference", "--grid", "tile_v=7"], 2, "is not a value any backend takes"),
     (["check", "kda", "--grid", "state_dtype=fp64"], 2, "grid state_dtype=['fp64'] gives no valid case"),
     (["bench", "kda", "--grid", "batch=1", "--reps", "0"], 2, "reps must be an int >= 1"),
     (["bench", "kda", "--grid", "batch=1", "--deadline", "-1"], 2, "deadline must be None or >= 0"),
@@ -526,3 +527,15 @@ def test_mla_partitions_take_ints_on_the_grid_and_the_runs_list_names_the_error(
                                                      "RegistryError: grid tp=[0] gives no valid case"}))
     r = runner.invoke(cli.app, ["runs", "--root", str(tmp_path)])
     assert "05_moe.ipynb" in r.output and "RegistryError: grid tp=[0]" in r.output
+
+
+def test_option_combinations_fit_the_case():
+    """The checker and the bench take only the option combinations that fit a case (op.option_valid): a D = 16
+    test head is checked at tiles up to 16, not failed at 32..128."""
+    from k3lab import registry
+
+    op = registry.get("kda_decode")
+    small = op.case(D=16, heads=2, batch=1)
+    tiles = {o["tile_v"] for o in op.options("triton", {"tile_v": (4, 8, 16, 32, 64, 128)}, small)}
+    assert tiles == {4, 8, 16}
+    assert {o["tile_v"] for o in op.options("triton", {"tile_v": (16, 128)}, op.case(heads=2, batch=1))} == {16, 128}

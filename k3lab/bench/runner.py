@@ -62,7 +62,7 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
         if no:  # the backend does not take this case (e.g. cute's bf16-only projection at fp8)
             skipped[be] = no
             continue
-        for opts in op.options(be, only):
+        for opts in op.options(be, only, case):
             impls.append(_ours(op, case, be, opts))
     for vname, (be, extra) in (variants or {}).items():
         if not gpu or not any(i.name == be for i in impls):
@@ -101,6 +101,12 @@ def grid_cases(what: str, op_list: list[Op], grid: dict[str, tuple], backends: I
     for be in backends:
         if be not in BACKENDS:
             raise registry.RegistryError(f"{what}: unknown backend {be!r} in --backends; allowed: {BACKENDS}")
+    for k, vals in grid.items():  # an option value no backend takes would silently run nothing: refuse it
+        allowed = {v for o in op_list for per_be in [o.option_axes.get(k, {})] for vs in per_be.values() for v in vs}
+        if allowed and (wrong := [v for v in vals if v not in allowed]):
+            raise registry.RegistryError(
+                f"{what}: grid {k}={wrong!r} is not a value any backend takes; allowed: "
+                f"{sorted(allowed, key=repr)} (values parse as JSON: true/false, null, numbers)")
     for k, vals in grid.items():
         kinds = {_kind(v) for o in op_list if k in o.axes for v in o.axes[k]}
         kinds |= {x for o in op_list if k in o.axes for x in o.axis_kinds.get(k, ())}
@@ -172,12 +178,6 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     bad = sorted(set(grid) - known)
     if bad:
         raise registry.RegistryError(f"bench {component}: unknown grid names {bad}; axes and options: {sorted(known)}")
-    for k, vals in grid.items():  # an option value no backend takes would silently time nothing: refuse it
-        allowed = {v for o in op_list for per_be in [o.option_axes.get(k, {})] for vs in per_be.values() for v in vs}
-        if allowed and (wrong := [v for v in vals if v not in allowed]):
-            raise registry.RegistryError(
-                f"bench {component}: grid {k}={wrong!r} is not a value any backend takes; allowed: "
-                f"{sorted(allowed, key=repr)} (values parse as JSON: true/false, null, numbers)")
     cases = grid_cases(f"bench {component}", op_list, grid, backends)
     pr = timing.probes(device)
     log(f"copy {pr['copy_tbps']:.3f} TB/s, read {pr['read_tbps']:.3f} TB/s, launch floor {pr['launch_us']:.2f} us"
@@ -296,12 +296,14 @@ def check_all(component: str, *, grid: dict[str, Iterable] | None = None, ops: I
                 log(f"{op.name}: {be} skipped ({why if not ok else 'no kernel'})")
                 continue
             for case in cases[op.name]:
-                for opts in op.options(be, only):
+                for opts in op.options(be, only, case):
                     for seed in seeds:
                         try:
                             res = checker.check(op, case, backend=be, options=opts, seed=seed, device=device)
                         except Exception as e:  # noqa: BLE001 - a refusal or a crash is a failed check, named
-                            res = checker.Result(op.name, case.key(), be, failures=[f"{type(e).__name__}: {e}"[:300]])
+                            name = be + ("[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]" if opts else "")
+                            res = checker.Result(op.name, case.key(), name,
+                                                 failures=[f"{type(e).__name__}: {e}"[:300]])
                         results.append(res)
                         log(str(res))
     return results

@@ -545,6 +545,14 @@ _AXES = dict(heads=HEADS, batch=BATCHES, D=(128,), state_dtype=("fp32",))
 def _known(c: Case) -> bool:
     """The state dtype is one the ops know (fp32 or bf16: STATE_TOL)."""
     return c.get("state_dtype", "fp32") in STATE_TOL
+
+
+def _tile_fits(c: Case, opts: dict) -> bool:
+    """A value-column tile fits a head when it divides D (a D = 16 test head takes tiles up to 16)."""
+    t = opts.get("tile_v")
+    return t is None or c.get("D", 128) % t == 0
+
+
 _PDL = {"cute_pdl": ("cute", {"pdl": True})}  # the kda_pdl switch, timed at the auto rule's tile
 # num_warps (Triton): None = the tuned default (k3lab_kernels.triton.kda_decode.default_num_warps); the Triton
 # tuner is `k3lab bench kda --backends triton --grid num_warps=1,2,4,8,16`
@@ -555,7 +563,7 @@ _TILE_DEFAULTS = {"num_warps": (None,)}
 register(Op(
     name="kda_decode", component="kda", policy_key="decode",
     doc="one position: conv update + silu + q/k l2norm + gate + beta + delta rule + gated RMSNorm",
-    axes=dict(_AXES, T=(1,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS,
+    axes=dict(_AXES, T=(1,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS, option_valid=_tile_fits,
     make_inputs=make_decode, reference=ref_decode, written=("out",), updated=("state", "conv_state"),
     tolerances=tolerances, tolerance_why=WHY, call=call_decode,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
@@ -573,7 +581,7 @@ register(Op(
     doc="T = draft depth + 1 positions from the start state; the state after every checkpoint-th position (and "
         "the last) and the conv window after every position kept for the commit",
     axes=dict(_AXES, T=(2, 4, 8), ragged=(False,), checkpoint=(1,)), option_axes=_TILE,
-    option_defaults=_TILE_DEFAULTS,
+    option_defaults=_TILE_DEFAULTS, option_valid=_tile_fits,
     make_inputs=make_verify, reference=ref_verify, written=("out", "state_hist", "conv_hist"), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_verify,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
@@ -592,7 +600,7 @@ register(Op(
         "replay of up to checkpoint - 1 positions from the last slot",
     axes=dict(heads=(12,), batch=(1, 8, 64), D=(128,), state_dtype=("fp32",), T=(8,), checkpoint=(8,),
               accepted=("each", 7, 8)),
-    option_axes={"tile_v": {"triton": TILES_TRITON}}, option_defaults={"tile_v": (None,)},
+    option_axes={"tile_v": {"triton": TILES_TRITON}}, option_defaults={"tile_v": (None,)}, option_valid=_tile_fits,
     make_inputs=make_commit, reference=ref_commit, written=(), updated=("state", "conv_state"),
     tolerances=tolerances, tolerance_why=WHY, call=call_commit,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
@@ -607,7 +615,7 @@ register(Op(
     doc="L positions in chunks of 16/32/64 (fp32 or bf16-rounded inverse; grouped chunk scan on/off)",
     axes=dict(heads=(12,), batch=(1,), L=(64, 1000, 4096), chunk=(64,), inverse=("fp32",), grouped=(False, True),
               D=(128,), state_dtype=("fp32",)),
-    option_axes={"tile_v": {"triton": (16, 32, 64, 128), "cute": (16, 32, 64, 128)}},
+    option_axes={"tile_v": {"triton": (16, 32, 64, 128), "cute": (16, 32, 64, 128)}}, option_valid=_tile_fits,
     make_inputs=make_prefill, reference=ref_prefill, written=("out",), updated=("state", "conv_state"),
     tolerances=tolerances, tolerance_why=WHY, call=call_prefill,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",
