@@ -593,6 +593,8 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     batches = _list(p.get("batches", "1"), "batches", ints=True)
     depths = _list(p.get("depths", "0,1,2,3,4"), "depths", ints=True)
     draft_us = float(p.get("draft_us_per_token", 0.0))
+    if not draft_us >= 0:
+        raise DashboardError(f"draft_us_per_token must be >= 0 (the drafter's time a drafted token), got {draft_us}")
     recs = []
     bundle = None
     for B in batches:

@@ -1684,6 +1684,10 @@ def nsight_metrics(view: GpuView, switches: Switches, layer: int, *, n_experts: 
     nsight-python measures one kernel per annotation: components with one launch (`launches`, from the
     step's profile) are profiled; the others are listed with their launch counts. Returns
     {"ok", "message", "rows": [...]}, never raises for a missing tool."""
+    n_layers = view.cfg.num_hidden_layers
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise ValueError(f"nsight_metrics: 'layer' (the notebook's nsight_layer) must be a layer of the model, 0.."
+                         f"{n_layers - 1} (or -1 in the notebook: none), got {layer!r}")
     ok, why = nsight_status()
     if not ok:
         return {"ok": False, "message": why, "rows": []}
