@@ -104,6 +104,7 @@ def figure_div(fig: Any, height: int | None = None) -> str:
     if isinstance(fig, dict):
         h = (fig.get("layout") or {}).get("height")
     else:
+        fig = lean(fig)
         h = fig.layout.height
     return pio.to_html(fig, include_plotlyjs=False, full_html=False, validate=False,
                        default_height=f"{height or h or 420}px", config={"displaylogo": False})
