@@ -135,7 +135,7 @@ ab)
   # the thirty-seventh session's queue (docs/NOTES_step.md), one call a part, `.gpu/cute` carried (PART=3 also
   # `.gpu/fi`): PART=1 the AttnRes form inside the batch-1 step, the grouped experts' L2 requests (GPU test, then the
   # variants); PART=2 the same AttnRes A/B at batch 64; PART=3 the one-token experts' GPU tests, KDA's decode beside
-  # FlashInfer, the AttnRes hot in L2; PART=4 the dense one-token experts' rows a CTA
+  # FlashInfer, the AttnRes hot in L2; PART=4 the dense one-token experts' rows a CTA; PART=5 MLA at 128K / 1M
   unpack cute; [ "${PART:-1}" = 3 ] && unpack fi; install
   mkdir -p "$OUT/ab"
   case "${PART:-1}" in
@@ -161,6 +161,10 @@ ab)
   4)
     # the dense one-token experts' rows a CTA (UP_ROWS / DOWN_ROWS, never swept on a GPU): bf16 and fp8 at TP8 / TP16
     KERNEL=moe_dense timeout 540 python3 experiments/moe_cute/variants.py "$OUT/ab" 20 2>&1 | tail -n 26 ;;
+  5)
+    # the MLA decode's GPU shapes, 128K bf16 and 1M fp8 (per-position scales) at batch 1 among them (issue 12)
+    timeout 500 python3 -m pytest -q -m gpu tests/test_mla_triton.py -k gpu_shapes 2>&1 \
+      | tee "$OUT/ab/pytest_gpu_mla_long.log" | tail -n 4 ;;
   esac
   pack ab ;;
 *) echo "STEP must be cute, bench, fi, layer, mla, pending or ab" >&2; exit 2 ;;

@@ -208,6 +208,9 @@ def test_bench_runs_on_cpu():
     dict(heads=12, batch=64, context=8192, page_size=64, partitions="auto"),
     dict(heads=12, batch=1, context=32768, T=4, page_size=64, kv_dtype="fp8"),
     dict(heads=6, batch=16, context=4096, ragged=True, dcp=8, page_size=1),
+    # issue 12's longest histories: 128K in bf16, and 1M at batch 1 with the fp8 cache (per-position scales)
+    dict(heads=12, batch=1, context=131072, page_size=64),
+    dict(heads=12, batch=1, context=1 << 20, page_size=64, kv_dtype="fp8", fp8_scale="token"),
 ])
 def test_decode_gpu_shapes(shape):
     _check(DEC, **shape)
