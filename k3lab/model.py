@@ -306,9 +306,9 @@ class Layer:
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ residual) in x's dtype: one `trunk.proj` launch (the residual added in its epilogue) when
-        `_proj_kernel()`, else torch (cuBLAS on a GPU). The MLA q path (q_norm between two projections), the
-        latent up-projection and the shared experts stay on torch here; the decode step fuses them all
-        (`k3lab.step._fused_parts`)."""
+        `_proj_kernel()`, else torch (cuBLAS on a GPU). The norms and SiTU between projections (`_norm`, `_glu`)
+        take the glue kernels on the same condition; the decode step fuses them further (groups by shared input,
+        prologues: `k3lab.step._fused_parts`)."""
         if not self._proj_kernel():
             y = linear(x, w)
             return y if residual is None else residual + y
@@ -317,6 +317,31 @@ class Layer:
         r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
         y = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w, residual=r, backend="triton")
         return y.view(*x.shape[:-1], w.shape[0])
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms(x; weight) in the compute dtype: the glue's RMSNorm launch when `_proj_kernel()` (fp32 maths, one
+        rounding), else the reference."""
+        from k3lab.ref.rmsnorm import rms_norm
+
+        if not self._proj_kernel():
+            return rms_norm(x, weight, eps, out_dtype=self.dtype)
+        from k3lab.components import glue
+
+        y = glue.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps=float(eps), backend="triton")
+        return y.view(*x.shape[:-1], x.shape[-1])
+
+    def _glu(self, x: torch.Tensor, g) -> torch.Tensor:
+        """One SiTU-GLU MLP (a shared expert, the dense MLP): W2 situ(W1 x, W3 x). With `_proj_kernel()` the three
+        projections on the trunk kernel and the SiTU on the glue's (four launches; the step fuses them into
+        two), else torch."""
+        if not self._proj_kernel():
+            return situ_glu_mlp(x, g)
+        from k3lab.components import glue
+
+        xf = x.reshape(-1, x.shape[-1])
+        gu = torch.cat([self._lin(xf, g.w1), self._lin(xf, g.w3)], dim=-1)
+        act = glue.situ_glu(gu, b1=float(g.b1), b2=float(g.b2), backend="triton")
+        return self._lin(act, g.w2).view(*x.shape[:-1], g.w2.shape[0])
 
     def _keep(self, name: str, rec: list) -> None:
         """The last record a component call appended (what ran: backend, kernel, options), kept by name."""
@@ -438,8 +463,21 @@ class Layer:
         self._reg("q_proj", "proj")
 
         def q():
-            qn, qr = mla_ref.mla_q(lead3(b["h"]), w)
-            b["q_lat"], b["q_rope"] = mla_ref.absorb_q(qn, w), qr
+            if not self._proj_kernel():
+                qn, qr = mla_ref.mla_q(lead3(b["h"]), w)
+                b["q_lat"], b["q_rope"] = mla_ref.absorb_q(qn, w), qr
+                return b["q_lat"], b["q_rope"]
+            from k3lab.components import mla as mla_comp
+            from k3lab_kernels.triton.mla_query import MAX_BATCH as QUERY_MAX_BATCH
+
+            h3 = lead3(b["h"])
+            cq = self._lin(h3.reshape(-1, D), w.w_dq)  # [N, Q]
+            if cq.shape[0] <= QUERY_MAX_BATCH:  # q_norm, Wuq and Wuk's absorption in one launch
+                lat, rope = mla_comp.query(cq, w.q_norm, w.w_uq, w.w_uk, eps=float(w.eps), backend="triton")
+            else:  # the norm's launch, Wuq on the trunk kernel, the absorption by torch
+                qq = self._lin(self._norm(cq, w.q_norm, w.eps), w.w_uq).unflatten(-1, (H, Dn + Dr))
+                lat, rope = mla_ref.absorb_q(qq[..., :Dn], w), qq[..., Dn:]
+            b["q_lat"], b["q_rope"] = lat.view(*h3.shape[:-1], H, C), rope.reshape(*h3.shape[:-1], H, Dr)
             return b["q_lat"], b["q_rope"]
         Q = w.w_dq.shape[0]
         c["q_proj"] = (q, _nb(w.w_dq, w.q_norm, w.w_uq, w.w_uk) + self.N * (D + Q + H * (C + Dr)) * self.e,
@@ -563,7 +601,10 @@ class Layer:
         self._reg("latent_up", "proj")
 
         def up():
-            b["routed"] = moe_ref.latent_up(b["y"], m, self.dtype)
+            if self._proj_kernel():  # the routed norm's launch, then Wup on the trunk kernel
+                b["routed"] = self._lin(self._norm(b["y"], m.routed_norm, m.eps), m.w_up)
+            else:
+                b["routed"] = moe_ref.latent_up(b["y"], m, self.dtype)
             return b["routed"]
         ub, uf = self._mm(m.w_up)
         c["latent_up"] = (up, ub + _nb(m.routed_norm) + self.N * Lat * (4 - self.e), uf)
@@ -573,7 +614,7 @@ class Layer:
             h2 = self._flat(b["h2"])
             s = torch.zeros_like(h2)
             for sh in m.shared:
-                s = s + situ_glu_mlp(h2, sh)
+                s = s + self._glu(h2, sh)
             b["x_out"] = b["p"] + (b["routed"] + s).reshape(b["p"].shape)
             return b["x_out"]
         sb = sum(_nb(sh.w1, sh.w3, sh.w2) for sh in m.shared)
@@ -587,7 +628,7 @@ class Layer:
         self._reg("dense_mlp", "proj")
 
         def dense():
-            b["x_out"] = b["p"] + situ_glu_mlp(b["h2"], m)
+            b["x_out"] = b["p"] + self._glu(b["h2"], m)
             return b["x_out"]
         return OrderedDict(dense_mlp=(dense, _nb(m.w1, m.w3, m.w2) + self.N * D * self.e * 3,
                                       6 * self.N * D * m.w1.shape[0]))
