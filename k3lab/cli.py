@@ -990,7 +990,7 @@ def check(component: str = typer.Argument(..., help="a registered component, e.g
 def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
            out: Path | None = typer.Option(None, help="the HTML page (default: beside the bundle)")) -> None:
     """(Re)make the standalone HTML report of a results bundle; the bundle itself is not changed."""
-    from k3lab.harness.bundle import BundleError, load, stem_path
+    from k3lab.harness.bundle import BundleError, find_bundles, load, stem_path
     from k3lab.report import bundle_report
 
     try:
@@ -998,7 +998,8 @@ def report(bundle: Path = typer.Argument(..., help="a results bundle (JSON)"),
     except BundleError as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
-    typer.echo(f"report -> {bundle_report(bd, out or stem_path(bundle).with_suffix('.html'))}")
+    src = find_bundles(bundle)[0] if Path(bundle).is_dir() else Path(bundle)  # a run folder's one bundle
+    typer.echo(f"report -> {bundle_report(bd, out or stem_path(src).with_suffix('.html'))}")
 
 
 @app.command()

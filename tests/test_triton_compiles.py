@@ -64,3 +64,14 @@ def run():
     r = subprocess.run([sys.executable, "-c", "import badkern; badkern.run()"], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode != 0 and "CompilationError" in r.stderr and "Mismatched type" in r.stderr, r.stderr[-2000:]
+
+
+def test_compile_check_refuses_a_grid_that_compiles_nothing():
+    """`python -m k3lab.harness.triton_compile OP --grid ...`: a grid name no op has, or values that leave the op no
+    case, are refused by name instead of compiling nothing and passing."""
+    from k3lab.harness import triton_compile as tc
+
+    with pytest.raises(SystemExit, match="grid batch=\\[0\\] gives no valid case"):
+        tc.check(["rms_norm"], grid={"batch": [0]})
+    with pytest.raises(SystemExit, match="grid names \\['bogus'\\] are no axis"):
+        tc.check(["rms_norm"], grid={"bogus": [1]})

@@ -156,6 +156,19 @@ def check(names: list[str] | None = None, *, options: bool = False, full: bool =
     unknown = sorted(set(names or ()) - set(all_ops))
     if unknown:
         raise SystemExit(f"triton_compile: unknown ops {unknown}; ops with a triton backend: {all_ops}")
+    if grid:  # a name no op has, or values that leave an op no case, would compile nothing and pass: refuse them
+        from k3lab.bench.runner import grid_cases
+
+        ops = [registry.get(n) for n in names or all_ops]
+        if bad := sorted(set(grid) - {k for o in ops for k in o.axes}):
+            raise SystemExit(f"triton_compile: grid names {bad} are no axis of {[o.name for o in ops]}")
+        try:
+            for o in ops:
+                if any(k in o.axes for k in grid):
+                    grid_cases("triton_compile", [o], {k: tuple(v) for k, v in grid.items() if k in o.axes},
+                               ("triton",))
+        except registry.RegistryError as e:
+            raise SystemExit(str(e)) from None
     results = []
     log: list = []
     with compile_only(arch, log):
