@@ -46,7 +46,8 @@ into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas
 SM, UP_MIN_CTAS) at 58394f6, row_prefetch (the one-token experts' threads requesting their rows' lines into L1 after
 the expert id, moe_experts.ROW_PREFETCH) and mla_bn (the MLA split's 64 positions a step on the contiguous cache,
 mla_decode.UNPAGED_BLOCK_N) at f6c577b, rscatter (the experts' row sums by a butterfly per row against the
-reduce-scatter, moe_experts.RSCATTER; profiles/h200/rscatter_step_ab.json.gz) and mla_ksplit's 2 pieces at 5acb748.
+reduce-scatter, moe_experts.RSCATTER; profiles/h200/rscatter_step_ab.json.gz, git history at 9d3aa7c) and
+mla_ksplit's 2 pieces at 5acb748.
 The arms alternate `ROUNDS` times through `set_switches` (each timed by `k3lab.step.time_step`, the KDA states
 restored first); each arm's output is compared with the first arm's on the same input and states, and one profiled
 eager step per arm keeps its per-component GPU time and launches.

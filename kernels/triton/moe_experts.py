@@ -932,9 +932,9 @@ def default_path(B: int, fmt: str) -> str:
 def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = None) -> dict:
     """The kernels' tile choice, from the H200 sweeps (docs/NOTES_moe.md).
     simt: BN = 16 intermediate rows an A item, NB = 16 32-blocks a step (block_k 512), BL = 128 latent rows a B
-    item (256 at batch 1: 20.38 against 20.90 us, sixteenth session's moe_items.json.gz), 4 of w2's blocks a
-    step, one token a pass at batch 1 (else two), 8 warps at batch 1 (21.1 against 23.5 us at 4; 4 / 16 / 64
-    tokens lose 43-57 % at 8), else 4, one item a program at batch 1
+    item (256 at batch 1: 20.38 against 20.90 us, sixteenth session's moe_items.json.gz, git history at 9d3aa7c), 4
+    of w2's blocks a step, one token a pass at batch 1 (else two), 8 warps at batch 1 (21.1 against 23.5 us at 4;
+    4 / 16 / 64 tokens lose 43-57 % at 8), else 4, one item a program at batch 1
     (else persistent, 4 programs a multiprocessor, registers capped at 128 a thread so that the four fit: 190
     uncapped at two tokens a pass, two programs an SM); the weight steps are register double-buffered in the
     kernel (num_stages is not used); from batch 16 (`SIMT_LEADERS_FROM`) a one-program prologue lists the groups'
