@@ -248,8 +248,26 @@ def notebook_parameters(notebook: Path) -> dict[str, Any]:
     return out
 
 
+def portable_js(run_dir: Path, js_dir: Path | None = None) -> Path | None:
+    """Where a report written under `run_dir` loads plotly.js from: None (the repository's one shared copy, by a
+    relative path) when run_dir lies inside the repository; else a copy of it in `js_dir` (a sweep's folder: one copy
+    for all its runs) or in run_dir, so the folder opens anywhere once moved or copied (a link back into this checkout
+    would not)."""
+    from k3lab.report import REPO_ROOT, shared_plotly_js
+
+    run_dir = Path(run_dir).resolve()
+    if run_dir.is_relative_to(REPO_ROOT.resolve()):
+        return None
+    js = shared_plotly_js()
+    dest = Path(js_dir or run_dir).resolve() / js.name
+    if not dest.exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(js, dest)
+    return dest
+
+
 def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, quiet: bool = False,
-            kernel_name: str | None = None, code: bool = False) -> Path:
+            kernel_name: str | None = None, code: bool = False, js_dir: Path | None = None) -> Path:
     """Run `notebook` headless with papermill into a run directory; export the HTML report (report mode:
     code hidden, parameters and environment as tables; `code=True` keeps the code). Progress (cell n of m,
     elapsed) and the cells' output go to the terminal unless `quiet`; the kernel process's own output goes
@@ -316,7 +334,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
             shown = {k: v for k, v in params.items() if k != "out_dir"}
             export_html(out_nb, html, title=f"{notebook.stem} {json.dumps(shown)}", code=code, params=shown,
                         defaults={k: v for k, v in notebook_parameters(notebook).items() if k != "out_dir"},
-                        env=envs[0] if envs else None)
+                        env=envs[0] if envs else None, js=portable_js(run_dir, js_dir))
             meta["html"] = html.name
         except Exception as e:  # noqa: BLE001
             meta["html_error"] = f"{type(e).__name__}: {e}"
@@ -674,7 +692,7 @@ def sweep(ctx: typer.Context, target: Path = typer.Argument(..., help="a plan (.
             prog.update(task, description=f"{nb.stem} {json.dumps(c)}")
             rec: dict[str, Any] = {"notebook": str(nb), "params": params, "grid": c, "bundles": []}
             try:
-                rd = execute(nb, params, root / run_id(nb, params), quiet=quiet, code=code)
+                rd = execute(nb, params, root / run_id(nb, params), quiet=quiet, code=code, js_dir=root)
                 rec["status"] = "ok"
             except RunFailed as e:
                 rd = e.run_dir

@@ -81,3 +81,16 @@ def test_report_command_leaves_the_bundle_unchanged(tmp_path_factory, tmp_path):
     r = CliRunner().invoke(cli.app, ["report", str(bpath), "--out", str(tmp_path / "r.html")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "r.html").exists() and bpath.read_bytes() == before
+
+
+def test_a_sweep_outside_the_repository_carries_one_plotly(tmp_path_factory):
+    """A sweep written outside the repository holds one copy of the shared plotly.js at its root, which every run's
+    report links by a relative path: the folder opens anywhere once copied."""
+    from k3lab.report import shared_plotly_js
+
+    run = plan_run(tmp_path_factory)
+    js = shared_plotly_js()
+    assert (run["dir"] / js.name).read_bytes() == js.read_bytes()
+    for r in json.loads((run["dir"] / "sweep.json").read_text())["runs"]:
+        html = Path(r["report"])
+        assert f'src="../{js.name}"' in html.read_text() and not (html.parent / js.name).exists()
