@@ -554,6 +554,25 @@ def _prefetching(comp, w: torch.Tensor, n_tok: int, budget: int, prologue: bool 
                    w.device)
 
 
+def _fork(side_fn: Callable[[], Any], device) -> Callable[[], None]:
+    """Launch `side_fn` on the side stream now and return the join: what runs on the main stream between the two
+    overlaps it (the prefetch of Wo beside the MLA combine, inside one component). In order off the GPU."""
+    if not _on_gpu(device):
+        side_fn()
+        return lambda: None
+    key = str(device)
+    side = _SIDE.get(key)
+    if side is None:
+        side = _SIDE[key] = torch.cuda.Stream(device=device)
+    cur = torch.cuda.current_stream(device)
+    side.wait_stream(cur)
+    from k3lab_kernels.triton.pdl import pdl_chain
+
+    with torch.cuda.stream(side), pdl_chain(False):  # a side stream's first kernel follows an event, not a kernel
+        side_fn()
+    return lambda: cur.wait_stream(side)
+
+
 def _chained(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn with every k3lab Triton kernel it launches under programmatic dependent launch (the `pdl` switch)."""
     from k3lab_kernels.triton.pdl import pdl_chain
@@ -570,21 +589,9 @@ def _beside(comp, side_fn: Callable[[], Any], device):
     fn = comp[0]
 
     def run():
-        if not _on_gpu(device):
-            side_fn()
-            return fn()
-        key = str(device)
-        side = _SIDE.get(key)
-        if side is None:
-            side = _SIDE[key] = torch.cuda.Stream(device=device)
-        cur = torch.cuda.current_stream(device)
-        side.wait_stream(cur)
-        from k3lab_kernels.triton.pdl import pdl_chain
-
-        with torch.cuda.stream(side), pdl_chain(False):  # a side stream's first kernel follows an event, not a kernel
-            side_fn()
+        join = _fork(side_fn, device)
         r = fn()
-        cur.wait_stream(side)
+        join()
         return r
     return (run, *comp[1:])
 
@@ -703,7 +710,9 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     glue.situ_glu; glue.norm_glu for the MoE output's two segments). The router's top-k runs in moe_in's launch up
     to SELECT_MAX_BATCH tokens.
     prefetch (the switch, projections on triton): each AttnRes launches an L2 prefetch of the next group's weight
-    (in_proj's, moe_in's) on a side stream (`_prefetching`).
+    (in_proj's, moe_in's) on a side stream (`_prefetching`), and the MLA output projection's launches Wo's beside
+    the combine (`_fork`). Not beside the router's top-k: up to SELECT_MAX_BATCH tokens it runs inside moe_in's
+    launch, and the weights read after it are the chosen experts', unknown until it ends.
     split_router / owned_output (the switches, projections on triton), TP emulated on one GPU (`TP_RANKS`):
       split_router  rank r computes rows r of the router and of the latent down-projection (E/tp, Lat/tp; the shared
                     experts' w1/w3 with rank 0's share, one launch), and the shares are exchanged; the top-k then
@@ -873,7 +882,14 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         p = buf(D)
 
         def out_proj():
-            P(L.mla_wo_input(b["mla_gate"]), w.w_o, p, residual=None if L.block_start else b["x"], be_=be_o)
+            # with the prefetch switch Wo is pulled into L2 on the side stream while the combine (merge, Wuv, gate:
+            # a few hundred KB) runs, joined before Wo's own launch
+            join = (_fork(lambda: trunk.prefetch_l2(w.w_o, N, budget=budget, backend="triton"), dev) if pf
+                    else None)
+            xo = L.mla_wo_input(b["mla_gate"])
+            if join is not None:
+                join()
+            P(xo, w.w_o, p, residual=None if L.block_start else b["x"], be_=be_o)
             b["p"] = p.view(*lead, D)
             return b["p"]
         ob = comps["out_proj"][1]

@@ -359,8 +359,8 @@ def test_tp_switches_numerics_against_fp64():
 
 def test_prefetch_switch_wraps_each_attnres(monkeypatch):
     """prefetch=True: each AttnRes launches the L2 prefetch of the next group's weight (in_proj's concatenated
-    weight, then moe_in's) with the step's token count and budget; the record says so; off the triton projections
-    it does nothing and the record says that instead."""
+    weight, then moe_in's) with the step's token count and budget, and an MLA output projection Wo's beside the
+    combine; the record says so; off the triton projections it does nothing and the record says that instead."""
     from k3lab.components import trunk
 
     calls = []
@@ -372,6 +372,11 @@ def test_prefetch_switch_wraps_each_attnres(monkeypatch):
         st.comps[1][part][0]()
     want = [L.w.attn.w_qkv._base, L.w.mlp.router.w._base]
     assert [c[0] for c in calls] == want and {c[1:] for c in calls} == {(1, S.prefetch_budget("cpu"))}
+    # an MLA layer's output projection prefetches Wo beside the combine
+    i = next(i for i, x in enumerate(st.layers) if x.kind == "mla")
+    calls.clear()
+    st.comps[i]["out_proj"][0]()
+    assert [c[0] for c in calls] == [st.layers[i].w.attn.w_o]
     assert "prefetch=False->True" in dict(S.toggle_list(FUSED, st.switches))
     st.set_switches(Switches(prefetch=True))
     assert "no effect" in st.why["prefetch"]
