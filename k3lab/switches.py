@@ -84,7 +84,8 @@ class Switches:
     kda_checkpoint: int | str = "auto"
     mla_partitions: int | str = "auto"  # "auto": the kernel's measured choice for the batch and context
     moe_tile_n: int = 64
-    prefetch: bool = False  # the step: an L2 prefetch of the next group's weight beside each AttnRes, Wo's beside the MLA combine
+    # the step: an L2 prefetch of the next group's weight beside each AttnRes, and of Wo beside the MLA combine
+    prefetch: bool = False
     # the step (projections on triton), up to 16 tokens: the RMSNorms and SiTU-GLU as the projections' input prologues
     # (the MoE output one launch); False (default: the fused forms measured slower at batch 1..16,
     # profiles/h200/trunk_prologue.json.gz, git history at cec0131): each its own launch before the projection

@@ -3,7 +3,8 @@ own browser download needs the internet, so chromium is launched from its path).
 (the CPU plan's notebook reports and index, a bundle report) and every committed report under profiles/ loads
 offline (the browser context is offline: a request off the machine fails with a console error), draws every
 plotly figure (a `.js-plotly-plot` holding an svg) and logs no console error and no page error. Each report
-loads the ONE shared plotly.js (a report written outside the repository: a byte-identical copy beside it). A deliberately broken page proves the check catches what it claims to.
+loads the ONE shared plotly.js (a report written outside the repository: a byte-identical copy beside it). A
+deliberately broken page proves the check catches what it claims to.
 Skipped cleanly where chromium or Playwright is missing."""
 from __future__ import annotations
 
