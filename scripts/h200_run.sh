@@ -65,7 +65,7 @@ layer)
     # LAYER_EXPERT_DTYPE=mxfp4: the MoE rows on the whole 896-expert pool of one layer (issue 14)
     $K run notebooks/01_decode_layer.ipynb -p preset tp8 -p batch $B -p context 8192 \
        -p expert_dtype ${LAYER_EXPERT_DTYPE:-bf16} \
-       -p backends reference,torch_compile,triton -p reps 10 --out "$OUT/layer_b$B" 2>&1 | tail -n 4
+       -p backends ${LAYER_BACKENDS:-reference,torch_compile,triton} -p reps 10 --out "$OUT/layer_b$B" 2>&1 | tail -n 4
     pack layer_b$B
   done ;;
 mla)
