@@ -248,6 +248,17 @@ def notebook_parameters(notebook: Path) -> dict[str, Any]:
     return out
 
 
+def measured_nothing(bd: Any) -> bool:
+    """A bundle without rows that was meant to hold some (a study of notes alone says rows_expected False)."""
+    return not bd.rows and bd.config.get("rows_expected", True)
+
+
+def _refuse_threshold(threshold: float | None) -> None:
+    if threshold is not None and not threshold >= 0:
+        _echo_err(f"error: --threshold must be a relative slowdown >= 0 (0.05 = 5 %), got {threshold}")
+        raise typer.Exit(2)
+
+
 def portable_js(run_dir: Path, js_dir: Path | None = None) -> Path | None:
     """Where a report written under `run_dir` loads plotly.js from: None (the repository's one shared copy, by a
     relative path) when run_dir lies inside the repository; else a copy of it in `js_dir` (a sweep's folder: one copy
@@ -311,10 +322,11 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     if cap.messages:
         meta["warnings"] = cap.messages
     bundles, envs = [], []
-    stale = [p for p in find_bundles(run_dir) if before.get(p) == p.stat().st_mtime_ns]
+    found = find_bundles(run_dir)
+    stale = [p for p in found if before.get(p) == p.stat().st_mtime_ns]
     if stale:  # left by an earlier run into the same folder: not this run's results
         meta["stale_bundles"] = [str(p.relative_to(run_dir)) for p in stale]
-    for p in find_bundles(run_dir):
+    for p in found:
         if p in stale:
             continue
         try:
@@ -324,7 +336,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
             continue
         envs.append(bd.env)
         bundles.append(str(p.relative_to(run_dir)))
-        if not bd.rows and bd.config.get("rows_expected", True) and not error:  # every case skipped or refused
+        if measured_nothing(bd) and not error:  # every case skipped or refused
             why = "; ".join([f"{k}: {v}" for k, v in bd.backends_skipped.items()][:3]
                             or [n.splitlines()[0] for n in bd.notes[-1:]])
             error = (f"notebook {notebook.name} measured nothing: its bundle {p.name} holds no rows"
@@ -404,14 +416,13 @@ def check_values(known: dict[str, Any], params: dict[str, Any]) -> None:
     for k, allowed in CHOICES.items():
         if k in known and merged.get(k) not in allowed:
             raise RunFailed(f"parameter {k!r} must be one of {allowed}, got {merged.get(k)!r}")
-    if "preset" in known:
-        kw = {k: merged[k] for k in VIEW_PARAMS[1:] + ("dcp",) if k in merged}
-        try:
-            preset(merged["preset"], **kw)
-        except (ConfigError, TypeError, ValueError) as e:
-            raise RunFailed(f"bad parameter value ({given}): {e}") from None
     if "preset" not in known:  # a benchmark notebook: its lists (pad_heads "0,16") are grids, not switches
         return
+    kw = {k: merged[k] for k in VIEW_PARAMS[1:] + ("dcp",) if k in merged}
+    try:
+        preset(merged["preset"], **kw)
+    except (ConfigError, TypeError, ValueError) as e:
+        raise RunFailed(f"bad parameter value ({given}): {e}") from None
     sw = {k: merged[k] for k in SWITCH_PARAMS if k in merged}
     backends = {k: merged[k] for k in ("backend",) + BACKEND_PARAMS if k in merged and merged[k] != ""}
     if sw or backends:
@@ -666,10 +677,8 @@ def sweep(ctx: typer.Context, target: Path = typer.Argument(..., help="a plan (.
         raise typer.Exit(2) from None
     if baselines is not None:
         plan["baselines"] = baselines.resolve()
+    _refuse_threshold(threshold)
     if threshold is not None:
-        if not threshold >= 0:
-            _echo_err(f"error: --threshold must be a relative slowdown >= 0 (0.05 = 5 %), got {threshold}")
-            raise typer.Exit(2)
         plan["threshold"] = threshold
     jobs = []
     try:  # every combination's parameters checked before the first run
@@ -781,9 +790,7 @@ def compare(a: Path = typer.Argument(..., help="baseline bundle (JSON or run dir
 
     from k3lab.harness.bundle import BundleError, load
 
-    if threshold is not None and not threshold >= 0:
-        _echo_err(f"error: --threshold must be a relative slowdown >= 0 (0.05 = 5 %), got {threshold}")
-        raise typer.Exit(2)
+    _refuse_threshold(threshold)
     try:
         ba, bb = load(a), load(b)
     except BundleError as e:
@@ -889,7 +896,7 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
         except BundleError as e:
             _echo_err(f"error: {e}")
             raise typer.Exit(2) from None
-        if not bd.rows and bd.config.get("rows_expected", True):
+        if measured_nothing(bd):
             _echo_err(f"error: {p.name} holds no rows (its run measured nothing): nothing to publish")
             raise typer.Exit(2)
         if gpu is not None and gpu != bd.gpu_slug:

@@ -94,7 +94,6 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference")
     return idx, w
 
 
-
 def weight_format(w) -> str:
     """The experts' weight format as the measured rules (data/moe_defaults.json, `fmt`) and the registry's cases
     name it: "bf16", "fp8" or "mxfp4" (an ExpertWeight's dense storage is "dense": passed on as that, the bf16
