@@ -49,6 +49,7 @@ from k3lab.components.attnres import mix_norm
 from k3lab.config import ConfigError, GpuView
 from k3lab.ref import mla as mla_ref
 from k3lab.ref import moe as moe_ref
+from k3lab.ref import router as ref_router
 from k3lab.ref.layers import KDALayerState, MLALayerState, n_blocks_after
 from k3lab.ref.situ import linear, situ_glu_mlp
 from k3lab.switches import BackendUnavailable, Switches
@@ -574,8 +575,8 @@ class Layer:
                 b["idx"], b["wk"] = trunk.route(self._flat(b["h2"]), m.router, backend=be_r)
             else:
                 b["idx"], b["wk"] = moe_comp.route(self._flat(b["h2"]), m.router, backend=be_r)
-            # returned as the dense [N, E] gate matrix, so a swap of two near-tied experts between a
-            # bf16 and an fp64 run shows as a small error rather than a reordering
+            # returned as the dense [N, E] gate matrix (the order of the picks does not count); a swap of two
+            # near-tied experts between a bf16 and an fp64 run is aligned by align_twin, not compared
             return torch.zeros(b["idx"].shape[0], E, dtype=b["wk"].dtype, device=b["wk"].device).scatter(
                 1, b["idx"], b["wk"])
         c["router"] = (router, m.router.nbytes() + self.N * (D * self.e + k * 12), 2 * self.N * D * E)
@@ -621,6 +622,42 @@ class Layer:
         sI = sum(sh.w1.shape[0] for sh in m.shared)
         c["shared"] = (shared, sb + self.N * D * self.e * 4, 6 * self.N * D * sI)
         return c
+
+    def align_twin(self, twin: Layer, name: str) -> tuple[torch.Tensor, str] | None:
+        """After component `name` ran on this layer and on its fp64 twin (k3lab.harness.checker.check_twin): where
+        this layer's router took other experts than the twin's, and every such choice is within what the rounding
+        of its input explains, the twin takes this layer's experts (weights renormalized from its own fp64 scores)
+        for the router's row and every component after it. Returns (the twin's router output under that
+        selection, a note), or None where there is nothing to align.
+        The rule: an expert e picked here in place of the twin's k-th is explained when the twin's biased score
+        gap s(kth) - s(e) is at most twice the largest change of any expert's fp64 score between the twin's input
+        and this layer's (each of the two scores can move by that much; the router kernel's own fp32 logits add
+        ~1e-6). A pick outside it stays as it is, and its row fails."""
+        if name != "router" or "idx" not in self.buf or "idx" not in twin.buf:
+            return None
+        idx = self.buf["idx"].to("cpu", torch.int64)
+        tidx = twin.buf["idx"].to("cpu", torch.int64)
+        moved = (idx.sort(-1).values != tidx.sort(-1).values).any(-1)
+        if not bool(moved.any()):
+            return None
+        r = twin.w.mlp.router
+        h_twin = twin._flat(twin.buf["h2"]).to("cpu", torch.float64)
+        h_here = self._flat(self.buf["h2"]).to("cpu", torch.float64)
+        s_twin = ref_router.router_scores(h_twin, r).to(torch.float64)
+        carried = (ref_router.router_scores(h_here, r).to(torch.float64) - s_twin).abs().amax(-1)
+        biased = s_twin + r.e_bias.to("cpu", torch.float64)
+        gap = (biased.gather(-1, tidx).amin(-1) - biased.gather(-1, idx).amin(-1)).clamp_min(0)
+        allowed = 2 * carried + 1e-6
+        if bool((gap[moved] > allowed[moved]).any()):
+            return None
+        sel = s_twin.gather(-1, idx)
+        wk = sel / sel.sum(-1, keepdim=True) * r.scaling
+        twin.buf["idx"], twin.buf["wk"] = idx.to(twin.buf["idx"].device), wk.to(twin.buf["wk"])
+        out = torch.zeros(idx.shape[0], r.n_experts, dtype=wk.dtype).scatter(1, idx, wk)
+        n = int(moved.sum())
+        return out, (f"{n} of {idx.shape[0]} tokens took a near-tied expert the fp64 twin did not (biased-score gap "
+                     f"{float(gap[moved].max()):.1e} <= {float(allowed[moved].min()):.1e}, twice the score change "
+                     f"the input's rounding makes); the twin follows this layer's experts from here")
 
     def dense_part(self) -> OrderedDict[str, Component]:
         m, b = self.w.mlp, self.buf

@@ -171,11 +171,16 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
-def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callable[[], Any], tol: float | None):
+def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callable[[], Any], tol: float | None,
+               name: str | None = None):
     """One call of a layer component (k3lab.model.Layer) against the same component of its fp64 twin (same
     seed; the layer notebook's check). The outputs it returns are compared; a component that returns nothing
     is compared on the layer buffers (`layer.buf`) its call changed; with neither, it fails loudly. Returns
-    numerics.ErrorStats (relative norm over every output, NaN never passes)."""
+    numerics.ErrorStats (relative norm over every output, NaN never passes).
+    name: the component's name, passed to `layer.align_twin(ref_layer, name)` after both calls where the layer
+    has one: a discrete choice the bf16 layer made differently at a near-tie (the router's experts) is taken
+    over by the twin, so this row and the ones after it measure arithmetic, not a coin toss; the stats' `note`
+    says what was aligned. A choice the input's rounding cannot explain is left as it is and fails."""
     def tensors(d: Any) -> dict[str, torch.Tensor]:
         return {k: v for k, v in (d or {}).items() if isinstance(v, torch.Tensor)}
 
@@ -189,7 +194,12 @@ def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callab
         if not keys:
             raise ValueError("component returned None and changed no layer buffer: nothing to check")
         out, ref = {k: after[k] for k in keys}, {k: rbuf[k] for k in keys}
-    return error_stats(out, ref, tol)
+    aligned = layer.align_twin(ref_layer, name) if name and hasattr(layer, "align_twin") else None
+    if aligned is None:
+        return error_stats(out, ref, tol)
+    st = error_stats(out, aligned[0], tol)
+    st.note = aligned[1]
+    return st
 
 
 def require(res: Result) -> Result:

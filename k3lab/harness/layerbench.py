@@ -110,8 +110,13 @@ def bench_layers(view, *, kinds: Sequence[str] = ("kda", "mla"), backends: str |
                     b.notes.append(note)
                 comps = test_layer.components()
                 ref_comps = ref_layer.components()
-                errs = {cname: checker.check_twin(test_layer, ref_layer, fn, ref_comps[cname][0], tol.get(be))
+                errs = {cname: checker.check_twin(test_layer, ref_layer, fn, ref_comps[cname][0], tol.get(be),
+                                                  name=cname)
                         for cname, (fn, _, _) in comps.items()}
+                for cname, st in errs.items():
+                    if st.note:
+                        b.notes.append(f"{be} {kind}.{cname}: {st.note}")
+                        log(f"{kind:4s} {be:14s} {cname:16s} {st.note}")
             except Exception as e:  # noqa: BLE001 - recorded, the other backends go on
                 b.backends_skipped[f"{be}:{kind}"] = _first_line(e)
                 log(f"skip {be} {kind}: {_first_line(e)}")

@@ -22,6 +22,7 @@ class ErrorStats:
     numel: int
     nonfinite: int  # NaN or inf in the output where the reference is finite
     tol: float | None = None
+    note: str | None = None  # what the check aligned before comparing (k3lab.model.Layer.align_twin)
 
     @property
     def ok(self) -> bool:
@@ -31,6 +32,8 @@ class ErrorStats:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if d["note"] is None:
+            del d["note"]
         d["ok"] = self.ok
         for k in ("rel_norm", "max_abs"):  # JSON has no NaN / inf
             if not math.isfinite(d[k]):
