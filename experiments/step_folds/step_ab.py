@@ -54,7 +54,8 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, attnres_form, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma)
+        mla_ksplit, attnres_form, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma; ARMS=a,b to
+        time only those arms of the fold, the first named the one the others are compared with)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -145,6 +146,13 @@ def _set(key, value):
 
 def main(out, fold):
     ARMS = FOLDS[fold]
+    if os.environ.get("ARMS"):
+        names = dict(ARMS)
+        want = [a.strip() for a in os.environ["ARMS"].split(",") if a.strip()]
+        bad = [a for a in want if a not in names]
+        if bad or not want:
+            raise SystemExit(f"ARMS: {bad or want} not among {fold}'s arms {list(names)}")
+        ARMS = tuple((a, names[a]) for a in want)
     pr = timing.probes()
     view, sw = dashboards.view_from_params(P), dashboards.switches_from_params(P)
     res = dict(probes=pr, env=envmod.fingerprint(), params=P, fold=fold, arms={a[0]: a[1] for a in ARMS},
