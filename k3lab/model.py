@@ -155,6 +155,7 @@ class Layer:
         # component -> the component API's record of its last call (k3lab.components.dispatch.Ran as a dict:
         # backend, kernel, options, why), where the layer keeps one (the AttnRes, KDA core, MLA attention, experts)
         self.records: dict[str, dict[str, Any]] = {}
+        self._glu_cat: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _glu's concatenated weights
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
         self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
@@ -331,18 +332,31 @@ class Layer:
         y = glue.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps=float(eps), backend="triton")
         return y.view(*x.shape[:-1], x.shape[-1])
 
-    def _glu(self, x: torch.Tensor, g) -> torch.Tensor:
-        """One SiTU-GLU MLP (a shared expert, the dense MLP): W2 situ(W1 x, W3 x). With `_proj_kernel()` the three
-        projections on the trunk kernel and the SiTU on the glue's (four launches; the step fuses them into
-        two), else torch."""
-        if not self._proj_kernel():
-            return situ_glu_mlp(x, g)
-        from k3lab.components import glue
+    def _glu(self, x: torch.Tensor, gs, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_i W2_i situ(W1_i x, W3_i x) (+ residual) over the SiTU-GLU MLPs `gs` (the shared experts; the dense
+        MLP alone). With `_proj_kernel()` and one pair of SiTU constants: two launches of the trunk projection, every
+        w1 and w3 as one weight [W1_1; ..; W3_1; ..] (so its output is [g | u]), then every w2 as one weight
+        [W2_1 | W2_2 ..] over the SiTU prologue with the residual in its epilogue (the weights are concatenated once,
+        when first used); else torch, one MLP at a time. The decode step fuses further (k3lab.step._fused_parts)."""
+        gs = list(gs)
+        consts = {(float(g.b1), float(g.b2)) for g in gs}
+        if not self._proj_kernel() or len(consts) != 1:
+            y = None
+            for g in gs:
+                t = situ_glu_mlp(x, g)
+                y = t if y is None else y + t
+            return y if residual is None else residual + y
+        from k3lab.components import trunk
 
-        xf = x.reshape(-1, x.shape[-1])
-        gu = torch.cat([self._lin(xf, g.w1), self._lin(xf, g.w3)], dim=-1)
-        act = glue.situ_glu(gu, b1=float(g.b1), b2=float(g.b2), backend="triton")
-        return self._lin(act, g.w2).view(*x.shape[:-1], g.w2.shape[0])
+        key = tuple(id(g) for g in gs)
+        if key not in self._glu_cat:
+            self._glu_cat[key] = (torch.cat([g.w1 for g in gs] + [g.w3 for g in gs], 0).contiguous(),
+                                  torch.cat([g.w2 for g in gs], 1).contiguous())
+        w13, w2 = self._glu_cat[key]
+        gu = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w13, backend="triton")
+        r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
+        y = trunk.proj(gu, w2, residual=r, prologue=("situ", *consts.pop()), backend="triton")
+        return y.view(*x.shape[:-1], w2.shape[0])
 
     def _keep(self, name: str, rec: list) -> None:
         """The last record a component call appended (what ran: backend, kernel, options), kept by name."""
@@ -613,10 +627,10 @@ class Layer:
 
         def shared():
             h2 = self._flat(b["h2"])
-            s = torch.zeros_like(h2)
-            for sh in m.shared:
-                s = s + self._glu(h2, sh)
-            b["x_out"] = b["p"] + (b["routed"] + s).reshape(b["p"].shape)
+            if self._proj_kernel():  # p + routed, then the shared experts' two launches add it in their epilogue
+                b["x_out"] = self._glu(h2, m.shared, residual=self._flat(b["p"]) + b["routed"]).view(b["p"].shape)
+            else:
+                b["x_out"] = b["p"] + self._glu(h2, m.shared, residual=b["routed"]).reshape(b["p"].shape)
             return b["x_out"]
         sb = sum(_nb(sh.w1, sh.w3, sh.w2) for sh in m.shared)
         sI = sum(sh.w1.shape[0] for sh in m.shared)
@@ -665,7 +679,7 @@ class Layer:
         self._reg("dense_mlp", "proj")
 
         def dense():
-            b["x_out"] = b["p"] + self._glu(b["h2"], m)
+            b["x_out"] = self._glu(b["h2"], [m], residual=b["p"])
             return b["x_out"]
         return OrderedDict(dense_mlp=(dense, _nb(m.w1, m.w3, m.w2) + self.N * D * self.e * 3,
                                       6 * self.N * D * m.w1.shape[0]))

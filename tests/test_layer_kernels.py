@@ -26,3 +26,24 @@ def test_layer_components_on_the_kernels(kind):
     for n in lc:  # in layer order: each component reads what the ones before it wrote
         st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None)
         assert st.rel_norm < 3e-2, (n, layer.ran[n], st)  # bf16 activations and weights against fp64
+
+
+def test_layer_glu_mlps_on_two_launches():
+    """The shared experts (both in one weight pair) and layer 0's dense MLP on the trunk kernel: two projection
+    launches each (w1 and w3 of every MLP as one weight, then every w2 over the SiTU prologue with the residual in
+    its epilogue), checked against the fp64 twin."""
+    view = preset("tiny", batch=2, context=24)
+    sw = Switches().replace(backend=TRITON)
+    for idx, name in ((0, "dense_mlp"), (1, "shared")):
+        ref_layer = build_layer(view, "kda", 0, backend="reference", dtype=torch.float64, n_experts=8,
+                                layer_index=idx)
+        layer = build_layer(view, "kda", 0, switches=sw, n_experts=8, layer_index=idx)
+        rc, lc = ref_layer.components(), layer.components()
+        assert name in lc, list(lc)
+        for n in lc:
+            st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None)
+            assert st.rel_norm < 3e-2, (n, st)
+        assert len(layer._glu_cat) == 1
+        (w13, w2), = layer._glu_cat.values()
+        mlps = layer.w.mlp.shared if name == "shared" else [layer.w.mlp]
+        assert w13.shape[0] == 2 * w2.shape[1] == 2 * sum(g.w1.shape[0] for g in mlps)
