@@ -24,7 +24,7 @@ def test_layer_components_on_the_kernels(kind):
     assert want <= on, layer.ran
     rc, lc = ref_layer.components(), layer.components()
     for n in lc:  # in layer order: each component reads what the ones before it wrote
-        st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None)
+        st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None, name=n)
         assert st.rel_norm < 3e-2, (n, layer.ran[n], st)  # bf16 activations and weights against fp64
 
 
@@ -41,7 +41,7 @@ def test_layer_glu_mlps_on_two_launches():
         rc, lc = ref_layer.components(), layer.components()
         assert name in lc, list(lc)
         for n in lc:
-            st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None)
+            st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None, name=n)
             assert st.rel_norm < 3e-2, (n, st)
         assert len(layer._glu_cat) == 1
         (w13, w2), = layer._glu_cat.values()

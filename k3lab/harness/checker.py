@@ -177,15 +177,18 @@ def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callab
     seed; the layer notebook's check). The outputs it returns are compared; a component that returns nothing
     is compared on the layer buffers (`layer.buf`) its call changed; with neither, it fails loudly. Returns
     numerics.ErrorStats (relative norm over every output, NaN never passes).
-    name: the component's name, passed to `layer.align_twin(ref_layer, name)` after both calls where the layer
-    has one: a discrete choice the bf16 layer made differently at a near-tie (the router's experts) is taken
-    over by the twin, so this row and the ones after it measure arithmetic, not a coin toss; the stats' `note`
-    says what was aligned. A choice the input's rounding cannot explain is left as it is and fails."""
+    name: the component's name, passed to `layer.check_form(name, out)` (the form compared: the router's picks as
+    a gate matrix) and to `layer.align_twin(ref_layer, name)` after both calls, where the layer has them: a
+    discrete choice the bf16 layer made differently at a near-tie (the router's experts) is taken over by the
+    twin, so this row and the ones after it measure arithmetic, not a coin toss; the stats' `note` says what was
+    aligned. A choice the input's rounding cannot explain is left as it is and fails."""
     def tensors(d: Any) -> dict[str, torch.Tensor]:
         return {k: v for k, v in (d or {}).items() if isinstance(v, torch.Tensor)}
 
     before = {k: v.clone() for k, v in tensors(getattr(layer, "buf", None)).items()}
     out, ref = fn(), ref_fn()
+    if name and hasattr(layer, "check_form"):  # the compared form of an output (the router's gate matrix)
+        out, ref = layer.check_form(name, out), ref_layer.check_form(name, ref)
     if out is None:
         after = tensors(getattr(layer, "buf", None))
         rbuf = tensors(getattr(ref_layer, "buf", None))
