@@ -147,18 +147,6 @@ def test_grouped_up_members_4(batch, routing, monkeypatch):
     checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch + 1))
 
 
-@pytest.mark.parametrize("batch,tp,routing", [(8, 8, "same16"), (64, 8, "uniform"), (16, 16, "same16")])
-def test_grouped_l2(batch, tp, routing, monkeypatch):
-    """UP_L2 / DOWN_L2 (a warp's unit weights requested into L2 at the unit's start): the same checked result at
-    K3's pool, shared and plain groups, TP8 and TP16."""
-    from k3lab_kernels.cute import moe_grouped as mg
-
-    monkeypatch.setattr(mg, "UP_L2", True)
-    monkeypatch.setattr(mg, "DOWN_L2", True)
-    case = OP.case(tp=tp, routing=routing, **dict(K3, batch=batch))
-    checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch + 2))
-
-
 def test_refused_by_name():
     d = OP.make_inputs(OP.case(tp=8, routing="uniform", **dict(K3, batch=2)), 0, "cuda")
     with pytest.raises(ValueError, match="'z' must be one token for the cute backend's path 'token'"):

@@ -396,17 +396,13 @@ def _cases(only: str | None, quick: bool):
                 shares.append((1, 1, kmg.NMEM))           # sharing off
             if Bt == 64 and I == 384:
                 shares.append(shares[0][:2] + (4,))       # UP_MEMBERS 4
-            shares = [x + (False,) for x in shares]
-            if I == 384 and Bt in (8, 64):
-                shares.append(shares[0][:3] + (True,))     # UP_L2 / DOWN_L2
-            for us, ds, nm, l2 in shares:
+            for us, ds, nm in shares:
                 tag = (f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles} share{us}x{ds}" + (" pdl" if pdl else "")
-                       + (f" members{nm}" if nm != kmg.NMEM else "") + (" l2" if l2 else ""))
+                       + (f" members{nm}" if nm != kmg.NMEM else ""))
                 cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split, h=us,
-                              nm=nm, l2=l2: up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp, h, kmg.SHARE_FROM, nm, l2),
-                              uargs))
-                cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, dt=tiles, h=ds, l2=l2:
-                              down_cls(B_, K, I, L, st, dt, h, kmg.SHARE_FROM, I % 128 == 0, l2), dargs))
+                              nm=nm: up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp, h, kmg.SHARE_FROM, nm), uargs))
+                cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, dt=tiles, h=ds:
+                              down_cls(B_, K, I, L, st, dt, h, kmg.SHARE_FROM, I % 128 == 0), dargs))
     if only in (None, "moe_dense"):
         from kernels.cute import moe_dense as kmd
         # DenseUp: z, idx, wk, w1, w3, s1, s3, act; DenseDown: idx, w2, s2, act, y; bf16 weights as BFloat16, fp8 as

@@ -214,8 +214,8 @@ def _dsl():
 
     @dsl_user_op
     def prefetch_l2(ptr, nbytes, *, loc=None, ip=None):
-        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global address (the MoE
-        experts' W2 tail and the `prefetch` switch's CuTe kernel)."""
+        """cp.async.bulk.prefetch.L2 of `nbytes` (a multiple of 16) from a 16-byte aligned global address (the
+        `prefetch` switch's CuTe kernel, kernels/cute/l2_prefetch.py)."""
         _llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
                                 Int32(nbytes).ir_value(loc=loc, ip=ip)],
                          "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,

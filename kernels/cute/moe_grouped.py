@@ -92,16 +92,8 @@ SHARE_LARGE_PAIRS = 128
 DOWN_SHARE = 4
 SHARE_FROM = 4
 DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
-# A warp's weights of a unit requested into L2 when the unit starts (cp.async.bulk.prefetch.L2, a range a lane): up
-# (UP_L2), each lane one of the warp's 16 W1 / 16 W3 rows over the warp's part of L and that row's scale bytes, before
-# the member tile's z is staged; down (DOWN_L2), a lane a tile of the warp's unit (16 rows of W2 words, or their scale
-# bytes), before the members' act is read. The step / tile loops load one step ahead, so a short loop (a group's
-# shared units: four warps over a quarter of L each at same16 batch 8) meets a DRAM round trip a step; with the
-# ranges requested first those loads meet L2, and the DRAM reads overlap the unit's listing, staging and act loads.
-# UP_L2 where L / 32 % 16 == 0 (each scale row whole 16-byte pieces: K3's latent), and both need 16-byte aligned scale
-# tensors. Off until measured (experiments/moe_grouped/variants.py: UP_L2 / DOWN_L2 against the defaults).
-UP_L2 = False
-DOWN_L2 = False
+# Requesting a unit's weights into L2 at its start (UP_L2 / DOWN_L2) was timed and lost (2-33 % slower at batch 8-64,
+# uniform and same16, on an H100: profiles/h100-80gb-hbm3/moe_grouped_l2_variants.json.gz); git history has it.
 
 MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
                "{$10, $11, $12, $13};")
@@ -128,10 +120,7 @@ def _kernel_classes():
     from cutlass._mlir.dialects import llvm as _llvm
     from cutlass.cutlass_dsl import dsl_user_op
 
-    from . import kda_decode
     from .moe_experts import PACK_PTX, TO_F16_PTX
-
-    prefetch_l2 = kda_decode._dsl().prefetch_l2
 
     def vec(ptr, off, n):
         return cute.make_tensor(ptr + off, cute.make_layout(n))
@@ -317,7 +306,7 @@ def _kernel_classes():
 
     class Up:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
-                     share: int, share_from: int, members: int = NMEM, l2: bool = False):
+                     share: int, share_from: int, members: int = NMEM):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.N = B * K
@@ -338,8 +327,6 @@ def _kernel_classes():
             # sharing) keeps its own buffer
             self.RED_Z = share > 1
             assert not self.RED_Z or members * self.ZP >= _THREADS * 8
-            self.L2 = bool(l2)           # UP_L2 (module doc)
-            assert not self.L2 or (L // 32) % 16 == 0
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -388,17 +375,6 @@ def _kernel_classes():
                 rr = unit - mt * h
                 r0 = (c % RT) * self.ROWS + 16 * (rr * (4 // S) + warp // S)
                 ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
-                if cutlass.const_expr(self.L2):  # UP_L2: lane (g, t) requests row ra + t % 2 of W1 (t < 2) or W3
-                    rl = ra + (t & 1)            # over blocks jb .. je - 1, its words and its scale bytes (whole
-                    w0 = rl * RW + 4 * jb        # 16-byte pieces around them, inside the row: L / 32 % 16 == 0)
-                    s0 = ((rl * NB + jb) // 16) * 4
-                    sn = (((rl * NB + je) + 15) // 16) * 16 - s0 * 4
-                    if t < 2:
-                        prefetch_l2(p_w1 + w0, (je - jb) * 16)
-                        prefetch_l2(p_s1 + s0, sn)
-                    else:
-                        prefetch_l2(p_w3 + w0, (je - jb) * 16)
-                        prefetch_l2(p_s3 + s0, sn)
                 tc = cnt - mt * self.NM
                 if tc > self.NM:
                     tc = Int32(self.NM)
@@ -480,7 +456,7 @@ def _kernel_classes():
 
     class Down:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, tiles: int, share: int, share_from: int,
-                     quad: bool = False, l2: bool = False):
+                     quad: bool = False):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.N = B * K
             self.QUAD = bool(quad)       # W2 quad-transposed (I / 32 % 4 == 0)
@@ -490,7 +466,6 @@ def _kernel_classes():
             self.DR = 64 * tiles
             self.LT = L // self.DR
             self.RND = (self.N + _THREADS - 1) // _THREADS
-            self.L2 = bool(l2)           # DOWN_L2 (module doc)
 
         @cute.jit
         def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
@@ -526,15 +501,6 @@ def _kernel_classes():
                 tc = cnt - mt * NMEM
                 if tc > NMEM:
                     tc = Int32(NMEM)
-                if cutlass.const_expr(self.L2):  # DOWN_L2: lane i < DT / h requests the words of the unit's tile
-                    nu = self.DT // h            # rr + i h (16 rows), lane 16 + i their scale bytes
-                    li = lane % 16
-                    if li < nu:
-                        row0 = e * L + (l0 - g) + 16 * (rr + li * h)
-                        if lane < 16:
-                            prefetch_l2(p_w2 + row0 * RW, 16 * RW * 4)
-                        else:
-                            prefetch_l2(p_s2 + (row0 * NB) // 4, 16 * NB)
                 gz = g
                 if g >= tc:
                     gz = Int32(0)
@@ -686,15 +652,9 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     if isinstance(SHARE_FROM, bool) or not isinstance(SHARE_FROM, int) or SHARE_FROM < 1:
         _fail("SHARE_FROM", f"(module setting) must be a positive int, got {SHARE_FROM!r}")
-    up_l2 = bool(UP_L2) and (L // 32) % 16 == 0  # (module doc: where the scale rows are whole 16-byte pieces)
-    down_l2 = bool(DOWN_L2)
-    for name, t, on in (("s1", s1, up_l2), ("s3", s3, up_l2), ("s2", s2, down_l2)):
-        if on and t.data_ptr() % 16:
-            _fail(name, f"must start 16-byte aligned for {'UP_L2' if name != 's2' else 'DOWN_L2'} (its L2 requests), "
-                        f"got address {t.data_ptr():#x}")
     # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, up_l2, down_l2)
+           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -704,10 +664,10 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS, up_l2)
+            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS)
             fns = (cute.compile(up, *up_args, stream),
-                   cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM, w2_quad, down_l2),
-                                *down_args, stream))
+                   cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM, w2_quad), *down_args,
+                                stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
