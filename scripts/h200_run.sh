@@ -133,21 +133,19 @@ pending)
   pack pending ;;
 ab)
   # the thirty-seventh session's queue (docs/NOTES_step.md), one call a part, `.gpu/cute` carried (PART=3 also
-  # `.gpu/fi`): PART=1 the AttnRes form inside the batch-1 step, the grouped experts' L2 requests (GPU test, then the
-  # variants); PART=2 the same AttnRes A/B at batch 64; PART=3 the one-token experts' GPU tests, KDA's decode beside
-  # FlashInfer, the AttnRes hot in L2; PART=4 the dense one-token experts' rows a CTA; PART=5 MLA at 128K / 1M
+  # `.gpu/fi`): PART=1 the AttnRes form inside the batch-1 step; PART=2 the same A/B at batch 64; PART=3 the one-token
+  # experts' GPU tests, KDA's decode beside FlashInfer, the AttnRes hot in L2; PART=4 the dense one-token experts' rows
+  # a CTA; PART=5 MLA at 128K / 1M (1 and 3..5 ran on an H100 in the thirty-ninth session; the grouped experts' L2
+  # requests PART=1 also timed then were removed, having lost)
   unpack cute; [ "${PART:-1}" = 3 ] && unpack fi; install
   mkdir -p "$OUT/ab"
   case "${PART:-1}" in
   1)
-    timeout 200 python3 experiments/step_folds/step_ab.py "$OUT/ab" attnres_form 2>&1 | tail -n 16
-    timeout 90 python3 -m pytest -q -m gpu tests/test_moe_cute.py -k grouped_l2 2>&1 | tee "$OUT/ab/pytest_gpu_l2.log" \
-      | tail -n 3
-    BATCHES=8,16,64 ROUTINGS=uniform,same16 VARIANTS='[{}, {"UP_L2": true}, {"DOWN_L2": true}, {"UP_L2": true,
-      "DOWN_L2": true}, {"UP_MEMBERS": 4}]' timeout 240 python3 experiments/moe_grouped/variants.py "$OUT/ab" 10 \
-      2>&1 | tail -n 36 ;;
+    timeout 200 python3 experiments/step_folds/step_ab.py "$OUT/ab" attnres_form 2>&1 | tail -n 16 ;;
   2)
-    BATCH=64 timeout 540 python3 experiments/step_folds/step_ab.py "$OUT/ab" attnres_form 2>&1 | tail -n 16 ;;
+    # the rule's form against the other two candidates (ARMS: step_ab.py's arm filter)
+    BATCH=64 ARMS=${ARMS:-rule,threads_c8v8,twopass_c8v4} timeout 540 python3 experiments/step_folds/step_ab.py \
+      "$OUT/ab" attnres_form 2>&1 | tail -n 16 ;;
   3)
     timeout 120 python3 -m pytest -q -m gpu tests/test_moe_cute.py -k test_k3_pool 2>&1 \
       | tee "$OUT/ab/pytest_gpu_token.log" | tail -n 3
