@@ -483,8 +483,13 @@ def error_table_html(bundle: Any) -> str:
             f"<td>{f(r.achieved_tbps)}</td><td>{f(r.pct_of_bw, '{:.1f}')}</td><td>{f(r.mode)}</td>"
             f"<td>{f(r.launches)}</td>"
             f"<td>{f(e.get('rel_norm'), '{:.2e}')}</td><td>{f(e.get('max_abs'), '{:.2e}')}</td>"
-            f"<td class='{cls}'>{'' if ok is None else ('yes' if ok else 'NO')}</td></tr>")
-    return f"<table>{head}{''.join(body)}</table>"
+            f"<td class='{cls}'>{'' if ok is None else ('yes' if ok else 'NO')}"
+            f"{' *' if e.get('note') else ''}</td></tr>")
+    notes = "".join(f"<li>{_html.escape(r.name)} ({_html.escape(r.backend)}): {_html.escape(str(r.error['note']))}"
+                    f"</li>" for r in bundle.rows if (r.error or {}).get("note"))
+    # * a check that aligned a near-tie before comparing (k3lab.model.Layer.align_twin)
+    return f"<table>{head}{''.join(body)}</table>" + (f"<p>* aligned before the comparison:</p><ul>{notes}</ul>"
+                                                       if notes else "")
 
 
 def bundle_report(bundle: Any, html_path: str | Path, *, js: str | Path | None = None) -> Path:

@@ -69,3 +69,18 @@ def test_unexplained_pick_still_fails():
     st = checker.check_twin(layer, twin, call, rc["router"][0], 2e-2, name="router")
     assert not st.ok and st.note is None, st
     assert other not in twin.buf["idx"][0].tolist()
+
+
+def test_error_table_names_what_was_aligned():
+    import types
+
+    from k3lab.report import error_table_html
+    row = dict(kind="gpu-graph", median_us=1.0, p10_us=1.0, p90_us=1.0, floor_us=1.0, floor_bw="read", distance=1.0,
+               achieved_tbps=1.0, pct_of_bw=1.0, mode="rotated", launches=1)
+    b = types.SimpleNamespace(rows=[
+        types.SimpleNamespace(name="mla.router", backend="triton", **row,
+                              error=dict(rel_norm=1e-3, max_abs=1e-3, ok=True, note="1 of 1 tokens took a near-tie")),
+        types.SimpleNamespace(name="mla.experts", backend="triton", **row, error=dict(rel_norm=1e-3, max_abs=1e-3,
+                                                                                      ok=True))])
+    html = error_table_html(b)
+    assert html.count(" *</td>") == 1 and "mla.router (triton): 1 of 1 tokens took a near-tie" in html
