@@ -11,6 +11,7 @@
 #                                              FlashInfer's fused decode (no fla: .gpu/base does not fit beside),
 #                                              then $EXTRA (a command line) if set
 #   STEP=layer  carry [".gpu/base"]            the layer notebook at tp8, batch LAYER_BATCHES, 8K context
+#   STEP=layerbench carry [".gpu/cute"]        its measurement without papermill (the bundle only)
 #   STEP=pending carry [".gpu/cute"]           the kernels built without a device: PART=1 their GPU tests and the
 #                                              dense experts' bench, PART=2 the projections' path "mma", PART=3
 #                                              their settings, PART=4 the grouped experts' shared groups, PART=5
@@ -68,6 +69,25 @@ layer)
        -p backends ${LAYER_BACKENDS:-reference,torch_compile,triton} -p reps 10 --out "$OUT/layer_b$B" 2>&1 | tail -n 4
     pack layer_b$B
   done ;;
+layerbench)
+  # the layer notebook's measurement without papermill (bench_layers, then the bundle; `k3lab report BUNDLE` makes
+  # its page here): fits beside `.gpu/cute` in one call, where STEP=layer needs `.gpu/base`
+  unpack cute; install
+  mkdir -p "$OUT/layerbench"
+  for B in ${LAYER_BATCHES-1}; do
+    timeout ${LAYER_TIMEOUT:-240} python3 - "$OUT/layerbench" "$B" "${LAYER_EXPERT_DTYPE:-bf16}" \
+      "${LAYER_BACKENDS:-reference,torch_compile,triton}" <<'PY' 2>&1 | tail -n 60
+import sys
+from k3lab.config import preset
+from k3lab.harness.layerbench import bench_layers, bundle_name
+out, batch, dtype, backends = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+view = preset("tp8", batch=batch, context=8192, expert_dtype=dtype)
+b = bench_layers(view, backends=backends, reps=10, name=bundle_name("tp8", view))
+b.notes.append("run by scripts/h200_run.sh STEP=layerbench (notebooks/01_decode_layer.ipynb's measurement, headless)")
+print("bundle:", b.save(out))
+PY
+  done
+  pack layerbench ;;
 mla)
   unpack base fi fijit; install
   mkdir -p "$OUT/mla"
@@ -165,6 +185,6 @@ ab)
       | tee "$OUT/ab/pytest_gpu_mla_long.log" | tail -n 4 ;;
   esac
   pack ab ;;
-*) echo "STEP must be cute, bench, fi, layer, mla, pending or ab" >&2; exit 2 ;;
+*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending or ab" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
