@@ -156,6 +156,7 @@ class Layer:
         # backend, kernel, options, why), where the layer keeps one (the AttnRes, KDA core, MLA attention, experts)
         self.records: dict[str, dict[str, Any]] = {}
         self._glu_cat: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _glu's concatenated weights
+        self._cat: dict[str, torch.Tensor] = {}  # other weights concatenated once for a group launch
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
         self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
@@ -407,8 +408,20 @@ class Layer:
         self._reg("decay_proj", "proj")
 
         def decay():
-            b["f"] = self._lin(self._lin(b["h"], w.w_fa), w.w_fb)
-            b["b"] = self._lin(b["h"], w.w_b)
+            if self._proj_kernel():  # Wfa and Wb read h: one group launch over [Wfa; Wb], then Wfb
+                from k3lab.components import trunk
+
+                if "decay" not in self._cat:
+                    self._cat["decay"] = torch.cat([w.w_fa, w.w_b], 0).contiguous()
+                h = self._flat(b["h"]).contiguous()
+                fa = torch.empty(h.shape[0], w.w_fa.shape[0], dtype=h.dtype, device=h.device)
+                bb = torch.empty(h.shape[0], w.w_b.shape[0], dtype=h.dtype, device=h.device)
+                trunk.proj_group(h, self._cat["decay"], [fa, bb], backend="triton")
+                b["f"] = self._lin(fa, w.w_fb).view(*b["h"].shape[:-1], w.w_fb.shape[0])
+                b["b"] = bb.view(*b["h"].shape[:-1], w.w_b.shape[0])
+            else:
+                b["f"] = self._lin(self._lin(b["h"], w.w_fa), w.w_fb)
+                b["b"] = self._lin(b["h"], w.w_b)
             return b["f"], b["b"]
         R = w.w_fa.shape[0]
         c["decay_proj"] = (decay, _nb(w.w_fa, w.w_fb, w.w_b) + self.N * (D + 2 * R + H * Dh + H) * self.e,
