@@ -82,8 +82,9 @@ FUSED = ("cute", "triton", "aiter")
 COMPILE_WARM_STEPS = 3  # steps run before timing torch.compile: compile time never lands in a timed region
 SUM_TOL = 0.25
 # numerics rows: a gate against blow-ups (NaN, growth over the steps), not a precision claim. The stream is bf16
-# (2^-8 a rounding, a dozen roundings a layer) through a random stack, and a router that picks another expert in
-# bf16 than in fp64 (near-tied scores) moves that layer's error to ~0.2 on the tiny preset (measured, 8 layers).
+# (2^-8 a rounding, a dozen roundings a layer) through a random stack: up to ~0.1 by layer 7 of the tiny preset
+# (measured, 2 steps). A router that picks another expert in bf16 than in fp64 at a near-tie moved that layer's error
+# to ~0.2; such picks are aligned now (step_numerics) and listed on the row.
 NUMERICS_TOL = 0.25  # per-layer medians summed vs the whole step: |sum / whole - 1| <= this
 K3_COUNTS = {"kda": 69, "mla": 24, "moe": 92, "dense": 1}  # layer types of the full model (docs/MODEL.md, The stack)
 ALLREDUCE_ASSUMED_US = 12.0  # per all-reduce; docs/MODEL.md, Switches: symmetric-memory one-shot 11-14 us (2 x H200)
@@ -366,16 +367,19 @@ class DecodeStep:
         L = self.layers[i]
         return [(f"L{L.index:02d}.{L.kind}.{n}", fn) for n, (fn, _, _) in self.comps[i].items()]
 
-    def run_layer(self, i: int) -> torch.Tensor:
-        """Layer i alone on the inputs it last saw (its components in order)."""
-        for name, fn in self._layer_fns(i):
+    def run_layer(self, i: int, after: Callable[[int, str], Any] | None = None) -> torch.Tensor:
+        """Layer i alone on the inputs it last saw (its components in order); after(i, component) is called after
+        each component when given (the numerics' alignment of a near-tied router choice: step_numerics)."""
+        for (name, fn), comp in zip(self._layer_fns(i), self.comps[i]):
             with torch.profiler.record_function(name) if self.ranges else contextlib.nullcontext():
                 fn()
+            if after is not None:
+                after(i, comp)
         return self.layers[i].buf["x_out"]
 
-    def run(self, x: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, x: torch.Tensor | None = None, after: Callable[[int, str], Any] | None = None) -> torch.Tensor:
         """One decode step. x (optional): copied into the step's input buffer first ([B, D], [B, T, D] when
-        draft_depth > 0). Returns the stream after the last layer (a buffer of the last layer)."""
+        draft_depth > 0). Returns the stream after the last layer (a buffer of the last layer). after: run_layer's."""
         if x is not None:
             if not isinstance(x, torch.Tensor) or x.shape != self.x_in.shape:
                 _fail("x", f"must be a tensor of shape {tuple(self.x_in.shape)}, got "
@@ -384,7 +388,7 @@ class DecodeStep:
         xs, blocks = self.x_in, self.blocks_in
         for i, L in enumerate(self.layers):
             L.buf["x"], L.buf["blocks"] = xs, blocks
-            self.run_layer(i)
+            self.run_layer(i, after)
             xs, blocks = L.buf["x_out"], L.buf["blocks_mlp"]
         self.x_out = xs
         return xs
@@ -1619,7 +1623,11 @@ def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: i
     """The step in bf16 on `device` against an fp64 reference build on the CPU (same seed: the same weights,
     states and inputs, both drawn on the CPU), over `n_steps` decode steps of fresh random inputs (verify path:
     every position committed after each step). Returns per layer the relative error of its output stream (and
-    of the KDA state) after each step, and what ran."""
+    of the KDA state) after each step, and what ran.
+    A router pick the bf16 step made differently from the oracle at a near-tie its input's rounding explains is
+    taken over by the oracle for the rest of that layer (k3lab.model.Layer.align_twin, the layer check's rule), so
+    the errors measure arithmetic rather than which of two equal experts won; `aligned` lists each such pick
+    (step, layer, what). A pick outside the rule is left as it is and shows as error."""
     if not isinstance(n_steps, int) or n_steps < 1:
         _fail("n_steps", f"must be an int >= 1, got {n_steps!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1630,10 +1638,17 @@ def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: i
     gen = torch.Generator(device="cpu").manual_seed(seed + 4242)
     errs = [[] for _ in test.layers]
     state_errs = [[] for _ in test.layers]
-    for _ in range(n_steps):
+    aligned: list[dict[str, Any]] = []
+    for step in range(n_steps):
         x = torch.randn(tuple(test.x_in.shape), generator=gen, dtype=torch.float32)
         test.run(x.to(device=device, dtype=test.dtype))
-        oracle.run(x.to(torch.float64))
+
+        def align(i: int, comp: str, step: int = step) -> None:
+            if comp == "router":  # the oracle's router has run; the test layer's picks are in its buffers
+                got = test.layers[i].align_twin(oracle.layers[i], "router")
+                if got is not None:
+                    aligned.append(dict(step=step, layer=test.ids[i], note=got[1]))
+        oracle.run(x.to(torch.float64), after=align)
         test.commit()
         oracle.commit()
         for i, (L, R) in enumerate(zip(test.layers, oracle.layers)):
@@ -1642,7 +1657,7 @@ def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: i
                 state_errs[i].append(error_stats(L.state.state, R.state.state).rel_norm)
     return {"layers": test.ids, "kinds": [f"{L.kind}+{L.w.mlp_kind}" for L in test.layers], "n_steps": n_steps,
             "rel_err": errs, "state_rel_err": state_errs, "backends": test.backends, "device": str(device),
-            "view": view.to_dict()}
+            "view": view.to_dict(), "aligned": aligned}
 
 
 def numerics_rows(num: dict[str, Any], tol: float | None = None) -> list[Row]:
@@ -1654,9 +1669,12 @@ def numerics_rows(num: dict[str, Any], tol: float | None = None) -> list[Row]:
         last = e[-1]
         err = {"rel_norm": last, "max_abs": None, "numel": None, "nonfinite": 0 if math.isfinite(last) else 1,
                "tol": tol, "ok": bool(math.isfinite(last) and last <= tol)}
+        al = [f"step {a['step']}: {a['note']}" for a in num.get("aligned", ()) if a["layer"] == lid]
+        if al:
+            err["note"] = f"router near-ties aligned at {len(al)} step(s) (extra.aligned)"
         rows.append(Row(name=f"numerics:L{lid:02d}.{kind}", backend="fused", kind="cpu-smoke", median_us=0.0,
                         p10_us=0.0, p90_us=0.0, error=err,
-                        extra={"rel_err_by_step": e, "state_rel_err_by_step": se, "layer": lid,
+                        extra={"rel_err_by_step": e, "state_rel_err_by_step": se, "layer": lid, "aligned": al,
                                "preset_view": num["view"], "device": num["device"], "not_a_timing": True}))
     return rows
 

@@ -667,6 +667,24 @@ def test_numerics_verify_path_commits_and_stays_finite():
     assert [r.name for r in rows][:2] == ["numerics:L00.kda+dense", "numerics:L01.kda+moe"]
 
 
+def test_numerics_align_a_near_tied_router_pick():
+    """The tiny stack at batch 1, 64 positions, seed 0: at step 1 layer 7's bf16 router takes an expert the fp64
+    oracle does not, within what its input's rounding explains; the oracle follows it (k3lab.model.Layer.align_twin)
+    and the layer's error is what the rounding gives (0.09) where the other expert's output made it 0.20. The
+    alignment is recorded in the numerics and on its row."""
+    calls = []
+    num = S.step_numerics(_tiny(batch=1, context=64), Switches(), n_steps=2, device="cpu")
+    assert [(a["step"], a["layer"]) for a in num["aligned"]] == [(1, 7)]
+    assert num["rel_err"][7][1] < 0.12
+    rows = {r.name: r for r in S.numerics_rows(num)}
+    r7 = rows["numerics:L07.mla+moe"]
+    assert "near-ties aligned at 1 step" in r7.error["note"] and "near-tied expert" in r7.extra["aligned"][0]
+    assert "note" not in rows["numerics:L06.kda+moe"].error
+    st = S.DecodeStep(_tiny(), Switches(), device="cpu")
+    st.run(after=lambda i, c: calls.append((i, c)))
+    assert calls == [(i, c) for i in range(len(st.layers)) for c in st.comps[i]]
+
+
 def test_nsight_says_clearly_when_it_cannot_run():
     ok, why = S.nsight_status()
     if not torch.cuda.is_available():
