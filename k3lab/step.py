@@ -324,8 +324,9 @@ class DecodeStep:
             why["fuse_prologues"] = (why.get("fuse_prologues", "") + "; not in moe_out: owned_output runs its glue "
                                      "launch and two projections there").lstrip("; ")
         if sw.shared_expert_stream and over.get("proj") == "triton":
-            why["shared_expert_stream"] = ("on: the shared experts' w1/w3 on a side stream beside the routed experts "
-                                           "(their share of the SMs not bounded)")
+            why["shared_expert_stream"] = (f"on: the shared experts' w1/w3 on a side stream beside the routed experts, "
+                                           f"their launch held to at most {SHARED_STREAM_CTAS} CTAs where its "
+                                           f"column tiles allow (shared_stream_knobs)")
         if sw.pdl:
             comps = [{n: (_chained(fn), nb, fl) for n, (fn, nb, fl) in c.items()} for c in comps]
             why["pdl"] = ("on: every k3lab Triton kernel of the step (and the CuTe AttnRes, router and cache write) "
@@ -600,6 +601,37 @@ def _beside(comp, side_fn: Callable[[], Any], device):
     return (run, *comp[1:])
 
 
+# the `shared_expert_stream` switch's bounded share: the shared experts' w1/w3 launch on the side stream takes at
+# most this many CTAs (about a quarter of the H200's 132 SMs), the routed experts beside it the rest. Not tuned: the
+# switch's A/B with this bound is queued (docs/NOTES_moe.md, thirty-ninth session).
+SHARED_STREAM_CTAS = 32
+
+
+def shared_stream_knobs(batch: int, n: int, k: int, device, *, fp8: bool = False,
+                        ctas: int | None = None) -> tuple[dict, int]:
+    """The Triton projection's knobs that hold a launch of x [batch, k] W^T (W [n, k]) to at most `ctas` CTAs
+    (default SHARED_STREAM_CTAS): its default tile path (the register path "rows", which has no split-K and a CTA
+    every few columns, replaced by "dot"), column tiles widened while the tiles alone exceed the bound, then split-K
+    cut to what fits. Returns (knobs, the launch's CTAs: tiles x K ranges; more than `ctas` only where the widest
+    tiles alone exceed it: n > 256 x ctas at batch <= 16, e.g. both shared experts whole on one GPU at TP1)."""
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    ctas = SHARED_STREAM_CTAS if ctas is None else ctas
+    if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
+        _fail("ctas", f"must be an int >= 1, got {ctas!r}")
+    dev = torch.device(device)
+    path = pg.default_path(batch, n, fp8)
+    path = "dot" if path == "rows" else path
+    cfg = pg.config(batch, n, k, dev, path=path)
+    bn, rows = cfg["BN"], -(-batch // cfg["BM"])
+    while -(-n // bn) * rows > ctas and bn < pg.TMA_MAX_BOX:
+        bn *= 2
+    tiles = -(-n // bn) * rows
+    knobs = dict(path=path, block_n=bn, split_k=max(1, ctas // tiles))
+    cfg = pg.config(batch, n, k, dev, fp8=fp8, **knobs)
+    return knobs, tiles * cfg["SPLIT"]
+
+
 PROJ_CUTE_MAX_TOKENS = 1
 # the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch (k3lab_kernels.cute.proj_gemv
 # `chain`) up to this many tokens, where both run on the CuTe GEMV; 0: its own launch (decay_proj)
@@ -729,8 +761,8 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
     ranks "all" (the numerics and the tests): every rank's share in turn, assembled: the plain path's values.
     shared_stream (the `shared_expert_stream` switch, projections on triton): the shared experts' w1/w3 leave
     moe_in's launch and run on the side stream beside the routed experts (`_beside`: forked when the experts start,
-    joined when they end); their SiTU-GLU and w2 stay in moe_out. Their share of the SMs is not bounded: the
-    projection's own grid (bounding it needs a grid knob on every projection path, or green contexts).
+    joined when they end); their SiTU-GLU and w2 stay in moe_out. Their share of the SMs is bounded by their grid:
+    at most SHARED_STREAM_CTAS CTAs (`shared_stream_knobs`), so the routed experts keep the other SMs.
     proj_cute (the switch, projections on triton): the projections `proj_cute_takes` accepts run on the CuTe DSL
     GEMV (backend "cute"); the component's record says "cute" (its one launch) or "triton+cute"."""
     from k3lab.components import glue, trunk
@@ -988,8 +1020,10 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         if shared_stream:  # the shared w1/w3 beside the routed experts, on the side stream
             w_sh13 = w_moe[E + Lat:]
 
+            sk, _ = shared_stream_knobs(N, w_sh13.shape[0], D, dev, fp8=w_sh13.dtype == torch.float8_e4m3fn)
+
             def shared_up():
-                trunk.proj_group(flat(b["h2"]), w_sh13, [gu[:, :sI], gu[:, sI:]], backend=be)
+                trunk.proj_group(flat(b["h2"]), w_sh13, [gu[:, :sI], gu[:, sI:]], backend=be, **sk)
 
             fn_e, nb_e, fl_e = comps["experts"]
             out["experts"] = _beside((fn_e, nb_e + mm_bytes(w_sh13, D, 2 * sI), fl_e + 2 * N * D * 2 * sI), shared_up,

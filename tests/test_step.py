@@ -1004,3 +1004,23 @@ def test_toggles_figure_keeps_the_switches_on_their_own_scale():
     near = Bundle(name="t", env={}, config={}, switches={},
                   rows=[row("step", 1000.0), row("step", 1500.0, "reference"), row("toggle:pdl=True->False", 1100.0)])
     assert list(dash.toggles_figure(near).data[0].y) == ["every component on reference", "pdl=True->False"]
+
+
+def test_shared_stream_launch_is_bounded():
+    """The switch's bounded share: the shared experts' w1/w3 launch takes at most SHARED_STREAM_CTAS CTAs at K3's
+    TP8 and TP16 shapes, every batch the step runs (the tiles x K ranges the Triton projection's config makes of the
+    knobs), and the bound is stated where the switch says what it did."""
+    from k3lab.config import preset as mk
+
+    for tp in ("tp8", "tp16"):
+        c = mk(tp).cfg
+        sI = c.n_shared_experts * c.shared_intermediate_size // (8 if tp == "tp8" else 16)
+        for batch in (1, 2, 8, 16, 64, 128, 512):
+            knobs, n = S.shared_stream_knobs(batch, 2 * sI, c.hidden_size, "cpu")
+            assert 1 <= n <= S.SHARED_STREAM_CTAS, (tp, batch, knobs, n)
+            assert knobs["path"] in ("tma", "dot")
+    assert S.shared_stream_knobs(1, 64, 64, "cpu", ctas=1)[1] == 1
+    with pytest.raises(S.StepError, match="ctas"):
+        S.shared_stream_knobs(1, 64, 64, "cpu", ctas=0)
+    st = S.DecodeStep(_tiny(batch=2, expert_dtype="bf16"), FUSED.replace(shared_expert_stream=True), device="cpu")
+    assert f"at most {S.SHARED_STREAM_CTAS} CTAs" in st.why["shared_expert_stream"]
