@@ -558,3 +558,22 @@ def test_h200_explore_runs_the_shared_entry_loop(tmp_path):
     b = load(ops.h200_explore(str(tmp_path), entries=(entry,), reps=1, device="cpu", log=lambda *a: None))
     assert [r.backend for r in b.rows] == ["triton", "triton", "cublas"] and all(r.error["ok"] for r in b.rows)
     assert b.config["entries"][0]["op"] == "proj"
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 17])
+def test_route_fuses_the_selection_on_triton(batch):
+    """trunk.route on triton: up to SELECT_MAX_BATCH rows one launch (the selection in the projection group's
+    launch), above it the projection then router_topk; the same experts as the fp64 route (distinct scores) and the
+    weights within 1e-5."""
+    g = torch.Generator().manual_seed(batch)
+    E, D, k = 64, 128, 8
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(E, generator=g) * 0.1
+    h = torch.randn(batch, D, generator=g).to(torch.bfloat16)
+    r = RouterWeights(w=w, e_bias=bias, top_k=k, scaling=2.5)
+    ran = []
+    idx, wk = trunk.route(h, r, backend="triton", ran=ran)
+    r64 = RouterWeights(w=w.double(), e_bias=bias.double(), top_k=k, scaling=2.5)
+    i64, w64 = trunk.route(h.double(), r64, backend="reference")
+    assert torch.equal(idx, i64) and rel_norm_error(wk, w64) < 1e-5
+    assert [x.op for x in ran] == (["proj_group"] if batch <= 16 else ["proj", "router_topk"])

@@ -574,12 +574,24 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference",
           w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router projection into fp32 logits, then router_topk, each through the dispatcher (backend "cute": the
     projection on triton, whose batch range the CuTe projection (<= 16 rows, not yet timed) does not cover;
-    torch_compile: the reference GEMM)."""
+    torch_compile: the reference GEMM). Backend "triton" up to its SELECT_MAX_BATCH rows: one launch, the selection
+    fused into the projection (proj_group's `select`, the MoE input group's form in the decode step)."""
     if not isinstance(router, RouterWeights):
         _fail("router", f"must be k3lab.ref.router.RouterWeights, got {type(router).__name__}")
     _tensor("h", h, 2)
     dt = torch.float64 if h.dtype == torch.float64 else torch.float32  # the oracle stays fp64 throughout
     logits = torch.empty(h.shape[0], router.n_experts, dtype=dt, device=h.device)
+    from k3lab_kernels.triton.proj_gemv import SELECT_MAX_BATCH, default_path
+
+    B = h.shape[0]
+    if backend == "triton" and dt == torch.float32 and B <= SELECT_MAX_BATCH and router.top_k <= 32:
+        idx = torch.empty(B, router.top_k, dtype=torch.int64, device=h.device)
+        wk = torch.empty(B, router.top_k, dtype=torch.float32, device=h.device)
+        sel = Select(router.e_bias.to(dt).contiguous(), idx, wk, router.scaling)
+        # the register path ("rows", few outputs at batch 1) runs no fused selection: its tiled form then
+        path = "dot" if default_path(B, router.n_experts, w_scale is not None) == "rows" else None
+        proj_group(h, router.w, [logits], w_scale=w_scale, select=sel, backend="triton", ran=ran, path=path)
+        return idx, wk
     proj(h, router.w, logits, w_scale=w_scale, backend={"torch_compile": "reference", "cute": "triton"}.get(
         backend, backend), ran=ran)  # (a projection's torch.compile is cuBLAS: the reference GEMM)
     return router_topk(logits, router.e_bias.to(dt).contiguous(), top_k=router.top_k, scaling=router.scaling,
