@@ -5,7 +5,9 @@ Each target is one entry of `data/targets.json`:
 
     {"issue": 12, "case": "decode, batch 1, 8K", "target": "<= 5 us",
      "bundle": "profiles/h200/mla_rule_sweep.json.gz",          (or a list: their rows together; a run.json of
-                                                                  `k3lab run` is one row, name and backend "run")
+                                                                  `k3lab run` is one row, name and backend "run";
+                                                                  "a|b": the newest of a, b that exist, so a new
+                                                                  run of either takes over when it lands)
      "where": {"op": "mla_decode", "batch": 1, "context": 8192}, (row fields, then the row's `extra`; a list = any of)
      "ours": ["triton", "cute"],                                 (the backends whose best row a case counts)
      "metric": "us", "op": "<=", "value": 5.0}
@@ -221,7 +223,19 @@ def _value_of(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str,
 
 
 def _names(b: str | list[str]) -> list[str]:
-    return [Path(x).name for x in ([b] if isinstance(b, str) else b)]
+    return ["|".join(Path(a).name for a in x.split("|")) for x in ([b] if isinstance(b, str) else b)]
+
+
+def _pick(b: str | list[str], root: Path) -> str | list[str]:
+    """Each "a|b" entry as the newest (its `created` date, then its place in the list) of its alternatives that
+    exist under root (the first when none does)."""
+    def one(x: str) -> str:
+        alts = x.split("|")
+        there = [a for a in alts if (root / a).exists()]
+        if len(there) < 2:
+            return there[0] if there else alts[0]
+        return max(there, key=lambda a: (str(read_json(root / a).get("created", "")), -alts.index(a)))
+    return one(b) if isinstance(b, str) else [one(x) for x in b]
 
 
 def on_profiles(e: dict[str, Any], profiles: str | Path) -> dict[str, Any]:
@@ -229,7 +243,8 @@ def on_profiles(e: dict[str, Any], profiles: str | Path) -> dict[str, Any]:
     e2 = dict(e, _moved=True)  # (the table then names the bundles alone)
     for k in ("bundle", "over_bundle"):
         if k in e:
-            moved = [str(Path(profiles) / n) for n in _names(e[k])]
+            moved = ["|".join(str(Path(profiles) / Path(a).name) for a in x.split("|"))
+                     for x in ([e[k]] if isinstance(e[k], str) else e[k])]
             e2[k] = moved[0] if isinstance(e[k], str) else moved
     return e2
 
@@ -240,6 +255,8 @@ def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path |
     root = Path(root) if root is not None else ROOT
     if profiles is not None:
         e = on_profiles(e, profiles)
+    e = dict(e, **{k: _pick(e[k], root) for k in ("bundle", "over_bundle") if k in e})
+    if profiles is not None:
         paths = [b for k in ("bundle", "over_bundle") if k in e for b in ([e[k]] if isinstance(e[k], str) else e[k])]
         missing = [Path(b).name for b in paths if not (root / b).exists()]
         if missing:

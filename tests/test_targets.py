@@ -138,3 +138,24 @@ def test_cli_targets_profiles():
     assert out.exit_code == 0 and "bundle (profiles/h100-80gb-hbm3/)" in out.output, out.output
     out = CliRunner().invoke(app, ["targets", "--profiles", "profiles/h100-80gb-hbm3", "--write", "/tmp/x.md"])
     assert out.exit_code == 2 and "no --profiles" in out.output
+
+
+def test_alternative_bundles_take_the_newest(toy, tmp_path):
+    """"a|b": the newest of the alternatives that exist (a new run of either takes over); one alone is used; none
+    is the first's missing-bundle error; --profiles moves each alternative by name."""
+    rows = json.loads(gzip.decompress((toy / "b.json.gz").read_bytes()))["rows"]
+    for name, created, scale in (("old.json.gz", "2026-12-01", 2.0), ("new.json.gz", "2026-12-03", 1.0)):
+        rs = [dict(r, median_us=r["median_us"] * scale) for r in rows]
+        (tmp_path / name).write_bytes(gzip.compress(json.dumps({"rows": rs, "created": created}).encode()))
+    e = _e(metric="us", op="<=", value=10.0)
+    for b in ("old.json.gz|new.json.gz", "new.json.gz|old.json.gz"):
+        r = tg.evaluate(dict(e, bundle=b), tmp_path)
+        assert r.measured == 9.0 and r.date == "2026-12-03" and r.bundle == "new.json.gz", b
+    assert tg.evaluate(dict(e, bundle="gone.json.gz|old.json.gz"), tmp_path).measured == 18.0
+    with pytest.raises(tg.TargetError, match="gone.json.gz"):
+        tg.evaluate(dict(e, bundle="gone.json.gz|gone2.json.gz"), tmp_path)
+    other = tmp_path / "gpu2"
+    other.mkdir()
+    (other / "old.json.gz").write_bytes((tmp_path / "old.json.gz").read_bytes())
+    r = tg.evaluate(dict(e, bundle="profiles/h200/new.json.gz|profiles/h200/old.json.gz"), tmp_path, profiles="gpu2")
+    assert r.measured_here and r.measured == 18.0 and r.bundle == "old.json.gz"
