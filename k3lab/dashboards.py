@@ -451,6 +451,14 @@ def error_figure(bundle):
         e = r.extra.get("rel_err_by_step") or []
         fig.add_scatter(name=r.name[len("numerics:"):], x=list(range(1, len(e) + 1)), y=e, mode="lines+markers",
                         line=dict(color=_COLORS[k % len(_COLORS)]))
+        # a router near-tie aligned at that step (k3lab.step.step_numerics): a star, the note on hover
+        al = [(int(a.split(":", 1)[0].split()[1]), a) for a in r.extra.get("aligned") or ()
+              if a.startswith("step ")]
+        al = [(s, a) for s, a in al if 0 <= s < len(e)]
+        if al:
+            fig.add_scatter(name=f"{r.name[len('numerics:'):]} aligned", x=[s + 1 for s, _ in al],
+                            y=[e[s] for s, _ in al], mode="markers", hovertext=[a for _, a in al], showlegend=False,
+                            marker=dict(symbol="star", size=12, color=_COLORS[k % len(_COLORS)]))
     v = rows[0].extra.get("preset_view", {})
     fig.update_layout(title=f"relative error per layer vs fp64, over the decode steps ({rows[0].extra.get('device')}, "
                             f"batch {v.get('batch')}, heads {v.get('heads')})", xaxis_title="decode step",

@@ -680,6 +680,14 @@ def test_numerics_align_a_near_tied_router_pick():
     r7 = rows["numerics:L07.mla+moe"]
     assert "near-ties aligned at 1 step" in r7.error["note"] and "near-tied expert" in r7.extra["aligned"][0]
     assert "note" not in rows["numerics:L06.kda+moe"].error
+    from k3lab import dashboards
+    from k3lab.harness.bundle import Bundle
+
+    b = Bundle.new("n", view=_tiny(batch=1, context=64), switches=Switches())
+    for r in rows.values():
+        b.add(r)
+    stars = [t for t in dashboards.error_figure(b).data if t.marker.symbol == "star"]
+    assert len(stars) == 1 and list(stars[0].x) == [2] and "near-tied expert" in stars[0].hovertext[0]
     st = S.DecodeStep(_tiny(), Switches(), device="cpu")
     st.run(after=lambda i, c: calls.append((i, c)))
     assert calls == [(i, c) for i in range(len(st.layers)) for c in st.comps[i]]
