@@ -37,6 +37,7 @@ of any component here.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -127,6 +128,11 @@ def _default_index(view: GpuView, kind: str) -> int:
     if cfg.layer_kind(0) == kind:
         return 0
     raise ConfigError(f"the config has no {kind!r} layer")
+
+
+# Layer.align_twin: how far an expert the router left out may score above one it picked, on the layer's own input
+# and weights in fp64, for the picks to count as right (the kernels sum fp32 logits over K = 7168: ~1e-5 on a score)
+ALIGN_OWN_TOL = 1e-4
 
 
 class Layer:
@@ -659,39 +665,51 @@ class Layer:
 
     def align_twin(self, twin: Layer, name: str) -> tuple[torch.Tensor, str] | None:
         """After component `name` ran on this layer and on its fp64 twin (k3lab.harness.checker.check_twin): where
-        this layer's router took other experts than the twin's, and every such choice is within what the rounding
-        of its input explains, the twin takes this layer's experts (weights renormalized from its own fp64 scores)
-        for the router's row and every component after it. Returns (the twin's router output under that
-        selection, a note), or None where there is nothing to align.
-        The rule: an expert e picked here in place of the twin's k-th is explained when the twin's biased score
-        gap s(kth) - s(e) is at most twice the largest change of any expert's fp64 score between the twin's input
-        and this layer's (each of the two scores can move by that much; the router kernel's own fp32 logits add
-        ~1e-6). A pick outside it stays as it is, and its row fails."""
+        this layer's router took other experts than the twin's and its picks are right for what it was given, the
+        twin takes this layer's experts (weights renormalized from its own fp64 scores) for the router's row and
+        every component after it. Returns (the twin's router output under that selection, a note), or None where
+        there is nothing to align or the picks are not explained.
+        The rule: each token's picks are k distinct experts, and they are the top-k of this layer's own input and
+        weights scored in fp64 (no expert left out beats one picked by more than ALIGN_OWN_TOL): the difference
+        from the twin then comes from the inputs and weights the layers hold (bf16 against fp64, and in a decode
+        step every earlier layer's rounding), not from the router's arithmetic. A wrong pick (a dropped top expert,
+        a repeated id) fails this and its row fails."""
         if name != "router" or "idx" not in self.buf or "idx" not in twin.buf:
             return None
         idx = self.buf["idx"].to("cpu", torch.int64)
         tidx = twin.buf["idx"].to("cpu", torch.int64)
-        moved = (idx.sort(-1).values != tidx.sort(-1).values).any(-1)
+        rt, r = twin.w.mlp.router, self.w.mlp.router
+        E = rt.n_experts
+        if idx.shape != tidx.shape or bool(((idx < 0) | (idx >= E)).any()):
+            return None
+        srt = idx.sort(-1).values
+        if bool((srt[:, 1:] == srt[:, :-1]).any()):  # a repeated expert is never a near-tie
+            return None
+        moved = (srt != tidx.sort(-1).values).any(-1)
         if not bool(moved.any()):
             return None
-        r = twin.w.mlp.router
-        h_twin = twin._flat(twin.buf["h2"]).to("cpu", torch.float64)
-        h_here = self._flat(self.buf["h2"]).to("cpu", torch.float64)
-        s_twin = ref_router.router_scores(h_twin, r).to(torch.float64)
-        carried = (ref_router.router_scores(h_here, r).to(torch.float64) - s_twin).abs().amax(-1)
-        biased = s_twin + r.e_bias.to("cpu", torch.float64)
-        gap = (biased.gather(-1, tidx).amin(-1) - biased.gather(-1, idx).amin(-1)).clamp_min(0)
-        allowed = 2 * carried + 1e-6
-        if bool((gap[moved] > allowed[moved]).any()):
+        f64 = dict(device="cpu", dtype=torch.float64)
+        h_here = self._flat(self.buf["h2"]).to(**f64)
+        own = torch.sigmoid(h_here @ r.w.to(**f64).T) + r.e_bias.to(**f64)  # this layer's own maths, in fp64
+        here = torch.zeros(idx.shape[0], E, dtype=torch.bool).scatter(1, idx, True)
+        slack = own.masked_fill(here, -math.inf).amax(-1) - own.masked_fill(~here, math.inf).amin(-1)
+        if bool((slack[moved] > ALIGN_OWN_TOL).any()):
             return None
+        s_twin = ref_router.router_scores(twin._flat(twin.buf["h2"]).to(**f64), rt).to(torch.float64)
+        biased = s_twin + rt.e_bias.to(**f64)
+        there = torch.zeros_like(here).scatter(1, tidx, True)
+        gap = (biased.masked_fill(~(there & ~here), -math.inf).amax(-1)
+               - biased.masked_fill(~(here & ~there), math.inf).amin(-1))
         sel = s_twin.gather(-1, idx)
-        wk = sel / sel.sum(-1, keepdim=True) * r.scaling
+        wk = sel / sel.sum(-1, keepdim=True) * rt.scaling
         twin.buf["idx"], twin.buf["wk"] = idx.to(twin.buf["idx"].device), wk.to(twin.buf["wk"])
-        out = torch.zeros(idx.shape[0], r.n_experts, dtype=wk.dtype).scatter(1, idx, wk)
+        out = torch.zeros(idx.shape[0], E, dtype=wk.dtype).scatter(1, idx, wk)
         n = int(moved.sum())
-        return out, (f"{n} of {idx.shape[0]} tokens took a near-tied expert the fp64 twin did not (biased-score gap "
-                     f"{float(gap[moved].max()):.1e} <= {float(allowed[moved].min()):.1e}, twice the score change "
-                     f"the input's rounding makes); the twin follows this layer's experts from here")
+        return out, (f"{n} of {idx.shape[0]} tokens took experts the fp64 twin did not; each pick is the top-"
+                     f"{idx.shape[1]} of this layer's own input and weights in fp64 (its last pick ahead of the first "
+                     f"left out by {-float(slack[moved].max()):.1e}, -{ALIGN_OWN_TOL:g} allowed), the twin's scores "
+                     f"put them at most {float(gap[moved].max()):.1e} below its own; the twin follows this layer's "
+                     f"experts from here")
 
     def dense_part(self) -> OrderedDict[str, Component]:
         m, b = self.w.mlp, self.buf

@@ -50,7 +50,8 @@ over the step time (the TP group's rate) and that over the TP degree (per GPU).
 
 Numerics (`step_numerics`): the same stack (same seed, same view) in the compute dtype on the device against
 an fp64 reference build on the CPU, over N decode steps of fresh inputs; the per-layer relative error of
-the stream and of the KDA state after every step.
+the stream and of the KDA state after every step (a router pick that differs from the oracle's but is right for the
+step's own input is followed by the oracle and listed: k3lab.model.Layer.align_twin).
 """
 from __future__ import annotations
 
@@ -1658,10 +1659,11 @@ def step_numerics(view: GpuView, switches: Switches | None = None, *, n_steps: i
     states and inputs, both drawn on the CPU), over `n_steps` decode steps of fresh random inputs (verify path:
     every position committed after each step). Returns per layer the relative error of its output stream (and
     of the KDA state) after each step, and what ran.
-    A router pick the bf16 step made differently from the oracle at a near-tie its input's rounding explains is
-    taken over by the oracle for the rest of that layer (k3lab.model.Layer.align_twin, the layer check's rule), so
-    the errors measure arithmetic rather than which of two equal experts won; `aligned` lists each such pick
-    (step, layer, what). A pick outside the rule is left as it is and shows as error."""
+    A router pick the bf16 step made differently from the oracle, where it is the top-k of the step's own input and
+    weights scored in fp64 (k3lab.model.Layer.align_twin, the layer check's rule), is taken over by the oracle for
+    the rest of that layer, so the errors measure arithmetic rather than which of two near-equal experts won;
+    `aligned` lists each such pick (step, layer, what). A pick outside the rule is left as it is and shows as
+    error."""
     if not isinstance(n_steps, int) or n_steps < 1:
         _fail("n_steps", f"must be an int >= 1, got {n_steps!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

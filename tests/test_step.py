@@ -669,7 +669,7 @@ def test_numerics_verify_path_commits_and_stays_finite():
 
 def test_numerics_align_a_near_tied_router_pick():
     """The tiny stack at batch 1, 64 positions, seed 0: at step 1 layer 7's bf16 router takes an expert the fp64
-    oracle does not, within what its input's rounding explains; the oracle follows it (k3lab.model.Layer.align_twin)
+    oracle does not, the right one for its own input; the oracle follows it (k3lab.model.Layer.align_twin)
     and the layer's error is what the rounding gives (0.09) where the other expert's output made it 0.20. The
     alignment is recorded in the numerics and on its row."""
     calls = []
@@ -678,7 +678,7 @@ def test_numerics_align_a_near_tied_router_pick():
     assert num["rel_err"][7][1] < 0.12
     rows = {r.name: r for r in S.numerics_rows(num)}
     r7 = rows["numerics:L07.mla+moe"]
-    assert "near-ties aligned at 1 step" in r7.error["note"] and "near-tied expert" in r7.extra["aligned"][0]
+    assert "near-ties aligned at 1 step" in r7.error["note"] and "the fp64 twin did not" in r7.extra["aligned"][0]
     assert "note" not in rows["numerics:L06.kda+moe"].error
     from k3lab import dashboards
     from k3lab.harness.bundle import Bundle
@@ -687,7 +687,7 @@ def test_numerics_align_a_near_tied_router_pick():
     for r in rows.values():
         b.add(r)
     stars = [t for t in dashboards.error_figure(b).data if t.marker.symbol == "star"]
-    assert len(stars) == 1 and list(stars[0].x) == [2] and "near-tied expert" in stars[0].hovertext[0]
+    assert len(stars) == 1 and list(stars[0].x) == [2] and "the fp64 twin did not" in stars[0].hovertext[0]
     st = S.DecodeStep(_tiny(), Switches(), device="cpu")
     st.run(after=lambda i, c: calls.append((i, c)))
     assert calls == [(i, c) for i in range(len(st.layers)) for c in st.comps[i]]

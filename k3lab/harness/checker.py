@@ -179,9 +179,9 @@ def check_twin(layer: Any, ref_layer: Any, fn: Callable[[], Any], ref_fn: Callab
     numerics.ErrorStats (relative norm over every output, NaN never passes).
     name: the component's name, passed to `layer.check_form(name, out)` (the form compared: the router's picks as
     a gate matrix) and to `layer.align_twin(ref_layer, name)` after both calls, where the layer has them: a
-    discrete choice the bf16 layer made differently at a near-tie (the router's experts) is taken over by the
+    discrete choice the bf16 layer made differently from the twin (the router's experts) is taken over by the
     twin, so this row and the ones after it measure arithmetic, not a coin toss; the stats' `note` says what was
-    aligned. A choice the input's rounding cannot explain is left as it is and fails."""
+    aligned. A choice that is not right for the layer's own input (align_twin's rule) is left as it is and fails."""
     def tensors(d: Any) -> dict[str, torch.Tensor]:
         return {k: v for k, v in (d or {}).items() if isinstance(v, torch.Tensor)}
 
