@@ -65,7 +65,8 @@ _IMPLEMENTED: dict[str, tuple[str, ...] | None] = {
     "attnres": ("reference", "torch_compile", "triton", "cute"),  # k3lab_kernels.{triton,cute}.attnres_norm
     "mla": ("reference", "torch_compile", "triton", "cute"),  # cute: decode (T = 1), cache write and combine
     "moe": ("reference", "torch_compile", "triton", "cute"),  # triton: moe_experts' paths; cute: MXFP4 (token, grouped)
-    # triton / cute: trunk.route (the projection on the trunk kernel + router_topk on that backend)
+    # triton / cute: trunk.route (the projection on the trunk kernel + router_topk on that backend; triton up to 16
+    # rows: the selection in the projection's launch)
     "router": ("reference", "torch_compile", "triton", "cute"),
     "kda": None,
     "proj": ("reference", "torch_compile", "triton", "cute", "aiter"),
@@ -315,9 +316,9 @@ class Layer:
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ residual) in x's dtype: one `trunk.proj` launch (the residual added in its epilogue) when
-        `_proj_kernel()`, else torch (cuBLAS on a GPU). The norms and SiTU between projections (`_norm`, `_glu`)
-        take the glue kernels on the same condition; the decode step fuses them further (groups by shared input,
-        prologues: `k3lab.step._fused_parts`)."""
+        `_proj_kernel()`, else torch (cuBLAS on a GPU). The norms and SiTU between projections take the kernels on
+        the same condition (`_norm`: the glue's; `_glu`: the projection's prologue); the decode step fuses further
+        (groups by shared input, prologues: `k3lab.step._fused_parts`)."""
         if not self._proj_kernel():
             y = linear(x, w)
             return y if residual is None else residual + y
@@ -343,8 +344,9 @@ class Layer:
         """sum_i W2_i situ(W1_i x, W3_i x) (+ residual) over the SiTU-GLU MLPs `gs` (the shared experts; the dense
         MLP alone). With `_proj_kernel()` and one pair of SiTU constants: two launches of the trunk projection, every
         w1 and w3 as one weight [W1_1; ..; W3_1; ..] (so its output is [g | u]), then every w2 as one weight
-        [W2_1 | W2_2 ..] over the SiTU prologue with the residual in its epilogue (the weights are concatenated once,
-        when first used); else torch, one MLP at a time. The decode step fuses further (k3lab.step._fused_parts)."""
+        [W2_1 | W2_2 ..] over the SiTU prologue with the residual in its epilogue (above the step's
+        PROLOGUE_MAX_TOKENS, where the step measured the prologues slower, the SiTU is the glue's own launch between
+        them; the weights are concatenated once, when first used); else torch, one MLP at a time."""
         gs = list(gs)
         consts = {(float(g.b1), float(g.b2)) for g in gs}
         if not self._proj_kernel() or len(consts) != 1:
@@ -362,7 +364,15 @@ class Layer:
         w13, w2 = self._glu_cat[key]
         gu = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w13, backend="triton")
         r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
-        y = trunk.proj(gu, w2, residual=r, prologue=("situ", *consts.pop()), backend="triton")
+        b1, b2 = consts.pop()
+        from k3lab.step import PROLOGUE_MAX_TOKENS
+
+        if gu.shape[0] <= PROLOGUE_MAX_TOKENS:  # the SiTU in w2's launch (measured slower above: the step's rule)
+            y = trunk.proj(gu, w2, residual=r, prologue=("situ", b1, b2), backend="triton")
+        else:
+            from k3lab.components import glue
+
+            y = trunk.proj(glue.situ_glu(gu, b1=b1, b2=b2, backend="triton"), w2, residual=r, backend="triton")
         return y.view(*x.shape[:-1], w2.shape[0])
 
     def _keep(self, name: str, rec: list) -> None:

@@ -28,11 +28,19 @@ def test_layer_components_on_the_kernels(kind):
         assert st.rel_norm < 3e-2, (n, layer.ran[n], st)  # bf16 activations and weights against fp64
 
 
-def test_layer_glu_mlps_on_two_launches():
+@pytest.mark.parametrize("batch", [2, 17])
+def test_layer_glu_mlps_on_two_launches(batch, monkeypatch):
     """The shared experts (both in one weight pair) and layer 0's dense MLP on the trunk kernel: two projection
-    launches each (w1 and w3 of every MLP as one weight, then every w2 over the SiTU prologue with the residual in
-    its epilogue), checked against the fp64 twin."""
-    view = preset("tiny", batch=2, context=24)
+    launches each (w1 and w3 of every MLP as one weight, then every w2 with the residual in its epilogue: over the
+    SiTU prologue up to PROLOGUE_MAX_TOKENS tokens, after the glue's SiTU launch above), checked against the fp64
+    twin."""
+    from k3lab.components import glue, trunk
+
+    calls = []
+    real_proj, real_situ = trunk.proj, glue.situ_glu
+    monkeypatch.setattr(trunk, "proj", lambda *a, **k: calls.append(("proj", k.get("prologue"))) or real_proj(*a, **k))
+    monkeypatch.setattr(glue, "situ_glu", lambda *a, **k: calls.append(("situ", None)) or real_situ(*a, **k))
+    view = preset("tiny", batch=batch, context=24)
     sw = Switches().replace(backend=TRITON)
     for idx, name in ((0, "dense_mlp"), (1, "shared")):
         ref_layer = build_layer(view, "kda", 0, backend="reference", dtype=torch.float64, n_experts=8,
@@ -41,8 +49,13 @@ def test_layer_glu_mlps_on_two_launches():
         rc, lc = ref_layer.components(), layer.components()
         assert name in lc, list(lc)
         for n in lc:
+            calls.clear()
             st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None, name=n)
             assert st.rel_norm < 3e-2, (n, st)
+            if n == name:
+                want = ([("proj", None), ("proj", ("situ",))] if batch <= 16 else
+                        [("proj", None), ("situ", None), ("proj", None)])
+                assert [(c, p[:1] if p else None) for c, p in calls] == want, calls
         assert len(layer._glu_cat) == 1
         (w13, w2), = layer._glu_cat.values()
         mlps = layer.w.mlp.shared if name == "shared" else [layer.w.mlp]

@@ -20,7 +20,8 @@ k3lab.ref.router; the fp64 oracles and byte formulas: k3lab.ops.trunk.
     router_topk(logits, e_bias, *, top_k=16, scaling=1.0, idx=None, weights=None, backend, ran) -> (idx, weights)
         sigmoid, the selection-only bias, top-k (ties: lower expert id first), renormalized weights * scaling.
     route(h, router, *, backend="reference", ran=None) -> (idx [B, k] int64, weights [B, k] fp32)
-        the router projection (fp32 logits) then router_topk: what the MoE calls.
+        the router projection (fp32 logits) then router_topk (triton up to SELECT_MAX_BATCH rows: the selection in
+        the projection's launch): what the layer's router component calls.
     prefetch_l2(w, batch, *, budget, prologue=False, record=None, backend="triton", ran=None) -> dict
         the `prefetch` switch: pull into L2 the first columns of every split-K range that proj(x [batch, K], w)
         will stream, at most `budget` bytes (launch it on a side stream during a phase that moves few bytes).
