@@ -608,7 +608,7 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 SHARED_STREAM_CTAS = 32
 
 
-def shared_stream_knobs(batch: int, n: int, k: int, device, *, fp8: bool = False,
+def shared_stream_knobs(batch: int, n: int, k: int, device, *, fp8: bool = False, tma: bool = True,
                         ctas: int | None = None) -> tuple[dict, int]:
     """The Triton projection's knobs that hold a launch of x [batch, k] W^T (W [n, k]) to at most `ctas` CTAs
     (default SHARED_STREAM_CTAS): its default tile path (the register path "rows", which has no split-K and a CTA
@@ -621,14 +621,15 @@ def shared_stream_knobs(batch: int, n: int, k: int, device, *, fp8: bool = False
     if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
         _fail("ctas", f"must be an int >= 1, got {ctas!r}")
     dev = torch.device(device)
-    path = pg.default_path(batch, n, fp8)
+    path = pg.default_path(batch, n, fp8, tma)
     path = "dot" if path == "rows" else path
-    cfg = pg.config(batch, n, k, dev, path=path)
+    cfg = pg.config(batch, n, k, dev, path=path, fp8=fp8)
     bn, rows = cfg["BN"], -(-batch // cfg["BM"])
     while -(-n // bn) * rows > ctas and bn < pg.TMA_MAX_BOX:
         bn *= 2
     tiles = -(-n // bn) * rows
-    knobs = dict(path=path, block_n=bn, split_k=max(1, ctas // tiles))
+    # split-K within the projection's option range (k3lab.ops.trunk: 1..56)
+    knobs = dict(path=path, block_n=bn, split_k=min(56, max(1, ctas // tiles)))
     cfg = pg.config(batch, n, k, dev, fp8=fp8, **knobs)
     return knobs, tiles * cfg["SPLIT"]
 
@@ -1021,7 +1022,10 @@ def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologu
         if shared_stream:  # the shared w1/w3 beside the routed experts, on the side stream
             w_sh13 = w_moe[E + Lat:]
 
-            sk, _ = shared_stream_knobs(N, w_sh13.shape[0], D, dev, fp8=w_sh13.dtype == torch.float8_e4m3fn)
+            from k3lab_kernels.triton.proj_gemv import tma_ok
+
+            sk = shared_stream_knobs(N, w_sh13.shape[0], D, dev, fp8=w_sh13.dtype == torch.float8_e4m3fn,
+                                     tma=tma_ok(flat(b["h2"]), w_sh13))[0] if be == "triton" else {}
 
             def shared_up():
                 trunk.proj_group(flat(b["h2"]), w_sh13, [gu[:, :sI], gu[:, sI:]], backend=be, **sk)

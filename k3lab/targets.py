@@ -227,14 +227,15 @@ def _names(b: str | list[str]) -> list[str]:
 
 
 def _pick(b: str | list[str], root: Path) -> str | list[str]:
-    """Each "a|b" entry as the newest (its `created` date, then its place in the list) of its alternatives that
-    exist under root (the first when none does)."""
+    """Each "a|b" entry as the newest (its date, `_date`; then its place in the list) of its alternatives that
+    exist under root (the first when none does). The newest is taken whole: a newer bundle covering fewer cases
+    decides alone."""
     def one(x: str) -> str:
         alts = x.split("|")
         there = [a for a in alts if (root / a).exists()]
         if len(there) < 2:
             return there[0] if there else alts[0]
-        return max(there, key=lambda a: (str(read_json(root / a).get("created", "")), -alts.index(a)))
+        return max(there, key=lambda a: (_date(read_json(root / a)), -alts.index(a)))
     return one(b) if isinstance(b, str) else [one(x) for x in b]
 
 

@@ -1032,3 +1032,18 @@ def test_shared_stream_launch_is_bounded():
         S.shared_stream_knobs(1, 64, 64, "cpu", ctas=0)
     st = S.DecodeStep(_tiny(batch=2, expert_dtype="bf16"), FUSED.replace(shared_expert_stream=True), device="cpu")
     assert f"at most {S.SHARED_STREAM_CTAS} CTAs" in st.why["shared_expert_stream"]
+    from k3lab.components import trunk
+
+    seen, real = [], trunk.proj_group
+
+    def spy(*a, **k):
+        seen.append(k)
+        return real(*a, **k)
+    trunk.proj_group = spy
+    try:
+        c = st.comps[1]
+        c["moe_in"][0]()
+        c["experts"][0]()  # the shared w1/w3 launch beside the experts
+    finally:
+        trunk.proj_group = real
+    assert any("split_k" in k and "block_n" in k for k in seen), seen

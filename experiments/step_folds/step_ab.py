@@ -191,7 +191,7 @@ def main(out, fold):
             print(f"round {rnd} {name:12s} {t.median_us:8.1f} us", flush=True)
             with open(f"{out}/{fold}_step_ab.json", "w") as f:  # after every arm: a cut run keeps what it has
                 json.dump(res, f, default=str)
-    for k, v in ARMS[0][1].items():  # the defaults back
+    for k, v in FOLDS[fold][0][1].items():  # the defaults back (the fold's first arm, named in ARMS or not)
         if not k.startswith("switch:"):
             _set(k, v)
     print("\n| arm | step us (each round) | output vs the first arm |")
