@@ -162,8 +162,9 @@ class Layer:
         # component -> the component API's record of its last call (k3lab.components.dispatch.Ran as a dict:
         # backend, kernel, options, why), where the layer keeps one (the AttnRes, KDA core, MLA attention, experts)
         self.records: dict[str, dict[str, Any]] = {}
-        self._glu_cat: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # _glu's concatenated weights
-        self._cat: dict[str, torch.Tensor] = {}  # other weights concatenated once for a group launch
+        # weights concatenated for one launch (_glu's, the decay's), the owners' attributes views of them
+        self._glu_cat: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cat: dict[str, torch.Tensor] = {}
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
         self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
@@ -358,9 +359,11 @@ class Layer:
         from k3lab.components import trunk
 
         key = tuple(id(g) for g in gs)
-        if key not in self._glu_cat:
-            self._glu_cat[key] = (torch.cat([g.w1 for g in gs] + [g.w3 for g in gs], 0).contiguous(),
-                                  torch.cat([g.w2 for g in gs], 1).contiguous())
+        if key not in self._glu_cat:  # one weight each, the MLPs' own weights re-pointed at views of it (no copy)
+            from k3lab.step import _cat_rows
+
+            self._glu_cat[key] = (_cat_rows([(g, "w1") for g in gs] + [(g, "w3") for g in gs]),
+                                  _cat_rows([(g, "w2") for g in gs], dim=1))
         w13, w2 = self._glu_cat[key]
         gu = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w13, backend="triton")
         r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
@@ -427,8 +430,10 @@ class Layer:
             if self._proj_kernel():  # Wfa and Wb read h: one group launch over [Wfa; Wb], then Wfb
                 from k3lab.components import trunk
 
-                if "decay" not in self._cat:
-                    self._cat["decay"] = torch.cat([w.w_fa, w.w_b], 0).contiguous()
+                if "decay" not in self._cat:  # one weight, w_fa and w_b re-pointed at views of it (no copy)
+                    from k3lab.step import _cat_rows
+
+                    self._cat["decay"] = _cat_rows([(w, "w_fa"), (w, "w_b")])
                 h = self._flat(b["h"]).contiguous()
                 fa = torch.empty(h.shape[0], w.w_fa.shape[0], dtype=h.dtype, device=h.device)
                 bb = torch.empty(h.shape[0], w.w_b.shape[0], dtype=h.dtype, device=h.device)
