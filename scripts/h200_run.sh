@@ -156,7 +156,7 @@ ab)
   # `.gpu/fi`): PART=1 the AttnRes form inside the batch-1 step; PART=2 the same A/B at batch 64; PART=3 the one-token
   # experts' GPU tests, KDA's decode beside FlashInfer, the AttnRes hot in L2; PART=4 the dense one-token experts' rows
   # a CTA; PART=5 MLA at 128K / 1M (1 and 3..5 ran on an H100 in the thirty-ninth session; the grouped experts' L2
-  # requests PART=1 also timed then were removed, having lost)
+  # requests PART=1 also timed then were removed, having lost); PART=6 the shared-expert stream at batch 1 and 8
   unpack cute; [ "${PART:-1}" = 3 ] && unpack fi; install
   mkdir -p "$OUT/ab"
   case "${PART:-1}" in
@@ -179,6 +179,11 @@ ab)
   4)
     # the dense one-token experts' rows a CTA (UP_ROWS / DOWN_ROWS, never swept on a GPU): bf16 and fp8 at TP8 / TP16
     KERNEL=moe_dense timeout 540 python3 experiments/moe_cute/variants.py "$OUT/ab" 20 2>&1 | tail -n 26 ;;
+  6)
+    # the shared-expert stream's bounded launch inside the batch-1 step (thirty-ninth session), then BATCH=8
+    timeout 280 python3 experiments/step_folds/step_ab.py "$OUT/ab" shared_stream 2>&1 | tail -n 12
+    mv "$OUT/ab/shared_stream_step_ab.json" "$OUT/ab/shared_stream_b1_step_ab.json" 2>/dev/null
+    BATCH=8 timeout 280 python3 experiments/step_folds/step_ab.py "$OUT/ab" shared_stream 2>&1 | tail -n 12 ;;
   5)
     # the MLA decode's GPU shapes, 128K bf16 and 1M fp8 (per-position scales) at batch 1 among them (issue 12)
     timeout 500 python3 -m pytest -q -m gpu tests/test_mla_triton.py -k gpu_shapes 2>&1 \

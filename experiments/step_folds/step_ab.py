@@ -20,6 +20,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
              pdl wait, or after it (EARLY; early kept: profiles/h200/attnres_early_step_ab.json.gz);
   mla_parts  the `mla_partitions` switch at auto / 64 / 32 / 16 (an arm's "switch:NAME" keys replace the switch);
+  shared_stream  the `shared_expert_stream` switch off, and on with the side-stream launch held to 16 / 32 / 64 CTAs
+             (k3lab.step.SHARED_STREAM_CTAS; the unbounded form lost +31.8 us in the thirty-first session's step);
   up_halves  the one-token experts' up kernel in one or two thread groups of L/32 (UP_HALVES) x UP_ROWS: 1/6, 2/12,
              2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
@@ -54,8 +56,8 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, attnres_form, proj_mma; BATCH=N for another batch, e.g. BATCH=8 for proj_mma; ARMS=a,b to
-        time only those arms of the fold, the first named the one the others are compared with)
+        mla_ksplit, attnres_form, proj_mma, shared_stream; BATCH=N for another batch, e.g. BATCH=8 for proj_mma;
+        ARMS=a,b to time only those arms of the fold, the first named the one the others are compared with)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -122,6 +124,10 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                  for a, c, v in (("threads", 8, 4), ("threads", 8, 8), ("twopass", 8, 4), ("twopass", 2, 8))),
          # the MLA split's pieces a sequence inside the step (the switch; auto: 132 at 8K on the H200)
          "mla_parts": tuple((f"p{p}", {"switch:mla_partitions": p}) for p in ("auto", 64, 32, 16)),
+         # the shared experts' w1/w3 beside the routed experts on a side stream, their launch held to N CTAs
+         "shared_stream": (("off", {"switch:shared_expert_stream": False, "k3lab.step:SHARED_STREAM_CTAS": 32}),)
+         + tuple((f"on_c{c}", {"switch:shared_expert_stream": True, "k3lab.step:SHARED_STREAM_CTAS": c})
+                 for c in (16, 32, 64)),
          # (BATCH=2..16) the several-token projections on Triton or on the CuTe tensor-core path
          "proj_mma": (("triton", {"PROJ_MMA_MAX_TOKENS": 0}),
                       ("mma", {"PROJ_MMA_MAX_TOKENS": 16, "k3lab_kernels.cute.proj_mma:X_SMEM": False}),
