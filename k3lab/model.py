@@ -162,9 +162,8 @@ class Layer:
         # component -> the component API's record of its last call (k3lab.components.dispatch.Ran as a dict:
         # backend, kernel, options, why), where the layer keeps one (the AttnRes, KDA core, MLA attention, experts)
         self.records: dict[str, dict[str, Any]] = {}
-        # weights concatenated for one launch (_glu's, the decay's), the owners' attributes views of them
-        self._glu_cat: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._cat: dict[str, torch.Tensor] = {}
+        # weights concatenated for one launch (("glu", ids): _glu's pair; "decay"), the owners' attributes views
+        self._cat: dict[Any, Any] = {}
         self.skipped: dict[str, str] = {}  # component -> why it is left out of components()
         # drawn on the CPU so a CPU float64 build and a GPU bf16 build of the same seed hold the same values
         self._gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * (self.index + 1))
@@ -358,13 +357,13 @@ class Layer:
             return y if residual is None else residual + y
         from k3lab.components import trunk
 
-        key = tuple(id(g) for g in gs)
-        if key not in self._glu_cat:  # one weight each, the MLPs' own weights re-pointed at views of it (no copy)
+        key = ("glu",) + tuple(id(g) for g in gs)
+        if key not in self._cat:  # one weight each, the MLPs' own weights re-pointed at views of it (no copy)
             from k3lab.step import _cat_rows
 
-            self._glu_cat[key] = (_cat_rows([(g, "w1") for g in gs] + [(g, "w3") for g in gs]),
-                                  _cat_rows([(g, "w2") for g in gs], dim=1))
-        w13, w2 = self._glu_cat[key]
+            self._cat[key] = (_cat_rows([(g, "w1") for g in gs] + [(g, "w3") for g in gs]),
+                              _cat_rows([(g, "w2") for g in gs], dim=1))
+        w13, w2 = self._cat[key]
         gu = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w13, backend="triton")
         r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
         b1, b2 = consts.pop()
@@ -705,7 +704,9 @@ class Layer:
             return None
         f64 = dict(device="cpu", dtype=torch.float64)
         h_here = self._flat(self.buf["h2"]).to(**f64)
-        own = torch.sigmoid(h_here @ r.w.to(**f64).T) + r.e_bias.to(**f64)  # this layer's own maths, in fp64
+        # this layer's own maths (its input, its stored weights), in fp64
+        own = (ref_router.router_scores(h_here, ref_router.RouterWeights(w=r.w.to(**f64), e_bias=r.e_bias))
+               + r.e_bias.to(**f64))
         here = torch.zeros(idx.shape[0], E, dtype=torch.bool).scatter(1, idx, True)
         slack = own.masked_fill(here, -math.inf).amax(-1) - own.masked_fill(~here, math.inf).amin(-1)
         if bool((slack[moved] > ALIGN_OWN_TOL).any()):
@@ -718,13 +719,13 @@ class Layer:
         sel = s_twin.gather(-1, idx)
         wk = sel / sel.sum(-1, keepdim=True) * rt.scaling
         twin.buf["idx"], twin.buf["wk"] = idx.to(twin.buf["idx"].device), wk.to(twin.buf["wk"])
-        out = torch.zeros(idx.shape[0], E, dtype=wk.dtype).scatter(1, idx, wk)
         n = int(moved.sum())
-        return out, (f"{n} of {idx.shape[0]} tokens took experts the fp64 twin did not; each pick is the top-"
-                     f"{idx.shape[1]} of this layer's own input and weights in fp64 (its last pick ahead of the first "
-                     f"left out by {-float(slack[moved].max()):.1e}, -{ALIGN_OWN_TOL:g} allowed), the twin's scores "
-                     f"put them at most {float(gap[moved].max()):.1e} below its own; the twin follows this layer's "
-                     f"experts from here")
+        note = (f"{n} of {idx.shape[0]} tokens took experts the fp64 twin did not; each pick is the top-"
+                f"{idx.shape[1]} of this layer's own input and weights in fp64 (its last pick ahead of the first "
+                f"left out by {-float(slack[moved].max()):.1e}, -{ALIGN_OWN_TOL:g} allowed), the twin's scores "
+                f"put them at most {float(gap[moved].max()):.1e} below its own; the twin follows this layer's "
+                f"experts from here")
+        return twin.check_form("router", (idx, wk)), note
 
     def dense_part(self) -> OrderedDict[str, Component]:
         m, b = self.w.mlp, self.buf

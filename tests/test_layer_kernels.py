@@ -56,7 +56,8 @@ def test_layer_glu_mlps_on_two_launches(batch, monkeypatch):
                 want = ([("proj", None), ("proj", ("situ",))] if batch <= 16 else
                         [("proj", None), ("situ", None), ("proj", None)])
                 assert [(c, p[:1] if p else None) for c, p in calls] == want, calls
-        assert len(layer._glu_cat) == 1
-        (w13, w2), = layer._glu_cat.values()
+        glu = [v for k, v in layer._cat.items() if k[0] == "glu"]
+        assert len(glu) == 1
+        (w13, w2), = glu
         mlps = layer.w.mlp.shared if name == "shared" else [layer.w.mlp]
         assert w13.shape[0] == 2 * w2.shape[1] == 2 * sum(g.w1.shape[0] for g in mlps)
