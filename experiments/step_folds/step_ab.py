@@ -43,7 +43,7 @@ into L2 before its pdl wait x the cache write before the query step) at 2410a29,
 4/4, 6/6, 4/2, 2/2) at 2dcd8a4, l2_rows (the one-token experts' CTAs requesting their rows into L2 at their start,
 moe_experts.L2_ROWS) at e84efea, w2_tail (each one-token up CTA requesting its share of the pair's W2 rows into L2
 once its rows are read, W2_TAIL, or down launched right after up's wait reading its W2 before its own, DOWN_OVERLAP: a
-tie, profiles/h100-80gb-hbm3/w2_tail_step_ab.json.gz) at 251d172, up_bulk (the up kernel's rows by four bulk copies
+tie; its bundle in git history at 45c8627) at 251d172, up_bulk (the up kernel's rows by four bulk copies
 into shared memory on one mbarrier, moe_experts.UP_BULK) at 1b6db44, up_min_ctas (the up kernel bounded to 8 CTAs an
 SM, UP_MIN_CTAS) at 58394f6, row_prefetch (the one-token experts' threads requesting their rows' lines into L1 after
 the expert id, moe_experts.ROW_PREFETCH) and mla_bn (the MLA split's 64 positions a step on the contiguous cache,
