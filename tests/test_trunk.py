@@ -216,6 +216,21 @@ def test_proj_kernel_options(options):
     _check(PROJ, options=options, preset="tiny", proj="moe_down", batch=2)
 
 
+def test_proj_pdl_knob():
+    """Option pdl (the decode step's chain, as one knob of a call): under the interpreter there is no griddepcontrol,
+    so the launch is plain and the results are the checker's; a non-bool, or pdl on a backend without a kernel
+    launch, is refused by name; the bench times it as rows triton_pdl / cute_pdl (registry variants)."""
+    _check(PROJ, options=dict(pdl=True), preset="tiny", proj="kda_o", batch=2, wdtype="bf16", residual=True)
+    _check(GROUP, options=dict(pdl=False), preset="tiny", group="kda_in", batch=1, wdtype="fp8")
+    x, w = torch.randn(2, 24).bfloat16(), torch.randn(16, 24).bfloat16()
+    with pytest.raises(ValueError, match="'pdl' must be one of"):
+        trunk.proj(x, w, backend="triton", pdl=1)
+    with pytest.raises(ValueError, match="'pdl' is a cute/triton kernel option"):
+        trunk.proj(x, w, backend="reference", pdl=True)
+    assert PROJ.variants == GROUP.variants == {"triton_pdl": ("triton", {"pdl": True}),
+                                               "cute_pdl": ("cute", {"pdl": True})}
+
+
 def test_proj_beyond_256_rows():
     """A verify step's token count (64 sequences x 8 positions = 512 at K3's largest studied shape): the batch
     tiles over the grid (BM 128, several row tiles), with and without the residual, against fp64; past

@@ -424,13 +424,15 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
          prologue2: tuple | None = None, backend: str = "reference", ran: list | None = None, path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, f16: bool | None = None,
-         cluster: int | None = None, tile_m: int | None = None) -> torch.Tensor:
+         cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None) -> torch.Tensor:
     """out = pro(x) W^T (+ residual), or [pro(x) | pro2(x2)] W^T with two K segments (module docstring). f16
-    (triton, fp8 weights on the dot path): f16 MMAs instead of bf16 (k3lab_kernels.triton.proj_gemv.proj)."""
+    (triton, fp8 weights on the dot path): f16 MMAs instead of bf16 (k3lab_kernels.triton.proj_gemv.proj). pdl
+    (triton, cute): launched with programmatic dependent launch, the weights' first loads before the wait for the
+    kernel before (None: the enclosing pdl_chain's setting, as the decode step runs it)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m)
+                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue, x2=x2,
                      prologue2=prologue2)[0]
 
@@ -441,16 +443,17 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None,
-               cluster: int | None = None, tile_m: int | None = None) -> list[torch.Tensor]:
+               cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
     reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
     launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors). glu (cute
     and the reference backends): (b1, b2): the last output [B, I] is situ(g, u) over W's last 2 I rows [g | u]
-    (each rounded to bf16 first, as a stored projection output; fp64 for the oracle; I even on cute)."""
+    (each rounded to bf16 first, as a stored projection output; fp64 for the oracle; I even on cute). pdl: as for
+    `proj`."""
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m)
+                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain,
                      glu=glu)
 
