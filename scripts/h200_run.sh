@@ -104,7 +104,8 @@ mla)
 pending)
   # the kernels built without a device (docs/NOTES_moe.md, NOTES_trunk.md, thirty-third and thirty-fourth sessions),
   # in parts that each fit one call: PART=1 their GPU tests and the dense experts' bench, PART=2 the projections'
-  # path "mma" benches, PART=3 the settings (experiments/*/variants.py); bundles under $OUT/pending/<gpu>/
+  # path "mma" benches, PART=3 the settings (experiments/*/variants.py), PART=7 the projections chained under pdl,
+  # PART=8 the bf16 grouped experts' tiles; bundles under $OUT/pending/<gpu>/
   unpack cute; install
   mkdir -p "$OUT/pending"
   B="$K bench --out $OUT/pending --no-variants --skip torch_compile,reference --reps ${REPS:-20}"
@@ -141,6 +142,18 @@ pending)
     timeout 420 $B trunk --ops proj --backends triton --name proj_large_tiles --deadline 390 --grid preset=tp8 \
       --grid batch=32,64 --grid wdtype=bf16 --grid proj=kda_q,shared_w1,mla_dkv,moe_router,kda_o \
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
+  7)
+    # the fortieth session: the projections chained as the step runs them (rows triton_pdl / cute_pdl, the pdl knob)
+    # beside the plain calls, cuBLAS and the stream peer (variants on: $B passes --no-variants, so the command is whole)
+    timeout 330 $K bench trunk --ops proj --backends triton,cute --name proj_pdl --deadline 300 --out "$OUT/pending" \
+      --skip torch_compile,reference --reps ${REPS:-20} --grid preset=tp8 --grid batch=1,8 --grid wdtype=bf16,fp8 \
+      --grid proj=kda_q,kda_o,moe_down 2>&1 | tail -n 40 ;;
+  8)
+    # the bf16 grouped experts' tiles at batch 16 / 32 (issue 14's 95 %: 91.5 % at 16, 97.9 % at 64 with one tile)
+    timeout 400 $B moe --ops moe_experts --backends triton --name moe_bf16_tiles --deadline 380 --no-peers \
+      --grid dtype=bf16 --grid batch=16,32 --grid tp=8 --grid routing=uniform --grid latent=3584 --grid inter=3072 \
+      --grid n_experts=896 --grid top_k=16 --grid path=grouped --grid block_n=32,64,128 --grid num_stages=3,4 \
+      2>&1 | tail -n 20 ;;
   6)
     # the CuTe AttnRes: its GPU tests, then the options by batch beside fla: alpha "twopass" (thirty-sixth
     # session) at clusters 2 / 4 / 8, vec 4 / 8
