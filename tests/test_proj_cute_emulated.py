@@ -336,3 +336,22 @@ def test_glue_refused_by_name():
         run_proj(x, w, [torch.zeros(1, 2), torch.zeros(1, 3, dtype=torch.bfloat16)], glu=(4.0, 25.0))
     with pytest.raises(ValueError, match="'glu' must be None or"):
         run_proj(x, w, [torch.zeros(1, 4, dtype=torch.bfloat16)], glu=(4.0,))
+
+
+def test_bench_times_the_pdl_variants_where_auto_runs_another_backend(monkeypatch):
+    """The registry's variants triton_pdl / cute_pdl: triton at the auto rule's options (auto runs triton), cute at
+    the kernel's own choices beside its plain row (the step's `proj_cute` switch runs it), both only on a GPU."""
+    from k3lab.bench import runner
+
+    monkeypatch.setattr(runner, "backend_status", lambda be: (True, ""))
+    c = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="none")
+    impls, _ = runner.implementations(PROJ, c, ["triton", "cute"], peers=False, only={}, variants=PROJ.variants,
+                                      gpu=True)
+    by = {i.name: i for i in impls}
+    assert set(by) == {"triton", "cute", "triton_pdl", "cute_pdl"}
+    assert by["cute_pdl"].options == {"pdl": True} and "own choices" in by["cute_pdl"].note
+    assert by["triton_pdl"].options["pdl"] is True and "auto rule" in by["triton_pdl"].note
+    assert by["cute_pdl"].min_sets == 2
+    impls, _ = runner.implementations(PROJ, c, ["triton", "cute"], peers=False, only={}, variants=PROJ.variants,
+                                      gpu=False)
+    assert {i.name for i in impls} == {"triton", "cute"}

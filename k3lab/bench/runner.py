@@ -51,7 +51,9 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
                     variants: dict[str, tuple[str, dict]] | None = None, gpu: bool) -> tuple[list[Impl], dict]:
     """Our backends (every option combination `only` leaves) and, with peers, the reference, torch.compile
     and the op's public peers. `variants` {name: (backend, extra options)} are timed at the options the
-    auto policy picks for the case (e.g. "cute_pdl": ("cute", {"pdl": True}))."""
+    auto policy picks for the case (e.g. "cute_pdl": ("cute", {"pdl": True})), or, where the auto rule runs
+    another backend (a switch of the decode step can still choose this one: the projections' `proj_cute`), at the
+    backend's own choices."""
     impls, skipped = [], {}
     for be in backends:
         ok, why = backend_status(be)
@@ -69,6 +71,10 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
             continue
         r = policy.rule(op.component, op.policy_key, case.get("batch", 1), case.get("T", 1))
         if r is None or r.get("backend") != be:
+            if any(i.name == be and not any(v is not None for v in i.options.values()) for i in impls):
+                impls.append(_ours(op, case, be, dict(extra), name=vname,
+                                   note=f"{extra} at the kernel's own choices (auto runs "
+                                        f"{r.get('backend') if r else 'no rule'} here)"))
             continue
         opts = {**policy.options_of(r), **extra}
         if all(k not in only or v in set(only[k]) for k, v in policy.options_of(r).items()):
