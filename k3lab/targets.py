@@ -252,7 +252,9 @@ def on_profiles(e: dict[str, Any], profiles: str | Path) -> dict[str, Any]:
 
 def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path | None = None) -> Result:
     """One entry -> its result: the worst case against the target, dated by its newest bundle. With `profiles` its
-    bundles are read from that directory by name, and one that is not there makes a not-measured result."""
+    bundles are read from that directory by name, and one that is not there, or one without the rows the target
+    reads (another GPU's run of the same name without a peer, e.g. FlashInfer not carried), makes a not-measured
+    result that says why; the committed H200 bundles (no `profiles`) are held to every row (TargetError)."""
     root = Path(root) if root is not None else ROOT
     if profiles is not None:
         e = on_profiles(e, profiles)
@@ -264,7 +266,14 @@ def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path |
             return Result(e["issue"], e["case"], e["target"], math.nan, False, f"no {', '.join(missing)} there",
                           " + ".join(_names(e["bundle"])), measured_here=False)
     rows, date = _load(e["bundle"], root)
-    r = _evaluate(e, root, rows)
+    try:
+        r = _evaluate(e, root, rows)
+    except TargetError as err:
+        if profiles is None:
+            raise
+        why = str(err).split(": ", 1)[-1]
+        return Result(e["issue"], e["case"], e["target"], math.nan, False,
+                      f"not measurable there: {why[:140]}", " + ".join(_names(e["bundle"])), measured_here=False)
     r.date = date
     return r
 

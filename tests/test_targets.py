@@ -127,7 +127,14 @@ def test_profiles_reads_another_directory_by_name(toy, tmp_path):
     md = tg.markdown([r, gone], "gpu2/")
     assert "| - | not measured |" in md and "bundle (gpu2/)" in md and "1 of 1 targets met (1 not measured there)" in md
     with pytest.raises(tg.TargetError, match="no such directory"):
-        tg.evaluate_all([e], tmp_path, profiles="gpu3")
+        tg.evaluate_all([e], tmp_path, profiles="gpu2x")
+    # a bundle there without the rows a target reads (a peer not carried to that GPU): not measured, with why; the
+    # same entry on the committed bundles stays an error
+    nopeer = _e(bundle="profiles/h200/b.json.gz", metric="x_peer", op="<", value=1.0, peer="fa3")
+    r = tg.evaluate(nopeer, tmp_path, profiles="gpu2")
+    assert not r.measured_here and "not measurable there" in r.where and "fa3" in r.where
+    with pytest.raises(tg.TargetError, match="no row of peer"):
+        tg.evaluate(dict(nopeer, bundle="b.json.gz"), toy)
 
 
 def test_cli_targets_profiles():
