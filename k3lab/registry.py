@@ -19,7 +19,8 @@ An `Op` says, for one op of one component:
     backends                      {backend: "module:function"}: the kernels, as paths grep can follow
     peers(case)                   public implementations timed beside ours (fla, FlashInfer, torch copy)
     test_file                     where its tests live
-    variants                      {row name: (backend, options)} timed at the auto choice (cute_pdl)
+    variants                      {row name: (backend, options)} timed at the auto choice (cute_pdl), or at
+                                  the backend's own choices where auto runs another backend
     in_sweep                      whether `k3lab bench COMPONENT` runs it by default
 """
 from __future__ import annotations
