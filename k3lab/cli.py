@@ -1035,18 +1035,31 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
             profiles: Path | None = typer.Option(None, help="read the bundles of these names from this directory "
                                                  "instead (another GPU's, e.g. profiles/h100-80gb-hbm3, or its "
                                                  "name alone); a target whose bundle is not there is listed as not "
-                                                 "measured")) -> None:
+                                                 "measured"),
+            beside: list[Path] = typer.Option([], "--beside", help="also read the targets off this directory (another "
+                                              "GPU's bundles, or its name alone), one column each (repeatable)")
+            ) -> None:
     """Every issue target read off the committed bundles (data/targets.json): the worst case of each against
     its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand)."""
     from k3lab import targets as tg
 
-    profiles_dir = None if profiles is None else profiles.resolve()
-    if profiles is not None and not profiles.is_dir() and (tg.ROOT / "profiles" / profiles).is_dir():
-        profiles_dir = tg.ROOT / "profiles" / profiles  # a GPU's name: its directory under the checkout's profiles/
-        profiles = Path("profiles") / profiles
+    def gpu_dir(p: Path) -> tuple[Path, Path]:
+        """(the directory read, how the table names it): a GPU's name is its directory under profiles/."""
+        if not p.is_dir() and (tg.ROOT / "profiles" / p).is_dir():
+            return tg.ROOT / "profiles" / p, Path("profiles") / p
+        return p.resolve(), p
+
+    profiles_dir = None
+    if profiles is not None:
+        profiles_dir, profiles = gpu_dir(profiles)
     where = "profiles/h200/" if profiles is None else f"{profiles}/"
     try:
-        res = tg.evaluate_all(tg.load_spec(spec), issues=issue or None, profiles=profiles_dir)
+        entries = tg.load_spec(spec)
+        res = tg.evaluate_all(entries, issues=issue or None, profiles=profiles_dir)
+        others = []
+        for b in beside:
+            d, name = gpu_dir(b)
+            others.append((name.name, tg.evaluate_all(entries, issues=issue or None, profiles=d)))
     except (tg.TargetError, OSError) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
@@ -1054,15 +1067,17 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
         _echo_err("error: --write writes the page of the committed H200 bundles (no --profiles)")
         raise typer.Exit(2)
     if write is not None:
-        if issue or failing:
-            _echo_err("error: --write writes the whole page (no --issue / --failing)")
+        if issue or failing or beside:
+            _echo_err("error: --write writes the whole page (no --issue / --failing / --beside)")
             raise typer.Exit(2)
         write.write_text(tg.status_page(res))
         typer.echo(f"wrote {write}")
         return
     if failing:
-        res = [r for r in res if not r.met]
-    typer.echo(tg.markdown(res, where))
+        keep = [i for i, r in enumerate(res) if not r.met]
+        res = [res[i] for i in keep]
+        others = [(n, [o[i] for i in keep]) for n, o in others]
+    typer.echo(tg.markdown(res, where, beside=others))
 
 
 @app.command()

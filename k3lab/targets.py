@@ -361,15 +361,32 @@ def evaluate_all(spec: list[dict[str, Any]] | None = None, root: Path | None = N
     return [evaluate(e, root, profiles) for e in spec if not issues or e["issue"] in issues]
 
 
-def markdown(results: list[Result], where: str = "profiles/h200/") -> str:
-    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", f"bundle ({where})", "measured on"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in r.cells()) + " |" for r in results]
+def _summary(results: list[Result], what: str = "") -> str:
     here = [r for r in results if r.measured_here]
-    met = sum(r.met for r in here)
     gone = len(results) - len(here)
-    return "\n".join(lines) + f"\n\n{met} of {len(here)} targets met" + (
-        f" ({gone} not measured there).\n" if gone else ".\n")
+    return f"{what}{sum(r.met for r in here)} of {len(here)} targets met" + (
+        f" ({gone} not measured there)." if gone else ".")
+
+
+def markdown(results: list[Result], where: str = "profiles/h200/",
+             beside: list[tuple[str, list[Result]]] | None = None) -> str:
+    """The table; `beside` [(name, results)]: the same targets read off another directory (another GPU's bundles),
+    one column each: its measured value and whether it meets the target there (`-` where not measured)."""
+    beside = beside or []
+    for name, other in beside:
+        if [(r.issue, r.case) for r in other] != [(r.issue, r.case) for r in results]:
+            raise TargetError(f"beside {name!r}: not the same targets as the table")
+    head = ["issue", "case", "target", "measured", "met", "worst case (rows)", f"bundle ({where})", "measured on"]
+    head += [f"on {name}" for name, _ in beside]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(results):
+        cells = r.cells()
+        for _, other in beside:
+            o = other[i]
+            cells.append("-" if not o.measured_here else o.cells()[3] + (" (met)" if o.met else " (**no**)"))
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    tail = [_summary(results)] + [_summary(other, f"on {name}: ") for name, other in beside]
+    return "\n".join(lines) + "\n\n" + "\n".join(tail) + "\n"
 
 
 STATUS = ROOT / "docs" / "STATUS.md"

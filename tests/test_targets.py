@@ -166,3 +166,29 @@ def test_alternative_bundles_take_the_newest(toy, tmp_path):
     (other / "old.json.gz").write_bytes((tmp_path / "old.json.gz").read_bytes())
     r = tg.evaluate(dict(e, bundle="profiles/h200/new.json.gz|profiles/h200/old.json.gz"), tmp_path, profiles="gpu2")
     assert r.measured_here and r.measured == 18.0 and r.bundle == "old.json.gz"
+
+
+def test_beside_another_gpu(toy, tmp_path):
+    """--beside: one more column per directory (its value and whether it meets the target there, `-` where its
+    bundle is missing) and one more summary line; the lists must be the same targets."""
+    other = tmp_path / "gpu2"
+    other.mkdir()
+    (other / "b.json.gz").write_bytes((toy / "b.json.gz").read_bytes())
+    es = [_e(bundle="b.json.gz", metric="us", op="<=", value=5.0), _e(bundle="c.json.gz", metric="us", op="<=",
+                                                                     value=5.0, case="toy2")]
+    (toy / "c.json.gz").write_bytes((toy / "b.json.gz").read_bytes())
+    mine = [tg.evaluate(e, toy) for e in es]
+    there = [tg.evaluate(e, tmp_path, profiles="gpu2") for e in es]
+    md = tg.markdown(mine, "x/", beside=[("gpu2", there)])
+    assert "| on gpu2 |" in md and "| 9 (**no**) |" in md and md.splitlines()[3].endswith("| - |")
+    assert "on gpu2: 0 of 1 targets met (1 not measured there)." in md
+    with pytest.raises(tg.TargetError, match="not the same targets"):
+        tg.markdown(mine, "x/", beside=[("gpu2", there[:1])])
+
+
+def test_cli_targets_beside():
+    out = CliRunner().invoke(app, ["targets", "--issue", "12", "--beside", "h100-80gb-hbm3"])
+    assert out.exit_code == 0 and "| on h100-80gb-hbm3 |" in out.output and "on h100-80gb-hbm3: " in out.output, \
+        out.output
+    out = CliRunner().invoke(app, ["targets", "--beside", "h100-80gb-hbm3", "--write", "/tmp/x.md"])
+    assert out.exit_code == 2 and "--beside" in out.output
