@@ -340,6 +340,16 @@ class Layer:
         y = glue.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps=float(eps), backend="triton")
         return y.view(*x.shape[:-1], x.shape[-1])
 
+    def _cat_once(self, key: Any, *specs: tuple[list, int]) -> tuple[torch.Tensor, ...]:
+        """The weights concatenated for one launch, each spec ([(owner, attribute), ...], dim), made on first use and
+        kept under `key`; the owners' attributes are re-pointed at views of the result (k3lab.step._cat_rows: no
+        second copy)."""
+        if key not in self._cat:
+            from k3lab.step import _cat_rows
+
+            self._cat[key] = tuple(_cat_rows(attrs, dim=dim) for attrs, dim in specs)
+        return self._cat[key]
+
     def _glu(self, x: torch.Tensor, gs, residual: torch.Tensor | None = None) -> torch.Tensor:
         """sum_i W2_i situ(W1_i x, W3_i x) (+ residual) over the SiTU-GLU MLPs `gs` (the shared experts; the dense
         MLP alone). With `_proj_kernel()` and one pair of SiTU constants: two launches of the trunk projection, every
@@ -357,13 +367,8 @@ class Layer:
             return y if residual is None else residual + y
         from k3lab.components import trunk
 
-        key = ("glu",) + tuple(id(g) for g in gs)
-        if key not in self._cat:  # one weight each, the MLPs' own weights re-pointed at views of it (no copy)
-            from k3lab.step import _cat_rows
-
-            self._cat[key] = (_cat_rows([(g, "w1") for g in gs] + [(g, "w3") for g in gs]),
-                              _cat_rows([(g, "w2") for g in gs], dim=1))
-        w13, w2 = self._cat[key]
+        w13, w2 = self._cat_once(("glu",) + tuple(id(g) for g in gs),
+                                 ([(g, "w1") for g in gs] + [(g, "w3") for g in gs], 0), ([(g, "w2") for g in gs], 1))
         gu = trunk.proj(x.reshape(-1, x.shape[-1]).contiguous(), w13, backend="triton")
         r = None if residual is None else residual.reshape(-1, residual.shape[-1]).contiguous()
         b1, b2 = consts.pop()
@@ -429,14 +434,11 @@ class Layer:
             if self._proj_kernel():  # Wfa and Wb read h: one group launch over [Wfa; Wb], then Wfb
                 from k3lab.components import trunk
 
-                if "decay" not in self._cat:  # one weight, w_fa and w_b re-pointed at views of it (no copy)
-                    from k3lab.step import _cat_rows
-
-                    self._cat["decay"] = _cat_rows([(w, "w_fa"), (w, "w_b")])
+                (w_fab,) = self._cat_once("decay", ([(w, "w_fa"), (w, "w_b")], 0))
                 h = self._flat(b["h"]).contiguous()
                 fa = torch.empty(h.shape[0], w.w_fa.shape[0], dtype=h.dtype, device=h.device)
                 bb = torch.empty(h.shape[0], w.w_b.shape[0], dtype=h.dtype, device=h.device)
-                trunk.proj_group(h, self._cat["decay"], [fa, bb], backend="triton")
+                trunk.proj_group(h, w_fab, [fa, bb], backend="triton")
                 b["f"] = self._lin(fa, w.w_fb).view(*b["h"].shape[:-1], w.w_fb.shape[0])
                 b["b"] = bb.view(*b["h"].shape[:-1], w.w_b.shape[0])
             else:
