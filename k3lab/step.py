@@ -603,8 +603,9 @@ def _beside(comp, side_fn: Callable[[], Any], device):
 
 
 # the `shared_expert_stream` switch's bounded share: the shared experts' w1/w3 launch on the side stream takes at
-# most this many CTAs (about a quarter of the H200's 132 SMs), the routed experts beside it the rest. Not tuned: the
-# switch's A/B with this bound is queued (docs/NOTES_moe.md, thirty-ninth session).
+# most this many CTAs (about a quarter of the H200's 132 SMs), the routed experts beside it the rest. With 16 / 32 / 64
+# the step lost at batch 1 and tied at best at batch 8 (H100; docs/NOTES_moe.md, fortieth section): the switch
+# stays off.
 SHARED_STREAM_CTAS = 32
 
 
