@@ -36,6 +36,16 @@ class Impl:
     min_sets: int = 1
 
 
+def _shown(op: Op, key: str, value) -> bool:
+    """Whether an option value names its row: not None (the kernel's own choice), and not False unless the option
+    also takes None, so that an explicit False (e.g. proj's f16) is told apart from the default."""
+    if value is None:
+        return False
+    if value is False:
+        return any(None in vals and False in vals for vals in op.option_axes.get(key, {}).values())
+    return True
+
+
 def _ours(op: Op, case: Case, be: str, opts: dict, name: str | None = None, note: str = "") -> Impl:
     def make(s):
         return lambda: op.call(s, case, be, opts, None)
@@ -263,12 +273,12 @@ def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, 
         bench = timing.bench_gpu if gpu else timing.bench_cpu
         kw = dict(rotate=not hot) if gpu else {}
         tm = bench(lambda f: f(), input_sets=[(f,) for f in fns], reps=reps, bytes_per_call=fl.bytes, **kw)
-        label = case.key() + "".join(f"[{k}={v}]" for k, v in im.options.items() if v not in (None, False))
+        label = case.key() + "".join(f"[{k}={v}]" for k, v in im.options.items() if _shown(op, k, v))
         row = Row.from_timing(label, im.name, tm, floor=fl, kernels=kl, error=err, **x)
         row.extra["x_floor"] = row.distance
         ok = "" if err is None else ("" if err["ok"] else "  FAIL " + "; ".join(err["failures"])[:160])
         short = ",".join(f"{k}={v}" for k, v in {**case.asdict(), **im.options}.items()
-                         if (len(op.axes.get(k, ())) != 1 or v != op.axes[k][0]) and v not in (None, False))
+                         if (len(op.axes.get(k, ())) != 1 or v != op.axes[k][0]) and _shown(op, k, v))
         log(f"{op.name:<12} {short:<40} {im.name:<15} {tm.median_us:9.2f} us  floor {fl.floor_us:7.2f} ({fl.bound})"
             f"  x{row.distance:5.2f}{ok}")
         return row
