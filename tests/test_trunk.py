@@ -74,7 +74,8 @@ def test_proj_fp8_on_f16_mmas(batch, residual):
                residual=residual)
     with pytest.raises(ValueError, match="'f16' must be one of"):
         _check(PROJ, options=dict(f16=1), preset="tiny", proj="kda_o", batch=batch, wdtype="fp8")
-    with pytest.raises(ValueError, match="f16=True applies to fp8 weights on paths 'dot' and 'tma'"):  # never silently ignored
+    # never silently ignored
+    with pytest.raises(ValueError, match="f16=True applies to fp8 weights on paths 'dot' and 'tma'"):
         _check(PROJ, options=dict(f16=True), preset="tiny", proj="kda_o", batch=batch, wdtype="bf16")
 
 
