@@ -153,3 +153,12 @@ def test_auto_passes_over_a_backend_that_cannot_take_the_shape(monkeypatch):
     monkeypatch.setattr(dispatch, "_importable", lambda op, b: None)
     with pytest.raises(BackendUnavailable, match="head_dim 128"):
         dispatch.select("kda_decode", "cute", B=1, shape=dict(D=16, W=4, T=1))
+
+
+def test_row_labels_tell_an_explicit_false_from_the_default():
+    """An option value names its row unless it is None, or False where the option takes no None (KDA's pdl): proj's
+    f16 takes None, False and True, so f16=False is a row of its own beside the default's."""
+    proj, dec = registry.get("proj"), registry.get("kda_decode")
+    assert runner._shown(proj, "f16", False) and runner._shown(proj, "f16", True)
+    assert not runner._shown(proj, "f16", None) and not runner._shown(proj, "path", None)
+    assert not runner._shown(dec, "pdl", False) and runner._shown(dec, "tile_v", 16)
