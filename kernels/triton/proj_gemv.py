@@ -177,16 +177,11 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                 xt = _x_seg(x, x2, pw, m, mok, k0, kk, (k0 + kk) < k_hi, s_xm, s_x2m, K, K1, inv, b1, b2, PRO,
                             DOT_F32)
             if DOT_F32:
-                if F16:
-                    xt = xt.to(tl.float16)
                 acc = tl.dot(wt.to(tl.float32), xt.to(tl.float32).T, acc)
             else:
-                if F16:  # fp8 on f16 MMAs, as on the dot path
-                    acc = tl.dot(wt.to(tl.float16), xt.to(tl.float16).T, acc)
-                else:
-                    if FP8:
-                        wt = wt.to(tl.bfloat16)
-                    acc = tl.dot(wt, xt.T, acc)
+                if FP8:
+                    wt = wt.to(tl.bfloat16)
+                acc = tl.dot(wt, xt.T, acc)
     else:
         wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
         xp = x + m[:, None].to(tl.int64) * s_xm + kk[None, :]
@@ -439,10 +434,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         ends.append(e)
         strides.append(0)
     fp8 = w.dtype == torch.float8_e4m3fn
-    if f16 and not (fp8 and cfg["path"] in ("dot", "tma")):
-        raise ValueError(f"proj_gemv: f16=True applies to fp8 weights on paths 'dot' and 'tma', got {w.dtype} weights "
-                         f"on path {cfg['path']!r}")
-    f16 = fp8 and cfg["path"] in ("dot", "tma") and (FP8_F16 if f16 is None else bool(f16))
+    if f16 and not (fp8 and cfg["path"] == "dot"):
+        raise ValueError(f"proj_gemv: f16=True applies to fp8 weights on path 'dot', got {w.dtype} weights on path "
+                         f"{cfg['path']!r}")
+    f16 = fp8 and cfg["path"] == "dot" and (FP8_F16 if f16 is None else bool(f16))
     sc = w_scale if fp8 else x
     res_t = residual if residual is not None else x
     s_rm = residual.stride(0) if residual is not None else 0
