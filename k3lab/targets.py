@@ -229,14 +229,15 @@ def _names(b: str | list[str]) -> list[str]:
 def _pick(b: str | list[str], root: Path) -> str | list[str]:
     """Each "a|b" entry as the newest (its date, `_date`; then its place in the list) of its alternatives that
     exist under root (the first when none does). The newest is taken whole: a newer bundle covering fewer cases
-    decides alone."""
+    decides alone; entries that resolve to the same bundle read it once."""
     def one(x: str) -> str:
         alts = x.split("|")
         there = [a for a in alts if (root / a).exists()]
         if len(there) < 2:
             return there[0] if there else alts[0]
         return max(there, key=lambda a: (_date(read_json(root / a)), -alts.index(a)))
-    return one(b) if isinstance(b, str) else [one(x) for x in b]
+    # two entries resolving to one bundle (a newer run covering both older ones) read it once
+    return one(b) if isinstance(b, str) else list(dict.fromkeys(one(x) for x in b))
 
 
 def on_profiles(e: dict[str, Any], profiles: str | Path) -> dict[str, Any]:

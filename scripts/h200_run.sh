@@ -22,6 +22,10 @@
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
+#   STEP=rows   carry [".gpu/cute", ".gpu/fi"]  the current code's rows of issue 14's bf16 / fp8 targets (batch 1, 16,
+#                                              32, 64: moe_b1_b64), the dense experts' grouped path at batch 1..4
+#                                              against the one-token kernels (moe_dense_grouped_b1), and issue 16's
+#                                              KDA decode beside FlashInfer (kda_decode_fi) (forty-first session)
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -203,6 +207,19 @@ ab)
       | tee "$OUT/ab/pytest_gpu_mla_long.log" | tail -n 4 ;;
   esac
   pack ab ;;
-*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending or ab" >&2; exit 2 ;;
+rows)
+  unpack cute fi; install
+  mkdir -p "$OUT/rows"
+  M="$K bench moe --ops moe_experts --no-variants --skip torch_compile,reference --reps 20 --out $OUT/rows --grid tp=8
+     --grid latent=3584 --grid inter=3072 --grid n_experts=896 --grid top_k=16 --grid routing=uniform"
+  timeout 225 $M --backends triton,cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,16,32,64 --name moe_b1_b64 \
+    --deadline 200 2>&1 | tee "$OUT/rows/moe.log" | grep -E "moe_experts" | cut -c1-150 | tail -n 20
+  timeout 120 $M --backends cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,2,4 --grid path=null,grouped \
+    --name moe_dense_grouped_b1 --deadline 100 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 12
+  timeout 250 $K bench kda --ops kda_decode --backends cute,triton --grid heads=12 --grid batch=1,2,4,8,16,32,64 \
+    --grid tile_v=16,128 --reps 30 --deadline 210 --skip torch_compile --name kda_decode_fi --out "$OUT/rows" 2>&1 \
+    | tee "$OUT/rows/kda.log" | grep -E "kda_decode" | cut -c1-150 | tail -n 30
+  pack rows ;;
+*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab or rows" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -49,7 +49,8 @@ def test_tracked_tree_under_5_mib():
 
 def test_evidence_cited_by_code_and_data_exists():
     """Every profiles/ or experiments/ bundle path that code (k3lab, kernels, experiments, scripts) or data/*.json names
-    is in the tree (a retired file is cited with where it lives in git history, not by its old path)."""
+    is in the tree (a retired file is cited with where it lives in git history, not by its old path). A target's
+    alternatives "a|b" need their last one here: the ones before it may await the run that makes them."""
     import re
 
     root = PROFILES.parent
@@ -61,7 +62,7 @@ def test_evidence_cited_by_code_and_data_exists():
         text = f.read_text()
         for m in pat.finditer(text):
             around = text[m.end():m.end() + 40]
-            if "git history" in around or "{" in m.group(0):
+            if "git history" in around or "{" in m.group(0) or around.startswith("|"):
                 continue
             if not (root / m.group(0)).exists():
                 missing.append(f"{f.relative_to(root)}: {m.group(0)}")

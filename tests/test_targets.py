@@ -166,6 +166,9 @@ def test_alternative_bundles_take_the_newest(toy, tmp_path):
     (other / "old.json.gz").write_bytes((tmp_path / "old.json.gz").read_bytes())
     r = tg.evaluate(dict(e, bundle="profiles/h200/new.json.gz|profiles/h200/old.json.gz"), tmp_path, profiles="gpu2")
     assert r.measured_here and r.measured == 18.0 and r.bundle == "old.json.gz"
+    # two entries that resolve to one newer bundle read it once; before it exists each reads its own older one
+    assert tg._pick(["new.json.gz|old.json.gz", "new.json.gz|b.json.gz"], tmp_path) == ["new.json.gz"]
+    assert tg._pick(["gone.json.gz|old.json.gz", "gone.json.gz|b.json.gz"], tmp_path) == ["old.json.gz", "b.json.gz"]
 
 
 def test_beside_another_gpu(toy, tmp_path):
