@@ -108,21 +108,24 @@ def mxfp4_nbytes(shape: tuple[int, ...]) -> int:
     return rows * (shape[-1] // 2 + shape[-1] // BLOCK)
 
 
-# ---- the SIMT expert kernel's layout (k3lab_kernels.triton.moe_experts, path "simt") ------------------------
+# ---- the MXFP4 expert kernels' layout (Triton's simt path, the CuTe DSL one-token and grouped kernels) ---------
 #
-# The same codes, rearranged so the kernel decodes eight of them with 11 integer instructions and no table.
-# Per 32-block of a row (16 packed bytes, codes c[0..31]) four 32-bit words W[j], j = 0..3. Word j carries the
-# code pairs (c[2q], c[2q+1]) for q = 4p + j, p = 0..3 (its "parts"); part p decodes to one f16x2 (c[2q] in the
-# low half) of value e2m1 * 2^-14, the magnitude bits (e1 e0 m) at f16 bits 11..9 and the sign at bit 15 of each
-# half. Where each part's bits sit in the word (per 16-bit half; the high half is the same + 16), and how the
-# kernel takes it out:
-#   p = 0  magnitude 11..9, sign 15    w & 0x8E008E00
-#   p = 1  magnitude  3..1, sign  7    (w << 8) & 0x8E008E00
-#   p = 2  magnitude  6..4, sign  8    ((w << 5) & 0x0E000E00) | ((w << 7) & 0x80008000)
-#   p = 3  magnitude 14..12, sign 0    ((w >> 3) & 0x0E000E00) | ((w << 15) & 0x80008000)
-# The pairs of a word are the activation pairs 4p + j of its block, so the activations a thread needs for a
-# part of four consecutive words are four consecutive pairs (one 16-byte load). Scales are unchanged.
-_KL_SHIFTS = ((9, 12), (1, 4), (4, 5), (12, -3))  # (magnitude shift, sign shift) of part p
+# The same codes, rearranged so the kernels decode eight of them with 7 integer instructions and no table
+# (k3lab_kernels.mxfp4_ptx.decode_ptx). Per 32-block of a row (16 packed bytes, codes c[0..31]) four 32-bit words
+# W[j], j = 0..3. Word j carries the code pairs (c[2q], c[2q+1]) for q = 4p + j, p = 0..3 (its "parts"); part p
+# decodes to one f16x2 (c[2q] in the low half) of value e2m1 * 2^-14: the magnitude bits e1 e0 m at f16 bits 11, 10,
+# 9 and the sign at bit 15 of each half (e2m1 * 2^-14 is exact in f16, subnormals included). Every part is taken out
+# with the mask M = 0x8E008E00, parts 2 and 3 from the word's bit reversal v (brev):
+#   p = 0  w & M             element h at bits (m, e0, e1, s) = (9, 10, 11, 15) + 16 h
+#   p = 1  (w << 8) & M      element h at (1, 2, 3, 7) + 16 h
+#   p = 2  v & M             element h at (6, 5, 4, 0) + 16 (1 - h)    (reversal: bit b -> 31 - b)
+#   p = 3  (v << 8) & M      element h at (14, 13, 12, 8) + 16 (1 - h)
+# The four parts use each bit of the word once. The pairs of a word are the activation pairs 4p + j of its block, so
+# the activations a thread needs for a part of four consecutive words are four consecutive pairs (one 16-byte
+# load). Scales are unchanged. (Until the forty-first session, code of 566f3c7, parts 2 and 3 sat at magnitude
+# 6..4 / sign 8 and magnitude 14..12 / sign 0, each taken out by two shifts, two masks and an or: 13 operations.)
+_KL_BITS = (((9, 10, 11, 15), False), ((1, 2, 3, 7), False), ((6, 5, 4, 0), True), ((14, 13, 12, 8), True))
+# (bit positions of (m, e0, e1, s) in the element's half, whether element h sits in half 1 - h) of part p
 
 
 def to_kernel_layout(packed: torch.Tensor, quad: bool = False) -> torch.Tensor:
@@ -149,11 +152,12 @@ def _to_kl_rows(packed: torch.Tensor) -> torch.Tensor:
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).to(torch.int32)  # [rows, K/2, 2]
     codes = codes.reshape(rows, nb, 4, 4, 2)  # [row, block, p, j, half]: pair q = 4p + j
     word = torch.zeros(rows, nb, 4, dtype=torch.int32, device=packed.device)
-    for p, (ms, ss) in enumerate(_KL_SHIFTS):
+    for p, (pos, swap) in enumerate(_KL_BITS):
         for h in range(2):
-            c = codes[..., p, :, h]  # [row, block, j]
-            sign = (c & 8) << ss if ss >= 0 else (c & 8) >> -ss
-            word |= (((c & 7) << ms) | sign) << (16 * h)  # int32: bit 31 wraps to the sign, as intended
+            c = codes[..., p, :, h]  # [row, block, j]: code bit i (m, e0, e1, s) goes to bit pos[i] of its half
+            base = 16 * (1 - h if swap else h)
+            for i, b in enumerate(pos):
+                word |= ((c >> i) & 1) << (base + b)  # int32: bit 31 wraps to the sign, as intended
     return word.reshape(rows, nb * 4)
 
 
@@ -177,10 +181,9 @@ def from_kernel_layout(words: torch.Tensor) -> torch.Tensor:
     lead, nb = words.shape[:-1], words.shape[-1] // 4
     w = words.to(torch.int64).reshape(*lead, nb, 4) & 0xFFFFFFFF
     codes = torch.zeros(*lead, nb, 4, 4, 2, dtype=torch.int64, device=words.device)
-    for p, (ms, ss) in enumerate(_KL_SHIFTS):
+    for p, (pos, swap) in enumerate(_KL_BITS):
         for h in range(2):
-            half = w >> (16 * h)
-            sign = (half >> ss) & 8 if ss >= 0 else (half << -ss) & 8
-            codes[..., p, :, h] = ((half >> ms) & 7) | sign
+            base = 16 * (1 - h if swap else h)
+            codes[..., p, :, h] = sum(((w >> (base + b)) & 1) << i for i, b in enumerate(pos))
     codes = codes.reshape(*lead, nb * 16, 2)
     return (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8).contiguous()

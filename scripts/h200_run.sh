@@ -23,7 +23,8 @@
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
 #   STEP=rows   carry [".gpu/cute", ".gpu/fi"]  the current code's rows of issue 14's bf16 / fp8 targets (batch 1, 16,
-#                                              32, 64: moe_b1_b64), the dense experts' grouped path at batch 1..4
+#                                              32, 64: moe_b1_b64), the MXFP4 experts on the new decode
+#                                              (moe_mxfp4_brev), the dense experts' grouped path at batch 1..4
 #                                              against the one-token kernels (moe_dense_grouped_b1), and issue 16's
 #                                              KDA decode beside FlashInfer (kda_decode_fi) (forty-first session)
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
@@ -214,6 +215,10 @@ rows)
      --grid latent=3584 --grid inter=3072 --grid n_experts=896 --grid top_k=16 --grid routing=uniform"
   timeout 225 $M --backends triton,cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,16,32,64 --name moe_b1_b64 \
     --deadline 200 2>&1 | tee "$OUT/rows/moe.log" | grep -E "moe_experts" | cut -c1-150 | tail -n 20
+  # the MXFP4 experts on the forty-first session's decode (7 operations a word, brev; 13 before): issue 14's MXFP4
+  # rows, moe_grouped_l1's grid (the same-run A/B against the old form: the code of 566f3c7 in a second checkout)
+  timeout 200 $M --backends triton,cute --no-peers --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 \
+    --grid routing=uniform,same16 --name moe_mxfp4_brev --deadline 180 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 24
   timeout 120 $M --backends cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,2,4 --grid path=null,grouped \
     --name moe_dense_grouped_b1 --deadline 100 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 12
   timeout 250 $K bench kda --ops kda_decode --backends cute,triton --grid heads=12 --grid batch=1,2,4,8,16,32,64 \

@@ -1244,7 +1244,7 @@ def _extractvalue(ty, container, position, **kw):
 
 def _ptx_b32(operands, asm_string, constraints):
     """The MoE kernels' integer / f16x2 PTX (kernels/cute/moe_experts.py): every register a 32-bit (or, for .b16,
-    16-bit) pattern; "r" operands enter as their bits, "f" ones as fp32 bits. Ops: mov, and, or, shl, shr.u32,
+    16-bit) pattern; "r" operands enter as their bits, "f" ones as fp32 bits. Ops: mov, and, or, shl, shr.u32, brev.b32,
     add.u32, mad.lo.u32, fma.rn.f16x2 (each half an fp16 fused multiply-add, rounded once, nearest even),
     mov.b32 {lo, hi} (split), cvt.f32.f16, add.f32, fma.rn.f32, cvt.rn.f16x2.f32 (d.hi from the first source)."""
     import re
@@ -1288,6 +1288,8 @@ def _ptx_b32(operands, asm_string, constraints):
             regs[d] = (get(a[1]) << get(a[2])) & 0xFFFFFFFF
         elif op == "shr.u32":
             regs[d] = get(a[1]) >> get(a[2])
+        elif op == "brev.b32":
+            regs[d] = int(f"{get(a[1]):032b}"[::-1], 2)
         elif op == "add.u32":
             regs[d] = (get(a[1]) + get(a[2])) & 0xFFFFFFFF
         elif op == "mad.lo.u32":

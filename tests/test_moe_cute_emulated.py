@@ -108,19 +108,25 @@ def test_glue_outputs():
 
 def test_block_ptx_matches_the_simt_twin():
     """One block through the emulator's model of block_ptx() equals the Triton simt path's interpreter arithmetic
-    (the parts by the same bit operations, `_M0` / `_MM` / `_MS`; the f16 products summed in f16 per half; the two
-    halves' sum times the factor plus the accumulator in fp32): random words, f16 pairs and scales, bit for bit."""
+    (the parts by the same bit operations, mask `_M0` on the word and on its bit reversal; the f16 products summed in
+    f16 per half; the two halves' sum times the factor plus the accumulator in fp32): random words, f16 pairs and
+    scales, bit for bit."""
     from k3lab_kernels.cute.moe_experts import block_ptx
     from k3lab_kernels.triton import moe_experts as tm
 
     g = torch.Generator().manual_seed(5)
-    m0, mm, ms = tm._M0.value, tm._MM.value, tm._MS.value
+    m0 = tm._M0.value & 0xFFFFFFFF
+
+    def brev(x):
+        return int(f"{x & 0xFFFFFFFF:032b}"[::-1], 2)
     for _ in range(20):
         w = torch.randint(-2**31, 2**31 - 1, (4,), generator=g, dtype=torch.int64).to(torch.int32)
         pairs = (torch.randn(32, generator=g) * 4).to(torch.float16).view(torch.int32).tolist()  # pair q: 2q, 2q+1
         fbits = (int(torch.randint(100, 140, (1,), generator=g)) + 8) << 23
         got = float(emulate._ptx_b32(w.tolist() + pairs + [fbits, 0.5], block_ptx(), "=f," + "r," * 21 + "f"))
-        parts = [w & m0, (w << 8) & m0, ((w << 5) & mm) | ((w << 7) & ms), ((w >> 3) & mm) | ((w << 15) & ms)]
+        ws = [int(x) & 0xFFFFFFFF for x in w]
+        parts = [[x & m0 for x in ws], [(x << 8) & m0 for x in ws], [brev(x) & m0 for x in ws],
+                 [(brev(x) << 8) & m0 for x in ws]]
         h = [0.0, 0.0]
         for j in range(4):
             for p in range(4):

@@ -359,11 +359,10 @@ def _cases(only: str | None, quick: bool):
                               [P(i32, 16), P(i32, 8), S]))
     if only in (None, "moe"):
         from kernels.cute import moe_experts as km
-        # MoEUp: z, idx, wk, w1, w3, s1, s3, act, w2, s2; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx
-        # step, ...; the down kernel's latent rows a CTA)
+        # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx step,
+        # ...; the down kernel's latent rows a CTA)
         up_cls, down_cls = km._kernel_classes()
-        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
-                 P(i32, 16), P(i32, 16), S]
+        uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), P(bf, 2), P(bf, 2), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
                                          (16, 384, 3584, 896, 1, True, 6),  # the step's: UP_ROWS 6, pdl

@@ -8,7 +8,7 @@ two launches, no atomics, no tickets, y written (not accumulated).
         (two groups of 112 at K3's latent: 7 warps, no idle lane); thread j of group g owns the 32-block j of the
         group's R/2 rows of W1 and of W3 (one 16-byte load of four kernel-layout words a row, and the row's E8M0
         scale byte), z's 16 bf16 pairs of its block converted once to f16 of 2^6 z; each block's 32 products in
-        f16x2 FMAs (the simt path's PTX: 13 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no
+        f16x2 FMAs (the simt path's PTX: 7 integer operations decode a word into four f16x2 of e2m1 * 2^-14, no
         table), the block sum times 2^(s - 119) into fp32; the row sums reduced over a shuffle segment (32 lanes, or
         16 with two groups: a group is whole segments) by a reduce-scatter (seg_reduce), then across segments in
         shared memory; R/2 threads store two rows' activations each as one f16x2 word (2^6 wk situ, the simt

@@ -6,7 +6,7 @@ are read once however many tokens chose it; two launches, the second accumulatin
     y[b, l]   = sum over b's pairs q of  sum_i W2_e[l, i] act[q, i] 2^-6                      (fp32)
 
 Why no shared memory for the weights: the kernel layout (k3lab.mxfp4.to_kernel_layout) is the MMA's fragment layout.
-Word t of a row's 32-block decodes (k3lab_kernels.mxfp4_ptx.decode_ptx, 13 integer operations) into four f16x2 parts
+Word t of a row's 32-block decodes (k3lab_kernels.mxfp4_ptx.decode_ptx, 7 integer operations) into four f16x2 parts
 of e2m1 * 2^-14 for the block's activation pairs t, 4 + t, 8 + t, 12 + t, which are the pairs lane (g, t) of an
 m16n8k16 A fragment holds for the block's two k-steps (parts 0, 1: k-step 0; parts 2, 3: k-step 1), and likewise a
 B fragment's. So a lane loads one word a row a block straight into fragment registers; each block's two MMAs go into

@@ -9,7 +9,7 @@ the rule `default_path` picks by weight format and batch, from the H200 sweeps i
            item (a counter), so the whole chip streams w1/w3, then w2, in small even items (bf16, fp8);
   simt     MXFP4, batch <= 64 (`_moe_simt_kernel`): the gemv kernel's two roles and tickets with CUDA-core bodies
            (no tensor cores, no 16-token padding): the codes in their kernel layout (k3lab.mxfp4.to_kernel_layout),
-           11 integer instructions per 8 codes, f16x2 FMAs per 32-block, one or two tokens a pass; optionally
+           7 integer instructions per 8 codes, f16x2 FMAs per 32-block, one or two tokens a pass; optionally
            persistent (`persist` programs a multiprocessor, registers capped by `maxnreg` so that they fit); at
            batch 1 each pair is its own group; `leaders`: a prologue lists the groups' leaders, and the tickets
            run over them only; `wait`: a B item waits for every A item ("all") or its own expert's ("expert").
@@ -210,7 +210,7 @@ def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
 
 # ---- the tensor-core path on the kernel layout (MXFP4, `tc`) -------------------------------------------------
 # The grouped kernel's programs and grouping, with the simt path's decode in front of f16 tensor cores: a 32-block's
-# four kernel-layout words decode (the same 13 integer operations a word, PTX) to 32 f16 of e2m1 * 2^-14 (exact),
+# four kernel-layout words decode (the same 7 integer operations a word, PTX) to 32 f16 of e2m1 * 2^-14 (exact),
 # in the order the joins below make (tile column f = 8 j + 4 a + 2 b + h holds input 2 (4 p + j) + h of the block,
 # p = a + 2 b the part, j the word, h the half); the activations are gathered in that order (`_tc_perm`) as f16 of
 # 2^6 x; each block is one K = 32 tensor-core dot (fp32 accumulation), times its factor 2^(s - 119) into the fp32
@@ -442,7 +442,7 @@ def _moe_gemv_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, act, ws, B, NA, NPRO
 # No tensor cores, no 16-row padding: a program streams BN rows (w1 and w3 together) or BL rows (w2) of one
 # expert as [rows, NB, 4] int32 tiles (one 16-byte load per row and 32-block: the block's four words in the
 # kernel layout of k3lab.mxfp4.to_kernel_layout), the next step's tiles loaded before this step's arithmetic
-# (registers double-buffered). Each word becomes four f16x2 with 11 integer instructions (no table, no
+# (registers double-buffered). Each word becomes four f16x2 with 7 integer instructions (no table, no
 # conversion unit), multiplied by the activation pairs in f16x2 FMAs (a block's 32 products summed in f16); the
 # block sum times its E8M0 factor goes into an fp32 accumulator. One or two member tokens share each decoded
 # word (an accumulator slot each); a group of more tokens loops, re-reading its rows from L2. At batch 1 the
@@ -496,8 +496,17 @@ cvt.rn.f16x2.f32 $0, b, a;
 }""")
 
 _M0 = tl.constexpr(0x8E008E00 - (1 << 32))
-_MM = tl.constexpr(0x0E000E00)
-_MS = tl.constexpr(0x80008000 - (1 << 32))
+
+
+@triton.jit
+def _brev32(x):
+    """The interpreter's bit reversal of int32 words (PTX brev.b32): swaps of 1, 2, 4, 8 and 16 bits, each shift's
+    sign extension masked off."""
+    x = ((x >> 1) & 0x55555555) | ((x & 0x55555555) << 1)
+    x = ((x >> 2) & 0x33333333) | ((x & 0x33333333) << 2)
+    x = ((x >> 4) & 0x0F0F0F0F) | ((x & 0x0F0F0F0F) << 4)
+    x = ((x >> 8) & 0x00FF00FF) | ((x & 0x00FF00FF) << 8)
+    return ((x >> 16) & 0xFFFF) | (x << 16)
 
 
 @triton.jit
@@ -505,8 +514,9 @@ def _simt_parts(w):
     """The interpreter's decode (the same bit operations as `decode_ptx`): int32 words -> 4 int32 parts."""
     d0 = w & _M0
     d1 = (w << 8) & _M0
-    d2 = ((w << 5) & _MM) | ((w << 7) & _MS)
-    d3 = ((w >> 3) & _MM) | ((w << 15) & _MS)
+    v = _brev32(w)
+    d2 = v & _M0
+    d3 = (v << 8) & _M0
     return d0, d1, d2, d3
 
 
