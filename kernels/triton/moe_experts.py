@@ -959,10 +959,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
     grouped: BN = 64 intermediate rows a program (bf16 and MXFP4 at every batch; fp8 32 at batch <= 4), BK
     (bf16 128, fp8 and MXFP4 256), BL = 128 rows of w2 a step, BT = 16 tokens a tile, 4 warps (MXFP4 8), 3 stages
-    (bf16 4: 144 KB of shared memory, one program an SM; H100, fortieth session, us 3 / 4 stages: batch 8 uniform
-    336.3 / 335.6, 16 646.4 / 629.0, 64 1683.4 / 1673.9; same16 8 58.3 / 53.6, 16 63.9 / 58.2, 64 236.9 / 219.6;
-    block_n 32 lost, 128 with 4 stages does not fit: profiles/h100-80gb-hbm3/moe_bf16_stages.json.gz and
-    moe_bf16_tiles.json.gz; not yet timed on the H200)."""
+    (bf16 4: 144 KB of shared memory, one program an SM; faster than 3 at every measured batch and routing, block_n
+    32 lost, 128 with 4 stages does not fit: docs/NOTES_moe.md, fortieth section, measured on an H100 only)."""
     path = path or default_path(B, fmt)
     if path == "simt":  # MXFP4: NB 32-blocks a step in w1/w3 rows, NB2 in w2's rows
         nb = 16
