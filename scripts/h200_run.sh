@@ -22,7 +22,7 @@
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
-#   STEP=rows   carry [".gpu/cute", ".gpu/fi"]  the current code's rows of issue 14's bf16 / fp8 targets (batch 1, 16,
+#   STEP=rows   carry [".gpu/cute", ".gpu/fi"]  (PART=1..3, one call each; PART=1 also "ab_old") the current code's rows of issue 14's bf16 / fp8 targets (batch 1, 16,
 #                                              32, 64: moe_b1_b64), the MXFP4 experts on the new decode
 #                                              (moe_mxfp4_brev), the dense experts' grouped path at batch 1..4
 #                                              against the one-token kernels (moe_dense_grouped_b1), and issue 16's
@@ -209,21 +209,34 @@ ab)
   esac
   pack ab ;;
 rows)
+  # three calls (PART=1..3), each under the 10-minute limit
   unpack cute fi; install
   mkdir -p "$OUT/rows"
   M="$K bench moe --ops moe_experts --no-variants --skip torch_compile,reference --reps 20 --out $OUT/rows --grid tp=8
      --grid latent=3584 --grid inter=3072 --grid n_experts=896 --grid top_k=16 --grid routing=uniform"
-  timeout 225 $M --backends triton,cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,16,32,64 --name moe_b1_b64 \
-    --deadline 200 2>&1 | tee "$OUT/rows/moe.log" | grep -E "moe_experts" | cut -c1-150 | tail -n 20
-  # the MXFP4 experts on the forty-first session's decode (7 operations a word, brev; 13 before): issue 14's MXFP4
-  # rows, moe_grouped_l1's grid (the same-run A/B against the old form: the code of 566f3c7 in a second checkout)
-  timeout 200 $M --backends triton,cute --no-peers --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 \
-    --grid routing=uniform,same16 --name moe_mxfp4_brev --deadline 180 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 24
-  timeout 120 $M --backends cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,2,4 --grid path=null,grouped \
-    --name moe_dense_grouped_b1 --deadline 100 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 12
-  timeout 250 $K bench kda --ops kda_decode --backends cute,triton --grid heads=12 --grid batch=1,2,4,8,16,32,64 \
-    --grid tile_v=16,128 --reps 30 --deadline 210 --skip torch_compile --name kda_decode_fi --out "$OUT/rows" 2>&1 \
-    | tee "$OUT/rows/kda.log" | grep -E "kda_decode" | cut -c1-150 | tail -n 30
+  case "${PART:-1}" in
+  1)
+    # the MXFP4 experts on the forty-first session's decode (7 operations a word, brev; 13 before): issue 14's MXFP4
+    # rows on moe_grouped_l1's grid, then the same cases on the code of 566f3c7 (the 13-operation decode) when the
+    # call carries it as ab_old/ (`git archive 566f3c7 k3lab kernels data | tar -x -C ab_old`, kernels/ renamed
+    # k3lab_kernels/): the same-run A/B
+    timeout 230 $M --backends triton,cute --no-peers --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 \
+      --grid routing=uniform,same16 --name moe_mxfp4_brev --deadline 200 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 24
+    if [ -d ab_old/k3lab ]; then
+      (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 230 $M --backends cute --no-peers --grid dtype=mxfp4 \
+        --grid batch=1,2,8,16,32,64 --grid routing=uniform,same16 --name moe_mxfp4_13ops --deadline 200 2>&1 \
+        | grep -E "moe_experts" | cut -c1-150 | tail -n 12)
+    fi ;;
+  2)
+    timeout 250 $M --backends triton,cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,16,32,64 --name moe_b1_b64 \
+      --deadline 220 2>&1 | tee "$OUT/rows/moe.log" | grep -E "moe_experts" | cut -c1-150 | tail -n 20
+    timeout 150 $M --backends cute --no-peers --grid dtype=bf16,fp8 --grid batch=1,2,4 --grid path=null,grouped \
+      --name moe_dense_grouped_b1 --deadline 120 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 12 ;;
+  3)
+    timeout 300 $K bench kda --ops kda_decode --backends cute,triton --grid heads=12 --grid batch=1,2,4,8,16,32,64 \
+      --grid tile_v=16,128 --reps 30 --deadline 250 --skip torch_compile --name kda_decode_fi --out "$OUT/rows" 2>&1 \
+      | tee "$OUT/rows/kda.log" | grep -E "kda_decode" | cut -c1-150 | tail -n 30 ;;
+  esac
   pack rows ;;
 *) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab or rows" >&2; exit 2 ;;
 esac
