@@ -110,7 +110,7 @@ pending)
   # the kernels built without a device (docs/NOTES_moe.md, NOTES_trunk.md, thirty-third and thirty-fourth sessions),
   # in parts that each fit one call: PART=1 their GPU tests and the dense experts' bench, PART=2 the projections'
   # path "mma" benches, PART=3 the settings (experiments/*/variants.py), PART=7 the projections chained under pdl,
-  # PART=8 the bf16 grouped experts' tiles; bundles under $OUT/pending/<gpu>/
+  # PART=8 the bf16 grouped experts' tiles, PART=9 the projections' batch tile at batch 32 / 64; bundles under $OUT/pending/<gpu>/
   unpack cute; install
   mkdir -p "$OUT/pending"
   B="$K bench --out $OUT/pending --no-variants --skip torch_compile,reference --reps ${REPS:-20}"
@@ -147,6 +147,13 @@ pending)
     timeout 420 $B trunk --ops proj --backends triton --name proj_large_tiles --deadline 390 --grid preset=tp8 \
       --grid batch=32,64 --grid wdtype=bf16 --grid proj=kda_q,shared_w1,mla_dkv,moe_router,kda_o \
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
+  9)
+    # the forty-second session: the Triton projections' batch tile (block_m) and warps at batch 32 / 64, where cuBLAS
+    # leads by up to 28 % (issue 13; no .gpu/ archive needed): a winner becomes proj_gemv.config's rule above
+    # SMALL_BATCH
+    timeout 560 $B trunk --ops proj --backends triton --name proj_block_m --deadline 520 --grid preset=tp8,tp16 \
+      --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,kda_b,mla_dkv,moe_router \
+      --grid block_m=null,16,32 --grid num_warps=null,8 2>&1 | tail -n 40 ;;
   7)
     # the fortieth session: the projections chained as the step runs them (rows triton_pdl / cute_pdl, the pdl knob)
     # beside the plain calls, cuBLAS and the stream peer (variants on: $B passes --no-variants, so the command is whole)
