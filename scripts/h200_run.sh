@@ -148,12 +148,16 @@ pending)
       --grid batch=32,64 --grid wdtype=bf16 --grid proj=kda_q,shared_w1,mla_dkv,moe_router,kda_o \
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
   9)
-    # the forty-second session: the Triton projections' batch tile (block_m) and warps at batch 32 / 64, where cuBLAS
-    # leads by up to 28 % (issue 13; no .gpu/ archive needed): a winner becomes proj_gemv.config's rule above
+    # the forty-second session: the Triton projections at batch 32 / 64, where cuBLAS leads by up to 28 % (issue 13;
+    # no .gpu/ archive needed). At batch 64 the default tiles (BN 32, split-K ~10) read x from L2 once per 32 output
+    # rows (twice the weight bytes at shared_w1) and the last program of a tile sums every partial alone: wider
+    # output tiles with fewer K ranges, and the batch tile (block_m); a winner becomes proj_gemv.config's rule above
     # SMALL_BATCH
-    timeout 560 $B trunk --ops proj --backends triton --name proj_block_m --deadline 520 --grid preset=tp8,tp16 \
-      --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,kda_b,mla_dkv,moe_router \
-      --grid block_m=null,16,32 --grid num_warps=null,8 2>&1 | tail -n 40 ;;
+    P="--grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
+    timeout 330 $B trunk --ops proj --backends triton --name proj_wide_tiles --deadline 300 $P \
+      --grid block_n=null,64 --grid split_k=null,4,8 --grid num_warps=null,8 2>&1 | tail -n 40
+    timeout 200 $B trunk --ops proj --backends triton --name proj_block_m --deadline 170 $P \
+      --grid block_m=null,16,32 2>&1 | tail -n 20 ;;
   7)
     # the fortieth session: the projections chained as the step runs them (rows triton_pdl / cute_pdl, the pdl knob)
     # beside the plain calls, cuBLAS and the stream peer (variants on: $B passes --no-variants, so the command is whole)
