@@ -149,14 +149,17 @@ pending)
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
   9)
     # the forty-second session: the Triton projections at batch 32 / 64, where cuBLAS leads by up to 28 % (issue 13;
-    # no .gpu/ archive needed). At batch 64 the default tiles (BN 32, split-K ~10) read x from L2 once per 32 output
-    # rows (twice the weight bytes at shared_w1) and the last program of a tile sums every partial alone: wider
-    # output tiles with fewer K ranges, and the batch tile (block_m); a winner becomes proj_gemv.config's rule above
+    # no .gpu/ archive needed). Offline (sm_90, Triton 3.6) the default there (dot, BN 32, 4 warps) takes 255
+    # registers and a 184-byte stack, and every wider tile at 4 warps spills (the thirty-sixth session's 31-43 us);
+    # tma at 8 warps holds BN 64 in 119 registers and BN 128 in 207, no stack. So: tma at 8 warps over BN 64 / 128
+    # and the K ranges, dot at 8 warps, and the batch tile (block_m); a winner becomes proj_gemv.config's rule above
     # SMALL_BATCH
     P="--grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
-    timeout 330 $B trunk --ops proj --backends triton --name proj_wide_tiles --deadline 300 $P \
-      --grid block_n=null,64 --grid split_k=null,4,8 --grid num_warps=null,8 2>&1 | tail -n 40
-    timeout 200 $B trunk --ops proj --backends triton --name proj_block_m --deadline 170 $P \
+    timeout 240 $B trunk --ops proj --backends triton --name proj_tma8 --deadline 210 $P --grid path=tma \
+      --grid num_warps=8 --grid block_n=64,128 --grid split_k=null,2,4,8 2>&1 | tail -n 40
+    timeout 150 $B trunk --ops proj --backends triton --name proj_dot8 --deadline 120 $P --grid path=dot \
+      --grid num_warps=8 --grid block_n=null,64 2>&1 | tail -n 20
+    timeout 120 $B trunk --ops proj --backends triton --name proj_block_m --deadline 100 $P \
       --grid block_m=null,16,32 2>&1 | tail -n 20 ;;
   7)
     # the fortieth session: the projections chained as the step runs them (rows triton_pdl / cute_pdl, the pdl knob)

@@ -76,7 +76,10 @@ FP8_F16 = True  # fp8 weights on the dot path as f16 MMAs (`proj(f16=...)`): 16-
 SELECT_MAX_BATCH = 16  # the fused router selection (one program selects for every row of its batch tile)
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
 MAX_BATCH = 1024  # the batch tiles over the grid; 1024 rows cover a verify of 128 sequences x 8 positions
-_COUNTERS: dict[str, torch.Tensor] = {}  # per device: split-K arrival counters, always zero between calls
+# per device: split-K arrival counters, always zero between calls. One set for every stream: split-K calls must not
+# run concurrently on two streams (the decode step's shared-expert stream runs its w1/w3 beside the routed experts,
+# which use counters of their own; a per-stream set would be allocated, and zeroed, inside a graph capture)
+_COUNTERS: dict[str, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
