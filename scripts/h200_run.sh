@@ -155,11 +155,11 @@ pending)
     # and the K ranges, dot at 8 warps, and the batch tile (block_m); a winner becomes proj_gemv.config's rule above
     # SMALL_BATCH
     P="--grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
-    timeout 240 $B trunk --ops proj --backends triton --name proj_tma8 --deadline 210 $P --grid path=tma \
+    timeout 180 $B trunk --ops proj --backends triton --name proj_tma8 --deadline 150 $P --grid path=tma \
       --grid num_warps=8 --grid block_n=64,128 --grid split_k=null,2,4,8 2>&1 | tail -n 40
-    timeout 150 $B trunk --ops proj --backends triton --name proj_dot8 --deadline 120 $P --grid path=dot \
+    timeout 110 $B trunk --ops proj --backends triton --name proj_dot8 --deadline 80 $P --grid path=dot \
       --grid num_warps=8 --grid block_n=null,64 2>&1 | tail -n 20
-    timeout 120 $B trunk --ops proj --backends triton --name proj_block_m --deadline 100 $P \
+    timeout 100 $B trunk --ops proj --backends triton --name proj_block_m --deadline 70 $P \
       --grid block_m=null,16,32 2>&1 | tail -n 20 ;;
   7)
     # the fortieth session: the projections chained as the step runs them (rows triton_pdl / cute_pdl, the pdl knob)
@@ -237,8 +237,8 @@ rows)
     timeout 230 $M --backends triton,cute --no-peers --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 \
       --grid routing=uniform,same16 --name moe_mxfp4_brev --deadline 200 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 24
     if [ -d ab_old/k3lab ]; then
-      (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 230 $M --backends cute --no-peers --grid dtype=mxfp4 \
-        --grid batch=1,2,8,16,32,64 --grid routing=uniform,same16 --name moe_mxfp4_13ops --deadline 200 2>&1 \
+      (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 150 $M --backends cute --no-peers --grid dtype=mxfp4 \
+        --grid batch=1,8,16,64 --grid routing=uniform,same16 --name moe_mxfp4_13ops --deadline 120 2>&1 \
         | grep -E "moe_experts" | cut -c1-150 | tail -n 12)
     fi ;;
   2)
