@@ -156,7 +156,7 @@ pending)
     # SMALL_BATCH
     P="--grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
     timeout 180 $B trunk --ops proj --backends triton --name proj_tma8 --deadline 150 $P --grid path=tma \
-      --grid num_warps=8 --grid block_n=64,128 --grid split_k=null,2,4,8 2>&1 | tail -n 40
+      --grid num_warps=8 --grid block_n=64,128 --grid split_k=null,4 2>&1 | tail -n 40
     timeout 110 $B trunk --ops proj --backends triton --name proj_dot8 --deadline 80 $P --grid path=dot \
       --grid num_warps=8 --grid block_n=null,64 2>&1 | tail -n 20
     timeout 100 $B trunk --ops proj --backends triton --name proj_block_m --deadline 70 $P \
