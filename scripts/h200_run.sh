@@ -110,7 +110,7 @@ pending)
   # the kernels built without a device (docs/NOTES_moe.md, NOTES_trunk.md, thirty-third and thirty-fourth sessions),
   # in parts that each fit one call: PART=1 their GPU tests and the dense experts' bench, PART=2 the projections'
   # path "mma" benches, PART=3 the settings (experiments/*/variants.py), PART=7 the projections chained under pdl,
-  # PART=8 the bf16 grouped experts' tiles, PART=9 the projections' batch tile at batch 32 / 64; bundles under $OUT/pending/<gpu>/
+  # PART=8 the bf16 grouped experts' tiles, PART=9 the projections' tiles and warps at batch 32 / 64; bundles under $OUT/pending/<gpu>/
   unpack cute; install
   mkdir -p "$OUT/pending"
   B="$K bench --out $OUT/pending --no-variants --skip torch_compile,reference --reps ${REPS:-20}"
@@ -152,15 +152,13 @@ pending)
     # no .gpu/ archive needed). Offline (sm_90, Triton 3.6) the default there (dot, BN 32, 4 warps) takes 255
     # registers and a 184-byte stack, and every wider tile at 4 warps spills (the thirty-sixth session's 31-43 us);
     # tma at 8 warps holds BN 64 in 119 registers and BN 128 in 207, no stack. So: tma at 8 warps over BN 64 / 128
-    # and the K ranges, dot at 8 warps, and the batch tile (block_m); a winner becomes proj_gemv.config's rule above
-    # SMALL_BATCH
+    # and the K ranges, and dot at 8 warps. Run on an H100: none is ahead of cuBLAS at batch 64 (docs/NOTES_trunk.md);
+    # the batch tile option block_m, timed in the same call (proj_block_m), lost and was removed (git history 40b9515)
     P="--grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
     timeout 180 $B trunk --ops proj --backends triton --name proj_tma8 --deadline 150 $P --grid path=tma \
       --grid num_warps=8 --grid block_n=64,128 --grid split_k=null,4 2>&1 | tail -n 40
     timeout 110 $B trunk --ops proj --backends triton --name proj_dot8 --deadline 80 $P --grid path=dot \
-      --grid num_warps=8 --grid block_n=null,64 2>&1 | tail -n 20
-    timeout 100 $B trunk --ops proj --backends triton --name proj_block_m --deadline 70 $P \
-      --grid block_m=null,16,32 2>&1 | tail -n 20 ;;
+      --grid num_warps=8 --grid block_n=null,64 2>&1 | tail -n 20 ;;
   7)
     # the fortieth session: the projections chained as the step runs them (rows triton_pdl / cute_pdl, the pdl knob)
     # beside the plain calls, cuBLAS and the stream peer (variants on: $B passes --no-variants, so the command is whole)

@@ -216,19 +216,6 @@ def test_proj_kernel_options(options):
     _check(PROJ, options=options, preset="tiny", proj="moe_down", batch=2)
 
 
-@pytest.mark.parametrize("options,batch", [(dict(block_m=16), 40), (dict(block_m=32, split_k=3), 33),
-                                           (dict(block_m=64, path="tma"), 5), (dict(block_m=128), 17)])
-def test_proj_block_m(options, batch):
-    """block_m: the batch tile at any batch (several batch tiles over the grid, each with its own split-K partials
-    and counters; a tile past the batch's end), on both tiled paths; refused on the rows path and off its values."""
-    _check(PROJ, options=options, preset="tiny", proj="kda_o", batch=batch, wdtype="bf16", residual=True)
-    x, w = torch.randn(1, 24).bfloat16(), torch.randn(16, 24).bfloat16()
-    with pytest.raises(TrunkArgumentError, match="block_m"):
-        trunk.proj(x, w, backend="triton", path="rows", block_m=16)
-    with pytest.raises(ValueError, match="'block_m' must be one of"):
-        trunk.proj(x, w, backend="triton", block_m=48)
-
-
 def test_proj_pdl_knob():
     """Option pdl (the decode step's chain, as one knob of a call): under the interpreter there is no griddepcontrol,
     so the launch is plain and the results are the checker's; a non-bool, or pdl on a backend without a kernel

@@ -25,9 +25,7 @@ Three paths (`config`, knob `path`; `default_path` picks by shape), one launch e
         per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
       - larger batch (B > 16, up to MAX_BATCH): BM = 32..128-row tiles of the batch over the grid, BN x BK
         weight tiles;
-        split-K only while the tiles alone leave SMs idle. `block_m` (16..128) sets BM at any batch: smaller
-        batch tiles read each W tile once a batch tile (from L2 after the first) but need fewer K ranges, whose
-        partials the last program of a tile sums alone.
+        split-K only while the tiles alone leave SMs idle.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
     split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
@@ -340,27 +338,19 @@ def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = F
     return "tma" if tma and not fp8 and N >= TMA_MIN_N else "dot"
 
 
-BLOCK_M = (16, 32, 64, 128)  # the batch tiles `block_m` may set (paths tma and dot)
-
-
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
-           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False,
-           block_m=None) -> dict:
+           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
     from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
-    (1 = none); block_m: the batch tile (BLOCK_M; None: 16 up to SMALL_BATCH, else the batch's power of two in 32..128);
-    num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
+    (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
     runs (paths tma and dot only)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
     if prologue and path == "rows":
         raise ValueError("proj_gemv: an input prologue runs on paths 'tma' and 'dot', not 'rows'")
-    if block_m is not None and (path == "rows" or block_m not in BLOCK_M):
-        raise ValueError(f"proj_gemv: block_m must be one of {BLOCK_M} on paths 'tma' and 'dot', got {block_m!r} on "
-                         f"path {path!r}")
     if path == "rows":
         if M > ROWS_MAX_BATCH or split_k not in (None, 1):
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
@@ -371,7 +361,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         return dict(path=path, BN=BN, BK=BK, BP=BP, num_warps=num_warps or (4 if BP <= 2 else 8),
                     num_stages=num_stages or 1)
     small = M <= SMALL_BATCH
-    BM = block_m or (16 if small else min(128, max(32, _pow2(M))))
+    BM = 16 if small else min(128, max(32, _pow2(M)))
     sms = sm_count(device)
     if path == "tma":
         BN = min(block_n or 64, TMA_MAX_BOX)
@@ -398,7 +388,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, block_m: int | None = None) -> list:
+         f16: bool | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
@@ -435,7 +425,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
-                 prologue=pro != 0, block_m=block_m)
+                 prologue=pro != 0)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
