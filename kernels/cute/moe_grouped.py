@@ -93,7 +93,8 @@ DOWN_SHARE = 4
 SHARE_FROM = 4
 DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
 # Requesting a unit's weights into L2 at its start (UP_L2 / DOWN_L2) was timed and lost (2-33 % slower at batch 8-64,
-# uniform and same16, on an H100: profiles/h100-80gb-hbm3/moe_grouped_l2_variants.json.gz); git history has it.
+# uniform and same16, on an H100: profiles/h100-80gb-hbm3/moe_grouped_l2_variants.json.gz, retired for room:
+# git history at ed41b45); git history has the requests too.
 
 MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
                "{$10, $11, $12, $13};")
