@@ -22,8 +22,9 @@
 #   STEP=mla    carry [".gpu/base", ".gpu/fi", ".gpu/fijit"]  the MLA evidence: decode beside FlashInfer fa3/fa2
 #                                              (batch 1 to 128K, batch 64 to 32K), verify T=4 by row tile, the combine
 #                                              (the partition sweeps behind `auto`: experiments/mla_tune)
-#   STEP=rows   carry [".gpu/cute", ".gpu/fi"]  (PART=1..3, one call each; PART=1 also "ab_old") the current code's rows of issue 14's bf16 / fp8 targets (batch 1, 16,
-#                                              32, 64: moe_b1_b64), the MXFP4 experts on the new decode
+#   STEP=rows   carry [".gpu/cute", ".gpu/fi"]  PART=1..3, one call each (PART=1 also "ab_old/"): the current code's
+#                                              rows of issue 14's bf16 / fp8 targets (batch 1, 16, 32, 64:
+#                                              moe_b1_b64), the MXFP4 experts on the new decode
 #                                              (moe_mxfp4_brev), the dense experts' grouped path at batch 1..4
 #                                              against the one-token kernels (moe_dense_grouped_b1), and issue 16's
 #                                              KDA decode beside FlashInfer (kda_decode_fi) (forty-first session)
@@ -110,7 +111,8 @@ pending)
   # the kernels built without a device (docs/NOTES_moe.md, NOTES_trunk.md, thirty-third and thirty-fourth sessions),
   # in parts that each fit one call: PART=1 their GPU tests and the dense experts' bench, PART=2 the projections'
   # path "mma" benches, PART=3 the settings (experiments/*/variants.py), PART=7 the projections chained under pdl,
-  # PART=8 the bf16 grouped experts' tiles, PART=9 the projections' tiles and warps at batch 32 / 64; bundles under $OUT/pending/<gpu>/
+  # PART=8 the bf16 grouped experts' tiles, PART=9 the projections' tiles and warps at batch 32 / 64; bundles under
+  # $OUT/pending/<gpu>/
   unpack cute; install
   mkdir -p "$OUT/pending"
   B="$K bench --out $OUT/pending --no-variants --skip torch_compile,reference --reps ${REPS:-20}"
@@ -150,7 +152,7 @@ pending)
   9)
     # the forty-second session: the Triton projections at batch 32 / 64, where cuBLAS leads by up to 28 % (issue 13;
     # no .gpu/ archive needed). Offline (sm_90, Triton 3.6) the default there (dot, BN 32, 4 warps) takes 255
-    # registers and a 184-byte stack, and every wider tile at 4 warps spills (the thirty-sixth session's 31-43 us);
+    # registers and a 184-byte stack, and every wider tile at 4 warps spills (the thirty-sixth session's 26-43 us);
     # tma at 8 warps holds BN 64 in 119 registers and BN 128 in 207, no stack. So: tma at 8 warps over BN 64 / 128
     # and the K ranges, and dot at 8 warps. Run on an H100: none is ahead of cuBLAS at batch 64 (docs/NOTES_trunk.md);
     # the batch tile option block_m, timed in the same call (proj_block_m), lost and was removed (git history 40b9515)
@@ -230,10 +232,11 @@ rows)
   1)
     # the MXFP4 experts on the forty-first session's decode (7 operations a word, brev; 13 before): issue 14's MXFP4
     # rows on moe_grouped_l1's grid, then the same cases on the code of 566f3c7 (the 13-operation decode) when the
-    # call carries it as ab_old/ (`git archive 566f3c7 k3lab kernels data | tar -x -C ab_old`, kernels/ renamed
-    # k3lab_kernels/): the same-run A/B
+    # call carries it as ab_old/ (`git archive 566f3c7 k3lab kernels data pyproject.toml | tar -x -C ab_old`,
+    # kernels/ renamed k3lab_kernels/): the same-run A/B
     timeout 230 $M --backends triton,cute --no-peers --grid dtype=mxfp4 --grid batch=1,2,8,16,32,64 \
-      --grid routing=uniform,same16 --name moe_mxfp4_brev --deadline 200 2>&1 | grep -E "moe_experts" | cut -c1-150 | tail -n 24
+      --grid routing=uniform,same16 --name moe_mxfp4_brev --deadline 200 2>&1 | grep -E "moe_experts" | cut -c1-150 \
+      | tail -n 24
     if [ -d ab_old/k3lab ]; then
       (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 150 $M --backends cute --no-peers --grid dtype=mxfp4 \
         --grid batch=1,8,16,64 --grid routing=uniform,same16 --name moe_mxfp4_13ops --deadline 120 2>&1 \
