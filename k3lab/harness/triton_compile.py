@@ -44,30 +44,42 @@ class Result:
     error: str = ""
 
 
-def _signature(fn, args, kwargs) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, options) of one call of the JIT function `fn`, as Triton's launcher would see them
-    (no specialization on alignment or value: those change the code, not whether it compiles)."""
+def _signature(fn, args, kwargs) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, options, attrs) of one call of the JIT function `fn`, specialized as Triton's launcher
+    specializes it (the compiled code depends on it): an int equal to 1 becomes a constexpr, and ints divisible by 16
+    and tensors whose data pointer is 16-byte aligned carry tt.divisibility 16 (without it pointer loads compile
+    unvectorized and unpipelined, and registers read off such a kernel are not the GPU's), unless the kernel's
+    do_not_specialize lists say otherwise."""
     opts = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
     bound = fn.signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    sig, const = {}, {}
-    for p, (name, v) in zip(fn.params, bound.arguments.items()):
+    sig, const, attrs = {}, {}, {}
+    div16 = [["tt.divisibility", 16]]
+    for i, (p, (name, v)) in enumerate(zip(fn.params, bound.arguments.items())):
+        spec, align = not p.do_not_specialize, not p.do_not_specialize_on_alignment
         if p.is_constexpr or v is None:
             sig[name], const[name] = "constexpr", v
         elif hasattr(v, "dtype") and hasattr(v, "data_ptr"):
             sig[name] = "*" + _TYPES[str(v.dtype).replace("torch.", "")]
+            if align and v.data_ptr() % 16 == 0:
+                attrs[(i,)] = div16
         elif hasattr(v, "base") and hasattr(v, "block_shape"):  # a host TensorDescriptor (the TMA paths)
             dt = _TYPES[str(v.base.dtype).replace("torch.", "")]
             sig[name] = f"tensordesc<{dt}[{', '.join(str(int(d)) for d in v.block_shape)}]>"
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
+            if spec and v == 1:
+                sig[name], const[name] = "constexpr", 1
+                continue
             sig[name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+            if spec and align and v % 16 == 0:
+                attrs[(i,)] = div16
         elif isinstance(v, float):
             sig[name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {name!r} of type {type(v).__name__} has no Triton type here")
-    return sig, const, opts
+    return sig, const, opts, attrs
 
 
 def resources(kernel) -> dict[str, int]:
@@ -108,12 +120,12 @@ def compile_only(arch: int = 90, log: list | None = None):
     cache: dict[tuple, Any] = {}
 
     def run(self, *args, grid, warmup, **kwargs):
-        sig, const, opts = _signature(self, args, dict(kwargs))
+        sig, const, opts, attrs = _signature(self, args, dict(kwargs))
         key = (self.__name__, self.module, tuple(sorted(sig.items())), repr(sorted(const.items(), key=str)),
-               tuple(sorted(opts.items())))
+               tuple(sorted(opts.items())), repr(sorted(attrs)))
         if key not in cache:
             t = time.perf_counter()
-            cache[key] = triton.compile(ASTSource(fn=self, signature=sig, constexprs=const), target=target,
+            cache[key] = triton.compile(ASTSource(fn=self, signature=sig, constexprs=const, attrs=attrs), target=target,
                                         options=opts)
             if log is not None:
                 log.append((self.__name__, round(time.perf_counter() - t, 2), cache[key]))

@@ -137,7 +137,8 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
-                 KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False):
+                 KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False,
+                 RCH: tl.constexpr = 16):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
@@ -224,14 +225,23 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
         c = cnt + pid_m * tl.num_programs(0) + pid_n
         old = tl.atomic_add(c, 1, sem="acq_rel")
         done = old == SPLIT - 1
-        if done:  # the last program of this output tile: sum the partials in split order
-            acc = tl.load(tile, mask=valid, other=0.0, cache_modifier=".cg")
-            for q in tl.static_range(1, SPLIT):  # unrolled: every partial's load in flight together
-                acc += tl.load(tile + q * MP * NP, mask=valid, other=0.0, cache_modifier=".cg")
+        if done:  # the last program of this output tile: sum the partials in split order, RCH batch columns
+            # at a time (every partial's load of a piece in flight together, unrolled; the whole tile at once
+            # held SPLIT tiles in registers and spilled at batch 64), each piece through the epilogue
+            for c0 in tl.static_range(0, BM, RCH):
+                mc = pid_m * BM + c0 + tl.arange(0, RCH)
+                mcok = mc < M
+                pc = ws + mc[None, :].to(tl.int64) * NP + n[:, None]
+                a = tl.load(pc, mask=mcok[None, :], other=0.0, cache_modifier=".cg")
+                for q in tl.static_range(1, SPLIT):
+                    a += tl.load(pc + q * MP * NP, mask=mcok[None, :], other=0.0, cache_modifier=".cg")
+                _epilogue(a, n, mc, nok, mcok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4,
+                          e5, s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32)
             tl.atomic_xchg(c, 0)  # the counter is zero again for the next call
-    if done:
+    else:
         _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
                   s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32)
+    if done:
         if TOPK > 0:
             if pid_n * BN < e0:  # a tile of the router's logits: the last of them selects
                 tl.debug_barrier()  # every thread's logits are stored before the release below
@@ -311,6 +321,7 @@ ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
 ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta)
 TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
+RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
 
@@ -339,13 +350,16 @@ def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = F
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
-           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False) -> dict:
+           num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False,
+           rchunk=None) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
     from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
     (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
-    runs (paths tma and dot only)."""
+    runs (paths tma and dot only); rchunk: the batch columns of a split-K tile's partials summed at a time by its
+    last program (None: the whole tile at batch <= SMALL_BATCH, else the widest power of two whose partials fit
+    RED_BYTES a thread)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
@@ -378,8 +392,15 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     chunks = triton.cdiv(K, BK)
     ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
     split = triton.cdiv(K, ksplit)
-    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit,
-                num_warps=num_warps or 4, num_stages=stages)
+    warps = num_warps or 4
+    if rchunk is None:  # whole tiles at small batch; above, pieces whose partials fit RED_BYTES a thread
+        rchunk = BM
+        while not small and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:
+            rchunk //= 2
+    elif rchunk < 1 or rchunk & (rchunk - 1) or rchunk > BM:
+        raise ValueError(f"proj_gemv: rchunk must be a power of two <= the batch tile {BM}, got {rchunk}")
+    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk,
+                num_warps=warps, num_stages=stages)
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
@@ -388,7 +409,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None) -> list:
+         f16: bool | None = None, rchunk: int | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
@@ -425,7 +446,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
-                 prologue=pro != 0)
+                 prologue=pro != 0, rchunk=rchunk)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
@@ -476,7 +497,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl, F16=f16,
+        PDL=pdl, F16=f16, RCH=cfg["RCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     return outs
 

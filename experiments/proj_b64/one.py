@@ -1,0 +1,31 @@
+"""One launch of a trunk projection at a batch inside an NVTX range `target` for ncu (`--nvtx --nvtx-include
+target/`), after warm-up calls: ours (Triton, options as key=value) or cuBLAS (torch's F.linear), TP8 bf16.
+Device: python experiments/proj_b64/one.py {ours|cublas} PROJ BATCH [key=value ...]   (see ncu.sh)"""
+import sys
+
+import torch
+
+from k3lab import registry
+from k3lab.bench import runner
+from k3lab.ops import trunk
+
+who, proj, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+opts = {}
+for kv in sys.argv[4:]:
+    k, v = kv.split("=")
+    opts[k] = None if v == "null" else (v if not v.lstrip("-").isdigit() else int(v))
+op = registry.get("proj")
+case = op.case(preset="tp8", proj=proj, batch=batch, wdtype="bf16", residual=False, prologue="none")
+s = op.make_inputs(case, 1234, "cuda")
+if who == "ours":
+    fn = runner._ours(op, case, "triton", opts).make(s)
+else:
+    fn = next(p for p in trunk.proj_peers(case) if p.name == "cublas").make(s)
+for _ in range(3):
+    fn()
+torch.cuda.synchronize()
+torch.cuda.nvtx.range_push("target")
+fn()
+torch.cuda.nvtx.range_pop()
+torch.cuda.synchronize()
+print(who, proj, batch, opts, "ok")
