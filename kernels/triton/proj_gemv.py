@@ -358,7 +358,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
     (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
     runs (paths tma and dot only); rchunk: the batch columns of a split-K tile's partials summed at a time by its
-    last program (None: the whole tile at batch <= SMALL_BATCH, else the widest power of two whose partials fit
+    last program (None: the whole tile to a batch tile of 32 rows, else the widest power of two whose partials fit
     RED_BYTES a thread)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
@@ -393,9 +393,9 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
     split = triton.cdiv(K, ksplit)
     warps = num_warps or 4
-    if rchunk is None:  # whole tiles at small batch; above, pieces whose partials fit RED_BYTES a thread
+    if rchunk is None:  # whole tiles to a batch tile of 32; above, pieces whose partials fit RED_BYTES a thread
         rchunk = BM
-        while not small and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:
+        while BM > 32 and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:
             rchunk //= 2
     elif rchunk < 1 or rchunk & (rchunk - 1) or rchunk > BM:
         raise ValueError(f"proj_gemv: rchunk must be a power of two <= the batch tile {BM}, got {rchunk}")

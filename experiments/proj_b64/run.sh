@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The batch-32 / 64 projections (issue 13's "ours / cuBLAS < 1" rows), one device call, no .gpu/ archive needed:
+# the split-K tile's partials summed by its last program in pieces of RCH batch columns (this code) against the whole
+# tile at once (the code of the commit before, carried as ab_old/: `git archive <rev> k3lab kernels data
+# pyproject.toml | tar -x -C ab_old`, kernels/ renamed k3lab_kernels/), the same grid in the same call; then ncu of
+# shared_w1 at batch 64 (ours, ours on tma at 8 warps, cuBLAS).
+# Paths and warps: the default and tma, 4 and 8 warps (the old code: default and tma). Bundles proj_rchunk{,_old} under $OUT/proj_b64.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p "$OUT/proj_b64"
+nvidia-smi --query-gpu=name --format=csv,noheader
+K="python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants --skip torch_compile,reference
+   --reps ${REPS:-20} --grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16
+   --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
+case "${PART:-1}" in
+1)
+  timeout 230 $K --name proj_rchunk --out "$OUT/proj_b64" --deadline 200 --grid path=null,tma --grid num_warps=null,8 \
+    2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 40
+  if [ -d ab_old/k3lab ]; then
+    (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 130 $K --name proj_rchunk_old --out "$OUT/proj_b64" --no-peers \
+       --deadline 100 --grid path=null,tma 2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 12)
+  fi ;;
+2)
+  # the pipelines' depth: tma at 6 stages (every chunk of a 6-chunk K range in flight) and 64-column chunks; dot at
+  # 4 / 6 stages
+  timeout 200 $K --name proj_stages_tma --out "$OUT/proj_b64" --deadline 170 --grid path=tma --grid num_stages=null,6 \
+    --grid block_k=null,64 2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 40
+  timeout 160 $K --name proj_stages_dot --out "$OUT/proj_b64" --deadline 130 --no-peers --grid num_stages=null,4,6 \
+    2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 30 ;;
+esac
+[ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
