@@ -151,9 +151,9 @@ pending)
       --grid path=null,tma,dot --grid block_n=null,128 2>&1 | tail -n 40 ;;
   9)
     # the forty-second session: the Triton projections at batch 32 / 64, where cuBLAS leads by up to 28 % (issue 13;
-    # no .gpu/ archive needed). Offline (sm_90, Triton 3.6) the default there (dot, BN 32, 4 warps) takes 255
-    # registers and a 184-byte stack, and every wider tile at 4 warps spills (the thirty-sixth session's 26-43 us);
-    # tma at 8 warps holds BN 64 in 119 registers and BN 128 in 207, no stack. So: tma at 8 warps over BN 64 / 128
+    # no .gpu/ archive needed). Read offline then (sm_90, Triton 3.6, without the launcher's specialization: an
+    # artifact, docs/NOTES_trunk.md forty-third section) the default there took 255 registers and a stack; tma at 8
+    # warps held BN 64 in 119 registers and BN 128 in 207, no stack. So: tma at 8 warps over BN 64 / 128
     # and the K ranges, and dot at 8 warps. Run on an H100: none is ahead of cuBLAS at batch 64 (docs/NOTES_trunk.md);
     # the batch tile option block_m, timed in the same call (proj_block_m), lost and was removed (git history 40b9515)
     P="--grid preset=tp8 --grid batch=32,64 --grid wdtype=bf16 --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router"
