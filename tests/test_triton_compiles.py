@@ -75,3 +75,25 @@ def test_compile_check_refuses_a_grid_that_compiles_nothing():
         tc.check(["rms_norm"], grid={"batch": [0]})
     with pytest.raises(SystemExit, match="grid names \\['bogus'\\] are no axis"):
         tc.check(["rms_norm"], grid={"bogus": [1]})
+
+
+def test_offline_signature_specializes_as_the_launcher():
+    """The offline compile sees what the launcher passes: an int of 1 is a constexpr, aligned pointers and ints
+    divisible by 16 carry tt.divisibility 16 (without it pointer loads compile unvectorized and unpipelined, and
+    the registers read offline are not the GPU's: docs/NOTES_trunk.md, forty-third session)."""
+    triton = pytest.importorskip("triton")
+    import torch
+    import triton.language as tl
+
+    from k3lab.harness.triton_compile import _signature
+
+    @triton.jit
+    def k(p, q, n, m, one, f, B: tl.constexpr):
+        pass
+
+    base = torch.zeros(64)
+    sig, const, opts, attrs = _signature(k, (base, base[1:], 7168, 17, 1, 0.5), dict(B=4, num_warps=4))
+    assert sig == {"p": "*fp32", "q": "*fp32", "n": "i32", "m": "i32", "one": "constexpr", "f": "fp32",
+                   "B": "constexpr"}
+    assert const == {"one": 1, "B": 4} and opts == {"num_warps": 4}
+    assert attrs == {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
