@@ -16,17 +16,32 @@ K="python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants -
 case "${PART:-1}" in
 1)
   timeout 230 $K --name proj_rchunk --out "$OUT/proj_b64" --deadline 200 --grid path=null,tma --grid num_warps=null,8 \
-    2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 40
+    2>&1 | tail -n 3
   if [ -d ab_old/k3lab ]; then
     (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 130 $K --name proj_rchunk_old --out "$OUT/proj_b64" --no-peers \
-       --deadline 100 --grid path=null,tma 2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 12)
+       --deadline 100 --grid path=null,tma 2>&1 | tail -n 3)
   fi ;;
 2)
   # the pipelines' depth: tma at 6 stages (every chunk of a 6-chunk K range in flight) and 64-column chunks; dot at
-  # 4 / 6 stages
+  # 4 / 6 stages; dot with BN 64
   timeout 200 $K --name proj_stages_tma --out "$OUT/proj_b64" --deadline 170 --grid path=tma --grid num_stages=null,6 \
-    --grid block_k=null,64 2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 40
-  timeout 160 $K --name proj_stages_dot --out "$OUT/proj_b64" --deadline 130 --no-peers --grid num_stages=null,4,6 \
-    2>&1 | grep -E "proj\[" | cut -c1-160 | tail -n 30 ;;
+    --grid block_k=null,64 2>&1 | tail -n 3
+  timeout 130 $K --name proj_stages_dot --out "$OUT/proj_b64" --deadline 100 --no-peers --grid num_stages=null,4,6 \
+    2>&1 | tail -n 3
+  # dot with 64-row W tiles (x read from L2 half as often) at the default and two fixed K splits
+  timeout 130 $K --name proj_bn64_dot --out "$OUT/proj_b64" --deadline 100 --no-peers --grid block_n=64 \
+    --grid split_k=null,8,11 2>&1 | tail -n 3 ;;
 esac
 [ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
+# the short table: every row of the bundles written, us
+python3 - "$OUT/proj_b64" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*/*.json")):
+    d = json.load(open(f))
+    print("==", f.split("/")[-1], d.get("env", {}).get("gpu"))
+    for r in d["rows"]:
+        e = r["extra"]
+        o = {k: v for k, v in (e.get("options") or {}).items() if v is not None}
+        ok = (r.get("error") or {}).get("ok")
+        print(f"{r['backend']:8s} {e.get('proj'):10s} {e.get('batch'):3d} {r['median_us']:7.2f} {ok} {o}")
+PY
