@@ -31,6 +31,13 @@ case "${PART:-1}" in
   # dot with 64-row W tiles (x read from L2 half as often) at the default and two fixed K splits
   timeout 130 $K --name proj_bn64_dot --out "$OUT/proj_b64" --deadline 100 --no-peers --grid block_n=64 \
     --grid split_k=null,8,11 2>&1 | tail -n 3 ;;
+3)
+  # the forty-third session's stage rule (tma 6 stages to batch 32, dot 4 at batch 17..32) against the stages before
+  # (tma 4, dot 3), batch 32, two rounds in turn
+  for r in 1 2; do
+    timeout 100 $K --name proj_stages_b32_r$r --out "$OUT/proj_b64" --deadline 80 --grid batch=32 \
+      --grid num_stages=null,3,4 2>&1 | tail -n 1
+  done ;;
 esac
 [ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
 # the short table: every row of the bundles written, us

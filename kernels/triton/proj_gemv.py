@@ -14,7 +14,7 @@ be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the route
 Three paths (`config`, knob `path`; `default_path` picks by shape), one launch each:
   * "tma" (bf16 weights with >= 1024 outputs): tensor-core tiles whose W [BN, BK] and x [BM, BK] blocks come
     through the copy engine (tensor descriptors; zero-filled past N, M and K), pipelined num_stages deep in
-    shared memory (6 at batch <= 16, 4 above; capped to fit). Split-K: as many K ranges as keep every program
+    shared memory (6 to batch 32, 4 above; capped to fit). Split-K: as many K ranges as keep every program
     resident in ONE wave of the default stages (cap = SMs x programs per SM by shared memory). (Spreading the
     programs evenly over the SMs lost to this rule almost everywhere: git history, docs/NOTES_trunk.md.)
     The partials reduced as below.
@@ -24,8 +24,8 @@ Three paths (`config`, knob `path`; `default_path` picks by shape), one launch e
         programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
         per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
       - larger batch (B > 16, up to MAX_BATCH): BM = 32..128-row tiles of the batch over the grid, BN x BK
-        weight tiles;
-        split-K only while the tiles alone leave SMs idle.
+        weight tiles; split-K only while the tiles alone leave SMs idle; loads 4 stages deep to a batch tile of
+        32 (as at small batch), 3 above.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
     split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
@@ -381,12 +381,12 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         BN = min(block_n or 64, TMA_MAX_BOX)
         BK = min(block_k or 128, TMA_MAX_BOX, max(16, _pow2(K)))
         stage = BN * BK * (1 if fp8 else 2) + BM * BK * 2
-        stages = max(1, min(num_stages or (6 if small else 4), SMEM_BYTES // stage))
+        stages = max(1, min(num_stages or (6 if BM <= 32 else 4), SMEM_BYTES // stage))
         cap = sms * max(1, SMEM_BYTES // (stages * stage))
     else:
         BN = block_n or (64 if small and fp8 else 32)
         BK = min(block_k or 128, max(16, _pow2(K)))
-        stages = num_stages or (4 if small else 3)
+        stages = num_stages or (4 if BM <= 32 else 3)
         cap = 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     chunks = triton.cdiv(K, BK)
