@@ -38,6 +38,10 @@ case "${PART:-1}" in
     timeout 100 $K --name proj_stages_b32_r$r --out "$OUT/proj_b64" --deadline 80 --grid batch=32 \
       --grid num_stages=null,3,4 2>&1 | tail -n 1
   done ;;
+4)
+  # the partials summed by a second kernel launched with PDL (experiments/proj_b64/split2.py), against the production
+  # projection and cuBLAS on the same inputs
+  timeout 280 python3 experiments/proj_b64/split2.py "$OUT/proj_b64/split2.json" 2>&1 | tail -n 100 ;;
 esac
 [ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
 # the short table: every row of the bundles written, us
