@@ -15,11 +15,13 @@ import triton.language as tl
 
 from k3lab.harness.timing import bench_gpu
 from k3lab.ops.trunk import proj_shapes
+from k3lab_kernels.triton.pdl import launch_kw, pdl_on
 from k3lab_kernels.triton.proj_gemv import proj
 
 
 @triton.jit
-def _part_kernel(x, w, ws, M, N, K, KSPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _part_kernel(x, w, ws, M, N, K, KSPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
@@ -33,15 +35,20 @@ def _part_kernel(x, w, ws, M, N, K, KSPLIT, BM: tl.constexpr, BN: tl.constexpr, 
     for k0 in range(k_lo, k_hi, BK):
         wt = tl.load(wp + k0, mask=(n < N)[:, None], other=0.0)
         xt = tl.load(xp + k0, mask=(m < M)[:, None], other=0.0)
-        acc += tl.dot(wt, tl.trans(xt))
+        if PDL:
+            acc += tl.dot(wt, tl.trans(xt))
+        else:  # the interpreter multiplies bf16 dot operands wrongly (docs/NOTES_mla.md): exact fp32 products
+            acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
     tl.store(ws + pid_s.to(tl.int64) * M * N + m[None, :] * N + n[:, None], acc,
              mask=(m < M)[None, :] & (n < N)[:, None])
-    tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
-def _sum_kernel(ws, out, MN, S, BLK: tl.constexpr):
-    tl.extra.cuda.gdc_wait()
+def _sum_kernel(ws, out, MN, S, BLK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0) * BLK + tl.arange(0, BLK)
     ok = i < MN
     a = tl.load(ws + i, mask=ok, other=0.0)
@@ -51,14 +58,15 @@ def _sum_kernel(ws, out, MN, S, BLK: tl.constexpr):
 
 
 def split2(x, w, out, ws, split, BN=32, BK=128, stages=3, BLK=512, warps=4):
+    pdl = pdl_on(True)  # off under TRITON_INTERPRET=1 (no griddepcontrol there)
     M, K = x.shape
     N = w.shape[0]
     chunks = triton.cdiv(K, BK)
     ksplit = triton.cdiv(chunks, split) * BK
     S = triton.cdiv(K, ksplit)
     _part_kernel[(triton.cdiv(N, BN), S)](x, w, ws, M, N, K, ksplit, BM=max(16, triton.next_power_of_2(M)), BN=BN,
-                                          BK=BK, num_warps=warps, num_stages=stages)
-    _sum_kernel[(triton.cdiv(M * N, BLK),)](ws, out, M * N, S, BLK=BLK, num_warps=4, launch_pdl=True)
+                                          BK=BK, PDL=pdl, num_warps=warps, num_stages=stages)
+    _sum_kernel[(triton.cdiv(M * N, BLK),)](ws, out, M * N, S, BLK=BLK, PDL=pdl, num_warps=4, **launch_kw(pdl))
 
 
 def main():
