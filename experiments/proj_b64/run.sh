@@ -42,6 +42,16 @@ case "${PART:-1}" in
   # the partials summed by a second kernel launched with PDL (experiments/proj_b64/split2.py), against the production
   # projection and cuBLAS on the same inputs
   timeout 280 python3 experiments/proj_b64/split2.py "$OUT/proj_b64/split2.json" 2>&1 | tail -n 100 ;;
+5)
+  # the partials summed by a second kernel under PDL in production (reduce "kernel" from a batch tile of 64, dot tiles
+  # of 64 W rows, one program an SM) at batch 48 / 64 and the K splits around the rule, against the code before
+  # (ab_old/: the last program behind a counter) and cuBLAS
+  timeout 150 $K --name proj_reduce --out "$OUT/proj_b64" --deadline 120 --grid batch=48,64 --grid split_k=null,11,16,22 \
+    2>&1 | tail -n 1
+  if [ -d ab_old/k3lab ]; then
+    (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 80 $K --name proj_reduce_old --out "$OUT/proj_b64" --no-peers \
+       --deadline 60 --grid batch=48,64 2>&1 | tail -n 1)
+  fi ;;
 esac
 [ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
 # the short table: every row of the bundles written, us

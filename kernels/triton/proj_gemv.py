@@ -11,7 +11,8 @@ scale = amax|W[n, :]| / 448, so the row's largest entry maps to e4m3's largest f
 [B, N] (one output only); each out_i [B, N_i] with unit stride along N_i (any row stride: an output can
 be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the router's logits).
 
-Three paths (`config`, knob `path`; `default_path` picks by shape), one launch each:
+Three paths (`config`, knob `path`; `default_path` picks by shape), one launch each (two where a second kernel sums
+the split-K partials, below):
   * "tma" (bf16 weights with >= 1024 outputs): tensor-core tiles whose W [BN, BK] and x [BM, BK] blocks come
     through the copy engine (tensor descriptors; zero-filled past N, M and K), pipelined num_stages deep in
     shared memory (6 to batch 32, 4 above; capped to fit). Split-K: as many K ranges as keep every program
@@ -25,7 +26,10 @@ Three paths (`config`, knob `path`; `default_path` picks by shape), one launch e
         per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
       - larger batch (B > 16, up to MAX_BATCH): BM = 32..128-row tiles of the batch over the grid, BN x BK
         weight tiles; split-K only while the tiles alone leave SMs idle; loads 4 stages deep to a batch tile of
-        32 (as at small batch), 3 above.
+        32 (as at small batch), 3 above. From a batch tile of RED_MIN_BM (64) (knob `reduce`, both paths): bf16
+        tiles of 64 W rows, one program an SM, and each program stores its partial and lets `_proj_sum_kernel`
+        (launched after it with PDL, waiting on griddepcontrol) sum a tile's partials in split order across many
+        programs and run the epilogue, instead of the tile's last program alone behind the counter.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
     split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
@@ -64,7 +68,7 @@ import triton
 import triton.language as tl
 
 from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
-from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter
+from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter, pdl_on
 from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
 
@@ -138,7 +142,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                  KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False,
-                 RCH: tl.constexpr = 16):
+                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
@@ -221,13 +225,18 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
         tile = ws + m[None, :].to(tl.int64) * NP + n[:, None]
         valid = mok[None, :]  # the batch rows only (batch 1: one of the tile's 16), so the partials' traffic is B rows
         tl.store(tile + pid_s.to(tl.int64) * MP * NP, acc, mask=valid)
+    if SPLIT > 1 and RED:  # the partials are summed by _proj_sum_kernel, launched after this one (with PDL)
+        if PDL2:
+            tl.extra.cuda.gdc_launch_dependents()
+        done = False
+    elif SPLIT > 1:
         tl.debug_barrier()  # every thread's partial is stored before the release below
         c = cnt + pid_m * tl.num_programs(0) + pid_n
         old = tl.atomic_add(c, 1, sem="acq_rel")
         done = old == SPLIT - 1
         if done:  # the last program of this output tile: sum the partials in split order, RCH batch columns
             # at a time (every partial's load of a piece in flight together, unrolled; the whole tile at once
-            # held SPLIT tiles in registers and spilled at batch 64), each piece through the epilogue
+            # measured slower at batch 64: docs/NOTES_trunk.md), each piece through the epilogue
             for c0 in tl.static_range(0, BM, RCH):
                 mc = pid_m * BM + c0 + tl.arange(0, RCH)
                 mcok = mc < M
@@ -279,6 +288,27 @@ def _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, 
 
 
 @triton.jit
+def _proj_sum_kernel(ws, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
+                     M, N, s_rm, MP, NP, SPLIT, NSEG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                     FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr):
+    """The split-K partials of _proj_kernel (RED) summed in split order (deterministic), [BN, BM] outputs a program,
+    then the shared epilogue. Launched right after the projection with PDL: the launch and the programs' start
+    overlap its tail, and griddepcontrol.wait holds every read until all its partials are stored."""
+    pdl_enter(PDL)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    nok = n < N
+    mok = m < M
+    p = ws + m[None, :].to(tl.int64) * NP + n[:, None]
+    msk = mok[None, :] & nok[:, None]
+    acc = tl.load(p, mask=msk, other=0.0)
+    for q in range(1, SPLIT):
+        acc += tl.load(p + q * MP * NP, mask=msk, other=0.0)
+    _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
+              s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, RNE)
+
+
+@triton.jit
 def _proj_rows_kernel(x, w, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
                       M, N, K, s_xm, s_rm,
                       NSEG: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -321,6 +351,9 @@ ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
 ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta)
 TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
+REDUCES = ("last", "kernel")
+RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
+# bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
@@ -351,7 +384,7 @@ def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = F
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
            num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False,
-           rchunk=None) -> dict:
+           rchunk=None, reduce=None) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
     from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
@@ -359,7 +392,8 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
     runs (paths tma and dot only); rchunk: the batch columns of a split-K tile's partials summed at a time by its
     last program (None: the whole tile to a batch tile of 32 rows, else the widest power of two whose partials fit
-    RED_BYTES a thread)."""
+    RED_BYTES a thread); reduce: who sums a split-K tile's partials, "last" (its last program, behind an atomic
+    counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
@@ -384,10 +418,10 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         stages = max(1, min(num_stages or (6 if BM <= 32 else 4), SMEM_BYTES // stage))
         cap = sms * max(1, SMEM_BYTES // (stages * stage))
     else:
-        BN = block_n or (64 if small and fp8 else 32)
+        BN = block_n or (64 if (small and fp8) or (BM >= RED_MIN_BM and not fp8) else 32)
         BK = min(block_k or 128, max(16, _pow2(K)))
         stages = num_stages or (4 if BM <= 32 else 3)
-        cap = 2 * sms
+        cap = sms if BM >= RED_MIN_BM else 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     chunks = triton.cdiv(K, BK)
     ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
@@ -399,8 +433,12 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
             rchunk //= 2
     elif rchunk < 1 or rchunk & (rchunk - 1) or rchunk > BM:
         raise ValueError(f"proj_gemv: rchunk must be a power of two <= the batch tile {BM}, got {rchunk}")
-    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk,
-                num_warps=warps, num_stages=stages)
+    if reduce is None:
+        reduce = "kernel" if BM >= RED_MIN_BM else "last"
+    elif reduce not in REDUCES:
+        raise ValueError(f"proj_gemv: reduce must be one of {REDUCES}, got {reduce!r}")
+    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk, RED=reduce == "kernel"
+                and split > 1, num_warps=warps, num_stages=stages)
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
@@ -409,7 +447,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, rchunk: int | None = None) -> list:
+         f16: bool | None = None, rchunk: int | None = None, reduce: str | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
@@ -446,7 +484,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
-                 prologue=pro != 0, rchunk=rchunk)
+                 prologue=pro != 0, rchunk=rchunk, reduce=reduce)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
@@ -483,6 +521,9 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         rb, ri, rw, rk, rs = select[0], select[1], select[2], int(select[3]), float(select[4])
         rc = cnt[gn * gm:]  # the selection's counters after the split-K ones
     kxp = _pow2(K1) if pro >= 2 else 1  # the rms pre-pass: one load of RR whole rows (<= 8192 values) a round trip
+    if select is not None and reduce == "kernel":
+        raise ValueError("proj_gemv: the fused selection needs reduce 'last' (the last program of a tile selects)")
+    red = cfg["RED"] and select is None  # the fused selection counts finished tiles: the last program sums them
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -497,8 +538,13 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl, F16=f16, RCH=cfg["RCH"],
+        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=pdl_on(True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
+    if red:
+        SB, SM_ = 32, 16
+        _proj_sum_kernel[(triton.cdiv(N, SB), triton.cdiv(M, SM_))](
+            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, split, NSEG=len(outs), BN=SB, BM=SM_,
+            FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=4, **launch_kw(True))
     return outs
 
 
