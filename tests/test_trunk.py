@@ -84,6 +84,29 @@ def test_proj_batches_small_and_tiled(batch, wdtype):
     _check(PROJ, preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
 
 
+@pytest.mark.parametrize("batch", [33, 40, 130])
+@pytest.mark.parametrize("wdtype", ["bf16", "fp8"])
+def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
+    """From a batch tile of 64 a split-K tile's partials are summed by _proj_sum_kernel (reduce 'kernel'): odd
+    batches, fp8 scales and the residual through the checker; the sum is the last program's, bit for bit (the same
+    split order)."""
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    _check(PROJ, options=dict(split_k=3), preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
+    _check(PROJ, options=dict(split_k=2), preset="tiny", proj="kda_o", batch=batch, wdtype=wdtype, residual=True)
+    torch.manual_seed(batch)
+    x, w = torch.randn(batch, 256).bfloat16(), (torch.randn(96, 256) / 16).bfloat16()
+    outs = {}
+    for red in ("kernel", "last"):
+        o = torch.full((batch, 96), float("nan")).bfloat16()
+        pg.proj(x, w, [o], path="dot", split_k=4, reduce=red)
+        outs[red] = o
+    assert pg.config(batch, 96, 256, torch.device("cpu"), path="dot", split_k=4)["RED"] == (batch > 32)
+    assert torch.equal(outs["kernel"], outs["last"])
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        pg.proj(x, w, [outs["last"]], path="dot", split_k=4, reduce="atomic")
+
+
 @pytest.mark.parametrize("batch,wdtype", [(1, "bf16"), (3, "fp8"), (8, "bf16")])
 def test_proj_rows_path(batch, wdtype):
     """The register GEMV (no split-K), batch padded to a power of two, K not a multiple of the chunk."""
