@@ -94,6 +94,7 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
 
     _check(PROJ, options=dict(split_k=3), preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
     _check(PROJ, options=dict(split_k=2), preset="tiny", proj="kda_o", batch=batch, wdtype=wdtype, residual=True)
+    _check(PROJ, options=dict(split_k=3, reduce="last"), preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
     torch.manual_seed(batch)
     x, w = torch.randn(batch, 256).bfloat16(), (torch.randn(96, 256) / 16).bfloat16()
     outs = {}

@@ -39,7 +39,8 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
                  of K and rows a CTA)
   auto           data/trunk_defaults.json, else the reference
 Knobs (triton): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
-loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages (proj, proj_group);
+loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages, reduce ("last": a
+split-K tile's last program sums its partials; "kernel": a second kernel under PDL) (proj, proj_group);
 num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); (cute) path (None / "gemv": one warp a row;
 "mma": tensor cores, not yet measured), cluster and tile_m (proj, proj_group); None = the kernel's measured default.
 Argument errors are TrunkArgumentError (a ValueError) naming the argument.
@@ -424,7 +425,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
          prologue2: tuple | None = None, backend: str = "reference", ran: list | None = None, path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, f16: bool | None = None,
-         cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+         cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None,
+         reduce: str | None = None) -> torch.Tensor:
     """out = pro(x) W^T (+ residual), or [pro(x) | pro2(x2)] W^T with two K segments (module docstring). f16
     (triton, fp8 weights on the dot path): f16 MMAs instead of bf16 (k3lab_kernels.triton.proj_gemv.proj). pdl
     (triton, cute): launched with programmatic dependent launch, the weights' first loads before the wait for the
@@ -432,7 +434,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl)
+                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl, reduce=reduce)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue, x2=x2,
                      prologue2=prologue2)[0]
 
@@ -443,7 +445,8 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None,
                f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None,
-               cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None) -> list[torch.Tensor]:
+               cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None,
+               reduce: str | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
     reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
     launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors). glu (cute
@@ -453,7 +456,7 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl)
+                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl, reduce=reduce)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain,
                      glu=glu)
 
