@@ -3,10 +3,9 @@ an NVTX range `target` for ncu (`--nvtx --nvtx-include target/`), after warm-up 
 Device: python experiments/kda_ncu/one.py {ours|fi} BATCH (see ncu.sh)."""
 import sys
 
-import torch
-
 from k3lab import registry
 from k3lab.bench import runner
+from k3lab.harness.timing import profile_once
 from k3lab.ops import kda
 
 who, batch = sys.argv[1], int(sys.argv[2])
@@ -17,11 +16,5 @@ if who == "ours":
     fn = runner._ours(op, case, "cute", {}).make(s)
 else:
     fn = kda.flashinfer_peer(case)[0].make(s)
-for _ in range(3):
-    fn()
-torch.cuda.synchronize()
-torch.cuda.nvtx.range_push("target")
-fn()
-torch.cuda.nvtx.range_pop()
-torch.cuda.synchronize()
+profile_once(fn)
 print(who, batch, "ok")

@@ -8,9 +8,8 @@ warm-up call (the CuTe DSL compile), NVTX range "profiled" holds one call. For n
 (BACKEND cute by default: the grouped kernels above batch 1)."""
 import sys
 
-import torch
-
 from k3lab import registry
+from k3lab.harness.timing import profile_once
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 ROUTING = sys.argv[2] if len(sys.argv) > 2 else "uniform"
@@ -18,10 +17,5 @@ BE = sys.argv[3] if len(sys.argv) > 3 else "cute"
 OP = registry.get("moe_experts")
 case = OP.case(dtype="mxfp4", batch=B, routing=ROUTING, tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
 d = OP.make_inputs(case, 0, "cuda")
-OP.call(d, case, BE, {}, None)
-torch.cuda.synchronize()
-torch.cuda.nvtx.range_push("profiled")
-OP.call(d, case, BE, {}, None)
-torch.cuda.nvtx.range_pop()
-torch.cuda.synchronize()
+profile_once(lambda: OP.call(d, case, BE, {}, None), range_name="profiled", warmup=1)
 print("done", B, ROUTING, BE)

@@ -3,10 +3,9 @@ target/`), after warm-up calls: ours (Triton, options as key=value) or cuBLAS (t
 Device: python experiments/proj_b64/one.py {ours|cublas} PROJ BATCH [key=value ...]   (see ncu.sh)"""
 import sys
 
-import torch
-
 from k3lab import registry
 from k3lab.bench import runner
+from k3lab.harness.timing import profile_once
 from k3lab.ops import trunk
 
 who, proj, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -21,11 +20,5 @@ if who == "ours":
     fn = runner._ours(op, case, "triton", opts).make(s)
 else:
     fn = next(p for p in trunk.proj_peers(case) if p.name == "cublas").make(s)
-for _ in range(3):
-    fn()
-torch.cuda.synchronize()
-torch.cuda.nvtx.range_push("target")
-fn()
-torch.cuda.nvtx.range_pop()
-torch.cuda.synchronize()
+profile_once(fn)
 print(who, proj, batch, opts, "ok")

@@ -457,3 +457,15 @@ def launches_per_call(kernels: list[dict[str, Any]]) -> float | None:
     if not kernels or kernels[0].get("device") != "cuda":
         return None
     return round(sum(k["count"] for k in kernels), 3)
+
+
+def profile_once(fn: Callable[[], Any], *, range_name: str = "target", warmup: int = 3) -> None:
+    """One call of `fn` inside an NVTX range for a profiler (`ncu --nvtx --nvtx-include RANGE/`), after `warmup`
+    calls that compile and warm the allocator, each side synchronized (the experiments' ncu scripts)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(range_name)
+    fn()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
