@@ -1112,9 +1112,9 @@ def defaults(component: str = typer.Argument(..., help="a registered component, 
     _component(component)
     ops = {o.name: o.policy_key for o in registry.ops_of(component)}
     rows: list[dict] = []
-    for p in bundles:
+    for i, p in enumerate(bundles):
         try:
-            rows += read_json(p)["rows"]
+            rows += [dict(r, _bundle=i) for r in read_json(p)["rows"]]
         except (OSError, ValueError, KeyError, EOFError) as e:
             _echo_err(f"error: cannot read the rows of bundle {p}: {e}")
             raise typer.Exit(2) from None

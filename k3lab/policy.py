@@ -72,8 +72,12 @@ def default_rules(rows: list[dict], impl: str, *, key_of: Callable[[dict], str |
     fastest `option` value whose fp64 check passed (at `heads` heads when given). `key_of(row)` names the
     policy key of a row (None: the row is not ruled). A rule matches the first (B, T) with
     B <= max_batch and T <= max_T, so an unmeasured batch or T takes the next measured one above it and
-    anything beyond the sweep takes its largest. Rows of a later bundle replace an earlier one's."""
+    anything beyond the sweep takes its largest. A later bundle's rows replace an earlier one's: a row's `_bundle`
+    (its bundle's place in the list, 0 when absent) names its run, and a (op, batch, T) case is ruled from the latest
+    run that measured it alone, so options timed in different runs are never compared."""
     best: dict[tuple, dict] = {}
+    latest: dict[tuple, int] = {}
+    kept: list[tuple[tuple, dict]] = []
     for r in rows:
         x = r.get("extra") or {}
         if r.get("backend") != impl or not (r.get("error") or {}).get("ok"):
@@ -82,7 +86,12 @@ def default_rules(rows: list[dict], impl: str, *, key_of: Callable[[dict], str |
             continue
         key = key_of(r)
         if key is not None:
-            best[(key, x["batch"], x.get("T", 1), x[option])] = r
+            case = (key, x["batch"], x.get("T", 1))
+            latest[case] = max(latest.get(case, 0), int(r.get("_bundle", 0)))
+            kept.append((case, r))
+    for case, r in kept:
+        if int(r.get("_bundle", 0)) == latest[case]:
+            best[(*case, (r.get("extra") or {})[option])] = r
     out: dict[str, list[dict]] = {}
     for key in sorted({k for (k, _, _, _) in best}):
         cells: dict[int, dict[int, tuple]] = {}

@@ -90,3 +90,18 @@ def test_default_rules_follow_the_measurements():
     assert r["verify"] == [{"max_batch": 4, "max_T": 2, "backend": "cute", "tile_v": 32},
                            {"max_batch": 4, "max_T": None, "backend": "cute", "tile_v": 64},
                            {"max_batch": None, "backend": "cute", "tile_v": 64}]
+
+
+def test_default_rules_never_compare_options_across_runs():
+    """A later bundle that measured a (batch, T) case rules it alone: an option only the earlier run timed (faster on
+    that day's machine) does not beat the later run's options (k3lab defaults: rows tagged with their bundle)."""
+    def row(tile, us, bundle, batch=1):
+        return {"backend": "triton", "median_us": us, "error": {"ok": True}, "_bundle": bundle,
+                "extra": {"op": "kda_decode", "batch": batch, "T": 1, "heads": 12, "tile_v": tile}}
+
+    rows = [row(16, 4.9, 0), row(32, 5.0, 0), row(64, 9.0, 0, batch=8), row(16, 5.4, 1), row(128, 5.6, 1)]
+    rules = policy.default_rules(rows, "triton", key_of=lambda r: "decode", heads=12)["decode"]
+    assert [(r["max_batch"], r["tile_v"]) for r in rules] == [(1, 16), (None, 64)]
+    rows[3]["median_us"] = 5.7  # the later run's 128 now the faster: it wins, the earlier run's 16 / 32 do not count
+    rules = policy.default_rules(rows, "triton", key_of=lambda r: "decode", heads=12)["decode"]
+    assert [(r["max_batch"], r["tile_v"]) for r in rules] == [(1, 128), (None, 64)]
