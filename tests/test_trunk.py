@@ -92,9 +92,15 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
     split order)."""
     from k3lab_kernels.triton import proj_gemv as pg
 
-    _check(PROJ, options=dict(split_k=3), preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
-    _check(PROJ, options=dict(split_k=2), preset="tiny", proj="kda_o", batch=batch, wdtype=wdtype, residual=True)
-    _check(PROJ, options=dict(split_k=3, reduce="last"), preset="tiny", proj="mla_uq", batch=batch, wdtype=wdtype)
+    for name in ("kda_q", "moe_up_shared"):  # K 64 / 96 in 32-column chunks: two / three K ranges
+        _check(PROJ, options=dict(split_k=3, block_k=32), preset="tiny", proj=name, batch=batch, wdtype=wdtype)
+    _check(PROJ, options=dict(split_k=2, block_k=32), preset="tiny", proj="kda_o", batch=batch, wdtype=wdtype,
+           residual=True)
+    _check(PROJ, options=dict(split_k=2, block_k=32, reduce="last"), preset="tiny", proj="kda_q", batch=batch,
+           wdtype=wdtype)
+    _check(GROUP, options=dict(split_k=2, block_k=32), preset="tiny", group="kda_in", batch=batch, wdtype=wdtype)
+    assert pg.config(batch, 64, 64, torch.device("cpu"), split_k=2, block_k=32, fp8=wdtype == "fp8")["RED"] == (
+        batch > 32)
     torch.manual_seed(batch)
     x, w = torch.randn(batch, 256).bfloat16(), (torch.randn(96, 256) / 16).bfloat16()
     outs = {}
@@ -132,7 +138,9 @@ def test_proj_residual_epilogue(name, wdtype):
 @pytest.mark.parametrize("name,pro,wdtype,batch", [("shared_w2", "situ", "bf16", 1), ("shared_w2", "situ", "fp8", 5),
                                                 ("moe_up", "rms", "bf16", 3), ("mla_uq", "rms", "fp8", 1),
                                                 ("moe_up_shared", "rms+situ", "bf16", 2),
-                                                ("moe_up_shared", "rms+situ", "fp8", 1)])
+                                                ("moe_up_shared", "rms+situ", "fp8", 1),
+                                                ("moe_up_shared", "rms+situ", "bf16", 40),
+                                                ("shared_w2", "situ", "bf16", 33)])
 def test_proj_input_prologue(name, pro, wdtype, batch):
     """The op before the projection in its launch: SiTU of [g | u] (shared w2, with the residual epilogue) and
     RMSNorm of fp32 (routed norm) or bf16 (q_norm) rows, against the fp64 oracle; and equal to the unfused path
@@ -141,6 +149,9 @@ def test_proj_input_prologue(name, pro, wdtype, batch):
     Triton's bf16 cast truncates, and the glue reference rounds after every torch op.)"""
     res = name != "mla_uq"
     _check(PROJ, preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
+    if batch > 32:  # the partials summed by the second kernel (reduce "kernel"), with the prologue and the residual
+        _check(PROJ, options=dict(split_k=2, block_k=32), preset="tiny", proj=name, batch=batch, wdtype=wdtype,
+               prologue=pro, residual=res)
     case = PROJ.case(preset="tiny", proj=name, batch=batch, wdtype=wdtype, prologue=pro, residual=res)
     d = PROJ.make_inputs(case, 1, DEV)
     p, sec = ops.prologue_of(d, case), ops.second_of(d, case)

@@ -52,6 +52,12 @@ case "${PART:-1}" in
     (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 80 $K --name proj_reduce_old --out "$OUT/proj_b64" --no-peers \
        --deadline 60 --grid batch=48,64 2>&1 | tail -n 1)
   fi ;;
+6)
+  # the next H200 call (docs/NOTES_step.md, forty-third section): issue 13's batch-32 / 64 rows of the projections that
+  # trailed cuBLAS, TP8 and TP16, bf16 and fp8, the current rules (stage rule, second-kernel reduction) beside cuBLAS;
+  # the bundle joins issue 13's "against cuBLAS" entry in data/targets.json
+  timeout 280 $K --name proj_b32_b64 --out "$OUT/proj_b64" --deadline 250 --grid preset=tp8,tp16 --grid wdtype=bf16,fp8 \
+    --grid proj=shared_w1,kda_q,kda_o,mla_dkv,moe_router,kda_b 2>&1 | tail -n 1 ;;
 esac
 [ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
 # the short table: every row of the bundles written, us
