@@ -418,10 +418,11 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         stages = max(1, min(num_stages or (6 if BM <= 32 else 4), SMEM_BYTES // stage))
         cap = sms * max(1, SMEM_BYTES // (stages * stage))
     else:
-        BN = block_n or (64 if (small and fp8) or (BM >= RED_MIN_BM and not fp8) else 32)
+        wide = BM >= RED_MIN_BM and not fp8  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
+        BN = block_n or (64 if (small and fp8) or wide else 32)
         BK = min(block_k or 128, max(16, _pow2(K)))
         stages = num_stages or (4 if BM <= 32 else 3)
-        cap = sms if BM >= RED_MIN_BM else 2 * sms
+        cap = sms if wide else 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     chunks = triton.cdiv(K, BK)
     ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
