@@ -112,6 +112,10 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
     assert torch.equal(outs["kernel"], outs["last"])
     with pytest.raises(ValueError, match="reduce must be one of"):
         pg.proj(x, w, [outs["last"]], path="dot", split_k=4, reduce="atomic")
+    ran: list = []  # the record says what ran: the K ranges and who summed them
+    trunk.proj(x, w, backend="triton", ran=ran, path="dot", split_k=4)
+    assert "4 K ranges" in ran[-1].notes
+    assert ("second kernel" in ran[-1].notes) == (batch > 32), ran[-1].notes
 
 
 @pytest.mark.parametrize("batch,wdtype", [(1, "bf16"), (3, "fp8"), (8, "bf16")])

@@ -336,6 +336,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
               prologue2=None, chain=None, glu=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
     be, opts, why = _select(op_name, backend, B, knobs)
+    notes = ""
     for name, v, what in (("chain", chain, "f = outs[0] w2^T in the same launch"),
                           ("glu", glu, "the last output as situ over pairs of rows")):
         if v is not None and be not in ("cute", "reference", "torch_compile"):
@@ -386,8 +387,12 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))
         two = dict(x2=x2, prologue2=prologue2) if x2 is not None else {}
+        plan: dict = {}
         dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, prologue=prologue, select=sel,
-                                     **two, **opts)
+                                     **two, **opts, plan=plan)
+        from k3lab_kernels.triton.proj_gemv import describe
+
+        notes = describe(plan)
     else:
         xin = _prologue_ref(x, prologue)
         if x2 is not None:
@@ -412,6 +417,7 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         if chain is not None:
             chain[1].copy_(_linear_ref(outs[0], chain[0], None, None))
     dispatch.record(ran, op=op_name, backend_requested=backend, backend=be, kernel=dispatch.kernel_path(op_name, be),
+                    notes=notes,
                     options=opts, shape=dict(batch=B, N=w.shape[0], K=w.shape[1], wdtype=str(w.dtype).replace(
                         "torch.", ""), outputs=len(outs), residual=residual is not None, prologue=pro or "none",
                         select=0 if select is None else select.idx.shape[1],

@@ -448,7 +448,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, rchunk: int | None = None, reduce: str | None = None) -> list:
+         f16: bool | None = None, rchunk: int | None = None, reduce: str | None = None,
+         plan: dict | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
     [M, N] (one output only) added before the store; prologue None, ("situ", b1, b2) (x then [M, 2K]) or
@@ -459,7 +460,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting). f16 (fp8 weights on the dot path;
     None: FP8_F16): the e4m3 weights widened to f16 (one conversion per two) and x rounded to f16 for f16 MMAs
     (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16; True with bf16
-    weights or on another path is refused (ValueError)."""
+    weights or on another path is refused (ValueError). plan: a dict the call fills with the configuration it ran
+    (path, tiles, K ranges, stages, warps, the reduction), for the caller's record."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape
@@ -508,6 +510,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         raise ValueError(f"proj_gemv: the fused selection runs on paths 'tma' and 'dot' at batch <= {SELECT_MAX_BATCH}"
                          f", got path {cfg['path']!r}, batch {M}")
     if cfg["path"] == "rows":
+        if plan is not None:
+            plan.update(cfg, launches=1)
         _proj_rows_kernel[(triton.cdiv(N, cfg["BN"]),)](
             x, w, sc, res_t, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, NSEG=len(outs), BP=cfg["BP"],
             BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl,
@@ -525,6 +529,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if select is not None and reduce == "kernel":
         raise ValueError("proj_gemv: the fused selection needs reduce 'last' (the last program of a tile selects)")
     red = cfg["RED"] and select is None  # the fused selection counts finished tiles: the last program sums them
+    if plan is not None:
+        plan.update(cfg, RED=red, launches=2 if red else 1)
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -557,3 +563,16 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = wf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
     return (wf / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+def describe(plan: dict) -> str:
+    """One line of what a call ran, from the `plan` it filled (the components' record of the call)."""
+    if not plan:
+        return ""
+    if plan["path"] == "rows":
+        return f"path rows, {plan['BN']} W rows x {plan['BK']} columns a chunk, {plan['num_warps']} warps"
+    split = plan["SPLIT"]
+    red = "" if split == 1 else (", partials summed by a second kernel" if plan.get("RED") else
+                                 ", partials summed by each tile's last program")
+    return (f"path {plan['path']}, tiles {plan['BN']} W rows x {plan['BM']} batch rows x {plan['BK']} columns, "
+            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps")
