@@ -112,6 +112,8 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
     assert torch.equal(outs["kernel"], outs["last"])
     with pytest.raises(ValueError, match="reduce must be one of"):
         pg.proj(x, w, [outs["last"]], path="dot", split_k=4, reduce="atomic")
+    with pytest.raises(ValueError, match="not 'rows'"):
+        pg.proj(x[:2], w, [outs["last"][:2]], path="rows", reduce="kernel")
     ran: list = []  # the record says what ran: the K ranges and who summed them
     trunk.proj(x, w, backend="triton", ran=ran, path="dot", split_k=4)
     assert "2 K ranges" in ran[-1].notes  # K 256 in 128-column chunks: split_k 4 capped at 2

@@ -400,6 +400,9 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     if prologue and path == "rows":
         raise ValueError("proj_gemv: an input prologue runs on paths 'tma' and 'dot', not 'rows'")
     if path == "rows":
+        if reduce is not None or rchunk is not None:
+            raise ValueError(f"proj_gemv: reduce / rchunk apply to the split-K paths 'tma' and 'dot', not 'rows' (got "
+                             f"reduce={reduce!r}, rchunk={rchunk!r})")
         if M > ROWS_MAX_BATCH or split_k not in (None, 1):
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
                              f"batch {M}, split_k {split_k}")
