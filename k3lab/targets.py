@@ -18,7 +18,8 @@ Metrics, per case (rows grouped by `group_by`, default the row's case name; the 
   pct_copy    the same against the copy bandwidth
   x_floor     the median over the row's floor
   over_floor  the median less the row's floor (us)
-  x_peer      ours over the fastest of `peer` (a backend or a list) in the same case: below 1 = ahead
+  x_peer      ours over the fastest of `peer` (a backend or a list) in the same case and the same run (bundle): below 1
+              = ahead; a case timed in several runs takes the newest run that timed both
   ratio       ours over the best of `ours` among the rows `over` selects (a `where` of its own)
   field       a value of the best row (`field`: a dotted path, e.g. "extra.launches_per_layer",
               "error.outputs.state.rel_norm"; with "worst_row": true the worst value over every row of `ours`)
@@ -109,12 +110,13 @@ def _load(bundles: str | list[str], root: Path) -> tuple[list[dict[str, Any]], s
     """The rows of one or more bundles (a run record, `k3lab run`'s run.json, is one row named "run") and the date
     of the newest."""
     out, dates = [], []
-    for b in [bundles] if isinstance(bundles, str) else bundles:
+    for i, b in enumerate([bundles] if isinstance(bundles, str) else bundles):
         p = root / b
         if not p.exists():
             raise TargetError(f"bundle {b} does not exist under {root}")
         d = read_json(p)
-        out += d["rows"] if "rows" in d else [dict(d, name="run", backend="run")]
+        run = (_date(d), i)  # which run a row came from (the peers of a case are compared within one run)
+        out += [dict(r, _run=run) for r in d["rows"]] if "rows" in d else [dict(d, name="run", backend="run", _run=run)]
         dates.append(_date(d))
     return out, max(dates, default="")
 
@@ -317,12 +319,33 @@ def _evaluate(e: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> Resu
                     if v is not None:
                         vals.append((float(v), f"{k} ({r['backend']})"))
             continue
+        if m in ("x_peer", "speedup"):  # ours against the peer of the same run: the newest run that has both
+            g = _same_run(e, g, k)
+            if g is None:
+                continue
+            mine_rows = [r for r in g if r["backend"] in e["ours"]]
         mine = _best(mine_rows)
         if mine is None:
             continue
         v, tag = _value(e, mine, g, rows, root)
         vals.append((v, f"{k} ({tag})"))
     return _worst(e, vals, bundle)
+
+
+def _same_run(e: dict[str, Any], g: list[dict[str, Any]], key: str) -> list[dict[str, Any]] | None:
+    """The rows of one case from the newest run (bundle date, then its place in the list) that holds both a passing
+    row of ours and a row of the peer; None when ours has no passing row at all; an error when ours and the peer were
+    never timed in one run."""
+    peers = e["peer"] if isinstance(e["peer"], list) else [e["peer"]]
+    if not any(r["backend"] in e["ours"] and _ok(r) for r in g):
+        return None
+    if not any(r["backend"] in peers for r in g):
+        raise TargetError(f"{e['case']!r}: no row of peer {peers} in case {key}")
+    for run in sorted({r.get("_run") for r in g}, key=lambda x: x or ("", 0), reverse=True):
+        rs = [r for r in g if r.get("_run") == run]
+        if any(r["backend"] in e["ours"] and _ok(r) for r in rs) and any(r["backend"] in peers for r in rs):
+            return rs
+    raise TargetError(f"{e['case']!r}: no run times ours and peer {peers} together in case {key}")
 
 
 def _worst(e: dict[str, Any], vals: list[tuple[float, str]], bundle: str) -> Result:

@@ -137,6 +137,29 @@ def test_profiles_reads_another_directory_by_name(toy, tmp_path):
         tg.evaluate(dict(nopeer, bundle="b.json.gz"), toy)
 
 
+def test_x_peer_compares_within_one_run(tmp_path):
+    """Ours is held against the peer of the same run (bundle), the newest run that timed both: a faster peer row of
+    another run does not count, and ours and a peer never timed together are an error naming the case."""
+    def bundle(name, date, rows):
+        (tmp_path / name).write_text(json.dumps({"created": date, "rows": rows}))
+
+    def row(be, us):
+        return {"name": "toy[b=1]", "backend": be, "median_us": us, "error": {"ok": True},
+                "extra": {"op": "toy", "case": "toy[b=1]"}}
+
+    bundle("old.json", "2026-12-01", [row("triton", 9.0), row("cublas", 6.0)])
+    bundle("new.json", "2026-12-06", [row("triton", 8.0), row("cublas", 10.0)])
+    e = _e(bundle=["old.json", "new.json"], metric="x_peer", op="<", value=1.0, peer="cublas", ours=["triton"])
+    r = tg.evaluate(e, tmp_path)
+    assert r.met and r.measured == pytest.approx(0.8)  # the newest run's pair, not 8.0 against the older 6.0
+    bundle("peer_only.json", "2026-12-07", [row("cublas", 1.0)])
+    r = tg.evaluate(dict(e, bundle=["old.json", "new.json", "peer_only.json"]), tmp_path)
+    assert r.measured == pytest.approx(0.8)  # a run with the peer alone pairs with nothing
+    bundle("ours_only.json", "2026-12-01", [row("triton", 1.0)])
+    with pytest.raises(tg.TargetError, match="no run times ours and peer"):
+        tg.evaluate(dict(e, bundle=["ours_only.json", "peer_only.json"]), tmp_path)
+
+
 def test_cli_targets_profiles():
     out = CliRunner().invoke(app, ["targets", "--issue", "14", "--profiles", "profiles/h100-80gb-hbm3"])
     assert out.exit_code == 0, out.output
