@@ -387,12 +387,13 @@ def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prolo
         sel = None if select is None else (select.e_bias, select.idx, select.weights, select.idx.shape[1],
                                            float(select.scaling))
         two = dict(x2=x2, prologue2=prologue2) if x2 is not None else {}
-        plan: dict = {}
+        plan: dict | None = {} if ran is not None else None  # what ran, described only for a caller that records
         dispatch.kernel(op_name, be)(x, w, outs, w_scale=w_scale, residual=residual, prologue=prologue, select=sel,
                                      **two, **opts, plan=plan)
-        from k3lab_kernels.triton.proj_gemv import describe
+        if plan is not None:
+            from k3lab_kernels.triton.proj_gemv import describe
 
-        notes = describe(plan)
+            notes = describe(plan)
     else:
         xin = _prologue_ref(x, prologue)
         if x2 is not None:

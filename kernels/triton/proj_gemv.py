@@ -354,6 +354,7 @@ TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many outp
 REDUCES = ("last", "kernel")
 RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
+SUM_BN, SUM_BM = 32, 16  # the summing kernel's outputs a program (W rows x batch rows)
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
@@ -384,25 +385,23 @@ def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = F
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
            num_warps=None, num_stages=None, fp8: bool = False, tma: bool = True, prologue: bool = False,
-           rchunk=None, reduce=None) -> dict:
+           reduce=None) -> dict:
     """The launch configuration for batch M (module docstring); any knob given overrides its default.
     path: "tma" (tensor-core tiles fed by the copy engine, split-K sized to one wave), "dot" (the same tiles
     from pointer loads) or "rows" (batch <= ROWS_MAX_BATCH: register GEMV, no split-K); None =
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
     (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
-    runs (paths tma and dot only); rchunk: the batch columns of a split-K tile's partials summed at a time by its
-    last program (None: the whole tile to a batch tile of 32 rows, else the widest power of two whose partials fit
-    RED_BYTES a thread); reduce: who sums a split-K tile's partials, "last" (its last program, behind an atomic
-    counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM)."""
+    runs (paths tma and dot only); reduce: who sums a split-K tile's partials, "last" (its last program, behind an
+    atomic counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
     if prologue and path == "rows":
         raise ValueError("proj_gemv: an input prologue runs on paths 'tma' and 'dot', not 'rows'")
     if path == "rows":
-        if reduce is not None or rchunk is not None:
-            raise ValueError(f"proj_gemv: reduce / rchunk apply to the split-K paths 'tma' and 'dot', not 'rows' (got "
-                             f"reduce={reduce!r}, rchunk={rchunk!r})")
+        if reduce is not None:
+            raise ValueError(f"proj_gemv: reduce applies to the split-K paths 'tma' and 'dot', not 'rows' (got "
+                             f"reduce={reduce!r})")
         if M > ROWS_MAX_BATCH or split_k not in (None, 1):
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
                              f"batch {M}, split_k {split_k}")
@@ -431,12 +430,9 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
     split = triton.cdiv(K, ksplit)
     warps = num_warps or 4
-    if rchunk is None:  # whole tiles to a batch tile of 32; above, pieces whose partials fit RED_BYTES a thread
-        rchunk = BM
-        while BM > 32 and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:
-            rchunk //= 2
-    elif rchunk < 1 or rchunk & (rchunk - 1) or rchunk > BM:
-        raise ValueError(f"proj_gemv: rchunk must be a power of two <= the batch tile {BM}, got {rchunk}")
+    rchunk = BM  # the last program's sum (reduce "last"): whole tiles to a batch tile of 32; above, pieces of
+    while BM > 32 and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:  # RED_BYTES a thread
+        rchunk //= 2
     if reduce is None:
         reduce = "kernel" if BM >= RED_MIN_BM else "last"
     elif reduce not in REDUCES:
@@ -451,7 +447,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, rchunk: int | None = None, reduce: str | None = None,
+         f16: bool | None = None, reduce: str | None = None,
          plan: dict | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
@@ -490,7 +486,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
-                 prologue=pro != 0, rchunk=rchunk, reduce=reduce)
+                 prologue=pro != 0, reduce=reduce)
     ends, o = [], list(outs)
     e = 0
     for t in outs:
@@ -514,7 +510,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
                          f", got path {cfg['path']!r}, batch {M}")
     if cfg["path"] == "rows":
         if plan is not None:
-            plan.update(cfg, launches=1)
+            plan.update(cfg)
         _proj_rows_kernel[(triton.cdiv(N, cfg["BN"]),)](
             x, w, sc, res_t, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, NSEG=len(outs), BP=cfg["BP"],
             BN=cfg["BN"], BK=cfg["BK"], FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl,
@@ -533,7 +529,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         raise ValueError("proj_gemv: the fused selection needs reduce 'last' (the last program of a tile selects)")
     red = cfg["RED"] and select is None  # the fused selection counts finished tiles: the last program sums them
     if plan is not None:
-        plan.update(cfg, RED=red, launches=2 if red else 1)
+        plan.update(cfg, RED=red)
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -548,14 +544,13 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=pdl_on(True),
+        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     if red:
-        SB, SM_ = 32, 16
-        _proj_sum_kernel[(triton.cdiv(N, SB), triton.cdiv(M, SM_))](
-            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, SPLIT=split, NSEG=len(outs), BN=SB,
-            BM=SM_,
-            FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=4, **launch_kw(True))
+        _proj_sum_kernel[(triton.cdiv(N, SUM_BN), triton.cdiv(M, SUM_BM))](
+            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, SPLIT=split, NSEG=len(outs), BN=SUM_BN,
+            BM=SUM_BM, FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=4,
+            **launch_kw(True))
     return outs
 
 
