@@ -99,6 +99,10 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
     _check(PROJ, options=dict(split_k=2, block_k=32, reduce="last"), preset="tiny", proj="kda_q", batch=batch,
            wdtype=wdtype)
     _check(GROUP, options=dict(split_k=2, block_k=32), preset="tiny", group="kda_in", batch=batch, wdtype=wdtype)
+    # few outputs (the KDA beta's 4 here): 16-row W tiles, the summing kernel's [4, 1] tiles on one warp
+    _check(PROJ, options=dict(split_k=2, block_k=32, block_n=16), preset="tiny", proj="kda_b", batch=batch,
+           wdtype=wdtype)
+    assert pg.sum_tiles(64, 12, 132) == (16, 1, 1) and pg.sum_tiles(64, 896, 132) == (32, 16, 4)
     assert pg.config(batch, 64, 64, torch.device("cpu"), split_k=2, block_k=32, fp8=wdtype == "fp8")["RED"] == (
         batch > 32)
     torch.manual_seed(batch)

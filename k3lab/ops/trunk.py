@@ -556,7 +556,7 @@ _PROJ_OPTS = dict(
     option_axes={"path": {"triton": (None, "tma", "dot", "rows"), "cute": (None, "gemv", "mma")},
                  "cluster": {"cute": (None, 1, 2, 4, 8)}, "tile_m": {"cute": (None, 16, 32, 64)},
                  "block_n": {"triton": (None, 2, 4, 8, 16, 32, 64, 128, 256)},
-                 "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048)},
+                 "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
                  "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}, "f16": {"triton": (None, False, True)},
                  "reduce": {"triton": (None, "last", "kernel")},

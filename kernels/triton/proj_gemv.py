@@ -354,10 +354,22 @@ TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many outp
 REDUCES = ("last", "kernel")
 RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
-SUM_BN, SUM_BM = 32, 16  # the summing kernel's outputs a program (W rows x batch rows)
+SUM_BN, SUM_BM = 32, 16  # the summing kernel's largest tile (W rows x batch rows); see `sum_tiles`
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
+
+
+def sum_tiles(M: int, N: int, sms: int) -> tuple[int, int, int]:
+    """The summing kernel's tile (W rows, batch rows) and warps: at most SUM_BN x SUM_BM, W rows no more than N
+    needs (a power of two), the batch rows halved while fewer than half the SMs would sum (a projection of few
+    outputs, e.g. the KDA beta's 12: [16, 1] tiles, 64 programs at batch 64 instead of 4); one warp for a tile of
+    at most 64 outputs."""
+    bn = min(SUM_BN, _pow2(N))
+    bm = SUM_BM
+    while bm > 1 and triton.cdiv(N, bn) * triton.cdiv(M, bm) < sms // 2:
+        bm //= 2
+    return bn, bm, 1 if bn * bm <= 64 else 4
 
 
 def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -547,9 +559,12 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     if red:
-        _proj_sum_kernel[(triton.cdiv(N, SUM_BN), triton.cdiv(M, SUM_BM))](
-            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, SPLIT=split, NSEG=len(outs), BN=SUM_BN,
-            BM=SUM_BM, FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=4,
+        sbn, sbm, sw = sum_tiles(M, N, sm_count(x.device))
+        if plan is not None:
+            plan.update(SUM=(sbn, sbm))
+        _proj_sum_kernel[(triton.cdiv(N, sbn), triton.cdiv(M, sbm))](
+            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, SPLIT=split, NSEG=len(outs), BN=sbn,
+            BM=sbm, FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=sw,
             **launch_kw(True))
     return outs
 
@@ -570,7 +585,8 @@ def describe(plan: dict) -> str:
     if plan["path"] == "rows":
         return f"path rows, {plan['BN']} W rows x {plan['BK']} columns a chunk, {plan['num_warps']} warps"
     split = plan["SPLIT"]
-    red = "" if split == 1 else (", partials summed by a second kernel" if plan.get("RED") else
+    red = "" if split == 1 else (f", partials summed by a second kernel ({plan['SUM'][0]} x {plan['SUM'][1]} a program)"
+                                 if plan.get("RED") else
                                  ", partials summed by each tile's last program")
     return (f"path {plan['path']}, tiles {plan['BN']} W rows x {plan['BM']} batch rows x {plan['BK']} columns, "
             f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps")
