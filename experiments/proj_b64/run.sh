@@ -61,14 +61,4 @@ case "${PART:-1}" in
 esac
 [ "${NCU:-0}" = 1 ] && OUT="$OUT/proj_b64" timeout 200 bash experiments/proj_b64/ncu.sh shared_w1
 # the short table: every row of the bundles written, us
-python3 - "$OUT/proj_b64" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/*/*.json")):
-    d = json.load(open(f))
-    print("==", f.split("/")[-1], d.get("env", {}).get("gpu"))
-    for r in d["rows"]:
-        e = r["extra"]
-        o = {k: v for k, v in (e.get("options") or {}).items() if v is not None}
-        ok = (r.get("error") or {}).get("ok")
-        print(f"{r['backend']:8s} {e.get('proj'):10s} {e.get('batch'):3d} {r['median_us']:7.2f} {ok} {o}")
-PY
+python3 experiments/proj_b64/table.py "$OUT/proj_b64"

@@ -34,15 +34,4 @@ timeout 40 $B --name sum_tiles_new --deadline 25 --no-peers $S 2>&1 | tail -n 1
 if [ -d ab_old/k3lab ]; then
   (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH timeout 40 $B --name sum_tiles_old --deadline 25 --no-peers $S 2>&1 | tail -n 1)
 fi
-python3 - "$O" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/*/*.json")):
-    d = json.load(open(f))
-    print("==", f.split("/")[-1], d.get("env", {}).get("gpu"))
-    for r in d["rows"]:
-        e = r["extra"]
-        o = {k: v for k, v in (e.get("options") or {}).items() if v is not None}
-        ok = (r.get("error") or {}).get("ok")
-        print(f"{r['backend']:7s} {e.get('preset'):4s} {e.get('wdtype'):4s} {e.get('proj'):9s} {e.get('batch'):3d} "
-              f"{r['median_us']:7.2f} {ok} {o}")
-PY
+python3 experiments/proj_b64/table.py "$O"
