@@ -15,19 +15,14 @@ B="python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants -
 # 1. the beta at batch 1 / 8 / 32 / 64 (TP8): the default, 16-row W tiles, 64-column K chunks (more, shorter K ranges), with cuBLAS
 timeout 130 $B --name beta_tiles --deadline 100 --grid proj=kda_b --grid batch=1,8,32,64 \
   --grid block_n=null,16 --grid block_k=null,64 2>&1 | tail -n 1
-# 2. the beta with the partials summed by the second kernel at batch 8 / 32 (the default there: the last program)
-timeout 45 $B --name beta_reduce --deadline 30 --no-peers --grid proj=kda_b --grid batch=8,32 --grid block_n=16 \
-  --grid block_k=64 --grid reduce=kernel --grid wdtype=bf16 2>&1 | tail -n 1
-# 3. batch 1: the rows path with the whole K a chunk (one round trip), the dot path's split
+# 2. batch 1: the rows path with the whole K a chunk (one round trip)
 timeout 45 $B --name beta_b1 --deadline 30 --no-peers --grid proj=kda_b --grid batch=1 --grid path=rows \
   --grid block_k=4096,8192 --grid num_warps=null,8 --grid wdtype=bf16 2>&1 | tail -n 1
-timeout 30 $B --name beta_b1_dot --deadline 20 --no-peers --grid proj=kda_b --grid batch=1 --grid path=dot \
-  --grid block_n=16 --grid block_k=64,128 --grid wdtype=bf16 2>&1 | tail -n 1
-# 4. the KDA output projection (7168 outputs over K 1536) at batch 64: wider W tiles (x re-read from L2
+# 3. the KDA output projection (7168 outputs over K 1536) at batch 64: wider W tiles (x re-read from L2
 # once a tile), a K split of 2
-timeout 75 $B --name kda_o_tiles --deadline 60 --no-peers --grid proj=kda_o --grid batch=64 \
-  --grid block_n=null,64,128 --grid split_k=null,2 2>&1 | tail -n 1
-# 5. the summing kernel's tiles (this code) against the fixed [32, 16] (ab_old/) where they differ: the beta and the
+timeout 55 $B --name kda_o_tiles --deadline 40 --no-peers --grid proj=kda_o --grid batch=64 \
+  --grid block_n=null,128 --grid split_k=null,2 2>&1 | tail -n 1
+# 4. the summing kernel's tiles (this code) against the fixed [32, 16] (ab_old/) where they differ: the beta and the
 # shared w1 (TP16: 384 outputs) at batch 64
 S="--grid proj=kda_b,shared_w1 --grid preset=tp8,tp16 --grid batch=64 --grid wdtype=bf16"
 timeout 40 $B --name sum_tiles_new --deadline 25 --no-peers $S 2>&1 | tail -n 1
