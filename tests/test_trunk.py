@@ -124,6 +124,26 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
     assert ("second kernel" in ran[-1].notes) == (batch > 32), ran[-1].notes
 
 
+def test_proj_few_outputs_rule():
+    """Few outputs (the KDA beta): 16-row W tiles in 64-column K ranges, the second kernel summing from a batch tile
+    of 32, the rows path's whole K a chunk at batch 1; odd batches through the checker on a K that splits."""
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    cpu = torch.device("cpu")
+    c64, c32, c8 = (pg.config(b, 12, 7168, cpu) for b in (64, 32, 8))
+    assert (c64["path"], c64["BN"], c64["BK"], c64["SPLIT"], c64["RED"]) == ("dot", 16, 64, 112, True)
+    assert c32["RED"] and not c8["RED"] and c8["BN"] == 16
+    assert pg.config(1, 12, 7168, cpu)["BK"] == 8192 and pg.config(1, 96, 7168, cpu, path="rows")["BK"] == 2048
+    assert pg.config(64, 17, 7168, cpu)["BN"] == 64  # past FEW_N: the wide tiles
+    torch.manual_seed(0)
+    for batch in (1, 3, 33):
+        x, w = torch.randn(batch, 320).bfloat16(), (torch.randn(12, 320) / 16).bfloat16()
+        o = torch.full((batch, 12), float("nan")).bfloat16()
+        pg.proj(x, w, [o])
+        ref = (x.double() @ w.double().T).float()
+        assert torch.allclose(o.float(), ref, rtol=1e-2, atol=1e-2), (batch, (o.float() - ref).abs().max())
+
+
 @pytest.mark.parametrize("batch,wdtype", [(1, "bf16"), (3, "fp8"), (8, "bf16")])
 def test_proj_rows_path(batch, wdtype):
     """The register GEMV (no split-K), batch padded to a power of two, K not a multiple of the chunk."""

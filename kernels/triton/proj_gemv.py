@@ -350,6 +350,12 @@ PATHS = ("tma", "dot", "rows")
 ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
 ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta)
+# at most this many outputs (the KDA beta: 12 at TP8, 6 at TP16), where x, not W, is most of the bytes: one 16-row W
+# tile on the dot path with K in FEW_BK-column ranges (twice the programs reading x), and on the rows path (batch 1)
+# the whole K in one chunk up to ROWS_WHOLE_K (one round trip instead of four); candidate rule, docs/NOTES_trunk.md
+FEW_N = 16
+FEW_BK = 64
+ROWS_WHOLE_K = 8192
 TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
 REDUCES = ("last", "kernel")
 RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
@@ -418,7 +424,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
             raise ValueError(f"proj_gemv: the rows path takes batch <= {ROWS_MAX_BATCH} and no split_k, got "
                              f"batch {M}, split_k {split_k}")
         BN = block_n or next((b for b in (8, 4) if triton.cdiv(N, b) >= 2 * sm_count(device)), 2)
-        BK = min(block_k or ROWS_CHUNK // BN, max(16, _pow2(K)))
+        BK = min(block_k or (ROWS_WHOLE_K if N <= FEW_N else ROWS_CHUNK // BN), max(16, _pow2(K)))
         BP = max(1, _pow2(M))
         return dict(path=path, BN=BN, BK=BK, BP=BP, num_warps=num_warps or (4 if BP <= 2 else 8),
                     num_stages=num_stages or 1)
@@ -432,9 +438,10 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         stages = max(1, min(num_stages or (6 if BM <= 32 else 4), SMEM_BYTES // stage))
         cap = sms * max(1, SMEM_BYTES // (stages * stage))
     else:
-        wide = BM >= RED_MIN_BM and not fp8  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
-        BN = block_n or (64 if (small and fp8) or wide else 32)
-        BK = min(block_k or 128, max(16, _pow2(K)))
+        few = N <= FEW_N
+        wide = BM >= RED_MIN_BM and not fp8 and not few  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
+        BN = block_n or (16 if few else 64 if (small and fp8) or wide else 32)
+        BK = min(block_k or (FEW_BK if few else 128), max(16, _pow2(K)))
         stages = num_stages or (4 if BM <= 32 else 3)
         cap = sms if wide else 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
@@ -445,8 +452,8 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     rchunk = BM  # the last program's sum (reduce "last"): whole tiles to a batch tile of 32; above, pieces of
     while BM > 32 and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:  # RED_BYTES a thread
         rchunk //= 2
-    if reduce is None:
-        reduce = "kernel" if BM >= RED_MIN_BM else "last"
+    if reduce is None:  # (few outputs: from a batch tile of 32, where the last program would sum 112 partials)
+        reduce = "kernel" if BM >= RED_MIN_BM or (path == "dot" and N <= FEW_N and BM >= 32) else "last"
     elif reduce not in REDUCES:
         raise ValueError(f"proj_gemv: reduce must be one of {REDUCES}, got {reduce!r}")
     return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk, RED=reduce == "kernel"
