@@ -22,12 +22,14 @@ OLD timeout 60 $B --name beta_rule_old --deadline 40 --no-peers $G 2>&1 | tail -
 # columns a chunk, 8 warps
 timeout 50 $B --name beta_parts --deadline 30 --no-peers --grid proj=kda_b --grid batch=8,32,64 --grid wdtype=bf16 \
   --grid block_k=null,128 --grid reduce=null,last 2>&1 | tail -n 1
+if [ "${FULL:-1}" = 1 ]; then  # FULL=0: the rule and the summing tiles only (about 4 minutes)
 timeout 40 $B --name beta_b1 --deadline 25 --no-peers --grid proj=kda_b --grid batch=1 --grid wdtype=bf16 \
   --grid path=rows --grid block_k=2048,4096,8192 --grid num_warps=null,8 2>&1 | tail -n 1
 # 3. the KDA output projection (7168 outputs over K 1536) at batch 64: 128-row W tiles (x re-read from L2 half as
 # often), a K split of 2
 timeout 55 $B --name kda_o_tiles --deadline 40 --no-peers --grid proj=kda_o --grid batch=64 \
   --grid block_n=null,128 --grid split_k=null,2 2>&1 | tail -n 1
+fi
 # 4. the summing kernel's tiles (this code) against the fixed [32, 16] (ab_old/): the shared w1 (TP16: 384 outputs, 48
 # summing programs before) at batch 64
 S="--grid proj=shared_w1 --grid preset=tp8,tp16 --grid batch=64 --grid wdtype=bf16"
