@@ -125,14 +125,15 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
 
 
 def test_proj_few_outputs_rule():
-    """Few outputs (the KDA beta): 16-row W tiles in 64-column K ranges, the second kernel summing from a batch tile
-    of 32, the rows path's whole K a chunk at batch 1; odd batches through the checker on a K that splits."""
+    """Few outputs (the KDA beta): 16-row W tiles; the second kernel sums from batch 2 wherever at most RED_MAX_TILES
+    output tiles split K; the rows path's whole K a chunk at batch 1; odd batches on a K that splits."""
     from k3lab_kernels.triton import proj_gemv as pg
 
     cpu = torch.device("cpu")
-    c64, c32, c8 = (pg.config(b, 12, 7168, cpu) for b in (64, 32, 8))
-    assert (c64["path"], c64["BN"], c64["BK"], c64["SPLIT"], c64["RED"]) == ("dot", 16, 64, 112, True)
-    assert c32["RED"] and not c8["RED"] and c8["BN"] == 16
+    c64, c8 = (pg.config(b, 12, 7168, cpu) for b in (64, 8))
+    assert (c64["path"], c64["BN"], c64["BK"], c64["SPLIT"], c64["RED"]) == ("dot", 16, 128, 56, True)
+    assert c8["RED"] and c8["BN"] == 16 and not pg.config(1, 576, 7168, cpu)["RED"]
+    assert pg.config(8, 576, 7168, cpu)["RED"] and not pg.config(8, 3584, 7168, cpu)["RED"]  # 18 / 56 tiles
     assert pg.config(1, 12, 7168, cpu)["BK"] == 8192 and pg.config(1, 96, 7168, cpu, path="rows")["BK"] == 2048
     assert pg.config(64, 17, 7168, cpu)["BN"] == 64  # past FEW_N: the wide tiles
     torch.manual_seed(0)

@@ -351,14 +351,14 @@ ROWS_MAX_BATCH = 8  # the rows path takes batches up to this
 ROWS_CHUNK = 4096  # W elements a rows-path program holds per chunk (BN x BK)
 ROWS_MAX_N = 64  # path None: rows at batch 1 for at most this many output rows (the KDA beta)
 # at most this many outputs (the KDA beta: 12 at TP8, 6 at TP16), where x, not W, is most of the bytes: one 16-row W
-# tile on the dot path with K in FEW_BK-column ranges (twice the programs reading x), and on the rows path (batch 1)
-# the whole K in one chunk up to ROWS_WHOLE_K (one round trip instead of four); candidate rule, docs/NOTES_trunk.md
+# tile on the dot path, and on the rows path (batch 1) the whole K in one chunk up to ROWS_WHOLE_K (one round trip
+# instead of four; H100, docs/NOTES_trunk.md, forty-fourth session)
 FEW_N = 16
-FEW_BK = 64
 ROWS_WHOLE_K = 8192
 TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
 REDUCES = ("last", "kernel")
 RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
+RED_MAX_TILES = 32  # and from batch 2 where at most this many output tiles split K (their last programs would be few)
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
 SUM_BN, SUM_BM = 32, 16  # the summing kernel's largest tile (W rows x batch rows); see `sum_tiles`
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
@@ -441,7 +441,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         few = N <= FEW_N
         wide = BM >= RED_MIN_BM and not fp8 and not few  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
         BN = block_n or (16 if few else 64 if (small and fp8) or wide else 32)
-        BK = min(block_k or (FEW_BK if few else 128), max(16, _pow2(K)))
+        BK = min(block_k or 128, max(16, _pow2(K)))
         stages = num_stages or (4 if BM <= 32 else 3)
         cap = sms if wide else 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
@@ -452,8 +452,8 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     rchunk = BM  # the last program's sum (reduce "last"): whole tiles to a batch tile of 32; above, pieces of
     while BM > 32 and rchunk > 1 and split * BN * rchunk * 4 > RED_BYTES * 32 * warps:  # RED_BYTES a thread
         rchunk //= 2
-    if reduce is None:  # (few outputs: from a batch tile of 32, where the last program would sum 112 partials)
-        reduce = "kernel" if BM >= RED_MIN_BM or (path == "dot" and N <= FEW_N and BM >= 32) else "last"
+    if reduce is None:
+        reduce = "kernel" if BM >= RED_MIN_BM or (M >= 2 and tiles <= RED_MAX_TILES) else "last"
     elif reduce not in REDUCES:
         raise ValueError(f"proj_gemv: reduce must be one of {REDUCES}, got {reduce!r}")
     return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk, RED=reduce == "kernel"
