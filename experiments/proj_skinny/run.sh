@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The follow-up bench lines of the forty-fourth session, which set the rule of 8717b5e, are in
+# profiles/h100-80gb-hbm3/README.md: beta_small, beta_bk, small_reduce.)
 # Projections that trail cuBLAS at batch 1..64 (issue 13's "ours / cuBLAS < 1"; the forty-fourth session's H100 run,
 # profiles/h100-80gb-hbm3/proj_b32_b64.json.gz): the KDA beta (12 / 6 outputs over K 7168: the x read dominates) and
 # the KDA output projection at batch 64. One device call, nothing carried but ab_old/ (the code before the few-outputs
@@ -13,8 +15,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 B="python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants --skip torch_compile,reference
    --reps ${REPS:-20} --out $O --grid preset=tp8 --grid wdtype=bf16,fp8"
 OLD() { [ -d ab_old/k3lab ] && (cd ab_old && PYTHONPATH=$PWD:$PYTHONPATH "$@"); }
-# 1. the beta under the few-outputs rule (16-row W tiles, 64-column K ranges, the second kernel summing from batch 32;
-# batch 1: the rows path's whole K a chunk) beside cuBLAS, then the rule before (ab_old/) on the same grid
+# 1. the beta under this code's rule beside cuBLAS, then the rule before (ab_old/) on the same grid (forty-fourth
+# session: the candidate of 29ffb8b, 64-column K ranges, against 9b887b7)
 G="--grid proj=kda_b --grid batch=1,8,32,64"
 timeout 70 $B --name beta_rule --deadline 50 $G 2>&1 | tail -n 1
 OLD timeout 60 $B --name beta_rule_old --deadline 40 --no-peers $G 2>&1 | tail -n 1

@@ -29,7 +29,8 @@ the split-K partials, below):
         32 (as at small batch), 3 above. From a batch tile of RED_MIN_BM (64) (knob `reduce`, both paths): bf16
         tiles of 64 W rows, one program an SM, and each program stores its partial and lets `_proj_sum_kernel`
         (launched after it with PDL, waiting on griddepcontrol) sum a tile's partials in split order across many
-        programs and run the epilogue, instead of the tile's last program alone behind the counter.
+        programs and run the epilogue, instead of the tile's last program alone behind the counter; so too from
+        batch 2 where at most RED_MAX_TILES output tiles split K. Few outputs (<= FEW_N): 16-row W tiles.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
     split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
@@ -410,7 +411,8 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     `default_path` (tma False: the copy engine's alignment rules fail); split_k: the number of K ranges
     (1 = none); num_stages of the tma path is capped so the stages fit SMEM_BYTES; prologue: an input prologue
     runs (paths tma and dot only); reduce: who sums a split-K tile's partials, "last" (its last program, behind an
-    atomic counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM)."""
+    atomic counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM,
+    or from batch 2 for at most RED_MAX_TILES tiles)."""
     path = path or default_path(M, N, fp8, tma, prologue)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
