@@ -23,7 +23,7 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   shared_stream  the `shared_expert_stream` switch off, and on with the side-stream launch held to 16 / 32 / 64 CTAs
              (k3lab.step.SHARED_STREAM_CTAS; the unbounded form lost +31.8 us in the thirty-first session's step);
   up_halves  the one-token experts' up kernel in one or two thread groups of L/32 (UP_HALVES) x UP_ROWS: 1/6, 2/12,
-             2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz);
+             2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz, git history at 8717b5e);
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
              cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
   attnres_form  the CuTe AttnRes's form and shape inside the step: the rule of data/trunk_defaults.json, alpha
