@@ -458,8 +458,9 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         reduce = "kernel" if BM >= RED_MIN_BM or (M >= 2 and tiles <= RED_MAX_TILES) else "last"
     elif reduce not in REDUCES:
         raise ValueError(f"proj_gemv: reduce must be one of {REDUCES}, got {reduce!r}")
-    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk, RED=reduce == "kernel"
-                and split > 1, num_warps=warps, num_stages=stages)
+    red = reduce == "kernel" and split > 1
+    return dict(path=path, BM=BM, BN=BN, BK=BK, SPLIT=split, KSPLIT=ksplit, RCH=rchunk, RED=red,
+                SUM=sum_tiles(M, N, sms) if red else None, num_warps=warps, num_stages=stages)
 
 
 def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale: torch.Tensor | None = None,
@@ -568,9 +569,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     if red:
-        sbn, sbm, sw = sum_tiles(M, N, sm_count(x.device))
-        if plan is not None:
-            plan.update(SUM=(sbn, sbm))
+        sbn, sbm, sw = cfg["SUM"]
         _proj_sum_kernel[(triton.cdiv(N, sbn), triton.cdiv(M, sbm))](
             ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, SPLIT=split, NSEG=len(outs), BN=sbn,
             BM=sbm, FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=sw,
