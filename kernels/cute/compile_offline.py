@@ -423,7 +423,8 @@ def _cases(only: str | None, quick: bool):
     if only in (None, "moe_dense"):  # grouped: Up z, idx, wk, w1, w3, s1, s3, act, y; Down idx, w2, s2, act, y
         from kernels.cute import moe_dense as kmd
         gup, gdown, tup, tdown = kmd._grouped_classes()
-        for fp8 in (False, True):  # the tensor-core one-token kernels: Up z, idx, wk, w1, w3, s1, s3, act; Down as grouped
+        # the tensor-core one-token kernels: Up z, idx, wk, w1, w3, s1, s3, act; Down as grouped
+        for fp8 in (False, True):
             uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(f32, 4), P(f32, 4), P(i32, 16), S]
             dargs = [P(i32, 4), P(i32, 16), P(f32, 4), P(i32, 16), P(f32, 4), S]
             for K, I, L, E, step, pdl in ((16, 384, 3584, 896, 2, True), (16, 192, 3584, 896, 1, False),

@@ -141,6 +141,16 @@ def _kernel_classes():
                         row = e * I + r0 + r
                         cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * L + 8 * j, divby=8), 8),
                                           cute.make_tensor(wv.iterator + (m * R + r) * 8, cute.make_layout(8)))
+            # the finishing threads' row scales and routing weight, in flight with the weights (after the sums they
+            # would be one more dependent round trip a CTA)
+            fin = cute.make_rmem_tensor((3,), Float32)
+            ti = cutlass.select_(tid < R, tid, Int32(0))
+            fin[0] = vec(p_wk, k, 1)[0]
+            fin[1] = Float32(1.0)
+            fin[2] = Float32(1.0)
+            if cutlass.const_expr(self.fp8):
+                fin[1] = vec(p_s1, e * I + r0 + ti, 1)[0]
+                fin[2] = vec(p_s3, e * I + r0 + ti, 1)[0]
             zr = cute.make_rmem_tensor((CW,), BFloat16)
             for h in cutlass.range_constexpr(CW // 8):
                 cute.autovec_copy(vec(p_z, cute.assume(CW * j + 8 * h, divby=8), 8),
@@ -166,9 +176,9 @@ def _kernel_classes():
                     g = g + s_red[w * 2 * R + tid]
                     u = u + s_red[w * 2 * R + R + tid]
                 if cutlass.const_expr(self.fp8):  # W = code x the row's scale
-                    g = g * vec(p_s1, e * I + r0 + tid, 1)[0]
-                    u = u * vec(p_s3, e * I + r0 + tid, 1)[0]
-                wt = vec(p_wk, k, 1)[0]
+                    g = g * fin[1]
+                    u = u * fin[2]
+                wt = fin[0]
                 vec(p_act, k * I + r0 + tid, 1)[0] = (wt * (self.b1 * tanh(g / self.b1) * sigmoid(g))
                                                       * (self.b2 * tanh(u / self.b2)))
 
@@ -554,12 +564,6 @@ def _grouped_classes():
             r0 = (c % (I // 8)) * 8
             e = vec(p_idx, k * self.step, 1)[0]
             row = e * I + r0 + g         # W1 row (MMA row g) and W3 row (MMA row g + 8)
-            for i in range(tid, L // 2, 32 * W):
-                zw = vec(p_z, i, 1)[0]
-                if cutlass.const_expr(fp8):  # f16 of 2^6 z (moe_grouped's scaling)
-                    zw = to_f16x2(zw)
-                s_z[i] = zw
-            cute.arch.sync_threads()
             acc = cute.make_rmem_tensor((4 * CHAINS,), Float32)
             for u in cutlass.range_constexpr(4 * CHAINS):
                 acc[u] = Float32(0.0)
@@ -571,6 +575,13 @@ def _grouped_classes():
                         off = cute.assume(row * RWW + col0 * (1 if fp8 else 2) // 4, divby=4)
                         cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, off, 4),
                                           cute.make_tensor(wv.iterator + 8 * u + 4 * m, cute.make_layout(4)))
+                if cutlass.const_expr(b0 == 0):  # z staged while the first weights are in flight
+                    for i in range(tid, L // 2, 32 * W):
+                        zw = vec(p_z, i, 1)[0]
+                        if cutlass.const_expr(fp8):  # f16 of 2^6 z (moe_grouped's scaling)
+                            zw = to_f16x2(zw)
+                        s_z[i] = zw
+                    cute.arch.sync_threads()
                 if cutlass.const_expr(self.pdl and b0 + UNR >= NB):
                     cute.arch.griddepcontrol_launch_dependents()
                 for u in cutlass.range_constexpr(UNR):
@@ -647,10 +658,6 @@ def _grouped_classes():
             ea = vec(p_idx, ka * self.step, 1)[0]
             eb = vec(p_idx, kb * self.step, 1)[0]
             la = c * 8 + g               # latent row of MMA rows g (pair ka) and g + 8 (pair kb)
-            for i in range(4 * tid, K * I // 2, 4 * 32 * W):
-                cute.autovec_copy(vec(p_act, cute.assume(i, divby=4), 4),
-                                  cute.make_tensor(s_act.iterator + i, cute.make_layout(4)))
-            cute.arch.sync_threads()
             kz = cutlass.select_(g == 1, kb, ka)           # B column g: pair ka, column 1 pair kb
             acc = cute.make_rmem_tensor((4 * CHAINS,), Float32)
             for u in cutlass.range_constexpr(4 * CHAINS):
@@ -664,6 +671,11 @@ def _grouped_classes():
                                           divby=4)
                         cute.autovec_copy(vec(p_w2, off, 4),
                                           cute.make_tensor(wv.iterator + 8 * u + 4 * m, cute.make_layout(4)))
+                if cutlass.const_expr(b0 == 0):  # the act pairs staged while the first weights are in flight
+                    for i in range(4 * tid, K * I // 2, 4 * 32 * W):
+                        cute.autovec_copy(vec(p_act, cute.assume(i, divby=4), 4),
+                                          cute.make_tensor(s_act.iterator + i, cute.make_layout(4)))
+                    cute.arch.sync_threads()
                 for u in cutlass.range_constexpr(UNR):
                     col0 = 4 * CW * (b0 + u) + CW * t
                     zv = cute.make_rmem_tensor((ZW,), Int32)

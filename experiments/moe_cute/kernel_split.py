@@ -1,0 +1,68 @@
+"""Where the one-token bf16 / fp8 experts spend their time, kernel by kernel (kernels/cute/moe_dense.py; issue 14):
+K3's TP8 pool at batch 1, uniform routing, each moe_dense setting in VARIANTS (default: the CUDA-core kernels and the
+tensor-core ones, TOKEN_MMA) checked against fp64 by the shared checker, then REPS eager calls on input sets rotated
+past L2 under torch.profiler: each kernel's mean device time beside its own byte floor (up: W1 + W3, down: W2, at the
+read bandwidth of k3lab.harness.timing.probes). Eager calls, so no graph-replay figure: the launch gaps are not in it.
+Run: python experiments/moe_cute/kernel_split.py $OUT   (writes $OUT/moe_dense_split.json, prints a table)"""
+import json
+import os
+import sys
+
+import torch
+
+from k3lab import registry
+from k3lab.harness import checker, timing
+from k3lab_kernels.cute import moe_dense as M
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+REPS = int(os.environ.get("REPS", "40"))
+OP = registry.get("moe_experts")
+VARIANTS = json.loads(os.environ.get("VARIANTS", '[{"TOKEN_MMA": []}, {"TOKEN_MMA": ["bf16", "fp8"]}]'))
+DEFAULTS = {k: getattr(M, k) for k in sorted({k for f in VARIANTS for k in f})}
+
+pr = timing.probes("cuda")
+rows = []
+for dtype in ("bf16", "fp8"):
+    case = OP.case(dtype=dtype, batch=1, routing="uniform", tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
+    n_sets = max(2, timing.rotation_count(OP.nbytes(case), timing.l2_bytes()))
+    sets = [OP.make_inputs(case, 2000 + i, "cuda") for i in range(n_sets)]
+    w = sets[0]["moe"].w1.data
+    row_bytes = w.shape[2] * w.element_size() + (4 if dtype == "fp8" else 0)   # a W1 / W3 / W2 row (and its scale)
+    k = 16
+    up_b, down_b = 2 * k * w.shape[1] * row_bytes, k * w.shape[2] * (w.shape[1] * w.element_size()
+                                                                      + (4 if dtype == "fp8" else 0))
+    for flags in VARIANTS:
+        for key, v in flags.items():
+            setattr(M, key, v)
+        try:
+            chk = checker.check(OP, case, backend="cute", inputs=sets[0])
+            for s in sets:
+                OP.call(s, case, "cute", {}, None)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for i in range(REPS):
+                    OP.call(sets[i % n_sets], case, "cute", {}, None)
+                torch.cuda.synchronize()
+        finally:
+            for key, v in DEFAULTS.items():
+                setattr(M, key, v)
+        kern = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                kern.setdefault(ev.name, []).append(ev.device_time_total if hasattr(ev, "device_time_total")
+                                                    else ev.cuda_time_total)
+        for name, ts in sorted(kern.items(), key=lambda x: -sum(x[1])):
+            low = name.lower()
+            nb = up_b if "up" in low else down_b if "down" in low else None
+            floor = nb / (pr["read_tbps"] * 1e12) * 1e6 if nb else None
+            rows.append(dict(dtype=dtype, variant=str(flags), kernel=name[:120], calls=len(ts),
+                             mean_us=sum(ts) / len(ts), floor_us=floor, ok=chk.ok))
+    del sets
+    torch.cuda.empty_cache()
+env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
+json.dump(dict(probes=pr, rows=rows, reps=REPS, env=env), open(f"{OUT}/moe_dense_split.json", "w"), indent=1)
+print("%-5s %-32s %-60s %5s %8s %8s %s" % ("dtype", "variant", "kernel", "calls", "us", "floor", "ok"))
+for r in rows:
+    fl = "%.2f" % r["floor_us"] if r["floor_us"] else "-"
+    print("%-5s %-32s %-60s %5d %8.2f %8s %s" % (r["dtype"], r["variant"][:32], r["kernel"][:60], r["calls"],
+                                                 r["mean_us"], fl, r["ok"]))
