@@ -33,21 +33,20 @@ def tensors(d, idx32, words=("idx",)) -> dict:
     return t
 
 
-def run(d, pdl=False, idx32=False, rows=None, seed=0, mma=False):
+def run(d, pdl=False, idx32=False, rows=None, seed=0):
     moe = d["moe"]
-    t = tensors(d, idx32, ("idx", "z", "w1", "w3", "w2") if mma else ("idx",))
+    t = tensors(d, idx32)
 
     def call(m, **a):
         mod = m.mod["moe_dense"]
-        saved = mod.UP_ROWS, mod.DOWN_ROWS, mod.TOKEN_MMA
+        saved = mod.UP_ROWS, mod.DOWN_ROWS
         if rows:
             mod.UP_ROWS, mod.DOWN_ROWS = rows
-        mod.TOKEN_MMA = ("bf16", "fp8") if mma else ()
         try:
             mod.moe_experts_dense(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a.get("s1"), a.get("s3"),
                                   a.get("s2"), a["y"], b1=moe.b1, b2=moe.b2, pdl=pdl)
         finally:
-            mod.UP_ROWS, mod.DOWN_ROWS, mod.TOKEN_MMA = saved
+            mod.UP_ROWS, mod.DOWN_ROWS = saved
     emulate._run(call, t, seed)
 
 
@@ -75,39 +74,6 @@ def test_one_token_dense(dtype, shape, kw):
     ru, rd = md.rows_of(I, L) if "rows" not in kw else ((3 if I % 3 == 0 else 1), (5 if L % 5 == 0 else 1))
     assert launches[-2]["block"] == -(-(L // cw) // 32) * 32 and launches[-2]["grid"][0] == K * I // ru
     assert launches[-1]["block"] == -(-(K * I // cw) // 32) * 32 and launches[-1]["grid"][0] == L // rd
-
-
-@pytest.mark.parametrize("dtype,shape,kw", [
-    ("fp8", SMALL, dict(pdl=True, idx32=True)),   # top-3: the last down warp's second half dropped
-    ("bf16", SMALL, dict()),
-    ("bf16", WIDE, dict(pdl=True)),               # latent 1152: 36 blocks over 6 up warps (cross-warp sums)
-])
-def test_one_token_dense_tensor_cores(dtype, shape, kw):
-    """The tensor-core one-token kernels (TokenUp / TokenDown, TOKEN_MMA on): a CTA per (pair, 8 intermediate rows),
-    then a CTA per 8 latent rows with a warp per two pairs."""
-    case = OP.case(dtype=dtype, **shape)
-    checker.require(checker.check(OP, case, impl=impl(mma=True, **kw), seed=3, device="cpu"))
-    launches = emulate.LAST["launches"]
-    assert [x["use_pdl"] for x in launches[-2:]] == [kw.get("pdl", False), True]
-    L, I, K = shape["latent"], shape["inter"], shape["top_k"]
-    nb = L // (64 if dtype == "fp8" else 32)
-    warps = max(w for w in range(1, 9) if nb % w == 0)
-    assert launches[-2]["block"] == 32 * warps and launches[-2]["grid"][0] == K * I // 8
-    assert launches[-1]["block"] == 32 * ((K + 1) // 2) and launches[-1]["grid"][0] == L // 8
-
-
-def test_token_warps_rule(monkeypatch):
-    """Which one-token calls take the tensor-core kernels: the formats in TOKEN_MMA at shapes they fit."""
-    from k3lab_kernels.cute import moe_dense as md
-
-    monkeypatch.setattr(md, "TOKEN_MMA", ("fp8",))
-    assert md.token_warps(True, 16, 384, 3584) == 8 and md.token_warps(True, 16, 192, 3584) == 8
-    assert md.token_warps(False, 16, 384, 3584) == 0          # bf16 not listed
-    assert md.token_warps(True, 16, 96, 1152) == 0            # I not a multiple of 64 fp8 columns
-    assert md.token_warps(True, 65, 384, 3584) == 0           # more pairs than a down CTA's warps take
-    assert md.token_warps(True, 3, 128, 128) == 2             # two 64-column blocks
-    monkeypatch.setattr(md, "TOKEN_MMA", ("bf16", "fp8"))
-    assert md.token_warps(False, 16, 384, 3584) == 8 and md.token_warps(False, 4, 96, 1152) == 6
 
 
 def test_wrapper_refuses_by_name():

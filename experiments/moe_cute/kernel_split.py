@@ -1,8 +1,9 @@
 """Where the one-token bf16 / fp8 experts spend their time, kernel by kernel (kernels/cute/moe_dense.py; issue 14):
-K3's TP8 pool at batch 1, uniform routing, each moe_dense setting in VARIANTS (default: the CUDA-core kernels and the
-tensor-core ones, TOKEN_MMA) checked against fp64 by the shared checker, then REPS eager calls on input sets rotated
-past L2 under torch.profiler: each kernel's mean device time beside its own byte floor (up: W1 + W3, down: W2, at the
-read bandwidth of k3lab.harness.timing.probes). Eager calls, so no graph-replay figure: the launch gaps are not in it.
+K3's TP8 pool at batch 1, uniform routing, each moe_dense module setting in VARIANTS (JSON list of dicts, default the
+module's own) checked against fp64 by the shared checker, then REPS eager calls on input sets rotated past L2 under
+torch.profiler: each kernel's mean device time beside its own byte floor (up: W1 + W3, down: W2, at the read
+bandwidth of k3lab.harness.timing.probes). Eager calls: no graph-replay figure, and a PDL launch's time counts from
+when it was let in, so a down kernel's time can include some of up's tail.
 Run: python experiments/moe_cute/kernel_split.py $OUT   (writes $OUT/moe_dense_split.json, prints a table)"""
 import json
 import os
@@ -17,7 +18,7 @@ from k3lab_kernels.cute import moe_dense as M
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(os.environ.get("REPS", "40"))
 OP = registry.get("moe_experts")
-VARIANTS = json.loads(os.environ.get("VARIANTS", '[{"TOKEN_MMA": []}, {"TOKEN_MMA": ["bf16", "fp8"]}]'))
+VARIANTS = json.loads(os.environ.get("VARIANTS", "[{}]"))
 DEFAULTS = {k: getattr(M, k) for k in sorted({k for f in VARIANTS for k in f})}
 
 pr = timing.probes("cuda")
@@ -55,7 +56,7 @@ for dtype in ("bf16", "fp8"):
             low = name.lower()
             nb = up_b if "up" in low else down_b if "down" in low else None
             floor = nb / (pr["read_tbps"] * 1e12) * 1e6 if nb else None
-            rows.append(dict(dtype=dtype, variant=str(flags), kernel=name[:120], calls=len(ts),
+            rows.append(dict(dtype=dtype, variant=str(flags), kernel=name[:120], calls=len(ts), samples=ts,
                              mean_us=sum(ts) / len(ts), floor_us=floor, ok=chk.ok))
     del sets
     torch.cuda.empty_cache()

@@ -422,20 +422,7 @@ def _cases(only: str | None, quick: bool):
                               down_cls(K, I, L, E, st, r, f), dargs))
     if only in (None, "moe_dense"):  # grouped: Up z, idx, wk, w1, w3, s1, s3, act, y; Down idx, w2, s2, act, y
         from kernels.cute import moe_dense as kmd
-        gup, gdown, tup, tdown = kmd._grouped_classes()
-        # the tensor-core one-token kernels: Up z, idx, wk, w1, w3, s1, s3, act; Down as grouped
-        for fp8 in (False, True):
-            uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(f32, 4), P(f32, 4), P(i32, 16), S]
-            dargs = [P(i32, 4), P(i32, 16), P(f32, 4), P(i32, 16), P(f32, 4), S]
-            for K, I, L, E, step, pdl in ((16, 384, 3584, 896, 2, True), (16, 192, 3584, 896, 1, False),
-                                          (3, 128, 128, 6, 2, False)):
-                tag = f"{'fp8' if fp8 else 'bf16'} K{K} I{I} L{L}" + (" pdl" if pdl else "")
-                nb = L // (64 if fp8 else 32)
-                wu = next(w for w in range(min(kmd.TOKEN_WARPS, nb), 0, -1) if nb % w == 0)
-                cases.append((f"moe_dense token up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, f=fp8, w=wu:
-                              tup(K, I, L, E, st, 4.0, 25.0, p, f, w), uargs))
-                cases.append((f"moe_dense token down {tag}", lambda K=K, I=I, L=L, E=E, st=step, f=fp8:
-                              tdown(K, I, L, E, st, f), dargs))
+        gup, gdown = kmd._grouped_classes()
         for fp8 in (False, True):
             uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(f32, 4), P(f32, 4), P(i32, 16),
                      P(f32, 16), S]

@@ -57,10 +57,6 @@ __all__ = ["MAX_PAIRS", "MoECuteError", "grouped_supports", "moe_experts_dense",
 # a GPU; a shape they do not divide takes 1)
 UP_ROWS = 4
 DOWN_ROWS = 4
-# formats ("bf16", "fp8") whose one-token call takes the tensor-core kernels (TokenUp / TokenDown of
-# _grouped_classes, `token_warps`), where the shape fits them; the others take the CUDA-core kernels above
-TOKEN_MMA: tuple = ()
-TOKEN_WARPS = 8         # most warps an up CTA of the tensor-core one-token kernels (a divisor of L / (4 CW))
 
 _KERNEL_CLS = None
 
@@ -525,189 +521,10 @@ def _grouped_classes():
                                 cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile), acc[col] * fa)
                                 cute.arch.atomic_add(p_y + (b * L + l0 + 16 * tile + 8), acc[2 + col] * fb)
 
-    class TokenUp:
-        """One token on tensor cores: a CTA per (pair, 8 intermediate rows), W warps over the 4 CW-column blocks of
-        L; MMA rows g / g + 8 = W1 / W3 row r0 + g, z (staged once a CTA in shared memory: bf16 pairs, fp8 f16 of
-        2^6 z) in every column of B; act stored as bf16 / f16 (2^6 act) pairs."""
-
-        def __init__(self, K: int, I: int, L: int, E: int, step: int, b1: float, b2: float, pdl: bool, fp8: bool,
-                     warps: int):
-            self.K, self.I, self.L, self.E, self.step = K, I, L, E, step
-            self.b1, self.b2, self.pdl, self.fp8, self.W = float(b1), float(b2), bool(pdl), bool(fp8), warps
-            self.CW = 16 if self.fp8 else 8
-            self.NB = L // (4 * self.CW) // warps    # blocks a warp
-            self.UNR = next(u for u in range(min(8, self.NB), 0, -1) if self.NB % u == 0)
-
-        @cute.jit
-        def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                     p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act).launch(
-                grid=[self.K * (self.I // 8), 1, 1], block=[32 * self.W, 1, 1], stream=stream, use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
-                   p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer):
-            I, L, CW, W, NB, UNR = self.I, self.L, self.CW, self.W, self.NB, self.UNR
-            fp8 = self.fp8
-            mma, pack = MMA["f16" if fp8 else "bf16"], PACK["f16" if fp8 else "bf16"]
-            RWW = L * (1 if fp8 else 2) // 4   # words a weight row
-            KS = CW // 4                 # k-steps a 16-byte chunk
-            ZW = CW // 2                 # z words a chunk
-            tid, c, lane, warp, g, t = ids()
-            smem = cutlass.utils.SmemAllocator()
-            s_z = smem.allocate_tensor(Int32, cute.make_layout(L // 2), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(16 * W), byte_alignment=16)  # [warp, row]
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before
-            k = c // (I // 8)
-            r0 = (c % (I // 8)) * 8
-            e = vec(p_idx, k * self.step, 1)[0]
-            row = e * I + r0 + g         # W1 row (MMA row g) and W3 row (MMA row g + 8)
-            acc = cute.make_rmem_tensor((4 * CHAINS,), Float32)
-            for u in cutlass.range_constexpr(4 * CHAINS):
-                acc[u] = Float32(0.0)
-            for b0 in cutlass.range_constexpr(0, NB, UNR):  # UNR blocks: every load issued, then the MMAs
-                wv = cute.make_rmem_tensor((UNR * 8,), Int32)
-                for u in cutlass.range_constexpr(UNR):
-                    col0 = 4 * CW * (warp * NB + b0 + u) + CW * t    # this lane's columns of the block
-                    for m in cutlass.range_constexpr(2):
-                        off = cute.assume(row * RWW + col0 * (1 if fp8 else 2) // 4, divby=4)
-                        cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, off, 4),
-                                          cute.make_tensor(wv.iterator + 8 * u + 4 * m, cute.make_layout(4)))
-                if cutlass.const_expr(b0 == 0):  # z staged while the first weights are in flight
-                    for i in range(tid, L // 2, 32 * W):
-                        zw = vec(p_z, i, 1)[0]
-                        if cutlass.const_expr(fp8):  # f16 of 2^6 z (moe_grouped's scaling)
-                            zw = to_f16x2(zw)
-                        s_z[i] = zw
-                    cute.arch.sync_threads()
-                if cutlass.const_expr(self.pdl and b0 + UNR >= NB):
-                    cute.arch.griddepcontrol_launch_dependents()
-                for u in cutlass.range_constexpr(UNR):
-                    col0 = 4 * CW * (warp * NB + b0 + u) + CW * t
-                    zv = cute.make_rmem_tensor((ZW,), Int32)
-                    for h in cutlass.range_constexpr(ZW // 4):
-                        cute.autovec_copy(cute.make_tensor(s_z.iterator + cute.assume(col0 // 2 + 4 * h, divby=4),
-                                                           cute.make_layout(4)),
-                                          cute.make_tensor(zv.iterator + 4 * h, cute.make_layout(4)))
-                    for s in cutlass.range_constexpr(KS):
-                        pa = a_pairs(fp8, wv, 8 * u, s)
-                        pb = a_pairs(fp8, wv, 8 * u + 4, s)
-                        chain_mma(mma, acc, 4 * (((b0 + u) * KS + s) % CHAINS), pa, pb, zv[2 * s], zv[2 * s + 1])
-            chains_sum(acc)
-            if t == 0:                   # column 0: W1 row g (acc[0]) and W3 row g (acc[2]) over this warp's blocks
-                s_red[16 * warp + g] = acc[0]
-                s_red[16 * warp + 8 + g] = acc[2]
-            cute.arch.sync_threads()
-            act_w = cute.make_rmem_tensor((1,), Float32)
-            act_w[0] = Float32(0.0)
-            if tid < 8:                  # intermediate row r0 + tid: its sums over the warps, SiTU, the weight
-                gg = s_red[tid]
-                uu = s_red[8 + tid]
-                for w in cutlass.range_constexpr(1, W):
-                    gg = gg + s_red[16 * w + tid]
-                    uu = uu + s_red[16 * w + 8 + tid]
-                if cutlass.const_expr(fp8):  # the rows' scales, and 2^-6 of z's f16
-                    gg = gg * (vec(p_s1, e * I + r0 + tid, 1)[0] * 0.015625)
-                    uu = uu * (vec(p_s3, e * I + r0 + tid, 1)[0] * 0.015625)
-                a = vec(p_wk, k, 1)[0] * (self.b1 * tanh(gg / self.b1) * sigmoid(gg)) * (self.b2 * tanh(uu / self.b2))
-                if cutlass.const_expr(fp8):
-                    a = a * 64.0
-                act_w[0] = a
-            if warp == 0:                # the whole warp in the shuffle; rows r0 + lane (low half) and + 1 a word
-                o = cute.arch.shuffle_sync_bfly(act_w[0], offset=1)
-                if tid < 8 and tid % 2 == 0:
-                    vec(p_act, k * (I // 2) + (r0 + tid) // 2, 1)[0] = pack(o, act_w[0])
-
-    class TokenDown:
-        """One token on tensor cores: a CTA per 8 latent rows, warp w for pairs 2w (MMA rows g, B column 0) and
-        2w + 1 (rows g + 8, column 1) over all of I; the act pairs staged in shared memory; a PDL launch after
-        TokenUp (it waits for up before reading anything)."""
-
-        def __init__(self, K: int, I: int, L: int, E: int, step: int, fp8: bool):
-            self.K, self.I, self.L, self.E, self.step, self.fp8 = K, I, L, E, step, bool(fp8)
-            self.W = (K + 1) // 2
-            self.CW = 16 if self.fp8 else 8
-            self.NB = I // (4 * self.CW)             # blocks a W2 row
-            self.UNR = next(u for u in range(min(8, self.NB), 0, -1) if self.NB % u == 0)
-
-        @cute.jit
-        def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                     p_y: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.L // 8, 1, 1], block=[32 * self.W, 1, 1],
-                                                              stream=stream, use_pdl=True)
-
-        @cute.kernel
-        def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                   p_y: cute.Pointer):
-            K, I, L, CW, W, NB, UNR = self.K, self.I, self.L, self.CW, self.W, self.NB, self.UNR
-            fp8 = self.fp8
-            mma = MMA["f16" if fp8 else "bf16"]
-            RWW = I * (1 if fp8 else 2) // 4   # words a W2 row
-            KS = CW // 4
-            ZW = CW // 2
-            tid, c, lane, warp, g, t = ids()
-            smem = cutlass.utils.SmemAllocator()
-            s_act = smem.allocate_tensor(Int32, cute.make_layout(K * I // 2), byte_alignment=16)
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(8 * W), byte_alignment=16)  # [warp, row]
-            cute.arch.griddepcontrol_wait()  # up's act (and idx, from before it)
-            cute.arch.griddepcontrol_launch_dependents()
-            ka = 2 * warp
-            kb = cutlass.select_(ka + 1 < K, ka + 1, ka)   # an odd K: the last warp's second half redoes ka, dropped
-            ea = vec(p_idx, ka * self.step, 1)[0]
-            eb = vec(p_idx, kb * self.step, 1)[0]
-            la = c * 8 + g               # latent row of MMA rows g (pair ka) and g + 8 (pair kb)
-            kz = cutlass.select_(g == 1, kb, ka)           # B column g: pair ka, column 1 pair kb
-            acc = cute.make_rmem_tensor((4 * CHAINS,), Float32)
-            for u in cutlass.range_constexpr(4 * CHAINS):
-                acc[u] = Float32(0.0)
-            for b0 in cutlass.range_constexpr(0, NB, UNR):
-                wv = cute.make_rmem_tensor((UNR * 8,), Int32)
-                for u in cutlass.range_constexpr(UNR):
-                    col0 = 4 * CW * (b0 + u) + CW * t
-                    for m in cutlass.range_constexpr(2):
-                        off = cute.assume(((ea if m == 0 else eb) * L + la) * RWW + col0 * (1 if fp8 else 2) // 4,
-                                          divby=4)
-                        cute.autovec_copy(vec(p_w2, off, 4),
-                                          cute.make_tensor(wv.iterator + 8 * u + 4 * m, cute.make_layout(4)))
-                if cutlass.const_expr(b0 == 0):  # the act pairs staged while the first weights are in flight
-                    for i in range(4 * tid, K * I // 2, 4 * 32 * W):
-                        cute.autovec_copy(vec(p_act, cute.assume(i, divby=4), 4),
-                                          cute.make_tensor(s_act.iterator + i, cute.make_layout(4)))
-                    cute.arch.sync_threads()
-                for u in cutlass.range_constexpr(UNR):
-                    col0 = 4 * CW * (b0 + u) + CW * t
-                    zv = cute.make_rmem_tensor((ZW,), Int32)
-                    for h in cutlass.range_constexpr(ZW // 4):
-                        zo = cute.assume(kz * (I // 2) + col0 // 2 + 4 * h, divby=4)
-                        cute.autovec_copy(cute.make_tensor(s_act.iterator + zo, cute.make_layout(4)),
-                                          cute.make_tensor(zv.iterator + 4 * h, cute.make_layout(4)))
-                    for s in cutlass.range_constexpr(KS):
-                        pa = a_pairs(fp8, wv, 8 * u, s)
-                        pb = a_pairs(fp8, wv, 8 * u + 4, s)
-                        chain_mma(mma, acc, 4 * (((b0 + u) * KS + s) % CHAINS), pa, pb, zv[2 * s], zv[2 * s + 1])
-            chains_sum(acc)
-            if t == 0:                   # acc[0]: row g x pair ka (column 0); acc[3]: row g + 8 x pair kb (column 1)
-                fa, fb = Float32(1.0), Float32(1.0)
-                if cutlass.const_expr(fp8):  # the rows' scales, and 2^-6 of the staged act
-                    fa = vec(p_s2, ea * L + la, 1)[0] * 0.015625
-                    fb = vec(p_s2, eb * L + la, 1)[0] * 0.015625
-                v = acc[0] * fa
-                if ka + 1 < K:
-                    v = v + acc[3] * fb
-                s_red[8 * warp + g] = v
-            cute.arch.sync_threads()
-            if tid < 8:
-                tot = s_red[tid]
-                for w in cutlass.range_constexpr(1, W):
-                    tot = tot + s_red[8 * w + tid]
-                vec(p_y, c * 8 + tid, 1)[0] = tot
-
     import types
 
     MMA_OPS = types.SimpleNamespace(mma=MMA, e4m3_f16=e4m3_f16, a_pairs=a_pairs, asm=asm)
-    _GROUPED_CLS = (GroupedUp, GroupedDown, TokenUp, TokenDown)
+    _GROUPED_CLS = (GroupedUp, GroupedDown)
     return _GROUPED_CLS
 
 
@@ -756,17 +573,6 @@ def _check_all(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B: int, K: int):
                 _fail(name, "is the fp8 weights' row scale; these weights are bf16 (pass None)")
 
 
-def token_warps(fp8: bool, K: int, I: int, L: int) -> int:
-    """Warps an up CTA of the tensor-core one-token kernels at these sizes, or 0 where the CUDA-core kernels run: the
-    format not in TOKEN_MMA, or L and I not multiples of 4 CW (64 fp8 / 32 bf16 columns), K > 64, or the staged act
-    (K I bf16 / f16) past 48 KB of shared memory."""
-    cw = 16 if fp8 else 8
-    if ("fp8" if fp8 else "bf16") not in TOKEN_MMA or L % (4 * cw) or I % (4 * cw) or K > 64 or K * I * 2 > 48 * 1024:
-        return 0
-    nb = L // (4 * cw)
-    return next(w for w in range(min(TOKEN_WARPS, nb), 0, -1) if nb % w == 0)
-
-
 def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: float = 25.0,
                       pdl: bool | None = None):
     """y [1, L] fp32 = the routed experts of one token, bf16 or fp8 weights (module docstring). Returns y."""
@@ -780,9 +586,6 @@ def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
         _fail("idx", f"must be [1, K] expert ids, got {getattr(idx, 'shape', idx)!r}")
     K = idx.shape[1]
     _check_all(z, idx, wk, w1, w3, w2, s1, s3, s2, y, 1, K)
-    warps = token_warps(fp8, K, I, L)
-    if warps:
-        return _token_mma(z, idx, wk, w1, w3, w2, s1, s3, s2, y, b1, b2, pdl, warps)
     if L // cw > 1024:
         _fail("z", f"L / {cw} must be at most 1024 (a thread a chunk in the up kernel), got {L // cw}")
     if K * (I // cw) > 1024:
@@ -816,44 +619,6 @@ def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
             up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, fp8), *up_args, stream),
                    cute.compile(down_cls(K, I, L, E, step, down_rows, fp8), *down_args, stream))
-            _COMPILED[key] = fns
-        fns[0](*up_args, stream)
-        fns[1](*down_args, stream)
-    return y
-
-
-def _token_mma(z, idx, wk, w1, w3, w2, s1, s3, s2, y, b1, b2, pdl, warps):
-    """moe_experts_dense on the tensor-core one-token kernels (arguments checked by the caller)."""
-    import cutlass
-
-    from .kda_decode import gmem_ptr
-
-    E, I, fp8 = _first(w1)
-    dev, L, K = z.device, z.shape[1], idx.shape[1]
-    step = 2 if idx.dtype == torch.int64 else 1
-    key_ws = (dev.index, K, I, "pairs")
-    act = _WS.get(key_ws)
-    if act is None:
-        act = _WS[key_ws] = torch.empty(K, I // 2, dtype=torch.int32, device=dev)  # bf16 / f16 pairs
-    I32, F32 = cutlass.Int32, cutlass.Float32
-    words = [gmem_ptr(t.view(torch.int32), I32, 16) for t in (w1, w3, w2)]
-    scales = [gmem_ptr(t, F32, 4) if fp8 else gmem_ptr(y, F32, 4) for t in (s1, s3, s2)]  # y: never read as a scale
-    up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(wk, F32, 4),
-               words[0], words[1], scales[0], scales[1], gmem_ptr(act, I32, 16)]
-    down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), words[2], scales[2], gmem_ptr(act, I32, 16),
-                 gmem_ptr(y, F32, 4)]
-    key = ("mma", K, I, L, E, step, float(b1), float(b2), pdl, dev.index, fp8, warps, CHAINS)
-    with torch.cuda.device(dev):
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        fns = _COMPILED.get(key)
-        if fns is None:
-            from cutlass import cute
-
-            _, _, up_cls, down_cls = _grouped_classes()
-            fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, fp8, warps), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, fp8), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
@@ -924,7 +689,7 @@ def moe_grouped_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls = _grouped_classes()[:2]
+            up_cls, down_cls = _grouped_classes()
             fns = (cute.compile(up_cls(B, K, I, L, step, b1, b2, pdl, fp8), *up_args, stream),
                    cute.compile(down_cls(B, K, I, L, step, fp8, GROUP_DOWN_TILES), *down_args, stream))
             _GCOMPILED[key] = fns

@@ -288,8 +288,6 @@ def _kernel_classes():
                     cute.autovec_copy(vec(p_w1 if m == 0 else p_w3, cute.assume(row * RW + 4 * b, divby=4), 4),
                                       cute.make_tensor(wv.iterator + (m * RH + r) * 4, cute.make_layout(4)))
                     sv[m * RH + r] = vec(p_s1 if m == 0 else p_s3, (row * NB + b) // 4, 1)[0]
-            wtv = cute.make_rmem_tensor((1,), Float32)  # the routing weight, in flight with the weights (after the
-            wtv[0] = vec(p_wk, k, 1)[0]                 # sums it would be one more dependent round trip a CTA)
             zr = cute.make_rmem_tensor((16,), Int32)
             zp = cute.make_rmem_tensor((16,), Int32)
             cute.autovec_copy(vec(p_z, cute.assume(16 * b, divby=16), 16), zr)
@@ -318,7 +316,7 @@ def _kernel_classes():
                     for w in cutlass.range_constexpr(1, SPH):
                         g[i] = g[i] + s_red[base + w * 2 * RH]
                         u[i] = u[i] + s_red[base + w * 2 * RH + RH]
-                wt = wtv[0] * 64.0
+                wt = vec(p_wk, k, 1)[0] * 64.0
                 a0 = wt * (self.b1 * tanh(g[0] / self.b1) * sigmoid(g[0])) * (self.b2 * tanh(u[0] / self.b2))
                 a1 = wt * (self.b1 * tanh(g[1] / self.b1) * sigmoid(g[1])) * (self.b2 * tanh(u[1] / self.b2))
                 vec(p_act, k * (I // 2) + r0 // 2 + tid, 1)[0] = pack_f16x2(a1, a0)
