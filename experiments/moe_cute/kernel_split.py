@@ -1,10 +1,12 @@
-"""Where the one-token bf16 / fp8 experts spend their time, kernel by kernel (kernels/cute/moe_dense.py; issue 14):
-K3's TP8 pool at batch 1, uniform routing, each moe_dense module setting in VARIANTS (JSON list of dicts, default the
-module's own) checked against fp64 by the shared checker, then REPS eager calls on input sets rotated past L2 under
-torch.profiler: each kernel's mean device time beside its own byte floor (up: W1 + W3, down: W2, at the read
-bandwidth of k3lab.harness.timing.probes). Eager calls: no graph-replay figure, and a PDL launch's time counts from
+"""Where the one-token experts spend their time, kernel by kernel (issue 14): kernels/cute/moe_dense.py (bf16, fp8)
+or with KERNEL=moe_experts kernels/cute/moe_experts.py (MXFP4). K3's TP8 pool at batch 1, uniform routing, each
+module setting in VARIANTS (JSON list of dicts, default the module's own) checked against fp64 by the shared checker,
+then REPS eager calls on input sets rotated past L2 under torch.profiler: each kernel's device times beside its own
+byte floor (up: two thirds of the op's bytes, W1 + W3; down: one third, W2; at the read bandwidth of
+k3lab.harness.timing.probes). Eager calls: no graph-replay figure, and a PDL launch's time counts from
 when it was let in, so a down kernel's time can include some of up's tail.
-Run: python experiments/moe_cute/kernel_split.py $OUT   (writes $OUT/moe_dense_split.json, prints a table)"""
+Run: python experiments/moe_cute/kernel_split.py $OUT   (writes $OUT/KERNEL_split.json, prints a table)"""
+import importlib
 import json
 import os
 import sys
@@ -13,7 +15,10 @@ import torch
 
 from k3lab import registry
 from k3lab.harness import checker, timing
-from k3lab_kernels.cute import moe_dense as M
+
+KERNEL = os.environ.get("KERNEL", "moe_dense")
+M = importlib.import_module(f"k3lab_kernels.cute.{KERNEL}")
+DTYPES = ("mxfp4",) if KERNEL == "moe_experts" else ("bf16", "fp8")
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(os.environ.get("REPS", "40"))
@@ -23,15 +28,11 @@ DEFAULTS = {k: getattr(M, k) for k in sorted({k for f in VARIANTS for k in f})}
 
 pr = timing.probes("cuda")
 rows = []
-for dtype in ("bf16", "fp8"):
+for dtype in DTYPES:
     case = OP.case(dtype=dtype, batch=1, routing="uniform", tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
     n_sets = max(2, timing.rotation_count(OP.nbytes(case), timing.l2_bytes()))
     sets = [OP.make_inputs(case, 2000 + i, "cuda") for i in range(n_sets)]
-    w = sets[0]["moe"].w1.data
-    row_bytes = w.shape[2] * w.element_size() + (4 if dtype == "fp8" else 0)   # a W1 / W3 / W2 row (and its scale)
-    k = 16
-    up_b, down_b = 2 * k * w.shape[1] * row_bytes, k * w.shape[2] * (w.shape[1] * w.element_size()
-                                                                      + (4 if dtype == "fp8" else 0))
+    up_b, down_b = 2 * OP.nbytes(case) / 3, OP.nbytes(case) / 3
     for flags in VARIANTS:
         for key, v in flags.items():
             setattr(M, key, v)
@@ -61,7 +62,7 @@ for dtype in ("bf16", "fp8"):
     del sets
     torch.cuda.empty_cache()
 env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
-json.dump(dict(probes=pr, rows=rows, reps=REPS, env=env), open(f"{OUT}/moe_dense_split.json", "w"), indent=1)
+json.dump(dict(probes=pr, rows=rows, reps=REPS, env=env), open(f"{OUT}/{KERNEL}_split.json", "w"), indent=1)
 print("%-5s %-32s %-60s %5s %8s %8s %s" % ("dtype", "variant", "kernel", "calls", "us", "floor", "ok"))
 for r in rows:
     fl = "%.2f" % r["floor_us"] if r["floor_us"] else "-"
