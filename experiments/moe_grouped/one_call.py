@@ -5,7 +5,9 @@ warm-up call (the CuTe DSL compile), NVTX range "profiled" holds one call. For n
         --section WarpStateStats --section SchedulerStats --section InstructionStats \\
         python experiments/moe_grouped/one_call.py BATCH ROUTING [BACKEND]
 
-(BACKEND cute by default: the grouped kernels above batch 1)."""
+(BACKEND cute by default: the grouped kernels above batch 1; DTYPE=bf16|fp8 for the dense pools, mxfp4 by
+default)."""
+import os
 import sys
 
 from k3lab import registry
@@ -15,7 +17,8 @@ B = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 ROUTING = sys.argv[2] if len(sys.argv) > 2 else "uniform"
 BE = sys.argv[3] if len(sys.argv) > 3 else "cute"
 OP = registry.get("moe_experts")
-case = OP.case(dtype="mxfp4", batch=B, routing=ROUTING, tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
+case = OP.case(dtype=os.environ.get("DTYPE", "mxfp4"), batch=B, routing=ROUTING, tp=8, latent=3584, inter=3072,
+               n_experts=896, top_k=16)
 d = OP.make_inputs(case, 0, "cuda")
 profile_once(lambda: OP.call(d, case, BE, {}, None), range_name="profiled", warmup=1)
 print("done", B, ROUTING, BE)
