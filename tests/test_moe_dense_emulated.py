@@ -33,23 +33,20 @@ def tensors(d, idx32, words=("idx",)) -> dict:
     return t
 
 
-def run(d, pdl=False, idx32=False, rows=None, seed=0, early=False):
+def run(d, pdl=False, idx32=False, rows=None, seed=0):
     moe = d["moe"]
     t = tensors(d, idx32)
-    if early:  # DOWN_EARLY: down reads idx, W2 and its scales before its wait (none written by up)
-        emulate._PDL["early"] = frozenset(t[k].data_ptr() for k in ("idx", "w2", "s2") if k in t)
 
     def call(m, **a):
         mod = m.mod["moe_dense"]
-        saved = mod.UP_ROWS, mod.DOWN_ROWS, mod.DOWN_EARLY
+        saved = mod.UP_ROWS, mod.DOWN_ROWS
         if rows:
             mod.UP_ROWS, mod.DOWN_ROWS = rows
-        mod.DOWN_EARLY = early
         try:
             mod.moe_experts_dense(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a.get("s1"), a.get("s3"),
                                   a.get("s2"), a["y"], b1=moe.b1, b2=moe.b2, pdl=pdl)
         finally:
-            mod.UP_ROWS, mod.DOWN_ROWS, mod.DOWN_EARLY = saved
+            mod.UP_ROWS, mod.DOWN_ROWS = saved
     emulate._run(call, t, seed)
 
 
@@ -64,7 +61,6 @@ def impl(**kw):
     ("bf16", SMALL, dict(pdl=True, idx32=True)), ("fp8", SMALL, dict(pdl=True, idx32=True)),
     ("bf16", SMALL, dict(rows=(3, 5))),   # rows a CTA that divide neither I nor L: 1 each
     ("bf16", WIDE, dict(pdl=True)),       # several warps in both launches (the cross-warp sums)
-    ("fp8", SMALL, dict(pdl=True, early=True)), ("bf16", WIDE, dict(early=True)),   # DOWN_EARLY
     pytest.param("fp8", WIDE, dict(idx32=False), marks=pytest.mark.slow)])  # ~30 s: the e4m3 PTX emulated
 def test_one_token_dense(dtype, shape, kw):
     case = OP.case(dtype=dtype, **shape)

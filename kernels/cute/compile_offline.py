@@ -420,8 +420,6 @@ def _cases(only: str | None, quick: bool):
                               up_cls(K, I, L, E, st, 4.0, 25.0, p, r, f), uargs))
                 cases.append((f"moe_dense down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=rd, f=fp8:
                               down_cls(K, I, L, E, st, r, f), dargs))
-            cases.append((f"moe_dense down {'fp8' if fp8 else 'bf16'} K16 I384 L3584 early", lambda f=fp8:
-                          down_cls(16, 384, 3584, 896, 2, kmd.DOWN_ROWS, f, True), dargs))
     if only in (None, "moe_dense"):  # grouped: Up z, idx, wk, w1, w3, s1, s3, act, y; Down idx, w2, s2, act, y
         from kernels.cute import moe_dense as kmd
         gup, gdown = kmd._grouped_classes()

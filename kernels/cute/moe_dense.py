@@ -57,9 +57,6 @@ __all__ = ["MAX_PAIRS", "MoECuteError", "grouped_supports", "moe_experts_dense",
 # a GPU; a shape they do not divide takes 1)
 UP_ROWS = 4
 DOWN_ROWS = 4
-# the down kernel reads idx, its W2 chunks and their scales before griddepcontrol.wait (up's act after it), so the
-# W2 stream overlaps up's tail once up triggers (it always does, after its loads)
-DOWN_EARLY = False
 
 _KERNEL_CLS = None
 
@@ -186,9 +183,8 @@ def _kernel_classes():
         """A CTA per R latent rows; thread p < K * I / CW owns the (pair k, chunk) product of every row; a PDL launch
         after DenseUp."""
 
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, fp8: bool, early: bool = False):
+        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, fp8: bool):
             self.K, self.I, self.L, self.E, self.idx_step, self.R, self.fp8 = K, I, L, E, idx_step, rows, bool(fp8)
-            self.early = bool(early)
             self.CW = 16 if self.fp8 else 8
             self.NCD = I // self.CW                  # chunks a W2 row
             self.NP = K * self.NCD                   # (pair, chunk) products a row
@@ -212,9 +208,8 @@ def _kernel_classes():
             q = tid % NP                 # an idle thread redoes a valid product and adds 0
             k = q // NCD
             ch = q % NCD
-            if cutlass.const_expr(not self.early):
-                cute.arch.griddepcontrol_wait()  # the activations of DenseUp (and idx, from before it)
-                cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()  # the activations of DenseUp (and idx, from before it)
+            cute.arch.griddepcontrol_launch_dependents()
             e = vec(p_idx, k * self.idx_step, 1)[0]
             if cutlass.const_expr(self.fp8):
                 wv = cute.make_rmem_tensor((R * 4,), Int32)
@@ -233,9 +228,6 @@ def _kernel_classes():
                 sc[r] = Float32(1.0)
                 if cutlass.const_expr(self.fp8):
                     sc[r] = vec(p_s2, e * L + c * R + r, 1)[0]
-            if cutlass.const_expr(self.early):  # idx, W2 and s2 in flight before the wait: only act is up's
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
             av = cute.make_rmem_tensor((CW,), Float32)
             for h in cutlass.range_constexpr(CW // 4):
                 cute.autovec_copy(vec(p_act, cute.assume(k * I + CW * ch + 4 * h, divby=4), 4),
@@ -621,7 +613,7 @@ def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
                _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), wp(w2), sp(s2), _ptr(act, 16), _ptr(y, 4)]
     up_rows, down_rows = rows_of(I, L)
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, up_rows, down_rows, fp8, DOWN_EARLY)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, up_rows, down_rows, fp8)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -632,7 +624,7 @@ def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
 
             up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, fp8), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, down_rows, fp8, DOWN_EARLY), *down_args, stream))
+                   cute.compile(down_cls(K, I, L, E, step, down_rows, fp8), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)

@@ -298,8 +298,9 @@ def _kernel_classes():
                 fbits = factor_bits(sv[j], (e * I + hr + j % RH) * NB + b, keep)
                 acc[j] = block_fma(cute.make_tensor(wv.iterator + j * 4, cute.make_layout(4)), zp, fbits,
                                    Float32(0.0))
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
+            # down may launch now (it waits for this grid before reading act); without pdl this grid has no wait of
+            # its own and its predecessor is done, so the trigger is always safe
+            cute.arch.griddepcontrol_launch_dependents()
             start, cur, plain = seg_reduce(acc, 2 * RH, SEG, lane)
             if (lane & plain) == 0:
                 for i in cutlass.range_constexpr(cur):
