@@ -33,22 +33,20 @@ def tensors(d, idx32, words=("idx",)) -> dict:
     return t
 
 
-def run(d, pdl=False, idx32=False, rows=None, seed=0, persist=0):
+def run(d, pdl=False, idx32=False, rows=None, seed=0):
     moe = d["moe"]
     t = tensors(d, idx32)
 
     def call(m, **a):
         mod = m.mod["moe_dense"]
-        saved = mod.UP_ROWS, mod.DOWN_ROWS, mod.DOWN_PERSIST, mod._sms
+        saved = mod.UP_ROWS, mod.DOWN_ROWS
         if rows:
             mod.UP_ROWS, mod.DOWN_ROWS = rows
-        if persist:  # DOWN_PERSIST on a 5-SM device: the largest divisor of the row groups within 5 CTAs
-            mod.DOWN_PERSIST, mod._sms = 1, (lambda dev: persist)
         try:
             mod.moe_experts_dense(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a.get("s1"), a.get("s3"),
                                   a.get("s2"), a["y"], b1=moe.b1, b2=moe.b2, pdl=pdl)
         finally:
-            mod.UP_ROWS, mod.DOWN_ROWS, mod.DOWN_PERSIST, mod._sms = saved
+            mod.UP_ROWS, mod.DOWN_ROWS = saved
     emulate._run(call, t, seed)
 
 
@@ -76,16 +74,6 @@ def test_one_token_dense(dtype, shape, kw):
     ru, rd = md.rows_of(I, L) if "rows" not in kw else ((3 if I % 3 == 0 else 1), (5 if L % 5 == 0 else 1))
     assert launches[-2]["block"] == -(-(L // cw) // 32) * 32 and launches[-2]["grid"][0] == K * I // ru
     assert launches[-1]["block"] == -(-(K * I // cw) // 32) * 32 and launches[-1]["grid"][0] == L // rd
-
-
-@pytest.mark.parametrize("dtype,kw", [("fp8", dict(pdl=True, idx32=True)), ("bf16", dict())])
-def test_one_token_down_persist(dtype, kw):
-    """DOWN_PERSIST: the down kernel as G resident CTAs looping over the row groups (G = 4 of the 32 groups of
-    latent 128 at 4 rows within 5 CTAs: 8 groups a CTA, the shared memory halves alternating)."""
-    case = OP.case(dtype=dtype, **SMALL)
-    checker.require(checker.check(OP, case, impl=impl(persist=5, **kw), seed=4, device="cpu"))
-    launches = emulate.LAST["launches"]
-    assert launches[-1]["grid"][0] == 4 and launches[-1]["use_pdl"]
 
 
 def test_wrapper_refuses_by_name():

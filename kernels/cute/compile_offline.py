@@ -406,7 +406,7 @@ def _cases(only: str | None, quick: bool):
         from kernels.cute import moe_dense as kmd
         # DenseUp: z, idx, wk, w1, w3, s1, s3, act; DenseDown: idx, w2, s2, act, y; bf16 weights as BFloat16, fp8 as
         # int32 words; (K, I, L, E, idx step, ...)
-        up_cls, down_cls, persist_cls = kmd._kernel_classes()
+        up_cls, down_cls = kmd._kernel_classes()
         for fp8 in (False, True):
             w = i32 if fp8 else bf
             uargs = [P(bf, 16), P(i32, 4), P(f32, 4), P(w, 16), P(w, 16), P(f32, 4), P(f32, 4), P(f32, 16), S]
@@ -420,9 +420,6 @@ def _cases(only: str | None, quick: bool):
                               up_cls(K, I, L, E, st, 4.0, 25.0, p, r, f), uargs))
                 cases.append((f"moe_dense down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=rd, f=fp8:
                               down_cls(K, I, L, E, st, r, f), dargs))
-            for ctas in (132 * 2, 132 * 4):  # DOWN_PERSIST 2 / 4 on 132 SMs
-                cases.append((f"moe_dense down {'fp8' if fp8 else 'bf16'} K16 I384 L3584 persist {ctas}",
-                              lambda f=fp8, g=ctas: persist_cls(16, 384, 3584, 896, 2, kmd.DOWN_ROWS, f, g), dargs))
     if only in (None, "moe_dense"):  # grouped: Up z, idx, wk, w1, w3, s1, s3, act, y; Down idx, w2, s2, act, y
         from kernels.cute import moe_dense as kmd
         gup, gdown = kmd._grouped_classes()

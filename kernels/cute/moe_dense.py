@@ -57,9 +57,6 @@ __all__ = ["MAX_PAIRS", "MoECuteError", "grouped_supports", "moe_experts_dense",
 # a GPU; a shape they do not divide takes 1)
 UP_ROWS = 4
 DOWN_ROWS = 4
-# CTAs an SM of the one-token down kernel as resident CTAs looping over the row groups (DenseDownPersist); 0: a CTA a
-# row group (DenseDown)
-DOWN_PERSIST = 0
 
 _KERNEL_CLS = None
 
@@ -93,36 +90,6 @@ def _kernel_classes():
             for q in range(8):
                 a = a + wv[base + q].to(Float32) * xf[q]
         return a
-
-    def load_rows(fp8, R, I, p_w2, p_s2, wv, sc, row0, ch):
-        """Chunk ch of W2 rows row0 .. row0 + R (and their fp8 scales; 1 for bf16) into wv / sc."""
-        for r in range(R):
-            row = row0 + r
-            if fp8:
-                cute.autovec_copy(vec(p_w2, cute.assume(row * (I // 4) + 4 * ch, divby=4), 4),
-                                  cute.make_tensor(wv.iterator + 4 * r, cute.make_layout(4)))
-                sc[r] = vec(p_s2, row, 1)[0]
-            else:
-                cute.autovec_copy(vec(p_w2, cute.assume(row * I + 8 * ch, divby=8), 8),
-                                  cute.make_tensor(wv.iterator + 8 * r, cute.make_layout(8)))
-                sc[r] = Float32(1.0)
-
-    @cute.jit
-    def store_sums(s_red, acc, base, n: cutlass.Constexpr, ok):
-        """acc[0 .. n) into s_red[base ..] where ok (a jit helper: its runtime `if` leaves the caller's Python values
-        Python inside the unrolled loop)."""
-        if ok:
-            for i in cutlass.range_constexpr(n):
-                s_red[base + i] = acc[i]
-
-    @cute.jit
-    def finish_rows(s_red, p_y, half, y0, tid, R: cutlass.Constexpr, W: cutlass.Constexpr):
-        """Thread tid < R: latent row y0 + tid = the W warps' sums from s_red[half ..] (layout [warp, row])."""
-        if tid < R:
-            tot = s_red[half + tid]
-            for w in cutlass.range_constexpr(1, W):
-                tot = tot + s_red[half + w * R + tid]
-            vec(p_y, y0 + tid, 1)[0] = tot
 
     class DenseUp:
         """A CTA per (pair, R intermediate rows of W1_e and W3_e); thread j < L / CW owns chunk j of every row."""
@@ -282,66 +249,7 @@ def _kernel_classes():
                     tot = tot + s_red[w * R + tid]
                 vec(p_y, c * R + tid, 1)[0] = tot
 
-    class DenseDownPersist:
-        """DenseDown as G resident CTAs (the largest divisor of the L / R row groups within `ctas`): CTA c takes the
-        groups of R latent rows c, c + G, ... (unrolled); a thread's (pair,
-        chunk), its expert and its CW activations are read once; each group's W2 chunks (and scales) are requested
-        before the previous group's sums cross the CTA (shared memory alternating halves, one barrier a group)."""
-
-        def __init__(self, K: int, I: int, L: int, E: int, idx_step: int, rows: int, fp8: bool, ctas: int):
-            self.K, self.I, self.L, self.E, self.idx_step, self.R, self.fp8 = K, I, L, E, idx_step, rows, bool(fp8)
-            self.CW = 16 if self.fp8 else 8
-            self.NCD = I // self.CW
-            self.NP = K * self.NCD
-            self.NT = (self.NP + 31) // 32 * 32
-            self.NG = L // rows                      # row groups
-            self.G = max(d for d in range(1, min(ctas, self.NG) + 1) if self.NG % d == 0)   # CTAs: divides NG
-            assert rows <= 32
-
-        @cute.jit
-        def __call__(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                     p_y: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_idx, p_w2, p_s2, p_act, p_y).launch(grid=[self.G, 1, 1], block=[self.NT, 1, 1],
-                                                              stream=stream, use_pdl=True)
-
-        @cute.kernel
-        def kernel(self, p_idx: cute.Pointer, p_w2: cute.Pointer, p_s2: cute.Pointer, p_act: cute.Pointer,
-                   p_y: cute.Pointer):
-            I, L, R, NP, NT, CW, NCD = self.I, self.L, self.R, self.NP, self.NT, self.CW, self.NCD
-            G, NG = self.G, self.NG
-            fp8 = self.fp8
-            W = NT // 32
-            WPR = 4 if fp8 else 8        # registers (words / bf16) a row's chunk
-            tid, c, lane, warp = ids()
-            smem = cutlass.utils.SmemAllocator()
-            s_red = smem.allocate_tensor(Float32, cute.make_layout(2 * W * R), byte_alignment=16)  # [half, warp, row]
-            q = tid % NP                 # an idle thread redoes a valid product and adds 0
-            k = q // NCD
-            ch = q % NCD
-            cute.arch.griddepcontrol_wait()  # the activations of DenseUp (and idx, from before it)
-            cute.arch.griddepcontrol_launch_dependents()
-            e = vec(p_idx, k * self.idx_step, 1)[0]
-            wv = cute.make_rmem_tensor((R * WPR,), Int32 if fp8 else BFloat16)
-            sc = cute.make_rmem_tensor((R,), Float32)
-            load_rows(fp8, R, I, p_w2, p_s2, wv, sc, e * L + c * R, ch)
-            av = cute.make_rmem_tensor((CW,), Float32)
-            for h in cutlass.range_constexpr(CW // 4):
-                cute.autovec_copy(vec(p_act, cute.assume(k * I + CW * ch + 4 * h, divby=4), 4),
-                                  cute.make_tensor(av.iterator + 4 * h, cute.make_layout(4)))
-            for it in cutlass.range_constexpr(NG // G):   # G divides NG: every CTA takes NG / G groups
-                gr = c + it * G
-                acc = cute.make_rmem_tensor((R,), Float32)
-                for r in cutlass.range_constexpr(R):
-                    acc[r] = cutlass.select_(tid < NP, chunk_dot(fp8, wv, r * WPR, av) * sc[r], Float32(0.0))
-                if cutlass.const_expr(it + 1 < NG // G):  # the next group's loads fly while these sums cross
-                    load_rows(fp8, R, I, p_w2, p_s2, wv, sc, e * L + (gr + G) * R, ch)
-                half = (it % 2) * (W * R)
-                start, cur, plain = seg_reduce(acc, R, 32, lane)
-                store_sums(s_red, acc, half + warp * R + start, cur, (lane & plain) == 0)
-                cute.arch.sync_threads()
-                finish_rows(s_red, p_y, half, gr * R, tid, R, W)
-
-    _KERNEL_CLS = (DenseUp, DenseDown, DenseDownPersist)
+    _KERNEL_CLS = (DenseUp, DenseDown)
     return _KERNEL_CLS
 
 
@@ -641,11 +549,6 @@ def rows_of(I: int, L: int) -> tuple[int, int]:
     return (UP_ROWS if I % UP_ROWS == 0 else 1), (DOWN_ROWS if L % DOWN_ROWS == 0 else 1)
 
 
-def _sms(dev) -> int:
-    """The device's SM count (the persistent down kernel's grid)."""
-    return torch.cuda.get_device_properties(dev).multi_processor_count
-
-
 def _first(w1):
     """w1 checked as the experts' stored weights; (E, I, fp8)."""
     if not isinstance(w1, torch.Tensor) or w1.dim() != 3 or w1.dtype not in DTYPES:
@@ -710,8 +613,7 @@ def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
                _ptr(act, 16)]
     down_args = [_ptr(idx.view(torch.int32), 4), wp(w2), sp(s2), _ptr(act, 16), _ptr(y, 4)]
     up_rows, down_rows = rows_of(I, L)
-    down_ctas = DOWN_PERSIST * _sms(dev) if DOWN_PERSIST else 0
-    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, up_rows, down_rows, fp8, down_ctas)
+    key = (K, I, L, E, step, float(b1), float(b2), pdl, dev.index, up_rows, down_rows, fp8)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -720,10 +622,9 @@ def moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0,
         if fns is None:
             from cutlass import cute
 
-            up_cls, down_cls, persist_cls = _kernel_classes()
+            up_cls, down_cls = _kernel_classes()
             fns = (cute.compile(up_cls(K, I, L, E, step, b1, b2, pdl, up_rows, fp8), *up_args, stream),
-                   cute.compile(down_cls(K, I, L, E, step, down_rows, fp8) if not down_ctas else
-                                persist_cls(K, I, L, E, step, down_rows, fp8, down_ctas), *down_args, stream))
+                   cute.compile(down_cls(K, I, L, E, step, down_rows, fp8), *down_args, stream))
             _COMPILED[key] = fns
         fns[0](*up_args, stream)
         fns[1](*down_args, stream)
