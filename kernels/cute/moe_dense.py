@@ -41,7 +41,8 @@ bf16 / f16 for the second product, as the Triton grouped path and moe_grouped do
 Floor (k3lab.ops.moe.experts_bytes): the chosen experts' W1, W3, W2 (and the fp8 scales) at the read bandwidth: one
 token at TP8 bf16 16 x 8.26 MB = 132 MB, fp8 66 MB. Contract: moe_experts_dense(z, idx, wk, w1, w3, w2, s1, s3, s2, y,
 *, b1, b2, pdl=None) -> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait)
-before its first read; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. moe_grouped_dense: the same
+before its first read; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting; `up` triggers its dependents
+after its loads with or without pdl (down starts during up's tail and waits for it). moe_grouped_dense: the same
 arguments, z [B, L]; pdl None is False (moe_grouped's reason). Arguments are checked by name (MoECuteError); the
 component (k3lab.components.moe.experts, backend "cute", path "token" / "grouped") passes the stored weights.
 """

@@ -36,8 +36,9 @@ are exact, a block's products and sum are f16, everything after fp32.
 Floor (k3lab.ops.moe.experts_bytes): the K experts' w1, w3, w2 codes and scales (TP8: 16 x 2.15 MB = 34.5 MB) at the
 read bandwidth, ~7.5 us on the H200. Contract: moe_experts(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1, b2, pdl=None)
 -> y on torch's current stream; pdl=True: `up` waits for the kernel before (griddepcontrol.wait) before its first
-read; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. Arguments are checked by name
-(MoECuteError); the component (k3lab.components.moe.experts, backend "cute") passes the kernel layout.
+read; None: the enclosing k3lab_kernels.triton.pdl.pdl_chain's setting. `up` triggers its dependents after its loads
+with or without pdl (down, always a PDL launch, then starts during up's tail and waits for it). Arguments are checked by
+name (MoECuteError); the component (k3lab.components.moe.experts, backend "cute") passes the kernel layout.
 """
 import types
 from typing import Any
