@@ -140,11 +140,9 @@ def _kernel_classes():
                                           cute.make_tensor(wv.iterator + (m * R + r) * 8, cute.make_layout(8)))
             # the finishing threads' row scales and routing weight, in flight with the weights (after the sums they
             # would be one more dependent round trip a CTA)
-            fin = cute.make_rmem_tensor((3,), Float32)
+            fin = cute.make_rmem_tensor((3,), Float32)   # [routing weight, s1, s3 (fp8)]
             ti = cutlass.select_(tid < R, tid, Int32(0))
             fin[0] = vec(p_wk, k, 1)[0]
-            fin[1] = Float32(1.0)
-            fin[2] = Float32(1.0)
             if cutlass.const_expr(self.fp8):
                 fin[1] = vec(p_s1, e * I + r0 + ti, 1)[0]
                 fin[2] = vec(p_s3, e * I + r0 + ti, 1)[0]
@@ -224,10 +222,9 @@ def _kernel_classes():
                     row = e * L + c * R + r
                     cute.autovec_copy(vec(p_w2, cute.assume(row * I + 8 * ch, divby=8), 8),
                                       cute.make_tensor(wv.iterator + 8 * r, cute.make_layout(8)))
-            sc = cute.make_rmem_tensor((R,), Float32)   # this pair's expert's scales of latent rows c R + r
-            for r in cutlass.range_constexpr(R):
-                sc[r] = Float32(1.0)
-                if cutlass.const_expr(self.fp8):
+            sc = cute.make_rmem_tensor((R,), Float32)   # fp8: this pair's expert's scales of latent rows c R + r
+            if cutlass.const_expr(self.fp8):
+                for r in cutlass.range_constexpr(R):
                     sc[r] = vec(p_s2, e * L + c * R + r, 1)[0]
             av = cute.make_rmem_tensor((CW,), Float32)
             for h in cutlass.range_constexpr(CW // 4):
