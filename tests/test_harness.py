@@ -76,6 +76,13 @@ def test_cpu_floors_and_kernel_list():
     if not HAS_CUDA:
         assert "aten::matmul" in names or "aten::mm" in names
         assert all(k["count"] == 1 for k in kl) and timing.launches_per_call(kl) is None
+    # durations over rotated input sets: one time a launch, every call of the rotation counted
+    ys = [torch.randn(16, 16) for _ in range(3)]
+    kd = timing.kernel_list(lambda y: torch.relu(y @ y), calls=4, input_sets=[(y,) for y in ys], durations=True)
+    assert kd and all(len(k["us"]) == round(k["count"] * 4) and all(u >= 0 for u in k["us"]) for k in kd)
+    assert "us" not in kl[0]
+    with pytest.raises(ValueError, match="input_sets"):
+        timing.kernel_list(lambda y: y, input_sets=[])
 
 
 @pytest.mark.gpu

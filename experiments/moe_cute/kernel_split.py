@@ -1,10 +1,10 @@
 """Where the one-token experts spend their time, kernel by kernel (issue 14): kernels/cute/moe_dense.py (bf16, fp8)
 or with KERNEL=moe_experts kernels/cute/moe_experts.py (MXFP4). K3's TP8 pool at batch 1, uniform routing, each
 module setting in VARIANTS (JSON list of dicts, default the module's own) checked against fp64 by the shared checker,
-then REPS eager calls on input sets rotated past L2 under torch.profiler: each kernel's device times beside its own
-byte floor (up: two thirds of the op's bytes, W1 + W3; down: one third, W2; at the read bandwidth of
-k3lab.harness.timing.probes). Eager calls: no graph-replay figure, and a PDL launch's time counts from
-when it was let in, so a down kernel's time can include some of up's tail.
+then REPS eager calls on input sets rotated past L2 under torch.profiler (k3lab.harness.timing.kernel_list): each
+kernel's device times beside its own byte floor (up: two thirds of the op's bytes, W1 + W3; down: one third, W2; at
+the read bandwidth of k3lab.harness.timing.probes). Eager calls: no graph-replay figure, and a PDL launch's time
+counts from when it was let in, so a down kernel's time can include some of up's tail.
 Run: python experiments/moe_cute/kernel_split.py $OUT   (writes $OUT/KERNEL_split.json, prints a table)"""
 import importlib
 import json
@@ -38,27 +38,17 @@ for dtype in DTYPES:
             setattr(M, key, v)
         try:
             chk = checker.check(OP, case, backend="cute", inputs=sets[0])
-            for s in sets:
-                OP.call(s, case, "cute", {}, None)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for i in range(REPS):
-                    OP.call(sets[i % n_sets], case, "cute", {}, None)
-                torch.cuda.synchronize()
+            kl = timing.kernel_list(lambda d, c=case: OP.call(d, c, "cute", {}, None), calls=REPS,
+                                    input_sets=[(d,) for d in sets], durations=True)
         finally:
             for key, v in DEFAULTS.items():
                 setattr(M, key, v)
-        kern = {}
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                kern.setdefault(ev.name, []).append(ev.device_time_total if hasattr(ev, "device_time_total")
-                                                    else ev.cuda_time_total)
-        for name, ts in sorted(kern.items(), key=lambda x: -sum(x[1])):
-            low = name.lower()
+        for k in sorted(kl, key=lambda k: -sum(k["us"])):
+            low = k["name"].lower()
             nb = up_b if "up" in low else down_b if "down" in low else None
             floor = nb / (pr["read_tbps"] * 1e12) * 1e6 if nb else None
-            rows.append(dict(dtype=dtype, variant=str(flags), kernel=name[:120], calls=len(ts), samples=ts,
-                             mean_us=sum(ts) / len(ts), floor_us=floor, ok=chk.ok))
+            rows.append(dict(dtype=dtype, variant=str(flags), kernel=k["name"][:120], calls=len(k["us"]),
+                             samples=k["us"], mean_us=sum(k["us"]) / len(k["us"]), floor_us=floor, ok=chk.ok))
     del sets
     torch.cuda.empty_cache()
 env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())

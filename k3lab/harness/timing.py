@@ -420,36 +420,48 @@ def bench(fn: Callable[..., Any], *, device: Any = None, **kw: Any) -> Timing:
 
 # ---- kernels --------------------------------------------------------------------------------------
 
-def kernel_list(fn: Callable[..., Any], *args: Any, calls: int = 3) -> list[dict[str, Any]]:
+def kernel_list(fn: Callable[..., Any], *args: Any, calls: int = 3, input_sets: list[tuple] | None = None,
+                durations: bool = False) -> list[dict[str, Any]]:
     """Kernels one call of `fn(*args)` launches, via torch.profiler: [{"name", "count"}] with count
     per call (launches of that kernel / calls), in first-seen order. On a CPU-only machine the list
-    holds the top-level CPU ops instead, each with "device": "cpu"."""
+    holds the top-level CPU ops instead, each with "device": "cpu". `input_sets`: argument tuples the
+    profiled calls rotate over (call i takes input_sets[i % n]) instead of `args`. `durations`: each entry
+    also holds "us", every launch's device time (on a CPU, the op's CPU time) in microseconds: eager calls,
+    so a PDL launch counts from when it was let in, and no launch gaps (bench_gpu times a whole call)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if input_sets is not None and not input_sets:
+        raise ValueError("kernel_list: input_sets must hold at least one argument tuple, got an empty list")
+    sets = list(input_sets) if input_sets is not None else [args]
     cuda = torch.cuda.is_available()
-    fn(*args)  # warm (compile / autotune outside the profile)
+    fn(*sets[0])  # warm (compile / autotune outside the profile)
     if cuda:
         torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        for _ in range(calls):
-            fn(*args)
+        for i in range(calls):
+            fn(*sets[i % len(sets)])
         if cuda:
             torch.cuda.synchronize()
     counts: dict[str, int] = {}
+    times: dict[str, list[float]] = {}
     for evt in prof.events():
         if cuda:
             if evt.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             name = evt.name  # copies and memsets count as launches too
+            us = getattr(evt, "device_time_total", None)
+            us = evt.cuda_time_total if us is None else us
         else:
             if evt.cpu_parent is not None or not evt.name.startswith("aten::"):
                 continue
-            name = evt.name
+            name, us = evt.name, evt.cpu_time_total
         name = name if len(name) <= 200 else name[:197] + "..."
         counts[name] = counts.get(name, 0) + 1
+        times.setdefault(name, []).append(float(us))
     dev = "cuda" if cuda else "cpu"
-    return [{"name": k, "count": round(v / calls, 3), "device": dev} for k, v in counts.items()]
+    return [dict({"name": k, "count": round(v / calls, 3), "device": dev}, **({"us": times[k]} if durations else {}))
+            for k, v in counts.items()]
 
 
 def launches_per_call(kernels: list[dict[str, Any]]) -> float | None:
