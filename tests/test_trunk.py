@@ -659,3 +659,17 @@ def test_route_fuses_the_selection_on_triton(batch):
     i64, w64 = trunk.route(h.double(), r64, backend="reference")
     assert torch.equal(idx, i64) and rel_norm_error(wk, w64) < 1e-5
     assert [x.op for x in ran] == (["proj_group"] if batch <= 16 else ["proj", "router_topk"])
+
+
+@pytest.mark.parametrize("op_name,kw", [("proj", dict(proj="moe_router")), ("proj", dict(proj="kda_q")),
+                                        ("proj_group", dict(group="moe_in"))])
+def test_cublas_peers_pass_the_checker(op_name, kw):
+    """The cuBLAS peers write what ours writes: the router's logits in fp32 (a bf16 GEMM output rounded every logit
+    and failed the fp32 check, so the router's `ours / cuBLAS` rows compared against a failing peer)."""
+    op = registry.get(op_name)
+    case = op.case(preset="tiny", batch=3, wdtype="bf16", **kw)
+    inputs = op.make_inputs(case, 5, "cpu")
+    peers = [p for p in ops.proj_peers(case) if p.name.startswith("cublas")]
+    assert peers
+    for p in peers:
+        assert p.check(case, inputs).ok, p.name

@@ -32,7 +32,9 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              vec 8 (an arm's "policy:COMPONENT.KEY" replaces that op's rules of the auto table; not measured yet);
   proj_mma   (BATCH=2..16) the `proj_cute` switch's projections of several tokens on Triton (PROJ_MMA_MAX_TOKENS 0,
              the default) or on the CuTe tensor-core path (16), its x staged in shared memory or not (proj_mma.X_SMEM;
-             not measured yet).
+             not measured yet);
+  proj_reduce  (BATCH=64, 8) the Triton projections' split-K partials summed by a second kernel under PDL (the
+             default rule, proj_gemv.RED_MIN_BM / RED_MAX_TILES) or by each tile's last program (the rule before).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -56,8 +58,9 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, attnres_form, proj_mma, shared_stream; BATCH=N for another batch, e.g. BATCH=8 for proj_mma;
-        ARMS=a,b to time only those arms of the fold, the first named the one the others are compared with)
+        mla_ksplit, attnres_form, proj_mma, shared_stream, proj_reduce; BATCH=N for another batch, e.g. BATCH=8
+        for proj_mma; ARMS=a,b to time only those arms of the fold, the first named the one the others are
+        compared with)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -132,6 +135,14 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          "proj_mma": (("triton", {"PROJ_MMA_MAX_TOKENS": 0}),
                       ("mma", {"PROJ_MMA_MAX_TOKENS": 16, "k3lab_kernels.cute.proj_mma:X_SMEM": False}),
                       ("mma_smem", {"PROJ_MMA_MAX_TOKENS": 16, "k3lab_kernels.cute.proj_mma:X_SMEM": True})),
+         # the Triton projections' split-K partials summed by a second kernel under PDL (RED_MIN_BM / RED_MAX_TILES,
+         # the default since 0024ded / 8717b5e: 64-row dot tiles from a batch tile of 64, and from batch 2 where at most
+         # 32 output tiles split K) or by each tile's last program behind a counter with the 32-row tiles (the rule
+         # before; BATCH=64 and BATCH=8)
+         "proj_reduce": (("kernel", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 64,
+                                     "k3lab_kernels.triton.proj_gemv:RED_MAX_TILES": 32}),
+                         ("last", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 1 << 30,
+                                   "k3lab_kernels.triton.proj_gemv:RED_MAX_TILES": 0})),
          }
 
 

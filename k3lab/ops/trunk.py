@@ -389,6 +389,18 @@ def proj_peers(case: Case) -> list[Peer]:
     sizes = [shp[p][0] for p in parts]
     note_w = " on the bf16 dequantized weights" if case["wdtype"] == "fp8" else ""
 
+    fp32_out = any(p in FP32_OUT for p in parts)
+
+    def gemm(a, w):
+        """One cuBLAS GEMM on bf16 operands; with an fp32 output among the parts (the router's logits) the GEMM
+        writes fp32 (torch.mm's out_dtype, CUDA only; bf16 output rounded every logit and failed the fp32 check).
+        On the CPU (tests) the same product in fp32 torch ops."""
+        if not fp32_out:
+            return F.linear(a, w)
+        if a.is_cuda:
+            return torch.mm(a, w.t(), out_dtype=torch.float32)
+        return torch.mm(a.float(), w.float().t())
+
     def cublas(d: dict):
         from k3lab.components.trunk import _prologue_ref
 
@@ -398,10 +410,10 @@ def proj_peers(case: Case) -> list[Peer]:
             def xin():
                 a = _prologue_ref(x, pro)
                 return torch.cat([a, _prologue_ref(two["x2"], two["prologue2"])], 1) if two else a
-            return lambda: F.linear(xin(), w) if r is None else torch.addmm(r, xin(), w.t())
+            return lambda: gemm(xin(), w) if r is None else torch.addmm(r, xin(), w.t())
         if r is not None:
             return lambda: torch.addmm(r, x, w.t())
-        return lambda: F.linear(x, w)
+        return lambda: gemm(x, w)
 
     def checker_of(make, name):
         def check(c: Case, s: dict):
@@ -426,7 +438,8 @@ def proj_peers(case: Case) -> list[Peer]:
         return lambda: stream_sum(flat, part, cfg)
 
     out = [Peer("cublas", cublas, checker_of(cublas, "cublas"),
-                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}")]
+                note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}"
+                + (" (fp32 output: torch.mm out_dtype float32)" if fp32_out else ""))]
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # a Triton kernel: a GPU or the
         out.append(Peer("stream", stream, None, note="the read probe's streaming sum over the same weight bytes (no "
                         "product, nothing checked): how fast this harness reads these bytes at all"))  # interpreter
@@ -465,7 +478,7 @@ def proj_peers(case: Case) -> list[Peer]:
         def cublas_parts(d: dict):
             ws = list(_dense_w(d).split(sizes))
             x = d["x"]
-            return lambda: [F.linear(x, w) for w in ws]
+            return lambda: [gemm(x, w) if p in FP32_OUT else F.linear(x, w) for p, w in zip(parts, ws)]
 
         def ours_parts(d: dict):
             from k3lab.components import trunk
