@@ -262,6 +262,7 @@ def test_ksplit_rule():
 
     assert kern.default_ksplit(0, 2) == 4 and kern.default_ksplit(16, 8) == 4  # contiguous 8K; paged 32K
     assert kern.default_ksplit(16, 2) == 1 and kern.default_ksplit(0, 8, BM=64) == 1
+    assert kern.default_ksplit(16, 2, BM=32, B=1) == 4 and kern.default_ksplit(0, 8, BM=32, B=8) == 1  # long verify
     assert kern.ksplit_takes(512) and not kern.ksplit_takes(96) and not kern.ksplit_takes(32)
 
 
@@ -276,6 +277,40 @@ def test_block_m_rule():
     assert kern.default_block_m(6 * 2, 64) == 16 and kern.default_block_m(16 * 2, 8) == 32  # TP16; padded heads
     assert kern.rows_per_program(8, 12, B=64) == (12, 32, 3) and kern.rows_per_program(8, 12, B=1) == (12, 16, 6)
     assert kern.rows_per_program(4, 12, block_m=64, B=64) == (12, 64, 1)
+    # below batch 8: 32-row tiles for >= 96 rows over long histories (T = 8 at 12 heads, 32K), 16 otherwise
+    assert [kern.default_block_m(12 * T, 1, 32768) for T in (1, 2, 4, 8)] == [16, 16, 16, 32]
+    assert kern.default_block_m(96, 1, 8192) == 16 and kern.default_block_m(96, 4, 16384) == 32
+    assert kern.default_block_m(96, 4, 8192) == 32 and kern.default_block_m(96, 2, 8192) == 16  # from batch 4
+    assert kern.default_block_m(72, 1, 32768) == 16  # T = 6: three 32-row tiles would pad 96 rows for 72
+    assert kern.default_block_m(6 * 8, 1, 32768) == 16 and kern.default_block_m(16 * 8, 2, 32768) == 32  # TP16; padded
+    assert kern.rows_per_program(8, 12, B=1, n_max=32768) == (12, 32, 3)
+    assert kern.default_partitions(1, 32768, T=8, sms=132) == kern.default_partitions(1, 32768, T=8, block_m=32,
+                                                                                       sms=132)
+
+
+def test_block_m_rule_follows_the_history_in_the_kernel(monkeypatch):
+    """The split kernel's row tile reads n_max where given, else the cache's capacity (what the component sizes the
+    partitions by): a T = 8 call over a 32K-position cache runs 32-row programs, over an 8K one 16-row programs."""
+    from k3lab_kernels.triton import mla_decode as kern
+
+    seen = []
+    real = kern.rows_per_program
+    monkeypatch.setattr(kern, "rows_per_program", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(kern, "_mla_split_kernel", type("K", (), {"__getitem__": lambda self, g: stop})())
+    for cap, n_max, want in ((32768, None, 32), (8192, None, 16), (32768, 4096, 16)):
+        q_lat, q_rope = torch.zeros(1, 8, 12, 512), torch.zeros(1, 8, 12, 64)
+        kv = torch.zeros(1, cap, 576, dtype=torch.bfloat16)
+        with pytest.raises(Stop):
+            kern.mla_decode(q_lat, q_rope, kv, torch.tensor([cap - 8], dtype=torch.int32), scale=1.0, partitions=4,
+                            n_max=n_max)
+        assert seen[-1][1] == want, (cap, n_max, seen[-1])
 
 
 @pytest.mark.parametrize("shape", [

@@ -319,11 +319,13 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                      pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+        plan: dict = {}
         res = fn(q_lat, q_rope, lengths=lengths, o_lat=out, lse=lse, scale=scale, partitions=P, pad_heads=pad_heads,
                  dcp=dcp, dcp_layout=dcp_layout, merge=merge, **_kv_args(cache), **knobs,
-                 n_max=n_max if n_positions is not None or check_values else None)
+                 n_max=n_max if n_positions is not None or check_values else None, plan_out=plan)
         dispatch.record(ran, kernel=dispatch.kernel_path("mla_decode", be), options=dict(opts, **knobs), **rec,
-                        notes=f"partials K={K_shape}" + ("" if partitions else " (automatic partitions)"))
+                        notes=f"partials K={K_shape}" + ("" if partitions else " (automatic partitions)")
+                        + "; ran " + ", ".join(f"{k} {v}" for k, v in plan.items()))
         return res
     kv = cache.read(compute_dtype(q_lat))
     n = n_positions if n_positions is not None else int(lengths.max()) + T

@@ -10,10 +10,10 @@ Kernel 1, `_mla_split_kernel`: one program per (row group g, partition p, DCP sh
 grid (G * P * NS, B) with g fastest (the groups of one piece run side by side and share its rows in L2).
   * ALL query heads of one sequence are one tile of rows: row = t * HR + h (HR = pad_heads, or H when
     not padded), BM rows a program (BM = next power of two >= max(16, T*HR), at most `block_m`: 16, or 32
-    from batch 8 where that takes fewer groups, `default_block_m`; more rows = G > 1 groups, e.g. T=8 at 12/16
-    heads). So each cache row is read ONCE per sequence for all heads and all T queries (G times, the later
-    ones mostly from L2, when G > 1). Padded rows (h >= H or
-    t >= T) are loaded as zero queries and never stored: they cannot change any result.
+    from batch 8 where that takes fewer groups and below it for >= 96 rows over >= 16K positions,
+    `default_block_m`; more rows = G > 1 groups, e.g. T=8 at 12/16 heads). So each cache row is read ONCE
+    per sequence for all heads and all T queries (G times, the later ones mostly from L2, when G > 1). Padded
+    rows (h >= H or t >= T) are loaded as zero queries and never stored: they cannot change any result.
   * Head padding: tl.dot needs M >= 16, so both forms run tensor-core tiles. Unpadded, the T*H rows are
     packed densely and masked up to BM; pad_heads=16 lays each position's heads out as 16 rows.
   * The piece: the shard's visible positions of sequence b are cut into P contiguous chunks of
@@ -29,9 +29,9 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     constexpr), used for BOTH products: S = Q_lat C^T + Q_rope Kr^T (fp32, tensor cores), online softmax
     in fp32 (exp2), acc += P C (P rounded to bf16 for the tensor-core product, acc fp32). The loads stay
     inside the visible range (masked), so garbage past a sequence (other pages, NaN) is never read. The latent
-    columns come in KS pieces (`default_ksplit`: 4 for one new position): the scores are then the sum of KS + 1
-    independent products, KS short chains of MMAs instead of one of 36 dependent ones, and q and acc are kept in
-    the same pieces.
+    columns come in KS pieces (`default_ksplit`: 4 for 16-row tiles, and 32-row ones below batch 8): the scores
+    are then the sum of KS + 1 independent products, KS short chains of MMAs instead of one of 36 dependent ones,
+    and q and acc are kept in the same pieces.
   * Pipelining: with the page index loaded inside the block loop Triton's pipeliner keeps ONE buffer of rows
     (the next block's copy waits for the index). Where a block lies in one page (page % BN == 0, no DCP) and
     a piece has >= 4 blocks, the piece's page indices are loaded NPG = 64 at a time before the block loop
@@ -87,6 +87,10 @@ NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine with
 # rows a program: 16 (T > 1 at 12 heads: row groups of 16, each re-reading its piece mostly from L2) measured
 # ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
 DEFAULT_BLOCK_M = 16
+# ... and 32 below batch 8 for at least this many rows over histories of at least this many positions
+# (`default_block_m`)
+VERIFY_LONG_ROWS = 96
+VERIFY_LONG_N = 16384
 # programmatic dependent launch between the split and its merge / combine: the split lets them start once its
 # partials are stored (docs/NOTES_mla.md)
 DEFAULT_PDL = True
@@ -97,7 +101,8 @@ MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
 # the latent columns' pieces a block (1 or 4; 2 measured no faster than 1: docs/NOTES_mla.md): the scores as
 # independent products of the pieces (and the rope's), so the MMAs of a block run as four chains of 8 (+ 4) instead of
 # one of 36 (where C is a power of two divisible by 64; else 1). None: `default_ksplit` (4, except 1 on preloaded
-# page indices with at most two blocks a piece, where 4 measured slower: docs/NOTES_mla.md, thirty-second session).
+# page indices with at most two blocks a piece, where 4 measured slower: docs/NOTES_mla.md, thirty-second session,
+# and 1 for 32-row tiles from batch 8 and 64-row tiles, not measured).
 DEFAULT_KSPLIT = None
 
 
@@ -445,25 +450,34 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
 
 # ---- launch helpers ------------------------------------------------------------------------------
 
-def default_block_m(rows: int, B: int) -> int:
-    """Rows a program for `rows` = T * HR query rows a sequence: DEFAULT_BLOCK_M (16), or 32 from batch 8 where 32-row
-    tiles walk the cache in fewer row groups and, below batch 16, pad no more rows than 16-row tiles (H200, 12
-    heads, 8K: batch 64 T = 2 / 4 / 8 302 / 537 / 1063 -> 235 / 464 / 778 us; batch 8 T = 4 (64 rows for 48) 67 ->
-    73 us, so 16 there; batch 1 keeps 16: 13.0 / 17.3 / 25.3 against 15.2 / 18.8 / 25.9 us at T = 2 / 4 / 8;
-    docs/NOTES_mla.md, sixteenth session)."""
+def default_block_m(rows: int, B: int, n_max: int | None = None) -> int:
+    """Rows a program for `rows` = T * HR query rows a sequence: DEFAULT_BLOCK_M (16), or 32 where 32-row tiles walk
+    the cache in fewer row groups without padding more rows than 16-row tiles do:
+      - from batch 8 (H200, 12 heads, 8K: batch 64 T = 2 / 4 / 8 302 / 537 / 1063 -> 235 / 464 / 778 us; batch 8 T = 4
+        (64 rows for 48) 67 -> 73 us, so 16 there; batch 1 at 8K keeps 16: 13.0 / 17.3 / 25.3 against 15.2 / 18.8 /
+        25.9 us at T = 2 / 4 / 8; docs/NOTES_mla.md, sixteenth session);
+      - below batch 8 for at least VERIFY_LONG_ROWS rows, from batch 4 or over a history of at least VERIFY_LONG_N
+        positions (n_max, the longest; None: the batch rule alone): batch 1, 32K, T = 8 at 12 heads 53.17 against
+        62.15 us on the H200 (profiles/h200/mla_verify_blockm_32k.json.gz); on an H100
+        (profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz, T = 8, us, 32 / 16) batch 1 16K 34.44 / 37.34, 32K 51.59 /
+        61.13, batch 2 16K 56.71 / 62.35, 32K 90.89 / 106.55, batch 4 8K 60.10 / 65.66, 16K 93.81 / 109.03, 32K
+        162.01 / 199.50, and batch 1 / 2 at 8K a tie (26.33 / 25.06, 39.29 / 38.72); T = 4's 48 rows lose with 32
+        (batch 1 32K 38.7-40.0 against 35.2-35.7, profiles/h100-80gb-hbm3/mla_verify_bm.json.gz, git history at
+        85e7670)."""
     g16, g32 = -(-rows // 16), -(-rows // 32)
-    if B >= 8 and g32 < g16 and (B >= 16 or 32 * g32 <= 16 * g16):
-        return 32
+    if g32 < g16 and (B >= 16 or 32 * g32 <= 16 * g16):
+        if B >= 8 or (rows >= VERIFY_LONG_ROWS and (B >= 4 or (n_max is not None and n_max >= VERIFY_LONG_N))):
+            return 32
     return DEFAULT_BLOCK_M
 
 
 def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = None,
-                     B: int = 1) -> tuple[int, int, int]:
+                     B: int = 1, n_max: int | None = None) -> tuple[int, int, int]:
     """(HR, BM, G): the row stride per position, the rows of a program and the row groups (block_m None: the
-    rule by rows and batch, `default_block_m`)."""
+    rule by rows, batch and longest history, `default_block_m`)."""
     HR = pad_heads if pad_heads else H
     BM = max(16, _pow2(T * HR))
-    BM = min(BM, block_m or default_block_m(T * HR, B))
+    BM = min(BM, block_m or default_block_m(T * HR, B, n_max))
     G = -(-(T * HR) // BM)
     return HR, BM, G
 
@@ -498,11 +512,16 @@ def ksplit_takes(C: int) -> bool:
     return _pow2(C) == C and C % 64 == 0
 
 
-def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
+def default_ksplit(npg: int, blocks: int, BM: int = 16, B: int = 1) -> int:
     """The latent columns' pieces for 16-row tiles (one new position at <= 16 heads): 4 (the step's contiguous cache
     at batch 1 / 8K, 1.3 us a layer faster; paged at batch 1 / 32K and batch 16 / 64 1-2 % faster), 1 with preloaded
-    page indices and at most two blocks a piece (batch 1 / 8K / page 64: 10.70 us against 11.23 at 4). Larger tiles
-    (the verify's) keep 1: not measured."""
+    page indices and at most two blocks a piece (batch 1 / 8K / page 64: 10.70 us against 11.23 at 4). 32-row tiles
+    below batch 8 (the long verify's, `default_block_m`): 4 as well (H100, T = 8, 32-row tiles, us, 4 / 1 pieces:
+    batch 1 8K 24.88 / 26.33, 16K 32.72 / 34.44, 32K 49.14 / 51.59; batch 2 32K 87.89 / 90.89; batch 4 8K 58.10 /
+    60.10, 32K 157.15 / 162.01; profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz); from batch 8 and for 64-row
+    tiles 1 (not measured)."""
+    if BM == 32 and B < 8:
+        return 4
     return 1 if BM != 16 or (npg and blocks <= 2) else 4
 
 
@@ -520,7 +539,7 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
     (docs/NOTES_mla.md). Host values only (n_max = the longest visible history, max(lengths) + T): no device
     sync."""
-    _, BM, G = rows_per_program(T, H, pad_heads, block_m, B)
+    _, BM, G = rows_per_program(T, H, pad_heads, block_m, B, n_max)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
         sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -554,8 +573,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
                preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
-               ksplit: int | None = None):
-    """Launch the split kernel (and the merge when partials > 1 and merge=True).
+               ksplit: int | None = None, plan_out: dict | None = None):
+    """Launch the split kernel (and the merge when partials > 1 and merge=True). plan_out: a dict the resolved
+    settings are written into (block_m, row groups, block_n, ksplit, preloaded pages, warps, stages), for the
+    caller's record of what ran.
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
     contiguous, any other strides); kv: contiguous cache [B, S_max, C+Dr] or, with block_table
@@ -579,8 +600,11 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     W = C + DR
     assert q_lat.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv.is_contiguous() and kv.shape[-1] == W
     assert dcp_layout in DCP_LAYOUTS and 1 <= partitions and 1 <= dcp
-    HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B)
     paged = block_table is not None
+    # the row tile's rule reads the longest history: n_max where the caller knows it, else the cache's capacity (as
+    # the component sizes the automatic partitions)
+    HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B,
+                                 n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
     BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
     K = dcp * partitions
@@ -612,11 +636,15 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     shard = -(-int(n_max or 1) // dcp)  # positions one shard holds at most
     piece = -(-shard // partitions)
     chunk = -(-piece // BN) * BN if hc else 0
-    ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM)
+    ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM, B)
     assert ks in KSPLIT_ALLOWED and (ksplit in (None, 1) or ksplit_takes(C)), "the caller validates ksplit"
     if not ksplit_takes(C):  # the rule's (or DEFAULT_KSPLIT's) 4 where the widths do not allow it: one piece
         ks = 1
     grid = (G * partitions * dcp, B)
+    warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
+    if plan_out is not None:
+        plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
+                        num_stages=stages)
     _mla_split_kernel[grid](
         q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
         float(scale) * LOG2E,
@@ -626,7 +654,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
         PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks,
-        num_warps=num_warps or default_num_warps(BM), num_stages=num_stages or default_num_stages(npg),
+        num_warps=warps, num_stages=stages,
         **launch_kw(wait),
     )
     if direct:
