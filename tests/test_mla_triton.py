@@ -262,7 +262,7 @@ def test_ksplit_rule():
 
     assert kern.default_ksplit(0, 2) == 4 and kern.default_ksplit(16, 8) == 4  # contiguous 8K; paged 32K
     assert kern.default_ksplit(16, 2) == 1 and kern.default_ksplit(0, 8, BM=64) == 1
-    assert kern.default_ksplit(16, 2, BM=32, B=1) == 4 and kern.default_ksplit(0, 8, BM=32, B=8) == 1  # long verify
+    assert kern.default_ksplit(16, 2, BM=32) == 4 and kern.default_ksplit(0, 8, BM=32) == 4  # verify tiles
     assert kern.ksplit_takes(512) and not kern.ksplit_takes(96) and not kern.ksplit_takes(32)
 
 

@@ -29,7 +29,7 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     constexpr), used for BOTH products: S = Q_lat C^T + Q_rope Kr^T (fp32, tensor cores), online softmax
     in fp32 (exp2), acc += P C (P rounded to bf16 for the tensor-core product, acc fp32). The loads stay
     inside the visible range (masked), so garbage past a sequence (other pages, NaN) is never read. The latent
-    columns come in KS pieces (`default_ksplit`: 4 for 16-row tiles, and 32-row ones below batch 8): the scores
+    columns come in KS pieces (`default_ksplit`: 4 for 16- and 32-row tiles): the scores
     are then the sum of KS + 1 independent products, KS short chains of MMAs instead of one of 36 dependent ones,
     and q and acc are kept in the same pieces.
   * Pipelining: with the page index loaded inside the block loop Triton's pipeliner keeps ONE buffer of rows
@@ -102,7 +102,7 @@ MERGE_BLOCK_C = 32  # the merge kernel's columns a program on a GPU
 # independent products of the pieces (and the rope's), so the MMAs of a block run as four chains of 8 (+ 4) instead of
 # one of 36 (where C is a power of two divisible by 64; else 1). None: `default_ksplit` (4, except 1 on preloaded
 # page indices with at most two blocks a piece, where 4 measured slower: docs/NOTES_mla.md, thirty-second session,
-# and 1 for 32-row tiles from batch 8 and 64-row tiles, not measured).
+# and 1 for 64-row tiles, not measured).
 DEFAULT_KSPLIT = None
 
 
@@ -512,15 +512,16 @@ def ksplit_takes(C: int) -> bool:
     return _pow2(C) == C and C % 64 == 0
 
 
-def default_ksplit(npg: int, blocks: int, BM: int = 16, B: int = 1) -> int:
+def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
     """The latent columns' pieces for 16-row tiles (one new position at <= 16 heads): 4 (the step's contiguous cache
     at batch 1 / 8K, 1.3 us a layer faster; paged at batch 1 / 32K and batch 16 / 64 1-2 % faster), 1 with preloaded
     page indices and at most two blocks a piece (batch 1 / 8K / page 64: 10.70 us against 11.23 at 4). 32-row tiles
-    below batch 8 (the long verify's, `default_block_m`): 4 as well (H100, T = 8, 32-row tiles, us, 4 / 1 pieces:
-    batch 1 8K 24.88 / 26.33, 16K 32.72 / 34.44, 32K 49.14 / 51.59; batch 2 32K 87.89 / 90.89; batch 4 8K 58.10 /
-    60.10, 32K 157.15 / 162.01; profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz); from batch 8 and for 64-row
-    tiles 1 (not measured)."""
-    if BM == 32 and B < 8:
+    (the verify's, `default_block_m`): 4 as well (H100, us, 4 / 1 pieces: T = 8 batch 1 8K 24.88 / 26.33, 16K 32.72
+    / 34.44, 32K 49.14 / 51.59, batch 2 32K 87.89 / 90.89, batch 4 8K 58.10 / 60.10, 32K 157.15 / 162.01,
+    profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz; from batch 8, profiles/h100-80gb-hbm3/mla_verify_ks_b8.json.gz:
+    T = 4 / 8 1-3 % faster, e.g. batch 16 32K T = 4 399.60 / 411.72, batch 64 32K 1581.00 / 1613.77, T = 2 level
+    within 1.1 %). 64-row tiles keep 1 (not measured)."""
+    if BM == 32:
         return 4
     return 1 if BM != 16 or (npg and blocks <= 2) else 4
 
@@ -636,7 +637,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     shard = -(-int(n_max or 1) // dcp)  # positions one shard holds at most
     piece = -(-shard // partitions)
     chunk = -(-piece // BN) * BN if hc else 0
-    ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM, B)
+    ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM)
     assert ks in KSPLIT_ALLOWED and (ksplit in (None, 1) or ksplit_takes(C)), "the caller validates ksplit"
     if not ksplit_takes(C):  # the rule's (or DEFAULT_KSPLIT's) 4 where the widths do not allow it: one piece
         ks = 1
