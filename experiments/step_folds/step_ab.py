@@ -25,7 +25,7 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   up_halves  the one-token experts' up kernel in one or two thread groups of L/32 (UP_HALVES) x UP_ROWS: 1/6, 2/12,
              2/8, 2/6 (2 / 12 kept: profiles/h200/up_halves_step_ab.json.gz, git history at 8717b5e);
   mla_ksplit the MLA split's latent columns in 1 / 4 pieces (DEFAULT_KSPLIT; 4 kept for the step's contiguous
-             cache: profiles/h200/mla_ksplit_step_ab.json.gz, where 2 pieces also ran);
+             cache: profiles/h200/mla_ksplit_step_ab.json.gz (git history at 1c9f81d), where 2 pieces also ran);
   attnres_form  the CuTe AttnRes's form and shape inside the step: the rule of data/trunk_defaults.json, alpha
              threads at cluster 8 vec 4 (what the thirty-second session's H200 headline ran: 1.65 us a call against
              2.63 for twopass in the thirty-seventh's H100 step) and vec 8, twopass at cluster 8 vec 4 and cluster 2

@@ -458,7 +458,7 @@ def default_block_m(rows: int, B: int, n_max: int | None = None) -> int:
         25.9 us at T = 2 / 4 / 8; docs/NOTES_mla.md, sixteenth session);
       - below batch 8 for at least VERIFY_LONG_ROWS rows, from batch 4 or over a history of at least VERIFY_LONG_N
         positions (n_max, the longest; None: the batch rule alone): batch 1, 32K, T = 8 at 12 heads 53.17 against
-        62.15 us on the H200 (profiles/h200/mla_verify_blockm_32k.json.gz); on an H100
+        62.15 us on the H200 (profiles/h200/mla_verify_blockm_32k.json.gz, git history at 1c9f81d); on an H100
         (profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz, T = 8, us, 32 / 16) batch 1 16K 34.44 / 37.34, 32K 51.59 /
         61.13, batch 2 16K 56.71 / 62.35, 32K 90.89 / 106.55, batch 4 8K 60.10 / 65.66, 16K 93.81 / 109.03, 32K
         162.01 / 199.50, and batch 1 / 2 at 8K a tie (26.33 / 25.06, 39.29 / 38.72); T = 4's 48 rows lose with 32
