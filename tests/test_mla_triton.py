@@ -91,6 +91,35 @@ def test_decode_ksplit_cache_kinds(ksplit, page_size, fp8_scale):
            partitions=2, page_size=page_size, **kv)
 
 
+@pytest.mark.parametrize("shape", [
+    dict(T=1, context=70, batch=2, ragged=True, partitions=2, page_size=0),
+    dict(T=4, context=45, batch=1, partitions=1, page_size=16),
+    dict(T=2, context=40, batch=2, partitions=3, page_size=0, kv_dtype="fp8", fp8_scale="token"),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("ksplit", [1, 4])
+def test_decode_lazy_rescale(shape, ksplit):
+    """`lazy`: the running max moves only when a block's maximum passes it by LAZY_TAU. Checked on the registry's
+    inputs and on a history whose scores grow along the positions (the cache's rows times a ramp, the queries times
+    4: the max moves past the threshold in most blocks, and stays within it in the others), both against fp64."""
+    _check(DEC, options=dict(lazy=True, ksplit=ksplit), **shape)
+    case = DEC.case(**shape)
+    d = DEC.make_inputs(case, 3, "cpu")
+    if d["kv_cache"].dtype == torch.bfloat16:
+        rows = d["kv_cache"].shape[-2]
+        ramp = 1.0 + torch.arange(rows, dtype=torch.float32) / 6.0
+        d["kv_cache"] = (d["kv_cache"].float() * ramp[:, None]).to(torch.bfloat16)
+    d["q_lat"] = (d["q_lat"].float() * 4).to(torch.bfloat16)
+    res = checker.require(checker.check(DEC, case, backend="triton", options=dict(lazy=True, ksplit=ksplit), inputs=d))
+    assert res.ran[-1].backend == "triton" and "lazy True" in res.ran[-1].notes
+
+
+def test_decode_lazy_refused_where_it_does_not_apply():
+    from k3lab.components.mla import MLAArgumentError
+
+    with pytest.raises(MLAArgumentError, match="lazy"):
+        _check(DEC, options=dict(lazy=1), context=8)
+
+
 def test_decode_reference_backends_agree():
     _check(DEC, backend="reference", context=30, dcp=2, partitions=3)
 

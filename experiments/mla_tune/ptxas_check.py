@@ -25,7 +25,7 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
     sig, consts = {}, {}
     defaults = dict(C=512, DR=64, CP=512, DRP=64, W=576, HR=12, BM=16, BN=32, PAGED=True, PAGE=64, SCALE_MODE=0,
                     CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, HOST_CHUNK=True, PDL=False, WAIT=False,
-                    KS=1)
+                    KS=1, LAZY=False)
     defaults.update(over)
     for name in fn.arg_names:
         p = fn.params[fn.arg_names.index(name)]
@@ -66,7 +66,7 @@ if __name__ == "__main__":
     over = {}
     for a in sys.argv[1:]:
         k, v = a.split("=")
-        over[k] = int(v) if v.lstrip("-").isdigit() else v
+        over[k] = int(v) if v.lstrip("-").isdigit() else {"True": True, "False": False}.get(v, v)
     nw = over.pop("num_warps", 4)
     ns = over.pop("num_stages", 2)
     kern = getattr(md, over.pop("kernel", "_mla_split_kernel"))

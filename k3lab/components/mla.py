@@ -201,7 +201,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
-           ksplit: int | None = None,
+           ksplit: int | None = None, lazy: bool | None = None,
            cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
            ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
@@ -244,7 +244,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     if be == "cute":
         for name, v in (("block_n", block_n), ("block_m", block_m), ("num_warps", num_warps),
                         ("num_stages", num_stages), ("preload_pages", preload_pages), ("host_chunk", host_chunk),
-                        ("ksplit", ksplit)):
+                        ("ksplit", ksplit), ("lazy", lazy)):
             if v is not None:
                 _fail(name, "is an option of backend 'triton', not 'cute'")
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
@@ -315,8 +315,10 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             _fail("ksplit", f"must be None (the kernel's default) or one of {KSPLIT_ALLOWED}, got {ksplit!r}")
         if ksplit == 4 and not ksplit_takes(C):
             _fail("ksplit", f"4 needs a latent width that is a power of two and a multiple of 64, got C={C}")
+        if lazy is not None and not isinstance(lazy, bool):
+            _fail("lazy", f"must be None (the kernel's default) or a bool, got {lazy!r}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit)
+                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit, lazy=lazy)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         plan: dict = {}

@@ -87,6 +87,11 @@ NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine with
 # rows a program: 16 (T > 1 at 12 heads: row groups of 16, each re-reading its piece mostly from L2) measured
 # ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
 DEFAULT_BLOCK_M = 16
+# the lazy rescale (`lazy`): the running max moves only when a row's block maximum passes it by this much (log2
+# units: weights up to 2^8 against the older max, exact in fp32 sums and bf16 products); DEFAULT_LAZY: not yet
+# measured on a GPU (docs/NOTES_mla.md, forty-sixth session), so off
+LAZY_TAU = tl.constexpr(8.0)
+DEFAULT_LAZY = False
 # ... and 32 below batch 8 for at least this many rows over histories of at least this many positions
 # (`default_block_m`)
 VERIFY_LONG_ROWS = 96
@@ -181,12 +186,16 @@ def _opaque(x):
 
 @triton.jit
 def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, ok, limit, tok, qk_scale,
-                 SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, CW: tl.constexpr):
+                 SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, CW: tl.constexpr,
+                 LAZY: tl.constexpr):
     """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
     online softmax (exp2), acc += P C. The block's latent columns are loaded here from `base` (row pointers
     [BN, 1]) in KS pieces of CW: with KS > 1 the scores are the sum of KS + 1 independent products (the latent
     pieces' and the rope's), KS short chains of MMAs instead of one of (C + Dr) / 16, and q / acc come in the
-    same pieces (a1..a3, q1..q3 unused at KS = 1)."""
+    same pieces (a1..a3, q1..q3 unused at KS = 1). LAZY: the running max m moves (and l, acc are rescaled) only in
+    a block where some row's maximum passes m + LAZY_TAU; otherwise the block's weights are exp2(s - m) <= 2^LAZY_TAU
+    against the older m, the same softmax once l and acc are divided out (m, l, acc stay consistent), without the
+    accumulators' multiply in most blocks."""
     cw = tl.arange(0, CW)
     c0 = tl.load(base + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
     if DOT_F32:
@@ -213,23 +222,52 @@ def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, 
     s = s * qk_scale
     vis = ok[None, :] & (gp[None, :] <= limit[:, None])
     s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_use)
-    pw = tl.exp2(s - m_use[:, None])
-    l = l * alpha + tl.sum(pw, 1)
+    m_blk = tl.max(s, 1)
+    if LAZY:
+        # a block-uniform branch: rescale only when some row's maximum grew past m + LAZY_TAU (always in a row's
+        # first visible block, where m is -inf); a row whose block is all masked has m_blk = -inf (never grows)
+        if tl.max((m_blk > m + LAZY_TAU).to(tl.int32), 0) > 0:
+            m_new = tl.maximum(m, m_blk)
+            alpha = tl.exp2(m - tl.where(m_new == float("-inf"), 0.0, m_new))
+            l = l * alpha
+            a0 = a0 * alpha[:, None]
+            if KS == 4:
+                a1 = a1 * alpha[:, None]
+                a2 = a2 * alpha[:, None]
+                a3 = a3 * alpha[:, None]
+            m = m_new
+        pw = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        l = l + tl.sum(pw, 1)
+        pb = _weights_bf16(pw, tok, SCALE_MODE, DOT_F32)
+        a0 = a0 + tl.dot(pb, c0)
+        if KS == 4:
+            a1 = a1 + tl.dot(pb, c1)
+            a2 = a2 + tl.dot(pb, c2)
+            a3 = a3 + tl.dot(pb, c3)
+    else:
+        m_new = tl.maximum(m, m_blk)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        pw = tl.exp2(s - m_use[:, None])
+        l = l * alpha + tl.sum(pw, 1)
+        pb = _weights_bf16(pw, tok, SCALE_MODE, DOT_F32)
+        a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
+        if KS == 4:
+            a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
+            a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
+            a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
+        m = m_new
+    return m, l, a0, a1, a2, a3
+
+
+@triton.jit
+def _weights_bf16(pw, tok, SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    """The block's softmax weights as the P operand: times the per-position scale (mode 2), rounded to bf16."""
     if SCALE_MODE == 2:
         pw = pw * tok[None, :]
     if DOT_F32:
-        pb = rne_bf16(pw)
-    else:
-        pb = pw.to(tl.bfloat16)
-    a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
-    if KS == 4:
-        a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
-        a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
-        a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
-    return m_new, l, a0, a1, a2, a3
+        return rne_bf16(pw)
+    return pw.to(tl.bfloat16)
 
 
 @triton.jit
@@ -252,7 +290,7 @@ def _mla_split_kernel(
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    WAIT: tl.constexpr, KS: tl.constexpr,
+    WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -365,7 +403,7 @@ def _mla_split_kernel(
                     tok = 0.0
                 m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
                                                     _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
-                                                    SCALE_MODE, DOT_F32, KS, CW)
+                                                    SCALE_MODE, DOT_F32, KS, CW, LAZY)
     else:
         for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
@@ -383,7 +421,7 @@ def _mla_split_kernel(
                 tok = 0.0
             m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
                                                 _mask2(ok, c_ok, CP == C), kr, gp, ok, limit, tok, qk_scale,
-                                                SCALE_MODE, DOT_F32, KS, CW)
+                                                SCALE_MODE, DOT_F32, KS, CW, LAZY)
 
     has = l > 0.0
     den = tl.where(has, l, 1.0)
@@ -574,10 +612,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
                preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
-               ksplit: int | None = None, plan_out: dict | None = None):
+               ksplit: int | None = None, lazy: bool | None = None, plan_out: dict | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True). plan_out: a dict the resolved
     settings are written into (block_m, row groups, block_n, ksplit, preloaded pages, warps, stages), for the
-    caller's record of what ran.
+    caller's record of what ran. lazy: the lazy rescale of the running max (`_attend_rows`; None: DEFAULT_LAZY).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
     contiguous, any other strides); kv: contiguous cache [B, S_max, C+Dr] or, with block_table
@@ -643,9 +681,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         ks = 1
     grid = (G * partitions * dcp, B)
     warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
+    lz = DEFAULT_LAZY if lazy is None else bool(lazy)
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
-                        num_stages=stages)
+                        num_stages=stages, lazy=lz)
     _mla_split_kernel[grid](
         q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
         float(scale) * LOG2E,
@@ -654,7 +693,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks,
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks, LAZY=lz,
         num_warps=warps, num_stages=stages,
         **launch_kw(wait),
     )
