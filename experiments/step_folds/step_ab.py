@@ -35,6 +35,7 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              not measured yet);
   proj_reduce  (BATCH=64, 8) the Triton projections' split-K partials summed by a second kernel under PDL (the
              default rule, proj_gemv.RED_MIN_BM / RED_MAX_TILES) or by each tile's last program (the rule before).
+  mla_lazy   the MLA split's running max moved every block (DEFAULT_LAZY False) or only past LAZY_TAU (True).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -58,9 +59,9 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, attnres_form, proj_mma, shared_stream, proj_reduce; BATCH=N for another batch, e.g. BATCH=8
-        for proj_mma; ARMS=a,b to time only those arms of the fold, the first named the one the others are
-        compared with)
+        mla_ksplit, attnres_form, proj_mma, shared_stream, proj_reduce, mla_lazy; BATCH=N for another batch,
+        e.g. BATCH=8 for proj_mma; ARMS=a,b to time only those arms of the fold, the first named the one the others
+        are compared with)
         (PYTHONPATH=$PWD and the cute site)
         ->  $OUT/<fold>_step_ab.json
 """
@@ -139,6 +140,9 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # the default since 0024ded / 8717b5e: 64-row dot tiles from a batch tile of 64, and from batch 2 where at most
          # 32 output tiles split K) or by each tile's last program behind a counter with the 32-row tiles (the rule
          # before; BATCH=64 and BATCH=8)
+         # the MLA split's lazy rescale (DEFAULT_LAZY; docs/NOTES_mla.md, forty-sixth session)
+         "mla_lazy": (("eager", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": False}),
+                      ("lazy", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": True})),
          "proj_reduce": (("kernel", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 64,
                                      "k3lab_kernels.triton.proj_gemv:RED_MAX_TILES": 32}),
                          ("last", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 1 << 30,
