@@ -28,6 +28,8 @@
 #                                              (moe_mxfp4_brev), the dense experts' grouped path at batch 1..4
 #                                              against the one-token kernels (moe_dense_grouped_b1), and issue 16's
 #                                              KDA decode beside FlashInfer (kda_decode_fi) (forty-first session)
+#   STEP=q46    nothing carried               PART=1..2: the forty-sixth session's queue (fp8 short-K projections,
+#                                              the MLA split's lazy rescale)
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -253,6 +255,24 @@ rows)
       | tee "$OUT/rows/kda.log" | grep -E "kda_decode" | cut -c1-150 | tail -n 30 ;;
   esac
   pack rows ;;
-*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab or rows" >&2; exit 2 ;;
+q46)
+  # the forty-sixth session's queue (docs/NOTES_step.md), nothing carried, one call: PART=1 the fp8 projections with few
+  # K chunks and many outputs, K split or not and 32-row tiles (a win becomes proj_gemv._split's rule for short K);
+  # PART=2 the MLA split's lazy rescale at batch 1 / 16 / 32 / 64 (a win becomes DEFAULT_LAZY; then `python
+  # experiments/step_folds/step_ab.py $OUT mla_lazy` at batch 1 and 64 with `.gpu/cute`)
+  install
+  mkdir -p "$OUT/q46"
+  case "${PART:-1}" in
+  1)
+    timeout 280 $K bench trunk --ops proj --backends triton --no-variants --skip torch_compile,reference --reps 20 \
+      --grid preset=tp8,tp16 --grid wdtype=fp8 --grid batch=1,8,16,64 --grid proj=shared_w2,kda_o \
+      --grid split_k=null,1 --grid block_n=null,32 --name fp8_short_k --out "$OUT/q46" --deadline 250 2>&1 | tail -n 2 ;;
+  2)
+    timeout 400 $K bench mla --ops mla_decode --backends triton --no-peers --no-variants --reps 20 \
+      --grid batch=1,16,32,64 --grid context=8192,32768 --grid T=1,4,8 --grid lazy=null,true --name mla_lazy \
+      --out "$OUT/q46" --deadline 370 2>&1 | grep -E "mla_decode" | cut -c1-150 | tail -n 48 ;;
+  esac
+  pack q46 ;;
+*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab, rows or q46" >&2; exit 2 ;;
 esac
 ls -la "$OUT"
