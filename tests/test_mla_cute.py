@@ -163,6 +163,8 @@ def dec_case(**shape):
     (dict(context=3, heads=16, partitions=4), dict(cluster=8, pipe=True)),       # empty pieces
     (dict(context=8192), dict(cluster=4, stages=2)),                             # two CTAs an SM, 33 clusters
     (dict(context=8192, heads=6), dict(cluster=4, stages=2, pipe=True)),
+    (dict(context=8192), dict(lazy=True)),                                        # the lazy rescale
+    (dict(context=32768, batch=4, ragged=True), dict(cluster=2, pipe=True, lazy=True)),
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
 def test_decode_matches_fp64(shape, opts):
     res = checker.require(checker.check(DEC, dec_case(**shape), backend="cute", options=opts, seed=len(shape)))

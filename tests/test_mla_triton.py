@@ -118,6 +118,8 @@ def test_decode_lazy_refused_where_it_does_not_apply():
 
     with pytest.raises(MLAArgumentError, match="lazy"):
         _check(DEC, options=dict(lazy=1), context=8)
+    with pytest.raises(MLAArgumentError, match="lazy"):
+        _check(DEC, backend="reference", options=dict(lazy=True), context=8)
 
 
 def test_decode_reference_backends_agree():
@@ -243,6 +245,17 @@ def test_bench_runs_on_cpu():
 ])
 def test_decode_gpu_shapes(shape):
     _check(DEC, **shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    dict(heads=12, batch=1, context=32768, page_size=64),
+    dict(heads=12, batch=4, context=32768, T=8, page_size=64, ragged=True),
+    dict(heads=12, batch=64, context=8192, page_size=0, kv_dtype="fp8", fp8_scale="token"),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_lazy_gpu(shape):
+    """The lazy rescale at the GPU shapes it would run (issue 12's 32K, the long verify, batch 64)."""
+    _check(DEC, options=dict(lazy=True), **shape)
 
 
 

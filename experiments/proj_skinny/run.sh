@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # (The follow-up bench lines of the forty-fourth session, which set the rule of 8717b5e, are in
-# profiles/h100-80gb-hbm3/README.md: beta_small, beta_bk (retired for room, git history at 4275497), small_reduce (git history at 1c9f81d).)
+# profiles/h100-80gb-hbm3/README.md: beta_rule(_old) (git history at 4fcff70), beta_small, beta_bk (retired for room, git history at 4275497), small_reduce (git history at 1c9f81d).)
 # Projections that trail cuBLAS at batch 1..64 (issue 13's "ours / cuBLAS < 1"; the forty-fourth session's H100 run,
 # profiles/h100-80gb-hbm3/proj_b32_b64.json.gz, retired for room, git history at 1248da0): the KDA beta (12 / 6 outputs over K 7168: the x read dominates) and
 # the KDA output projection at batch 64. One device call, nothing carried but ab_old/ (the code before the few-outputs

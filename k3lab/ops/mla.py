@@ -526,7 +526,7 @@ register(Op(
                  "pdl": {"triton": (None, False, True), "cute": (None, False, True)},
                  "preload_pages": {"triton": (None, 0, 16, 64)},
                  "host_chunk": {"triton": (None, False, True)}, "ksplit": {"triton": (None, 1, 4)},
-                 "lazy": {"triton": (None, False, True)},
+                 "lazy": {"triton": (None, False, True), "cute": (None, False, True)},
                  "cluster": {"cute": (None, 1, 2, 4, 8)},
                  "stages": {"cute": (None, 2, 3, 4)}, "pipe": {"cute": (None, False, True)}},
     option_defaults={"block_n": _NONE, "block_m": _NONE, "num_warps": _NONE, "num_stages": _NONE, "pdl": _NONE,
