@@ -304,7 +304,8 @@ def test_ksplit_rule():
 
     assert kern.default_ksplit(0, 2) == 4 and kern.default_ksplit(16, 8) == 4  # contiguous 8K; paged 32K
     assert kern.default_ksplit(16, 2) == 1 and kern.default_ksplit(0, 8, BM=64) == 1
-    assert kern.default_ksplit(16, 2, BM=32) == 4 and kern.default_ksplit(0, 8, BM=32) == 4  # verify tiles
+    assert kern.default_ksplit(16, 8, BM=32) == 4 and kern.default_ksplit(0, 2, BM=32) == 4  # verify tiles
+    assert kern.default_ksplit(16, 2, BM=32) == 1  # preloaded indices, two blocks a piece: as for 16 rows
     assert kern.ksplit_takes(512) and not kern.ksplit_takes(96) and not kern.ksplit_takes(32)
 
 

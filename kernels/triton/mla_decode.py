@@ -558,10 +558,9 @@ def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
     / 34.44, 32K 49.14 / 51.59, batch 2 32K 87.89 / 90.89, batch 4 8K 58.10 / 60.10, 32K 157.15 / 162.01,
     profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz; from batch 8, profiles/h100-80gb-hbm3/mla_verify_ks_b8.json.gz:
     T = 4 / 8 1-3 % faster, e.g. batch 16 32K T = 4 399.60 / 411.72, batch 64 32K 1581.00 / 1613.77, T = 2 level
-    within 1.1 %). 64-row tiles keep 1 (not measured)."""
-    if BM == 32:
-        return 4
-    return 1 if BM != 16 or (npg and blocks <= 2) else 4
+    within 1.1 %; every piece there held more than two blocks, so the 16-row tiles' exception stands for both).
+    64-row tiles keep 1 (not measured)."""
+    return 4 if BM in (16, 32) and not (npg and blocks <= 2) else 1
 
 
 def default_num_warps(BM: int) -> int:
