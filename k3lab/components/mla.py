@@ -236,6 +236,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             _fail(name, f"is an option of backend 'cute', not {be!r}")
     if lazy is not None and be not in ("triton", "cute"):
         _fail("lazy", f"is an option of backends 'triton' and 'cute', not {be!r}")
+    if lazy is not None and not isinstance(lazy, bool):
+        _fail("lazy", f"must be None (the kernel's default) or a bool, got {lazy!r}")
     if tri:
         _tensor("q_lat", q_lat, 4, TRITON_ACT_DTYPES)
         _tensor("q_rope", q_rope, 4, TRITON_ACT_DTYPES)
@@ -249,8 +251,6 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                         ("ksplit", ksplit)):
             if v is not None:
                 _fail(name, "is an option of backend 'triton', not 'cute'")
-        if lazy is not None and not isinstance(lazy, bool):
-            _fail("lazy", f"must be None (the kernel's default) or a bool, got {lazy!r}")
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
         kv = _kv_args(cache)
         knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl, pipe=pipe, lazy=lazy)
@@ -319,8 +319,6 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             _fail("ksplit", f"must be None (the kernel's default) or one of {KSPLIT_ALLOWED}, got {ksplit!r}")
         if ksplit == 4 and not ksplit_takes(C):
             _fail("ksplit", f"4 needs a latent width that is a power of two and a multiple of 64, got C={C}")
-        if lazy is not None and not isinstance(lazy, bool):
-            _fail("lazy", f"must be None (the kernel's default) or a bool, got {lazy!r}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                      pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit, lazy=lazy)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()

@@ -229,22 +229,22 @@ def _kernel_class():
         s_P[rr * PROW + qq] = pack_bf16x2(sv[1], sv[0])
         s_al[rr] = al
 
+    def scale_o(ro, a_lo, a_hi):
+        """o *= alpha for the lane's rows g (a_lo) and g + 8 (a_hi). A plain helper."""
+        for j in range(8):
+            ro[4 * j] = ro[4 * j] * a_lo
+            ro[4 * j + 1] = ro[4 * j + 1] * a_lo
+            ro[4 * j + 2] = ro[4 * j + 2] * a_hi
+            ro[4 * j + 3] = ro[4 * j + 3] * a_hi
+
     @cute.jit
     def rescale_o(ro: cute.Tensor, a_lo: Float32, a_hi: Float32, lazy: cutlass.Constexpr):
-        """o *= alpha for the lane's rows g (a_lo) and g + 8 (a_hi); lazy: only where an alpha is not 1."""
+        """scale_o; lazy: only where an alpha is not 1 (a runtime branch, hence a jit helper)."""
         if cutlass.const_expr(lazy):
             if cute.arch.fmin(a_lo, a_hi) != Float32(1.0):  # alphas lie in [0, 1]
-                for j in cutlass.range_constexpr(8):
-                    ro[4 * j] = ro[4 * j] * a_lo
-                    ro[4 * j + 1] = ro[4 * j + 1] * a_lo
-                    ro[4 * j + 2] = ro[4 * j + 2] * a_hi
-                    ro[4 * j + 3] = ro[4 * j + 3] * a_hi
+                scale_o(ro, a_lo, a_hi)
         else:
-            for j in cutlass.range_constexpr(8):
-                ro[4 * j] = ro[4 * j] * a_lo
-                ro[4 * j + 1] = ro[4 * j + 1] * a_lo
-                ro[4 * j + 2] = ro[4 * j + 2] * a_hi
-                ro[4 * j + 3] = ro[4 * j + 3] * a_hi
+            scale_o(ro, a_lo, a_hi)
 
     def chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t, lazy: bool = False):
         """o = alpha o + P V over this warp's 64 columns, V from stage st (ldmatrix .trans). A plain helper."""
