@@ -30,6 +30,8 @@
 #                                              KDA decode beside FlashInfer (kda_decode_fi) (forty-first session)
 #   STEP=q46    nothing carried               PART=1..2: the forty-sixth session's queue (fp8 short-K projections,
 #                                              the MLA split's lazy rescale)
+#   STEP=q47    nothing carried               PART=1: fp8 projections (the short-input rule; batch 32 / 64 tiles);
+#                                              PART=2 (an H200): issue 13's fp8 rows under the new tiles
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -281,6 +283,29 @@ q46)
     fi ;;
   esac
   pack q46 ;;
-*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab, rows or q46" >&2; exit 2 ;;
+q47)
+  # the forty-seventh session's queue (docs/NOTES_trunk.md), nothing carried: PART=1 the fp8 short-input rule's rows
+  # (FP8_SHORT_K) beside cuBLAS at batch 1 / 8 / 16, the other fp8 projections with 32-row tiles at batch 1 / 8, and
+  # fp8 at batch 32 / 64 with 64-row tiles in one K range and 8 warps (issue 13's worst row: kda_o fp8 batch 64)
+  install
+  mkdir -p "$OUT/q47"
+  T="$K bench trunk --ops proj --backends triton --no-variants --skip torch_compile,reference --reps 20 --out $OUT/q47
+     --grid preset=tp8,tp16 --grid wdtype=fp8"
+  case "${PART:-1}" in
+  1)
+    timeout 120 $T --grid batch=1,8,16 --grid proj=kda_o,mla_o,shared_w2 --name fp8_short_rule --deadline 100 2>&1 \
+      | tail -n 1
+    timeout 200 $T --grid batch=1,8 --grid proj=kda_q,moe_down,mla_dkv,shared_w1,moe_router,mla_uq \
+      --grid block_n=null,32 --name fp8_bn32 --deadline 180 2>&1 | tail -n 1
+    timeout 200 $T --grid batch=32,64 --grid proj=kda_o,shared_w2,mla_o --grid block_n=null,64 --grid split_k=null,1 \
+      --grid num_warps=null,8 --name fp8_b64_tiles --deadline 180 2>&1 | tail -n 1 ;;
+  2)
+    # on an H200: issue 13's fp8 rows under the new tiles, beside cuBLAS (no stream peer: the bundle stays small)
+    timeout 400 $T --skip torch_compile,reference,stream --grid batch=1,8,16,32,64 \
+      --grid proj=shared_w1,kda_q,kda_o,mla_dkv,mla_uq,moe_router,kda_b,moe_down,shared_w2 --name proj_fp8_47 \
+      --deadline 380 2>&1 | tail -n 1 ;;
+  esac
+  pack q47 ;;
+*) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab, rows, q46 or q47" >&2; exit 2 ;;
 esac
 ls -la "$OUT"

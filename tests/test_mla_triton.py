@@ -113,6 +113,20 @@ def test_decode_lazy_rescale(shape, ksplit):
     assert res.ran[-1].backend == "triton" and "lazy True" in res.ran[-1].notes
 
 
+def test_decode_lazy_rule():
+    """`default_lazy`: on for a verify of >= LAZY_MIN_T positions from batch LAZY_MIN_BATCH, off elsewhere; the run's
+    record says which ran; DEFAULT_LAZY forces it."""
+    from k3lab_kernels.triton import mla_decode as md
+
+    assert md.default_lazy(md.LAZY_MIN_T, md.LAZY_MIN_BATCH)
+    assert not md.default_lazy(md.LAZY_MIN_T - 1, 64) and not md.default_lazy(8, md.LAZY_MIN_BATCH - 1)
+    assert not md.default_lazy(1, 64)
+    res = _check(DEC, T=4, context=24, batch=md.LAZY_MIN_BATCH, partitions=1, page_size=0)
+    assert "lazy True" in res.ran[-1].notes, res.ran[-1].notes
+    res = _check(DEC, T=1, context=24, batch=2, partitions=1, page_size=0)
+    assert "lazy False" in res.ran[-1].notes, res.ran[-1].notes
+
+
 def test_decode_lazy_refused_where_it_does_not_apply():
     from k3lab.components.mla import MLAArgumentError
 

@@ -124,6 +124,42 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
     assert ("second kernel" in ran[-1].notes) == (batch > 32), ran[-1].notes
 
 
+def test_proj_fp8_tiles_rule():
+    """fp8 weights: 32-row W tiles at batch <= 16 (bf16 and fp8 alike; split-K as before); at batch 17..32 over inputs
+    of at most FP8_SHORT_K, 64-row tiles in one K range where they give half the SMs a program; batch 64 and longer
+    inputs keep 32-row tiles."""
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    cpu = torch.device("cpu")
+    for b in (1, 8, 16):
+        for k in (1536, 768, 384):
+            c = pg.config(b, 7168, k, cpu, fp8=True)
+            assert (c["path"], c["BN"], c["SPLIT"]) == ("dot", 32, 1), (b, k, c)
+        assert pg.config(b, 7168, 3584, cpu, fp8=True)["BN"] == 32
+        assert pg.config(b, 1536, 7168, cpu, fp8=True)["SPLIT"] > 1  # a long input still splits
+    for b in (17, 32):
+        c = pg.config(b, 7168, 1536, cpu, fp8=True)
+        assert (c["BN"], c["SPLIT"]) == (64, 1), (b, c)
+        assert pg.config(b, 7168, 1536, cpu, fp8=True, split_k=2)["SPLIT"] == 2  # the knob still overrides
+        assert pg.config(b, 1536, 7168, cpu, fp8=True)["BN"] == 32  # a long input: 32-row tiles
+        assert pg.config(b, 2304, 1536, cpu, fp8=True)["BN"] == 32  # mla_uq: 36 tiles of 64 would leave SMs idle
+        assert pg.config(b, 7168, 1536, cpu, tma=False)["BN"] == 32  # bf16 on the dot path: 32-row tiles
+    assert pg.config(64, 7168, 1536, cpu, fp8=True)["BN"] == 32
+    assert pg.config(8, 7168, 1536, cpu, fp8=True, block_n=64)["BN"] == 64  # the knob still overrides
+
+
+@pytest.mark.parametrize("batch", [1, 3, 20])
+def test_proj_fp8_tiles_run(batch, monkeypatch):
+    """The rule's tiles, run: 32-row W tiles in one K range at batch 1 / 3 (a GPU of one SM, so the tiny kda_o does
+    not split K; path dot: at batch 1 its few outputs would take the rows path), 64-row tiles at batch 20."""
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    monkeypatch.setattr(pg, "sm_count", lambda device: 1)
+    res = _check(PROJ, options=dict(path="dot"), preset="tiny", proj="kda_o", batch=batch, wdtype="fp8")
+    rows = 64 if batch > pg.SMALL_BATCH else 32
+    assert f"tiles {rows} W rows" in res.ran[-1].notes and "1 K range" in res.ran[-1].notes, res.ran[-1].notes
+
+
 def test_proj_few_outputs_rule():
     """Few outputs (the KDA beta): 16-row W tiles; the second kernel sums from batch 2 wherever at most RED_MAX_TILES
     output tiles split K; the rows path's whole K a chunk at batch 1; odd batches on a K that splits."""

@@ -88,10 +88,19 @@ NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine with
 # ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
 DEFAULT_BLOCK_M = 16
 # the lazy rescale (`lazy`): the running max moves only when a row's block maximum passes it by this much (log2
-# units: weights up to 2^8 against the older max, exact in fp32 sums and bf16 products); DEFAULT_LAZY: not yet
-# measured on a GPU (docs/NOTES_mla.md, forty-sixth session), so off
+# units: weights up to 2^8 against the older max, exact in fp32 sums and bf16 products). Rule (`default_lazy`): on
+# for a verify of at least LAZY_MIN_T positions from batch LAZY_MIN_BATCH (0.3-2 % faster at T = 4 / 8, batch 32 / 64,
+# 8K / 32K; 1-8 % slower at batch 1, level at 16 and at T = 1; H100, profiles/h100-80gb-hbm3/mla_lazy.json.gz,
+# docs/NOTES_mla.md); DEFAULT_LAZY (None: the rule) forces it either way
 LAZY_TAU = tl.constexpr(8.0)
-DEFAULT_LAZY = False
+LAZY_MIN_T, LAZY_MIN_BATCH = 4, 32
+DEFAULT_LAZY = None
+
+
+def default_lazy(T: int, B: int) -> bool:
+    """The lazy rescale's rule (module constants above): a verify of >= LAZY_MIN_T positions from batch
+    LAZY_MIN_BATCH."""
+    return T >= LAZY_MIN_T and B >= LAZY_MIN_BATCH
 # ... and 32 below batch 8 for at least this many rows over histories of at least this many positions
 # (`default_block_m`)
 VERIFY_LONG_ROWS = 96
@@ -497,9 +506,10 @@ def default_block_m(rows: int, B: int, n_max: int | None = None) -> int:
       - below batch 8 for at least VERIFY_LONG_ROWS rows, from batch 4 or over a history of at least VERIFY_LONG_N
         positions (n_max, the longest; None: the batch rule alone): batch 1, 32K, T = 8 at 12 heads 53.17 against
         62.15 us on the H200 (profiles/h200/mla_verify_blockm_32k.json.gz, git history at 1c9f81d); on an H100
-        (profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz, T = 8, us, 32 / 16) batch 1 16K 34.44 / 37.34, 32K 51.59 /
-        61.13, batch 2 16K 56.71 / 62.35, 32K 90.89 / 106.55, batch 4 8K 60.10 / 65.66, 16K 93.81 / 109.03, 32K
-        162.01 / 199.50, and batch 1 / 2 at 8K a tie (26.33 / 25.06, 39.29 / 38.72); T = 4's 48 rows lose with 32
+        (profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz, git history at 3bae41e; T = 8, us, 32 / 16) batch 1
+        16K 34.44 / 37.34, 32K 51.59 / 61.13, batch 2 16K 56.71 / 62.35, 32K 90.89 / 106.55, batch 4 8K 60.10 /
+        65.66, 16K 93.81 / 109.03, 32K 162.01 / 199.50, and batch 1 / 2 at 8K a tie (26.33 / 25.06, 39.29 /
+        38.72); T = 4's 48 rows lose with 32
         (batch 1 32K 38.7-40.0 against 35.2-35.7, profiles/h100-80gb-hbm3/mla_verify_bm.json.gz, git history at
         85e7670)."""
     g16, g32 = -(-rows // 16), -(-rows // 32)
@@ -556,7 +566,8 @@ def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
     page indices and at most two blocks a piece (batch 1 / 8K / page 64: 10.70 us against 11.23 at 4). 32-row tiles
     (the verify's, `default_block_m`): 4 as well (H100, us, 4 / 1 pieces: T = 8 batch 1 8K 24.88 / 26.33, 16K 32.72
     / 34.44, 32K 49.14 / 51.59, batch 2 32K 87.89 / 90.89, batch 4 8K 58.10 / 60.10, 32K 157.15 / 162.01,
-    profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz; from batch 8, profiles/h100-80gb-hbm3/mla_verify_ks_b8.json.gz:
+    profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz (git history at 3bae41e); from batch 8,
+    profiles/h100-80gb-hbm3/mla_verify_ks_b8.json.gz (git history at 3bae41e):
     T = 4 / 8 1-3 % faster, e.g. batch 16 32K T = 4 399.60 / 411.72, batch 64 32K 1581.00 / 1613.77, T = 2 level
     within 1.1 %; every piece there held more than two blocks, so the 16-row tiles' exception stands for both).
     64-row tiles keep 1 (not measured)."""
@@ -614,7 +625,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                ksplit: int | None = None, lazy: bool | None = None, plan_out: dict | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True). plan_out: a dict the resolved
     settings are written into (block_m, row groups, block_n, ksplit, preloaded pages, warps, stages), for the
-    caller's record of what ran. lazy: the lazy rescale of the running max (`_attend_rows`; None: DEFAULT_LAZY).
+    caller's record of what ran. lazy: the lazy rescale of the running max (`_attend_rows`; None: DEFAULT_LAZY,
+    else `default_lazy`).
 
     q_lat [B,T,H,C], q_rope [B,T,H,Dr] (bf16, or fp16/fp32 rounded to bf16 in the kernel; last dim
     contiguous, any other strides); kv: contiguous cache [B, S_max, C+Dr] or, with block_table
@@ -680,7 +692,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         ks = 1
     grid = (G * partitions * dcp, B)
     warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
-    lz = DEFAULT_LAZY if lazy is None else bool(lazy)
+    lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
                         num_stages=stages, lazy=lz)

@@ -21,7 +21,8 @@ the split-K partials, below):
     The partials reduced as below.
   * "dot" (fp8 weights, fewer outputs, misaligned operands): the same tiles from pointer loads:
       - small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
-        rows and a range of K (split-K), so even a 576-row projection puts every SM of the GPU to work. The
+        rows (32, bf16 and fp8 alike) and a range of K (split-K), so even a 576-row projection puts every SM of
+        the GPU to work. The
         programs of one output tile write fp32 partials to a workspace; the last to arrive (an atomic counter
         per tile, reset by that program) sums them in split order (deterministic) and runs the epilogue.
       - larger batch (B > 16, up to MAX_BATCH): BM = 32..128-row tiles of the batch over the grid, BN x BK
@@ -30,7 +31,8 @@ the split-K partials, below):
         tiles of 64 W rows, one program an SM, and each program stores its partial and lets `_proj_sum_kernel`
         (launched after it with PDL, waiting on griddepcontrol) sum a tile's partials in split order across many
         programs and run the epilogue, instead of the tile's last program alone behind the counter; so too from
-        batch 2 where at most RED_MAX_TILES output tiles split K. Few outputs (<= FEW_N): 16-row W tiles.
+        batch 2 where at most RED_MAX_TILES output tiles split K. Few outputs (<= FEW_N): 16-row W tiles. fp8
+        at a batch tile of 32 over inputs of at most FP8_SHORT_K: 64-row W tiles in one K range.
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
     split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
@@ -75,7 +77,7 @@ from k3lab_kernels.triton.situ_glu import situ
 
 MAX_OUTPUTS = 6
 FP8_F16 = True  # fp8 weights on the dot path as f16 MMAs (`proj(f16=...)`): 16-20 % faster than widening to bf16
-# (H200, batch 1 and 8, TP8 kda_q / kda_o / moe_down: profiles/h200/trunk_fp8.json.gz; docs/NOTES_trunk.md)
+# (H200, batch 1 and 8, TP8 kda_q / kda_o / moe_down: profiles/h200/trunk_fp8.json.gz, git history at 3bae41e)
 SELECT_MAX_BATCH = 16  # the fused router selection (one program selects for every row of its batch tile)
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
 MAX_BATCH = 1024  # the batch tiles over the grid; 1024 rows cover a verify of 128 sequences x 8 positions
@@ -362,6 +364,11 @@ RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a s
 RED_MAX_TILES = 32  # and from batch 2 where at most this many output tiles split K (their last programs would be few)
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
 SUM_BN, SUM_BM = 32, 16  # the summing kernel's largest tile (W rows x batch rows); see `sum_tiles`
+FP8_SHORT_K = 2048  # fp8 at batch 17..32 (a 32-row batch tile): inputs up to this long take 64-row W tiles in one K
+# range where those tiles give at least half the SMs a program (7,168 outputs: kda_o / mla_o 9.11 / 9.07 against
+# 10.48 / 10.44 us at TP8 batch 32 on an H100, profiles/h100-80gb-hbm3/fp8_b64_tiles.json.gz, git history at b23339a;
+# H200 kda_o 8.80 against 9.70, profiles/h200/proj_fp8_47.json.gz; the 2,304 / 1,152 outputs of mla_uq left 36 / 18
+# programs: 8.15 / 8.02 us there; at batch 64 64-row tiles lose: 14.5 against 11.2; docs/NOTES_trunk.md)
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
@@ -442,7 +449,11 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     else:
         few = N <= FEW_N
         wide = BM >= RED_MIN_BM and not fp8 and not few  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
-        BN = block_n or (16 if few else 64 if (small and fp8) or wide else 32)
+        short32 = (fp8 and BM == 32 and not few and K <= FP8_SHORT_K  # fp8 short inputs at batch 17..32, wide enough
+                   and triton.cdiv(N, 64) * triton.cdiv(M, BM) >= sms // 2)  # for 64-row tiles: one K range
+        BN = block_n or (16 if few else 64 if wide or short32 else 32)
+        if short32 and split_k is None:
+            split_k = 1
         BK = min(block_k or 128, max(16, _pow2(K)))
         stages = num_stages or (4 if BM <= 32 else 3)
         cap = sms if wide else 2 * sms
