@@ -1,6 +1,8 @@
 """One launch of a trunk projection at a batch inside an NVTX range `target` for ncu (`--nvtx --nvtx-include
-target/`), after warm-up calls: ours (Triton, options as key=value) or cuBLAS (torch's F.linear), TP8 bf16.
+target/`), after warm-up calls: ours (Triton, options as key=value) or cuBLAS (torch's F.linear), TP8, bf16
+weights (WDTYPE=fp8 in the environment: fp8).
 Device: python experiments/proj_b64/one.py {ours|cublas} PROJ BATCH [key=value ...]   (see ncu.sh)"""
+import os
 import sys
 
 from k3lab import registry
@@ -14,7 +16,8 @@ for kv in sys.argv[4:]:
     k, v = kv.split("=")
     opts[k] = None if v == "null" else (v if not v.lstrip("-").isdigit() else int(v))
 op = registry.get("proj")
-case = op.case(preset="tp8", proj=proj, batch=batch, wdtype="bf16", residual=False, prologue="none")
+case = op.case(preset="tp8", proj=proj, batch=batch, wdtype=os.environ.get("WDTYPE", "bf16"), residual=False,
+               prologue="none")
 s = op.make_inputs(case, 1234, "cuda")
 if who == "ours":
     fn = runner._ours(op, case, "triton", opts).make(s)

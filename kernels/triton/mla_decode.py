@@ -64,8 +64,8 @@ Floor (bytes that must move, per call; cache bytes read once per sequence):
 The partials (K * B*T*H*513*4 bytes written then read: 3.1 MB at batch 1, K = 128, 12 heads; L2-resident)
 are the split's price. No measured figure is quoted here: docs/NOTES_mla.md.
 Grid sizing: at batch 1 the partitions fill the GPU (the automatic choice, `default_partitions`: one block a
-piece up to one program an SM, two programs an SM once pieces keep >= 4 blocks); at batch 64 a few pieces
-suffice.
+piece up to one program an SM, two programs an SM once pieces keep >= 4 blocks); from batch 8 one program an
+SM; at batch 64 a few pieces suffice.
 """
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_on
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_PARTITIONS = 512
+ONE_PER_SM_FROM = 8  # `default_partitions`: from this batch, one program an SM (profiles/h100-80gb-hbm3/mla_parts_*)
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 PRELOAD_ALLOWED = (0, 16, 32, 64, 128)  # page indices preloaded a step (0: one load a block, in the loop)
 DCP_LAYOUTS = ("interleave", "contiguous")
@@ -586,8 +587,10 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     latency-bound: more, shorter pieces win until the merge's cost (K partials of 24.6 KB at 12 heads) takes
     over. The rule: one block a piece up to one program an SM (slots / 2 pieces); all the slots only when each
     piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
-    (docs/NOTES_mla.md). Host values only (n_max = the longest visible history, max(lengths) + T): no device
-    sync."""
+    (docs/NOTES_mla.md). From batch ONE_PER_SM_FROM (one row group, T = 1 at 12 / 16 heads) one program an SM
+    while that leaves >= 4 pieces (batch 8 / 16 / 32: 16 / 8 / 4 pieces; H100, 8K, us: 36.70 / 63.02 / 116.15
+    against 39.85 / 66.10 / 118.40 with all the slots; 32K within 1.3 %; batch 64 keeps 4). Host values only
+    (n_max = the longest visible history, max(lengths) + T): no device sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m, B, n_max)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
@@ -596,7 +599,10 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     n_loc = -(-max(1, n_max) // dcp)  # positions one shard holds
     blocks = -(-n_loc // bn)
     slots = max(1, 2 * sms // (B * dcp * G))
-    pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
+    if B >= ONE_PER_SM_FROM and G == 1 and slots // 2 >= 4:  # one program an SM (forty-seventh session)
+        pieces = max(1, min(blocks, slots // 2))
+    else:
+        pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
     return int(min(pieces, MAX_PARTITIONS))
 
 
