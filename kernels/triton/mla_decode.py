@@ -80,7 +80,7 @@ from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_on
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_PARTITIONS = 512
-ONE_PER_SM_FROM = 8  # `default_partitions`: from this batch, one program an SM (profiles/h100-80gb-hbm3/mla_parts_*)
+ONE_PER_SM_FROM = 8  # `default_partitions`: one program an SM from this batch (docs/NOTES_mla.md, 47th session)
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 PRELOAD_ALLOWED = (0, 16, 32, 64, 128)  # page indices preloaded a step (0: one load a block, in the loop)
 DCP_LAYOUTS = ("interleave", "contiguous")
