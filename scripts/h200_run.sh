@@ -31,7 +31,8 @@
 #   STEP=q46    nothing carried               PART=1..2: the forty-sixth session's queue (fp8 short-K projections,
 #                                              the MLA split's lazy rescale)
 #   STEP=q47    nothing carried               PART=1: fp8 projections (the short-input rule; batch 32 / 64 tiles);
-#                                              PART=2 (an H200): issue 13's fp8 rows under the new tiles
+#                                              PART=2 (an H200): issue 13's fp8 rows under the new tiles; PART=3
+#                                              (.gpu/base, fi, fijit): PART=2 again, the MLA partitions beside fa3
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -304,6 +305,16 @@ q47)
     timeout 400 $T --skip torch_compile,reference,stream --grid batch=1,8,16,32,64 \
       --grid proj=shared_w1,kda_q,kda_o,mla_dkv,mla_uq,moe_router,kda_b,moe_down,shared_w2 --name proj_fp8_47 \
       --deadline 380 2>&1 | tail -n 1 ;;
+  3)
+    # on an H200 with .gpu/base, fi, fijit: PART=2 again under the final tile rule, then the MLA decode's partition
+    # rule (one program an SM from batch 8) beside FlashInfer fa3 / fa2 (issue 12's fa3 row)
+    unpack base fi fijit
+    timeout 200 $T --skip torch_compile,reference,stream --grid batch=1,8,16,32,64 \
+      --grid proj=shared_w1,kda_q,kda_o,mla_dkv,mla_uq,moe_router,kda_b,moe_down,shared_w2 --name proj_fp8_47 \
+      --deadline 180 2>&1 | tail -n 1
+    timeout 300 $K bench mla --ops mla_decode --backends triton --no-variants --skip torch_compile,reference --reps 30 \
+      --grid heads=12 --grid batch=8,16,32 --grid context=8192,32768 --name mla_parts_h200 --out "$OUT/q47" \
+      --deadline 280 2>&1 | grep -E "mla_decode" | cut -c1-120 | tail -n 18 ;;
   esac
   pack q47 ;;
 *) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab, rows, q46 or q47" >&2; exit 2 ;;
