@@ -32,7 +32,7 @@
 #                                              the MLA split's lazy rescale)
 #   STEP=q47    nothing carried               PART=1: fp8 projections (the short-input rule; batch 32 / 64 tiles);
 #                                              PART=2 (an H200): issue 13's fp8 rows under the new tiles; PART=3
-#                                              (.gpu/base, fi, fijit): PART=2 again, the MLA partitions beside fa3
+#                                              (.gpu/base, fi, fijit): PART=2 again, the MLA partitions beside fa3; PART=4 fp8 warps
 # Each step's outputs are packed into one archive under $OUT as soon as it ends, so a run cut short still
 # returns them. Knobs: COMPONENT (kda), GRID (bench --grid flags), NAME (bundle name), DEADLINE (s), REPS.
 set -uo pipefail
@@ -315,6 +315,11 @@ q47)
     timeout 300 $K bench mla --ops mla_decode --backends triton --no-variants --skip torch_compile,reference --reps 30 \
       --grid heads=12 --grid batch=8,16,32 --grid context=8192,32768 --name mla_parts_h200 --out "$OUT/q47" \
       --deadline 280 2>&1 | grep -E "mla_decode" | cut -c1-120 | tail -n 18 ;;
+  4)
+    # any GPU: fp8 on 2 warps (offline SASS: the batch-64 tile's warps [1, 2] widen W twice, not four times: 1,018
+    # instructions a tile's K step against 1,248; docs/NOTES_trunk.md) and 8 at batch 1..16
+    timeout 250 $T --skip torch_compile,reference,stream --grid batch=1,8,16,64 --grid proj=kda_o,kda_q,moe_down \
+      --grid num_warps=null,2,8 --name fp8_warps --deadline 230 2>&1 | grep -E "^proj" | cut -c1-120 | tail -n 40 ;;
   esac
   pack q47 ;;
 *) echo "STEP must be cute, bench, fi, layer, layerbench, mla, pending, ab, rows, q46 or q47" >&2; exit 2 ;;
