@@ -88,11 +88,15 @@ NOMINAL_SMS = 132  # the H200's SM count: the automatic choice on a machine with
 # rows a program: 16 (T > 1 at 12 heads: row groups of 16, each re-reading its piece mostly from L2) measured
 # ahead of 32 and 64 at T = 4 (docs/NOTES_mla.md); T = 1 at 12 or 16 heads is one group either way
 DEFAULT_BLOCK_M = 16
+# ... and 32 below batch 8 for at least this many rows over histories of at least this many positions
+# (`default_block_m`)
+VERIFY_LONG_ROWS = 96
+VERIFY_LONG_N = 16384
 # the lazy rescale (`lazy`): the running max moves only when a row's block maximum passes it by this much (log2
 # units: weights up to 2^8 against the older max, exact in fp32 sums and bf16 products). Rule (`default_lazy`): on
 # for a verify of at least LAZY_MIN_T positions from batch LAZY_MIN_BATCH (0.3-2 % faster at T = 4 / 8, batch 32 / 64,
 # 8K / 32K; 1-8 % slower at batch 1, level at 16 and at T = 1; H100, profiles/h100-80gb-hbm3/mla_lazy.json.gz,
-# docs/NOTES_mla.md); DEFAULT_LAZY (None: the rule) forces it either way
+# git history at b23339a; docs/NOTES_mla.md); DEFAULT_LAZY (None: the rule) forces it either way
 LAZY_TAU = tl.constexpr(8.0)
 LAZY_MIN_T, LAZY_MIN_BATCH = 4, 32
 DEFAULT_LAZY = None
@@ -102,10 +106,8 @@ def default_lazy(T: int, B: int) -> bool:
     """The lazy rescale's rule (module constants above): a verify of >= LAZY_MIN_T positions from batch
     LAZY_MIN_BATCH."""
     return T >= LAZY_MIN_T and B >= LAZY_MIN_BATCH
-# ... and 32 below batch 8 for at least this many rows over histories of at least this many positions
-# (`default_block_m`)
-VERIFY_LONG_ROWS = 96
-VERIFY_LONG_N = 16384
+
+
 # programmatic dependent launch between the split and its merge / combine: the split lets them start once its
 # partials are stored (docs/NOTES_mla.md)
 DEFAULT_PDL = True
@@ -236,37 +238,27 @@ def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, 
     if LAZY:
         # a block-uniform branch: rescale only when some row's maximum grew past m + LAZY_TAU (always in a row's
         # first visible block, where m is -inf); a row whose block is all masked has m_blk = -inf (never grows)
-        if tl.max((m_blk > m + LAZY_TAU).to(tl.int32), 0) > 0:
-            m_new = tl.maximum(m, m_blk)
-            alpha = tl.exp2(m - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l = l * alpha
-            a0 = a0 * alpha[:, None]
-            if KS == 4:
-                a1 = a1 * alpha[:, None]
-                a2 = a2 * alpha[:, None]
-                a3 = a3 * alpha[:, None]
-            m = m_new
-        pw = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
-        l = l + tl.sum(pw, 1)
-        pb = _weights_bf16(pw, tok, SCALE_MODE, DOT_F32)
-        a0 = a0 + tl.dot(pb, c0)
-        if KS == 4:
-            a1 = a1 + tl.dot(pb, c1)
-            a2 = a2 + tl.dot(pb, c2)
-            a3 = a3 + tl.dot(pb, c3)
+        grow = tl.max((m_blk > m + LAZY_TAU).to(tl.int32), 0) > 0
     else:
+        grow = True  # every block (a compile-time branch)
+    if grow:
         m_new = tl.maximum(m, m_blk)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        pw = tl.exp2(s - m_use[:, None])
-        l = l * alpha + tl.sum(pw, 1)
-        pb = _weights_bf16(pw, tok, SCALE_MODE, DOT_F32)
-        a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
+        alpha = tl.exp2(m - tl.where(m_new == float("-inf"), 0.0, m_new))
+        l = l * alpha
+        a0 = a0 * alpha[:, None]
         if KS == 4:
-            a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
-            a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
-            a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
+            a1 = a1 * alpha[:, None]
+            a2 = a2 * alpha[:, None]
+            a3 = a3 * alpha[:, None]
         m = m_new
+    pw = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    l = l + tl.sum(pw, 1)
+    pb = _weights_bf16(pw, tok, SCALE_MODE, DOT_F32)
+    a0 = a0 + tl.dot(pb, c0)
+    if KS == 4:
+        a1 = a1 + tl.dot(pb, c1)
+        a2 = a2 + tl.dot(pb, c2)
+        a3 = a3 + tl.dot(pb, c3)
     return m, l, a0, a1, a2, a3
 
 
