@@ -261,9 +261,8 @@ rows)
 q46)
   # the forty-sixth session's queue (docs/NOTES_step.md), nothing carried, one call: PART=1 the fp8 projections with few
   # K chunks and many outputs, K split or not and 32-row tiles (a win becomes proj_gemv._split's rule for short K);
-  # PART=2 the MLA split's lazy rescale at batch 1 / 16 / 32 / 64, and the CuTe decode's at batch 64 when `.gpu/cute`
-  # is carried (a win becomes DEFAULT_LAZY / LAZY; then `python
-  # experiments/step_folds/step_ab.py $OUT mla_lazy` at batch 1 and 64 with `.gpu/cute`)
+  # PART=2 the MLA split's lazy rescale at batch 1 / 16 / 32 / 64 (now the rule `default_lazy`; then `python
+  # experiments/step_folds/step_ab.py $OUT mla_lazy` with `.gpu/cute`)
   install
   mkdir -p "$OUT/q46"
   case "${PART:-1}" in
@@ -275,13 +274,7 @@ q46)
     timeout 400 $K bench mla --ops mla_decode --backends triton --no-peers --no-variants --reps 20 \
       --grid batch=1,16,32,64 --grid context=8192,32768 --grid T=1,4,8 --grid lazy=null,true --name mla_lazy \
       --out "$OUT/q46" --deadline 330 2>&1 | grep -E "mla_decode" | cut -c1-150 | tail -n 48
-    # the CuTe decode's (batch 64, T = 1: its rule) needs `.gpu/cute`: unpacked when carried
-    if [ -f .gpu/cute/unpack.sh ]; then
-      unpack cute
-      timeout 150 $K bench mla --ops mla_decode --backends cute --no-peers --no-variants --reps 20 --grid batch=64 \
-        --grid context=8192,32768 --grid lazy=null,true --name mla_lazy_cute --out "$OUT/q46" --deadline 120 2>&1 \
-        | grep -E "mla_decode" | cut -c1-150 | tail -n 8
-    fi ;;
+    # (the CuTe decode's lazy form ran here with `.gpu/cute` on the code of 4088bad: level, since removed) ;;
   esac
   pack q46 ;;
 q47)

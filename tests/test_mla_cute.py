@@ -163,8 +163,7 @@ def dec_case(**shape):
     (dict(context=3, heads=16, partitions=4), dict(cluster=8, pipe=True)),       # empty pieces
     (dict(context=8192), dict(cluster=4, stages=2)),                             # two CTAs an SM, 33 clusters
     (dict(context=8192, heads=6), dict(cluster=4, stages=2, pipe=True)),
-    (dict(context=8192), dict(lazy=True)),                                        # the lazy rescale
-    (dict(context=32768, batch=4, ragged=True), dict(cluster=2, pipe=True, lazy=True)),
+    (dict(context=32768, batch=4, ragged=True), dict(cluster=2, pipe=True)),       # ragged long histories
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
 def test_decode_matches_fp64(shape, opts):
     res = checker.require(checker.check(DEC, dec_case(**shape), backend="cute", options=opts, seed=len(shape)))
@@ -197,6 +196,9 @@ def test_decode_refuses_what_it_cannot_take():
     d = DEC.make_inputs(dec_case(kv_dtype="fp8"), 0, "cuda")
     with pytest.raises(BackendUnavailable, match="bf16 caches only"):
         comp.attend(d["q_lat"], d["q_rope"], om._cache_of(d), d["lengths"], scale=om.SCALE, backend="cute")
+    d = DEC.make_inputs(dec_case(), 0, "cuda")
+    with pytest.raises(comp.MLAArgumentError, match="lazy"):  # the Triton split's option only
+        comp.attend(d["q_lat"], d["q_rope"], om._cache_of(d), d["lengths"], scale=om.SCALE, backend="cute", lazy=True)
 
 
 def test_layer_decode_on_cute_matches_triton():

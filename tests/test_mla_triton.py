@@ -134,6 +134,8 @@ def test_decode_lazy_refused_where_it_does_not_apply():
         _check(DEC, options=dict(lazy=1), context=8)
     with pytest.raises(MLAArgumentError, match="lazy"):
         _check(DEC, backend="reference", options=dict(lazy=True), context=8)
+    # the Triton split's only: the CuTe decode's lazy form timed level and was removed (git history at 4088bad)
+    assert set(DEC.option_axes["lazy"]) == {"triton"} and all("lazy" not in o for o in DEC.options("cute"))
 
 
 def test_decode_reference_backends_agree():

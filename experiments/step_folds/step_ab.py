@@ -140,13 +140,14 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # the default since 0024ded / 8717b5e: 64-row dot tiles from a batch tile of 64, and from batch 2 where at most
          # 32 output tiles split K) or by each tile's last program behind a counter with the 32-row tiles (the rule
          # before; BATCH=64 and BATCH=8)
-         # the MLA split's lazy rescale (DEFAULT_LAZY; docs/NOTES_mla.md, forty-sixth session)
-         "mla_lazy": (("eager", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": False}),
-                      ("lazy", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": True})),
          "proj_reduce": (("kernel", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 64,
                                      "k3lab_kernels.triton.proj_gemv:RED_MAX_TILES": 32}),
                          ("last", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 1 << 30,
                                    "k3lab_kernels.triton.proj_gemv:RED_MAX_TILES": 0})),
+         # the MLA split's lazy rescale forced off / on (DEFAULT_LAZY; the rule `default_lazy` turns it on for
+         # verifies of >= 4 positions from batch 32; docs/NOTES_mla.md, forty-sixth and forty-seventh sessions)
+         "mla_lazy": (("eager", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": False}),
+                      ("lazy", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": True})),
          }
 
 

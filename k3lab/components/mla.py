@@ -234,8 +234,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     for name, v in (("cluster", cluster), ("stages", stages), ("pipe", pipe)):
         if v is not None and be != "cute":
             _fail(name, f"is an option of backend 'cute', not {be!r}")
-    if lazy is not None and be not in ("triton", "cute"):
-        _fail("lazy", f"is an option of backends 'triton' and 'cute', not {be!r}")
+    if lazy is not None and be != "triton":
+        _fail("lazy", f"is an option of backend 'triton', not {be!r}")
     if lazy is not None and not isinstance(lazy, bool):
         _fail("lazy", f"must be None (the kernel's default) or a bool, got {lazy!r}")
     if tri:
@@ -253,7 +253,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
                 _fail(name, "is an option of backend 'triton', not 'cute'")
         n_max = n_positions or (int(lengths.max()) + T if check_values else None)
         kv = _kv_args(cache)
-        knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl, pipe=pipe, lazy=lazy)
+        knobs = dict(partitions=partitions, cluster=cluster, stages=stages, pdl=pdl, pipe=pipe)
         res = dispatch.kernel("mla_decode", be)(q_lat, q_rope, kv["kv"], lengths, o_lat=out, lse=lse, scale=scale,
                                                 block_table=kv["block_table"], merge=merge, n_max=n_max, **knobs)
         dispatch.record(ran, op="mla_decode", backend_requested=backend, backend=be, why=why,

@@ -461,16 +461,14 @@ def _cases(only: str | None, quick: bool):
         # page, lengths step, pdl)
         dargs = [P(i32, 8), P(i32, 8), P(i32, 16), P(i32, 4), P(i32, 4), P(f32, 16), P(f32, 4), i32(1), i32(16),
                  i32(64), i32(128), i32(0), i32(3072), i32(256), i32(384), i32(32), cutlass.Float32(0.1), S]
-        for H, CL, STG, page, ls, pdl, pipe, lazy in (
-                (12, 8, 4, 64, 1, False, False, False), (12, 8, 4, 64, 2, True, False, False),
-                (12, 4, 2, 0, 1, False, False, False), (6, 1, 3, 16, 1, False, False, False),
-                (16, 2, 4, 1, 2, True, False, False), (12, 2, 4, 64, 1, False, True, False),
-                (12, 4, 4, 64, 1, True, True, False), (12, 2, 4, 64, 1, False, False, True),
-                (12, 2, 2, 64, 1, False, True, True)):
+        for H, CL, STG, page, ls, pdl, pipe in ((12, 8, 4, 64, 1, False, False), (12, 8, 4, 64, 2, True, False),
+                                                (12, 4, 2, 0, 1, False, False), (6, 1, 3, 16, 1, False, False),
+                                                (16, 2, 4, 1, 2, True, False), (12, 2, 4, 64, 1, False, True),
+                                                (12, 4, 4, 64, 1, True, True)):
             cases.append((f"mla_decode H{H} cluster{CL} stages{STG} page{page}" + (" pdl" if pdl else "")
-                          + (" pipe" if pipe else "") + (" lazy" if lazy else ""),
-                          lambda H=H, CL=CL, STG=STG, page=page, ls=ls, pdl=pdl, pipe=pipe, lazy=lazy:
-                          kdm._kernel_class()(H, CL, STG, page, ls, pdl, pipe, lazy), dargs))
+                          + (" pipe" if pipe else ""),
+                          lambda H=H, CL=CL, STG=STG, page=page, ls=ls, pdl=pdl, pipe=pipe:
+                          kdm._kernel_class()(H, CL, STG, page, ls, pdl, pipe), dargs))
     return cases
 
 

@@ -78,11 +78,6 @@ MAX_PARTITIONS = 256
 NOMINAL_SMS = 132
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
-# the lazy rescale (the Triton split's `lazy`, kernels/triton/mla_decode.py): a row's running max moves only when a
-# chunk's maximum passes it by LAZY_TAU (log2 units), so most chunks keep alpha = 1 and skip the o rescale (32 FMULs
-# a lane, on the accumulators' chain before the chunk's MMAs); built without a device, not timed: off
-LAZY = False
-LAZY_TAU = 8.0
 
 MMA_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
            "{$10, $11, $12, $13};")
@@ -195,11 +190,10 @@ def _kernel_class():
                         v = v + rsc[8 + 4 * jj + 2 * hh + e]
                     s_S[o + e] = v
 
-    def chunk_softmax(c, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al, lazy: bool = False):
+    def chunk_softmax(c, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al):
         """The online softmax of chunk c, row rr, positions 2 qq, 2 qq + 1: the four quarters' scores summed, the
         running (max, sum) rescaled, P (bf16 pairs) and the row's alpha to shared memory (every thread of the row
-        writes the same alpha). lazy: the max moves only past LAZY_TAU (alpha exactly 1 otherwise). A plain
-        helper."""
+        writes the same alpha). A plain helper."""
         pos0 = start + c * BN + 2 * qq
         sv = cute.make_rmem_tensor((2,), Float32)
         mx = Float32(-float("inf"))
@@ -213,11 +207,7 @@ def _kernel_class():
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << sh))
         m_old = rml[0]
         m_new = cute.arch.fmax(m_old, mx)
-        if lazy:  # (a Python bool: resolved when the kernel is traced) m_old = -inf in a row's first chunk moves
-            m_new = cutlass.select_(mx > m_old + Float32(LAZY_TAU), m_new, m_old)
-            al = cutlass.select_(m_new == m_old, Float32(1.0), cute.math.exp2(m_old - m_new, approx=True, ftz=True))
-        else:
-            al = cute.math.exp2(m_old - m_new, approx=True, ftz=True)
+        al = cute.math.exp2(m_old - m_new, approx=True, ftz=True)
         tot = Float32(0.0)
         for e in range(2):
             sv[e] = cute.math.exp2(sv[e] - m_new, approx=True, ftz=True)
@@ -229,26 +219,15 @@ def _kernel_class():
         s_P[rr * PROW + qq] = pack_bf16x2(sv[1], sv[0])
         s_al[rr] = al
 
-    def scale_o(ro, a_lo, a_hi):
-        """o *= alpha for the lane's rows g (a_lo) and g + 8 (a_hi). A plain helper."""
+    def chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t):
+        """o = alpha o + P V over this warp's 64 columns, V from stage st (ldmatrix .trans). A plain helper."""
+        a_lo = s_al[g]
+        a_hi = s_al[g + 8]
         for j in range(8):
             ro[4 * j] = ro[4 * j] * a_lo
             ro[4 * j + 1] = ro[4 * j + 1] * a_lo
             ro[4 * j + 2] = ro[4 * j + 2] * a_hi
             ro[4 * j + 3] = ro[4 * j + 3] * a_hi
-
-    @cute.jit
-    def rescale_o(ro: cute.Tensor, a_lo: Float32, a_hi: Float32, lazy: cutlass.Constexpr):
-        """scale_o; lazy: only where an alpha is not 1 (a runtime branch, hence a jit helper)."""
-        if cutlass.const_expr(lazy):
-            if cute.arch.fmin(a_lo, a_hi) != Float32(1.0):  # alphas lie in [0, 1]
-                scale_o(ro, a_lo, a_hi)
-        else:
-            scale_o(ro, a_lo, a_hi)
-
-    def chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t, lazy: bool = False):
-        """o = alpha o + P V over this warp's 64 columns, V from stage st (ldmatrix .trans). A plain helper."""
-        rescale_o(ro, s_al[g], s_al[g + 8], lazy)
         for ks in range(2):
             pa0 = s_P[g * PROW + 8 * ks + t]
             pa1 = s_P[(g + 8) * PROW + 8 * ks + t]
@@ -266,10 +245,10 @@ def _kernel_class():
         """One cluster of CL CTAs a (partition, sequence) (module doc)."""
 
         def __init__(self, H: int, cluster: int, stages: int, page: int, len_step: int, pdl: bool = False,
-                     pipe: bool = False, lazy: bool = False):
+                     pipe: bool = False):
             assert 1 <= H <= HR and cluster in CLUSTERS and stages in STAGES_ALLOWED and len_step in (1, 2)
             self.H, self.CL, self.STG, self.PAGE, self.LS = H, cluster, stages, page, len_step
-            self.pdl, self.pipe, self.lazy = bool(pdl), bool(pipe), bool(lazy)
+            self.pdl, self.pipe = bool(pdl), bool(pipe)
             self.SW = C_LATENT // cluster   # columns a CTA merges
 
         @cute.jit
@@ -378,9 +357,9 @@ def _kernel_class():
                         ok = cute.arch.mbarrier_test_wait(mbar + st, ph)
                     chunk_scores(rsc, kb, rq, s_kv, s_S, st * (BN * RS), npr, kq, g, t, False)
                     cute.arch.sync_threads()
-                    chunk_softmax(c, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al, self.lazy)
+                    chunk_softmax(c, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al)
                     cute.arch.sync_threads()
-                    chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t, self.lazy)
+                    chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t)
                     cute.arch.sync_threads()  # the stage and s_P are free again
                     if c + STG < nch:
                         issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
@@ -394,7 +373,7 @@ def _kernel_class():
                         ok0 = cute.arch.mbarrier_test_wait(mbar, 0)
                     chunk_scores(rsc, kb, rq, s_kv, s_S, 0, npr, kq, g, t, True)
                     cute.arch.sync_threads()
-                    chunk_softmax(Int32(0), start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al, self.lazy)
+                    chunk_softmax(Int32(0), start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al)
                     cute.arch.sync_threads()
                 for c in cutlass.range(nch):
                     st = c % STG
@@ -409,12 +388,12 @@ def _kernel_class():
                     # past the last chunk: the scores of chunk c's own stage again (written; never used)
                     sst = cutlass.select_(c + 1 < nch, st1, st)
                     chunk_scores(rsc, kb, rq, s_kv, s_S, sst * (BN * RS), npr, kq, g, t, True)
-                    chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t, self.lazy)
+                    chunk_pv(ro, s_P, s_al, kv_addr, st, warp, lane, g, t)
                     cute.arch.sync_threads()  # chunk c + 1's scores visible; stage st, P and alpha read
                     if c + STG < nch:
                         issue(c + STG, nrow, lane, warp, s_kv, p_kv, mbar, STG)
                     if c + 1 < nch:
-                        chunk_softmax(c + 1, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al, self.lazy)
+                        chunk_softmax(c + 1, start, end, rr, qq, qk_scale, rml, s_S, s_P, s_al)
                     cute.arch.sync_threads()  # chunk c + 1's P and alpha visible
 
             # ---- the cluster merge: o columns and (max, sum) pushed to the CTA that merges them -------------------
@@ -585,10 +564,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                o_lat: torch.Tensor | None = None, lse: torch.Tensor | None = None, *, scale: float,
                block_table: torch.Tensor | None = None, partitions: int | None = None, cluster: int | None = None,
                stages: int | None = None, merge: bool = True, pdl: bool | None = None, n_max: int | None = None,
-               pipe: bool | None = None, lazy: bool | None = None):
+               pipe: bool | None = None):
     """The attention of one new position (module doc). Returns (o_lat, lse), or the partials with merge=False.
-    stages / pipe (None: default_loop of the history): the ring's depth and the pipelined chunk loop (module doc).
-    lazy (None: the module setting LAZY): the running max moved only past LAZY_TAU."""
+    stages / pipe (None: default_loop of the history): the ring's depth and the pipelined chunk loop (module doc)."""
     from k3lab_kernels.triton.pdl import chain_pdl, pdl_on
 
     if pdl is None:
@@ -667,8 +645,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     for name, tt in (("kv", kv), ("o", o_dst)):
         if tt.data_ptr() % 16:
             _fail(name, f"base address must be 16-byte aligned (got 0x{tt.data_ptr():x})")
-    lz = LAZY if lazy is None else bool(lazy)
-    key = (H, CL, STG, page, ls, pdl, pipe, lz, dev.index)
+    key = (H, CL, STG, page, ls, pdl, pipe, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -682,7 +659,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         if fn is None:
             from cutlass import cute
 
-            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl, pipe, lz), *args, *rt, stream)
+            fn = cute.compile(_kernel_class()(H, CL, STG, page, ls, pdl, pipe), *args, *rt, stream)
             _COMPILED[key] = fn
         fn(*args, *rt, stream)
     if direct or not merge:
