@@ -160,6 +160,28 @@ def test_proj_fp8_tiles_run(batch, monkeypatch):
     assert f"tiles {rows} W rows" in res.ran[-1].notes and "1 K range" in res.ran[-1].notes, res.ran[-1].notes
 
 
+@pytest.mark.parametrize("batch,xa", [(40, None), (40, False), (20, True), (3, True)])
+def test_proj_xa_run(batch, xa):
+    """The dot path's MMA as x @ W^T (knob xa; the rule: fp8 from a batch tile of 64), checked by the shared
+    checker at a batch tile of 64 (40 rows: 24 masked) under the rule and forced off, and forced on at batch tiles
+    of 32 and 16 (odd batches); the record names the orientation that ran."""
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    assert pg.default_xa(64, True) and not pg.default_xa(32, True) and not pg.default_xa(64, False)
+    res = _check(PROJ, options=dict(path="dot", xa=xa), preset="tiny", proj="kda_q", batch=batch, wdtype="fp8")
+    on = pg.default_xa(64 if batch > 32 else 16, True) if xa is None else xa
+    notes = res.ran[-1].notes
+    assert ("x @ W^T" in notes) == on and ("f16 MMAs" in notes) == (not on), notes
+
+
+def test_proj_xa_refused():
+    from k3lab_kernels.triton import proj_gemv as pg
+
+    x, w = torch.randn(3, 256).bfloat16(), torch.randn(128, 256).bfloat16()
+    with pytest.raises(ValueError, match="xa=True applies to path 'dot'"):
+        pg.proj(x, w, [torch.empty(3, 128).bfloat16()], path="rows", xa=True)
+
+
 def test_proj_few_outputs_rule():
     """Few outputs (the KDA beta): 16-row W tiles; the second kernel sums from batch 2 wherever at most RED_MAX_TILES
     output tiles split K; the rows path's whole K a chunk at batch 1; odd batches on a K that splits."""

@@ -145,7 +145,8 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                  KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False,
-                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False):
+                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False,
+                 XA: tl.constexpr = False):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
@@ -178,7 +179,10 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
             sr = tl.sum(v * v, axis=1)
             ss += tl.sum(tl.where(tl.arange(0, BM)[:, None] == (r0 + rr)[None, :], sr[None, :], 0.0), axis=1)
         inv = 1.0 / tl.sqrt(ss / KX + eps)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    if XA:  # the pointer path's MMA as x [BM, BK] @ W^T [BK, BN]: the batch is the MMA's M (wgmma from 64 rows)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TMA:
         for k0 in range(k_lo, k_hi, BK):
             wt = w.load([pid_n * BN, k0])
@@ -213,14 +217,22 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
             if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 (/ f16) values
                 if F16:
                     xt = xt.to(tl.float16)
-                acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
+                if XA:
+                    acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)))
+                else:
+                    acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
             else:
                 if F16:  # fp8 on f16 MMAs: one cvt.rn.f16x2.e4m3x2 per two weights, x rounded to f16
-                    acc += tl.dot(wt.to(tl.float16), tl.trans(xt.to(tl.float16)))
+                    wt = wt.to(tl.float16)
+                    xt = xt.to(tl.float16)
+                elif FP8:
+                    wt = wt.to(tl.bfloat16)  # Triton 3.6 on sm_90: e4m3x2 -> f16x2, then one cvt a weight
+                if XA:
+                    acc += tl.dot(xt, tl.trans(wt))
                 else:
-                    if FP8:
-                        wt = wt.to(tl.bfloat16)  # Triton 3.6 on sm_90: e4m3x2 -> f16x2, then one cvt a weight
                     acc += tl.dot(wt, tl.trans(xt))
+    if XA:
+        acc = tl.trans(acc)
     done = True
     if SPLIT > 1:
         MP = tl.num_programs(1) * BM
@@ -360,6 +372,7 @@ FEW_N = 16
 ROWS_WHOLE_K = 8192
 TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
 REDUCES = ("last", "kernel")
+XA_MIN_BM = 64  # fp8 on the dot path from this batch tile: the MMA as x @ W^T (`default_xa`)
 RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
 RED_MAX_TILES = 32  # and from batch 2 where at most this many output tiles split K (their last programs would be few)
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
@@ -407,6 +420,13 @@ def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = F
     if M == 1 and N <= ROWS_MAX_N and not prologue:
         return "rows"
     return "tma" if tma and not fp8 and N >= TMA_MIN_N else "dot"
+
+
+def default_xa(BM: int, fp8: bool) -> bool:
+    """The dot path's MMA orientation: x @ W^T (True) for fp8 weights from a batch tile of XA_MIN_BM, where wgmma
+    takes the batch as its M and W's tile is widened once a program (offline sm_90a SASS, BM 64 x BN 32: 171
+    instructions a K step against 312 for W @ x^T in f16, docs/NOTES_trunk.md); W @ x^T below."""
+    return fp8 and BM >= XA_MIN_BM
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
@@ -480,7 +500,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, reduce: str | None = None,
+         f16: bool | None = None, reduce: str | None = None, xa: bool | None = None,
          plan: dict | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
@@ -492,7 +512,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting). f16 (fp8 weights on the dot path;
     None: FP8_F16): the e4m3 weights widened to f16 (one conversion per two) and x rounded to f16 for f16 MMAs
     (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16; True with bf16
-    weights or on another path is refused (ValueError). plan: a dict the call fills with the configuration it ran
+    weights or on another path is refused (ValueError). xa (path 'dot'; None: `default_xa`): the MMA as x @ W^T,
+    the batch tile as the MMA's M, so from a batch tile of 64 Triton issues wgmma with W (widened once, by all the
+    program's threads together) in shared memory, where W @ x^T widens the W tile in every warp that shares it;
+    with xa, f16 defaults to False (x goes to the MMA as it is, bf16). plan: a dict the call fills with the configuration it ran
     (path, tiles, K ranges, stages, warps, the reduction), for the caller's record."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
@@ -534,7 +557,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if f16 and not (fp8 and cfg["path"] == "dot"):
         raise ValueError(f"proj_gemv: f16=True applies to fp8 weights on path 'dot', got {w.dtype} weights on path "
                          f"{cfg['path']!r}")
-    f16 = fp8 and cfg["path"] == "dot" and (FP8_F16 if f16 is None else bool(f16))
+    if xa and cfg["path"] != "dot":
+        raise ValueError(f"proj_gemv: xa=True applies to path 'dot', got path {cfg['path']!r}")
+    xa_on = cfg["path"] == "dot" and (default_xa(cfg["BM"], fp8) if xa is None else bool(xa))
+    f16 = fp8 and cfg["path"] == "dot" and ((FP8_F16 and not xa_on) if f16 is None else bool(f16))
     sc = w_scale if fp8 else x
     res_t = residual if residual is not None else x
     s_rm = residual.stride(0) if residual is not None else 0
@@ -562,7 +588,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         raise ValueError("proj_gemv: the fused selection needs reduce 'last' (the last program of a tile selects)")
     red = cfg["RED"] and select is None  # the fused selection counts finished tiles: the last program sums them
     if plan is not None:
-        plan.update(cfg, RED=red)
+        plan.update(cfg, RED=red, XA=xa_on, F16=f16)
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -577,7 +603,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True),
+        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True), XA=xa_on,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     if red:
         sbn, sbm, sw = cfg["SUM"]
@@ -608,4 +634,5 @@ def describe(plan: dict) -> str:
                                  if plan.get("RED") else
                                  ", partials summed by each tile's last program")
     return (f"path {plan['path']}, tiles {plan['BN']} W rows x {plan['BM']} batch rows x {plan['BK']} columns, "
-            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps")
+            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps"
+            + (", MMA x @ W^T" if plan.get("XA") else "") + (", f16 MMAs" if plan.get("F16") else ""))
