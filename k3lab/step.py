@@ -622,7 +622,7 @@ def shared_stream_knobs(batch: int, n: int, k: int, device, *, fp8: bool = False
     if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
         _fail("ctas", f"must be an int >= 1, got {ctas!r}")
     dev = torch.device(device)
-    path = pg.default_path(batch, n, fp8, tma)
+    path = pg.default_path(batch, n, fp8, tma, K=k)
     path = "dot" if path == "rows" else path
     cfg = pg.config(batch, n, k, dev, path=path, fp8=fp8)
     bn, rows = cfg["BN"], -(-batch // cfg["BM"])

@@ -146,6 +146,13 @@ def test_proj_fp8_tiles_rule():
         assert pg.config(b, 7168, 1536, cpu, tma=False)["BN"] == 32  # bf16 on the dot path: 32-row tiles
     assert pg.config(64, 7168, 1536, cpu, fp8=True)["BN"] == 32
     assert pg.config(8, 7168, 1536, cpu, fp8=True, block_n=64)["BN"] == 64  # the knob still overrides
+    # from batch 33 (a batch tile of 64) over inputs longer than FP8_SHORT_K with >= TMA_MIN_N outputs: path tma
+    for b, n, k, path in ((33, 3584, 7168, "tma"), (64, 1536, 7168, "tma"), (128, 7168, 3584, "tma"),
+                          (32, 3584, 7168, "dot"), (64, 768, 7168, "dot"), (64, 7168, 1536, "dot"),
+                          (64, 896, 7168, "dot"), (65, 7168, 1536, "tma"), (128, 768, 7168, "tma"),
+                          (128, 576, 7168, "dot")):
+        assert pg.config(b, n, k, cpu, fp8=True)["path"] == path, (b, n, k)
+    assert pg.config(64, 3584, 7168, cpu, fp8=True, tma=False)["path"] == "dot"  # misaligned: pointers
 
 
 @pytest.mark.parametrize("batch", [1, 3, 20])
@@ -160,26 +167,12 @@ def test_proj_fp8_tiles_run(batch, monkeypatch):
     assert f"tiles {rows} W rows" in res.ran[-1].notes and "1 K range" in res.ran[-1].notes, res.ran[-1].notes
 
 
-@pytest.mark.parametrize("batch,xa", [(40, None), (40, False), (20, True), (3, True)])
-def test_proj_xa_run(batch, xa):
-    """The dot path's MMA as x @ W^T (knob xa; the rule: fp8 from a batch tile of 64), checked by the shared
-    checker at a batch tile of 64 (40 rows: 24 masked) under the rule and forced off, and forced on at batch tiles
-    of 32 and 16 (odd batches); the record names the orientation that ran."""
-    from k3lab_kernels.triton import proj_gemv as pg
-
-    assert pg.default_xa(64, True) and not pg.default_xa(32, True) and not pg.default_xa(64, False)
-    res = _check(PROJ, options=dict(path="dot", xa=xa), preset="tiny", proj="kda_q", batch=batch, wdtype="fp8")
-    on = pg.default_xa(64 if batch > 32 else 16, True) if xa is None else xa
-    notes = res.ran[-1].notes
-    assert ("x @ W^T" in notes) == on and ("f16 MMAs" in notes) == (not on), notes
-
-
-def test_proj_xa_refused():
-    from k3lab_kernels.triton import proj_gemv as pg
-
-    x, w = torch.randn(3, 256).bfloat16(), torch.randn(128, 256).bfloat16()
-    with pytest.raises(ValueError, match="xa=True applies to path 'dot'"):
-        pg.proj(x, w, [torch.empty(3, 128).bfloat16()], path="rows", xa=True)
+@pytest.mark.parametrize("batch", [33, 40])
+def test_proj_fp8_tma_run(batch):
+    """fp8 weights on the tma path (the rule's choice from batch 33 over long inputs), forced at the tiny shapes:
+    checked by the shared checker against the dequantized fp64 reference, odd batches past the 64-row tile."""
+    res = _check(PROJ, options=dict(path="tma"), preset="tiny", proj="kda_q", batch=batch, wdtype="fp8")
+    assert "path tma" in res.ran[-1].notes, res.ran[-1].notes
 
 
 def test_proj_few_outputs_rule():

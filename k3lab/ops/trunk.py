@@ -572,11 +572,11 @@ _PROJ_OPTS = dict(
                  "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
                  "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}, "f16": {"triton": (None, False, True)},
-                 "reduce": {"triton": (None, "last", "kernel")}, "xa": {"triton": (None, False, True)},
+                 "reduce": {"triton": (None, "last", "kernel")},
                  "pdl": {"triton": (None, False, True), "cute": (None, False, True)}},
     option_defaults={"path": _NONE, "cluster": _NONE, "tile_m": _NONE, "block_n": _NONE, "block_k": _NONE,
                      "split_k": _NONE, "num_warps": _NONE, "num_stages": _NONE, "f16": _NONE, "pdl": _NONE,
-                     "reduce": _NONE, "xa": _NONE},
+                     "reduce": _NONE},
     # timed as the decode step runs them: calls chained with programmatic dependent launch, each loading its first
     # weights while the call before finishes (the step's `pdl` switch); rows "triton_pdl" / "cute_pdl"
     variants={"triton_pdl": ("triton", {"pdl": True}), "cute_pdl": ("cute", {"pdl": True})},

@@ -13,13 +13,14 @@ be a column slice of a wider buffer its consumer reads), bf16 or fp32 (the route
 
 Three paths (`config`, knob `path`; `default_path` picks by shape), one launch each (two where a second kernel sums
 the split-K partials, below):
-  * "tma" (bf16 weights with >= 1024 outputs): tensor-core tiles whose W [BN, BK] and x [BM, BK] blocks come
-    through the copy engine (tensor descriptors; zero-filled past N, M and K), pipelined num_stages deep in
-    shared memory (6 to batch 32, 4 above; capped to fit). Split-K: as many K ranges as keep every program
-    resident in ONE wave of the default stages (cap = SMs x programs per SM by shared memory). (Spreading the
-    programs evenly over the SMs lost to this rule almost everywhere: git history, docs/NOTES_trunk.md.)
+  * "tma" (bf16 weights with >= 1024 outputs; fp8 with as many from batch 33 over inputs longer than 2048):
+    tensor-core tiles whose W [BN, BK] and x [BM, BK] blocks come through the copy engine (tensor descriptors;
+    zero-filled past N, M and K), pipelined num_stages deep in shared memory (6 to batch 32, 4 above; capped to
+    fit). Split-K: as many K ranges as keep every program resident in ONE wave of the default stages (cap = SMs x
+    programs per SM by shared memory). (Spreading the programs evenly over the SMs lost to this rule almost
+    everywhere: git history, docs/NOTES_trunk.md.)
     The partials reduced as below.
-  * "dot" (fp8 weights, fewer outputs, misaligned operands): the same tiles from pointer loads:
+  * "dot" (fp8 weights but those above, fewer outputs, misaligned operands): the same tiles from pointer loads:
       - small batch (B <= 16): the batch is one 16-row tile (the MMA's smallest N), a program owns BN output
         rows (32, bf16 and fp8 alike) and a range of K (split-K), so even a 576-row projection puts every SM of
         the GPU to work. The
@@ -145,8 +146,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                  KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False,
-                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False,
-                 XA: tl.constexpr = False):
+                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False):
     """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
@@ -179,10 +179,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
             sr = tl.sum(v * v, axis=1)
             ss += tl.sum(tl.where(tl.arange(0, BM)[:, None] == (r0 + rr)[None, :], sr[None, :], 0.0), axis=1)
         inv = 1.0 / tl.sqrt(ss / KX + eps)
-    if XA:  # the pointer path's MMA as x [BM, BK] @ W^T [BK, BN]: the batch is the MMA's M (wgmma from 64 rows)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
     if TMA:
         for k0 in range(k_lo, k_hi, BK):
             wt = w.load([pid_n * BN, k0])
@@ -217,22 +214,14 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
             if DOT_F32:  # the interpreter: exact fp32 products of the same bf16 / e4m3 (/ f16) values
                 if F16:
                     xt = xt.to(tl.float16)
-                if XA:
-                    acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)))
-                else:
-                    acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
+                acc += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
             else:
                 if F16:  # fp8 on f16 MMAs: one cvt.rn.f16x2.e4m3x2 per two weights, x rounded to f16
-                    wt = wt.to(tl.float16)
-                    xt = xt.to(tl.float16)
-                elif FP8:
-                    wt = wt.to(tl.bfloat16)  # Triton 3.6 on sm_90: e4m3x2 -> f16x2, then one cvt a weight
-                if XA:
-                    acc += tl.dot(xt, tl.trans(wt))
+                    acc += tl.dot(wt.to(tl.float16), tl.trans(xt.to(tl.float16)))
                 else:
+                    if FP8:
+                        wt = wt.to(tl.bfloat16)  # Triton 3.6 on sm_90: e4m3x2 -> f16x2, then one cvt a weight
                     acc += tl.dot(wt, tl.trans(xt))
-    if XA:
-        acc = tl.trans(acc)
     done = True
     if SPLIT > 1:
         MP = tl.num_programs(1) * BM
@@ -372,7 +361,6 @@ FEW_N = 16
 ROWS_WHOLE_K = 8192
 TMA_MIN_N = 1024  # path None: tma for bf16 weights with at least this many output rows, dot below and for fp8
 REDUCES = ("last", "kernel")
-XA_MIN_BM = 64  # fp8 on the dot path from this batch tile: the MMA as x @ W^T (`default_xa`)
 RED_MIN_BM = 64  # from this batch tile (batch > 32): the partials summed by a second kernel, dot tiles of 64 W rows
 RED_MAX_TILES = 32  # and from batch 2 where at most this many output tiles split K (their last programs would be few)
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
@@ -382,6 +370,13 @@ FP8_SHORT_K = 2048  # fp8 at batch 17..32 (a 32-row batch tile): inputs up to th
 # 10.48 / 10.44 us at TP8 batch 32 on an H100, profiles/h100-80gb-hbm3/fp8_b64_tiles.json.gz, git history at b23339a;
 # H200 kda_o 8.80 against 9.70, profiles/h200/proj_fp8_47.json.gz; the 2,304 / 1,152 outputs of mla_uq left 36 / 18
 # programs: 8.15 / 8.02 us there; at batch 64 64-row tiles lose: 14.5 against 11.2; docs/NOTES_trunk.md)
+FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
+# through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
+# against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; the 768-row kda_q / shared_w1 of TP16 and the
+# 576 / 896 rows of mla_dkv / moe_router tie or lose on tma: profiles/h100-80gb-hbm3/fp8_paths.json.gz)
+FP8_WIDE_BATCH, FP8_WIDE_MIN_N = 65, 768  # fp8 from batch 65 (a batch tile of 128): tma for >= 768 outputs, short
+# inputs too (H100 batch 128: kda_o TP8 12.5 against 16.9 us on dot, TP16 kda_q 11.0 against 13.5, moe_router 11.4
+# against 14.3: the same bundle)
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
@@ -412,21 +407,22 @@ def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
     return max(1, min(split_k, chunks))
 
 
-def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False) -> str:
+def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False, K: int = 0) -> str:
     """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz, git history at ff8d02f): rows
     at batch 1 for at most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster
-    than dot on the 22-51 MB projections at batch 1-8); dot for fp8 weights and fewer outputs (MLA kv down: 6.7 against
-    7.0 us) and where the copy engine's alignment rules fail."""
+    than dot on the 22-51 MB projections at batch 1-8); for fp8 weights with as many outputs from batch
+    FP8_TMA_MIN_BATCH over inputs longer than FP8_SHORT_K (K given), and with at least FP8_WIDE_MIN_N outputs
+    from batch FP8_WIDE_BATCH whatever the input; dot for fp8 weights otherwise and fewer outputs (MLA kv down: 6.7
+    against 7.0 us) and where the copy engine's alignment rules fail."""
     if M == 1 and N <= ROWS_MAX_N and not prologue:
         return "rows"
-    return "tma" if tma and not fp8 and N >= TMA_MIN_N else "dot"
-
-
-def default_xa(BM: int, fp8: bool) -> bool:
-    """The dot path's MMA orientation: x @ W^T (True) for fp8 weights from a batch tile of XA_MIN_BM, where wgmma
-    takes the batch as its M and W's tile is widened once a program (offline sm_90a SASS, BM 64 x BN 32: 171
-    instructions a K step against 312 for W @ x^T in f16, docs/NOTES_trunk.md); W @ x^T below."""
-    return fp8 and BM >= XA_MIN_BM
+    if not tma:
+        return "dot"
+    if not fp8:
+        return "tma" if N >= TMA_MIN_N else "dot"
+    if M >= FP8_WIDE_BATCH and N >= FP8_WIDE_MIN_N:
+        return "tma"
+    return "tma" if M >= FP8_TMA_MIN_BATCH and K > FP8_SHORT_K and N >= TMA_MIN_N else "dot"
 
 
 def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=None, block_k=None, split_k=None,
@@ -440,7 +436,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     runs (paths tma and dot only); reduce: who sums a split-K tile's partials, "last" (its last program, behind an
     atomic counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM,
     or from batch 2 for at most RED_MAX_TILES tiles)."""
-    path = path or default_path(M, N, fp8, tma, prologue)
+    path = path or default_path(M, N, fp8, tma, prologue, K)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
     if prologue and path == "rows":
@@ -500,7 +496,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, reduce: str | None = None, xa: bool | None = None,
+         f16: bool | None = None, reduce: str | None = None,
          plan: dict | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
@@ -512,10 +508,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting). f16 (fp8 weights on the dot path;
     None: FP8_F16): the e4m3 weights widened to f16 (one conversion per two) and x rounded to f16 for f16 MMAs
     (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16; True with bf16
-    weights or on another path is refused (ValueError). xa (path 'dot'; None: `default_xa`): the MMA as x @ W^T,
-    the batch tile as the MMA's M, so from a batch tile of 64 Triton issues wgmma with W (widened once, by all the
-    program's threads together) in shared memory, where W @ x^T widens the W tile in every warp that shares it;
-    with xa, f16 defaults to False (x goes to the MMA as it is, bf16). plan: a dict the call fills with the configuration it ran
+    weights or on another path is refused (ValueError). plan: a dict the call fills with the configuration it ran
     (path, tiles, K ranges, stages, warps, the reduction), for the caller's record."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
@@ -557,10 +550,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     if f16 and not (fp8 and cfg["path"] == "dot"):
         raise ValueError(f"proj_gemv: f16=True applies to fp8 weights on path 'dot', got {w.dtype} weights on path "
                          f"{cfg['path']!r}")
-    if xa and cfg["path"] != "dot":
-        raise ValueError(f"proj_gemv: xa=True applies to path 'dot', got path {cfg['path']!r}")
-    xa_on = cfg["path"] == "dot" and (default_xa(cfg["BM"], fp8) if xa is None else bool(xa))
-    f16 = fp8 and cfg["path"] == "dot" and ((FP8_F16 and not xa_on) if f16 is None else bool(f16))
+    f16 = fp8 and cfg["path"] == "dot" and (FP8_F16 if f16 is None else bool(f16))
     sc = w_scale if fp8 else x
     res_t = residual if residual is not None else x
     s_rm = residual.stride(0) if residual is not None else 0
@@ -588,7 +578,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         raise ValueError("proj_gemv: the fused selection needs reduce 'last' (the last program of a tile selects)")
     red = cfg["RED"] and select is None  # the fused selection counts finished tiles: the last program sums them
     if plan is not None:
-        plan.update(cfg, RED=red, XA=xa_on, F16=f16)
+        plan.update(cfg, RED=red)
     tma = cfg["path"] == "tma"
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -603,7 +593,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True), XA=xa_on,
+        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     if red:
         sbn, sbm, sw = cfg["SUM"]
@@ -634,5 +624,4 @@ def describe(plan: dict) -> str:
                                  if plan.get("RED") else
                                  ", partials summed by each tile's last program")
     return (f"path {plan['path']}, tiles {plan['BN']} W rows x {plan['BM']} batch rows x {plan['BK']} columns, "
-            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps"
-            + (", MMA x @ W^T" if plan.get("XA") else "") + (", f16 MMAs" if plan.get("F16") else ""))
+            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps")
