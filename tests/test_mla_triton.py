@@ -138,64 +138,6 @@ def test_decode_lazy_refused_where_it_does_not_apply():
     assert set(DEC.option_axes["lazy"]) == {"triton"} and all("lazy" not in o for o in DEC.options("cute"))
 
 
-@pytest.mark.parametrize("sms,shape", [
-    (5, dict(batch=3, context=70, page_size=0)),                      # ranges of 64 over spans of 96: crossings
-    (7, dict(batch=3, context=70, ragged=True, T=2, page_size=16)),   # ragged 70 / 35 / 1: empty pieces, crossings
-    (11, dict(batch=4, context=45, page_size=64, kv_dtype="fp8", fp8_scale="token")),
-    (3, dict(batch=2, context=1, page_size=1)),                      # one cached position
-    (5, dict(batch=3, context=140, ragged=True, page_size=0)),        # ranges of 96 over 160: slots 2 / 3 / 2 of 3
-    (2, dict(batch=5, context=20, T=3, page_size=64)),               # two row groups; more sequences than programs
-    (132, dict(batch=8, context=40, ragged=True, partitions="auto", page_size=16)),  # the rule at batch 8
-], ids=lambda v: v if isinstance(v, int) else ",".join(f"{k}={x}" for k, x in v.items()))
-def test_decode_flat(sms, shape, monkeypatch):
-    """The flattened pieces (option flat): the batch's positions end to end in ranges of whole blocks over `sms`
-    programs (the GPU's SMs; NOMINAL_SMS here), a range covering the tail of one sequence and the head of the
-    next, each sequence's unused slots written empty; checked by the shared checker (paged and contiguous, bf16
-    and fp8 caches, ragged and one-position histories, verify T = 2)."""
-    from k3lab_kernels.triton import mla_decode as md
-
-    monkeypatch.setattr(md, "NOMINAL_SMS", sms)
-    shape.setdefault("partitions", 2)
-    res = _check(DEC, options=dict(flat=True), **shape)
-    assert "flat " in res.ran[-1].notes and "programs x" in res.ran[-1].notes, res.ran[-1].notes
-
-
-def test_decode_flat_plan_and_rule():
-    """`flat_plan`: slots cover every range that touches a sequence; `default_flat`: from batch ONE_PER_SM_FROM where
-    B P <= SMs < B (P + 1), one row group, no DCP, the host's piece length; refusals name the argument."""
-    from k3lab.components.mla import MLAArgumentError
-    from k3lab_kernels.triton import mla_decode as md
-
-    assert md.flat_plan(3, 70, 32, 5) == (96, 64, 5, 2)
-    assert md.flat_plan(3, 140, 32, 5) == (160, 96, 5, 3)  # sequences 0 and 2 fill two slots of three
-    assert md.flat_plan(5, 20, 32, 2) == (32, 32, 5, 1)  # a range never spans more than one sequence's span
-    assert md.flat_plan(32, 8192, 32, 132) == (8192, 2016, 131, 6)  # 63 blocks a range, not 64
-    span, fw, nprog, slots = md.flat_plan(8, 8192, 32, 132)
-    assert (nprog, fw, slots) == (128, 512, 16)  # 15.5 blocks a program round up to the classic 16
-    for B, P in ((8, 16), (16, 8), (32, 4)):
-        assert md.default_flat(B, P, 1, 1, True, 132)
-    assert not md.default_flat(64, 4, 1, 1, True, 132) and not md.default_flat(4, 33, 1, 1, True, 132)
-    assert not md.default_flat(32, 2, 1, 1, True, 132)  # fewer pieces asked for: the classic grid
-    assert not md.default_flat(32, 4, 2, 1, True, 132) and not md.default_flat(32, 4, 1, 2, True, 132)
-    assert not md.default_flat(32, 4, 1, 1, False, 132)
-    # the partials themselves (merge=False, NaN-poisoned slots): every slot written, the unused ones empty
-    torch.manual_seed(0)
-    B, H, C, DR = 3, 4, 64, 16
-    kv = torch.randn(B, 160, C + DR).bfloat16()
-    lengths = torch.tensor([139, 69, 0])
-    q, qr = torch.randn(B, 1, H, C).bfloat16(), torch.randn(B, 1, H, DR).bfloat16()
-    parts = (torch.full((B, 3, 1, H, C), float("nan")), torch.full((B, 3, 1, H), float("nan")))
-    o, lse = md.mla_decode(q, qr, kv, lengths, scale=0.1, partitions=1, merge=False, parts=parts, n_max=140,
-                           flat=5, block_n=32)
-    assert o.shape[1] == 3 and not o.isnan().any() and not lse.isnan().any()
-    assert torch.isinf(lse[0, 2]).all() and (o[0, 2] == 0).all()  # sequence 0: ranges 0 and 1 of 96, slot 2 empty
-    assert torch.isinf(lse[2, 1:]).all() and torch.isfinite(lse[2, 0]).all()  # one position: slot 0 only
-    with pytest.raises(ValueError, match="flat needs dcp 1 and"):
-        _check(DEC, options=dict(flat=True), dcp=2, context=20, batch=2, partitions=2)
-    with pytest.raises(MLAArgumentError, match="flat"):
-        _check(DEC, options=dict(flat=3), context=8)
-
-
 def test_decode_reference_backends_agree():
     _check(DEC, backend="reference", context=30, dcp=2, partitions=3)
 

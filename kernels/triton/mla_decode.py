@@ -100,7 +100,6 @@ VERIFY_LONG_N = 16384
 LAZY_TAU = tl.constexpr(8.0)
 LAZY_MIN_T, LAZY_MIN_BATCH = 4, 32
 DEFAULT_LAZY = None
-FLAT = True  # `default_flat`'s switch (False: the classic grid everywhere)
 
 
 def default_lazy(T: int, B: int) -> bool:
@@ -288,61 +287,19 @@ def _mla_split_kernel(
     qk_scale,
     s_qb, s_qt, s_qh, s_rb, s_rt, s_rh,
     s_kvb, s_sb, s_btb,
-    T, H, P, NS, G, CHUNK, MAXPG, NB, FW, SPAN,
+    T, H, P, NS, G, CHUNK, MAXPG,
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
-    WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr, FLAT: tl.constexpr = False,
+    WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr,
 ):
-    """Classic grid (G * P * NS, B): program (g, p, r) x b, piece p of shard r. FLAT (NS = 1, the host's piece
-    length): grid (G * programs,): row group g of program j takes positions [j FW, (j + 1) FW) of the batch's
-    positions laid end to end, SPAN a sequence (a multiple of BN, FW <= SPAN), i.e. the tail of one sequence and
-    the head of the next at most, each as partial slot j - first(b) of its sequence (P slots a sequence); the
-    program holding a sequence's end writes the sequence's remaining slots empty (o = 0, lse = -inf)."""
     pid = tl.program_id(0)
-    if FLAT:
-        g = pid % G
-        j = pid // G
-        start = j * FW
-        end = tl.minimum(start + FW, NB * SPAN)
-        b0 = start // SPAN
-        for sg in tl.static_range(2):
-            b = b0 + sg
-            f_lo = tl.maximum(start, b * SPAN) - b * SPAN
-            f_hi = tl.minimum(end, b * SPAN + SPAN) - b * SPAN
-            if (b < NB) & (f_lo < f_hi):
-                _split_piece(q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, qk_scale,
-                             s_qb, s_qt, s_qh, s_rb, s_rt, s_rh, s_kvb, s_sb, s_btb, T, H, P, NS, CHUNK, MAXPG,
-                             b, g, j - (b * SPAN) // FW, 0, f_lo, f_hi, end >= b * SPAN + SPAN,
-                             C, DR, CP, DRP, W, HR, BM, BN, PAGED, PAGE, SCALE_MODE, CONTIG_SHARDS, DOT_F32,
-                             PAGE_ROWS, NPG, HOST_CHUNK, WAIT, KS, LAZY, True)
-    else:
-        b = tl.program_id(1)
-        g = pid % G
-        rest = pid // G
-        _split_piece(q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, qk_scale,
-                     s_qb, s_qt, s_qh, s_rb, s_rt, s_rh, s_kvb, s_sb, s_btb, T, H, P, NS, CHUNK, MAXPG,
-                     b, g, rest % P, rest // P, 0, 0, False,
-                     C, DR, CP, DRP, W, HR, BM, BN, PAGED, PAGE, SCALE_MODE, CONTIG_SHARDS, DOT_F32,
-                     PAGE_ROWS, NPG, HOST_CHUNK, WAIT, KS, LAZY, False)
-    if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _split_piece(
-    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, qk_scale,
-    s_qb, s_qt, s_qh, s_rb, s_rt, s_rh, s_kvb, s_sb, s_btb, T, H, P, NS, CHUNK, MAXPG,
-    b, g, p, r, f_lo, f_hi, last,
-    C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
-    HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
-    DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr,
-    WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr, FLAT: tl.constexpr,
-):
-    """Row group g of piece p of shard r of sequence b (FLAT: positions [f_lo, f_hi) of b as slot p, and its empty
-    slots after p when `last`): the online-softmax pass and the partial's stores (`_mla_split_kernel`)."""
+    b = tl.program_id(1)
+    g = pid % G
+    rest = pid // G
+    p = rest % P
+    r = rest // P
     K = NS * P
     n_b = tl.load(lengths + b).to(tl.int32) + T  # positions the sequence's last query sees
     # this shard's positions of the sequence: global position = pos0 + j * pstride, j in [0, n_loc)
@@ -355,17 +312,13 @@ def _split_piece(
         pos0 = r
         pstride = NS
         n_loc = (n_b - r + NS - 1) // NS  # >= 0: r <= NS - 1 and n_b >= 1
-    if FLAT:  # the host's span: [f_lo, f_hi) cut to the sequence's visible positions
-        lo = f_lo
-        hi = tl.minimum(f_hi, n_loc)
-    else:
-        if HOST_CHUNK:  # the piece length from the host (the longest history): the piece's first page indices
-            chunk = CHUNK  # are loaded below without waiting for lengths[b] (in bounds of the table row; an
-        else:           # entry past the sequence is never used)
-            chunk = (n_loc + P - 1) // P
-            chunk = (chunk + BN - 1) // BN * BN
-        lo = p * chunk
-        hi = tl.minimum(lo + chunk, n_loc)
+    if HOST_CHUNK:  # the piece length from the host (the longest history): the piece's first page indices
+        chunk = CHUNK  # are loaded below without waiting for lengths[b] (in bounds of the table row; an entry
+    else:           # past the sequence is never used)
+        chunk = (n_loc + P - 1) // P
+        chunk = (chunk + BN - 1) // BN * BN
+    lo = p * chunk
+    hi = tl.minimum(lo + chunk, n_loc)
     if NPG > 0:
         pp = tl.arange(0, NPG)
         first = tl.load(block_table + b * s_btb + lo // PAGE + pp, mask=lo // PAGE + pp < MAXPG, other=0)
@@ -486,13 +439,8 @@ def _split_piece(
         tl.store(optr + 2 * CW + cw[None, :], _normed(a2, den, ts, SCALE_MODE), mask=row_ok[:, None])
         tl.store(optr + 3 * CW + cw[None, :], _normed(a3, den, ts, SCALE_MODE), mask=row_ok[:, None])
     tl.store(lse_part + orow, lse, mask=row_ok)
-    if FLAT:
-        if last:  # the sequence's slots after this one hold no positions: empty partials
-            for k2 in range(k + 1, K):
-                orow2 = ((b.to(tl.int64) * K + k2) * T + t) * H + h
-                tl.store(o_part + orow2[:, None] * C + cc[None, :], tl.zeros([BM, CP], tl.float32),
-                         mask=_mask2(row_ok, c_ok, CP == C))
-                tl.store(lse_part + orow2, tl.full([BM], float("-inf"), tl.float32), mask=row_ok)
+    if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -650,35 +598,6 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     return int(min(pieces, MAX_PARTITIONS))
 
 
-def sm_count(device) -> int:
-    """The GPU's SMs (NOMINAL_SMS without a GPU: the automatic choices as on the H200)."""
-    if torch.cuda.is_available() and torch.device(device).type == "cuda":
-        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return NOMINAL_SMS
-
-
-def default_flat(B: int, partitions: int, dcp: int, G: int, host_chunk: bool, sms: int) -> bool:
-    """The flattened pieces (`flat`) where the classic grid leaves SMs idle by less than one sequence's pieces:
-    from batch ONE_PER_SM_FROM, one row group, no DCP, the host's piece length, B P <= SMs < B (P + 1) (batch 8
-    / 16 / 32 at the rule's 16 / 8 / 4 pieces: 128 programs on 132 SMs, where flat runs 132)."""
-    return (FLAT and B >= ONE_PER_SM_FROM and dcp == 1 and G == 1 and host_chunk
-            and B * partitions <= sms < B * (partitions + 1))
-
-
-def flat_plan(B: int, n_max: int, BN: int, programs: int) -> tuple[int, int, int, int]:
-    """(span, positions a program, programs, slots a sequence) of the flattened pieces: each sequence SPAN =
-    n_max rounded up to BN positions, laid end to end and cut into ranges of FW (a multiple of BN, at most SPAN)
-    for at most `programs` programs (more where the batch has more sequences); a sequence's slots are the ranges
-    that touch it (its partials' K)."""
-    if isinstance(programs, bool) or programs < 1:
-        raise ValueError(f"mla_decode: flat must be None, a bool or a program count >= 1, got {programs!r}")
-    span = -(-int(n_max) // BN) * BN
-    fw = min(span, -(-(B * span) // (programs * BN)) * BN)  # a range meets two sequences at most
-    nprog = -(-(B * span) // fw)
-    slots = max((((b + 1) * span - 1) // fw) - (b * span) // fw + 1 for b in range(B))
-    return span, fw, nprog, slots
-
-
 _WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -701,8 +620,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
                preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
-               ksplit: int | None = None, lazy: bool | None = None, flat: bool | int | None = None,
-               plan_out: dict | None = None):
+               ksplit: int | None = None, lazy: bool | None = None, plan_out: dict | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True). plan_out: a dict the resolved
     settings are written into (block_m, row groups, block_n, ksplit, preloaded pages, warps, stages), for the
     caller's record of what ran. lazy: the lazy rescale of the running max (`_attend_rows`; None: DEFAULT_LAZY,
@@ -724,10 +642,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     (host_chunk None or True) the pieces are ceil(n_max / dcp / partitions) positions for every sequence, known
     before lengths is read, so each program loads its first page indices at once. ksplit: the latent columns'
     pieces, 1 or 4 (DEFAULT_KSPLIT, else `default_ksplit`, when None; 4 only where `ksplit_takes(C)`: the rule's
-    4 elsewhere runs one piece, an explicit 4 there is refused by the component). flat: the pieces cut over the
-    batch's positions laid end to end (`_mla_split_kernel`, FLAT) into as many programs as the GPU has SMs (True;
-    an int: that many programs a row group; None: `default_flat`); needs n_max and dcp 1; K is then the
-    slots a sequence needs (`flat_plan`), not partitions, and the returned partials have that K."""
+    4 elsewhere runs one piece, an explicit 4 there is refused by the component)."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -740,17 +655,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                                  n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
     BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
-    hc = bool(n_max) and (DEFAULT_HOST_CHUNK if host_chunk is None else host_chunk)
-    sms = sm_count(q_lat.device)
-    fl = default_flat(B, partitions, dcp, G, hc, sms) if flat is None else flat
-    if fl:
-        if dcp != 1 or not hc:
-            raise ValueError(f"mla_decode: flat needs dcp 1 and the host's piece length (n_max), got dcp {dcp}, "
-                             f"n_max {n_max}, host_chunk {host_chunk}")
-        span, fw, nprog, partitions = flat_plan(B, n_max, BN, sms if fl is True else int(fl))
     K = dcp * partitions
     dev = q_lat.device
-    direct = K == 1 and merge and not fl
+    direct = K == 1 and merge
     if direct:
         o_dst = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
         l_dst = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
@@ -773,28 +680,29 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         npg = preload_pages
     else:
         npg = default_preload(n_max if n_max else block_table.shape[1] * page, dcp * partitions, BN)
+    hc = bool(n_max) and (DEFAULT_HOST_CHUNK if host_chunk is None else host_chunk)
     shard = -(-int(n_max or 1) // dcp)  # positions one shard holds at most
-    piece = fw if fl else -(-shard // partitions)
+    piece = -(-shard // partitions)
     chunk = -(-piece // BN) * BN if hc else 0
     ks = ksplit or DEFAULT_KSPLIT or default_ksplit(npg, -(-piece // BN), BM)
     assert ks in KSPLIT_ALLOWED and (ksplit in (None, 1) or ksplit_takes(C)), "the caller validates ksplit"
     if not ksplit_takes(C):  # the rule's (or DEFAULT_KSPLIT's) 4 where the widths do not allow it: one piece
         ks = 1
-    grid = (G * nprog,) if fl else (G * partitions * dcp, B)
+    grid = (G * partitions * dcp, B)
     warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
     lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
-                        num_stages=stages, lazy=lz, flat=f"{nprog} programs x {fw} positions" if fl else False)
+                        num_stages=stages, lazy=lz)
     _mla_split_kernel[grid](
         q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
         float(scale) * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         0 if paged else kv.shape[1], s_sb, block_table.stride(0) if paged else 0,
-        T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0, B, fw if fl else 0, span if fl else 0,
+        T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
-        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks, LAZY=lz, FLAT=bool(fl),
+        PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks, LAZY=lz,
         num_warps=warps, num_stages=stages,
         **launch_kw(wait),
     )
