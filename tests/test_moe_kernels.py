@@ -36,21 +36,6 @@ def test_formats_and_batches(dtype, batch, path):
     assert res.ran[-1].options["path"] == path
 
 
-@pytest.mark.parametrize("dtype,tail,batch,routing", [("bf16", 32, 5, "uniform"), ("bf16", 16, 6, "ragged"),
-                                                       ("fp8", 16, 19, "same16"), ("mxfp4", 32, 3, "ragged")])
-def test_grouped_tail_blocks(dtype, tail, batch, routing):
-    """The grouped path with each expert's last block_n rows as block_n / tail_n programs at the end of the grid
-    (tail_n; TP1, 256 intermediate rows: 3 blocks of 64 and 2 or 4 short ones), every format; recorded as run."""
-    res = _check(dtype=dtype, batch=batch, routing=routing, tp=1, options=dict(path="grouped", tail_n=tail))
-    assert res.ran[-1].options["tail_n"] == tail
-    assert _check(dtype=dtype, batch=batch, tp=1, options=dict(path="grouped")).ran[-1].options["tail_n"] == 0
-    d = _inp("mxfp4")
-    with pytest.raises(ValueError, match="tail_n"):  # MXFP4's scales come 32 rows a block
-        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="grouped", tail_n=16)
-    with pytest.raises(c_moe.MoEArgumentError, match="'tail_n'"):
-        c_moe.experts(d["z"], d["idx"], d["weights_k"], d["moe"], backend="triton", path="tc", tail_n=32)
-
-
 @pytest.mark.parametrize("batch,routing,tp", [(3, "uniform", 1), (6, "ragged", 1), (19, "same16", 2)])
 def test_tc_path(batch, routing, tp):
     """The MXFP4 tensor-core path on the kernel layout (`tc`): odd batches, ragged routing (an expert every token

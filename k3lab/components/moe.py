@@ -106,7 +106,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-            leaders: bool | None = None, wait: str | None = None, tail_n: int | None = None, ran: list | None = None,
+            leaders: bool | None = None, wait: str | None = None, ran: list | None = None,
             glue: tuple | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given.
     glue (the cute backend's one-token path, and the reference backends by torch after y): (gamma [L] bf16, yg
@@ -140,7 +140,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("glue", f"(yg and the partial sums of y^2 beside y) is taken by the cute backend's one-token path and "
                       f"the reference backends at batch 1, got backend {be!r}, batch {B}, path {path!r}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
-                 num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait, tail_n=tail_n)
+                 num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
     if check_values and be in ("triton", "cute") and moe.w1.fmt == "mxfp4":
         check_scales(moe)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
@@ -168,20 +168,12 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             from k3lab_kernels.triton.moe_experts import default_path
 
             knobs["path"], rule = default_path(B, TRITON_FORMATS[moe.w1.fmt]), "the kernel's rule by format and batch"
-        t_ = knobs["tail_n"]
-        if t_ is not None and (isinstance(t_, bool) or t_ not in (0, 16, 32) or knobs["path"] != "grouped"):
-            _fail("tail_n", f"must be None, 0, 16 or 32 (the grouped path's tail blocks), got {t_!r} on the "
-                            f"{knobs['path']} path")
         args = _triton_args(z, idx, weights_k, moe, out, knobs)
         if knobs["path"] in ("simt", "tc"):  # the register cap, the leaders' list, the wait the kernel applies
             from k3lab_kernels.triton.moe_experts import default_blocks
 
             d = default_blocks(B, idx.shape[1], moe.w1.shape[1], L, "mxfp4", knobs["path"])
             knobs = dict(knobs, **{k: d[k] for k in ("maxnreg", "leaders", "wait") if k in d and knobs[k] is None})
-        if knobs["path"] == "grouped" and knobs["tail_n"] is None:  # the tail blocks the kernel runs, recorded
-            from k3lab_kernels.triton.moe_experts import TAIL_N
-
-            knobs["tail_n"] = TAIL_N
         y = dispatch.kernel(OP, be)(*args["pos"], **args["kw"], **knobs)
         dispatch.record(ran, kernel=dispatch.kernel_path(OP, be), options=knobs, notes=f"path {knobs['path']} ({rule})",
                         **rec)

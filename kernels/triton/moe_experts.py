@@ -70,7 +70,6 @@ FORMATS = ("bf16", "fp8", "mxfp4")
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 BLOCK_T_ALLOWED = (16, 32, 64)
 MAX_BATCH = 256
-TAIL_N = 0  # the grouped path's tail blocks (`moe_experts(tail_n=...)`): 0 = off
 
 
 @triton.jit
@@ -181,37 +180,14 @@ def _ptrs(w1, w3, w2, s1, s3, s2, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.c
 def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
                         L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
                         FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr,
-                        TAIL: tl.constexpr = 0):
-    """Program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader). TAIL > 0:
-    grid (pairs, I / BN - 1 + BN / TAIL) with the pairs fastest: the first I / BN - 1 row blocks of BN, then the
-    last BN rows as BN / TAIL blocks of TAIL rows, so the grid's last programs are the short ones (the tail of
-    the launch waits on a short program, not a full one)."""
-    if TAIL == 0:
-        _grouped_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, tl.program_id(1), tl.program_id(0) * BN,
-                         L, I, K, KP, BB, FMT, BN, BK, BL, BT, B1, B2, DOT_F32)
-    else:
-        p = tl.program_id(0)
-        j = tl.program_id(1)
-        NBIG: tl.constexpr = I // BN - 1
-        if j < NBIG:
-            _grouped_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, p, j * BN,
-                             L, I, K, KP, BB, FMT, BN, BK, BL, BT, B1, B2, DOT_F32)
-        else:
-            _grouped_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, p, NBIG * BN + (j - NBIG) * TAIL,
-                             L, I, K, KP, BB, FMT, TAIL, BK, BL, BT, B1, B2, DOT_F32)
-
-
-@triton.jit
-def _grouped_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, p, r0,
-                     L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                     FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                     BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
-    """w1/w3 rows r0..r0+BN and the matching w2 columns of pair p's expert, if p leads its group."""
+                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
         w1e, w3e, w2e, s1e, s3e, s2e = _ptrs(w1, w3, w2, s1, s3, s2, e, L, I, FMT)
-        rows = r0 + tl.arange(0, BN)
+        rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, BT):
             tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
             act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, DOT_F32), DOT_F32)
@@ -219,8 +195,8 @@ def _grouped_program(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, p, r0,
                 lr = l0 + tl.arange(0, BL)
                 o = tl.zeros([BL, BT], tl.float32)
                 if FMT == 2:
-                    nh = r0 // 2 + tl.arange(0, BN // 2)
-                    ns = r0 // 32 + tl.arange(0, BN // 32)
+                    nh = n * (BN // 2) + tl.arange(0, BN // 2)
+                    ns = n * (BN // 32) + tl.arange(0, BN // 32)
                     q2 = tl.load(w2e + lr[:, None] * (I // 2) + nh[None, :])
                     c2 = tl.load(s2e + lr[:, None] * (I // 32) + ns[None, :])
                     o = _mm(_mxfp4_tile(q2, c2, BL, BN), act, o, DOT_F32)
@@ -1021,7 +997,7 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
     while L % bl:
         bl //= 2
     return dict(block_n=bn, block_k=bk, block_l=bl, block_t=16, num_warps=8 if fmt == "mxfp4" else 4,
-                num_stages=4 if fmt == "bf16" else 3, tail_n=TAIL_N)
+                num_stages=4 if fmt == "bf16" else 3)
 
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -1108,11 +1084,8 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None,
-                tail_n: int | None = None) -> torch.Tensor:
-    """y [B, L] fp32 = the routed experts' sum (module docstring). tail_n (grouped path; None: `default_blocks`, 0:
-    off): the last block_n rows of every expert as block_n / tail_n programs at the end of the grid
-    (`_moe_experts_kernel`). Arguments are validated by
+                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None) -> torch.Tensor:
+    """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
     dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly). wait (simt
     path): what a role-B item waits for, "all" the role-A items or its own "expert"'s (`_moe_simt_kernel`; None:
@@ -1172,11 +1145,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                          num_warps=nw, num_stages=ns)
         return y
     y.zero_()
-    tail = d["tail_n"] if tail_n is None else tail_n
-    if tail and (bn % tail or tail >= bn or (fmt == "mxfp4" and tail < 32)):
-        raise ValueError(f"moe_experts: tail_n must divide block_n {bn} and be smaller (>= 32 for mxfp4), got {tail}")
-    grid = (B * K, I // bn - 1 + bn // tail) if tail else (I // bn, B * K)
-    _moe_experts_kernel[grid](
+    _moe_experts_kernel[(I // bn, B * K)](
         z, idx, wk, w1, w3, w2, *sc, y, B, BB=max(16, _pow2(B)), BT=block_t or d["block_t"], DOT_F32=dot_f32(),
-        TAIL=tail, **common)
+        **common)
     return y
