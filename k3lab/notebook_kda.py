@@ -114,21 +114,21 @@ def decode_figures(df: pd.DataFrame) -> list:
 
 
 def verify_figures(df: pd.DataFrame) -> list:
-    """Per own implementation and head count, a heatmap of median us by tile width and (T, batch); then the
-    verify (T > 1) lines at each implementation's best tile."""
+    """Per own implementation and head count, median us against batch, one line a tile width, one panel a T (line
+    and bar traces only: the reports' shared plotly.js is the basic bundle); then the verify (T > 1) lines at
+    each implementation's best tile."""
     import plotly.express as px
 
     figs = []
     ours = df[df.impl.isin(["triton", "cute"])]
     for impl in ("triton", "cute"):
         for H in sorted(ours.heads.unique()):
-            piv = ours[(ours.heads == H) & (ours.impl == impl)].pivot_table(index=["T", "batch"], columns="tile_v",
-                                                                           values="median_us")
-            if len(piv):
-                piv.index = [f"T{t} B{b}" for t, b in piv.index]
-                figs.append(px.imshow(piv, text_auto=".1f", aspect="auto", color_continuous_scale="Viridis",
-                                      title=f"{impl} KDA, {H} heads: median us by tile width (columns) and T, batch "
-                                      "(rows)", height=300 + 18 * len(piv)))
+            sub = ours[(ours.heads == H) & (ours.impl == impl)]
+            if len(sub):
+                sub = sub.assign(tile=sub.tile_v.astype(str)).sort_values(["T", "tile_v", "batch"])
+                figs.append(px.line(sub, x="batch", y="median_us", color="tile", facet_col="T", markers=True,
+                                    log_x=True, log_y=True,
+                                    title=f"{impl} KDA, {H} heads: median us by batch, a line a tile width"))
     dv = best(df)
     dv = dv[dv["T"] > 1]
     if len(dv):

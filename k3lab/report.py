@@ -1,7 +1,8 @@
 """HTML reports that open offline and share ONE copy of plotly.js.
 
-The repo keeps a single plotly.js under `profiles/assets/` (the cartesian partial bundle when present:
-bar and scatter traces, 1.5 MB; otherwise a copy of the installed plotly package's `plotly.min.js`).
+The repo keeps a single plotly.js under `profiles/assets/` (the basic partial bundle when present: scatter, bar
+and pie traces, 1.2 MB, so figures keep to lines, markers and bars; otherwise a copy of the installed plotly
+package's `plotly.min.js`).
 Every report loads it with `<script src="RELATIVE/PATH" data-k3lab-plotly>` computed from where the
 HTML lives, so reports stay a few tens of KB; `relink_plotly` fixes the path when a report moves.
 
@@ -10,8 +11,8 @@ How figures get into a report: in the notebook, `k3lab.report.show(fig)` publish
 a global `Plotly` and carries no plotly.js. nbconvert's HTML exporter picks the `text/html`. Outputs
 of a plain `fig.show()` are handled too: any output with the plotly JSON mimetype gets the same div,
 and the bulky outputs of the 'notebook' renderers (plotly.js inlined, or fetched from a CDN through
-require.js) are removed. Only cartesian trace types (bar, scatter, ...) draw with the partial bundle:
-tables are HTML, not plotly tables.
+require.js) are removed. Only scatter, bar and pie traces draw with the partial bundle: tables are HTML,
+not plotly tables, and no heatmap, box or histogram.
 
 Imports of plotly / nbconvert / nbformat happen inside the functions.
 """
@@ -28,7 +29,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = REPO_ROOT / "profiles"
 ASSETS = "assets"
-JS_NAMES = ("plotly-cartesian.min.js", "plotly.min.js")  # the first that exists is THE shared copy
+JS_NAMES = ("plotly-basic.min.js", "plotly.min.js")  # the first that exists is THE shared copy
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 MAX_OUTPUT_BYTES = 200_000
 

@@ -29,7 +29,7 @@ def test_report_uses_the_shared_plotly(path):
     assert srcs, "no plotly script tag"
     for s in srcs:
         assert not s.startswith("http")
-        assert (path.parent / s).resolve() == (PROFILES / "assets" / "plotly-cartesian.min.js").resolve()
+        assert (path.parent / s).resolve() == (PROFILES / "assets" / "plotly-basic.min.js").resolve()
     assert len(text) < 1_000_000
 
 
