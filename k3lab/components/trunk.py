@@ -603,7 +603,8 @@ def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference",
         wk = torch.empty(B, router.top_k, dtype=torch.float32, device=h.device)
         sel = Select(router.e_bias.to(dt).contiguous(), idx, wk, router.scaling)
         # the register path ("rows", few outputs at batch 1) runs no fused selection: its tiled form then
-        path = "dot" if default_path(B, router.n_experts, w_scale is not None) == "rows" else None
+        path = "dot" if default_path(B, router.n_experts, w_scale is not None,
+                                          K=router.w.shape[1]) == "rows" else None
         proj_group(h, router.w, [logits], w_scale=w_scale, select=sel, backend="triton", ran=ran, path=path)
         return idx, wk
     proj(h, router.w, logits, w_scale=w_scale, backend={"torch_compile": "reference", "cute": "triton"}.get(

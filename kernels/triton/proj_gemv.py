@@ -407,13 +407,13 @@ def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
     return max(1, min(split_k, chunks))
 
 
-def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False, K: int = 0) -> str:
+def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False, *, K: int) -> str:
     """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz, git history at ff8d02f): rows
     at batch 1 for at most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster
     than dot on the 22-51 MB projections at batch 1-8); for fp8 weights with as many outputs from batch
-    FP8_TMA_MIN_BATCH over inputs longer than FP8_SHORT_K (K given), and with at least FP8_WIDE_MIN_N outputs
-    from batch FP8_WIDE_BATCH whatever the input; dot for fp8 weights otherwise and fewer outputs (MLA kv down: 6.7
-    against 7.0 us) and where the copy engine's alignment rules fail."""
+    FP8_TMA_MIN_BATCH over inputs longer than FP8_SHORT_K (K: the input's length), and with at least
+    FP8_WIDE_MIN_N outputs from batch FP8_WIDE_BATCH whatever the input; dot for fp8 weights otherwise and fewer
+    outputs (MLA kv down: 6.7 against 7.0 us) and where the copy engine's alignment rules fail."""
     if M == 1 and N <= ROWS_MAX_N and not prologue:
         return "rows"
     if not tma:
@@ -436,7 +436,7 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     runs (paths tma and dot only); reduce: who sums a split-K tile's partials, "last" (its last program, behind an
     atomic counter) or "kernel" (a second kernel launched with PDL; None: "kernel" from a batch tile of RED_MIN_BM,
     or from batch 2 for at most RED_MAX_TILES tiles)."""
-    path = path or default_path(M, N, fp8, tma, prologue, K)
+    path = path or default_path(M, N, fp8, tma, prologue, K=K)
     if path not in PATHS:
         raise ValueError(f"proj_gemv: path must be one of {PATHS}, got {path!r}")
     if prologue and path == "rows":
