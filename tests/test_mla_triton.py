@@ -113,6 +113,47 @@ def test_decode_lazy_rescale(shape, ksplit):
     assert res.ran[-1].backend == "triton" and "lazy True" in res.ran[-1].notes
 
 
+@pytest.mark.parametrize("shape", [
+    dict(context=40, partitions=4, page_size=16),
+    dict(context=3, partitions=16, page_size=0),                     # most partials empty
+    dict(context=50, batch=3, ragged=True, T=2, partitions=4),       # ragged, two query rows a position
+    dict(T=8, context=20, partitions=3, page_size=0),                # six row groups, a ticket each
+    dict(dcp=4, dcp_layout="contiguous", context=21, batch=2, ragged=True, partitions=2, page_size=0),
+    dict(kv_dtype="fp8", fp8_scale="token", context=45, batch=2, ragged=True, partitions=3, page_size=16),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_fused_merge(shape):
+    """`fuse_merge`: the split's last programs merge the partials (no merge kernel). Under the interpreter the last
+    program to arrive merges every column; twice in a row, so the counters are back at zero after a call."""
+    for seed in (0, 1):
+        res = _check(DEC, options=dict(fuse_merge=True), seed=seed, **shape)
+        assert "fuse_merge True" in res.ran[-1].notes
+
+
+def test_decode_fused_merge_plan_and_refusals():
+    """The mergers never outnumber the partials nor, over the pairs that merge at once, the SMs; 16-byte slices."""
+    from k3lab import components
+    from k3lab_kernels.triton import mla_decode as md
+
+    for K in (2, 3, 16, 32, 100, 128, 264, 512):
+        for seqs in (1, 8, 64):
+            NM, MW, KL, KB = md.fuse_plan(K, 512, 16, 132, False, seqs)
+            assert NM * MW == 512 and MW >= 4 and NM <= K and (NM == 1 or NM * seqs <= 132)
+            assert KB * 16 * MW <= 8192 and KL * 16 <= 4096
+    assert md.fuse_plan(128, 512, 16, 132, False) == (128, 4, 128, 128)
+    assert md.fuse_plan(128, 512, 16, 132, True)[:2] == (1, 512)
+    from k3lab.ops import mla as mla_ops
+
+    case = DEC.case(context=40, partitions=4)
+    d = DEC.make_inputs(case, 0, "cpu")
+    args = (d["q_lat"], d["q_rope"], mla_ops._cache_of(d), d["lengths"])
+    with pytest.raises(ValueError, match="fuse_merge"):
+        components.mla.attend(*args, scale=0.1, backend="triton", partitions=4, merge=False, fuse_merge=True)
+    with pytest.raises(ValueError, match="fuse_merge"):
+        components.mla.attend(*args, scale=0.1, backend="reference", fuse_merge=True)
+    with pytest.raises(ValueError, match="fuse_merge"):
+        components.mla.attend(*args, scale=0.1, backend="triton", partitions=4, fuse_merge=1)
+
+
 def test_decode_lazy_rule():
     """`default_lazy`: on for a verify of >= LAZY_MIN_T positions from batch LAZY_MIN_BATCH, off elsewhere; the run's
     record says which ran; DEFAULT_LAZY forces it."""
@@ -272,6 +313,22 @@ def test_decode_gpu_shapes(shape):
 def test_decode_lazy_gpu(shape):
     """The lazy rescale at the GPU shapes it would run (issue 12's 32K, the long verify, batch 64)."""
     _check(DEC, options=dict(lazy=True), **shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [
+    dict(heads=12, batch=1, context=1024, page_size=64),
+    dict(heads=12, batch=1, context=8192, page_size=64),
+    dict(heads=12, batch=1, context=131072, page_size=64),            # 264 partials, 128 mergers
+    dict(heads=12, batch=2, context=32768, T=4, page_size=64, ragged=True),  # three row groups a sequence
+    dict(heads=12, batch=8, context=8192, page_size=0, kv_dtype="fp8", fp8_scale="token"),
+    dict(heads=12, batch=1, context=8192, dcp=4, page_size=1),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_decode_fused_merge_gpu(shape):
+    """The merge inside the split with its waiting mergers (the GPU path), twice: the counters reset."""
+    for seed in (0, 1):
+        res = _check(DEC, options=dict(fuse_merge=True), seed=seed, **shape)
+        assert "fuse_merge True" in res.ran[-1].notes
 
 
 

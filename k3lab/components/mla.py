@@ -201,7 +201,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            n_positions: int | None = None, check_values: bool = True, block_n: int | None = None,
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
-           ksplit: int | None = None, lazy: bool | None = None,
+           ksplit: int | None = None, lazy: bool | None = None, fuse_merge: bool | None = None,
            cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
            ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
@@ -234,10 +234,13 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     for name, v in (("cluster", cluster), ("stages", stages), ("pipe", pipe)):
         if v is not None and be != "cute":
             _fail(name, f"is an option of backend 'cute', not {be!r}")
-    if lazy is not None and be != "triton":
-        _fail("lazy", f"is an option of backend 'triton', not {be!r}")
-    if lazy is not None and not isinstance(lazy, bool):
-        _fail("lazy", f"must be None (the kernel's default) or a bool, got {lazy!r}")
+    for name, v in (("lazy", lazy), ("fuse_merge", fuse_merge)):
+        if v is not None and be != "triton":
+            _fail(name, f"is an option of backend 'triton', not {be!r}")
+        if v is not None and not isinstance(v, bool):
+            _fail(name, f"must be None (the kernel's default) or a bool, got {v!r}")
+    if fuse_merge and not merge:
+        _fail("fuse_merge", "merges inside the split: it needs merge=True (merge=False returns the partials)")
     if tri:
         _tensor("q_lat", q_lat, 4, TRITON_ACT_DTYPES)
         _tensor("q_rope", q_rope, 4, TRITON_ACT_DTYPES)
@@ -320,7 +323,8 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
         if ksplit == 4 and not ksplit_takes(C):
             _fail("ksplit", f"4 needs a latent width that is a power of two and a multiple of 64, got C={C}")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
-                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit, lazy=lazy)
+                     pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit, lazy=lazy,
+                     fuse_merge=fuse_merge)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         plan: dict = {}

@@ -102,6 +102,17 @@ LAZY_MIN_T, LAZY_MIN_BATCH = 4, 32
 DEFAULT_LAZY = None
 
 
+# the merge inside the split (`fuse_merge`, `_tail_merge`): the last programs of a sequence to store merge its partials,
+# no second launch. DEFAULT_FUSE_MERGE (None: the rule, `default_fuse_merge`) forces it either way
+DEFAULT_FUSE_MERGE = None
+FUSE_MERGE_MAX_BATCH = 0  # the rule: fused up to this batch (0: never, until measured)
+
+
+def default_fuse_merge(K: int, B: int) -> bool:
+    """The fused merge's rule: up to batch FUSE_MERGE_MAX_BATCH (K > 1 partials a sequence)."""
+    return K > 1 and B <= FUSE_MERGE_MAX_BATCH
+
+
 def default_lazy(T: int, B: int) -> bool:
     """The lazy rescale's rule (module constants above): a verify of >= LAZY_MIN_T positions from batch
     LAZY_MIN_BATCH."""
@@ -283,16 +294,17 @@ def _normed(a, den, ts, SCALE_MODE: tl.constexpr):
 
 @triton.jit
 def _mla_split_kernel(
-    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part,
+    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, o_out, lse_out, tickets,
     qk_scale,
     s_qb, s_qt, s_qh, s_rb, s_rt, s_rh,
     s_kvb, s_sb, s_btb,
-    T, H, P, NS, G, CHUNK, MAXPG,
+    T, H, P, NS, G, CHUNK, MAXPG, NM,
     C: tl.constexpr, DR: tl.constexpr, CP: tl.constexpr, DRP: tl.constexpr, W: tl.constexpr,
     HR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
     WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr,
+    FUSE: tl.constexpr, MW: tl.constexpr, KL: tl.constexpr, KB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -441,6 +453,78 @@ def _mla_split_kernel(
     tl.store(lse_part + orow, lse, mask=row_ok)
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
+    if FUSE:  # the last NM programs of (b, g) to store merge the K partials, a column slice each
+        _tail_merge(o_part, lse_part, o_out, lse_out, tickets + (b * G + g) * 2, b, K, T, H, t, h, row_ok, NM,
+                    C, CP, BM, MW, KL, KB, DOT_F32)
+
+
+@triton.jit
+def _merge_slice(o_part, lse_part, o_out, lse_out, b, K, T, H, t, h, row_ok, u,
+                 C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, MW: tl.constexpr, KL: tl.constexpr,
+                 KB: tl.constexpr):
+    """Columns [u * MW, (u + 1) * MW) of the tile's rows merged over the K partials (the merge kernel's sum:
+    o = sum_k exp(lse_k - lse) o_k), read past L1 (.cg: other SMs wrote them); unit 0 writes the lse."""
+    m = tl.full([BM], float("-inf"), tl.float32)
+    den = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K, KL):  # the rows' lse over the partials, KL at a time (a running max)
+        kl = k0 + tl.arange(0, KL)
+        off = ((b.to(tl.int64) * K + kl[:, None]) * T + t[None, :]) * H + h[None, :]  # [KL, BM]
+        lk = tl.load(lse_part + off, mask=(kl < K)[:, None] & row_ok[None, :], other=float("-inf"),
+                     cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lk, 0))
+        mu = tl.where(m_new == float("-inf"), 0.0, m_new)
+        den = den * tl.exp(m - mu) + tl.sum(tl.exp(lk - mu[None, :]), 0)
+        m = m_new
+    mu = tl.where(m == float("-inf"), 0.0, m)
+    has = den > 0.0
+    inv = 1.0 / tl.where(has, den, 1.0)
+    cols = u * MW + tl.arange(0, MW)
+    cm = cols < C
+    acc = tl.zeros([BM, MW], tl.float32)
+    for k0 in range(0, K, KB):
+        kb = k0 + tl.arange(0, KB)
+        km = (kb < K)[:, None] & row_ok[None, :]
+        off = ((b.to(tl.int64) * K + kb[:, None]) * T + t[None, :]) * H + h[None, :]  # [KB, BM]
+        lb = tl.load(lse_part + off, mask=km, other=float("-inf"), cache_modifier=".cg")
+        if CP == C:
+            om = km[:, :, None]
+        else:
+            om = km[:, :, None] & cm[None, None, :]
+        ob = tl.load(o_part + off[:, :, None] * C + cols[None, None, :], mask=om, other=0.0, cache_modifier=".cg")
+        w = tl.exp(lb - mu[None, :]) * inv[None, :]
+        acc += tl.sum(w[:, :, None] * ob, 0)
+    orow = (b.to(tl.int64) * T + t) * H + h
+    tl.store(o_out + orow[:, None] * C + cols[None, :], acc, mask=_mask2(row_ok, cm, CP == C))
+    if u == 0:
+        tl.store(lse_out + orow, tl.where(has, mu + tl.log(tl.where(has, den, 1.0)), float("-inf")), mask=row_ok)
+
+
+@triton.jit
+def _tail_merge(o_part, lse_part, o_out, lse_out, tk, b, K, T, H, t, h, row_ok, NM,
+                C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, MW: tl.constexpr, KL: tl.constexpr,
+                KB: tl.constexpr, INTERP: tl.constexpr):
+    """The merge inside the split: each program takes a ticket (arrival counter tk[0], acq_rel) once its partial is
+    stored; the last NM to arrive (NM <= the SMs, so the ones still to arrive always find a slot) wait until all K
+    have, then merge column slice `ticket - (K - NM)` (CP / MW = NM slices). A departure counter (tk[1]) lets the last
+    merger reset both, so they are zero between calls. Under TRITON_INTERPRET=1 (programs run one after another) the
+    last program merges every slice (NM = 1, MW = CP) without waiting."""
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    old = tl.atomic_add(tk, 1, sem="acq_rel")
+    if INTERP:
+        if old == K - 1:
+            _merge_slice(o_part, lse_part, o_out, lse_out, b, K, T, H, t, h, row_ok, 0, C, CP, BM, MW, KL, KB)
+            tl.atomic_xchg(tk, 0)
+    else:
+        u = old - (K - NM)
+        if u >= 0:
+            n = old + 1
+            while n < K:
+                n = tl.atomic_add(tk, 0, sem="acquire")
+            left = tl.atomic_add(tk + 1, 1, sem="relaxed")
+            if left == NM - 1:  # every merger is past the wait: both counters back to zero
+                tl.atomic_xchg(tk + 1, 0, sem="relaxed")
+                tl.atomic_xchg(tk, 0, sem="relaxed")
+            _merge_slice(o_part, lse_part, o_out, lse_out, b, K, T, H, t, h, row_ok, u, C, CP, BM, MW, KL, KB)
 
 
 @triton.jit
@@ -598,6 +682,32 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     return int(min(pieces, MAX_PARTITIONS))
 
 
+def fuse_plan(K: int, C: int, BM: int, sms: int, interp: bool, seqs: int = 1) -> tuple[int, int, int, int]:
+    """(NM, MW, KL, KB) of the merge inside the split: NM mergers of MW columns each, NM = CP / MW <= K and, over the
+    `seqs` (sequence, row group) pairs that merge at once, seqs * NM <= sms (the waiting mergers never hold every
+    slot), MW >= 4 (16-byte loads); the lse read KL partials a step and the partials' columns KB a step (<= 8,192
+    values a step: 64 registers a thread at 4 warps). The interpreter: one merger over every column."""
+    CP = _pow2(C)
+    KP = _pow2(K)
+    if interp:
+        return 1, CP, min(KP, 64), min(KP, 16)
+    MW = min(CP, max(4, _pow2(-(-CP // max(1, min(K, sms // max(1, seqs)))))))
+    return CP // MW, MW, min(KP, max(1, 4096 // BM)), min(KP, max(1, 8192 // (BM * MW)))
+
+
+_TICKETS: dict[tuple, torch.Tensor] = {}
+
+
+def tickets(device, n: int) -> torch.Tensor:
+    """The fused merge's counters (arrival, departure) per (sequence, row group): int32 [n, 2], zero between calls
+    (the kernel's last merger resets them). Allocated once per device and size (call once before a CUDA-graph
+    capture, as `workspace`)."""
+    key = (str(device), n)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(n, 2, dtype=torch.int32, device=device)
+    return _TICKETS[key]
+
+
 _WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -620,8 +730,10 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                num_warps: int | None = None, num_stages: int | None = None,
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
                preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
-               ksplit: int | None = None, lazy: bool | None = None, plan_out: dict | None = None):
-    """Launch the split kernel (and the merge when partials > 1 and merge=True). plan_out: a dict the resolved
+               ksplit: int | None = None, lazy: bool | None = None, fuse_merge: bool | None = None,
+               plan_out: dict | None = None):
+    """Launch the split kernel (and the merge when partials > 1 and merge=True, unless fuse_merge: the split's last
+    programs merge, `_tail_merge`; None: DEFAULT_FUSE_MERGE, else `default_fuse_merge`). plan_out: a dict the resolved
     settings are written into (block_m, row groups, block_n, ksplit, preloaded pages, warps, stages), for the
     caller's record of what ran. lazy: the lazy rescale of the running max (`_attend_rows`; None: DEFAULT_LAZY,
     else `default_lazy`).
@@ -691,25 +803,36 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     grid = (G * partitions * dcp, B)
     warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
     lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
+    fuse = K > 1 and merge and (bool(fuse_merge) if fuse_merge is not None else
+                                default_fuse_merge(K, B) if DEFAULT_FUSE_MERGE is None else DEFAULT_FUSE_MERGE)
+    if fuse:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else NOMINAL_SMS
+        NM, MW, KL, KB = fuse_plan(K, C, BM, sms, dot_f32(), B * G)
+        o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
+        l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
+        tk = tickets(dev, B * G)
+    else:
+        NM, MW, KL, KB = 1, 1, 1, 1
+        o_out, l_out, tk = o_dst, l_dst, lengths  # unused pointers
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
-                        num_stages=stages, lazy=lz)
+                        num_stages=stages, lazy=lz, fuse_merge=fuse)
     _mla_split_kernel[grid](
-        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst,
+        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst, o_out, l_out, tk,
         float(scale) * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         0 if paged else kv.shape[1], s_sb, block_table.stride(0) if paged else 0,
-        T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0,
+        T, H, partitions, dcp, G, chunk, block_table.shape[1] if paged else 0, NM,
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
         PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks, LAZY=lz,
-        num_warps=warps, num_stages=stages,
+        FUSE=fuse, MW=MW, KL=KL, KB=KB, num_warps=warps, num_stages=stages,
         **launch_kw(wait),
     )
-    if direct:
+    if direct or not merge:
         return o_dst, l_dst
-    if not merge:
-        return o_dst, l_dst
+    if fuse:
+        return o_out, l_out
     o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
     l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
     merge_partials(o_dst, l_dst, o_out, l_out, pdl=pdl)
