@@ -7,8 +7,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/k3out}; mkdir -p "$OUT/fused"
 timeout 200 python3 -m pytest -q -m gpu tests/test_mla_triton.py -k "fused" 2>&1 | tail -n 4
 B="python3 -m k3lab.cli bench mla --ops mla_decode --backends triton --no-peers --no-variants
-   --skip torch_compile,reference --reps ${REPS:-30} --out $OUT/fused --grid heads=12 --grid fuse_merge=null,true"
-timeout 150 $B --grid batch=1 --grid context=1024,8192,32768,131072 --name mla_fused_b1 --deadline 130 2>&1 \
-  | grep -E "^mla_decode" | cut -c1-110
-timeout 150 $B --grid batch=2,4,8,16 --grid context=8192,32768 --name mla_fused_mid --deadline 130 2>&1 \
-  | grep -E "^mla_decode" | cut -c1-110
+   --skip torch_compile,reference --reps ${REPS:-30} --out $OUT/fused --grid heads=12"
+timeout 150 $B --grid batch=1 --grid context=1024,8192,32768,131072 --grid fuse_merge=null,true --name mla_fused_b1 \
+  --deadline 130 2>&1 | grep -E "^mla_decode" | cut -c1-110
+timeout 150 $B --grid batch=2,4,8,16 --grid context=8192,32768 --grid fuse_merge=null,true --name mla_fused_mid \
+  --deadline 130 2>&1 | grep -E "^mla_decode" | cut -c1-110
+# the partition count under the fused merge at batch 1 (the rule was swept with the merge kernel)
+timeout 150 $B --grid batch=1 --grid context=1024,8192,32768 --grid partitions=16,32,64,128 --grid fuse_merge=true \
+  --name mla_fused_parts --deadline 130 2>&1 | grep -E "^mla_decode" | cut -c1-110

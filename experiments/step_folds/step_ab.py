@@ -36,6 +36,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   proj_reduce  (BATCH=64, 8) the Triton projections' split-K partials summed by a second kernel under PDL (the
              default rule, proj_gemv.RED_MIN_BM / RED_MAX_TILES) or by each tile's last program (the rule before).
   mla_lazy   the MLA split's running max moved every block (DEFAULT_LAZY False) or only past LAZY_TAU (True).
+  mla_fuse   the MLA split's partials merged by the merge kernel (DEFAULT_FUSE_MERGE False) or by the split's last
+             programs (True).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -59,7 +61,7 @@ eager step per arm keeps its per-component GPU time and launches.
 
     python experiments/step_folds/step_ab.py $OUT FOLD    (FOLD: kda_chain, moe_glue_fold, proj_unroll, proj_short,
         short_k, mid_k, long_k, expert_rows, expert_rows2, expert_rows3, attnres_early, mla_parts, up_halves,
-        mla_ksplit, attnres_form, proj_mma, shared_stream, proj_reduce, mla_lazy; BATCH=N for another batch,
+        mla_ksplit, attnres_form, proj_mma, shared_stream, proj_reduce, mla_lazy, mla_fuse; BATCH=N for another batch,
         e.g. BATCH=8 for proj_mma; ARMS=a,b to time only those arms of the fold, the first named the one the others
         are compared with)
         (PYTHONPATH=$PWD and the cute site)
@@ -148,6 +150,8 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # verifies of >= 4 positions from batch 32; docs/NOTES_mla.md, forty-sixth and forty-seventh sessions)
          "mla_lazy": (("eager", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": False}),
                       ("lazy", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": True})),
+         "mla_fuse": (("two", {"k3lab_kernels.triton.mla_decode:DEFAULT_FUSE_MERGE": False}),
+                      ("fused", {"k3lab_kernels.triton.mla_decode:DEFAULT_FUSE_MERGE": True})),
          }
 
 

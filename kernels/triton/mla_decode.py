@@ -704,6 +704,9 @@ def tickets(device, n: int) -> torch.Tensor:
     capture, as `workspace`)."""
     key = (str(device), n)
     if key not in _TICKETS:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mla_decode(fuse_merge=True): its counters are allocated on the first call; run one "
+                               "call of this batch and row-group count before capturing a CUDA graph")
         _TICKETS[key] = torch.zeros(n, 2, dtype=torch.int32, device=device)
     return _TICKETS[key]
 
