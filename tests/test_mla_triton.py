@@ -136,11 +136,12 @@ def test_decode_fused_merge_plan_and_refusals():
 
     for K in (2, 3, 16, 32, 100, 128, 264, 512):
         for seqs in (1, 8, 64):
-            NM, MW, KL, KB = md.fuse_plan(K, 512, 16, 132, False, seqs)
-            assert NM * MW == 512 and MW >= 4 and NM <= K and (NM == 1 or NM * seqs <= 132)
-            assert KB * 16 * MW <= 8192 and KL * 16 <= 4096
-    assert md.fuse_plan(128, 512, 16, 132, False) == (128, 4, 128, 128)
-    assert md.fuse_plan(128, 512, 16, 132, True)[:2] == (1, 512)
+            for rows in (12, 16, 6):
+                NM, E, KB = md.fuse_plan(K, 512, rows, 132, False, seqs)
+                assert 16 <= E <= 512 and 1 <= NM <= K and (NM == 1 or NM * seqs <= 132) and KB * E <= 8192
+    assert md.fuse_plan(132, 512, 12, 132, False) == (96, 64, 128)  # batch 1 / 8K: a unit a merger
+    assert md.fuse_plan(32, 512, 12, 132, False) == (24, 256, 32)   # batch 1 / 1K
+    assert md.fuse_plan(128, 512, 12, 132, True)[0] == 1
     from k3lab.ops import mla as mla_ops
 
     case = DEC.case(context=40, partitions=4)

@@ -304,7 +304,7 @@ def _mla_split_kernel(
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
     WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr,
-    FUSE: tl.constexpr, MW: tl.constexpr, KL: tl.constexpr, KB: tl.constexpr,
+    FUSE: tl.constexpr, ME: tl.constexpr, MKB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -455,64 +455,63 @@ def _mla_split_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if FUSE:  # the last NM programs of (b, g) to store merge the K partials, a column slice each
         _tail_merge(o_part, lse_part, o_out, lse_out, tickets + (b * G + g) * 2, b, K, T, H, t, h, row_ok, NM,
-                    C, CP, BM, MW, KL, KB, DOT_F32)
+                    C, ME, MKB, DOT_F32)
 
 
 @triton.jit
-def _merge_slice(o_part, lse_part, o_out, lse_out, b, K, T, H, t, h, row_ok, u,
-                 C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, MW: tl.constexpr, KL: tl.constexpr,
-                 KB: tl.constexpr):
-    """Columns [u * MW, (u + 1) * MW) of the tile's rows merged over the K partials (the merge kernel's sum:
-    o = sum_k exp(lse_k - lse) o_k), read past L1 (.cg: other SMs wrote them); unit 0 writes the lse."""
-    m = tl.full([BM], float("-inf"), tl.float32)
-    den = tl.zeros([BM], tl.float32)
-    for k0 in range(0, K, KL):  # the rows' lse over the partials, KL at a time (a running max)
-        kl = k0 + tl.arange(0, KL)
-        off = ((b.to(tl.int64) * K + kl[:, None]) * T + t[None, :]) * H + h[None, :]  # [KL, BM]
-        lk = tl.load(lse_part + off, mask=(kl < K)[:, None] & row_ok[None, :], other=float("-inf"),
-                     cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lk, 0))
-        mu = tl.where(m_new == float("-inf"), 0.0, m_new)
-        den = den * tl.exp(m - mu) + tl.sum(tl.exp(lk - mu[None, :]), 0)
-        m = m_new
-    mu = tl.where(m == float("-inf"), 0.0, m)
-    has = den > 0.0
-    inv = 1.0 / tl.where(has, den, 1.0)
-    cols = u * MW + tl.arange(0, MW)
+def _merge_unit(o_part, lse_part, o_out, lse_out, b, K, TH, row, c0,
+                C: tl.constexpr, E: tl.constexpr, KB: tl.constexpr):
+    """Columns [c0, c0 + E) of output row `row` (= t * H + h) merged over the K partials in one pass (a running
+    max, as the merge kernel), KB partials a step, read past L1 (.cg: other SMs wrote them); c0 = 0 writes the
+    row's lse."""
+    cols = c0 + tl.arange(0, E)
     cm = cols < C
-    acc = tl.zeros([BM, MW], tl.float32)
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([E], tl.float32)
     for k0 in range(0, K, KB):
         kb = k0 + tl.arange(0, KB)
-        km = (kb < K)[:, None] & row_ok[None, :]
-        off = ((b.to(tl.int64) * K + kb[:, None]) * T + t[None, :]) * H + h[None, :]  # [KB, BM]
-        lb = tl.load(lse_part + off, mask=km, other=float("-inf"), cache_modifier=".cg")
-        if CP == C:
-            om = km[:, :, None]
-        else:
-            om = km[:, :, None] & cm[None, None, :]
-        ob = tl.load(o_part + off[:, :, None] * C + cols[None, None, :], mask=om, other=0.0, cache_modifier=".cg")
-        w = tl.exp(lb - mu[None, :]) * inv[None, :]
-        acc += tl.sum(w[:, :, None] * ob, 0)
-    orow = (b.to(tl.int64) * T + t) * H + h
-    tl.store(o_out + orow[:, None] * C + cols[None, :], acc, mask=_mask2(row_ok, cm, CP == C))
-    if u == 0:
-        tl.store(lse_out + orow, tl.where(has, mu + tl.log(tl.where(has, den, 1.0)), float("-inf")), mask=row_ok)
+        km = kb < K
+        prow = (b.to(tl.int64) * K + kb) * TH + row  # [KB]
+        lb = tl.load(lse_part + prow, mask=km, other=float("-inf"), cache_modifier=".cg")
+        ob = tl.load(o_part + prow[:, None] * C + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0,
+                     cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lb, 0))
+        mu = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - mu)  # 0 while m = -inf
+        w = tl.exp(lb - mu)
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * ob, 0)
+        m = m_new
+    has = den > 0.0
+    orow = b.to(tl.int64) * TH + row
+    tl.store(o_out + orow * C + cols, acc / tl.where(has, den, 1.0), mask=cm)
+    if c0 == 0:
+        mu = tl.where(m == float("-inf"), 0.0, m)
+        lse = tl.where(has, mu + tl.log(tl.where(has, den, 1.0)), float("-inf"))
+        tl.store(lse_out + orow + tl.arange(0, 1), lse)
 
 
 @triton.jit
 def _tail_merge(o_part, lse_part, o_out, lse_out, tk, b, K, T, H, t, h, row_ok, NM,
-                C: tl.constexpr, CP: tl.constexpr, BM: tl.constexpr, MW: tl.constexpr, KL: tl.constexpr,
-                KB: tl.constexpr, INTERP: tl.constexpr):
+                C: tl.constexpr, E: tl.constexpr, KB: tl.constexpr, INTERP: tl.constexpr):
     """The merge inside the split: each program takes a ticket (arrival counter tk[0], acq_rel) once its partial is
-    stored; the last NM to arrive (NM <= the SMs, so the ones still to arrive always find a slot) wait until all K
-    have, then merge column slice `ticket - (K - NM)` (CP / MW = NM slices). A departure counter (tk[1]) lets the last
-    merger reset both, so they are zero between calls. Under TRITON_INTERPRET=1 (programs run one after another) the
-    last program merges every slice (NM = 1, MW = CP) without waiting."""
+    stored; the last NM to arrive (NM <= the SMs over the pairs merging at once, so the ones still to arrive always
+    find a slot) wait until all K have, then merge units (one output row's E columns) NM apart: the tile's output rows
+    (t * H + h, a contiguous range) times C / E units a row. A departure counter (tk[1]) lets the last merger reset
+    both, so they are zero between calls. Under TRITON_INTERPRET=1 (programs run one after another) the last program
+    merges every unit (NM = 1) without waiting."""
+    flat = t * H + h
+    lo = tl.min(tl.where(row_ok, flat, 1 << 30), 0)
+    hi = tl.max(tl.where(row_ok, flat + 1, 0), 0)
+    UR: tl.constexpr = (C + E - 1) // E  # units a row
+    n_units = (hi - lo) * UR
     tl.debug_barrier()  # every thread's partial stored before the release below
     old = tl.atomic_add(tk, 1, sem="acq_rel")
     if INTERP:
         if old == K - 1:
-            _merge_slice(o_part, lse_part, o_out, lse_out, b, K, T, H, t, h, row_ok, 0, C, CP, BM, MW, KL, KB)
+            for q in range(0, n_units):
+                _merge_unit(o_part, lse_part, o_out, lse_out, b, K, T * H, lo + q // UR, (q % UR) * E, C, E, KB)
             tl.atomic_xchg(tk, 0)
     else:
         u = old - (K - NM)
@@ -524,7 +523,8 @@ def _tail_merge(o_part, lse_part, o_out, lse_out, tk, b, K, T, H, t, h, row_ok, 
             if left == NM - 1:  # every merger is past the wait: both counters back to zero
                 tl.atomic_xchg(tk + 1, 0, sem="relaxed")
                 tl.atomic_xchg(tk, 0, sem="relaxed")
-            _merge_slice(o_part, lse_part, o_out, lse_out, b, K, T, H, t, h, row_ok, u, C, CP, BM, MW, KL, KB)
+            for q in range(u, n_units, NM):
+                _merge_unit(o_part, lse_part, o_out, lse_out, b, K, T * H, lo + q // UR, (q % UR) * E, C, E, KB)
 
 
 @triton.jit
@@ -682,17 +682,18 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     return int(min(pieces, MAX_PARTITIONS))
 
 
-def fuse_plan(K: int, C: int, BM: int, sms: int, interp: bool, seqs: int = 1) -> tuple[int, int, int, int]:
-    """(NM, MW, KL, KB) of the merge inside the split: NM mergers of MW columns each, NM = CP / MW <= K and, over the
-    `seqs` (sequence, row group) pairs that merge at once, seqs * NM <= sms (the waiting mergers never hold every
-    slot), MW >= 4 (16-byte loads); the lse read KL partials a step and the partials' columns KB a step (<= 8,192
-    values a step: 64 registers a thread at 4 warps). The interpreter: one merger over every column."""
+def fuse_plan(K: int, C: int, rows: int, sms: int, interp: bool, seqs: int = 1) -> tuple[int, int, int]:
+    """(NM, E, KB) of the merge inside the split for `rows` output rows a program's tile: units of one row's E
+    columns (E a power of two <= C's, >= 16), NM mergers with NM <= K and, over the `seqs` (sequence, row group) pairs
+    that merge at once, seqs * NM <= sms (the waiting mergers never hold every slot); E as small as leaves about one
+    unit a merger; the partials KB a step (KB * E <= 8,192 values: 64 registers a thread at 4 warps). The
+    interpreter: one merger."""
     CP = _pow2(C)
-    KP = _pow2(K)
-    if interp:
-        return 1, CP, min(KP, 64), min(KP, 16)
-    MW = min(CP, max(4, _pow2(-(-CP // max(1, min(K, sms // max(1, seqs)))))))
-    return CP // MW, MW, min(KP, max(1, 4096 // BM)), min(KP, max(1, 8192 // (BM * MW)))
+    cap = max(1, min(K, sms // max(1, seqs)))
+    E = min(CP, max(16, _pow2(-(-rows * CP // cap))))
+    units = rows * -(-C // E)
+    NM = 1 if interp else min(units, cap)
+    return NM, E, min(_pow2(K), max(1, 8192 // E))
 
 
 _TICKETS: dict[tuple, torch.Tensor] = {}
@@ -810,12 +811,12 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                                 default_fuse_merge(K, B) if DEFAULT_FUSE_MERGE is None else DEFAULT_FUSE_MERGE)
     if fuse:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else NOMINAL_SMS
-        NM, MW, KL, KB = fuse_plan(K, C, BM, sms, dot_f32(), B * G)
+        NM, ME, MKB = fuse_plan(K, C, min(BM, T * H), sms, dot_f32(), B * G)
         o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
         l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
         tk = tickets(dev, B * G)
     else:
-        NM, MW, KL, KB = 1, 1, 1, 1
+        NM, ME, MKB = 1, 16, 1
         o_out, l_out, tk = o_dst, l_dst, lengths  # unused pointers
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
@@ -829,7 +830,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
         PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks, LAZY=lz,
-        FUSE=fuse, MW=MW, KL=KL, KB=KB, num_warps=warps, num_stages=stages,
+        FUSE=fuse, ME=ME, MKB=MKB, num_warps=warps, num_stages=stages,
         **launch_kw(wait),
     )
     if direct or not merge:
