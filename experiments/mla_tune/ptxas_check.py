@@ -25,7 +25,7 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
     sig, consts = {}, {}
     defaults = dict(C=512, DR=64, CP=512, DRP=64, W=576, HR=12, BM=16, BN=32, PAGED=True, PAGE=64, SCALE_MODE=0,
                     CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, HOST_CHUNK=True, PDL=False, WAIT=False,
-                    KS=1, LAZY=False)
+                    KS=1, LAZY=False, FUSE=False, ME=16, MKB=1)
     defaults.update(over)
     for name in fn.arg_names:
         p = fn.params[fn.arg_names.index(name)]
@@ -34,9 +34,9 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
             sig[name] = "constexpr"
         elif name in ("q_lat", "q_rope", "kv"):
             sig[name] = "*bf16"
-        elif name in ("kv_scale", "o_part", "lse_part", "o_lat", "lse_out", "ws"):
+        elif name in ("kv_scale", "o_part", "lse_part", "o_lat", "lse_out", "o_out", "ws"):
             sig[name] = "*fp32"
-        elif name in ("block_table", "lengths", "ticket"):
+        elif name in ("block_table", "lengths", "ticket", "tickets"):
             sig[name] = "*i32"
         elif name in ("qk_scale",):
             sig[name] = "fp32"
