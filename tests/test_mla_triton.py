@@ -129,6 +129,20 @@ def test_decode_fused_merge(shape):
         assert "fuse_merge True" in res.ran[-1].notes
 
 
+def test_fused_merge_rule():
+    """`default_fuse_merge`: one new position from batch FUSE_MERGE_MIN_BATCH with more than one partial; the record
+    says which form ran."""
+    from k3lab_kernels.triton import mla_decode as md
+
+    assert md.default_fuse_merge(4, md.FUSE_MERGE_MIN_BATCH) and md.default_fuse_merge(16, 32)
+    assert not md.default_fuse_merge(132, md.FUSE_MERGE_MIN_BATCH - 1) and not md.default_fuse_merge(1, 64)
+    assert not md.default_fuse_merge(8, 16, T=4)
+    res = _check(DEC, batch=md.FUSE_MERGE_MIN_BATCH, context=40, partitions=2, page_size=16)
+    assert "fuse_merge True" in res.ran[-1].notes
+    res = _check(DEC, batch=2, context=40, partitions=2, page_size=16)
+    assert "fuse_merge False" in res.ran[-1].notes
+
+
 def test_decode_fused_merge_plan_and_refusals():
     """The mergers never outnumber the partials nor, over the pairs that merge at once, the SMs; 16-byte slices."""
     from k3lab import components

@@ -103,14 +103,18 @@ DEFAULT_LAZY = None
 
 
 # the merge inside the split (`fuse_merge`, `_tail_merge`): the last programs of a sequence to store merge its partials,
-# no second launch. DEFAULT_FUSE_MERGE (None: the rule, `default_fuse_merge`) forces it either way
+# no second launch. Rule (`default_fuse_merge`): on for one new position from batch FUSE_MERGE_MIN_BATCH (H100, same
+# run, us, two launches / fused: batch 8 8K 37.78 / 35.55, 32K 115.73 / 113.22; 16 65.26 / 62.07, 218.84 / 215.37; 32
+# 120.57 / 115.54, 423.54 / 420.74; below it slower: batch 1 8K 12.12 / 13.05, 2 14.23 / 15.87, 4 32K 64.19 / 65.43;
+# profiles/h100-80gb-hbm3/mla_fused_*.json.gz; docs/NOTES_mla.md); the verify's row groups not measured.
+# DEFAULT_FUSE_MERGE (None: the rule) forces it either way
 DEFAULT_FUSE_MERGE = None
-FUSE_MERGE_MAX_BATCH = 0  # the rule: fused up to this batch (0: never, until measured)
+FUSE_MERGE_MIN_BATCH = 8
 
 
-def default_fuse_merge(K: int, B: int) -> bool:
-    """The fused merge's rule: up to batch FUSE_MERGE_MAX_BATCH (K > 1 partials a sequence)."""
-    return K > 1 and B <= FUSE_MERGE_MAX_BATCH
+def default_fuse_merge(K: int, B: int, T: int = 1) -> bool:
+    """The fused merge's rule: K > 1 partials a sequence, one new position, from batch FUSE_MERGE_MIN_BATCH."""
+    return K > 1 and T == 1 and B >= FUSE_MERGE_MIN_BATCH
 
 
 def default_lazy(T: int, B: int) -> bool:
@@ -808,7 +812,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
     lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
     fuse = K > 1 and merge and (bool(fuse_merge) if fuse_merge is not None else
-                                default_fuse_merge(K, B) if DEFAULT_FUSE_MERGE is None else DEFAULT_FUSE_MERGE)
+                                default_fuse_merge(K, B, T) if DEFAULT_FUSE_MERGE is None else DEFAULT_FUSE_MERGE)
     if fuse:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else NOMINAL_SMS
         NM, ME, MKB = fuse_plan(K, C, min(BM, T * H), sms, dot_f32(), B * G)
