@@ -50,7 +50,13 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
   K = 1 the kernel writes o_lat / lse directly and there is no second kernel. With PDL (default on) each
   program lets the merge / combine launch once its partial is stored.
 
-Kernel 2, `_mla_merge_kernel` (K > 1): o = sum_k exp(lse_k - lse) o_k with lse = log sum_k exp(lse_k),
+The merge inside the split (`fuse_merge`; rule `default_fuse_merge`: one new position from batch 8): once its partial
+is stored each program takes a ticket (an arrival counter per sequence and row group); the last NM to arrive wait for
+the rest, then each merges units of one output row's E columns over the K partials (read past L1) into o_lat / lse,
+and the last of them resets the counters. NM stays at or under the SMs over the pairs merging at once, so the programs
+still to arrive always find a slot. No second launch.
+
+Kernel 2, `_mla_merge_kernel` (K > 1, not fused): o = sum_k exp(lse_k - lse) o_k with lse = log sum_k exp(lse_k),
 one pass with a running max; empty partials weigh 0. Grid (B*T*H / RB, C / BC): on a GPU one (b, t, h)
 row and 32 columns a program (192 programs at batch 1, 12 heads), up to 256 partials in one step: one L2
 round trip for K <= 256. (k3lab.components.mla.verify skips it: k3lab_kernels.triton.mla_combine merges
