@@ -26,10 +26,20 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
     defaults = dict(C=512, DR=64, CP=512, DRP=64, W=576, HR=12, BM=16, BN=32, PAGED=True, PAGE=64, SCALE_MODE=0,
                     CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, HOST_CHUNK=True, PDL=False, WAIT=False,
                     KS=1, LAZY=False, FUSE=False, ME=16, MKB=1)
+    # the integer arguments' values at batch 1 / 8K (page 64, 12 heads, T = 1, 132 pieces of 64): the JIT makes a 1
+    # a constant and marks multiples of 16 divisible (the strides: 16-byte query loads); INTS=0 compiles them unknown
+    ints = dict(s_qb=6144, s_qt=6144, s_qh=512, s_rb=768, s_rt=768, s_rh=64, s_kvb=0, s_sb=0, s_btb=129, T=1, H=12,
+                P=132, NS=1, G=1, CHUNK=64, MAXPG=129, NM=1)
+    ints.update({k: over.pop(k) for k in list(over) if k in ints})
+    spec = os.environ.get("INTS", "1") != "0"
     defaults.update(over)
+    div16 = []
     for name in fn.arg_names:
         p = fn.params[fn.arg_names.index(name)]
-        if p.is_constexpr:
+        if spec and name in ints and ints[name] == 1:
+            consts[name] = 1
+            sig[name] = "constexpr"
+        elif p.is_constexpr:
             consts[name] = defaults[name]
             sig[name] = "constexpr"
         elif name in ("q_lat", "q_rope", "kv"):
@@ -44,8 +54,10 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
             raise SystemExit("descriptor args: compile on the GPU")
         else:
             sig[name] = "i32"
+            if spec and name in ints and ints[name] % 16 == 0:
+                div16.append(name)
     # pointers 16-byte aligned, as the JIT specializes them (without it no load is vectorized or pipelined)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(sig.values()) if v.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v.startswith("*") or k in div16}
     src = ASTSource(fn, sig, consts, attrs)
     ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
                                                                             num_stages=num_stages))
