@@ -216,17 +216,19 @@ def test_decode_larger(shape):
     _check(DEC, **shape)
 
 
-def test_merge_kernel_gpu_tiling():
-    """The merge at its GPU tiling (one row, 128 columns, 32 partials a step; the interpreter's default
-    takes 16 rows and all columns), K = 40 with empty partials."""
+@pytest.mark.parametrize("C,rows,block_c,block_k", [(512, 1, 128, 32), (512, 1, 32, 256), (96, 3, 64, 16)])
+def test_merge_kernel_gpu_tiling(C, rows, block_c, block_k):
+    """The merge at GPU tilings (one row, 128 or 32 columns, 32 or all partials a step; the interpreter's default
+    takes 16 rows and all columns), and columns that do not divide into the program's (C = 96 by 64, three rows a
+    program over six), K = 40 with empty partials."""
     from k3lab.ref.mla import merge_stacked
     from k3lab_kernels.triton.mla_decode import merge_partials
 
     g = torch.Generator().manual_seed(2)
-    o, lse = torch.randn(2, 40, 1, 3, 512, generator=g), torch.randn(2, 40, 1, 3, generator=g) * 3
+    o, lse = torch.randn(2, 40, 1, 3, C, generator=g), torch.randn(2, 40, 1, 3, generator=g) * 3
     o[:, 5:9], lse[:, 5:9] = 0.0, float("-inf")
-    out, lo = torch.full((2, 1, 3, 512), float("nan")), torch.full((2, 1, 3), float("nan"))
-    merge_partials(o, lse, out, lo, rows=1, block_c=128, block_k=32)
+    out, lo = torch.full((2, 1, 3, C), float("nan")), torch.full((2, 1, 3), float("nan"))
+    merge_partials(o, lse, out, lo, rows=rows, block_c=block_c, block_k=block_k)
     wo, wl = merge_stacked(o.double(), lse.double())
     assert float((out.double() - wo).norm() / wo.norm()) < 1e-6
     assert float((lo.double() - wl).abs().max()) < 1e-5

@@ -470,21 +470,25 @@ def _mla_split_kernel(
 
 @triton.jit
 def _merge_unit(o_part, lse_part, o_out, lse_out, b, K, TH, row, c0,
-                C: tl.constexpr, E: tl.constexpr, KB: tl.constexpr):
-    """Columns [c0, c0 + E) of output row `row` (= t * H + h) merged over the K partials in one pass (a running
-    max, as the merge kernel), KB partials a step, read past L1 (.cg: other SMs wrote them); c0 = 0 writes the
-    row's lse."""
+                C: tl.constexpr, E: tl.constexpr, KB: tl.constexpr, EVEN: tl.constexpr):
+    """Columns [c0, c0 + E) of sequence b's output row `row` (= t * H + h) merged over its K partials: o = sum_k
+    exp(lse_k - lse) o_k, lse = log sum_k exp(lse_k), in one pass (a running max rescales what is summed so far; the
+    lse and o loads of a step are issued together), KB partials a step, read past L1 (.cg: the split kernel's
+    programs on other SMs wrote them); empty partials weigh 0; c0 = 0 writes the row's lse. EVEN: C % E == 0 (no
+    column mask: vector loads along the row). The merge kernel's and the fused merge's body."""
     cols = c0 + tl.arange(0, E)
     cm = cols < C
     m = tl.full([1], float("-inf"), tl.float32)
     den = tl.zeros([1], tl.float32)
     acc = tl.zeros([E], tl.float32)
+    first = b.to(tl.int64) * K * TH + row  # partial 0 of the row; partial k is k * TH rows on (int32 offsets)
+    lrow = lse_part + first
+    orow0 = o_part + first * C + cols
     for k0 in range(0, K, KB):
         kb = k0 + tl.arange(0, KB)
         km = kb < K
-        prow = (b.to(tl.int64) * K + kb) * TH + row  # [KB]
-        lb = tl.load(lse_part + prow, mask=km, other=float("-inf"), cache_modifier=".cg")
-        ob = tl.load(o_part + prow[:, None] * C + cols[None, :], mask=km[:, None] & cm[None, :], other=0.0,
+        lb = tl.load(lrow + kb * TH, mask=km, other=float("-inf"), cache_modifier=".cg")
+        ob = tl.load(orow0[None, :] + (kb * (TH * C))[:, None], mask=_mask2(km, cm, EVEN), other=0.0,
                      cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lb, 0))
         mu = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -495,7 +499,10 @@ def _merge_unit(o_part, lse_part, o_out, lse_out, b, K, TH, row, c0,
         m = m_new
     has = den > 0.0
     orow = b.to(tl.int64) * TH + row
-    tl.store(o_out + orow * C + cols, acc / tl.where(has, den, 1.0), mask=cm)
+    if EVEN:
+        tl.store(o_out + orow * C + cols, acc / tl.where(has, den, 1.0))
+    else:
+        tl.store(o_out + orow * C + cols, acc / tl.where(has, den, 1.0), mask=cm)
     if c0 == 0:
         mu = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(has, mu + tl.log(tl.where(has, den, 1.0)), float("-inf"))
@@ -521,7 +528,8 @@ def _tail_merge(o_part, lse_part, o_out, lse_out, tk, b, K, T, H, t, h, row_ok, 
     if INTERP:
         if old == K - 1:
             for q in range(0, n_units):
-                _merge_unit(o_part, lse_part, o_out, lse_out, b, K, T * H, lo + q // UR, (q % UR) * E, C, E, KB)
+                _merge_unit(o_part, lse_part, o_out, lse_out, b, K, T * H, lo + q // UR, (q % UR) * E, C, E, KB,
+                            C % E == 0)
             tl.atomic_xchg(tk, 0)
     else:
         u = old - (K - NM)
@@ -534,52 +542,24 @@ def _tail_merge(o_part, lse_part, o_out, lse_out, tk, b, K, T, H, t, h, row_ok, 
                 tl.atomic_xchg(tk + 1, 0, sem="relaxed")
                 tl.atomic_xchg(tk, 0, sem="relaxed")
             for q in range(u, n_units, NM):
-                _merge_unit(o_part, lse_part, o_out, lse_out, b, K, T * H, lo + q // UR, (q % UR) * E, C, E, KB)
+                _merge_unit(o_part, lse_part, o_out, lse_out, b, K, T * H, lo + q // UR, (q % UR) * E, C, E, KB,
+                            C % E == 0)
 
 
 @triton.jit
 def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
                       C: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, EVEN: tl.constexpr,
                       PDL: tl.constexpr):
-    """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for
-    RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials a step, in ONE pass (a running
-    max rescales what is summed so far: the lse and o loads of a step are issued together)."""
+    """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for RB rows
+    (b, th) (th = t * H + h) and BC columns a program, KB partials a step (`_merge_unit`, one row at a time)."""
     if PDL:  # launched with PDL: the split's partials are complete and visible after this
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
-    rows = tl.program_id(0) * RB + tl.arange(0, RB)
-    cb = tl.program_id(1)
-    rok = rows < NR
-    b = rows // TH
-    base = b.to(tl.int64) * K * TH + rows % TH  # [RB]: partial k of row at base + k * TH
-    kk = tl.arange(0, KB)
-    cols = cb * BC + tl.arange(0, BC)
-    cm = cols < C
-    m = tl.full([RB], float("-inf"), tl.float32)
-    den = tl.zeros([RB], tl.float32)
-    acc = tl.zeros([RB, BC], tl.float32)
-    for k0 in range(0, K, KB):
-        km = rok[:, None] & (k0 + kk < K)[None, :]
-        off = base[:, None] + (k0 + kk)[None, :] * TH
-        lk = tl.load(lse_part + off, mask=km, other=float("-inf"))
-        if EVEN:  # C % BC == 0: no column mask (vector loads along the row)
-            omask = km[:, :, None]
-        else:
-            omask = km[:, :, None] & cm[None, None, :]
-        ok = tl.load(o_part + off[:, :, None] * C + cols[None, None, :], mask=omask, other=0.0)
-        m_new = tl.maximum(m, tl.max(lk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)  # 0 while m = -inf (nothing summed yet)
-        w = tl.exp(lk - m_use[:, None])
-        den = den * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * ok, 1)
-        m = m_new
-    has = den > 0.0
-    o = acc / tl.where(has, den, 1.0)[:, None]
-    tl.store(o_lat + rows.to(tl.int64)[:, None] * C + cols[None, :], o, mask=_mask2(rok, cm, EVEN))
-    if cb == 0:
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        tl.store(lse_out + rows, tl.where(has, m_use + tl.log(tl.where(has, den, 1.0)), float("-inf")), mask=rok)
+    c0 = tl.program_id(1) * BC
+    for i in tl.static_range(RB):
+        r = tl.program_id(0) * RB + i
+        if r < NR:
+            _merge_unit(o_part, lse_part, o_lat, lse_out, r // TH, K, TH, r % TH, c0, C, BC, KB, EVEN)
 
 
 # ---- launch helpers ------------------------------------------------------------------------------
@@ -819,15 +799,17 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
     fuse = K > 1 and merge and (bool(fuse_merge) if fuse_merge is not None else
                                 default_fuse_merge(K, B, T) if DEFAULT_FUSE_MERGE is None else DEFAULT_FUSE_MERGE)
+    if not direct and merge:  # the merged results (written by the split's mergers or by the merge kernel)
+        o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
+        l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    else:
+        o_out, l_out = o_dst, l_dst
     if fuse:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else NOMINAL_SMS
         NM, ME, MKB = fuse_plan(K, C, min(BM, T * H), sms, dot_f32(), B * G)
-        o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
-        l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
         tk = tickets(dev, B * G)
     else:
-        NM, ME, MKB = 1, 16, 1
-        o_out, l_out, tk = o_dst, l_dst, lengths  # unused pointers
+        NM, ME, MKB, tk = 1, 16, 1, lengths  # tk: an unused pointer
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
                         num_stages=stages, lazy=lz, fuse_merge=fuse)
@@ -845,11 +827,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     )
     if direct or not merge:
         return o_dst, l_dst
-    if fuse:
-        return o_out, l_out
-    o_out = o_lat if o_lat is not None else torch.empty(B, T, H, C, dtype=torch.float32, device=dev)
-    l_out = lse if lse is not None else torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    merge_partials(o_dst, l_dst, o_out, l_out, pdl=pdl)
+    if not fuse:
+        merge_partials(o_dst, l_dst, o_out, l_out, pdl=pdl)
     return o_out, l_out
 
 
