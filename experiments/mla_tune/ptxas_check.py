@@ -93,7 +93,11 @@ if __name__ == "__main__":
                             os.path.join(tmp, "k.cubin")], check=True)
             sass = subprocess.run([os.path.join(nv, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
                                   capture_output=True, text=True).stdout
-        for d in loop_mix(sass):
+        addrs = [int(a, 16) for a in re.findall(r"/\*([0-9a-f]{4,})\*/\s+[@A-Z]", sass)]
+        loops = loop_mix(sass)
+        end = max((d["end"] for d in loops), default=0)
+        print(f"  SASS: {len(addrs)} instructions, {sum(a > end for a in addrs)} after the last loop")
+        for d in loops:
             print(f"  loop {d['start']:#x}-{d['end']:#x}: {d['instructions']} instructions; "
                   + ", ".join(f"{k} {v}" for k, v in list(d["mix"].items())[:10]))
     if os.environ.get("DUMP"):

@@ -294,9 +294,9 @@ def _weights_bf16(pw, tok, SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _normed(a, den, ts, SCALE_MODE: tl.constexpr):
-    """The partial's output columns: acc / l (times the per-tensor scale)."""
-    o = a / den[:, None]
+def _normed(a, rden, ts, SCALE_MODE: tl.constexpr):
+    """The partial's output columns: acc / l as acc * (1 / l), one reciprocal a row (times the per-tensor scale)."""
+    o = a * rden[:, None]
     if SCALE_MODE == 1:
         o = o * ts
     return o
@@ -450,16 +450,17 @@ def _mla_split_kernel(
     has = l > 0.0
     den = tl.where(has, l, 1.0)
     lse = tl.where(has, (m + tl.log2(den)) * 0.6931471805599453, float("-inf"))
+    rden = 1.0 / den
     k = r * P + p
     orow = ((b.to(tl.int64) * K + k) * T + t) * H + h
     optr = o_part + orow[:, None] * C
     if KS == 1:
-        tl.store(optr + cc[None, :], _normed(a0, den, ts, SCALE_MODE), mask=_mask2(row_ok, c_ok, CP == C))
+        tl.store(optr + cc[None, :], _normed(a0, rden, ts, SCALE_MODE), mask=_mask2(row_ok, c_ok, CP == C))
     else:
-        tl.store(optr + cw[None, :], _normed(a0, den, ts, SCALE_MODE), mask=row_ok[:, None])
-        tl.store(optr + CW + cw[None, :], _normed(a1, den, ts, SCALE_MODE), mask=row_ok[:, None])
-        tl.store(optr + 2 * CW + cw[None, :], _normed(a2, den, ts, SCALE_MODE), mask=row_ok[:, None])
-        tl.store(optr + 3 * CW + cw[None, :], _normed(a3, den, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + cw[None, :], _normed(a0, rden, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + CW + cw[None, :], _normed(a1, rden, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + 2 * CW + cw[None, :], _normed(a2, rden, ts, SCALE_MODE), mask=row_ok[:, None])
+        tl.store(optr + 3 * CW + cw[None, :], _normed(a3, rden, ts, SCALE_MODE), mask=row_ok[:, None])
     tl.store(lse_part + orow, lse, mask=row_ok)
     if PDL:  # this program's results are stored: let the next kernel (merge / combine, launched with PDL) start
         tl.extra.cuda.gdc_launch_dependents()
