@@ -97,6 +97,15 @@ if __name__ == "__main__":
         loops = loop_mix(sass)
         end = max((d["end"] for d in loops), default=0)
         print(f"  SASS: {len(addrs)} instructions, {sum(a > end for a in addrs)} after the last loop")
+        if os.environ.get("MIX"):  # the opcodes before the first loop and after the last one
+            start = min((d["start"] for d in loops), default=0)
+            ops = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+            for name, keep in (("before", lambda a: a < start), ("after", lambda a: a > end)):
+                mix: dict[str, int] = {}
+                for a, o in ops:
+                    if keep(int(a, 16)):
+                        mix[o] = mix.get(o, 0) + 1
+                print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1])))
         for d in loops:
             print(f"  loop {d['start']:#x}-{d['end']:#x}: {d['instructions']} instructions; "
                   + ", ".join(f"{k} {v}" for k, v in list(d["mix"].items())[:10]))
