@@ -216,11 +216,11 @@ def test_decode_larger(shape):
     _check(DEC, **shape)
 
 
-@pytest.mark.parametrize("C,rows,block_c,block_k", [(512, 1, 128, 32), (512, 1, 32, 256), (96, 3, 64, 16)])
+@pytest.mark.parametrize("C,rows,block_c,block_k", [(512, 1, 128, 32), (512, 1, 32, 256), (96, 4, 64, 16)])
 def test_merge_kernel_gpu_tiling(C, rows, block_c, block_k):
     """The merge at GPU tilings (one row, 128 or 32 columns, 32 or all partials a step; the interpreter's default
-    takes 16 rows and all columns), and columns that do not divide into the program's (C = 96 by 64, three rows a
-    program over six), K = 40 with empty partials."""
+    takes 16 rows and all columns), and columns and rows that do not divide into the program's (C = 96 by 64, four
+    rows a program over six), K = 40 with empty partials."""
     from k3lab.ref.mla import merge_stacked
     from k3lab_kernels.triton.mla_decode import merge_partials
 
@@ -232,6 +232,14 @@ def test_merge_kernel_gpu_tiling(C, rows, block_c, block_k):
     wo, wl = merge_stacked(o.double(), lse.double())
     assert float((out.double() - wo).norm() / wo.norm()) < 1e-6
     assert float((lo.double() - wl).abs().max()) < 1e-5
+
+
+def test_merge_kernel_rows_must_be_a_power_of_two():
+    from k3lab_kernels.triton.mla_decode import merge_partials
+
+    o, lse = torch.zeros(1, 4, 1, 3, 64), torch.zeros(1, 4, 1, 3)
+    with pytest.raises(ValueError, match="rows must be a power of two"):
+        merge_partials(o, lse, torch.empty(1, 1, 3, 64), torch.empty(1, 1, 3), rows=3)
 
 
 # ---- combine -----------------------------------------------------------------------------------------

@@ -476,7 +476,7 @@ def _merge_unit(o_part, lse_part, o_out, lse_out, b, K, TH, row, c0,
     exp(lse_k - lse) o_k, lse = log sum_k exp(lse_k), in one pass (a running max rescales what is summed so far; the
     lse and o loads of a step are issued together), KB partials a step, read past L1 (.cg: the split kernel's
     programs on other SMs wrote them); empty partials weigh 0; c0 = 0 writes the row's lse. EVEN: C % E == 0 (no
-    column mask: vector loads along the row). The merge kernel's and the fused merge's body."""
+    column mask: vector loads along the row). The fused merge's body."""
     cols = c0 + tl.arange(0, E)
     cm = cols < C
     m = tl.full([1], float("-inf"), tl.float32)
@@ -551,16 +551,46 @@ def _tail_merge(o_part, lse_part, o_out, lse_out, tk, b, K, T, H, t, h, row_ok, 
 def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
                       C: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, KB: tl.constexpr, EVEN: tl.constexpr,
                       PDL: tl.constexpr):
-    """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for RB rows
-    (b, th) (th = t * H + h) and BC columns a program, KB partials a step (`_merge_unit`, one row at a time)."""
+    """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for
+    RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials a step, in ONE pass (a running
+    max rescales what is summed so far: the lse and o loads of a step are issued together). Its own body, not
+    `_merge_unit` one row at a time: that form cost batch 1 / 1K 0.3 us (docs/NOTES_mla.md, fiftieth section)."""
     if PDL:  # launched with PDL: the split's partials are complete and visible after this
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
-    c0 = tl.program_id(1) * BC
-    for i in tl.static_range(RB):
-        r = tl.program_id(0) * RB + i
-        if r < NR:
-            _merge_unit(o_part, lse_part, o_lat, lse_out, r // TH, K, TH, r % TH, c0, C, BC, KB, EVEN)
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)
+    cb = tl.program_id(1)
+    rok = rows < NR
+    b = rows // TH
+    base = b.to(tl.int64) * K * TH + rows % TH  # [RB]: partial k of row at base + k * TH
+    kk = tl.arange(0, KB)
+    cols = cb * BC + tl.arange(0, BC)
+    cm = cols < C
+    m = tl.full([RB], float("-inf"), tl.float32)
+    den = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, BC], tl.float32)
+    for k0 in range(0, K, KB):
+        km = rok[:, None] & (k0 + kk < K)[None, :]
+        off = base[:, None] + (k0 + kk)[None, :] * TH
+        lk = tl.load(lse_part + off, mask=km, other=float("-inf"))
+        if EVEN:  # C % BC == 0: no column mask (vector loads along the row)
+            omask = km[:, :, None]
+        else:
+            omask = km[:, :, None] & cm[None, None, :]
+        ok = tl.load(o_part + off[:, :, None] * C + cols[None, None, :], mask=omask, other=0.0)
+        m_new = tl.maximum(m, tl.max(lk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)  # 0 while m = -inf (nothing summed yet)
+        w = tl.exp(lk - m_use[:, None])
+        den = den * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * ok, 1)
+        m = m_new
+    has = den > 0.0
+    o = acc / tl.where(has, den, 1.0)[:, None]
+    tl.store(o_lat + rows.to(tl.int64)[:, None] * C + cols[None, :], o, mask=_mask2(rok, cm, EVEN))
+    if cb == 0:
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        tl.store(lse_out + rows, tl.where(has, m_use + tl.log(tl.where(has, den, 1.0)), float("-inf")), mask=rok)
 
 
 # ---- launch helpers ------------------------------------------------------------------------------
@@ -842,6 +872,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, o_lat: torch.Te
     K <= 256); the interpreter takes 16 rows and all columns a program (its cost is per program)."""
     B, K, T, H, C = o_part.shape
     interp = dot_f32()
+    if rows is not None and (rows < 1 or rows & (rows - 1)):
+        raise ValueError(f"merge_partials: rows must be a power of two (rows a program), got {rows}")
     RB = rows or (16 if interp else 1)
     BC = min(block_c or (C if interp else MERGE_BLOCK_C), _pow2(C))
     KB = min(block_k or (64 if interp else max(32, 8192 // BC)), _pow2(K))
