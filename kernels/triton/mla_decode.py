@@ -554,7 +554,7 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
     """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for
     RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials a step, in ONE pass (a running
     max rescales what is summed so far: the lse and o loads of a step are issued together). Its own body, not
-    `_merge_unit` one row at a time: that form cost batch 1 / 1K 0.3 us (docs/NOTES_mla.md, fiftieth section)."""
+    `_merge_unit` one row at a time (slower at batch 1: docs/NOTES_mla.md, fiftieth section)."""
     if PDL:  # launched with PDL: the split's partials are complete and visible after this
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
