@@ -4,7 +4,7 @@
 #   git archive REV k3lab kernels data pyproject.toml | tar -x -C DIR && mv DIR/kernels DIR/k3lab_kernels
 # and carried (list DIR in .git/info/exclude). Fiftieth session: ab_old = b0537fe~1 (the merge kernel's own body,
 # the split dividing a value at a time), ab_mid = b0537fe (the shared _merge_unit), "." the split's reciprocal.
-# Bundles $OUT/ab/<arm>_r<round> (rounds R0+1..R0+ROUNDS); a table of medians last. Any GPU; nothing else carried.
+# Bundles $OUT/ab/<arm>_r<round> (rounds R0+1..R0+ROUNDS), packed into $OUT/ab_r<R0+1>.tgz; a table of medians last. Any GPU; nothing else carried.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 O="$OUT/ab"; mkdir -p "$O"
@@ -42,3 +42,6 @@ print("case".ljust(60), *(a.rjust(16) for a in arms))
 for c, v in rows.items():
     print(c[:60].ljust(60), *(("/".join(f"{x:.2f}" for x in v.get(a, []))).rjust(16) for a in arms))
 PY
+# the device returns a bounded number of files a call: one archive holds every bundle (PACK=0 leaves them as they are)
+[ "${PACK:-1}" = 1 ] && tar czf "$OUT/ab_r$((${R0:-0} + 1)).tgz" -C "$OUT" ab && rm -rf "${O:?}"
+exit 0
