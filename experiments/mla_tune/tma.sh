@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The MLA split's cache blocks through tensor descriptors (option `tma`, off by default until this runs) against the
 # pointer loads, one device call on any GPU, no .gpu/ archive: T = 1, 12 heads, batch 1 / 16 / 32 at 8K and 32K, the
-# contiguous cache (the step's: the descriptor loop multi-buffered) and page 64 (a page index a block in the loop,
-# one buffer); two rounds. Bundles mla_tma_r<N> under $OUT/mla_tma, packed into $OUT/mla_tma.tgz; a short table last.
+# contiguous cache (the step's) and page 64 (page indices preloaded, as the pointer loop takes them); two rounds.
+# Bundles mla_tma_r<N> under $OUT/mla_tma, packed into $OUT/mla_tma.tgz; a short table last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

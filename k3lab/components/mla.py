@@ -326,12 +326,12 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             from k3lab_kernels.triton.mla_decode import default_block_n, rows_per_program, tma_problem
 
             paged = isinstance(cache, PagedMLACache)
-            bn = block_n or default_block_n(rows_per_program(T, H, pad_heads, block_m, B)[1], B, False)
+            bm = rows_per_program(T, H, pad_heads, block_m, B)[1]
+            bn = block_n or default_block_n(bm, B, paged and dcp == 1 and cache.page_size % 32 == 0
+                                            and preload_pages != 0)
             why = tma_problem(C, q_rope.shape[-1], cache.dtype, dcp, cache.page_size if paged else None, bn)
             if why is not None:
                 _fail("tma", f"True needs {why}")
-            if preload_pages:
-                _fail("tma", "True loads one page index a block: preload_pages must be None or 0")
             if ksplit == 1:
                 _fail("tma", "True reads four latent pieces: ksplit must be None or 4")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,

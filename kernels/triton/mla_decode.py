@@ -427,22 +427,43 @@ def _mla_split_kernel(
         # addresses come from registers, not from a load in the loop, so the pipeliner multi-buffers the rows
         # (num_stages - 1 blocks in flight; with the index loaded in the loop it keeps one buffer)
         pg_hi = (hi + PAGE - 1) // PAGE
+        if TMA:  # the whole blocks here through the descriptors (row from the preloaded index), the partial one after
+            w_hi = lo + tl.maximum(hi - lo, 0) // BN * BN
+        else:
+            w_hi = hi
         for pg0 in range(lo // PAGE, pg_hi, NPG):
             later = (pg0 + pp < pg_hi) & (pp + pg0 != pp + lo // PAGE)  # the first step's indices are `first`
             pages = tl.where(pg0 == lo // PAGE, first, tl.load(block_table + b * s_btb + pg0 + pp, mask=later, other=0))
-            for start in range(tl.maximum(lo, pg0 * PAGE), tl.minimum(hi, (pg0 + NPG) * PAGE), BN):
+            for start in range(tl.maximum(lo, pg0 * PAGE), tl.minimum(w_hi, (pg0 + NPG) * PAGE), BN):
                 j = start + tl.arange(0, BN)
                 ok = j < hi
                 page = tl.sum(tl.where(pp == start // PAGE - pg0, pages, 0))
-                row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
-                base = kv + row[:, None] * W
-                kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
-                if SCALE_MODE == 2:
-                    tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
+                if TMA:
+                    row0 = page * PAGE + start % PAGE
+                    m, l, a0, a1, a2, a3 = _attend_tile(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3,
+                                                        kv_dc.load([row0, 0]), kv_dc.load([row0, CW]),
+                                                        kv_dc.load([row0, 2 * CW]), kv_dc.load([row0, 3 * CW]),
+                                                        kv_dr.load([row0, C]), j, ok, limit, 0.0, qk_scale,
+                                                        SCALE_MODE, DOT_F32, KS, LAZY)
                 else:
-                    tok = 0.0
+                    row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
+                    base = kv + row[:, None] * W
+                    kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+                    if SCALE_MODE == 2:
+                        tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
+                    else:
+                        tok = 0.0
+                    m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
+                                                        _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
+                                                        SCALE_MODE, DOT_F32, KS, CW, LAZY)
+        if TMA:  # the partial last block: its page index from the table (lo = -1: no preloaded first index)
+            for start in tl.range(w_hi, hi, BN, num_stages=1):
+                j = start + tl.arange(0, BN)
+                ok = j < hi
+                base, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, 0, 1, rr, r_ok, -1, 0,
+                                          C, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
                 m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
-                                                    _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
+                                                    _mask2(ok, c_ok, CP == C), kr, j, ok, limit, 0.0, qk_scale,
                                                     SCALE_MODE, DOT_F32, KS, CW, LAZY)
     else:
         t_lo = lo
@@ -833,8 +854,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     before lengths is read, so each program loads its first page indices at once. ksplit: the latent columns'
     pieces, 1 or 4 (DEFAULT_KSPLIT, else `default_ksplit`, when None; 4 only where `ksplit_takes(C)`: the rule's
     4 elsewhere runs one piece, an explicit 4 there is refused by the component). tma: the piece's whole cache blocks
-    through tensor descriptors (the copy engine; four latent pieces, no page-index preload; None: DEFAULT_TMA);
-    refused where `tma_problem` names what it lacks."""
+    through tensor descriptors (the copy engine; four latent pieces; None: DEFAULT_TMA); refused where
+    `tma_problem` names what it lacks."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -847,8 +868,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                                  n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
     use_tma = bool(tma) if tma is not None else bool(DEFAULT_TMA)
-    BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0
-                                    and not use_tma)
+    BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
     K = dcp * partitions
     dev = q_lat.device
     direct = K == 1 and merge
@@ -872,11 +892,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         why = tma_problem(C, DR, kv.dtype, dcp, page if paged else None, BN)
         if why is not None:
             raise ValueError(f"mla_decode: tma=True needs {why}")
-        if preload_pages:
-            raise ValueError("mla_decode: tma=True loads a page index a block (preload_pages must be None or 0)")
         if ksplit == 1:
             raise ValueError("mla_decode: tma=True reads four latent pieces (ksplit must be None or 4)")
-        preload_pages = 0
     if not page_rows:
         npg = 0
     elif preload_pages is not None:
