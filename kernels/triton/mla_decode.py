@@ -37,6 +37,9 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     a piece has >= 4 blocks, the piece's page indices are loaded NPG = 64 at a time before the block loop
     (the block's index is picked from registers), and num_stages = 3 double-buffers the rows: one block
     streams while the previous one is multiplied.
+  * Option `tma` (off: not yet timed, docs/NOTES_mla.md): the whole blocks through two tensor descriptors over
+    the cache rows instead (the four latent pieces and the rope, five copy-engine loads a block; bf16, no DCP, a
+    block in one page); the sequence's partial last block through the pointer loads.
   * fp8 e4m3 cache: the tile is converted to bf16 in registers (exact). Scale scheme: PER-TENSOR, one fp32
     scale (0-d tensor, read in the kernel: no host sync) folded into the score scale and applied to o
     once at the end; PER-TOKEN, one fp32 scale per cache row ([B, S_max] contiguous, [n_pages, PAGE]
