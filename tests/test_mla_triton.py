@@ -481,36 +481,3 @@ def test_partition_limits_agree():
     from k3lab_kernels.triton import mla_decode as kern
 
     assert comp.MAX_PARTITIONS == kern.MAX_PARTITIONS
-
-
-@pytest.mark.parametrize("shape", [
-    dict(context=70, batch=2, ragged=True, partitions=2, page_size=0),       # contiguous, partial last blocks
-    dict(context=130, batch=2, ragged=True, partitions=3, page_size=64),     # a page index a block, pieces of 64
-    dict(context=20, partitions=1, page_size=64),                           # shorter than a block: the tail only
-    dict(context=45, T=4, partitions=2, page_size=64),                      # 48 rows, three row groups
-    dict(context=3, partitions=16, page_size=0, T=2),                       # most pieces empty
-], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
-def test_decode_tma(shape):
-    """`tma`: the piece's whole blocks through tensor descriptors (four latent pieces and the rope a block), the
-    sequence's partial last block through the pointer loop; the caches' unused rows hold NaN, so a whole-block
-    copy past a history would fail. Also 16-position blocks in 16-row pages."""
-    for fuse in (None, True):
-        res = _check(DEC, options=dict(tma=True, fuse_merge=fuse), **shape)
-        assert "tma True" in res.ran[-1].notes
-    if shape["page_size"] == 64:
-        _check(DEC, options=dict(tma=True, block_n=16), **dict(shape, page_size=16))
-        _check(DEC, options=dict(tma=True, preload_pages=0), **shape)  # the page index loaded a block
-
-
-@pytest.mark.parametrize("shape,options,why", [
-    (dict(kv_dtype="fp8", fp8_scale="tensor", page_size=0), {}, "bf16 cache"),
-    (dict(dcp=2, page_size=0), {}, "no DCP"),
-    (dict(page_size=16), {}, "multiple of block_n"),
-    (dict(page_size=64), dict(ksplit=1), "ksplit must be None or 4"),
-])
-def test_decode_tma_refused(shape, options, why):
-    """tma=True where the descriptors cannot read the cache is refused by name, never run another way."""
-    case = DEC.case(context=40, partitions=2, **shape)
-    d = DEC.make_inputs(case, 0, "cpu")
-    with pytest.raises(ValueError, match=f"tma.*{why}"):
-        DEC.call(d, case, "triton", dict(tma=True, **options))

@@ -25,7 +25,7 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
     sig, consts = {}, {}
     defaults = dict(C=512, DR=64, CP=512, DRP=64, W=576, HR=12, BM=16, BN=32, PAGED=True, PAGE=64, SCALE_MODE=0,
                     CONTIG_SHARDS=False, DOT_F32=False, PAGE_ROWS=True, NPG=64, HOST_CHUNK=True, PDL=False, WAIT=False,
-                    KS=1, LAZY=False, FUSE=False, ME=16, MKB=1, TMA=False, LOOP_STAGES=None)
+                    KS=1, LAZY=False, FUSE=False, ME=16, MKB=1)
     # the integer arguments' values at batch 1 / 8K (page 64, 12 heads, T = 1, 132 pieces of 64): the JIT makes a 1
     # a constant and marks multiples of 16 divisible (the strides: 16-byte query loads); INTS=0 compiles them unknown
     ints = dict(s_qb=6144, s_qt=6144, s_qh=512, s_rb=768, s_rt=768, s_rh=64, s_kvb=0, s_sb=0, s_btb=129, T=1, H=12,
@@ -33,8 +33,6 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
     ints.update({k: over.pop(k) for k in list(over) if k in ints})
     spec = os.environ.get("INTS", "1") != "0"
     defaults.update(over)
-    if defaults["LOOP_STAGES"] is None:  # as the wrapper passes it: the launch's stages, one with TMA
-        defaults["LOOP_STAGES"] = 1 if defaults["TMA"] else num_stages
     div16 = []
     for name in fn.arg_names:
         p = fn.params[fn.arg_names.index(name)]
@@ -46,9 +44,6 @@ def compile_split(kernel=None, num_warps=4, num_stages=2, **over):
             sig[name] = "constexpr"
         elif name in ("q_lat", "q_rope", "kv"):
             sig[name] = "*bf16"
-        elif name in ("kv_dc", "kv_dr"):  # tensor descriptors with TMA (the blocks' latent pieces / rope), else kv
-            cols = defaults["C"] // 4 if name == "kv_dc" else defaults["DR"]
-            sig[name] = f"tensordesc<bf16[{defaults['BN']}, {cols}]>" if defaults["TMA"] else "*bf16"
         elif name in ("kv_scale", "o_part", "lse_part", "o_lat", "lse_out", "o_out", "ws"):
             sig[name] = "*fp32"
         elif name in ("block_table", "lengths", "ticket", "tickets"):

@@ -202,7 +202,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
            block_m: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
            pdl: bool | None = None, preload_pages: int | None = None, host_chunk: bool | None = None,
            ksplit: int | None = None, lazy: bool | None = None, fuse_merge: bool | None = None,
-           tma: bool | None = None, cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
+           cluster: int | None = None, stages: int | None = None, pipe: bool | None = None,
            ran: list | None = None):
     """Attention of q_lat [B,T,H,C] / q_rope [B,T,H,Dr] over `cache` (entries of the T new positions
     already written), query t of sequence b seeing positions <= lengths[b] + t. Returns (o_lat [B,T,H,C],
@@ -234,7 +234,7 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
     for name, v in (("cluster", cluster), ("stages", stages), ("pipe", pipe)):
         if v is not None and be != "cute":
             _fail(name, f"is an option of backend 'cute', not {be!r}")
-    for name, v in (("lazy", lazy), ("fuse_merge", fuse_merge), ("tma", tma)):
+    for name, v in (("lazy", lazy), ("fuse_merge", fuse_merge)):
         if v is not None and be != "triton":
             _fail(name, f"is an option of backend 'triton', not {be!r}")
         if v is not None and not isinstance(v, bool):
@@ -322,21 +322,9 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
             _fail("ksplit", f"must be None (the kernel's default) or one of {KSPLIT_ALLOWED}, got {ksplit!r}")
         if ksplit == 4 and not ksplit_takes(C):
             _fail("ksplit", f"4 needs a latent width that is a power of two and a multiple of 64, got C={C}")
-        if tma:
-            from k3lab_kernels.triton.mla_decode import default_block_n, rows_per_program, tma_problem
-
-            paged = isinstance(cache, PagedMLACache)
-            bm = rows_per_program(T, H, pad_heads, block_m, B)[1]
-            bn = block_n or default_block_n(bm, B, paged and dcp == 1 and cache.page_size % 32 == 0
-                                            and preload_pages != 0)
-            why = tma_problem(C, q_rope.shape[-1], cache.dtype, dcp, cache.page_size if paged else None, bn)
-            if why is not None:
-                _fail("tma", f"True needs {why}")
-            if ksplit == 1:
-                _fail("tma", "True reads four latent pieces: ksplit must be None or 4")
         knobs = dict(block_n=block_n, block_m=block_m, num_warps=num_warps, num_stages=num_stages,
                      pdl=_pdl(pdl), preload_pages=preload_pages, host_chunk=host_chunk, ksplit=ksplit, lazy=lazy,
-                     fuse_merge=fuse_merge, tma=tma)
+                     fuse_merge=fuse_merge)
         q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
         q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
         plan: dict = {}

@@ -37,9 +37,6 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     a piece has >= 4 blocks, the piece's page indices are loaded NPG = 64 at a time before the block loop
     (the block's index is picked from registers), and num_stages = 3 double-buffers the rows: one block
     streams while the previous one is multiplied.
-  * Option `tma` (off: not yet timed, docs/NOTES_mla.md): the whole blocks through two tensor descriptors over
-    the cache rows instead (the four latent pieces and the rope, five copy-engine loads a block; bf16, no DCP, a
-    block in one page); the sequence's partial last block through the pointer loads.
   * fp8 e4m3 cache: the tile is converted to bf16 in registers (exact). Scale scheme: PER-TENSOR, one fp32
     scale (0-d tensor, read in the kernel: no host sync) folded into the score scale and applied to o
     once at the end; PER-TOKEN, one fp32 scale per cache row ([B, S_max] contiguous, [n_pages, PAGE]
@@ -119,9 +116,6 @@ DEFAULT_LAZY = None
 # DEFAULT_FUSE_MERGE (None: the rule) forces it either way
 DEFAULT_FUSE_MERGE = None
 FUSE_MERGE_MIN_BATCH = 8
-
-# the cache blocks through tensor descriptors (option `tma`, `tma_takes`): None / False off (not yet timed), True on
-DEFAULT_TMA = None
 
 
 def default_fuse_merge(K: int, B: int, T: int = 1) -> bool:
@@ -227,38 +221,25 @@ def _opaque(x):
 def _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base, rmask, kr, gp, ok, limit, tok, qk_scale,
                  SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, CW: tl.constexpr,
                  LAZY: tl.constexpr):
-    """One block of positions into the running (m, l, acc) of the tile's rows (`_attend_tile`), its latent columns
-    loaded here from `base` (row pointers [BN, 1]) in KS pieces of CW (c1..c3 unused at KS = 1)."""
+    """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
+    online softmax (exp2), acc += P C. The block's latent columns are loaded here from `base` (row pointers
+    [BN, 1]) in KS pieces of CW: with KS > 1 the scores are the sum of KS + 1 independent products (the latent
+    pieces' and the rope's), KS short chains of MMAs instead of one of (C + Dr) / 16, and q / acc come in the
+    same pieces (a1..a3, q1..q3 unused at KS = 1). LAZY: the running max m moves (and l, acc are rescaled) only in
+    a block where some row's maximum passes m + LAZY_TAU; otherwise the block's weights are exp2(s - m) <= 2^LAZY_TAU
+    against the older m, the same softmax once l and acc are divided out (m, l, acc stay consistent), without the
+    accumulators' multiply in most blocks."""
     cw = tl.arange(0, CW)
     c0 = tl.load(base + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-    c1 = 0.0
-    c2 = 0.0
-    c3 = 0.0
-    if KS == 4:
-        c1 = tl.load(base + CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-        c2 = tl.load(base + 2 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-        c3 = tl.load(base + 3 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
-    return _attend_tile(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, c0, c1, c2, c3, kr, gp, ok, limit, tok, qk_scale,
-                        SCALE_MODE, DOT_F32, KS, LAZY)
-
-
-@triton.jit
-def _attend_tile(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, c0, c1, c2, c3, kr, gp, ok, limit, tok, qk_scale,
-                 SCALE_MODE: tl.constexpr, DOT_F32: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr):
-    """One block of positions into the running (m, l, acc) of the tile's rows: S = Q_lat C^T + Q_rope Kr^T,
-    online softmax (exp2), acc += P C, from the block's latent columns c0..c3 ([BN, CW] bf16 each, KS pieces)
-    and rope columns kr. With KS > 1 the scores are the sum of KS + 1 independent products (the latent
-    pieces' and the rope's), KS short chains of MMAs instead of one of (C + Dr) / 16, and q / acc come in the
-    same pieces (a1..a3, q1..q3, c1..c3 unused at KS = 1). LAZY: the running max m moves (and l, acc are rescaled)
-    only in a block where some row's maximum passes m + LAZY_TAU; otherwise the block's weights are
-    exp2(s - m) <= 2^LAZY_TAU against the older m, the same softmax once l and acc are divided out (m, l, acc stay
-    consistent), without the accumulators' multiply in most blocks."""
     if DOT_F32:
         c0 = c0.to(tl.float32)
         kr = kr.to(tl.float32)
     if KS == 1:
         s = tl.dot(q0, tl.trans(c0)) + tl.dot(qr, tl.trans(kr))
     else:
+        c1 = tl.load(base + CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+        c2 = tl.load(base + 2 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
+        c3 = tl.load(base + 3 * CW + cw[None, :], mask=rmask, other=0.0).to(tl.bfloat16)
         if DOT_F32:  # the interpreter: fp32 products of the same values, no inline asm (and nothing to fold)
             c1 = c1.to(tl.float32)
             c2 = c2.to(tl.float32)
@@ -323,7 +304,7 @@ def _normed(a, rden, ts, SCALE_MODE: tl.constexpr):
 
 @triton.jit
 def _mla_split_kernel(
-    q_lat, q_rope, kv, kv_dc, kv_dr, kv_scale, block_table, lengths, o_part, lse_part, o_out, lse_out, tickets,
+    q_lat, q_rope, kv, kv_scale, block_table, lengths, o_part, lse_part, o_out, lse_out, tickets,
     qk_scale,
     s_qb, s_qt, s_qh, s_rb, s_rt, s_rh,
     s_kvb, s_sb, s_btb,
@@ -333,7 +314,7 @@ def _mla_split_kernel(
     PAGED: tl.constexpr, PAGE: tl.constexpr, SCALE_MODE: tl.constexpr, CONTIG_SHARDS: tl.constexpr,
     DOT_F32: tl.constexpr, PAGE_ROWS: tl.constexpr, NPG: tl.constexpr, HOST_CHUNK: tl.constexpr, PDL: tl.constexpr,
     WAIT: tl.constexpr, KS: tl.constexpr, LAZY: tl.constexpr,
-    FUSE: tl.constexpr, ME: tl.constexpr, MKB: tl.constexpr, TMA: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    FUSE: tl.constexpr, ME: tl.constexpr, MKB: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = tl.program_id(1)
@@ -430,66 +411,25 @@ def _mla_split_kernel(
         # addresses come from registers, not from a load in the loop, so the pipeliner multi-buffers the rows
         # (num_stages - 1 blocks in flight; with the index loaded in the loop it keeps one buffer)
         pg_hi = (hi + PAGE - 1) // PAGE
-        if TMA:  # the whole blocks here through the descriptors (row from the preloaded index), the partial one after
-            w_hi = lo + tl.maximum(hi - lo, 0) // BN * BN
-        else:
-            w_hi = hi
         for pg0 in range(lo // PAGE, pg_hi, NPG):
             later = (pg0 + pp < pg_hi) & (pp + pg0 != pp + lo // PAGE)  # the first step's indices are `first`
             pages = tl.where(pg0 == lo // PAGE, first, tl.load(block_table + b * s_btb + pg0 + pp, mask=later, other=0))
-            for start in range(tl.maximum(lo, pg0 * PAGE), tl.minimum(w_hi, (pg0 + NPG) * PAGE), BN):
+            for start in range(tl.maximum(lo, pg0 * PAGE), tl.minimum(hi, (pg0 + NPG) * PAGE), BN):
                 j = start + tl.arange(0, BN)
                 ok = j < hi
                 page = tl.sum(tl.where(pp == start // PAGE - pg0, pages, 0))
-                if TMA:
-                    row0 = page * PAGE + start % PAGE
-                    m, l, a0, a1, a2, a3 = _attend_tile(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3,
-                                                        kv_dc.load([row0, 0]), kv_dc.load([row0, CW]),
-                                                        kv_dc.load([row0, 2 * CW]), kv_dc.load([row0, 3 * CW]),
-                                                        kv_dr.load([row0, C]), j, ok, limit, 0.0, qk_scale,
-                                                        SCALE_MODE, DOT_F32, KS, LAZY)
+                row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
+                base = kv + row[:, None] * W
+                kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
+                if SCALE_MODE == 2:
+                    tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
                 else:
-                    row = page.to(tl.int64) * PAGE + (start % PAGE) + tl.arange(0, BN)
-                    base = kv + row[:, None] * W
-                    kr = tl.load(base + C + rr[None, :], mask=_mask2(ok, r_ok, DRP == DR), other=0.0).to(tl.bfloat16)
-                    if SCALE_MODE == 2:
-                        tok = tl.load(kv_scale + row, mask=ok, other=0.0).to(tl.float32)
-                    else:
-                        tok = 0.0
-                    m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
-                                                        _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
-                                                        SCALE_MODE, DOT_F32, KS, CW, LAZY)
-        if TMA:  # the partial last block: its page index from the table (lo = -1: no preloaded first index)
-            for start in tl.range(w_hi, hi, BN, num_stages=1):
-                j = start + tl.arange(0, BN)
-                ok = j < hi
-                base, kr, row = _kv_block(kv, block_table, b, s_btb, s_kvb, start, hi, 0, 1, rr, r_ok, -1, 0,
-                                          C, DR, DRP, W, BN, PAGED, PAGE, PAGE_ROWS)
+                    tok = 0.0
                 m, l, a0, a1, a2, a3 = _attend_rows(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, base,
-                                                    _mask2(ok, c_ok, CP == C), kr, j, ok, limit, 0.0, qk_scale,
+                                                    _mask2(ok, c_ok, CP == C), kr, j, ok, limit, tok, qk_scale,
                                                     SCALE_MODE, DOT_F32, KS, CW, LAZY)
     else:
-        t_lo = lo
-        if TMA:
-            # the piece's whole blocks through the copy engine: four latent pieces [BN, CW] and the rope [BN, DR]
-            # a block from tensor descriptors over the cache rows (kv_dc, kv_dr), no row pointers or masks (bf16,
-            # KS = 4, no DCP, one page a block or a contiguous cache); the sequence's partial last block, whose
-            # rows past the history are never read, takes the pointer loop below
-            t_lo = lo + tl.maximum(hi - lo, 0) // BN * BN
-            for start in range(lo, t_lo, BN):
-                j = start + tl.arange(0, BN)
-                if PAGED:
-                    row0 = tl.load(block_table + b * s_btb + start // PAGE) * PAGE + start % PAGE
-                else:
-                    row0 = b * s_kvb + start
-                c0 = kv_dc.load([row0, 0])
-                c1 = kv_dc.load([row0, CW])
-                c2 = kv_dc.load([row0, 2 * CW])
-                c3 = kv_dc.load([row0, 3 * CW])
-                kr = kv_dr.load([row0, C])
-                m, l, a0, a1, a2, a3 = _attend_tile(q0, q1, q2, q3, qr, m, l, a0, a1, a2, a3, c0, c1, c2, c3, kr, j,
-                                                    j < hi, limit, 0.0, qk_scale, SCALE_MODE, DOT_F32, KS, LAZY)
-        for start in tl.range(t_lo, hi, BN, num_stages=LOOP_STAGES):  # with TMA the partial last block alone
+        for start in range(lo, hi, BN):
             j = start + tl.arange(0, BN)
             ok = j < hi
             gp = pos0 + j * pstride
@@ -713,23 +653,6 @@ def default_num_stages(npg: int) -> int:
 KSPLIT_ALLOWED = (1, 4)
 
 
-def tma_problem(C: int, DR: int, kv_dtype: torch.dtype, dcp: int, page: int | None, block_n: int) -> str | None:
-    """Why the split cannot read its cache blocks through tensor descriptors (option `tma`), or None: it needs a
-    bf16 cache, four latent pieces (`ksplit_takes`), a rope width of 16..256 columns, no DCP, and a block in one page
-    (page a multiple of block_n) or a contiguous cache (page None)."""
-    if kv_dtype != torch.bfloat16:
-        return f"a bf16 cache (got {kv_dtype})"
-    if not ksplit_takes(C) or C // 4 > 256:
-        return f"a latent width in four pieces of <= 256 columns (got {C})"
-    if DR % 16 or not 16 <= DR <= 256:
-        return f"a rope width of 16..256 columns, a multiple of 16 (got {DR})"
-    if dcp != 1:
-        return f"no DCP (got dcp={dcp})"
-    if page is not None and page % block_n:
-        return f"a page size that is a multiple of block_n {block_n} (got {page})"
-    return None
-
-
 def ksplit_takes(C: int) -> bool:
     """Whether C latent columns can run in four pieces (a power of two, 16-wide pieces)."""
     return _pow2(C) == C and C % 64 == 0
@@ -833,7 +756,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
                parts: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = False,
                preload_pages: int | None = None, n_max: int | None = None, host_chunk: bool | None = None,
                ksplit: int | None = None, lazy: bool | None = None, fuse_merge: bool | None = None,
-               tma: bool | None = None, plan_out: dict | None = None):
+               plan_out: dict | None = None):
     """Launch the split kernel (and the merge when partials > 1 and merge=True, unless fuse_merge: the split's last
     programs merge, `_tail_merge`; None: DEFAULT_FUSE_MERGE, else `default_fuse_merge`). plan_out: a dict the resolved
     settings are written into (block_m, row groups, block_n, ksplit, preloaded pages, warps, stages), for the
@@ -856,9 +779,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     (host_chunk None or True) the pieces are ceil(n_max / dcp / partitions) positions for every sequence, known
     before lengths is read, so each program loads its first page indices at once. ksplit: the latent columns'
     pieces, 1 or 4 (DEFAULT_KSPLIT, else `default_ksplit`, when None; 4 only where `ksplit_takes(C)`: the rule's
-    4 elsewhere runs one piece, an explicit 4 there is refused by the component). tma: the piece's whole cache blocks
-    through tensor descriptors (the copy engine; four latent pieces; None: DEFAULT_TMA); refused where
-    `tma_problem` names what it lacks."""
+    4 elsewhere runs one piece, an explicit 4 there is refused by the component)."""
     B, T, H, C = q_lat.shape
     DR = q_rope.shape[-1]
     W = C + DR
@@ -870,7 +791,6 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B,
                                  n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
-    use_tma = bool(tma) if tma is not None else bool(DEFAULT_TMA)
     BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
     K = dcp * partitions
     dev = q_lat.device
@@ -891,12 +811,6 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     pdl = pdl_on(pdl)
     wait = chain_pdl(None)  # the split itself launched with PDL inside a pdl_chain (the step's `pdl` switch)
     page_rows = paged and dcp == 1 and page % BN == 0
-    if use_tma:
-        why = tma_problem(C, DR, kv.dtype, dcp, page if paged else None, BN)
-        if why is not None:
-            raise ValueError(f"mla_decode: tma=True needs {why}")
-        if ksplit == 1:
-            raise ValueError("mla_decode: tma=True reads four latent pieces (ksplit must be None or 4)")
     if not page_rows:
         npg = 0
     elif preload_pages is not None:
@@ -911,8 +825,6 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     assert ks in KSPLIT_ALLOWED and (ksplit in (None, 1) or ksplit_takes(C)), "the caller validates ksplit"
     if not ksplit_takes(C):  # the rule's (or DEFAULT_KSPLIT's) 4 where the widths do not allow it: one piece
         ks = 1
-    if use_tma:
-        ks = 4
     grid = (G * partitions * dcp, B)
     warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
     lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
@@ -931,17 +843,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         NM, ME, MKB, tk = 1, 16, 1, lengths  # tk: an unused pointer
     if plan_out is not None:
         plan_out.update(block_m=BM, groups=G, block_n=BN, ksplit=ks, preload_pages=npg, num_warps=warps,
-                        num_stages=stages, lazy=lz, fuse_merge=fuse, tma=use_tma)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        rows2 = kv.numel() // W  # the cache as rows of W columns ([B * S_max, W] or [n_pages * PAGE, W])
-        dc = TensorDescriptor(kv, [rows2, W], [W, 1], [BN, C // 4])
-        dr = TensorDescriptor(kv, [rows2, W], [W, 1], [BN, DR])
-    else:
-        dc = dr = kv
+                        num_stages=stages, lazy=lz, fuse_merge=fuse)
     _mla_split_kernel[grid](
-        q_lat, q_rope, kv, dc, dr, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst, o_out, l_out, tk,
+        q_lat, q_rope, kv, kv_scale if mode else lengths, bt, lengths, o_dst, l_dst, o_out, l_out, tk,
         float(scale) * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         0 if paged else kv.shape[1], s_sb, block_table.stride(0) if paged else 0,
@@ -949,8 +853,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
         C=C, DR=DR, CP=_pow2(C), DRP=max(16, _pow2(DR)), W=W, HR=HR, BM=BM, BN=BN,
         PAGED=paged, PAGE=page, SCALE_MODE=mode, CONTIG_SHARDS=dcp_layout == "contiguous", DOT_F32=dot_f32(),
         PAGE_ROWS=page_rows, NPG=npg, HOST_CHUNK=hc, PDL=pdl, WAIT=wait, KS=ks, LAZY=lz,
-        FUSE=fuse, ME=ME, MKB=MKB, TMA=use_tma, LOOP_STAGES=1 if use_tma else stages, num_warps=warps,
-        num_stages=stages,
+        FUSE=fuse, ME=ME, MKB=MKB, num_warps=warps, num_stages=stages,
         **launch_kw(wait),
     )
     if direct or not merge:
