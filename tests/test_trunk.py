@@ -126,8 +126,8 @@ def test_proj_partials_summed_by_a_second_kernel(batch, wdtype):
 
 def test_proj_fp8_tiles_rule():
     """fp8 weights: 32-row W tiles at batch <= 16 (bf16 and fp8 alike; split-K as before); at batch 17..32 over inputs
-    of at most FP8_SHORT_K, 64-row tiles in one K range where they give half the SMs a program; batch 64 and longer
-    inputs keep 32-row tiles."""
+    of at most FP8_SHORT_K, 64-row tiles in one K range where they give half the SMs a program, 16-row tiles where
+    they would not (inputs of at least FP8_NARROW_MIN_K); batch 64 and longer inputs keep 32-row tiles."""
     from k3lab_kernels.triton import proj_gemv as pg
 
     cpu = torch.device("cpu")
@@ -142,7 +142,9 @@ def test_proj_fp8_tiles_rule():
         assert (c["BN"], c["SPLIT"]) == (64, 1), (b, c)
         assert pg.config(b, 7168, 1536, cpu, fp8=True, split_k=2)["SPLIT"] == 2  # the knob still overrides
         assert pg.config(b, 1536, 7168, cpu, fp8=True)["BN"] == 32  # a long input: 32-row tiles
-        assert pg.config(b, 2304, 1536, cpu, fp8=True)["BN"] == 32  # mla_uq: 36 tiles of 64 would leave SMs idle
+        assert pg.config(b, 2304, 1536, cpu, fp8=True)["BN"] == 16  # mla_uq: 36 tiles of 64 would leave SMs idle:
+        assert pg.config(b, 1152, 1536, cpu, fp8=True)["BN"] == 16  # 16-row tiles (FP8_NARROW_MIN_K)
+        assert pg.config(b, 1536, 128, cpu, fp8=True)["BN"] == 32  # kda_fb's 128-long input: not measured, 32 rows
         assert pg.config(b, 7168, 1536, cpu, tma=False)["BN"] == 32  # bf16 on the dot path: 32-row tiles
     assert pg.config(64, 7168, 1536, cpu, fp8=True)["BN"] == 32
     assert pg.config(8, 7168, 1536, cpu, fp8=True, block_n=64)["BN"] == 64  # the knob still overrides

@@ -33,7 +33,8 @@ the split-K partials, below):
         (launched after it with PDL, waiting on griddepcontrol) sum a tile's partials in split order across many
         programs and run the epilogue, instead of the tile's last program alone behind the counter; so too from
         batch 2 where at most RED_MAX_TILES output tiles split K. Few outputs (<= FEW_N): 16-row W tiles. fp8
-        at a batch tile of 32 over inputs of at most FP8_SHORT_K: 64-row W tiles in one K range.
+        at a batch tile of 32 over inputs of at most FP8_SHORT_K: 64-row W tiles in one K range where those give
+        half the SMs a program, else 16-row tiles (inputs of at least FP8_NARROW_MIN_K).
     fp8 tiles are widened to bf16 in registers (exact) before the MMA.
   * "rows" (B <= 8; the default at batch 1 for <= 64 outputs): a register GEMV without shared memory or
     split-K: a program owns BN (2..8) rows of W over all of K in chunks of BN*BK = 4096 weights, the next
@@ -370,6 +371,10 @@ FP8_SHORT_K = 2048  # fp8 at batch 17..32 (a 32-row batch tile): inputs up to th
 # 10.48 / 10.44 us at TP8 batch 32 on an H100, profiles/h100-80gb-hbm3/fp8_b64_tiles.json.gz, git history at b23339a;
 # H200 kda_o 8.80 against 9.70, profiles/h200/proj_fp8_47.json.gz; the 2,304 / 1,152 outputs of mla_uq left 36 / 18
 # programs: 8.15 / 8.02 us there; at batch 64 64-row tiles lose: 14.5 against 11.2; docs/NOTES_trunk.md)
+FP8_NARROW_MIN_K = 1024  # ... and where 64-row tiles would leave fewer than half the SMs a program (mla_uq's 2,304 /
+# 1,152 outputs), inputs of at least this length take 16-row W tiles: TP8 / TP16 mla_uq at batch 32 7.27 / 6.45 ->
+# 6.52 / 5.88 us on an H100 (cuBLAS 5.84 / 5.22; 64-row tiles 8.05 / 6.21),
+# profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz
 FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
 # through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
 # against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; TP16's 768-row kda_q ties or loses, 9.93 /
@@ -465,9 +470,10 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     else:
         few = N <= FEW_N
         wide = BM >= RED_MIN_BM and not fp8 and not few  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
-        short32 = (fp8 and BM == 32 and not few and K <= FP8_SHORT_K  # fp8 short inputs at batch 17..32, wide enough
-                   and triton.cdiv(N, 64) * triton.cdiv(M, BM) >= sms // 2)  # for 64-row tiles: one K range
-        BN = block_n or (16 if few else 64 if wide or short32 else 32)
+        fp8_short = fp8 and BM == 32 and not few and K <= FP8_SHORT_K  # fp8 short inputs at batch 17..32: wide
+        short32 = fp8_short and triton.cdiv(N, 64) * triton.cdiv(M, BM) >= sms // 2  # enough for 64-row tiles, one
+        narrow32 = fp8_short and not short32 and K >= FP8_NARROW_MIN_K  # K range; else 16-row tiles
+        BN = block_n or (16 if few or narrow32 else 64 if wide or short32 else 32)
         if short32 and split_k is None:
             split_k = 1
         BK = min(block_k or 128, max(16, _pow2(K)))
