@@ -629,11 +629,24 @@ def rows_per_program(T: int, H: int, pad_heads: int = 0, block_m: int | None = N
 
 
 def default_block_n(BM: int, B: int = 1, preload: bool = True) -> int:
-    """Positions a step: 32 (16 for 64-row tiles); 64 from batch 16 where the page indices cannot be preloaded
-    (the loop then keeps one buffer: larger blocks stream better; measured at batch 1 and 64: docs/NOTES_mla.md)."""
+    """Positions a step: 32 (16 for 64-row tiles); 64 from batch 16 where the rows wait on a page index loaded in
+    the loop (preload False: the loop then keeps one buffer: larger blocks stream better; measured at batch 1 and 64:
+    docs/NOTES_mla.md). A contiguous cache's rows need no index (`streamed_rows`)."""
     if BM > 32:
         return 16
     return 64 if B >= 16 and not preload else 32
+
+
+def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pages: int | None = None) -> bool:
+    """Whether the block loop's rows need no page index loaded in the loop, so that the pipeliner multi-buffers
+    them: a paged cache whose indices can be preloaded (one page a block, no DCP), or a contiguous cache at 16-row
+    tiles (its rows are arithmetic; H100, T = 1, 12 heads, us, 64 positions and 2 stages against 32 and 3: batch 8 8K
+    44.97 / 35.86, 32K 142.18 / 110.63; 16 8K 69.51 / 60.17, 32K 231.08 / 207.40; 32 8K 121.38 / 109.99, 32K 436.79 /
+    400.59; batch 1 32K 27.98 / 21.94, 8K level: profiles/h100-80gb-hbm3/mla_contig.json.gz; the verify's larger
+    tiles not measured, they keep the old tiles)."""
+    if not paged:
+        return BM == 16
+    return dcp == 1 and page % 32 == 0 and preload_pages != 0
 
 
 def default_preload(n_max: int, K: int, BN: int) -> int:
@@ -644,10 +657,10 @@ def default_preload(n_max: int, K: int, BN: int) -> int:
     return DEFAULT_PRELOAD_PAGES if blocks >= PRELOAD_MIN_BLOCKS else 0
 
 
-def default_num_stages(npg: int) -> int:
-    """3 with preloaded page indices (two blocks of rows in flight); 2 otherwise (behind a page-index load in
-    the loop the pipeliner keeps one buffer at any num_stages)."""
-    return 3 if npg else 2
+def default_num_stages(npg: int, contiguous: bool = False) -> int:
+    """3 with preloaded page indices or streamed contiguous rows (`streamed_rows`: two blocks of rows in flight); 2
+    otherwise (behind a page-index load in the loop the pipeliner keeps one buffer at any num_stages)."""
+    return 3 if npg or contiguous else 2
 
 
 KSPLIT_ALLOWED = (1, 4)
@@ -791,7 +804,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B,
                                  n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
-    BN = block_n or default_block_n(BM, B, paged and dcp == 1 and page % 32 == 0 and preload_pages != 0)
+    streamed = streamed_rows(paged, BM, dcp, page, preload_pages)
+    BN = block_n or default_block_n(BM, B, streamed)
     K = dcp * partitions
     dev = q_lat.device
     direct = K == 1 and merge
@@ -826,7 +840,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     if not ksplit_takes(C):  # the rule's (or DEFAULT_KSPLIT's) 4 where the widths do not allow it: one piece
         ks = 1
     grid = (G * partitions * dcp, B)
-    warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg)
+    warps, stages = num_warps or default_num_warps(BM), num_stages or default_num_stages(npg, streamed and not paged)
     lz = bool(lazy) if lazy is not None else default_lazy(T, B) if DEFAULT_LAZY is None else DEFAULT_LAZY
     fuse = K > 1 and merge and (bool(fuse_merge) if fuse_merge is not None else
                                 default_fuse_merge(K, B, T) if DEFAULT_FUSE_MERGE is None else DEFAULT_FUSE_MERGE)
