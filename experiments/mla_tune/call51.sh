@@ -15,10 +15,10 @@ if echo "$G" | grep -q H200; then
   for a in base fi fijit; do eval "$(bash .gpu/$a/unpack.sh)"; done
   timeout 170 $P --grid preset=tp8,tp16 --grid batch=1,8,16,32,64 \
     --grid proj=shared_w1,kda_q,kda_o,mla_dkv,mla_uq,moe_router,kda_b,moe_down,shared_w2 --name proj_fp8_47 \
-    --deadline 150 2>&1 | tail -n 1
+    --deadline ${D1:-150} 2>&1 | tail -n 1
   timeout 230 python3 -m k3lab.cli bench mla --ops mla_decode --backends triton --no-variants \
     --skip torch_compile,reference,flashinfer_fa2 --reps 30 --grid heads=12 --grid batch=8,16,32 \
-    --grid context=8192,32768 --name mla_parts_h200 --out "$OUT/q" --deadline 210 2>&1 | grep -E "^mla_decode" \
+    --grid context=8192,32768 --name mla_parts_h200 --out "$OUT/q" --deadline ${D2:-210} 2>&1 | grep -E "^mla_decode" \
     | cut -c1-120 | tail -n 18
 else
   timeout 100 $P --grid preset=tp8,tp16 --grid batch=32 --grid proj=mla_uq,kda_fb --grid block_n=null,16,32 \
