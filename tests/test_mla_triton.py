@@ -393,8 +393,9 @@ def test_preload_and_block_n_rules():
     assert kern.default_preload(8193, 4, 32) == 16
     assert kern.default_block_n(16, 64) == 32 and kern.default_block_n(16, 64, preload=False) == 64
     assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
-    # a contiguous cache's rows are streamed at 16-row tiles: 32 positions and three stages at every batch
+    # a contiguous cache's rows are streamed at one new position and 16-row tiles: 32 positions, three stages
     assert kern.streamed_rows(False, 16) and not kern.streamed_rows(False, 32)
+    assert not kern.streamed_rows(False, 16, T=4)  # the verify's 16-row groups: not measured, the old tiles
     assert kern.streamed_rows(True, 16, 1, 64, None) and not kern.streamed_rows(True, 16, 2, 64, None)
     assert not kern.streamed_rows(True, 16, 1, 16, None) and not kern.streamed_rows(True, 16, 1, 64, 0)
     assert kern.default_num_stages(0, contiguous=True) == 3 and kern.default_num_stages(0) == 2
