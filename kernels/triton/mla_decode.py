@@ -641,10 +641,10 @@ def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pag
                   T: int = 1) -> bool:
     """Whether the block loop's rows need no page index loaded in the loop, so that the pipeliner multi-buffers
     them: a paged cache whose indices can be preloaded (one page a block, no DCP), or a contiguous cache at one new
-    position and 16-row tiles (its rows are arithmetic; H100, T = 1, 12 heads, us, 64 positions and 2 stages against 32 and 3: batch 8 8K
-    44.97 / 35.86, 32K 142.18 / 110.63; 16 8K 69.51 / 60.17, 32K 231.08 / 207.40; 32 8K 121.38 / 109.99, 32K 436.79 /
-    400.59; batch 1 32K 27.98 / 21.94, 8K level: profiles/h100-80gb-hbm3/mla_contig.json.gz; the verify not
-    measured: it keeps the old tiles)."""
+    position and 16-row tiles (its rows are arithmetic; H100, T = 1, 12 heads, us, 64 positions and 2 stages against
+    32 and 3: batch 8 8K 44.97 / 35.86, 32K 142.18 / 110.63; 16 8K 69.51 / 60.17, 32K 231.08 / 207.40; 32 8K 121.38
+    / 109.99, 32K 436.79 / 400.59; batch 1 32K 27.98 / 21.94, 8K level: profiles/h100-80gb-hbm3/mla_contig.json.gz;
+    the verify not measured: it keeps the old tiles)."""
     if not paged:
         return BM == 16 and T == 1
     return dcp == 1 and page % 32 == 0 and preload_pages != 0
