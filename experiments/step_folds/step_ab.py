@@ -38,6 +38,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   mla_lazy   the MLA split's running max moved every block (DEFAULT_LAZY False) or only past LAZY_TAU (True).
   mla_fuse   the MLA split's partials merged by the merge kernel (DEFAULT_FUSE_MERGE False) or by the split's last
              programs (True).
+  mla_contig (BATCH=8..32) the contiguous cache's streamed tiles (CONTIG_STREAMED True, the rule) or the tiles before
+             (False).
 Arms of lost forms ran on their own code (in git history, with their bundles): moe_glue (the glue by the last CTA of
 the experts' down kernel) at 6659250, proj_form (a tensor-core GEMV) at af4128e, the glue fold's first two forms at
 babf477 / 9f789eb, moe_early (the experts' up kernel after a ready word) at 89b2c36, down_early (the experts' down
@@ -152,6 +154,10 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                       ("lazy", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": True})),
          "mla_fuse": (("two", {"k3lab_kernels.triton.mla_decode:DEFAULT_FUSE_MERGE": False}),
                       ("fused", {"k3lab_kernels.triton.mla_decode:DEFAULT_FUSE_MERGE": True})),
+         # the step's contiguous MLA cache on streamed tiles (32 positions, 3 stages: `streamed_rows`, the rule) or on
+         # the paged-without-preload tiles before it (64 positions from batch 16, 2 stages)
+         "mla_contig": (("streamed", {"k3lab_kernels.triton.mla_decode:CONTIG_STREAMED": True}),
+                        ("before", {"k3lab_kernels.triton.mla_decode:CONTIG_STREAMED": False})),
          }
 
 

@@ -637,6 +637,9 @@ def default_block_n(BM: int, B: int = 1, preload: bool = True) -> int:
     return 64 if B >= 16 and not preload else 32
 
 
+CONTIG_STREAMED = True  # `streamed_rows` for a contiguous cache (False: the tiles before it, for A/Bs)
+
+
 def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pages: int | None = None,
                   T: int = 1) -> bool:
     """Whether the block loop's rows need no page index loaded in the loop, so that the pipeliner multi-buffers
@@ -646,7 +649,7 @@ def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pag
     / 109.99, 32K 436.79 / 400.59; batch 1 32K 27.98 / 21.94, 8K level: profiles/h100-80gb-hbm3/mla_contig.json.gz;
     the verify not measured: it keeps the old tiles)."""
     if not paged:
-        return BM == 16 and T == 1
+        return CONTIG_STREAMED and BM == 16 and T == 1
     return dcp == 1 and page % 32 == 0 and preload_pages != 0
 
 
