@@ -34,9 +34,11 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     and q and acc are kept in the same pieces.
   * Pipelining: with the page index loaded inside the block loop Triton's pipeliner keeps ONE buffer of rows
     (the next block's copy waits for the index). Where a block lies in one page (page % BN == 0, no DCP) and
-    a piece has >= 4 blocks, the piece's page indices are loaded NPG = 64 at a time before the block loop
+    a piece has >= PRELOAD_MIN_BLOCKS (2) blocks, its page indices are loaded NPG = DEFAULT_PRELOAD_PAGES (16) at a
+    time before the block loop
     (the block's index is picked from registers), and num_stages = 3 double-buffers the rows: one block
-    streams while the previous one is multiplied.
+    streams while the previous one is multiplied. A contiguous cache's rows are arithmetic: at one new position
+    it takes the same 32-position blocks and three stages (`streamed_rows`).
   * fp8 e4m3 cache: the tile is converted to bf16 in registers (exact). Scale scheme: PER-TENSOR, one fp32
     scale (0-d tensor, read in the kernel: no host sync) folded into the score scale and applied to o
     once at the end; PER-TOKEN, one fp32 scale per cache row ([B, S_max] contiguous, [n_pages, PAGE]
