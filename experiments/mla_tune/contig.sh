@@ -7,11 +7,7 @@
 # EXTRA adds grid flags to both (e.g. EXTRA="--grid T=4" for the verify, which keeps the old tiles: unmeasured), NAME
 # replaces the bundles' stem.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-mkdir -p "$OUT/mla_contig"
-nvidia-smi --query-gpu=name --format=csv,noheader
+. experiments/device_setup.sh mla_contig
 B="python3 -m k3lab.cli bench mla --ops mla_decode --backends triton --no-variants --no-peers --reps 20 --grid heads=12
    --grid batch=${BATCHES:-1,8,16,32} --grid context=8192,32768 --out $OUT/mla_contig ${EXTRA:-}"
 timeout 300 $B --grid page_size=0 --grid block_n=null,32 --grid num_stages=null,3 --name ${NAME:-mla_contig} --deadline 280 \

@@ -5,11 +5,7 @@
 # ranges, W rows a tile, warps, stages, the reduce, path tma, f16 MMAs), the default beside cuBLAS in every bundle.
 # Bundles fp8_b32_<knob> under $OUT/fp8_b32, packed into $OUT/fp8_b32.tgz; a short table last.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-mkdir -p "$OUT/fp8_b32"
-nvidia-smi --query-gpu=name --format=csv,noheader
+. experiments/device_setup.sh fp8_b32
 K="python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants --skip torch_compile,reference,stream
    --reps ${REPS:-20} --grid preset=tp8,tp16 --grid batch=${BATCH:-32} --grid wdtype=fp8
    --grid proj=${PROJS:-mla_uq,kda_o,shared_w2,moe_down} --out $OUT/fp8_b32"
