@@ -470,9 +470,11 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
     else:
         few = N <= FEW_N
         wide = BM >= RED_MIN_BM and not fp8 and not few  # bf16 from a batch tile of 64: 64-row tiles, one program an SM
-        fp8_short = fp8 and BM == 32 and not few and K <= FP8_SHORT_K  # fp8 short inputs at batch 17..32: wide
-        short32 = fp8_short and triton.cdiv(N, 64) * triton.cdiv(M, BM) >= sms // 2  # enough for 64-row tiles, one
-        narrow32 = fp8_short and not short32 and K >= FP8_NARROW_MIN_K  # K range; else 16-row tiles
+        # fp8 short inputs at batch 17..32: 64-row tiles in one K range where those give half the SMs a program
+        # (short32), else 16-row tiles over inputs of at least FP8_NARROW_MIN_K (narrow32)
+        fp8_short = fp8 and BM == 32 and not few and K <= FP8_SHORT_K
+        short32 = fp8_short and triton.cdiv(N, 64) * triton.cdiv(M, BM) >= sms // 2
+        narrow32 = fp8_short and not short32 and K >= FP8_NARROW_MIN_K
         BN = block_n or (16 if few or narrow32 else 64 if wide or short32 else 32)
         if short32 and split_k is None:
             split_k = 1
