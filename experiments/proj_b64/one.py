@@ -1,7 +1,8 @@
 """One launch of a trunk projection at a batch inside an NVTX range `target` for ncu (`--nvtx --nvtx-include
-target/`), after warm-up calls: ours (Triton, options as key=value) or cuBLAS (torch's F.linear), TP8, bf16
-weights (WDTYPE=fp8 in the environment: fp8).
-Device: python experiments/proj_b64/one.py {ours|cublas} PROJ BATCH [key=value ...]   (see ncu.sh)"""
+target/`), after warm-up calls: ours (Triton, options as key=value), cute (the CuTe DSL GEMV), cuBLAS (torch's
+F.linear) or stream (the read probe's sum over the same weight bytes), TP8, bf16 weights (WDTYPE=fp8 in the
+environment: fp8).
+Device: python experiments/proj_b64/one.py {ours|cute|cublas|stream} PROJ BATCH [key=value ...]   (see ncu.sh)"""
 import os
 import sys
 
@@ -19,9 +20,9 @@ op = registry.get("proj")
 case = op.case(preset="tp8", proj=proj, batch=batch, wdtype=os.environ.get("WDTYPE", "bf16"), residual=False,
                prologue="none")
 s = op.make_inputs(case, 1234, "cuda")
-if who == "ours":
-    fn = runner._ours(op, case, "triton", opts).make(s)
+if who in ("ours", "cute"):
+    fn = runner._ours(op, case, "triton" if who == "ours" else "cute", opts).make(s)
 else:
-    fn = next(p for p in trunk.proj_peers(case) if p.name == "cublas").make(s)
+    fn = next(p for p in trunk.proj_peers(case) if p.name == who).make(s)
 profile_once(fn)
 print(who, proj, batch, opts, "ok")
