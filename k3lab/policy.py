@@ -8,9 +8,11 @@ by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
 
 The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list)
 matches only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts'
-CuTe rules are MXFP4's). Every key of a rule besides max_batch, max_T, fmt and backend is an option of the op (tile_v,
-...). `choose` walks the rules, then the fallback rules, taking the first whose backend can run here; without a GPU it
-is the reference.
+CuTe rules are MXFP4's), a rule with `min_n` only calls of at least that many output rows (shape["n"]: the trunk's
+fp8 batch-1 rule). A call whose shape does not say its format or rows is not filtered by them. Every key of a rule
+besides max_batch, max_T, fmt, min_n and backend is an option of the op (tile_v, ...). `choose` takes the first
+matching rule when its backend can run the call here, else the first matching fallback rule whose backend can;
+without a GPU it is the reference.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-RULE_KEYS = ("max_batch", "max_T", "fmt", "backend")
+RULE_KEYS = ("max_batch", "max_T", "fmt", "min_n", "backend")
 _tables: dict[str, dict] = {}
 
 
@@ -37,32 +39,37 @@ def table(component: str) -> dict:
 
 
 def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
-    """Batch and T within the rule's bounds, and the call's weight format (shape["fmt"]) one of the rule's `fmt` when
-    it names any (a call whose shape says no format is not filtered)."""
-    fmt = (shape or {}).get("fmt")
+    """Batch and T within the rule's bounds, the call's weight format (shape["fmt"]) one of the rule's `fmt` when
+    it names any, and its output rows (shape["n"]) at least the rule's `min_n` (a call whose shape says no format or
+    rows is not filtered by them)."""
+    fmt, n = (shape or {}).get("fmt"), (shape or {}).get("n")
     return ((rule.get("max_batch") is None or B <= rule["max_batch"])
             and (rule.get("max_T") is None or T <= rule["max_T"])
-            and (rule.get("fmt") is None or fmt is None or fmt in rule["fmt"]))
+            and (rule.get("fmt") is None or fmt is None or fmt in rule["fmt"])
+            and (rule.get("min_n") is None or n is None or n >= rule["min_n"]))
 
 
 def options_of(rule: dict) -> dict[str, Any]:
     return {k: v for k, v in rule.items() if k not in RULE_KEYS}
 
 
-def rule(component: str, key: str, B: int, T: int = 1) -> dict | None:
-    """The first primary rule of `key` matching (B, T), whatever its backend can do here."""
-    return next((r for r in table(component).get(key, []) if matches(r, B, T)), None)
+def rule(component: str, key: str, B: int, T: int = 1, shape: dict | None = None) -> dict | None:
+    """The first primary rule of `key` matching (B, T) (and `shape`'s format and rows), whatever its backend can do
+    here."""
+    return next((r for r in table(component).get(key, []) if matches(r, B, T, shape)), None)
 
 
 def choose(component: str, key: str, B: int, T: int, can_run: Callable[[str], bool],
            shape: dict | None = None) -> tuple[str, dict, str]:
     """(backend, options, why) that `auto` runs. `can_run(backend)` says whether a backend runs here; `shape` the
-    call's facts a rule may filter on (its weight format)."""
+    call's facts a rule may filter on (its weight format, its output rows)."""
     t = table(component)
-    for src, rules in (("measured", t.get(key, [])), ("fallback", t.get("fallback", {}).get(key, []))):
-        r = next((r for r in rules if matches(r, B, T, shape)), None)
-        if r is not None and can_run(r["backend"]):
-            return r["backend"], options_of(r), f"{src} rule of data/{component}_defaults.json: {r}"
+    r = next((r for r in t.get(key, []) if matches(r, B, T, shape)), None)  # the measured choice: the first match
+    if r is not None and can_run(r["backend"]):
+        return r["backend"], options_of(r), f"measured rule of data/{component}_defaults.json: {r}"
+    for r in t.get("fallback", {}).get(key, []):  # else the first fallback rule that matches and can run
+        if matches(r, B, T, shape) and can_run(r["backend"]):
+            return r["backend"], options_of(r), f"fallback rule of data/{component}_defaults.json: {r}"
     return "reference", {}, "no measured rule can run here: the torch reference"
 
 

@@ -726,3 +726,54 @@ def test_cublas_peers_pass_the_checker(op_name, kw):
     assert peers
     for p in peers:
         assert p.check(case, inputs).ok, p.name
+
+
+def test_auto_fp8_batch1_rule(monkeypatch):
+    """data/trunk_defaults.json's fp8 batch-1 rule (measured: profiles/h100-80gb-hbm3/fp8_b1.json.gz): the cute GEMV
+    for fp8 weights at batch 1 with >= 768 output rows, triton otherwise (bf16, fewer rows, batch 2); where the
+    rule's cute cannot run the call (no CuTe DSL, an input prologue) the fallback's triton, then the reference. The
+    bench's variant rows look the rule up with the case's facts (k3lab.ops.trunk.proj_facts), as a call does from
+    its tensors (the component's _proj_facts)."""
+    from k3lab import policy
+    from k3lab.components import dispatch
+    from k3lab.components import trunk as ct
+
+    def pick(B, shape, runs=lambda b: True):
+        return policy.choose("trunk", "proj", B, 1, runs, shape)[0]
+
+    assert pick(1, {"fmt": "fp8", "n": 768}) == "cute"
+    assert pick(1, {"fmt": "fp8", "n": 576}) == "triton"
+    assert pick(1, {"fmt": "bf16", "n": 7168}) == "triton"
+    assert pick(2, {"fmt": "fp8", "n": 7168}) == "triton"
+    assert pick(1, {"fmt": "fp8", "n": 7168}, lambda b: b != "cute") == "triton"
+    assert pick(1, {"fmt": "fp8", "n": 7168}, lambda b: b == "reference") == "reference"
+    for preset, name, n in (("tp8", "kda_q", 1536), ("tp16", "mla_dkv", 576), ("tp16", "shared_w1", 384)):
+        case = PROJ.case(preset=preset, proj=name, batch=1, wdtype="fp8", residual=False, prologue="none")
+        assert ops.proj_facts(case) == {"fmt": "fp8", "n": n}
+        want = "cute" if n >= 768 else "triton"
+        assert policy.rule("trunk", "proj", 1, 1, PROJ.rule_facts(case))["backend"] == want
+    w8 = torch.zeros(1536, 64).to(torch.float8_e4m3fn)
+    facts = ct._proj_facts(w8, None, None, None)
+    assert facts == {"fmt": "fp8", "wdtype": "fp8", "n": 1536, "k": 64, "prologue": "none", "select": False}
+    assert "multiple of 16" in PROJ.supports("cute", {"batch": 1, **facts, "k": 40})
+    # an input prologue: the op's supports refuses cute, so auto takes the fallback's first backend that runs
+    rms = ct._proj_facts(w8, ("rms", torch.ones(64), 1e-6), None, None)
+    assert "prologue" in PROJ.supports("cute", {"batch": 1, **rms})
+    monkeypatch.setattr(dispatch, "can_run", lambda op, b: b in ("cute", "triton", "reference"))
+    assert dispatch.select("proj", "auto", B=1, shape={"batch": 1, **facts})[0] == "cute"
+    be, _, why = dispatch.select("proj", "auto", B=1, shape={"batch": 1, **rms})
+    assert be == "triton" and "fallback" in why and "passed over" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["kda_q", "mla_dkv"])
+def test_gpu_auto_fp8_batch1(name):
+    """The fp8 batch-1 rule on the GPU: auto runs the cute GEMV over kda_q's 1,536 rows (triton where CuTe DSL is not
+    installed) and triton over mla_dkv's 576, each checked against fp64 by the shared checker."""
+    from k3lab.components import dispatch
+
+    case = PROJ.case(preset="tp8", proj=name, batch=1, wdtype="fp8", residual=False, prologue="none")
+    res = checker.check(PROJ, case, backend="auto")
+    want = "cute" if name == "kda_q" and dispatch.can_run("proj", "cute") else "triton"
+    assert res.ok, res.failures
+    assert res.ran[-1].backend == want, res.ran[-1]

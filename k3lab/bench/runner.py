@@ -79,7 +79,7 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
     for vname, (be, extra) in (variants or {}).items():
         if not gpu or not any(i.name == be for i in impls):
             continue
-        r = policy.rule(op.component, op.policy_key, case.get("batch", 1), case.get("T", 1))
+        r = policy.rule(op.component, op.policy_key, case.get("batch", 1), case.get("T", 1), op.rule_facts(case))
         if r is None or r.get("backend") != be:
             if any(i.name == be and not any(v is not None for v in i.options.values()) for i in impls):
                 impls.append(_ours(op, case, be, dict(extra), name=vname,

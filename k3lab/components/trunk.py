@@ -37,12 +37,14 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
                  at batch <= 4); path "mma": kernels/cute/proj_mma.py (tensor cores for a few tokens, K a
                  multiple of 32 bf16 / 64 fp8, the plain outputs and the residual; cluster, tile_m: its split
                  of K and rows a CTA)
-  auto           data/trunk_defaults.json, else the reference
+  auto           data/trunk_defaults.json (proj: the cute GEMV for fp8 weights at batch 1 over >= 768 output
+                 rows, triton otherwise), else the reference
 Knobs (triton): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages, reduce ("last": a
 split-K tile's last program sums its partials; "kernel": a second kernel under PDL) (proj, proj_group);
 num_warps, pdl (router_topk: launched with PDL; cute takes pdl only); (cute) path (None / "gemv": one warp a row;
-"mma": tensor cores, not yet measured), cluster and tile_m (proj, proj_group); None = the kernel's measured default.
+"mma": tensor cores, measured and in no auto rule: docs/NOTES_trunk.md), cluster and tile_m (proj, proj_group);
+None = the kernel's measured default.
 Argument errors are TrunkArgumentError (a ValueError) naming the argument.
 """
 from __future__ import annotations
@@ -112,10 +114,12 @@ def _knobs(op_name: str, be: str, knobs: dict) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def _select(op_name: str, backend: str, B: int, knobs: dict) -> tuple[str, dict, str]:
-    # auto passes over a backend that cannot take the batch (the op's `supports`); a named backend is validated by
-    # the call's own argument checks, which name the argument
-    be, opts, why = dispatch.select(op_name, backend, B=B, shape={"batch": B} if backend == "auto" else None)
+def _select(op_name: str, backend: str, B: int, knobs: dict, facts: dict | None = None) -> tuple[str, dict, str]:
+    # auto passes over a backend that cannot take the call (the op's `supports`: the batch, and for a projection its
+    # weight format, input prologue and fused selection, which with its rows are `facts`, also what the rules filter
+    # on); a named backend is validated by the call's own argument checks, which name the argument
+    be, opts, why = dispatch.select(op_name, backend, B=B,
+                                    shape={"batch": B, **(facts or {})} if backend == "auto" else None)
     given = {k: v for k, v in knobs.items() if v is not None}
     return be, {**opts, **_knobs(op_name, be, given)}, why
 
@@ -332,10 +336,23 @@ def _cute_ran(opts: dict, x: torch.Tensor, w: torch.Tensor) -> dict:
     return ran
 
 
+def _proj_facts(w, prologue, x2, select) -> dict:
+    """The facts of a projection call the auto rules and the backends' `supports` read (k3lab.ops.trunk.proj_facts
+    for a bench case): weight format, output rows, input width, input prologue, fused selection. Bad arguments pass
+    through unlabelled; the checks after the backend's choice name them."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return {}
+    fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "bf16"
+    pro = "rms+situ" if x2 is not None else (prologue[0] if isinstance(prologue, (tuple, list)) and prologue
+                                              else "none")
+    return {"fmt": fmt, "wdtype": fmt, "n": int(w.shape[0]), "k": int(w.shape[1]), "prologue": pro,
+            "select": select is not None}
+
+
 def _run_proj(op_name, x, w, outs, w_scale, residual, backend, ran, knobs, prologue=None, select=None, x2=None,
               prologue2=None, chain=None, glu=None):
     B = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 1
-    be, opts, why = _select(op_name, backend, B, knobs)
+    be, opts, why = _select(op_name, backend, B, knobs, _proj_facts(w, prologue, x2, select))
     notes = ""
     for name, v, what in (("chain", chain, "f = outs[0] w2^T in the same launch"),
                           ("glu", glu, "the last output as situ over pairs of rows")):

@@ -533,6 +533,13 @@ def attnres_peers(case: Case) -> list[Peer]:
     return [Peer("fla", make, check, note="fla fused_attnres + output RMSNorm (partial updated outside)")]
 
 
+def proj_facts(case: Case) -> dict:
+    """What the trunk's auto rules filter a projection case on (k3lab.policy.matches): its weight format and its
+    output rows (the parts' rows summed for a group), as the component reads them off the call's tensors."""
+    shp = proj_shapes(case["preset"])
+    return {"fmt": case.get("wdtype", "bf16"), "n": sum(shp[p][0] for p in _parts(case))}
+
+
 def _max_batch() -> int:
     from k3lab.components.trunk import MAX_BATCH
 
@@ -542,8 +549,8 @@ def _max_batch() -> int:
 def proj_supports(backend: str, shape: dict) -> str | None:
     """The batches the triton projections take (1..MAX_BATCH rows; `auto` then passes over triton to the
     reference, e.g. a verify step of more tokens); what the cute projection takes (bf16 or fp8 weights, batch <= 16,
-    no input prologue, the fused selection at batch <= 4 with bf16 weights: kernels/cute/proj_gemv.py). A shape or
-    case without a key passes."""
+    K a multiple of 8 / 16, no input prologue but rmsp (none with fp8), the fused selection at batch <= 4 with bf16
+    weights: kernels/cute/proj_gemv.py). A shape or case without a key passes."""
     if backend == "triton" and shape.get("batch", 1) > _max_batch():
         return f"x has {shape['batch']} rows; the triton projections take 1..{_max_batch()}"
     if backend == "cute":
@@ -555,8 +562,13 @@ def proj_supports(backend: str, shape: dict) -> str | None:
             return "the cute projection takes bf16 or fp8 weights"
         if shape.get("wdtype", "bf16") == "fp8" and shape.get("select", False):
             return "the cute projection fuses the selection with bf16 weights only"
-        if shape.get("prologue", "none") != "none":
-            return "the cute projection runs no input prologue"
+        if shape.get("prologue", "none") not in ("none", "rmsp"):
+            return "the cute projection runs no input prologue but rmsp"
+        if shape.get("wdtype", "bf16") == "fp8" and shape.get("prologue", "none") != "none":
+            return "the cute projection's fp8 weights take no input prologue"
+        kq = 16 if shape.get("wdtype", "bf16") == "fp8" else 8
+        if shape.get("k") is not None and shape["k"] % kq:
+            return f"the cute projection takes K a multiple of {kq} ({shape.get('wdtype', 'bf16')} weights)"
         if shape.get("select", False) and shape.get("batch", 1) > 4:
             return "the cute projection fuses the selection at batch <= 4 (kernels/cute/proj_gemv.py)"
     return None
@@ -594,7 +606,7 @@ PROJ = register(Op(
     valid=lambda c: c["preset"] in PRESETS and c["proj"] in NAMES and 1 <= c["batch"] <= _max_batch()
     and c["wdtype"] in ("bf16", "fp8") and c.get("prologue", "none") in PROLOGUES
     and (c.get("prologue", "none") == "none" or c["proj"] in PROLOGUES[c["prologue"]]),
-    peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, **_PROJ_OPTS,
+    peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, rule_facts=proj_facts, **_PROJ_OPTS,
 ))
 
 GROUP = register(Op(
@@ -609,7 +621,7 @@ GROUP = register(Op(
               "cute": "k3lab_kernels.cute.proj_gemv:proj"},
     valid=lambda c: c["preset"] in PRESETS and c["group"] in GROUPS and 1 <= c["batch"] <= _max_batch()
     and (not c.get("select", False) or (c["group"] == "moe_in" and c["batch"] <= 16)),
-    peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, **_PROJ_OPTS,
+    peers=proj_peers, test_file="tests/test_trunk.py", supports=proj_supports, rule_facts=proj_facts, **_PROJ_OPTS,
 ))
 
 ROUTER = register(Op(

@@ -344,10 +344,6 @@ def _cases(only: str | None, quick: bool):
                     + (" residual" if res else "") + (" pdl" if pdl else ""))
             cases.append((name, lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM: kq._kernel_class()(
                 B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, tm, kq.X_SMEM), qargs(o_dts, fp8)))
-            if fp8 and len(ends) == 1:  # the next round's weights loaded during this round's MMAs (PIPE)
-                cases.append((name + " pipe", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
-                              kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, tm, kq.X_SMEM, True),
-                              qargs(o_dts, fp8)))
             if len(ends) == 1 and K == 7168:  # x from global memory in the rounds (X_SMEM off)
                 cases.append((name + " x_global", lambda B=B, N=N, K=K, e=ends, r=res, p=pdl, f=fp8, c=C, tm=TM:
                               kq._kernel_class()(B, N, K, e, r, p, f, c, kq.UNROLL, kq.CHAINS, tm, False),

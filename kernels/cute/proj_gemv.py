@@ -7,7 +7,8 @@ without its Triton prologues): y_i = x W_i^T over the row ranges of one weight, 
 fp8 weights (float8_e4m3fn, one fp32 scale a row: the Triton kernels' scheme, W_true[n, :] = W[n, :] scale[n]): a
 lane's 16 bytes of a step are 16 columns (a step 512 columns), each word of four codes widened to fp32 exactly (two
 cvt.rn.f16x2.e4m3x2, then the halves), the row's scale times the fp32 sum before the residual; plain outputs and the
-residual only (not with select, chain, rmsp or glu). Not yet timed on a GPU (thirtieth session).
+residual only (not with select, chain, rmsp or glu). At batch 1 ahead of the Triton GEMV over >= 768 output rows,
+behind over fewer and from batch 2 (the fp32 FMAs): the trunk's fp8 batch-1 rule (docs/NOTES_trunk.md).
 
 Layout. x [B, K] bf16 (unit stride along K, a row stride of 8 elements), W [N, K] bf16 contiguous (nn.Linear), K a
 multiple of 8 (a last partial step of 256 columns is masked by lane); B = 1..MAX_BATCH. A CTA of 128 threads (4

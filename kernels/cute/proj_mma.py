@@ -57,9 +57,6 @@ MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CT
 # and this form is the cleaner one in the offline SASS (the weights' loads of a round together, x by LDS, 72 registers
 # at fp8 / 8 tokens against 80); off reads x from global memory in the rounds (the alternative the sweeps time)
 X_SMEM = True
-# the next round's weights loaded into a second set of registers before this round's MMAs (off: a warp's round loads,
-# waits, then multiplies, so its loads are in flight only part of the time); unmeasured, an experiment's setting
-PIPE = False
 _WARPS = 4
 _THREADS = 32 * _WARPS
 SMEM_LIMIT = 232448  # a CTA's shared memory on sm_90 (227 KB): x staged for 16 tokens of K = 7168 in a cluster of one
@@ -100,7 +97,7 @@ def _kernel_class():
         """A cluster of C CTAs (four warps each) per tile of 16 output rows, split along K."""
 
         def __init__(self, B: int, N: int, K: int, ends: tuple, residual: bool, pdl: bool, fp8: bool, C: int,
-                     unroll: int, chains: int, tile_m: int = 16, x_smem: bool = False, pipe: bool = False):
+                     unroll: int, chains: int, tile_m: int = 16, x_smem: bool = False):
             self.B, self.N, self.K, self.ends = B, N, K, tuple(int(e) for e in ends)
             self.residual, self.pdl, self.fp8, self.C = bool(residual), bool(pdl), bool(fp8), C
             self.CW = 16 if self.fp8 else 8          # columns a lane's 16-byte load of a row
@@ -111,7 +108,7 @@ def _kernel_class():
             self.T = (N + tile_m - 1) // tile_m      # tiles of tile_m output rows
             self.WR = K * (1 if self.fp8 else 2) // 4  # int32 words a weight row
             self.NE = 128 * self.NT                  # fragment elements a tile: 4 a lane and n-tile
-            self.UNR, self.CH, self.x_smem, self.pipe = unroll, chains, bool(x_smem), bool(pipe)
+            self.UNR, self.CH, self.x_smem = unroll, chains, bool(x_smem)
             # X_SMEM: a staged token row's words (the CTA's at most ceil(NCH / C) chunks, 2 CW words each), padded by
             # 16 words so that rows g and g + 1 fall in different bank halves
             self.XS = -(-self.NCH // C) * 2 * self.CW + 16
@@ -209,13 +206,10 @@ def _kernel_class():
             wv = cute.make_rmem_tensor((8 * UNR,), Int32)
             xv = cute.make_rmem_tensor((UNR * NT * (self.CW // 2),), Int32)
             last = hi - 1                        # a round's chunks past the range re-read the last one
-            if cutlass.const_expr(self.pipe):        # the next round's weights, loaded while this round's MMAs run
-                wn = cute.make_rmem_tensor((8 * UNR,), Int32)
-            if cutlass.const_expr(self.pdl or self.pipe):
+            if cutlass.const_expr(self.pdl):
                 if nround > 0:                   # the first round's weights before the wait: W is no kernel's output
                     for u in cutlass.range_constexpr(UNR):
                         self.load_w(p_w, wv, u, ra, rb, cutlass.select_(lo + u < hi, lo + u, last), t)
-            if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # x (and the residual) come from the kernel before
                 cute.arch.griddepcontrol_launch_dependents()
             xsrc, xoff = p_x, Int32(0)           # where x's chunks are read, and the chunk they count from
@@ -234,12 +228,7 @@ def _kernel_class():
                 xsrc, xoff = s_xs.iterator, c_lo
             for i in cutlass.range(nround, unroll=1):
                 c0 = lo + i * UNR
-                if cutlass.const_expr(self.pipe):
-                    if i + 1 < nround:
-                        for u in cutlass.range_constexpr(UNR):
-                            c1 = c0 + UNR + u
-                            self.load_w(p_w, wn, u, ra, rb, cutlass.select_(c1 < hi, c1, last), t)
-                elif cutlass.const_expr(self.pdl):
+                if cutlass.const_expr(self.pdl):
                     if i > 0:
                         for u in cutlass.range_constexpr(UNR):
                             self.load_w(p_w, wv, u, ra, rb, cutlass.select_(c0 + u < hi, c0 + u, last), t)
@@ -250,9 +239,6 @@ def _kernel_class():
                     self.load_x(xsrc, xv, u, xrow, cutlass.select_(c0 + u < hi, c0 + u, last) - xoff, t,
                                 c0 + u < hi)
                 self.round_mma(wv, xv, acc, UNR)
-                if cutlass.const_expr(self.pipe):
-                    for k in cutlass.range_constexpr(8 * UNR):
-                        wv[k] = wn[k]
             # the chains summed; fragment element (4 j + v) 32 + lane into this warp's slot
             for j in cutlass.range_constexpr(NT):
                 for v in cutlass.range_constexpr(4):
@@ -382,7 +368,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
             gmem_ptr(residual if residual is not None else x, cutlass.BFloat16, 2),
             *[gmem_ptr(o, o_dt[o.dtype], o.element_size()) for o in pad], x.stride(0), *[o.stride(0) for o in pad]]
     key = (B, N, K, tuple(ends), tuple(o.dtype for o in outs), residual is not None, pdl, fp8, cluster, tile_m,
-           UNROLL, CHAINS, X_SMEM, PIPE, dev.index)
+           UNROLL, CHAINS, X_SMEM, dev.index)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -392,7 +378,7 @@ def proj_mma(x, w, outs, *, residual=None, w_scale=None, pdl=None, cluster=None,
             from cutlass import cute
 
             fn = cute.compile(_kernel_class()(B, N, K, tuple(ends), residual is not None, pdl, fp8, cluster, UNROLL,
-                                              CHAINS, tile_m, X_SMEM, PIPE), *args, stream)
+                                              CHAINS, tile_m, X_SMEM), *args, stream)
             _COMPILED[key] = fn
         fn(*args, stream)
     return outs
