@@ -393,18 +393,19 @@ def test_preload_and_block_n_rules():
     assert kern.default_preload(8193, 4, 32) == 16
     assert kern.default_block_n(16, 64) == 32 and kern.default_block_n(16, 64, preload=False) == 64
     assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
-    # a contiguous cache's rows are streamed at one new position and 16-row tiles: 32 positions, three stages
-    assert kern.streamed_rows(False, 16) and not kern.streamed_rows(False, 32)
-    assert not kern.streamed_rows(False, 16, T=4)  # the verify's 16-row groups: not measured, the old tiles
+    # a contiguous cache's rows are streamed (32 positions, three stages) but for 32-row tiles from batch 16
+    assert kern.streamed_rows(False, 16) and kern.streamed_rows(False, 16, T=4, B=8)
+    assert kern.streamed_rows(False, 32, T=8, B=8) and not kern.streamed_rows(False, 32, T=4, B=16)
     assert kern.streamed_rows(True, 16, 1, 64, None) and not kern.streamed_rows(True, 16, 2, 64, None)
     assert not kern.streamed_rows(True, 16, 1, 16, None) and not kern.streamed_rows(True, 16, 1, 64, 0)
     assert kern.default_num_stages(0, contiguous=True) == 3 and kern.default_num_stages(0) == 2
-    for B, paged, want in ((16, False, (32, 3)), (1, False, (32, 3)), (16, True, (32, 3))):
+    for B, T, paged, want in ((16, 1, False, (32, 3)), (1, 1, False, (32, 3)), (16, 1, True, (32, 3)),
+                              (1, 4, False, (32, 3)), (8, 2, False, (32, 3)), (16, 4, False, (64, 2))):
         bf = torch.bfloat16
         kv = torch.zeros(B * 2, 64, 576, dtype=bf) if paged else torch.zeros(B, 128, 576, dtype=bf)
         bt = torch.arange(B * 2, dtype=torch.int32).view(B, 2) if paged else None
         plan: dict = {}
-        kern.mla_decode(torch.zeros(B, 1, 12, 512, dtype=bf), torch.zeros(B, 1, 12, 64, dtype=bf), kv,
+        kern.mla_decode(torch.zeros(B, T, 12, 512, dtype=bf), torch.zeros(B, T, 12, 64, dtype=bf), kv,
                         torch.full((B,), 100, dtype=torch.int32), scale=0.1, block_table=bt, partitions=1, n_max=101,
                         plan_out=plan)
         assert (plan["block_n"], plan["num_stages"]) == want, (B, paged, plan)

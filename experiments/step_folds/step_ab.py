@@ -1,4 +1,5 @@
-"""The decode step at batch 1 (BATCH; TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's headline settings) with one
+"""The decode step at batch 1 (BATCH; DRAFT the draft depth, 0; TP8, 8K, MXFP4, pdl, proj_cute, kda_pdl: notebook 06's
+headline settings) with one
 launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm against arm in one build:
   kda_chain  the KDA decay's second factor f = W_fb fa chained into the input group's CuTe launch
              (KDA_DECAY_CHAIN_MAX_TOKENS 16, the default) or its own CuTe GEMV launch (0);
@@ -82,7 +83,7 @@ from k3lab.harness.numerics import rel_norm_error
 
 ROUNDS = 3
 P = dict(preset="tp8", batch=int(os.environ.get("BATCH", "1")), context=8192, expert_dtype="mxfp4", pdl=True,
-         proj_cute=True, kda_pdl=True)
+         proj_cute=True, kda_pdl=True, draft_depth=int(os.environ.get("DRAFT", "0")))
 FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                        ("own_launch", {"KDA_DECAY_CHAIN_MAX_TOKENS": 0})),
          # (git history at 6659250: "moe_glue": in_experts MOE_GLUE_IN_EXPERTS True / own_launch False)

@@ -37,8 +37,8 @@ grid (G * P * NS, B) with g fastest (the groups of one piece run side by side an
     a piece has >= PRELOAD_MIN_BLOCKS (2) blocks, its page indices are loaded NPG = DEFAULT_PRELOAD_PAGES (16) at a
     time before the block loop
     (the block's index is picked from registers), and num_stages = 3 double-buffers the rows: one block
-    streams while the previous one is multiplied. A contiguous cache's rows are arithmetic: at one new position
-    it takes the same 32-position blocks and three stages (`streamed_rows`).
+    streams while the previous one is multiplied. A contiguous cache's rows are arithmetic: it takes the same
+    32-position blocks and three stages (`streamed_rows`; not 32-row tiles from batch 16).
   * fp8 e4m3 cache: the tile is converted to bf16 in registers (exact). Scale scheme: PER-TENSOR, one fp32
     scale (0-d tensor, read in the kernel: no host sync) folded into the score scale and applied to o
     once at the end; PER-TOKEN, one fp32 scale per cache row ([B, S_max] contiguous, [n_pages, PAGE]
@@ -643,15 +643,20 @@ CONTIG_STREAMED = True  # `streamed_rows` for a contiguous cache (False: the til
 
 
 def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pages: int | None = None,
-                  T: int = 1) -> bool:
+                  T: int = 1, B: int = 1) -> bool:
     """Whether the block loop's rows need no page index loaded in the loop, so that the pipeliner multi-buffers
-    them: a paged cache whose indices can be preloaded (one page a block, no DCP), or a contiguous cache at one new
-    position and 16-row tiles (its rows are arithmetic; H100, T = 1, 12 heads, us, 64 positions and 2 stages against
-    32 and 3: batch 8 8K 44.97 / 35.86, 32K 142.18 / 110.63; 16 8K 69.51 / 60.17, 32K 231.08 / 207.40; 32 8K 121.38
-    / 109.99, 32K 436.79 / 400.59; batch 1 32K 27.98 / 21.94, 8K level: profiles/h100-80gb-hbm3/mla_contig.json.gz;
-    the verify not measured: it keeps the old tiles)."""
+    them (32 positions a block, three stages): a paged cache whose indices can be preloaded (one page a block, no
+    DCP), or a contiguous cache (its rows are arithmetic) but for 32-row tiles from batch 16, which keep 64 positions
+    and two stages. H100, 12 heads, us, the tiles before (64 positions from batch 16, else 32; two stages) against
+    streamed: T = 1 (16-row tiles) batch 8 8K 44.97 / 35.86, 32K 142.18 / 110.63; 16 8K 69.51 / 60.17, 32K 231.08 /
+    207.40; 32 8K 121.38 / 109.99, 32K 436.79 / 400.59; batch 1 32K 27.98 / 21.94, 8K level
+    (profiles/h100-80gb-hbm3/mla_contig.json.gz); the verify, 16-row tiles: T = 2 batch 1 8K 15.01 / 12.97, 32K
+    32.54 / 26.01; T = 4 batch 1 8K 19.27 / 16.34, 32K 40.89 / 33.95, batch 8 8K 74.90 / 63.21, 32K 227.60 /
+    194.46; T = 8 batch 1 8K 26.32 / 24.10; 32-row tiles below batch 16: T = 8 batch 1 32K 56.78 / 49.34, T = 2 batch
+    8 8K 59.12 / 45.53, 32K 177.05 / 128.03, T = 8 batch 8 8K 111.68 / 98.04, 32K 332.24 / 292.19; 32-row tiles at
+    batch 16 (T = 4) lose: 8K 113.46 against 120.88, 32K 347.53 against 390.91 (mla_contig_t4 / _t28.json.gz)."""
     if not paged:
-        return CONTIG_STREAMED and BM == 16 and T == 1
+        return CONTIG_STREAMED and (BM == 16 or (BM == 32 and B < 16))
     return dcp == 1 and page % 32 == 0 and preload_pages != 0
 
 
@@ -810,7 +815,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B,
                                  n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
-    streamed = streamed_rows(paged, BM, dcp, page, preload_pages, T)
+    streamed = streamed_rows(paged, BM, dcp, page, preload_pages, T, B)
     BN = block_n or default_block_n(BM, B, streamed)
     K = dcp * partitions
     dev = q_lat.device
