@@ -144,7 +144,8 @@ def test_proj_fp8_tiles_rule():
         assert pg.config(b, 1536, 7168, cpu, fp8=True)["BN"] == 32  # a long input: 32-row tiles
         assert pg.config(b, 2304, 1536, cpu, fp8=True)["BN"] == 16  # mla_uq: 36 tiles of 64 would leave SMs idle:
         assert pg.config(b, 1152, 1536, cpu, fp8=True)["BN"] == 16  # 16-row tiles (FP8_NARROW_MIN_K)
-        assert pg.config(b, 1536, 128, cpu, fp8=True)["BN"] == 32  # kda_fb's 128-long input: not measured, 32 rows
+        assert pg.config(b, 1536, 128, cpu, fp8=True)["BN"] == 16  # kda_fb's 128-long input too (fp8_b32_rule)
+        assert pg.config(b, 1536, 64, cpu, fp8=True)["BN"] == 32  # shorter than FP8_NARROW_MIN_K: 32 rows
         assert pg.config(b, 7168, 1536, cpu, tma=False)["BN"] == 32  # bf16 on the dot path: 32-row tiles
     assert pg.config(64, 7168, 1536, cpu, fp8=True)["BN"] == 32
     assert pg.config(8, 7168, 1536, cpu, fp8=True, block_n=64)["BN"] == 64  # the knob still overrides

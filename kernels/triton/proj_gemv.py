@@ -371,10 +371,11 @@ FP8_SHORT_K = 2048  # fp8 at batch 17..32 (a 32-row batch tile): inputs up to th
 # 10.48 / 10.44 us at TP8 batch 32 on an H100, profiles/h100-80gb-hbm3/fp8_b64_tiles.json.gz, git history at b23339a;
 # H200 kda_o 8.80 against 9.70, profiles/h200/proj_fp8_47.json.gz; the 2,304 / 1,152 outputs of mla_uq left 36 / 18
 # programs: 8.15 / 8.02 us there; at batch 64 64-row tiles lose: 14.5 against 11.2; docs/NOTES_trunk.md)
-FP8_NARROW_MIN_K = 1024  # ... and where 64-row tiles would leave fewer than half the SMs a program (mla_uq's 2,304 /
-# 1,152 outputs), inputs of at least this length take 16-row W tiles: TP8 / TP16 mla_uq at batch 32 7.27 / 6.45 ->
-# 6.52 / 5.88 us on an H100 (cuBLAS 5.84 / 5.22; 64-row tiles 8.05 / 6.21),
-# profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz
+FP8_NARROW_MIN_K = 128  # ... and where 64-row tiles would leave fewer than half the SMs a program (mla_uq's 2,304 /
+# 1,152 outputs, kda_fb's 1,536 / 768), inputs of at least this length take 16-row W tiles: TP8 / TP16 mla_uq at batch
+# 32 7.27 / 6.45 -> 6.52 / 5.88 us on an H100 (cuBLAS 5.84 / 5.22; 64-row tiles 8.05 / 6.21),
+# profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz; kda_fb (K = 128) 2.27 / 2.19 -> 2.08 / 1.98 (cuBLAS 2.47 / 2.43),
+# profiles/h100-80gb-hbm3/fp8_b32_rule.json.gz (1024 before that measurement)
 FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
 # through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
 # against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; TP16's 768-row kda_q ties or loses, 9.93 /
