@@ -137,6 +137,11 @@ def test_proj_fp8_tiles_rule():
             assert (c["path"], c["BN"], c["SPLIT"]) == ("dot", 32, 1), (b, k, c)
         assert pg.config(b, 7168, 3584, cpu, fp8=True)["BN"] == 32
         assert pg.config(b, 1536, 7168, cpu, fp8=True)["SPLIT"] > 1  # a long input still splits
+        # fp8 over K = 7168: up to FP8_MORE programs an SM, each K range >= FP8_MIN_CHUNKS chunks (fp8_split_small)
+        assert pg.config(b, 1536, 7168, cpu, fp8=True)["SPLIT"] == 8 and pg.config(b, 1536, 7168, cpu)["SPLIT"] == 5
+        assert pg.config(b, 3584, 7168, cpu, fp8=True)["SPLIT"] == 4
+        assert pg.config(b, 576, 7168, cpu, fp8=True)["SPLIT"] == 14  # the one-wave rule already splits more
+        assert pg.config(b, 7168, 3584, cpu, fp8=True)["SPLIT"] == 1  # shorter inputs: the one-wave rule
     for b in (17, 32):
         c = pg.config(b, 7168, 1536, cpu, fp8=True)
         assert (c["BN"], c["SPLIT"]) == (64, 1), (b, c)

@@ -376,6 +376,12 @@ FP8_NARROW_MIN_K = 128  # ... and where 64-row tiles would leave fewer than half
 # 32 7.27 / 6.45 -> 6.52 / 5.88 us on an H100 (cuBLAS 5.84 / 5.22; 64-row tiles 8.05 / 6.21),
 # profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz; kda_fb (K = 128) 2.27 / 2.19 -> 2.08 / 1.98 (cuBLAS 2.47 / 2.43),
 # profiles/h100-80gb-hbm3/fp8_b32_rule.json.gz (1024 before that measurement)
+FP8_LONG_K = 7168  # fp8 on the dot path at batch <= SMALL_BATCH over inputs at least this long: K split until up to
+FP8_MORE = 3       # FP8_MORE programs an SM run (the one-wave default leaves ~1.7, each warp issuing every 4.7 cycles:
+FP8_MIN_CHUNKS = 7  # instruction latency on few warps), each K range keeping >= FP8_MIN_CHUNKS chunks of BK. H100, TP8,
+# us, default / rule: moe_down (split 2 -> 4) batch 1 14.93 / 13.50, 8 14.97 / 13.59; kda_q (5 -> 8) 8.92 / 8.23, 8.97
+# / 8.33; kda_o (short input) and mla_dkv (split 14 already) keep theirs: more splits lose (kda_o 2: 8.58 against
+# 7.43; mla_dkv 28: 6.82 against 6.27). profiles/h100-80gb-hbm3/fp8_split_small.json.gz
 FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
 # through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
 # against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; TP16's 768-row kda_q ties or loses, 9.93 /
@@ -406,10 +412,13 @@ def tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
             and (x.stride(0) * x.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0)
 
 
-def _split(tiles: int, chunks: int, split_k, cap: int) -> int:
-    """Default split-K: as many K ranges as keep every program in one wave of `cap` resident programs."""
+def _split(tiles: int, chunks: int, split_k, cap: int, more: int = 0) -> int:
+    """Default split-K: as many K ranges as keep every program in one wave of `cap` resident programs; `more` (the
+    fp8 long-input rule, FP8_LONG_K): up to `more` programs where each K range keeps >= FP8_MIN_CHUNKS chunks."""
     if split_k is None:
         split_k = max(1, min(chunks, cap // max(1, tiles)))
+        if more:
+            split_k = max(split_k, min(-(-more // max(1, tiles)), chunks // FP8_MIN_CHUNKS))
     return max(1, min(split_k, chunks))
 
 
@@ -484,7 +493,8 @@ def config(M: int, N: int, K: int, device: torch.device, *, path=None, block_n=N
         cap = sms if wide else 2 * sms
     tiles = triton.cdiv(N, BN) * triton.cdiv(M, BM)
     chunks = triton.cdiv(K, BK)
-    ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap)) * BK
+    more = FP8_MORE * sms if path == "dot" and fp8 and small and K >= FP8_LONG_K else 0
+    ksplit = triton.cdiv(chunks, _split(tiles, chunks, split_k, cap, more)) * BK
     split = triton.cdiv(K, ksplit)
     warps = num_warps or 4
     rchunk = BM  # the last program's sum (reduce "last"): whole tiles to a batch tile of 32; above, pieces of
