@@ -385,7 +385,7 @@ FP8_MIN_CHUNKS = 7  # instruction latency on few warps), each K range keeping >=
 FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
 # through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
 # against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; TP16's 768-row kda_q ties or loses, 9.93 /
-# 10.08 against 9.95 / 9.76: profiles/h100-80gb-hbm3/fp8_paths.json.gz)
+# 10.08 against 9.95 / 9.76: profiles/h100-80gb-hbm3/fp8_paths.json.gz, git history at e0d6f9e)
 FP8_WIDE_BATCH, FP8_WIDE_MIN_N = 65, 768  # fp8 from batch 65 (a batch tile of 128): tma for >= 768 outputs, short
 # inputs too (H100 batch 128: kda_o TP8 12.5 against 16.9 us on dot, TP16 kda_q 11.0 against 13.4, moe_router 11.4
 # against 14.3: the same bundle)
