@@ -2,7 +2,7 @@
 # The fifty-first session's H200 call (.gpu/base, fi, fijit carried): issue 13's fp8 projection rows under the rules of
 # this tree (mla_uq's 16-row tiles at batch 32), then issue 12's mid-batch MLA rows beside FlashInfer fa3 with the
 # fused merge (bundles proj_fp8_47, mla_parts_h200: the names issue 12 / 13's targets read); a short budget, so
-# deadlines of 150 / 210 s. Elsewhere (an H100): the verify's contiguous tiles at T = 4 beside page 64 (contig.sh).
+# deadlines of 150 / 210 s. Elsewhere (an H100): the fp8 long-input split rule at batch 2 / 4 / 16.
 # Everything under $OUT/q, packed into $OUT/q.tgz.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G"
@@ -20,8 +20,11 @@ if echo "$G" | grep -q H200; then
     --grid context=8192,32768 --name mla_parts_h200 --out "$OUT/q" --deadline ${D2:-210} 2>&1 | grep -E "^mla_decode" \
     | cut -c1-120 | tail -n 18
 else
-  # the verify's contiguous tiles (T = 4 keeps the paged-without-preload tiles: unmeasured), beside page 64
-  EXTRA="--grid T=4" NAME=mla_contig_t4 BATCHES=1,8,16 bash experiments/mla_tune/contig.sh 2>&1 | tail -n 30
-  mv "$OUT/mla_contig.tgz" "$OUT/q/" 2>/dev/null
+  # the fp8 long-input split rule (proj_gemv.FP8_LONG_K) at the batches it covers unmeasured (2 / 4 / 16), against
+  # the one-wave splits it replaced (moe_down 2, kda_q 5)
+  timeout 150 python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants --no-peers --reps 20 \
+    --grid preset=tp8 --grid batch=2,4,16 --grid wdtype=fp8 --grid proj=moe_down,kda_q --grid split_k=null,2,5 \
+    --out "$OUT/q" --name fp8_split_rule --deadline 130 2>&1 | tail -n 1
+  python3 experiments/proj_b64/table.py "$OUT/q" | cut -c1-80
 fi
 cd "$OUT" && tar czf q.tgz q && rm -rf q
