@@ -2,7 +2,8 @@
 # The fifty-first session's H200 call (.gpu/base, fi, fijit carried): issue 13's fp8 projection rows under the rules of
 # this tree (mla_uq's 16-row tiles at batch 32), then issue 12's mid-batch MLA rows beside FlashInfer fa3 with the
 # fused merge (bundles proj_fp8_47, mla_parts_h200: the names issue 12 / 13's targets read); a short budget, so
-# deadlines of 150 / 210 s. Elsewhere (an H100): the fp8 long-input split rule at batch 2 / 4 / 16.
+# deadlines of 150 / 210 s. Elsewhere (an H100): the fp8 long-input split rule at batch 2 / 4 / 16, then x's
+# three-instruction widening (experiments/proj_b64/xasm.py).
 # Everything under $OUT/q, packed into $OUT/q.tgz.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G"
@@ -26,5 +27,7 @@ else
     --grid preset=tp8 --grid batch=2,4,16 --grid wdtype=fp8 --grid proj=moe_down,kda_q --grid split_k=null,2,5 \
     --out "$OUT/q" --name fp8_split_rule --deadline 130 2>&1 | tail -n 1
   python3 experiments/proj_b64/table.py "$OUT/q" | cut -c1-80
+  # x widened in three instructions a pair (a patched copy of the kernel; bit-equal outputs expected)
+  PROJS=kda_q,kda_o,moe_down BATCHES=1,8,16 timeout 200 python3 experiments/proj_b64/xasm.py "$OUT/q" 2>&1 | tail -n 18
 fi
 cd "$OUT" && tar czf q.tgz q && rm -rf q
