@@ -615,8 +615,10 @@ def test_auto_follows_the_measured_table():
 @pytest.mark.parametrize("preset", ["tp8", "tp16"])
 @pytest.mark.parametrize("name", ops.NAMES)
 def test_gpu_every_projection_shape(preset, name):
-    """The default path at batch 1, the tma path with fp8 weights and at batch 64."""
-    for batch, wdtype, opts in ((1, "bf16", {}), (5, "fp8", dict(path="tma")), (64, "bf16", dict(path="tma"))):
+    """The default path at batch 1, fp8 weights on the default path at batch 8 (the long-input split rule,
+    FP8_LONG_K), the tma path with fp8 weights and at batch 64."""
+    for batch, wdtype, opts in ((1, "bf16", {}), (8, "fp8", {}), (5, "fp8", dict(path="tma")),
+                                (64, "bf16", dict(path="tma"))):
         _check(PROJ, options=opts, preset=preset, proj=name, batch=batch, wdtype=wdtype)
 
 
