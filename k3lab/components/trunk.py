@@ -604,7 +604,7 @@ def router_topk(logits: torch.Tensor, e_bias: torch.Tensor, *, top_k: int = 16, 
 def route(h: torch.Tensor, router: RouterWeights, *, backend: str = "reference", ran: list | None = None,
           w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router projection into fp32 logits, then router_topk, each through the dispatcher (backend "cute": the
-    projection on triton, whose batch range the CuTe projection (<= 16 rows, not yet timed) does not cover;
+    projection on triton, whose batch range the CuTe projection (<= 16 rows) does not cover;
     torch_compile: the reference GEMM). Backend "triton" up to its SELECT_MAX_BATCH rows: one launch, the selection
     fused into the projection (proj_group's `select`, the MoE input group's form in the decode step)."""
     if not isinstance(router, RouterWeights):

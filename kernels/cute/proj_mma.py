@@ -53,9 +53,10 @@ CLUSTERS = (1, 2, 4, 8)
 TILES_M = (16, 32, 64)  # output rows a CTA: its four warps over 1, 2 or 4 row groups of 16 (the rest split K)
 MIN_CTAS_PER_SM = 2     # the automatic (tile_m, cluster): at least this many CTAs an SM where the chunks allow
 # x's columns of the CTA's K range staged in shared memory by one bulk copy a token row (one mbarrier), read from
-# there by every warp: x's loads no longer wait on L2 round trips in the rounds. On: the path is unmeasured as a whole,
-# and this form is the cleaner one in the offline SASS (the weights' loads of a round together, x by LDS, 72 registers
-# at fp8 / 8 tokens against 80); off reads x from global memory in the rounds (the alternative the sweeps time)
+# there by every warp: x's loads no longer wait on L2 round trips in the rounds. On: the form the path was timed in
+# (docs/NOTES_trunk.md, thirty-sixth and fifty-second sections) and the cleaner one in the offline SASS (the weights'
+# loads of a round together, x by LDS, 72 registers at fp8 / 8 tokens against 80); off (x from global memory in the
+# rounds) is not timed
 X_SMEM = True
 _WARPS = 4
 _THREADS = 32 * _WARPS
