@@ -394,8 +394,8 @@ def test_preload_and_block_n_rules():
     assert kern.default_block_n(16, 64) == 32 and kern.default_block_n(16, 64, preload=False) == 64
     assert kern.default_block_n(16, 1, preload=False) == 32 and kern.default_block_n(64, 1) == 16
     # a contiguous cache's rows are streamed (32 positions, three stages) but for 32-row tiles from batch 16
-    assert kern.streamed_rows(False, 16) and kern.streamed_rows(False, 16, T=4, B=8)
-    assert kern.streamed_rows(False, 32, T=8, B=8) and not kern.streamed_rows(False, 32, T=4, B=16)
+    assert kern.streamed_rows(False, 16) and kern.streamed_rows(False, 16, B=8)
+    assert kern.streamed_rows(False, 32, B=8) and not kern.streamed_rows(False, 32, B=16)
     assert kern.streamed_rows(True, 16, 1, 64, None) and not kern.streamed_rows(True, 16, 2, 64, None)
     assert not kern.streamed_rows(True, 16, 1, 16, None) and not kern.streamed_rows(True, 16, 1, 64, 0)
     assert kern.default_num_stages(0, contiguous=True) == 3 and kern.default_num_stages(0) == 2

@@ -643,18 +643,14 @@ CONTIG_STREAMED = True  # `streamed_rows` for a contiguous cache (False: the til
 
 
 def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pages: int | None = None,
-                  T: int = 1, B: int = 1) -> bool:
+                  B: int = 1) -> bool:
     """Whether the block loop's rows need no page index loaded in the loop, so that the pipeliner multi-buffers
     them (32 positions a block, three stages): a paged cache whose indices can be preloaded (one page a block, no
-    DCP), or a contiguous cache (its rows are arithmetic) but for 32-row tiles from batch 16, which keep 64 positions
-    and two stages. H100, 12 heads, us, the tiles before (64 positions from batch 16, else 32; two stages) against
-    streamed: T = 1 (16-row tiles) batch 8 8K 44.97 / 35.86, 32K 142.18 / 110.63; 16 8K 69.51 / 60.17, 32K 231.08 /
-    207.40; 32 8K 121.38 / 109.99, 32K 436.79 / 400.59; batch 1 32K 27.98 / 21.94, 8K level
-    (profiles/h100-80gb-hbm3/mla_contig.json.gz); the verify, 16-row tiles: T = 2 batch 1 8K 15.01 / 12.97, 32K
-    32.54 / 26.01; T = 4 batch 1 8K 19.27 / 16.34, 32K 40.89 / 33.95, batch 8 8K 74.90 / 63.21, 32K 227.60 /
-    194.46; T = 8 batch 1 8K 26.32 / 24.10; 32-row tiles below batch 16: T = 8 batch 1 32K 56.78 / 49.34, T = 2 batch
-    8 8K 59.12 / 45.53, 32K 177.05 / 128.03, T = 8 batch 8 8K 111.68 / 98.04, 32K 332.24 / 292.19; 32-row tiles at
-    batch 16 (T = 4) lose: 8K 113.46 against 120.88, 32K 347.53 against 390.91 (mla_contig_t4 / _t28.json.gz)."""
+    DCP), or a contiguous cache (its rows are arithmetic) at any number of new positions but for 32-row tiles from
+    batch 16, which keep 64 positions and two stages (there three stages lost). Measured on an H100, 8-28 % off the
+    split at T = 1 from batch 8 and for the verify below batch 16: profiles/h100-80gb-hbm3/mla_contig.json.gz,
+    mla_contig_t4.json.gz, mla_contig_t28.json.gz; the figures in docs/NOTES_mla.md (fifty-first and fifty-second
+    sections)."""
     if not paged:
         return CONTIG_STREAMED and (BM == 16 or (BM == 32 and B < 16))
     return dcp == 1 and page % 32 == 0 and preload_pages != 0
@@ -815,7 +811,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, leng
     HR, BM, G = rows_per_program(T, H, pad_heads, block_m, B,
                                  n_max or (block_table.shape[1] * kv.shape[1] if paged else kv.shape[1]))
     page = kv.shape[1] if paged else 1
-    streamed = streamed_rows(paged, BM, dcp, page, preload_pages, T, B)
+    streamed = streamed_rows(paged, BM, dcp, page, preload_pages, B)
     BN = block_n or default_block_n(BM, B, streamed)
     K = dcp * partitions
     dev = q_lat.device
