@@ -738,7 +738,8 @@ def test_cublas_peers_pass_the_checker(op_name, kw):
 
 def test_auto_fp8_batch1_rule(monkeypatch):
     """data/trunk_defaults.json's fp8 batch-1 rule (measured: profiles/h100-80gb-hbm3/fp8_b1.json.gz): the cute GEMV
-    for fp8 weights at batch 1 with >= 768 output rows, triton otherwise (bf16, fewer rows, batch 2); where the
+    for fp8 weights at batch 1 with >= 768 output rows, triton otherwise (bf16, fewer rows, batch 4); at batch 2 the
+    shapes where the GEMV won (fp8_b2_rule.json.gz: mla_uq, moe_down, TP16 shared_w2) by rows and input width; where the
     rule's cute cannot run the call (no CuTe DSL, an input prologue) the fallback's triton, then the reference. The
     bench's variant rows look the rule up with the case's facts (k3lab.ops.trunk.proj_facts), as a call does from
     its tensors (the component's _proj_facts)."""
@@ -752,12 +753,19 @@ def test_auto_fp8_batch1_rule(monkeypatch):
     assert pick(1, {"fmt": "fp8", "n": 768}) == "cute"
     assert pick(1, {"fmt": "fp8", "n": 576}) == "triton"
     assert pick(1, {"fmt": "bf16", "n": 7168}) == "triton"
-    assert pick(2, {"fmt": "fp8", "n": 7168}) == "triton"
+    assert pick(4, {"fmt": "fp8", "n": 2304, "k": 1536}) == "triton"
+    # batch 2: the measured winners by (rows, width), every other projection of K3's TP8 / TP16 shapes on triton
+    for preset in ("tp8", "tp16"):
+        for name, (n, k) in ops.proj_shapes(preset).items():
+            want = "cute" if (name in ("mla_uq", "moe_down") or (preset, name) == ("tp16", "shared_w2")
+                              or (preset, name) == ("tp8", "kda_fb")) else "triton"
+            assert pick(2, {"fmt": "fp8", "n": n, "k": k}) == want, (preset, name)
+            assert pick(2, {"fmt": "bf16", "n": n, "k": k}) == "triton"
     assert pick(1, {"fmt": "fp8", "n": 7168}, lambda b: b != "cute") == "triton"
     assert pick(1, {"fmt": "fp8", "n": 7168}, lambda b: b == "reference") == "reference"
     for preset, name, n in (("tp8", "kda_q", 1536), ("tp16", "mla_dkv", 576), ("tp16", "shared_w1", 384)):
         case = PROJ.case(preset=preset, proj=name, batch=1, wdtype="fp8", residual=False, prologue="none")
-        assert ops.proj_facts(case) == {"fmt": "fp8", "n": n}
+        assert ops.proj_facts(case) == {"fmt": "fp8", "n": n, "k": 7168}
         want = "cute" if n >= 768 else "triton"
         assert policy.rule("trunk", "proj", 1, 1, PROJ.rule_facts(case))["backend"] == want
     w8 = torch.zeros(1536, 64).to(torch.float8_e4m3fn)

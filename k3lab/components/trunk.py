@@ -38,7 +38,8 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
                  multiple of 32 bf16 / 64 fp8, the plain outputs and the residual; cluster, tile_m: its split
                  of K and rows a CTA)
   auto           data/trunk_defaults.json (proj: the cute GEMV for fp8 weights at batch 1 over >= 768 output
-                 rows, triton otherwise), else the reference
+                 rows and at batch 2 on the shapes it won (mla_uq, moe_down, TP16 shared_w2), triton otherwise),
+                 else the reference
 Knobs (triton): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages, reduce ("last": a
 split-K tile's last program sums its partials; "kernel": a second kernel under PDL) (proj, proj_group);

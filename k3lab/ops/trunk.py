@@ -534,10 +534,12 @@ def attnres_peers(case: Case) -> list[Peer]:
 
 
 def proj_facts(case: Case) -> dict:
-    """What the trunk's auto rules filter a projection case on (k3lab.policy.matches): its weight format and its
-    output rows (the parts' rows summed for a group), as the component reads them off the call's tensors."""
+    """What the trunk's auto rules filter a projection case on (k3lab.policy.matches): its weight format, its
+    output rows (the parts' rows summed for a group) and its input width, as the component reads them off the call's
+    tensors."""
     shp = proj_shapes(case["preset"])
-    return {"fmt": case.get("wdtype", "bf16"), "n": sum(shp[p][0] for p in _parts(case))}
+    parts = _parts(case)
+    return {"fmt": case.get("wdtype", "bf16"), "n": sum(shp[p][0] for p in parts), "k": shp[parts[0]][1]}
 
 
 def _max_batch() -> int:
