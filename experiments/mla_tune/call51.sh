@@ -2,8 +2,8 @@
 # The fifty-first session's H200 call (.gpu/base, fi, fijit carried): issue 13's fp8 projection rows under the rules of
 # this tree (mla_uq's 16-row tiles at batch 32), then issue 12's mid-batch MLA rows beside FlashInfer fa3 with the
 # fused merge (bundles proj_fp8_47, mla_parts_h200: the names issue 12 / 13's targets read); a short budget, so
-# deadlines of 150 / 210 s. Elsewhere (an H100): the fp8 long-input split rule at batch 2 / 4 / 16, then x's
-# three-instruction widening (experiments/proj_b64/xasm.py).
+# deadlines of 150 / 210 s. Elsewhere (an H100): the MLA rows beside fa3 alone (bundle mla_parts_fa3; until the
+# fifty-third session this branch timed the fp8 split rule at batch 2 / 4 / 16 and experiments/proj_b64/xasm.py).
 # Everything under $OUT/q, packed into $OUT/q.tgz.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G"
@@ -21,13 +21,12 @@ if echo "$G" | grep -q H200; then
     --grid context=8192,32768 --name mla_parts_h200 --out "$OUT/q" --deadline ${D2:-210} 2>&1 | grep -E "^mla_decode" \
     | cut -c1-120 | tail -n 18
 else
-  # the fp8 long-input split rule (proj_gemv.FP8_LONG_K) at the batches it covers unmeasured (2 / 4 / 16), against
-  # the one-wave splits it replaced (moe_down 2, kda_q 5)
-  timeout 150 python3 -m k3lab.cli bench trunk --ops proj --backends triton --no-variants --no-peers --reps 20 \
-    --grid preset=tp8 --grid batch=2,4,16 --grid wdtype=fp8 --grid proj=moe_down,kda_q --grid split_k=null,2,5 \
-    --out "$OUT/q" --name fp8_split_rule --deadline 130 2>&1 | tail -n 1
-  python3 experiments/proj_b64/table.py "$OUT/q" | cut -c1-80
-  # x widened in three instructions a pair (a patched copy of the kernel; bit-equal outputs expected)
-  PROJS=kda_q,kda_o,moe_down BATCHES=1,8,16 timeout 200 python3 experiments/proj_b64/xasm.py "$OUT/q" 2>&1 | tail -n 18
+  # (fifty-third session: the split rule and xasm ran here; now) issue 12's mid-batch rows beside fa3 on this GPU, as
+  # a proxy of the H200 branch's second bundle
+  for a in base fi fijit; do eval "$(bash .gpu/$a/unpack.sh)"; done
+  timeout 230 python3 -m k3lab.cli bench mla --ops mla_decode --backends triton --no-variants \
+    --skip torch_compile,reference,flashinfer_fa2 --reps 30 --grid heads=12 --grid batch=8,16,32 \
+    --grid context=8192,32768 --name mla_parts_fa3 --out "$OUT/q" --deadline ${D2:-210} 2>&1 | grep -E "^mla_decode" \
+    | cut -c1-120 | tail -n 18
 fi
 cd "$OUT" && tar czf q.tgz q && rm -rf q
