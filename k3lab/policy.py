@@ -9,12 +9,13 @@ by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
 The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list)
 matches only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts'
 CuTe rules are MXFP4's), a rule with `min_n` / `max_n` only calls of at least / at most that many output rows
-(shape["n"]) and one with `max_k` only calls of at most that input width (shape["k"]): the trunk's fp8 rules at
-batch 1 and 2, which name the projections they were measured on. A call whose shape does not say its format, rows or
-width is not filtered by them. Every key of a rule besides max_batch, max_T, fmt, min_n, max_n, max_k and backend is
-an option of the op (tile_v, ...). `choose` takes the first
-matching rule when its backend can run the call here, else the first matching fallback rule whose backend can;
-without a GPU it is the reference.
+(shape["n"]) and one with `min_k` / `max_k` only calls of that input width (shape["k"]): the trunk's rules at
+batch 1 and 2, which name the projections they were measured on. A rule that filters on a fact does not match a query
+that does not state it: a question without the call's shape (the decode step's choice of one backend for a whole
+component group) gets the rules that hold whatever the shape, never one measured on some shapes only. Every key of a
+rule besides max_batch, max_T, fmt, min_n, max_n, min_k, max_k and backend is an option of the op (tile_v, ...).
+`choose` takes the first matching rule when its backend can run the call here, else the first matching fallback rule
+whose backend can; without a GPU it is the reference.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-RULE_KEYS = ("max_batch", "max_T", "fmt", "min_n", "max_n", "max_k", "backend")
+RULE_KEYS = ("max_batch", "max_T", "fmt", "min_n", "max_n", "min_k", "max_k", "backend")
 _tables: dict[str, dict] = {}
 
 
@@ -43,15 +44,19 @@ def table(component: str) -> dict:
 def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
     """Batch and T within the rule's bounds, the call's weight format (shape["fmt"]) one of the rule's `fmt` when
     it names any, its output rows (shape["n"]) within the rule's `min_n` / `max_n` and its input width (shape["k"])
-    at most the rule's `max_k` (a call whose shape does not say its format, rows or width is not filtered by them)."""
+    within `min_k` / `max_k`. A fact the rule filters on and the shape does not state fails the rule (the module
+    doc)."""
     shape = shape or {}
     fmt, n, k = shape.get("fmt"), shape.get("n"), shape.get("k")
+
+    def within(v, lo, hi) -> bool:
+        if rule.get(lo) is None and rule.get(hi) is None:
+            return True
+        return v is not None and (rule.get(lo) is None or v >= rule[lo]) and (rule.get(hi) is None or v <= rule[hi])
     return ((rule.get("max_batch") is None or B <= rule["max_batch"])
             and (rule.get("max_T") is None or T <= rule["max_T"])
-            and (rule.get("fmt") is None or fmt is None or fmt in rule["fmt"])
-            and (rule.get("min_n") is None or n is None or n >= rule["min_n"])
-            and (rule.get("max_n") is None or n is None or n <= rule["max_n"])
-            and (rule.get("max_k") is None or k is None or k <= rule["max_k"]))
+            and (rule.get("fmt") is None or (fmt is not None and fmt in rule["fmt"]))
+            and within(n, "min_n", "max_n") and within(k, "min_k", "max_k"))
 
 
 def options_of(rule: dict) -> dict[str, Any]:

@@ -143,6 +143,18 @@ def _tokens(layers) -> int:
     return L.B * L.T
 
 
+def _group_facts(layers, comp: str) -> dict:
+    """What the step knows of a component group's calls for its one `auto` choice: the experts' weight format (the
+    MoE rules are measured per format) and the trunk projections' (bf16: the layers' weights); no output rows or input
+    width, so the rules measured on some projection shapes only (k3lab.policy.matches) stay out of the group's
+    choice (`proj_cute` is the step's own per-shape switch)."""
+    if comp == "moe":
+        return {"fmt": layers[0].view.expert_dtype}
+    if comp == "proj":
+        return {"fmt": "bf16"}
+    return {}
+
+
 def _override_ok(group: str, backend: str, n_tokens: int) -> tuple[bool, str]:
     """Whether the step can run `group` on `backend` through its component API (named backends may use the
     Triton interpreter on a CPU, as the dispatcher allows when asked by name)."""
@@ -178,7 +190,8 @@ def resolve_switches(switches: Switches, layers: Sequence[Any], device) -> tuple
         if comp in OVERRIDE_OPS:  # the component's own measured rule (data/<component>_defaults.json)
             from k3lab.components import dispatch
 
-            be, _, rule = dispatch.select(OVERRIDE_OPS[comp], "auto", B=_tokens(layers))
+            be, _, rule = dispatch.select(OVERRIDE_OPS[comp], "auto", B=_tokens(layers),
+                                          shape=_group_facts(layers, comp))
             if be not in LAYER_PATHS and _override_ok(comp, be, _tokens(layers))[0] and (
                     comp == "proj" or _group_accepts(layers, comp, be, switches)):
                 resolved[comp], why[comp] = be, f"auto: {be}, the {OVERRIDE_OPS[comp]} rule ({rule})"

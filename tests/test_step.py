@@ -437,6 +437,33 @@ def test_auto_mla_follows_the_decode_rule_not_the_first_fused_backend(monkeypatc
     assert res.backend["mla"] == next(b for b in S.FUSED if b in takes) and "first fused" in why["mla"]
 
 
+def test_auto_proj_and_moe_groups_ask_the_rules_with_what_the_step_knows(monkeypatch):
+    """The step picks one backend a component group: for the projections it asks the trunk rules with their weight
+    format only (bf16), so the rules measured on some projection shapes (fp8 at batch 1 / 2, by output rows) never
+    decide the whole group (they did: `auto` put every projection of the batch-1 step on the CuTe GEMV); for the
+    experts it asks with the pool's format (data/moe_defaults.json rules per format: bf16 experts at batch 8 on
+    triton, not the MXFP4 rule's cute)."""
+    from types import SimpleNamespace
+
+    from k3lab.components import dispatch
+
+    monkeypatch.setattr(S, "_on_gpu", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "cute", "reference"))
+    monkeypatch.setattr(S, "backend_status", lambda be: (True, "patched"))
+    monkeypatch.setattr(S, "_group_accepts", lambda layers, comp, be, sw: True)
+    monkeypatch.setattr(S, "_override_ok", lambda group, be, n: (True, "patched"))
+    sw = Switches(backend={c: ("auto" if c in ("proj", "moe") else "reference") for c in Switches().backend})
+    want = {("mxfp4", 1): "cute", ("mxfp4", 8): "cute", ("bf16", 1): "cute", ("bf16", 8): "triton",
+            ("fp8", 8): "triton", ("fp8", 64): "cute"}
+    for (fmt, B), moe in want.items():
+        layers = [SimpleNamespace(B=B, T=1, view=SimpleNamespace(expert_dtype=fmt))]
+        assert S._group_facts(layers, "moe") == {"fmt": fmt}
+        res, why = S.resolve_switches(sw, layers, "cuda")
+        assert res.backend["proj"] == "triton", (fmt, B, why["proj"])
+        assert res.backend["moe"] == moe, (fmt, B, why["moe"])
+
+
 def test_comparison_steps_leave_the_cute_launch_mode_off():
     """kda_pdl (CuTe only) with the comparison steps: the build pass and the reference / torch.compile steps run it
     off (the first H200 headline with kda_pdl failed in the build pass), a cute step keeps it."""

@@ -781,6 +781,26 @@ def test_auto_fp8_batch1_rule(monkeypatch):
     assert be == "triton" and "fallback" in why and "passed over" in why
 
 
+def test_policy_rules_on_facts_need_the_facts():
+    """k3lab.policy.matches: a rule filtering on the weight format, the output rows or the input width matches only a
+    query that states them (within the bounds); a query without them gets the rules that hold whatever the shape."""
+    from k3lab import policy
+
+    r = {"max_batch": 2, "fmt": ["fp8"], "min_n": 1152, "max_n": 2304, "max_k": 1536, "backend": "cute"}
+    assert policy.matches(r, 2, 1, {"fmt": "fp8", "n": 2304, "k": 1536})
+    for shape in (None, {}, {"fmt": "fp8"}, {"fmt": "fp8", "n": 2304}, {"n": 2304, "k": 1536},
+                  {"fmt": "bf16", "n": 2304, "k": 1536}, {"fmt": "fp8", "n": 2305, "k": 1536},
+                  {"fmt": "fp8", "n": 1151, "k": 1536}, {"fmt": "fp8", "n": 2304, "k": 1537}):
+        assert not policy.matches(r, 2, 1, shape), shape
+    assert not policy.matches(r, 3, 1, {"fmt": "fp8", "n": 2304, "k": 1536})
+    lo = {"min_k": 7168, "backend": "cute"}
+    assert policy.matches(lo, 1, 1, {"k": 7168}) and not policy.matches(lo, 1, 1, {"k": 3584})
+    assert policy.matches({"max_batch": None, "backend": "triton"}, 64, 1, None)
+    assert policy.rule("trunk", "proj", 1)["backend"] == "triton"
+    assert policy.rule("trunk", "proj", 1, 1, {"fmt": "bf16"})["backend"] == "triton"
+    assert "min_k" in policy.RULE_KEYS and "max_n" in policy.RULE_KEYS
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,batch,rule", [("kda_q", 1, "cute"), ("mla_dkv", 1, "triton"), ("mla_uq", 2, "cute"),
                                              ("kda_q", 2, "triton")])
