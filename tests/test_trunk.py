@@ -754,6 +754,20 @@ def test_auto_fp8_batch1_rule(monkeypatch):
     assert pick(1, {"fmt": "fp8", "n": 576}) == "triton"
     assert pick(1, {"fmt": "bf16", "n": 7168}) == "triton"
     assert pick(4, {"fmt": "fp8", "n": 2304, "k": 1536}) == "triton"
+    # bf16 at batch 1 (the H200's proj_cute30 / proj_cute / proj_group_cute): the short inputs and >= 3,584 rows over
+    # the model width on cute, as the step's proj_cute switch chooses them
+    for preset in ("tp8", "tp16"):
+        for name, (n, k) in ops.proj_shapes(preset).items():
+            want = "cute" if name in ("kda_fb", "kda_o", "mla_uq", "mla_o", "moe_down", "shared_w2") else "triton"
+            assert pick(1, {"fmt": "bf16", "n": n, "k": k}) == want, (preset, name)
+        for group, parts in ops.GROUPS.items():
+            n = sum(ops.proj_shapes(preset)[p][0] for p in parts)
+            got = policy.choose("trunk", "proj_group", 1, 1, lambda b: True, {"fmt": "bf16", "n": n, "k": 7168})[0]
+            assert got == ("cute" if n >= 3584 else "triton"), (preset, group, n)
+            assert policy.choose("trunk", "proj_group", 2, 1, lambda b: True,
+                                 {"fmt": "bf16", "n": n, "k": 7168})[0] == "triton"
+            assert policy.choose("trunk", "proj_group", 1, 1, lambda b: b != "cute",
+                                 {"fmt": "bf16", "n": n, "k": 7168})[0] == "triton"
     # batch 2: the measured winners by (rows, width), every other projection of K3's TP8 / TP16 shapes on triton
     for preset in ("tp8", "tp16"):
         for name, (n, k) in ops.proj_shapes(preset).items():

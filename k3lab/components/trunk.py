@@ -37,9 +37,9 @@ Backends (the one dispatcher, k3lab.components.dispatch; kernels named in k3lab.
                  at batch <= 4); path "mma": kernels/cute/proj_mma.py (tensor cores for a few tokens, K a
                  multiple of 32 bf16 / 64 fp8, the plain outputs and the residual; cluster, tile_m: its split
                  of K and rows a CTA)
-  auto           data/trunk_defaults.json (proj: the cute GEMV for fp8 weights at batch 1 over >= 768 output
-                 rows and at batch 2 on the shapes it won (mla_uq, moe_down, TP16 shared_w2), triton otherwise),
-                 else the reference
+  auto           data/trunk_defaults.json (proj / proj_group at batch 1: the cute GEMV for bf16 weights over
+                 K <= 2048 or >= 3584 rows over K 7168, for fp8 weights over >= 768 rows; at batch 2 for fp8 on
+                 the shapes it won (mla_uq, moe_down, TP16 shared_w2); triton otherwise), else the reference
 Knobs (triton): path ("tma": tensor-core tiles fed by the copy engine; "dot": the same from pointer
 loads; "rows": register GEMV for batch <= 8), block_n, block_k, split_k, num_warps, num_stages, reduce ("last": a
 split-K tile's last program sums its partials; "kernel": a second kernel under PDL) (proj, proj_group);

@@ -8,8 +8,9 @@ fp8 weights (float8_e4m3fn, one fp32 scale a row: the Triton kernels' scheme, W_
 lane's 16 bytes of a step are 16 columns (a step 512 columns), each word of four codes widened to fp32 exactly (two
 cvt.rn.f16x2.e4m3x2, then the halves), the row's scale times the fp32 sum before the residual; plain outputs and the
 residual only (not with select, chain, rmsp or glu). At batch 1 ahead of the Triton GEMV over >= 768 output rows,
-behind over fewer; at batch 2 ahead on a few shapes only, behind from 4 (the fp32 FMAs a token): the trunk's fp8 rules
-(data/trunk_defaults.json, docs/NOTES_trunk.md).
+behind over fewer; at batch 2 ahead on a few shapes only, behind from 4 (the fp32 FMAs a token). bf16 at batch 1: ahead
+over short inputs and >= 3584 rows over the model width. The trunk's rules (data/trunk_defaults.json,
+docs/NOTES_trunk.md).
 
 Layout. x [B, K] bf16 (unit stride along K, a row stride of 8 elements), W [N, K] bf16 contiguous (nn.Linear), K a
 multiple of 8 (a last partial step of 256 columns is masked by lane); B = 1..MAX_BATCH. A CTA of 128 threads (4
