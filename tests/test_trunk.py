@@ -816,15 +816,16 @@ def test_policy_rules_on_facts_need_the_facts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,batch,rule", [("kda_q", 1, "cute"), ("mla_dkv", 1, "triton"), ("mla_uq", 2, "cute"),
-                                             ("kda_q", 2, "triton")])
-def test_gpu_auto_fp8_batch1(name, batch, rule):
-    """The fp8 batch-1 / batch-2 rules on the GPU: auto runs the cute GEMV over kda_q's 1,536 rows at batch 1 and
-    mla_uq's 2,304 at batch 2 (triton where CuTe DSL is not installed), triton over mla_dkv's 576 and kda_q at batch
-    2, each checked against fp64 by the shared checker."""
+@pytest.mark.parametrize("name,batch,wdtype,rule", [
+    ("kda_q", 1, "fp8", "cute"), ("mla_dkv", 1, "fp8", "triton"), ("mla_uq", 2, "fp8", "cute"),
+    ("kda_q", 2, "fp8", "triton"), ("kda_o", 1, "bf16", "cute"), ("kda_q", 1, "bf16", "triton")])
+def test_gpu_auto_fp8_batch1(name, batch, wdtype, rule):
+    """The batch-1 / batch-2 rules on the GPU: auto runs the cute GEMV over fp8 kda_q's 1,536 rows at batch 1, fp8
+    mla_uq's 2,304 at batch 2 and bf16 kda_o's short input at batch 1 (triton where CuTe DSL is not installed), triton
+    over fp8 mla_dkv's 576, fp8 kda_q at batch 2 and bf16 kda_q, each checked against fp64 by the shared checker."""
     from k3lab.components import dispatch
 
-    case = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype="fp8", residual=False, prologue="none")
+    case = PROJ.case(preset="tp8", proj=name, batch=batch, wdtype=wdtype, residual=False, prologue="none")
     res = checker.check(PROJ, case, backend="auto")
     want = "cute" if rule == "cute" and dispatch.can_run("proj", "cute") else "triton"
     assert res.ok, res.failures
