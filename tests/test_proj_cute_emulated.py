@@ -339,12 +339,18 @@ def test_glue_refused_by_name():
 
 
 def test_bench_times_the_pdl_variants_where_auto_runs_another_backend(monkeypatch):
-    """The registry's variants triton_pdl / cute_pdl: triton at the auto rule's options (auto runs triton), cute at
-    the kernel's own choices beside its plain row (the step's `proj_cute` switch runs it), both only on a GPU."""
+    """The registry's variants triton_pdl / cute_pdl: triton at the auto rule's options (auto runs triton at batch
+    2 with bf16 weights), cute at the kernel's own choices beside its plain row (the step's `proj_cute` switch runs
+    it), both only on a GPU; at batch 1 (the tiny preset's short inputs: auto runs cute) the other way round."""
     from k3lab.bench import runner
 
     monkeypatch.setattr(runner, "backend_status", lambda be: (True, ""))
-    c = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="none")
+    one = PROJ.case(preset="tiny", proj="kda_q", batch=1, wdtype="bf16", residual=False, prologue="none")
+    impls, _ = runner.implementations(PROJ, one, ["triton", "cute"], peers=False, only={}, variants=PROJ.variants,
+                                      gpu=True)
+    by = {i.name: i for i in impls}
+    assert "auto rule" in by["cute_pdl"].note and "own choices" in by["triton_pdl"].note
+    c = PROJ.case(preset="tiny", proj="kda_q", batch=2, wdtype="bf16", residual=False, prologue="none")
     impls, _ = runner.implementations(PROJ, c, ["triton", "cute"], peers=False, only={}, variants=PROJ.variants,
                                       gpu=True)
     by = {i.name: i for i in impls}
