@@ -359,8 +359,8 @@ class DecodeStep:
             why["proj_cute"] = "on, but no effect: the projections are not on triton (the fused composition applies it)"
         elif sw.proj_cute:
             why["proj_cute"] = (f"on: the projections of <= {PROJ_CUTE_MAX_TOKENS} token with bf16 weights, no input "
-                                f"prologue or fused selection, K <= {PROJ_CUTE_SHORT_K} or >= {PROJ_CUTE_MIN_OUTPUTS} "
-                                f"outputs over K a multiple of 1024, on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)"
+                                f"prologue or fused selection, where the trunk's proj rule (data/trunk_defaults.json) "
+                                f"says cute, on the CuTe DSL GEMV (k3lab.step.proj_cute_takes)"
                                 + (f"; those of 2..{PROJ_MMA_MAX_TOKENS} tokens without a prologue or fused selection "
                                    f"on its tensor-core path (proj_mma_takes)" if PROJ_MMA_MAX_TOKENS >= 2 else ""))
         if sw.prefetch and over.get("proj") != "triton":
@@ -656,11 +656,9 @@ MLA_QUERY_MAX_TOKENS = 4        # the one-launch query step (k3lab_kernels.cute.
 # the MoE output's glue folded into the launches around it (moe_glue_fold) up to this many tokens; 0: glue.norm_glu
 MOE_GLUE_FOLD_MAX_TOKENS = 1
 MOE_GLUE_FOLD_ALIGN = 256       # the latent width a multiple of this: the CuTe GEMV's rmsp takes whole 256-column steps
-PROJ_CUTE_SHORT_K = 2048        # inputs this short: the GEMV at any width measured
 # the `proj_cute` switch's projections of 2..this many tokens on the CuTe tensor-core path (k3lab_kernels.cute.proj_mma,
 # `proj_mma_takes`); 0: off, the default until measured inside the step (experiments/step_folds/step_ab.py proj_mma)
 PROJ_MMA_MAX_TOKENS = 0
-PROJ_CUTE_MIN_OUTPUTS = 3584    # longer inputs: this many outputs at least, and K a multiple of 1024
 
 
 def moe_glue_fold(n_tok: int, be_in: str, lat: int, s_inter: int, sh_row0: int, norm_w: torch.Tensor,
@@ -705,9 +703,10 @@ def proj_backend(be: str) -> dict:
 def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False, select: bool = False,
                     wdtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the `proj_cute` switch runs a step projection on the CuTe DSL GEMV (kernels/cute/proj_gemv.py) instead
-    of the triton kernels: one token, bf16 weights, no input prologue or fused router selection, and either a short
-    input (K <= PROJ_CUTE_SHORT_K) or >= PROJ_CUTE_MIN_OUTPUTS outputs over K a multiple of 1024 (whole rounds of the
-    GEMV's four 256-column steps). From the H200 at TP8, cute against triton at batch 1, us (weights rotated past L2;
+    of the triton kernels: one token, bf16 weights, no input prologue or fused router selection, and the trunk's
+    measured rule for its output rows and input width says cute (data/trunk_defaults.json, the one table `auto` reads
+    too: a short input, K <= 2048, or >= 3584 outputs over the model width). The evidence, from the H200 at TP8, cute
+    against triton at batch 1, us (weights rotated past L2;
     seventeenth session: profiles/h200/proj_cute.json.gz, proj_group_cute.json.gz, proj_cute_b1.json.gz (git history
     at b20ad25)):
       K <= 2048 wins: mla_uq (K 1536, 2304 outputs) 4.07 / 6.02, kda_fb 1.55 / 2.15, kda_o and mla_o (7168 outputs)
@@ -722,8 +721,12 @@ def proj_cute_takes(n_tok: int, n_out: int, k_in: int, *, prologue: bool = False
         group on triton in the same process);
       K = 4352 (the MoE output's [Wup | w2], 17 steps) loses: 18.77 / 16.94;
     and it loses from batch 4 everywhere (kda_o 12.14 / 8.00 at 4)."""
-    return (n_tok <= PROJ_CUTE_MAX_TOKENS and not prologue and not select and wdtype == torch.bfloat16
-            and (k_in <= PROJ_CUTE_SHORT_K or (n_out >= PROJ_CUTE_MIN_OUTPUTS and k_in % 1024 == 0)))
+    if n_tok > PROJ_CUTE_MAX_TOKENS or prologue or select or wdtype != torch.bfloat16:
+        return False
+    from k3lab import policy
+
+    rule = policy.rule("trunk", "proj", n_tok, 1, {"fmt": "bf16", "n": int(n_out), "k": int(k_in)})
+    return rule is not None and rule["backend"] == "cute"
 
 
 def _fused_parts(L, over: dict[str, str], comps, prefetch: bool = False, prologues: bool = True,

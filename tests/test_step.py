@@ -129,8 +129,9 @@ def test_fused_wiring_routes_every_group_to_its_kernel():
 
 
 def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
-    """`proj_cute` sends the projections `proj_cute_takes` accepts (one token, >= PROJ_CUTE_MIN_OUTPUTS outputs, bf16,
-    no prologue or fused selection) to backend "cute" and records it per component; off, or on at two tokens, nothing
+    """`proj_cute` sends the projections `proj_cute_takes` accepts (one token, bf16, no prologue or fused selection,
+    where the trunk's proj rule says cute: short inputs, or >= 3584 outputs over the model width) to backend "cute"
+    and records it per component; off, or on at two tokens, nothing
     changes; toggled alone when the projections run on triton; the rule's edges. (Wiring: the calls are captured, not
     run; the GPU tests of the kernel are tests/test_proj_cute.py.)"""
     from k3lab.components import trunk
@@ -146,7 +147,7 @@ def test_proj_cute_switch_routes_the_wide_one_token_projections(monkeypatch):
     monkeypatch.setattr(trunk, "proj", lambda *a, backend, **k: seen.append(("proj", backend)))
     monkeypatch.setattr(trunk, "proj_group", lambda *a, backend, **k: seen.append(("group", backend,
                                                                                   k.get("chain") is not None)))
-    monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)  # every tiny-preset projection counts as short
+    assert takes(1, 24, 64)  # every tiny-preset input is short
     st = S.DecodeStep(_tiny(batch=1, expert_dtype="mxfp4"), FUSED.replace(proj_cute=True), device="cpu")
     kda = st.layers[1]
     assert kda.ran["in_proj"] == "cute" and kda.ran["out_proj"] == "cute" and kda.ran["moe_out"] == "triton+cute"
@@ -229,8 +230,6 @@ def test_moe_glue_fold_same_output(monkeypatch):
         return real_g(*a, backend="reference", **k)
     monkeypatch.setattr(trunk, "proj", proj)
     monkeypatch.setattr(trunk, "proj_group", group)
-    monkeypatch.setattr(S, "PROJ_CUTE_SHORT_K", 1 << 20)
-    monkeypatch.setattr(S, "PROJ_CUTE_MIN_OUTPUTS", 1)
     monkeypatch.setattr(S, "MOE_GLUE_FOLD_ALIGN", 1)  # the tiny latent (the GEMV itself takes whole 256-column steps)
     # the selection on the GEMV too (router cute), the experts by the reference (their glue by torch)
     sw = FUSED.replace(proj_cute=True, backend={**FUSED.backend, "router": "cute", "moe": "reference"})
