@@ -64,15 +64,15 @@ def options_of(rule: dict) -> dict[str, Any]:
 
 
 def rule(component: str, key: str, B: int, T: int = 1, shape: dict | None = None) -> dict | None:
-    """The first primary rule of `key` matching (B, T) (and `shape`'s format and rows), whatever its backend can do
-    here."""
+    """The first primary rule of `key` matching (B, T) (and `shape`'s format, rows and width), whatever its backend
+    can do here."""
     return next((r for r in table(component).get(key, []) if matches(r, B, T, shape)), None)
 
 
 def choose(component: str, key: str, B: int, T: int, can_run: Callable[[str], bool],
            shape: dict | None = None) -> tuple[str, dict, str]:
     """(backend, options, why) that `auto` runs. `can_run(backend)` says whether a backend runs here; `shape` the
-    call's facts a rule may filter on (its weight format, its output rows)."""
+    call's facts a rule may filter on (its weight format, output rows, input width)."""
     t = table(component)
     r = next((r for r in t.get(key, []) if matches(r, B, T, shape)), None)  # the measured choice: the first match
     if r is not None and can_run(r["backend"]):

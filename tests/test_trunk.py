@@ -784,7 +784,7 @@ def test_auto_fp8_batch1_rule(monkeypatch):
         assert policy.rule("trunk", "proj", 1, 1, PROJ.rule_facts(case))["backend"] == want
     w8 = torch.zeros(1536, 64).to(torch.float8_e4m3fn)
     facts = ct._proj_facts(w8, None, None, None)
-    assert facts == {"fmt": "fp8", "wdtype": "fp8", "n": 1536, "k": 64, "prologue": "none", "select": False}
+    assert facts == {"fmt": "fp8", "n": 1536, "k": 64, "prologue": "none", "select": False}
     assert "multiple of 16" in PROJ.supports("cute", {"batch": 1, **facts, "k": 40})
     # an input prologue: the op's supports refuses cute, so auto takes the fallback's first backend that runs
     rms = ct._proj_facts(w8, ("rms", torch.ones(64), 1e-6), None, None)

@@ -346,7 +346,7 @@ def _proj_facts(w, prologue, x2, select) -> dict:
     fmt = "fp8" if w.dtype == torch.float8_e4m3fn else "bf16"
     pro = "rms+situ" if x2 is not None else (prologue[0] if isinstance(prologue, (tuple, list)) and prologue
                                               else "none")
-    return {"fmt": fmt, "wdtype": fmt, "n": int(w.shape[0]), "k": int(w.shape[1]), "prologue": pro,
+    return {"fmt": fmt, "n": int(w.shape[0]), "k": int(w.shape[1]), "prologue": pro,
             "select": select is not None}
 
 

@@ -552,7 +552,9 @@ def proj_supports(backend: str, shape: dict) -> str | None:
     """The batches the triton projections take (1..MAX_BATCH rows; `auto` then passes over triton to the
     reference, e.g. a verify step of more tokens); what the cute projection takes (bf16 or fp8 weights, batch <= 16,
     K a multiple of 8 / 16, no input prologue but rmsp (none with fp8), the fused selection at batch <= 4 with bf16
-    weights: kernels/cute/proj_gemv.py). A shape or case without a key passes."""
+    weights: kernels/cute/proj_gemv.py). A shape or case without a key passes; the weight format is a call's `fmt`
+    (k3lab.components.trunk's facts, the name the auto rules use) or a bench case's `wdtype` axis."""
+    fmt = shape.get("fmt", shape.get("wdtype", "bf16"))
     if backend == "triton" and shape.get("batch", 1) > _max_batch():
         return f"x has {shape['batch']} rows; the triton projections take 1..{_max_batch()}"
     if backend == "cute":
@@ -560,17 +562,17 @@ def proj_supports(backend: str, shape: dict) -> str | None:
 
         if shape.get("batch", 1) > CB:
             return f"x has {shape['batch']} rows; the cute projection takes 1..{CB}"
-        if shape.get("wdtype", "bf16") not in ("bf16", "fp8"):
+        if fmt not in ("bf16", "fp8"):
             return "the cute projection takes bf16 or fp8 weights"
-        if shape.get("wdtype", "bf16") == "fp8" and shape.get("select", False):
+        if fmt == "fp8" and shape.get("select", False):
             return "the cute projection fuses the selection with bf16 weights only"
         if shape.get("prologue", "none") not in ("none", "rmsp"):
             return "the cute projection runs no input prologue but rmsp"
-        if shape.get("wdtype", "bf16") == "fp8" and shape.get("prologue", "none") != "none":
+        if fmt == "fp8" and shape.get("prologue", "none") != "none":
             return "the cute projection's fp8 weights take no input prologue"
-        kq = 16 if shape.get("wdtype", "bf16") == "fp8" else 8
+        kq = 16 if fmt == "fp8" else 8
         if shape.get("k") is not None and shape["k"] % kq:
-            return f"the cute projection takes K a multiple of {kq} ({shape.get('wdtype', 'bf16')} weights)"
+            return f"the cute projection takes K a multiple of {kq} ({fmt} weights)"
         if shape.get("select", False) and shape.get("batch", 1) > 4:
             return "the cute projection fuses the selection at batch <= 4 (kernels/cute/proj_gemv.py)"
     return None
