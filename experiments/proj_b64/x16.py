@@ -4,8 +4,10 @@ with x already in f16 (rounded once outside the timed call: the kernel's `.to(fl
 multiplied are identical), and with x rounded by a torch cast inside the timed call (one extra launch), beside cuBLAS
 on the bf16 dequantized weights. Graph replays, inputs rotated past L2 (k3lab.harness.timing). Each arm's output is
 compared with the bf16 arm's (bit-equal expected: the same products in the same order).
-Device: python3 experiments/proj_b64/x16.py $OUT   (writes $OUT/proj_x16.json, prints a table)"""
+Device: [PROJS=a,b] [BATCHES=1,4] [NAME=proj_x16] python3 experiments/proj_b64/x16.py $OUT   (writes
+$OUT/NAME.json, prints a table; defaults: kda_o, shared_w2, kda_q, moe_down at batch 16 / 32 / 64)"""
 import json
+import os
 import sys
 
 import torch
@@ -19,8 +21,8 @@ OP = registry.get("proj")
 rows = []
 pr = timing.probes("cuda")
 for preset in ("tp8", "tp16"):
-    for proj in ("kda_o", "shared_w2", "kda_q", "moe_down"):
-        for batch in (16, 32, 64):
+    for proj in os.environ.get("PROJS", "kda_o,shared_w2,kda_q,moe_down").split(","):
+        for batch in [int(b) for b in os.environ.get("BATCHES", "16,32,64").split(",")]:
             case = OP.case(preset=preset, proj=proj, batch=batch, wdtype="fp8", residual=False, prologue="none")
             n_sets = timing.rotation_count(OP.nbytes(case), timing.l2_bytes()) + 1
             sets = [OP.make_inputs(case, 100 + i, "cuda") for i in range(n_sets)]
@@ -49,4 +51,4 @@ for preset in ("tp8", "tp16"):
                                  floor_us=nb / (pr["read_tbps"] * 1e12) * 1e6))
                 print(f"{preset:5s} {proj:10s} {batch:3d} {name:11s} {t.median_us:8.2f} us  equal={same}", flush=True)
             json.dump(dict(probes=pr, rows=rows, env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())),
-                      open(f"{OUT}/proj_x16.json", "w"), indent=1)
+                      open(f"{OUT}/{os.environ.get('NAME', 'proj_x16')}.json", "w"), indent=1)

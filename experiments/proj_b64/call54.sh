@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The fifty-fourth session's H100 call (.gpu/cute carried): (1) fp8 projections at batch 1..8 with x handed over in
+# f16 against the production bf16 x (experiments/proj_b64/x16.py: does the small-batch dot path's x widening, a third
+# of its instructions offline, cost time?); (2) bf16 kda_b (12 / 6 rows over the model width) at batch 1..8 on the
+# Triton rows path against its default path and the cute GEMV (bundle kda_b_rows; issue 13's worst bf16 small row is
+# kda_b at batch 2 on cute, 6.00 us on the H200, where the rows path takes 3.73 at batch 1).
+# Device: bash experiments/proj_b64/call54.sh   (everything under $OUT/q)
+set -uo pipefail
+. experiments/device_setup.sh q
+eval "$(bash .gpu/cute/unpack.sh)"
+PROJS=kda_q,kda_o,moe_down,mla_dkv,moe_router,shared_w1 BATCHES=1,2,4,8 NAME=proj_x16_small \
+  timeout 200 python3 experiments/proj_b64/x16.py "$OUT/q" | grep -v cublas | awk '{printf "%s ", $0; if (NR%3==0) print ""}'
+echo
+for path in rows None; do
+  g=(); [[ $path == rows ]] && g=(--grid path=rows)
+  timeout 150 python3 -m k3lab.cli bench trunk --ops proj --backends triton$([[ $path == None ]] && echo ,cute) \
+    --no-variants --skip torch_compile,reference --reps 20 --grid preset=tp8,tp16 --grid batch=1,2,4,8 \
+    --grid wdtype=bf16 --grid proj=kda_b "${g[@]}" --out "$OUT/q" --name kda_b_$path --deadline 130 2>&1 | tail -n 1
+done
+python3 experiments/proj_b64/table.py "$OUT/q" | cut -c1-90
