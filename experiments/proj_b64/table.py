@@ -8,6 +8,8 @@ import sys
 
 for f in sorted(glob.glob(sys.argv[1] + "/*/*.json")):
     d = json.load(open(f))
+    if not any("proj" in r["extra"] for r in d["rows"]):  # another component's bundle of the same call
+        continue
     print("==", f.split("/")[-1], d.get("env", {}).get("gpu"))
     for r in d["rows"]:
         e = r["extra"]
