@@ -27,4 +27,4 @@ python3 experiments/proj_b64/table.py "$OUT/q" | cut -c1-90
 timeout 130 $B mla --ops mla_combine --backends triton,cute $S --grid heads=12 --grid batch=16,32,64 \
   --grid partitions=4,8,16,33,64 --name mla_combine_parts --deadline 110 2>&1 | grep -E "^mla_combine" | cut -c1-110
 PROJS=kda_q,kda_o,moe_down,moe_router BATCHES=1,2,4,8 NAME=proj_x16_small timeout 140 \
-  python3 experiments/proj_b64/x16.py "$OUT/q" | grep -v cublas | awk '{printf "%s ", $0; if (NR%2==0) print ""}'
+  python3 experiments/proj_b64/x16.py "$OUT/q" | grep -v cublas | awk '{printf "%s ", $0; if (NR%3==0) print ""}'
