@@ -581,6 +581,17 @@ def panel(params: dict[str, Any], rerun: Callable[[dict[str, Any]], None]):
 
 # ---- draft depth (07) ------------------------------------------------------------------------------------
 
+def _release_memory() -> None:
+    """Return a dropped step's GPU memory to the driver's pool before the next is built (cycles collected first)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     """For every batch x draft depth of the parameters: the step built at that view (the verify path for depth
     > 0: KDA and MLA verify over depth + 1 positions, the MoE at batch x (depth + 1) tokens), timed per
@@ -589,7 +600,8 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
     Committed tokens per cycle from each acceptance curve (k3lab.acceptance). The cycle of a curve adds the KDA
     commit of 69 layers, timed on the step's own buffers with the batch's accepted counts drawn from the curve
     (`DecodeStep.kda_commit_us`: a slot copy, or with `kda_checkpoint` > 1 the replay between slots; the MLA
-    commit is a length update and the MoE has none). Returns (DataFrame, Bundle of the cycles)."""
+    commit is a length update and the MoE has none). One step is alive at a time (each view's peak memory in its
+    record, `peak_gb`). Returns (DataFrame, Bundle of the cycles)."""
     import pandas as pd
 
     from k3lab import acceptance
@@ -637,6 +649,11 @@ def depth_sweep(p: dict[str, Any], log: Callable[[str], None] = print):
                 rec[f"tok_s[{c.name}]"] = acceptance.committed_per_s(c, D, B, rec[f"cycle_us[{c.name}]"])
                 if what:
                     rec["commit_ran"] = f"{what.get('kernel')} {what.get('options')}"
+            rec["peak_gb"] = (res.bundle.config.get("step", {}).get("memory") or {}).get("peak_gb")
+            # one step alive at a time: the next view's step is built only after this one's buffers are released
+            # (K3's full expert pools take ~45 GB at tp8; two at once did not fit an 80 GB H100 from depth 1)
+            del st, res
+            _release_memory()
             recs.append(rec)
             r = Row(name=f"cycle:b{B}-d{D}", backend="fused", kind=whole.kind, median_us=cycle, p10_us=cycle,
                     p90_us=cycle, floor_us=est["floor_us"], samples_us=[], extra={**rec, "estimate": est})

@@ -125,3 +125,32 @@ def test_step_notebook_replots_a_saved_step_bundle(tmp_path):
     assert (out / "trace-decode_step-tp8-b1-c8192-d0.json.gz").is_file()
     assert "the bundle holds no nsight-python record" in html  # its run (scripts/step_run.py) collected none
     assert json.loads((out / "run.json").read_text())["bundles"] == [src.name]
+
+
+def test_depth_sweep_keeps_one_step_alive(monkeypatch):
+    """The draft-depth sweep builds each view's step only after the last one is released: with two alive at once,
+    K3's full expert pools (~45 GB a step at tp8) ran an 80 GB H100 out of memory from depth 1 (fifty-fourth
+    session). Each record carries its step's peak memory (None off a GPU)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from k3lab import step as stepmod
+
+    torch.set_num_threads(1)
+    alive: list[weakref.ref] = []
+    seen: list[int] = []
+
+    class Counted(stepmod.DecodeStep):
+        def __init__(self, *a, **k):
+            gc.collect()
+            seen.append(sum(r() is not None for r in alive))
+            super().__init__(*a, **k)
+            alive.append(weakref.ref(self))
+
+    monkeypatch.setattr(stepmod, "DecodeStep", Counted)
+    df, bundle = dash.depth_sweep(dict(preset="tiny", batches="1", depths="0,1", reps=1, components=False,
+                                       expert_dtype="bf16", context=24), log=lambda s: None)
+    assert seen == [0, 0] and list(df["depth"]) == [0, 1]
+    assert "peak_gb" in df.columns
