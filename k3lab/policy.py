@@ -9,8 +9,9 @@ by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
 The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list)
 matches only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts'
 CuTe rules are MXFP4's), a rule with `min_n` / `max_n` only calls of at least / at most that many output rows
-(shape["n"]) and one with `min_k` / `max_k` only calls of that input width (shape["k"]): the trunk's rules at
-batch 1 and 2, which name the projections they were measured on. A rule that filters on a fact does not match a query
+(shape["n"]) and one with `min_k` / `max_k` only calls of that reduction length (shape["k"]: a projection's input
+width, the MLA combine's partials): the trunk's rules at batch 1 and 2, which name the projections they were measured
+on, and the combine's over >= 8 partials. A rule that filters on a fact does not match a query
 that does not state it: a question without the call's shape (the decode step's choice of one backend for a whole
 component group) gets the rules that hold whatever the shape, never one measured on some shapes only. Every key of a
 rule besides max_batch, max_T, fmt, min_n, max_n, min_k, max_k and backend is an option of the op (tile_v, ...).
@@ -43,7 +44,7 @@ def table(component: str) -> dict:
 
 def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
     """Batch and T within the rule's bounds, the call's weight format (shape["fmt"]) one of the rule's `fmt` when
-    it names any, its output rows (shape["n"]) within the rule's `min_n` / `max_n` and its input width (shape["k"])
+    it names any, its output rows (shape["n"]) within the rule's `min_n` / `max_n` and its reduction length (shape["k"])
     within `min_k` / `max_k`. A fact the rule filters on and the shape does not state fails the rule (the module
     doc)."""
     shape = shape or {}
@@ -72,7 +73,7 @@ def rule(component: str, key: str, B: int, T: int = 1, shape: dict | None = None
 def choose(component: str, key: str, B: int, T: int, can_run: Callable[[str], bool],
            shape: dict | None = None) -> tuple[str, dict, str]:
     """(backend, options, why) that `auto` runs. `can_run(backend)` says whether a backend runs here; `shape` the
-    call's facts a rule may filter on (its weight format, output rows, input width)."""
+    call's facts a rule may filter on (its weight format, output rows, reduction length)."""
     t = table(component)
     r = next((r for r in t.get(key, []) if matches(r, B, T, shape)), None)  # the measured choice: the first match
     if r is not None and can_run(r["backend"]):

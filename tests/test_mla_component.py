@@ -264,3 +264,37 @@ def test_layer_path_rule_of_the_cute_decode():
         assert not takes(layer(**bad)), bad
     assert "one new position" in why
     assert not takes(NS(kind="kda"))
+
+
+def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monkeypatch):
+    """The combine rule (profiles/h100-80gb-hbm3/mla_combine_parts.json.gz): triton to batch 8, cute for one new
+    position above it over >= 8 partials where the CuTe kernel takes the call (K3's C / Dv, fp32 partials, bf16
+    weights and gate, no Triton option), else triton; without CuTe DSL the fallback's triton. The bench's auto rows
+    look the rule up with the case's partials (k3lab.ops.mla.combine_facts)."""
+    from k3lab import policy, registry
+    from k3lab.components import dispatch
+
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "cute", "reference"))
+    facts = dict(C=C, Dv=128, parts_dtype="float32", w_dtype="bfloat16", gate_dtype="bfloat16")
+    for B, T, extra, want in [(1, 1, {"k": 33}, "triton"), (8, 1, {"k": 64}, "triton"), (16, 1, {"k": 4}, "triton"),
+                              (16, 1, {"k": 8}, "cute"), (64, 1, {"k": 33}, "cute"), (64, 2, {"k": 33}, "triton"),
+                              (64, 1, {"k": 33, "C": 256}, "triton"), (64, 1, {"k": 33, "gate_dtype": "float32"},
+                                                                       "triton"),
+                              (64, 1, {"k": 33, "block_v": 64}, "triton"), (64, 1, {"k": 33, "block_r": 16}, "triton")]:
+        be, _, why = dispatch.select("mla_combine", "auto", B=B, T=T, shape=dict(facts, **extra))
+        assert be == want, (B, T, extra, why)
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "reference"))  # no CuTe DSL here
+    assert dispatch.select("mla_combine", "auto", B=64, T=1, shape=dict(facts, k=33))[0] == "triton"
+    op = registry.get("mla_combine")
+    case = op.case(heads=12, batch=32, T=1, partitions=16, dcp=2)
+    assert op.rule_facts(case) == {"k": 32}
+    assert policy.rule("mla", "combine", 32, 1, op.rule_facts(case))["backend"] == "cute"
+    # the component states its facts for auto: a call on the CPU runs the reference, with the rule's reason
+    g = torch.Generator().manual_seed(2)
+    o, lse = torch.randn(16, 8, 1, 2, C, generator=g), torch.randn(16, 8, 1, 2, generator=g)
+    w_uv = (torch.randn(2, C, 128, generator=g) * 0.05).bfloat16()
+    gate = torch.randn(16, 1, 2 * 128, generator=g).bfloat16()
+    ran = []
+    monkeypatch.setattr(dispatch, "can_run", lambda op, be: be == "reference")
+    mla.combine(o, lse, w_uv, gate, backend="auto", ran=ran)
+    assert ran[-1].backend == "reference" and ran[-1].backend_requested == "auto"

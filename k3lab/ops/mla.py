@@ -265,6 +265,32 @@ def decode_supports(backend: str, shape: dict) -> str | None:
     return supports(shape)
 
 
+def combine_facts(case: Case) -> dict:
+    """The combine's facts for data/mla_defaults.json's rules: k, the partials it merges (pieces x DCP shards)."""
+    return {"k": _K(case)}
+
+
+def combine_supports(backend: str, shape: dict) -> str | None:
+    """What the cute combine cannot take (the component's checks, so that `auto` passes it over instead of failing
+    the call): K3's C = 512 and Dv = 128, fp32 partials, bf16 W_uv and gate, none of the Triton kernel's options
+    (block_v, num_warps) and block_r one of its own. Facts the shape does not state are K3's and the defaults."""
+    if backend != "cute":
+        return None
+    from k3lab_kernels.cute.mla_combine import BLOCK_R_ALLOWED
+
+    if (shape.get("C", C), shape.get("Dv", DV)) != (C, DV):
+        return f"C {shape.get('C')} / Dv {shape.get('Dv')}: the cute combine takes K3's {C} / {DV}"
+    for name, want in (("parts_dtype", "float32"), ("w_dtype", "bfloat16"), ("gate_dtype", "bfloat16")):
+        if shape.get(name, want) != want:
+            return f"{name} {shape[name]}: the cute combine takes {want}"
+    given = [k for k in ("block_v", "num_warps") if shape.get(k) is not None]
+    if given:
+        return f"{given} given: Triton options"
+    if shape.get("block_r") is not None and shape["block_r"] not in BLOCK_R_ALLOWED:
+        return f"block_r {shape['block_r']} not in the cute combine's {BLOCK_R_ALLOWED}"
+    return None
+
+
 def query_supports(backend: str, shape: dict) -> str | None:
     """The one-launch kernels' limits (k3lab_kernels.triton.mla_query.check_args): batch <= 4, Dn and Dr multiples
     of 8, C a power of two 32..512; cute: Dn one of 16..128 (a cluster of Dn / 16 CTAs), Dr a multiple of 16."""
@@ -559,7 +585,7 @@ register(Op(
               "triton": "k3lab_kernels.triton.mla_combine:mla_combine",
               "cute": "k3lab_kernels.cute.mla_combine:mla_combine"},
     valid=lambda c: isinstance(c["partitions"], int) and c["partitions"] >= 1 and c["dcp"] >= 1,
-    test_file="tests/test_mla_triton.py",
+    supports=combine_supports, rule_facts=combine_facts, test_file="tests/test_mla_triton.py",
 ))
 
 register(Op(
