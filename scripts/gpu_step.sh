@@ -11,7 +11,8 @@
 # Each run writes $OUT/step/b<B>/ (report, executed notebook, trace, bundle), packed into $OUT/step/b<B>.tgz;
 # its bundle is also copied to $OUT/step/ as plain JSON; the bundle is checkpointed after each phase, so a run
 # cut short by RUN_S keeps what it measured. A table of the target figures is printed last.
-# Knobs: BATCHES ("1 64"; run "1" and "64" as two calls if one call's limit is short), RUN_S (per run, 420),
+# Knobs: BATCHES ("1 64"; run "1" and "64" as two calls if one call's limit is short; empty: no step run),
+# RUN_S (per run, 420),
 # REPS (5), EXPERT_DTYPE (mxfp4 | fp8), COMPARE (reference,torch_compile), NSIGHT_LAYER (1; -1 = none),
 # PREFLIGHT=1 (first the GPU test of the step: tp8, 32 experts, 1K context), DEPTH=1 (then notebooks/07_draft_depth at
 # tp8, context 8192, batch DEPTH_BATCHES "1", depths DEPTH_DEPTHS "0,1,3": $OUT/step/depth.tgz and its bundle).
@@ -29,7 +30,7 @@ command -v ncu >/dev/null || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | t
 if [ "${PREFLIGHT:-0}" = 1 ]; then
   timeout 200 python3 -m pytest -q -m gpu tests/test_step.py -x 2>&1 | tail -n 15
 fi
-for B in ${BATCHES:-1 64}; do
+for B in ${BATCHES-1 64}; do
   if [ "$B" = 1 ]; then
     EXTRA="-p toggles true -p nsight_layer ${NSIGHT_LAYER:-1} -p numerics_steps 4"
   else
