@@ -106,6 +106,21 @@ def _fail(name: str, msg: str):
     raise StepError(f"step: {name!r} {msg}")
 
 
+def _oom_message(view: GpuView, n_experts: int | None, device, layer: int, built: int) -> str:
+    """What a step that does not fit tells: where it stopped, what the GPU holds, and the arguments that shrink it."""
+    where = f"{device}"
+    if _on_gpu(torch.device(device)):
+        free, total = torch.cuda.mem_get_info(device)
+        where += f" ({free / 1e9:.1f} of {total / 1e9:.1f} GB free after the failure)"
+    pool = view.cfg.n_routed_experts if n_experts is None else n_experts
+    return (f"step: out of GPU memory building layer {layer} ({built} of the block's layers built) on {where} at "
+            f"batch {view.batch}, context {view.context}, draft depth {view.draft_depth}, {view.expert_dtype} experts "
+            f"with {pool} routed experts a MoE layer: pass a smaller 'n_experts' (the notebooks' parameter of that "
+            f"name: fewer experts built a MoE layer, top-k unchanged, so at larger batch more tokens share an "
+            f"expert), a shorter 'context' or a smaller 'batch', or free the GPU's other tensors (another step "
+            f"still referenced)")
+
+
 def block_layer_ids(cfg, block: int = 0) -> list[int]:
     """The layers of AttnRes block `block` (12 layers; all layers of a config with fewer than 12)."""
     if not isinstance(block, int) or isinstance(block, bool) or block < 0:
@@ -279,8 +294,15 @@ class DecodeStep:
         plain = on_one_backend(switches, "reference")
         gen = gen_device or ("cuda" if _on_gpu(self.device) else "cpu")
         t0 = time.perf_counter()
-        self.layers = [build_layer(view, self.cfg.layer_kind(i), seed, n_experts, device=self.device, dtype=dtype,
-                                   switches=plain, layer_index=i, gen_device=gen) for i in self.ids]
+        self.layers = []
+        for i in self.ids:
+            try:
+                self.layers.append(build_layer(view, self.cfg.layer_kind(i), seed, n_experts, device=self.device,
+                                               dtype=dtype, switches=plain, layer_index=i, gen_device=gen))
+            except torch.OutOfMemoryError as e:
+                built = len(self.layers)
+                self.layers = []  # what was built goes with this step, before the caller sees the error
+                raise torch.OutOfMemoryError(_oom_message(view, n_experts, self.device, i, built)) from e
         self.build_s = time.perf_counter() - t0
         self.n_experts = max((getattr(L, "n_experts", 0) for L in self.layers), default=0)
         L0 = self.layers[0]

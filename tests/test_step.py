@@ -476,6 +476,27 @@ def test_comparison_steps_leave_the_cute_launch_mode_off():
     st.layers[0].prepare()  # the build pass's components with kda_pdl requested: no refusal
 
 
+def test_out_of_memory_says_where_and_what_shrinks_it(monkeypatch):
+    """A step that does not fit the GPU (K3's full pools at tp8 take ~45 GB) fails with where it stopped and the
+    arguments that shrink it (n_experts, context, batch), not the allocator's bare message; the layers built before
+    go with the failed step."""
+    import k3lab.model as M
+
+    real, calls = M.build_layer, []
+
+    def build(view, kind, *a, **k):
+        calls.append(kind)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 588.00 MiB.")
+        return real(view, kind, *a, **k)
+
+    monkeypatch.setattr(M, "build_layer", build)
+    with pytest.raises(torch.OutOfMemoryError, match=r"building layer 2 \(2 of the block's layers built\).*"
+                                                       r"'n_experts'.*'context'.*'batch'") as e:
+        S.DecodeStep(_tiny(), device="cpu", n_experts=8)
+    assert "with 8 routed experts" in str(e.value) and "Tried to allocate" in str(e.value.__cause__)
+
+
 def test_bad_arguments_are_named():
     view = _tiny()
     with pytest.raises(S.StepError, match="'n_experts'"):
