@@ -280,7 +280,8 @@ def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monke
                               (16, 1, {"k": 8}, "cute"), (64, 1, {"k": 33}, "cute"), (64, 2, {"k": 33}, "triton"),
                               (64, 1, {"k": 33, "C": 256}, "triton"), (64, 1, {"k": 33, "gate_dtype": "float32"},
                                                                        "triton"),
-                              (64, 1, {"k": 33, "block_v": 64}, "triton"), (64, 1, {"k": 33, "block_r": 16}, "triton")]:
+                              (64, 1, {"k": 33, "block_v": 64}, "triton"), (64, 1, {"k": 33, "block_r": 16}, "triton"),
+                              (64, 1, {"k": 33, "premerge": True}, "triton")]:
         be, _, why = dispatch.select("mla_combine", "auto", B=B, T=T, shape=dict(facts, **extra))
         assert be == want, (B, T, extra, why)
     monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "reference"))  # no CuTe DSL here

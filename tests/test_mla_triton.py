@@ -265,6 +265,27 @@ def test_combine_both_paths(block_r, batch):
     _check(COMB, options=dict(block_r=block_r), partitions=3, batch=batch, T=2, heads=6)
 
 
+@pytest.mark.parametrize("premerge,block_r,partitions", [(True, 16, 3), (False, 1, 10)])
+def test_combine_premerge(premerge, block_r, partitions, monkeypatch):
+    """The split's merge kernel first on the rows path (premerge True), none on the one-row path over more than
+    PREMERGE_ABOVE partials (False), against fp64."""
+    from k3lab_kernels.triton import mla_decode
+
+    calls, real = [], mla_decode.merge_partials
+    monkeypatch.setattr(mla_decode, "merge_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _check(COMB, options=dict(premerge=premerge, block_r=block_r), partitions=partitions, batch=3, T=1, heads=6)
+    assert bool(calls) == premerge
+
+
+def test_combine_premerge_refused_by_name():
+    from k3lab.components import mla
+
+    o, lse = torch.zeros(1, 2, 1, 2, 512), torch.zeros(1, 2, 1, 2)
+    w_uv, gate = torch.zeros(2, 512, 128, dtype=torch.bfloat16), torch.zeros(1, 1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'premerge'"):
+        mla.combine(o, lse, w_uv, gate, backend="triton", premerge="yes")
+
+
 @pytest.mark.slow
 def test_combine_batch_over_one_row_block():
     _check(COMB, partitions=2, batch=40, T=2)  # 80 rows: two row blocks of 64

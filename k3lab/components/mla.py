@@ -359,10 +359,11 @@ def attend(q_lat: torch.Tensor, q_rope: torch.Tensor, cache, lengths, *, scale: 
 def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.Tensor, gate: torch.Tensor,
             out: torch.Tensor | None = None, *, backend: str = "reference", block_v: int | None = None,
             block_r: int | None = None, num_warps: int | None = None, pdl: bool | None = None,
-            ran: list | None = None) -> torch.Tensor:
+            premerge: bool | None = None, ran: list | None = None) -> torch.Tensor:
     """Partials o [B,K,T,H,C] / lse [B,K,T,H] (or a merged o_lat [B,T,H,C] with lse None), Wuv [H,C,Dv],
     gate logits [B,T,H*Dv] -> out [B,T,H*Dv] = merge(o) @ Wuv[h] * sigmoid(gate) (bf16 from triton, the
-    compute dtype from the reference; `out` filled when given)."""
+    compute dtype from the reference; `out` filled when given). premerge (triton): the partials merged by the
+    split's merge kernel first (None: the kernel's rule; k3lab_kernels.triton.mla_combine)."""
     _refuse_aiter(backend, "mla_combine")
     _tensor("o_parts", o_parts)
     dev = o_parts.device
@@ -388,7 +389,7 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
     # backend keeps its own argument checks below
     facts = dict(k=K, C=C, Dv=Dv, parts_dtype=str(o5.dtype).removeprefix("torch."),
                  w_dtype=str(w_uv.dtype).removeprefix("torch."), gate_dtype=str(gate.dtype).removeprefix("torch."),
-                 block_v=block_v, block_r=block_r, num_warps=num_warps)
+                 block_v=block_v, block_r=block_r, num_warps=num_warps, premerge=premerge)
     be, _, why = dispatch.select("mla_combine", backend, B=B, T=T, shape=facts if backend == "auto" else None)
     rec = dict(op="mla_combine", backend_requested=backend, backend=be, why=why, shape=dict(B=B, K=K, T=T, H=H, C=C,
                                                                                            Dv=Dv))
@@ -402,9 +403,11 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
             _tensor("lse_parts", lse_parts, None, (torch.float32,))
         _tensor("w_uv", w_uv, None, (torch.bfloat16,))
         _tensor("gate", gate, None, (torch.bfloat16,))
-        if block_v is not None or num_warps is not None:
-            _fail("block_v" if block_v is not None else "num_warps", "is a triton option; the cute kernel runs 32 "
-                  "columns and 4 warps a CTA (its option: block_r)")
+        given = [k for k, v in (("block_v", block_v), ("num_warps", num_warps), ("premerge", premerge))
+                 if v is not None]
+        if given:
+            _fail(given[0], "is a triton option; the cute kernel runs 32 columns and 4 warps a CTA and merges the "
+                  "partials itself (its option: block_r)")
         if block_r is not None and (isinstance(block_r, bool) or block_r not in CUTE_BLOCK_R):
             _fail("block_r", f"must be None or one of {CUTE_BLOCK_R} on the cute backend, got {block_r!r}")
         if pdl is not None and not isinstance(pdl, bool):
@@ -431,13 +434,16 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
             _fail("block_r", f"must be None or one of {BLOCK_R_ALLOWED} (1 = the one-row kernel), got {block_r!r}")
         if num_warps is not None and (isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16)):
             _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {num_warps!r}")
+        if premerge is not None and not isinstance(premerge, bool):
+            _fail("premerge", f"must be None or a bool, got {premerge!r}")
         if out is not None:
             _out("out", out, (B, T, H * Dv), (torch.bfloat16,), dev)
         c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731
         y = dispatch.kernel("mla_combine", be)(c(o_parts), c(lse_parts), c(w_uv), c(gate), out, block_v=block_v,
-                                               block_r=block_r, num_warps=num_warps, pdl=_pdl(pdl))
+                                               block_r=block_r, num_warps=num_warps, pdl=_pdl(pdl),
+                                               premerge=premerge)
         dispatch.record(ran, kernel=dispatch.kernel_path("mla_combine", be),
-                        options=dict(block_v=block_v, block_r=block_r, num_warps=num_warps), **rec)
+                        options=dict(block_v=block_v, block_r=block_r, num_warps=num_warps, premerge=premerge), **rec)
         return y
     if out is not None:
         _out("out", out, (B, T, H * Dv), None, dev)

@@ -273,7 +273,8 @@ def combine_facts(case: Case) -> dict:
 def combine_supports(backend: str, shape: dict) -> str | None:
     """What the cute combine cannot take (the component's checks, so that `auto` passes it over instead of failing
     the call): K3's C = 512 and Dv = 128, fp32 partials, bf16 W_uv and gate, none of the Triton kernel's options
-    (block_v, num_warps) and block_r one of its own. Facts the shape does not state are K3's and the defaults."""
+    (block_v, num_warps, premerge) and block_r one of its own. Facts the shape does not state are K3's and the
+    defaults."""
     if backend != "cute":
         return None
     from k3lab_kernels.cute.mla_combine import BLOCK_R_ALLOWED
@@ -283,7 +284,7 @@ def combine_supports(backend: str, shape: dict) -> str | None:
     for name, want in (("parts_dtype", "float32"), ("w_dtype", "bfloat16"), ("gate_dtype", "bfloat16")):
         if shape.get(name, want) != want:
             return f"{name} {shape[name]}: the cute combine takes {want}"
-    given = [k for k in ("block_v", "num_warps") if shape.get(k) is not None]
+    given = [k for k in ("block_v", "num_warps", "premerge") if shape.get(k) is not None]
     if given:
         return f"{given} given: Triton options"
     if shape.get("block_r") is not None and shape["block_r"] not in BLOCK_R_ALLOWED:
@@ -576,8 +577,9 @@ register(Op(
     option_axes={"block_v": {"triton": (None, 16, 32, 64, 128)},
                  "block_r": {"triton": (None, 1, 16, 32, 64), "cute": (None, 1, 2, 4, 8)},
                  "num_warps": {"triton": (None, 4, 8)},
-                 "pdl": {"triton": (None, False, True), "cute": (None, False, True)}},
-    option_defaults={"block_v": _NONE, "block_r": _NONE, "num_warps": _NONE, "pdl": _NONE},
+                 "pdl": {"triton": (None, False, True), "cute": (None, False, True)},
+                 "premerge": {"triton": (None, False, True)}},
+    option_defaults={"block_v": _NONE, "block_r": _NONE, "num_warps": _NONE, "pdl": _NONE, "premerge": _NONE},
     make_inputs=make_combine, reference=ref_combine, written=("out",), updated=(),
     tolerances=tolerances, tolerance_why=WHY, call=call_combine,
     nbytes=combine_bytes, flops=combine_flops, floor_bw="read",

@@ -17,7 +17,8 @@ Two paths, one launch either way:
     tensor cores (tl.dot [BR, C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32
     and stores bf16.
   * one row (B*T <= 2, e.g. batch 1): grid (H, Dv / BV, B*T). Above PREMERGE_ABOVE partials the split's
-    merge kernel merges them first (a second launch, all column blocks in parallel). A program merges one
+    merge kernel merges them first (a second launch, all column blocks in parallel; `premerge`: True on either
+    path whenever K > 1, False never; the rows path merges itself by default). A program merges one
     row's partials KB = 16 at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16
     and forms o @ Wuv[h] slice with fp32 FMAs (512 x BV; a 16-row tensor-core tile would be 15/16 padding).
 The merge is repeated by the Dv / BV column programs of a head (from L2): BV trades Wuv-read parallelism
@@ -161,11 +162,14 @@ def default_block_v(B: int, T: int, Dv: int) -> int:
 
 def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch.Tensor, gate: torch.Tensor,
                 out: torch.Tensor | None = None, *, block_v: int | None = None, block_r: int | None = None,
-                num_warps: int | None = None, pdl: bool = False) -> torch.Tensor:
+                num_warps: int | None = None, pdl: bool = False, premerge: bool | None = None) -> torch.Tensor:
     """o_part [B,K,T,H,C] fp32 contiguous (or a merged o_lat [B,T,H,C], K = 1), lse_part [B,K,T,H] fp32
     (None when K = 1), w_uv [H,C,Dv] bf16 contiguous, gate [B,T,H*Dv] contiguous; writes out [B,T,H*Dv]
     (bf16; allocated when None) and returns it. pdl=True launches it with PDL (it waits on its predecessor,
-    the split, after loading Wuv and the gate). The caller validates."""
+    the split, after loading Wuv and the gate). premerge: the partials merged by the split's merge kernel first
+    (k3lab_kernels.triton.mla_decode.merge_partials, every column block and row in parallel), then combined as
+    one (None: the one-row path above PREMERGE_ABOVE partials, the rows path never; True: whenever K > 1; False:
+    never). The caller validates."""
     if o_part.dim() == 4:
         o_part = o_part.unsqueeze(1)
     B, K, T, H, C = o_part.shape
@@ -178,14 +182,14 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
     NR = B * T
     BR = block_r or (1 if NR <= ROW_PATH_MAX_ROWS else 16)  # 16 rows: 4x the programs of 64 at batch 64
     lse_arg = lse_part if lse_part is not None else o_part  # unused when K = 1
-    if BR == 1:
-        if K > PREMERGE_ABOVE:  # many partials: the split's merge kernel (every column block in parallel) first
-            from k3lab_kernels.triton.mla_decode import merge_partials
+    if K > 1 and (premerge if premerge is not None else (BR == 1 and K > PREMERGE_ABOVE)):
+        from k3lab_kernels.triton.mla_decode import merge_partials  # every column block and row in parallel
 
-            o_m = torch.empty(B, T, H, C, dtype=torch.float32, device=o_part.device)
-            l_m = torch.empty(B, T, H, dtype=torch.float32, device=o_part.device)
-            merge_partials(o_part, lse_part, o_m, l_m, pdl=pdl)
-            o_part, lse_arg, K = o_m.unsqueeze(1), o_m, 1
+        o_m = torch.empty(B, T, H, C, dtype=torch.float32, device=o_part.device)
+        l_m = torch.empty(B, T, H, dtype=torch.float32, device=o_part.device)
+        merge_partials(o_part, lse_part, o_m, l_m, pdl=pdl)
+        o_part, lse_arg, K = o_m.unsqueeze(1), o_m, 1
+    if BR == 1:
         _mla_combine_row_kernel[(H, triton.cdiv(Dv, BV), NR)](
             o_part, lse_arg, w_uv, gate, out, K, T, H, C=C, CP=_pow2(C), DV=Dv, BV=BV, KB=min(16, _pow2(K)),
             RNE=dot_f32(), PDL=pdl_on(pdl), num_warps=num_warps or 8, **launch_kw(pdl))
