@@ -117,7 +117,7 @@ class Op:
     # (backend, shape facts of a call) -> None, or why that backend's kernel cannot take the shape: `auto` then
     # takes the next rule, a named backend is refused with the reason (k3lab.components.dispatch.select)
     supports: Callable[[str, dict], str | None] = lambda backend, shape: None
-    # a case's facts the auto rules filter on ({"fmt": weight format, "n": output rows, "k": input width};
+    # a case's facts the auto rules filter on ({"fmt": weight format, "n": output rows, "k": reduction length};
     # k3lab.policy.matches): what the bench's variant rows look the rule up with, as the component's call does from
     # its tensors
     rule_facts: Callable[[Case], dict] = lambda case: {}

@@ -386,11 +386,13 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
     if tuple(gate.shape) != (B, T, H * Dv):
         _fail("gate", f"must have shape {(B, T, H * Dv)}, got {tuple(gate.shape)}")
     # auto asks the rules with the partials merged (k) and passes over a kernel that cannot take the call; a named
-    # backend keeps its own argument checks below
-    facts = dict(k=K, C=C, Dv=Dv, parts_dtype=str(o5.dtype).removeprefix("torch."),
-                 w_dtype=str(w_uv.dtype).removeprefix("torch."), gate_dtype=str(gate.dtype).removeprefix("torch."),
-                 block_v=block_v, block_r=block_r, num_warps=num_warps, premerge=premerge)
-    be, _, why = dispatch.select("mla_combine", backend, B=B, T=T, shape=facts if backend == "auto" else None)
+    # backend keeps its own argument checks below (and builds no facts)
+    facts = None
+    if backend == "auto":
+        dt = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
+        facts = dict(k=K, C=C, Dv=Dv, parts_dtype=dt(o5), w_dtype=dt(w_uv), gate_dtype=dt(gate), block_v=block_v,
+                     block_r=block_r, num_warps=num_warps, premerge=premerge)
+    be, _, why = dispatch.select("mla_combine", backend, B=B, T=T, shape=facts)
     rec = dict(op="mla_combine", backend_requested=backend, backend=be, why=why, shape=dict(B=B, K=K, T=T, H=H, C=C,
                                                                                            Dv=Dv))
     if be == "cute":
