@@ -8,7 +8,7 @@
 set -uo pipefail
 . experiments/device_setup.sh q
 eval "$(bash .gpu/cute/unpack.sh)"
-timeout 220 python3 -m k3lab.cli bench mla --ops mla_combine --backends triton,cute --no-variants \
+timeout $(( ${D:-200} + 20 )) python3 -m k3lab.cli bench mla --ops mla_combine --backends triton,cute --no-variants \
   --skip torch_compile,reference --reps 20 --grid heads=12 --grid batch=8,16,32,64 --grid partitions=4,8,16,33,64 \
-  --grid premerge=null,true --out "$OUT/q" --name mla_combine_premerge --deadline 200 2>&1 | grep -E "^mla_combine" \
+  --grid premerge=null,true --out "$OUT/q" --name mla_combine_premerge --deadline ${D:-200} 2>&1 | grep -E "^mla_combine" \
   | cut -c1-110
