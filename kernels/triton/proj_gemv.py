@@ -382,7 +382,7 @@ FP8_MORE = 3       # FP8_MORE programs an SM run (the one-wave default leaves ~1
 FP8_MIN_CHUNKS = 7  # instruction latency on few warps), each K range keeping >= FP8_MIN_CHUNKS chunks of BK. H100, TP8,
 # us, default / rule: moe_down (split 2 -> 4) batch 1 14.93 / 13.50, 8 14.97 / 13.59; kda_q (5 -> 8) 8.92 / 8.23, 8.97
 # / 8.33; kda_o (short input) and mla_dkv (split 14 already) keep theirs: more splits lose (kda_o 2: 8.58 against
-# 7.43; mla_dkv 28: 6.82 against 6.27). profiles/h100-80gb-hbm3/fp8_split_small.json.gz
+# 7.43; mla_dkv 28: 6.82 against 6.27). profiles/h100-80gb-hbm3/fp8_split_small.json.gz (git history at ab6ca59)
 FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
 # through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
 # against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; TP16's 768-row kda_q ties or loses, 9.93 /
