@@ -14,6 +14,9 @@ An `Op` says, for one op of one component:
     tolerances(case)              {output name: relative-norm tolerance; 0.0 = bit-exact}, each justified
     call(inputs, case, backend, opts, ran)  run the component API (the dispatcher picks the kernel)
     nbytes(case), flops(case)     the one formula for what the op must move and compute
+    set_bytes(inputs, case)       optional: the bytes one input set makes the op move, where the inputs' values
+                                  decide them (the MoE's distinct experts); the bench's floor takes their mean
+                                  over the timed sets, and nbytes(case) (the expectation) is kept beside it
     floor_bw                      "read" (mostly reads: weights, caches) or "copy" (reads and writes the
                                   same bytes: KDA state): the bandwidth its floor uses
     backends                      {backend: "module:function"}: the kernels, as paths grep can follow
@@ -121,6 +124,8 @@ class Op:
     # k3lab.policy.matches): what the bench's variant rows look the rule up with, as the component's call does from
     # its tensors
     rule_facts: Callable[[Case], dict] = lambda case: {}
+    # (inputs, case) -> the bytes that input set makes the op move, where its values decide them (module doc)
+    set_bytes: Callable[[dict, Case], int] | None = None
 
     def __post_init__(self) -> None:
         if self.floor_bw not in FLOOR_BWS:

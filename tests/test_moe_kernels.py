@@ -108,31 +108,6 @@ def test_batch_one_repeated_id():
     assert float((y - ref).norm() / ref.norm()) < 1e-2  # the simt tolerance (module docstring: f16 products)
 
 
-def test_grouped_tail_split():
-    """`tail` (the grouped path, bf16 / fp8): the items over the leaders' list, the last wave's R items split into
-    quarters (4 R <= W) or halves (2 R <= W) of their rows, or not; W chosen so that each case runs (TP1: I = 256, four
-    64-row blocks an expert), ragged routing (an expert every token chose, one nobody chose), an odd batch, a group
-    larger than the token tile (same16 at 19 tokens), block_n 32 (halves of 16 rows; no quarters); every output
-    checked against fp64, y poisoned first."""
-    inp = OP.make_inputs(OP.case(dtype="bf16", batch=5, routing="ragged", tp=1), 0, "cpu")
-    F = 4 * len(set(inp["idx"].flatten().tolist()))
-    ws = {4: next(w for w in range(F // 4 + 1, 4 * F) if 0 < 4 * (F % w) <= w),
-          2: next(w for w in range(F // 4 + 1, 4 * F) if 2 * (F % w) <= w < 4 * (F % w)),
-          1: next(w for w in range(F // 4 + 1, 4 * F) if 2 * (F % w) > w)}
-    for split, w in ws.items():
-        for dtype in ("bf16", "fp8"):
-            res = _check(dtype=dtype, batch=5, routing="ragged", tp=1, options=dict(path="grouped", tail=w))
-            assert res.ran[-1].options["tail"] == w, split
-    _check(dtype="bf16", batch=19, routing="same16", tp=2, options=dict(path="grouped", tail=3))
-    _check(dtype="fp8", batch=3, tp=1, options=dict(path="grouped", tail=5, block_n=32))
-    with pytest.raises(c_moe.MoEArgumentError, match="'tail'"):
-        _check(dtype="mxfp4", batch=5, options=dict(path="grouped", tail=True))
-    with pytest.raises(c_moe.MoEArgumentError, match="'tail'"):
-        _check(dtype="bf16", batch=5, options=dict(path="gemv", tail=True))
-    with pytest.raises(c_moe.MoEArgumentError, match="'tail'"):
-        _check(dtype="bf16", batch=5, options=dict(path="grouped", tail=0))
-
-
 def test_simt_tickets_over_leaders():
     """`leaders` (the default from batch 16): a one-program prologue lists the leading pairs and the items run over
     them only; ragged routing (an expert chosen by every token, one by none), two tokens a pass, persistent and not,
@@ -508,3 +483,21 @@ def test_prepare_makes_only_what_the_call_reads(monkeypatch):
     with pytest.raises(ValueError, match="'tokens'"):
         c_moe.prepare(moe, tokens=0)
     c_moe._kernel_layouts.clear()
+
+
+def test_bench_floor_from_the_experts_the_sets_touch():
+    """The bench's floor takes the bytes of the experts each timed input set's routing chose (a uniform draw touches
+    more or fewer than the expectation), recorded beside the formula's expectation; same16's sets touch exactly K."""
+    from k3lab.bench import runner
+
+    bd = runner.run("moe", ops=["moe_experts"], grid=dict(batch=(5,), dtype=("bf16",), routing=("uniform", "same16")),
+                    backends=[], peers=True, skip={"torch_compile", "cublas_loop"}, reps=1, log=lambda s: None)
+    assert bd.rows
+    for r in bd.rows:
+        case = OP.case(batch=5, dtype="bf16", routing=r.extra["routing"])
+        each = [ops_moe.experts_set_bytes(OP.make_inputs(case, 1000 + i, "cpu"), case)
+                for i in range(len(r.extra["bytes_by_set"]))]
+        assert r.extra["bytes_by_set"] == each and r.bytes == round(sum(each) / len(each))
+        assert r.extra["bytes_formula"] == ops_moe.experts_bytes(case)
+        if r.extra["routing"] == "same16":
+            assert r.bytes == r.extra["bytes_formula"]

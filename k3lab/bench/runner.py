@@ -225,11 +225,11 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
             n_sets = 1 if hot else (max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2)
             n_sets = max(n_sets, max(i.min_sets for i in impls))
             sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
-            fl = roofline.floor_from_probes(nbytes, flops, pr, op.floor_bw)
+            fl, moved = _floor(op, case, sets, flops, pr)
             pristine = _pristine(op, sets[0])
             for im in impls:
                 row = _row(op, case, im, sets, fl, reps=reps, hot=hot, gpu=gpu, kernels=kernels, log=log,
-                           check_inputs=pristine)
+                           check_inputs=pristine, extra=moved)
                 if isinstance(row, str):
                     bd.notes.append(row)
                     continue
@@ -246,6 +246,17 @@ def run(component: str, *, grid: dict[str, Iterable] | None = None, ops: Iterabl
     return bd
 
 
+def _floor(op: Op, case: Case, sets: list[dict], flops: int, pr: dict) -> tuple[roofline.Floor, dict]:
+    """The floor of a case's rows from the bytes its timed input sets make the op move: op.set_bytes' mean over the
+    sets where the op has it (what the inputs' values decide, e.g. the MoE's distinct experts), else the formula;
+    with the formula's value (the expectation) and each set's bytes for the row's record."""
+    if op.set_bytes is None:
+        return roofline.floor_from_probes(op.nbytes(case), flops, pr, op.floor_bw), {}
+    each = [int(op.set_bytes(s, case)) for s in sets]
+    moved = dict(bytes_formula=int(op.nbytes(case)), bytes_by_set=each)
+    return roofline.floor_from_probes(int(round(sum(each) / len(each))), flops, pr, op.floor_bw), moved
+
+
 def _pristine(op: Op, inputs: dict) -> dict | None:
     """A copy of the first input set as made, for every row's check, when the op updates inputs in place (an
     earlier row's timing moves them on: see `_row`); None otherwise (no copy of large read-only inputs)."""
@@ -253,13 +264,15 @@ def _pristine(op: Op, inputs: dict) -> dict | None:
 
 
 def _row(op: Op, case: Case, im: Impl, sets: list[dict], fl: roofline.Floor, *, reps: int, hot: bool, gpu: bool,
-         kernels: bool, log: Callable[[str], None], check_inputs: dict | None = None) -> Row | str:
+         kernels: bool, log: Callable[[str], None], check_inputs: dict | None = None,
+         extra: dict | None = None) -> Row | str:
     """The row of one implementation at one case, or a note saying why it has none. The check runs on
     `check_inputs` (the first set as made, before any row's timing) when given: an op that updates its inputs in
     place and whose other inputs were derived from them (the commit: state_hist from the start state) would
-    otherwise check a later row against inputs an earlier row's timing moved on."""
+    otherwise check a later row against inputs an earlier row's timing moved on. `extra`: more of the row's record
+    (the floor's bytes by input set: `_floor`)."""
     x = dict(case.asdict(), **im.options, op=op.name, component=op.name, case=case.key(), options=im.options,
-             note=im.note)
+             note=im.note, **(extra or {}))
     err: dict | None = None
     try:
         if im.check is not None:
@@ -352,11 +365,11 @@ def explore(out: str, entries, impls: Callable[[Op, Case, tuple, tuple, bool], l
         n_sets = max(2, timing.rotation_count(nbytes, timing.l2_bytes())) if gpu else 2
         n_sets = max([n_sets] + [i.min_sets for i in ims])
         sets = [op.make_inputs(case, 1000 + i, device) for i in range(n_sets)]
-        fl = roofline.floor_from_probes(nbytes, op.flops(case), pr, op.floor_bw)
+        fl, moved = _floor(op, case, sets, op.flops(case), pr)
         pristine = _pristine(op, sets[0])
         for im in ims:
             row = _row(op, case, im, sets, fl, reps=reps, hot=False, gpu=gpu, kernels=False, log=log,
-                       check_inputs=pristine)
+                       check_inputs=pristine, extra=moved)
             if isinstance(row, str):
                 bd.notes.append(row)
             else:

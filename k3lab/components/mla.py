@@ -392,7 +392,7 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
         dt = lambda t: str(t.dtype).removeprefix("torch.")  # noqa: E731
         facts = dict(k=K, C=C, Dv=Dv, parts_dtype=dt(o5), w_dtype=dt(w_uv), gate_dtype=dt(gate), block_v=block_v,
                      block_r=block_r, num_warps=num_warps, premerge=premerge)
-    be, _, why = dispatch.select("mla_combine", backend, B=B, T=T, shape=facts)
+    be, auto_opts, why = dispatch.select("mla_combine", backend, B=B, T=T, shape=facts)
     rec = dict(op="mla_combine", backend_requested=backend, backend=be, why=why, shape=dict(B=B, K=K, T=T, H=H, C=C,
                                                                                            Dv=Dv))
     if be == "cute":
@@ -438,6 +438,8 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
             _fail("num_warps", f"must be None or one of (1, 2, 4, 8, 16), got {num_warps!r}")
         if premerge is not None and not isinstance(premerge, bool):
             _fail("premerge", f"must be None or a bool, got {premerge!r}")
+        if premerge is None:  # auto's rule may name it (data/mla_defaults.json: many partials merged first)
+            premerge = auto_opts.get("premerge")
         if out is not None:
             _out("out", out, (B, T, H * Dv), (torch.bfloat16,), dev)
         c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731

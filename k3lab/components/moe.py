@@ -32,11 +32,8 @@ maxnreg: the simt path's register cap a thread, the kernel's 128 above batch 1, 
 simt path: a prologue lists the groups' leaders and the tickets run over them only; None: from batch 16, recorded
 as run; the tc path: the same list, the programs past it exit at once; None: on, recorded as run), wait (the
 simt path: a role-B item waits for "all" role-A items or only its own "expert"'s; None: the kernel's choice,
-recorded as run), tail (the grouped path, bf16 / fp8: the items run over the leaders' list and the last wave's
-items split into halves or quarters of their rows, so that it fills the GPU; True: the wave from the compiled kernel's
-occupancy, an int: that many programs at once; None: off, as False). `check_values=False` skips the host-side
-check that idx holds valid ids (a device sync): pass it on timed or graph-captured paths. Argument errors are
-MoEArgumentError (a ValueError) naming the argument.
+recorded as run). `check_values=False` skips the host-side check that idx holds valid ids (a device sync): pass
+it on timed or graph-captured paths. Argument errors are MoEArgumentError (a ValueError) naming the argument.
 
 MXFP4 on the simt path reads the codes in the kernel's layout (k3lab.mxfp4.to_kernel_layout, the same bytes
 rearranged): `kernel_layout(w)` makes that copy of an ExpertWeight on its first use and keeps it while the
@@ -109,8 +106,8 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
             path: str | None = None, block_n: int | None = None, block_k: int | None = None,
             block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-            leaders: bool | None = None, wait: str | None = None, tail: bool | int | None = None,
-            ran: list | None = None, glue: tuple | None = None) -> torch.Tensor:
+            leaders: bool | None = None, wait: str | None = None, ran: list | None = None,
+            glue: tuple | None = None) -> torch.Tensor:
     """y [B, L] = sum_k weights_k[b,k] * expert_{idx[b,k]}(z[b]) (module docstring); `out` filled when given.
     glue (the cute backend's one-token path, and the reference backends by torch after y): (gamma [L] bf16, yg
     [1, L] bf16, ssp [1, P] fp32): also yg = bf16(y * gamma) and ssp[0, c] = the sum of y^2 over rows c L/P ..
@@ -143,7 +140,7 @@ def experts(z: torch.Tensor, idx: torch.Tensor, weights_k: torch.Tensor, moe: Mo
         _fail("glue", f"(yg and the partial sums of y^2 beside y) is taken by the cute backend's one-token path and "
                       f"the reference backends at batch 1, got backend {be!r}, batch {B}, path {path!r}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, block_l=block_l, block_t=block_t, num_warps=num_warps,
-                 num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait, tail=tail)
+                 num_stages=num_stages, persist=persist, maxnreg=maxnreg, leaders=leaders, wait=wait)
     if check_values and be in ("triton", "cute") and moe.w1.fmt == "mxfp4":
         check_scales(moe)
     rec = dict(op=OP, backend_requested=backend, backend=be, why=why,
@@ -406,11 +403,6 @@ def _triton_args(z, idx, wk, moe: MoEWeights, out, knobs: dict) -> dict:
     if knobs["wait"] is not None and (knobs["wait"] not in SIMT_WAITS or path != "simt"):
         _fail("wait", f"must be None or one of {SIMT_WAITS} (what a role-B item of the simt path waits for), got "
                       f"{knobs['wait']!r} on the {path} path")
-    t_ = knobs["tail"]
-    if t_ is not None and ((not isinstance(t_, (bool, int)) or (not isinstance(t_, bool) and t_ < 1))
-                           or (t_ and (path != "grouped" or moe.w1.fmt == "mxfp4"))):
-        _fail("tail", f"must be None, True, False or the programs that run at once (an int >= 1), and only on the "
-                      f"grouped path with bf16 or fp8 weights, got {t_!r} on the {path} path with {moe.w1.fmt} weights")
     if knobs["num_stages"] is not None and (knobs["num_stages"] not in (1, 2, 3, 4, 5) or path == "simt"):
         _fail("num_stages", f"must be None or one of 1..5 (None on the simt path: its weight steps are register "
                             f"double-buffered), got {knobs['num_stages']!r} on the {path} path")

@@ -2,11 +2,7 @@
 SiTU-GLU fused, w2 with the routing weights applied, and the sum over a token's experts. Four paths (`path`;
 the rule `default_path` picks by weight format and batch, from the H200 sweeps in docs/NOTES_moe.md):
   grouped  one launch after zeroing y (`_moe_experts_kernel`, below): program (n, pair) runs BN intermediate rows
-           of w1/w3 and the matching w2 columns of its expert; tensor-core tiles of up to 16 tokens; option `tail`
-           (bf16 / fp8; `_moe_tail_kernel`): a prologue lists the groups' leaders, the items (leader, BN rows) run
-           in that order, and the last wave's items, when it fills at most half / a quarter of the W programs that
-           run at once, split into halves / quarters of their rows with wider steps (one program an SM runs a
-           whole item at ~1.4 MB in bf16, so a last wave of few items leaves most SMs idle for one item's time);
+           of w1/w3 and the matching w2 columns of its expert; tensor-core tiles of up to 16 tokens;
   gemv     one launch, y zeroed inside (`_moe_gemv_kernel`, batch <= 16): role A items (pair, BN rows) put
            wk * situ(W1 z, W3 z) for every token into a scratch buffer, role B items (pair, BL latent rows) add
            W2 act into y; items are handed out by a ticket in program start order and B items wait for every A
@@ -181,20 +177,20 @@ def _ptrs(w1, w3, w2, s1, s3, s2, e, L: tl.constexpr, I: tl.constexpr, FMT: tl.c
 
 
 @triton.jit
-def _grouped_item(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, n, p, sub,
-                  L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                  FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                  BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr, RB: tl.constexpr):
-    """Pair p's expert, if p leads its group: w1/w3 rows n*BN + sub*RB .. + RB - 1 and the matching w2 columns, BK
-    latent columns of w1/w3 and BL rows of w2 a step (RB = BN: the grouped kernel's program; RB < BN: a tail
-    program, bf16 / fp8, with the steps widened so that it makes fewer of them)."""
+def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
+                        L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
+                        FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
+                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader)."""
+    n = tl.program_id(0)
+    p = tl.program_id(1)
     e, leader, mem, w_tok, q_tok, cnt, rank = _group(idx, wk, p, B, K, KP, BB)
     if leader:
         w1e, w3e, w2e, s1e, s3e, s2e = _ptrs(w1, w3, w2, s1, s3, s2, e, L, I, FMT)
-        rows = n * BN + sub * RB + tl.arange(0, RB)
+        rows = n * BN + tl.arange(0, BN)
         for t0 in range(0, cnt, BT):
             tok, w_t, q, ok = _slots(t0, mem, rank, w_tok, q_tok, BB, BT)
-            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, RB, BK, BT, B1, B2, DOT_F32), DOT_F32)
+            act = _round_act(_up(z, w1e, w3e, s1e, s3e, tok, ok, rows, L, FMT, BN, BK, BT, B1, B2, DOT_F32), DOT_F32)
             for l0 in range(0, L, BL):  # y[tok] += w_t * W2[:, rows] a
                 lr = l0 + tl.arange(0, BL)
                 o = tl.zeros([BL, BT], tl.float32)
@@ -210,60 +206,6 @@ def _grouped_item(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, n, p, sub,
                     o = o * tl.load(s2e + lr)[:, None]
                 o = o * w_t[None, :]
                 tl.atomic_add(y + tok[None, :] * L + lr[:, None], o, mask=ok[None, :], sem="relaxed")
-
-
-@triton.jit
-def _moe_experts_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B,
-                        L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                        FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                        BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (n, p) runs w1/w3 rows n*BN.. and the matching w2 columns of pair p's expert (if leader)."""
-    _grouped_item(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, tl.program_id(0), tl.program_id(1), 0, L, I, K, KP, BB,
-                  FMT, BN, BK, BL, BT, B1, B2, DOT_F32, BN)
-
-
-@triton.jit
-def _moe_tail_kernel(z, idx, wk, w1, w3, w2, s1, s3, s2, y, lead, B, W,
-                     L: tl.constexpr, I: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BB: tl.constexpr,
-                     FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BL: tl.constexpr,
-                     BT: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, DOT_F32: tl.constexpr,
-                     BK2: tl.constexpr, BL2: tl.constexpr, BK4: tl.constexpr, BL4: tl.constexpr):
-    """The grouped kernel's items over the leaders' list, with the last wave split (option `tail`, module doc):
-    item i = (leader lead[1 + i // NB], row block i % NB), F = lead[0] NB of them, W programs run at once. The
-    R = F mod W items of the last wave run as 4 (4 R <= W, BN >= 64) or 2 (2 R <= W, BN >= 32) programs each over a
-    quarter / half of the item's rows, in steps BK4 / BK2 columns of w1/w3 and BL4 / BL2 rows of w2 wide (the host
-    passes twice the item's BK for both and four / two times its BL, capped by L: fewer steps for fewer bytes, a
-    stage's shared memory at most the item's plus a wider z tile); otherwise, and for the items before them, program
-    q runs item q. Programs past the work exit."""
-    NB: tl.constexpr = I // BN
-    q = tl.program_id(0)
-    F = tl.load(lead) * NB
-    R = F % W
-    T0 = F - R
-    split = 1  # parts of at least 16 rows (the tensor-core tile's least)
-    if R > 0:
-        if BN >= 32:
-            if 2 * R <= W:
-                split = 2
-        if BN >= 64:
-            if 4 * R <= W:
-                split = 4
-    if (q < T0) | (split == 1):
-        if q < F:
-            _grouped_item(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, q % NB, tl.load(lead + 1 + q // NB), 0,
-                          L, I, K, KP, BB, FMT, BN, BK, BL, BT, B1, B2, DOT_F32, BN)
-    elif split == 2:
-        if BN >= 32:
-            it = T0 + (q - T0) // 2
-            if it < F:
-                _grouped_item(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, it % NB, tl.load(lead + 1 + it // NB),
-                              (q - T0) % 2, L, I, K, KP, BB, FMT, BN, BK2, BL2, BT, B1, B2, DOT_F32, BN // 2)
-    else:
-        if BN >= 64:
-            it = T0 + (q - T0) // 4
-            if it < F:
-                _grouped_item(z, idx, wk, w1, w3, w2, s1, s3, s2, y, B, it % NB, tl.load(lead + 1 + it // NB),
-                              (q - T0) % 4, L, I, K, KP, BB, FMT, BN, BK4, BL4, BT, B1, B2, DOT_F32, BN // 4)
 
 
 # ---- the tensor-core path on the kernel layout (MXFP4, `tc`) -------------------------------------------------
@@ -1142,8 +1084,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                 b2: float = 25.0, path: str | None = None, block_n: int | None = None, block_k: int | None = None,
                 block_l: int | None = None, block_t: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, persist: int | None = None, maxnreg: int | None = None,
-                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None,
-                tail: bool | int | None = None) -> torch.Tensor:
+                leaders: bool | None = None, pdl: bool | None = None, wait: str | None = None) -> torch.Tensor:
     """y [B, L] fp32 = the routed experts' sum (module docstring). Arguments are validated by
     k3lab.components.moe.experts; `path` None takes `default_path`. pdl (simt path): launched with programmatic
     dependent launch (None: the enclosing pdl.pdl_chain's setting; the other paths launch plainly). wait (simt
@@ -1204,33 +1145,7 @@ def moe_experts(z: torch.Tensor, idx: torch.Tensor, wk: torch.Tensor, w1: torch.
                                          num_warps=nw, num_stages=ns)
         return y
     y.zero_()
-    if tail:
-        first, lead = _leaders(z.device, w1.shape[0], B * K)
-        _simt_leaders_kernel[(1,)](idx, first, lead, B * K, PB=_pow2(B * K), BIG=LEAD_BIG, PDL=False, num_warps=4)
-        key = (str(z.device), fmt, bn, bk, bl, nw, ns, I, L)
-        W = tail if not isinstance(tail, bool) else _tail_slots.get(key, _sm_count(z.device))
-        k = _moe_tail_kernel[((I // bn) * B * K + W,)](
-            z, idx, wk, w1, w3, w2, *sc, y, lead, B, W, BB=max(16, _pow2(B)), BT=block_t or d["block_t"],
-            DOT_F32=dot_f32(), BK2=min(2 * bk, L & -L), BL2=min(2 * bl, L & -L), BK4=min(2 * bk, L & -L),
-            BL4=min(4 * bl, L & -L), **common)
-        if tail is True and key not in _tail_slots and z.device.type == "cuda":
-            _tail_slots[key] = _sm_count(z.device) * _resident(k, nw, z.device)
-        return y
     _moe_experts_kernel[(I // bn, B * K)](
         z, idx, wk, w1, w3, w2, *sc, y, B, BB=max(16, _pow2(B)), BT=block_t or d["block_t"], DOT_F32=dot_f32(),
         **common)
     return y
-
-
-_tail_slots: dict[tuple, int] = {}
-
-
-def _resident(k, num_warps: int, device) -> int:
-    """Programs of compiled kernel `k` one multiprocessor holds at once, from its shared memory and registers (the
-    tail's W is this times the multiprocessors)."""
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    shared = int(getattr(k.metadata, "shared", 0)) + 1024  # the driver's reserved kilobyte a block
-    regs = int(getattr(k, "n_regs", 0)) * 32 * num_warps
-    by_regs = props.regs_per_multiprocessor // regs if regs else 32
-    return max(1, min(smem // shared, by_regs, props.max_threads_per_multi_processor // (32 * num_warps)))
