@@ -739,10 +739,10 @@ def test_cublas_peers_pass_the_checker(op_name, kw):
 def test_auto_fp8_batch1_rule(monkeypatch):
     """data/trunk_defaults.json's fp8 batch-1 rule (measured: profiles/h100-80gb-hbm3/fp8_b1.json.gz, git history at
     ab6ca59): the cute GEMV for fp8 weights at batch 1 with >= 768 output rows, triton otherwise (bf16, fewer rows,
-    batch 4); at batch 2 the shapes where the GEMV won (fp8_b2_rule.json.gz: mla_uq, moe_down, TP16 shared_w2) by
-    rows and input width; where the rule's cute cannot run the call (no CuTe DSL, an input prologue) the fallback's
-    triton, then the reference. The bench's variant rows look the rule up with the case's facts (k3lab.ops.trunk.proj_facts), as a call does from
-    its tensors (the component's _proj_facts)."""
+    batch 4); at batch 2 the shapes where the GEMV won (fp8_b2_rule.json.gz: mla_uq, moe_down, TP16 shared_w2) by rows
+    and input width; where the rule's cute cannot run the call (no CuTe DSL, an input prologue) the fallback's triton,
+    then the reference. The bench's variant rows look the rule up with the case's facts (k3lab.ops.trunk.proj_facts), as
+    a call does from its tensors (the component's _proj_facts)."""
     from k3lab import policy
     from k3lab.components import dispatch
     from k3lab.components import trunk as ct

@@ -9,10 +9,10 @@ Each row: D, programs, waves, the triton grouped median (us, graph replay, CUDA 
 (D x 8.26 MB) are far past L2 whatever the set), % of the read probe, then the same with tail=True. Both checked
 against the reference (fp32 sums of the same bf16 products) at one D (the registry's fp64 checks: the bench).
 Measured (fifty-fifth session, an H100, `bash experiments/kda_ncu/call55.sh` part 1;
-experiments/moe_tail/h100_tail.json.gz): the time is linear in D to within ~8 us at each wave edge (220 -> 222
-experts +13.5 us against ~5.5 from the slope), 96-97.6 % of read at every D, and `tail` 0-0.6 % slower everywhere: the last wave is not what the batch-16 row lacks
-(docs/NOTES_moe.md, fifty-fifth section). The option was removed; its code is in git history at ab6ca59, the tree this
-script runs against.
+experiments/moe_tail/h100_tail.json.gz): the time is linear in D to within ~8 us at each wave edge (220 -> 222 experts
++13.5 us against ~5.5 from the slope), 96-97.6 % of read at every D, and `tail` 0-0.6 % slower everywhere: the last wave
+is not what the batch-16 row lacks (docs/NOTES_moe.md, fifty-fifth section). The option was removed; its code is in git
+history at ab6ca59, the tree this script runs against.
 Device: python3 experiments/moe_tail/tail.py   (prints a table; JSON to $OUT/moe_tail.json)"""
 import json
 import os
