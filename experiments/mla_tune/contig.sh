@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The MLA split on the contiguous cache (the decode step's): its block loop has no page index to wait on, yet runs the
 # paged-without-preload tiles (64 positions from batch 16, two stages); an H100 had it 5-12 % behind page 64 from
-# batch 16 (profiles/h100-80gb-hbm3/mla_tma_r2.json.gz). One device call on any GPU, nothing carried: block_n x stages
+# batch 16 (profiles/h100-80gb-hbm3/mla_tma_r2.json.gz,
+# git history at 5196fe5). One device call on any GPU, nothing carried: block_n x stages
 # on the contiguous cache, then page 64's defaults in the same run; T = 1, 12 heads, batch 1 / 8 / 16 / 32, 8K / 32K.
 # Bundles mla_contig, mla_contig_p64 under $OUT/mla_contig, packed into $OUT/mla_contig.tgz; a short table last.
 # EXTRA adds grid flags to both (e.g. EXTRA="--grid T=4" for the verify, which keeps the old tiles: unmeasured), NAME

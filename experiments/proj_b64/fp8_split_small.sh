@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # fp8 projections at batch 1 / 8 on the Triton dot path with more programs than the default's ~1.7 an SM: ncu
-# (ncu_small.sh, profiles/h100-80gb-hbm3/ncu_fp8_small.txt.gz) had moe_down's 224 programs at 10 % occupancy issuing
+# (ncu_small.sh, profiles/h100-80gb-hbm3/ncu_fp8_small.txt.gz, git
+# history at 5196fe5) had moe_down's 224 programs at 10 % occupancy issuing
 # every 4.7 cycles a warp, instruction-latency bound on few warps. K split 2..28 ways and 16-row W tiles, TP8 moe_down
 # / kda_q / kda_o / mla_dkv, the default in each bundle; no archive needed.
 # Device: bash experiments/proj_b64/fp8_split_small.sh   ($OUT/fp8_split_small/<gpu>/*.json, a short table last)
