@@ -11,7 +11,7 @@ matches only calls whose shape names one of those weight formats (the formats it
 CuTe rules are MXFP4's), a rule with `min_n` / `max_n` only calls of at least / at most that many output rows
 (shape["n"]) and one with `min_k` / `max_k` only calls of that reduction length (shape["k"]: a projection's input
 width, the MLA combine's partials): the trunk's rules at batch 1 and 2, which name the projections they were measured
-on, and the combine's over >= 8 partials. A rule that filters on a fact does not match a query
+on, and the MLA combine's by the partials it merges. A rule that filters on a fact does not match a query
 that does not state it: a question without the call's shape (the decode step's choice of one backend for a whole
 component group) gets the rules that hold whatever the shape, never one measured on some shapes only. Every key of a
 rule besides max_batch, max_T, fmt, min_n, max_n, min_k, max_k and backend is an option of the op (tile_v, ...).

@@ -405,8 +405,10 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor | None, w_uv: torch.T
             _tensor("lse_parts", lse_parts, None, (torch.float32,))
         _tensor("w_uv", w_uv, None, (torch.bfloat16,))
         _tensor("gate", gate, None, (torch.bfloat16,))
-        given = [k for k, v in (("block_v", block_v), ("num_warps", num_warps), ("premerge", premerge))
-                 if v is not None]
+        from k3lab.ops.mla import COMBINE_TRITON_OPTIONS
+
+        named = dict(block_v=block_v, num_warps=num_warps, premerge=premerge)
+        given = [k for k in COMBINE_TRITON_OPTIONS if named[k] is not None]
         if given:
             _fail(given[0], "is a triton option; the cute kernel runs 32 columns and 4 warps a CTA and merges the "
                   "partials itself (its option: block_r)")

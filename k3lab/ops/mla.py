@@ -270,6 +270,9 @@ def combine_facts(case: Case) -> dict:
     return {"k": _K(case)}
 
 
+COMBINE_TRITON_OPTIONS = ("block_v", "num_warps", "premerge")  # the Triton combine's options the cute one has not
+
+
 def combine_supports(backend: str, shape: dict) -> str | None:
     """What the cute combine cannot take (the component's checks, so that `auto` passes it over instead of failing
     the call): K3's C = 512 and Dv = 128, fp32 partials, bf16 W_uv and gate, none of the Triton kernel's options
@@ -284,7 +287,7 @@ def combine_supports(backend: str, shape: dict) -> str | None:
     for name, want in (("parts_dtype", "float32"), ("w_dtype", "bfloat16"), ("gate_dtype", "bfloat16")):
         if shape.get(name, want) != want:
             return f"{name} {shape[name]}: the cute combine takes {want}"
-    given = [k for k in ("block_v", "num_warps", "premerge") if shape.get(k) is not None]
+    given = [k for k in COMBINE_TRITON_OPTIONS if shape.get(k) is not None]
     if given:
         return f"{given} given: Triton options"
     if shape.get("block_r") is not None and shape["block_r"] not in BLOCK_R_ALLOWED:
