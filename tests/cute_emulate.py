@@ -1059,9 +1059,13 @@ _ASM_DIALECT = types.SimpleNamespace(AD_ATT=0, AD_Intel=1)
 
 
 def _f32(x) -> float:
-    """x rounded to fp32 (nearest even, overflow to inf)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
+    """x rounded to fp32 (nearest even, overflow to inf). struct's rounding is the C cast's; it refuses only a result
+    that overflows, which numpy makes inf."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        with np.errstate(over="ignore"):
+            return float(np.float32(x))
 
 
 def _fma32(a: float, b: float, c: float) -> float:
@@ -1095,9 +1099,14 @@ _PTX_F32 = {"mul.rn.f32": lambda a, b: _f32(a * b), "add.rn.f32": lambda a, b: _
             "div.full.f32": lambda a, b: _f32(_div(a, b)), "sqrt.approx.ftz.f32": _sqrt_approx_ftz}
 
 
+_E4M3_VALUES: list = []
+
+
 def _e4m3_value(code: int) -> float:
-    """The value of a float8_e4m3fn code (NaN for 0x7F / 0xFF)."""
-    return float(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item())
+    """The value of a float8_e4m3fn code (NaN for 0x7F / 0xFF), from torch's table of the 256 codes."""
+    if not _E4M3_VALUES:
+        _E4M3_VALUES.extend(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double().tolist())
+    return _E4M3_VALUES[code & 0xFF]
 
 
 def _e4m3(x: float) -> int:
@@ -1108,21 +1117,34 @@ def _e4m3(x: float) -> int:
     return int(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item())
 
 
+# The scalar conversions through struct (IEEE formats, round to nearest even; several times faster than a numpy
+# array a value); a result that overflows the format goes through numpy, which makes it inf.
+_F32, _U32, _F16, _U16 = struct.Struct("<f"), struct.Struct("<I"), struct.Struct("<e"), struct.Struct("<H")
+
+
 def _bits_of_f32(x: float) -> int:
-    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+    try:
+        return _U32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        with np.errstate(over="ignore"):
+            return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
 
 
 def _f32_of_bits(b: int) -> float:
-    return float(np.array([b & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
+    return _F32.unpack(_U32.pack(b & 0xFFFFFFFF))[0]
 
 
 def _f16_of_bits(h: int) -> float:
-    return float(np.array([h & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+    return _F16.unpack(_U16.pack(h & 0xFFFF))[0]
 
 
 def _bits_of_f16(x: float) -> int:
-    """Round to fp16, nearest even (numpy's conversion from float64), and return the bits."""
-    return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
+    """Round to fp16, nearest even (from float64, once), and return the bits."""
+    try:
+        return _U16.unpack(_F16.pack(x))[0]
+    except OverflowError:
+        with np.errstate(over="ignore"):
+            return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
 
 
 _B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.rn.bf16x2.f32", "shl.b32",
@@ -1130,8 +1152,12 @@ _B32_OPS = ("fma.rn.f16x2", "cvt.rn.f16x2.f32", "mad.lo.u32", "prmt.b32", "cvt.r
 
 
 def _bits_of_bf16(x: float) -> int:
-    """Round to bf16, nearest even (NaN kept quiet), and return the bits."""
-    return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+    """Round to bf16 as torch does from fp32 (x rounded to fp32 first; nearest even), and return the bits; a NaN
+    through torch itself (its CPU conversion's NaN pattern)."""
+    if x != x:
+        return int(torch.tensor([x], dtype=torch.float32).to(torch.bfloat16).view(torch.int16).item()) & 0xFFFF
+    u = _bits_of_f32(x)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -1158,13 +1184,15 @@ def _bf16_of_bits(h: int) -> float:
     return _f32_of_bits((h & 0xFFFF) << 16)
 
 
+_LANE_G, _LANE_T = np.arange(32) // 4, np.arange(32) % 4  # a lane's (group, thread in group) in an MMA fragment
+
+
 def _mma_m16n8k16(operands, tag=_MMA_BF16):
     """The warp-collective MMA: lane (g = lane / 4, t = lane % 4) holds A's (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
     (g+8, 2t+8..) as four bf16 (tag _MMA_F16: f16, subnormals included) pairs, B's (k = 2t..2t+1, n = g),
     (k = 2t+8.., n = g) as two, C's (g, 2t..2t+1), (g+8, 2t..) as four fp32; every lane gets its four D values. The
     products are exact in fp64 and summed with C in fp64, then rounded to fp32 once (the hardware's accumulation order
     and intermediate widths are not modelled)."""
-    half = _bf16_of_bits if tag == _MMA_BF16 else (lambda h: _f16_of_bits(h & 0xFFFF))
     vals = []
     for i, v in enumerate(operands):
         if v is None:
@@ -1182,19 +1210,21 @@ def _mma_m16n8k16(operands, tag=_MMA_BF16):
                 Float32(_f32(Dm[g + 8, 2 * t + 1])))
 
     def product(all_vals):
-        A = np.zeros((16, 16))
-        Bm = np.zeros((16, 8))
-        Cm = np.zeros((16, 8))
-        for ln, ops in enumerate(all_vals):
-            g, t = ln // 4, ln % 4
-            a = [int(x) & 0xFFFFFFFF for x in ops[:4]]
-            for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                A[row, col], A[row, col + 1] = half(a[r]), half(a[r] >> 16)
-            bb = [int(x) & 0xFFFFFFFF for x in ops[4:6]]
-            for r, k in enumerate((2 * t, 2 * t + 8)):
-                Bm[k, g], Bm[k + 1, g] = half(bb[r]), half(bb[r] >> 16)
-            c = [float(x) for x in ops[6:10]]
-            Cm[g, 2 * t], Cm[g, 2 * t + 1], Cm[g + 8, 2 * t], Cm[g + 8, 2 * t + 1] = c
+        # the 32 lanes' registers as arrays, the halves decoded at once (the same IEEE values as `half`)
+        words = np.array([[int(x) & 0xFFFFFFFF for x in ops[:6]] for ops in all_vals], dtype=np.uint32)  # [32, 6]
+        halves = np.stack([words & 0xFFFF, words >> 16], axis=-1)  # [32, 6, 2]: (lo, hi) of each register
+        if tag == _MMA_BF16:
+            vals = (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        else:
+            vals = halves.astype(np.uint16).view(np.float16).astype(np.float64)
+        C = np.array([[float(x) for x in ops[6:10]] for ops in all_vals], dtype=np.float64)  # [32, 4]
+        A, Bm, Cm = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+        g, t = _LANE_G, _LANE_T
+        for r, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            A[g + dr, 2 * t + dc], A[g + dr, 2 * t + dc + 1] = vals[:, r, 0], vals[:, r, 1]
+        for r, dk in enumerate((0, 8)):
+            Bm[2 * t + dk, g], Bm[2 * t + dk + 1, g] = vals[:, 4 + r, 0], vals[:, 4 + r, 1]
+        Cm[g, 2 * t], Cm[g, 2 * t + 1], Cm[g + 8, 2 * t], Cm[g + 8, 2 * t + 1] = C[:, 0], C[:, 1], C[:, 2], C[:, 3]
         return A @ Bm + Cm
 
     return _warp_collective(tuple(vals), tag, compute)
@@ -1242,13 +1272,76 @@ def _extractvalue(ty, container, position, **kw):
     return container[position[0]]
 
 
-def _ptx_b32(operands, asm_string, constraints):
-    """The MoE kernels' integer / f16x2 PTX (kernels/cute/moe_experts.py): every register a 32-bit (or, for .b16,
-    16-bit) pattern; "r" operands enter as their bits, "f" ones as fp32 bits. Ops: mov, and, or, shl, shr.u32, brev.b32,
-    add.u32, mad.lo.u32, fma.rn.f16x2 (each half an fp16 fused multiply-add, rounded once, nearest even),
-    mov.b32 {lo, hi} (split), cvt.f32.f16, add.f32, fma.rn.f32, cvt.rn.f16x2.f32 (d.hi from the first source)."""
+_B32_PROGRAMS: dict = {}  # (asm, constraints) -> the parsed statements: each PTX block is parsed once
+
+
+def _b32_program(asm_string, constraints):
+    """The statements of an integer / f16x2 PTX block, parsed once: (op, destinations, sources), each source a
+    register name (str) or an immediate (int)."""
     import re
 
+    key = (asm_string, constraints)
+    prog = _B32_PROGRAMS.get(key)
+    if prog is not None:
+        return prog
+
+    def src(a):
+        a = a.strip()
+        if a.startswith("$") or not re.fullmatch(r"-?(0x[0-9A-Fa-f]+|\d+)", a):
+            return a
+        return int(a, 0) & 0xFFFFFFFF
+
+    prog = []
+    for stmt in asm_string.split(";"):
+        s = " ".join(stmt.split()).strip("{} ")
+        if not s or s.startswith(".reg "):
+            continue
+        m = re.fullmatch(r"mov\.b32 \{ ?(\w+), (\w+) ?\}, ([\w$]+)", s)
+        if m:
+            prog.append(("split", (m[1], m[2]), (src(m[3]),), s))
+            continue
+        op, rest = s.split(" ", 1)
+        a = [x.strip() for x in rest.split(",")]
+        if op not in _B32_EXEC:
+            raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
+        prog.append((op, (a[0],), tuple(src(x) for x in a[1:]), s))
+    _B32_PROGRAMS[key] = prog
+    return prog
+
+
+def _fma16(a, b, c):
+    return _bits_of_f16(_f16_of_bits(a) * _f16_of_bits(b) + _f16_of_bits(c))
+
+
+_B32_EXEC = {
+    "mov.b32": lambda x: x,
+    "and.b32": lambda x, y: x & y,
+    "or.b32": lambda x, y: x | y,
+    "shl.b32": lambda x, y: (x << y) & 0xFFFFFFFF,
+    "shr.u32": lambda x, y: x >> y,
+    "brev.b32": lambda x: int(f"{x:032b}"[::-1], 2),
+    "add.u32": lambda x, y: (x + y) & 0xFFFFFFFF,
+    "mad.lo.u32": lambda x, y, z: (x * y + z) & 0xFFFFFFFF,
+    "fma.rn.f16x2": lambda x, y, z: (_fma16(x & 0xFFFF, y & 0xFFFF, z & 0xFFFF)
+                                     | (_fma16(x >> 16, y >> 16, z >> 16) << 16)),
+    # a .b16 pair of codes: the upper byte to the upper half (exact)
+    "cvt.rn.f16x2.e4m3x2": lambda v: (_bits_of_f16(_e4m3_value(v & 0xFF))
+                                      | (_bits_of_f16(_e4m3_value((v >> 8) & 0xFF)) << 16)),
+    "cvt.f32.f16": lambda x: _bits_of_f32(_f16_of_bits(x)),
+    "add.f32": lambda x, y: _bits_of_f32(_f32(_f32_of_bits(x) + _f32_of_bits(y))),
+    "fma.rn.f32": lambda x, y, z: _bits_of_f32(_fma32(_f32_of_bits(x), _f32_of_bits(y), _f32_of_bits(z))),
+    "cvt.rn.f16x2.f32": lambda x, y: (_bits_of_f16(_f32_of_bits(x)) << 16) | _bits_of_f16(_f32_of_bits(y)),
+    "cvt.rn.bf16x2.f32": lambda x, y: (_bits_of_bf16(_f32_of_bits(x)) << 16) | _bits_of_bf16(_f32_of_bits(y)),
+    "prmt.b32": lambda x, y, z: _prmt(x, y, z),
+}
+
+
+def _ptx_b32(operands, asm_string, constraints):
+    """The MoE kernels' integer / f16x2 PTX (kernels/cute/moe_experts.py): every register a 32-bit (or, for .b16,
+    16-bit) pattern; "r" operands enter as their bits, "f" ones as fp32 bits. Ops (_B32_EXEC): mov, and, or, shl,
+    shr.u32, brev.b32, add.u32, mad.lo.u32, fma.rn.f16x2 (each half an fp16 fused multiply-add, rounded once, nearest
+    even), mov.b32 {lo, hi} (split), cvt.f32.f16, add.f32, fma.rn.f32, cvt.rn.f16x2.f32 (d.hi from the first source).
+    The block is parsed once (_b32_program); a register read before it is written raises when it runs."""
     cons = constraints.split(",")
     n_out = sum(1 for c in cons if c.startswith("="))
     regs: dict = {}
@@ -1257,63 +1350,17 @@ def _ptx_b32(operands, asm_string, constraints):
             raise EmulationError(f"inline PTX operand ${i + n_out} is an unset register")
         regs[f"${i + n_out}"] = _bits_of_f32(float(v)) if c == "f" else int(v) & 0xFFFFFFFF
 
-    def get(a):
-        a = a.strip()
-        if a in regs:
-            return regs[a]
-        if a.startswith("$") or not re.fullmatch(r"-?(0x[0-9A-Fa-f]+|\d+)", a):
-            raise EmulationError(f"inline PTX reads {a!r} before writing it")
-        return int(a, 0) & 0xFFFFFFFF
-
-    def fma16(a, b, c):
-        return _bits_of_f16(_f16_of_bits(a) * _f16_of_bits(b) + _f16_of_bits(c))
-
-    for stmt in asm_string.split(";"):
-        s = " ".join(stmt.split()).strip("{} ")
-        if not s or s.startswith(".reg "):
-            continue
-        m = re.fullmatch(r"mov\.b32 \{ ?(\w+), (\w+) ?\}, ([\w$]+)", s)
-        if m:
-            v = get(m[3])
-            regs[m[1]], regs[m[2]] = v & 0xFFFF, v >> 16
-            continue
-        op, rest = s.split(" ", 1)
-        a = [x.strip() for x in rest.split(",")]
-        d = a[0]
-        if op == "mov.b32":
-            regs[d] = get(a[1])
-        elif op in ("and.b32", "or.b32"):
-            regs[d] = (get(a[1]) & get(a[2])) if op == "and.b32" else (get(a[1]) | get(a[2]))
-        elif op == "shl.b32":
-            regs[d] = (get(a[1]) << get(a[2])) & 0xFFFFFFFF
-        elif op == "shr.u32":
-            regs[d] = get(a[1]) >> get(a[2])
-        elif op == "brev.b32":
-            regs[d] = int(f"{get(a[1]):032b}"[::-1], 2)
-        elif op == "add.u32":
-            regs[d] = (get(a[1]) + get(a[2])) & 0xFFFFFFFF
-        elif op == "mad.lo.u32":
-            regs[d] = (get(a[1]) * get(a[2]) + get(a[3])) & 0xFFFFFFFF
-        elif op == "fma.rn.f16x2":
-            x, y, z = get(a[1]), get(a[2]), get(a[3])
-            regs[d] = fma16(x & 0xFFFF, y & 0xFFFF, z & 0xFFFF) | (fma16(x >> 16, y >> 16, z >> 16) << 16)
-        elif op == "cvt.rn.f16x2.e4m3x2":  # a .b16 pair of codes: the upper byte to the upper half (exact)
-            v = get(a[1])
-            regs[d] = _bits_of_f16(_e4m3_value(v & 0xFF)) | (_bits_of_f16(_e4m3_value((v >> 8) & 0xFF)) << 16)
-        elif op == "cvt.f32.f16":
-            regs[d] = _bits_of_f32(_f16_of_bits(get(a[1])))
-        elif op == "add.f32":
-            regs[d] = _bits_of_f32(_f32(_f32_of_bits(get(a[1])) + _f32_of_bits(get(a[2]))))
-        elif op == "fma.rn.f32":
-            regs[d] = _bits_of_f32(_fma32(_f32_of_bits(get(a[1])), _f32_of_bits(get(a[2])), _f32_of_bits(get(a[3]))))
-        elif op == "cvt.rn.f16x2.f32":
-            regs[d] = (_bits_of_f16(_f32_of_bits(get(a[1]))) << 16) | _bits_of_f16(_f32_of_bits(get(a[2])))
-        elif op == "cvt.rn.bf16x2.f32":
-            regs[d] = (_bits_of_bf16(_f32_of_bits(get(a[1]))) << 16) | _bits_of_bf16(_f32_of_bits(get(a[2])))
-        elif op == "prmt.b32":
-            regs[d] = _prmt(get(a[1]), get(a[2]), get(a[3]))
+    for op, dst, srcs, _text in _b32_program(asm_string, constraints):
+        try:
+            vals = [x if type(x) is int else regs[x] for x in srcs]
+        except KeyError as e:
+            raise EmulationError(f"inline PTX reads {e.args[0]!r} before writing it") from None
+        if op == "split":
+            v = vals[0]
+            regs[dst[0]], regs[dst[1]] = v & 0xFFFF, v >> 16
         else:
-            raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
+            regs[dst[0]] = _B32_EXEC[op](*vals)
+
     def result(i):
         out = regs[f"${i}"]
         if cons[i] == "=f":
@@ -1323,6 +1370,7 @@ def _ptx_b32(operands, asm_string, constraints):
     return result(0) if n_out == 1 else tuple(result(i) for i in range(n_out))
 
 
+_ASM_KIND: dict = {}  # asm string -> which model runs it (_inline_asm)
 _PREFETCH_L2 = "cp.async.bulk.prefetch.L2.global [$0], $1;"
 PREFETCHED: list = []  # (address, bytes) of every emulated L2 bulk prefetch; tests clear it and read it
 
@@ -1345,16 +1393,22 @@ def _inline_asm(res, operands, asm_string, constraints, **kw):
     Anything else raises."""
     import re
 
-    if asm_string.startswith(_PREFETCH_L2):
-        return _prefetch_l2(operands)
-    if asm_string.startswith(_MMA_BF16):
-        return _mma_m16n8k16(operands)
-    if asm_string.startswith(_MMA_F16):
-        return _mma_m16n8k16(operands, _MMA_F16)
-    if asm_string.startswith(_LDSM_T):
-        return _ldmatrix_x4_trans(operands)
-    if any(op in asm_string for op in _B32_OPS):
+    kind = _ASM_KIND.get(asm_string)
+    if kind is None:
+        kind = _ASM_KIND[asm_string] = (
+            "prefetch" if asm_string.startswith(_PREFETCH_L2) else "mma_bf16" if asm_string.startswith(_MMA_BF16)
+            else "mma_f16" if asm_string.startswith(_MMA_F16) else "ldsm_t" if asm_string.startswith(_LDSM_T)
+            else "b32" if any(op in asm_string for op in _B32_OPS) else "f32")
+    if kind == "b32":
         return _ptx_b32(operands, asm_string, constraints)
+    if kind == "mma_bf16":
+        return _mma_m16n8k16(operands)
+    if kind == "mma_f16":
+        return _mma_m16n8k16(operands, _MMA_F16)
+    if kind == "ldsm_t":
+        return _ldmatrix_x4_trans(operands)
+    if kind == "prefetch":
+        return _prefetch_l2(operands)
 
     vals = [_f32(v) for v in operands]
     regs: dict = {}

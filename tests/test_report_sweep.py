@@ -20,15 +20,24 @@ PLAN = ROOT / "plans" / "cpu_smoke.yaml"
 
 
 def plan_run(tmp_path_factory) -> dict:
-    """The CPU plan, run once per session (the result is kept in the session's temporary folder, so every test
-    module that asks gets the same run): {"dir": the sweep folder, "proc": returncode, stdout, stderr}."""
-    out = tmp_path_factory.getbasetemp() / "cpu_smoke_plan"
+    """The CPU plan, run once per test session (kept in the session's temporary folder, shared by the xdist workers
+    under a file lock, so every test that asks gets the same run): {"dir": the sweep folder, "proc": returncode,
+    stdout, stderr}."""
+    import fcntl
+    import os
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own folder below the session's
+        base = base.parent
+    out = base / "cpu_smoke_plan"
     done = out / "proc.json"
-    if not done.exists():
-        out.mkdir(exist_ok=True)
-        p = subprocess.run([sys.executable, "-m", "k3lab.cli", "sweep", str(PLAN), "--out", str(out)],
-                           capture_output=True, text=True, timeout=600, cwd=ROOT)
-        done.write_text(json.dumps({"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}))
+    with open(base / "cpu_smoke_plan.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker runs the plan, the others wait for its result
+        if not done.exists():
+            out.mkdir(exist_ok=True)
+            p = subprocess.run([sys.executable, "-m", "k3lab.cli", "sweep", str(PLAN), "--out", str(out)],
+                               capture_output=True, text=True, timeout=600, cwd=ROOT)
+            done.write_text(json.dumps({"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}))
     return {"dir": out, "proc": SimpleNamespace(**json.loads(done.read_text()))}
 
 
