@@ -88,7 +88,8 @@ from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_on
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_PARTITIONS = 512
-ONE_PER_SM_FROM = 8  # `default_partitions`: one program an SM from this batch (docs/NOTES_mla.md, 47th session)
+# `default_partitions`: one program an SM from this batch; None = off (the H200: all the slots win, NOTES_mla 56th)
+ONE_PER_SM_FROM = None
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 PRELOAD_ALLOWED = (0, 16, 32, 64, 128)  # page indices preloaded a step (0: one load a block, in the loop)
 DCP_LAYOUTS = ("interleave", "contiguous")
@@ -706,8 +707,9 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
     (docs/NOTES_mla.md). From batch ONE_PER_SM_FROM (one row group, T = 1 at 12 / 16 heads) one program an SM
     while that leaves >= 4 pieces (batch 8 / 16 / 32: 16 / 8 / 4 pieces; H100, 8K, us: 36.70 / 63.02 / 116.15
-    against 39.85 / 66.10 / 118.40 with all the slots; 32K within 1.3 %; batch 64 keeps 4). Host values only
-    (n_max = the longest visible history, max(lengths) + T): no device sync."""
+    against 39.85 / 66.10 / 118.40 with all the slots; 32K within 1.3 %; batch 64 keeps 4); off since the H200
+    lost 8-18 % with it at batch 8..32 (profiles/h200/mla_parts56.json.gz). Host values only (n_max = the longest
+    visible history, max(lengths) + T): no device sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m, B, n_max)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
@@ -716,7 +718,7 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     n_loc = -(-max(1, n_max) // dcp)  # positions one shard holds
     blocks = -(-n_loc // bn)
     slots = max(1, 2 * sms // (B * dcp * G))
-    if B >= ONE_PER_SM_FROM and G == 1 and slots // 2 >= 4:  # one program an SM (forty-seventh session)
+    if ONE_PER_SM_FROM is not None and B >= ONE_PER_SM_FROM and G == 1 and slots // 2 >= 4:  # one program an SM
         pieces = max(1, min(blocks, slots // 2))
     else:
         pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
