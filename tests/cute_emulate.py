@@ -109,6 +109,7 @@ class _Abort(BaseException):
 _PF = struct.Struct("<f")
 _PI = struct.Struct("<I")
 _PE = struct.Struct("<e")
+_PH = struct.Struct("<H")
 
 
 def _bf16(x) -> float:
@@ -1062,7 +1063,7 @@ def _f32(x) -> float:
     """x rounded to fp32 (nearest even, overflow to inf). struct's rounding is the C cast's; it refuses only a result
     that overflows, which numpy makes inf."""
     try:
-        return _F32.unpack(_F32.pack(x))[0]
+        return _PF.unpack(_PF.pack(x))[0]
     except OverflowError:
         with np.errstate(over="ignore"):
             return float(np.float32(x))
@@ -1117,31 +1118,30 @@ def _e4m3(x: float) -> int:
     return int(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item())
 
 
-# The scalar conversions through struct (IEEE formats, round to nearest even; several times faster than a numpy
-# array a value); a result that overflows the format goes through numpy, which makes it inf.
-_F32, _U32, _F16, _U16 = struct.Struct("<f"), struct.Struct("<I"), struct.Struct("<e"), struct.Struct("<H")
+# The scalar conversions through struct (_PF, _PI, _PE, _PH above: IEEE formats, round to nearest even; several times
+# faster than a numpy array a value); a result that overflows the format goes through numpy, which makes it inf.
 
 
 def _bits_of_f32(x: float) -> int:
     try:
-        return _U32.unpack(_F32.pack(x))[0]
+        return _PI.unpack(_PF.pack(x))[0]
     except OverflowError:
         with np.errstate(over="ignore"):
             return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
 
 
 def _f32_of_bits(b: int) -> float:
-    return _F32.unpack(_U32.pack(b & 0xFFFFFFFF))[0]
+    return _PF.unpack(_PI.pack(b & 0xFFFFFFFF))[0]
 
 
 def _f16_of_bits(h: int) -> float:
-    return _F16.unpack(_U16.pack(h & 0xFFFF))[0]
+    return _PE.unpack(_PH.pack(h & 0xFFFF))[0]
 
 
 def _bits_of_f16(x: float) -> int:
     """Round to fp16, nearest even (from float64, once), and return the bits."""
     try:
-        return _U16.unpack(_F16.pack(x))[0]
+        return _PH.unpack(_PE.pack(x))[0]
     except OverflowError:
         with np.errstate(over="ignore"):
             return int(np.array([x], dtype=np.float64).astype(np.float16).view(np.uint16)[0])
@@ -1298,13 +1298,13 @@ def _b32_program(asm_string, constraints):
             continue
         m = re.fullmatch(r"mov\.b32 \{ ?(\w+), (\w+) ?\}, ([\w$]+)", s)
         if m:
-            prog.append(("split", (m[1], m[2]), (src(m[3]),), s))
+            prog.append(("split", (m[1], m[2]), (src(m[3]),)))
             continue
         op, rest = s.split(" ", 1)
         a = [x.strip() for x in rest.split(",")]
         if op not in _B32_EXEC:
             raise EmulationError(f"inline PTX the emulator does not model: {s!r}")
-        prog.append((op, (a[0],), tuple(src(x) for x in a[1:]), s))
+        prog.append((op, (a[0],), tuple(src(x) for x in a[1:])))
     _B32_PROGRAMS[key] = prog
     return prog
 
@@ -1350,7 +1350,7 @@ def _ptx_b32(operands, asm_string, constraints):
             raise EmulationError(f"inline PTX operand ${i + n_out} is an unset register")
         regs[f"${i + n_out}"] = _bits_of_f32(float(v)) if c == "f" else int(v) & 0xFFFFFFFF
 
-    for op, dst, srcs, _text in _b32_program(asm_string, constraints):
+    for op, dst, srcs in _b32_program(asm_string, constraints):
         try:
             vals = [x if type(x) is int else regs[x] for x in srcs]
         except KeyError as e:
