@@ -88,8 +88,6 @@ from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_on
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_PARTITIONS = 512
-# `default_partitions`: one program an SM from this batch; None = off (the H200: all the slots win, NOTES_mla 56th)
-ONE_PER_SM_FROM = None
 BLOCK_N_ALLOWED = (16, 32, 64, 128)
 PRELOAD_ALLOWED = (0, 16, 32, 64, 128)  # page indices preloaded a step (0: one load a block, in the loop)
 DCP_LAYOUTS = ("interleave", "contiguous")
@@ -705,11 +703,9 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     latency-bound: more, shorter pieces win until the merge's cost (K partials of 24.6 KB at 12 heads) takes
     over. The rule: one block a piece up to one program an SM (slots / 2 pieces); all the slots only when each
     piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
-    (docs/NOTES_mla.md). From batch ONE_PER_SM_FROM (one row group, T = 1 at 12 / 16 heads) one program an SM
-    while that leaves >= 4 pieces (batch 8 / 16 / 32: 16 / 8 / 4 pieces; H100, 8K, us: 36.70 / 63.02 / 116.15
-    against 39.85 / 66.10 / 118.40 with all the slots; 32K within 1.3 %; batch 64 keeps 4); off since the H200
-    lost 8-18 % with it at batch 8..32 (profiles/h200/mla_parts56.json.gz). Host values only (n_max = the longest
-    visible history, max(lengths) + T): no device sync."""
+    (docs/NOTES_mla.md). One program an SM from batch 8 (forty-seventh session, 3-8 % ahead on an H100 at 8K) lost
+    8-18 % on the H200 at batch 8..32 (profiles/h200/mla_parts56.json.gz): removed, code in git history at `3ff48cd`.
+    Host values only (n_max = the longest visible history, max(lengths) + T): no device sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m, B, n_max)
     bn = block_n or default_block_n(BM, B)
     if sms is None:
@@ -718,10 +714,7 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     n_loc = -(-max(1, n_max) // dcp)  # positions one shard holds
     blocks = -(-n_loc // bn)
     slots = max(1, 2 * sms // (B * dcp * G))
-    if ONE_PER_SM_FROM is not None and B >= ONE_PER_SM_FROM and G == 1 and slots // 2 >= 4:  # one program an SM
-        pieces = max(1, min(blocks, slots // 2))
-    else:
-        pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
+    pieces = slots if blocks >= 4 * slots else max(1, min(blocks, slots // 2))
     return int(min(pieces, MAX_PARTITIONS))
 
 
