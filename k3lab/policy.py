@@ -6,7 +6,8 @@ by `k3lab bench` and written by `k3lab defaults COMPONENT BUNDLE...`:
     {"decode": [{"max_batch": 1, "backend": "cute", "tile_v": 16}, ..., {"max_batch": null, ...}],
      "fallback": {"decode": [... rules for when the first choice cannot run here ...]}}
 
-The first rule with batch <= max_batch and T <= max_T matches (null or absent: any); a rule with `fmt` (a list)
+The first rule with batch <= max_batch, T <= max_T and batch x T <= max_rows matches (null or absent: any; max_rows
+bounds the query rows (b, t) a call carries, which is what the MLA combine's kernels see); a rule with `fmt` (a list)
 matches only calls whose shape names one of those weight formats (the formats it was measured on: the MoE experts'
 CuTe rules are MXFP4's), a rule with `min_n` / `max_n` only calls of at least / at most that many output rows
 (shape["n"]) and one with `min_k` / `max_k` only calls of that reduction length (shape["k"]: a projection's input
@@ -14,7 +15,8 @@ width, the MLA combine's partials): the trunk's rules at batch 1 and 2, which na
 on, and the MLA combine's by the partials it merges. A rule that filters on a fact does not match a query
 that does not state it: a question without the call's shape (the decode step's choice of one backend for a whole
 component group) gets the rules that hold whatever the shape, never one measured on some shapes only. Every key of a
-rule besides max_batch, max_T, fmt, min_n, max_n, min_k, max_k and backend is an option of the op (tile_v, ...).
+rule besides max_batch, max_T, max_rows, fmt, min_n, max_n, min_k, max_k and backend is an option of the op (tile_v,
+...).
 `choose` takes the first matching rule when its backend can run the call here, else the first matching fallback rule
 whose backend can; without a GPU it is the reference.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-RULE_KEYS = ("max_batch", "max_T", "fmt", "min_n", "max_n", "min_k", "max_k", "backend")
+RULE_KEYS = ("max_batch", "max_T", "max_rows", "fmt", "min_n", "max_n", "min_k", "max_k", "backend")
 _tables: dict[str, dict] = {}
 
 
@@ -43,7 +45,7 @@ def table(component: str) -> dict:
 
 
 def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
-    """Batch and T within the rule's bounds, the call's weight format (shape["fmt"]) one of the rule's `fmt` when
+    """Batch, T and batch x T within the rule's bounds, the call's weight format (shape["fmt"]) one of the rule's `fmt` when
     it names any, its output rows (shape["n"]) within the rule's `min_n` / `max_n` and its reduction length (shape["k"])
     within `min_k` / `max_k`. A fact the rule filters on and the shape does not state fails the rule (the module
     doc)."""
@@ -56,6 +58,7 @@ def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
         return v is not None and (rule.get(lo) is None or v >= rule[lo]) and (rule.get(hi) is None or v <= rule[hi])
     return ((rule.get("max_batch") is None or B <= rule["max_batch"])
             and (rule.get("max_T") is None or T <= rule["max_T"])
+            and (rule.get("max_rows") is None or B * T <= rule["max_rows"])
             and (rule.get("fmt") is None or (fmt is not None and fmt in rule["fmt"]))
             and within(n, "min_n", "max_n") and within(k, "min_k", "max_k"))
 

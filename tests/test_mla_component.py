@@ -267,29 +267,36 @@ def test_layer_path_rule_of_the_cute_decode():
 
 
 def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monkeypatch):
-    """The combine rule (profiles/h100-80gb-hbm3/mla_combine_parts.json.gz, mla_combine_premerge55.json.gz), for one
-    new position: triton at batch 1; to batch 8 triton with premerge over >= 16 partials, cute over 4..15; above it
-    triton with premerge over >= 64, cute over 8..63, triton below; cute only where the CuTe kernel takes the call
-    (K3's C / Dv, fp32 partials, bf16 weights and gate, no Triton option), else triton; T > 1 triton; without CuTe
-    DSL the fallback's triton. The bench's auto rows look the rule up with the case's partials
-    (k3lab.ops.mla.combine_facts)."""
+    """The combine rule by query rows (B x T), T and partials k (data/mla_defaults.json: profiles/h200/
+    mla_combine_b2t.json.gz up to 16 rows, the H100's mla_combine_parts / mla_combine_premerge55 at T = 1 from batch
+    5): plain triton up to 2 rows; at 3..4 rows cute over 8..15 partials, else triton with premerge; batch 5..8 at
+    T = 1 premerge over >= 16, cute over 4..15; above batch 8 at T = 1 premerge over >= 64, cute over 8..63, plain
+    triton below; at T > 1 cute over 4..16 up to 8 rows and over 4..33 at 9..16 rows, else premerge (K = 1, merged
+    before: plain triton); cute only where the CuTe kernel takes the call (K3's C / Dv, fp32 partials, bf16 weights
+    and gate, no Triton option), else the fallback; without CuTe DSL the fallback's triton. The bench's auto rows look
+    the rule up with the case's partials (k3lab.ops.mla.combine_facts)."""
     from k3lab import policy, registry
     from k3lab.components import dispatch
 
     monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "cute", "reference"))
     facts = dict(C=C, Dv=128, parts_dtype="float32", w_dtype="bfloat16", gate_dtype="bfloat16")
-    for B, T, extra, want in [(1, 1, {"k": 33}, "triton"), (8, 1, {"k": 64}, "triton"), (16, 1, {"k": 4}, "triton"),
-                              (8, 1, {"k": 4}, "cute"), (2, 1, {"k": 15}, "cute"), (8, 1, {"k": 2}, "triton"),
-                              (8, 2, {"k": 8}, "triton"), (16, 1, {"k": 64}, "triton"),
-                              (16, 1, {"k": 8}, "cute"), (64, 1, {"k": 33}, "cute"), (64, 2, {"k": 33}, "triton"),
+    pm = "premerge"
+    for B, T, extra, want in [(1, 1, {"k": 33}, "triton"), (2, 1, {"k": 64}, "triton"), (1, 2, {"k": 16}, "triton"),
+                              (4, 1, {"k": 4}, pm), (4, 1, {"k": 8}, "cute"), (2, 2, {"k": 16}, pm),
+                              (1, 4, {"k": 1}, "triton"), (8, 1, {"k": 64}, pm), (16, 1, {"k": 4}, "triton"),
+                              (8, 1, {"k": 4}, "cute"), (6, 1, {"k": 15}, "cute"), (8, 1, {"k": 2}, "triton"),
+                              (4, 2, {"k": 8}, "cute"), (2, 4, {"k": 33}, pm), (4, 4, {"k": 33}, "cute"),
+                              (4, 4, {"k": 64}, pm), (8, 2, {"k": 16}, "cute"), (8, 2, {"k": 64}, pm),
+                              (64, 2, {"k": 33}, pm), (64, 2, {"k": 1}, "triton"), (16, 1, {"k": 64}, pm),
+                              (16, 1, {"k": 8}, "cute"), (64, 1, {"k": 33}, "cute"),
                               (64, 1, {"k": 33, "C": 256}, "triton"), (64, 1, {"k": 33, "gate_dtype": "float32"},
                                                                        "triton"),
+                              (4, 2, {"k": 8, "block_v": 64}, pm),
                               (64, 1, {"k": 33, "block_v": 64}, "triton"), (64, 1, {"k": 33, "block_r": 16}, "triton"),
                               (64, 1, {"k": 33, "premerge": True}, "triton")]:
         be, opts, why = dispatch.select("mla_combine", "auto", B=B, T=T, shape=dict(facts, **extra))
-        assert be == want, (B, T, extra, why)
-        premerge_rule = T == 1 and ((1 < B <= 8 and extra["k"] >= 16) or extra["k"] >= 64) and be == "triton"
-        assert opts.get("premerge") is (True if premerge_rule else None), (B, T, extra, opts)
+        assert (pm if opts.get("premerge") else be) == want, (B, T, extra, why)
+        assert opts.get("premerge") in (None, True) and (opts.get("premerge") is None or be == "triton")
     monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "reference"))  # no CuTe DSL here
     assert dispatch.select("mla_combine", "auto", B=64, T=1, shape=dict(facts, k=33))[0] == "triton"
     op = registry.get("mla_combine")
@@ -308,13 +315,13 @@ def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monke
 
 
 def test_auto_combine_passes_the_rules_premerge(monkeypatch):
-    """Where auto's combine rule names premerge (batch 2..8 over >= 16 partials), the Triton call runs with it,
+    """Where auto's combine rule names premerge (batch 4 at T = 1 over >= 16 partials), the Triton call runs with it,
     records it and matches the reference; an explicit premerge=False wins over the rule."""
     from k3lab.components import dispatch
 
     monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "reference"))
     g = torch.Generator().manual_seed(3)
-    B, K, H, Cs, Dv = 2, 16, 2, 32, 16
+    B, K, H, Cs, Dv = 4, 16, 2, 32, 16
     o, lse = torch.randn(B, K, 1, H, Cs, generator=g), torch.randn(B, K, 1, H, generator=g)
     w_uv = (torch.randn(H, Cs, Dv, generator=g) * 0.2).bfloat16()
     gate = torch.randn(B, 1, H * Dv, generator=g).bfloat16()
@@ -324,3 +331,15 @@ def test_auto_combine_passes_the_rules_premerge(monkeypatch):
         y = mla.combine(o, lse, w_uv, gate, backend="auto", premerge=given, ran=ran)
         assert ran[-1].backend == "triton" and ran[-1].options["premerge"] is want
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_policy_max_rows_bounds_batch_times_T():
+    """A rule's max_rows bounds B x T (the query rows a call carries); absent or null: any."""
+    from k3lab import policy
+
+    assert "max_rows" in policy.RULE_KEYS
+    r = {"max_rows": 8, "backend": "cute"}
+    assert policy.matches(r, 8, 1) and policy.matches(r, 2, 4) and policy.matches(r, 1, 8)
+    assert not policy.matches(r, 4, 4) and not policy.matches(r, 9, 1)
+    assert policy.matches({"max_rows": None, "backend": "triton"}, 64, 8)
+    assert policy.options_of({"max_rows": 4, "backend": "triton", "premerge": True}) == {"premerge": True}
