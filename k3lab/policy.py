@@ -47,8 +47,8 @@ def table(component: str) -> dict:
 def matches(rule: dict, B: int, T: int = 1, shape: dict | None = None) -> bool:
     """Batch, T and batch x T within the rule's bounds, the call's weight format (shape["fmt"]) one of the rule's
     `fmt` when it names any, its output rows (shape["n"]) within the rule's `min_n` / `max_n` and its reduction length
-    (shape["k"]) within `min_k` / `max_k`. A fact the rule filters on and the shape does not state fails the rule (the module
-    doc)."""
+    (shape["k"]) within `min_k` / `max_k`. A fact the rule filters on and the shape does not state fails the rule
+    (the module doc)."""
     shape = shape or {}
     fmt, n, k = shape.get("fmt"), shape.get("n"), shape.get("k")
 
