@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fifty-seventh session's first call (nothing carried):
+# The fifty-seventh session's first call (.gpu/cute carried, unpacked into /root/k3site for the calls after it):
 #   1. issue 14's bf16 grouped experts at batch 16 / 32 / 64 on this GPU, the tiles swept (num_stages 3 / 4 / 5,
 #      block_k 64 / 128, num_warps 4 / 8; the rule's 4 stages, BK 128, 4 warps were measured on an H100 only, where
 #      they reach 99 % of read, 93.6-94.6 % on the H200: moe_bf16_sets) (bundle moe_bf16_tiles57);
@@ -8,6 +8,7 @@
 # Device: bash experiments/queue57/a.sh    (everything under $OUT/q)
 set -uo pipefail
 . experiments/device_setup.sh q
+eval "$(bash .gpu/cute/unpack.sh)"
 timeout 330 python3 -m k3lab.cli bench moe --ops moe_experts --backends triton --no-variants --no-peers --reps 15 \
   --grid tp=8 --grid latent=3584 --grid inter=3072 --grid n_experts=896 --grid top_k=16 --grid dtype=bf16 \
   --grid routing=uniform --grid batch=64,16,32 --grid num_stages=4,3,5 --grid block_k=128,64 --grid num_warps=4,8 \
