@@ -28,6 +28,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).rglob("*57.json.gz")):
     for r in json.load(gzip.open(f))["rows"]:
         o = r["extra"].get("options", {})
         o = ",".join(f"{k}={v}" for k, v in o.items() if v is not None)
-        print(f" {r['extra'].get('batch')} {r['extra'].get('context', '')} {o} {r['median_us']:.2f} "
+        print(f" {r['extra'].get('batch')} {r['extra'].get('context', '')} {r['extra'].get('partitions', '')} {o} "
+              f"{r['median_us']:.2f} "
               f"{r['pct_of_bw'] or 0:.1f}% {'ok' if r['error']['ok'] else 'FAIL'}")
 PY
