@@ -113,6 +113,8 @@ CI_BUDGET_SLOW = (
     "test_proj_mma_emulated.py::test_rounds_remainders_and_clusters[16-40-23-1-16--True]",  # 5 s; [..--False] stays
     "test_proj_mma_emulated.py::test_rounds_remainders_and_clusters[16-40-23-1-32-x_smemFalse-True]",  # 5 s; -False
     "test_kda_triton.py::test_commit_checkpoint_checker[8-8-8]",  # 4 s; [8-8-3], [8-8-4], [16-8-8] stay
+    # fifty-seventh session (609 s here):
+    "test_kda_triton.py::test_verify_then_commit_every_accept[2]",  # 16 s; the commit checker cases above stay
 )
 
 

@@ -134,12 +134,12 @@ def test_pdl_reads_nothing_before_the_wait():
 
 
 def test_grid_and_cluster():
-    d = DEC.make_inputs(DEC.case(heads=12, batch=2, context=30, T=1, page_size=16, kv_dtype="bf16",
+    d = DEC.make_inputs(DEC.case(heads=12, batch=1, context=30, T=1, page_size=16, kv_dtype="bf16",
                                  fp8_scale="tensor", ragged=False, partitions="auto", pad_heads=0, dcp=1,
                                  dcp_layout="interleave"), 0, "cpu")
     run(d, cluster=2, partitions=3, stages=2)
     launch = emulate.LAST["launches"][-1]
-    assert launch["grid"] == (2, 3, 2) and launch["block"] == 256 and launch["cluster"] == (2, 1, 1)
+    assert launch["grid"] == (2, 3, 1) and launch["block"] == 256 and launch["cluster"] == (2, 1, 1)
 
 
 @pytest.mark.parametrize("bad,match", [
