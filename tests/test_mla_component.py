@@ -268,13 +268,13 @@ def test_layer_path_rule_of_the_cute_decode():
 
 def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monkeypatch):
     """The combine rule by query rows (B x T), T and partials k (data/mla_defaults.json: profiles/h200/
-    mla_combine_b2t.json.gz up to 16 rows, the H100's mla_combine_parts / mla_combine_premerge55 at T = 1 from batch
-    5): plain triton up to 2 rows; at 3..4 rows cute over 8..15 partials, else triton with premerge; batch 5..8 at
-    T = 1 premerge over >= 16, cute over 4..15; above batch 8 at T = 1 premerge over >= 64, cute over 8..63, plain
-    triton below; at T > 1 cute over 4..16 up to 8 rows and over 4..33 at 9..16 rows, else premerge (K = 1, merged
-    before: plain triton); cute only where the CuTe kernel takes the call (K3's C / Dv, fp32 partials, bf16 weights
-    and gate, no Triton option), else the fallback; without CuTe DSL the fallback's triton. The bench's auto rows look
-    the rule up with the case's partials (k3lab.ops.mla.combine_facts)."""
+    mla_combine_b2t.json.gz and profiles/h100-80gb-hbm3/mla_combine_rowk57 / _t2big57 by rows, the H100's
+    mla_combine_parts / mla_combine_premerge55 at T = 1 above batch 8): plain triton up to 8 rows (its one-row kernel
+    over partials); above batch 8 at T = 1 premerge over >= 64, cute over 8..63, plain triton below; at T > 1 cute
+    over 4..33 at 9..16 rows, else premerge (K = 1, merged before: plain triton); cute only where the CuTe kernel
+    takes the call (K3's C / Dv, fp32 partials, bf16 weights and gate, no Triton option), else the fallback; without
+    CuTe DSL the fallback's triton. The bench's auto rows look the rule up with the case's partials
+    (k3lab.ops.mla.combine_facts)."""
     from k3lab import policy, registry
     from k3lab.components import dispatch
 
@@ -282,16 +282,15 @@ def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monke
     facts = dict(C=C, Dv=128, parts_dtype="float32", w_dtype="bfloat16", gate_dtype="bfloat16")
     pm = "premerge"
     for B, T, extra, want in [(1, 1, {"k": 33}, "triton"), (2, 1, {"k": 64}, "triton"), (1, 2, {"k": 16}, "triton"),
-                              (4, 1, {"k": 4}, pm), (4, 1, {"k": 8}, "cute"), (2, 2, {"k": 16}, pm),
-                              (1, 4, {"k": 1}, "triton"), (8, 1, {"k": 64}, pm), (16, 1, {"k": 4}, "triton"),
-                              (8, 1, {"k": 4}, "cute"), (6, 1, {"k": 15}, "cute"), (8, 1, {"k": 2}, "triton"),
-                              (4, 2, {"k": 8}, "cute"), (2, 4, {"k": 33}, pm), (4, 4, {"k": 33}, "cute"),
+                              (4, 1, {"k": 4}, "triton"), (4, 1, {"k": 8}, "triton"), (2, 2, {"k": 16}, "triton"),
+                              (1, 4, {"k": 1}, "triton"), (8, 1, {"k": 64}, "triton"), (16, 1, {"k": 4}, "triton"),
+                              (2, 4, {"k": 33}, "triton"), (4, 4, {"k": 4}, "cute"), (4, 4, {"k": 33}, "cute"),
                               (4, 4, {"k": 64}, pm), (8, 2, {"k": 16}, "cute"), (8, 2, {"k": 64}, pm),
-                              (64, 2, {"k": 33}, pm), (64, 2, {"k": 1}, "triton"), (16, 1, {"k": 64}, pm),
-                              (16, 1, {"k": 8}, "cute"), (64, 1, {"k": 33}, "cute"),
+                              (4, 4, {"k": 2}, pm), (64, 2, {"k": 33}, pm), (64, 2, {"k": 1}, "triton"),
+                              (16, 1, {"k": 64}, pm), (16, 1, {"k": 8}, "cute"), (64, 1, {"k": 33}, "cute"),
                               (64, 1, {"k": 33, "C": 256}, "triton"), (64, 1, {"k": 33, "gate_dtype": "float32"},
                                                                        "triton"),
-                              (4, 2, {"k": 8, "block_v": 64}, pm),
+                              (4, 4, {"k": 8, "block_v": 64}, pm),
                               (64, 1, {"k": 33, "block_v": 64}, "triton"), (64, 1, {"k": 33, "block_r": 16}, "triton"),
                               (64, 1, {"k": 33, "premerge": True}, "triton")]:
         be, opts, why = dispatch.select("mla_combine", "auto", B=B, T=T, shape=dict(facts, **extra))
@@ -315,13 +314,13 @@ def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monke
 
 
 def test_auto_combine_passes_the_rules_premerge(monkeypatch):
-    """Where auto's combine rule names premerge (batch 4 at T = 1 over >= 16 partials), the Triton call runs with it,
-    records it and matches the reference; an explicit premerge=False wins over the rule."""
+    """Where auto's combine rule names premerge (above batch 8 at T = 1 over >= 64 partials), the Triton call runs
+    with it, records it and matches the reference; an explicit premerge=False wins over the rule."""
     from k3lab.components import dispatch
 
     monkeypatch.setattr(dispatch, "can_run", lambda op, be: be in ("triton", "reference"))
     g = torch.Generator().manual_seed(3)
-    B, K, H, Cs, Dv = 4, 16, 2, 32, 16
+    B, K, H, Cs, Dv = 9, 64, 2, 32, 16
     o, lse = torch.randn(B, K, 1, H, Cs, generator=g), torch.randn(B, K, 1, H, generator=g)
     w_uv = (torch.randn(H, Cs, Dv, generator=g) * 0.2).bfloat16()
     gate = torch.randn(B, 1, H * Dv, generator=g).bfloat16()

@@ -10,17 +10,16 @@ k3lab_kernels.triton.mla_decode (merge=False), or K = 1 (an already merged o_lat
 Wuv [H, C, Dv] bf16 (C = 512, Dv = 128); gate logits [B,T,H*Dv] bf16; out [B,T,H*Dv] bf16.
 
 Two paths, one launch either way:
-  * rows (B*T > 2): grid (H, Dv / BV, ceil(B*T / BR)). A program owns one head, BV output columns and
-    BR >= 16 rows (b, t) (default 16: at batch 64 four row blocks; 64-row blocks left 24 programs for the
-    whole GPU). It reads its Wuv[h][:, v-block] slice once for its rows, merges its rows' partials one k
-    at a time ([BR, C] tiles, fp32; empty partials (lse = -inf) weigh 0), rounds o to bf16 and multiplies on
-    tensor cores (tl.dot [BR, C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32
-    and stores bf16.
-  * one row (B*T <= 2, e.g. batch 1): grid (H, Dv / BV, B*T). Above PREMERGE_ABOVE partials the split's
-    merge kernel merges them first (a second launch, all column blocks in parallel; `premerge`: True on either
-    path whenever K > 1, False never; the rows path merges itself by default). A program merges one
-    row's partials KB = 16 at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16
-    and forms o @ Wuv[h] slice with fp32 FMAs (512 x BV; a 16-row tensor-core tile would be 15/16 padding).
+  * rows (B*T > 8; 3..8 with one merged partial): grid (H, Dv / BV, ceil(B*T / BR)). A program owns one head, BV output
+    columns and BR >= 16 rows (b, t) (default 16: at batch 64 four row blocks; 64-row blocks left 24 programs for the
+    whole GPU). It reads its Wuv[h][:, v-block] slice once for its rows, merges its rows' partials one k at a time ([BR,
+    C] tiles, fp32; empty partials (lse = -inf) weigh 0), rounds o to bf16 and multiplies on tensor cores (tl.dot [BR,
+    C] x [C, BV], fp32 accumulation; padded rows masked), then applies sigmoid(gate) in fp32 and stores bf16.
+  * one row (B*T <= 2, e.g. batch 1; up to 8 over K > 1 partials): grid (H, Dv / BV, B*T). Above PREMERGE_ABOVE partials
+    the split's merge kernel merges them first (a second launch, all column blocks in parallel; `premerge`: True on
+    either path whenever K > 1, False never; the rows path merges itself by default). A program merges one row's
+    partials KB = 16 at a time ([KB, C] tiles: K / 16 steps, many loads in flight), rounds o to bf16 and forms o @
+    Wuv[h] slice with fp32 FMAs (512 x BV; a 16-row tensor-core tile would be 15/16 padding).
 The merge is repeated by the Dv / BV column programs of a head (from L2): BV trades Wuv-read parallelism
 against that repeat (default 32 at small B*T: 48 programs at 12 heads).
 
@@ -40,6 +39,11 @@ from k3lab_kernels.triton.pdl import launch_kw, pdl_on
 BLOCK_V_ALLOWED = (16, 32, 64, 128)
 BLOCK_R_ALLOWED = (1, 16, 32, 64)
 ROW_PATH_MAX_ROWS = 2  # B*T up to this: the one-row kernel (batch 1 decode, batch 1 T=2 / batch 2)
+# and up to this over K > 1 partials: at 4 and 8 rows it beat the rows kernel with premerge at every partial count
+# (H100, batch 2 / 4 x T 1 / 2 / 4: 3.75 against 5.82 us at batch 4 over 4 partials, 12.67 against 14.11 at batch 4
+# T = 2 over 64) and lost at 16 (9.68 against 8.95 over 4): profiles/h100-80gb-hbm3/mla_combine_rowk57.json.gz,
+# docs/NOTES_mla.md, fifty-seventh session. One merged partial (the decode step's call) is unmeasured: the rows kernel
+ROW_PATH_MAX_ROWS_PARTIALS = 8
 # the one-row kernel merges K partials serially (K / 16 dependent steps, repeated by each column program): above
 # this many it lets the split's merge kernel (k3lab_kernels.triton.mla_decode.merge_partials) merge them first,
 # then combines one (the measurement: docs/NOTES_mla.md)
@@ -180,7 +184,8 @@ def mla_combine(o_part: torch.Tensor, lse_part: torch.Tensor | None, w_uv: torch
         out = torch.empty(B, T, H * Dv, dtype=torch.bfloat16, device=o_part.device)
     BV = block_v or (Dv if dot_f32() else default_block_v(B, T, Dv))  # the interpreter's cost is per program
     NR = B * T
-    BR = block_r or (1 if NR <= ROW_PATH_MAX_ROWS else 16)  # 16 rows: 4x the programs of 64 at batch 64
+    one_row = NR <= ROW_PATH_MAX_ROWS or (K > 1 and NR <= ROW_PATH_MAX_ROWS_PARTIALS)
+    BR = block_r or (1 if one_row else 16)  # 16 rows: 4x the programs of 64 at batch 64
     lse_arg = lse_part if lse_part is not None else o_part  # unused when K = 1
     if K > 1 and (premerge if premerge is not None else (BR == 1 and K > PREMERGE_ABOVE)):
         from k3lab_kernels.triton.mla_decode import merge_partials  # every column block and row in parallel

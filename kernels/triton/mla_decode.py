@@ -648,7 +648,7 @@ def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pag
     DCP), or a contiguous cache (its rows are arithmetic) at any number of new positions but for 32-row tiles from
     batch 16, which keep 64 positions and two stages (there three stages lost). Measured on an H100, 8-28 % off the
     split at T = 1 from batch 8 and for the verify below batch 16: profiles/h100-80gb-hbm3/mla_contig.json.gz,
-    mla_contig_t4.json.gz, mla_contig_t28.json.gz (git history at `ebeda97` / `1affc20`); the figures in
+    mla_contig_t4.json.gz, mla_contig_t28.json.gz (git history at `1fc86d9` / `ebeda97` / `1affc20`); the figures in
     docs/NOTES_mla.md (fifty-first and fifty-second sections)."""
     if not paged:
         return CONTIG_STREAMED and (BM == 16 or (BM == 32 and B < 16))
