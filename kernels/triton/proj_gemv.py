@@ -376,7 +376,7 @@ FP8_NARROW_MIN_K = 128  # ... and where 64-row tiles would leave fewer than half
 # 32 7.27 / 6.45 -> 6.52 / 5.88 us on an H100 (cuBLAS 5.84 / 5.22; 64-row tiles 8.05 / 6.21),
 # profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz (git history at `cb373f1`); kda_fb (K = 128) 2.27 / 2.19 -> 2.08 /
 # 1.98 (cuBLAS 2.47 / 2.43),
-# profiles/h100-80gb-hbm3/fp8_b32_rule.json.gz (1024 before that measurement)
+# profiles/h100-80gb-hbm3/fp8_b32_rule.json.gz, git history at 3ca0ea1 (1024 before that measurement)
 FP8_LONG_K = 7168  # fp8 on the dot path at batch <= SMALL_BATCH over inputs at least this long: K split until up to
 FP8_MORE = 3       # FP8_MORE programs an SM run (the one-wave default leaves ~1.7, each warp issuing every 4.7 cycles:
 FP8_MIN_CHUNKS = 7  # instruction latency on few warps), each K range keeping >= FP8_MIN_CHUNKS chunks of BK. H100, TP8,
