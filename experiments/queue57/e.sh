@@ -5,7 +5,7 @@
 set -uo pipefail
 . experiments/device_setup.sh q
 nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200: nothing run"; exit 0; }
-timeout 150 python3 -m k3lab.cli bench moe --ops moe_experts --backends triton --no-variants --no-peers --reps 15 \
+timeout 110 python3 -m k3lab.cli bench moe --ops moe_experts --backends triton --no-variants --no-peers --reps 15 \
   --grid tp=8 --grid latent=3584 --grid inter=3072 --grid n_experts=896 --grid top_k=16 --grid dtype=bf16 \
   --grid routing=uniform --grid batch=64,16 --grid num_stages=4,3,5 --out "$OUT/q" --name moe_bf16_tiles57 \
-  --deadline 120 2>&1 | grep -E "^moe_experts|rror" | cut -c1-160
+  --deadline 80 2>&1 | grep -E "^moe_experts|rror" | cut -c1-160
