@@ -21,10 +21,10 @@ timeout 80 python3 -m k3lab.cli bench mla --ops mla_decode --backends triton --n
   --grid batch=16 --grid context=32768,8192 --grid partitions=16,20,24,12,28 \
   --out "$OUT/q" --name mla_parts57 --deadline 60 2>&1 | grep -E "^mla_decode|rror" | cut -c1-160
 python3 - "$OUT/q" <<'PY'
-import gzip, json, sys, pathlib
-for f in sorted(pathlib.Path(sys.argv[1]).rglob("*57.json.gz")):
+import json, sys, pathlib
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("*57.json")):
     print(f.name)
-    for r in json.load(gzip.open(f))["rows"]:
+    for r in json.load(open(f))["rows"]:
         o = r["extra"].get("options", {})
         o = ",".join(f"{k}={v}" for k, v in o.items() if v is not None)
         print(f" {r['extra'].get('batch')} {r['extra'].get('context', '')} {r['extra'].get('partitions', '')} {o} "

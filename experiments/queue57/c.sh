@@ -17,10 +17,10 @@ timeout 120 python3 -m k3lab.cli bench mla --ops mla_combine --backends triton,c
   --grid partitions=4,16,64 --grid premerge=null,true --out "$OUT/q" --name mla_combine_t2big57 \
   --deadline 100 2>&1 | grep -E "rror" | cut -c1-120
 python3 - "$OUT/q" <<'PY'
-import gzip, json, sys, pathlib
-for f in sorted(pathlib.Path(sys.argv[1]).rglob("mla_combine_*57.json.gz")):
+import json, sys, pathlib
+for f in sorted(pathlib.Path(sys.argv[1]).rglob("mla_combine_*57.json")):
     best = {}
-    for r in json.load(gzip.open(f))["rows"]:
+    for r in json.load(open(f))["rows"]:
         e = r["extra"]
         key = (e["batch"], e["T"], e["partitions"])
         tag = r["backend"] + (f"/r{e['block_r']}" if e.get("block_r") else "") + ("+pm" if e.get("premerge") else "")
