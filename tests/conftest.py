@@ -118,22 +118,6 @@ CI_BUDGET_SLOW = (
     "test_proj_mma_emulated.py::test_rounds_remainders_and_clusters[16-40-23-1-16--True]",  # 5 s; [..--False] stays
     "test_proj_mma_emulated.py::test_rounds_remainders_and_clusters[16-40-23-1-32-x_smemFalse-True]",  # 5 s; -False
     "test_kda_triton.py::test_commit_checkpoint_checker[8-8-8]",  # 4 s; [8-8-3], [8-8-4], [16-8-8] stay
-    # fifty-seventh session (609 s here):
-    "test_kda_triton.py::test_verify_then_commit_every_accept[2]",  # 16 s; the commit checker cases above stay
-    "test_moe_grouped_emulated.py::test_up_members_4",  # 13 s; the default UP_MEMBERS 8 cases stay
-    "test_mla_decode_cute_emulated.py::test_decode_pipelined[page1-short-cl4-p2]",  # 7 s; [page16-ragged-cl2-p2],
-    "test_mla_decode_cute_emulated.py::test_decode[page1-short-cl4-p2]",  # [page64-ring-cl1] of both stay
-    "test_moe_cute_emulated.py::test_one_token[False-False-shape1-8]",  # 7 s; [True-True-shape3-None] and
-    # [False-True-shape2-None] stay
-    "test_moe_grouped_emulated.py::test_grouped[True-True-shape0-True]",  # 5 s; [True-True-shape0-False] stays
-    "test_attnres_cute_emulated.py::test_alpha_threads_large[5-8-4-0-fresh]",  # 5 s; [3-4-8-0-add] stays
-    "test_attnres_cute_emulated.py::test_blocks_and_updates[0-fresh]",  # [0-add], [0-none], [1-add], [1-fresh] stay
-    "test_attnres_cute_emulated.py::test_blocks_and_updates[1-none]",
-    "test_kda_triton.py::test_verify_tiles_small[4-uniform]",  # 5 s; [8-*] stay
-    "test_moe_dense_emulated.py::test_one_token_dense[fp8-shape1-kw1]",  # 6 s; [bf16-shape0-kw0] (pdl, int32 ids) and
-    # test_grouped_dense[fp8-3-uniform-kw1] (fp8) stay
-    "test_mla_cute_emulated.py::test_equal_to_triton_on_registry_inputs[fp8-token-16]",  # [fp8-token-0] and
-    "test_mla_cute_emulated.py::test_equal_to_triton_on_registry_inputs[fp8-tensor-0]",  # [fp8-tensor-16] stay
 )
 
 
