@@ -2084,11 +2084,11 @@ def moe_tensors(z, idx, wk, moe, y, quad_up: bool = False, quad_down: bool = Fal
 
 
 def run_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
-               num_warps: int = 8, seed: int = 0):
+               seed: int = 0):
     """kda_decode on the emulator (same arguments; CPU tensors). Returns `out`. pdl=True also checks the
     launch's order: nothing but state, conv_state and params read, nothing written, before the wait."""
     _PDL["early"] = _early(params, state, conv_state)
-    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, pdl=pdl, num_warps=num_warps),
+    _run(lambda m, **a: m.kd.kda_decode(**a, tile_v=tile_v, pdl=pdl),
          dict(qkv=qkv, f=f, b=b, gate=gate, params=params, state=state, conv_state=conv_state, out=out), seed)
     return out
 

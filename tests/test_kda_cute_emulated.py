@@ -38,9 +38,9 @@ def large_grid(monkeypatch):
         yield
 
 
-def check_decode(B, H, seed, tile_v, pdl=False, num_warps=8):
-    return checker.check(K.DEC, K.dcase(B, H), impl=K.decode(emulate.run_decode, tile_v=tile_v, pdl=pdl,
-                                                             num_warps=num_warps), seed=seed, device="cpu")
+def check_decode(B, H, seed, tile_v, pdl=False):
+    return checker.check(K.DEC, K.dcase(B, H), impl=K.decode(emulate.run_decode, tile_v=tile_v, pdl=pdl), seed=seed,
+                         device="cpu")
 
 
 def check_verify(B, H, T, ragged, seed, tile_v, row_warps=None, pdl=False):
@@ -59,22 +59,6 @@ def _assert_ok(r):
                                         pytest.param(32, 2, 1, marks=slow)])
 def test_decode(tile_v, B, H):
     _assert_ok(check_decode(B, H, seed=tile_v + B + H, tile_v=tile_v))
-
-
-@pytest.mark.parametrize("pdl", [False, True])
-def test_decode_16_warps(pdl):
-    """Tile 128 at 16 warps (512 threads, 8 rows a thread): the prologue's 256 threads alone write; every row's
-    state, the conv window and the output against fp64."""
-    _assert_ok(check_decode(2, 1, seed=5 + pdl, tile_v=128, pdl=pdl, num_warps=16))
-
-
-def test_decode_16_warps_large_grid(large_grid):
-    _assert_ok(check_decode(1, 2, seed=13, tile_v=128, num_warps=16))
-
-
-def test_decode_num_warps_refused():
-    with pytest.raises(ValueError, match="num_warps must be one of"):
-        check_decode(1, 1, seed=0, tile_v=64, num_warps=16)
 
 
 @pytest.mark.parametrize("tile_v", [128, pytest.param(64, marks=slow), pytest.param(32, marks=slow),

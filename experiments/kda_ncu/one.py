@@ -1,6 +1,6 @@
 """One KDA decode launch of ours (the production `auto` CuTe path) or FlashInfer's fused decode at a batch, inside
 an NVTX range `target` for ncu (`--nvtx --nvtx-include target/`), after warm-up calls that compile both.
-Device: python experiments/kda_ncu/one.py {ours|fi|ours16} BATCH (see ncu.sh; ours16: the CuTe decode at 16 warps)."""
+Device: python experiments/kda_ncu/one.py {ours|fi} BATCH (see ncu.sh)."""
 import sys
 
 from k3lab import registry
@@ -12,8 +12,8 @@ who, batch = sys.argv[1], int(sys.argv[2])
 op = registry.get("kda_decode")
 case = op.case(batch=batch, heads=12)
 s = op.make_inputs(case, 1234, "cuda")
-if who in ("ours", "ours16"):
-    fn = runner._ours(op, case, "cute", {"num_warps": 16, "tile_v": 128} if who == "ours16" else {}).make(s)
+if who == "ours":
+    fn = runner._ours(op, case, "cute", {}).make(s)
 else:
     fn = kda.flashinfer_peer(case)[0].make(s)
 profile_once(fn)

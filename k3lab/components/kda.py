@@ -160,8 +160,7 @@ def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="ref
            num_warps=None, pdl=False, ran=None):
     """One position: updates `state` (fp32/bf16) and `conv_state` (bf16) in place, writes out [B,H*D]
     bf16 and returns it. tile_v: value columns per program (triton/cute only; validated always);
-    None = the whole head (D, i.e. 128 for K3) or the auto rule's. num_warps (triton: its tuned default; cute: 8, or
-    16 at tile 128, k3lab_kernels.cute.kda_decode.NUM_WARPS). pdl (cute only): launch with
+    None = the whole head (D, i.e. 128 for K3) or the auto rule's. pdl (cute only): launch with
     programmatic dependent launch; the kernel directly before on the stream must not write `state` /
     `conv_state` (see k3lab_kernels.cute.kda_decode). ran: a list to append the record of what ran to."""
     B, _, H, D, W = _validate(qkv, f, b, gate, params, state, conv_state)
@@ -179,9 +178,8 @@ def decode(qkv, f, b, gate, params, state, conv_state, out=None, *, backend="ref
                         notes=f"num_warps={num_warps or default_num_warps(D, tile_v)}")
         return out
     if be == "cute":
-        dispatch.kernel("kda_decode", be)(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=pdl,
-                                          num_warps=num_warps or 8)
-        dispatch.record(ran, kernel=dispatch.kernel_path("kda_decode", be), **rec, notes=f"num_warps={num_warps or 8}")
+        dispatch.kernel("kda_decode", be)(qkv, f, b, gate, params, state, conv_state, out, tile_v=tile_v, pdl=pdl)
+        dispatch.record(ran, kernel=dispatch.kernel_path("kda_decode", be), **rec)
         return out
     args = (qkv, f, b, gate, params.conv_w, params.A_log, params.dt_bias, params.o_norm_w, state, conv_state,
             float(params.eps), float(params.lower_bound))

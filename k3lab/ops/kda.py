@@ -550,8 +550,6 @@ def _known(c: Case) -> bool:
 def _tile_fits(c: Case, opts: dict) -> bool:
     """A value-column tile fits a head when it divides D (a D = 16 test head takes tiles up to 16)."""
     t = opts.get("tile_v")
-    if opts.get("num_warps") == 16 and t not in (None, 128):  # the CuTe decode's 16 warps: tile 128 only
-        return False
     return t is None or c.get("D", 128) % t == 0
 
 
@@ -560,14 +558,12 @@ _PDL = {"cute_pdl": ("cute", {"pdl": True})}  # the kda_pdl switch, timed at the
 # tuner is `k3lab bench kda --backends triton --grid num_warps=1,2,4,8,16`
 _TILE = {"tile_v": {"triton": TILES_TRITON, "cute": TILES_CUTE}, "pdl": {"cute": (False,)},
          "num_warps": {"triton": (None, 1, 2, 4, 8, 16)}}
-# the CuTe decode also at 16 warps (tile 128; k3lab_kernels.cute.kda_decode.NUM_WARPS)
-_TILE_DECODE = dict(_TILE, num_warps=dict(_TILE["num_warps"], cute=(None, 16)))
 _TILE_DEFAULTS = {"num_warps": (None,)}
 
 register(Op(
     name="kda_decode", component="kda", policy_key="decode",
     doc="one position: conv update + silu + q/k l2norm + gate + beta + delta rule + gated RMSNorm",
-    axes=dict(_AXES, T=(1,)), option_axes=_TILE_DECODE, option_defaults=_TILE_DEFAULTS, option_valid=_tile_fits,
+    axes=dict(_AXES, T=(1,)), option_axes=_TILE, option_defaults=_TILE_DEFAULTS, option_valid=_tile_fits,
     make_inputs=make_decode, reference=ref_decode, written=("out",), updated=("state", "conv_state"),
     tolerances=tolerances, tolerance_why=WHY, call=call_decode,
     nbytes=_case_bytes, flops=_case_flops, floor_bw="copy",

@@ -53,11 +53,8 @@ _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
 _RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
-# warps a CTA: 8 (every tile), or 16 at tile 128 (32 state values a thread, 64 registers, two CTAs an SM: FlashInfer's
-# occupancy at mid batch; docs/NOTES_kda.md, fifty-eighth session)
-NUM_WARPS = (8, 16)
 
-__all__ = ["NUM_WARPS", "TILES", "cute_available", "kda_decode"]
+__all__ = ["TILES", "cute_available", "kda_decode"]
 
 
 def _resident_grid(ctas: int) -> bool:
@@ -246,18 +243,15 @@ def _kernel_class():
     class KDADecodeKernel:
         """One CTA (or a cluster of 128 / tile_v CTAs) per (b, h); state and conv_state updated in place."""
 
-        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False,
-                     num_warps: int = 8):
+        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False):
             assert tile_v in TILES, tile_v
-            assert num_warps in NUM_WARPS and (num_warps == 8 or tile_v == 128), (num_warps, tile_v)
-            self.NW = num_warps         # warps a CTA (16: half the rows a thread, capped at 64 registers)
             self.B, self.H = B, H
             self.eps, self.lb = float(eps), float(lower_bound)
             self.TV = tile_v            # value columns per CTA
             self.NC = 128 // tile_v     # CTAs per head (a cluster; they share the output RMSNorm)
             self.G = tile_v // 4        # lanes across one row of the tile (4 columns each)
             self.R = 32 // self.G       # rows one warp instruction covers
-            self.S = 128 // (self.NW * self.R)  # row steps per thread
+            self.S = 128 // (8 * self.R)  # row steps per thread
             offs, o_ = [], self.G
             while o_ < 32:
                 offs.append(o_)
@@ -282,13 +276,7 @@ def _kernel_class():
                      p_dtb: cute.Pointer, p_onw: cute.Pointer, p_state: cute.Pointer,
                      p_conv: cute.Pointer, p_out: cute.Pointer, p_shist: cute.Pointer,
                      p_chist: cute.Pointer, p_len: cute.Pointer, stream: cuda.CUstream):
-            if cutlass.const_expr(self.NC == 1 and self.NW != 8):
-                # two CTAs an SM: at 512 threads the registers are capped at 64 a thread
-                self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
-                            p_out, p_shist, p_chist, p_len).launch(
-                    grid=[self.H, self.B, 1], block=[32 * self.NW, 1, 1], stream=stream, use_pdl=self.pdl,
-                    max_number_threads=[32 * self.NW, 1, 1], min_blocks_per_mp=2)
-            elif cutlass.const_expr(self.NC == 1):
+            if cutlass.const_expr(self.NC == 1):
                 self.kernel(p_qkv, p_f, p_b, p_gate, p_convw, p_alog, p_dtb, p_onw, p_state, p_conv,
                             p_out, p_shist, p_chist, p_len).launch(
                     grid=[self.H, self.B, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
@@ -311,7 +299,7 @@ def _kernel_class():
             C = 3 * HD
             scale = 1.0 / math.sqrt(D)
 
-            TV, NC, G, R, S, NW = self.TV, self.NC, self.G, self.R, self.S, self.NW
+            TV, NC, G, R, S = self.TV, self.NC, self.G, self.R, self.S
             tid, _, _ = cute.arch.thread_idx()
             hx, bb, _ = cute.arch.block_idx()
             h = hx
@@ -325,9 +313,8 @@ def _kernel_class():
             cg = lane % G      # which 4-column group of the tile
             col0 = rank * TV + cg * 4  # first of this thread's 4 value columns (head-local)
             lower = tid < 128
-            half = (tid // 128) % 2  # 0: q/k channels of row c; 1: v channel and decay gate of row c
+            half = tid // 128  # 0: q/k channels of row c; 1: v channel and decay gate of row c
             c = tid % 128  # key row (lower half) / value channel + gate row (upper half)
-            pro = tid < 256  # the prologue's threads (at 16 warps the others load the same values, write nothing)
 
             smem = cutlass.memory.SmemAllocator()
             # per key row r: (q_raw, k_raw, decay d, v_raw[r]); fold: (q d, k d, d, k)
@@ -341,14 +328,14 @@ def _kernel_class():
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
             # per warp partial column sums: [warp][k^T d S (128) | q^T d S (128)]
-            s_part = smem.allocate_tensor(Float32, cute.make_layout(NW * 256), byte_alignment=16)
+            s_part = smem.allocate_tensor(Float32, cute.make_layout(8 * 256), byte_alignment=16)
             # cluster: every CTA's partial sum of o^2, written by the peers
             s_ss = smem.allocate_tensor(Float32, cute.make_layout(NC), byte_alignment=16)
 
             # ---- the state loads first (pro_first: after the prologue's loads): S x 16 B per thread -----
-            # thread's rows: (i * NW + warp) * R + rsub, i < S; columns col0 .. col0 + 3
+            # thread's rows: (i * 8 + warp) * R + rsub, i < S; columns col0 .. col0 + 3
             s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
-            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, NW * R * D)))
+            g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
             r_s = cute.make_rmem_tensor((4, S), Float32)
             if cutlass.const_expr(not self.pro_first):
                 cute.autovec_copy(g_state, r_s)
@@ -421,23 +408,11 @@ def _kernel_class():
                 cute.autovec_copy(g_state, r_s)
 
             # ---------------- prologue: conv + silu, gate, norms; windows shift -----------------
-            if cutlass.const_expr(NW == 8):
-                prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                  warp, c, s_info, c * 4, s_red, 0, self.fold, s_v, 0, self.fast)
-            else:
-                if pro:
-                    prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
-                                      warp, c, s_info, c * 4, s_red, 0, self.fold, s_v, 0, self.fast)
+            prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
+                              warp, c, s_info, c * 4, s_red, 0, self.fold, s_v, 0, self.fast)
             # one CTA a head writes conv_state now; with a cluster the peers read it too, so rank 0
             # writes it after the cluster barrier of the output norm (below)
-            if cutlass.const_expr(NC == 1 and NW != 8):
-                if pro:
-                    for i in cutlass.range_constexpr(3):
-                        conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                    if lower:
-                        for i in cutlass.range_constexpr(3):
-                            conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-            elif cutlass.const_expr(NC == 1):
+            if cutlass.const_expr(NC == 1):
                 for i in cutlass.range_constexpr(3):
                     conv_g[(bb * C + ch1) * 3 + i] = win1[i]
                 if lower:
@@ -458,7 +433,7 @@ def _kernel_class():
             r_info = cute.make_rmem_tensor((4,), Float32)
             r_i2 = cute.make_rmem_tensor((2,), Float32)
             for i in cutlass.range_constexpr(S):
-                r = (i * NW + warp) * R + rsub
+                r = (i * 8 + warp) * R + rsub
                 if cutlass.const_expr(self.fold):
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
                     qd = r_i2[0]
@@ -493,32 +468,25 @@ def _kernel_class():
             tot_q.fill(0.0)
             r_p = cute.make_rmem_tensor((4,), Float32)
             if cutlass.const_expr(self.rs):
-                # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the NW warps
+                # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
                 # (the same summation order as below: fp32 on the GPU gives the same sums)
-                if cutlass.const_expr(NW == 8):
-                    tsum = Float32(0.0)
-                    for w in cutlass.range_constexpr(NW):
-                        tsum = tsum + s_part[w * 256 + tid]
-                    s_tot[tid] = tsum
-                else:
-                    if tid < 256:
-                        tsum = Float32(0.0)
-                        for w in cutlass.range_constexpr(NW):
-                            tsum = tsum + s_part[w * 256 + tid]
-                        s_tot[tid] = tsum
+                tsum = Float32(0.0)
+                for w in cutlass.range_constexpr(8):
+                    tsum = tsum + s_part[w * 256 + tid]
+                s_tot[tid] = tsum
                 cute.arch.sync_threads()
                 cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
                 if warp == 0:
                     cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
             else:
-                for w in cutlass.range_constexpr(NW):
+                for w in cutlass.range_constexpr(8):
                     o_w = cute.assume(w * 256 + cg * 4, divby=4)
                     cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                     for j in cutlass.range_constexpr(4):
                         tot_k[j] = tot_k[j] + r_p[j]
                 # q^T diag(d) S feeds the output only, which warp 0 alone forms
                 if warp == 0:
-                    for w in cutlass.range_constexpr(NW):
+                    for w in cutlass.range_constexpr(8):
                         o_w = cute.assume(w * 256 + cg * 4 + 128, divby=4)
                         cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                         for j in cutlass.range_constexpr(4):
@@ -539,7 +507,7 @@ def _kernel_class():
             for ph in cutlass.range_constexpr(2):
                 if cutlass.const_expr(ph == 1):
                     for i in cutlass.range_constexpr(S):
-                        r = (i * NW + warp) * R + rsub
+                        r = (i * 8 + warp) * R + rsub
                         if cutlass.const_expr(self.fold):
                             cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
                             for j in cutlass.range_constexpr(4):
@@ -722,8 +690,7 @@ def _params_key(params) -> tuple:
             params.dt_bias.dtype, params.o_norm_w.dtype)
 
 
-def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False,
-               num_warps: int = 8):
+def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 128, pdl: bool = False):
     """Fused KDA decode step. Updates `state` [B,H,128,128] fp32 and `conv_state` [B,3HD,3] bf16 in
     place and writes `out` [B,H*128] bf16. Returns `out`. tile_v: value columns a CTA (TILES).
     pdl=True: programmatic dependent launch (module doc); the kernel directly before this one on the
@@ -731,18 +698,14 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     projection precedes it; false for two decode steps of the same state back to back)."""
     if not isinstance(pdl, bool):
         raise TypeError(f"kda cute: pdl must be a bool (got {pdl!r})")
-    if num_warps not in NUM_WARPS or (num_warps != 8 and tile_v != 128):
-        raise ValueError(f"kda cute: num_warps must be one of {NUM_WARPS}, 16 at tile_v 128 only (got num_warps "
-                         f"{num_warps!r}, tile_v {tile_v!r})")
     B, H = _validate(qkv, f, b, gate, params, state, conv_state, out, tile_v, None)
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    key = ("decode", B, H, tile_v, pdl, num_warps, dev.index) + _params_key(params)
+    key = ("decode", B, H, tile_v, pdl, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl,
-                                                         num_warps),
+        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl),
                            args + [stream])
         fn(*args, stream)
     return out
