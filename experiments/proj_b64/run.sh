@@ -53,7 +53,7 @@ case "${PART:-1}" in
        --deadline 60 --grid batch=48,64 2>&1 | tail -n 1)
   fi ;;
 6)
-  # the next H200 call (docs/NOTES_step.md, forty-third section): issue 13's batch-32 / 64 rows of the projections that
+  # the next H200 call (docs/NOTES_step.md at a0adff0, forty-third section): issue 13's batch-32 / 64 rows of the projections that
   # trailed cuBLAS, TP8 and TP16, bf16 and fp8, the current rules (stage rule, second-kernel reduction) beside cuBLAS;
   # the bundle joins issue 13's "against cuBLAS" entry in data/targets.json
   timeout 280 $K --name proj_b32_b64 --out "$OUT/proj_b64" --deadline 250 --grid preset=tp8,tp16 --grid wdtype=bf16,fp8 \
