@@ -9,7 +9,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
     # CI's time: the workers share the machine's cores (-n auto: one worker a core), so each runs torch on one thread
-    # (and so do the notebook kernels it starts): ~5 % less wall time on CI's 2 cores than two threads each
+    # (and so do the notebook kernels it starts); two threads each oversubscribed CI's 2 cores (docs/NOTES_step.md,
+    # fifty-eighth session)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

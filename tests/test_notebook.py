@@ -106,7 +106,7 @@ def test_mla_notebook_sweeps_page_size_dtype_padding_and_dcp(tmp_path):
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "k3lab.cli", "run", str(ROOT / "notebooks" / "03_mla.ipynb"), "-p", "heads", "4",
-           "-p", "batches", "1", "-p", "contexts", "40", "-p", "page_size", "0,16", "-p", "kv_dtype", "fp8",
+           "-p", "batches", "1", "-p", "contexts", "40", "-p", "page_size", "0,16", "-p", "kv_dtype", "bf16,fp8",
            "-p", "pad_heads", "16", "-p", "dcp", "2", "-p", "backends", "triton", "-p", "peers", "false",
            "-p", "reps", "2", "-p", "dcp_context", "0", "--out", str(out), "--quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -116,11 +116,10 @@ def test_mla_notebook_sweeps_page_size_dtype_padding_and_dcp(tmp_path):
     b = load(bpath)
     combos = {(r.extra["page_size"], r.extra["kv_dtype"], r.extra["pad_heads"], r.extra["dcp"]) for r in b.rows
               if r.backend == "triton"}
-    # 2 of the grid's 16 (CI's budget; the bf16 cache: the CPU plan's run of this notebook, tests/test_report_sweep.py)
-    assert combos == {(p, "fp8", 16, 2) for p in (0, 16)}
+    assert combos == {(p, d, 16, 2) for p in (0, 16) for d in ("bf16", "fp8")}  # 4 of the grid's 16 (CI's budget)
     assert all(r.error["ok"] for r in b.rows), [(r.name, r.error) for r in b.rows if not r.error["ok"]]
     html = (out / "03_mla.html").read_text()
-    assert "triton page_size=16" in html  # a line a combination (the axes that vary name it)
+    assert "triton page_size=16 kv_dtype=fp8" in html  # a line a combination (the axes that vary name it)
 
 
 def test_moe_notebook_tiny_shows_traffic_and_choice(tmp_path):

@@ -39,11 +39,10 @@ from k3lab_kernels.triton.pdl import launch_kw, pdl_on
 BLOCK_V_ALLOWED = (16, 32, 64, 128)
 BLOCK_R_ALLOWED = (1, 16, 32, 64)
 ROW_PATH_MAX_ROWS = 2  # B*T up to this: the one-row kernel (batch 1 decode, batch 1 T=2 / batch 2)
-# and up to this over K > 1 partials: at 4 and 8 rows it beat the rows kernel with premerge at every partial count
-# (H100, batch 2 / 4 x T 1 / 2 / 4: 3.75 against 5.82 us at batch 4 over 4 partials, 12.67 against 14.11 at batch 4
-# T = 2 over 64) and lost at 16 (9.68 against 8.95 over 4): profiles/h100-80gb-hbm3/mla_combine_rowk57.json.gz,
-# docs/NOTES_mla.md, fifty-seventh session. Over one merged partial (the decode step's call) the rows kernel leads
-# from 4 rows (batch 8: 3.07 against 5.23 us; batch 4 T = 4 3.52 against 8.28: mla_combine_k1_57.json.gz, H100)
+# and up to this over K > 1 partials: at 4 and 8 rows it beat the rows kernel with premerge at every partial count and
+# lost at 16; over one merged partial (the decode step's call) the rows kernel leads from 4 rows (H100:
+# profiles/h100-80gb-hbm3/mla_combine_rowk57.json.gz, mla_combine_k1_57.json.gz; docs/NOTES_mla.md, fifty-seventh
+# session)
 ROW_PATH_MAX_ROWS_PARTIALS = 8
 # the one-row kernel merges K partials serially (K / 16 dependent steps, repeated by each column program): above
 # this many it lets the split's merge kernel (k3lab_kernels.triton.mla_decode.merge_partials) merge them first,
