@@ -110,7 +110,7 @@ def _knobs(op_name: str, be: str, knobs: dict) -> dict:
             _fail(k, f"is a {'/'.join(sorted(op.option_axes[k]))} kernel option; backend {be!r} takes none "
                      f"(pass None)")
         allowed = op.option_axes[k][be]
-        if isinstance(v, bool) != (k in ("pdl", "f16", "xq")) or v not in allowed:
+        if isinstance(v, bool) != (k in ("pdl", "f16")) or v not in allowed:
             _fail(k, f"must be one of {[a for a in allowed if a is not None]} or None, got {v!r}")
     return {k: v for k, v in knobs.items() if v is not None}
 
@@ -451,16 +451,15 @@ def proj(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, w
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, f16: bool | None = None,
          cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None,
-         reduce: str | None = None, xq: bool | None = None) -> torch.Tensor:
+         reduce: str | None = None) -> torch.Tensor:
     """out = pro(x) W^T (+ residual), or [pro(x) | pro2(x2)] W^T with two K segments (module docstring). f16
-    (triton, fp8 weights on the dot path): f16 MMAs instead of bf16 (k3lab_kernels.triton.proj_gemv.proj). xq
-    (triton, fp8 weights, no prologue): x split into two e4m3 terms, e4m3 MMAs (the same module). pdl
+    (triton, fp8 weights on the dot path): f16 MMAs instead of bf16 (k3lab_kernels.triton.proj_gemv.proj). pdl
     (triton, cute): launched with programmatic dependent launch, the weights' first loads before the wait for the
     kernel before (None: the enclosing pdl_chain's setting, as the decode step runs it)."""
     if out is None and isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor) and x.dim() == 2 and w.dim() == 2:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl, reduce=reduce, xq=xq)
+                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl, reduce=reduce)
     return _run_proj("proj", x, w, [out], w_scale, residual, backend, ran, knobs, prologue, x2=x2,
                      prologue2=prologue2)[0]
 
@@ -472,7 +471,7 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
                num_warps: int | None = None, num_stages: int | None = None,
                f16: bool | None = None, chain: tuple | None = None, glu: tuple | None = None,
                cluster: int | None = None, tile_m: int | None = None, pdl: bool | None = None,
-               reduce: str | None = None, xq: bool | None = None) -> list[torch.Tensor]:
+               reduce: str | None = None) -> list[torch.Tensor]:
     """outs[i] = x W_i^T for the row ranges of the concatenated W, one launch (module docstring). chain (cute; the
     reference backends by torch after the group): (w2 [NF, R], f [B, NF]) also forms f = outs[0] w2^T in the same
     launch from the stored (rounded) outs[0] (k3lab_kernels.cute.proj_gemv: the KDA decay's two factors). glu (cute
@@ -482,7 +481,7 @@ def proj_group(x: torch.Tensor, w: torch.Tensor, outs, *, w_scale: torch.Tensor 
     if not isinstance(outs, (list, tuple)):
         _fail("outs", f"must be a list of output tensors, got {type(outs).__name__}")
     knobs = dict(path=path, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
-                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl, reduce=reduce, xq=xq)
+                 num_stages=num_stages, f16=f16, cluster=cluster, tile_m=tile_m, pdl=pdl, reduce=reduce)
     return _run_proj("proj_group", x, w, list(outs), w_scale, None, backend, ran, knobs, select=select, chain=chain,
                      glu=glu)
 

@@ -44,8 +44,6 @@ Tolerances (relative norm against fp64; every input is exactly representable):
       with no rounding; the kernel rounds its result to bf16 once (as the stand-alone op does): 2^-9 relative
       per input entry, averaging to ~1e-3 in the output's norm, within the same 4e-3. Option f16 (fp8 weights on
       f16 MMAs) rounds x to f16 first: exact for 2^-17 <= |x| < 65520 (every normal-range input), so the same.
-      Option xq (fp8 weights) splits x into two e4m3 terms scaled by a power of two per row: exact for every entry
-      within 2^14 of its row's largest, within 2^-18 of that largest below, so the same 4e-3.
   router idx 0 (exact: same set and order under the tie rule; the inputs keep distinct biased scores 2^-14
       apart or exactly equal), weights 1e-5 (fp32 sigmoid and sum).
   attnres partial_out 0 (bit-exact: one rounding of the fp32 sum of two bf16 values, which is exact),
@@ -590,11 +588,11 @@ _PROJ_OPTS = dict(
                  "block_k": {"triton": (None, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)},
                  "split_k": {"triton": (None, *range(1, 57))}, "num_warps": {"triton": (None, 2, 4, 8)},
                  "num_stages": {"triton": (None, 1, 2, 3, 4, 5, 6, 8)}, "f16": {"triton": (None, False, True)},
-                 "reduce": {"triton": (None, "last", "kernel")}, "xq": {"triton": (None, False, True)},
+                 "reduce": {"triton": (None, "last", "kernel")},
                  "pdl": {"triton": (None, False, True), "cute": (None, False, True)}},
     option_defaults={"path": _NONE, "cluster": _NONE, "tile_m": _NONE, "block_n": _NONE, "block_k": _NONE,
                      "split_k": _NONE, "num_warps": _NONE, "num_stages": _NONE, "f16": _NONE, "pdl": _NONE,
-                     "reduce": _NONE, "xq": _NONE},
+                     "reduce": _NONE},
     # timed as the decode step runs them: calls chained with programmatic dependent launch, each loading its first
     # weights while the call before finishes (the step's `pdl` switch); rows "triton_pdl" / "cute_pdl"
     variants={"triton_pdl": ("triton", {"pdl": True}), "cute_pdl": ("cute", {"pdl": True})},

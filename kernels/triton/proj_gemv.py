@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16, rne_e4m3
+from k3lab_kernels.triton.mla_decode import _pow2, dot_f32, rne_bf16
 from k3lab_kernels.triton.pdl import chain_pdl, launch_kw, pdl_enter, pdl_on
 from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
@@ -96,46 +96,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         c = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
         _COUNTERS[key] = c
     return c
-
-
-_XQ: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _xq_workspace(device: torch.device, rows: int, K: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split input (e4m3 [rows, K], zero where no batch row writes) and its row scales (fp32 [M]), cached per
-    device and shape: make the first call outside a CUDA graph capture."""
-    key = (str(device), rows, K)
-    if key not in _XQ or _XQ[key][1].numel() < M:
-        _XQ[key] = (torch.zeros(rows, K, dtype=torch.float8_e4m3fn, device=device),
-                    torch.ones(max(M, 64), dtype=torch.float32, device=device))
-    return _XQ[key]
-
-
-@triton.jit
-def _xsplit_kernel(x, xq, xs, K, s_xm, BM: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """Row r of x (bf16) as two e4m3 terms (option xq, module docstring): s = 2^(e - 7) for the row's largest |x| in
-    [2^e, 2^(e+1)), v = x / s (exact: a power of two) in [0, 256), hi = e4m3(v), lo = e4m3(16 (v - hi)), both
-    rounded to nearest even; hi + lo / 16 == v exactly for |v| >= 2^-6 (v's 8 significant bits: 4 in hi, the
-    remainder a multiple of ulp(v) below ulp(hi) / 2 in 4 more), within 2^-10 of it below. hi into row
-    (r // BM) 2 BM + r % BM of xq, lo BM rows further: the batch tile's 2 BM rows the MMA reads; s into xs[r]."""
-    r = tl.program_id(0)
-    kk = tl.arange(0, BK)
-    pdl_enter(PDL)
-    am = tl.zeros((BK,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        v = tl.load(x + r.to(tl.int64) * s_xm + k0 + kk, mask=(k0 + kk) < K, other=0.0).to(tl.float32)
-        am = tl.maximum(am, tl.abs(v))
-    be = tl.maximum((tl.max(am, 0).to(tl.int32, bitcast=True) >> 23) & 255, 8)  # biased exponent, 0 rows: 8
-    inv = ((261 - be) << 23).to(tl.float32, bitcast=True)  # 2^(134 - be)
-    hi_row = (r // BM) * 2 * BM + r % BM
-    for k0 in range(0, K, BK):
-        ok = (k0 + kk) < K
-        v = tl.load(x + r.to(tl.int64) * s_xm + k0 + kk, mask=ok, other=0.0).to(tl.float32) * inv
-        h = rne_e4m3(v)
-        lo = rne_e4m3((v - h) * 16.0)
-        tl.store(xq + hi_row.to(tl.int64) * K + k0 + kk, h.to(tl.float8e4nv), mask=ok)
-        tl.store(xq + (hi_row + BM).to(tl.int64) * K + k0 + kk, lo.to(tl.float8e4nv), mask=ok)
-    tl.store(xs + r, ((be - 7) << 23).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -182,16 +142,13 @@ def _x_seg(x, x2, pw, m, mok, k0, kk, kok, s_xm, s_x2m, K, K1, inv, b1, b2, PRO:
 @triton.jit
 def _proj_kernel(x, w, scale, res, ws, cnt,
                  o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
-                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, x2, s_x2m, K1, rbias, ridx, rwts, rcnt, rscale, xs,
+                 M, N, K, s_xm, s_rm, KSPLIT, pw, b1, b2, eps, x2, s_x2m, K1, rbias, ridx, rwts, rcnt, rscale,
                  NSEG: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  FP8: tl.constexpr, RES: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                  TMA: tl.constexpr, PRO: tl.constexpr, TOPK: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr,
                  KXP: tl.constexpr, RR: tl.constexpr, PDL: tl.constexpr, F16: tl.constexpr = False,
-                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False,
-                 XQ: tl.constexpr = False):
-    """XQ: x is the split input of `_xsplit_kernel` (2 BM e4m3 rows a batch tile, its row scales xs): e4m3 x e4m3
-    MMAs, the two terms' columns summed after the loop (hi + lo / 16), xs in the epilogue.
-    TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
+                 RCH: tl.constexpr = 16, RED: tl.constexpr = False, PDL2: tl.constexpr = False):
+    """TMA: w (and x without a prologue) are tensor descriptors (blocks [BN, BK] and [BM, BK]; the copy engine
     zero-fills past N, M and K, and the loop's loads are pipelined num_stages deep in shared memory); otherwise
     pointers. PRO: 0 none, 1 SiTU, 2 RMSNorm of x, 3 both as two K segments (x2, K1) (module docstring; b1, b2,
     eps, the norm weight pw). TOPK > 0:
@@ -224,31 +181,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
             ss += tl.sum(tl.where(tl.arange(0, BM)[:, None] == (r0 + rr)[None, :], sr[None, :], 0.0), axis=1)
         inv = 1.0 / tl.sqrt(ss / KX + eps)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    if XQ:
-        acc2 = tl.zeros((BN, 2 * BM), dtype=tl.float32)
-        if TMA:
-            for k0 in range(k_lo, k_hi, BK):
-                wt = w.load([pid_n * BN, k0])
-                xt = x.load([pid_m * 2 * BM, k0])
-                if DOT_F32:
-                    acc2 += tl.dot(wt.to(tl.float32), xt.to(tl.float32).T)
-                else:
-                    acc2 = tl.dot(wt, xt.T, acc2, max_num_imprecise_acc=BK)
-        else:
-            m2 = pid_m * 2 * BM + tl.arange(0, 2 * BM)
-            wp = w + n[:, None].to(tl.int64) * K + kk[None, :]
-            xp = x + m2[:, None].to(tl.int64) * s_xm + kk[None, :]
-            for k0 in range(k_lo, k_hi, BK):
-                kok = (k0 + kk) < k_hi
-                wt = tl.load(wp + k0, mask=nok[:, None] & kok[None, :], other=0.0)
-                xt = tl.load(xp + k0, mask=kok[None, :], other=0.0)
-                if DOT_F32:
-                    acc2 += tl.dot(wt.to(tl.float32), tl.trans(xt.to(tl.float32)))
-                else:
-                    acc2 = tl.dot(wt, tl.trans(xt), acc2, max_num_imprecise_acc=BK)
-        hi, lo = tl.split(tl.permute(tl.reshape(acc2, (BN, 2, BM)), (0, 2, 1)))
-        acc = hi + lo * 0.0625
-    elif TMA:
+    if TMA:
         for k0 in range(k_lo, k_hi, BK):
             wt = w.load([pid_n * BN, k0])
             if PRO == 0:
@@ -317,11 +250,11 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
                 for q in tl.static_range(1, SPLIT):
                     a += tl.load(pc + q * MP * NP, mask=mcok[None, :], other=0.0, cache_modifier=".cg")
                 _epilogue(a, n, mc, nok, mcok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4,
-                          e5, s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32, xs, XQ)
+                          e5, s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32)
             tl.atomic_xchg(c, 0)  # the counter is zero again for the next call
     else:
         _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
-                  s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32, xs, XQ)
+                  s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, DOT_F32)
     if done:
         if TOPK > 0:
             if pid_n * BN < e0:  # a tile of the router's logits: the last of them selects
@@ -339,14 +272,10 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
 
 @triton.jit
 def _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
-              s0, s1, s2, s3, s4, s5, NSEG: tl.constexpr, FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr,
-              xs, XQ: tl.constexpr):
-    """acc [BN, BM] (rows n of W, batch rows m): the fp8 scale (and the split input's row scales xs), the
-    residual, the stores into the outputs."""
+              s0, s1, s2, s3, s4, s5, NSEG: tl.constexpr, FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr):
+    """acc [BN, BM] (rows n of W, batch rows m): the fp8 scale, the residual, the stores into the outputs."""
     if FP8:
         acc = acc * tl.load(scale + n, mask=nok, other=0.0)[:, None]
-    if XQ:
-        acc = acc * tl.load(xs + m, mask=mok, other=0.0)[None, :]
     if RES:
         r = tl.load(res + m[None, :].to(tl.int64) * s_rm + n[:, None], mask=nok[:, None] & mok[None, :], other=0.0)
         acc += r.to(tl.float32)
@@ -365,9 +294,8 @@ def _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, 
 
 @triton.jit
 def _proj_sum_kernel(ws, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5, s0, s1, s2, s3, s4, s5,
-                     M, N, s_rm, MP, NP, xs, SPLIT: tl.constexpr, NSEG: tl.constexpr, BN: tl.constexpr,
-                     BM: tl.constexpr, FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr,
-                     XQ: tl.constexpr = False):
+                     M, N, s_rm, MP, NP, SPLIT: tl.constexpr, NSEG: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr,
+                     FP8: tl.constexpr, RES: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr):
     """The split-K partials of _proj_kernel (RED) summed in split order (deterministic), [BN, BM] outputs a program,
     then the shared epilogue. Launched right after the projection with PDL: the launch and the programs' start
     overlap its tail, and griddepcontrol.wait holds every read until all its partials are stored."""
@@ -382,7 +310,7 @@ def _proj_sum_kernel(ws, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4,
     for q in tl.static_range(1, SPLIT):  # unrolled: every partial's load in flight at once (a runtime loop was
         acc += tl.load(p + q * MP * NP, mask=msk, other=0.0)  # unrolled by 4: SPLIT / 4 round trips to L2)
     _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
-              s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, RNE, xs, XQ)
+              s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, RNE)
 
 
 @triton.jit
@@ -414,7 +342,7 @@ def _proj_rows_kernel(x, w, scale, res, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, 
         acc += tl.sum(wt.to(tl.float32)[:, None, :] * xt[None, :, :], 2)
         wt = wn
     _epilogue(acc, n, m, nok, mok, M, scale, res, s_rm, o0, o1, o2, o3, o4, o5, e0, e1, e2, e3, e4, e5,
-              s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, RNE, x, False)
+              s0, s1, s2, s3, s4, s5, NSEG, FP8, RES, RNE)
 
 
 def sm_count(device: torch.device) -> int:
@@ -462,7 +390,6 @@ FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs l
 FP8_WIDE_BATCH, FP8_WIDE_MIN_N = 65, 768  # fp8 from batch 65 (a batch tile of 128): tma for >= 768 outputs, short
 # inputs too (H100 batch 128: kda_o TP8 12.5 against 16.9 us on dot, TP16 kda_q 11.0 against 13.4, moe_router 11.4
 # against 14.3: the same bundle)
-XQ_BK = 2048  # the split kernel's columns a step (option xq)
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
@@ -589,7 +516,7 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
          path: str | None = None,
          block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
          num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-         f16: bool | None = None, reduce: str | None = None, xq: bool | None = None,
+         f16: bool | None = None, reduce: str | None = None,
          plan: dict | None = None) -> list:
     """x [M, K] (unit stride along K), w [N, K] contiguous bf16 or float8_e4m3fn (then w_scale [N] fp32),
     outs: 1..MAX_OUTPUTS tensors [M, N_i] with unit inner stride, sum N_i = N, written in place; residual
@@ -601,10 +528,8 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
     programmatic dependent launch (None: the enclosing pdl.pdl_chain's setting). f16 (fp8 weights on the dot path;
     None: FP8_F16): the e4m3 weights widened to f16 (one conversion per two) and x rounded to f16 for f16 MMAs
     (exact for 2^-17 <= |x| < 65520 and 0; beyond 65504 the sum is inf), instead of both in bf16; True with bf16
-    weights or on another path is refused (ValueError). xq (fp8 weights, paths tma and dot, no prologue, no fused
-    selection; None: False): x split into two e4m3 terms by a first kernel (`_xsplit_kernel`: exact for every entry
-    within 2^14 of its row's largest) and e4m3 x e4m3 MMAs, nothing widened. plan: a dict the call fills with the
-    configuration it ran (path, tiles, K ranges, stages, warps, the reduction), for the caller's record."""
+    weights or on another path is refused (ValueError). plan: a dict the call fills with the configuration it ran
+    (path, tiles, K ranges, stages, warps, the reduction), for the caller's record."""
     pdl = chain_pdl(pdl)
     M = x.shape[0]
     N, K = w.shape
@@ -628,8 +553,6 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
             block_k //= 2
         if block_k < 16:
             raise ValueError(f"proj_gemv: the first segment's width {K1} must be a multiple of 16")
-    if xq and path is None and default_path(M, N, True, aligned, pro != 0, K=K) == "rows":
-        path = "dot"  # the rows path has no MMA: xq's default is the dot path there
     cfg = config(M, N, K, x.device, path=path, block_n=block_n, block_k=block_k, split_k=split_k,
                  num_warps=num_warps, num_stages=num_stages, fp8=w.dtype == torch.float8_e4m3fn, tma=aligned,
                  prologue=pro != 0, reduce=reduce)
@@ -644,15 +567,10 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         ends.append(e)
         strides.append(0)
     fp8 = w.dtype == torch.float8_e4m3fn
-    xq = bool(xq)
-    if xq and not (fp8 and cfg["path"] in ("tma", "dot") and pro == 0 and select is None and not f16):
-        raise ValueError(f"proj_gemv: xq=True takes fp8 weights on path 'tma' or 'dot' without an input prologue, the "
-                         f"fused selection or f16, got {w.dtype} weights on path {cfg['path']!r}, prologue "
-                         f"{prologue!r}, select {'on' if select is not None else 'off'}, f16 {f16!r}")
     if f16 and not (fp8 and cfg["path"] == "dot"):
         raise ValueError(f"proj_gemv: f16=True applies to fp8 weights on path 'dot', got {w.dtype} weights on path "
                          f"{cfg['path']!r}")
-    f16 = fp8 and cfg["path"] == "dot" and not xq and (FP8_F16 if f16 is None else bool(f16))
+    f16 = fp8 and cfg["path"] == "dot" and (FP8_F16 if f16 is None else bool(f16))
     sc = w_scale if fp8 else x
     res_t = residual if residual is not None else x
     s_rm = residual.stride(0) if residual is not None else 0
@@ -680,34 +598,28 @@ def proj(x: torch.Tensor, w: torch.Tensor, outs: list[torch.Tensor], *, w_scale:
         raise ValueError("proj_gemv: the fused selection needs reduce 'last' (the last program of a tile selects)")
     red = cfg["RED"] and select is None  # the fused selection counts finished tiles: the last program sums them
     if plan is not None:
-        plan.update(cfg, RED=red, XQ=xq)
+        plan.update(cfg, RED=red)
     tma = cfg["path"] == "tma"
-    xin, s_xm, xs, pdl_main = x, x.stride(0), x, pdl
-    if xq:  # the split input first; the projection then waits for it (griddepcontrol.wait at its top)
-        xin, xs = _xq_workspace(x.device, gm * 2 * BM, K, M)
-        s_xm, pdl_main = K, pdl_on(True)
-        _xsplit_kernel[(M,)](x, xin, xs, K, x.stride(0), BM=BM, BK=min(XQ_BK, _pow2(K)), PDL=pdl, num_warps=4,
-                             **launch_kw(pdl))
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        xa = (TensorDescriptor(xin, [xin.shape[0], K], [s_xm, 1], [2 * BM if xq else BM, BK]) if pro == 0 else x)
+        xa = TensorDescriptor(x, [M, K], [x.stride(0), 1], [BM, BK]) if pro == 0 else x
         wa = TensorDescriptor(w, [N, K], [w.stride(0), 1], [BN, BK])
     else:
-        xa, wa = xin, w
+        xa, wa = x, w
     _proj_kernel[(gn, gm, split)](
-        xa, wa, sc, res_t, ws, cnt, *o, *ends, *strides, M, N, K, s_xm, s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
-        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, xs, NSEG=len(outs),
+        xa, wa, sc, res_t, ws, cnt, *o, *ends, *strides, M, N, K, x.stride(0), s_rm, cfg["KSPLIT"], pw, b1, b2, eps,
+        x2 if x2 is not None else x, x2.stride(0) if x2 is not None else 0, K1, rb, ri, rw, rc, rs, NSEG=len(outs),
         SPLIT=split, BM=BM, BN=BN, BK=BK, FP8=fp8, RES=residual is not None,
         EVEN_K=K % cfg["KSPLIT"] == 0 and cfg["KSPLIT"] % BK == 0, DOT_F32=dot_f32(), TMA=tma, PRO=pro, TOPK=rk,
         EP=_pow2(outs[0].shape[1]) if rk else 1, KP=_pow2(rk) if rk else 1, KXP=kxp, RR=max(1, min(BM, 8192 // kxp)),
-        PDL=pdl_main, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True), XQ=xq,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl_main))
+        PDL=pdl, F16=f16, RCH=cfg["RCH"], RED=red, PDL2=red and pdl_on(True),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kw(pdl))
     if red:
         sbn, sbm, sw = cfg["SUM"]
         _proj_sum_kernel[(triton.cdiv(N, sbn), triton.cdiv(M, sbm))](
-            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, xs, SPLIT=split, NSEG=len(outs), BN=sbn,
-            BM=sbm, FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), XQ=xq, num_warps=sw,
+            ws, sc, res_t, *o, *ends, *strides, M, N, s_rm, gm * BM, gn * BN, SPLIT=split, NSEG=len(outs), BN=sbn,
+            BM=sbm, FP8=fp8, RES=residual is not None, RNE=dot_f32(), PDL=pdl_on(True), num_warps=sw,
             **launch_kw(True))
     return outs
 
@@ -732,5 +644,4 @@ def describe(plan: dict) -> str:
                                  if plan.get("RED") else
                                  ", partials summed by each tile's last program")
     return (f"path {plan['path']}, tiles {plan['BN']} W rows x {plan['BM']} batch rows x {plan['BK']} columns, "
-            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps"
-            + (", x split into two e4m3 terms (e4m3 MMAs)" if plan.get("XQ") else ""))
+            f"{split} K range{'s' if split > 1 else ''}{red}, {plan['num_stages']} stages, {plan['num_warps']} warps")
