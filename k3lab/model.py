@@ -53,7 +53,7 @@ from k3lab.ref import moe as moe_ref
 from k3lab.ref import router as ref_router
 from k3lab.ref.layers import KDALayerState, MLALayerState, n_blocks_after
 from k3lab.ref.situ import linear, situ_glu_mlp
-from k3lab.switches import BackendUnavailable, Switches
+from k3lab.switches import BackendUnavailable, SwitchError, Switches
 from k3lab.weights import LayerWeights, make_layer
 
 Component = tuple[Callable[[], Any], int, int]
@@ -633,9 +633,17 @@ class Layer:
             return b["z"]
         c["latent_down"] = (down, *self._mm(m.w_down))
         be_e = self._reg("experts", "moe")
+        tile = self.switches.moe_tile_n  # the triton experts' block_n; the references have no tile (their twins
+        if tile != "auto" and be_e == "cute":  # keep the switches), the CuTe kernels' tiles are fixed: refused
+            raise SwitchError(f"switch 'moe_tile_n' = {tile!r} sets the triton experts' tile (intermediate rows a "
+                              f"program); the routed experts run on 'cute' here, whose tiles are compile-time "
+                              f"constants (kernels/cute/moe_grouped.py, moe_experts.py): use 'auto' or the moe "
+                              f"backend 'triton'")
 
         def experts():
             kw = dict(check_values=False) if be_e in ("triton", "cute") else {}  # no host sync in a captured step
+            if tile != "auto" and be_e == "triton":
+                kw["block_n"] = min(tile, m.w1.shape[1])  # a tile no wider than the slice (tiny: I = 32)
             rec = []
             b["y"] = moe_comp.experts(b["z"], b["idx"], b["wk"], m, backend=be_e, ran=rec, **kw)
             self._keep("experts", rec)

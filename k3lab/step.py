@@ -1575,8 +1575,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
 
 TOGGLE_NAMES = tuple(c for c in COMPONENTS if c != "dense") + (
     "pad_heads", "kda_tile_v", "mla_partitions", "prefetch", "fuse_prologues", "split_router", "owned_output",
-    "shared_expert_stream", "kda_pdl", "pdl", "kda_checkpoint", "proj_cute")  # what toggle_list can change (each
-# label starts with one of them)
+    "shared_expert_stream", "kda_pdl", "pdl", "kda_checkpoint", "proj_cute", "moe_tile_n")  # what toggle_list can
+# change (each label starts with one of them)
 
 
 def untimed_exchange(tlabel: str, step: DecodeStep, each_us: float = ALLGATHER_ASSUMED_US) -> dict[str, Any]:
@@ -1599,6 +1599,7 @@ def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False
     on the reference, and each wired knob moved to another allowed value (pad_heads 0 <-> 16, kda_tile_v
     128 <-> 16, mla_partitions auto <-> 1, prefetch, fuse_prologues, split_router, owned_output,
     shared_expert_stream, pdl and proj_cute when the projections run on triton, kda_pdl when the KDA runs on cute,
+    moe_tile_n auto <-> 32 when the routed experts run on triton,
     kda_checkpoint auto <-> 1 on the verify path where it changes the checkpoint (`verify`)). kda_state_dtype
     needs a new build and the unwired switches are refused by Switches: neither is toggled."""
     out = []
@@ -1611,6 +1612,8 @@ def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False
     flips = {"pad_heads": {0: 16}, "kda_tile_v": {"auto": 16, 128: 16}, "mla_partitions": {"auto": 1}}
     if verify:
         flips["kda_checkpoint"] = {"auto": 1, 1: "auto"}
+    if resolved.backend["moe"] == "triton":  # the one backend whose experts take a tile (k3lab.model refuses others)
+        flips["moe_tile_n"] = {"auto": 32, 32: "auto"}
     if resolved.backend["proj"] == "triton" or requested.prefetch:
         flips["prefetch"] = {False: True, True: False}
         flips["fuse_prologues"] = {True: False, False: True}

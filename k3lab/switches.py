@@ -31,7 +31,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "kda_pdl": (False, True),
     "kda_checkpoint": ("auto", 1, 2, 4, 8),
     "mla_partitions": (*range(1, 65), "auto"),  # any count of split-KV pieces 1..64 (issue 12)
-    "moe_tile_n": (16, 32, 64, 128, 256),
+    "moe_tile_n": ("auto", 16, 32, 64, 128),
     "prefetch": (False, True),
     "fuse_prologues": (False, True),
     "shared_expert_stream": (False, True),
@@ -43,7 +43,6 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
 }
 # declared, not read by any code yet: the issue that wires each
 NOT_WIRED = {
-    "moe_tile_n": "the MoE kernels (issue 14)",
     "fused_allreduce": "the fused all-reduce + AttnRes + RMSNorm (multi-GPU)",
     "kda_prefill_inverse": "a prefill step in the model (the kda.prefill API takes inverse= directly)",
     "kda_prefill_grouped": "a prefill step in the model (the kda.prefill API takes grouped= directly)",
@@ -83,7 +82,10 @@ class Switches:
     # verify / commit); "auto": the measured rule (kda.default_checkpoint: c = 4 at T = 8 from batch 8, else 1)
     kda_checkpoint: int | str = "auto"
     mla_partitions: int | str = "auto"  # "auto": the kernel's measured choice for the batch and context
-    moe_tile_n: int = 64
+    # the routed experts on the triton backend: intermediate rows a program (block_n of every path of
+    # k3lab_kernels.triton.moe_experts); "auto": each path's measured tile (default_blocks). The CuTe experts' tiles are
+    # compile-time constants: another value with the MoE on a backend other than triton is refused (k3lab.model)
+    moe_tile_n: int | str = "auto"
     # the step: an L2 prefetch of the next group's weight beside each AttnRes, and of Wo beside the MLA combine
     prefetch: bool = False
     # the step (projections on triton), up to 16 tokens: the RMSNorms and SiTU-GLU as the projections' input prologues

@@ -7,6 +7,7 @@ import torch
 
 from k3lab.config import preset
 from k3lab.harness import checker
+from k3lab import model
 from k3lab.model import build_layer
 from k3lab.switches import Switches
 
@@ -61,3 +62,30 @@ def test_layer_glu_mlps_on_two_launches(batch, monkeypatch):
         (w13, w2), = glu
         mlps = layer.w.mlp.shared if name == "shared" else [layer.w.mlp]
         assert w13.shape[0] == 2 * w2.shape[1] == 2 * sum(g.w1.shape[0] for g in mlps)
+
+
+def test_moe_tile_n_sets_the_triton_experts_tile(monkeypatch):
+    """The `moe_tile_n` switch reaches the triton experts as their block_n (the record says what ran, the output
+    still matches the fp64 twin); the reference has no tile (the step's reference twins keep its switches); with the
+    experts on cute (fixed tiles) a tile other than auto is refused by name."""
+    from k3lab.switches import SwitchError
+
+    view = preset("tiny", batch=2, context=24)
+    ref_layer = build_layer(view, "kda", 0, backend="reference", dtype=torch.float64, n_experts=8, layer_index=1)
+    layer = build_layer(view, "kda", 0, switches=Switches(moe_tile_n=16).replace(backend=TRITON), n_experts=8,
+                        layer_index=1)
+    rc, lc = ref_layer.components(), layer.components()
+    for n in lc:
+        st = checker.check_twin(layer, ref_layer, lc[n][0], rc[n][0], None, name=n)
+        assert st.rel_norm < 3e-2, (n, st)
+    ran = layer.records["experts"]
+    assert ran["options"].get("block_n") == 16, ran
+    ref32 = build_layer(view, "kda", 0, switches=Switches(moe_tile_n=32), n_experts=8, layer_index=1)
+    ref32.components()["experts"][0]()  # the reference has no tile: its twins keep the step's switches
+    assert "block_n" not in ref32.records.get("experts", {}).get("options", {})
+    cute = Switches(moe_tile_n=32).replace(backend={**TRITON, "moe": "cute"})
+    monkeypatch.setattr(model, "_moe_cute_takes", lambda L: True)  # as on a GPU with CuTe DSL at K3's sizes
+    with pytest.raises(SwitchError, match="'moe_tile_n' = 32 .* run on 'cute'"):
+        build_layer(view, "kda", 0, switches=cute, n_experts=8, layer_index=1).components()
+    with pytest.raises(SwitchError, match="'moe_tile_n' = 256 is not allowed"):
+        Switches(moe_tile_n=256)

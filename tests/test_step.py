@@ -537,7 +537,10 @@ def test_toggle_list_changes_one_switch_each():
     assert set(tl) == {"kda=triton->reference", "mla=triton->reference", "pad_heads=0->16", "kda_tile_v=auto->16",
                        "mla_partitions=auto->1"}
     tl2 = dict(S.toggle_list(base, Switches(backend={"proj": "triton", "moe": "triton"})))
-    assert {"proj=triton->reference", "moe=triton->reference"} <= set(tl2)
+    assert {"proj=triton->reference", "moe=triton->reference", "moe_tile_n=auto->32"} <= set(tl2)
+    assert tl2["moe_tile_n=auto->32"].moe_tile_n == 32
+    assert "moe_tile_n=32->auto" in dict(S.toggle_list(base.replace(moe_tile_n=32),
+                                                       Switches(backend={"moe": "triton"})))
     for label, sw in tl.items():
         diff = {k for k, v in sw.to_dict().items() if v != base.to_dict()[k]}
         assert len(diff) == 1, (label, diff)
@@ -605,7 +608,7 @@ def test_bench_step_toggles_by_name():
     assert names == ["toggle:pad_heads=0->16"]
     assert any("['split_router']" in n and "not applicable" in n for n in res.bundle.notes)
     with pytest.raises(S.StepError, match="'toggles'"):
-        S.bench_step(_tiny(), AUTO, reps=1, toggles=("moe_tile_n",), log=lambda s: None)
+        S.bench_step(_tiny(), AUTO, reps=1, toggles=("kda_state_dtype",), log=lambda s: None)
     assert dash._toggles("split_router, owned_output") == ("split_router", "owned_output")
     assert dash._toggles("false") is False and dash._toggles(True) is True
 
