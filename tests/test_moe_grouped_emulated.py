@@ -31,7 +31,8 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
     def call(m, **a):
         mod = m.mod["moe_grouped"]
         mod.FEW_PAIRS = 10 ** 6 if few else 0
-        for k, v in {"UP_MEMBERS": 8, "SHARE_FROM": 4, **(settings or {})}.items():  # the defaults, then the case's
+        # the defaults, then the case's
+        for k, v in {"UP_MEMBERS": 8, "SHARE_FROM": 4, "UP_UNROLL": 8, **(settings or {})}.items():
             setattr(mod, k, v)
         mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                         b1=float(moe.b1), b2=float(moe.b2), pdl=pdl, w2_quad=quad2)
@@ -103,6 +104,8 @@ def test_refused_by_name():
             t, 0)
     with pytest.raises(ValueError, match="'SHARE_FROM' .* must be a positive int"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], settings={"SHARE_FROM": 0})
+    with pytest.raises(ValueError, match="'UP_UNROLL' .* must be a positive multiple of 4, got 2"):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], settings={"UP_UNROLL": 2})
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
 

@@ -5,6 +5,8 @@ then REPS eager calls on input sets rotated past L2 under torch.profiler (k3lab.
 kernel's device times beside its own byte floor (up: two thirds of the op's bytes, W1 + W3; down: one third, W2; at
 the read bandwidth of k3lab.harness.timing.probes). Eager calls: no graph-replay figure, and a PDL launch's time
 counts from when it was let in, so a down kernel's time can include some of up's tail.
+BATCH (1) and ROUTING (uniform) set the case (KERNEL=moe_grouped: the grouped kernels' settings, e.g. BATCH=8
+ROUTING=same16).
 Run: python experiments/moe_cute/kernel_split.py $OUT   (writes $OUT/KERNEL_split.json, prints a table)"""
 import importlib
 import json
@@ -18,7 +20,7 @@ from k3lab.harness import checker, timing
 
 KERNEL = os.environ.get("KERNEL", "moe_dense")
 M = importlib.import_module(f"k3lab_kernels.cute.{KERNEL}")
-DTYPES = ("mxfp4",) if KERNEL == "moe_experts" else ("bf16", "fp8")
+DTYPES = ("mxfp4",) if KERNEL in ("moe_experts", "moe_grouped") else ("bf16", "fp8")
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(os.environ.get("REPS", "40"))
@@ -29,7 +31,8 @@ DEFAULTS = {k: getattr(M, k) for k in sorted({k for f in VARIANTS for k in f})}
 pr = timing.probes("cuda")
 rows = []
 for dtype in DTYPES:
-    case = OP.case(dtype=dtype, batch=1, routing="uniform", tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
+    case = OP.case(dtype=dtype, batch=int(os.environ.get("BATCH", "1")), routing=os.environ.get("ROUTING", "uniform"),
+                   tp=8, latent=3584, inter=3072, n_experts=896, top_k=16)
     n_sets = max(2, timing.rotation_count(OP.nbytes(case), timing.l2_bytes()))
     sets = [OP.make_inputs(case, 2000 + i, "cuda") for i in range(n_sets)]
     up_b, down_b = 2 * OP.nbytes(case) / 3, OP.nbytes(case) / 3

@@ -74,7 +74,8 @@ DOWN_TILES = 8      # tiles of 16 latent rows a warp of the down kernel (a CTA: 
 NMEM = 8            # members a tile (the MMA's N)
 UP_MEMBERS = 8      # members an up unit stages (8 or 4: 4 halves the staged z, 58 -> 29 KB, so that four up CTAs
                     # fit an SM's shared memory; a member tile's columns past them repeat member 0, never stored)
-UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together)
+UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together; a multiple
+                    # of 4: 4 / 16 / 28 measured slower, docs/NOTES_moe.md)
 MAX_PAIRS = 4096
 # Few pairs (few groups): more, smaller CTAs so that every SM has warps in flight. Up: FEW_UP_SPLIT warps share a
 # 16-row tile, each over 1/FEW_UP_SPLIT of L, summed through shared memory; down: FEW_DOWN_TILES tiles a warp.
@@ -653,6 +654,9 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     if isinstance(SHARE_FROM, bool) or not isinstance(SHARE_FROM, int) or SHARE_FROM < 1:
         _fail("SHARE_FROM", f"(module setting) must be a positive int, got {SHARE_FROM!r}")
+    # a lane loads four blocks' quad-transposed words at once: 2 ran and gave wrong sums (H100, fifty-ninth session)
+    if isinstance(UP_UNROLL, bool) or not isinstance(UP_UNROLL, int) or UP_UNROLL < 4 or UP_UNROLL % 4:
+        _fail("UP_UNROLL", f"(module setting) must be a positive multiple of 4, got {UP_UNROLL!r}")
     # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
            SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad)
