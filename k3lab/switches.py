@@ -31,7 +31,7 @@ ALLOWED: dict[str, tuple[Any, ...]] = {
     "kda_pdl": (False, True),
     "kda_checkpoint": ("auto", 1, 2, 4, 8),
     "mla_partitions": (*range(1, 65), "auto"),  # any count of split-KV pieces 1..64 (issue 12)
-    "moe_tile_n": ("auto", 16, 32, 64, 128),
+    "moe_tile_n": ("auto", 16, 32, 64),  # 128: the bf16 grouped path's 4 stages do not fit (docs/NOTES_moe.md)
     "prefetch": (False, True),
     "fuse_prologues": (False, True),
     "shared_expert_stream": (False, True),

@@ -87,5 +87,5 @@ def test_moe_tile_n_sets_the_triton_experts_tile(monkeypatch):
     monkeypatch.setattr(model, "_moe_cute_takes", lambda L: True)  # as on a GPU with CuTe DSL at K3's sizes
     with pytest.raises(SwitchError, match="'moe_tile_n' = 32 .* run on 'cute'"):
         build_layer(view, "kda", 0, switches=cute, n_experts=8, layer_index=1).components()
-    with pytest.raises(SwitchError, match="'moe_tile_n' = 256 is not allowed"):
-        Switches(moe_tile_n=256)
+    with pytest.raises(SwitchError, match="'moe_tile_n' = 128 is not allowed"):
+        Switches(moe_tile_n=128)
