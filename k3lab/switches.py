@@ -84,7 +84,7 @@ class Switches:
     mla_partitions: int | str = "auto"  # "auto": the kernel's measured choice for the batch and context
     # the routed experts on the triton backend: intermediate rows a program (block_n of every path of
     # k3lab_kernels.triton.moe_experts); "auto": each path's measured tile (default_blocks). The CuTe experts' tiles are
-    # compile-time constants: another value with the MoE on a backend other than triton is refused (k3lab.model)
+    # compile-time constants: another value with the MoE on cute is refused (k3lab.model); the references have none
     moe_tile_n: int | str = "auto"
     # the step: an L2 prefetch of the next group's weight beside each AttnRes, and of Wo beside the MLA combine
     prefetch: bool = False
