@@ -32,7 +32,8 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
         mod = m.mod["moe_grouped"]
         mod.FEW_PAIRS = 10 ** 6 if few else 0
         # the defaults, then the case's
-        for k, v in {"UP_MEMBERS": 8, "SHARE_FROM": 4, "UP_UNROLL": 8, **(settings or {})}.items():
+        for k, v in {"UP_MEMBERS": 8, "SHARE_FROM": 4, "UP_UNROLL": 8, "UP_LSPLIT": "auto",
+                     **(settings or {})}.items():
             setattr(mod, k, v)
         mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
                         b1=float(moe.b1), b2=float(moe.b2), pdl=pdl, w2_quad=quad2)
@@ -71,6 +72,19 @@ def test_up_members_4():
                                   device="cpu"))
 
 
+@pytest.mark.parametrize("members,lsplit", [(8, True), (4, True), (8, False)])
+def test_up_lsplit(members, lsplit):
+    """UP_LSPLIT: a shared group's h up CTAs each run every tile of the row block over their part of L (staging only
+    that part of z), the parts joined through the global workspace by the CTA whose ticket comes last, in rank order;
+    groups of 9 in member tiles of 8 (or 4), and the tickets are zero again after the call (a second call passes);
+    False: the shares by tiles (every CTA stages all of z)."""
+    shape = dict(SMALL, batch=9, routing="same16", n_experts=4, latent=LARGE, inter=128)
+    settings = {"UP_LSPLIT": lsplit, "UP_MEMBERS": members}
+    for seed in (3, 4):
+        checker.require(checker.check(OP, OP.case(**shape), impl=impl(few=False, settings=settings), seed=seed,
+                                      device="cpu"))
+
+
 def test_more_than_one_round_of_pairs():
     """More than 128 pairs: the group listing's second round of ids (its offsets summed across rounds)."""
     shape = dict(SMALL, batch=43)  # 129 pairs over 8 experts: groups of ~16, two or three member tiles
@@ -106,6 +120,8 @@ def test_refused_by_name():
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], settings={"SHARE_FROM": 0})
     with pytest.raises(ValueError, match="'UP_UNROLL' .* must be a positive multiple of 4, got 2"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], settings={"UP_UNROLL": 2})
+    with pytest.raises(ValueError, match="'UP_LSPLIT' .* must be True, False or 'auto', got 1"):
+        run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], settings={"UP_LSPLIT": 1})
     with pytest.raises(ValueError, match="'pdl' must be None or a bool"):
         run(d["z"], d["idx"], d["weights_k"], d["moe"], d["y"], pdl=1)
 

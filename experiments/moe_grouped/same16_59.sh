@@ -5,6 +5,8 @@
 #   split     each kernel's device time (eager, torch.profiler): one-token at batch 1, grouped at batch 8 same16
 #   ncu       ncu of the same two pairs of kernels (third call)
 #   unroll    UP_UNROLL (blocks of L an up step) 8 / 16 / 28 at batch 8 same16 and batch 64 uniform
+#   lsplit    UP_LSPLIT (a shared group's up CTAs by parts of L, joined in global memory) off / on at batch 8 same16
+#             and batch 16 / 64 uniform
 set -uo pipefail
 eval "$(bash .gpu/cute/unpack.sh)"
 . experiments/device_setup.sh b1
@@ -38,4 +40,10 @@ unroll)
     2>&1 | tail -n 4
   BATCHES=64 ROUTINGS=uniform VARIANTS="$V" timeout 250 python3 experiments/moe_grouped/variants.py "$OUT/b64" 15 \
     2>&1 | tail -n 4 ;;
+lsplit)
+  V='[{}, {"UP_LSPLIT": true}]'
+  BATCHES=8 ROUTINGS=same16 VARIANTS="$V" timeout 150 python3 experiments/moe_grouped/variants.py "$OUT/b8" 20 \
+    2>&1 | tail -n 3
+  BATCHES=16,64 ROUTINGS=uniform VARIANTS="$V" timeout 200 python3 experiments/moe_grouped/variants.py "$OUT/b64" 15 \
+    2>&1 | tail -n 6 ;;
 esac

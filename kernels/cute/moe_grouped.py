@@ -26,7 +26,10 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
         Few groups (a group of at least SHARE_FROM members, e.g. every token on the same 16 experts): the members'
         CTAs, which would exit, share the leader's units (member tile, share of the block's 16-row tiles): h <=
         UP_SHARE shares, a unit's tiles 4 / h, each over h warps' parts of L summed as above; member of rank r runs
-        units r, r + count, ... (at batch 8 on 16 experts: 16 x 6 x 4 busy CTAs instead of 16 x 6 leaders).
+        units r, r + count, ... (at batch 8 on 16 experts: 16 x 6 x 4 busy CTAs instead of 16 x 6 leaders). With
+        UP_LSPLIT (up to SHARE_LARGE_PAIRS pairs) a share is instead a part of L: every tile of the block (a warp a
+        tile) over L's part r, only that part of z staged, the h parts' sums through a global workspace, added in
+        rank order by the CTA whose ticket (an int32 per member tile and row block, zero between calls) comes last.
   down  a CTA per (pair p, 64 DOWN_TILES latent rows), PDL after up (it waits for up before reading anything); the
         same group listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16
         latent rows: the members' act words are the B fragments (loaded once a member tile), every block of I's W2
@@ -89,6 +92,13 @@ FEW_DOWN_TILES = 1
 # sharing off.
 UP_SHARE = 4
 UP_SHARE_LARGE = 2     # UP_SHARE above SHARE_LARGE_PAIRS pairs (batch 16 and up at top-16)
+# up shares by parts of L (UP_LSPLIT): each of a member tile's h CTAs runs all of the row block's 16-row tiles (a warp
+# a tile) over its part rank of L, staging only that part of z; the parts' sums go through a global workspace and
+# the CTA whose ticket comes last adds them in rank order (deterministic) and stores act. False: each CTA runs 4 / h
+# of the tiles over all of L, its warps over parts of L summed in shared memory (every CTA stages all of z). "auto":
+# on up to SHARE_LARGE_PAIRS pairs (the shares of 4). H100 (docs/NOTES_moe.md, fifty-ninth session): batch 8 same16
+# 27.96 against 30.08 us; uniform batch 16 211.00 against 209.74, 64 548.47 against 548.81.
+UP_LSPLIT = "auto"
 SHARE_LARGE_PAIRS = 128
 DOWN_SHARE = 4
 SHARE_FROM = 4
@@ -308,7 +318,7 @@ def _kernel_classes():
 
     class Up:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
-                     share: int, share_from: int, members: int = NMEM):
+                     share: int, share_from: int, members: int = NMEM, lsplit: bool = False):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.N = B * K
@@ -329,18 +339,19 @@ def _kernel_classes():
             # sharing) keeps its own buffer
             self.RED_Z = share > 1
             assert not self.RED_Z or members * self.ZP >= _THREADS * 8
+            self.LS = bool(lsplit) and share > 1 and split == 1  # shares by parts of L (UP_LSPLIT)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                     p_y: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_y).launch(
+                     p_y: cute.Pointer, p_part: cute.Pointer, p_cnt: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_y, p_part, p_cnt).launch(
                 grid=[self.N * self.RT, 1, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                    p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
-                   p_y: cute.Pointer):
+                   p_y: cute.Pointer, p_part: cute.Pointer, p_cnt: cute.Pointer):
             K, I, L, N, RT, ZP = self.K, self.I, self.L, self.N, self.RT, self.ZP
             NB = L // 32
             RW = L // 8
@@ -353,7 +364,7 @@ def _kernel_classes():
             smem = cutlass.utils.SmemAllocator()
             s_z = smem.allocate_tensor(Int32, cute.make_layout(self.NM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
-            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 2), byte_alignment=16)
+            s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 3), byte_alignment=16)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(
                 _THREADS * 8 if self.S * self.H > 1 and not self.RED_Z else 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
@@ -369,22 +380,36 @@ def _kernel_classes():
             h, first, stride, n_units = share_units(p, cnt, n_mt, tid, s_mem, s_wc, WC(self.RND) + 1,
                                                     self.H.bit_length() - 1, self.FROM)
             S = self.S * h               # warps a tile (CTA-uniform)
+            if cutlass.const_expr(self.LS):
+                S = Int32(1)             # a warp a tile; the CTA's part of L is its share rank (below)
             kp = warp % S                # this warp's part of L: steps kp NG / S .. (kp + 1) NG / S - 1
-            jb = (kp * NG) // S * UJ
-            je = ((kp + 1) * NG) // S * UJ
             for unit in range(first, n_units, stride):
                 mt = unit // h
                 rr = unit - mt * h
-                r0 = (c % RT) * self.ROWS + 16 * (rr * (4 // S) + warp // S)
+                part = kp
+                parts = S
+                tile = rr * (4 // S) + warp // S
+                if cutlass.const_expr(self.LS):
+                    part = rr            # UP_LSPLIT: every tile, this share's part of L
+                    parts = h
+                    tile = warp
+                jb = (part * NG) // parts * UJ
+                je = ((part + 1) * NG) // parts * UJ
+                r0 = (c % RT) * self.ROWS + 16 * tile
                 ra = e * I + r0 + 2 * g  # this lane's two rows: MMA rows g (ra) and g + 8 (ra + 1)
                 tc = cnt - mt * self.NM
                 if tc > self.NM:
                     tc = Int32(self.NM)
                 # the tile's z rows as f16 pairs of 2^6 z, each 32-block's 16 pairs stored lane-major: pair 4 cc + t
                 # at 4 t + cc, so lane t's four B-fragment pairs of a block are one 16-byte read
-                for i in range(tid, tc * L16, _THREADS):
-                    n = i // L16
-                    j = i - n * L16
+                sj0 = Int32(0)           # the blocks of z staged: all of L, or (UP_LSPLIT) this share's part
+                sjn = Int32(L16)
+                if cutlass.const_expr(self.LS):
+                    sj0 = jb
+                    sjn = je - jb
+                for i in range(tid, tc * sjn, _THREADS):
+                    n = i // sjn
+                    j = sj0 + i - n * sjn
                     b = s_mem[mt * self.NM + n] // K
                     zr = cute.make_rmem_tensor((16,), Int32)
                     cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 16 * j, divby=4), 16), zr)
@@ -440,7 +465,34 @@ def _kernel_classes():
                                         acc[u] = acc[u] + Int32(s_z[((warp + k) * 8 + u) * 32 + lane]).bitcast(Float32)
                                     else:
                                         acc[u] = acc[u] + s_red[((warp + k) * 8 + u) * 32 + lane]
-                if kp == 0:              # the tile's first warp (every warp when S = 1) stores act
+                store = kp == 0
+                if cutlass.const_expr(self.LS):
+                    if h > 1:            # the h parts of L joined: the CTA whose ticket comes last adds them
+                        key = s_mem[mt * self.NM] * RT + c % RT   # the member tile's first pair x the row block
+                        pb = ((key * self.H + rr) * 4 + warp) * 256 + lane
+                        for u in cutlass.range_constexpr(8):
+                            vec(p_part, pb + 32 * u, 1)[0] = acc[u]
+                        cute.arch.sync_threads()
+                        if tid == 0:
+                            cute.arch.fence_acq_rel_gpu()
+                            old = cute.arch.atomic_add(p_cnt + key, Int32(1), sem="acq_rel", scope="gpu")
+                            last = Int32(0)
+                            if old == h - 1:
+                                last = Int32(1)
+                                cute.arch.atomic_add(p_cnt + key, -h, sem="relaxed", scope="gpu")  # zero again
+                            cute.arch.fence_acq_rel_gpu()
+                            s_wc[WC(self.RND) + 2] = last
+                        cute.arch.sync_threads()
+                        store = s_wc[WC(self.RND) + 2] == 1
+                        if store:
+                            for u in cutlass.range_constexpr(8):
+                                acc[u] = Float32(0.0)
+                            for q in range(h):
+                                qb = ((key * self.H + q) * 4 + warp) * 256 + lane
+                                for u in cutlass.range_constexpr(8):
+                                    acc[u] = acc[u] + cute.arch.load(p_part + (qb + 32 * u), Float32, sem="relaxed",
+                                                                     scope="gpu")
+                if store:                # the tile's first warp (every warp when S = 1) stores act
                     for col in cutlass.range_constexpr(2):
                         if 2 * t + col < tc:
                             q = s_mem[mt * self.NM + 2 * t + col]
@@ -556,6 +608,19 @@ def _kernel_classes():
 
 _COMPILED: dict[tuple, Any] = {}
 _WS: dict[tuple, torch.Tensor] = {}
+_JOIN: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _join_workspace(dev, keys: int, share: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """UP_LSPLIT's parts (fp32, [keys, share, 4 warps, 8, 32]: a member tile's first pair x row block) and its tickets
+    (int32 [keys], zero between calls: the last CTA of a unit takes its count back); one word each without it.
+    Cached per device and size: make the first call outside a CUDA graph capture."""
+    n = keys if share else 1
+    k = (dev.index, n, share)
+    if k not in _JOIN:
+        _JOIN[k] = (torch.empty(max(1, n * share * 4 * 256), dtype=torch.float32, device=dev),
+                    torch.empty(n, dtype=torch.int32, device=dev).zero_())
+    return _JOIN[k]
 
 
 def _fail(name: str, msg: str):
@@ -643,13 +708,18 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     if act is None:
         act = _WS[key_ws] = torch.empty(B * K, I // 2, dtype=torch.int32, device=dev)
     I32, F32 = cutlass.Int32, cutlass.Float32
-    up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4),
-               gmem_ptr(wk, F32, 4), gmem_ptr(w1, I32, 16), gmem_ptr(w3, I32, 16), gmem_ptr(sw[0], I32, 4),
-               gmem_ptr(sw[1], I32, 4), gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
-    down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
-                 gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     split, tiles = shape_config(B * K)
     up_share, down_share = share_config(L, split, tiles, B * K)
+    if UP_LSPLIT is not True and UP_LSPLIT is not False and UP_LSPLIT != "auto":
+        _fail("UP_LSPLIT", f"(module setting) must be True, False or 'auto', got {UP_LSPLIT!r}")
+    lsplit = (UP_LSPLIT is True or (UP_LSPLIT == "auto" and B * K <= SHARE_LARGE_PAIRS)) and up_share > 1 and split == 1
+    part, cnt = _join_workspace(dev, B * K * (I // UP_ROWS), up_share if lsplit else 0)
+    up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4),
+               gmem_ptr(wk, F32, 4), gmem_ptr(w1, I32, 16), gmem_ptr(w3, I32, 16), gmem_ptr(sw[0], I32, 4),
+               gmem_ptr(sw[1], I32, 4), gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16), gmem_ptr(part, F32, 16),
+               gmem_ptr(cnt, I32, 4)]
+    down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
+                 gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
     if UP_MEMBERS not in (4, 8):
         _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     if isinstance(SHARE_FROM, bool) or not isinstance(SHARE_FROM, int) or SHARE_FROM < 1:
@@ -659,7 +729,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("UP_UNROLL", f"(module setting) must be a positive multiple of 4, got {UP_UNROLL!r}")
     # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad)
+           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, lsplit)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -669,7 +739,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS)
+            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS, lsplit)
             fns = (cute.compile(up, *up_args, stream),
                    cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM, w2_quad), *down_args,
                                 stream))
