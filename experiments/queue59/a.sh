@@ -9,14 +9,4 @@ set -uo pipefail
 timeout 230 python3 -m k3lab.cli bench moe --ops moe_experts --backends triton --no-variants --no-peers --reps 15 \
   --grid tp=8 --grid latent=3584 --grid inter=3072 --grid n_experts=896 --grid top_k=16 --grid dtype=bf16 \
   --grid routing=uniform --grid batch=64,16 --grid num_stages=4,3,5 --grid num_warps=4 --out "$OUT/q" \
-  --name moe_bf16_tiles59 --deadline 200 2>&1 | grep -E "rror" | cut -c1-160
-python3 - "$OUT/q" <<'PY'
-import json, sys, pathlib
-for f in sorted(pathlib.Path(sys.argv[1]).rglob("*59.json")):
-    print(f.name)
-    for r in json.load(open(f))["rows"]:
-        e = r["extra"]
-        o = ",".join(f"{k}={v}" for k, v in e.get("options", {}).items() if v is not None)
-        print(f" b{e.get('batch')} {o} {r['median_us']:.2f} {r['pct_of_bw'] or 0:.1f}% "
-              f"{'ok' if r['error']['ok'] else 'FAIL'}")
-PY
+  --name moe_bf16_tiles59 --deadline 200 2>&1 | grep -E "^moe_experts|rror" | cut -c1-160  # the bench's own rows
