@@ -150,7 +150,7 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
                          ("last", {"k3lab_kernels.triton.proj_gemv:RED_MIN_BM": 1 << 30,
                                    "k3lab_kernels.triton.proj_gemv:RED_MAX_TILES": 0})),
          # the MLA split's lazy rescale forced off / on (DEFAULT_LAZY; the rule `default_lazy` turns it on for
-         # verifies of >= 4 positions from batch 32; docs/NOTES_mla.md, forty-sixth and forty-seventh sessions)
+         # verifies of >= 4 positions from batch 32; docs/NOTES_mla.md, forty-sixth to fifty-third sessions)
          "mla_lazy": (("eager", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": False}),
                       ("lazy", {"k3lab_kernels.triton.mla_decode:DEFAULT_LAZY": True})),
          "mla_fuse": (("two", {"k3lab_kernels.triton.mla_decode:DEFAULT_FUSE_MERGE": False}),

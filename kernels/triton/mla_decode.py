@@ -555,7 +555,7 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
     """o_lat[b, th] = sum_k w_k o_part[b, k, th], w_k = exp(lse_k - lse), lse = log sum_k exp(lse_k), for
     RB rows (b, th) (th = t * H + h) and BC columns a program, KB partials a step, in ONE pass (a running
     max rescales what is summed so far: the lse and o loads of a step are issued together). Its own body, not
-    `_merge_unit` one row at a time (slower at batch 1: docs/NOTES_mla.md, fiftieth section)."""
+    `_merge_unit` one row at a time (slower at batch 1: docs/NOTES_mla.md, forty-sixth to fifty-third sessions)."""
     if PDL:  # launched with PDL: the split's partials are complete and visible after this
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # a PDL successor may launch now
@@ -649,7 +649,7 @@ def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pag
     batch 16, which keep 64 positions and two stages (there three stages lost). Measured on an H100, 8-28 % off the
     split at T = 1 from batch 8 and for the verify below batch 16: profiles/h100-80gb-hbm3/mla_contig.json.gz,
     mla_contig_t4.json.gz, mla_contig_t28.json.gz (git history at `1fc86d9` / `ebeda97` / `1affc20`); the figures in
-    docs/NOTES_mla.md (fifty-first and fifty-second sections)."""
+    docs/NOTES_mla.md (forty-sixth to fifty-third sessions)."""
     if not paged:
         return CONTIG_STREAMED and (BM == 16 or (BM == 32 and B < 16))
     return dcp == 1 and page % 32 == 0 and preload_pages != 0
