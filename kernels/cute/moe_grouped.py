@@ -614,7 +614,8 @@ _JOIN: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def _join_workspace(dev, keys: int, share: int) -> tuple[torch.Tensor, torch.Tensor]:
     """UP_LSPLIT's parts (fp32, [keys, share, 4 warps, 8, 32]: a member tile's first pair x row block) and its tickets
     (int32 [keys], zero between calls: the last CTA of a unit takes its count back); one word each without it.
-    Cached per device and size: make the first call outside a CUDA graph capture."""
+    Cached per device and size: make the first call outside a CUDA graph capture; like `act`, one call at a time a
+    device (two streams running the grouped kernels at once would share the tickets)."""
     n = keys if share else 1
     k = (dev.index, n, share)
     if k not in _JOIN:
