@@ -10,6 +10,8 @@
 #   chunks    (sixtieth session) UP_LSPLIT with z staged a chunk at a time (shared memory no longer holds 3 CTAs an
 #             SM): batch 1 same16 (the one-token kernels), batch 8 same16 and uniform with UP_LSPLIT off / on and
 #             UP_SHARE 8 (every member's CTA a part of L) with UP_UNROLL 8 / 4, batch 64 uniform off / on
+#   cap       the up kernel's registers capped (UP_CTAS_PER_SM 4 / 5 / 6 CTAs an SM; 142 a thread held it to 3) at
+#             batch 8 same16 and uniform
 set -uo pipefail
 eval "$(bash .gpu/cute/unpack.sh)"
 . experiments/device_setup.sh b1
@@ -58,4 +60,9 @@ chunks)
   V='[{"UP_LSPLIT": false}, {"UP_LSPLIT": true}]'
   BATCHES=64 ROUTINGS=uniform VARIANTS="$V" timeout 150 python3 experiments/moe_grouped/variants.py "$OUT/b64" 15 \
     2>&1 | tail -n 4 ;;
+cap)
+  V='[{}, {"UP_LSPLIT": false}, {"UP_CTAS_PER_SM": 4}, {"UP_CTAS_PER_SM": 5}, {"UP_CTAS_PER_SM": 4, "UP_SHARE": 8},
+      {"UP_CTAS_PER_SM": 6, "UP_SHARE": 8, "UP_UNROLL": 4}]'
+  BATCHES=8 ROUTINGS=same16,uniform VARIANTS="$V" timeout 330 python3 experiments/moe_grouped/variants.py "$OUT/b8" \
+    20 2>&1 | tail -n 15 ;;
 esac

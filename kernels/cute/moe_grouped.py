@@ -104,6 +104,7 @@ SHARE_LARGE_PAIRS = 128
 DOWN_SHARE = 4
 SHARE_FROM = 4
 DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
+UP_CTAS_PER_SM = 0    # the up kernel's with UP_LSPLIT (0: as compiled; 142 registers a thread, three CTAs an SM, H100)
 # Requesting a unit's weights into L2 at its start (UP_L2 / DOWN_L2) was timed and lost (2-33 % slower at batch 8-64,
 # uniform and same16, on an H100: profiles/h100-80gb-hbm3/moe_grouped_l2_variants.json.gz, retired for room:
 # git history at ed41b45); git history has the requests too.
@@ -370,7 +371,8 @@ def _kernel_classes():
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                      p_y: cute.Pointer, p_part: cute.Pointer, p_cnt: cute.Pointer, stream: cuda.CUstream):
             self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_y, p_part, p_cnt).launch(
-                grid=[self.N * self.RT, 1, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[self.N * self.RT, 1, 1], block=[_THREADS, 1, 1], max_number_threads=[_THREADS, 1, 1],
+                min_blocks_per_mp=UP_CTAS_PER_SM if self.LS else 0, stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -739,6 +741,8 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     split, tiles = shape_config(B * K)
     if UP_LSPLIT is not True and UP_LSPLIT is not False and UP_LSPLIT != "auto":
         _fail("UP_LSPLIT", f"(module setting) must be True, False or 'auto', got {UP_LSPLIT!r}")
+    if isinstance(UP_CTAS_PER_SM, bool) or UP_CTAS_PER_SM not in range(0, 9):
+        _fail("UP_CTAS_PER_SM", f"(module setting) must be an int 0..8, got {UP_CTAS_PER_SM!r}")
     if isinstance(UP_SHARE, bool) or UP_SHARE not in (1, 2, 4, 8):
         _fail("UP_SHARE", f"(module setting) must be 1, 2, 4 or 8, got {UP_SHARE!r}")
     lsplit = (UP_LSPLIT is True or (UP_LSPLIT == "auto" and B * K <= SHARE_LARGE_PAIRS)) and split == 1
@@ -760,7 +764,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("UP_UNROLL", f"(module setting) must be a positive multiple of 4, got {UP_UNROLL!r}")
     # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, lsplit)
+           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, lsplit, UP_CTAS_PER_SM)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
