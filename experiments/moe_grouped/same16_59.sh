@@ -7,11 +7,7 @@
 #   unroll    UP_UNROLL (blocks of L an up step) 8 / 16 / 28 at batch 8 same16 and batch 64 uniform
 #   lsplit    UP_LSPLIT (a shared group's up CTAs by parts of L, joined in global memory) off / on at batch 8 same16
 #             and batch 16 / 64 uniform
-#   chunks    (sixtieth session) UP_LSPLIT with z staged a chunk at a time (shared memory no longer holds 3 CTAs an
-#             SM): batch 1 same16 (the one-token kernels), batch 8 same16 and uniform with UP_LSPLIT off / on and
-#             UP_SHARE 8 (every member's CTA a part of L) with UP_UNROLL 8 / 4, batch 64 uniform off / on
-#   cap       the up kernel's registers capped (UP_CTAS_PER_SM 4 / 5 / 6 CTAs an SM; 142 a thread held it to 3) at
-#             batch 8 same16 and uniform
+#   (the sixtieth session's modes chunks / cap ran code that is gone: git history at 37d2bf7)
 set -uo pipefail
 eval "$(bash .gpu/cute/unpack.sh)"
 . experiments/device_setup.sh b1
@@ -51,18 +47,4 @@ lsplit)
     2>&1 | tail -n 3
   BATCHES=16,64 ROUTINGS=uniform VARIANTS="$V" timeout 200 python3 experiments/moe_grouped/variants.py "$OUT/b64" 15 \
     2>&1 | tail -n 6 ;;
-chunks)
-  BATCHES=1 ROUTINGS=same16 VARIANTS='[{}]' timeout 100 python3 experiments/moe_grouped/variants.py "$OUT/b1" 20 \
-    2>&1 | tail -n 2
-  V='[{}, {"UP_LSPLIT": false}, {"UP_SHARE": 8}, {"UP_SHARE": 8, "UP_UNROLL": 4}, {"UP_UNROLL": 4}]'
-  BATCHES=8 ROUTINGS=same16,uniform VARIANTS="$V" timeout 260 python3 experiments/moe_grouped/variants.py "$OUT/b8" \
-    20 2>&1 | tail -n 13
-  V='[{"UP_LSPLIT": false}, {"UP_LSPLIT": true}]'
-  BATCHES=64 ROUTINGS=uniform VARIANTS="$V" timeout 150 python3 experiments/moe_grouped/variants.py "$OUT/b64" 15 \
-    2>&1 | tail -n 4 ;;
-cap)
-  V='[{}, {"UP_LSPLIT": false}, {"UP_CTAS_PER_SM": 4}, {"UP_CTAS_PER_SM": 5}, {"UP_CTAS_PER_SM": 4, "UP_SHARE": 8},
-      {"UP_CTAS_PER_SM": 6, "UP_SHARE": 8, "UP_UNROLL": 4}]'
-  BATCHES=8 ROUTINGS=same16,uniform VARIANTS="$V" timeout 330 python3 experiments/moe_grouped/variants.py "$OUT/b8" \
-    20 2>&1 | tail -n 15 ;;
 esac

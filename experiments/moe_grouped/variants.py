@@ -31,7 +31,7 @@ ROUTINGS = os.environ.get("ROUTINGS", "uniform").split(",")
 # UP_LSPLIT in the fifty-ninth session's batch-64 rows, docs/NOTES_moe.md)
 DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES", "FEW_PAIRS", "FEW_UP_SPLIT", "FEW_DOWN_TILES",
                                        "UP_SHARE", "UP_SHARE_LARGE", "SHARE_LARGE_PAIRS", "DOWN_SHARE", "SHARE_FROM",
-                                       "DOWN_CTAS_PER_SM", "UP_MEMBERS", "UP_LSPLIT", "UP_CTAS_PER_SM")}
+                                       "DOWN_CTAS_PER_SM", "UP_MEMBERS", "UP_LSPLIT")}
 DEFAULTS.update({k: getattr(M, k) for f in VARIANTS for k in f if k != "path"})
 
 rows = []

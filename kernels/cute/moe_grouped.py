@@ -27,10 +27,9 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
         CTAs, which would exit, share the leader's units (member tile, share of the block's 16-row tiles): h <=
         UP_SHARE shares, a unit's tiles 4 / h, each over h warps' parts of L summed as above; member of rank r runs
         units r, r + count, ... (at batch 8 on 16 experts: 16 x 6 x 4 busy CTAs instead of 16 x 6 leaders). With
-        UP_LSPLIT (up to SHARE_LARGE_PAIRS pairs) a share is instead a part of L (h up to 8 there): every tile of
-        the block (a warp a tile) over L's part r, z staged a chunk of a two-share part at a time (one chunk for a
-        shared unit, two for a leader's own), the h parts' sums through a global workspace, added in rank order by
-        the CTA whose ticket (an int32 per member tile and row block, zero between calls) comes last.
+        UP_LSPLIT (up to SHARE_LARGE_PAIRS pairs) a share is instead a part of L: every tile of the block (a warp a
+        tile) over L's part r, only that part of z staged, the h parts' sums through a global workspace, added in
+        rank order by the CTA whose ticket (an int32 per member tile and row block, zero between calls) comes last.
   down  a CTA per (pair p, 64 DOWN_TILES latent rows), PDL after up (it waits for up before reading anything); the
         same group listing, the leader only. Warp w runs DOWN_TILES tiles (FEW_DOWN_TILES for few pairs) of 16
         latent rows: the members' act words are the B fragments (loaded once a member tile), every block of I's W2
@@ -99,12 +98,14 @@ UP_SHARE_LARGE = 2     # UP_SHARE above SHARE_LARGE_PAIRS pairs (batch 16 and up
 # of the tiles over all of L, its warps over parts of L summed in shared memory (every CTA stages all of z). "auto":
 # on up to SHARE_LARGE_PAIRS pairs (the shares of 4). H100 (docs/NOTES_moe.md, fifty-ninth session): batch 8 same16
 # 27.96 against 30.08 us; uniform batch 16 211.00 against 209.74 (batch 64 not measured off against on).
+# Staging z a chunk at a time under it (so that shared memory held four CTAs an SM, not three), the up kernel's
+# registers capped to four or five CTAs an SM, and shares of 8 were level or slower (docs/NOTES_moe.md, sixtieth
+# session; code in git history at 37d2bf7).
 UP_LSPLIT = "auto"
 SHARE_LARGE_PAIRS = 128
 DOWN_SHARE = 4
 SHARE_FROM = 4
 DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
-UP_CTAS_PER_SM = 0    # the up kernel's with UP_LSPLIT (0: as compiled; 142 registers a thread, three CTAs an SM, H100)
 # Requesting a unit's weights into L2 at its start (UP_L2 / DOWN_L2) was timed and lost (2-33 % slower at batch 8-64,
 # uniform and same16, on an H100: profiles/h100-80gb-hbm3/moe_grouped_l2_variants.json.gz, retired for room:
 # git history at ed41b45); git history has the requests too.
@@ -318,24 +319,6 @@ def _kernel_classes():
                 n_units = n_mt * h
         return h, first, stride, n_units
 
-    @cute.jit
-    def stage_z(p_z: cute.Pointer, s_z: cute.Tensor, s_mem: cute.Tensor, m0: Int32, tc: Int32, sj0: Int32, sjn: Int32,
-                tid: Int32, K: cutlass.Constexpr, L: cutlass.Constexpr, ZP: cutlass.Constexpr):
-        """Blocks sj0 .. sj0 + sjn - 1 of the z rows of members s_mem[m0 .. m0 + tc) (their tokens' rows) into s_z as
-        f16 pairs of 2^6 z, block j of member n at word n ZP + 16 (j - sj0), each 32-block's 16 pairs lane-major:
-        pair 4 cc + t at 4 t + cc, so lane t's four B-fragment pairs of a block are one 16-byte read. Every thread
-        of the CTA takes part (no barrier here)."""
-        for i in range(tid, tc * sjn, _THREADS):
-            n = i // sjn
-            j = i - n * sjn
-            b = s_mem[m0 + n] // K
-            zr = cute.make_rmem_tensor((16,), Int32)
-            cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 16 * (sj0 + j), divby=4), 16), zr)
-            zt = cute.make_rmem_tensor((16,), Int32)
-            for u in cutlass.range_constexpr(16):
-                zt[4 * (u % 4) + u // 4] = to_f16x2(zr[u])
-            cute.autovec_copy(zt, vec(s_z.iterator, cute.assume(n * ZP + 16 * j, divby=4), 16))
-
     class Up:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
                      share: int, share_from: int, members: int = NMEM, lsplit: bool = False):
@@ -345,34 +328,28 @@ def _kernel_classes():
             self.S = split               # warps a 16-row tile, each over a part of L (times a shared group's h)
             self.ROWS = UP_ROWS // split  # rows a CTA
             self.RT = I // self.ROWS
+            # words between staged z rows, 16 mod 32 banks: a quarter warp's 16-byte fragment reads (members g, g + 1,
+            # lanes t 0..3) then cover the 32 banks once
+            self.ZP = L // 2 + (16 - L // 2) % 32
             self.RND = (self.N + _THREADS - 1) // _THREADS
             self.UJ = up_unroll(L // 32, split)
             self.NM = members            # members a member tile (the MMA's N is 8; 4: half the staged z)
             self.H = share               # most CTAs sharing a group's row block (1: the leader runs it alone)
             self.FROM = share_from       # a group's members from which it shares
-            self.LS = bool(lsplit) and share > 1 and split == 1  # shares by parts of L (UP_LSPLIT)
-            # blocks of z staged at a time: all of L; with UP_LSPLIT a part of L at two shares (one chunk for every
-            # shared unit, two for a unit its leader runs alone), so that the staged z no longer bounds the CTAs an SM
-            # (all of L at K3's latent and 8 members: 58 KB, three CTAs)
-            nb = L // 32
-            self.CHB = -(-(nb // self.UJ) // 2) * self.UJ if self.LS else nb
-            # words between staged z rows, 16 mod 32 banks: a quarter warp's 16-byte fragment reads (members g, g + 1,
-            # lanes t 0..3) then cover the 32 banks once
-            self.ZP = 16 * self.CHB + (16 - 16 * self.CHB) % 32
             # a shared group's sums of S parts of L go through the staged z's words (after a barrier; at least 4 x
             # 272 words at L >= 512, which sharing needs): a separate 4 KB would take three CTAs an SM past 196 KB of
             # shared memory, leaving L1 28 KB where 60 KB were (the carveout's next step); the few-pairs shape (no
-            # sharing) keeps its own buffer; UP_LSPLIT sums in global memory
-            self.RED_Z = share > 1 and not self.LS
+            # sharing) keeps its own buffer
+            self.RED_Z = share > 1
             assert not self.RED_Z or members * self.ZP >= _THREADS * 8
+            self.LS = bool(lsplit) and share > 1 and split == 1  # shares by parts of L (UP_LSPLIT)
 
         @cute.jit
         def __call__(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
                      p_w3: cute.Pointer, p_s1: cute.Pointer, p_s3: cute.Pointer, p_act: cute.Pointer,
                      p_y: cute.Pointer, p_part: cute.Pointer, p_cnt: cute.Pointer, stream: cuda.CUstream):
             self.kernel(p_z, p_idx, p_wk, p_w1, p_w3, p_s1, p_s3, p_act, p_y, p_part, p_cnt).launch(
-                grid=[self.N * self.RT, 1, 1], block=[_THREADS, 1, 1], max_number_threads=[_THREADS, 1, 1],
-                min_blocks_per_mp=UP_CTAS_PER_SM if self.LS else 0, stream=stream, use_pdl=self.pdl)
+                grid=[self.N * self.RT, 1, 1], block=[_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(self, p_z: cute.Pointer, p_idx: cute.Pointer, p_wk: cute.Pointer, p_w1: cute.Pointer,
@@ -392,7 +369,7 @@ def _kernel_classes():
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 3), byte_alignment=16)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(
-                _THREADS * 8 if self.S * self.H > 1 and not self.RED_Z and not self.LS else 1), byte_alignment=16)
+                _THREADS * 8 if self.S * self.H > 1 and not self.RED_Z else 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_wait()  # idx, wk and z come from the kernels before; y may be read there
             for i in range(c * _THREADS + tid, self.B * L, N * RT * _THREADS):
@@ -428,14 +405,21 @@ def _kernel_classes():
                     tc = Int32(self.NM)
                 # the tile's z rows as f16 pairs of 2^6 z, each 32-block's 16 pairs stored lane-major: pair 4 cc + t
                 # at 4 t + cc, so lane t's four B-fragment pairs of a block are one 16-byte read
-                sj0 = Int32(0)           # the blocks of z staged: all of L, or (UP_LSPLIT) CHB blocks of this share's
-                sjn = Int32(L16)         # part at a time, from block sj0 (block j at word 16 (j - sj0) of a row)
+                sj0 = Int32(0)           # the blocks of z staged: all of L, or (UP_LSPLIT) this share's part
+                sjn = Int32(L16)
                 if cutlass.const_expr(self.LS):
                     sj0 = jb
                     sjn = je - jb
-                    if sjn > self.CHB:
-                        sjn = Int32(self.CHB)
-                stage_z(p_z, s_z, s_mem, mt * self.NM, tc, sj0, sjn, tid, K, L, ZP)
+                for i in range(tid, tc * sjn, _THREADS):
+                    n = i // sjn
+                    j = sj0 + i - n * sjn
+                    b = s_mem[mt * self.NM + n] // K
+                    zr = cute.make_rmem_tensor((16,), Int32)
+                    cute.autovec_copy(vec(p_z, cute.assume(b * (L // 2) + 16 * j, divby=4), 16), zr)
+                    zt = cute.make_rmem_tensor((16,), Int32)
+                    for u in cutlass.range_constexpr(16):
+                        zt[4 * (u % 4) + u // 4] = to_f16x2(zr[u])
+                    cute.autovec_copy(zt, vec(s_z.iterator, cute.assume(n * ZP + 16 * j, divby=4), 16))
                 cute.arch.sync_threads()
                 gz = g
                 if g >= tc:
@@ -449,22 +433,13 @@ def _kernel_classes():
                 nxt = cute.make_rmem_tensor((NW,), Int32)
                 load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb, cur, UJ, SW, NB, RW)
                 for j0 in range(jb, je, UJ):
-                    if cutlass.const_expr(self.LS):
-                        if j0 - sj0 >= self.CHB:   # the next chunk of z (CTA-uniform: the part is the CTA's)
-                            cute.arch.sync_threads()   # every warp done with the chunk before
-                            sj0 = j0
-                            sjn = je - j0
-                            if sjn > self.CHB:
-                                sjn = Int32(self.CHB)
-                            stage_z(p_z, s_z, s_mem, mt * self.NM, tc, sj0, sjn, tid, K, L, ZP)
-                            cute.arch.sync_threads()
                     # the last step loads the first again (unused)
                     load_step(p_w1, p_w3, p_s1, p_s3, ra, t, jb + (j0 - jb + UJ) % (je - jb), nxt, UJ, SW, NB, RW)
                     fs = [[step_factors(cur, m, hh, ra, j0, UJ, SW, NB) for hh in range(2)] for m in range(2)]
                     for u in cutlass.range_constexpr(UJ):
                         zb = cute.make_rmem_tensor((4,), Int32)
-                        cute.autovec_copy(vec(s_z.iterator, cute.assume(gz * ZP + 16 * (j0 - sj0 + u) + 4 * t,
-                                                                        divby=4), 4), zb)
+                        cute.autovec_copy(vec(s_z.iterator, cute.assume(gz * ZP + 16 * (j0 + u) + 4 * t, divby=4), 4),
+                                          zb)
                         for m in cutlass.range_constexpr(2):
                             da = decode(cur[(2 * m) * UJ + u])
                             db = decode(cur[(2 * m + 1) * UJ + u])
@@ -476,7 +451,7 @@ def _kernel_classes():
                             acc[4 * m + 3] = acc[4 * m + 3] + d[3] * fs[m][1][u]
                     for u in cutlass.range_constexpr(NW):
                         cur[u] = nxt[u]
-                if cutlass.const_expr(self.S * self.H > 1 and not self.LS):
+                if cutlass.const_expr(self.S * self.H > 1):
                     if S > 1:            # the tile's S parts of L summed into its first warp
                         if cutlass.const_expr(self.RED_Z):  # through z's words: every warp done reading them first
                             cute.arch.sync_threads()
@@ -671,16 +646,15 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def share_config(L: int, split: int, tiles: int, pairs: int = 0, lsplit: bool = False) -> tuple[int, int]:
+def share_config(L: int, split: int, tiles: int, pairs: int = 0) -> tuple[int, int]:
     """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE (UP_SHARE_LARGE
     above SHARE_LARGE_PAIRS pairs) in the shape of a warp a tile (split 1), so that a tile's warps (at most 4) each get
-    a step of L, or with `lsplit` (shares by parts of L) each share a step; DOWN_SHARE, a power of two dividing
-    `tiles`. H200 (docs/NOTES_moe.md, thirty-sixth session): up
+    a step of L; DOWN_SHARE, a power of two dividing `tiles`. H200 (docs/NOTES_moe.md, thirty-sixth session): up
     shares of 4 at batch 8 (same16 29.4 against 33.0 us with 2), of 2 from 16 (same16 40.1 / 73.6 / 145.9 against 50.1
     / 91.7 / 180.4 us at 16 / 32 / 64; uniform within 2 %, 2 ahead)."""
     nb = L // 32
     cap = UP_SHARE_LARGE if pairs > SHARE_LARGE_PAIRS else UP_SHARE
-    up = 1 if split > 1 else _pow2_at_most(min(cap, nb if lsplit else 4, nb // up_unroll(nb, 1)))
+    up = 1 if split > 1 else _pow2_at_most(min(cap, 4, nb // up_unroll(nb, 1)))
     down = _pow2_at_most(min(DOWN_SHARE, tiles))
     while tiles % down:  # every share the same count of each warp's tiles
         down //= 2
@@ -739,15 +713,12 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         act = _WS[key_ws] = torch.empty(B * K, I // 2, dtype=torch.int32, device=dev)
     I32, F32 = cutlass.Int32, cutlass.Float32
     split, tiles = shape_config(B * K)
+    if isinstance(UP_SHARE, bool) or UP_SHARE not in (1, 2, 4):
+        _fail("UP_SHARE", f"(module setting) must be 1, 2 or 4 (a row block's four 16-row tiles), got {UP_SHARE!r}")
+    up_share, down_share = share_config(L, split, tiles, B * K)
     if UP_LSPLIT is not True and UP_LSPLIT is not False and UP_LSPLIT != "auto":
         _fail("UP_LSPLIT", f"(module setting) must be True, False or 'auto', got {UP_LSPLIT!r}")
-    if isinstance(UP_CTAS_PER_SM, bool) or UP_CTAS_PER_SM not in range(0, 9):
-        _fail("UP_CTAS_PER_SM", f"(module setting) must be an int 0..8, got {UP_CTAS_PER_SM!r}")
-    if isinstance(UP_SHARE, bool) or UP_SHARE not in (1, 2, 4, 8):
-        _fail("UP_SHARE", f"(module setting) must be 1, 2, 4 or 8, got {UP_SHARE!r}")
-    lsplit = (UP_LSPLIT is True or (UP_LSPLIT == "auto" and B * K <= SHARE_LARGE_PAIRS)) and split == 1
-    up_share, down_share = share_config(L, split, tiles, B * K, lsplit)
-    lsplit = lsplit and up_share > 1
+    lsplit = (UP_LSPLIT is True or (UP_LSPLIT == "auto" and B * K <= SHARE_LARGE_PAIRS)) and up_share > 1 and split == 1
     part, cnt = _join_workspace(dev, B * K * (I // UP_ROWS), up_share if lsplit else 0)
     up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4),
                gmem_ptr(wk, F32, 4), gmem_ptr(w1, I32, 16), gmem_ptr(w3, I32, 16), gmem_ptr(sw[0], I32, 4),
@@ -764,7 +735,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("UP_UNROLL", f"(module setting) must be a positive multiple of 4, got {UP_UNROLL!r}")
     # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, lsplit, UP_CTAS_PER_SM)
+           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, lsplit)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
