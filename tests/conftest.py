@@ -119,6 +119,10 @@ CI_BUDGET_SLOW = (
     "test_proj_mma_emulated.py::test_rounds_remainders_and_clusters[16-40-23-1-16--True]",  # 5 s; [..--False] stays
     "test_proj_mma_emulated.py::test_rounds_remainders_and_clusters[16-40-23-1-32-x_smemFalse-True]",  # 5 s; -False
     "test_kda_triton.py::test_commit_checkpoint_checker[8-8-8]",  # 4 s; [8-8-3], [8-8-4], [16-8-8] stay
+    # sixtieth session (a clean clone's .ci/run here 584 s):
+    "test_moe_grouped_emulated.py::test_up_lsplit[4-True]",  # 41 s; test_up_members_4 runs 4 members under the rule
+    "test_moe_grouped_emulated.py::test_up_lsplit[8-False]",  # 40 s; test_more_than_one_round_of_pairs (129 pairs:
+    # the rule's UP_LSPLIT off) shares by tiles; [8-True] stays
 )
 
 
