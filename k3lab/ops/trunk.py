@@ -437,12 +437,23 @@ def proj_peers(case: Case) -> list[Peer]:
         part = torch.empty(flat.numel() // (cfg[0] * cfg[1]), dtype=torch.float32, device=flat.device)
         return lambda: stream_sum(flat, part, cfg)
 
+    def stream_grid(d: dict):
+        from k3lab_kernels.triton.bw_probe import grid_programs
+        from k3lab_kernels.triton.bw_probe import stream_grid as read
+
+        flat = d["w"].view(-1).view(torch.bfloat16)
+        sms = torch.cuda.get_device_properties(flat.device).multi_processor_count if flat.is_cuda else 4
+        part = torch.empty(grid_programs(flat.numel(), sms), dtype=torch.float32, device=flat.device)
+        return lambda: read(flat, part)
+
     out = [Peer("cublas", cublas, checker_of(cublas, "cublas"),
                 note=f"torch F.linear (cuBLAS) on the concatenated weight{note_w}"
                 + (" (fp32 output: torch.mm out_dtype float32)" if fp32_out else ""))]
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":  # a Triton kernel: a GPU or the
         out.append(Peer("stream", stream, None, note="the read probe's streaming sum over the same weight bytes (no "
                         "product, nothing checked): how fast this harness reads these bytes at all"))  # interpreter
+        out.append(Peer("stream_grid", stream_grid, None, note="the same read from a grid sized to the GPU (programs "
+                        "walking tiles, no partial last wave: bw_probe.stream_grid)"))
     if case.get("prologue", "none") != "none":
         def unfused(d: dict):
             from k3lab.components import glue, trunk

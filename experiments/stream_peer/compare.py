@@ -1,0 +1,73 @@
+"""The projections' `stream` peer (how fast the harness reads a projection's weight bytes at all) as a program a
+tile (k3lab_kernels.triton.bw_probe.stream_sum, the tile shapes the peer picked: a partial last wave at some sizes)
+against the grid-sized `stream_grid` (a few configurations), at every TP8 / TP16 projection's and fused group's
+weight bytes (bf16 and fp8), graph replay with the buffers rotated past L2 (k3lab.harness.timing), each read's sum
+checked. Run: python experiments/stream_peer/compare.py $OUT   (JSON $OUT/stream_peer.json, a table last)."""
+import json
+import sys
+
+import torch
+
+from k3lab.harness import timing
+from k3lab.ops import trunk
+from k3lab_kernels.triton import bw_probe as bw
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+SMS = torch.cuda.get_device_properties(0).multi_processor_count
+TILES = ((8, 4096, 8), (4, 4096, 8), (1, 4096, 4), (1, 1024, 4), (1, 256, 2), (1, 64, 2), (1, 16, 1))  # the peer's
+GRID = (bw.GRID_CONFIG, (2048, 8, 4, 4), (4096, 4, 4, 8), (1024, 4, 16, 4), (2048, 2, 16, 4))
+
+sizes = {}
+for preset in ("tp8", "tp16"):
+    sh = trunk.proj_shapes(preset)
+    for name, (n, k) in sh.items():
+        for wd, e in (("bf16", 2), ("fp8", 1)):
+            sizes[f"{preset} {name} {wd}"] = n * k * e
+    for g, parts in trunk.GROUPS.items():
+        sizes[f"{preset} {g} bf16"] = sum(sh[p][0] * sh[p][1] for p in parts) * 2
+sizes = dict(sorted(sizes.items(), key=lambda kv: kv[1]))
+seen, uniq = set(), {}
+for k, v in sizes.items():  # one row a byte count
+    if v not in seen and v >= 2**20:
+        seen.add(v)
+        uniq[k] = v
+
+pr = timing.probes("cuda")
+rows = []
+for label, nbytes in uniq.items():
+    n = nbytes // 2
+    sets_n = timing.rotation_count(nbytes, timing.l2_bytes())
+    xs = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(max(2, sets_n))]
+    want = float(xs[0].double().sum())
+    row = dict(label=label, bytes=nbytes, floor_us=nbytes / (pr["read_tbps"] * 1e12) * 1e6, sets=len(xs))
+    cfg = next((c for c in TILES if n % (c[0] * c[1]) == 0), None)
+    variants = [("tile", cfg)] if cfg else []
+    variants += [("grid", c) for c in GRID]
+    for kind, c in variants:
+        if kind == "tile":
+            part = torch.empty(n // (c[0] * c[1]), dtype=torch.float32, device="cuda")
+            fn = (lambda x, p=part, c=c: bw.stream_sum(x, p, c))
+        else:
+            part = torch.empty(bw.grid_programs(n, SMS, c), dtype=torch.float32, device="cuda")
+            fn = (lambda x, p=part, c=c: bw.stream_grid(x, p, c))
+        fn(xs[0])
+        got = float(part.double().sum())
+        ok = abs(got - want) <= 1e-3 * float(xs[0].double().abs().sum())
+        t = timing.bench_gpu(fn, input_sets=[(x,) for x in xs], reps=30)
+        row[f"{kind} {c}"] = dict(median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, ok=ok)
+        print(label, kind, c, round(t.median_us, 2), ok, flush=True)
+    rows.append(row)
+    del xs
+    torch.cuda.empty_cache()
+    json.dump(dict(probes=pr, sms=SMS, gpu=torch.cuda.get_device_name(), rows=rows),
+              open(f"{OUT}/stream_peer.json", "w"), indent=1)
+
+keys = [k for k in rows[0] if k.startswith(("tile", "grid"))]
+print("%-28s %8s %7s" % ("bytes", "MB", "floor") + "".join(" %9s" % ("tile" if k.startswith("tile") else "g" + str(i))
+                                                            for i, k in enumerate(keys)))
+for r in rows:
+    cells = []
+    for k in [k for k in r if k.startswith(("tile", "grid"))]:
+        cells.append("%9.2f" % r[k]["median_us"] + ("" if r[k]["ok"] else "!"))
+    print("%-28s %8.1f %7.2f" % (r["label"], r["bytes"] / 1e6, r["floor_us"]) + "".join(cells))
+print("grid configs:", [str(c) for c in GRID])
