@@ -1,8 +1,9 @@
 """The projections' `stream` peer (how fast the harness reads a projection's weight bytes at all) as a program a
 tile (k3lab_kernels.triton.bw_probe.stream_sum, the tile shapes the peer picked: a partial last wave at some sizes)
 against the grid-sized `stream_grid` (a few configurations), at every TP8 / TP16 projection's and fused group's
-weight bytes (bf16 and fp8) and at 2 GiB (the read probe's scale), graph replay with the buffers rotated past L2 (k3lab.harness.timing), each read's sum
-checked. Run: python experiments/stream_peer/compare.py $OUT   (JSON $OUT/stream_peer.json, a table last)."""
+weight bytes (bf16 and fp8) and at 2 GiB (the read probe's scale), graph replay with the buffers rotated past L2
+(k3lab.harness.timing), each read's sum checked.
+Run: python experiments/stream_peer/compare.py $OUT   (JSON $OUT/stream_peer.json, a table last)."""
 import json
 import sys
 
