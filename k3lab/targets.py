@@ -26,8 +26,9 @@ Metrics, per case (rows grouped by `group_by`, default the row's case name; the 
   speedup     the fastest of `peer` over ours: above 1 = ours faster
   x_floor_sum the sum of the medians of the rows `names` lists over the sum of their floors
   auto_gap    the row `auto` selects over the fastest row of its group (1.0 = the automatic choice is the best)
-With "context_peer" (a backend, e.g. "stream": one kernel reading the same bytes) a pct_read, pct_copy, x_floor or
-over_floor case also names that peer's value in the same case, for context only (it never decides the target).
+With "context_peer" (a backend, e.g. "stream": one kernel reading the same bytes; or a list: the fastest of them in
+the case) a pct_read, pct_copy, x_floor or over_floor case also names that peer's value in the same case, for
+context only (it never decides the target).
 Every case must pass `op value`: the table shows the worst case (and which), so "every batch" targets read as one
 line. With `profiles` (`k3lab targets --profiles DIR`) the same targets are read off another directory of bundles of
 the same names (another GPU's: `k3lab bench ... --name NAME`); a target whose bundle is not there is listed as not
@@ -180,10 +181,11 @@ def _value(e: dict[str, Any], mine: dict[str, Any], case_rows: list[dict[str, An
     v, tag = _value_of(e, mine, case_rows, all_rows, root)
     cp = e.get("context_peer")
     if cp is not None and e["metric"] in ("pct_read", "pct_copy", "x_floor", "over_floor"):
-        p = _best([r for r in case_rows if r["backend"] == cp], require_ok=False)
+        cps = cp if isinstance(cp, list) else [cp]
+        p = _best([r for r in case_rows if r["backend"] in cps], require_ok=False)
         pv = None if p is None else _value_of(e, p, case_rows, all_rows, root)[0]
         if pv is not None:
-            tag += f"; {cp} {pv:.3g}"
+            tag += f"; {p['backend']} {pv:.3g}"
     return v, tag
 
 

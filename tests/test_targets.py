@@ -75,6 +75,8 @@ def test_context_peer_is_named_and_never_decides(toy):
     assert r.measured == 8.0 and not r.met and "b=8" in r.where and "copy 4" in r.where
     r = tg.evaluate(_e(metric="over_floor", op="<=", value=2.5, context_peer="copy"), toy)
     assert r.measured == 8.0 and not r.met  # the peer's 4 over does not change the verdict
+    r = tg.evaluate(_e(metric="over_floor", op="<=", value=1.0, context_peer=["absent", "copy"]), toy)
+    assert r.measured == 8.0 and "copy 4" in r.where  # a list: the fastest of those in the case, named
     r = tg.evaluate(_e(metric="over_floor", op="<=", value=9.0, context_peer="copy", where={"batch": 1}), toy)
     assert r.met and "copy" not in r.where  # no row of it in that case
     with pytest.raises(tg.TargetError, match="'copy' bandwidth"):  # a peer on another floor is no context
