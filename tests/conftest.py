@@ -122,7 +122,9 @@ CI_BUDGET_SLOW = (
     # sixtieth session (a clean clone's .ci/run here 584 s):
     "test_moe_grouped_emulated.py::test_up_lsplit[4-True]",  # 41 s; test_up_members_4 runs 4 members under the rule
     "test_moe_grouped_emulated.py::test_up_lsplit[8-False]",  # 40 s; test_more_than_one_round_of_pairs (129 pairs:
-    # the rule's UP_LSPLIT off) shares by tiles; [8-True] stays
+    # the rule's UP_LSPLIT off) shares by tiles
+    "test_moe_grouped_emulated.py::test_up_lsplit[8-True]",  # 30 s; test_up_members_4 (27 pairs: the rule's UP_LSPLIT
+    # on, groups of 9 joined through the workspace) stays (then 631 s: this sandbox's speed drifts by ~15 %)
 )
 
 
