@@ -3,8 +3,10 @@ tile (k3lab_kernels.triton.bw_probe.stream_sum, the tile shapes the peer picked:
 against the grid-sized `stream_grid` (a few configurations), at every TP8 / TP16 projection's and fused group's
 weight bytes (bf16 and fp8) and at 2 GiB (the read probe's scale), graph replay with the buffers rotated past L2
 (k3lab.harness.timing), each read's sum checked.
-Run: python experiments/stream_peer/compare.py $OUT   (JSON $OUT/stream_peer.json, a table last)."""
+Run: python experiments/stream_peer/compare.py $OUT   (JSON $OUT/stream_peer.json, a table last; ONLY=mla_in,kda_in
+GRIDS=2 keeps the rows whose label holds one of the words and the first grid configurations)."""
 import json
+import os
 import sys
 
 import torch
@@ -34,6 +36,9 @@ for k, v in sizes.items():  # one row a byte count
         uniq[k] = v
 
 uniq["read probe's size (2 GiB)"] = 2 * 2**30  # where the probe measures the read bandwidth (4 GiB there)
+if os.environ.get("ONLY"):  # a short call: the rows whose label contains one of ONLY's comma-separated words
+    uniq = {k: v for k, v in uniq.items() if any(w in k for w in os.environ["ONLY"].split(","))}
+    GRID = GRID[:int(os.environ.get("GRIDS", len(GRID)))]
 pr = timing.probes("cuda")
 rows = []
 for label, nbytes in uniq.items():
