@@ -22,3 +22,10 @@ def test_stream_grid_refuses_by_name():
         bw.stream_grid(torch.ones(8), torch.zeros(1))
     with pytest.raises(ValueError, match="stream_grid: part must be a non-empty fp32"):
         bw.stream_grid(torch.ones(8, dtype=torch.bfloat16), torch.zeros(0))
+
+
+def test_fit_config_takes_the_largest_tile_that_divides():
+    assert bw.fit_config(8 * 4096 * 3) == (8, 4096, 8)
+    assert bw.fit_config(1024 * 5) == (1, 1024, 4)
+    assert bw.fit_config(16 * 7) == (1, 16, 1)
+    assert bw.fit_config(17) is None

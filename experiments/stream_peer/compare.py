@@ -17,7 +17,6 @@ from k3lab_kernels.triton import bw_probe as bw
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-TILES = ((8, 4096, 8), (4, 4096, 8), (1, 4096, 4), (1, 1024, 4), (1, 256, 2), (1, 64, 2), (1, 16, 1))  # the peer's
 GRID = (bw.GRID_CONFIG, (2048, 8, 4, 4), (4096, 4, 4, 8), (1024, 4, 16, 4), (2048, 2, 16, 4))
 
 sizes = {}
@@ -47,7 +46,7 @@ for label, nbytes in uniq.items():
     xs = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(max(2, sets_n))]
     want = float(xs[0].double().sum())
     row = dict(label=label, bytes=nbytes, floor_us=nbytes / (pr["read_tbps"] * 1e12) * 1e6, sets=len(xs))
-    cfg = next((c for c in TILES if n % (c[0] * c[1]) == 0), None)
+    cfg = bw.fit_config(n)  # the stream peer's tile
     variants = [("tile", cfg)] if cfg else []
     variants += [("grid", c) for c in GRID]
     for kind, c in variants:

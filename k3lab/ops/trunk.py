@@ -429,11 +429,12 @@ def proj_peers(case: Case) -> list[Peer]:
         return check
 
     def stream(d: dict):
-        from k3lab_kernels.triton.bw_probe import stream_sum
+        from k3lab_kernels.triton.bw_probe import fit_config, stream_sum
 
         flat = d["w"].view(-1).view(torch.bfloat16)
-        tiles = ((8, 4096, 8), (4, 4096, 8), (1, 4096, 4), (1, 1024, 4), (1, 256, 2), (1, 64, 2), (1, 16, 1))
-        cfg = next(c for c in tiles if flat.numel() % (c[0] * c[1]) == 0)
+        cfg = fit_config(flat.numel())
+        if cfg is None:
+            raise ValueError(f"stream peer: the weight's {flat.numel()} bf16 values are not a multiple of 16")
         part = torch.empty(flat.numel() // (cfg[0] * cfg[1]), dtype=torch.float32, device=flat.device)
         return lambda: stream_sum(flat, part, cfg)
 

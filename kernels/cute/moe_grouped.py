@@ -97,7 +97,8 @@ UP_SHARE_LARGE = 2     # UP_SHARE above SHARE_LARGE_PAIRS pairs (batch 16 and up
 # the CTA whose ticket comes last adds them in rank order (deterministic) and stores act. False: each CTA runs 4 / h
 # of the tiles over all of L, its warps over parts of L summed in shared memory (every CTA stages all of z). "auto":
 # on up to SHARE_LARGE_PAIRS pairs (the shares of 4). H100 (docs/NOTES_moe.md, fifty-ninth session): batch 8 same16
-# 27.96 against 30.08 us; uniform batch 16 211.00 against 209.74 (batch 64 not measured off against on).
+# 27.96 against 30.08 us; uniform batch 16 211.00 against 209.74 (batch 64: only the sixtieth session's chunked
+# form was timed on against off, level).
 # Staging z a chunk at a time under it (so that shared memory held four CTAs an SM, not three), the up kernel's
 # registers capped to four or five CTAs an SM, and shares of 8 were level or slower (docs/NOTES_moe.md, sixtieth
 # session; code in git history at 37d2bf7).

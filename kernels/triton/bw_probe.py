@@ -9,8 +9,8 @@ Floor: N * 2 / read bandwidth; docs/MODEL.md, Switches quotes ~4.6 TB/s for such
 
 `stream_grid` reads the same way from a grid sized to the GPU (PER_SM programs an SM, each walking tiles
 pid, pid + P, ... with UNROLL tiles' loads in flight, any N: the last tiles masked): no partial last wave,
-which a program a tile leaves at sizes of a few tens of MB (the projections' weights); the projections'
-`stream` peer (k3lab.ops.trunk) reads with it.
+which a program a tile leaves at sizes of a few tens of MB (the projections' weights). The projections' peers
+(k3lab.ops.trunk): `stream` reads with stream_sum at `fit_config`'s tile, `stream_grid` with stream_grid.
 """
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ import triton
 import triton.language as tl
 
 CONFIGS = ((8, 4096, 8), (16, 2048, 8), (32, 1024, 4), (8, 2048, 4), (4, 8192, 16))  # (ROWS, COLS, num_warps)
+# the tiles a read of any size takes (the largest that divides it; the last reads 16 values a program)
+FIT_CONFIGS = ((8, 4096, 8), (4, 4096, 8), (1, 4096, 4), (1, 1024, 4), (1, 256, 2), (1, 64, 2), (1, 16, 1))
+
+
+def fit_config(n: int) -> tuple[int, int, int] | None:
+    """The first of FIT_CONFIGS whose ROWS x COLS divides n values (None: n is not a multiple of 16)."""
+    return next((c for c in FIT_CONFIGS if n % (c[0] * c[1]) == 0), None)
 
 
 @triton.jit
