@@ -68,7 +68,7 @@ for wd in WDTYPES:
             if peer.name in ("stream", "stream_grid"):
                 calls = {}
 
-                def fn(s, mk=peer.make):
+                def fn(s, mk=peer.make, calls=calls):
                     f = calls.get(id(s))
                     if f is None:
                         f = calls[id(s)] = mk(s)
