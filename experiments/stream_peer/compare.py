@@ -17,7 +17,7 @@ from k3lab_kernels.triton import bw_probe as bw
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-GRID = (bw.GRID_CONFIG, (2048, 8, 4, 4), (4096, 4, 4, 8), (1024, 4, 16, 4), (2048, 2, 16, 4))
+GRID = (bw.GRID_CONFIG, (2048, 4, 8, 4), (2048, 8, 4, 4), (4096, 4, 4, 8), (2048, 2, 16, 4))  # the first: the peer's
 
 sizes = {}
 for preset in ("tp8", "tp16"):
