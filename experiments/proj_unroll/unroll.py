@@ -14,7 +14,7 @@ import sys
 import torch
 
 from k3lab import registry
-from k3lab.harness import checker, timing
+from k3lab.harness import checker, env, timing
 from k3lab.ops import trunk
 from k3lab_kernels.cute import proj_gemv as G
 
@@ -29,8 +29,8 @@ rows = []
 
 
 def save():
-    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), default=DEFAULT)
-    json.dump(dict(probes=pr, rows=rows, reps=REPS, env=env), open(f"{OUT}/proj_unroll.json", "w"), indent=1)
+    e = {**env.fingerprint(), **env.git_state(), "default": DEFAULT}
+    json.dump(dict(probes=pr, rows=rows, reps=REPS, env=e), open(f"{OUT}/proj_unroll.json", "w"), indent=1)
 
 
 def timed(label, fn_of, case, sets, floor_us, chk_ok):

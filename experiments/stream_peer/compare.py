@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from k3lab.harness import timing
+from k3lab.harness import env, timing
 from k3lab.ops import trunk
 from k3lab_kernels.triton import bw_probe as bw
 
@@ -39,6 +39,7 @@ if os.environ.get("ONLY"):  # a short call: the rows whose label contains one of
     uniq = {k: v for k, v in uniq.items() if any(w in k for w in os.environ["ONLY"].split(","))}
     GRID = GRID[:int(os.environ.get("GRIDS", len(GRID)))]
 pr = timing.probes("cuda")
+ENV = {**env.fingerprint(), **env.git_state()}  # the shared environment record (a bundle's `env`)
 rows = []
 for label, nbytes in uniq.items():
     n = nbytes // 2
@@ -60,12 +61,13 @@ for label, nbytes in uniq.items():
         got = float(part.double().sum())
         ok = abs(got - want) <= 1e-3 * float(xs[0].double().abs().sum())
         t = timing.bench_gpu(fn, input_sets=[(x,) for x in xs], reps=30)
-        row[f"{kind} {c}"] = dict(median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, ok=ok)
+        row[f"{kind} {c}"] = dict(median_us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, ok=ok,
+                                  samples_us=t.samples_us)
         print(label, kind, c, round(t.median_us, 2), ok, flush=True)
     rows.append(row)
     del xs
     torch.cuda.empty_cache()
-    json.dump(dict(probes=pr, sms=SMS, gpu=torch.cuda.get_device_name(), rows=rows),
+    json.dump(dict(probes=pr, sms=SMS, gpu=torch.cuda.get_device_name(), env=ENV, rows=rows),
               open(f"{OUT}/stream_peer.json", "w"), indent=1)
 
 keys = [k for k in rows[0] if k.startswith(("tile", "grid"))]
