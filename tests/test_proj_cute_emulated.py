@@ -100,9 +100,11 @@ def test_group_tiny():
     assert emulate.LAST["launches"][-1]["use_pdl"] is True
 
 
-@pytest.mark.parametrize("K", [512, 520])
+@pytest.mark.parametrize("K", [512, 520, 4616])
 def test_full_and_partial_steps(K):
-    """Two full 256-column steps (512), and two plus a partial one (520: lanes 0 past the full steps load)."""
+    """Two full 256-column steps (512), and two plus a partial one (520: lanes 0 past the full steps load); an input
+    longer than SHORT_K (4616: the first PRE steps loaded ahead, two more in the unrolled loop, then the partial
+    one)."""
     g = torch.Generator().manual_seed(K)
     x = torch.randn(2, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(6, K, generator=g) / K ** 0.5).to(torch.bfloat16)
@@ -114,7 +116,7 @@ def test_full_and_partial_steps(K):
 
 def test_pdl_weight_before_the_wait():
     """Under pdl the first PRE steps of W load before griddepcontrol.wait (W is no kernel's output) and nothing else
-    does: K = 1280 (five steps: the four preloaded and one in the loop) with a residual, checked against fp64; the
+    does: K = 1280 (five steps: PRE_SHORT preloaded, the rest in the loop) with a residual, checked against fp64; the
     emulator refuses the same launch when W is not declared readable early (the check is live)."""
     g = torch.Generator().manual_seed(3)
     K = 1280
