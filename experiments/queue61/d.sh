@@ -10,5 +10,5 @@ eval "$(bash .gpu/cute/unpack.sh)"
 . experiments/device_setup.sh q
 B=${BATCH:-1}
 timeout 540 python3 -m k3lab.cli bench trunk --ops proj --backends triton,cute --grid preset=tp8,tp16 --grid batch=$B \
-  --grid wdtype=bf16,fp8 --grid residual=false --no-variants --skip torch_compile,reference,stream_grid --reps 30 \
+  --grid wdtype=bf16,fp8 --grid residual=false --grid proj=kda_q,kda_fa,kda_b,kda_fb,kda_o,mla_dq,mla_dkv,mla_gate,mla_uq,mla_o,moe_router,moe_down,moe_up,shared_w1,shared_w2 --no-variants --skip torch_compile,reference,stream_grid --reps 30 \
   --deadline 500 --name proj_cute16_b$B --out "$OUT/q" 2>&1 | grep -E "^proj|rror" | cut -c1-150
