@@ -133,6 +133,11 @@ CI_BUDGET_SLOW = (
     "test_mla_decode_cute_emulated.py::test_decode_pipelined[page1-short-cl4-p2]",  # 6 s; its direct twin stays
     "test_attnres_cute_emulated.py::test_pdl_early[9-add]",  # 7 s; test_alpha_twopass_pdl_early[9-add], [0-add] and
     # [1-fresh] stay
+    "test_moe_cute_emulated.py::test_one_token[False-False-shape1-8]",  # 6 s; the ODD shape at its default rows stays
+    "test_mla_combine_cute_emulated.py::test_combine[batch=2,partitions=2,dcp=2,heads=3]",  # 6 s; pieces x shards
+    # stay in the Triton combine's tests (auto runs Triton), the CuTe one keeps 1 / 5 / 3 partials
+    "test_attnres_cute_emulated.py::test_blocks_and_updates[1-none]",  # update "none" stays in test_alpha_twopass at
+    "test_attnres_cute_emulated.py::test_blocks_and_updates[0-none]",  # 0 and 1 blocks
 )
 
 
