@@ -1,9 +1,11 @@
 """The CuTe GEMV's (kernels/cute/proj_gemv.py) bytes in flight a warp at batch 1: its module settings UNROLL / PRE
-(steps of 512 bytes of a row a warp keeps in flight / loads first; 8 / 8 by default, inputs <= SHORT_K take 4 / 2)
+(steps of 512 bytes of a row a warp keeps in flight / loads first; 16 / 16 by default since this study, 8 / 8 before;
+inputs <= SHORT_K take UNROLL_SHORT / PRE_SHORT)
 against the Triton default and the two stream peers of the same run (k3lab.ops.trunk.proj_peers: the weight bytes
 read with no arithmetic), single projections at TP8, bf16 and fp8 weights. The idea: a 1,536-row projection is 384
 CTAs of four warps (~3 an SM), each warp's 14 KB row read in rounds of UNROLL x 512 bytes; the stream peer reads
-64 KB a program in one round and leads it by ~30 % at 22 MB (profiles/h100-80gb-hbm3/proj_rows61.json.gz).
+64 KB a program in one round and leads it by ~30 % at 22 MB (profiles/h100-80gb-hbm3/proj_rows61.json.gz, git
+history at e88bf4d). The sixty-first session ran it through experiments/queue61/c.sh (docs/NOTES_trunk.md).
 Every variant checked against fp64 by the shared checker first, then timed (graph replay, inputs rotated past L2).
 Run: python experiments/proj_unroll/unroll.py $OUT [REPS]   ($OUT/proj_unroll.json after every case, a table last;
 PROJS='kda_q,mla_dkv', WDTYPES='bf16', VARIANTS='[[16, 16], [28, 8]]' replace the defaults)."""
