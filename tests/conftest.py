@@ -9,8 +9,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
     # CI's time: the workers share the machine's cores (-n auto: one worker a core), so each runs torch on one thread
-    # (and so do the notebook kernels it starts); two threads each oversubscribed CI's 2 cores (docs/NOTES_step.md,
-    # fifty-eighth session)
+    # (and so do the notebook kernels it starts); two threads each oversubscribed CI's 2 cores (660 -> 400 s;
+    # docs/NOTES_step.md, CI's time)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
