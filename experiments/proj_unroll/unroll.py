@@ -1,5 +1,6 @@
 """The CuTe GEMV's (kernels/cute/proj_gemv.py) bytes in flight a warp at batch 1: its module settings UNROLL / PRE
-(steps of 512 bytes of a row a warp keeps in flight / loads first; 16 / 16 by default since this study, 8 / 8 before;
+(steps of 512 bytes of a row a warp keeps in flight / loads first; 8 / 8 by default: 16 / 16, faster here, was
+slower in the decode step, docs/NOTES_trunk.md sixty-second section;
 inputs <= SHORT_K take UNROLL_SHORT / PRE_SHORT)
 against the Triton default and the two stream peers of the same run (k3lab.ops.trunk.proj_peers: the weight bytes
 read with no arithmetic), single projections at TP8, bf16 and fp8 weights. The idea: a 1,536-row projection is 384

@@ -15,8 +15,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
              inputs' 8 / 8 at K 1536, six steps; 4 / 2 won and is the default:
              profiles/h200/short_k_step_ab.json.gz (retired for room, git history at 93364f5));
   mid_k      moe_out (K 3968) at the short inputs' UNROLL / PRE (SHORT_K 4096) or the long inputs' (2048);
-  long_k     UNROLL / PRE of the inputs longer than SHORT_K: 16/16 (the default since the sixty-first session), 8/8,
-             12/12, 16/8, 8/12, 6/6, 8/6;
+  long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8 (the default), 16/16, 12/12, 16/8, 8/16, 8/12, 6/6,
+             8/6 (16 / 16 and 12 / 12 lost: profiles/h100-80gb-hbm3/long_k62_step_ab.json.gz);
   expert_rows  the one-token experts' rows a CTA, up / down: 4/4, 2/4, 6/4, 4/2, 4/8 (expert_rows2: 4/4, 4/8, 6/8;
              expert_rows3: 6/8, 6/16, 8/8, 8/16; 6 / 8 kept);
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its
@@ -107,7 +107,7 @@ FOLDS = {"kda_chain": (("chained", {"KDA_DECAY_CHAIN_MAX_TOKENS": 16}),
          # the long inputs' (K > SHORT_K) steps in flight / preloaded
          "long_k": tuple((f"u{u}p{q}", {"k3lab_kernels.cute.proj_gemv:UNROLL": u,
                                         "k3lab_kernels.cute.proj_gemv:PRE": q})
-                         for u, q in ((16, 16), (8, 8), (12, 12), (16, 8), (8, 12), (6, 6), (8, 6))),
+                         for u, q in ((8, 8), (16, 16), (12, 12), (16, 8), (8, 16), (8, 12), (6, 6), (8, 6))),
          # the one-token experts' rows a CTA (UP_ROWS intermediate rows of W1 and of W3; DOWN_ROWS latent rows)
          "expert_rows": tuple((f"up{u}_down{d}", {"k3lab_kernels.cute.moe_experts:UP_ROWS": u,
                                                   "k3lab_kernels.cute.moe_experts:DOWN_ROWS": d})
