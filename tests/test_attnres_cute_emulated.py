@@ -112,8 +112,9 @@ def test_alpha_threads_large(batch, cluster, vec, n_blocks, update):
 
 
 def test_alpha_threads_default_options():
-    """alpha "threads" with cluster / vec None: the default choice (cluster 8, vec 4), batch 3."""
-    check(3, 9, "add", seed=31, alpha="threads")
+    """alpha "threads" with cluster / vec None: the default choice (cluster 8, vec 4, whatever the blocks), batch 3,
+    two blocks (nine at these options: test_alpha_threads_large)."""
+    check(3, 2, "add", seed=31, alpha="threads")
     got = emulate.LAST["launches"][-1]
     assert got["grid"] == (8, 3, 1) and got["block"] == 224
 
