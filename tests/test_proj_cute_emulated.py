@@ -103,8 +103,8 @@ def test_group_tiny():
 @pytest.mark.parametrize("K", [512, 520, 4616])
 def test_full_and_partial_steps(K):
     """Two full 256-column steps (512), and two plus a partial one (520: lanes 0 past the full steps load); an input
-    longer than SHORT_K (4616: the first PRE steps loaded ahead, two more in the unrolled loop, then the partial
-    one)."""
+    longer than SHORT_K (4616: 18 full steps, the first PRE loaded ahead, the rest through the UNROLL-deep loop and
+    its remainder, then the partial one)."""
     g = torch.Generator().manual_seed(K)
     x = torch.randn(2, K, generator=g).to(torch.bfloat16)
     w = (torch.randn(6, K, generator=g) / K ** 0.5).to(torch.bfloat16)

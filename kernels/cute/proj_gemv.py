@@ -72,8 +72,9 @@ MAX_OUTPUTS = 6
 PATHS = (None, "gemv", "mma")  # "mma": the few-token tensor-core kernel, kernels/cute/proj_mma.py
 SELECT_MAX_BATCH = 4  # the fused selection: one CTA selects every row, one after another
 K_STEP = 256      # columns a warp reads a step (32 lanes x 8 bf16; fp8 weights: 2 K_STEP, 32 lanes x 16 e4m3)
-UNROLL = 8        # steps a warp keeps in flight (16 / 16: single projections faster alone, the decode step slower;
-PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)   NOTES_trunk)
+# UNROLL / PRE: 16 / 16 made single projections faster alone and the batch-1 decode step slower (docs/NOTES_trunk.md)
+UNROLL = 8        # steps a warp keeps in flight
+PRE = 8           # steps of W a warp loads before anything else (before griddepcontrol.wait under pdl)
 SHORT_K = 2048    # inputs up to this long take UNROLL_SHORT / PRE_SHORT instead (0: none)
 UNROLL_SHORT = 4  # (the batch-1 step 16 us faster than at 8 / 8: the output projections' K 1536; docs/NOTES_trunk.md)
 PRE_SHORT = 2
