@@ -92,8 +92,8 @@ MAX_THREADS_VEC_TWOPASS = {1: MAX_THREADS, 2: MAX_THREADS, 4: MAX_THREADS, 8: MA
 # under pdl, also read the blocks and the prefix before griddepcontrol.wait and form the blocks' partial sums there
 # (only `new` after it). Valid where neither was written by the kernel launched just before: in the decode step's pdl
 # chain they are written two or more kernels back, and every kernel of the chain lets the next launch only after its
-# own wait, so those writers have completed. In the batch-1 step 1073.0-1074.1 -> 1055.7-1060.8 us, outputs
-# bit-identical (docs/NOTES_step.md, thirty-first session); without pdl it changes nothing.
+# own wait, so those writers have completed. The batch-1 step faster, outputs bit-identical (docs/NOTES_step.md,
+# thirty-first session); without pdl it changes nothing.
 EARLY = True
 
 __all__ = ["ALPHAS", "CLUSTERS", "MAX_BLOCKS", "VECS", "attnres_norm", "plan"]

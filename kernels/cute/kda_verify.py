@@ -62,7 +62,7 @@ from .kda_decode import (_BF16, _D, _F32, _L2_EPS, _RESIDENT, _THREADS, _W, _che
 __all__ = ["ROW_WARPS", "ROW_WARPS_ALLOWED", "default_row_warps", "kda_verify"]
 
 # row_warps per tile_v when not given (kda_cute_verify_split.json.gz, in git history at af86fbf: 4 is the best at
-# tile 32 and at tile 128 for B=64, within 2 % of the best at tile 64; docs/NOTES_kda.md)
+# tile 32 and at tile 128 for B=64, near the best at tile 64; docs/NOTES_kda.md)
 ROW_WARPS = {128: 4, 64: 4, 32: 4, 16: 4}
 # row_warps each tile allows (a lane holds 4 columns: at tile 16 one warp has at most 16 / (8 / WR))
 ROW_WARPS_ALLOWED = {128: (1, 2, 4, 8), 64: (1, 2, 4, 8), 32: (1, 2, 4, 8), 16: (2, 4, 8)}
@@ -73,8 +73,8 @@ def default_row_warps(tile_v: int, B: int, H: int, T: int) -> int:
     """row_warps when not given: ROW_WARPS[tile_v], except where the ninth session measured otherwise
     (profiles/h200/kda_decode_fi.json.gz and kda_explore9.json.gz (git history at a2d91e6), 12 heads, B = 8;
     docs/NOTES_kda.md):
-    tile 128 on a grid of one CTA per SM at T >= 8 takes 1 (21.24 / 21.41 against 22.10 / 22.21 us with 4);
-    tile 64 on a resident grid at T = 3..4 takes 2 (13.07 against 13.59 us)."""
+    tile 128 on a grid of one CTA per SM at T >= 8 takes 1, tile 64 on a resident grid at T = 3..4 takes 2 (each
+    faster than 4)."""
     ctas = B * H * (128 // tile_v)
     if tile_v == 128 and T >= 8 and ctas <= _RESIDENT // 2:
         return 1

@@ -495,16 +495,15 @@ def supports(shape: dict) -> str | None:
 def default_loop(n: int) -> tuple[int, bool]:
     """(stages, pipe) for a history of up to n positions: four stages and the plain loop below LONG_HISTORY, two
     stages (two CTAs an SM) and the pipelined loop from it (H200, profiles/h200/mla_pipe.json.gz (git history at
-    cec0131): batch 64 at 32K 579.8 against 595.2 us, batch 16 at 32K 160.2 against 163.1; at 8K the plain four-stage
-    loop wins, 158.9 against 166.9 at batch 64; between 8K and 32K not measured; docs/NOTES_mla.md, twenty-fifth
-    session)."""
+    cec0131): ahead at 32K, batch 16 and 64; at 8K the plain four-stage loop wins; between 8K and 32K not measured;
+    docs/NOTES_mla.md, twenty-fifth session)."""
     return (2, True) if n >= LONG_HISTORY else (4, False)
 
 
 def default_cluster(B: int) -> int:
     """CTAs a cluster: 4 at batch 1..2, 2 above (H200, experiments/mla_cute/h200/mla_cute_partitions_r3.json.gz and
     mla_cute_batch_r4.json.gz: cluster 4 with 16 clusters the best swept at batch 1 at 8K and 32K; at batch 4..64
-    cluster 2 ran 1.5-2x faster than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third session)."""
+    cluster 2 ran faster than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third session)."""
     return 4 if B <= 2 else 2
 
 

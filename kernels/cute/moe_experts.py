@@ -20,8 +20,8 @@ two launches, no atomics, no tickets, y written (not accumulated).
         reading anything). With `glue` it also writes yg = bf16(y gamma) and its rows' sum of y^2 (one
         partial a CTA): the MoE output's routed norm folded (k3lab.step.moe_glue_fold).
   (git history: a warp per (pair, two rows) and a warp per latent row, whose every warp re-read z or all of act,
-  lost by 1.9-3 us at TP8; experiments/moe_cute/README.md. W2_TAIL, each up CTA requesting its share of the pair's
-  W2 into L2 once its rows were read, and DOWN_OVERLAP, down launched right after up's wait and reading its W2
+  lost at TP8; experiments/moe_cute/README.md, docs/NOTES_moe.md. W2_TAIL, each up CTA requesting its share of the
+  pair's W2 into L2 once its rows were read, and DOWN_OVERLAP, down launched right after up's wait and reading its W2
   before its own, tied with the plain kernels in the batch-1 step: docs/NOTES_moe.md, thirty-seventh session; git
   history at 251d172.)
 
@@ -78,15 +78,15 @@ _KERNEL_CLS = None
 DEVICE_OPS = None
 # rows a CTA: latent rows of the down kernel, intermediate rows (of W1 and of W3; even) of the up kernel. Alone
 # (experiments/moe_cute/README.md) 4 and 4 were ahead of 2, 8 and 16 at TP8 and TP16; inside the batch-1 decode step
-# (pdl, the glue folded) 6 / 8 took 1069.7-1079.9 us against 1079.2-1082.5 at 4 / 4 (docs/NOTES_moe.md, thirtieth
-# session); with the up kernel's two thread groups 12 rows (six a thread of W1 and of W3, as 6 had with one group)
-# beat 6 and 8 (thirty-second session). A shape they do not divide takes 4 (up) or 1 (down).
+# (pdl, the glue folded) 6 / 8 beat 4 / 4 (docs/NOTES_moe.md, thirtieth session); with the up kernel's two thread
+# groups 12 rows (six a thread of W1 and of W3, as 6 had with one group) beat 6 and 8 (thirty-second session). A
+# shape they do not divide takes 4 (up) or 1 (down).
 DOWN_ROWS = 8
 UP_ROWS = 12
 # thread groups of L/32 an up CTA (2: two groups of 112 threads at K3's latent, each R/2 rows of W1 and of W3, so no
 # thread of the CTA's 7 warps is idle, where one group of 4 warps leaves 16 idle lanes redoing a block times 0.0:
-# 12 % fewer instructions, the step 1043.5-1051.4 us against 1054.7-1061.2; docs/NOTES_moe.md thirty-second
-# session); 1 where L/32 is not a multiple of 16 or UP_ROWS is not a multiple of it
+# 12 % fewer instructions, the step faster; docs/NOTES_moe.md thirty-second session); 1 where L/32 is not a
+# multiple of 16 or UP_ROWS is not a multiple of it
 UP_HALVES = 2
 def _kernel_classes():
     """The two kernels' generators (built once; importing this module never needs cutlass)."""
@@ -147,8 +147,8 @@ def _kernel_classes():
         """Sum acc[0..n) over the `seg` lanes (32 or 16) of this thread's shuffle segment by a reduce-scatter: while
         the count is even a butterfly step hands half the values to the partner lane and keeps the other half (15
         shuffles for 12 values over 16 lanes instead of 48; the same tree of additions as a butterfly per value, so
-        bit-identical to it; the step 1038.3-1047.6 us against 1043.2-1051.2, docs/NOTES_moe.md thirty-second
-        session), then full butterflies. Returns (start, cur, plain): this lane holds the sums of values start ..
+        bit-identical to it; the step a little faster, docs/NOTES_moe.md thirty-second session), then full
+        butterflies. Returns (start, cur, plain): this lane holds the sums of values start ..
         start + cur - 1 in acc[0..cur), and the lanes with lane & plain == 0 are the ones to store them (the others
         of a full butterfly step hold the same sums)."""
         cur, start, plain = n, Int32(0), 0

@@ -58,7 +58,7 @@ Floor (k3lab.ops.moe.experts_bytes): the chosen experts' codes and scales at the
 uniform: ~610 experts x 2.19 MB, ~290 us on the H200). Contract: moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *,
 b1, b2, pdl=None, w2_quad=False) -> y on torch's current stream; pdl=True: `up` waits for the kernel before
 (griddepcontrol.wait) before its first access; None or False: `up` launches plainly, also inside the step's pdl
-chain (launched early, its thousands of waiting CTAs cost the batch-64 step 525 us: experiments/step_pdl,
+chain (launched early, its thousands of waiting CTAs slowed the batch-64 step: experiments/step_pdl, docs/NOTES_moe.md,
 twenty-sixth session). Arguments are checked by name (MoEGroupedError); the component (k3lab.components.moe.experts,
 backend "cute", path "grouped") passes the kernel layout, W2 quad-transposed where I % 128 == 0.
 """
@@ -96,9 +96,9 @@ UP_SHARE_LARGE = 2     # UP_SHARE above SHARE_LARGE_PAIRS pairs (batch 16 and up
 # a tile) over its part rank of L, staging only that part of z; the parts' sums go through a global workspace and
 # the CTA whose ticket comes last adds them in rank order (deterministic) and stores act. False: each CTA runs 4 / h
 # of the tiles over all of L, its warps over parts of L summed in shared memory (every CTA stages all of z). "auto":
-# on up to SHARE_LARGE_PAIRS pairs (the shares of 4). H100 (docs/NOTES_moe.md, fifty-ninth session): batch 8 same16
-# 27.96 against 30.08 us; uniform batch 16 211.00 against 209.74 (batch 64: only the sixtieth session's chunked
-# form was timed on against off, level).
+# on up to SHARE_LARGE_PAIRS pairs (the shares of 4). H100 (docs/NOTES_moe.md, fifty-ninth session): ahead at batch 8
+# same16, level at uniform batch 16 (batch 64: only the sixtieth session's chunked form was timed on against off,
+# level).
 # Staging z a chunk at a time under it (so that shared memory held four CTAs an SM, not three), the up kernel's
 # registers capped to four or five CTAs an SM, and shares of 8 were level or slower (docs/NOTES_moe.md, sixtieth
 # session; code in git history at 37d2bf7).
@@ -107,9 +107,9 @@ SHARE_LARGE_PAIRS = 128
 DOWN_SHARE = 4
 SHARE_FROM = 4
 DOWN_CTAS_PER_SM = 4  # the down kernel's registers held to four CTAs an SM (128 a thread; not in the few-pairs shape)
-# Requesting a unit's weights into L2 at its start (UP_L2 / DOWN_L2) was timed and lost (2-33 % slower at batch 8-64,
+# Requesting a unit's weights into L2 at its start (UP_L2 / DOWN_L2) was timed and lost (slower at batch 8-64,
 # uniform and same16, on an H100: profiles/h100-80gb-hbm3/moe_grouped_l2_variants.json.gz, retired for room:
-# git history at ed41b45); git history has the requests too.
+# git history at ed41b45; docs/NOTES_moe.md); git history has the requests too.
 
 MMA_F16_PTX = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
                "{$10, $11, $12, $13};")
@@ -651,8 +651,7 @@ def share_config(L: int, split: int, tiles: int, pairs: int = 0) -> tuple[int, i
     """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE (UP_SHARE_LARGE
     above SHARE_LARGE_PAIRS pairs) in the shape of a warp a tile (split 1), so that a tile's warps (at most 4) each get
     a step of L; DOWN_SHARE, a power of two dividing `tiles`. H200 (docs/NOTES_moe.md, thirty-sixth session): up
-    shares of 4 at batch 8 (same16 29.4 against 33.0 us with 2), of 2 from 16 (same16 40.1 / 73.6 / 145.9 against 50.1
-    / 91.7 / 180.4 us at 16 / 32 / 64; uniform within 2 %, 2 ahead)."""
+    shares of 4 at batch 8, of 2 from 16 (the faster on same16; uniform level)."""
     nb = L // 32
     cap = UP_SHARE_LARGE if pairs > SHARE_LARGE_PAIRS else UP_SHARE
     up = 1 if split > 1 else _pow2_at_most(min(cap, 4, nb // up_unroll(nb, 1)))

@@ -1,6 +1,6 @@
 """Trunk projections of a few tokens on tensor cores, straight from the stored weights (CuTe DSL): path "mma" of the
 cute projection (kernels/cute/proj_gemv.py's `proj(..., path="mma")`), for the batches where the GEMV's fp32 FMAs,
-one a weight and token, become the cost (its fp8 form 1.3-3.0x slower than Triton from batch 4: docs/NOTES_trunk.md,
+one a weight and token, become the cost (its fp8 form well behind Triton from batch 4: docs/NOTES_trunk.md,
 thirty-first session).
 
     y[b, n] = sum_k x[b, k] W[n, k] (* scale[n])  (+ residual[b, n])   fp32 accumulation, stored in out_i's dtype

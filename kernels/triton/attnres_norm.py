@@ -16,17 +16,16 @@ Layout: every source row [B, D] with unit stride along D (D = 7168; the block li
 separate tensors, each with its own row stride); w_norm, w_proj, norm_w [D].
 
 Two paths (knob `path`; None = "split" up to batch SPLIT_MAX_BATCH = 8 with at least SPLIT_MIN_BLOCKS = 5 blocks,
-"row" otherwise. Measured crossover by batch at 9 blocks: split 12.3 against row 14.8 us at batch 8, row 15.2
-against split 22.0 at batch 16; by blocks at batch 1: split 7.6 against row 11.2 us at 9 blocks (trunk bench),
-row 3.8-6.2 against split 5.9-7.5 us at 0-1 blocks (the decode step's AttnRes of block 0, the eighth session's
-two step bundles); 2..8 blocks are not measured, 5 is the midpoint):
+"row" otherwise. Measured crossover by batch at 9 blocks: split ahead at batch 8, row at batch 16; by blocks at
+batch 1: split ahead at 9 blocks (trunk bench), row at 0-1 blocks (the decode step's AttnRes of block 0, the eighth
+session's two step bundles); 2..8 blocks are not measured, 5 is the midpoint; H200, docs/NOTES_trunk.md):
 
 "row": grid (B,), one program per row (pass 1 streams the sources for their two sums, pass 2 reads them
 again from L2 for the mix; 8 warps).
 
 "split": grid (P, B): each row is split over P programs of BLOCK_D columns (default 128: D = 7168 over 56
 programs; 256, 512, 1024 give 28, 14, 7), so a batch-1 call puts 56 SMs to work instead of one (block_d
-512 and 1024 measured 10-30x slower, unexplained: docs/NOTES_trunk.md). A program loads its [16, BLOCK_D] tile of the
+512 and 1024 measured far slower, unexplained: docs/NOTES_trunk.md). A program loads its [16, BLOCK_D] tile of the
 sources in one go (the blocks' rows, then p in row n; all loads in flight together) and keeps it in
 registers. Every full-D sum the maths needs is a sum over the row's programs of per-program sums:
   * for the scores: sum_d s_i w (sw_i) and sum_d s_i^2;

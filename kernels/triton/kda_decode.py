@@ -215,9 +215,9 @@ def _scratch(device: torch.device, rows: int, D: int, NT: int, T: int = 1):
 # num_warps per value tile, from kernels/triton/tune_kda.py --quick on the H200 (tune_kda.json.gz, git history af86fbf,
 # 12 heads, D = 128, every config checked against fp64 first; tiles 8/16/32/128, the geometric mean over
 # its cases: decode B = 1 and 64, verify T = 4 and 8 at B = 1 and 8). Changed where the tuner found a clear
-# winner: decode tile 128 8 -> 4 warps (B=64 56.46 -> 33.81 us; 8 warps spills), verify tile 128 8 -> 4
-# (B=8 T=4 28.42 -> 20.07 us), verify tiles 8 and 16 1 -> 2 (B=8 T=4 41.83 -> 34.82, 21.22 -> 17.69 us).
-# Kept where 2 and 4 warps tie within 0.5 % (decode tiles 16, 32) and where the quick tuner did not go
+# winner: decode tile 128 8 -> 4 warps (faster at B=64; 8 warps spills), verify tile 128 8 -> 4 and tiles 8 and 16
+# 1 -> 2 (at B=8 T=4; docs/NOTES_kda.md, fourth session).
+# Kept where 2 and 4 warps tie (decode tiles 16, 32) and where the quick tuner did not go
 # (tiles 4, 64: the previous kernel's measurement).
 _DECODE_WARPS = {4: 2, 8: 2, 16: 2, 32: 4, 64: 4, 128: 4}
 _VERIFY_WARPS = {4: 1, 8: 2, 16: 2, 32: 4, 64: 4, 128: 4}

@@ -101,19 +101,17 @@ VERIFY_LONG_ROWS = 96
 VERIFY_LONG_N = 16384
 # the lazy rescale (`lazy`): the running max moves only when a row's block maximum passes it by this much (log2
 # units: weights up to 2^8 against the older max, exact in fp32 sums and bf16 products). Rule (`default_lazy`): on
-# for a verify of at least LAZY_MIN_T positions from batch LAZY_MIN_BATCH (0.3-2 % faster at T = 4 / 8, batch 32 / 64,
-# 8K / 32K; 1-8 % slower at batch 1, level at 16 and at T = 1; H100, profiles/h100-80gb-hbm3/mla_lazy.json.gz,
-# git history at b23339a; docs/NOTES_mla.md); DEFAULT_LAZY (None: the rule) forces it either way
+# for a verify of at least LAZY_MIN_T positions from batch LAZY_MIN_BATCH (slower at batch 1, level at 16 and at
+# T = 1; H100, profiles/h100-80gb-hbm3/mla_lazy.json.gz, git history at b23339a; docs/NOTES_mla.md); DEFAULT_LAZY
+# (None: the rule) forces it either way
 LAZY_TAU = tl.constexpr(8.0)
 LAZY_MIN_T, LAZY_MIN_BATCH = 4, 32
 DEFAULT_LAZY = None
 
 
 # the merge inside the split (`fuse_merge`, `_tail_merge`): the last programs of a sequence to store merge its partials,
-# no second launch. Rule (`default_fuse_merge`): on for one new position from batch FUSE_MERGE_MIN_BATCH (H100, same
-# run, us, two launches / fused: batch 8 8K 37.78 / 35.55, 32K 115.73 / 113.22; 16 65.26 / 62.07, 218.84 / 215.37; 32
-# 120.57 / 115.54, 423.54 / 420.74; below it slower: batch 1 8K 12.12 / 13.05, 2 14.23 / 15.87, 4 32K 64.19 / 65.43;
-# profiles/h100-80gb-hbm3/mla_fused_*.json.gz; docs/NOTES_mla.md); the verify's row groups not measured.
+# no second launch. Rule (`default_fuse_merge`): on for one new position from batch FUSE_MERGE_MIN_BATCH (slower
+# below it; H100, profiles/h100-80gb-hbm3/mla_fused_*.json.gz; docs/NOTES_mla.md); the verify's row groups not measured.
 # DEFAULT_FUSE_MERGE (None: the rule) forces it either way
 DEFAULT_FUSE_MERGE = None
 FUSE_MERGE_MIN_BATCH = 8
@@ -599,18 +597,13 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, lse_out, K, TH, NR,
 def default_block_m(rows: int, B: int, n_max: int | None = None) -> int:
     """Rows a program for `rows` = T * HR query rows a sequence: DEFAULT_BLOCK_M (16), or 32 where 32-row tiles walk
     the cache in fewer row groups without padding more rows than 16-row tiles do:
-      - from batch 8 (H200, 12 heads, 8K: batch 64 T = 2 / 4 / 8 302 / 537 / 1063 -> 235 / 464 / 778 us; batch 8 T = 4
-        (64 rows for 48) 67 -> 73 us, so 16 there; batch 1 at 8K keeps 16: 13.0 / 17.3 / 25.3 against 15.2 / 18.8 /
-        25.9 us at T = 2 / 4 / 8; docs/NOTES_mla.md, sixteenth session);
+      - from batch 8 (H200, 12 heads, 8K: faster at batch 64; at batch 8 T = 4 (64 rows for 48) and at batch 1
+        slower, so 16 there; docs/NOTES_mla.md, sixteenth session);
       - below batch 8 for at least VERIFY_LONG_ROWS rows, from batch 4 or over a history of at least VERIFY_LONG_N
-        positions (n_max, the longest; None: the batch rule alone): batch 1, 32K, T = 8 at 12 heads 53.17 against
-        62.15 us on the H200 (profiles/h200/mla_verify_blockm_32k.json.gz, git history at 1c9f81d); on an H100
-        (profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz, git history at 3bae41e; T = 8, us, 32 / 16) batch 1
-        16K 34.44 / 37.34, 32K 51.59 / 61.13, batch 2 16K 56.71 / 62.35, 32K 90.89 / 106.55, batch 4 8K 60.10 /
-        65.66, 16K 93.81 / 109.03, 32K 162.01 / 199.50, and batch 1 / 2 at 8K a tie (26.33 / 25.06, 39.29 /
-        38.72); T = 4's 48 rows lose with 32
-        (batch 1 32K 38.7-40.0 against 35.2-35.7, profiles/h100-80gb-hbm3/mla_verify_bm.json.gz, git history at
-        85e7670)."""
+        positions (n_max, the longest; None: the batch rule alone): faster at T = 8, 12 heads,
+        H200 (profiles/h200/mla_verify_blockm_32k.json.gz, git history at 1c9f81d) and H100 (a tie at batch 1 / 2 at 8K;
+        profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz, git history at 3bae41e); T = 4's 48 rows lose with 32
+        (profiles/h100-80gb-hbm3/mla_verify_bm.json.gz, git history at 85e7670)."""
     g16, g32 = -(-rows // 16), -(-rows // 32)
     if g32 < g16 and (B >= 16 or 32 * g32 <= 16 * g16):
         if B >= 8 or (rows >= VERIFY_LONG_ROWS and (B >= 4 or (n_max is not None and n_max >= VERIFY_LONG_N))):
@@ -646,7 +639,7 @@ def streamed_rows(paged: bool, BM: int, dcp: int = 1, page: int = 1, preload_pag
     """Whether the block loop's rows need no page index loaded in the loop, so that the pipeliner multi-buffers
     them (32 positions a block, three stages): a paged cache whose indices can be preloaded (one page a block, no
     DCP), or a contiguous cache (its rows are arithmetic) at any number of new positions but for 32-row tiles from
-    batch 16, which keep 64 positions and two stages (there three stages lost). Measured on an H100, 8-28 % off the
+    batch 16, which keep 64 positions and two stages (there three stages lost). Measured on an H100, for the
     split at T = 1 from batch 8 and for the verify below batch 16: profiles/h100-80gb-hbm3/mla_contig.json.gz,
     mla_contig_t4.json.gz, mla_contig_t28.json.gz (git history at `1fc86d9` / `ebeda97` / `1affc20`); the figures in
     docs/NOTES_mla.md (forty-sixth to fifty-third sessions)."""
@@ -678,15 +671,12 @@ def ksplit_takes(C: int) -> bool:
 
 
 def default_ksplit(npg: int, blocks: int, BM: int = 16) -> int:
-    """The latent columns' pieces for 16-row tiles (one new position at <= 16 heads): 4 (the step's contiguous cache
-    at batch 1 / 8K, 1.3 us a layer faster; paged at batch 1 / 32K and batch 16 / 64 1-2 % faster), 1 with preloaded
-    page indices and at most two blocks a piece (batch 1 / 8K / page 64: 10.70 us against 11.23 at 4). 32-row tiles
-    (the verify's, `default_block_m`): 4 as well (H100, us, 4 / 1 pieces: T = 8 batch 1 8K 24.88 / 26.33, 16K 32.72
-    / 34.44, 32K 49.14 / 51.59, batch 2 32K 87.89 / 90.89, batch 4 8K 58.10 / 60.10, 32K 157.15 / 162.01,
-    profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz (git history at 3bae41e); from batch 8,
-    profiles/h100-80gb-hbm3/mla_verify_ks_b8.json.gz (git history at 3bae41e):
-    T = 4 / 8 1-3 % faster, e.g. batch 16 32K T = 4 399.60 / 411.72, batch 64 32K 1581.00 / 1613.77, T = 2 level
-    within 1.1 %; every piece there held more than two blocks, so the 16-row tiles' exception stands for both).
+    """The latent columns' pieces for 16-row tiles (one new position at <= 16 heads): 4 (faster for the step's
+    contiguous cache at batch 1 / 8K, paged at batch 1 / 32K and batch 16 / 64), 1 with preloaded page indices and at
+    most two blocks a piece (batch 1 / 8K / page 64, where 4 lost). 32-row tiles (the verify's, `default_block_m`):
+    4 as well (H100, profiles/h100-80gb-hbm3/mla_verify_rule46.json.gz (git history at 3bae41e); from batch 8,
+    profiles/h100-80gb-hbm3/mla_verify_ks_b8.json.gz (git history at 3bae41e): T = 2 level; every piece there held
+    more than two blocks, so the 16-row tiles' exception stands for both; docs/NOTES_mla.md).
     64-row tiles keep 1 (not measured)."""
     return 4 if BM in (16, 32) and not (npg and blocks <= 2) else 1
 
@@ -703,8 +693,8 @@ def default_partitions(B: int, n_max: int, *, T: int = 1, H: int = 12, pad_heads
     latency-bound: more, shorter pieces win until the merge's cost (K partials of 24.6 KB at 12 heads) takes
     over. The rule: one block a piece up to one program an SM (slots / 2 pieces); all the slots only when each
     piece still gets >= 4 blocks. Checked against 16..264 pieces at batch 1 (1K..128K) and 2..8 at batch 64
-    (docs/NOTES_mla.md). One program an SM from batch 8 (forty-seventh session, 3-8 % ahead on an H100 at 8K) lost
-    8-18 % on the H200 at batch 8..32 (profiles/h200/mla_parts56.json.gz): removed, code in git history at `3ff48cd`.
+    (docs/NOTES_mla.md). One program an SM from batch 8 (forty-seventh session, ahead on an H100 at 8K) lost on the
+    H200 at batch 8..32 (profiles/h200/mla_parts56.json.gz): removed, code in git history at `3ff48cd`.
     Host values only (n_max = the longest visible history, max(lengths) + T): no device sync."""
     _, BM, G = rows_per_program(T, H, pad_heads, block_m, B, n_max)
     bn = block_n or default_block_n(BM, B)

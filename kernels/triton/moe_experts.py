@@ -659,8 +659,7 @@ def _simt_load(wp, sp, rows, b0, C: tl.constexpr, NB: tl.constexpr):
     and the E8M0 scales [R, NB] (int32). The words load as a 2D [R, 4 NB] tile reshaped in registers, so that
     their layout has the blocks, not the rows, next to the four words and the scales' [R, NB] layout is its slice
     (no data moves when they are broadcast over the words). A 3D load's layout on Triton 3.6 puts the rows second
-    and costs a shared-memory conversion of the scales every step: 27.7 / 187.5 / 1083 us at batch 1 / 8 / 64
-    against 23.4 / 136.9 / 807 for this load (H200, docs/NOTES_moe.md, twelfth session)."""
+    and costs a shared-memory conversion of the scales every step: slower (H200, docs/NOTES_moe.md, twelfth session)."""
     R: tl.constexpr = rows.shape[0]
     w = tl.reshape(tl.load(wp + rows[:, None] * (C // 8) + b0 * 4 + tl.arange(0, 4 * NB)[None, :]), (R, NB, 4))
     return w, tl.load(sp + rows[:, None] * (C // 32) + b0 + tl.arange(0, NB)[None, :]).to(tl.int32)
@@ -695,9 +694,8 @@ def _simt_rows(acc, acc3, wp, sp, wp3, sp3, xp, rows, C: tl.constexpr, NB: tl.co
     one load and conversion of z for both); WAIT: wait for role A (`_wait_a(ws, NA)`, and with WAIT2 also
     `_wait_a(ws2, NA2)`) after the first weight loads and before the first activation load (role B streams w2 while
     role A finishes); NW the program's warps.
-    (Measured and lost, docs/NOTES_moe.md: the next step's activations loaded with its weights, +22% at batch 1;
-    the activations converted once an item, `zpre`, +6..22%; the weights through tensor descriptors pipelined
-    2..6 deep, `tma`, +24..34% at batch 1.)"""
+    (Measured and lost, docs/NOTES_moe.md: the next step's activations loaded with its weights; the activations
+    converted once an item, `zpre`; the weights through tensor descriptors pipelined 2..6 deep, `tma`.)"""
     NS: tl.constexpr = C // 32  # blocks a row
     w, f = _simt_load(wp, sp, rows, 0, C, NB)
     w3, f3 = w, f
@@ -926,12 +924,9 @@ PATHS = ("gemv", "grouped", "simt", "tc")
 
 def default_path(B: int, fmt: str) -> str:
     """The path the H200 sweeps chose (docs/NOTES_moe.md, eighth and ninth sessions): MXFP4 runs the simt kernel
-    up to 64 tokens (batch 1 29.6 vs 77.1 us on gemv; 8 uniform 264 vs 514 and 64 uniform 1444 vs 2499 on
-    grouped; it loses where many tokens share an expert: 8 same16 145 vs 92 grouped), fp8 the two-role gemv
-    kernel up to 16 tokens (batch 1 36.8 vs 71.5 us, 8 same16 57.6 vs 99.0, 16 uniform 473 vs 529), bf16 never
-    (grouped 42.3 vs 45.1 us at batch 1, 51.9 vs 67.8 at 8 same16); MXFP4 above 64 tokens the tc path (256 uniform
-    2335 vs 4014 us on grouped; nineteenth session, moe_tc.json.gz, retired: git history at b82bd1c; it loses to
-    simt at 8..64); everything else the grouped kernel."""
+    up to 64 tokens (it loses only where many tokens share an expert: 8 same16), fp8 the two-role gemv kernel up to
+    16 tokens, bf16 never; MXFP4 above 64 tokens the tc path (nineteenth session, moe_tc.json.gz, retired: git
+    history at b82bd1c; it loses to simt at 8..64); everything else the grouped kernel."""
     if fmt == "fp8" and B <= GEMV_MAX_BATCH:
         return "gemv"
     if fmt == "mxfp4":
@@ -942,18 +937,16 @@ def default_path(B: int, fmt: str) -> str:
 def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = None) -> dict:
     """The kernels' tile choice, from the H200 sweeps (docs/NOTES_moe.md).
     simt: BN = 16 intermediate rows an A item, NB = 16 32-blocks a step (block_k 512), BL = 128 latent rows a B
-    item (256 at batch 1: 20.38 against 20.90 us, sixteenth session's moe_items.json.gz, git history at 9d3aa7c), 4
-    of w2's blocks a step, one token a pass at batch 1 (else two), 8 warps at batch 1 (21.1 against 23.5 us at 4;
-    4 / 16 / 64 tokens lose 43-57 % at 8), else 4, one item a program at batch 1
+    item (256 at batch 1: sixteenth session's moe_items.json.gz, git history at 9d3aa7c), 4 of w2's blocks a
+    step, one token a pass at batch 1 (else two), 8 warps at batch 1 (4 to 64 tokens lose at 8), else 4, one item a
+    program at batch 1
     (else persistent, 4 programs a multiprocessor, registers capped at 128 a thread so that the four fit: 190
     uncapped at two tokens a pass, two programs an SM); the weight steps are register double-buffered in the
     kernel (num_stages is not used); from batch 16 (`SIMT_LEADERS_FROM`) a one-program prologue lists the groups'
-    leaders and the tickets run over them only (`leaders`; H200 with the 2D word loads: batch 2 / 4 / 8 lose 4 / 2
-    / 1%, batch 16 / 32 / 64 gain 1 / 3 / 5%, twelfth session); a role-B item waits for its own expert's role-A
-    items from batch 2 (`wait` "expert"; H200 us, all / expert: batch 2 47.5 / 40.0, 4 76.6 / 70.4, 8 136.8 / 131.0,
-    16 247.5 / 241.5, 32 432.1 / 423.3, 64 764.8 / 763.0; batch 1 20.4 / 22.7, so "all" there: its last experts'
-    few w2 items would run alone at the end; seventeenth session's moe_wait.json.gz (retired for room, git history
-    at 93364f5)).
+    leaders and the tickets run over them only (`leaders`; with the 2D word loads batch 2..8 lose, 16..64 gain);
+    a role-B item waits for its own expert's role-A items from batch 2 (`wait` "expert"; "all" at batch 1, where its
+    last experts' few w2 items would run alone at the end; seventeenth session's moe_wait.json.gz (retired for room,
+    git history at 93364f5)).
     gemv: BN = 32 intermediate rows an A item (bf16 16), BK latent columns a step (fp8 512 at batch 1, else 256;
     MXFP4 512; bf16 256), BL latent rows a B item (bf16 128, else 64), BI = 128 intermediate columns a step,
     4 warps, 3 stages (Triton's software pipeline keeps the next two chunks' loads in flight).
@@ -974,9 +967,8 @@ def default_blocks(B: int, K: int, I: int, L: int, fmt: str, path: str | None = 
                     num_warps=8 if B == 1 else 4, num_stages=1, block_i=32 * nb2, persist=0 if B == 1 else 4,
                     maxnreg=None if B == 1 else 128, leaders=B >= SIMT_LEADERS_FROM,
                     wait="all" if B == 1 else "expert")
-    if path == "tc":  # BN 64 (two w2 blocks); one 32-block a step (128: 2615 against 2335 us at 256 tokens); the
-        # leaders' list (H200, twentieth session's moe_tc3.json.gz, git history at b82bd1c: 128 tokens 2048.0 against
-        # 2091.5 us, 256 tokens 2183.3 against 2320.5; block_l 32 with it 2633.0)
+    if path == "tc":  # BN 64 (two w2 blocks); one 32-block a step (128 lost); the leaders' list (twentieth
+        # session's moe_tc3.json.gz, git history at b82bd1c; block_l 32 lost)
         bl = 128
         while L % bl:
             bl //= 2

@@ -78,7 +78,7 @@ from k3lab_kernels.triton.router_topk import select_row
 from k3lab_kernels.triton.situ_glu import situ
 
 MAX_OUTPUTS = 6
-FP8_F16 = True  # fp8 weights on the dot path as f16 MMAs (`proj(f16=...)`): 16-20 % faster than widening to bf16
+FP8_F16 = True  # fp8 weights on the dot path as f16 MMAs (`proj(f16=...)`): faster than widening to bf16
 # (H200, batch 1 and 8, TP8 kda_q / kda_o / moe_down: profiles/h200/trunk_fp8.json.gz, git history at 3bae41e)
 SELECT_MAX_BATCH = 16  # the fused router selection (one program selects for every row of its batch tile)
 SMALL_BATCH = 16  # up to this batch: the split-K GEMV configuration
@@ -154,7 +154,7 @@ def _proj_kernel(x, w, scale, res, ws, cnt,
     eps, the norm weight pw). TOPK > 0:
     the fused router selection over output 0 (e0 experts; bias rbias, outputs ridx / rwts, counters rcnt).
     PDL: launched with programmatic dependent launch (waits at the top: an L2 prefetch of the program's W slice
-    before the wait measured 280 us slower over the step, docs/NOTES_step.md)."""
+    before the wait measured slower over the step, docs/NOTES_trunk.md)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -367,29 +367,24 @@ RED_MAX_TILES = 32  # and from batch 2 where at most this many output tiles spli
 # bf16, one program an SM (H200, experiments/proj_b64/split2_h200.json.gz; docs/NOTES_trunk.md, forty-third session)
 SUM_BN, SUM_BM = 32, 16  # the summing kernel's largest tile (W rows x batch rows); see `sum_tiles`
 FP8_SHORT_K = 2048  # fp8 at batch 17..32 (a 32-row batch tile): inputs up to this long take 64-row W tiles in one K
-# range where those tiles give at least half the SMs a program (7,168 outputs: kda_o / mla_o 9.11 / 9.07 against
-# 10.48 / 10.44 us at TP8 batch 32 on an H100, profiles/h100-80gb-hbm3/fp8_b64_tiles.json.gz, git history at b23339a;
-# H200 kda_o 8.80 against 9.70, profiles/h200/proj_fp8_47.json.gz; the 2,304 / 1,152 outputs of mla_uq left 36 / 18
-# programs: 8.15 / 8.02 us there; at batch 64 64-row tiles lose: 14.5 against 11.2; docs/NOTES_trunk.md)
+# range where those tiles give at least half the SMs a program (7,168 outputs: kda_o / mla_o at TP8 batch 32, H100,
+# profiles/h100-80gb-hbm3/fp8_b64_tiles.json.gz, git history at b23339a; H200, profiles/h200/proj_fp8_47.json.gz;
+# the 2,304 / 1,152 outputs of mla_uq left 36 / 18 programs; at batch 64 64-row tiles lose; docs/NOTES_trunk.md)
 FP8_NARROW_MIN_K = 128  # ... and where 64-row tiles would leave fewer than half the SMs a program (mla_uq's 2,304 /
 # 1,152 outputs, kda_fb's 1,536 / 768), inputs of at least this length take 16-row W tiles: TP8 / TP16 mla_uq at batch
-# 32 7.27 / 6.45 -> 6.52 / 5.88 us on an H100 (cuBLAS 5.84 / 5.22; 64-row tiles 8.05 / 6.21),
-# profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz (git history at `cb373f1`); kda_fb (K = 128) 2.27 / 2.19 -> 2.08 /
-# 1.98 (cuBLAS 2.47 / 2.43),
-# profiles/h100-80gb-hbm3/fp8_b32_rule.json.gz, git history at 3ca0ea1 (1024 before that measurement)
+# 32 (H100; cuBLAS still ahead, 64-row tiles behind), profiles/h100-80gb-hbm3/fp8_b32_combo.json.gz (git history at
+# `cb373f1`); kda_fb (K = 128), ahead of cuBLAS, profiles/h100-80gb-hbm3/fp8_b32_rule.json.gz, git history at 3ca0ea1
+# (1024 before that measurement); docs/NOTES_trunk.md
 FP8_LONG_K = 7168  # fp8 on the dot path at batch <= SMALL_BATCH over inputs at least this long: K split until up to
 FP8_MORE = 3       # FP8_MORE programs an SM run (the one-wave default leaves ~1.7, each warp issuing every 4.7 cycles:
 FP8_MIN_CHUNKS = 7  # instruction latency on few warps), each K range keeping >= FP8_MIN_CHUNKS chunks of BK. H100, TP8,
-# us, default / rule: moe_down (split 2 -> 4) batch 1 14.93 / 13.50, 8 14.97 / 13.59; kda_q (5 -> 8) 8.92 / 8.23, 8.97
-# / 8.33; kda_o (short input) and mla_dkv (split 14 already) keep theirs: more splits lose (kda_o 2: 8.58 against
-# 7.43; mla_dkv 28: 6.82 against 6.27). profiles/h100-80gb-hbm3/fp8_split_small.json.gz (git history at ab6ca59)
+# batch 1 and 8: moe_down (split 2 -> 4), kda_q (5 -> 8); kda_o (short input) and mla_dkv (split 14 already) keep
+# theirs: more splits lose. profiles/h100-80gb-hbm3/fp8_split_small.json.gz (git history at ab6ca59)
 FP8_TMA_MIN_BATCH = 33  # fp8 from this batch (a batch tile of 64) over inputs longer than FP8_SHORT_K: path tma, W
-# through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down 19.7 / 18.7
-# against 26.9 / 24.3 us on dot, kda_q 11.8 / 12.0 against 14.5 / 13.5; TP16's 768-row kda_q ties or loses, 9.93 /
-# 10.08 against 9.95 / 9.76: profiles/h100-80gb-hbm3/fp8_paths.json.gz, git history at e0d6f9e)
+# through the copy engine, widened in registers as the MMA's A operand (H100, TP8 batch 33 / 64: moe_down, kda_q ahead;
+# TP16's 768-row kda_q ties or loses: profiles/h100-80gb-hbm3/fp8_paths.json.gz, git history at e0d6f9e)
 FP8_WIDE_BATCH, FP8_WIDE_MIN_N = 65, 768  # fp8 from batch 65 (a batch tile of 128): tma for >= 768 outputs, short
-# inputs too (H100 batch 128: kda_o TP8 12.5 against 16.9 us on dot, TP16 kda_q 11.0 against 13.4, moe_router 11.4
-# against 14.3: the same bundle)
+# inputs too (H100 batch 128: TP8 kda_o, TP16 kda_q, moe_router; the same bundle; docs/NOTES_trunk.md)
 RED_BYTES = 256  # a thread's share of the partials in flight while a tile's last program sums them (64 registers)
 SMEM_BYTES = 220 * 1024  # shared memory a tma-path SM offers its programs' stages (H200: 228 KB per SM)
 TMA_MAX_BOX = 256  # the copy engine's largest box side (elements)
@@ -425,11 +420,11 @@ def _split(tiles: int, chunks: int, split_k, cap: int, more: int = 0) -> int:
 
 def default_path(M: int, N: int, fp8: bool, tma: bool = True, prologue: bool = False, *, K: int) -> str:
     """The measured rule (docs/NOTES_trunk.md, profiles/h200/trunk_explore2.json.gz, git history at ff8d02f): rows
-    at batch 1 for at most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (3-7 % faster
-    than dot on the 22-51 MB projections at batch 1-8); for fp8 weights with as many outputs from batch
+    at batch 1 for at most ROWS_MAX_N outputs; tma for bf16 weights with at least TMA_MIN_N outputs (faster
+    on the 22-51 MB projections at batch 1-8); for fp8 weights with as many outputs from batch
     FP8_TMA_MIN_BATCH over inputs longer than FP8_SHORT_K (K: the input's length), and with at least
     FP8_WIDE_MIN_N outputs from batch FP8_WIDE_BATCH whatever the input; dot for fp8 weights otherwise and fewer
-    outputs (MLA kv down: 6.7 against 7.0 us) and where the copy engine's alignment rules fail."""
+    outputs (MLA kv down) and where the copy engine's alignment rules fail."""
     if M == 1 and N <= ROWS_MAX_N and not prologue:
         return "rows"
     if not tma:
