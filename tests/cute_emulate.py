@@ -312,6 +312,42 @@ class _Buf:
             self.written[o] = 1
         self.dirty = True
 
+    # read_run / write_run: `read` / `write` of several elements (a vector copy), each check made once for the run
+    def read_run(self, offs):
+        if min(offs) < 0 or max(offs) >= self.n:
+            self.read(next(o for o in offs if o < 0 or o >= self.n))
+        if _PDL["on"] and self.space == "g" and self.base not in _PDL["early"] and not _cur().waited:
+            self.read(offs[0])
+        w = self.written
+        if w is not None and STRICT_SMEM:
+            for o in offs:
+                if not w[o]:
+                    self.read(o)
+        a, conv = self.arr, self.conv
+        return [conv(a[o]) for o in offs]
+
+    def write_run(self, offs, vals, exact=False):
+        """exact: the values were read from a tensor of this dtype, so they are scalars its store keeps as they are."""
+        if min(offs) < 0 or max(offs) >= self.n or (
+                not exact and not all(isinstance(v, (float, int)) for v in vals)) or (
+                _PDL["on"] and self.space == "g" and not _cur().waited) or (
+                self.cta is not None and self.cta.exited):
+            for o, v in zip(offs, vals):
+                self.write(o, v)
+            return
+        a = self.arr
+        if exact:
+            for o, v in zip(offs, vals):
+                a[o] = v
+        else:
+            st = self.store
+            for o, v in zip(offs, vals):
+                a[o] = st(v)
+        if self.written is not None:
+            for o in offs:
+                self.written[o] = 1
+        self.dirty = True
+
 
 def _ident(v):
     return v
@@ -353,6 +389,26 @@ class _RBuf:
         if not isinstance(v, (float, int)):
             raise EmulationError(f"store of a non-scalar {type(v).__name__} into {self.name}")
         self.arr[o] = self.store(v)
+
+    def read_run(self, offs):
+        if min(offs) < 0 or max(offs) >= self.n:
+            self.read(next(o for o in offs if o < 0 or o >= self.n))
+        a = self.arr
+        return [a[o] for o in offs]
+
+    def write_run(self, offs, vals, exact=False):
+        if min(offs) < 0 or max(offs) >= self.n or (not exact and not all(isinstance(v, (float, int)) for v in vals)):
+            for o, v in zip(offs, vals):
+                self.write(o, v)
+            return
+        a = self.arr
+        if exact:
+            for o, v in zip(offs, vals):
+                a[o] = v
+        else:
+            st = self.store
+            for o, v in zip(offs, vals):
+                a[o] = st(v)
 
 
 _STORE = {Float32: Float32, BFloat16: BFloat16, Float16: Float16, Int32: int, Int64: int}
@@ -609,18 +665,23 @@ def autovec_copy(src, dst):
         raise EmulationError(f"autovec_copy of shape {src.shape} into shape {dst.shape}")
     _check_vector_alignment(src)
     _check_vector_alignment(dst)
+    sb, db = src.buf, dst.buf
     if src.rank == 1 and dst.rank == 1:  # the common case
-        rd, so, ss = src.buf.read, src.off, src.s0
-        w, do, ds = dst.buf.write, dst.off, dst.s0
-        vals = [rd(so + i * ss) for i in range(src.n0)]
-        for i, v in enumerate(vals):
-            w(do + i * ds, v)
+        so, ss, do, ds = src.off, src.s0, dst.off, dst.s0
+        soffs = [so + i * ss for i in range(src.n0)]
+        doffs = [do + i * ds for i in range(dst.n0)]
+    else:
+        so, do = src.off, dst.off
+        soffs = [so + r for r in _rel_offsets(src.shape, src.stride)]
+        doffs = [do + r for r in _rel_offsets(dst.shape, dst.stride)]
+    if not soffs:
         return
-    rd, so = src.buf.read, src.off
-    vals = [rd(so + r) for r in _rel_offsets(src.shape, src.stride)]
-    w, do = dst.buf.write, dst.off
-    for r, v in zip(_rel_offsets(dst.shape, dst.stride), vals):
-        w(do + r, v)
+    vals = sb.read_run(soffs) if hasattr(sb, "read_run") else [sb.read(o) for o in soffs]
+    if hasattr(db, "write_run"):
+        db.write_run(doffs, vals, src.dtype is dst.dtype and src.dtype.is_float)
+    else:
+        for o, v in zip(doffs, vals):
+            db.write(o, v)
 
 
 class _CopyOp:
