@@ -3,7 +3,7 @@
 # (experiments/queue59/a.sh, ~4 min); on any GPU then the batch-1 decode step with the CuTe GEMV's long inputs at
 # several UNROLL / PRE, arm against arm in one build (experiments/step_folds/step_ab.py long_k; ARMS, default
 # u8p8,u16p8,u8p16: which of the two knobs cost the step when 16 / 16 ran, ~47 us on an H100 with
-# ARMS=u16p16,u8p8,u12p12, profiles/h100-80gb-hbm3/long_k62_step_ab.json.gz).
+# ARMS=u16p16,u8p8,u12p12, profiles/h100-80gb-hbm3/long_k62_step_ab.json.gz, git history at 5085684).
 # Device: bash experiments/queue62/a.sh        (bundles under $OUT/q, the step A/B as $OUT/q/long_k_step_ab.json)
 set -uo pipefail
 eval "$(bash .gpu/cute/unpack.sh)"
