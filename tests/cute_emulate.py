@@ -335,14 +335,7 @@ class _Buf:
             for o, v in zip(offs, vals):
                 self.write(o, v)
             return
-        a = self.arr
-        if exact:
-            for o, v in zip(offs, vals):
-                a[o] = v
-        else:
-            st = self.store
-            for o, v in zip(offs, vals):
-                a[o] = st(v)
+        _put_run(self.arr, offs, vals, None if exact else self.store)
         if self.written is not None:
             for o in offs:
                 self.written[o] = 1
@@ -401,14 +394,17 @@ class _RBuf:
             for o, v in zip(offs, vals):
                 self.write(o, v)
             return
-        a = self.arr
-        if exact:
-            for o, v in zip(offs, vals):
-                a[o] = v
-        else:
-            st = self.store
-            for o, v in zip(offs, vals):
-                a[o] = st(v)
+        _put_run(self.arr, offs, vals, None if exact else self.store)
+
+
+def _put_run(a, offs, vals, store):
+    """a[o] = store(v) along a run (store None: the values as they are), the checks made by the caller."""
+    if store is None:
+        for o, v in zip(offs, vals):
+            a[o] = v
+    else:
+        for o, v in zip(offs, vals):
+            a[o] = store(v)
 
 
 _STORE = {Float32: Float32, BFloat16: BFloat16, Float16: Float16, Int32: int, Int64: int}
