@@ -416,10 +416,10 @@ class _Unmapped:
     def __init__(self, what):
         self.name = what
 
-    def read(self, o):
+    def read(self, *_):
         raise EmulationError(f"access through a pointer that maps no tensor ({self.name})")
 
-    write = read
+    write = read_run = write_run = read
 
 
 class Pointer:
@@ -672,12 +672,7 @@ def autovec_copy(src, dst):
         doffs = [do + r for r in _rel_offsets(dst.shape, dst.stride)]
     if not soffs:
         return
-    vals = sb.read_run(soffs) if hasattr(sb, "read_run") else [sb.read(o) for o in soffs]
-    if hasattr(db, "write_run"):
-        db.write_run(doffs, vals, src.dtype is dst.dtype and src.dtype.is_float)
-    else:
-        for o, v in zip(doffs, vals):
-            db.write(o, v)
+    db.write_run(doffs, sb.read_run(soffs), src.dtype is dst.dtype and src.dtype.is_float)
 
 
 class _CopyOp:
