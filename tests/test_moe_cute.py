@@ -136,17 +136,6 @@ def test_grouped_k3_pool(batch, tp, routing):
     checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch))
 
 
-@pytest.mark.parametrize("batch,routing", [(8, "same16"), (64, "uniform")])
-def test_grouped_up_members_4(batch, routing, monkeypatch):
-    """UP_MEMBERS 4 (half the staged z, four up CTAs an SM): groups of one to 64 members in tiles of 4, shared among
-    the members' CTAs where large."""
-    from k3lab_kernels.cute import moe_grouped as mg
-
-    monkeypatch.setattr(mg, "UP_MEMBERS", 4)
-    case = OP.case(tp=8, routing=routing, **dict(K3, batch=batch))
-    checker.require(checker.check(OP, case, backend="cute", options=dict(path="grouped"), seed=batch + 1))
-
-
 def test_refused_by_name():
     d = OP.make_inputs(OP.case(tp=8, routing="uniform", **dict(K3, batch=2)), 0, "cuda")
     with pytest.raises(ValueError, match="'z' must be one token for the cute backend's path 'token'"):

@@ -32,7 +32,7 @@ def run(z, idx, wk, moe, y, pdl=False, seed=0, few=True, settings=None):
         mod = m.mod["moe_grouped"]
         mod.FEW_PAIRS = 10 ** 6 if few else 0
         # the defaults, then the case's
-        for k, v in {"UP_MEMBERS": 8, "SHARE_FROM": 4, "UP_UNROLL": 8, "UP_LSPLIT": "auto", "UP_SHARE": 4,
+        for k, v in {"SHARE_FROM": 4, "UP_UNROLL": 8, "UP_LSPLIT": "auto", "UP_SHARE": 4,
                      **(settings or {})}.items():
             setattr(mod, k, v)
         mod.moe_grouped(a["z"], a["idx"], a["wk"], a["w1"], a["w3"], a["w2"], a["s1"], a["s3"], a["s2"], a["y"],
@@ -64,22 +64,14 @@ def test_grouped(pdl, idx32, shape, few):
     assert launches[-1]["grid"][0] == pairs * (shape["latent"] // down_rows)
 
 
-def test_up_members_4():
-    """UP_MEMBERS 4 (half the staged z): the groups of 9 in three member tiles of 4 (the MMA's other four columns
-    repeat member 0, never stored), shared among the members' CTAs."""
-    shape = dict(SMALL, batch=9, routing="same16", n_experts=4, latent=LARGE, inter=64)
-    checker.require(checker.check(OP, OP.case(**shape), impl=impl(few=False, settings={"UP_MEMBERS": 4}), seed=3,
-                                  device="cpu"))
-
-
-@pytest.mark.parametrize("members,lsplit", [(8, True), (4, True), (8, False)])
-def test_up_lsplit(members, lsplit):
+@pytest.mark.parametrize("lsplit", [True, False])
+def test_up_lsplit(lsplit):
     """UP_LSPLIT: a shared group's h up CTAs each run every tile of the row block over their part of L (staging only
     that part of z), the parts joined through the global workspace by the CTA whose ticket comes last, in rank order;
-    groups of 9 in member tiles of 8 (or 4), and the tickets are zero again after the call (a second call passes);
+    groups of 9 in member tiles of 8, and the tickets are zero again after the call (a second call passes);
     False: the shares by tiles (every CTA stages all of z)."""
     shape = dict(SMALL, batch=9, routing="same16", n_experts=4, latent=LARGE, inter=128)
-    settings = {"UP_LSPLIT": lsplit, "UP_MEMBERS": members}
+    settings = {"UP_LSPLIT": lsplit}
     for seed in (3, 4):
         checker.require(checker.check(OP, OP.case(**shape), impl=impl(few=False, settings=settings), seed=seed,
                                       device="cpu"))

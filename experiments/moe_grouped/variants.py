@@ -2,7 +2,7 @@
 latent 3584, MXFP4, TP8, uniform routing) and several batches: the kernel file's module settings (`UP_UNROLL`, blocks
 of L an up step; `DOWN_TILES`, tiles of 16 latent rows a warp of the down kernel; `FEW_PAIRS`, `FEW_UP_SPLIT`,
 `FEW_DOWN_TILES`, the few-pairs shape; `UP_SHARE`, `DOWN_SHARE`, `SHARE_FROM`, a large group's work shared among
-its members' CTAs; `DOWN_CTAS_PER_SM`; `UP_MEMBERS`, members an up unit stages) and the component's `path` knob
+its members' CTAs; `DOWN_CTAS_PER_SM`) and the component's `path` knob
 ("grouped" at batch 1, where the default is the one-token kernels), each set checked against fp64 by the
 shared checker, then timed (graph replay, inputs rotated past L2, k3lab.harness.timing) beside the Triton default
 of the same run.
@@ -31,7 +31,7 @@ ROUTINGS = os.environ.get("ROUTINGS", "uniform").split(",")
 # UP_LSPLIT in the fifty-ninth session's batch-64 rows, docs/NOTES_moe.md)
 DEFAULTS = {k: getattr(M, k) for k in ("UP_UNROLL", "DOWN_TILES", "FEW_PAIRS", "FEW_UP_SPLIT", "FEW_DOWN_TILES",
                                        "UP_SHARE", "UP_SHARE_LARGE", "SHARE_LARGE_PAIRS", "DOWN_SHARE", "SHARE_FROM",
-                                       "DOWN_CTAS_PER_SM", "UP_MEMBERS", "UP_LSPLIT")}
+                                       "DOWN_CTAS_PER_SM", "UP_LSPLIT")}
 DEFAULTS.update({k: getattr(M, k) for f in VARIANTS for k in f if k != "path"})
 
 rows = []

@@ -390,16 +390,13 @@ def _cases(only: str | None, quick: bool):
                                        (2, 16, 384, 3584, 2, False), (64, 16, 192, 3584, 2, True),
                                        (3, 3, 64, 256, 2, False)):
             split, tiles = kmg.shape_config(Bt * K)   # the shape the wrapper picks for these pairs
-            shares = [kmg.share_config(L, split, tiles, Bt * K) + (kmg.NMEM,)]
+            shares = [kmg.share_config(L, split, tiles, Bt * K)]
             if Bt == 8 or (Bt == 64 and I == 384):
-                shares.append((1, 1, kmg.NMEM))           # sharing off
-            if Bt == 64 and I == 384:
-                shares.append(shares[0][:2] + (4,))       # UP_MEMBERS 4
-            for us, ds, nm in shares:
-                tag = (f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles} share{us}x{ds}" + (" pdl" if pdl else "")
-                       + (f" members{nm}" if nm != kmg.NMEM else ""))
-                cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split, h=us,
-                              nm=nm: up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp, h, kmg.SHARE_FROM, nm), uargs))
+                shares.append((1, 1))                     # sharing off
+            for us, ds in shares:
+                tag = f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles} share{us}x{ds}" + (" pdl" if pdl else "")
+                cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split, h=us:
+                              up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp, h, kmg.SHARE_FROM), uargs))
                 cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, dt=tiles, h=ds:
                               down_cls(B_, K, I, L, st, dt, h, kmg.SHARE_FROM, I % 128 == 0), dargs))
     if only in (None, "moe_dense"):

@@ -15,7 +15,7 @@ a zeroed fragment that is then added times the block factor 2^(s - 119) (s the E
 
   up    a CTA (4 warps) per (pair p, UP_ROWS = 64 intermediate rows). Every CTA zeroes its share of y. Then it lists p's
         group: the pairs with p's expert id, ascending, by ballots over the [B K] ids (`group`); only the group's
-        leader (its first pair) goes on. Members are taken UP_MEMBERS (8, the MMA's N, or 4) at a time: their z rows
+        leader (its first pair) goes on. Members are taken NMEM (8, the MMA's N) at a time: their z rows
         staged in shared memory as f16 pairs of 2^6 z, each 32-block's 16 pairs lane-major (a lane's B fragment of a
         block one 16-byte read); warp w's MMA rows g and g + 8 are intermediate rows r0 + 16 w + 2 g and
         + 2 g + 1 of W1_e and of W3_e, so a lane ends with both rows of one f16 pair of act; SiTU, times 2^6 wk,
@@ -75,8 +75,6 @@ _THREADS = 128
 UP_ROWS = 64        # intermediate rows of W1 and of W3 an up CTA (16 MMA rows a warp)
 DOWN_TILES = 8      # tiles of 16 latent rows a warp of the down kernel (a CTA: 64 DOWN_TILES = 512 rows)
 NMEM = 8            # members a tile (the MMA's N)
-UP_MEMBERS = 8      # members an up unit stages (8 or 4: 4 halves the staged z, 58 -> 29 KB, so that four up CTAs
-                    # fit an SM's shared memory; a member tile's columns past them repeat member 0, never stored)
 UP_UNROLL = 8       # blocks of L an up step (their 32 weight words and 8 scale words loaded together; a multiple
                     # of 4: 4 / 16 / 28 measured slower, docs/NOTES_moe.md)
 MAX_PAIRS = 4096
@@ -88,7 +86,7 @@ FEW_DOWN_TILES = 1
 # Few groups (every token on the same experts): a group of at least SHARE_FROM members shares its leader's work among
 # its members' CTAs, which would otherwise exit: up, UP_SHARE CTAs at most split a row block's 16-row tiles (their
 # warps splitting L among the more of them per tile); down, DOWN_SHARE CTAs at most split each warp's tiles; and the
-# member tiles of a group larger than one tile (UP_MEMBERS up, 8 down) go to different CTAs. 1 turns a kernel's
+# member tiles of a group larger than one tile (NMEM members) go to different CTAs. 1 turns a kernel's
 # sharing off.
 UP_SHARE = 4
 UP_SHARE_LARGE = 2     # UP_SHARE above SHARE_LARGE_PAIRS pairs (batch 16 and up at top-16)
@@ -322,7 +320,7 @@ def _kernel_classes():
 
     class Up:
         def __init__(self, B: int, K: int, I: int, L: int, step: int, b1: float, b2: float, pdl: bool, split: int,
-                     share: int, share_from: int, members: int = NMEM, lsplit: bool = False):
+                     share: int, share_from: int, lsplit: bool = False):
             self.B, self.K, self.I, self.L, self.step = B, K, I, L, step
             self.b1, self.b2, self.pdl = float(b1), float(b2), bool(pdl)
             self.N = B * K
@@ -334,7 +332,8 @@ def _kernel_classes():
             self.ZP = L // 2 + (16 - L // 2) % 32
             self.RND = (self.N + _THREADS - 1) // _THREADS
             self.UJ = up_unroll(L // 32, split)
-            self.NM = members            # members a member tile (the MMA's N is 8; 4: half the staged z)
+            self.NM = NMEM               # members a member tile (the MMA's N; 4, half the staged z, lost:
+            # docs/NOTES_moe.md, git history at 90ac0dc)
             self.H = share               # most CTAs sharing a group's row block (1: the leader runs it alone)
             self.FROM = share_from       # a group's members from which it shares
             # a shared group's sums of S parts of L go through the staged z's words (after a barrier; at least 4 x
@@ -342,7 +341,7 @@ def _kernel_classes():
             # shared memory, leaving L1 28 KB where 60 KB were (the carveout's next step); the few-pairs shape (no
             # sharing) keeps its own buffer
             self.RED_Z = share > 1
-            assert not self.RED_Z or members * self.ZP >= _THREADS * 8
+            assert not self.RED_Z or self.NM * self.ZP >= _THREADS * 8
             self.LS = bool(lsplit) and share > 1 and split == 1  # shares by parts of L (UP_LSPLIT)
 
         @cute.jit
@@ -726,8 +725,6 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
                gmem_ptr(cnt, I32, 4)]
     down_args = [gmem_ptr(idx.view(torch.int32), I32, 4), gmem_ptr(w2, I32, 16), gmem_ptr(sw[2], I32, 4),
                  gmem_ptr(act, I32, 16), gmem_ptr(y, F32, 16)]
-    if UP_MEMBERS not in (4, 8):
-        _fail("UP_MEMBERS", f"(module setting) must be 4 or 8, got {UP_MEMBERS!r}")
     if isinstance(SHARE_FROM, bool) or not isinstance(SHARE_FROM, int) or SHARE_FROM < 1:
         _fail("SHARE_FROM", f"(module setting) must be a positive int, got {SHARE_FROM!r}")
     # a lane loads four blocks' quad-transposed words at once: 2 ran and gave wrong sums (H100, fifty-ninth session)
@@ -735,7 +732,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
         _fail("UP_UNROLL", f"(module setting) must be a positive multiple of 4, got {UP_UNROLL!r}")
     # every module setting a compile reads is in the key (a changed setting compiles anew)
     key = (B, K, I, L, step, float(b1), float(b2), pdl, dev.index, UP_UNROLL, split, tiles, up_share, down_share,
-           SHARE_FROM, UP_MEMBERS, DOWN_CTAS_PER_SM, w2_quad, lsplit)
+           SHARE_FROM, DOWN_CTAS_PER_SM, w2_quad, lsplit)
     with torch.cuda.device(dev):
         import cuda.bindings.driver as cuda
 
@@ -745,7 +742,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
             from cutlass import cute
 
             up_cls, down_cls = _kernel_classes()
-            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, UP_MEMBERS, lsplit)
+            up = up_cls(B, K, I, L, step, b1, b2, pdl, split, up_share, SHARE_FROM, lsplit)
             fns = (cute.compile(up, *up_args, stream),
                    cute.compile(down_cls(B, K, I, L, step, tiles, down_share, SHARE_FROM, w2_quad), *down_args,
                                 stream))
