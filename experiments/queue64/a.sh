@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The sixty-fourth session's first call (carry .gpu/cute):
+#   1. experiments/kda_overlap/probe.py (Triton stand-in: does storing the KDA state in column chunks, each behind its
+#      own sums, beat storing it after the whole state's sums at batch 8..64?);
+#   2. experiments/kda_overlap/chunks.py (the CuTe decode's CHUNKS 1 / 2 / 4, plain and pdl, batch 1..64).
+# Device: bash experiments/queue64/a.sh    (everything under $OUT)
+set -uo pipefail
+eval "$(bash .gpu/cute/unpack.sh)"
+. experiments/device_setup.sh ov
+timeout 330 python3 experiments/kda_overlap/chunks.py "$OUT/ov" 30 2>&1 | grep -v "^b.*us  floor" | tail -n 30
+timeout 200 python3 experiments/kda_overlap/probe.py "$OUT/ov" 2>&1 | tail -n 60
