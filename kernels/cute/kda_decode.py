@@ -337,6 +337,10 @@ def _kernel_class():
             s_v = None
             if cutlass.const_expr(self.fold):
                 s_v = smem.allocate_tensor(Float32, cute.make_layout(128), byte_alignment=16)
+            # chunks: per value column (o_norm_w, sigmoid(gate))
+            s_go = None
+            if cutlass.const_expr(self.CH > 1):
+                s_go = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
             # per warp partial column sums: [warp][k^T d S (128) | q^T d S (128)]
@@ -434,6 +438,14 @@ def _kernel_class():
             f_r[0] = f_g[bb * HD + h * D + c]
             b_r[0] = b_g[bb * H + h]
             cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col0, divby=4), 4), gate_r)
+            # chunks: the output norm's weight and gate of column c (upper threads), to shared memory before the
+            # prologue's barrier (warp 0's output columns differ by chunk; registers would hold 16 more)
+            go_r = cute.make_rmem_tensor((2,), Float32)
+            if cutlass.const_expr(CH > 1):
+                if tid >= 128:
+                    go_r[0] = cute.make_tensor(p_onw, cute.make_layout(D))[c].to(Float32)
+                    go_r[1] = cute.make_tensor(p_gate, cute.make_layout(self.B * HD))[bb * HD + h * D + c].to(
+                        Float32)
             if lower:
                 x2[0] = qkv_g[bb * C + ch2]
             if cutlass.const_expr(self.pro_first):
@@ -455,6 +467,10 @@ def _kernel_class():
                 if lower:
                     for i in cutlass.range_constexpr(3):
                         conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+            if cutlass.const_expr(CH > 1):
+                if tid >= 128:
+                    s_go[c] = go_r[0]
+                    s_go[128 + c] = sigmoid(go_r[1], self.fast)
 
             cute.arch.sync_threads()
 
@@ -539,16 +555,11 @@ def _kernel_class():
                     ss = warp_sum(ss)
                     inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
                     if rsc == 0:
-                        r_onw = cute.make_rmem_tensor((4,), p_onw.dtype)
-                        r_gate = cute.make_rmem_tensor((4,), p_gate.dtype)
                         r_out = cute.make_rmem_tensor((4,), p_out.dtype)
                         for cc in cutlass.range_constexpr(CH):
                             col = cc * CW + cgc * 4
-                            cute.autovec_copy(vec(p_onw, cute.assume(col, divby=4), 4), r_onw)
-                            cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col, divby=4), 4), r_gate)
                             for j in cutlass.range_constexpr(4):
-                                val = (o_all[j, cc] * inv * r_onw[j].to(Float32)
-                                       * sigmoid(r_gate[j].to(Float32), self.fast))
+                                val = o_all[j, cc] * inv * s_go[col + j] * s_go[128 + col + j]
                                 r_out[j] = val.to(p_out.dtype)
                             cute.autovec_copy(r_out, vec(p_out, cute.assume(bb * HD + h * D + col, divby=4), 4))
             else:
