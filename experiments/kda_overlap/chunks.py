@@ -15,7 +15,7 @@ from k3lab_kernels.cute import kda_decode as KD
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 OP = registry.get("kda_decode")
-BATCHES = [int(b) for b in os.environ.get("BATCHES", "16,8,12,24,32,64,4,1").split(",")]
+BATCHES = [int(b) for b in os.environ.get("BATCHES", "16,8,12,24,64,32,4,1").split(",")]
 rows = []
 
 
