@@ -67,10 +67,11 @@ def test_decode_large_grid(tile_v, large_grid):
     _assert_ok(check_decode(2, 1, seed=11, tile_v=tile_v))
 
 
-@pytest.mark.parametrize("chunks,pdl,large", [(4, False, False), (2, True, False), (4, True, True)])
+@pytest.mark.parametrize("chunks,pdl,large", [(4, False, False), (2, True, False), (4, True, True), (8, False, False),
+                                              (8, True, True)])
 def test_decode_chunks(chunks, pdl, large, monkeypatch):
-    """Tile 128 with the state in CHUNKS column chunks (each chunk's stores behind its own joined sums), plain and
-    pdl, on both sides of the resident-grid rule."""
+    """Tile 128 with the state in CHUNKS column chunks (each chunk's stores behind its own joined sums; 8: a warp's own
+    columns, joined in the warp), plain and pdl, on both sides of the resident-grid rule."""
     with emulate.emulated() as m:
         monkeypatch.setattr(m.kd, "CHUNKS", chunks)
         if large:

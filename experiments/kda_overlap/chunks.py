@@ -1,7 +1,8 @@
 """The CuTe KDA decode (kernels/cute/kda_decode.py) at tile 128 with its state in CHUNKS column chunks (each chunk's
-stores issued once its own sums are joined) against the whole-state order (CHUNKS 1, the default), plain and with
-pdl, at batch 1..64, 12 heads (issue 16: batch 16 is 1.09x FlashInfer's fused decode on the H200). Every variant
-checked against fp64 by the shared checker first, then timed by the harness (graph replay, inputs rotated past L2).
+stores issued once its own sums are joined; 8: a warp's own 16 columns, joined by its shuffles) against the
+whole-state order (CHUNKS 1, the default), plain and with pdl, at batch 1..64, 12 heads (issue 16: batch 16 is 1.09x
+FlashInfer's fused decode on the H200). Every variant checked against fp64 by the shared checker first, then timed
+by the harness (graph replay, inputs rotated past L2).
 Run: python experiments/kda_overlap/chunks.py $OUT [REPS]   ($OUT/kda_chunks.json after every case, a table last;
 BATCHES='16,8' replaces the batches)."""
 import json
@@ -15,7 +16,7 @@ from k3lab_kernels.cute import kda_decode as KD
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
 REPS = int(sys.argv[2]) if len(sys.argv) > 2 else 30
 OP = registry.get("kda_decode")
-BATCHES = [int(b) for b in os.environ.get("BATCHES", "16,8,12,24,64,32,4,1").split(",")]
+BATCHES = [int(b) for b in os.environ.get("BATCHES", "16,8,24,64,12,32,4,1").split(",")]
 rows = []
 
 
@@ -33,7 +34,7 @@ for B in BATCHES:
     sets = [OP.make_inputs(case, 1000 + i, "cuda") for i in range(n_sets)]
     floor_us = nbytes / (pr["copy_tbps"] * 1e12) * 1e6
     for pdl in (False, True):
-        for ch in (1, 2, 4):
+        for ch in (1, 8, 4, 2):
             KD.CHUNKS = ch
             opts = {"tile_v": 128, "pdl": pdl}
             label = f"chunks={ch}" + (" pdl" if pdl else "")
@@ -52,7 +53,8 @@ for B in BATCHES:
             finally:
                 KD.CHUNKS = 1
             save()
-print("\nbatch  " + "  ".join(f"{'c' + str(c) + (' pdl' if p else ''):>9s}" for p in (False, True) for c in (1, 2, 4)))
+COLS = [(c, p) for p in (False, True) for c in (1, 2, 4, 8)]
+print("\nbatch  " + "  ".join(f"{'c' + str(c) + (' pdl' if p else ''):>9s}" for c, p in COLS))
 for B in BATCHES:
     got = {(r["chunks"], r["pdl"]): r.get("median_us") for r in rows if r["batch"] == B}
-    print(f"{B:5d}  " + "  ".join(f"{got.get((c, p)) or float('nan'):9.2f}" for p in (False, True) for c in (1, 2, 4)))
+    print(f"{B:5d}  " + "  ".join(f"{got.get(k) or float('nan'):9.2f}" for k in COLS))

@@ -8,4 +8,4 @@ set -uo pipefail
 eval "$(bash .gpu/cute/unpack.sh)"
 . experiments/device_setup.sh ov
 timeout 340 python3 experiments/kda_overlap/chunks.py "$OUT/ov" 30 2>&1 | grep -v "^probes" | tail -n 70
-timeout 200 python3 experiments/kda_overlap/probe.py "$OUT/ov" 2>&1 | tail -n 40
+timeout 150 python3 experiments/kda_overlap/probe.py "$OUT/ov" 2>&1 | tail -n 40

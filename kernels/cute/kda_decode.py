@@ -57,6 +57,9 @@ TILES = (128, 64, 32, 16)
 # joined (a CTA barrier a chunk), while the later chunks' loads are still in flight (1: the whole state's sums, then
 # every store). A measurement setting of the sixty-fourth session (experiments/kda_overlap).
 CHUNKS = 1
+# 8: each warp owns 16 columns over all 128 key rows (a lane 4 columns of every eighth row), so a column's sums are
+# one warp's shuffles: no barrier between a warp's loads and its stores, one for the output norm at the end.
+CHUNK_CHOICES = (1, 2, 4, 8)
 
 __all__ = ["TILES", "cute_available", "kda_decode"]
 
@@ -250,8 +253,9 @@ def _kernel_class():
         def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False,
                      chunks: int = 1):
             assert tile_v in TILES, tile_v
-            assert chunks in (1, 2, 4) and (chunks == 1 or tile_v == 128), (chunks, tile_v)
+            assert chunks in CHUNK_CHOICES and (chunks == 1 or tile_v == 128), (chunks, tile_v)
             self.CH = chunks            # column chunks (tile 128; CHUNKS)
+            self.WCOLS = chunks == 8    # a warp's own 16 columns, reduced in the warp
             offs_c, o_ = [], 128 // chunks // 4
             while o_ < 32:
                 offs_c.append(o_)
@@ -364,7 +368,11 @@ def _kernel_class():
             cgc = lane % GC
             g_ch = []
             r_ch = []
-            if cutlass.const_expr(CH > 1):
+            if cutlass.const_expr(self.WCOLS):  # lane (rsc, cgc): rows i * 8 + rsc, columns 16 warp + 4 cgc ..
+                w_off = cute.assume(((bb * H + h) * D + rsc) * D + warp * 16 + cgc * 4, divby=4)
+                g_ch.append(cute.make_tensor(p_state + w_off, cute.make_layout((4, 16), stride=(1, 8 * D))))
+                r_ch.append(cute.make_rmem_tensor((4, 16), Float32))
+            elif cutlass.const_expr(CH > 1):
                 c_off = cute.assume(((bb * H + h) * D + warp * RC + rsc) * D + cgc * 4, divby=4)
                 for cc in cutlass.range_constexpr(CH):
                     g_ch.append(cute.make_tensor(p_state + (c_off + cc * CW),
@@ -372,7 +380,7 @@ def _kernel_class():
                     r_ch.append(cute.make_rmem_tensor((4, SC), Float32))
             if cutlass.const_expr(not self.pro_first):
                 if cutlass.const_expr(CH > 1):
-                    for cc in cutlass.range_constexpr(CH):
+                    for cc in cutlass.range_constexpr(len(g_ch)):
                         cute.autovec_copy(g_ch[cc], r_ch[cc])
                 else:
                     cute.autovec_copy(g_state, r_s)
@@ -451,7 +459,7 @@ def _kernel_class():
             if cutlass.const_expr(self.pro_first):
                 cute.arch.sync_warp()  # keeps the compiler from hoisting the state loads above the prologue's
                 if cutlass.const_expr(CH > 1):
-                    for cc in cutlass.range_constexpr(CH):
+                    for cc in cutlass.range_constexpr(len(g_ch)):
                         cute.autovec_copy(g_ch[cc], r_ch[cc])
                 else:
                     cute.autovec_copy(g_state, r_s)
@@ -485,7 +493,61 @@ def _kernel_class():
             acc_q.fill(0.0)
             r_info = cute.make_rmem_tensor((4,), Float32)
             r_i2 = cute.make_rmem_tensor((2,), Float32)
-            if cutlass.const_expr(CH > 1):
+            if cutlass.const_expr(self.WCOLS):
+                # ---- tile 128, a warp's own 16 columns (CHUNKS 8): its lanes' 16 rows each, joined by shuffles
+                # over the 8 row lanes (butterfly: every lane ends with its columns' sums), then at once the
+                # update and stores; the output norm's sum of o^2 over the 8 warps is the one barrier after.
+                r_i2 = cute.make_rmem_tensor((2,), Float32)
+                r_v = cute.make_rmem_tensor((4,), Float32)
+                r_s = r_ch[0]
+                for i in cutlass.range_constexpr(16):
+                    r = i * 8 + rsc
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
+                    for j in cutlass.range_constexpr(4):
+                        acc_k[j] = acc_k[j] + r_i2[1] * r_s[j, i]
+                        acc_q[j] = acc_q[j] + r_i2[0] * r_s[j, i]
+                for si in cutlass.range_constexpr(3):
+                    for j in cutlass.range_constexpr(4):
+                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=4 << si)
+                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=4 << si)
+                # the update's (d, k) row pairs are read again below, not kept from the pass (kept: 173 registers,
+                # one CTA an SM); the warp barrier stops the compiler from merging the two reads
+                cute.arch.sync_warp()
+                col = warp * 16 + cgc * 4
+                cute.autovec_copy(vec(s_v.iterator, cute.assume(col, divby=4), 4), r_v)
+                u = cute.make_rmem_tensor((4,), Float32)
+                uk = cute.make_rmem_tensor((4,), Float32)
+                for j in cutlass.range_constexpr(4):
+                    u[j] = beta * (r_v[j] - rk * acc_k[j])
+                    uk[j] = rk * u[j]
+                for i in cutlass.range_constexpr(16):
+                    r = i * 8 + rsc
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
+                    for j in cutlass.range_constexpr(4):
+                        r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
+                cute.autovec_copy(r_s, g_ch[0])
+                o = cute.make_rmem_tensor((4,), Float32)
+                ss = Float32(0.0)
+                for j in cutlass.range_constexpr(4):
+                    o[j] = (rq * acc_q[j] + qk * u[j]) * scale
+                    ss = ss + o[j] * o[j]
+                if rsc != 0:
+                    ss = Float32(0.0)
+                ss = warp_sum(ss)
+                if lane == 0:
+                    s_part[warp] = ss
+                cute.arch.sync_threads()
+                if rsc == 0:
+                    tss = Float32(0.0)
+                    for w in cutlass.range_constexpr(8):
+                        tss = tss + s_part[w]
+                    inv = rsqrtf(tss * (1.0 / D) + self.eps, self.fast)
+                    r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                    for j in cutlass.range_constexpr(4):
+                        val = o[j] * inv * s_go[col + j] * s_go[128 + col + j]
+                        r_out[j] = val.to(p_out.dtype)
+                    cute.autovec_copy(r_out, vec(p_out, cute.assume(bb * HD + h * D + col, divby=4), 4))
+            elif cutlass.const_expr(CH > 1):
                 # ---- tile 128 in CH column chunks (CHUNKS): per chunk the thread's SC rows x 4 columns give their
                 # k^T d S and q^T d S partial sums, joined over the warp's RC row lanes by shuffles and over the 8
                 # warps in shared memory (the chunk's own region: one barrier a chunk); then the chunk's rows are
@@ -834,8 +896,8 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
     chunks = CHUNKS if tile_v == 128 else 1
-    if chunks not in (1, 2, 4):
-        raise ValueError(f"kda cute: CHUNKS (module setting) must be 1, 2 or 4, got {CHUNKS!r}")
+    if chunks not in CHUNK_CHOICES:
+        raise ValueError(f"kda cute: CHUNKS (module setting) must be one of {CHUNK_CHOICES}, got {CHUNKS!r}")
     key = ("decode", B, H, tile_v, pdl, chunks, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
