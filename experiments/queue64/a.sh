@@ -7,5 +7,5 @@
 set -uo pipefail
 eval "$(bash .gpu/cute/unpack.sh)"
 . experiments/device_setup.sh ov
-timeout 340 python3 experiments/kda_overlap/chunks.py "$OUT/ov" 30 2>&1 | grep -v "^probes" | tail -n 70
-timeout 150 python3 experiments/kda_overlap/probe.py "$OUT/ov" 2>&1 | tail -n 40
+BATCHES=16,8,24,64,12,32,4 timeout 330 python3 experiments/kda_overlap/chunks.py "$OUT/ov" 30 2>&1 | grep -v "^probes" | tail -n 70
+timeout 100 python3 experiments/kda_overlap/probe.py "$OUT/ov" 2>&1 | tail -n 40
