@@ -67,27 +67,6 @@ def test_decode_large_grid(tile_v, large_grid):
     _assert_ok(check_decode(2, 1, seed=11, tile_v=tile_v))
 
 
-@pytest.mark.parametrize("chunks,pdl,large", [(4, False, False), (2, True, False), (4, True, True), (8, False, False),
-                                              (8, True, True)])
-def test_decode_chunks(chunks, pdl, large, monkeypatch):
-    """Tile 128 with the state in CHUNKS column chunks (each chunk's stores behind its own joined sums; 8: a warp's own
-    columns, joined in the warp), plain and pdl, on both sides of the resident-grid rule."""
-    with emulate.emulated() as m:
-        monkeypatch.setattr(m.kd, "CHUNKS", chunks)
-        if large:
-            monkeypatch.setattr(m.kd, "_RESIDENT", 0)
-        _assert_ok(check_decode(2, 2 if large else 1, seed=40 + chunks, tile_v=128, pdl=pdl))
-
-
-def test_decode_chunks_refused():
-    with emulate.emulated() as m, pytest.raises(ValueError, match="CHUNKS"):
-        m.kd.CHUNKS = 3
-        try:
-            check_decode(1, 1, seed=1, tile_v=128)
-        finally:
-            m.kd.CHUNKS = 1
-
-
 # ---- verify: every allowed row_warps at tiles 128 / 32 / 16, ragged and uniform -------------------------
 
 VERIFY = [  # (tile_v, row_warps, B, H, T, ragged); the default run takes one of each tile and row_warps

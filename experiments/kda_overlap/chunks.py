@@ -2,7 +2,8 @@
 stores issued once its own sums are joined; 8: a warp's own 16 columns, joined by its shuffles) against the
 whole-state order (CHUNKS 1, the default), plain and with pdl, at batch 1..64, 12 heads (issue 16: batch 16 is 1.09x
 FlashInfer's fused decode on the H200). Every variant checked against fp64 by the shared checker first, then timed
-by the harness (graph replay, inputs rotated past L2).
+by the harness (graph replay, inputs rotated past L2). CHUNKS lost and was removed (docs/NOTES_kda.md, sixty-fourth
+section): run this at 8314089, the code it timed.
 Run: python experiments/kda_overlap/chunks.py $OUT [REPS]   ($OUT/kda_chunks.json after every case, a table last;
 BATCHES='16,8' replaces the batches)."""
 import json

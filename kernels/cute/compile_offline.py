@@ -163,10 +163,6 @@ def _cases(only: str | None, quick: bool):
         for B, tv in ((1, 16), (64, 128)):  # programmatic dependent launch
             cases.append((f"decode B{B} tile{tv} pdl",
                           lambda B=B, tv=tv: kd._kernel_class()(B, H, 1e-6, -5.0, tv, pdl=True), step_args))
-        for B, ch, pdl in ((16, 2, False), (16, 4, False), (16, 4, True), (64, 4, False), (16, 8, False), (16, 8, True),
-                           (64, 8, False)):  # CHUNKS
-            cases.append((f"decode B{B} tile128 chunks{ch}" + (" pdl" if pdl else ""),
-                          lambda B=B, ch=ch, pdl=pdl: kd._kernel_class()(B, H, 1e-6, -5.0, 128, pdl, ch), step_args))
     if only in (None, "verify"):
         from kernels.cute import kda_verify as kv
         # B = 1: one CTA per SM (preload, delay) and the batched prologue; B = 16: the batched prologue under

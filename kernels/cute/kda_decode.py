@@ -53,13 +53,6 @@ _L2_EPS = 1e-6  # k3lab.ref.kda.l2norm's fixed eps
 _RESIDENT = 2 * 132
 # value columns per CTA; 128 // tile_v CTAs of a head form a cluster (at most 8, the portable size)
 TILES = (128, 64, 32, 16)
-# tile 128 only: the state in CHUNKS column chunks, each chunk's stores issued as soon as its own column sums are
-# joined (a CTA barrier a chunk), while the later chunks' loads are still in flight (1: the whole state's sums, then
-# every store). A measurement setting of the sixty-fourth session (experiments/kda_overlap).
-CHUNKS = 1
-# 8: each warp owns 16 columns over all 128 key rows (a lane 4 columns of every eighth row), so a column's sums are
-# one warp's shuffles: no barrier between a warp's loads and its stores, one for the output norm at the end.
-CHUNK_CHOICES = (1, 2, 4, 8)
 
 __all__ = ["TILES", "cute_available", "kda_decode"]
 
@@ -250,17 +243,8 @@ def _kernel_class():
     class KDADecodeKernel:
         """One CTA (or a cluster of 128 / tile_v CTAs) per (b, h); state and conv_state updated in place."""
 
-        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False,
-                     chunks: int = 1):
+        def __init__(self, B: int, H: int, eps: float, lower_bound: float, tile_v: int = 128, pdl: bool = False):
             assert tile_v in TILES, tile_v
-            assert chunks in CHUNK_CHOICES and (chunks == 1 or tile_v == 128), (chunks, tile_v)
-            self.CH = chunks            # column chunks (tile 128; CHUNKS)
-            self.WCOLS = chunks == 8    # a warp's own 16 columns, reduced in the warp
-            offs_c, o_ = [], 128 // chunks // 4
-            while o_ < 32:
-                offs_c.append(o_)
-                o_ *= 2
-            self.ch_offs = tuple(offs_c)  # chunks: shuffle offsets joining a chunk's row lanes
             self.B, self.H = B, H
             self.eps, self.lb = float(eps), float(lower_bound)
             self.TV = tile_v            # value columns per CTA
@@ -278,8 +262,8 @@ def _kernel_class():
             # decay into the pass's row factors at tiles 128 and 64 (the narrow tiles' B = 1 latency chain,
             # which fold lengthens on the q/k threads, keeps the plain split)
             self.fast = _resident_grid(B * H * self.NC)
-            self.rs = tile_v == 128 and chunks == 1
-            self.early = tile_v == 128 and chunks == 1
+            self.rs = tile_v == 128
+            self.early = tile_v == 128
             self.fold = tile_v >= 64
             # pdl's state loads precede its wait for the previous kernel, so it keeps the state-first order
             self.pro_first = tile_v == 128 and not pdl
@@ -341,10 +325,6 @@ def _kernel_class():
             s_v = None
             if cutlass.const_expr(self.fold):
                 s_v = smem.allocate_tensor(Float32, cute.make_layout(128), byte_alignment=16)
-            # chunks: per value column (o_norm_w, sigmoid(gate))
-            s_go = None
-            if cutlass.const_expr(self.CH > 1):
-                s_go = smem.allocate_tensor(Float32, cute.make_layout(256), byte_alignment=16)
             # lower warps 0..3: (|q|^2, |k|^2, q.k, pad)
             s_red = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
             # per warp partial column sums: [warp][k^T d S (128) | q^T d S (128)]
@@ -357,33 +337,8 @@ def _kernel_class():
             s_off = cute.assume(((bb * H + h) * D + warp * R + rsub) * D + col0, divby=4)
             g_state = cute.make_tensor(p_state + s_off, cute.make_layout((4, S), stride=(1, 8 * R * D)))
             r_s = cute.make_rmem_tensor((4, S), Float32)
-            # chunks: chunk c holds columns c CW ..; a warp instruction RC rows of GC lanes (4 columns each); the
-            # thread's rows (i * 8 + warp) * RC + rsc, i < SC, its columns c CW + cgc * 4 .. + 3 of every chunk
-            CH = self.CH
-            CW = 128 // CH
-            GC = CW // 4
-            RC = 32 // GC
-            SC = 128 // (8 * RC)
-            rsc = lane // GC
-            cgc = lane % GC
-            g_ch = []
-            r_ch = []
-            if cutlass.const_expr(self.WCOLS):  # lane (rsc, cgc): rows i * 8 + rsc, columns 16 warp + 4 cgc ..
-                w_off = cute.assume(((bb * H + h) * D + rsc) * D + warp * 16 + cgc * 4, divby=4)
-                g_ch.append(cute.make_tensor(p_state + w_off, cute.make_layout((4, 16), stride=(1, 8 * D))))
-                r_ch.append(cute.make_rmem_tensor((4, 16), Float32))
-            elif cutlass.const_expr(CH > 1):
-                c_off = cute.assume(((bb * H + h) * D + warp * RC + rsc) * D + cgc * 4, divby=4)
-                for cc in cutlass.range_constexpr(CH):
-                    g_ch.append(cute.make_tensor(p_state + (c_off + cc * CW),
-                                                 cute.make_layout((4, SC), stride=(1, 8 * RC * D))))
-                    r_ch.append(cute.make_rmem_tensor((4, SC), Float32))
             if cutlass.const_expr(not self.pro_first):
-                if cutlass.const_expr(CH > 1):
-                    for cc in cutlass.range_constexpr(len(g_ch)):
-                        cute.autovec_copy(g_ch[cc], r_ch[cc])
-                else:
-                    cute.autovec_copy(g_state, r_s)
+                cute.autovec_copy(g_state, r_s)
                 if cutlass.const_expr(NC > 1):
                     cute.arch.cluster_arrive_relaxed()  # peers' smem must exist before remote stores
 
@@ -446,23 +401,11 @@ def _kernel_class():
             f_r[0] = f_g[bb * HD + h * D + c]
             b_r[0] = b_g[bb * H + h]
             cute.autovec_copy(vec(p_gate, cute.assume(bb * HD + h * D + col0, divby=4), 4), gate_r)
-            # chunks: the output norm's weight and gate of column c (upper threads), to shared memory before the
-            # prologue's barrier (warp 0's output columns differ by chunk; registers would hold 16 more)
-            go_r = cute.make_rmem_tensor((2,), Float32)
-            if cutlass.const_expr(CH > 1):
-                if tid >= 128:
-                    go_r[0] = cute.make_tensor(p_onw, cute.make_layout(D))[c].to(Float32)
-                    go_r[1] = cute.make_tensor(p_gate, cute.make_layout(self.B * HD))[bb * HD + h * D + c].to(
-                        Float32)
             if lower:
                 x2[0] = qkv_g[bb * C + ch2]
             if cutlass.const_expr(self.pro_first):
                 cute.arch.sync_warp()  # keeps the compiler from hoisting the state loads above the prologue's
-                if cutlass.const_expr(CH > 1):
-                    for cc in cutlass.range_constexpr(len(g_ch)):
-                        cute.autovec_copy(g_ch[cc], r_ch[cc])
-                else:
-                    cute.autovec_copy(g_state, r_s)
+                cute.autovec_copy(g_state, r_s)
 
             # ---------------- prologue: conv + silu, gate, norms; windows shift -----------------
             prologue_position(x1[0], x2[0], f_r[0], win1, win2, w1, w2, a_exp, dtb, self.lb, lower, lane,
@@ -475,10 +418,6 @@ def _kernel_class():
                 if lower:
                     for i in cutlass.range_constexpr(3):
                         conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-            if cutlass.const_expr(CH > 1):
-                if tid >= 128:
-                    s_go[c] = go_r[0]
-                    s_go[128 + c] = sigmoid(go_r[1], self.fast)
 
             cute.arch.sync_threads()
 
@@ -493,272 +432,140 @@ def _kernel_class():
             acc_q.fill(0.0)
             r_info = cute.make_rmem_tensor((4,), Float32)
             r_i2 = cute.make_rmem_tensor((2,), Float32)
-            if cutlass.const_expr(self.WCOLS):
-                # ---- tile 128, a warp's own 16 columns (CHUNKS 8): its lanes' 16 rows each, joined by shuffles
-                # over the 8 row lanes (butterfly: every lane ends with its columns' sums), then at once the
-                # update and stores; the output norm's sum of o^2 over the 8 warps is the one barrier after.
-                r_i2 = cute.make_rmem_tensor((2,), Float32)
-                r_v = cute.make_rmem_tensor((4,), Float32)
-                r_s = r_ch[0]
-                for i in cutlass.range_constexpr(16):
-                    r = i * 8 + rsc
+            for i in cutlass.range_constexpr(S):
+                r = (i * 8 + warp) * R + rsub
+                if cutlass.const_expr(self.fold):
                     cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + r_i2[1] * r_s[j, i]
-                        acc_q[j] = acc_q[j] + r_i2[0] * r_s[j, i]
-                for si in cutlass.range_constexpr(3):
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=4 << si)
-                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=4 << si)
-                # the update's (d, k) row pairs are read again below, not kept from the pass (kept: 173 registers,
-                # one CTA an SM); the warp barrier stops the compiler from merging the two reads
-                cute.arch.sync_warp()
-                col = warp * 16 + cgc * 4
-                cute.autovec_copy(vec(s_v.iterator, cute.assume(col, divby=4), 4), r_v)
-                u = cute.make_rmem_tensor((4,), Float32)
-                uk = cute.make_rmem_tensor((4,), Float32)
+                    qd = r_i2[0]
+                    kd = r_i2[1]
+                else:
+                    cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 4), r_info)
+                    qd = r_info[0] * r_info[2]
+                    kd = r_info[1] * r_info[2]
                 for j in cutlass.range_constexpr(4):
-                    u[j] = beta * (r_v[j] - rk * acc_k[j])
-                    uk[j] = rk * u[j]
-                for i in cutlass.range_constexpr(16):
-                    r = i * 8 + rsc
-                    cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
-                    for j in cutlass.range_constexpr(4):
-                        r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
-                cute.autovec_copy(r_s, g_ch[0])
-                o = cute.make_rmem_tensor((4,), Float32)
-                ss = Float32(0.0)
+                    acc_k[j] = acc_k[j] + kd * r_s[j, i]
+                    acc_q[j] = acc_q[j] + qd * r_s[j, i]
+            # lanes holding the same columns (different rows) combine by shuffles
+            for si in cutlass.range_constexpr(len(self.red_offs)):
                 for j in cutlass.range_constexpr(4):
-                    o[j] = (rq * acc_q[j] + qk * u[j]) * scale
-                    ss = ss + o[j] * o[j]
-                if rsc != 0:
-                    ss = Float32(0.0)
-                ss = warp_sum(ss)
-                if lane == 0:
-                    s_part[warp] = ss
-                cute.arch.sync_threads()
-                if rsc == 0:
-                    tss = Float32(0.0)
-                    for w in cutlass.range_constexpr(8):
-                        tss = tss + s_part[w]
-                    inv = rsqrtf(tss * (1.0 / D) + self.eps, self.fast)
-                    r_out = cute.make_rmem_tensor((4,), p_out.dtype)
-                    for j in cutlass.range_constexpr(4):
-                        val = o[j] * inv * s_go[col + j] * s_go[128 + col + j]
-                        r_out[j] = val.to(p_out.dtype)
-                    cute.autovec_copy(r_out, vec(p_out, cute.assume(bb * HD + h * D + col, divby=4), 4))
-            elif cutlass.const_expr(CH > 1):
-                # ---- tile 128 in CH column chunks (CHUNKS): per chunk the thread's SC rows x 4 columns give their
-                # k^T d S and q^T d S partial sums, joined over the warp's RC row lanes by shuffles and over the 8
-                # warps in shared memory (the chunk's own region: one barrier a chunk); then the chunk's rows are
-                # updated and stored while the later chunks' loads may still be landing. Warp 0 keeps the chunk's
-                # o and after the last chunk writes the gated RMSNorm of all 128.
-                r_i2 = cute.make_rmem_tensor((2,), Float32)
-                r_p = cute.make_rmem_tensor((4,), Float32)
-                r_v = cute.make_rmem_tensor((4,), Float32)
-                o_all = cute.make_rmem_tensor((4, CH), Float32)
-                ss = Float32(0.0)
-                for cc in cutlass.range_constexpr(CH):
-                    acc_k = cute.make_rmem_tensor((4,), Float32)
-                    acc_q = cute.make_rmem_tensor((4,), Float32)
-                    acc_k.fill(0.0)
-                    acc_q.fill(0.0)
-                    r_s = r_ch[cc]
-                    for i in cutlass.range_constexpr(SC):
-                        r = (i * 8 + warp) * RC + rsc
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
-                        for j in cutlass.range_constexpr(4):
-                            acc_k[j] = acc_k[j] + r_i2[1] * r_s[j, i]
-                            acc_q[j] = acc_q[j] + r_i2[0] * r_s[j, i]
-                    for si in cutlass.range_constexpr(len(self.ch_offs)):
-                        for j in cutlass.range_constexpr(4):
-                            acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=self.ch_offs[si])
-                            acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=self.ch_offs[si])
-                    # chunk cc's region: [warp][k (CW) | q (CW)]
-                    p_off = cute.assume(cc * 16 * CW + warp * 2 * CW + cgc * 4, divby=4)
-                    if rsc == 0:
-                        cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
-                        cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + CW, 4))
-                    cute.arch.sync_threads()
-                    tot_k = cute.make_rmem_tensor((4,), Float32)
-                    tot_q = cute.make_rmem_tensor((4,), Float32)
-                    tot_k.fill(0.0)
-                    tot_q.fill(0.0)
-                    for w in cutlass.range_constexpr(8):
-                        o_w = cute.assume(cc * 16 * CW + w * 2 * CW + cgc * 4, divby=4)
-                        cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
-                        for j in cutlass.range_constexpr(4):
-                            tot_k[j] = tot_k[j] + r_p[j]
-                    col = cc * CW + cgc * 4
-                    cute.autovec_copy(vec(s_v.iterator, cute.assume(col, divby=4), 4), r_v)
-                    u = cute.make_rmem_tensor((4,), Float32)
-                    uk = cute.make_rmem_tensor((4,), Float32)
-                    for j in cutlass.range_constexpr(4):
-                        u[j] = beta * (r_v[j] - rk * tot_k[j])
-                        uk[j] = rk * u[j]
-                    for i in cutlass.range_constexpr(SC):
-                        r = (i * 8 + warp) * RC + rsc
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
-                        for j in cutlass.range_constexpr(4):
-                            r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
-                    cute.autovec_copy(r_s, g_ch[cc])
-                    if warp == 0:
-                        for w in cutlass.range_constexpr(8):
-                            o_w = cute.assume(cc * 16 * CW + w * 2 * CW + CW + cgc * 4, divby=4)
-                            cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
-                            for j in cutlass.range_constexpr(4):
-                                tot_q[j] = tot_q[j] + r_p[j]
-                        for j in cutlass.range_constexpr(4):
-                            o_all[j, cc] = (rq * tot_q[j] + qk * u[j]) * scale
-                            if rsc == 0:
-                                ss = ss + o_all[j, cc] * o_all[j, cc]
-                # ---------------- output: warp 0, the gated RMSNorm over the head's 128 columns ----------------
-                if warp == 0:
-                    ss = warp_sum(ss)
-                    inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
-                    if rsc == 0:
-                        r_out = cute.make_rmem_tensor((4,), p_out.dtype)
-                        for cc in cutlass.range_constexpr(CH):
-                            col = cc * CW + cgc * 4
-                            for j in cutlass.range_constexpr(4):
-                                val = o_all[j, cc] * inv * s_go[col + j] * s_go[128 + col + j]
-                                r_out[j] = val.to(p_out.dtype)
-                            cute.autovec_copy(r_out, vec(p_out, cute.assume(bb * HD + h * D + col, divby=4), 4))
+                    acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=self.red_offs[si])
+                    acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=self.red_offs[si])
+            p_off = cute.assume(warp * 256 + cg * 4, divby=4)
+            if cutlass.const_expr(R == 1):
+                cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
+                cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
             else:
-                for i in cutlass.range_constexpr(S):
-                    r = (i * 8 + warp) * R + rsub
-                    if cutlass.const_expr(self.fold):
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 2), r_i2)
-                        qd = r_i2[0]
-                        kd = r_i2[1]
-                    else:
-                        cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 4), r_info)
-                        qd = r_info[0] * r_info[2]
-                        kd = r_info[1] * r_info[2]
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + kd * r_s[j, i]
-                        acc_q[j] = acc_q[j] + qd * r_s[j, i]
-                # lanes holding the same columns (different rows) combine by shuffles
-                for si in cutlass.range_constexpr(len(self.red_offs)):
-                    for j in cutlass.range_constexpr(4):
-                        acc_k[j] = acc_k[j] + cute.arch.shuffle_sync_bfly(acc_k[j], offset=self.red_offs[si])
-                        acc_q[j] = acc_q[j] + cute.arch.shuffle_sync_bfly(acc_q[j], offset=self.red_offs[si])
-                p_off = cute.assume(warp * 256 + cg * 4, divby=4)
-                if cutlass.const_expr(R == 1):
+                if rsub == 0:
                     cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
                     cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
-                else:
-                    if rsub == 0:
-                        cute.autovec_copy(acc_k, vec(s_part.iterator, p_off, 4))
-                        cute.autovec_copy(acc_q, vec(s_part.iterator, p_off + 128, 4))
 
+            cute.arch.sync_threads()
+
+            # ---------------- combine partials, delta-rule update ---------------------------------
+            tot_k = cute.make_rmem_tensor((4,), Float32)
+            tot_q = cute.make_rmem_tensor((4,), Float32)
+            tot_k.fill(0.0)
+            tot_q.fill(0.0)
+            r_p = cute.make_rmem_tensor((4,), Float32)
+            if cutlass.const_expr(self.rs):
+                # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
+                # (the same summation order as below: fp32 on the GPU gives the same sums)
+                tsum = Float32(0.0)
+                for w in cutlass.range_constexpr(8):
+                    tsum = tsum + s_part[w * 256 + tid]
+                s_tot[tid] = tsum
                 cute.arch.sync_threads()
-
-                # ---------------- combine partials, delta-rule update ---------------------------------
-                tot_k = cute.make_rmem_tensor((4,), Float32)
-                tot_q = cute.make_rmem_tensor((4,), Float32)
-                tot_k.fill(0.0)
-                tot_q.fill(0.0)
-                r_p = cute.make_rmem_tensor((4,), Float32)
-                if cutlass.const_expr(self.rs):
-                    # thread tid: column tid of k^T diag(d) S (tid < 128) or of q^T diag(d) S, over the 8 warps
-                    # (the same summation order as below: fp32 on the GPU gives the same sums)
-                    tsum = Float32(0.0)
+                cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
+                if warp == 0:
+                    cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
+            else:
+                for w in cutlass.range_constexpr(8):
+                    o_w = cute.assume(w * 256 + cg * 4, divby=4)
+                    cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                    for j in cutlass.range_constexpr(4):
+                        tot_k[j] = tot_k[j] + r_p[j]
+                # q^T diag(d) S feeds the output only, which warp 0 alone forms
+                if warp == 0:
                     for w in cutlass.range_constexpr(8):
-                        tsum = tsum + s_part[w * 256 + tid]
-                    s_tot[tid] = tsum
-                    cute.arch.sync_threads()
-                    cute.autovec_copy(vec(s_tot.iterator, cute.assume(col0, divby=4), 4), tot_k)
-                    if warp == 0:
-                        cute.autovec_copy(vec(s_tot.iterator, cute.assume(128 + col0, divby=4), 4), tot_q)
-                else:
-                    for w in cutlass.range_constexpr(8):
-                        o_w = cute.assume(w * 256 + cg * 4, divby=4)
+                        o_w = cute.assume(w * 256 + cg * 4 + 128, divby=4)
                         cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
                         for j in cutlass.range_constexpr(4):
-                            tot_k[j] = tot_k[j] + r_p[j]
-                    # q^T diag(d) S feeds the output only, which warp 0 alone forms
-                    if warp == 0:
-                        for w in cutlass.range_constexpr(8):
-                            o_w = cute.assume(w * 256 + cg * 4 + 128, divby=4)
-                            cute.autovec_copy(vec(s_part.iterator, o_w, 4), r_p)
+                            tot_q[j] = tot_q[j] + r_p[j]
+            u = cute.make_rmem_tensor((4,), Float32)
+            uk = cute.make_rmem_tensor((4,), Float32)  # fold: u / |k| (the update's k is unnormalised)
+            if cutlass.const_expr(self.fold):
+                r_v = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(vec(s_v.iterator, cute.assume(col0, divby=4), 4), r_v)
+                for j in cutlass.range_constexpr(4):
+                    u[j] = beta * (r_v[j] - rk * tot_k[j])
+                    uk[j] = rk * u[j]
+            else:
+                for j in cutlass.range_constexpr(4):
+                    vj = s_info[(col0 + j) * 4 + 3]
+                    u[j] = beta * (vj - rk * tot_k[j])
+            # early: the output (phase 0) before the state update (phase 1); otherwise after it
+            for ph in cutlass.range_constexpr(2):
+                if cutlass.const_expr(ph == 1):
+                    for i in cutlass.range_constexpr(S):
+                        r = (i * 8 + warp) * R + rsub
+                        if cutlass.const_expr(self.fold):
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
                             for j in cutlass.range_constexpr(4):
-                                tot_q[j] = tot_q[j] + r_p[j]
-                u = cute.make_rmem_tensor((4,), Float32)
-                uk = cute.make_rmem_tensor((4,), Float32)  # fold: u / |k| (the update's k is unnormalised)
-                if cutlass.const_expr(self.fold):
-                    r_v = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(vec(s_v.iterator, cute.assume(col0, divby=4), 4), r_v)
-                    for j in cutlass.range_constexpr(4):
-                        u[j] = beta * (r_v[j] - rk * tot_k[j])
-                        uk[j] = rk * u[j]
-                else:
-                    for j in cutlass.range_constexpr(4):
-                        vj = s_info[(col0 + j) * 4 + 3]
-                        u[j] = beta * (vj - rk * tot_k[j])
-                # early: the output (phase 0) before the state update (phase 1); otherwise after it
-                for ph in cutlass.range_constexpr(2):
-                    if cutlass.const_expr(ph == 1):
-                        for i in cutlass.range_constexpr(S):
-                            r = (i * 8 + warp) * R + rsub
-                            if cutlass.const_expr(self.fold):
-                                cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4 + 2, divby=2), 2), r_i2)
-                                for j in cutlass.range_constexpr(4):
-                                    r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
-                            else:
-                                cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 4), r_info)
-                                dr = r_info[2]
-                                kr = r_info[1] * rk
-                                for j in cutlass.range_constexpr(4):
-                                    r_s[j, i] = dr * r_s[j, i] + kr * u[j]
-                        cute.autovec_copy(r_s, g_state)
-
-                    if cutlass.const_expr(ph == (0 if self.early else 1)):
-                        # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
-                        # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
-                        # columns is completed across the cluster through distributed shared memory.
-                        o = cute.make_rmem_tensor((4,), Float32)
-                        ss = Float32(0.0)
-                        if warp == 0:
-                            for j in cutlass.range_constexpr(4):
-                                o[j] = (rq * tot_q[j] + qk * u[j]) * scale
-                                ss = ss + o[j] * o[j]
-                        if cutlass.const_expr(NC == 1):
-                            if warp == 0:
-                                ss = warp_sum(ss)
+                                r_s[j, i] = r_i2[0] * r_s[j, i] + r_i2[1] * uk[j]
                         else:
-                            if warp == 0:
-                                if rsub != 0:
-                                    ss = Float32(0.0)
-                                ss = warp_sum(ss)
-                                cute.arch.cluster_wait()  # matches the arrive after the state loads
-                                if lane < NC:
-                                    st_cluster_f32(s_ss.iterator + rank, lane, ss)
-                            else:
-                                cute.arch.cluster_wait()
-                            cute.arch.cluster_arrive()
-                            cute.arch.cluster_wait()
-                            if rank == 0:  # every peer has read the conv window by now
-                                for i in cutlass.range_constexpr(3):
-                                    conv_g[(bb * C + ch1) * 3 + i] = win1[i]
-                                if lower:
-                                    for i in cutlass.range_constexpr(3):
-                                        conv_g[(bb * C + ch2) * 3 + i] = win2[i]
-                            ss = Float32(0.0)
-                            for rr in cutlass.range_constexpr(NC):
-                                ss = ss + s_ss[rr]
-                        if warp == 0:
-                            o_off = cute.assume(bb * HD + h * D + col0, divby=4)
-                            inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
-                            r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                            cute.autovec_copy(vec(s_info.iterator, cute.assume(r * 4, divby=4), 4), r_info)
+                            dr = r_info[2]
+                            kr = r_info[1] * rk
                             for j in cutlass.range_constexpr(4):
-                                val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j].to(Float32), self.fast)
-                                r_out[j] = val.to(p_out.dtype)
-                            if cutlass.const_expr(NC == 1):
+                                r_s[j, i] = dr * r_s[j, i] + kr * u[j]
+                    cute.autovec_copy(r_s, g_state)
+
+                if cutlass.const_expr(ph == (0 if self.early else 1)):
+                    # ---------------- output: o = S^T q / sqrt(D), gated RMSNorm ---------------------
+                    # warp 0 lanes 0..G-1 own the tile's columns; the sum of o^2 over the head's 128
+                    # columns is completed across the cluster through distributed shared memory.
+                    o = cute.make_rmem_tensor((4,), Float32)
+                    ss = Float32(0.0)
+                    if warp == 0:
+                        for j in cutlass.range_constexpr(4):
+                            o[j] = (rq * tot_q[j] + qk * u[j]) * scale
+                            ss = ss + o[j] * o[j]
+                    if cutlass.const_expr(NC == 1):
+                        if warp == 0:
+                            ss = warp_sum(ss)
+                    else:
+                        if warp == 0:
+                            if rsub != 0:
+                                ss = Float32(0.0)
+                            ss = warp_sum(ss)
+                            cute.arch.cluster_wait()  # matches the arrive after the state loads
+                            if lane < NC:
+                                st_cluster_f32(s_ss.iterator + rank, lane, ss)
+                        else:
+                            cute.arch.cluster_wait()
+                        cute.arch.cluster_arrive()
+                        cute.arch.cluster_wait()
+                        if rank == 0:  # every peer has read the conv window by now
+                            for i in cutlass.range_constexpr(3):
+                                conv_g[(bb * C + ch1) * 3 + i] = win1[i]
+                            if lower:
+                                for i in cutlass.range_constexpr(3):
+                                    conv_g[(bb * C + ch2) * 3 + i] = win2[i]
+                        ss = Float32(0.0)
+                        for rr in cutlass.range_constexpr(NC):
+                            ss = ss + s_ss[rr]
+                    if warp == 0:
+                        o_off = cute.assume(bb * HD + h * D + col0, divby=4)
+                        inv = rsqrtf(ss * (1.0 / D) + self.eps, self.fast)
+                        r_out = cute.make_rmem_tensor((4,), p_out.dtype)
+                        for j in cutlass.range_constexpr(4):
+                            val = o[j] * inv * r_onw_raw[j].to(Float32) * sigmoid(gate_r[j].to(Float32), self.fast)
+                            r_out[j] = val.to(p_out.dtype)
+                        if cutlass.const_expr(NC == 1):
+                            cute.autovec_copy(r_out, vec(p_out, o_off, 4))
+                        else:
+                            if lane < G:
                                 cute.autovec_copy(r_out, vec(p_out, o_off, 4))
-                            else:
-                                if lane < G:
-                                    cute.autovec_copy(r_out, vec(p_out, o_off, 4))
 
     _KERNEL_CLS = KDADecodeKernel
     return KDADecodeKernel
@@ -895,13 +702,10 @@ def kda_decode(qkv, f, b, gate, params, state, conv_state, out, tile_v: int = 12
     dev = qkv.device
     # no history at T = 1: state/conv_state stand in for the (never written) history pointers
     args = _kernel_args(qkv, f, b, gate, params, state, conv_state, out, state, conv_state, None)
-    chunks = CHUNKS if tile_v == 128 else 1
-    if chunks not in CHUNK_CHOICES:
-        raise ValueError(f"kda cute: CHUNKS (module setting) must be one of {CHUNK_CHOICES}, got {CHUNKS!r}")
-    key = ("decode", B, H, tile_v, pdl, chunks, dev.index) + _params_key(params)
+    key = ("decode", B, H, tile_v, pdl, dev.index) + _params_key(params)
     with torch.cuda.device(dev):
         stream = _stream(dev)
-        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl, chunks),
+        fn = _get_compiled(key, lambda: _kernel_class()(B, H, params.eps, params.lower_bound, tile_v, pdl),
                            args + [stream])
         fn(*args, stream)
     return out
