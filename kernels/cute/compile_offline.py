@@ -125,31 +125,31 @@ def _cases(only: str | None, quick: bool):
     cases = []
     if only in (None, "prefill"):
         from kernels.cute import kda_prefill as kp
-        C = kp._classes()
+        PC = kp._classes()  # not C: a later loop rebinds C, and these lambdas run after it
         chunks, tiles = kp.PREFILL_CHUNKS, kp.PREFILL_TILES
         if quick:
             chunks, tiles = (16, 64), (16, 128)
         dims = [B, H, L, S]
         for ch in chunks:
-            cases.append((f"prefill prep ch{ch}", lambda ch=ch: C.Prep(ch, -5.0),
+            cases.append((f"prefill prep ch{ch}", lambda ch=ch: PC.Prep(ch, -5.0),
                           [P(bf, 2), P(bf, 2), P(bf, 2), P(bf, 2), P(f32, 4), P(f32, 4), P(bf, 2), P(f32), P(f32),
                            P(f32), P(f32), P(f32, 4)] + dims))
             for inv in kp.PREFILL_INVERSES:
-                cases.append((f"prefill intra ch{ch} inverse={inv}", lambda ch=ch, inv=inv: C.Intra(ch, inv == "bf16"),
+                cases.append((f"prefill intra ch{ch} inverse={inv}", lambda ch=ch, inv=inv: PC.Intra(ch, inv == "bf16"),
                               [P(f32)] * 4 + [P(f32, 4)] + [P(f32)] * 3 + dims))
             for tv in tiles:
                 for sname, sp in (("fp32", P(f32, 4)), ("bf16", P(bf, 2))):
                     cases.append((f"prefill chunks ch{ch} tile{tv} state={sname}",
-                                  lambda ch=ch, tv=tv: C.Chunks(ch, tv, False), [P(f32)] * 7 + [sp] + dims))
-                cases.append((f"prefill chunks-out ch{ch} tile{tv}", lambda ch=ch, tv=tv: C.Chunks(ch, tv, True),
+                                  lambda ch=ch, tv=tv: PC.Chunks(ch, tv, False), [P(f32)] * 7 + [sp] + dims))
+                cases.append((f"prefill chunks-out ch{ch} tile{tv}", lambda ch=ch, tv=tv: PC.Chunks(ch, tv, True),
                               [P(f32)] * 8 + dims))
-                cases.append((f"prefill summary ch{ch} tile{tv}", lambda ch=ch, tv=tv: C.Summary(ch, tv),
+                cases.append((f"prefill summary ch{ch} tile{tv}", lambda ch=ch, tv=tv: PC.Summary(ch, tv),
                               [P(f32)] * 6 + dims))
         for tv in tiles:
             for sname, sp in (("fp32", P(f32, 4)), ("bf16", P(bf, 2))):
-                cases.append((f"prefill scan tile{tv} state={sname}", lambda tv=tv: C.Scan(tv),
+                cases.append((f"prefill scan tile{tv} state={sname}", lambda tv=tv: PC.Scan(tv),
                               [P(f32)] * 3 + [sp, B, H, L // 64, S]))
-        cases.append(("prefill norm+conv tail", lambda: C.Norm(1e-6),
+        cases.append(("prefill norm+conv tail", lambda: PC.Norm(1e-6),
                       [P(f32), P(bf, 8), P(bf, 2), P(bf, 8), P(bf, 2), P(bf, 2)] + dims))
     # decode / verify: the pointer order of kda_decode._kernel_args
     step_args = [P(bf, 2), P(bf, 2), P(bf, 2), P(bf, 8), P(bf, 8), P(f32, 4), P(f32, 4), P(bf, 8), P(f32),
@@ -361,7 +361,7 @@ def _cases(only: str | None, quick: bool):
         from kernels.cute import moe_experts as km
         # MoEUp: z, idx, wk, w1, w3, s1, s3, act; MoEDown: idx, w2, s2, act, y, gamma, yg, ssp; (K, I, L, E, idx step,
         # ...; the down kernel's latent rows a CTA)
-        up_cls, down_cls = km._kernel_classes()
+        m_up, m_down = km._kernel_classes()  # own names: lambdas run later
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 4), P(bf, 2), P(bf, 2), P(f32, 4), S]
         for K, I, L, E, step, pdl, R in ((16, 384, 3584, 896, 2, False, 4), (16, 384, 3584, 896, 1, True, 4),
@@ -370,21 +370,22 @@ def _cases(only: str | None, quick: bool):
                                          (3, 128, 128, 6, 2, False, 4)):
             tag = f"K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {R}"
             cases.append((f"moe up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=R:
-                          up_cls(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
-            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: down_cls(K, I, L, E, st, r),
+                          m_up(K, I, L, E, st, 4.0, 25.0, p, r), uargs))
+            cases.append((f"moe down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=R: m_down(K, I, L, E, st, r),
                           dargs))
         # the MoE output's routed norm folded: yg = bf16(y gamma) and a partial sum of y^2 a CTA
-        cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: down_cls(16, 384, 3584, 896, 2, 4, True), dargs))
+        cases.append(("moe down K16 I384 L3584 rows 4 glue", lambda: m_down(16, 384, 3584, 896, 2, 4, True), dargs))
         for R in (6, 8, 12, 16):  # the up kernel's two thread groups (UP_HALVES 2) at the step's shape, TP8 and TP16
             for I in (384, 192):
                 cases.append((f"moe up K16 I{I} L3584 pdl rows {R} halves 2", lambda R=R, I=I:
-                              up_cls(16, I, 3584, 896, 1, 4.0, 25.0, True, R, 2), uargs))
+                              m_up(16, I, 3584, 896, 1, 4.0, 25.0, True, R, 2), uargs))
     if only in (None, "moe_grouped"):
         from kernels.cute import moe_grouped as kmg
         # Up: z, idx, wk, w1, w3, s1, s3, act, y; Down: idx, w2, s2, act, y; (B, K, I, L, idx step, ...)
-        up_cls, down_cls = kmg._kernel_classes()
+        g_up, g_down = kmg._kernel_classes()
+        # up: z, idx, wk, w1, w3, s1, s3, act, y, the UP_LSPLIT parts' workspace and tickets (moe_grouped's up_args)
         uargs = [P(i32, 16), P(i32, 4), P(f32, 4), P(i32, 16), P(i32, 16), P(i32, 4), P(i32, 4), P(i32, 16),
-                 P(f32, 16), S]
+                 P(f32, 16), P(f32, 16), P(i32, 4), S]
         dargs = [P(i32, 4), P(i32, 16), P(i32, 4), P(i32, 16), P(f32, 16), S]
         for Bt, K, I, L, step, pdl in ((64, 16, 384, 3584, 2, True), (8, 16, 384, 3584, 1, False),
                                        (2, 16, 384, 3584, 2, False), (64, 16, 192, 3584, 2, True),
@@ -394,16 +395,19 @@ def _cases(only: str | None, quick: bool):
             if Bt == 8 or (Bt == 64 and I == 384):
                 shares.append((1, 1))                     # sharing off
             for us, ds in shares:
-                tag = f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles} share{us}x{ds}" + (" pdl" if pdl else "")
-                cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split, h=us:
-                              up_cls(B_, K, I, L, st, 4.0, 25.0, p, sp, h, kmg.SHARE_FROM), uargs))
+                # the wrapper's UP_LSPLIT "auto": shares by parts of L up to SHARE_LARGE_PAIRS pairs
+                ls = Bt * K <= kmg.SHARE_LARGE_PAIRS and us > 1 and split == 1
+                tag = (f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles} share{us}x{ds}" + (" lsplit" if ls else "")
+                       + (" pdl" if pdl else ""))
+                cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split, h=us,
+                              ls=ls: g_up(B_, K, I, L, st, 4.0, 25.0, p, sp, h, kmg.SHARE_FROM, ls), uargs))
                 cases.append((f"moe_grouped down {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, dt=tiles, h=ds:
-                              down_cls(B_, K, I, L, st, dt, h, kmg.SHARE_FROM, I % 128 == 0), dargs))
+                              g_down(B_, K, I, L, st, dt, h, kmg.SHARE_FROM, I % 128 == 0), dargs))
     if only in (None, "moe_dense"):
         from kernels.cute import moe_dense as kmd
         # DenseUp: z, idx, wk, w1, w3, s1, s3, act; DenseDown: idx, w2, s2, act, y; bf16 weights as BFloat16, fp8 as
         # int32 words; (K, I, L, E, idx step, ...)
-        up_cls, down_cls = kmd._kernel_classes()
+        d_up, d_down = kmd._kernel_classes()
         for fp8 in (False, True):
             w = i32 if fp8 else bf
             uargs = [P(bf, 16), P(i32, 4), P(f32, 4), P(w, 16), P(w, 16), P(f32, 4), P(f32, 4), P(f32, 16), S]
@@ -414,9 +418,9 @@ def _cases(only: str | None, quick: bool):
                                                   (3, 128, 128, 6, 2, False, 1, 1)):
                 tag = f"{'fp8' if fp8 else 'bf16'} K{K} I{I} L{L}" + (" pdl" if pdl else "") + f" rows {ru}x{rd}"
                 cases.append((f"moe_dense up {tag}", lambda K=K, I=I, L=L, E=E, st=step, p=pdl, r=ru, f=fp8:
-                              up_cls(K, I, L, E, st, 4.0, 25.0, p, r, f), uargs))
+                              d_up(K, I, L, E, st, 4.0, 25.0, p, r, f), uargs))
                 cases.append((f"moe_dense down {tag}", lambda K=K, I=I, L=L, E=E, st=step, r=rd, f=fp8:
-                              down_cls(K, I, L, E, st, r, f), dargs))
+                              d_down(K, I, L, E, st, r, f), dargs))
     if only in (None, "moe_dense"):  # grouped: Up z, idx, wk, w1, w3, s1, s3, act, y; Down idx, w2, s2, act, y
         from kernels.cute import moe_dense as kmd
         gup, gdown = kmd._grouped_classes()
@@ -440,7 +444,7 @@ def _cases(only: str | None, quick: bool):
             cases.append((f"mla_combine H{H} K{K} T{T} rows{NR} rb{RB}" + (" pdl" if pdl else ""),
                           lambda H=H, K=K, T=T, NR=NR, RB=RB, pdl=pdl: kc._kernel_class()(H, K, T, NR, RB, pdl), cargs))
     if only in (None, "mla_query"):
-        from kernels.cute import mla_query as kq
+        from kernels.cute import mla_query as kmq  # not kq: proj_mma's lambdas read kq when they run
         # mla_query's arguments: cq, q_norm, Wuq, Wuk, q_lat, q_rope; cq's row stride, q_lat's and q_rope's batch and
         # head strides, eps; (B, H, Q, Dn, Dr, C, pdl)
         qargs = [P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 16), P(bf, 2), P(bf, 2), i32(1536), i32(512), i32(512),
@@ -449,8 +453,8 @@ def _cases(only: str | None, quick: bool):
                                         (4, 12, 1536, 128, 64, 512, True), (1, 6, 1536, 128, 64, 512, True),
                                         (3, 3, 264, 32, 16, 64, False)):
             cases.append((f"mla_query B{B} H{H} Q{Q} C{C}" + (" pdl" if pdl else ""),
-                          lambda B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C, pdl=pdl: kq._kernel_class()(B, H, Q, Dn, Dr, C, pdl),
-                          qargs))
+                          lambda B=B, H=H, Q=Q, Dn=Dn, Dr=Dr, C=C, pdl=pdl:
+                          kmq._kernel_class()(B, H, Q, Dn, Dr, C, pdl), qargs))
     if only in (None, "mla_decode"):
         from kernels.cute import mla_decode as kdm
         # mla_decode's arguments: q_lat, q_rope, kv (int32 words), block table, lengths, o, lse; B, P, PL, the block
