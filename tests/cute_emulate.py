@@ -2045,7 +2045,7 @@ def _fake_modules(emu: _Emu) -> dict:
     alloc = types.SimpleNamespace(SmemAllocator=SmemAllocator)
     cutlass = _module("cutlass", Float32=Float32, Int32=Int32, BFloat16=BFloat16, Float16=Float16, Int64=Int64,
                       Boolean=Boolean, Constexpr=object, cute=cute, range=_range, range_constexpr=range,
-                      const_expr=_const_expr, select_=_select, memory=alloc, utils=alloc, cutlass_dsl=dsl,
+                      const_expr=_const_expr, select_=_select, memory=alloc, cutlass_dsl=dsl,
                       _mlir=mlir)
     driver = _module("cuda.bindings.driver", CUstream=_CUstream)
     bindings = _module("cuda.bindings", driver=driver)

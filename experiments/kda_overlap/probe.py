@@ -1,13 +1,8 @@
-"""Does a KDA decode CTA that stores its state in column chunks, each as soon as that chunk's loads and its own
-reduction are done, beat one that stores only after the whole state's reduction? (issue 16's batch 16.)
-
-A synthetic stand-in for the CuTe decode's state traffic, in Triton: a program per (sequence, head) updates its
-[128, 128] fp32 state in place with the delta-rule shape S = d S + k (v - (d S)^T k)^T (the column sums over all 128
-key rows are the dependency that holds the stores back). `whole`: every load, then the sums, then every store (the
-CuTe kernel's order today); `cN`: the columns in N chunks, each chunk's stores behind its own sums only (the loads
-of all chunks issued first); `copy`: loads then stores, no sums; `torch`: state.mul_ (one elementwise kernel).
-Checked against torch on the first set, then timed by the harness (graph replay, states rotated past L2).
-Run: python experiments/kda_overlap/probe.py OUT_DIR   (prints a table; writes OUT_DIR/kda_overlap.json)
+"""A Triton stand-in for the CuTe KDA decode's state traffic (docs/NOTES_kda.md, sixty-fourth section): a program
+a (sequence, head) updates its [128, 128] fp32 state in place as S = d S + k (v - (d S)^T k)^T. `whole`: every load,
+the column sums, every store; `cN`: N column chunks, each chunk's stores behind its own sums; `copy`: no sums;
+`torch`: state.mul_. Checked against fp64, then timed by the harness (graph replay, states rotated past L2).
+Run: python experiments/kda_overlap/probe.py OUT_DIR   (a table; OUT_DIR/kda_overlap.json)
 """
 import json
 import sys

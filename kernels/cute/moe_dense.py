@@ -116,7 +116,7 @@ def _kernel_classes():
             I, L, R, NC, NT, CW = self.I, self.L, self.R, self.NC, self.NT, self.CW
             W = NT // 32
             tid, c, lane, warp = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(W * 2 * R), byte_alignment=16)  # [warp, m, r]
             k = c // (I // R)
             r0 = (c % (I // R)) * R
@@ -202,7 +202,7 @@ def _kernel_classes():
             I, L, R, NP, NT, CW, NCD = self.I, self.L, self.R, self.NP, self.NT, self.CW, self.NCD
             W = NT // 32
             tid, c, lane, warp = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(W * R), byte_alignment=16)  # [warp, row]
             q = tid % NP                 # an idle thread redoes a valid product and adds 0
             k = q // NCD
@@ -382,7 +382,7 @@ def _grouped_classes():
             KS = CW // 4                 # k-steps a chunk
             ZW = CW // 2                 # z words a chunk a lane
             tid, c, lane, warp, g, t = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
             if cutlass.const_expr(self.pdl):
@@ -477,7 +477,7 @@ def _grouped_classes():
             NCH = I // (4 * CW)
             KS = CW // 4
             tid, c, lane, warp, g, t = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 1), byte_alignment=16)
             cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)

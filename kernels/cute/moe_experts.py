@@ -195,7 +195,7 @@ def _kernel_classes():
             RW = I // 8
             W = NT // 32
             tid, c, lane, warp = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(W * R), byte_alignment=16)  # [warp, row]
             q = tid % NP                 # an idle thread redoes a valid product times a factor of 0.0
             keep = (tid - NP) >> 31      # -1 for a product's thread, 0 for an idle one
@@ -270,7 +270,7 @@ def _kernel_classes():
             SPH = NSEG if H == 1 else NB // SEG  # segments a group's rows are summed over
             RW = self.L // 8
             tid, c, lane, warp = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(NSEG * 2 * RH), byte_alignment=16)  # [seg, m, r]
             k = c // (I // R)
             r0 = (c % (I // R)) * R

@@ -364,7 +364,7 @@ def _kernel_classes():
             SW = UJ // 4 if NB % 4 == 0 and UJ % 4 == 0 else UJ   # scale words a row a step
             NW = 4 * UJ + 4 * SW         # a step's registers: [W1 a, W1 b, W3 a, W3 b] x UJ words, then scale words
             tid, c, lane, warp, g, t = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_z = smem.allocate_tensor(Int32, cute.make_layout(self.NM * ZP), byte_alignment=16)
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 3), byte_alignment=16)
@@ -538,7 +538,7 @@ def _kernel_classes():
             NB = I // 32
             RW = I // 8
             tid, c, lane, warp, g, t = ids()
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_mem = smem.allocate_tensor(Int32, cute.make_layout(N), byte_alignment=16)
             s_wc = smem.allocate_tensor(Int32, cute.make_layout(WC(self.RND) + 2), byte_alignment=16)
             cute.arch.griddepcontrol_wait()  # up's act and zeroed y (and idx, from before it)

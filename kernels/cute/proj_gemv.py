@@ -283,7 +283,7 @@ def _kernel_class():
                                     self.glo + 2 * (c - self.glo // _WARPS) + warp % 2 + (warp // 2) * GI, n)
             outs = (p_o0, p_o1, p_o2, p_o3, p_o4, p_o5)
             strides = (s_o0, s_o1, s_o2, s_o3, s_o4, s_o5)
-            smem = cutlass.utils.SmemAllocator()  # one allocator: the selection's buffers, then the GLU exchange
+            smem = cutlass.memory.SmemAllocator()  # one allocator: the selection's buffers, then the GLU exchange
             if cutlass.const_expr(self.sel is not None):
                 s_score, s_tmax, s_sup, s_cand, s_sel, s_cnt = self.sel.smem(smem)
             if cutlass.const_expr(self.glu is not None):

@@ -177,7 +177,7 @@ def _kernel_class():
             lane = tid % 32
             g = lane // 4
             t = lane % 4
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             s_red = smem.allocate_tensor(Float32, cute.make_layout(_WARPS * NE), byte_alignment=16)
             s_clu = smem.allocate_tensor(Float32, cute.make_layout(max(C - 1, 1) * RG * NE), byte_alignment=16)
             if cutlass.const_expr(self.x_smem):

@@ -147,7 +147,7 @@ def selector_class():
             the caller's own buffers follow these (a new allocator otherwise)."""
             NT, R, W = self.NT, self.R, self.W
             if a is None:
-                a = cutlass.utils.SmemAllocator()
+                a = cutlass.memory.SmemAllocator()
             return (a.allocate_tensor(Float32, cute.make_layout(R * NT), byte_alignment=16),
                     a.allocate_tensor(Int64, cute.make_layout(NT), byte_alignment=16),
                     a.allocate_tensor(Int64, cute.make_layout(32 * W), byte_alignment=16),
