@@ -18,7 +18,7 @@ HEADS = 12
 
 
 @triton.jit
-def _chunk(sp, kv, vv, dv, rows, c0, BC: tl.constexpr):
+def _chunk(sp, vv, rows, c0, BC: tl.constexpr):
     cols = c0 + tl.arange(0, BC)
     p = sp + rows[:, None] * 128 + cols[None, :]
     return p, tl.load(p), tl.load(vv + cols)
@@ -40,18 +40,18 @@ def _state_kernel(S, K, V, Dd, MODE: tl.constexpr):
     d = tl.load(Dd + h * 128 + rows)
     vv = V + h * 128
     if MODE == 0:  # whole
-        p, x, v = _chunk(sp, k, vv, d, rows, 0, 128)
+        p, x, v = _chunk(sp, vv, rows, 0, 128)
         _upd(p, x, v, k, d)
     elif MODE == 2:  # two chunks
-        p0, x0, v0 = _chunk(sp, k, vv, d, rows, 0, 64)
-        p1, x1, v1 = _chunk(sp, k, vv, d, rows, 64, 64)
+        p0, x0, v0 = _chunk(sp, vv, rows, 0, 64)
+        p1, x1, v1 = _chunk(sp, vv, rows, 64, 64)
         _upd(p0, x0, v0, k, d)
         _upd(p1, x1, v1, k, d)
     elif MODE == 4:  # four chunks
-        p0, x0, v0 = _chunk(sp, k, vv, d, rows, 0, 32)
-        p1, x1, v1 = _chunk(sp, k, vv, d, rows, 32, 32)
-        p2, x2, v2 = _chunk(sp, k, vv, d, rows, 64, 32)
-        p3, x3, v3 = _chunk(sp, k, vv, d, rows, 96, 32)
+        p0, x0, v0 = _chunk(sp, vv, rows, 0, 32)
+        p1, x1, v1 = _chunk(sp, vv, rows, 32, 32)
+        p2, x2, v2 = _chunk(sp, vv, rows, 64, 32)
+        p3, x3, v3 = _chunk(sp, vv, rows, 96, 32)
         _upd(p0, x0, v0, k, d)
         _upd(p1, x1, v1, k, d)
         _upd(p2, x2, v2, k, d)

@@ -395,8 +395,7 @@ def _cases(only: str | None, quick: bool):
             if Bt == 8 or (Bt == 64 and I == 384):
                 shares.append((1, 1))                     # sharing off
             for us, ds in shares:
-                # the wrapper's UP_LSPLIT "auto": shares by parts of L up to SHARE_LARGE_PAIRS pairs
-                ls = Bt * K <= kmg.SHARE_LARGE_PAIRS and us > 1 and split == 1
+                ls = kmg.lsplit_config(Bt * K, split, us)  # the wrapper's choice
                 tag = (f"B{Bt} K{K} I{I} L{L} split{split} tiles{tiles} share{us}x{ds}" + (" lsplit" if ls else "")
                        + (" pdl" if pdl else ""))
                 cases.append((f"moe_grouped up {tag}", lambda B_=Bt, K=K, I=I, L=L, st=step, p=pdl, sp=split, h=us,

@@ -646,6 +646,14 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def lsplit_config(pairs: int, split: int, up_share: int) -> bool:
+    """Whether the up kernel's shares are parts of L (UP_LSPLIT; "auto": up to SHARE_LARGE_PAIRS pairs) at this shape
+    (`shape_config`'s split, `share_config`'s up share): only shares of a warp a tile can split L."""
+    if UP_LSPLIT is not True and UP_LSPLIT is not False and UP_LSPLIT != "auto":
+        _fail("UP_LSPLIT", f"(module setting) must be True, False or 'auto', got {UP_LSPLIT!r}")
+    return (UP_LSPLIT is True or (UP_LSPLIT == "auto" and pairs <= SHARE_LARGE_PAIRS)) and up_share > 1 and split == 1
+
+
 def share_config(L: int, split: int, tiles: int, pairs: int = 0) -> tuple[int, int]:
     """(most CTAs sharing a group's up row block, most sharing its down tiles) at these sizes: UP_SHARE (UP_SHARE_LARGE
     above SHARE_LARGE_PAIRS pairs) in the shape of a warp a tile (split 1), so that a tile's warps (at most 4) each get
@@ -715,9 +723,7 @@ def moe_grouped(z, idx, wk, w1, w3, w2, s1, s3, s2, y, *, b1: float = 4.0, b2: f
     if isinstance(UP_SHARE, bool) or UP_SHARE not in (1, 2, 4):
         _fail("UP_SHARE", f"(module setting) must be 1, 2 or 4 (a row block's four 16-row tiles), got {UP_SHARE!r}")
     up_share, down_share = share_config(L, split, tiles, B * K)
-    if UP_LSPLIT is not True and UP_LSPLIT is not False and UP_LSPLIT != "auto":
-        _fail("UP_LSPLIT", f"(module setting) must be True, False or 'auto', got {UP_LSPLIT!r}")
-    lsplit = (UP_LSPLIT is True or (UP_LSPLIT == "auto" and B * K <= SHARE_LARGE_PAIRS)) and up_share > 1 and split == 1
+    lsplit = lsplit_config(B * K, split, up_share)
     part, cnt = _join_workspace(dev, B * K * (I // UP_ROWS), up_share if lsplit else 0)
     up_args = [gmem_ptr(z.view(torch.int32), I32, 16), gmem_ptr(idx.view(torch.int32), I32, 4),
                gmem_ptr(wk, F32, 4), gmem_ptr(w1, I32, 16), gmem_ptr(w3, I32, 16), gmem_ptr(sw[0], I32, 4),
