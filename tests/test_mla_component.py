@@ -269,11 +269,11 @@ def test_layer_path_rule_of_the_cute_decode():
 def test_auto_combine_runs_cute_over_many_partials_where_it_takes_the_call(monkeypatch):
     """The combine rule by query rows (B x T), T and partials k (data/mla_defaults.json: profiles/h200/
     mla_combine_b2t.json.gz and profiles/h100-80gb-hbm3/mla_combine_rowk57 / _t2big57 by rows, the H100's
-    mla_combine_premerge55 at T = 1 above batch 8): plain triton up to 8 rows (its one-row kernel
-    over partials); above batch 8 at T = 1 premerge over >= 64, cute over 8..63, plain triton below; at T > 1 cute
-    over 4..33 at 9..16 rows, else premerge (K = 1, merged before: plain triton); cute only where the CuTe kernel
-    takes the call (K3's C / Dv, fp32 partials, bf16 weights and gate, no Triton option), else the fallback; without
-    CuTe DSL the fallback's triton. The bench's auto rows look the rule up with the case's partials
+    mla_combine_premerge55 at T = 1 above batch 8; those three in git history at 7e3e20a): plain triton up to 8 rows
+    (its one-row kernel over partials); above batch 8 at T = 1 premerge over >= 64, cute over 8..63, plain triton below;
+    at T > 1 cute over 4..33 at 9..16 rows, else premerge (K = 1, merged before: plain triton); cute only where the CuTe
+    kernel takes the call (K3's C / Dv, fp32 partials, bf16 weights and gate, no Triton option), else the fallback;
+    without CuTe DSL the fallback's triton. The bench's auto rows look the rule up with the case's partials
     (k3lab.ops.mla.combine_facts)."""
     from k3lab import policy, registry
     from k3lab.components import dispatch

@@ -17,7 +17,8 @@ launch fold or setting of `k3lab.step` (or a kernel module) in each arm, arm aga
   mid_k      moe_out (K 3968) at the short inputs' UNROLL / PRE (SHORT_K 4096) or the long inputs' (2048);
   long_k     UNROLL / PRE of the inputs longer than SHORT_K: 8/8 (the default), 16/16, 12/12, 16/8, 8/16, 8/12, 6/6,
              8/6 (16 / 16 and 12 / 12 lost: profiles/h100-80gb-hbm3/long_k62_step_ab.json.gz, git history at
-             5085684; 16 / 8 ties, 8 / 16 lost: profiles/h100-80gb-hbm3/long_k63_step_ab.json.gz);
+             5085684; 16 / 8 ties, 8 / 16 lost: profiles/h100-80gb-hbm3/long_k63_step_ab.json.gz,
+             git history at 7e3e20a);
   expert_rows  the one-token experts' rows a CTA, up / down: 4/4, 2/4, 6/4, 4/2, 4/8 (expert_rows2: 4/4, 4/8, 6/8;
              expert_rows3: 6/8, 6/16, 8/8, 8/16; 6 / 8 kept);
   attnres_early  the CuTe AttnRes with the blocks and the prefix read (and the blocks' partials formed) before its

@@ -41,8 +41,8 @@ BLOCK_R_ALLOWED = (1, 16, 32, 64)
 ROW_PATH_MAX_ROWS = 2  # B*T up to this: the one-row kernel (batch 1 decode, batch 1 T=2 / batch 2)
 # and up to this over K > 1 partials: at 4 and 8 rows it beat the rows kernel with premerge at every partial count and
 # lost at 16; over one merged partial (the decode step's call) the rows kernel leads from 4 rows (H100:
-# profiles/h100-80gb-hbm3/mla_combine_rowk57.json.gz, mla_combine_k1_57.json.gz; docs/NOTES_mla.md, fifty-seventh
-# session)
+# profiles/h100-80gb-hbm3/mla_combine_rowk57.json.gz and mla_combine_k1_57.json.gz (git history at 7e3e20a);
+# docs/NOTES_mla.md, fifty-seventh session)
 ROW_PATH_MAX_ROWS_PARTIALS = 8
 # the one-row kernel merges K partials serially (K / 16 dependent steps, repeated by each column program): above
 # this many it lets the split's merge kernel (k3lab_kernels.triton.mla_decode.merge_partials) merge them first,
