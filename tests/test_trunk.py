@@ -830,3 +830,21 @@ def test_gpu_auto_fp8_batch1(name, batch, wdtype, rule):
     want = "cute" if rule == "cute" and dispatch.can_run("proj", "cute") else "triton"
     assert res.ok, res.failures
     assert res.ran[-1].backend == want, res.ran[-1]
+
+
+def test_proj_grid_takes_cluster_and_tile_m_with_path_mma_only():
+    """A grid sweeping the cute projection's paths beside path "mma"'s tile_m / cluster gives the GEMV (path None /
+    "gemv") only its own combination: it refuses those options by name, which a bench row would record as an error
+    (the sixty-fifth session's proj_mma65 run)."""
+    from k3lab import registry
+
+    for name in ("proj", "proj_group"):
+        op = registry.get(name)
+        case = op.case(**({"proj": "kda_q"} if name == "proj" else {"group": "kda_in"}), preset="tiny", batch=4,
+                       wdtype="bf16")
+        combos = op.options("cute", {"path": (None, "gemv", "mma"), "tile_m": (None, 32), "cluster": (None, 2)}, case)
+        pairs = {(o["path"], o["tile_m"], o["cluster"]) for o in combos}
+        assert pairs == {(None, None, None), ("gemv", None, None), ("mma", None, None), ("mma", 32, None),
+                         ("mma", None, 2), ("mma", 32, 2)}
+        assert all(o["path"] != "mma" for o in op.options("triton", {"path": (None, "tma", "mma")}, case))
+

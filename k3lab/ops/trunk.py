@@ -593,6 +593,15 @@ def proj_supports(backend: str, shape: dict) -> str | None:
 # ---- the entries --------------------------------------------------------------------------------------
 
 _NONE = (None,)
+
+
+def _proj_options_fit(case, opts: dict) -> bool:
+    """The cute projection's `cluster` and `tile_m` split path "mma"'s work; the GEMV (path None / "gemv") refuses them
+    by name, so a grid that sweeps them beside the paths (`--grid path=null,mma --grid tile_m=null,32`) times them
+    with "mma" only instead of recording the GEMV's refusal as a row."""
+    return opts.get("path") == "mma" or (opts.get("cluster") is None and opts.get("tile_m") is None)
+
+
 _PROJ_OPTS = dict(
     option_axes={"path": {"triton": (None, "tma", "dot", "rows"), "cute": (None, "gemv", "mma")},
                  "cluster": {"cute": (None, 1, 2, 4, 8)}, "tile_m": {"cute": (None, 16, 32, 64)},
@@ -608,6 +617,7 @@ _PROJ_OPTS = dict(
     # timed as the decode step runs them: calls chained with programmatic dependent launch, each loading its first
     # weights while the call before finishes (the step's `pdl` switch); rows "triton_pdl" / "cute_pdl"
     variants={"triton_pdl": ("triton", {"pdl": True}), "cute_pdl": ("cute", {"pdl": True})},
+    option_valid=_proj_options_fit,
 )
 
 PROJ = register(Op(
