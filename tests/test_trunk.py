@@ -848,3 +848,19 @@ def test_proj_grid_takes_cluster_and_tile_m_with_path_mma_only():
                          ("mma", None, 2), ("mma", 32, 2)}
         assert all(o["path"] != "mma" for o in op.options("triton", {"path": (None, "tma", "mma")}, case))
 
+
+def test_bench_says_why_no_option_combination_ran(monkeypatch):
+    """A grid whose options leave a backend no combination that fits the case (cute's tile_m without path "mma")
+    lists the backend as skipped with the reason instead of dropping it in silence."""
+    from k3lab import registry
+    from k3lab.bench import runner
+
+    monkeypatch.setattr(runner, "backend_status", lambda be: (True, ""))
+    op = registry.get("proj")
+    case = op.case(preset="tiny", proj="kda_q", batch=4, wdtype="bf16")
+    impls, skipped = runner.implementations(op, case, ["cute"], peers=False, only={"tile_m": (32,)}, gpu=False)
+    assert not impls and "option_valid" in skipped["cute"]
+    impls, skipped = runner.implementations(op, case, ["cute"], peers=False, only={"tile_m": (32,), "path": ("mma",)},
+                                            gpu=False)
+    assert [i.options["tile_m"] for i in impls] == [32] and not skipped
+

@@ -74,7 +74,11 @@ def implementations(op: Op, case: Case, backends: Iterable[str], *, peers: bool,
         if no:  # the backend does not take this case (e.g. cute's bf16-only projection at fp8)
             skipped[be] = no
             continue
-        for opts in op.options(be, only, case):
+        combos = op.options(be, only, case)
+        if not combos:  # the grid's options leave none that fits (op.option_valid): said, not dropped in silence
+            skipped[be] = f"no combination of the grid's options {only} fits this case ({op.name}'s option_valid)"
+            continue
+        for opts in combos:
             impls.append(_ours(op, case, be, opts))
     for vname, (be, extra) in (variants or {}).items():
         if not gpu or not any(i.name == be for i in impls):
@@ -325,7 +329,11 @@ def check_all(component: str, *, grid: dict[str, Iterable] | None = None, ops: I
                 log(f"{op.name}: {be} skipped ({why if not ok else 'no kernel'})")
                 continue
             for case in cases[op.name]:
-                for opts in op.options(be, only, case):
+                combos = op.options(be, only, case)
+                if not combos:
+                    log(f"{op.name}: {be} skipped at {case.key()} (no combination of the grid's options {only} fits "
+                        f"it: {op.name}'s option_valid)")
+                for opts in combos:
                     for seed in seeds:
                         try:
                             res = checker.check(op, case, backend=be, options=opts, seed=seed, device=device)
