@@ -1037,10 +1037,15 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
                                                  "name alone); a target whose bundle is not there is listed as not "
                                                  "measured"),
             beside: list[Path] = typer.Option([], "--beside", help="also read the targets off this directory (another "
-                                              "GPU's bundles, or its name alone), one column each (repeatable)")
+                                              "GPU's bundles, or its name alone), one column each (repeatable)"),
+            commands: bool = typer.Option(False, "--commands", help="print, instead of the table, the commands that "
+                                          "remake the selected targets' bundles under their names on this machine's "
+                                          "GPU, then the --profiles line that reads them"),
+            out: str = typer.Option("profiles/runs/targets", help="with --commands: where those bundles go")
             ) -> None:
     """Every issue target read off the committed bundles (data/targets.json): the worst case of each against
-    its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand)."""
+    its target, which rows decided it, and the bundle (a Markdown table; nothing typed by hand). With --commands:
+    how to read the same targets on another GPU (each bundle's `k3lab bench` command from its recorded config)."""
     from k3lab import targets as tg
 
     def gpu_dir(p: Path) -> tuple[Path, Path]:
@@ -1063,6 +1068,9 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
     except (tg.TargetError, OSError) as e:
         _echo_err(f"error: {e}")
         raise typer.Exit(2) from None
+    if commands and (write is not None or beside):
+        _echo_err("error: --commands prints commands (no --write / --beside)")
+        raise typer.Exit(2)
     if write is not None and profiles is not None:
         _echo_err("error: --write writes the page of the committed H200 bundles (no --profiles)")
         raise typer.Exit(2)
@@ -1077,6 +1085,16 @@ def targets(issue: list[int] = typer.Option([], "--issue", "-i", help="only thes
         keep = [i for i, r in enumerate(res) if not r.met]
         res = [res[i] for i in keep]
         others = [(n, [o[i] for i in keep]) for n, o in others]
+    if commands:
+        import torch
+
+        from k3lab.harness.env import gpu_slug
+
+        chosen = [e for e in entries if not issue or e["issue"] in issue]
+        chosen = [e for e in chosen if (e["issue"], e["case"]) in {(r.issue, r.case) for r in res}]
+        gpu = gpu_slug(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+        typer.echo(tg.remake_commands(chosen, out=out, gpu=gpu), nl=False)
+        return
     typer.echo(tg.markdown(res, where, beside=others))
 
 

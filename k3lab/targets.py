@@ -31,9 +31,11 @@ the case) a pct_read, pct_copy, x_floor or over_floor case also names that peer'
 context only (it never decides the target).
 Every case must pass `op value`: the table shows the worst case (and which), so "every batch" targets read as one
 line. With `profiles` (`k3lab targets --profiles DIR`) the same targets are read off another directory of bundles of
-the same names (another GPU's: `k3lab bench ... --name NAME`); a target whose bundle is not there is listed as not
-measured, not an error. The targets are the issues' H200 figures: on another GPU the ratios (% of its own read
-bandwidth, ours over a peer of the same run) carry over, the absolute microseconds only roughly. Rows whose fp64
+the same names (another GPU's: `k3lab bench ... --name NAME`, NAME.json or NAME.json.gz); a target whose bundle is not
+there is listed as not measured, not an error; `k3lab targets --commands` (`remake_commands`) prints the bench commands
+that remake the bundles under their names from each one's recorded config. The targets are the issues' H200
+figures: on another GPU the ratios (% of its own read bandwidth, ours over a peer of the same run) carry over, the
+absolute microseconds only roughly. Rows whose fp64
 check failed are never counted. A missing bundle, or an entry that selects no row, is an error naming the entry (the
 test suite evaluates every entry).
 """
@@ -244,12 +246,23 @@ def _pick(b: str | list[str], root: Path) -> str | list[str]:
     return one(b) if isinstance(b, str) else list(dict.fromkeys(one(x) for x in b))
 
 
-def on_profiles(e: dict[str, Any], profiles: str | Path) -> dict[str, Any]:
-    """The entry with its bundles (and `over_bundle`) taken from the directory `profiles` by name."""
+def _there(profiles: str | Path, name: str, root: Path) -> str:
+    """A bundle's path in the directory `profiles` by its name, plain or gzipped, whichever is there (a bench writes
+    NAME.json, the committed H200 bundles are NAME.json.gz); the committed form when neither is."""
+    p = Path(profiles) / name
+    alt = p.with_suffix("") if name.endswith(".json.gz") else p.with_name(name + ".gz")
+    return str(alt if not (root / p).exists() and name.endswith((".json", ".json.gz")) and (root / alt).exists()
+               else p)
+
+
+def on_profiles(e: dict[str, Any], profiles: str | Path, root: Path | None = None) -> dict[str, Any]:
+    """The entry with its bundles (and `over_bundle`) taken from the directory `profiles` by name (NAME.json or
+    NAME.json.gz)."""
     e2 = dict(e, _moved=True)  # (the table then names the bundles alone)
     for k in ("bundle", "over_bundle"):
         if k in e:
-            moved = ["|".join(str(Path(profiles) / Path(a).name) for a in x.split("|"))
+            base = Path(root) if root is not None else ROOT
+            moved = ["|".join(_there(profiles, Path(a).name, base) for a in x.split("|"))
                      for x in ([e[k]] if isinstance(e[k], str) else e[k])]
             e2[k] = moved[0] if isinstance(e[k], str) else moved
     return e2
@@ -262,7 +275,7 @@ def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path |
     result that says why; the committed H200 bundles (no `profiles`) are held to every row (TargetError)."""
     root = Path(root) if root is not None else ROOT
     if profiles is not None:
-        e = on_profiles(e, profiles)
+        e = on_profiles(e, profiles, root)
     e = dict(e, **{k: _pick(e[k], root) for k in ("bundle", "over_bundle") if k in e})
     if profiles is not None:
         paths = [b for k in ("bundle", "over_bundle") if k in e for b in ([e[k]] if isinstance(e[k], str) else e[k])]
@@ -413,6 +426,107 @@ def markdown(results: list[Result], where: str = "profiles/h200/",
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     tail = [_summary(results)] + [_summary(other, f"on {name}: ") for name, other in beside]
     return "\n".join(lines) + "\n\n" + "\n".join(tail) + "\n"
+
+
+REMAKE_OUT = "profiles/runs/targets"
+
+
+def _bundles_of(e: dict[str, Any], root: Path) -> list[str]:
+    """The bundle paths an entry reads (its "a|b" alternatives resolved as evaluate does)."""
+    out: list[str] = []
+    for k in ("bundle", "over_bundle"):
+        if k in e:
+            b = _pick(e[k], root)
+            out += [b] if isinstance(b, str) else b
+    return out
+
+
+def _arg(v: Any) -> str:
+    """A grid value as `k3lab bench --grid` reads it back (k3lab.report.parse_value, split on commas)."""
+    from k3lab.report import parse_value
+
+    return v if isinstance(v, str) and "," not in v and '"' not in v and parse_value(v) == v else json.dumps(v)
+
+
+def bench_command(d: dict[str, Any], name: str, out: str = REMAKE_OUT) -> str:
+    """The `k3lab bench` command that remakes bundle `d` from its recorded config (component, ops, grid, backends,
+    peers, skip, mode, reps; the op variants such as cute_pdl left out where the bundle has no row of one) as
+    `out`/<gpu>/`name`.json on the machine it runs on, with the code as it stands."""
+    import shlex
+
+    from k3lab import registry
+
+    c = d["config"]
+    cmd = ["python", "-m", "k3lab.cli", "bench", c["bench"]]
+    if c.get("ops"):
+        cmd += ["--ops", ",".join(c["ops"])]
+    ops = [o for o in registry.ops_of(c["bench"]) if not c.get("ops") or o.name in c["ops"]]
+    gone = []
+    for k, vs in (c.get("grid") or {}).items():
+        # an option value no backend takes any more (a measured-and-lost form, removed since) is left out, and said
+        allowed = {v for o in ops for per_be in o.option_axes.get(k, {}).values() for v in per_be}
+        keep = [v for v in vs if not allowed or v in allowed]
+        gone += [f"{k}={_arg(v)}" for v in vs if v not in keep]
+        if keep:
+            cmd += ["--grid", f"{k}={','.join(_arg(v) for v in keep)}"]
+    cmd += ["--backends", ",".join(c["backends"])]
+    if not c.get("peers", True):
+        cmd.append("--no-peers")
+    if c.get("skip"):
+        cmd += ["--skip", ",".join(c["skip"])]
+    var = {v for op in registry.ops_of(c["bench"]) for v in op.variants}
+    if var and not var & {r.get("backend") for r in d.get("rows", [])}:
+        cmd.append("--no-variants")
+    if c.get("mode") == "hot":
+        cmd.append("--hot")
+    cmd += ["--reps", str(c.get("reps", 50)), "--name", name, "--out", out]
+    line = " ".join(shlex.quote(x) for x in cmd)
+    return line + (f"  # left out, no backend takes it now: {', '.join(gone)}" if gone else "")
+
+
+def made_by(path: str | Path, root: Path | None = None) -> tuple[str, str] | None:
+    """(the README, its "made by" cell) of the evidence table row that names a file: the README.md beside it or in a
+    directory above it (up to the repository), whose row's first cell holds the file's path in backticks."""
+    root = Path(root) if root is not None else ROOT
+    path = root / path
+    for parent in path.parents:
+        readme = parent / "README.md"
+        if readme.exists():
+            rel = path.relative_to(parent).as_posix()
+            for line in readme.read_text().splitlines():
+                cells = line.split(" | ")
+                if line.startswith("| ") and len(cells) >= 3 and f"`{rel}`" in cells[0]:
+                    return readme.relative_to(root).as_posix(), cells[1].strip()
+        if parent == root:
+            break
+    return None
+
+
+def remake_commands(entries: list[dict[str, Any]], root: Path | None = None, out: str = REMAKE_OUT,
+                    gpu: str | None = None) -> str:
+    """Shell lines that remake the bundles these targets read, under the same names, on the machine they run on (a
+    `k3lab bench` command from each bundle's recorded config; for a bundle another command made, the README's
+    "made by" line as a comment), then the `k3lab targets --profiles` line that reads them: the same targets on
+    another GPU. `gpu`: the directory name bench writes into (k3lab.harness.env.gpu_slug; None: `<gpu>`)."""
+    root = Path(root) if root is not None else ROOT
+    reads: dict[str, list[str]] = {}
+    for e in entries:
+        for b in _bundles_of(e, root):
+            reads.setdefault(b, []).append(f"#{e['issue']} {e['case']}")
+    lines = [f"# remake the {len(reads)} bundles of {len(entries)} targets on this machine's GPU (code as it stands; "
+             "peers that are not installed are skipped with the reason)"]
+    for b, cases in reads.items():
+        name = Path(b).name.removesuffix(".gz").removesuffix(".json")
+        d = read_json(root / b) if (root / b).exists() else {}
+        lines.append(f"# {Path(b).name}: " + "; ".join(dict.fromkeys(cases)))
+        if "bench" in (d.get("config") or {}):
+            lines.append(bench_command(d, name, out))
+        else:
+            how = made_by(b, root)
+            lines.append(f"#   not a `k3lab bench` bundle: made by ({how[0]}) {how[1]}" if how else
+                         "#   not a `k3lab bench` bundle, and no README row names it")
+    lines.append(f"python -m k3lab.cli targets --profiles {out}/{gpu or '<gpu>'}")
+    return "\n".join(lines) + "\n"
 
 
 STATUS = ROOT / "docs" / "STATUS.md"

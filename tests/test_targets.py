@@ -220,3 +220,56 @@ def test_cli_targets_beside():
         out.output
     out = CliRunner().invoke(app, ["targets", "--beside", "h100-80gb-hbm3", "--write", "/tmp/x.md"])
     assert out.exit_code == 2 and "--beside" in out.output
+
+
+def test_profiles_takes_a_plain_bundle_for_a_gzipped_name(toy, tmp_path):
+    """A bench writes NAME.json where the committed bundle is NAME.json.gz: --profiles reads either form."""
+    other = tmp_path / "gpu2"
+    other.mkdir()
+    (other / "b.json").write_bytes(gzip.decompress((toy / "b.json.gz").read_bytes()))
+    r = tg.evaluate(_e(bundle="profiles/h200/b.json.gz", metric="us", op="<=", value=10.0), tmp_path,
+                    profiles="gpu2")
+    assert r.measured_here and r.measured == 9.0 and r.bundle == "b.json"
+
+
+def test_remake_commands_rebuild_every_bench_bundle_as_it_is_read():
+    """--commands: each target bundle a `k3lab bench` made comes back as a bench command under the same file name
+    (the grid, ops and backends the current registry still takes: a removed option value is left out and said), the
+    others name the README line that made them, and the last line reads the new directory."""
+    import shlex
+
+    from k3lab import registry
+    from k3lab.bench import runner
+    from k3lab.cli import _grid
+
+    spec = tg.load_spec()
+    text = tg.remake_commands(spec, gpu="h100-80gb-hbm3")
+    lines = text.splitlines()
+    assert lines[-1] == "python -m k3lab.cli targets --profiles profiles/runs/targets/h100-80gb-hbm3"
+    names = set()
+    for line in lines:
+        if not line.startswith("python -m k3lab.cli bench "):
+            continue
+        a = shlex.split(line.split("  #")[0])
+        comp, opt = a[4], {x: a[i + 1] for i, x in enumerate(a) if x.startswith("--") and i + 1 < len(a)}
+        ops = [o for o in registry.ops_of(comp) if "--ops" not in opt or o.name in opt["--ops"].split(",")]
+        grid = _grid([a[i + 1] for i, x in enumerate(a) if x == "--grid"])
+        assert set(grid) <= set().union(*(set(o.axes) | set(o.option_axes) for o in ops)), line
+        runner.grid_cases("remake", ops, grid, opt["--backends"].split(","))  # raises on what would run nothing
+        names.add(opt["--name"])
+    want = {b.split("/")[-1].split(".")[0] for e in spec for b in tg._bundles_of(e, tg.ROOT)}
+    assert {"kda_decode_fi", "mla_rule_sweep", "proj_cute", "moe_mxfp4_trigger"} <= names <= want
+    assert "left out, no backend takes it now: alpha=warp" in text  # attnres_twopass's removed alpha form
+    for other in want - names:  # the step bundles, run records and the explore sweeps: their README line
+        assert f"# {other}" in text
+    assert "not a `k3lab bench` bundle: made by (profiles/h200/README.md)" in text
+    assert tg.made_by("profiles/h200/no_such_bundle.json") is None
+
+
+def test_cli_targets_commands():
+    out = CliRunner().invoke(app, ["targets", "--commands", "--issue", "16", "--out", "/tmp/remake"])
+    assert out.exit_code == 0, out.output
+    assert "--name kda_decode_fi --out /tmp/remake" in out.output
+    assert out.output.rstrip().splitlines()[-1].startswith("python -m k3lab.cli targets --profiles /tmp/remake/")
+    out = CliRunner().invoke(app, ["targets", "--commands", "--write", "/tmp/x.md"])
+    assert out.exit_code == 2 and "--commands prints commands" in out.output
