@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fifty-fifth session's call (.gpu/cute and .gpu/fi carried), everything under $OUT, a table per part:
-#  1. experiments/moe_tail/tail.py: the bf16 grouped experts at batch 16 over routings of D experts across the wave
+#  1. experiments/moe_tail/tail.py (retired for room, git history at 97e16e8): the bf16 grouped experts at batch 16 over routings of D experts across the wave
 #     edges, plain against the new `tail` option;
 #  2. issue 14's bf16 rows at batch 16 / 32 / 64 uniform, tail off / on, through the registry (fp64-checked; bundle
 #     moe_tail);
