@@ -41,6 +41,7 @@ test suite evaluates every entry).
 """
 from __future__ import annotations
 
+import ast
 import json
 import math
 import operator
@@ -293,7 +294,53 @@ def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path |
         return Result(e["issue"], e["case"], e["target"], math.nan, False,
                       f"not measurable there: {why[:140]}", " + ".join(_names(e["bundle"])), measured_here=False)
     r.date = date
+    missed = [k for k in _not_run(e["bundle"], root) if _may_match(k, e.get("where", {}))]
+    if missed:  # a bench stopped by its deadline: the cases it never ran cannot count as met
+        r.met = False
+        r.where += f"; {len(missed)} of its cases not run (bench deadline), e.g. {missed[0]}"
     return r
+
+
+def _not_run(bundles: str | list[str], root: Path) -> list[str]:
+    """The case keys (op[axis=value,...]) a bench's deadline left out of these bundles (its note)."""
+    out: list[str] = []
+    for b in [bundles] if isinstance(bundles, str) else bundles:
+        d = read_json(root / b)
+        for n in d.get("notes") or [] if isinstance(d.get("notes"), list) else []:
+            if isinstance(n, str) and n.startswith("deadline reached; cases not run: "):
+                try:
+                    out += [str(k) for k in ast.literal_eval(n.split(": ", 1)[1])]
+                except (ValueError, SyntaxError):
+                    out.append(n)
+    return out
+
+
+def _may_match(key: str, where: dict[str, Any]) -> bool:
+    """Whether a case that did not run (its key, k3lab.registry.Case.key) could be one a target reads: every `where`
+    field its key states must match; what it cannot state (bytes, options) is taken as matching."""
+    op, _, rest = key.partition("[")
+    vals: dict[str, Any] = {"op": op}
+    for item in rest.rstrip("]").split(","):
+        k, eq, v = item.partition("=")
+        if eq:
+            vals[k] = {"True": True, "False": False, "None": None}.get(v, v)
+            for cast in (int, float):
+                try:
+                    vals[k] = cast(v)
+                    break
+                except ValueError:
+                    pass
+    for k, want in where.items():
+        if k in ("max_batch", "min_batch"):
+            b = vals.get("batch")
+            if isinstance(b, int) and (b > want if k == "max_batch" else b < want):
+                return False
+        elif k == "name_prefix":
+            if not (key.startswith(want) or want.startswith(key.rstrip("]"))):
+                return False
+        elif k in vals and (vals[k] not in want if isinstance(want, list) else vals[k] != want):
+            return False
+    return True
 
 
 def _evaluate(e: dict[str, Any], root: Path, rows: list[dict[str, Any]]) -> Result:

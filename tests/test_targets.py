@@ -273,3 +273,15 @@ def test_cli_targets_commands():
     assert out.output.rstrip().splitlines()[-1].startswith("python -m k3lab.cli targets --profiles /tmp/remake/")
     out = CliRunner().invoke(app, ["targets", "--commands", "--write", "/tmp/x.md"])
     assert out.exit_code == 2 and "--commands prints commands" in out.output
+
+
+def test_cases_a_deadline_left_out_are_not_met(toy):
+    """A bench stopped by --deadline notes the cases it never ran: a target that reads one of them is not met (its
+    line says so), whatever the cases that ran give; cases the target does not read change nothing."""
+    d = json.loads(gzip.decompress((toy / "b.json.gz").read_bytes()))
+    d["notes"] = ["deadline reached; cases not run: ['toy[batch=64,parts=auto]', 'other[batch=1]']"]
+    (toy / "b.json.gz").write_bytes(gzip.compress(json.dumps(d).encode()))
+    r = tg.evaluate(_e(metric="us", op="<=", value=10.0), toy)
+    assert not r.met and r.measured == 9.0 and "1 of its cases not run (bench deadline), e.g. toy[batch=64" in r.where
+    assert tg.evaluate(_e(metric="us", op="<=", value=10.0, where={"op": "toy", "max_batch": 8}), toy).met
+    assert tg.evaluate(_e(metric="us", op="<=", value=10.0, where={"op": "toy", "batch": [1, 8]}), toy).met
