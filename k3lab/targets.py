@@ -73,6 +73,7 @@ class Result:
     bundle: str
     date: str = ""  # when the (newest) bundle was made, YYYY-MM-DD
     measured_here: bool = True  # False: its bundle is not in the directory read (`profiles`)
+    cases: int = 1  # how many cases the verdict covers (an "every batch" target: one a batch)
 
     def cells(self, digits: int = 3) -> list[str]:
         if not self.measured_here:
@@ -275,6 +276,7 @@ def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path |
     reads (another GPU's run of the same name without a peer, e.g. FlashInfer not carried), makes a not-measured
     result that says why; the committed H200 bundles (no `profiles`) are held to every row (TargetError)."""
     root = Path(root) if root is not None else ROOT
+    e0 = e
     if profiles is not None:
         e = on_profiles(e, profiles, root)
     e = dict(e, **{k: _pick(e[k], root) for k in ("bundle", "over_bundle") if k in e})
@@ -298,7 +300,19 @@ def evaluate(e: dict[str, Any], root: Path | None = None, profiles: str | Path |
     if missed:  # a bench stopped by its deadline: the cases it never ran cannot count as met
         r.met = False
         r.where += f"; {len(missed)} of its cases not run (bench deadline), e.g. {missed[0]}"
+    if profiles is not None and r.cases < (full := _cases(e0, root)):
+        # another GPU's bundle of the same name that covers fewer of the target's cases than the committed one
+        r.met = False
+        r.where += f"; only {r.cases} of the {full} cases the committed bundles hold"
     return r
+
+
+def _cases(e: dict[str, Any], root: Path) -> int:
+    """How many cases the committed bundles give a target (0 where they cannot be read: nothing to compare with)."""
+    try:
+        return evaluate(e, root).cases
+    except TargetError:
+        return 0
 
 
 def _not_run(bundles: str | list[str], root: Path) -> list[str]:
@@ -419,7 +433,7 @@ def _worst(e: dict[str, Any], vals: list[tuple[float, str]], bundle: str) -> Res
     # the worst case: the farthest from the target in its direction (the largest for <=, the smallest for >=)
     v, k = max(pool, key=lambda t: t[0]) if e["op"] in ("<=", "<") else min(pool, key=lambda t: t[0])
     n = f" (worst of {len(vals)})" if len(vals) > 1 else ""
-    return Result(e["issue"], e["case"], e["target"], v, not fails, _short(k) + n, bundle)
+    return Result(e["issue"], e["case"], e["target"], v, not fails, _short(k) + n, bundle, cases=len(vals))
 
 
 NOISE = {"dcp=1", "dcp_layout=interleave", "fp8_scale=tensor", "kv_dtype=bf16", "pad_heads=0", "page_size=64",

@@ -285,3 +285,17 @@ def test_cases_a_deadline_left_out_are_not_met(toy):
     assert not r.met and r.measured == 9.0 and "1 of its cases not run (bench deadline), e.g. toy[batch=64" in r.where
     assert tg.evaluate(_e(metric="us", op="<=", value=10.0, where={"op": "toy", "max_batch": 8}), toy).met
     assert tg.evaluate(_e(metric="us", op="<=", value=10.0, where={"op": "toy", "batch": [1, 8]}), toy).met
+
+
+def test_another_gpus_bundle_with_fewer_cases_is_not_met(toy):
+    """--profiles: a bundle of the same name that holds fewer of a target's cases than the committed one (a smaller
+    grid) cannot meet an "every case" target: not met, with how many cases it had."""
+    other = toy / "gpu2"
+    other.mkdir()
+    d = json.loads(gzip.decompress((toy / "b.json.gz").read_bytes()))
+    d["rows"] = [r for r in d["rows"] if r["extra"].get("batch") == 1]
+    (other / "b.json").write_text(json.dumps(d))
+    e = _e(metric="us", op="<=", value=10.0)
+    assert tg.evaluate(e, toy).met and tg.evaluate(e, toy).cases == 2
+    r = tg.evaluate(e, toy, profiles="gpu2")
+    assert r.measured_here and not r.met and "only 1 of the 2 cases the committed bundles hold" in r.where
