@@ -21,8 +21,8 @@ else 4 (`default_block_r`), halved while RB * K > MAX_WEIGHTS.
      memory; warp 0, lane = column, applies sigmoid(gate) (fp32) and stores bf16.
 The merge is repeated by the Dv / BV = 4 column CTAs of a head (the partials then come from L2); the decode step
 hands this kernel an already merged o_lat (K = 1). (The first version, one scalar Wuv load and 4 scalar partial
-loads a step, measured 9.3 us at batch 1 against Triton's 1.9: profiles/h200/mla_combine_cute.json.gz (git history
-at 58394f6), a15ce2b.)
+loads a step, lost to Triton's at batch 1: profiles/h200/mla_combine_cute.json.gz (git history at 58394f6), a15ce2b;
+figures in docs/NOTES_mla.md.)
 
 Floor (bytes, k3lab.ops.mla.combine_bytes, the Triton kernel's): Wuv H*C*Dv*2 (12 heads: 1.57 MB) + partials
 B*K*T*H*(C+1)*4 + gate and out B*T*H*Dv*2 each; launch-bound at batch 1.

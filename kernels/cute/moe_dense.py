@@ -55,8 +55,8 @@ from .moe_experts import MoECuteError, _fail, _ptr, _tensor, one_token
 __all__ = ["MAX_PAIRS", "MoECuteError", "grouped_supports", "moe_experts_dense", "moe_grouped_dense"]
 
 # rows a CTA: intermediate rows (of W1 and of W3) of the up kernel, latent rows of the down kernel (a shape they do
-# not divide takes 1); swept one axis at a time on an H100 (DOWN_ROWS 2..16, UP_ROWS 8): 4 / 4 within 2.6 % of the
-# best everywhere (docs/NOTES_moe.md, forty-fifth session)
+# not divide takes 1); swept one axis at a time on an H100 (DOWN_ROWS 2..16, UP_ROWS 8): 4 / 4 level with the best
+# everywhere (figures in docs/NOTES_moe.md, forty-fifth session)
 UP_ROWS = 4
 DOWN_ROWS = 4
 

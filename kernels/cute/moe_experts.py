@@ -85,7 +85,7 @@ DOWN_ROWS = 8
 UP_ROWS = 12
 # thread groups of L/32 an up CTA (2: two groups of 112 threads at K3's latent, each R/2 rows of W1 and of W3, so no
 # thread of the CTA's 7 warps is idle, where one group of 4 warps leaves 16 idle lanes redoing a block times 0.0:
-# 12 % fewer instructions, the step faster; docs/NOTES_moe.md thirty-second session); 1 where L/32 is not a
+# fewer instructions, the step faster; figures in docs/NOTES_moe.md, thirty-second session); 1 where L/32 is not a
 # multiple of 16 or UP_ROWS is not a multiple of it
 UP_HALVES = 2
 def _kernel_classes():

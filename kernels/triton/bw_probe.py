@@ -53,10 +53,9 @@ def stream_sum(x: torch.Tensor, part: torch.Tensor | None = None, config: tuple[
     return part
 
 
-# (TILE bf16 values a program an iteration, UNROLL tiles in flight, PER_SM, num_warps): within 0.07 us of the fastest
-# of five configurations at 17 of the 24 projection and group sizes of 1.8-90 MB on an H100; the first choice
-# (2048, 4, 8, 4) was up to 0.45 us slower (profiles/h100-80gb-hbm3/stream_peer61.json.gz, git
-# history at `e88bf4d`; docs/NOTES_trunk.md)
+# (TILE bf16 values a program an iteration, UNROLL tiles in flight, PER_SM, num_warps): the fastest of five
+# configurations at most of the projection and group sizes of 1.8-90 MB on an H100 (profiles/h100-80gb-hbm3/
+# stream_peer61.json.gz, git history at `e88bf4d`; figures in docs/NOTES_trunk.md)
 GRID_CONFIG = (1024, 4, 16, 4)
 
 
