@@ -547,16 +547,18 @@ def bench_command(d: dict[str, Any], name: str, out: str = REMAKE_OUT) -> str:
 
 def made_by(path: str | Path, root: Path | None = None) -> tuple[str, str] | None:
     """(the README, its "made by" cell) of the evidence table row that names a file: the README.md beside it or in a
-    directory above it (up to the repository), whose row's first cell holds the file's path in backticks."""
+    directory above it (up to the repository), whose row's first cell holds the file's path from there (or, for a
+    README above the file's own directory, its name alone) in backticks."""
     root = Path(root) if root is not None else ROOT
     path = root / path
     for parent in path.parents:
         readme = parent / "README.md"
         if readme.exists():
             rel = path.relative_to(parent).as_posix()
+            names = {f"`{rel}`", f"`{path.name}`"}
             for line in readme.read_text().splitlines():
                 cells = line.split(" | ")
-                if line.startswith("| ") and len(cells) >= 3 and f"`{rel}`" in cells[0]:
+                if line.startswith("| ") and len(cells) >= 3 and any(n in cells[0] for n in names):
                     return readme.relative_to(root).as_posix(), cells[1].strip()
         if parent == root:
             break

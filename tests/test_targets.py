@@ -299,3 +299,15 @@ def test_another_gpus_bundle_with_fewer_cases_is_not_met(toy):
     assert tg.evaluate(e, toy).met and tg.evaluate(e, toy).cases == 2
     r = tg.evaluate(e, toy, profiles="gpu2")
     assert r.measured_here and not r.met and "only 1 of the 2 cases the committed bundles hold" in r.where
+
+
+def test_every_evidence_file_says_what_made_it():
+    """Every file under profiles/<gpu>/ (bundles, reports, logs) has a row in the README above it naming the command
+    that made it (`made_by`, what `k3lab targets --commands` prints for a bundle no bench made)."""
+
+    root = tg.ROOT / "profiles"
+    files = [f for f in root.rglob("*") if f.is_file() and f.name != "README.md"
+             and f.relative_to(root).parts[0] not in ("assets", "runs")]
+    assert len(files) > 50
+    missing = [str(f.relative_to(tg.ROOT)) for f in files if tg.made_by(f.relative_to(tg.ROOT)) is None]
+    assert not missing, f"evidence without a README row naming what made it: {missing}"
