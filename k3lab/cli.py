@@ -18,6 +18,7 @@ bundle the notebook wrote (the notebook receives `out_dir`), and run.json.
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import hashlib
 import itertools
 import json
@@ -876,15 +877,26 @@ def probes() -> None:
 
 
 @app.command()
-def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3lab run`"),
+def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3lab run`, a bench output directory "
+                                            "or one bundle file"),
             gpu: str | None = typer.Option(None, "--gpu", help="profiles/<gpu>/ (default: the bundle's GPU)"),
-            profiles: Path = typer.Option(PROFILES_DIR, "--profiles", help="profiles root")) -> None:
-    """Copy a run's bundle(s) and HTML report into profiles/<gpu>/ (relinking plotly.js)."""
+            profiles: Path = typer.Option(PROFILES_DIR, "--profiles", help="profiles root"),
+            gz: bool = typer.Option(False, "--gzip", help="store NAME.json.gz (gzip -9, no timestamp)"),
+            report: bool = typer.Option(True, help="also copy the HTML report beside the bundle (--no-report: the "
+                                        "bundle alone; `k3lab report` remakes the page)"),
+            made_by: str = typer.Option("", "--made-by", help="the README row's command (default: the `k3lab bench` "
+                                        "command the bundle's config gives, or the run record's notebook and "
+                                        "parameters)"),
+            what: str = typer.Option("", "--what", help="the README row's last cell: what the bundle shows")) -> None:
+    """Copy a run's bundle(s) and HTML report into profiles/<gpu>/ (relinking plotly.js), and give each file a row
+    in profiles/<gpu>/README.md naming the command that made it (where no row names it yet)."""
     from k3lab.harness.bundle import BundleError, find_bundles, load, safe_name, stem_path
     from k3lab.report import relink_plotly, shared_plotly_js
 
     run_dir = Path(run_dir)
-    bundles = find_bundles(run_dir) if run_dir.is_dir() else []
+    bundles = [run_dir] if run_dir.is_file() else find_bundles(run_dir) if run_dir.is_dir() else []
+    if run_dir.is_file():
+        run_dir = run_dir.parent
     if not bundles:
         _echo_err(f"error: no results bundle in {run_dir}")
         raise typer.Exit(2)
@@ -906,15 +918,60 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
         dest = Path(profiles) / (gpu or bd.gpu_slug)
         dest.mkdir(parents=True, exist_ok=True)
         stem = safe_name(bd.name)
-        ext = ".json.gz" if p.name.endswith(".gz") else ".json"
-        shutil.copyfile(p, dest / f"{stem}{ext}")
+        ext = ".json.gz" if gz or p.name.endswith(".gz") else ".json"
+        if gz and not p.name.endswith(".gz"):
+            (dest / f"{stem}{ext}").write_bytes(gzip.compress(p.read_bytes(), compresslevel=9, mtime=0))
+        else:
+            shutil.copyfile(p, dest / f"{stem}{ext}")
         typer.echo(f"bundle -> {dest / f'{stem}{ext}'}")
+        files = [f"{stem}{ext}"]
         beside = stem_path(p).with_suffix(".html")  # `k3lab bench` writes its report next to its bundle
         html = beside if beside.is_file() else (htmls[0] if htmls else None)
-        if html is not None:
+        if html is not None and report:
+            files.append(f"{stem}.html")
             shutil.copyfile(html, dest / f"{stem}.html")
             relink_plotly(dest / f"{stem}.html", js)
             typer.echo(f"report -> {dest / f'{stem}.html'}")
+        row = _readme_row(dest, files, made_by or _made_by_default(bd, stem, run_dir), what)
+        if row:
+            typer.echo(f"README row -> {dest / 'README.md'}")
+
+
+def _made_by_default(bd: Any, stem: str, run_dir: Path) -> str:
+    """The command a bundle records: its `k3lab bench` command, else its run record's notebook and parameters."""
+    from k3lab import targets as tg
+
+    code = f" (code of `{str(bd.env.get('commit') or '?')[:7]}`{' + changes' if bd.env.get('dirty') else ''})"
+    if "bench" in (bd.config or {}):
+        return f"`{tg.bench_command(bd.to_dict(), stem, 'OUT')}`{code}"
+    rec = run_dir / "run.json"
+    if rec.is_file():
+        r = json.loads(rec.read_text())
+        params = " ".join(f"-p {k} {json.dumps(v)}" for k, v in (r.get("params") or {}).items())
+        return f"`k3lab run notebooks/{Path(r.get('notebook', '?')).name} {params}`{code}"
+    return f"not recorded: give --made-by{code}"
+
+
+def _readme_row(dest: Path, files: list[str], made_by: str, what: str) -> bool:
+    """A row for these files at the top of dest/README.md's first table (the README made with its header if there is
+    none) unless a row already names the first; True where one was written."""
+    from k3lab import targets as tg
+
+    readme = dest / "README.md"
+    if readme.is_file() and tg.made_by(dest / files[0], root=dest.parent) is not None:
+        return False
+    text = readme.read_text() if readme.is_file() else (
+        f"# {dest.name} evidence\n\nEach file's command; figures: the bundles and docs/NOTES_*.md.\n\n"
+        "| file | made by | what |\n|---|---|---|\n")
+    row = "| " + ", ".join(f"`{f}`" for f in files) + f" | {made_by.replace('|', '/')} | {what.replace('|', '/')} |"
+    lines = text.splitlines()
+    at = next((i + 1 for i, ln in enumerate(lines) if ln.startswith("|---")), None)
+    if at is None:
+        lines += ["", "| file | made by | what |", "|---|---|---|"]
+        at = len(lines)
+    lines.insert(at, row)
+    readme.write_text("\n".join(lines) + "\n")
+    return True
 
 
 def _grid(items: list[str]) -> dict[str, tuple]:

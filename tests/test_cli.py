@@ -232,6 +232,41 @@ def test_publish_copies_and_relinks(tmp_path):
     assert r.exit_code == 2 and "holds no rows" in r.output
 
 
+def test_publish_a_bench_bundle_gzipped_with_its_readme_row(tmp_path):
+    """A bench bundle published with --gzip --no-report: NAME.json.gz under profiles/<gpu>/ and a row at the top of
+    that README's table naming the bench command its config gives (found by `targets.made_by`); once only."""
+    import gzip
+
+    from test_harness import _bundle
+
+    from k3lab import targets as tg
+
+    b = _bundle()
+    b.env = {**b.env, "gpu": "NVIDIA H100 80GB HBM3", "gpu_slug": "h100-80gb-hbm3", "commit": "abcdef123",
+             "dirty": False}
+    b.config = {"bench": "kda", "ops": ["kda_decode"], "grid": {"batch": [1, 8]}, "backends": ["cute"],
+                "peers": False, "skip": [], "mode": "rotated", "reps": 20}
+    path = b.save(tmp_path / "out")
+    profiles = tmp_path / "profiles"
+    (profiles / "h100-80gb-hbm3").mkdir(parents=True)
+    (profiles / "h100-80gb-hbm3" / "README.md").write_text("# H100\n\n| file | made by | what |\n|---|---|---|\n"
+                                                          "| `old.json.gz` | `x` | y |\n\nprose\n")
+    args = ["publish", str(path), "--gzip", "--no-report", "--profiles", str(profiles), "--what", "the rows"]
+    r = runner.invoke(cli.app, args)
+    assert r.exit_code == 0, r.output
+    out = profiles / "h100-80gb-hbm3" / "t-bundle.json.gz"
+    assert json.loads(gzip.decompress(out.read_bytes()))["name"] == "t-bundle"
+    assert not (profiles / "h100-80gb-hbm3" / "t-bundle.html").exists()
+    lines = (profiles / "h100-80gb-hbm3" / "README.md").read_text().splitlines()
+    assert lines[4].startswith("| `t-bundle.json.gz` | `python -m k3lab.cli bench kda --ops kda_decode --grid "
+                               "batch=1,8 --backends cute --no-peers")
+    assert "(code of `abcdef1`) | the rows |" in lines[4]
+    assert lines[5].startswith("| `old.json.gz`")
+    assert tg.made_by(out.relative_to(tmp_path), root=tmp_path)[1].startswith("`python -m k3lab.cli bench kda")
+    assert runner.invoke(cli.app, args).exit_code == 0  # again: the row is there already
+    assert (profiles / "h100-80gb-hbm3" / "README.md").read_text().count("t-bundle.json.gz") == 1
+
+
 def test_defaults_table_is_the_one_the_committed_sweeps_give(tmp_path):
     """data/kda_defaults.json is exactly what `k3lab defaults kda` makes from the bundles its _source names:
     the auto table follows the measured sweep and cannot drift from it by hand."""
