@@ -597,9 +597,18 @@ STATUS_HEAD = ("# Where the issues' targets stand\n\n"
                "Made by `k3lab targets --write docs/STATUS.md` from the committed bundles (`data/targets.json` lists "
                "the targets; a test fails when this page and the bundles disagree). Each line is the worst case of "
                "its target; the rows that decided it and the bundle are named. Figures and their context: "
-               "docs/NOTES_*.md.\n\n")
+               "docs/NOTES_*.md. The last column reads the same targets off an H100's committed bundles of the same "
+               "names (`profiles/h100-80gb-hbm3/`; `-` where there is none: `k3lab targets --commands --failing "
+               "--profiles h100-80gb-hbm3` prints how to make them).\n\n")
+
+
+STATUS_BESIDE = ("h100-80gb-hbm3",)  # other GPUs' committed bundles, a column each on the page
 
 
 def status_page(results: list[Result] | None = None) -> str:
-    """docs/STATUS.md's text: the header and the whole table."""
-    return STATUS_HEAD + markdown(results if results is not None else evaluate_all())
+    """docs/STATUS.md's text: the header and the whole table, with a column for each GPU of STATUS_BESIDE (its
+    committed bundles of the same names under profiles/<gpu>/: `-` where it has none)."""
+    spec = load_spec()
+    beside = [(g, evaluate_all(spec, profiles=ROOT / "profiles" / g)) for g in STATUS_BESIDE
+              if (ROOT / "profiles" / g).is_dir()]
+    return STATUS_HEAD + markdown(results if results is not None else evaluate_all(spec), beside=beside)
