@@ -5,6 +5,7 @@
 # those issues off them. Whatever of .gpu/cute, .gpu/base, .gpu/fi, .gpu/fijit is carried is unpacked; CuTe DSL also
 # from a warm machine's /root/k3site (cute alone fills a call's 64 MiB: carry it first, then base + fi + fijit).
 # A peer or backend not installed is skipped by bench with the reason, and its target reads "not measurable there".
+# ONLY=name1,name2: just those bundles (one large sweep a call, e.g. ONLY=proj_fp8_47 DEADLINE=480).
 # Device: ISSUES="16 14" DEADLINE=150 bash experiments/queue66/remake.sh    (everything under $OUT/t)
 set -uo pipefail
 for p in cute base fi fijit; do [ -f .gpu/$p/unpack.sh ] && eval "$(bash .gpu/$p/unpack.sh)"; done
@@ -16,6 +17,8 @@ sel=(); for i in ${ISSUES:-16}; do sel+=(--issue "$i"); done
 python3 -m k3lab.cli targets --commands --failing --profiles "$gpu" "${sel[@]}" --out "$OUT/t" > "$OUT/t/commands.sh"
 cat "$OUT/t/commands.sh" | cut -c1-200
 grep '^python -m k3lab.cli bench ' "$OUT/t/commands.sh" | sed 's/  #.*//' | while read -r line; do
+  name=$(sed -E 's/.* --name ([^ ]+) .*/\1/' <<< "$line")
+  if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
   echo "== $line" | cut -c1-160
   eval "timeout $(( ${DEADLINE:-150} + 60 )) $line --deadline ${DEADLINE:-150}" 2>&1 | grep -E "^bundle|rror|skipped" | cut -c1-200
 done
