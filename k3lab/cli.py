@@ -360,7 +360,7 @@ def execute(notebook: Path, params: dict[str, Any], out: Path | None = None, *, 
     return run_dir
 
 
-PATH_PARAMS = ("bundle",)  # parameters that name a file: resolved against the caller's directory
+PATH_PARAMS = ("bundle", "allreduce_bundle")  # parameters that name a file: resolved against the caller's directory
 BOOL_OR_NAMES = ("toggles",)  # true / false, or a comma-separated list of names (checked by the notebook's code)
 
 

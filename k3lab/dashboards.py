@@ -27,7 +27,8 @@ SWITCH_PARAMS = tuple(ALLOWED)
 BACKEND_PARAMS = tuple(f"backend_{c}" for c in COMPONENTS)
 VIEW_PARAMS = ("preset", "batch", "context", "draft_depth", "kv_dtype", "expert_dtype")
 STEP_PARAMS = VIEW_PARAMS + ("block", "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + (
-    "compare", "compare_reps", "toggles", "components", "reps", "warmup", "allreduce_us", "numerics_steps",
+    "compare", "compare_reps", "toggles", "components", "reps", "warmup", "allreduce_us", "allreduce_bundle",
+    "numerics_steps",
     "numerics_preset", "nsight_layer", "kernels_layer", "panel", "profile", "trace", "seed", "bundle")
 DEPTH_PARAMS = ("preset", "context", "kv_dtype", "expert_dtype", "batches", "depths", "curves", "draft_us_per_token",
                 "n_experts", "backend") + BACKEND_PARAMS + SWITCH_PARAMS + ("components", "reps", "warmup", "seed")
@@ -89,6 +90,25 @@ def _n_experts(v: Any) -> int | None:
     return v
 
 
+def allreduce_from(p: dict[str, Any], view) -> tuple[float, str]:
+    """(us, label) of one all-reduce for the 93-layer estimate: `allreduce_bundle` (a k3lab.studies.allreduce bundle,
+    its row at the step's tokens, over the view's TP width where it has one) when given, else `allreduce_us`,
+    labelled assumed."""
+    from k3lab import step as stepmod
+    from k3lab.studies import allreduce
+
+    path = p.get("allreduce_bundle") or ""
+    if not path:
+        return float(p.get("allreduce_us", stepmod.ALLREDUCE_ASSUMED_US)), "assumed"
+    if not Path(path).is_file():
+        raise DashboardError(f"parameter 'allreduce_bundle': no file {path!r} (a bundle of "
+                             f"`python -m k3lab.studies.allreduce`)")
+    try:
+        return allreduce.measured(path, view.batch * view.tokens_per_seq, world=view.tp)
+    except allreduce.AllReduceError as e:
+        raise DashboardError(str(e)) from None
+
+
 # ---- runs ---------------------------------------------------------------------------------------------
 
 def run_step(p: dict[str, Any], out_dir: str | Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -104,13 +124,14 @@ def run_step(p: dict[str, Any], out_dir: str | Path, log: Callable[[str], None] 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"decode_step-{p.get('preset', 'tiny')}-b{view.batch}-c{view.context}-d{view.draft_depth}"
+    ar_us, ar_label = allreduce_from(p, view)
     trace = out_dir / f"trace-{name}.json.gz" if (p.get("trace", True) and p.get("profile", True)) else None
     res = stepmod.bench_step(view, sw, block=int(p.get("block", 0)), n_experts=_n_experts(p.get("n_experts", 0)),
                              compare=tuple(_list(p.get("compare", "reference,torch_compile"), "compare")),
                              toggles=_toggles(p.get("toggles", True)), components=bool(p.get("components", True)),
                              reps=int(p.get("reps", 20)), warmup=int(p.get("warmup", 3)),
                              compare_reps=int(p.get("compare_reps", 0)) or None, trace_path=trace,
-                             allreduce_us=float(p.get("allreduce_us", stepmod.ALLREDUCE_ASSUMED_US)),
+                             allreduce_us=ar_us, allreduce_label=ar_label,
                              seed=int(p.get("seed", 0)), name=name, log=log, profile=bool(p.get("profile", True)),
                              checkpoint=lambda bb: bb.save(out_dir))
     b = res.bundle

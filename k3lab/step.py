@@ -1369,7 +1369,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                compare: Sequence[str] = ("reference", "torch_compile"), toggles: bool | Sequence[str] = True,
                components: bool = True,
                reps: int = 20, warmup: int = 3, compare_reps: int | None = None, trace_path: str | Path | None = None,
-               allreduce_us: float = ALLREDUCE_ASSUMED_US, seed: int = 0, name: str | None = None, device=None,
+               allreduce_us: float = ALLREDUCE_ASSUMED_US, allreduce_label: str = "assumed", seed: int = 0,
+               name: str | None = None, device=None,
                step: DecodeStep | None = None, profile: bool = True, log: Callable[[str], None] = print,
                checkpoint: Callable[[Bundle], Any] | None = None) -> StepResult:
     """Build the step (or take `step`), then: launches and kernel attribution (one profiled eager step, trace
@@ -1494,7 +1495,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
     if not captured and gpu:
         b.notes.append(f"the fused step was not captured in one CUDA graph: {t.note}")
 
-    est = estimate_93(comp, layer_rows, view, allreduce_us=allreduce_us, step_us=t.median_us)
+    est = estimate_93(comp, layer_rows, view, allreduce_us=allreduce_us, step_us=t.median_us,
+                      allreduce_label=allreduce_label)
     er = Row(name="estimate:93_layers", backend=label, kind=t.kind, median_us=est["step_us"], p10_us=est["step_us"],
              p90_us=est["step_us"], floor_us=est["floor_us"], bytes=est["bytes"], extra=est)
     b.add(er)
@@ -1510,7 +1512,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                         "prefetch": dict(on=step.switches.prefetch, fraction_of_l2=PREFETCH_FRACTION,
                                          budget_bytes=prefetch_budget(step.device),
                                          l2_bytes_assumed=prefetch_budget(step.device) / PREFETCH_FRACTION)}
-    b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, ASSUMED (one GPU here)")
+    b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, "
+                   + ("ASSUMED (one GPU here)" if allreduce_label == "assumed" else allreduce_label))
     b.notes.append(f"{step.n_experts} of {view.cfg.n_routed_experts} routed experts built per MoE layer "
                    f"({view.expert_dtype})")
     save()
@@ -1634,8 +1637,9 @@ def toggle_list(requested: Switches, resolved: Switches, *, verify: bool = False
 
 
 def estimate_93(comp: list[dict], layer_rows: list[Row], view: GpuView, *, allreduce_us: float = ALLREDUCE_ASSUMED_US,
-                step_us: float | None = None) -> dict[str, Any]:
-    """The full model's step from the measured layer types (see the module docstring)."""
+                step_us: float | None = None, allreduce_label: str = "assumed") -> dict[str, Any]:
+    """The full model's step from the measured layer types (see the module docstring); allreduce_label: "assumed"
+    or where a measured all-reduce time came from (k3lab.studies.allreduce.measured)."""
     by_layer: dict[int, list[dict]] = {}
     for c in comp:
         by_layer.setdefault(c["layer"], []).append(c)
@@ -1669,7 +1673,8 @@ def estimate_93(comp: list[dict], layer_rows: list[Row], view: GpuView, *, allre
     toks = view.batch * view.tokens_per_seq
     return {"step_us": total, "compute_us": compute, "floor_us": floor, "bytes": nbytes,
             "allreduce_us_total": n_ar * allreduce_us, "allreduces": n_ar, "allreduce_us_each": allreduce_us,
-            "allreduce_label": "assumed", "type_us": type_us, "type_floor_us": type_floor, "counts": dict(K3_COUNTS),
+            "allreduce_label": allreduce_label, "type_us": type_us, "type_floor_us": type_floor,
+            "counts": dict(K3_COUNTS),
             "missing_types": missing, "positions_per_step": toks,
             "tokens_per_s": toks / (total * 1e-6) if total > 0 else None,
             "tokens_per_s_per_gpu": toks / (total * 1e-6) / view.tp if total > 0 else None,

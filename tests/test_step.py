@@ -650,6 +650,9 @@ def test_estimate_93_with_tp_assumes_two_allreduces_a_layer():
     assert e["step_us"] == pytest.approx(69 * 20 + 24 * 20 + 92 * 20 + 60 + 1860)
     assert e["tokens_per_s_per_gpu"] == pytest.approx(e["tokens_per_s"] / 8)
     assert e["floor_us"] == pytest.approx(69 * 5 + 24 * 5 + 92 * 5 + 10)
+    assert e["allreduce_label"] == "assumed"
+    m = S.estimate_93(comp, lr, view, allreduce_us=5.0, allreduce_label="measured: nccl_graph")
+    assert m["allreduce_label"] == "measured: nccl_graph" and m["allreduce_us_total"] == 930.0
 
 
 def test_attribute_a_gpu_trace():
