@@ -68,7 +68,9 @@ def _op(backend: str, batch: int, hidden: int, dev: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
 
         name = dist.group.WORLD.group_name
-        buf = symm_mem.empty((batch, hidden), dtype=torch.bfloat16, device=dev)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by the torch releases before it went implicit
+            symm_mem.enable_symm_mem_for_group(name)
+        buf = symm_mem.empty(batch, hidden, dtype=torch.bfloat16, device=dev)
         symm_mem.rendezvous(buf, name)
         out = torch.empty_like(buf)
         op = torch.ops.symm_mem.one_shot_all_reduce_out
