@@ -3,7 +3,7 @@
 # this tree (mla_uq's 16-row tiles at batch 32), then issue 12's mid-batch MLA rows beside FlashInfer fa3 with the
 # fused merge (bundles proj_fp8_47, mla_parts_h200: the names issue 12 / 13's targets read); a short budget, so
 # deadlines of 150 / 210 s. Elsewhere (an H100): the MLA rows beside fa3 alone (bundle mla_parts_fa3; until the
-# fifty-third session this branch timed the fp8 split rule at batch 2 / 4 / 16 and experiments/proj_b64/xasm.py).
+# fifty-third session this branch timed the fp8 split rule at batch 2 / 4 / 16 and experiments/proj_b64/xasm.py, git history at 53779a6).
 # Everything under $OUT/q, packed into $OUT/q.tgz.
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader); echo "$G"

@@ -39,7 +39,7 @@ case "${PART:-1}" in
       --grid num_stages=null,3,4 2>&1 | tail -n 1
   done ;;
 4)
-  # the partials summed by a second kernel launched with PDL (experiments/proj_b64/split2.py), against the production
+  # the partials summed by a second kernel launched with PDL (experiments/proj_b64/split2.py, git history at 53779a6), against the production
   # projection and cuBLAS on the same inputs
   timeout 280 python3 experiments/proj_b64/split2.py "$OUT/proj_b64/split2.json" 2>&1 | tail -n 100 ;;
 5)
