@@ -501,10 +501,10 @@ def default_loop(n: int) -> tuple[int, bool]:
 
 
 def default_cluster(B: int) -> int:
-    """CTAs a cluster: 4 at batch 1..2, 2 above (H200, experiments/mla_cute/h200/mla_cute_partitions_r3.json.gz and
-    mla_cute_batch_r4.json.gz, git history at 4bf2f43: cluster 4 with 16 clusters the best swept at batch 1 at 8K
-    and 32K; at batch 4..64 cluster 2 ran faster than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third
-    session)."""
+    """CTAs a cluster: 4 at batch 1..2, 2 above (H200,
+    experiments/mla_cute/h200/mla_cute_partitions_r3.json.gz (git history at 4bf2f43) and mla_cute_batch_r4.json.gz
+    there: cluster 4 with 16 clusters the best swept at batch 1 at 8K and 32K; at batch 4..64 cluster 2 ran faster
+    than 4 with the same CTAs; docs/NOTES_mla.md, twenty-third session)."""
     return 4 if B <= 2 else 2
 
 
