@@ -565,6 +565,17 @@ def made_by(path: str | Path, root: Path | None = None) -> tuple[str, str] | Non
     return None
 
 
+# what a bundle's rows ran on beyond torch and Triton, and what brings it to the device (../shared/device)
+_CARRY = (("cute", "CuTe DSL (.gpu/cute)"), ("flashinfer", "FlashInfer (.gpu/fi; fa3 also .gpu/fijit)"),
+          ("fla", "fla (.gpu/base)"))
+
+
+def _carry(d: dict[str, Any]) -> list[str]:
+    """The packages a bundle's rows ran on beyond torch and Triton (from its backends_ran), with their archives."""
+    ran = list((d.get("backends_ran") or {}).keys())
+    return [what for key, what in _CARRY if any(r == key or r.startswith(key + "_") for r in ran)]
+
+
 def remake_commands(entries: list[dict[str, Any]], root: Path | None = None, out: str = REMAKE_OUT,
                     gpu: str | None = None) -> str:
     """Shell lines that remake the bundles these targets read, under the same names, on the machine they run on (a
@@ -581,7 +592,9 @@ def remake_commands(entries: list[dict[str, Any]], root: Path | None = None, out
     for b, cases in reads.items():
         name = Path(b).name.removesuffix(".gz").removesuffix(".json")
         d = read_json(root / b) if (root / b).exists() else {}
-        lines.append(f"# {Path(b).name}: " + "; ".join(dict.fromkeys(cases)))
+        needs = _carry(d)
+        lines.append(f"# {Path(b).name}: " + "; ".join(dict.fromkeys(cases))
+                     + (f" (its rows need {', '.join(needs)})" if needs else ""))
         if "bench" in (d.get("config") or {}):
             lines.append(bench_command(d, name, out))
         else:

@@ -260,6 +260,9 @@ def test_remake_commands_rebuild_every_bench_bundle_as_it_is_read():
     want = {b.split("/")[-1].split(".")[0] for e in spec for b in tg._bundles_of(e, tg.ROOT)}
     assert {"kda_decode_fi", "mla_rule_sweep", "proj_cute", "moe_mxfp4_trigger"} <= names <= want
     assert "left out, no backend takes it now: alpha=warp" in text  # attnres_twopass's removed alpha form
+    head = next(ln for ln in lines if ln.startswith("# mla_rule_sweep.json.gz"))
+    assert head.endswith("(its rows need CuTe DSL (.gpu/cute), FlashInfer (.gpu/fi; fa3 also .gpu/fijit))")
+    assert "need" not in next(ln for ln in lines if ln.startswith("# mla_verify_def.json.gz"))  # Triton alone
     for other in want - names:  # the step bundles, run records and the explore sweeps: their README line
         assert f"# {other}" in text
     assert "not a `k3lab bench` bundle: made by (profiles/h200/README.md)" in text
