@@ -1512,7 +1512,8 @@ def bench_step(view: GpuView, switches: Switches | None = None, *, block: int = 
                         "prefetch": dict(on=step.switches.prefetch, fraction_of_l2=PREFETCH_FRACTION,
                                          budget_bytes=prefetch_budget(step.device),
                                          l2_bytes_assumed=prefetch_budget(step.device) / PREFETCH_FRACTION)}
-    b.notes.append(f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, "
+    b.notes.append("all-reduce: none (tp 1)" if view.tp == 1 else
+                   f"all-reduce: {ALLREDUCES_PER_LAYER} a layer at {allreduce_us} us each, "
                    + ("ASSUMED (one GPU here)" if allreduce_label == "assumed" else allreduce_label))
     b.notes.append(f"{step.n_experts} of {view.cfg.n_routed_experts} routed experts built per MoE layer "
                    f"({view.expert_dtype})")
