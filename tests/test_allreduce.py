@@ -65,3 +65,12 @@ def test_gpu_all_reduce_over_two_gpus(tmp_path):
     path = ar.run(tmp_path, world=2, batches=(1, 8), reps=5, backends=("nccl", "nccl_graph"))
     rows = json.loads(path.read_text())["rows"]
     assert {r["backend"] for r in rows} == {"nccl", "nccl_graph"} and all(r["error"]["ok"] for r in rows)
+
+
+def test_the_worst_rank_decides_the_error():
+    ok = {"rel_norm": 1e-3, "ok": True}
+    nan = {"rel_norm": None, "ok": False}  # NaN, as ErrorStats.to_dict stores it
+    big = {"rel_norm": 0.5, "ok": False}
+    assert ar.worst_error([ok, nan]) is nan and ar.worst_error([nan, ok]) is nan
+    assert ar.worst_error([ok, {"rel_norm": 2e-3, "ok": True}])["rel_norm"] == 2e-3
+    assert ar.worst_error([big, nan]) is nan

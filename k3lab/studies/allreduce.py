@@ -120,6 +120,15 @@ def _worker(rank: int, world: int, cfg: dict, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+def worst_error(errors: list[dict]) -> dict:
+    """The rank's error record that decides a row: a failed check before a passing one, then the largest relative
+    norm (NaN, stored as None, and inf count as the largest)."""
+    def rel(e: dict) -> float:
+        v = e.get("rel_norm")
+        return math.inf if v is None or v == "inf" else float(v)
+    return max(errors, key=lambda e: (not e.get("ok", False), rel(e)))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,8 +175,7 @@ def run(out_dir: str | Path, *, world: int | None = None, batches=(1, 8, 64), hi
     for i, r0 in enumerate(ranks[0]["rows"]):
         per_rank = [rk["rows"][i] for rk in ranks]
         slow = max(per_rank, key=lambda r: sorted(r["samples"])[len(r["samples"]) // 2])
-        worst = max((r["error"] for r in per_rank), key=lambda e: -1 if e["rel_norm"] is None else
-                    (math.inf if e["rel_norm"] == "inf" else e["rel_norm"]))
+        worst = worst_error([r["error"] for r in per_rank])
         t = timing.Timing.from_samples(slow["kind"], slow["samples"], calls_per_sample=slow["calls"],
                                        note=slow["note"], mode="hot")
         payload = r0["batch"] * hidden * 2
