@@ -18,7 +18,6 @@ bundle the notebook wrote (the notebook receives `out_dir`), and run.json.
 from __future__ import annotations
 
 import datetime as _dt
-import gzip
 import hashlib
 import itertools
 import json
@@ -920,7 +919,7 @@ def publish(run_dir: Path = typer.Argument(..., help="a run directory from `k3la
         stem = safe_name(bd.name)
         ext = ".json.gz" if gz or p.name.endswith(".gz") else ".json"
         if gz and not p.name.endswith(".gz"):
-            (dest / f"{stem}{ext}").write_bytes(gzip.compress(p.read_bytes(), compresslevel=9, mtime=0))
+            bd.save_as(dest / f"{stem}{ext}")  # the bundle module's own writer (gzip -9, no timestamp)
         else:
             shutil.copyfile(p, dest / f"{stem}{ext}")
         typer.echo(f"bundle -> {dest / f'{stem}{ext}'}")
